@@ -1,0 +1,224 @@
+"""Run a function on W ranks of a real ``torch.distributed`` process group.
+
+Tests (and anything else that wants real multi-process collectives without
+torchrun) call ``run_on_ranks(fn, world_size)``: ``fn(rank, world_size, *args)``
+runs once on each of W spawned processes that share an initialized default
+process group (gloo on CPU, NCCL on CUDA with rank r on GPU r).
+
+The processes are kept in a pool per (world size, backend) and reused across
+calls, because starting W Python processes that import torch costs seconds
+while a call costs milliseconds. A call that fails on any rank raises
+``RankError`` with that rank's traceback; a call that does not finish in time
+(a rank stuck in a collective that a failed peer never joined) kills the pool,
+raises, and the next call starts a fresh one. Nothing is left hanging.
+
+Example::
+
+    def body(rank, world_size, n):
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)
+        return t[0].item()
+
+    run_on_ranks(body, 4, args=(3,))   # -> [6.0, 6.0, 6.0, 6.0]
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+__all__ = ["RankError", "run_on_ranks", "shutdown_pools"]
+
+# Environment every rank gets: multicast stays off on shared GPU hosts (project policy).
+_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+class RankError(RuntimeError):
+    """A function failed (or timed out) on one or more ranks."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, backend, port, sys_path, tasks, results, collective_timeout_s):
+    sys.path[:] = sys_path
+    os.environ.update(_SAFE_ENV)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share a few cores
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=collective_timeout_s), **kwargs,
+    )
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, module_name, qualname, args = task
+        try:
+            fn = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                fn = getattr(fn, part)
+            out = fn(rank, world_size, *args)
+            results.put((rank, "ok", (call_id, out)))
+        except BaseException:  # report everything, including assertion failures
+            results.put((rank, "error", (call_id, traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class _RankPool:
+    def __init__(self, world_size: int, backend: str, start_timeout_s: float, collective_timeout_s: float):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.backend = backend
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, backend, port, list(sys.path), self.tasks[r], self.results, collective_timeout_s),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.next_call = 0
+        ready = 0
+        deadline = time.monotonic() + start_timeout_s
+        while ready < world_size:
+            rank, kind, _ = self._get(deadline, "start-up")
+            ready += kind == "ready"
+
+    def _get(self, deadline: float, what: str):
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RankError(f"{what} timed out on a {self.world_size}-rank {self.backend} pool")
+            try:
+                return self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    codes = {r: self.procs[r].exitcode for r in dead}
+                    raise RankError(f"{what}: rank process(es) died (exit codes {codes})")
+
+    def run(self, fn: Callable, args: Sequence[Any], timeout_s: float) -> list:
+        module_name, qualname = fn.__module__, fn.__qualname__
+        if "<locals>" in qualname or "<lambda>" in qualname:
+            raise ValueError(f"run_on_ranks needs a module-level function, got {qualname}")
+        call_id = self.next_call
+        self.next_call += 1
+        for q in self.tasks:
+            q.put((call_id, module_name, qualname, tuple(args)))
+        outputs: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outputs) + len(errors) < self.world_size:
+            if errors:
+                # Peers of a failed rank may wait forever in a collective it never joins.
+                deadline = min(deadline, time.monotonic() + 10.0)
+            try:
+                rank, kind, (cid, payload) = self._get(deadline, f"{qualname} on {self.world_size} ranks")
+            except RankError as e:
+                if errors:
+                    raise RankError(_format_errors(qualname, errors, missing=self._missing(outputs, errors))) from None
+                raise RankError(f"{e}; ranks still running: {self._missing(outputs, errors)}") from None
+            if cid != call_id:
+                continue  # a late answer from an earlier, abandoned call
+            (outputs if kind == "ok" else errors)[rank] = payload
+        if errors:
+            raise RankError(_format_errors(qualname, errors, missing=[]))
+        return [outputs[r] for r in range(self.world_size)]
+
+    def _missing(self, outputs, errors) -> list[int]:
+        return [r for r in range(self.world_size) if r not in outputs and r not in errors]
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def _format_errors(qualname: str, errors: dict[int, str], missing: list[int]) -> str:
+    first = min(errors)
+    lines = [f"{qualname} failed on rank(s) {sorted(errors)}"]
+    if missing:
+        lines.append(f"rank(s) {missing} did not finish (killed)")
+    lines.append(f"--- traceback from rank {first} ---\n{errors[first]}")
+    return "\n".join(lines)
+
+
+_POOLS: dict[tuple[int, str], _RankPool] = {}
+
+
+def run_on_ranks(
+    fn: Callable,
+    world_size: int,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout_s: float = 120.0,
+) -> list:
+    """Run module-level ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+
+    Raises ``RankError`` naming the failing ranks and carrying the first traceback.
+    After any failure the pool is discarded, so a broken collective state never
+    leaks into the next call.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    key = (world_size, backend)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = _RankPool(world_size, backend, start_timeout_s=180.0, collective_timeout_s=timeout_s)
+    try:
+        return pool.run(fn, args, timeout_s)
+    except BaseException:
+        _POOLS.pop(key, None)
+        pool.close(graceful=False)
+        raise
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank process (called at interpreter exit)."""
+    while _POOLS:
+        _, pool = _POOLS.popitem()
+        pool.close()
+
+
+atexit.register(shutdown_pools)
