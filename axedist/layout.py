@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -652,27 +653,69 @@ def tile_quotient(layout: Layout, inner: Layout, shape: Sequence[int], inner_sha
         if it.stride % factor:
             return None
         outer_shard.append(Iter(it.extent, it.stride // factor, it.axis))
-    # Replicas and offset: remove the inner's, scale the rest down; then check the whole map.
-    canon = layout.canonicalize()
-    inner_canon = inner.canonicalize()
-    remaining = list(canon.replica)
-    for it in inner_canon.replica:
-        if it not in remaining:
-            return None
-        remaining.remove(it)
-    outer_replica = []
-    for it in remaining:
-        if it.stride % spans.get(it.axis, 1):
-            return None
-        outer_replica.append(Iter(it.extent, it.stride // spans.get(it.axis, 1), it.axis))
-    outer_offset = {}
-    for axis in set(canon.offset) | set(inner_canon.offset):
-        value = canon.offset.get(axis, 0) - inner_canon.offset.get(axis, 0)
-        if value % spans.get(axis, 1):
-            return None
-        outer_offset[axis] = value // spans.get(axis, 1)
+    # Replicas and offset: R + O of the layout must be span (.) (R_C + O_C) + (R + O of the inner).
+    quotient = _replica_quotient(layout.canonicalize(), inner.canonicalize(), spans)
+    if quotient is None:
+        return None
+    outer_replica, outer_offset = quotient
     outer = Layout(outer_shard, outer_replica, outer_offset).canonicalize()
-    return outer if tile(outer, inner, outer_shape, inner_shape) == layout else None
+    if tile(outer, inner, outer_shape, inner_shape) != layout:
+        return None
+    return outer.group(outer_shape)  # same map, printed as the grid it is
+
+
+def _replica_quotient(whole: Layout, inner: Layout, spans: Mapping[str, int]):
+    """``(R_C, O_C)`` with ``R + O == span (.) (R_C + O_C) + R_inner + O_inner``, or None.
+
+    First try removing the inner's iters from the whole's; when canonical merging has
+    fused them (``R[2:2] + R[2:1]`` is ``R[4:1]``), solve per axis: a replica set is a
+    product over axes, and the largest ``C`` with ``span*C + Z`` inside ``X`` is the
+    answer whenever one exists.
+    """
+    remaining = Counter(whole.replica)
+    remaining.subtract(inner.replica)
+    if min(remaining.values(), default=0) >= 0:
+        replica, offset = [], {}
+        for it in remaining.elements():
+            if it.stride % spans.get(it.axis, 1):
+                break
+            replica.append(Iter(it.extent, it.stride // spans.get(it.axis, 1), it.axis))
+        else:
+            for axis in set(whole.offset) | set(inner.offset):
+                value = whole.offset.get(axis, 0) - inner.offset.get(axis, 0)
+                if value % spans.get(axis, 1):
+                    break
+                offset[axis] = value // spans.get(axis, 1)
+            else:
+                return replica, offset
+    replica, offset = [], {}
+    for axis in {it.axis for it in whole.replica + inner.replica} | set(whole.offset) | set(inner.offset):
+        have, take = _axis_values(whole, axis), _axis_values(inner, axis)
+        factor, low = spans.get(axis, 1), min(take)
+        outer = sorted(
+            (x - low) // factor
+            for x in have
+            if (x - low) % factor == 0 and all((x - low) + z in have for z in take)
+        )
+        if not outer or {c * factor + z for c in outer for z in take} != have:
+            return None
+        offset[axis] = outer[0]
+        if len(outer) > 1:
+            step = outer[1] - outer[0]
+            if outer != list(range(outer[0], outer[-1] + 1, step)):
+                return None
+            replica.append(Iter(len(outer), step, axis))
+    return replica, offset
+
+
+def _axis_values(layout: Layout, axis: str) -> set[int]:
+    """The values of ``R + O`` on one axis."""
+    iters = [it for it in layout.replica if it.axis == axis]
+    base = layout.offset.get(axis, 0)
+    return {
+        base + sum(d * it.stride for d, it in zip(digits, iters))
+        for digits in itertools.product(*(range(it.extent) for it in iters))
+    }
 
 
 def _slice(layout: Layout, shape, begin, end) -> Layout:
