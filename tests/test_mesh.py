@@ -1,0 +1,76 @@
+"""DeviceMesh on real gloo process groups (2, 4 and 8 ranks)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from axedist.mesh import DeviceMesh, MeshError
+from axedist.testing import run_on_ranks
+
+
+def _coordinates_and_groups(rank, world_size):
+    mesh = DeviceMesh("cpu", (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
+    coords = mesh.coordinates()
+    assert mesh.rank_at(coords) == rank
+    tp, dp = mesh["tp"], mesh["dp"]
+    # the group over tp really connects exactly this rank's row, in mesh order
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.group("tp"))
+    assert t.item() == sum(tp.ranks)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.group(("dp", "tp")))
+    assert t.item() == sum(range(world_size))
+    assert mesh.group() is mesh.group(("dp", "tp"))
+    # a sub-mesh reuses the parent's groups
+    assert tp.group() is mesh.group("tp") and dp.group() is mesh.group("dp")
+    assert tp.coordinates() == {"tp": coords["tp"]}
+    again = DeviceMesh("cpu", (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
+    assert again == mesh and hash(again) == hash(mesh) and again.group("tp") is mesh.group("tp")
+    return coords, tp.ranks, dp.ranks, repr(mesh)
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_coordinates_groups_submeshes(world_size):
+    results = run_on_ranks(_coordinates_and_groups, world_size)
+    half = world_size // 2
+    for rank, (coords, tp_ranks, dp_ranks, text) in enumerate(results):
+        position = world_size - 1 - rank  # ranks listed in reverse
+        assert coords == {"dp": position // half, "tp": position % half}
+        assert tp_ranks == tuple(world_size - 1 - (coords["dp"] * half + j) for j in range(half))
+        assert dp_ranks == tuple(world_size - 1 - (i * half + coords["tp"]) for i in range(2))
+        assert text.startswith("DeviceMesh('cpu', [[")
+
+
+def _errors(rank, world_size):
+    messages = []
+    for args, kwargs in [
+        (("cpu", (3,)), {}),                                   # shape != world
+        (("cpu", (2, world_size // 2), ("a", "a")), {}),       # duplicate names
+        (("cpu", (2,), ("gpuid",)), {"ranks": [0, world_size]}),  # rank outside the world
+        (("cpu", (2,), ("gpuid",)), {"ranks": [1, 1]}),        # repeated rank
+        (("cpu", (2, 2), ("x",)), {}),                         # names vs shape
+        (("cpu", (world_size,), ("m",)), {}),                  # the memory axis name
+    ]:
+        with pytest.raises(MeshError) as info:
+            DeviceMesh(*args, **kwargs)
+        messages.append(str(info.value))
+    # a mesh on a subset of the world: the other ranks build it too, and get clear errors when asking it
+    sub = DeviceMesh("cpu", (2,), ("gpuid",), ranks=[1, 0])
+    if rank in (0, 1):
+        assert sub.coordinates() == {"gpuid": 1 - rank}
+    else:
+        with pytest.raises(MeshError, match=f"rank {rank} is not in mesh"):
+            sub.coordinates()
+    with pytest.raises(MeshError, match="no axis 'tp'"):
+        DeviceMesh("cpu", (world_size,))["tp"]
+    return messages
+
+
+def test_errors_name_the_problem():
+    messages = run_on_ranks(_errors, 4)[0]
+    assert "has 3 devices but the world has 4 ranks" in messages[0]
+    assert "distinct" in messages[1]
+    assert "[4] are not in the world" in messages[2]
+    assert "distinct" in messages[3]
+    assert "2 axes but 1 names" in messages[4]
+    assert "other than 'm'" in messages[5]
