@@ -195,12 +195,7 @@ class Layout:
 
     def bounds(self, axis: str) -> tuple[int, int]:
         """Smallest and largest coordinate the layout reaches on ``axis`` (inclusive)."""
-        low = high = self.offset.get(axis, 0)
-        for it in self.shard + self.replica:
-            if it.axis == axis:
-                low += min(0, it.stride * (it.extent - 1))
-                high += max(0, it.stride * (it.extent - 1))
-        return low, high
+        return _reach_on(self.shard + self.replica, axis, self.offset.get(axis, 0))
 
     def admits(self, shape: Sequence[int]) -> bool:
         """A layout admits a shape whose element count is ``E_D``."""
@@ -315,15 +310,7 @@ class Layout:
         """Per-axis bounds of ``R + O``: a cheap invariant of the map, used in the hash."""
         canon = self._canonical
         axes = sorted({it.axis for it in canon.replica} | {a for a, _ in canon._offset})
-        return tuple((axis, canon._replica_bounds(axis)) for axis in axes)
-
-    def _replica_bounds(self, axis: str) -> tuple[int, int]:
-        low = high = self.offset.get(axis, 0)
-        for it in self.replica:
-            if it.axis == axis:
-                low += min(0, it.stride * (it.extent - 1))
-                high += max(0, it.stride * (it.extent - 1))
-        return low, high
+        return tuple((axis, _reach_on(canon.replica, axis, canon.offset.get(axis, 0))) for axis in axes)
 
     def __eq__(self, other) -> bool:
         # Two layouts have the same map iff their canonical shard parts are equal
@@ -386,6 +373,16 @@ class Layout:
     def spans(self) -> dict[str, int]:
         """``span(a)`` for every axis the layout's iters use."""
         return {axis: self.span(axis) for axis in self.axes}
+
+
+def _reach_on(iters: Iterable[Iter], axis: str, start: int) -> tuple[int, int]:
+    """Lowest and highest value of ``start + sum of the iters on axis`` over all their digits."""
+    low = high = start
+    for it in iters:
+        if it.axis == axis:
+            low += min(0, it.stride * (it.extent - 1))
+            high += max(0, it.stride * (it.extent - 1))
+    return low, high
 
 
 def _as_iter(it) -> Iter:
