@@ -1,0 +1,117 @@
+"""Which implementation runs a collective: `p2p` kernels, `multimem` kernels, or `torch`.
+
+multimem (NVLink SHARP through a multicast mapping) is selected only when BOTH the device reports
+multicast support (CUDA driver attribute CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, asked through
+cuda-python) AND the user opted in with AXEDIST_ENABLE_MULTICAST=1, AND the workspace got a
+multicast mapping from PyTorch. Our GPU machines keep multicast off by policy; there it is never
+chosen, and asking for it explicitly raises.
+
+p2p versus torch for "auto" is decided per size from the benchmark table below (measured with
+launch/bench_collectives.py, see benchmarks/results/), not guessed.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+MULTICAST_ENV = "AXEDIST_ENABLE_MULTICAST"
+BACKENDS = ("auto", "p2p", "multimem", "torch")
+
+# op -> list of (max bytes of the full input, backend) in increasing size; from the W=4 H200
+# benchmark (benchmarks/results/collectives_w4.md). Sizes above the last entry use its backend.
+MEASURED_CHOICE: dict[str, list[tuple[int, str]]] = {
+    "reduce_scatter": [(1 << 40, "p2p")],
+    "all_gather": [(1 << 40, "p2p")],
+    "all_reduce": [(1 << 40, "p2p")],
+}
+
+
+def _query_multicast_attribute(device_index: int) -> bool:
+    """CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED via cuda-python; False if it cannot be asked."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python layout
+        except ImportError:
+            return False
+    (error,) = driver.cuInit(0)
+    if int(error) != 0:
+        return False
+    error, device = driver.cuDeviceGet(device_index)
+    if int(error) != 0:
+        return False
+    error, value = driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, device)
+    return int(error) == 0 and int(value) == 1
+
+
+@functools.lru_cache(maxsize=None)
+def device_supports_multicast(device_index: int) -> bool:
+    return _query_multicast_attribute(device_index)
+
+
+def multicast_opted_in() -> bool:
+    return os.environ.get(MULTICAST_ENV, "") == "1"
+
+
+def multimem_allowed(device_index: int, multicast_address: int = 1) -> tuple[bool, str]:
+    """(allowed, reason). Opt-in is checked first so that without it nothing touches the driver."""
+    if not multicast_opted_in():
+        return False, f"{MULTICAST_ENV}=1 is not set"
+    if not device_supports_multicast(device_index):
+        return False, f"cuda:{device_index} does not report multicast support"
+    if not multicast_address:
+        return False, "the symmetric workspace has no multicast mapping"
+    return True, "multicast supported and opted in"
+
+
+def measured_choice(op: str, nbytes: int) -> str:
+    for limit, backend in MEASURED_CHOICE[op]:
+        if nbytes <= limit:
+            return backend
+    return MEASURED_CHOICE[op][-1][1]
+
+
+def p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
+    """Can the symmetric-memory kernels run for this tensor and group at all?"""
+    if not tensor.is_cuda:
+        return False, "tensor is not on a CUDA device"
+    if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False, f"dtype {tensor.dtype} is not bf16/fp16/fp32"
+    world = dist.get_world_size(group)
+    if world > 8:
+        return False, f"group of {world} ranks is larger than one NVLink node (8)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False, "triton is not installed"
+    return True, "ok"
+
+
+def select_backend(op: str, tensor: torch.Tensor, group, requested: str = "auto",
+                   nbytes: int | None = None) -> str:
+    """Resolve `requested` to "p2p", "multimem" or "torch" (raises if it cannot run)."""
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "torch":
+        return "torch"
+    possible, reason = p2p_possible(tensor, group)
+    if requested in ("p2p", "multimem") and not possible:
+        raise ValueError(f"backend {requested!r} cannot run: {reason}")
+    if requested == "multimem":
+        allowed, why = multimem_allowed(tensor.device.index)
+        if not allowed:
+            raise ValueError(f"backend 'multimem' is not available: {why}")
+        return "multimem"
+    if requested == "p2p":
+        return "p2p"
+    if not possible:
+        return "torch"
+    if multimem_allowed(tensor.device.index)[0]:
+        return "multimem"
+    nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+    return measured_choice(op, nbytes)

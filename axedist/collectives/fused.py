@@ -1,0 +1,171 @@
+"""`gemm_reduce_scatter`: the row-parallel GEMM whose partial sums are reduce-scattered.
+
+    >>> out = gemm_reduce_scatter(a, b, group)   # a [M, K_local], b [K_local, N] on every rank
+    >>> out.shape                                # [M / W, N]: rows of this rank, summed over ranks
+
+backend: "p2p" runs the fused persistent kernel (axedist/kernels/gemm_rs.py) with peer loads;
+"multimem" the same kernel with multimem.ld_reduce (only where multicast is supported AND
+AXEDIST_ENABLE_MULTICAST=1); "torch" is cuBLAS (torch.matmul) then the NCCL reduce-scatter;
+"auto" picks per shape from the measured table (FUSED_LOSES) and says why in `plan_gemm_reduce_scatter`.
+This module imports Triton only when a kernel is launched.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from . import fallback
+from .backend import multimem_allowed, p2p_possible
+
+# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL, and the
+# rule for shapes not measured; filled from benchmarks/results/gemm_rs_w*.json.
+FUSED_LOSES: set[tuple[int, int, int, int]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmReduceScatterPlan:
+    """What gemm_reduce_scatter will run for given operands, and why."""
+    backend: str
+    m: int
+    n: int
+    k: int
+    world: int
+    config: str
+    reason: str
+
+    def __str__(self) -> str:
+        return (f"gemm_reduce_scatter[{self.m}x{self.k}] @ [{self.k}x{self.n}] over {self.world} "
+                f"ranks -> [{self.m // max(self.world, 1)}x{self.n}]: {self.backend}"
+                f"{' ' + self.config if self.config else ''} ({self.reason})")
+
+
+def _validate(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int) -> int:
+    world = dist.get_world_size(group)
+    if a.dim() < 2 or b.dim() != 2:
+        raise ValueError(f"gemm_reduce_scatter: a must be [..., K] with at least 2 dims and b "
+                         f"[K, N]; got a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if a.shape[-1] != b.shape[0]:
+        raise ValueError(f"gemm_reduce_scatter: inner dimensions differ: a {tuple(a.shape)} @ "
+                         f"b {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"gemm_reduce_scatter: a is {a.dtype} but b is {b.dtype}")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemm_reduce_scatter: dtype must be bf16 or fp16, got {a.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"gemm_reduce_scatter: a on {a.device} but b on {b.device}")
+    out_dims = a.dim()
+    if scatter_dim < 0:
+        scatter_dim += out_dims
+    if not 0 <= scatter_dim < out_dims:
+        raise ValueError(f"gemm_reduce_scatter: scatter_dim {scatter_dim} out of range for an "
+                         f"output of {out_dims} dims")
+    out_shape = (*a.shape[:-1], b.shape[1])
+    if out_shape[scatter_dim] % world != 0:
+        raise ValueError(f"gemm_reduce_scatter: output {tuple(out_shape)} of a "
+                         f"{tuple(a.shape)} @ b {tuple(b.shape)} has dim {scatter_dim} = "
+                         f"{out_shape[scatter_dim]}, not divisible by the group size {world}")
+    return scatter_dim
+
+
+def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
+                             scatter_dim: int = 0, backend: str = "auto"
+                             ) -> GemmReduceScatterPlan:
+    """Choose the implementation (no communication happens here)."""
+    scatter_dim = _validate(a, b, group, scatter_dim)
+    world = dist.get_world_size(group)
+    m = a.numel() // a.shape[-1]
+    n, k = b.shape[1], b.shape[0]
+    if backend not in ("auto", "p2p", "multimem", "torch"):
+        raise ValueError(f"backend must be auto, p2p, multimem or torch, got {backend!r}")
+
+    def plan(chosen, reason, config=""):
+        return GemmReduceScatterPlan(chosen, m, n, k, world, config, reason)
+
+    if backend == "torch":
+        return plan("torch", "requested: cuBLAS matmul then reduce-scatter")
+    possible, why = p2p_possible(a, group)
+    if possible and a.dim() > 2 and scatter_dim != 0:
+        possible, why = False, f"scatter_dim {scatter_dim} of a {a.dim()}-d input"
+    if possible and scatter_dim == a.dim() - 1 and scatter_dim != 0:
+        possible, why = False, "scatter on the column dim runs as cuBLAS + reduce-scatter"
+    if backend in ("p2p", "multimem") and not possible:
+        raise ValueError(f"gemm_reduce_scatter backend {backend!r} cannot run: {why}")
+    if not possible:
+        return plan("torch", f"fused kernel unavailable: {why}")
+    from ..kernels.gemm_rs import default_config  # imports triton (p2p_possible checked it)
+
+    config = str(default_config(m, n, k, world, a.dtype))
+    if backend == "multimem":
+        allowed, why = multimem_allowed(a.device.index)
+        if not allowed:
+            raise ValueError(f"gemm_reduce_scatter backend 'multimem' is not available: {why}")
+        return plan("multimem", "requested", config)
+    if backend == "p2p":
+        return plan("p2p", "requested", config)
+    if world == 1:
+        return plan("torch", "single rank: a plain matmul")
+    if multimem_allowed(a.device.index)[0]:
+        return plan("multimem", "multicast supported and opted in", config)
+    if (m, n, k, world) in FUSED_LOSES:
+        return plan("torch", "measured: cuBLAS + NCCL is faster for this shape")
+    return plan("p2p", "fused kernel (measured faster or shape not in the table)", config)
+
+
+def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
+                        backend: str = "auto", out: torch.Tensor | None = None,
+                        timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+    """reduce_scatter(a @ b, scatter_dim) over `group`, fused into one kernel where it pays.
+
+    a: [M, K_local] (or [..., K_local]) row-major; b: [K_local, N], row-major or the transpose
+    of a row-major [N, K_local] (nn.Linear's weight.t()). bf16/fp16, fp32 accumulation.
+    Returns [M / W, N] (the slice of dim `scatter_dim` this rank owns). check=True synchronizes
+    and raises a pending timeout error (otherwise it surfaces at the next call on the group or
+    through axedist.collectives.check(group)).
+
+    >>> a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    >>> b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
+    >>> gemm_reduce_scatter(a, b, group).shape     # W = 4: torch.Size([2048, 8192])
+    """
+    plan = plan_gemm_reduce_scatter(a, b, group, scatter_dim, backend)
+    if plan.backend == "torch":
+        product = torch.matmul(a, b)
+        if plan.world == 1:
+            return product
+        dim = scatter_dim % product.dim()
+        moved = product.movedim(dim, 0).contiguous()
+        result = fallback.reduce_scatter(moved, group).movedim(0, dim)
+        return result.contiguous() if out is None else out.copy_(result)
+    from ..kernels import gemm_rs
+    from .symmetric import get_workspace
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    lead = a.shape[:-1]
+    ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
+    if ops.m * ops.n >= (1 << 31):
+        raise ValueError(f"gemm_reduce_scatter: M * N = {ops.m * ops.n} exceeds int32 indexing")
+    config = gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
+    workspace = get_workspace(group, ops.m * ops.n * a.element_size(), a.device)
+    epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
+    part = workspace.local_data(half, a.dtype, ops.m * ops.n)
+    if out is None:
+        out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
+    gemm_rs.launch(ops, config, world, rank, part, out, workspace, epoch, half,
+                   multimem=plan.backend == "multimem")
+    if check:
+        workspace.check(synchronize=True)
+    return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out
+
+
+def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel's GEMM alone (same tiles, order and pipeline, no flags, no reduce):
+    returns a @ b [M, N]. For the benchmark, to separate GEMM speed from overlap losses."""
+    from ..kernels import gemm_rs
+
+    ops = gemm_rs.prepare_operands(a, b)
+    config = config or gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
+    out = torch.empty((ops.m, ops.n), dtype=a.dtype, device=a.device) if out is None else out
+    gemm_rs.launch(ops, config, world, 0, out, None, gemm_only=True)
+    return out

@@ -1,0 +1,231 @@
+"""Symmetric workspaces: one buffer per process group, mapped into every peer's address space.
+
+Built on torch.distributed._symmetric_memory (`empty` + `rendezvous`): every rank allocates the
+same number of bytes and gets the peers' base addresses, usable inside kernels. Layout:
+
+    [ flags: FLAG_SLOTS int32 | data half 0: data_bytes | data half 1: data_bytes ]
+
+Epochs. Every call on a workspace takes the next epoch e = 1, 2, 3, ...; it writes e into flags
+(system-scope release) and waits until the peers' flags are >= e. The data half used by call e is
+e % 2. A rank is in call e only after its call e-1 finished, and call e-1 finished only after
+every peer had entered call e-1 (every kernel waits on every peer), i.e. after every peer
+finished call e-2 -- the last call that used the same half. So a half is never overwritten while
+a peer may still read it, and flags never need resetting: no memset, no host sync between calls.
+
+Errors. Kernels that time out write a record into a word of pinned host memory that the GPU
+writes directly (UVA); `check()` reads it without synchronizing, `check(synchronize=True)` after.
+A workspace that saw an error is retired: the next call on the group allocates a fresh one.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
+
+FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
+FLAG_BYTES = FLAG_SLOTS * 4
+MIN_DATA_BYTES = 1 << 22
+ALIGN_BYTES = 1 << 12
+
+_workspaces: dict[tuple[str, int], "SymmetricWorkspace"] = {}
+_retired: list["SymmetricWorkspace"] = []  # kept alive: peers may still read them asynchronously
+
+
+def default_timeout_s() -> float:
+    """Spin-wait timeout of every kernel; AXEDIST_TIMEOUT_S overrides (default 30 s)."""
+    return float(os.environ.get("AXEDIST_TIMEOUT_S", "30"))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def _data_class(nbytes: int) -> int:
+    # size classes are powers of two so that growing workloads reallocate O(log) times
+    size = MIN_DATA_BYTES
+    while size < nbytes:
+        size *= 2
+    return size
+
+
+def group_name(group) -> str:
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name
+
+
+class SymmetricWorkspace:
+    """Flags + two data halves in symmetric memory for one process group on this GPU.
+
+    >>> ws = get_workspace(group, 64 << 20)        # collective: every rank calls it
+    >>> epoch, half = ws.begin_call("reduce_scatter")
+    >>> ws.data_addresses(half)                     # 8 ints: each rank's half base (0 padded)
+    """
+
+    def __init__(self, group, data_bytes: int, device: torch.device):
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as error:  # pragma: no cover - torch without distributed
+            raise SymmetricMemoryUnavailable(f"torch.distributed._symmetric_memory: {error}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        if self.world_size > 8:
+            raise SymmetricMemoryUnavailable(
+                f"symmetric-memory kernels support up to 8 ranks (one NVLink node), "
+                f"group has {self.world_size}")
+        self.device = device
+        self.data_bytes = data_bytes
+        total = FLAG_BYTES + 2 * data_bytes
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                    symm_mem.enable_symm_mem_for_group(self.group.group_name)
+            self.tensor = symm_mem.empty(total, dtype=torch.uint8, device=device)
+            self.handle = symm_mem.rendezvous(self.tensor, self.group)
+        except Exception as error:
+            raise SymmetricMemoryUnavailable(
+                f"could not set up symmetric memory for group {self.group.group_name!r} "
+                f"(world size {self.world_size}) on {device}: {error}. The fused kernels need "
+                f"GPUs of one node with NVLink peer access; use backend='torch' otherwise."
+            ) from error
+        self.bases = [int(address) for address in self.handle.buffer_ptrs]
+        self.multicast_base = int(getattr(self.handle, "multicast_ptr", 0) or 0)
+        self.tensor[:FLAG_BYTES].zero_()
+        self.epoch = 0
+        self.abort = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counter_base = 0
+        self.broken = ""
+        self.last_op = ""
+        self.timeouts: dict[int, float] = {}
+        torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
+
+    # -- per call --------------------------------------------------------------------------
+    def begin_call(self, op: str, timeout_s: float | None = None) -> tuple[int, int]:
+        """Next epoch and data half; raises a pending error of an earlier call first."""
+        self.check()
+        self.epoch += 1
+        self.last_op = op
+        self.timeouts[self.epoch] = default_timeout_s() if timeout_s is None else timeout_s
+        return self.epoch, self.epoch % 2
+
+    def claim_tasks(self, count: int) -> int:
+        """Base of the task counter for a launch that will claim `count` task ids in all."""
+        if self.counter_base + count >= (1 << 30):
+            self.counter.zero_()  # stream-ordered after the previous launch, before the next
+            self.counter_base = 0
+        base = self.counter_base
+        self.counter_base += count
+        return base
+
+    def data_offset(self, half: int) -> int:
+        return FLAG_BYTES + half * self.data_bytes
+
+    def data_addresses(self, half: int) -> list[int]:
+        offset = self.data_offset(half)
+        return _pad8([base + offset for base in self.bases])
+
+    def flag_addresses(self) -> list[int]:
+        return _pad8(list(self.bases))
+
+    def multicast_address(self, half: int) -> int:
+        return self.multicast_base + self.data_offset(half) if self.multicast_base else 0
+
+    def local_data(self, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """This rank's data half as a flat tensor of `numel` elements of `dtype`."""
+        offset = self.data_offset(half)
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if size > self.data_bytes:
+            raise ValueError(f"{size} bytes do not fit the workspace half of {self.data_bytes}")
+        return self.tensor[offset:offset + size].view(dtype)
+
+    def error_address(self) -> int:
+        return self.error.data_ptr()
+
+    def timeout_ns(self, epoch: int) -> int:
+        return int(self.timeouts.get(epoch, default_timeout_s()) * 1e9)
+
+    # -- errors ----------------------------------------------------------------------------
+    def check(self, synchronize: bool = False) -> None:
+        """Raise CollectiveTimeoutError if a finished kernel on this workspace timed out."""
+        if synchronize:
+            torch.cuda.synchronize(self.device)
+        if self.broken:
+            raise CollectiveTimeoutError(self.broken)
+        record = int(self.error[0])
+        if record == 0:
+            return
+        code, peer, flag, epoch_low = decode_error_record(record)
+        timeout = self.timeouts.get(self.epoch, default_timeout_s())
+        global_peer = dist.get_global_rank(self.group, peer) if peer < self.world_size else peer
+        self.broken = (
+            f"rank {self.rank} of group {self.group.group_name!r}: {self.last_op or 'kernel'} "
+            f"waited {timeout:g} s for flag {flag} of rank {peer} (global rank {global_peer}) "
+            f"to reach epoch {epoch_low} (mod 65536) and gave up (error code {code}). The peer "
+            f"never signalled: it crashed, skipped the call, or called a different collective. "
+            f"This workspace is retired; the next call allocates a fresh one.")
+        _retire(self)
+        raise CollectiveTimeoutError(self.broken)
+
+
+def decode_error_record(record: int) -> tuple[int, int, int, int]:
+    """(code, peer, flag index, epoch mod 65536) of the word primitives.wait_flag writes:
+    code << 56 | peer << 40 | (epoch & 0xFFFF) << 24 | flag (flag < 2**24)."""
+    return record >> 56, (record >> 40) & 0xFFFF, record & 0xFFFFFF, (record >> 24) & 0xFFFF
+
+
+def _pad8(addresses: list[int]) -> list[int]:
+    return addresses + [0] * (8 - len(addresses))
+
+
+def _retire(workspace: SymmetricWorkspace) -> None:
+    for key, value in list(_workspaces.items()):
+        if value is workspace:
+            del _workspaces[key]
+    _retired.append(workspace)
+
+
+def get_workspace(group, data_bytes: int, device: torch.device | None = None,
+                  fresh: bool = False) -> SymmetricWorkspace:
+    """The group's workspace with at least `data_bytes` per half (collective on first use and
+    whenever it grows; every rank asks for the same sizes, so they all grow together)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    key = (group_name(group), device.index)
+    workspace = _workspaces.get(key)
+    if fresh or workspace is None or workspace.data_bytes < data_bytes:
+        if workspace is not None:
+            _retire(workspace)
+        workspace = SymmetricWorkspace(group, _data_class(_round_up(data_bytes, ALIGN_BYTES)),
+                                       device)
+        _workspaces[key] = workspace
+    return workspace
+
+
+def check(group=None, synchronize: bool = True) -> None:
+    """Raise the timeout error of any finished axedist kernel of `group` on this GPU.
+
+    >>> out = reduce_scatter(x, group); check(group)   # synchronizes, then raises or returns
+    """
+    device_index = torch.cuda.current_device()
+    name = group_name(group)
+    if synchronize:
+        torch.cuda.synchronize()
+    for workspace in list(_workspaces.values()) + list(_retired):
+        if workspace.group.group_name == name and workspace.device.index == device_index:
+            if workspace.broken and workspace in _retired:
+                continue
+            workspace.check()
+
+
+def reset(group=None) -> None:
+    """Drop the group's workspaces (the next call allocates fresh ones; collective then)."""
+    name = group_name(group)
+    for key in [key for key in _workspaces if key[0] == name]:
+        _retire(_workspaces.pop(key))

@@ -1,0 +1,326 @@
+"""Fused GEMM + reduce-scatter in ONE persistent Triton kernel (p2p or multimem reduce).
+
+out_r = sum_p (A_p @ B_p)[r * M/W : (r + 1) * M/W]   on rank r, for A_p [M, K] and B_p [K, N].
+
+One launch per call with a grid of one program per SM (always co-resident). Programs claim task
+ids from an atomic counter in the global order of `schedule.py`: GEMM tiles write their bf16/fp16
+partial into this rank's symmetric workspace and release a per-tile flag (epoch, system scope);
+reduce tiles of this rank's chunk acquire that tile's flag on every rank, `load_reduce` the tile
+from all ranks in fp32 and store the output. Back-to-back calls need no memset and no host sync
+(epochs + alternating workspace halves, see collectives/symmetric.py). Waits time out and raise.
+
+The GEMM uses TMA descriptors and wgmma through Triton (tl.dot on Hopper) with a software
+pipeline over K; shapes whose strides TMA cannot describe use masked pointer loads instead.
+GEMM_ONLY runs the same kernel with the reduce tasks and flags removed (for the benchmark).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import schedule
+from .primitives import load_reduce, pick, st_release_sys, wait_flag
+
+
+@triton.jit
+def _grouped_tile(index, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    per_group = GROUP_M * tiles_n
+    first_m = (index // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    within = index % per_group
+    return first_m + within % size_m, within // size_m
+
+
+@triton.jit
+def _decode_task(task, rounds, lag, WORLD: tl.constexpr):
+    # the device twin of schedule.decode_task
+    head = lag * WORLD
+    body = (rounds - lag) * (WORLD + 1)
+    in_body = task - head
+    step = in_body // (WORLD + 1)
+    body_slot = in_body % (WORLD + 1)
+    is_head = task < head
+    is_body = (task >= head) & (in_body < body)
+    is_gemm = is_head | (is_body & (body_slot < WORLD))
+    round_ = tl.where(is_head, task // WORLD,
+                      tl.where(is_body, tl.where(body_slot < WORLD, lag + step, step),
+                               rounds - lag + (in_body - body)))
+    slot = tl.where(is_head, task % WORLD, tl.where(is_body & (body_slot < WORLD), body_slot, 0))
+    return is_gemm, round_, slot
+
+
+@triton.jit
+def _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K, stride_am, stride_ak,
+               stride_bk, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr):
+    accumulator = tl.zeros((BM, BN), dtype=tl.float32)
+    k_tiles = tl.cdiv(K, BK)
+    if USE_TMA:
+        for kk in tl.range(0, k_tiles, num_stages=STAGES):
+            a = a_desc.load([row0, kk * BK])
+            if B_TRANSPOSED:
+                b = b_desc.load([col0, kk * BK])
+                accumulator = tl.dot(a, b.T, accumulator)
+            else:
+                b = b_desc.load([kk * BK, col0])
+                accumulator = tl.dot(a, b, accumulator)
+    else:
+        rows = row0 + tl.arange(0, BM)
+        cols = col0 + tl.arange(0, BN)
+        ks = tl.arange(0, BK)
+        for kk in tl.range(0, k_tiles, num_stages=STAGES):
+            k_index = kk * BK + ks
+            a = tl.load(a_ptr + rows[:, None] * stride_am + k_index[None, :] * stride_ak,
+                        mask=(rows[:, None] < M) & (k_index[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + k_index[:, None] * stride_bk + cols[None, :] * stride_bn,
+                        mask=(k_index[:, None] < K) & (cols[None, :] < N), other=0.0)
+            accumulator = tl.dot(a, b, accumulator)
+    return accumulator
+
+
+@triton.jit
+def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
+                          WORLD: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program `task` writes (is_gemm, chunk, tile row, tile col) of that task id, decoded as the
+    fused kernel decodes it; the CPU tests run it under TRITON_INTERPRET=1 against schedule.py."""
+    task = tl.program_id(0)
+    if task >= 0:
+        is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+        tile_m, tile_n = _grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
+        chunk = tl.where(is_gemm, (rank + 1 + slot) % WORLD, rank)
+        tl.store(out_ptr + task * 4 + 0, is_gemm.to(tl.int32))
+        tl.store(out_ptr + task * 4 + 1, chunk)
+        tl.store(out_ptr + task * 4 + 2, tile_m)
+        tl.store(out_ptr + task * 4 + 3, tile_n)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "task_base", "timeout_ns", "lag"])
+def gemm_reduce_scatter_kernel(
+        a_desc, a_ptr, b_desc, b_ptr, part_ptr, out_ptr,
+        D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+        F0, F1, F2, F3, F4, F5, F6, F7,
+        counter_ptr, task_base, abort_ptr, error_address, timeout_ns,
+        M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn,
+        rank, epoch, lag,
+        WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+        B_TRANSPOSED: tl.constexpr, GEMM_ONLY: tl.constexpr, MULTIMEM: tl.constexpr,
+        ALIGNED: tl.constexpr, REDUCE_ROWS: tl.constexpr):
+    ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
+    tiles_m = tl.cdiv(M_CHUNK, BM)
+    tiles_n = tl.cdiv(N, BN)
+    rounds = tiles_m * tiles_n
+    if GEMM_ONLY:
+        tasks = rounds * WORLD
+    else:
+        tasks = rounds * (WORLD + 1)
+    task = tl.atomic_add(counter_ptr, 1) - task_base
+    while task < tasks:
+        if GEMM_ONLY:
+            is_gemm = task >= 0
+            round_ = task // WORLD
+            slot = task % WORLD
+        else:
+            is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+        tile_m, tile_n = _grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
+        col0 = tile_n * BN
+        cols = col0 + tl.arange(0, BN)
+        if is_gemm:
+            chunk = (rank + 1 + slot) % WORLD
+            row0 = chunk * M_CHUNK + tile_m * BM
+            accumulator = _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K,
+                                     stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
+                                     STAGES, USE_TMA, B_TRANSPOSED)
+            rows = row0 + tl.arange(0, BM)
+            # rows past the chunk belong to the next chunk's tiles: never write them
+            mask = (rows[:, None] < (chunk + 1) * M_CHUNK) & (cols[None, :] < N)
+            tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
+                     mask=mask)
+            if not GEMM_ONLY:
+                tl.debug_barrier()
+                own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+                st_release_sys(own_flags + (chunk * rounds + round_) * 4, epoch)
+        else:
+            flag = rank * rounds + round_
+            for step in tl.static_range(WORLD):
+                peer = (rank + step) % WORLD
+                address = pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag * 4
+                wait_flag(address, epoch, abort_ptr, error_address, peer, flag, timeout_ns)
+            own_row0 = rank * M_CHUNK + tile_m * BM
+            for sub in tl.static_range(0, BM, REDUCE_ROWS):
+                own_rows = own_row0 + sub + tl.arange(0, REDUCE_ROWS)
+                own_mask = (own_rows[:, None] < (rank + 1) * M_CHUNK) & (cols[None, :] < N)
+                offsets = own_rows[:, None] * N + cols[None, :]
+                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, offsets,
+                                    own_mask, rank, ELEMENT, WORLD, MULTIMEM, ALIGNED)
+                local = (own_rows[:, None] - rank * M_CHUNK) * N + cols[None, :]
+                tl.store(out_ptr + local, total.to(ELEMENT), mask=own_mask)
+        task = tl.atomic_add(counter_ptr, 1) - task_base
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipeline of the fused kernel; the same on every rank of a call."""
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 3
+    warps: int = 8
+    reduce_rows: int = 16
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
+                f"/w{self.warps}")
+
+
+CANDIDATES = (
+    GemmConfig(128, 256, 64, 8, 3, 8),
+    GemmConfig(128, 128, 64, 8, 4, 8),
+    GemmConfig(128, 128, 64, 8, 4, 4),
+    GemmConfig(64, 256, 64, 8, 4, 4),
+    GemmConfig(64, 128, 64, 8, 4, 4),
+)
+
+_TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_rs_tuned.json")
+_tuned: dict[str, GemmConfig] | None = None
+
+
+def shape_key(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> str:
+    return f"{m}x{n}x{k}/w{world}/{str(dtype).replace('torch.', '')}"
+
+
+def _load_tuned() -> dict[str, GemmConfig]:
+    global _tuned
+    if _tuned is None:
+        _tuned = {}
+        if os.path.exists(_TUNED_PATH):
+            with open(_TUNED_PATH) as handle:
+                for key, fields in json.load(handle).items():
+                    _tuned[key] = GemmConfig(**fields)
+    return _tuned
+
+
+def remember_config(key: str, config: GemmConfig) -> None:
+    _load_tuned()[key] = config
+
+
+def tuned_table() -> dict[str, dict]:
+    return {key: dataclasses.asdict(config) for key, config in _load_tuned().items()}
+
+
+def default_config(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> GemmConfig:
+    """A tuned entry for this shape if the benchmark recorded one, else a size heuristic
+    (deterministic, so every rank picks the same)."""
+    tuned = _load_tuned().get(shape_key(m, n, k, world, dtype))
+    if tuned is not None:
+        return tuned
+    chunk = m // world
+    if chunk <= 64:
+        return GemmConfig(64, 128, 64, 8, 4, 4)
+    if chunk * n <= 512 * 8192:
+        return GemmConfig(128, 128, 64, 8, 4, 8)
+    return GemmConfig(128, 256, 64, 8, 3, 8)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+@dataclasses.dataclass
+class _Operands:
+    a: torch.Tensor
+    b: torch.Tensor            # [K, N] row-major, or [N, K] row-major when b_transposed
+    b_transposed: bool
+    m: int
+    n: int
+    k: int
+
+
+def prepare_operands(a: torch.Tensor, b: torch.Tensor) -> _Operands:
+    """A as row-major [M, K]; B either row-major [K, N] or, as nn.Linear stores it (b = W.t()),
+    row-major [N, K] used transposed. Other strides are copied once."""
+    a = a if a.stride(-1) == 1 and a.stride(0) == a.shape[1] else a.contiguous()
+    m, k = a.shape
+    n = b.shape[1]
+    if b.stride(0) == 1 and b.stride(1) == k:
+        return _Operands(a, b.t(), True, m, n, k)
+    b = b if b.stride(1) == 1 and b.stride(0) == n else b.contiguous()
+    return _Operands(a, b, False, m, n, k)
+
+
+def _descriptors(ops: _Operands, config: GemmConfig):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not (_tma_ok(ops.a) and _tma_ok(ops.b)):
+        return None, None
+    a_desc = TensorDescriptor.from_tensor(ops.a, [config.block_m, config.block_k])
+    block_b = ([config.block_n, config.block_k] if ops.b_transposed
+               else [config.block_k, config.block_n])
+    return a_desc, TensorDescriptor.from_tensor(ops.b, block_b)
+
+
+def _strides(ops: _Operands) -> tuple[int, int, int, int]:
+    if ops.b_transposed:  # b holds [N, K]: element (k, n) at n * stride(0) + k
+        return ops.a.stride(0), ops.a.stride(1), ops.b.stride(1), ops.b.stride(0)
+    return ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1)
+
+
+_gemm_only_counters: dict[int, list] = {}
+
+
+def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
+           out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
+           multimem: bool = False, gemm_only: bool = False) -> None:
+    """Launch the persistent kernel once (fused, or GEMM_ONLY writing the partial into `part`)."""
+    device = ops.a.device
+    programs = torch.cuda.get_device_properties(device).multi_processor_count
+    m_chunk = ops.m // world
+    rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
+    tasks = schedule.task_count(rounds, world, gemm_only)
+    programs = max(1, min(programs, tasks))
+    a_desc, b_desc = _descriptors(ops, config)
+    use_tma = a_desc is not None
+    element = ops.a.element_size()
+    aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
+    if gemm_only:
+        state = _gemm_only_counters.setdefault(
+            device.index, [torch.zeros(1, dtype=torch.int32, device=device), 0])
+        if state[1] + tasks + programs >= (1 << 30):
+            state[0].zero_()
+            state[1] = 0
+        counter, task_base = state[0], state[1]
+        state[1] += tasks + programs
+        data = [0] * 8
+        flags = [0] * 8
+        multicast = 0
+        abort, error_address, timeout_ns = counter, 0, 0
+        out = part
+    else:
+        counter = workspace.counter
+        task_base = workspace.claim_tasks(tasks + programs)
+        data = workspace.data_addresses(half)
+        flags = workspace.flag_addresses()
+        multicast = workspace.multicast_address(half) if multimem else 0
+        abort, error_address = workspace.abort, workspace.error_address()
+        timeout_ns = workspace.timeout_ns(epoch)
+    if not gemm_only and world * rounds > (1 << 16):
+        raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
+                         f"use larger tiles")
+    lag = schedule.choose_lag(rounds, world, programs)
+    stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
+    gemm_reduce_scatter_kernel[(programs,)](
+        a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
+        counter, task_base, abort, error_address, timeout_ns,
+        ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
+        rank, epoch, lag,
+        WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+        GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
+        B_TRANSPOSED=ops.b_transposed and use_tma, GEMM_ONLY=gemm_only, MULTIMEM=multimem,
+        ALIGNED=aligned, REDUCE_ROWS=config.reduce_rows, num_warps=config.warps)

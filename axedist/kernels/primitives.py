@@ -1,0 +1,185 @@
+"""Device-side primitives shared by every axedist kernel (Triton; imported lazily).
+
+Flags are int32 words holding an *epoch* (the call number of the buffer they live in): a writer
+stores the epoch with system-scope release after its data, a reader spins with system-scope
+acquire until the word is >= its own epoch. Values only grow, so consecutive calls need no memset
+and no host synchronization.
+
+The two reduce backends differ only in `load_reduce`: `p2p` sums unicast loads from every peer's
+buffer in fp32; `multimem` issues one `multimem.ld_reduce` on the multicast address (NVLink
+SHARP), which the switch answers with the sum.
+"""
+import triton
+import triton.language as tl
+
+# Error code written into the host-visible error word when a spin-wait times out.
+ERROR_TIMEOUT = tl.constexpr(1)
+
+
+@triton.jit
+def ld_acquire_sys(address):
+    """Load one int32 with .acquire at system scope (sees a peer's release store)."""
+    return tl.inline_asm_elementwise(
+        "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [address],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def st_release_sys(address, value):
+    """Store one int32 with .release at system scope, from thread 0 of the program only.
+
+    Call after tl.debug_barrier(): the barrier orders every thread's earlier stores before
+    thread 0's release, and the release is cumulative, so a peer that acquires the flag sees
+    the whole tile.
+    """
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_is_first;
+        .reg .u32 %t_index;
+        mov.u32 %t_index, %tid.x;
+        setp.eq.u32 %p_is_first, %t_index, 0;
+        @%p_is_first st.release.sys.global.b32 [$1], $2;
+        mov.u32 $0, 0;
+        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def globaltimer(dummy):
+    """Nanoseconds from the GPU's global timer (dummy: any int32, Triton needs an operand)."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l,r", [dummy], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index, timeout_ns):
+    """Spin until *flag_address >= expected, for at most timeout_ns; returns 1 when it arrived.
+
+    On timeout it raises the local abort word (so every other wait of this launch gives up at
+    once) and writes (code, peer, flag index) into the host-visible error word. The loop is
+    bounded by the timer, so a peer that never signals can never hang the job.
+    """
+    value = ld_acquire_sys(flag_address)
+    start = globaltimer(value)
+    elapsed = start - start
+    aborted = tl.load(abort_ptr, volatile=True)
+    while (value < expected) & (elapsed < timeout_ns) & (aborted == 0):
+        value = ld_acquire_sys(flag_address)
+        elapsed = globaltimer(value) - start
+        aborted = tl.load(abort_ptr, volatile=True)
+    arrived = value >= expected
+    if arrived == 0:
+        # Plain stores, no atomics: every thread that gave up writes the same kind of record.
+        tl.store(abort_ptr, 1)
+        if aborted == 0:
+            record = ((ERROR_TIMEOUT << 56) | (peer.to(tl.int64) << 40) | flag_index.to(tl.int64)
+                      | ((expected.to(tl.int64) & 0xFFFF) << 24))
+            tl.store(error_address.to(tl.pointer_type(tl.int64)), record)
+    return arrived
+
+
+@triton.jit
+def pick(index, p0, p1, p2, p3, p4, p5, p6, p7):
+    """The index-th of eight scalars (peer addresses are passed as eight int64 arguments so that
+    Triton specializes each on 16-byte divisibility and vectorizes the peer loads)."""
+    r = tl.where(index == 1, p1, p0)
+    r = tl.where(index == 2, p2, r)
+    r = tl.where(index == 3, p3, r)
+    r = tl.where(index == 4, p4, r)
+    r = tl.where(index == 5, p5, r)
+    r = tl.where(index == 6, p6, r)
+    r = tl.where(index == 7, p7, r)
+    return r
+
+
+@triton.jit
+def peer_pointers(address, offsets, ELEMENT: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointers to address[offsets] (address: int64 byte address of a peer buffer).
+
+    An int64 -> pointer cast loses Triton's alignment knowledge, so loads would be 2-byte scalar
+    loads; ALIGNED (set by the host only when every tile row starts 16-byte aligned) restores it
+    and the peer loads become 16-byte vectors.
+    """
+    pointers = address.to(tl.pointer_type(ELEMENT)) + offsets
+    if ALIGNED:
+        pointers = tl.multiple_of(pointers, [16, 16])
+    return pointers
+
+
+@triton.jit
+def _halves(word, DTYPE: tl.constexpr):
+    low = (word & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+    high = ((word >> 16) & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.join(low, high)
+
+
+@triton.jit
+def multimem_ld_reduce_16bit(addresses, DTYPE: tl.constexpr):
+    """multimem.ld_reduce of 8 bf16/fp16 per address (fp32 accumulation in the switch).
+
+    addresses: int64 [R, G], one multicast address per 16-byte group; returns fp32 [R, 8 * G]
+    in element order (word i of the v4 result holds elements 2i (low half) and 2i+1).
+    """
+    R: tl.constexpr = addresses.shape[0]
+    G: tl.constexpr = addresses.shape[1]
+    if DTYPE == tl.float16:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.f16x2 {$0, $1, $2, $3}, [$4];",
+            "=r,=r,=r,=r,l", [addresses], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=False, pack=1)
+    else:
+        r0, r1, r2, r3 = tl.inline_asm_elementwise(
+            "multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.bf16x2 {$0, $1, $2, $3}, [$4];",
+            "=r,=r,=r,=r,l", [addresses], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=False, pack=1)
+    q01 = tl.join(_halves(r0, DTYPE), _halves(r1, DTYPE))
+    q23 = tl.join(_halves(r2, DTYPE), _halves(r3, DTYPE))
+    return tl.reshape(tl.join(q01, q23), [R, G * 8]).to(tl.float32)
+
+
+@triton.jit
+def multimem_ld_reduce_f32(addresses):
+    """multimem.ld_reduce of 4 fp32 per address; addresses int64 [R, G] -> fp32 [R, 4 * G]."""
+    R: tl.constexpr = addresses.shape[0]
+    G: tl.constexpr = addresses.shape[1]
+    r0, r1, r2, r3 = tl.inline_asm_elementwise(
+        "multimem.ld_reduce.relaxed.sys.global.add.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l", [addresses], dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+        is_pure=False, pack=1)
+    return tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [R, G * 4])
+
+
+@triton.jit
+def load_reduce(bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6, bases_7,
+                multicast_base, offsets, mask, rank, ELEMENT: tl.constexpr,
+                WORLD: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr):
+    """Sum over all ranks of buffer[offsets] in fp32: the one primitive the backends differ in.
+
+    offsets: [R, C] element offsets (the same in every rank's buffer); bases_*: int64 byte
+    addresses of the ranks' buffers. p2p: WORLD unicast loads, peer order staggered by rank so
+    that links share the traffic. multimem: one multimem.ld_reduce per 16 bytes on the multicast
+    mapping; the host selects it only when ALIGNED holds (rows 16-byte aligned, C % 8 == 0), and
+    a 16-byte group is read when any element of it is in the mask.
+    """
+    if MULTIMEM:
+        VEC: tl.constexpr = 128 // ELEMENT.primitive_bitwidth
+        R: tl.constexpr = offsets.shape[0]
+        C: tl.constexpr = offsets.shape[1]
+        first = tl.min(tl.reshape(offsets, [R, C // VEC, VEC]), axis=2)
+        group_mask = tl.max(tl.reshape(mask.to(tl.int32), [R, C // VEC, VEC]), axis=2) > 0
+        addresses = multicast_base + first.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
+        # masked-off groups read the (always mapped) first 16 bytes instead; the value is dropped
+        addresses = tl.where(group_mask, addresses, multicast_base)
+        if ELEMENT == tl.float32:
+            values = multimem_ld_reduce_f32(addresses)
+        else:
+            values = multimem_ld_reduce_16bit(addresses, ELEMENT)
+        total = tl.where(mask, values, 0.0)
+    else:
+        total = tl.zeros(offsets.shape, tl.float32)
+        for step in tl.static_range(WORLD):
+            peer = (rank + step) % WORLD
+            base = pick(peer, bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6,
+                        bases_7)
+            pointers = peer_pointers(base, offsets, ELEMENT, ALIGNED)
+            total += tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    return total

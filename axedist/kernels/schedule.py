@@ -1,0 +1,79 @@
+"""Task schedule of the fused GEMM + reduce-scatter kernel (pure Python; the kernel in
+gemm_rs.py computes the same functions on the device, and the CPU tests check both).
+
+The partial C = A @ B ([M, N]) is cut into W row chunks of M / W rows; chunk c belongs to rank c.
+Each chunk is tiled into `rounds` = tiles_m * tiles_n tiles of BM x BN. Every rank runs the same
+global task order, claimed in order through an atomic counter:
+
+    round q:  GEMM tile q of every chunk (W tasks; slot s computes chunk (rank + 1 + s) % W,
+              so ranks write different chunks at once and every owner gets its tile q early),
+              then the reduce task of round q - lag (this rank's chunk, tile q - lag)
+    finally:  the reduce tasks of the last `lag` rounds.
+
+Deadlock freedom: the reduce task of round j waits for GEMM tile j of this rank's chunk on every
+rank, and every rank lists all GEMM tasks of round j before that reduce task. Take the waiting
+reduce task with the lowest index k anywhere; it waits for a GEMM task g < k on some rank p. If
+p's counter is <= g, all of p's busy programs wait on reduce tasks < g < k, which contradicts
+minimality, so p has a free program that will claim g; otherwise g is claimed by a program that
+never blocks. Either way the lowest waiting task makes progress, for any grid size and lag.
+
+Example (W = 2, rounds = 3, lag = 1) on rank 0:
+    G(c1,0) G(c0,0) | G(c1,1) G(c0,1) R(0) | G(c1,2) G(c0,2) R(1) | R(2)
+"""
+from __future__ import annotations
+
+import math
+
+
+def grouped_tile(index: int, tiles_m: int, tiles_n: int, group_m: int) -> tuple[int, int]:
+    """(tile row, tile column) of tile `index` when rows are walked in groups of group_m
+    (column-major inside a group, for L2 reuse of the B columns).
+
+    >>> [grouped_tile(i, 3, 2, 2) for i in range(6)]
+    [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (2, 1)]
+    """
+    per_group = group_m * tiles_n
+    group = index // per_group
+    first_m = group * group_m
+    size_m = min(tiles_m - first_m, group_m)
+    within = index % per_group
+    return first_m + within % size_m, within // size_m
+
+
+def task_count(rounds: int, world: int, gemm_only: bool = False) -> int:
+    return rounds * world if gemm_only else rounds * (world + 1)
+
+
+def decode_task(task: int, rounds: int, lag: int, world: int) -> tuple[bool, int, int]:
+    """(is_gemm, round, slot) of global task id `task` (see the module docstring)."""
+    head = lag * world
+    body = (rounds - lag) * (world + 1)
+    if task < head:
+        return True, task // world, task % world
+    if task - head < body:
+        step, slot = divmod(task - head, world + 1)
+        if slot < world:
+            return True, lag + step, slot
+        return False, step, 0
+    return False, rounds - lag + (task - head - body), 0
+
+
+def gemm_chunk(rank: int, slot: int, world: int) -> int:
+    """Chunk computed by GEMM slot `slot` of a round on `rank` (staggered across ranks)."""
+    return (rank + 1 + slot) % world
+
+
+def choose_lag(rounds: int, world: int, programs: int) -> int:
+    """Rounds between a GEMM tile and its reduce task: about 1.5 waves of the grid, so that the
+    tile is usually finished on every rank when its reduce task is claimed."""
+    return min(rounds, math.ceil(1.5 * programs / (world + 1)))
+
+
+def task_list(rank: int, world: int, rounds: int, lag: int) -> list[tuple[str, int, int]]:
+    """The whole ordered task list of one rank: ("gemm", chunk, round) / ("reduce", chunk, round)."""
+    tasks = []
+    for task in range(task_count(rounds, world)):
+        is_gemm, round_, slot = decode_task(task, rounds, lag, world)
+        chunk = gemm_chunk(rank, slot, world) if is_gemm else rank
+        tasks.append(("gemm" if is_gemm else "reduce", chunk, round_))
+    return tasks

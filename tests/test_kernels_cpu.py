@@ -1,0 +1,397 @@
+"""What of the GPU communication layer can be checked without a GPU.
+
+- the fused kernel's task schedule: a permutation of the work, deadlock-free (checked by a
+  simulation of programs claiming tasks and waiting on flags), identical on the device (the
+  kernel's own decode run under TRITON_INTERPRET=1);
+- the kernels compile for Hopper (sm_90a, through ptxas), with the multimem PTX present in the
+  multimem variants and the acquire/release flags, bounded waits and 16-byte peer loads in p2p;
+- backend gating: multimem only with device multicast support AND AXEDIST_ENABLE_MULTICAST=1;
+- input validation of gemm_reduce_scatter, and that `import axedist.collectives` needs no Triton.
+
+Triton 3.6 is required (CI installs it). Without it the compile tests FAIL with a message, unless
+AXEDIST_SKIP_TRITON_TESTS=1 asks for a visible skip.
+"""
+import itertools
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from axedist.kernels import schedule
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _need_triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if os.environ.get("AXEDIST_SKIP_TRITON_TESTS") == "1":
+            pytest.skip("AXEDIST_SKIP_TRITON_TESTS=1 and triton is not installed")
+        pytest.fail("triton==3.6.0 is required for the kernel tests: pip install triton==3.6.0")
+
+
+# -- schedule ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group_m", [(1, 1, 8), (3, 2, 2), (5, 7, 4), (16, 32, 8), (9, 4, 8)])
+def test_grouped_tile_is_a_bijection(tiles_m, tiles_n, group_m):
+    tiles = [schedule.grouped_tile(i, tiles_m, tiles_n, group_m) for i in range(tiles_m * tiles_n)]
+    assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+
+
+@pytest.mark.parametrize("world,rounds,lag", [(2, 3, 1), (4, 1, 0), (4, 7, 7), (8, 10, 3), (4, 512, 40), (3, 5, 2)])
+def test_every_rank_runs_each_gemm_tile_once_and_reduces_its_chunk(world, rounds, lag):
+    for rank in range(world):
+        tasks = schedule.task_list(rank, world, rounds, lag)
+        gemm = [(chunk, r) for kind, chunk, r in tasks if kind == "gemm"]
+        reduce = [(chunk, r) for kind, chunk, r in tasks if kind == "reduce"]
+        assert sorted(gemm) == [(c, r) for c in range(world) for r in range(rounds)]
+        assert reduce == [(rank, r) for r in range(rounds)]
+
+
+@pytest.mark.parametrize("world,rounds,lag", [(2, 3, 1), (4, 6, 0), (4, 6, 6), (8, 9, 2)])
+def test_reduce_tasks_come_after_the_gemm_tiles_they_wait_for_on_every_rank(world, rounds, lag):
+    lists = [schedule.task_list(rank, world, rounds, lag) for rank in range(world)]
+    position = [{(kind, chunk, r): i for i, (kind, chunk, r) in enumerate(tasks)} for tasks in lists]
+    for rank in range(world):
+        for r in range(rounds):
+            reduce_index = position[rank][("reduce", rank, r)]
+            for peer in range(world):
+                assert position[peer][("gemm", rank, r)] < reduce_index
+
+
+def test_gemm_slots_are_staggered_across_ranks():
+    world = 4
+    firsts = [schedule.task_list(rank, world, 4, 1)[0][1] for rank in range(world)]
+    assert sorted(firsts) == list(range(world))  # at the start every rank writes another chunk
+
+
+def _simulate(world, rounds, lag, programs, seed):
+    """Programs claim task ids in order from a per-rank counter; GEMM tasks finish after a random
+    delay, reduce tasks block until the tile's flag is set on every rank. Returns steps taken
+    until everything finished, or None on deadlock."""
+    rng = random.Random(seed)
+    lists = [schedule.task_list(rank, world, rounds, lag) for rank in range(world)]
+    counters = [0] * world
+    flags = [set() for _ in range(world)]          # (chunk, round) tiles finished per rank
+    running = [[None] * programs for _ in range(world)]  # (task, remaining steps)
+    done = 0
+    total = sum(len(t) for t in lists)
+    for step in range(100_000):
+        progressed = False
+        order = [(r, p) for r in range(world) for p in range(programs)]
+        rng.shuffle(order)
+        for rank, program in order:
+            slot = running[rank][program]
+            if slot is None:
+                if counters[rank] < len(lists[rank]) and rng.random() < 0.7:
+                    running[rank][program] = (counters[rank], rng.randint(1, 3))
+                    counters[rank] += 1
+                    progressed = True
+                continue
+            task, remaining = slot
+            kind, chunk, r = lists[rank][task]
+            if kind == "reduce" and not all((rank, r) in flags[peer] for peer in range(world)):
+                continue  # spinning on a flag
+            if remaining > 1:
+                running[rank][program] = (task, remaining - 1)
+            else:
+                if kind == "gemm":
+                    flags[rank].add((chunk, r))
+                running[rank][program] = None
+                done += 1
+            progressed = True
+        if done == total:
+            return step
+        if not progressed and all(counters[r] == len(lists[r]) or all(running[r]) for r in range(world)):
+            blocked = all(s is not None for r in range(world) for s in running[r] if counters[r] < len(lists[r]))
+            if blocked and not any(
+                    lists[r][s[0]][0] == "gemm" for r in range(world) for s in running[r] if s):
+                return None
+    return None
+
+
+@pytest.mark.parametrize("world,rounds,programs", [(2, 5, 1), (2, 5, 2), (4, 6, 1), (4, 6, 3), (8, 3, 2), (3, 7, 4)])
+def test_simulated_persistent_grid_never_deadlocks(world, rounds, programs):
+    for lag, seed in itertools.product(range(0, rounds + 1, 2), range(3)):
+        assert _simulate(world, rounds, lag, programs, seed) is not None, (lag, seed)
+
+
+def test_lag_is_about_one_and_a_half_waves_and_capped():
+    assert schedule.choose_lag(512, 4, 132) == 40
+    assert schedule.choose_lag(8, 4, 132) == 8
+
+
+def test_device_decode_matches_schedule_under_the_interpreter():
+    _need_triton()
+    script = textwrap.dedent("""
+        import torch
+        from axedist.kernels import gemm_rs, schedule
+        world, tiles_m, tiles_n, group_m = 4, 3, 5, 2
+        rounds = tiles_m * tiles_n
+        for rank in range(world):
+            for lag in (0, 4, rounds):
+                tasks = schedule.task_count(rounds, world)
+                out = torch.zeros(tasks * 4, dtype=torch.int32)
+                gemm_rs.schedule_probe_kernel[(tasks,)](out, rounds, lag, tiles_m, tiles_n, rank,
+                                                    WORLD=world, GROUP_M=group_m)
+                got = out.view(-1, 4).tolist()
+                for task, (is_gemm, chunk, tm, tn) in enumerate(got):
+                    g, r, slot = schedule.decode_task(task, rounds, lag, world)
+                    expect_chunk = schedule.gemm_chunk(rank, slot, world) if g else rank
+                    assert (bool(is_gemm), chunk, (tm, tn)) == (
+                        g, expect_chunk, schedule.grouped_tile(r, tiles_m, tiles_n, group_m)), (rank, lag, task)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+# -- compilation for sm_90a --------------------------------------------------------------------
+
+def _collective_signature(dtype):
+    signature = {"out_ptr": f"*{dtype}"}
+    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
+        signature[name] = "i64"
+    signature.update(chunk_numel="i32", chunk_stride="i32", rank="i32", epoch="i32",
+                     abort_ptr="*i32", error_address="i64", timeout_ns="i64")
+    return signature
+
+
+@pytest.mark.parametrize("dtype,ptx_op", [("bf16", "add.acc::f32.v4.bf16x2"), ("fp16", "add.acc::f32.v4.f16x2"), ("fp32", "add.v4.f32")])
+def test_multimem_reduce_scatter_ptx_for_sm90a(dtype, ptx_op):
+    _need_triton()
+    from axedist.kernels.collective_kernels import reduce_scatter_kernel
+    from axedist.kernels.compile_check import compile_for_target
+    kernel = compile_for_target(
+        reduce_scatter_kernel, _collective_signature(dtype),
+        dict(WORLD=4, ROWS=4, COLS=1024, MULTIMEM=True, ALIGNED=True),
+        divisible_by_16=["out_ptr", "chunk_numel", "chunk_stride"], num_warps=8)
+    ptx = kernel.asm["ptx"]
+    assert ".target sm_90a" in ptx
+    assert f"multimem.ld_reduce.relaxed.sys.global.{ptx_op}" in ptx
+    assert len(kernel.asm["cubin"]) > 0  # ptxas accepted it for sm_90a
+
+
+def test_p2p_reduce_scatter_uses_acquire_release_bounded_waits_and_vector_peer_loads():
+    _need_triton()
+    from axedist.kernels.collective_kernels import reduce_scatter_kernel
+    from axedist.kernels.compile_check import compile_for_target
+    kernel = compile_for_target(
+        reduce_scatter_kernel, _collective_signature("bf16"),
+        dict(WORLD=4, ROWS=4, COLS=1024, MULTIMEM=False, ALIGNED=True),
+        divisible_by_16=["out_ptr", "chunk_numel", "chunk_stride"], num_warps=8)
+    ptx = kernel.asm["ptx"]
+    assert "multimem" not in ptx
+    assert "ld.acquire.sys.global.b32" in ptx and "st.release.sys.global.b32" in ptx
+    assert "%globaltimer" in ptx  # the spin-wait is bounded by time
+    assert ptx.count("ld.global.v4") >= 4  # 16-byte peer loads, not 2-byte scalars
+
+
+@pytest.mark.parametrize("kernel_name", ["all_gather_kernel", "all_reduce_one_shot_kernel", "all_reduce_two_shot_kernel"])
+def test_other_collectives_compile_for_sm90a(kernel_name):
+    _need_triton()
+    from axedist.kernels import collective_kernels
+    from axedist.kernels.compile_check import compile_for_target
+    kernel_fn = getattr(collective_kernels, kernel_name)
+    signature = _collective_signature("bf16")
+    constexprs = dict(WORLD=8, ROWS=4, COLS=1024, ALIGNED=True)
+    if kernel_name == "all_gather_kernel":
+        del signature["multicast_base"], signature["chunk_stride"]
+    else:
+        constexprs["MULTIMEM"] = False
+        signature["numel"] = signature.pop("chunk_numel")
+        if kernel_name == "all_reduce_one_shot_kernel":
+            del signature["chunk_stride"]
+    signature = {name: signature[name] for name in kernel_fn.arg_names if name in signature}
+    kernel = compile_for_target(kernel_fn, signature, constexprs, num_warps=8)
+    assert "ld.acquire.sys" in kernel.asm["ptx"]
+
+
+def _fused_signature(tma, transposed, config, dtype="bf16"):
+    signature = {}
+    if tma:
+        signature["a_desc"] = f"tensordesc<{dtype}[{config.block_m}, {config.block_k}]>"
+        signature["b_desc"] = (f"tensordesc<{dtype}[{config.block_n}, {config.block_k}]>" if transposed
+                               else f"tensordesc<{dtype}[{config.block_k}, {config.block_n}]>")
+    signature.update(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", part_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
+        signature[name] = "i64"
+    signature.update(counter_ptr="*i32", task_base="i32", abort_ptr="*i32", error_address="i64",
+                     timeout_ns="i64", M="i32", N="i32", K="i32", M_CHUNK="i32", stride_am="i32",
+                     stride_ak="i32", stride_bk="i32", stride_bn="i32", rank="i32", epoch="i32", lag="i32")
+    return signature
+
+
+def _compile_fused(tma=True, transposed=False, multimem=False, gemm_only=False, dtype="bf16", config=None):
+    from axedist.kernels import gemm_rs
+    from axedist.kernels.compile_check import compile_for_target
+    config = config or gemm_rs.GemmConfig()
+    constexprs = dict(WORLD=4, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+                      GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=tma,
+                      B_TRANSPOSED=transposed, GEMM_ONLY=gemm_only, MULTIMEM=multimem,
+                      ALIGNED=True, REDUCE_ROWS=config.reduce_rows)
+    if not tma:
+        constexprs.update(a_desc=None, b_desc=None)
+    return compile_for_target(
+        gemm_rs.gemm_reduce_scatter_kernel, _fused_signature(tma, transposed, config, dtype), constexprs,
+        divisible_by_16=["a_ptr", "b_ptr", "part_ptr", "out_ptr", "N", "K", "stride_am", "stride_bk"],
+        num_warps=config.warps, num_stages=config.stages)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_kernel_uses_tma_and_wgmma_on_sm90a(transposed):
+    _need_triton()
+    ptx = _compile_fused(transposed=transposed).asm["ptx"]
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert "ld.acquire.sys" in ptx and "st.release.sys" in ptx and "atom.global" in ptx
+    assert "multimem" not in ptx
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_fused_kernel_multimem_variant_ptx_for_sm90a(dtype):
+    _need_triton()
+    kernel = _compile_fused(multimem=True, dtype=dtype)
+    ptx = kernel.asm["ptx"]
+    suffix = "bf16x2" if dtype == "bf16" else "f16x2"
+    assert f"multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.{suffix}" in ptx
+    assert len(kernel.asm["cubin"]) > 0
+
+
+def test_every_candidate_config_compiles_with_pointer_fallback_too():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    for config in gemm_rs.CANDIDATES:
+        assert "wgmma" in _compile_fused(config=config).asm["ptx"], config
+    assert "wgmma" in _compile_fused(tma=False).asm["ptx"]
+
+
+# -- gating and host-side logic ----------------------------------------------------------------
+
+def test_multimem_needs_opt_in_and_device_support(monkeypatch):
+    from axedist.collectives import backend
+    backend.device_supports_multicast.cache_clear()
+    asked = []
+    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: asked.append(index) or True)
+    monkeypatch.delenv("AXEDIST_ENABLE_MULTICAST", raising=False)
+    assert backend.multimem_allowed(0, 1) == (False, "AXEDIST_ENABLE_MULTICAST=1 is not set")
+    assert asked == []  # without the opt-in the driver is not even asked
+    monkeypatch.setenv("AXEDIST_ENABLE_MULTICAST", "0")
+    assert not backend.multimem_allowed(0, 1)[0]
+    monkeypatch.setenv("AXEDIST_ENABLE_MULTICAST", "1")
+    assert backend.multimem_allowed(0, 1)[0]
+    assert not backend.multimem_allowed(0, 0)[0]  # no multicast mapping in the workspace
+    backend.device_supports_multicast.cache_clear()
+    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: False)
+    allowed, reason = backend.multimem_allowed(0, 1)
+    assert not allowed and "does not report multicast support" in reason
+    backend.device_supports_multicast.cache_clear()
+
+
+def test_multicast_query_without_cuda_python_is_false(monkeypatch):
+    from axedist.collectives import backend
+    import builtins
+    real_import = builtins.__import__
+
+    def no_cuda(name, *args, **kwargs):
+        if name == "cuda" or name.startswith("cuda."):
+            raise ImportError("no cuda-python")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_cuda)
+    assert backend._query_multicast_attribute(0) is False
+
+
+def test_measured_table_and_backend_names():
+    from axedist.collectives import backend
+    assert backend.measured_choice("reduce_scatter", 1 << 20) in ("p2p", "torch")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        backend.select_backend("reduce_scatter", torch.ones(4), None, "nccl")
+    assert backend.select_backend("reduce_scatter", torch.ones(4), None, "torch") == "torch"
+
+
+def test_error_record_round_trip():
+    from axedist.collectives.symmetric import decode_error_record
+    record = (1 << 56) | (3 << 40) | ((70000 & 0xFFFF) << 24) | 12345
+    assert decode_error_record(record) == (1, 3, 12345, 70000 & 0xFFFF)
+
+
+def test_prepare_operands_detects_linear_weight_orientation():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    a = torch.randn(64, 32)
+    weight = torch.randn(48, 32)  # nn.Linear stores [N, K]
+    ops = gemm_rs.prepare_operands(a, weight.t())
+    assert ops.b_transposed and ops.b.shape == (48, 32) and (ops.m, ops.n, ops.k) == (64, 48, 32)
+    ops = gemm_rs.prepare_operands(a, torch.randn(32, 48))
+    assert not ops.b_transposed and ops.b.shape == (32, 48)
+    strided = torch.randn(32, 96)[:, ::2]
+    ops = gemm_rs.prepare_operands(a, strided)
+    assert ops.b.is_contiguous() and not ops.b_transposed
+    assert gemm_rs.default_config(8192, 8192, 2048, 4, torch.bfloat16) == gemm_rs.default_config(8192, 8192, 2048, 4, torch.bfloat16)
+
+
+def _plan_body(rank, world):
+    from axedist.collectives import plan_gemm_reduce_scatter
+    a = torch.randn(world * 4, 16, dtype=torch.bfloat16)
+    b = torch.randn(16, 8, dtype=torch.bfloat16)
+    results = {"plan": str(plan_gemm_reduce_scatter(a, b, None))}
+    for name, (x, y) in {"m": (a[:world * 4 - 1], b), "k": (a, b[:8]), "dtype": (a.float(), b.float()),
+                         "mixed": (a, b.half())}.items():
+        try:
+            plan_gemm_reduce_scatter(x, y, None)
+            results[name] = None
+        except ValueError as error:
+            results[name] = str(error)
+    try:
+        plan_gemm_reduce_scatter(a, b, None, backend="p2p")
+        results["p2p_on_cpu"] = None
+    except ValueError as error:
+        results["p2p_on_cpu"] = str(error)
+    return results
+
+
+def test_plan_and_validation_on_cpu_ranks():
+    from axedist.testing import run_on_ranks
+    results = run_on_ranks(_plan_body, 2, "gloo", timeout_s=120)[0]
+    assert "torch" in results["plan"] and "not on a CUDA device" in results["plan"]
+    assert "not divisible by the group size 2" in results["m"] and "(7, 8)" in results["m"]
+    assert "inner dimensions" in results["k"]
+    assert "bf16 or fp16" in results["dtype"]
+    assert "torch.bfloat16" in results["mixed"]
+    assert "cannot run" in results["p2p_on_cpu"]
+
+
+# -- layering ----------------------------------------------------------------------------------
+
+def test_import_without_triton():
+    script = textwrap.dedent("""
+        import sys, importlib.abc
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ModuleNotFoundError(f"No module named {name!r} (blocked)")
+                return None
+        sys.meta_path.insert(0, Block())
+        import axedist, axedist.collectives, axedist.kernels, axedist.kernels.schedule
+        from axedist.collectives import gemm_reduce_scatter, reduce_scatter
+        assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules)
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_kernels_never_import_dtensor():
+    kernels = os.path.join(ROOT, "axedist", "kernels")
+    for name in os.listdir(kernels):
+        if name.endswith(".py"):
+            with open(os.path.join(kernels, name)) as handle:
+                source = handle.read()
+            assert "dtensor" not in source.lower().replace("never import dtensor", ""), name
