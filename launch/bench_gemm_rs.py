@@ -1,0 +1,216 @@
+"""Fused GEMM + reduce-scatter vs cuBLAS + NCCL vs PyTorch's fused op, side by side in one run.
+
+    torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out benchmarks/results
+
+Per shape (bf16, A [M, K_local], B [K_local, N], scatter dim 0), times in ms (median of --reps
+calls timed with CUDA events, max over ranks):
+  cublas     torch.mm alone            nccl_rs    NCCL reduce-scatter of the [M, N] partial alone
+  seq        torch.mm then NCCL RS     symm       torch.ops.symm_mem.fused_matmul_reduce_scatter
+  fused      axedist.gemm_reduce_scatter (p2p, best tile config of --tune, same on all ranks)
+  gemm_only  the fused kernel with its reduce tasks removed
+  p2p_rs     axedist's p2p reduce-scatter of the [M, N] partial (with copy-in)
+  limit      max(cublas, RS bytes in per GPU / 478 GB/s)
+Writes gemm_rs_w{W}.json / .md / .png; also the tuned configs (gemm_rs_tuned_w{W}.json).
+Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from axedist.collectives import p2p  # noqa: E402
+from axedist.collectives.fused import gemm_only, gemm_reduce_scatter  # noqa: E402
+from axedist.collectives.timing import time_collective  # noqa: E402
+from axedist.kernels import gemm_rs  # noqa: E402
+
+LINK_BYTES_PER_S = 478e9
+
+
+def shapes(world):
+    rows = []
+    for m in (2048, 8192, 16384):
+        for k in (7168, 2048):
+            rows.append(("design", m, 8192, k))
+    rows.append(("qwen3-32b", 8192, 5120, 25600 // world))
+    rows.append(("llama3.1-405b", 8192, 16384, 53248 // world))
+    for m in (128, 512):
+        rows.append(("inference", m, 8192, 7168))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--tune", default="all", help="'all' candidate configs, or 'default'")
+    parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    args = parser.parse_args()
+    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
+        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        expected = "0" if name == "NCCL_NVLS_ENABLE" else "1"
+        if os.environ.get(name) != expected:
+            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group_name = dist.group.WORLD.group_name
+    torch.manual_seed(1234 + rank)
+    results = []
+    selected = [int(i) for i in args.only.split(",") if i] or None
+    for index, (label, m, n, k) in enumerate(shapes(world)):
+        if selected is not None and index not in selected:
+            continue
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        rs_out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+        row = dict(label=label, M=m, N=n, K_local=k, world=world)
+        row["cublas"] = time_collective(lambda: torch.mm(a, b, out=partial), args.reps)
+        torch.mm(a, b, out=partial)
+        row["nccl_rs"] = time_collective(lambda: dist.reduce_scatter_tensor(rs_out, partial), args.reps)
+        row["p2p_rs"] = time_collective(lambda: p2p.reduce_scatter(partial, out=rs_out), args.reps)
+
+        def seq():
+            torch.mm(a, b, out=partial)
+            dist.reduce_scatter_tensor(rs_out, partial)
+        row["seq"] = time_collective(seq, args.reps)
+        try:
+            row["symm"] = time_collective(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+                a, b, "sum", 0, group_name), args.reps)
+        except Exception as error:  # keep the run going; say why in the table
+            row["symm"] = None
+            row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        # tile config: every candidate timed fused; the same max-over-ranks numbers on every
+        # rank give every rank the same choice
+        key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
+        candidates = (gemm_rs.CANDIDATES if args.tune == "all"
+                      else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
+        tried = {}
+        for config in candidates:
+            if m // world < config.block_m // 2 and config.block_m > 64:
+                continue  # mostly-empty tiles; not worth compile time
+            gemm_rs.remember_config(key, config)
+            try:
+                tried[str(config)] = (time_collective(
+                    lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out), args.reps), config)
+            except Exception as error:
+                tried[str(config)] = (float("inf"), config)
+                row.setdefault("config_errors", {})[str(config)] = f"{type(error).__name__}: {str(error)[:300]}"
+        best_name = min(tried, key=lambda name: tried[name][0])
+        best = tried[best_name][1]
+        gemm_rs.remember_config(key, best)
+        row["config"] = best_name
+        row["fused_by_config"] = {name: value for name, (value, _) in tried.items()}
+        row["fused"] = tried[best_name][0]
+        only_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        row["gemm_only"] = time_collective(lambda: gemm_only(a, b, world, best, out=only_out), args.reps)
+        # correctness of what was timed: fused vs cuBLAS + NCCL, gemm-only vs cuBLAS
+        fused_out = gemm_reduce_scatter(a, b, None, backend="p2p", check=True)
+        seq()
+        torch.cuda.synchronize()
+        row["fused_rel_err_vs_seq"] = ((fused_out.float() - rs_out.float()).norm() / rs_out.float().norm()).item()
+        gemm_only(a, b, world, best, out=only_out)
+        torch.mm(a, b, out=partial)
+        row["gemm_only_rel_err"] = ((only_out.float() - partial.float()).norm() / partial.float().norm()).item()
+        rs_bytes_in = (world - 1) / world * m * n * 2
+        row["limit"] = max(row["cublas"], rs_bytes_in / LINK_BYTES_PER_S * 1e3)
+        row["speedup_vs_seq"] = row["seq"] / row["fused"]
+        row["speedup_vs_symm"] = (row["symm"] / row["fused"]) if row["symm"] else None
+        row["gemm_only_vs_cublas"] = row["cublas"] / row["gemm_only"]
+        row["fused_over_limit"] = row["fused"] / row["limit"]
+        results.append(row)
+        if rank == 0:
+            print(f"[{index}] {label} M={m} N={n} K={k}: cublas {row['cublas']:.3f} nccl_rs {row['nccl_rs']:.3f} "
+                  f"seq {row['seq']:.3f} symm {row['symm'] if row['symm'] is None else round(row['symm'], 3)} "
+                  f"fused {row['fused']:.3f} ({best_name}) gemm_only {row['gemm_only']:.3f} p2p_rs {row['p2p_rs']:.3f} "
+                  f"limit {row['limit']:.3f} | x{row['speedup_vs_seq']:.2f} vs seq, err {row['fused_rel_err_vs_seq']:.1e}",
+                  flush=True)
+        del a, b, partial, only_out, fused_out
+        torch.cuda.empty_cache()
+    if rank == 0:
+        write_outputs(results, world, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def write_outputs(results, world, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
+                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
+                command=f"torchrun --nproc_per_node={world} launch/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
+                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
+    six = [r for r in results if r["label"] == "design"]
+    summary = {}
+    if six:
+        summary["geomean_speedup_vs_seq_six"] = math.exp(sum(math.log(r["speedup_vs_seq"]) for r in six) / len(six))
+        summary["min_speedup_vs_seq_six"] = min(r["speedup_vs_seq"] for r in six)
+        vs_symm = [r["speedup_vs_symm"] for r in six if r["speedup_vs_symm"]]
+        summary["min_speedup_vs_symm_six"] = min(vs_symm) if vs_symm else None
+        summary["geomean_gemm_only_vs_cublas_six"] = math.exp(sum(math.log(r["gemm_only_vs_cublas"]) for r in six) / len(six))
+    with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
+        json.dump(dict(meta=meta, summary=summary, rows=results), handle, indent=1)
+    with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:
+        json.dump({key: value for key, value in gemm_rs.tuned_table().items() if f"/w{world}/" in key}, handle, indent=1)
+    lines = [f"# Fused GEMM + reduce-scatter, W={world} ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`", "",
+             "times in ms (median of calls, max over ranks); speedup = seq / fused", "",
+             "| shape | M | N | K_local | cuBLAS | NCCL RS | seq | symm | fused | GEMM-only | p2p RS | limit | vs seq | vs symm | GEMM-only/cuBLAS | config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        symm = f"{r['symm']:.3f}" if r["symm"] else "n/a"
+        vs_symm = f"{r['speedup_vs_symm']:.2f}x" if r["speedup_vs_symm"] else "n/a"
+        lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K_local']} | {r['cublas']:.3f} | {r['nccl_rs']:.3f} | "
+                     f"{r['seq']:.3f} | {symm} | {r['fused']:.3f} | {r['gemm_only']:.3f} | {r['p2p_rs']:.3f} | "
+                     f"{r['limit']:.3f} | {r['speedup_vs_seq']:.2f}x | {vs_symm} | {r['gemm_only_vs_cublas']:.2f} | {r['config']} |")
+    lines.append("")
+    for name, value in summary.items():
+        lines.append(f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a")
+    with open(os.path.join(out_dir, f"gemm_rs_w{world}.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        names = [f"{r['M']}x{r['N']}x{r['K_local']}" for r in results]
+        columns = ["seq", "symm", "fused", "gemm_only", "limit"]
+        figure, axis = plt.subplots(figsize=(max(8, len(names) * 1.1), 4.5))
+        width = 0.16
+        for i, column in enumerate(columns):
+            values = [(r["seq"] / r[column]) if r.get(column) else 0 for r in results]
+            axis.bar([x + i * width for x in range(len(names))], values, width, label=column)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks([x + 2 * width for x in range(len(names))])
+        axis.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
+        axis.set_ylabel("speed relative to cuBLAS + NCCL (higher is faster)")
+        axis.set_title(f"GEMM + reduce-scatter, bf16, W={world} ({meta['machine']})", fontsize=9)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(os.path.join(out_dir, f"gemm_rs_w{world}.png"), dpi=110)
+    except ImportError:
+        print("matplotlib missing: no PNG")
+
+
+if __name__ == "__main__":
+    main()

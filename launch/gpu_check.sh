@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One device call: multi-GPU tests and benchmarks of the communication layer, logs under $OUT.
+#   bash launch/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
+#   bash launch/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
+# Multicast stays off (project policy) for this shell and everything it starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset AXEDIST_ENABLE_MULTICAST
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-20}
+export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+MODE=${1:-first}
+BUDGET=${2:-560}
+OUT=${OUT:-/tmp/axedist_out}
+LOGS=$OUT/logs RESULTS=$OUT/results
+mkdir -p "$LOGS" "$RESULTS"
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+
+step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( left < limit )) && limit=$left
+  if (( limit < 20 )); then echo "$name SKIPPED (no time left)" | tee -a "$SUMMARY"; return; fi
+  local t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ${limit}s-limit took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
+  grep -E "passed|failed|error" "$LOGS/$name.log" | tail -3 | sed 's/^/    /' | tee -a "$SUMMARY"
+}
+
+if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton_cache/cache.tgz -C ~/.triton; fi
+{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
+  env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
+grep -E "torch|GPU0|NV" "$LOGS/env.log" | head -8
+
+PYTEST="python3 -m pytest -q -rf -p no:cacheprovider"
+if [[ $MODE == first ]]; then
+  step smoke_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
+    -k "reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back"
+  step bench_gemm_rs_w4 220 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
+  step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step rest_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
+    -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
+else
+  step pytest_w4 240 $PYTEST tests_multigpu
+  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 200 $PYTEST tests_multigpu
+  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc_per_node=2 launch/bench_gemm_rs.py --out "$RESULTS"
+  step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+fi
+
+cat "$RESULTS"/*.md 2>/dev/null | grep -v "^$" | head -80
+tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null
+tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
+ls -la "$OUT"
+echo "=== summary ==="; cat "$SUMMARY"
