@@ -1,0 +1,790 @@
+"""Distributed tensors described by Axe layouts over a DeviceMesh.
+
+A DTensor's layout maps each element of its global tensor to mesh coordinates
+(which devices hold it: the layout's non-``m`` axes are the mesh's axis names) and
+to ``m``, its row-major position in that device's local tensor (DESIGN §2)::
+
+    >>> mesh = DeviceMesh("cpu", (4,))                        # axis 'gpuid'
+    >>> x = distribute(torch.arange(48.).reshape(8, 6), mesh, Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"))
+    >>> x.to_local()                                          # rank 1: rows 2..3, shape (2, 6)
+    >>> x.redistribute([Replicate()]).to_local()              # every rank: the (8, 6) tensor
+
+Local shape (for any layout, placements included): group the layout by the global
+shape (``layout.blocks``); dim ``d`` of the local tensor has the product of the
+extents of the ``m`` iters in block ``d``, and ``m`` must be row-major over that
+shape (strides are checked). A device the layout does not reach holds an empty
+tensor of shape ``(0,)*ndim``.
+
+Uneven shapes: the layout admits a *padded* shape (``torch.chunk``'s split rounds
+each sharded dim up); the local tensor is the box of real (unpadded) elements,
+which must be a leading box of the padded local tensor (it is for ``torch.chunk``).
+
+Partial values (the paper's Fig. 8): a pending reduction is a leading *summand*
+dim of the layout, sharded over the mesh axes that hold partials, plus a reduce op
+(``sum``, ``avg``, ``max``, ``min``). ``dt.shape`` excludes the summand dim; the local
+tensor keeps it (extent 1 for torch's ``Partial``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .layout import Iter, Layout, LayoutError
+from .mesh import DeviceMesh, MeshError
+
+__all__ = [
+    "DTensor",
+    "distribute",
+    "from_torch",
+    "layout_from_placements",
+    "placements_from_layout",
+]
+
+MEMORY = "m"
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+# ---------------------------------------------------------------------------
+# The spec: layout + shapes (+ pending reduction), validated once
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything but the data: ``layout`` admits ``full_shape`` = (summands,)? + padded."""
+
+    mesh: DeviceMesh
+    layout: Layout
+    shape: tuple[int, ...]          # logical global shape (no summand dim)
+    padded: tuple[int, ...]         # what the layout's logical dims admit (>= shape)
+    reduce_op: str | None = None    # pending reduction over the leading summand dim
+    summands: int = 1
+    local_padded: tuple[int, ...] = field(default=(), compare=False, hash=False)
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return ((self.summands,) if self.reduce_op else ()) + self.padded
+
+    @property
+    def full_true(self) -> tuple[int, ...]:
+        return ((self.summands,) if self.reduce_op else ()) + self.shape
+
+    def __repr__(self) -> str:
+        pending = f", pending {self.reduce_op} over {self.summands} summands" if self.reduce_op else ""
+        padded = f" (padded {list(self.padded)})" if self.padded != self.shape else ""
+        return f"{list(self.shape)}{padded} {self.layout}{pending}"
+
+
+def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1) -> _Spec:
+    """Check ``layout`` against the mesh and shapes (DESIGN §1's list), then build the spec."""
+    shape = tuple(int(s) for s in shape)
+    padded = shape if padded is None else tuple(int(s) for s in padded)
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"expected an axedist Layout or a list of placements, got {layout!r}")
+    if any(s <= 0 for s in shape):
+        raise LayoutError(f"shape {shape} has an empty dim; axedist DTensors need every dim >= 1")
+    if len(padded) != len(shape) or any(p < s for p, s in zip(padded, shape)):
+        raise LayoutError(f"padded shape {padded} must have the rank of {shape} and be >= it in every dim")
+    if reduce_op is not None and reduce_op not in REDUCE_OPS:
+        raise LayoutError(f"reduce op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+    spec = _Spec(mesh, layout, shape, padded, reduce_op, summands)
+    full = spec.full_shape
+    if not layout.admits(full):
+        what = "shape" if padded == shape else "padded shape"
+        raise LayoutError(f"layout {layout} of size {layout.size} does not admit the {what} {full} ({math.prod(full)} elements)")
+    for axis in layout.axes:
+        if axis != MEMORY and axis not in mesh.axis_names:
+            raise LayoutError(f"layout {layout} uses axis {axis!r}, which mesh axes {mesh.axis_names} do not have")
+    if any(it.axis == MEMORY for it in layout.replica) or layout.offset.get(MEMORY, 0):
+        raise LayoutError(f"layout {layout}: replicas and offsets must be on mesh axes, not on 'm'")
+    for axis, extent in zip(mesh.axis_names, mesh.shape):
+        low, high = layout.bounds(axis)
+        if low < 0 or high >= extent:
+            raise LayoutError(f"layout {layout} reaches {axis} = {low if low < 0 else high}, outside the mesh axis "
+                              f"{axis} of size {extent}")
+    if not layout.is_injective():
+        raise LayoutError(f"layout {layout} puts two elements in one (device, m) slot")
+    blocks = layout.blocks(full)
+    local = tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks)
+    inner = math.prod(local)
+    for dim, block in enumerate(blocks):
+        inner //= local[dim]
+        stride = inner * local[dim]
+        for it in block:
+            if it.axis == MEMORY:
+                stride //= it.extent
+                if it.stride != stride:
+                    raise LayoutError(
+                        f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
+                        f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
+    return _Spec(mesh, layout, shape, padded, reduce_op, summands, local)
+
+
+def _unravel(index, shape):
+    out = []
+    for extent in reversed(shape):
+        out.append(index % extent)
+        index = index // extent
+    return out[::-1]
+
+
+def _ravel(indices, shape, count: int):
+    flat = torch.zeros(count, dtype=torch.int64)
+    for i, s in zip(indices, shape):
+        flat = flat * s + i
+    return flat
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Where each real element lives: ``holders[g, r]`` (mesh position of replica r of
+    element g, row-major over ``full_true``) and ``offsets[g]`` (its position in the
+    local tensor); ``local_shapes[p]`` is the local tensor shape at mesh position p."""
+
+    holders: torch.Tensor
+    offsets: torch.Tensor
+    local_shapes: tuple[tuple[int, ...], ...]
+
+
+@lru_cache(maxsize=256)
+def _table(spec: _Spec) -> _Table:
+    """Evaluate the layout on every element at once (``shard_coordinates`` on an arange)."""
+    mesh, layout, full, true = spec.mesh, spec.layout, spec.full_shape, spec.full_true
+    n = math.prod(full)
+    x = torch.arange(n, dtype=torch.int64)
+    coords = layout.shard_coordinates(x)
+
+    def on(axis, values):
+        v = values.get(axis, 0)
+        return v if isinstance(v, torch.Tensor) else torch.full((n,), int(v), dtype=torch.int64)
+
+    strides = mesh.strides()
+    device = sum((on(a, coords) * strides[a] for a in mesh.axis_names), torch.zeros(n, dtype=torch.int64))
+    replicas = torch.tensor([sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets]
+                            or [0], dtype=torch.int64)
+    local_index = _unravel(on(MEMORY, coords), spec.local_padded)
+    global_index = _unravel(x, full)
+    reached = torch.zeros(mesh.size, dtype=torch.bool)
+    reached[device] = True
+    # A device's real elements along dim d: local indices whose global index is < the true size.
+    boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
+    real = torch.ones(n, dtype=torch.bool)
+    for d, (lp, t) in enumerate(zip(spec.local_padded, true)):
+        real_d = global_index[d] < t
+        real &= real_d
+        grid = torch.zeros(mesh.size, lp, dtype=torch.bool)
+        grid[device, local_index[d]] = real_d
+        boxes[:, d] = grid.sum(1)
+        prefix = torch.arange(lp)[None, :] < boxes[:, d:d + 1]
+        if not torch.equal(grid[reached], prefix[reached]):
+            p = int((grid != prefix).any(1).logical_and(reached).nonzero()[0])
+            raise LayoutError(f"layout {layout} over padded shape {full} with true shape {true}: the real elements of "
+                              f"mesh position {p} along dim {d} are not a leading range of its local tensor")
+    offsets = torch.full((math.prod(true),), -1, dtype=torch.int64)
+    holders = torch.empty((math.prod(true), len(replicas)), dtype=torch.int64)
+    count = int(real.sum())
+    g = _ravel([i[real] for i in global_index], true, count)
+    offsets[g] = _ravel([i[real] for i in local_index], list(boxes[device[real]].T), count)
+    holders[g] = device[real][:, None] + replicas[None, :]
+    shapes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
+    for r in replicas.tolist():  # replicas hold the same elements as the base device
+        shapes[torch.nonzero(reached).flatten() + r] = boxes[reached]
+    return _Table(holders, offsets, tuple(tuple(s) for s in shapes.tolist()))
+
+
+# ---------------------------------------------------------------------------
+# The general redistribute: plan (pure, per rank) then execute (point-to-point)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """What one rank does to move a tensor from one spec to another.
+
+    ``sends[peer]``: offsets into this rank's source local tensor, sent in that order;
+    ``receives[peer]``: where each received value goes in the (summands, out) buffer;
+    ``copy_from``/``copy_to``: values that stay on this rank.
+    """
+
+    sends: tuple[tuple[int, torch.Tensor], ...]
+    receives: tuple[tuple[int, torch.Tensor], ...]
+    copy_from: torch.Tensor
+    copy_to: torch.Tensor
+    summands: int
+    out_shape: tuple[int, ...]
+    reduce_op: str | None
+
+    @property
+    def elements_sent(self) -> int:
+        return sum(len(i) for _, i in self.sends)
+
+
+@lru_cache(maxsize=256)
+def _plan_general(src: _Spec, dst: _Spec, position: int) -> _Exchange:
+    """Block intersections of two layouts, for the rank at mesh ``position``.
+
+    Every (summand, element, destination replica) entry gets one source holder: the
+    destination itself when it holds the value, else replica ``(dst + element) % R``
+    (spreads the load). Senders and receivers enumerate entries in one order, so the
+    values of a message need no index on the wire.
+    """
+    if src.mesh != dst.mesh or src.shape != dst.shape:
+        raise LayoutError(f"redistribute keeps the mesh and shape: {src} -> {dst}")
+    reduce = src.reduce_op is not None and dst.reduce_op is None
+    if dst.reduce_op is not None and (src.reduce_op, src.summands) != (dst.reduce_op, dst.summands):
+        raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from {src}; "
+                          f"use to_partial() on a tensor whose leading dim holds the summands")
+    s_tab, d_tab = _table(src), _table(dst)
+    k = src.summands if reduce else 1
+    g = d_tab.offsets.numel()
+    src_holders = s_tab.holders.reshape(k, g, -1)                      # [K, G, Rs]
+    src_offsets = s_tab.offsets.reshape(k, g)
+    dst_holders = d_tab.holders                                        # [G, Rd]
+    rs, rd = src_holders.shape[-1], dst_holders.shape[-1]
+    match = src_holders[:, :, None, :] == dst_holders[None, :, :, None]   # [K, G, Rd, Rs]
+    spread = (dst_holders + torch.arange(g)[:, None]) % rs
+    choice = torch.where(match.any(-1), match.to(torch.int8).argmax(-1), spread[None])
+    sender = torch.gather(src_holders[:, :, None, :].expand(k, g, rd, rs), 3, choice[..., None])[..., 0].flatten()
+    receiver = dst_holders[None].expand(k, g, rd).flatten()
+    send_offset = src_offsets[:, :, None].expand(k, g, rd).flatten()
+    out_numel = math.prod(d_tab.local_shapes[position])
+    slot = (torch.arange(k)[:, None, None] * out_numel + d_tab.offsets[None, :, None]).expand(k, g, rd).flatten()
+
+    def by_peer(mask, peers, values):
+        peers, values = peers[mask], values[mask]
+        order = torch.argsort(peers, stable=True)
+        peers, values = peers[order], values[order]
+        out = []
+        for peer, count in zip(*torch.unique_consecutive(peers, return_counts=True)):
+            out.append((src.mesh.ranks[int(peer)], values[:int(count)]))
+            values = values[int(count):]
+        return tuple(out)
+
+    mine_out, mine_in = sender == position, receiver == position
+    return _Exchange(
+        sends=by_peer(mine_out & ~mine_in, receiver, send_offset),
+        receives=by_peer(mine_in & ~mine_out, sender, slot),
+        copy_from=send_offset[mine_out & mine_in],
+        copy_to=slot[mine_out & mine_in],
+        summands=k,
+        out_shape=d_tab.local_shapes[position],
+        reduce_op=src.reduce_op if reduce else None,
+    )
+
+
+def _execute(local: torch.Tensor, plan: _Exchange, group) -> torch.Tensor:
+    """Run one rank's exchange with batched isend/irecv (gloo has no all_to_all_v)."""
+    device = local.device
+    flat = local.contiguous().reshape(-1)
+    buffer = torch.empty(plan.summands * math.prod(plan.out_shape), dtype=local.dtype, device=device)
+    buffer[plan.copy_to.to(device)] = flat[plan.copy_from.to(device)]
+    ops, landing = [], []
+    for peer, offsets in plan.sends:
+        ops.append(dist.P2POp(dist.isend, flat[offsets.to(device)].contiguous(), peer, group))
+    for peer, slots in plan.receives:
+        incoming = torch.empty(len(slots), dtype=local.dtype, device=device)
+        ops.append(dist.P2POp(dist.irecv, incoming, peer, group))
+        landing.append((incoming, slots))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for incoming, slots in landing:
+        buffer[slots.to(device)] = incoming
+    buffer = buffer.reshape((plan.summands,) + plan.out_shape)
+    if plan.reduce_op is None:
+        return buffer.reshape(plan.out_shape) if plan.summands == 1 else buffer
+    if plan.reduce_op == "sum":
+        return buffer.sum(0)
+    if plan.reduce_op == "avg":
+        return buffer.sum(0) / plan.summands if buffer.is_floating_point() else buffer.sum(0) // plan.summands
+    return buffer.amax(0) if plan.reduce_op == "max" else buffer.amin(0)
+
+
+def _redistribute_general(local: torch.Tensor, src: _Spec, dst: _Spec) -> torch.Tensor:
+    """Move ``local`` (this rank's piece under ``src``) to this rank's piece under ``dst``.
+
+    Correct for any two valid specs on one mesh; issue 4's planner replaces it with
+    collectives chosen from the layouts.
+    """
+    mesh = src.mesh
+    plan = _plan_general(src, dst, mesh.position())
+    return _execute(local, plan, mesh.group())
+
+
+# ---------------------------------------------------------------------------
+# Agreement across ranks (so a mistake on one rank is an error on all)
+# ---------------------------------------------------------------------------
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+_MAX_DIMS = 8
+
+
+def _describe(t: torch.Tensor, ok: bool = True) -> list[int]:
+    if t.dim() > _MAX_DIMS:
+        raise LayoutError(f"axedist DTensors have at most {_MAX_DIMS} dims, got {t.dim()}")
+    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
+    return [int(ok), code, t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
+
+
+def _gather_descriptions(mesh: DeviceMesh, row: list[int]) -> dict[int, list[int]]:
+    """``{global rank: row}`` for every rank of the mesh (one small all_gather)."""
+    mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
+    rows = [torch.empty_like(mine) for _ in range(mesh.size)]
+    dist.all_gather(rows, mine, group=mesh.group())
+    return {rank: r.tolist() for rank, r in zip(sorted(mesh.ranks), rows)}
+
+
+def _shape_text(row) -> str:
+    dtype = _DTYPES[row[1]] if row[1] >= 0 else "an unsupported dtype"
+    return f"{tuple(row[3:3 + row[2]])} {dtype}"
+
+
+# ---------------------------------------------------------------------------
+# The tensor
+# ---------------------------------------------------------------------------
+
+
+class DTensor(torch.Tensor):
+    """A global tensor whose elements sit on a mesh as an Axe layout says.
+
+    A wrapper subclass (like torch's DTensor): ``shape``/``dtype``/``device``/``requires_grad``
+    describe the global tensor; the data is ``to_local()`` on each rank. Torch ops do not
+    run on it yet: move data with ``redistribute``, read it with ``to_local``/``full_tensor``.
+    """
+
+    _local: torch.Tensor
+    _spec: _Spec
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: _Spec, requires_grad: bool = False):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
+        self._local = local
+        self._spec = spec
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            (dt,) = args
+            return DTensor(dt._local.detach(), dt._spec)
+        raise NotImplementedError(f"axedist.DTensor does not run torch op {func} yet; use to_local(), "
+                                  f"full_tensor() or redistribute()")
+
+    # -- construction ----------------------------------------------------------
+
+    @staticmethod
+    def from_local(local: torch.Tensor, mesh: DeviceMesh, layout_or_placements, shape: Sequence[int] | None = None, *,
+                   padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
+                   run_check: bool = False) -> "DTensor":
+        """This rank's piece of a global tensor (no data moves).
+
+        With placements, ``local`` follows torch's convention (``shape`` for uneven dims;
+        default: every shard as large as this one). With a layout, ``shape`` is required
+        (a layout alone does not say where dims begin), ``padded_shape`` is what it admits
+        when that differs, and ``reduce_op`` marks its leading dim as pending summands.
+        ``run_check=True`` compares every rank's local shape and dtype (one all_gather)
+        and raises on every rank when any differs from the layout's.
+        """
+        mesh.position()
+        if _is_placements(layout_or_placements):
+            if shape is None:
+                shape = _even_shape_from_local(local.shape, mesh, layout_or_placements)
+            spec = _spec_from_placements(shape, mesh, layout_or_placements)
+            if spec.reduce_op:
+                local = local.unsqueeze(0)
+        else:
+            if shape is None:
+                raise LayoutError("from_local with a layout needs shape= (the global shape)")
+            spec = _spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op, dims_include_summands=True)
+        expected = _table(spec).local_shapes[mesh.position()]
+        ok = tuple(local.shape) == expected
+        if run_check:
+            rows = _gather_descriptions(mesh, _describe(local, ok))
+            shapes = _table(spec).local_shapes
+            dtype = rows[mesh.ranks[0]][1]
+            bad = {r: row for r, row in rows.items() if not row[0] or row[1] != dtype or row[1] < 0}
+            if bad:
+                lines = [f"rank {r}: local {_shape_text(row)}, the layout gives it {shapes[mesh.position(r)]}"
+                         for r, row in sorted(bad.items())]
+                raise LayoutError(f"from_local({spec}): local tensors do not fit the layout:\n  " + "\n  ".join(lines))
+        elif not ok:
+            raise LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape {tuple(local.shape)}, "
+                              f"the layout gives it {expected}")
+        if local.device != mesh.device:
+            raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
+        return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    # -- reading -------------------------------------------------------------------
+
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole global tensor on every rank of the mesh (pending reductions applied)."""
+        return self.redistribute(_replicated_layout(self.shape, self.mesh)).to_local()
+
+    @property
+    def layout(self) -> Layout:  # shadows torch.Tensor.layout (torch.strided): an Axe layout is the point here
+        return self._spec.layout
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        return self._spec.padded
+
+    @property
+    def reduce_op(self) -> str | None:
+        return self._spec.reduce_op
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return _placements_for(self._spec)
+
+    # -- moving --------------------------------------------------------------------
+
+    def redistribute(self, layout_or_placements, *, padded_shape: Sequence[int] | None = None,
+                     reduce_op: str | None = None) -> "DTensor":
+        """The same global tensor in another layout (or placements) on the same mesh."""
+        dst = _target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
+        if dst == self._spec:
+            return self
+        local = _redistribute_general(self._local, self._spec, dst)
+        return DTensor(local, dst, requires_grad=self.requires_grad)
+
+    def to_partial(self, reduce_op: str = "sum") -> "DTensor":
+        """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.
+
+        Fig. 8: ``x`` of shape (4,64,64) in ``S[(4,64,64):(1@gpuid,64,1)]``;
+        ``x.to_partial().redistribute(S[(4,16,64):(1@gpuid,64,1)])`` is a reduce-scatter.
+        """
+        spec = self._spec
+        if spec.reduce_op is not None:
+            raise LayoutError(f"{spec} already has a pending {spec.reduce_op}")
+        if len(spec.shape) < 1 or spec.padded[0] != spec.shape[0]:
+            raise LayoutError(f"to_partial needs an unpadded leading dim, got {spec}")
+        new = _make_spec(spec.mesh, spec.layout, spec.shape[1:], spec.padded[1:], reduce_op, spec.shape[0])
+        return DTensor(self._local, new, requires_grad=self.requires_grad)
+
+    # -- interop -------------------------------------------------------------------
+
+    def to_torch(self):
+        """The equal ``torch.distributed.tensor.DTensor`` (same local tensors)."""
+        from torch.distributed.tensor import DTensor as TorchDTensor
+
+        placements = _placements_for(self._spec)
+        local = self._local[0] if self._spec.reduce_op else self._local
+        return TorchDTensor.from_local(local, self.mesh.to_torch(), placements, run_check=False,
+                                       shape=torch.Size(self.shape), stride=_contiguous_strides(self.shape))
+
+    def __repr__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for s in reversed(shape):
+        strides.append(step)
+        step *= s
+    return tuple(reversed(strides))
+
+
+def _replicated_layout(shape, mesh: DeviceMesh) -> Layout:
+    """Row-major ``shape`` on every device: ``S[(8,6):(6,1)] + R[4:1@gpuid]``."""
+    return Layout([Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))],
+                  [Iter(k, 1, a) for a, k in zip(mesh.axis_names, mesh.shape)])
+
+
+def _is_placements(value) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(p, Placement) for p in value)
+
+
+def _spec_for_layout(mesh, layout, shape, padded, reduce_op, dims_include_summands) -> _Spec:
+    """A spec from a user's layout. With ``reduce_op``, ``shape`` (and ``padded``) include the
+    leading summand dim when ``dims_include_summands``."""
+    shape = tuple(shape)
+    padded = shape if padded is None else tuple(padded)
+    if reduce_op is None:
+        return _make_spec(mesh, layout, shape, padded)
+    if dims_include_summands:
+        if padded[0] != shape[0]:
+            raise LayoutError(f"the summand dim is not padded: shape {shape}, padded {padded}")
+        return _make_spec(mesh, layout, shape[1:], padded[1:], reduce_op, shape[0])
+    summands, rest = divmod(layout.size, math.prod(padded))
+    if rest:
+        raise LayoutError(f"layout {layout} of size {layout.size} is not a whole number of copies of {padded}")
+    return _make_spec(mesh, layout, shape, padded, reduce_op, summands)
+
+
+def _target_spec(spec: _Spec, target, padded, reduce_op) -> _Spec:
+    if _is_placements(target):
+        return _spec_from_placements(spec.shape, spec.mesh, target, summands_for_partial=spec.summands)
+    return _spec_for_layout(spec.mesh, target, spec.shape, padded, reduce_op, dims_include_summands=False)
+
+
+# ---------------------------------------------------------------------------
+# Public constructors
+# ---------------------------------------------------------------------------
+
+
+def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src_rank: int | None = 0, *,
+               padded_shape: Sequence[int] | None = None) -> DTensor:
+    """Place a global tensor on the mesh; the data comes from ``src_rank`` only.
+
+    Every rank of the mesh passes a tensor of the same shape and dtype (checked, one
+    small all_gather); only ``src_rank``'s values are read. ``src_rank=None``: every rank
+    already has the same values and keeps its own piece (no data moves).
+
+        >>> distribute(torch.arange(8.), DeviceMesh("cpu", (4,)), [Shard(0)]).to_local()   # rank 3
+        tensor([6., 7.])
+    """
+    mesh.position()
+    rows = _gather_descriptions(mesh, _describe(tensor))
+    first = rows[mesh.ranks[0]]
+    differ = [r for r, row in rows.items() if row[1:] != first[1:]]
+    if differ:
+        listing = ", ".join(f"rank {r}: {_shape_text(row)}" for r, row in sorted(rows.items()))
+        raise LayoutError(f"distribute needs the same shape and dtype on every rank of the mesh; got {listing}")
+    if tensor.numel() == 0:
+        raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
+    shape = tuple(tensor.shape)
+    if _is_placements(layout_or_placements):
+        dst = _spec_from_placements(shape, mesh, layout_or_placements)
+        if dst.reduce_op:
+            raise LayoutError("distribute to Partial placements has no single meaning; distribute, then to_partial()")
+    else:
+        dst = _make_spec(mesh, layout_or_placements, shape, padded_shape)
+    row_major = [Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))]
+    if src_rank is None:
+        src = _make_spec(mesh, _replicated_layout(shape, mesh), shape)
+    else:
+        if not mesh.contains(src_rank):
+            raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
+        src = _make_spec(mesh, Layout(row_major, (), mesh.coordinates(src_rank)), shape)
+    if src_rank is None or dist.get_rank() == src_rank:
+        local = tensor.to(mesh.device)
+    else:
+        local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
+    return DTensor(_redistribute_general(local, src, dst), dst, requires_grad=tensor.requires_grad)
+
+
+# ---------------------------------------------------------------------------
+# Placements <-> layouts
+# ---------------------------------------------------------------------------
+
+
+def _even_shape_from_local(local_shape, mesh, placements) -> tuple[int, ...]:
+    shape = list(local_shape)
+    for k, p in zip(mesh.shape, placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            shape[p.dim] *= k
+    return tuple(shape)
+
+
+def _split_local(block: list, factors: list[tuple[int, str | None]], what: str) -> list:
+    """Split the memory part of one dim (its ``('m', e)`` pieces, outer to inner, with device
+    pieces in between staying put) into ``factors`` ``(extent, owner)``, outer to inner."""
+    factors = [[e, owner] for e, owner in factors if e > 1]
+    out = []
+    for piece in block:
+        if piece[0] != MEMORY:
+            out.append(piece)
+            continue
+        extent = piece[1]
+        while extent > 1:
+            if not factors:
+                raise LayoutError(f"{what}: internal split mismatch")
+            want, owner = factors[0]
+            if want % extent == 0:
+                take = extent
+            elif extent % want == 0:
+                take = want
+            else:
+                raise LayoutError(f"{what}: cannot split a local extent {extent} into {want} parts evenly")
+            out.append((MEMORY, take) if owner is None else (owner, take))
+            extent //= take
+            factors[0][0] //= take
+            if factors[0][0] == 1:
+                factors.pop(0)
+    return out
+
+
+def _torch_chunk_starts(n: int, ks: list[int]):
+    """torch's nested chunking of one dim by mesh sizes ``ks`` (in placement order):
+    ``{coords: (start, size)}``."""
+    ranges = {(): (0, n)}
+    for k in ks:
+        nxt = {}
+        for coords, (start, size) in ranges.items():
+            chunk = -(-size // k)
+            for i in range(k):
+                lo, hi = min(i * chunk, size), min((i + 1) * chunk, size)
+                nxt[coords + (i,)] = (start + lo, hi - lo)
+        ranges = nxt
+    return ranges
+
+
+def _spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_partial: int | None = None) -> _Spec:
+    """DESIGN §2: placements as a layout over a padded shape (``torch.chunk``'s split)."""
+    shape = tuple(int(s) for s in shape)
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise LayoutError(f"mesh {mesh} has {mesh.ndim} axes but {len(placements)} placements {placements}")
+    what = f"placements {list(placements)} for shape {list(shape)} on mesh {mesh.shape}"
+    blocks = [[(MEMORY, n)] for n in shape]
+    padded = list(shape)
+    shard_axes: dict[int, list[int]] = {}
+    replica, partial, op = [], [], None
+    for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
+        if isinstance(p, Replicate):
+            replica.append(Iter(k, 1, axis))
+        elif isinstance(p, Partial):
+            if op is not None and p.reduce_op != op:
+                raise LayoutError(f"{what}: one pending reduce op per tensor ({op} and {p.reduce_op})")
+            op = p.reduce_op
+            partial.append(Iter(k, 1, axis))
+        elif isinstance(p, (Shard, _StridedShard)):
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            if not 0 <= d < len(shape):
+                raise LayoutError(f"{what}: {p} names dim {p.dim} of a {len(shape)}-d tensor")
+            split = p.split_factor if isinstance(p, _StridedShard) else 1
+            local = math.prod(e for a, e in blocks[d] if a == MEMORY)
+            if local % (split * k):
+                if split != 1 or d in shard_axes:
+                    raise LayoutError(f"{what}: dim {d} is uneven at more than one level (or strided); "
+                                      f"torch's nested chunking of it has no single layout")
+                padded[d] = -(-local // k) * k
+                blocks[d] = [(MEMORY, padded[d])]
+                local = padded[d]
+            shard_axes.setdefault(d, []).append(k)
+            blocks[d] = _split_local(blocks[d], [(split, None), (k, axis), (local // (split * k), None)], what)
+        else:
+            raise LayoutError(f"{what}: unsupported placement {p!r}")
+    for d, ks in shard_axes.items():
+        if padded[d] != shape[d] and len(ks) > 1:  # nested uneven: equal to padding only sometimes
+            for coords, (start, size) in _torch_chunk_starts(shape[d], ks).items():
+                ours, step = 0, padded[d]
+                for c, k in zip(coords, ks):
+                    step //= k
+                    ours += c * step
+                if (size and start != ours) or size != max(0, min(step, shape[d] - ours)):
+                    raise LayoutError(f"{what}: torch's nested chunking of dim {d} (size {shape[d]}) by {ks} "
+                                      f"gives unequal chunks at two levels; no single layout reproduces it")
+    local_shape = [math.prod(e for a, e in block if a == MEMORY) for block in blocks]
+    shard: list[Iter] = []
+    if partial:
+        shard += partial
+    inner = math.prod(local_shape)
+    for d, block in enumerate(blocks):
+        inner //= local_shape[d]
+        mem_stride = inner * local_shape[d]
+        axis_pieces: dict[str, list[int]] = {}
+        for a, e in block:
+            if a != MEMORY:
+                axis_pieces.setdefault(a, []).append(e)
+        axis_stride = {a: math.prod(es) for a, es in axis_pieces.items()}
+        for a, e in block:
+            if a == MEMORY:
+                mem_stride //= e
+                shard.append(Iter(e, mem_stride))
+            else:
+                axis_stride[a] //= e
+                shard.append(Iter(e, axis_stride[a], a))
+    layout = Layout(shard, replica)
+    if op is None:
+        return _make_spec(mesh, layout, shape, tuple(padded))
+    summands = math.prod(it.extent for it in partial)
+    if summands_for_partial not in (None, 1, summands):
+        raise LayoutError(f"{what}: {summands} partial summands, the tensor has {summands_for_partial}")
+    return _make_spec(mesh, layout, shape, tuple(padded), op, summands)
+
+
+def layout_from_placements(shape: Sequence[int], mesh: DeviceMesh, placements) -> Layout:
+    """The layout of torch placements: ``(8,6)``, 4 GPUs, ``[Shard(0)]`` -> ``S[(4,2,6):(1@gpuid,6,1)]``.
+
+    For an uneven dim the layout admits the padded shape (each shard ``ceil(n/k)``); with
+    ``Partial`` it has the leading summand dim.
+    """
+    return _spec_from_placements(shape, mesh, placements).layout
+
+
+def _placements_for(spec: _Spec) -> tuple[Placement, ...]:
+    """Read placements off the layout's blocks, then check they give back the same map."""
+    mesh = spec.mesh
+    blocks = spec.layout.blocks(spec.full_shape)
+    first_dim = 1 if spec.reduce_op else 0
+    placements = []
+    for index, axis in enumerate(mesh.axis_names):
+        where = [d for d, block in enumerate(blocks) if any(it.axis == axis for it in block)]
+        if not where:
+            placements.append(Replicate())
+            continue
+        d = where[0]
+        if spec.reduce_op and d == 0:
+            placements.append(Partial(spec.reduce_op))
+            continue
+        block = blocks[d]
+        first = next(i for i, it in enumerate(block) if it.axis == axis)
+        split = math.prod(it.extent for it in block[:first]
+                          if it.axis != MEMORY and mesh.axis_names.index(it.axis) > index)
+        dim = d - first_dim
+        placements.append(_StridedShard(dim, split_factor=split) if split > 1 else Shard(dim))
+    try:
+        again = _spec_from_placements(spec.shape, mesh, placements, spec.summands)
+    except LayoutError as e:
+        again, reason = None, str(e)
+    if again is None or again.layout != spec.layout or again.padded != spec.padded:
+        got = reason if again is None else f"those give {again.layout} over {list(again.padded)}"
+        raise LayoutError(f"layout {spec.layout} over {list(spec.full_shape)} has no placement form on mesh "
+                          f"{mesh.axis_names}={mesh.shape} (nearest: {placements}; {got})")
+    return tuple(placements)
+
+
+def placements_from_layout(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], *,
+                           reduce_op: str | None = None) -> tuple[Placement, ...]:
+    """Torch placements with the same map: ``S[(4,2,6):(1@gpuid,6,1)]``, shape (8,6) -> ``(Shard(0),)``.
+
+    ``shape`` is the shape the layout admits (with ``reduce_op``: without the summand dim).
+    Raises LayoutError naming the layout when no placements give the same map.
+    """
+    return _placements_for(_spec_for_layout(mesh, layout, shape, None, reduce_op, dims_include_summands=False))
+
+
+def from_torch(torch_dtensor) -> DTensor:
+    """The axedist DTensor equal to a torch DTensor (same local tensors; mesh axes keep their names)."""
+    mesh = _mesh_from_torch(torch_dtensor.device_mesh)
+    spec = _spec_from_placements(torch_dtensor.shape, mesh, torch_dtensor.placements)
+    local = torch_dtensor.to_local()
+    if spec.reduce_op:
+        local = local.unsqueeze(0)
+    expected = _table(spec).local_shapes[mesh.position()]
+    if tuple(local.shape) != expected:
+        raise LayoutError(f"from_torch: torch's local shape {tuple(local.shape)} differs from the layout's {expected} "
+                          f"for {spec}")
+    return DTensor(local, spec, requires_grad=torch_dtensor.requires_grad)
+
+
+_TORCH_MESHES: dict = {}
+
+
+def _mesh_from_torch(torch_mesh) -> DeviceMesh:
+    key = (torch_mesh.device_type, tuple(torch_mesh.mesh.flatten().tolist()), tuple(torch_mesh.mesh.shape),
+           torch_mesh.mesh_dim_names)
+    if key not in _TORCH_MESHES:
+        _TORCH_MESHES[key] = DeviceMesh.from_torch(torch_mesh)
+    return _TORCH_MESHES[key]
