@@ -182,7 +182,9 @@ def decode_error_record(record: int) -> tuple[int, int, int, int]:
 
 
 def _pad8(addresses: list[int]) -> list[int]:
-    return addresses + [0] * (8 - len(addresses))
+    # kernels take eight address arguments; unused ones repeat a real one (never dereferenced)
+    # so that every argument is typed int64 (Triton types a Python int by its value)
+    return addresses + [addresses[0]] * (8 - len(addresses))
 
 
 def _retire(workspace: SymmetricWorkspace) -> None:

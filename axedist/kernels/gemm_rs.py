@@ -297,10 +297,11 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
             state[1] = 0
         counter, task_base = state[0], state[1]
         state[1] += tasks + programs
-        data = [0] * 8
-        flags = [0] * 8
+        # no flags and no reduce in this mode: placeholders typed like the fused mode's (int64)
+        data = [counter.data_ptr()] * 8
+        flags = [counter.data_ptr()] * 8
         multicast = 0
-        abort, error_address, timeout_ns = counter, 0, 0
+        abort, error_address, timeout_ns = counter, counter.data_ptr(), 1 << 40
         out = part
     else:
         counter = workspace.counter
