@@ -1,0 +1,845 @@
+"""Layout inference: the plan of collectives that moves a tensor from one layout to another.
+
+Pure planning (DESIGN §3): no torch import, no communication. A plan is data; the
+executor (``axedist.collectives``, next) runs it, ``simulate`` here runs it on Python lists.
+
+Example, a ``(8, 6)`` tensor sharded on dim 0 over 4 devices, gathered everywhere::
+
+    >>> mesh = (("gpuid", 4),)
+    >>> src = Layout.parse("S[(4,2,6):(1@gpuid,6,1)]")        # Shard(0)
+    >>> dst = Layout.parse("S[(8,6):(6,1)] + R[4:1@gpuid]")   # Replicate()
+    >>> print(plan_layouts(src, dst, mesh, (8, 6)))
+    plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], shape (8, 6), mesh (gpuid=4), 4-byte items
+      1. all-gather over gpuid (1 group of 4): each device sends 144 B, receives 144 B
+      per device at most: sent 144 B, received 144 B
+
+Conventions
+-----------
+* **Mesh.** An ordered tuple of ``(axis_name, size)`` pairs, e.g. ``(("x", 2), ("y", 4))``.
+  A *device* is a tuple of coordinates over those axes, in that order; ranks are the
+  mesh's business (the executor maps coordinates to ranks). A layout's axes other than
+  ``m`` must be mesh axis names; an axis the layout does not name is at coordinate 0
+  (plus its offset), so a layout may occupy a subset of the mesh.
+* **Local buffers.** Each device's local data is a flat buffer indexed by the ``m``
+  coordinate, of ``buffer_size(layout)`` = largest ``m`` + 1 slots (the same on every
+  device; slots a device does not hold are garbage). Uneven shapes are padded by the
+  executor before planning sees them.
+* **Partial sums** (DESIGN §2, the paper's Fig. 8). With ``partial=op`` (``"sum"``,
+  ``"avg"``, ``"max"``, ``"min"``) the source layout admits ``(P, *shape)``: a leading
+  summand dimension of ``P`` pending values per element; the destination admits
+  ``shape`` and holds ``op`` over the summands.
+* **Steps.** A plan is an ordered tuple of ``Step``. Every step maps each device's input
+  buffer (``in_size`` slots) to a fresh output buffer (``out_size`` slots) through its
+  ``transfers``: ``Transfer`` boxes ``(source device, target device, extents, source
+  offset and strides, target offset and strides)`` in ``m`` coordinates. A transfer
+  whose source is its target is a local copy (no bytes). In a step with ``reduce`` set,
+  each output slot is ``reduce`` over every value sent to it (``avg``: their mean);
+  otherwise every output slot a layout uses is written exactly once. ``kind`` names the
+  collective the transfers form, ``groups`` the device groups it runs in (each group
+  a process group), ``axes`` the mesh axes those groups vary along.
+* **Bytes** are those of the transfers between distinct devices, times ``itemsize``:
+  what a direct (pairwise) implementation moves, which is also what ring all-gather,
+  reduce-scatter and all-to-all move. An all-reduce is planned as reduce-scatter then
+  all-gather (the two steps carry ``fused="all_reduce"`` so an executor may issue one
+  ``all_reduce``).
+
+How plans are derived
+---------------------
+1. Both shard parts ``D`` (the source's data part after its summand block) are refined
+   into one sequence of *digits*: iters split until both sides have the same extents
+   (as ``Layout.group`` splits). Each digit then has a source ``(axis, stride)`` and a
+   destination ``(axis, stride)``; summand digits have only a source.
+2. Each device's holding is a box in digit space: mesh-bound digits fixed, ``m`` digits
+   free. Enumerating the destination's mesh-bound digits and replicas gives every
+   target device; enumerating the digits that are on a mesh axis in the source but not
+   in the destination (and summand digits) gives the source devices; the digits on
+   ``m`` on both sides stay free and become the extents of one strided ``Transfer``.
+   A replicated source is read from one holder: the target itself if it holds the
+   data, else the holder differing from it on the fewest mesh axes.
+3. Without partial sums this is one step, and each device receives exactly what it
+   needs and does not hold (the minimum). With partial sums the summand digits on mesh
+   axes are first reduced into an intermediate layout: onto the destination's digit on
+   that axis and stride when it has one (reduce-scatter straight into place), onto the
+   one device the destination uses along that axis (reduce), else by scattering a
+   local digit (reduce-scatter, followed by an all-gather: an all-reduce). All summand
+   axes reduce in one step (one reduce-scatter over the product group moves
+   ``(G-1)/G`` of the data, as any order of per-axis steps does). A copy step then
+   moves the intermediate layout to the destination.
+4. Each step's transfer graph names it: only local transfers -> ``local``; per group of
+   devices exchanging data, every member sending the same data to every other ->
+   ``all_gather``, distinct data of equal size -> ``all_to_all``, one sender ->
+   ``broadcast``, each device sending to and receiving from at most one peer ->
+   ``permute`` (send/recv); with ``reduce``: every member reducing a distinct part ->
+   ``reduce_scatter``, the same part -> ``all_reduce``, one receiver -> ``reduce``.
+   Anything else is ``all_to_all_v`` over the explicit boxes.
+5. Fallback, correct for any pair of valid layouts (no common refinement, or a
+   destination replicated within one device's memory): enumerate the elements, pick a
+   holder per (element, target device) as above, and compress the element pairs into
+   strided runs. Partial sums reduce each element at one of its destination devices
+   first.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from .layout import Iter, Layout, LayoutError
+
+__all__ = [
+    "Plan",
+    "Step",
+    "Transfer",
+    "plan_layouts",
+    "simulate",
+    "buffer_size",
+    "local_buffers",
+    "global_values",
+    "REDUCE_OPS",
+]
+
+MEMORY_AXIS = "m"
+REDUCE_OPS = ("sum", "avg", "max", "min")
+# The element fallback enumerates every element; past this it refuses rather than crawl.
+_FALLBACK_LIMIT = 1 << 22
+
+Device = tuple  # coordinates over the mesh's axes, in mesh order
+Mesh = tuple  # ((axis_name, size), ...)
+
+
+# ---------------------------------------------------------------------------
+# Plan data
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A strided box of values from ``source``'s buffer into ``target``'s buffer.
+
+    Element ``i`` (row-major over ``extents``) goes from ``source_offset + sum i_k*source_strides_k``
+    to ``target_offset + sum i_k*target_strides_k``. ``Transfer((0,), (1,), (2, 6), 12, (6, 1), 0, (6, 1))``
+    copies 12 contiguous slots starting at 12 on device 0 to slots 0..11 on device 1.
+    Strides may be negative (a layout may walk memory backwards).
+    """
+
+    source: Device
+    target: Device
+    extents: tuple[int, ...]
+    source_offset: int
+    source_strides: tuple[int, ...]
+    target_offset: int
+    target_strides: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.extents)
+
+    @property
+    def is_local(self) -> bool:
+        return self.source == self.target
+
+    def pairs(self) -> Iterable[tuple[int, int]]:
+        """``(source slot, target slot)`` for every element of the box, row-major."""
+        for digits in itertools.product(*(range(e) for e in self.extents)):
+            yield (
+                self.source_offset + sum(d * s for d, s in zip(digits, self.source_strides)),
+                self.target_offset + sum(d * s for d, s in zip(digits, self.target_strides)),
+            )
+
+    def source_box(self) -> tuple:
+        """What is read, as ``(offset, extents, strides)``; equal boxes read equal data."""
+        return (self.source_offset, self.extents, self.source_strides)
+
+    def __str__(self) -> str:
+        return (f"{self.source}->{self.target} {self.extents}: "
+                f"{self.source_offset}+{self.source_strides} -> {self.target_offset}+{self.target_strides}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local copy) of a plan; see the module docstring for its meaning."""
+
+    kind: str
+    axes: tuple[str, ...]
+    groups: tuple[tuple[Device, ...], ...]
+    transfers: tuple[Transfer, ...]
+    reduce: str | None
+    in_size: int
+    out_size: int
+    source: Layout | None  # layout of the input buffers (None: an element-level intermediate)
+    target: Layout | None
+    itemsize: int
+    fused: str | None = None  # "all_reduce" on a reduce-scatter + all-gather pair
+
+    @functools.cached_property
+    def bytes_sent(self) -> dict[Device, int]:
+        sent: dict[Device, int] = {}
+        for t in self.transfers:
+            if not t.is_local:
+                sent[t.source] = sent.get(t.source, 0) + t.count * self.itemsize
+        return sent
+
+    @functools.cached_property
+    def bytes_received(self) -> dict[Device, int]:
+        received: dict[Device, int] = {}
+        for t in self.transfers:
+            if not t.is_local:
+                received[t.target] = received.get(t.target, 0) + t.count * self.itemsize
+        return received
+
+    @functools.cached_property
+    def messages(self) -> dict[tuple[Device, Device], tuple[Transfer, ...]]:
+        """``{(source, target): transfers}`` between distinct devices, in plan order.
+
+        One message per pair: the sender packs its boxes in this order, the receiver
+        unpacks them in the same order (both read it from the same plan).
+        """
+        messages: dict[tuple[Device, Device], list[Transfer]] = {}
+        for t in self.transfers:
+            if not t.is_local:
+                messages.setdefault((t.source, t.target), []).append(t)
+        return {pair: tuple(ts) for pair, ts in messages.items()}
+
+    def sends(self, device: Device) -> tuple[Transfer, ...]:
+        """The transfers ``device`` sends to other devices (what its executor packs)."""
+        return tuple(t for t in self.transfers if t.source == device and not t.is_local)
+
+    def receives(self, device: Device) -> tuple[Transfer, ...]:
+        """The transfers other devices send to ``device`` (what its executor unpacks)."""
+        return tuple(t for t in self.transfers if t.target == device and not t.is_local)
+
+    def local(self, device: Device) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.transfers if t.target == device and t.is_local)
+
+    def describe(self) -> str:
+        name = _KIND_TEXT[self.kind]
+        if self.reduce is not None and self.kind != "local":
+            name += f"({self.reduce})"
+        elif self.reduce is not None:
+            name = f"local reduce({self.reduce})"
+        if self.kind == "local":
+            return name
+        sizes = sorted({len(g) for g in self.groups})
+        size_text = "/".join(map(str, sizes))
+        count = len(self.groups)
+        text = f"{name} over {','.join(self.axes)} ({count} group{'s' if count > 1 else ''} of {size_text})"
+        sent, received = set(self.bytes_sent.values()), set(self.bytes_received.values())
+        senders, receivers = len(self.bytes_sent), len(self.bytes_received)
+        members = {d for g in self.groups for d in g}
+        if len(sent) == 1 and len(received) == 1 and set(self.bytes_sent) == set(self.bytes_received) == members:
+            text += f": each device sends {sent.pop()} B, receives {received.pop()} B"
+        else:
+            text += (f": {senders} device(s) send up to {max(sent, default=0)} B, "
+                     f"{receivers} receive up to {max(received, default=0)} B")
+        return text
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+_KIND_TEXT = {
+    "local": "local copy",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_reduce": "all-reduce",
+    "reduce": "reduce",
+    "all_to_all": "all-to-all",
+    "broadcast": "broadcast",
+    "permute": "send/recv permutation",
+    "all_to_all_v": "all-to-all-v",
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ordered steps moving a tensor from ``source`` to ``target`` on ``mesh``; ``str`` explains it."""
+
+    source: Layout
+    target: Layout
+    mesh: Mesh
+    shape: tuple[int, ...]
+    itemsize: int
+    partial: str | None
+    steps: tuple[Step, ...]
+    method: str  # "digits" (derived from the layouts' digits) or "elements" (the fallback)
+
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        return _devices(self.mesh)
+
+    @property
+    def in_size(self) -> int:
+        return buffer_size(self.source)
+
+    @property
+    def out_size(self) -> int:
+        return buffer_size(self.target)
+
+    @functools.cached_property
+    def bytes_sent(self) -> dict[Device, int]:
+        """Bytes each device sends over the whole plan (every device listed)."""
+        return {d: sum(s.bytes_sent.get(d, 0) for s in self.steps) for d in self.devices}
+
+    @functools.cached_property
+    def bytes_received(self) -> dict[Device, int]:
+        return {d: sum(s.bytes_received.get(d, 0) for s in self.steps) for d in self.devices}
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(s.kind for s in self.steps)
+
+    def explain(self) -> str:
+        mesh_text = "(" + ", ".join(f"{a}={n}" for a, n in self.mesh) + ")"
+        head = f"plan {self.source} -> {self.target}, shape {self.shape}, mesh {mesh_text}, {self.itemsize}-byte items"
+        if self.partial:
+            head += f", {self.partial} over the leading summand dim"
+        lines = [head]
+        if not self.steps:
+            lines.append("  nothing to do: same layout")
+        for i, step in enumerate(self.steps, 1):
+            line = f"  {i}. {step.describe()}"
+            if step.fused == "all_reduce":
+                line += "  [all-reduce, part " + ("1/2]" if step.kind == "reduce_scatter" else "2/2]")
+            lines.append(line)
+        if self.method == "elements":
+            lines.append("  (element-level fallback: the layouts share no digit refinement)")
+        lines.append(f"  per device at most: sent {max(self.bytes_sent.values(), default=0)} B, "
+                     f"received {max(self.bytes_received.values(), default=0)} B")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+# ---------------------------------------------------------------------------
+# Mesh, validation, buffers
+# ---------------------------------------------------------------------------
+
+
+def _mesh(mesh) -> Mesh:
+    pairs = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(tuple(p) for p in mesh)
+    names = [a for a, _ in pairs]
+    if not pairs or len(set(names)) != len(names) or MEMORY_AXIS in names:
+        raise LayoutError(f"a mesh is ((axis, size), ...) with distinct names other than 'm', got {mesh!r}")
+    for axis, size in pairs:
+        if not isinstance(axis, str) or not isinstance(size, int) or size <= 0:
+            raise LayoutError(f"mesh axis {axis!r} needs a positive int size, got {size!r}")
+    return pairs
+
+
+@functools.lru_cache(maxsize=256)
+def _devices(mesh: Mesh) -> tuple[Device, ...]:
+    return tuple(itertools.product(*(range(n) for _, n in mesh)))
+
+
+def buffer_size(layout: Layout) -> int:
+    """Slots of each device's local buffer: the largest ``m`` the layout reaches, plus one."""
+    return layout.bounds(MEMORY_AXIS)[1] + 1
+
+
+def _validate(layout: Layout, mesh: Mesh, size: int, what: str):
+    if layout.size != size:
+        raise LayoutError(f"{what} layout {layout} has {layout.size} elements, expected {size}")
+    names = dict(mesh)
+    for axis in layout.axes:
+        if axis != MEMORY_AXIS and axis not in names:
+            raise LayoutError(f"{what} layout {layout} names axis {axis!r}, which mesh {mesh} does not have")
+    for axis in layout.axes:
+        low, high = layout.bounds(axis)
+        limit = names.get(axis)
+        if low < 0 or (limit is not None and high >= limit):
+            where = "memory" if limit is None else f"mesh axis {axis!r} of size {limit}"
+            raise LayoutError(f"{what} layout {layout} reaches [{low}, {high}] on {where}")
+    if not layout.is_injective():
+        raise LayoutError(f"{what} layout {layout} puts two elements in one (device, m) slot")
+
+
+def _split_point(point: Mapping[str, int], mesh: Mesh) -> tuple[Device, int]:
+    return tuple(point.get(a, 0) for a, _ in mesh), point.get(MEMORY_AXIS, 0)
+
+
+def _slots(layout: Layout, mesh: Mesh) -> list[list[tuple[Device, int]]]:
+    """``[(device, m) for every copy of element x] for every x``, by enumeration."""
+    if layout.size * max(1, layout.replica_count) > _FALLBACK_LIMIT:
+        raise LayoutError(f"layout {layout} is too large to enumerate for the element-level plan")
+    replicas = _replica_points(layout, mesh)
+    shard = Layout(layout.shard)
+    result = []
+    for x in range(layout.size):
+        device, m = _split_point(shard.shard_coordinates(x), mesh)
+        seen = []
+        for r_device, r_m in replicas:
+            slot = (tuple(a + b for a, b in zip(device, r_device)), m + r_m)
+            if slot not in seen:
+                seen.append(slot)
+        result.append(seen)
+    return result
+
+
+def local_buffers(layout: Layout, mesh, values: Sequence) -> dict[Device, list]:
+    """Each device's buffer holding the flat (row-major) ``values`` laid out by ``layout``.
+
+    ``local_buffers(S[(2,3):(1@gpuid,1)], (("gpuid",2),), range(6))`` ->
+    ``{(0,): [0, 1, 2], (1,): [3, 4, 5]}``. Unused slots are None.
+    """
+    mesh = _mesh(mesh)
+    buffers = {d: [None] * buffer_size(layout) for d in _devices(mesh)}
+    for x, slots in enumerate(_slots(layout, mesh)):
+        for device, m in slots:
+            buffers[device][m] = values[x]
+    return buffers
+
+
+def global_values(layout: Layout, mesh, buffers: Mapping[Device, Sequence]) -> list[list]:
+    """For every element ``x``, the values found at each of its slots (all equal when consistent)."""
+    mesh = _mesh(mesh)
+    return [[buffers[device][m] for device, m in slots] for slots in _slots(layout, mesh)]
+
+
+# ---------------------------------------------------------------------------
+# The simulator
+# ---------------------------------------------------------------------------
+
+
+def _combine(op: str, values: list):
+    if op == "sum":
+        return sum(values[1:], values[0])
+    if op == "avg":
+        return sum(values[1:], values[0]) / len(values)
+    if op == "max":
+        return max(values)
+    if op == "min":
+        return min(values)
+    raise LayoutError(f"unknown reduce op {op!r}; expected one of {REDUCE_OPS}")
+
+
+def simulate(plan: Plan, buffers: Mapping[Device, Sequence]) -> dict[Device, list]:
+    """Run ``plan`` on per-device Python lists (``{device: buffer}``); returns the output buffers.
+
+    The oracle the tests use: each step reads only its input buffers and writes fresh
+    output buffers, exactly as the transfers say. A slot written twice in a step without
+    ``reduce`` is an error (a plan bug, never silently resolved).
+    """
+    current = {d: list(buffers[d]) for d in plan.devices}
+    for step in plan.steps:
+        incoming: dict[Device, dict[int, list]] = {d: {} for d in plan.devices}
+        for t in step.transfers:
+            source, into = current[t.source], incoming[t.target]
+            for s, m in t.pairs():
+                into.setdefault(m, []).append(source[s])
+        out = {}
+        for d in plan.devices:
+            buffer = [None] * step.out_size
+            for m, values in incoming[d].items():
+                if step.reduce is None:
+                    if len(values) != 1:
+                        raise AssertionError(f"step {step.kind} writes slot {m} of device {d} {len(values)} times")
+                    buffer[m] = values[0]
+                else:
+                    buffer[m] = _combine(step.reduce, values)
+            out[d] = buffer
+        current = out
+    return current
+
+
+# ---------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------
+
+
+def plan_layouts(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize: int = 4,
+                 partial: str | None = None) -> Plan:
+    """The plan moving a tensor of ``shape`` from layout ``src`` to ``dst`` on ``mesh``.
+
+    ``mesh`` is ``((axis, size), ...)``; with ``partial`` (a reduce op) ``src`` admits
+    ``(P, *shape)`` and holds ``P`` summands per element. Plans are cached on
+    (layouts' maps, mesh, shape, itemsize, partial). Example: a partial sum over 4
+    devices into ``Shard(0)`` is one reduce-scatter::
+
+        >>> plan_layouts(Layout.parse("S[(4,8,6):(1@gpuid,6,1)]"),
+        ...              Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"), (("gpuid", 4),), (8, 6),
+        ...              partial="sum").kinds
+        ('reduce_scatter',)
+    """
+    if partial is not None and partial not in REDUCE_OPS:
+        raise LayoutError(f"partial must be one of {REDUCE_OPS} or None, got {partial!r}")
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
+        raise LayoutError(f"itemsize must be a positive int, got {itemsize!r}")
+    return _plan_cached(src, dst, _mesh(mesh), tuple(int(s) for s in shape), itemsize, partial)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_cached(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int, partial) -> Plan:
+    size = math.prod(shape)
+    if partial is not None and (size == 0 or src.size % size):
+        raise LayoutError(f"partial source {src} has {src.size} elements, not a multiple of shape {shape}")
+    summands = src.size // size if partial is not None else 1
+    _validate(src, mesh, summands * size, "source")
+    _validate(dst, mesh, size, "target")
+    context = _Context(mesh, itemsize, partial)
+    steps = _plan_by_digits(src, dst, summands, size, context)
+    method = "digits"
+    if steps is None:
+        steps = _plan_by_elements(src, dst, summands, size, context)
+        method = "elements"
+    return Plan(src, dst, mesh, shape, itemsize, partial, _mark_all_reduce(steps), method)
+
+
+@dataclass(frozen=True)
+class _Context:
+    mesh: Mesh
+    itemsize: int
+    partial: str | None
+
+
+def _mark_all_reduce(steps: list[Step]) -> tuple[Step, ...]:
+    """Tag a reduce-scatter followed by an all-gather in the same groups as one all-reduce."""
+    steps = list(steps)
+    for i in range(len(steps) - 1):
+        a, b = steps[i], steps[i + 1]
+        if a.kind == "reduce_scatter" and b.kind == "all_gather" and a.groups == b.groups:
+            steps[i] = _replace(a, fused="all_reduce")
+            steps[i + 1] = _replace(b, fused="all_reduce")
+    return tuple(steps)
+
+
+def _replace(step: Step, **changes) -> Step:
+    fields = {name: getattr(step, name) for name in step.__dataclass_fields__}
+    fields.update(changes)
+    return Step(**fields)
+
+
+# -- digits ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Digit:
+    """One digit of the common refinement: where it sits in the source and in the target."""
+
+    extent: int
+    source: tuple[str, int]  # (axis, stride)
+    target: tuple[str, int] | None  # None: a summand digit (reduced away)
+
+    def split(self, outer: int) -> tuple["_Digit", "_Digit"]:
+        """``(outer, e/outer)`` digits whose product is this one (outer digit first)."""
+        inner = self.extent // outer
+        scale = lambda p: None if p is None else (p[0], p[1] * inner)
+        return _Digit(outer, scale(self.source), scale(self.target)), _Digit(inner, self.source, self.target)
+
+
+def _refine(a: Sequence[Iter], b: Sequence[Iter]) -> list[_Digit] | None:
+    """Split both iter sequences until their extents agree, outermost first; None if impossible.
+
+    ``(8:6, 6:1)`` and ``(4:1@gpuid, 2:6, 6:1)`` -> digits of extents ``(4, 2, 6)``.
+    """
+    a, b = list(a), list(b)
+    digits = []
+    while a and b:
+        x, y = a.pop(0), b.pop(0)
+        e = math.gcd(x.extent, y.extent)
+        if e not in (x.extent, y.extent):
+            return None
+        if x.extent > e:
+            a.insert(0, Iter(x.extent // e, x.stride, x.axis))
+        if y.extent > e:
+            b.insert(0, Iter(y.extent // e, y.stride, y.axis))
+        digits.append(_Digit(e, (x.axis, x.stride * (x.extent // e)), (y.axis, y.stride * (y.extent // e))))
+    return digits if not a and not b else None
+
+
+def _on_mesh(place) -> bool:
+    return place is not None and place[0] != MEMORY_AXIS
+
+
+def _plan_by_digits(src: Layout, dst: Layout, summands: int, size: int, context: _Context) -> list[Step] | None:
+    canon_src, canon_dst = src.canonicalize(), dst.canonicalize()
+    try:
+        summand_iters, data_iters = canon_src.blocks((summands, size))
+    except LayoutError:
+        return None
+    digits = _refine(data_iters, canon_dst.shard)
+    if digits is None or _replicated_in_memory(dst, context.mesh):
+        return None
+    summand_digits = [_Digit(it.extent, (it.axis, it.stride), None) for it in summand_iters]
+    if context.partial is None:
+        if src == dst:
+            return []
+        return [_box_step(digits, src, dst, context, reduce=None)]
+    middle, reduced_digits, copy_digits = _reduction_target(summand_digits, digits, src, dst, context.mesh)
+    steps = [_box_step(summand_digits + reduced_digits, src, middle, context, reduce=context.partial)]
+    if middle != dst:
+        steps.append(_box_step(copy_digits, middle, dst, context, reduce=None))
+    return steps
+
+
+def _replicated_in_memory(layout: Layout, mesh: Mesh) -> bool:
+    """Whether two replicas land on one device (at two ``m``): the element fallback handles those."""
+    devices = [_split_point(r, mesh)[0] for r in layout.replica_offsets]
+    return len(set(devices)) != len(devices)
+
+
+def _reduction_target(summand_digits, digits, src: Layout, dst: Layout, mesh: Mesh):
+    """The layout the reduce step lands in, and the digits of (src -> it) and (it -> dst).
+
+    Each summand digit on a mesh axis ``(a, s)`` gives its place to a data digit: the one
+    the target puts at ``(a, s)`` (reduce-scatter into place); or, when the target does
+    not vary along ``a``, none (reduce onto one device); or a local digit split off the
+    front (reduce-scatter, then all-gather). If no local digit divides, the summand digit
+    becomes a replica (each device reduces everything: a direct all-reduce).
+    """
+    # pieces: [digit (src->dst), place in the middle layout]
+    pieces = [[d, d.source] for d in digits]
+    target_axes = {it.axis for it in dst.canonicalize().shard + dst.canonicalize().replica}
+    offset = {a: v for a, v in src.offset.items() if a != MEMORY_AXIS}
+    replica = [it for it in src.replica if it.axis != MEMORY_AXIS]
+    mesh_summands = [u for u in summand_digits if u.source[0] != MEMORY_AXIS]  # local ones reduce in place
+    waiting = []
+    for u in mesh_summands:  # first: reduce-scatter straight into the target's place
+        axis, stride = u.source
+        match = next((i for i, (d, place) in enumerate(pieces)
+                      if place[0] == MEMORY_AXIS and d.target == (axis, stride) and d.extent % u.extent == 0), None)
+        if match is None:
+            waiting.append(u)
+            continue
+        d = pieces[match][0]
+        if d.extent > u.extent:
+            outer, inner = d.split(d.extent // u.extent)
+            pieces[match:match + 1] = [[outer, outer.source], [inner, (axis, stride)]]
+        else:
+            pieces[match][1] = (axis, stride)
+    for u in waiting:
+        axis, stride = u.source
+        if axis not in target_axes:  # reduce onto the one device the target uses along this axis
+            here = offset.get(axis, 0)
+            want = dst.offset.get(axis, 0) - here
+            if want % stride == 0 and 0 <= want // stride < u.extent:
+                offset[axis] = here + want
+            continue
+        # reduce-scatter a local digit (one the target keeps local, if any); the copy step gathers it
+        candidates = [i for i, (d, place) in enumerate(pieces) if place[0] == MEMORY_AXIS and d.extent % u.extent == 0]
+        candidates.sort(key=lambda i: _on_mesh(pieces[i][0].target))
+        if candidates:
+            split = candidates[0]
+            outer, inner = pieces[split][0].split(u.extent)
+            pieces[split:split + 1] = [[outer, (axis, stride)], [inner, inner.source]]
+            continue
+        replica.append(Iter(u.extent, stride, axis))  # every device reduces everything
+    # the middle layout's memory is compact, row-major over its local digits
+    stride = 1
+    places = [None] * len(pieces)
+    for i in reversed(range(len(pieces))):
+        d, place = pieces[i]
+        if place[0] == MEMORY_AXIS:
+            places[i] = (MEMORY_AXIS, stride)
+            stride *= d.extent
+        else:
+            places[i] = place
+    middle = Layout([Iter(d.extent, p[1], p[0]) for (d, _), p in zip(pieces, places)], replica, offset)
+    reduced = [_Digit(d.extent, d.source, p) for (d, _), p in zip(pieces, places)]
+    copied = [_Digit(d.extent, p, d.target) for (d, _), p in zip(pieces, places)]
+    return middle, reduced, copied
+
+
+def _replica_points(layout: Layout, mesh: Mesh) -> list[tuple[Device, int]]:
+    """``R + O`` as (device, m) points: where the element at digit zero sits, per replica."""
+    offset = layout.offset
+    points = []
+    for r in layout.replica_offsets or ({},):
+        point = dict(offset)
+        for a, v in r.items():
+            point[a] = point.get(a, 0) + v
+        points.append(_split_point(point, mesh))
+    return points
+
+
+def _nearest(candidates: Sequence[tuple[Device, int]], target: Device) -> tuple[Device, int]:
+    """The holder to read from: the target itself, else the one differing on the fewest axes."""
+    return min(candidates, key=lambda c: (sum(a != b for a, b in zip(c[0], target)),
+                                           sum(abs(a - b) for a, b in zip(c[0], target)), c[0]))
+
+
+def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Context, reduce) -> Step:
+    """One step from ``src`` to ``dst`` whose transfers are boxes in digit space (module doc, 2.)."""
+    mesh = context.mesh
+    index = {a: i for i, (a, _) in enumerate(mesh)}
+    fixed = [d for d in digits if _on_mesh(d.target)]
+    free = [d for d in digits if d.source[0] == MEMORY_AXIS and d.target is not None and d.target[0] == MEMORY_AXIS]
+    moving = [d for d in digits if not _on_mesh(d.target) and not (d.source[0] == MEMORY_AXIS and d.target is not None)]
+    extents, source_strides, target_strides = _merge_free(free)
+    source_points = _replica_points(src, mesh)
+
+    def walk(chosen, values, device, m, side):
+        """Add each chosen digit's contribution on ``side`` (0 source, 1 target) to (device, m)."""
+        device = list(device)
+        for d, v in zip(chosen, values):
+            place = d.source if side == 0 else d.target
+            if place is None or not v:
+                continue
+            if place[0] == MEMORY_AXIS:
+                m += v * place[1]
+            else:
+                device[index[place[0]]] += v * place[1]
+        return device, m
+
+    zero = [0] * len(mesh)
+    moving_values = list(itertools.product(*(range(d.extent) for d in moving)))
+    transfers = []
+    for fixed_values in itertools.product(*(range(d.extent) for d in fixed)):
+        src_device, src_m = walk(fixed, fixed_values, zero, 0, 0)
+        dst_device, _ = walk(fixed, fixed_values, zero, 0, 1)
+        for r_device, r_m in _replica_points(dst, mesh):
+            target = tuple(a + b for a, b in zip(dst_device, r_device))
+            for values in moving_values:
+                device, m = walk(moving, values, src_device, src_m, 0)
+                _, target_m = walk(moving, values, zero, r_m, 1)
+                holders = [(tuple(a + b for a, b in zip(device, p_device)), m + p_m) for p_device, p_m in source_points]
+                source, source_m = _nearest(holders, target)
+                transfers.append(Transfer(source, target, extents, source_m, source_strides, target_m, target_strides))
+    return _make_step(transfers, reduce, src, dst, buffer_size(src), buffer_size(dst), context)
+
+
+def _merge_free(free: Sequence[_Digit]):
+    """Extents and strides of the box over the free digits, merging neighbours that are contiguous on both sides."""
+    dims: list[list[int]] = []
+    for d in free:
+        e, s, t = d.extent, d.source[1], d.target[1]
+        if dims and dims[-1][1] == e * s and dims[-1][2] == e * t:
+            dims[-1] = [dims[-1][0] * e, s, t]
+        else:
+            dims.append([e, s, t])
+    return tuple(x[0] for x in dims), tuple(x[1] for x in dims), tuple(x[2] for x in dims)
+
+
+# -- the element-level fallback ---------------------------------------------------
+
+
+def _plan_by_elements(src: Layout, dst: Layout, summands: int, size: int, context: _Context) -> list[Step]:
+    """Correct for any pair of valid layouts: per-element holders, compressed into runs."""
+    mesh = context.mesh
+    src_slots, dst_slots = _slots(src, mesh), _slots(dst, mesh)
+    out_size = buffer_size(dst)
+    steps = []
+    if context.partial is not None:
+        # reduce each element at one of its target devices (its first slot there), then copy
+        owners, pairs = [], {}
+        for x in range(size):
+            owner = dst_slots[x][(x * 7919) % len(dst_slots[x])]  # spread owners over the replicas
+            owners.append([owner])
+            for p in range(summands):
+                source, source_m = _nearest(src_slots[p * size + x], owner[0])
+                pairs.setdefault((source, owner[0]), []).append((source_m, owner[1]))
+        steps.append(_make_step(_runs(pairs), context.partial, src, None, buffer_size(src), out_size, context))
+        src_slots, src, in_size = owners, None, out_size
+    else:
+        in_size = buffer_size(src)
+    # copy: each target device receives each element once, into its first slot, then fans out locally
+    pairs, fan_out = {}, {}
+    for x in range(size):
+        by_device: dict[Device, list[int]] = {}
+        for device, m in dst_slots[x]:
+            by_device.setdefault(device, []).append(m)
+        for device, ms in by_device.items():
+            source, source_m = _nearest(src_slots[x], device)
+            pairs.setdefault((source, device), []).append((source_m, ms[0]))
+            fan_out.setdefault((device, device), []).extend((ms[0], m) for m in ms)
+    needs_fan_out = any(a != b for runs in fan_out.values() for a, b in runs)
+    steps.append(_make_step(_runs(pairs), None, src, None if needs_fan_out else dst, in_size, out_size, context))
+    if needs_fan_out:
+        steps.append(_make_step(_runs(fan_out), None, None, dst, out_size, out_size, context))
+    return steps
+
+
+def _runs(pairs: Mapping[tuple[Device, Device], list[tuple[int, int]]]) -> list[Transfer]:
+    """Compress ``(source slot, target slot)`` lists into strided 1-D transfers."""
+    transfers = []
+    for (source, target), items in sorted(pairs.items()):
+        items = sorted(items, key=lambda p: p[1])
+        i = 0
+        while i < len(items):
+            j = i + 1
+            if j < len(items):
+                ds, dt = items[j][0] - items[i][0], items[j][1] - items[i][1]
+                while j + 1 < len(items) and items[j + 1][0] - items[j][0] == ds and items[j + 1][1] - items[j][1] == dt:
+                    j += 1
+                j += 1
+            else:
+                ds = dt = 1
+            transfers.append(Transfer(source, target, (j - i,), items[i][0], (ds,), items[i][1], (dt,)))
+            i = j
+    return transfers
+
+
+# -- naming a step from its transfer graph -----------------------------------------
+
+
+def _make_step(transfers, reduce, src, dst, in_size, out_size, context: _Context) -> Step:
+    kind, groups = _classify(transfers, reduce)
+    axes = tuple(a for i, (a, _) in enumerate(context.mesh)
+                 if any(len({d[i] for d in g}) > 1 for g in groups))
+    return Step(kind, axes, groups, tuple(transfers), reduce, in_size, out_size, src, dst, context.itemsize)
+
+
+def _classify(transfers: Sequence[Transfer], reduce) -> tuple[str, tuple]:
+    """The collective the transfers form (module doc, 4.), and its device groups."""
+    links: dict[tuple[Device, Device], list[tuple]] = {}
+    for t in transfers:
+        if not t.is_local:  # message content in packing order: equal tuples pack equal buffers
+            links.setdefault((t.source, t.target), []).append(t.source_box())
+    if not links:
+        return "local", ()
+    # groups: connected components of the (undirected) link graph
+    parent: dict[Device, Device] = {}
+
+    def root(d):
+        while parent.setdefault(d, d) != d:
+            d = parent[d]
+        return d
+
+    for a, b in links:
+        parent[root(a)] = root(b)
+    members: dict[Device, list[Device]] = {}
+    for d in list(parent):
+        members.setdefault(root(d), []).append(d)
+    groups = tuple(sorted(tuple(sorted(g)) for g in members.values()))
+    local: dict[Device, list[Transfer]] = {}
+    for t in transfers:
+        if t.is_local:
+            local.setdefault(t.source, []).append(t)
+    kinds = {_group_kind(g, links, local, reduce) for g in groups}
+    return (kinds.pop() if len(kinds) == 1 else "all_to_all_v"), groups
+
+
+def _group_kind(group: Sequence[Device], links, local, reduce) -> str:
+    pairs = [(a, b) for a in group for b in group if a != b]
+    complete = all(p in links for p in pairs)
+    content = {p: tuple(links[p]) for p in pairs if p in links}
+    counts = {p: sum(math.prod(box[1]) for box in boxes) for p, boxes in content.items()}
+    same_content = all(len({content[(a, b)] for b in group if b != a}) == 1 for a in group) if complete else False
+    senders = {a for a, _ in content}
+    receivers = {b for _, b in content}
+    # each member also keeps what it sends (all-gather, all-reduce), or not (reduce-scatter, all-to-all)
+    keeps_what_it_sends = complete and same_content and all(
+        sorted(t.source_box() for t in local.get(a, ())) == sorted(content[next(p for p in pairs if p[0] == a)])
+        for a in group)
+    if reduce is not None:
+        if len(receivers) == 1:
+            return "reduce"
+        if complete:
+            return "all_reduce" if keeps_what_it_sends else "reduce_scatter"
+        return "all_to_all_v"
+    if keeps_what_it_sends:
+        return "all_gather"
+    if len(senders) == 1 and len(group) > 2:
+        (a,) = senders
+        if len({content[(a, b)] for b in group if b != a}) == 1 and len(receivers) == len(group) - 1:
+            return "broadcast"
+    out_degree = {a: sum(1 for p in content if p[0] == a) for a in group}
+    in_degree = {b: sum(1 for p in content if p[1] == b) for b in group}
+    if len(group) == 2 or (max(out_degree.values()) <= 1 and max(in_degree.values()) <= 1):
+        return "permute"
+    if complete and len(set(counts.values())) == 1:
+        return "all_to_all"
+    return "all_to_all_v"

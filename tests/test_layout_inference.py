@@ -1,0 +1,421 @@
+"""Plans between layouts, executed by the pure-Python simulator, checked against brute force.
+
+The reference here is written from the definition alone (``L(x) = {D(x) + r + O}``, digits
+last-fastest; a device is the tuple of mesh coordinates, ``m`` the slot in its buffer),
+independently of the planner's own enumeration. Random layouts cover DTensor placements
+(Shard/Replicate/Partial per mesh axis) and what placements cannot say: block-cyclic
+sharding, reversed and interleaved device orders, a subset of the mesh (an offset on a
+mesh axis), replication on part of an axis, transposed and padded local memory, summands
+held in local memory.
+"""
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from axedist.layout import Iter, Layout, LayoutError
+from axedist.layout_inference import Plan, buffer_size, plan_layouts, simulate
+
+MESHES = [
+    (("gpuid", 2),),
+    (("gpuid", 3),),
+    (("gpuid", 4),),
+    (("gpuid", 8),),
+    (("x", 2), ("y", 2)),
+    (("x", 2), ("y", 4)),
+]
+
+
+# -- the reference -------------------------------------------------------------------
+
+
+def brute_slots(layout: Layout, mesh) -> list[set]:
+    """``{(device, m)}`` for every element, from the definition."""
+    names = [a for a, _ in mesh]
+    result = []
+    for x in range(math.prod(it.extent for it in layout.shard)):
+        base = dict(layout.offset)
+        rest = x
+        for it in reversed(layout.shard):
+            base[it.axis] = base.get(it.axis, 0) + (rest % it.extent) * it.stride
+            rest //= it.extent
+        slots = set()
+        for digits in itertools.product(*(range(it.extent) for it in layout.replica)):
+            p = dict(base)
+            for it, d in zip(layout.replica, digits):
+                p[it.axis] = p.get(it.axis, 0) + d * it.stride
+            slots.add((tuple(p.get(a, 0) for a in names), p.get("m", 0)))
+        result.append(slots)
+    return result
+
+
+def devices(mesh):
+    return list(itertools.product(*(range(n) for _, n in mesh)))
+
+
+def scatter(layout, mesh, values):
+    size = max(m for slots in brute_slots(layout, mesh) for _, m in slots) + 1
+    buffers = {d: [None] * size for d in devices(mesh)}
+    for x, slots in enumerate(brute_slots(layout, mesh)):
+        for d, m in slots:
+            buffers[d][m] = values[x]
+    return buffers
+
+
+REDUCE = {"sum": sum, "max": max, "min": min, "avg": lambda v: sum(v) / len(v)}
+
+
+def check_plan(src, dst, mesh, shape, partial=None, one_step_minimum=True):
+    """Simulate the plan and compare every destination slot with the global tensor."""
+    plan = plan_layouts(src, dst, mesh, shape, partial=partial)
+    size = math.prod(shape)
+    summands = src.size // size if partial else 1
+    values = [(x % size) * 16 + x // size + 1 for x in range(summands * size)]  # element x, summand p
+    out = simulate(plan, scatter(src, mesh, values))
+    for x, slots in enumerate(brute_slots(dst, mesh)):
+        column = [values[p * size + x] for p in range(summands)]
+        want = REDUCE[partial](column) if partial else column[0]
+        for d, m in slots:
+            assert out[d][m] == pytest.approx(want), (str(plan), x, d, m)
+    for d in devices(mesh):
+        assert len(out[d]) == buffer_size(dst)
+    if partial is None and one_step_minimum:
+        # bytes received: exactly what each device needs and does not hold (4-byte items)
+        have = brute_slots(src, mesh)
+        need = brute_slots(dst, mesh)
+        for d in devices(mesh):
+            missing = sum(1 for x in range(size)
+                          if d in {dev for dev, _ in need[x]} and d not in {dev for dev, _ in have[x]})
+            assert plan.bytes_received[d] == 4 * missing, (str(plan), d)
+    assert sum(plan.bytes_sent.values()) == sum(plan.bytes_received.values())
+    return plan
+
+
+# -- layouts: placements and beyond -------------------------------------------------
+
+
+def placements(mesh, shape, spec) -> Layout:
+    """DTensor placements as a layout (even shapes): ``spec`` per mesh axis is ``S<dim>``, ``R`` or ``P``.
+
+    ``placements((("x",2),("y",2)), (4,6), ["S0", "S1"])`` -> ``S[(2,2,2,3):(1@x,3,1@y,1)]``;
+    ``P`` axes form the leading summand dim, in mesh order.
+    """
+    dims = [[] for _ in shape]
+    local = list(shape)
+    replica, summand = [], []
+    for (axis, n), p in zip(mesh, spec):
+        if p == "R":
+            replica.append(Iter(n, 1, axis))
+        elif p == "P":
+            summand.append(Iter(n, 1, axis))
+        else:
+            dim = int(p[1:])
+            dims[dim].append(Iter(n, 1, axis))
+            local[dim] //= n
+    shard, stride = [], math.prod(local)
+    for dim, iters in enumerate(dims):
+        stride //= local[dim]
+        shard += iters + [Iter(local[dim], stride)]
+    return Layout(summand + shard, replica)
+
+
+def factorizations(n, rng):
+    """A random ordered factorization of ``n`` into factors > 1."""
+    factors = []
+    while n > 1:
+        f = rng.choice([d for d in range(2, n + 1) if n % d == 0])
+        factors.append(f)
+        n //= f
+    return factors
+
+
+def random_layout(rng: random.Random, mesh, shape, partial=False, memory_replica=False) -> Layout:
+    """A valid layout of ``shape`` (``(P, *shape)`` with ``partial``) on ``mesh``, from many families."""
+    local = list(shape)
+    device_iters = [[] for _ in shape]
+    replica, summand, offset = [], [], {}
+    for axis, n in mesh:
+        factors = factorizations(n, rng)
+        strides = [math.prod(factors[i + 1:]) for i in range(len(factors))]
+        reverse = rng.random() < 0.2
+        for f, s in zip(factors, strides):
+            it = Iter(f, s, axis)
+            if reverse:  # devices in reverse order along this factor
+                it = Iter(f, -s, axis)
+                offset[axis] = offset.get(axis, 0) + (f - 1) * s
+            role = rng.choice(["shard", "shard", "replicate", "unused"] + ["summand", "summand"] * partial)
+            if role == "shard":
+                dims = [i for i in range(len(shape)) if local[i] % f == 0]
+                if dims:
+                    i = rng.choice(dims)
+                    local[i] //= f
+                    device_iters[i].insert(rng.randrange(len(device_iters[i]) + 1), it)
+                    continue
+                role = "replicate"
+            if role == "summand":
+                summand.append(it)
+            elif role == "replicate":
+                replica.append(it)
+            else:  # a subset of the mesh: this factor sits at one coordinate
+                offset[axis] = offset.get(axis, 0) + rng.randrange(f) * it.stride
+    if partial and rng.random() < 0.3:
+        summand.append("local2")  # two summands in each device's memory
+    rng.shuffle(summand)
+    # each dim: local outer block, device iters, local inner block (block-cyclic when both > 1)
+    slots = []  # per dim, a list of Iter or a local-extent placeholder
+    for i in range(len(shape)):
+        divisors = [d for d in range(1, local[i] + 1) if local[i] % d == 0]
+        outer = rng.choice(divisors)
+        slots.append([("local", outer)] + device_iters[i] + [("local", local[i] // outer)])
+    # memory: local digits in a random order, compact row-major over it, sometimes padded/offset/reversed
+    local_digits = [s for dim in slots for s in dim if isinstance(s, tuple) and s[1] > 1]
+    local_digits += [s for s in summand if s == "local2"]
+    order = list(range(len(local_digits)))
+    rng.shuffle(order)
+    strides, stride = {}, 1
+    m_offset = rng.choice([0, 0, 0, 1])
+    for k in reversed(order):
+        extent = 2 if local_digits[k] == "local2" else local_digits[k][1]
+        stride *= rng.choice([1, 1, 1, 2]) if stride > 1 else 1  # a gap in memory
+        s = stride
+        if rng.random() < 0.1:
+            s = -stride
+            m_offset += (extent - 1) * stride
+        strides[id(local_digits[k])] = s
+        stride *= extent
+    if memory_replica:
+        replica.append(Iter(2, stride + m_offset + 1, "m"))
+    if m_offset:
+        offset["m"] = m_offset
+
+    def as_iter(s):
+        if isinstance(s, Iter):
+            return s
+        extent = 2 if s == "local2" else s[1]
+        return Iter(extent, strides.get(id(s), 1))
+
+    shard = [as_iter(s) for s in summand] + [as_iter(s) for dim in slots for s in dim]
+    rng.shuffle(replica)
+    layout = Layout(shard, replica, offset)
+    assert layout.is_injective(), layout
+    return layout
+
+
+def random_shape(rng, mesh):
+    n = math.prod(size for _, size in mesh)
+    rank = rng.choice([1, 2, 2, 3])
+    shape = [rng.choice([1, 2, 3, 4, 6, 8]) for _ in range(rank)]
+    shape[rng.randrange(rank)] *= rng.choice([1, 2, n])  # often divisible by the mesh
+    while math.prod(shape) > 96:
+        shape[shape.index(max(shape))] //= 2
+    return tuple(max(1, s) for s in shape)
+
+
+# -- named cases ---------------------------------------------------------------------
+
+G4 = (("gpuid", 4),)
+XY = (("x", 2), ("y", 2))
+
+
+def test_shard_to_replicate_is_one_all_gather():
+    src, dst = placements(G4, (8, 6), ["S0"]), placements(G4, (8, 6), ["R"])
+    assert str(src) == "S[(4,2,6):(1@gpuid,6,1)]"
+    plan = check_plan(src, dst, G4, (8, 6))
+    assert plan.kinds == ("all_gather",) and plan.steps[0].axes == ("gpuid",)
+    assert plan.steps[0].groups == (((0,), (1,), (2,), (3,)),)
+    assert "all-gather over gpuid (1 group of 4)" in str(plan)
+    assert set(plan.bytes_received.values()) == {3 * 12 * 4}
+
+
+def test_partial_to_shard_is_one_reduce_scatter():
+    src, dst = placements(G4, (8, 6), ["P"]), placements(G4, (8, 6), ["S0"])
+    plan = check_plan(src, dst, G4, (8, 6), partial="sum")
+    assert plan.kinds == ("reduce_scatter",) and plan.steps[0].reduce == "sum"
+    assert "reduce-scatter(sum) over gpuid" in str(plan)
+    assert set(plan.bytes_sent.values()) == {3 * 12 * 4}  # (g-1)/g of the local partial
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+def test_partial_to_replicate_is_an_all_reduce(op):
+    src, dst = placements(G4, (8, 6), ["P"]), placements(G4, (8, 6), ["R"])
+    plan = check_plan(src, dst, G4, (8, 6), partial=op)
+    assert plan.kinds == ("reduce_scatter", "all_gather")
+    assert all(s.fused == "all_reduce" for s in plan.steps)
+    assert "all-reduce, part 1/2" in str(plan)
+    assert set(plan.bytes_sent.values()) == {2 * 3 * 12 * 4}  # 2 (g-1)/g n: a ring all-reduce
+
+
+def test_partial_onto_one_device_is_a_reduce():
+    src = placements(G4, (8, 6), ["P"])
+    dst = Layout.parse("S[(8,6):(6,1)] + 2@gpuid")
+    plan = check_plan(src, dst, G4, (8, 6), partial="sum")
+    assert plan.kinds == ("reduce",)
+    assert plan.bytes_received[(2,)] == 3 * 48 * 4 and plan.bytes_received[(0,)] == 0
+
+
+def test_partial_on_two_axes_reduces_in_one_step_then_gathers():
+    mesh = (("x", 2), ("y", 4))
+    src, dst = placements(mesh, (8, 6), ["P", "P"]), placements(mesh, (8, 6), ["R", "S0"])
+    plan = check_plan(src, dst, mesh, (8, 6), partial="sum")
+    assert plan.kinds == ("reduce_scatter", "all_gather")
+    assert plan.steps[0].axes == ("x", "y") and plan.steps[1].axes == ("x",)
+    # one reduce-scatter over 8 devices, then gather halves along x: n total per device
+    assert set(plan.bytes_sent.values()) == {(48 * 7 // 8 + 6) * 4}
+
+
+def test_partial_with_replicated_axis_reduces_within_rows():
+    src, dst = placements(XY, (4, 6), ["P", "R"]), placements(XY, (4, 6), ["S0", "R"])
+    plan = check_plan(src, dst, XY, (4, 6), partial="sum")
+    assert plan.kinds == ("reduce_scatter",) and plan.steps[0].axes == ("x",)
+
+
+def test_transposed_shards_on_2x2_move_less_than_gather_then_slice():
+    src, dst = placements(XY, (4, 4), ["S0", "S1"]), placements(XY, (4, 4), ["S1", "S0"])
+    plan = check_plan(src, dst, XY, (4, 4))
+    assert plan.kinds == ("permute",)
+    gather = plan_layouts(src, placements(XY, (4, 4), ["R", "R"]), XY, (4, 4))
+    assert sum(plan.bytes_received.values()) < sum(gather.bytes_received.values())
+    assert max(plan.bytes_received.values()) < max(gather.bytes_received.values())
+    assert plan.bytes_received[(0, 0)] == 0 and plan.bytes_received[(0, 1)] == 16
+
+
+def test_shard_to_other_dim_is_an_all_to_all():
+    plan = check_plan(placements(G4, (8, 4), ["S0"]), placements(G4, (8, 4), ["S1"]), G4, (8, 4))
+    assert plan.kinds == ("all_to_all",)
+    assert set(plan.bytes_sent.values()) == {3 * 2 * 4}
+
+
+def test_replicate_to_shard_is_local():
+    plan = check_plan(placements(G4, (8, 8), ["R"]), placements(G4, (8, 8), ["S1"]), G4, (8, 8))
+    assert plan.kinds == ("local",) and set(plan.bytes_received.values()) == {0}
+    assert "local copy" in str(plan)
+
+
+def test_same_layout_is_no_step():
+    L = placements(G4, (8, 6), ["S0"])
+    plan = check_plan(L, Layout.parse(str(L)), G4, (8, 6))
+    assert plan.steps == () and "nothing to do" in str(plan)
+
+
+def test_reversed_device_order_is_a_permutation():
+    src = Layout.parse("S[(4,6):(1@gpuid,1)]")
+    dst = Layout.parse("S[(4,6):(-1@gpuid,1)] + 3@gpuid")
+    plan = check_plan(src, dst, G4, (4, 6))
+    assert plan.kinds == ("permute",) and "send/recv permutation" in str(plan)
+
+
+def test_moving_to_another_subset_of_the_mesh_is_a_permutation():
+    src = Layout.parse("S[(2,6):(1@gpuid,1)]")  # devices 0, 1
+    dst = Layout.parse("S[(2,6):(1@gpuid,1)] + 2@gpuid")  # devices 2, 3
+    plan = check_plan(src, dst, G4, (2, 6))
+    assert plan.kinds == ("permute",)
+    assert plan.bytes_sent == {(0,): 24, (1,): 24, (2,): 0, (3,): 0}
+
+
+def test_one_device_to_all_is_a_broadcast():
+    src = Layout.parse("S[(8,6):(6,1)] + 1@gpuid")
+    plan = check_plan(src, placements(G4, (8, 6), ["R"]), G4, (8, 6))
+    assert plan.kinds == ("broadcast",)
+
+
+def test_no_common_refinement_falls_back_to_elements():
+    # block-cyclic with blocks of 3 vs 2: no digit refinement exists
+    src = Layout.parse("S[(2,2,3):(3,1@gpuid,1)]")
+    dst = Layout.parse("S[(3,2,2):(2,1@gpuid,1)]")
+    plan = check_plan(src, dst, (("gpuid", 2),), (12,))
+    assert plan.method == "elements" and "fallback" in str(plan)
+    partial = Layout.parse("S[(2,2,2,3):(1@gpuid,3,1@gpuid,1)]")  # not valid: gpuid twice
+    with pytest.raises(LayoutError):
+        plan_layouts(partial, dst, (("gpuid", 2),), (12,), partial="sum")
+    src_p = Layout.parse("S[(2,2,2,3):(1@gpuid,3,2@gpuid,1)]")
+    plan = check_plan(src_p, dst, (("gpuid", 4),), (12,), partial="sum")
+    assert plan.method == "elements"
+
+
+def test_replicas_in_one_device_memory():
+    src = placements(G4, (8,), ["S0"])
+    dst = Layout.parse("S[8:1] + R[(4,2):(1@gpuid,8)]")  # every device holds two copies
+    plan = check_plan(src, dst, G4, (8,))
+    assert plan.kinds[-1] == "local"
+
+
+def test_plans_are_cached_by_map():
+    src, dst = placements(G4, (8, 6), ["S0"]), placements(G4, (8, 6), ["R"])
+    a = plan_layouts(src, dst, G4, (8, 6))
+    b = plan_layouts(Layout.parse(str(src)), Layout.parse(str(dst)), [("gpuid", 4)], [8, 6])
+    assert a is b
+    assert plan_layouts(src, dst, G4, (8, 6), itemsize=2) is not a
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(LayoutError, match="does not have"):
+        plan_layouts(Layout.parse("S[4:1@tp]"), Layout.parse("S[4:1]"), G4, (4,))
+    with pytest.raises(LayoutError, match="reaches"):
+        plan_layouts(Layout.parse("S[4:1@gpuid] + 1@gpuid"), Layout.parse("S[4:1]"), G4, (4,))
+    with pytest.raises(LayoutError, match="one"):
+        plan_layouts(Layout.parse("S[(2,2):(1@gpuid,1@gpuid)]"), Layout.parse("S[4:1]"), G4, (4,))
+    with pytest.raises(LayoutError, match="elements"):
+        plan_layouts(Layout.parse("S[4:1]"), Layout.parse("S[8:1]"), G4, (4,))
+    with pytest.raises(LayoutError, match="partial"):
+        plan_layouts(Layout.parse("S[4:1]"), Layout.parse("S[4:1]"), G4, (4,), partial="prod")
+
+
+# -- random layouts on every small mesh ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(str(n) for _, n in m))
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_layouts(mesh, seed):
+    rng = random.Random(seed)
+    shape = random_shape(rng, mesh)
+    src = random_layout(rng, mesh, shape, memory_replica=rng.random() < 0.1)
+    dst = random_layout(rng, mesh, shape, memory_replica=rng.random() < 0.1)
+    plan = check_plan(src, dst, mesh, shape)
+    assert len(plan.steps) <= 2
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(str(n) for _, n in m))
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**32 - 1), op=st.sampled_from(["sum", "max"]))
+def test_random_partial_sums(mesh, seed, op):
+    rng = random.Random(seed)
+    shape = random_shape(rng, mesh)
+    src = random_layout(rng, mesh, shape, partial=True)
+    dst = random_layout(rng, mesh, shape, memory_replica=rng.random() < 0.1)
+    check_plan(src, dst, mesh, shape, partial=op)
+
+
+PLACEMENTS_1D = ["S0", "S1", "R"]
+
+
+@pytest.mark.parametrize("mesh", [G4, (("gpuid", 2),), XY, (("x", 2), ("y", 4))],
+                         ids=lambda m: "x".join(str(n) for _, n in m))
+def test_every_placement_pair(mesh):
+    """Exhaustive over placements (Partial sources included) for one even shape."""
+    shape = (8, 8)
+    options = list(itertools.product(PLACEMENTS_1D + ["P"], repeat=len(mesh)))
+    for src_spec in options:
+        for dst_spec in options:
+            if "P" in dst_spec:
+                continue
+            partial = "sum" if "P" in src_spec else None
+            plan = check_plan(placements(mesh, shape, src_spec), placements(mesh, shape, dst_spec),
+                              mesh, shape, partial=partial)
+            assert plan.method == "digits"
+            if partial is None:
+                assert len(plan.steps) <= 1
+            elif all(s in ("P", "R") for s in src_spec) and all(s == "R" for s in dst_spec):
+                assert plan.kinds == ("reduce_scatter", "all_gather")
+
+
+def test_plan_prints_its_layouts_and_steps():
+    plan = plan_layouts(placements(G4, (8, 4), ["S0"]), placements(G4, (8, 4), ["S1"]), G4, (8, 4))
+    text = str(plan)
+    assert text.startswith("plan S[(4,2,4):(1@gpuid,4,1)] -> ")
+    assert "all-to-all over gpuid" in text and "per device at most" in text
+    assert isinstance(plan, Plan) and len(text.splitlines()) == 3
