@@ -784,13 +784,16 @@ def _make_step(transfers, reduce, src, dst, in_size, out_size, context: _Context
 
 def _classify(transfers: Sequence[Transfer], reduce) -> tuple[str, tuple]:
     """The collective the transfers form (module doc, 4.), and its device groups."""
-    links: dict[tuple[Device, Device], list[tuple]] = {}
+    messages: dict[tuple[Device, Device], list[Transfer]] = {}
+    local: dict[Device, list[Transfer]] = {}
     for t in transfers:
-        if not t.is_local:  # message content in packing order: equal tuples pack equal buffers
-            links.setdefault((t.source, t.target), []).append(t.source_box())
-    if not links:
+        if t.is_local:
+            local.setdefault(t.source, []).append(t)
+        else:
+            messages.setdefault((t.source, t.target), []).append(t)
+    if not messages:
         return "local", ()
-    # groups: connected components of the (undirected) link graph
+    # groups: connected components of the (undirected) message graph
     parent: dict[Device, Device] = {}
 
     def root(d):
@@ -798,47 +801,56 @@ def _classify(transfers: Sequence[Transfer], reduce) -> tuple[str, tuple]:
             d = parent[d]
         return d
 
-    for a, b in links:
+    for a, b in messages:
         parent[root(a)] = root(b)
     members: dict[Device, list[Device]] = {}
     for d in list(parent):
         members.setdefault(root(d), []).append(d)
     groups = tuple(sorted(tuple(sorted(g)) for g in members.values()))
-    local: dict[Device, list[Transfer]] = {}
-    for t in transfers:
-        if t.is_local:
-            local.setdefault(t.source, []).append(t)
-    kinds = {_group_kind(g, links, local, reduce) for g in groups}
+    kinds = {_group_kind(g, messages, local, reduce) for g in groups}
     return (kinds.pop() if len(kinds) == 1 else "all_to_all_v"), groups
 
 
-def _group_kind(group: Sequence[Device], links, local, reduce) -> str:
+def _target_box(t: Transfer) -> tuple:
+    return (t.target_offset, t.extents, t.target_strides)
+
+
+def _group_kind(group: Sequence[Device], messages, local, reduce) -> str:
+    """Name one group's exchange by the promise an executor relies on (equal boxes pack equal buffers)."""
     pairs = [(a, b) for a in group for b in group if a != b]
-    complete = all(p in links for p in pairs)
-    content = {p: tuple(links[p]) for p in pairs if p in links}
-    counts = {p: sum(math.prod(box[1]) for box in boxes) for p, boxes in content.items()}
-    same_content = all(len({content[(a, b)] for b in group if b != a}) == 1 for a in group) if complete else False
-    senders = {a for a, _ in content}
-    receivers = {b for _, b in content}
-    # each member also keeps what it sends (all-gather, all-reduce), or not (reduce-scatter, all-to-all)
-    keeps_what_it_sends = complete and same_content and all(
-        sorted(t.source_box() for t in local.get(a, ())) == sorted(content[next(p for p in pairs if p[0] == a)])
-        for a in group)
+    complete = all(p in messages for p in pairs)
+    sent = {p: tuple(t.source_box() for t in ts) for p, ts in messages.items() if p[0] in group}
+    landed = {p: tuple(_target_box(t) for t in ts) for p, ts in messages.items() if p[0] in group}
+    counts = {p: sum(t.count for t in ts) for p, ts in messages.items() if p[0] in group}
+    senders, receivers = {a for a, _ in sent}, {b for _, b in sent}
+
+    def one_message_per_sender():  # a sends the same buffer to every peer, and keeps it itself
+        return all(len({sent[(a, b)] for b in group if b != a}) == 1
+                   and sorted(sent[(a, next(b for b in group if b != a))]) == sorted(t.source_box() for t in local.get(a, ()))
+                   for a in group)
+
+    def one_landing_per_receiver():  # b reduces every peer's buffer into the same slots as its own part
+        return all(len({landed[(a, b)] for a in group if a != b}) == 1
+                   and sorted(landed[(next(a for a in group if a != b), b)]) == sorted(_target_box(t) for t in local.get(b, ()))
+                   for b in group)
+
     if reduce is not None:
-        if len(receivers) == 1:
-            return "reduce"
-        if complete:
-            return "all_reduce" if keeps_what_it_sends else "reduce_scatter"
+        if len(receivers) == 1 and len(senders) == len(group) - 1:
+            (r,) = receivers
+            if len({landed[(a, r)] for a in senders}) == 1:
+                return "reduce"
+        if complete and one_landing_per_receiver() and len(set(counts.values())) == 1:
+            return "all_reduce" if one_message_per_sender() else "reduce_scatter"
         return "all_to_all_v"
-    if keeps_what_it_sends:
+    if complete and one_message_per_sender():
         return "all_gather"
-    if len(senders) == 1 and len(group) > 2:
+    if len(senders) == 1 and len(receivers) == len(group) - 1 > 1:
         (a,) = senders
-        if len({content[(a, b)] for b in group if b != a}) == 1 and len(receivers) == len(group) - 1:
+        if len({sent[(a, b)] for b in receivers}) == 1:
             return "broadcast"
-    out_degree = {a: sum(1 for p in content if p[0] == a) for a in group}
-    in_degree = {b: sum(1 for p in content if p[1] == b) for b in group}
-    if len(group) == 2 or (max(out_degree.values()) <= 1 and max(in_degree.values()) <= 1):
+    out_degree = {a: sum(1 for p in sent if p[0] == a) for a in group}
+    in_degree = {b: sum(1 for p in sent if p[1] == b) for b in group}
+    if max(out_degree.values()) <= 1 and max(in_degree.values()) <= 1:
         return "permute"
     if complete and len(set(counts.values())) == 1:
         return "all_to_all"
