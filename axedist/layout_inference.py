@@ -65,13 +65,16 @@ How plans are derived
    axes reduce in one step (one reduce-scatter over the product group moves
    ``(G-1)/G`` of the data, as any order of per-axis steps does). A copy step then
    moves the intermediate layout to the destination.
-4. Each step's transfer graph names it: only local transfers -> ``local``; per group of
-   devices exchanging data, every member sending the same data to every other ->
-   ``all_gather``, distinct data of equal size -> ``all_to_all``, one sender ->
-   ``broadcast``, each device sending to and receiving from at most one peer ->
-   ``permute`` (send/recv); with ``reduce``: every member reducing a distinct part ->
-   ``reduce_scatter``, the same part -> ``all_reduce``, one receiver -> ``reduce``.
-   Anything else is ``all_to_all_v`` over the explicit boxes.
+4. Each step is named by its messages, per group of devices that exchange data (the
+   promise an executor relies on; equal boxes in equal order pack equal buffers): only
+   local transfers -> ``local``; every member sending one identical buffer to every
+   other and keeping those values -> ``all_gather``; one sender, one buffer to all
+   others (3+ devices) -> ``broadcast``; at most one message out and one in per device
+   -> ``permute`` (send/recv); every pair exchanging equal sizes -> ``all_to_all``.
+   With ``reduce``: every peer's buffer landing in the receiver's own slots ->
+   ``reduce_scatter`` (``all_reduce`` when each sender also sends one identical
+   buffer); one receiver -> ``reduce``. Anything else is ``all_to_all_v`` over the
+   explicit boxes.
 5. Fallback, correct for any pair of valid layouts (no common refinement, or a
    destination replicated within one device's memory): enumerate the elements, pick a
    holder per (element, target device) as above, and compress the element pairs into
@@ -655,10 +658,26 @@ def _replica_points(layout: Layout, mesh: Mesh) -> list[tuple[Device, int]]:
     return points
 
 
-def _nearest(candidates: Sequence[tuple[Device, int]], target: Device) -> tuple[Device, int]:
-    """The holder to read from: the target itself, else the one differing on the fewest axes."""
-    return min(candidates, key=lambda c: (sum(a != b for a, b in zip(c[0], target)),
-                                           sum(abs(a - b) for a, b in zip(c[0], target)), c[0]))
+def _nearest(candidates: Sequence[tuple[Device, int]], target: Device, aligned=None) -> tuple[Device, int]:
+    """The holder to read from: the target itself, else the one differing on the fewest axes.
+
+    Ties go to the holder whose replica digits (``aligned(device)``) equal the target's:
+    with ``R[2:2@gpuid]`` device 2 reads from 3, not 1, so the copies form the two
+    groups ``{0,1}, {2,3}`` (one collective each) rather than one irregular exchange.
+    """
+    def key(c):
+        device = c[0]
+        return (sum(a != b for a, b in zip(device, target)),
+                0 if aligned is None else sum(a != b for a, b in zip(aligned(device), aligned(target))),
+                sum(abs(a - b) for a, b in zip(device, target)), device)
+    return min(candidates, key=key)
+
+
+def _replica_digits(layout: Layout, mesh: Mesh):
+    """``device -> (replica digit per mesh replica iter)``: which copy a device would hold."""
+    index = {a: i for i, (a, _) in enumerate(mesh)}
+    iters = [(index[it.axis], abs(it.stride), it.extent) for it in layout.replica if it.axis in index]
+    return lambda device: tuple((device[i] // s) % e for i, s, e in iters)
 
 
 def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Context, reduce) -> Step:
@@ -670,6 +689,7 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
     moving = [d for d in digits if not _on_mesh(d.target) and not (d.source[0] == MEMORY_AXIS and d.target is not None)]
     extents, source_strides, target_strides = _merge_free(free)
     source_points = _replica_points(src, mesh)
+    aligned = _replica_digits(src, mesh)
 
     def walk(chosen, values, device, m, side):
         """Add each chosen digit's contribution on ``side`` (0 source, 1 target) to (device, m)."""
@@ -696,7 +716,7 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
                 device, m = walk(moving, values, src_device, src_m, 0)
                 _, target_m = walk(moving, values, zero, r_m, 1)
                 holders = [(tuple(a + b for a, b in zip(device, p_device)), m + p_m) for p_device, p_m in source_points]
-                source, source_m = _nearest(holders, target)
+                source, source_m = _nearest(holders, target, aligned)
                 transfers.append(Transfer(source, target, extents, source_m, source_strides, target_m, target_strides))
     return _make_step(transfers, reduce, src, dst, buffer_size(src), buffer_size(dst), context)
 
