@@ -38,6 +38,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=40)
+    parser.add_argument("--profile", action="store_true",
+                        help="only measure host (CPU) time per call at 64 KB and print a cProfile")
     args = parser.parse_args()
     if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
         raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
@@ -49,6 +51,10 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     group_name = dist.group.WORLD.group_name
     import torch.distributed._symmetric_memory as symm_mem
+    if args.profile:
+        profile_host_overhead(world, rank)
+        dist.destroy_process_group()
+        return
     rows = []
     for size in SIZES:
         numel = size // 2
@@ -105,6 +111,44 @@ def main():
         write_outputs(rows, world, args.out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def profile_host_overhead(world, rank, calls=300):
+    """CPU time per call (no synchronization inside the loop) of small collectives, and where
+    axedist's goes: tells launch/host overhead apart from device time."""
+    import cProfile
+    import pstats
+    import time
+    x = torch.randn(32768, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(32768 // world, device="cuda", dtype=torch.bfloat16)
+    cases = {
+        "nccl_rs": lambda: dist.reduce_scatter_tensor(out, x),
+        "axedist_rs": lambda: p2p.reduce_scatter(x, out=out),
+        "axedist_ag": lambda: p2p.all_gather(out, out=x),
+        "copy_only": lambda: out.copy_(x[:out.numel()]),
+    }
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - start) / calls
+        torch.cuda.synchronize()
+        total = (time.perf_counter() - start) / calls
+        if rank == 0:
+            print(f"profile {name}: host {host * 1e6:.1f} us/call, host+device {total * 1e6:.1f} us/call", flush=True)
+    profiler = cProfile.Profile()
+    dist.barrier()
+    profiler.enable()
+    for _ in range(calls):
+        p2p.reduce_scatter(x, out=out)
+    profiler.disable()
+    torch.cuda.synchronize()
+    if rank == 0:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 def _fmt(value, scale=1e3):

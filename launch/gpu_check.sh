@@ -41,6 +41,11 @@ if [[ $MODE == first ]]; then
   step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
   step rest_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
+elif [[ $MODE == second ]]; then
+  step profile_w4 90 torchrun --nproc_per_node=4 launch/bench_collectives.py --profile
+  step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or fp32_reference_bf16"
+  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
+  step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
 else
   step pytest_w4 240 $PYTEST tests_multigpu
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 200 $PYTEST tests_multigpu
@@ -49,6 +54,7 @@ else
   step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
 fi
 
+grep -h "^profile\|tottime\|{built-in\|\.py:" "$LOGS"/profile_w4.log 2>/dev/null | head -30
 cat "$RESULTS"/*.md 2>/dev/null | grep -v "^$" | head -80
 tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null
 tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null

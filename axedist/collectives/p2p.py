@@ -23,8 +23,13 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+_processors: dict[int, int] = {}
+
+
 def _programs(elements_per_rank_pass: int, device: torch.device) -> int:
-    processors = torch.cuda.get_device_properties(device).multi_processor_count
+    processors = _processors.get(device.index)
+    if processors is None:
+        processors = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     # at most one program per SM: always co-resident, so the block-wise barrier cannot deadlock
     return max(1, min((elements_per_rank_pass + BLOCK - 1) // BLOCK, processors))
 
@@ -70,8 +75,7 @@ def symmetric_input(shape, dtype: torch.dtype, group=None, op: str = "reduce_sca
         count *= size
     if op == "reduce_scatter" and stride * world != count:
         return None
-    element = torch.empty((), dtype=dtype).element_size()
-    workspace = get_workspace(group, numel * element)
+    workspace = get_workspace(group, numel * dtype.itemsize)
     half = (workspace.epoch + 1) % 2
     return workspace.local_data(half, dtype, numel)[:count].view(shape)
 

@@ -99,21 +99,25 @@ class SymmetricWorkspace:
         self.epoch = 0
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
+        self._data_addresses = [self._addresses(FLAG_BYTES + half * data_bytes) for half in (0, 1)]
+        self._flag_addresses = self._addresses(0)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter_base = 0
         self.broken = ""
         self.last_op = ""
-        self.timeouts: dict[int, float] = {}
+        self.timeout_s = default_timeout_s()
         torch.cuda.synchronize(device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     # -- per call --------------------------------------------------------------------------
     def begin_call(self, op: str, timeout_s: float | None = None) -> tuple[int, int]:
         """Next epoch and data half; raises a pending error of an earlier call first."""
-        self.check()
+        if self.broken or self._error_view[0]:
+            self.check()
         self.epoch += 1
         self.last_op = op
-        self.timeouts[self.epoch] = default_timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
         return self.epoch, self.epoch % 2
 
     def claim_tasks(self, count: int) -> int:
@@ -128,12 +132,14 @@ class SymmetricWorkspace:
     def data_offset(self, half: int) -> int:
         return FLAG_BYTES + half * self.data_bytes
 
-    def data_addresses(self, half: int) -> list[int]:
-        offset = self.data_offset(half)
+    def _addresses(self, offset: int) -> list[int]:
         return _pad8([base + offset for base in self.bases])
 
+    def data_addresses(self, half: int) -> list[int]:
+        return self._data_addresses[half]
+
     def flag_addresses(self) -> list[int]:
-        return _pad8(list(self.bases))
+        return self._flag_addresses
 
     def multicast_address(self, half: int) -> int:
         return self.multicast_base + self.data_offset(half) if self.multicast_base else 0
@@ -141,7 +147,7 @@ class SymmetricWorkspace:
     def local_data(self, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """This rank's data half as a flat tensor of `numel` elements of `dtype`."""
         offset = self.data_offset(half)
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         if size > self.data_bytes:
             raise ValueError(f"{size} bytes do not fit the workspace half of {self.data_bytes}")
         return self.tensor[offset:offset + size].view(dtype)
@@ -150,7 +156,7 @@ class SymmetricWorkspace:
         return self.error.data_ptr()
 
     def timeout_ns(self, epoch: int) -> int:
-        return int(self.timeouts.get(epoch, default_timeout_s()) * 1e9)
+        return int(self.timeout_s * 1e9)
 
     # -- errors ----------------------------------------------------------------------------
     def check(self, synchronize: bool = False) -> None:
@@ -159,11 +165,11 @@ class SymmetricWorkspace:
             torch.cuda.synchronize(self.device)
         if self.broken:
             raise CollectiveTimeoutError(self.broken)
-        record = int(self.error[0])
+        record = int(self._error_view[0])
         if record == 0:
             return
         code, peer, flag, epoch_low = decode_error_record(record)
-        timeout = self.timeouts.get(self.epoch, default_timeout_s())
+        timeout = self.timeout_s
         global_peer = dist.get_global_rank(self.group, peer) if peer < self.world_size else peer
         self.broken = (
             f"rank {self.rank} of group {self.group.group_name!r}: {self.last_op or 'kernel'} "

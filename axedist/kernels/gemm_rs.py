@@ -172,15 +172,19 @@ class GemmConfig:
     group_m: int = 8
     stages: int = 3
     warps: int = 8
-    reduce_rows: int = 16
+    # rows of a reduce tile loaded at once: 4 peers x 64 x 256 bf16 = 128 KB in flight per
+    # program; 16 rows (the first version) left the reduce latency-bound (docs/gpu_notes.md)
+    reduce_rows: int = 64
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}")
+                f"/w{self.warps}/r{self.reduce_rows}")
 
 
 CANDIDATES = (
     GemmConfig(128, 256, 64, 8, 3, 8),
+    GemmConfig(128, 256, 64, 8, 3, 8, reduce_rows=16),
+    GemmConfig(128, 256, 64, 8, 3, 8, reduce_rows=32),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
@@ -273,6 +277,7 @@ def _strides(ops: _Operands) -> tuple[int, int, int, int]:
 
 
 _gemm_only_counters: dict[int, list] = {}
+_processors: dict[int, int] = {}
 
 
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
@@ -280,7 +285,9 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
            multimem: bool = False, gemm_only: bool = False) -> None:
     """Launch the persistent kernel once (fused, or GEMM_ONLY writing the partial into `part`)."""
     device = ops.a.device
-    programs = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = _processors.get(device.index)
+    if programs is None:
+        programs = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
     tasks = schedule.task_count(rounds, world, gemm_only)
@@ -324,4 +331,5 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
         B_TRANSPOSED=ops.b_transposed and use_tma, GEMM_ONLY=gemm_only, MULTIMEM=multimem,
-        ALIGNED=aligned, REDUCE_ROWS=config.reduce_rows, num_warps=config.warps)
+        ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
+        num_warps=config.warps)
