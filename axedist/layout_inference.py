@@ -61,7 +61,9 @@ How plans are derived
    axes are first reduced into an intermediate layout: onto the destination's digit on
    that axis and stride when it has one (reduce-scatter straight into place), onto the
    one device the destination uses along that axis (reduce), else by scattering a
-   local digit (reduce-scatter, followed by an all-gather: an all-reduce). All summand
+   local digit (reduce-scatter, followed by an all-gather: an all-reduce). A source
+   replica axis that the target shards a local digit over is sliced before reducing
+   (``[Replicate, Partial] -> [Shard(0), Shard(0)]`` reduces a quarter, not all). All summand
    axes reduce in one step (one reduce-scatter over the product group moves
    ``(G-1)/G`` of the data, as any order of per-axis steps does). A copy step then
    moves the intermediate layout to the destination.
@@ -613,6 +615,19 @@ def _reduction_target(summand_digits, digits, src: Layout, dst: Layout, mesh: Me
             pieces[match:match + 1] = [[outer, outer.source], [inner, (axis, stride)]]
         else:
             pieces[match][1] = (axis, stride)
+    # slice early: a source replica axis the target shards a local digit over keeps only that part
+    for r in list(replica):
+        match = next((i for i, (d, place) in enumerate(pieces) if place[0] == MEMORY_AXIS
+                      and d.target == (r.axis, r.stride) and d.extent % r.extent == 0), None)
+        if match is None or r.stride < 0:
+            continue
+        d = pieces[match][0]
+        if d.extent > r.extent:
+            outer, inner = d.split(d.extent // r.extent)
+            pieces[match:match + 1] = [[outer, outer.source], [inner, (r.axis, r.stride)]]
+        else:
+            pieces[match][1] = (r.axis, r.stride)
+        replica.remove(r)
     for u in waiting:
         axis, stride = u.source
         if axis not in target_axes:  # reduce onto the one device the target uses along this axis
