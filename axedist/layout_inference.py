@@ -177,6 +177,7 @@ class Step:
     source: Layout | None  # layout of the input buffers (None: an element-level intermediate)
     target: Layout | None
     itemsize: int
+    mesh_axis_groups: bool = False  # each group is a whole slice of the mesh along ``axes``
     fused: str | None = None  # "all_reduce" on a reduce-scatter + all-gather pair
 
     @functools.cached_property
@@ -208,16 +209,28 @@ class Step:
                 messages.setdefault((t.source, t.target), []).append(t)
         return {pair: tuple(ts) for pair, ts in messages.items()}
 
+    @functools.cached_property
+    def _by_device(self) -> dict:
+        index: dict[tuple[str, Device], list[Transfer]] = {}
+        for t in self.transfers:
+            if t.is_local:
+                index.setdefault(("local", t.target), []).append(t)
+            else:
+                index.setdefault(("sends", t.source), []).append(t)
+                index.setdefault(("receives", t.target), []).append(t)
+        return {key: tuple(ts) for key, ts in index.items()}
+
     def sends(self, device: Device) -> tuple[Transfer, ...]:
-        """The transfers ``device`` sends to other devices (what its executor packs)."""
-        return tuple(t for t in self.transfers if t.source == device and not t.is_local)
+        """The transfers ``device`` sends to other devices (what its executor packs), in plan order."""
+        return self._by_device.get(("sends", device), ())
 
     def receives(self, device: Device) -> tuple[Transfer, ...]:
-        """The transfers other devices send to ``device`` (what its executor unpacks)."""
-        return tuple(t for t in self.transfers if t.target == device and not t.is_local)
+        """The transfers other devices send to ``device`` (what its executor unpacks), in plan order."""
+        return self._by_device.get(("receives", device), ())
 
     def local(self, device: Device) -> tuple[Transfer, ...]:
-        return tuple(t for t in self.transfers if t.target == device and t.is_local)
+        """The copies ``device`` makes from its own input buffer into its output buffer."""
+        return self._by_device.get(("local", device), ())
 
     def describe(self) -> str:
         name = _KIND_TEXT[self.kind]
@@ -814,7 +827,24 @@ def _make_step(transfers, reduce, src, dst, in_size, out_size, context: _Context
     kind, groups = _classify(transfers, reduce)
     axes = tuple(a for i, (a, _) in enumerate(context.mesh)
                  if any(len({d[i] for d in g}) > 1 for g in groups))
-    return Step(kind, axes, groups, tuple(transfers), reduce, in_size, out_size, src, dst, context.itemsize)
+    return Step(kind, axes, groups, tuple(transfers), reduce, in_size, out_size, src, dst, context.itemsize,
+                mesh_axis_groups=_are_mesh_slices(groups, axes, context.mesh))
+
+
+def _are_mesh_slices(groups, axes, mesh: Mesh) -> bool:
+    """Whether every group is all devices that agree off ``axes`` (the mesh's own sub-mesh groups).
+
+    On a 2x4 ``(x, y)`` mesh, groups ``((0,0),(0,1),(0,2),(0,3))`` and ``((1,0),...,(1,3))``
+    are the slices along ``y``; ``((0,0),(0,1))`` alone is not.
+    """
+    if not groups:
+        return False
+    inside = [i for i, (a, _) in enumerate(mesh) if a in axes]
+    size = math.prod(mesh[i][1] for i in inside)
+    for group in groups:
+        if len(group) != size or len({tuple(d[i] for i in range(len(mesh)) if i not in inside) for d in group}) != 1:
+            return False
+    return True
 
 
 def _classify(transfers: Sequence[Transfer], reduce) -> tuple[str, tuple]:

@@ -522,3 +522,20 @@ def test_module_examples():
 
     import axedist.layout_inference as module
     assert doctest.testmod(module, extraglobs={"Layout": Layout}).failed == 0
+
+
+def test_mesh_axis_groups_flag_tells_the_executor_which_groups_exist():
+    mesh = (("x", 2), ("y", 4))
+    plan = plan_layouts(placements(mesh, (8, 8), ["R", "S0"]), placements(mesh, (8, 8), ["R", "R"]), mesh, (8, 8))
+    assert plan.kinds == ("all_gather",) and plan.steps[0].axes == ("y",) and plan.steps[0].mesh_axis_groups
+    pairs = plan_layouts(Layout.parse("S[(2,4,6):(1@gpuid,6,1)] + R[2:2@gpuid]"), placements(G4, (8, 6), ["R"]),
+                         G4, (8, 6))
+    assert pairs.steps[0].groups == (((0,), (1,)), ((2,), (3,))) and not pairs.steps[0].mesh_axis_groups
+
+
+def test_replicated_partial_is_sliced_before_reducing():
+    mesh = (("x", 2), ("y", 4))
+    plan = check_plan(placements(mesh, (8, 8), ["R", "P"]), placements(mesh, (8, 8), ["S0", "S0"]), mesh, (8, 8),
+                      partial="sum")
+    assert plan.kinds == ("reduce_scatter",) and plan.steps[0].axes == ("y",)
+    assert set(plan.bytes_sent.values()) == {3 * 8 * 4}  # 3 peers x 8 elements: half the rows, not all
