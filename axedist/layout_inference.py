@@ -120,7 +120,7 @@ Mesh = tuple  # ((axis_name, size), ...)
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Transfer:
     """A strided box of values from ``source``'s buffer into ``target``'s buffer.
 
@@ -158,12 +158,15 @@ class Transfer:
         """What is read, as ``(offset, extents, strides)``; equal boxes read equal data."""
         return (self.source_offset, self.extents, self.source_strides)
 
+    def __repr__(self) -> str:
+        return f"Transfer({self})"
+
     def __str__(self) -> str:
-        return (f"{self.source}->{self.target} {self.extents}: "
-                f"{self.source_offset}+{self.source_strides} -> {self.target_offset}+{self.target_strides}")
+        return (f"{self.source}->{self.target}: box {self.extents} from m={self.source_offset} "
+                f"strides {self.source_strides} to m={self.target_offset} strides {self.target_strides}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Step:
     """One collective (or local copy) of a plan; see the module docstring for its meaning."""
 
@@ -257,6 +260,9 @@ class Step:
     def __str__(self) -> str:
         return self.describe()
 
+    def __repr__(self) -> str:
+        return f"Step({self.describe()}; {len(self.transfers)} transfers)"
+
 
 _KIND_TEXT = {
     "local": "local copy",
@@ -271,7 +277,7 @@ _KIND_TEXT = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Plan:
     """Ordered steps moving a tensor from ``source`` to ``target`` on ``mesh``; ``str`` explains it."""
 
@@ -330,6 +336,10 @@ class Plan:
 
     def __str__(self) -> str:
         return self.explain()
+
+    def __repr__(self) -> str:
+        steps = " + ".join(self.kinds) or "no steps"
+        return f"Plan({self.source} -> {self.target}, shape {self.shape}: {steps})"
 
 
 # ---------------------------------------------------------------------------
@@ -894,9 +904,9 @@ def _group_kind(group: Sequence[Device], messages, local, reduce) -> str:
                    and sorted(sent[(a, next(b for b in group if b != a))]) == sorted(t.source_box() for t in local.get(a, ()))
                    for a in group)
 
-    def one_landing_per_receiver():  # b reduces every peer's buffer into the same slots as its own part
+    def one_landing_per_receiver():  # b reduces every peer's buffer, box by box, into the slots of its own part
         return all(len({landed[(a, b)] for a in group if a != b}) == 1
-                   and sorted(landed[(next(a for a in group if a != b), b)]) == sorted(_target_box(t) for t in local.get(b, ()))
+                   and landed[(next(a for a in group if a != b), b)] == tuple(_target_box(t) for t in local.get(b, ()))
                    for b in group)
 
     if reduce is not None:

@@ -127,9 +127,9 @@ def check_kind(step):
                 assert sorted(reads[(a, peer)]) == sorted(s for s, _ in kept.get(a, []))
         if step.kind in ("reduce_scatter", "all_reduce"):
             assert step.reduce is not None
-            for b in group:  # every peer's buffer reduces into the receiver's own slots
+            for b in group:  # every peer's buffer reduces, in order, into the receiver's own slots
                 assert len({tuple(writes[(a, b)]) for a in group if a != b}) == 1
-                assert sorted(writes[(next(a for a in group if a != b), b)]) == sorted(m for _, m in kept.get(b, []))
+                assert writes[(next(a for a in group if a != b), b)] == [m for _, m in kept.get(b, [])]
         if step.kind == "all_to_all":
             assert len({len(reads[p]) for p in pairs}) == 1
         if step.kind == "broadcast":
