@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
-from axedist.collectives.fused import gemm_only, gemm_reduce_scatter  # noqa: E402
+from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
@@ -53,6 +53,8 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tune", default="all", help="'all' candidate configs, or 'default'")
     parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time signal-only and GPU-scope variants (where the time goes)")
     args = parser.parse_args()
     if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
         raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
@@ -115,6 +117,14 @@ def main():
         row["fused"] = tried[best_name][0]
         only_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         row["gemm_only"] = time_collective(lambda: gemm_only(a, b, world, best, out=only_out), args.reps)
+        # where the fused time goes: the same kernel with flag releases but no reduce tasks,
+        # and (timing only, not a correct cross-GPU signal) with GPU-scope releases
+        if args.variants:
+            for name, mode, scope in (("signal_only", gemm_rs.GEMM_AND_SIGNAL, "sys"),
+                                      ("signal_only_gpu_scope", gemm_rs.GEMM_AND_SIGNAL, "gpu"),
+                                      ("fused_gpu_scope", gemm_rs.FUSED, "gpu")):
+                row[name] = time_collective(lambda: gemm_reduce_scatter_variant(
+                    a, b, None, best, mode, scope, out=rs_out), args.reps)
         # correctness of what was timed: fused vs cuBLAS + NCCL, gemm-only vs cuBLAS
         fused_out = gemm_reduce_scatter(a, b, None, backend="p2p", check=True)
         seq()
@@ -130,6 +140,9 @@ def main():
         row["gemm_only_vs_cublas"] = row["cublas"] / row["gemm_only"]
         row["fused_over_limit"] = row["fused"] / row["limit"]
         results.append(row)
+        if rank == 0 and args.variants:
+            print(f"    variants: signal_only {row['signal_only']:.3f} signal_only_gpu_scope "
+                  f"{row['signal_only_gpu_scope']:.3f} fused_gpu_scope {row['fused_gpu_scope']:.3f}", flush=True)
         if rank == 0:
             print(f"[{index}] {label} M={m} N={n} K={k}: cublas {row['cublas']:.3f} nccl_rs {row['nccl_rs']:.3f} "
                   f"seq {row['seq']:.3f} symm {row['symm'] if row['symm'] is None else round(row['symm'], 3)} "

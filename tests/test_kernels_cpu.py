@@ -234,8 +234,9 @@ def _compile_fused(tma=True, transposed=False, multimem=False, gemm_only=False, 
     config = config or gemm_rs.GemmConfig()
     constexprs = dict(WORLD=4, BM=config.block_m, BN=config.block_n, BK=config.block_k,
                       GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=tma,
-                      B_TRANSPOSED=transposed, GEMM_ONLY=gemm_only, MULTIMEM=multimem,
-                      ALIGNED=True, REDUCE_ROWS=config.reduce_rows)
+                      B_TRANSPOSED=transposed, MODE=1 if gemm_only else 0, MULTIMEM=multimem,
+                      ALIGNED=True, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
+                      DEFER=config.defer_release, SCOPE="sys")
     if not tma:
         constexprs.update(a_desc=None, b_desc=None)
     return compile_for_target(
@@ -395,3 +396,10 @@ def test_kernels_never_import_dtensor():
             with open(os.path.join(kernels, name)) as handle:
                 source = handle.read()
             assert "dtensor" not in source.lower().replace("never import dtensor", ""), name
+
+
+def test_deferred_release_variant_compiles_and_still_releases_system_scope():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    ptx = _compile_fused(config=gemm_rs.GemmConfig(defer_release=True)).asm["ptx"]
+    assert "st.release.sys.global.b32" in ptx and "st.release.gpu" not in ptx

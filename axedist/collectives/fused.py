@@ -169,3 +169,22 @@ def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,
     out = torch.empty((ops.m, ops.n), dtype=a.dtype, device=a.device) if out is None else out
     gemm_rs.launch(ops, config, world, 0, out, None, gemm_only=True)
     return out
+
+
+def gemm_reduce_scatter_variant(a: torch.Tensor, b: torch.Tensor, group, config, mode: int,
+                                scope: str = "sys", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Benchmark-only: the fused kernel in another MODE (gemm_rs.FUSED / GEMM_AND_SIGNAL) or with
+    GPU-scope flag releases (scope="gpu": NOT a correct cross-GPU signal; timing only)."""
+    from ..kernels import gemm_rs
+    from .symmetric import get_workspace
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    ops = gemm_rs.prepare_operands(a, b)
+    workspace = get_workspace(group, ops.m * ops.n * a.element_size(), a.device)
+    epoch, half = workspace.begin_call("gemm_reduce_scatter_variant")
+    part = workspace.local_data(half, a.dtype, ops.m * ops.n)
+    if out is None:
+        out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
+    gemm_rs.launch(ops, config, world, rank, part, out, workspace, epoch, half, mode=mode,
+                   scope=scope)
+    return out

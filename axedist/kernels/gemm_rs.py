@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import schedule
-from .primitives import load_reduce, pick, st_release_sys, wait_flag
+from .primitives import load_reduce, pick, st_release_gpu, st_release_sys, wait_flag
 
 
 @triton.jit
@@ -99,6 +99,21 @@ def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
         tl.store(out_ptr + task * 4 + 3, tile_n)
 
 
+@triton.jit
+def _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, flag, epoch, SCOPE: tl.constexpr):
+    tl.debug_barrier()  # every thread's stores of the tile precede thread 0's release
+    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+    if SCOPE == "gpu":
+        st_release_gpu(own_flags + flag * 4, epoch)
+    else:
+        st_release_sys(own_flags + flag * 4, epoch)
+
+
+# MODE: 0 = fused GEMM + reduce-scatter; 1 = GEMM only (no flags, no reduce tasks);
+# 2 = GEMM + flag releases without reduce tasks (measures what signalling costs).
+FUSED, GEMM_ONLY, GEMM_AND_SIGNAL = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "task_base", "timeout_ns", "lag"])
 def gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, part_ptr, out_ptr,
@@ -109,24 +124,29 @@ def gemm_reduce_scatter_kernel(
         rank, epoch, lag,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
-        B_TRANSPOSED: tl.constexpr, GEMM_ONLY: tl.constexpr, MULTIMEM: tl.constexpr,
-        ALIGNED: tl.constexpr, REDUCE_ROWS: tl.constexpr):
+        B_TRANSPOSED: tl.constexpr, MODE: tl.constexpr, MULTIMEM: tl.constexpr,
+        ALIGNED: tl.constexpr, REDUCE_ROWS: tl.constexpr, DEFER: tl.constexpr,
+        SCOPE: tl.constexpr):
+    """DEFER: release a GEMM tile's flag only after the NEXT tile's main loop (its stores have
+    drained by then, so the system-scope fence is cheap), and always before a reduce task or
+    the end, so no program holds an unreleased flag while it waits (deadlock freedom holds)."""
     ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M_CHUNK, BM)
     tiles_n = tl.cdiv(N, BN)
     rounds = tiles_m * tiles_n
-    if GEMM_ONLY:
-        tasks = rounds * WORLD
-    else:
+    if MODE == 0:
         tasks = rounds * (WORLD + 1)
+    else:
+        tasks = rounds * WORLD
     task = tl.atomic_add(counter_ptr, 1) - task_base
+    pending = task * 0 - 1
     while task < tasks:
-        if GEMM_ONLY:
+        if MODE == 0:
+            is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+        else:
             is_gemm = task >= 0
             round_ = task // WORLD
             slot = task % WORLD
-        else:
-            is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
         tile_m, tile_n = _grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
         col0 = tile_n * BN
         cols = col0 + tl.arange(0, BN)
@@ -136,16 +156,25 @@ def gemm_reduce_scatter_kernel(
             accumulator = _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K,
                                      stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
                                      STAGES, USE_TMA, B_TRANSPOSED)
+            if DEFER:
+                if pending >= 0:
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
             rows = row0 + tl.arange(0, BM)
             # rows past the chunk belong to the next chunk's tiles: never write them
             mask = (rows[:, None] < (chunk + 1) * M_CHUNK) & (cols[None, :] < N)
             tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
                      mask=mask)
-            if not GEMM_ONLY:
-                tl.debug_barrier()
-                own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
-                st_release_sys(own_flags + (chunk * rounds + round_) * 4, epoch)
+            if MODE != 1:
+                if DEFER:
+                    pending = chunk * rounds + round_
+                else:
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
+                             epoch, SCOPE)
         else:
+            if DEFER:
+                if pending >= 0:
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
+                pending = pending * 0 - 1
             flag = rank * rounds + round_
             for step in tl.static_range(WORLD):
                 peer = (rank + step) % WORLD
@@ -161,6 +190,9 @@ def gemm_reduce_scatter_kernel(
                 local = (own_rows[:, None] - rank * M_CHUNK) * N + cols[None, :]
                 tl.store(out_ptr + local, total.to(ELEMENT), mask=own_mask)
         task = tl.atomic_add(counter_ptr, 1) - task_base
+    if DEFER:
+        if pending >= 0:
+            _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,16 +207,19 @@ class GemmConfig:
     # rows of a reduce tile loaded at once: 4 peers x 64 x 256 bf16 = 128 KB in flight per
     # program; 16 rows (the first version) left the reduce latency-bound (docs/gpu_notes.md)
     reduce_rows: int = 64
+    # release each tile's flag one tile later, when the fence no longer waits for its stores
+    defer_release: bool = False
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}/r{self.reduce_rows}")
+                f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}")
 
 
 CANDIDATES = (
     GemmConfig(128, 256, 64, 8, 3, 8),
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True),
     GemmConfig(128, 256, 64, 8, 3, 8, reduce_rows=16),
-    GemmConfig(128, 256, 64, 8, 3, 8, reduce_rows=32),
+    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
@@ -282,21 +317,24 @@ _processors: dict[int, int] = {}
 
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
            out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
-           multimem: bool = False, gemm_only: bool = False) -> None:
-    """Launch the persistent kernel once (fused, or GEMM_ONLY writing the partial into `part`)."""
+           multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
+           scope: str = "sys") -> None:
+    """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
+    `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant."""
+    mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
     programs = _processors.get(device.index)
     if programs is None:
         programs = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
-    tasks = schedule.task_count(rounds, world, gemm_only)
+    tasks = schedule.task_count(rounds, world, mode != FUSED)
     programs = max(1, min(programs, tasks))
     a_desc, b_desc = _descriptors(ops, config)
     use_tma = a_desc is not None
     element = ops.a.element_size()
     aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
-    if gemm_only:
+    if mode == GEMM_ONLY:
         state = _gemm_only_counters.setdefault(
             device.index, [torch.zeros(1, dtype=torch.int32, device=device), 0])
         if state[1] + tasks + programs >= (1 << 30):
@@ -318,10 +356,11 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         multicast = workspace.multicast_address(half) if multimem else 0
         abort, error_address = workspace.abort, workspace.error_address()
         timeout_ns = workspace.timeout_ns(epoch)
-    if not gemm_only and world * rounds > (1 << 16):
+        out = part if out is None else out
+    if mode != GEMM_ONLY and world * rounds > (1 << 16):
         raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
                          f"use larger tiles")
-    lag = schedule.choose_lag(rounds, world, programs)
+    lag = schedule.choose_lag(rounds, world, programs, 2.5 if config.defer_release else 1.5)
     stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
     gemm_reduce_scatter_kernel[(programs,)](
         a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
@@ -330,6 +369,6 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         rank, epoch, lag,
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
-        B_TRANSPOSED=ops.b_transposed and use_tma, GEMM_ONLY=gemm_only, MULTIMEM=multimem,
+        B_TRANSPOSED=ops.b_transposed and use_tma, MODE=mode, MULTIMEM=multimem,
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
-        num_warps=config.warps)
+        DEFER=config.defer_release, SCOPE=scope, num_warps=config.warps)

@@ -44,6 +44,21 @@ def st_release_sys(address, value):
 
 
 @triton.jit
+def st_release_gpu(address, value):
+    """As st_release_sys at GPU scope. NOT a correct signal to another GPU under the PTX memory
+    model; exists only so the benchmark can measure what the system-scope fence costs."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_is_first;
+        .reg .u32 %t_index;
+        mov.u32 %t_index, %tid.x;
+        setp.eq.u32 %p_is_first, %t_index, 0;
+        @%p_is_first st.release.gpu.global.b32 [$1], $2;
+        mov.u32 $0, 0;
+        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def globaltimer(dummy):
     """Nanoseconds from the GPU's global timer (dummy: any int32, Triton needs an operand)."""
     return tl.inline_asm_elementwise(

@@ -63,10 +63,11 @@ def gemm_chunk(rank: int, slot: int, world: int) -> int:
     return (rank + 1 + slot) % world
 
 
-def choose_lag(rounds: int, world: int, programs: int) -> int:
-    """Rounds between a GEMM tile and its reduce task: about 1.5 waves of the grid, so that the
-    tile is usually finished on every rank when its reduce task is claimed."""
-    return min(rounds, math.ceil(1.5 * programs / (world + 1)))
+def choose_lag(rounds: int, world: int, programs: int, waves: float = 1.5) -> int:
+    """Rounds between a GEMM tile and its reduce task: about 1.5 waves of the grid (2.5 when
+    flags are released one tile late), so that the tile is usually finished and released on
+    every rank when its reduce task is claimed."""
+    return min(rounds, math.ceil(waves * programs / (world + 1)))
 
 
 def task_list(rank: int, world: int, rounds: int, lag: int) -> list[tuple[str, int, int]]:
