@@ -10,7 +10,8 @@ Example, a ``(8, 6)`` tensor sharded on dim 0 over 4 devices, gathered everywher
     >>> dst = Layout.parse("S[(8,6):(6,1)] + R[4:1@gpuid]")   # Replicate()
     >>> print(plan_layouts(src, dst, mesh, (8, 6)))
     plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], shape (8, 6), mesh (gpuid=4), 4-byte items
-      1. all-gather over gpuid (1 group of 4): each device sends 144 B, receives 144 B
+      1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
+         digits: 4:1@gpuid -> 4:12, replica R[4:1@gpuid] added
       per device at most: sent 144 B, received 144 B
 
 Conventions
@@ -181,6 +182,7 @@ class Step:
     target: Layout | None
     itemsize: int
     mesh_axis_groups: bool = False  # each group is a whole slice of the mesh along ``axes``
+    moves: tuple[str, ...] = ()  # digits that change axis, e.g. "4:1@gpuid -> 4:12" (digit path only)
     fused: str | None = None  # "all_reduce" on a reduce-scatter + all-gather pair
 
     @functools.cached_property
@@ -251,7 +253,7 @@ class Step:
         senders, receivers = len(self.bytes_sent), len(self.bytes_received)
         members = {d for g in self.groups for d in g}
         if len(sent) == 1 and len(received) == 1 and set(self.bytes_sent) == set(self.bytes_received) == members:
-            text += f": each device sends {sent.pop()} B, receives {received.pop()} B"
+            text += f": each member sends {sent.pop()} B, receives {received.pop()} B"
         else:
             text += (f": {senders} device(s) send up to {max(sent, default=0)} B, "
                      f"{receivers} receive up to {max(received, default=0)} B")
@@ -328,6 +330,8 @@ class Plan:
             if step.fused == "all_reduce":
                 line += "  [all-reduce, part " + ("1/2]" if step.kind == "reduce_scatter" else "2/2]")
             lines.append(line)
+            if step.moves:
+                lines.append("     digits: " + ", ".join(step.moves))
         if self.method == "elements":
             lines.append("  (element-level fallback: the layouts share no digit refinement)")
         lines.append(f"  per device at most: sent {max(self.bytes_sent.values(), default=0)} B, "
@@ -756,7 +760,26 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
                 holders = [(tuple(a + b for a, b in zip(device, p_device)), m + p_m) for p_device, p_m in source_points]
                 source, source_m = _nearest(holders, target, aligned)
                 transfers.append(Transfer(source, target, extents, source_m, source_strides, target_m, target_strides))
-    return _make_step(transfers, reduce, src, dst, buffer_size(src), buffer_size(dst), context)
+    step = _make_step(transfers, reduce, src, dst, buffer_size(src), buffer_size(dst), context)
+    return _replace(step, moves=_moves(digits, src, dst))
+
+
+def _moves(digits: Sequence[_Digit], src: Layout, dst: Layout) -> tuple[str, ...]:
+    """Digits whose axis changes (``"4:1@gpuid -> 4:12"``, ``"4:1@gpuid reduced"``), replicas gained or lost."""
+    text = lambda extent, place: str(Iter(extent, place[1], place[0]))
+    moves = []
+    for d in digits:
+        if d.extent == 1:
+            continue
+        if d.target is None:
+            moves.append(f"{text(d.extent, d.source)} reduced")
+        elif d.source[0] != d.target[0]:
+            moves.append(f"{text(d.extent, d.source)} -> {text(d.extent, d.target)}")
+    before = {it for it in src.canonicalize().replica if it.axis != MEMORY_AXIS}
+    after = {it for it in dst.canonicalize().replica if it.axis != MEMORY_AXIS}
+    moves += [f"replica R[{it}] added" for it in sorted(after - before, key=str)]
+    moves += [f"replica R[{it}] dropped" for it in sorted(before - after, key=str)]
+    return tuple(moves)
 
 
 def _merge_free(free: Sequence[_Digit]):

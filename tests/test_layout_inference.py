@@ -275,6 +275,7 @@ def test_shard_to_replicate_is_one_all_gather():
     assert plan.kinds == ("all_gather",) and plan.steps[0].axes == ("gpuid",)
     assert plan.steps[0].groups == (((0,), (1,), (2,), (3,)),)
     assert "all-gather over gpuid (1 group of 4)" in str(plan)
+    assert "digits: 4:1@gpuid -> 4:12, replica R[4:1@gpuid] added" in str(plan)
     assert set(plan.bytes_received.values()) == {3 * 12 * 4}
 
 
@@ -432,7 +433,7 @@ def test_random_layouts(mesh, seed):
 def test_random_partial_sums(mesh, seed, op):
     rng = random.Random(seed)
     shape = random_shape(rng, mesh)
-    src = random_layout(rng, mesh, shape, partial=True)
+    src = random_layout(rng, mesh, shape, partial=True, memory_replica=rng.random() < 0.1)
     dst = random_layout(rng, mesh, shape, memory_replica=rng.random() < 0.1)
     check_plan(src, dst, mesh, shape, partial=op)
 
@@ -465,7 +466,9 @@ def test_plan_prints_its_layouts_and_steps():
     text = str(plan)
     assert text.startswith("plan S[(4,2,4):(1@gpuid,4,1)] -> ")
     assert "all-to-all over gpuid" in text and "per device at most" in text
-    assert isinstance(plan, Plan) and len(text.splitlines()) == 3
+    assert "digits: 4:1@gpuid -> 4:2, 4:1 -> 4:1@gpuid" in text  # dim 0 into memory, dim 1 onto devices
+    assert isinstance(plan, Plan) and len(text.splitlines()) == 4
+    assert repr(plan) == "Plan(S[(4,2,4):(1@gpuid,4,1)] -> S[(8,4,1):(1,1@gpuid,1)], shape (8, 4): all_to_all)"
 
 
 def test_replication_on_part_of_an_axis_gathers_in_pairs():
