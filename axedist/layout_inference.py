@@ -807,7 +807,11 @@ def _plan_by_elements(src: Layout, dst: Layout, summands: int, size: int, contex
         # reduce each element at one of its target devices (its first slot there), then copy
         owners, pairs = [], {}
         for x in range(size):
-            owner = dst_slots[x][(x * 7919) % len(dst_slots[x])]  # spread owners over the replicas
+            # the target device holding the most summands already; ties spread over the replicas
+            held = [sum(any(d == slot[0] for d, _ in src_slots[p * size + x]) for p in range(summands))
+                    for slot in dst_slots[x]]
+            best = [i for i, h in enumerate(held) if h == max(held)]
+            owner = dst_slots[x][best[(x * 7919) % len(best)]]
             owners.append([owner])
             for p in range(summands):
                 source, source_m = _nearest(src_slots[p * size + x], owner[0])
