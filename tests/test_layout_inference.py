@@ -429,7 +429,7 @@ def test_random_layouts(mesh, seed):
 
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(str(n) for _, n in m))
 @settings(max_examples=100)
-@given(seed=st.integers(0, 2**32 - 1), op=st.sampled_from(["sum", "max"]))
+@given(seed=st.integers(0, 2**32 - 1), op=st.sampled_from(["sum", "max", "avg", "min"]))
 def test_random_partial_sums(mesh, seed, op):
     rng = random.Random(seed)
     shape = random_shape(rng, mesh)
