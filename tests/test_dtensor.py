@@ -56,6 +56,11 @@ CASES = {
     "permuted_devices": ((4,), ("gpuid",), [2, 0, 3, 1], (8, 6), "S[(4,2,6):(-1@gpuid,6,1)] + 3@gpuid"),
     # replicated on devices 0 and 1 only
     "partial_axis_replica": ((4,), ("gpuid",), None, (8, 6), "S[(8,6):(6,1)] + R[2:1@gpuid]"),
+    # the same kinds on 2 devices (these also run on 2 GPUs)
+    "block_cyclic_2": ((2,), ("gpuid",), None, (12,), "S[(3,2,2):(2,1@gpuid,1)]"),
+    "subset_of_mesh_2": ((2,), ("gpuid",), None, (4, 3), "S[(4,3):(3,1)] + 1@gpuid"),
+    "permuted_devices_2": ((2,), ("gpuid",), [1, 0], (4, 3), "S[(2,2,3):(-1@gpuid,3,1)] + 1@gpuid"),
+    "cyclic_columns_2": ((2,), ("gpuid",), None, (3, 8), "S[(3,2,2,2):(4,2,1@gpuid,1)]"),
     # sharded over x, replicated on y in {0, 2} of a 2x4 mesh
     "partial_axis_replica_2d": ((2, 4), ("x", "y"), None, (8, 6), "S[(2,4,6):(1@x,6,1)] + R[2:2@y]"),
     # x and y both shard dim 0, with a memory digit between them
@@ -65,31 +70,32 @@ CASES = {
 }
 
 
-def _roundtrip(rank, world_size, name, src_rank):
+def _roundtrip(rank, world_size, name, src_rank, device_type="cpu"):
     mesh_shape, names, ranks, shape, text = CASES[name]
-    mesh = DeviceMesh("cpu", mesh_shape, names, ranks)
+    mesh = DeviceMesh(device_type, mesh_shape, names, ranks)
     layout = Layout.parse(text)
     full = global_tensor(shape, seed=len(name))
     sent = full if rank == src_rank else torch.full(shape, -1.0, dtype=full.dtype)  # not read
-    dt = distribute(sent, mesh, layout, src_rank=src_rank)
+    dt = distribute(sent.to(mesh.device), mesh, layout, src_rank=src_rank)
     want = expected_local(layout, mesh, full, rank)
-    assert torch.equal(dt.to_local(), want), (dt.to_local(), want)
+    assert torch.equal(dt.to_local().cpu(), want), (dt.to_local(), want)
     assert dt.shape == torch.Size(shape) and dt.dtype == torch.float64 and dt.layout == layout
-    assert torch.equal(dt.full_tensor(), full)
+    assert dt.device == mesh.device and dt.to_local().device == mesh.device
+    assert torch.equal(dt.full_tensor().cpu(), full)
     # from_local on the same pieces, checked across ranks
-    again = DTensor.from_local(want.clone(), mesh, layout, shape, run_check=True)
-    assert torch.equal(again.full_tensor(), full)
+    again = DTensor.from_local(want.to(mesh.device), mesh, layout, shape, run_check=True)
+    assert torch.equal(again.full_tensor().cpu(), full)
     # to every other case on the same mesh and back
     for other_name, (m2, n2, r2, s2, t2) in CASES.items():
         if (m2, n2, r2, s2) != (mesh_shape, names, ranks, shape):
             continue
         other = Layout.parse(t2)
         moved = dt.redistribute(other)
-        assert torch.equal(moved.to_local(), expected_local(other, mesh, full, rank)), other_name
-        assert torch.equal(moved.redistribute(layout).to_local(), want)
+        assert torch.equal(moved.to_local().cpu(), expected_local(other, mesh, full, rank)), other_name
+        assert torch.equal(moved.redistribute(layout).to_local().cpu(), want)
     # and to a plain row-major layout on one device
     on_one = Layout.parse(f"S[{math.prod(shape)}:1] + 1@{names[0]}")
-    assert torch.equal(dt.redistribute(on_one).to_local(), expected_local(on_one, mesh, full, rank))
+    assert torch.equal(dt.redistribute(on_one).to_local().cpu(), expected_local(on_one, mesh, full, rank))
     with pytest.raises(LayoutError, match="no placement form"):
         placements_from_layout(layout, mesh, shape)
     return True
@@ -101,36 +107,40 @@ def test_layouts_placements_cannot_express(name):
     assert run_on_ranks(_roundtrip, world, args=(name, world - 1)) == [True] * world
 
 
-def _figure_8(rank, world_size):
-    """The paper's Fig. 8 (DESIGN §2): summing a (4,64,64) input over dim 0 into rows sharded by 4."""
-    mesh = DeviceMesh("cpu", (4,))
-    full = torch.randint(-100, 100, (4, 64, 64), generator=torch.Generator().manual_seed(8)).to(torch.float32)
-    x = distribute(full, mesh, Layout.parse("S[(4,64,64):(1@gpuid,64,1)]"))
-    assert torch.equal(x.to_local(), full[rank:rank + 1])
-    out = Layout.parse("S[(4,16,64):(1@gpuid,64,1)]")
+def _figure_8(rank, world_size, device_type="cpu"):
+    """The paper's Fig. 8 (DESIGN §2): with W = 4, summing a (4,64,64) input over dim 0 into
+    ``S[(4,16,64):(1@gpuid,64,1)]`` is a reduce-scatter. Any W dividing 64 works the same."""
+    w, rows = world_size, 64 // world_size
+    mesh = DeviceMesh(device_type, (w,))
+    full = torch.randint(-100, 100, (w, 64, 64), generator=torch.Generator().manual_seed(8)).to(torch.float32)
+    summands = Layout.parse(f"S[({w},64,64):(1@gpuid,64,1)]")
+    x = distribute(full.to(mesh.device), mesh, summands)
+    assert torch.equal(x.to_local().cpu(), full[rank:rank + 1])
+    out = Layout.parse(f"S[({w},{rows},64):(1@gpuid,64,1)]")
     y = x.to_partial("sum").redistribute(out)
     assert y.shape == (64, 64) and y.layout == out and y.reduce_op is None
-    assert torch.equal(y.to_local(), full.sum(0)[16 * rank:16 * rank + 16])
+    assert torch.equal(y.to_local().cpu(), full.sum(0)[rows * rank:rows * (rank + 1)])
     # the same pending sum built from local pieces; and max/min/avg reduce the same way
-    partial = DTensor.from_local(full[rank:rank + 1].clone(), mesh, Layout.parse("S[(4,64,64):(1@gpuid,64,1)]"),
-                                 (4, 64, 64), reduce_op="sum")
+    partial = DTensor.from_local(full[rank:rank + 1].to(mesh.device), mesh, summands, (w, 64, 64), reduce_op="sum")
     assert partial.shape == (64, 64) and partial.to_local().shape == (1, 64, 64)
-    assert torch.equal(partial.full_tensor(), full.sum(0))
+    assert torch.equal(partial.full_tensor().cpu(), full.sum(0))
     for op, reduce in [("max", full.amax(0)), ("min", full.amin(0)), ("avg", full.mean(0))]:
-        assert torch.allclose(x.to_partial(op).redistribute(out).to_local(), reduce[16 * rank:16 * rank + 16])
+        got = x.to_partial(op).redistribute(out).to_local().cpu()
+        assert torch.allclose(got, reduce[rows * rank:rows * (rank + 1)]), op
     # two summands per device (an m iter in the summand dim), reduced on the way to Shard(1)
-    two = Layout.parse("S[(2,4,8,8):(64,1@gpuid,8,1)]")        # summand k = 4*j + gpuid... two per device
-    z = distribute(full[:, :8, :8].contiguous().repeat(2, 1, 1), mesh, two)
+    two = Layout.parse(f"S[(2,{w},8,8):(64,1@gpuid,8,1)]")     # summand 2*... : j*W + gpuid, j local
+    z = distribute(full[:, :8, :8].repeat(2, 1, 1).to(mesh.device), mesh, two)
     assert z.to_local().shape == (2, 8, 8)
-    shard1 = Layout.parse("S[(8,4,2):(2,1@gpuid,1)]")
-    got = z.to_partial("sum").redistribute(shard1).to_local()
-    want = (2 * full[:, :8, :8].sum(0))[:, 2 * rank:2 * rank + 2]
-    assert torch.equal(got, want)
+    cols = 8 // w
+    shard1 = Layout.parse(f"S[(8,{w},{cols}):({cols},1@gpuid,1)]")
+    got = z.to_partial("sum").redistribute(shard1).to_local().cpu()
+    assert torch.equal(got, (2 * full[:, :8, :8].sum(0))[:, cols * rank:cols * (rank + 1)])
     return True
 
 
-def test_figure_8_partial_sum_reduce_scatter():
-    assert run_on_ranks(_figure_8, 4) == [True] * 4
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_figure_8_partial_sum_reduce_scatter(world_size):
+    assert run_on_ranks(_figure_8, world_size) == [True] * world_size
 
 
 def _error(fn):

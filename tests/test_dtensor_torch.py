@@ -59,13 +59,13 @@ def nested_uneven(shape, mesh_shape, placements) -> bool:
     return any(len(ks) > 1 and shape[d] % math.prod(ks) for d, ks in by_dim.items())
 
 
-def _differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed):
+def _differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed, device_type="cpu"):
     mesh_shape, names = MESHES[mesh_key]
-    mesh = DeviceMesh("cpu", mesh_shape, names)
+    mesh = DeviceMesh(device_type, mesh_shape, names)
     tmesh = mesh.to_torch()
     src, dst = decode(src_codes), decode(dst_codes)
     op = next((p.reduce_op for p in src if isinstance(p, Partial)), None)
-    full = values(shape, seed)
+    full = values(shape, seed).to(mesh.device)
     if op is None:
         theirs = distribute_tensor(full, tmesh, src)
         try:
@@ -79,7 +79,7 @@ def _differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed)
         # replicas along Replicate axes must hold equal values (torch assumes it, never checks)
         coords = mesh.coordinates()
         key = [coords[a] if not isinstance(p, Replicate) else 0 for a, p in zip(names, src)]
-        local = values(local_shape, seed * 31 + hash(tuple(key)) % 1000)
+        local = values(local_shape, seed * 31 + hash(tuple(key)) % 1000).to(mesh.device)
         theirs = TorchDTensor.from_local(local, tmesh, src, shape=torch.Size(shape), stride=full.stride())
         try:
             ours = DTensor.from_local(local.clone(), mesh, src, shape=shape, run_check=True)

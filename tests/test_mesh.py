@@ -8,23 +8,23 @@ from axedist.mesh import DeviceMesh, MeshError
 from axedist.testing import run_on_ranks
 
 
-def _coordinates_and_groups(rank, world_size):
-    mesh = DeviceMesh("cpu", (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
+def _coordinates_and_groups(rank, world_size, device_type="cpu"):
+    mesh = DeviceMesh(device_type, (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
     coords = mesh.coordinates()
     assert mesh.rank_at(coords) == rank
     tp, dp = mesh["tp"], mesh["dp"]
     # the group over tp really connects exactly this rank's row, in mesh order
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=mesh.device)
     dist.all_reduce(t, group=mesh.group("tp"))
     assert t.item() == sum(tp.ranks)
-    t = torch.tensor([float(rank)])
+    t = torch.tensor([float(rank)], device=mesh.device)
     dist.all_reduce(t, group=mesh.group(("dp", "tp")))
     assert t.item() == sum(range(world_size))
     assert mesh.group() is mesh.group(("dp", "tp"))
     # a sub-mesh reuses the parent's groups
     assert tp.group() is mesh.group("tp") and dp.group() is mesh.group("dp")
     assert tp.coordinates() == {"tp": coords["tp"]}
-    again = DeviceMesh("cpu", (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
+    again = DeviceMesh(device_type, (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
     assert again == mesh and hash(again) == hash(mesh) and again.group("tp") is mesh.group("tp")
     return coords, tp.ranks, dp.ranks, repr(mesh)
 
