@@ -96,7 +96,7 @@ def main():
         # tile config: every candidate timed fused; the same max-over-ranks numbers on every
         # rank give every rank the same choice
         key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
-        candidates = (gemm_rs.CANDIDATES if args.tune == "all"
+        candidates = (gemm_rs.CANDIDATES if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
                       else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
         tried = {}
         for config in candidates:
@@ -120,11 +120,13 @@ def main():
         # where the fused time goes: the same kernel with flag releases but no reduce tasks,
         # and (timing only, not a correct cross-GPU signal) with GPU-scope releases
         if args.variants:
-            for name, mode, scope in (("signal_only", gemm_rs.GEMM_AND_SIGNAL, "sys"),
-                                      ("signal_only_gpu_scope", gemm_rs.GEMM_AND_SIGNAL, "gpu"),
-                                      ("fused_gpu_scope", gemm_rs.FUSED, "gpu")):
+            for name, mode, scope, lag_waves in (
+                    ("signal_only", gemm_rs.GEMM_AND_SIGNAL, "sys", None),
+                    ("no_math", gemm_rs.NO_MATH, "sys", None),
+                    ("fused_lag4", gemm_rs.FUSED, "sys", 4.0),
+                    ("fused_lag_end", gemm_rs.FUSED, "sys", 1e9)):
                 row[name] = time_collective(lambda: gemm_reduce_scatter_variant(
-                    a, b, None, best, mode, scope, out=rs_out), args.reps)
+                    a, b, None, best, mode, scope, out=rs_out, lag_waves=lag_waves), args.reps)
         # correctness of what was timed: fused vs cuBLAS + NCCL, gemm-only vs cuBLAS
         fused_out = gemm_reduce_scatter(a, b, None, backend="p2p", check=True)
         seq()
@@ -141,8 +143,8 @@ def main():
         row["fused_over_limit"] = row["fused"] / row["limit"]
         results.append(row)
         if rank == 0 and args.variants:
-            print(f"    variants: signal_only {row['signal_only']:.3f} signal_only_gpu_scope "
-                  f"{row['signal_only_gpu_scope']:.3f} fused_gpu_scope {row['fused_gpu_scope']:.3f}", flush=True)
+            print(f"    variants: signal_only {row['signal_only']:.3f} no_math {row['no_math']:.3f} "
+                  f"fused_lag4 {row['fused_lag4']:.3f} fused_lag_end {row['fused_lag_end']:.3f}", flush=True)
         if rank == 0:
             print(f"[{index}] {label} M={m} N={n} K={k}: cublas {row['cublas']:.3f} nccl_rs {row['nccl_rs']:.3f} "
                   f"seq {row['seq']:.3f} symm {row['symm'] if row['symm'] is None else round(row['symm'], 3)} "

@@ -41,6 +41,8 @@ if [[ $MODE == first ]]; then
   step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
   step rest_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
+elif [[ $MODE == fourth ]]; then
+  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --variants --tune first --only 0,1,2,3,4,5,7 --out "$RESULTS"
 elif [[ $MODE == third ]]; then
   step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or back_to_back"
   step bench_gemm_rs_w4 240 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --variants --out "$RESULTS"

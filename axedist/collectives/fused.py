@@ -172,7 +172,8 @@ def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,
 
 
 def gemm_reduce_scatter_variant(a: torch.Tensor, b: torch.Tensor, group, config, mode: int,
-                                scope: str = "sys", out: torch.Tensor | None = None) -> torch.Tensor:
+                                scope: str = "sys", out: torch.Tensor | None = None,
+                                lag_waves: float | None = None) -> torch.Tensor:
     """Benchmark-only: the fused kernel in another MODE (gemm_rs.FUSED / GEMM_AND_SIGNAL) or with
     GPU-scope flag releases (scope="gpu": NOT a correct cross-GPU signal; timing only)."""
     from ..kernels import gemm_rs
@@ -186,5 +187,5 @@ def gemm_reduce_scatter_variant(a: torch.Tensor, b: torch.Tensor, group, config,
     if out is None:
         out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
     gemm_rs.launch(ops, config, world, rank, part, out, workspace, epoch, half, mode=mode,
-                   scope=scope)
+                   scope=scope, lag_waves=lag_waves)
     return out

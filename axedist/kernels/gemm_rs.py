@@ -110,8 +110,9 @@ def _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, flag, epoch, SCOPE: tl.conste
 
 
 # MODE: 0 = fused GEMM + reduce-scatter; 1 = GEMM only (no flags, no reduce tasks);
-# 2 = GEMM + flag releases without reduce tasks (measures what signalling costs).
-FUSED, GEMM_ONLY, GEMM_AND_SIGNAL = 0, 1, 2
+# 2 = GEMM + flag releases without reduce tasks; 3 = the fused schedule with the GEMM main
+# loop skipped (zero tiles): stores, flags and reduce alone. 2 and 3 are for the benchmark.
+FUSED, GEMM_ONLY, GEMM_AND_SIGNAL, NO_MATH = 0, 1, 2, 3
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "task_base", "timeout_ns", "lag"])
@@ -134,14 +135,14 @@ def gemm_reduce_scatter_kernel(
     tiles_m = tl.cdiv(M_CHUNK, BM)
     tiles_n = tl.cdiv(N, BN)
     rounds = tiles_m * tiles_n
-    if MODE == 0:
+    if (MODE == 0) or (MODE == 3):
         tasks = rounds * (WORLD + 1)
     else:
         tasks = rounds * WORLD
     task = tl.atomic_add(counter_ptr, 1) - task_base
     pending = task * 0 - 1
     while task < tasks:
-        if MODE == 0:
+        if (MODE == 0) or (MODE == 3):
             is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
         else:
             is_gemm = task >= 0
@@ -153,9 +154,12 @@ def gemm_reduce_scatter_kernel(
         if is_gemm:
             chunk = (rank + 1 + slot) % WORLD
             row0 = chunk * M_CHUNK + tile_m * BM
-            accumulator = _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K,
-                                     stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
-                                     STAGES, USE_TMA, B_TRANSPOSED)
+            if MODE == 3:
+                accumulator = tl.zeros((BM, BN), dtype=tl.float32)
+            else:
+                accumulator = _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K,
+                                         stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
+                                         STAGES, USE_TMA, B_TRANSPOSED)
             if DEFER:
                 if pending >= 0:
                     _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
@@ -318,7 +322,7 @@ _processors: dict[int, int] = {}
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
            out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
            multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
-           scope: str = "sys") -> None:
+           scope: str = "sys", lag_waves: float | None = None) -> None:
     """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
     `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
@@ -328,7 +332,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         programs = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
-    tasks = schedule.task_count(rounds, world, mode != FUSED)
+    tasks = schedule.task_count(rounds, world, mode in (GEMM_ONLY, GEMM_AND_SIGNAL))
     programs = max(1, min(programs, tasks))
     a_desc, b_desc = _descriptors(ops, config)
     use_tma = a_desc is not None
@@ -360,7 +364,9 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     if mode != GEMM_ONLY and world * rounds > (1 << 16):
         raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
                          f"use larger tiles")
-    lag = schedule.choose_lag(rounds, world, programs, 2.5 if config.defer_release else 1.5)
+    if lag_waves is None:
+        lag_waves = 2.5 if config.defer_release else 1.5
+    lag = schedule.choose_lag(rounds, world, programs, lag_waves)
     stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
     gemm_reduce_scatter_kernel[(programs,)](
         a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
