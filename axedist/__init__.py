@@ -4,11 +4,53 @@
     L = ax.Layout.parse("S[(4,2,6):(1@gpuid,6,1)]")   # Shard(0) of an (8,6) tensor on 4 GPUs
     L.apply((5, 3), shape=(8, 6))                     # -> [{'gpuid': 2, 'm': 9}]
 
-The layout algebra (``axedist.layout``) is pure Python; the distributed parts
-(mesh, DTensor, plans, kernels) import torch when used.
+The layout algebra and the planner are pure Python and load with the package;
+the names that need torch (mesh, DTensor, collectives, kernels) load on first
+use, so ``import axedist`` stays fast and never imports Triton.
 """
 
-from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
+from importlib import import_module
 
-__all__ = ["Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient"]
+from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
+from .layout_inference import Plan, Step, Transfer, plan_layouts, simulate
+
+# name -> module that defines it, imported on first access
+_LAZY = {
+    "DeviceMesh": "mesh",
+    "MeshError": "mesh",
+    "init_mesh": "mesh",
+    "DTensor": "dtensor",
+    "distribute": "dtensor",
+    "from_torch": "dtensor",
+    "layout_from_placements": "dtensor",
+    "placements_from_layout": "dtensor",
+    "visualize": "visualize",
+    "gemm_reduce_scatter": "collectives",
+    "plan_gemm_reduce_scatter": "collectives",
+    "reduce_scatter": "collectives",
+    "all_gather": "collectives",
+    "all_reduce": "collectives",
+    "CollectiveError": "collectives",
+    "CollectiveTimeoutError": "collectives",
+    "run_on_ranks": "testing",
+}
+
+__all__ = [
+    "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient",
+    "Plan", "Step", "Transfer", "plan_layouts", "simulate",
+    *_LAZY,
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'axedist' has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
