@@ -78,11 +78,14 @@ How plans are derived
    ``reduce_scatter`` (``all_reduce`` when each sender also sends one identical
    buffer); one receiver -> ``reduce``. Anything else is ``all_to_all_v`` over the
    explicit boxes.
-5. Fallback, correct for any pair of valid layouts (no common refinement, or a
-   destination replicated within one device's memory): enumerate the elements, pick a
-   holder per (element, target device) as above, and compress the element pairs into
-   strided runs. Partial sums reduce each element at one of its destination devices
-   first.
+5. No common refinement (blocks of 3 against blocks of 2): a copy refines what it can and
+   turns each stretch of iters that does not refine into one *block* digit, enumerated
+   value by value (a block of extent 6, not the whole tensor: ``method == "blocks"``).
+6. Fallback, correct for any pair of valid layouts (partial sums without a common
+   refinement, or a destination replicated within one device's memory): enumerate the
+   elements, pick a holder per (element, target device) as above, and compress the
+   element pairs into strided runs. Partial sums reduce each element at the target
+   device holding most of its summands first.
 """
 
 from __future__ import annotations
@@ -290,7 +293,7 @@ class Plan:
     itemsize: int
     partial: str | None
     steps: tuple[Step, ...]
-    method: str  # "digits" (derived from the layouts' digits) or "elements" (the fallback)
+    method: str  # "digits" (from the layouts' digits), "blocks" (some enumerated digit blocks), "elements"
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -512,8 +515,7 @@ def _plan_cached(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int, par
     _validate(src, mesh, summands * size, "source")
     _validate(dst, mesh, size, "target")
     context = _Context(mesh, itemsize, partial)
-    steps = _plan_by_digits(src, dst, summands, size, context)
-    method = "digits"
+    steps, method = _plan_by_digits(src, dst, summands, size, context)
     if steps is None:
         steps = _plan_by_elements(src, dst, summands, size, context)
         method = "elements"
@@ -555,6 +557,11 @@ class _Digit:
     source: tuple[str, int]  # (axis, stride)
     target: tuple[str, int] | None  # None: a summand digit (reduced away)
 
+    def contribution(self, value: int, side: int) -> tuple[tuple[str, int], ...]:
+        """``((axis, delta),)`` this digit adds at ``value`` on ``side`` (0 source, 1 target)."""
+        place = self.source if side == 0 else self.target
+        return () if place is None or not value else ((place[0], value * place[1]),)
+
     def split(self, outer: int) -> tuple["_Digit", "_Digit"]:
         """``(outer, e/outer)`` digits whose product is this one (outer digit first)."""
         inner = self.extent // outer
@@ -582,29 +589,110 @@ def _refine(a: Sequence[Iter], b: Sequence[Iter]) -> list[_Digit] | None:
     return digits if not a and not b else None
 
 
+@dataclass(frozen=True)
+class _Block:
+    """Consecutive iters with no common refinement, enumerated value by value.
+
+    ``(2,3):(3,1@gpuid)`` in the source against ``(3,2):(2,1@gpuid)`` in the target is one
+    block of extent 6: value 4 is source digits (1, 1) and target digits (2, 0).
+    """
+
+    extent: int
+    source_iters: tuple[Iter, ...]
+    target_iters: tuple[Iter, ...]
+
+    def contribution(self, value: int, side: int) -> tuple[tuple[str, int], ...]:
+        iters = self.source_iters if side == 0 else self.target_iters
+        digits = []
+        for it in reversed(iters):
+            digits.append(value % it.extent)
+            value //= it.extent
+        return tuple((it.axis, d * it.stride) for it, d in zip(iters, reversed(digits)) if d)
+
+    def touches_mesh(self, side: int) -> bool:
+        return any(it.axis != MEMORY_AXIS for it in (self.source_iters if side == 0 else self.target_iters))
+
+    def __str__(self) -> str:
+        return f"block {Layout(self.source_iters)} -> {Layout(self.target_iters)}"
+
+
+# Blocks are enumerated value by value; past this extent the element fallback is as good.
+_BLOCK_LIMIT = 1 << 12
+
+
+def _refine_blocks(a: Sequence[Iter], b: Sequence[Iter]) -> list | None:
+    """Like ``_refine``, but a stretch with no common refinement becomes one ``_Block``.
+
+    The stretch grows (splitting iters where a divisor allows) until both sides cover
+    the same extent; None if a block would exceed ``_BLOCK_LIMIT``.
+    """
+    a, b = list(a), list(b)
+    digits: list = []
+    while a and b:
+        e = math.gcd(a[0].extent, b[0].extent)
+        if e > 1 or a[0].extent == b[0].extent == 1:  # a common outer factor: split as _refine does
+            x, y = a.pop(0), b.pop(0)
+            if x.extent > e:
+                a.insert(0, Iter(x.extent // e, x.stride, x.axis))
+            if y.extent > e:
+                b.insert(0, Iter(y.extent // e, y.stride, y.axis))
+            digits.append(_Digit(e, (x.axis, x.stride * (x.extent // e)), (y.axis, y.stride * (y.extent // e))))
+            continue
+        taken_a, taken_b = [a.pop(0)], [b.pop(0)]
+        pa, pb = taken_a[0].extent, taken_b[0].extent
+        while pa != pb:
+            side, other, taken, product = (a, pb, taken_a, pa) if pa < pb else (b, pa, taken_b, pb)
+            it = side.pop(0)
+            need = other // product if other % product == 0 else None
+            if need is not None and it.extent > need and it.extent % need == 0:  # take just enough of it
+                taken.append(Iter(need, it.stride * (it.extent // need), it.axis))
+                side.insert(0, Iter(it.extent // need, it.stride, it.axis))
+                product *= need
+            else:
+                taken.append(it)
+                product *= it.extent
+            if pa < pb:
+                pa = product
+            else:
+                pb = product
+        if pa > _BLOCK_LIMIT:
+            return None
+        digits.append(_Block(pa, tuple(taken_a), tuple(taken_b)))
+    return digits if not a and not b else None
+
+
 def _on_mesh(place) -> bool:
     return place is not None and place[0] != MEMORY_AXIS
 
 
-def _plan_by_digits(src: Layout, dst: Layout, summands: int, size: int, context: _Context) -> list[Step] | None:
+def _plan_by_digits(src: Layout, dst: Layout, summands: int, size: int,
+                    context: _Context) -> tuple[list[Step] | None, str]:
+    """Steps from the digits (module doc, 1.-3.) and ``"digits"`` or ``"blocks"``; None if none exist."""
     canon_src, canon_dst = src.canonicalize(), dst.canonicalize()
     try:
         summand_iters, data_iters = canon_src.blocks((summands, size))
     except LayoutError:
-        return None
+        return None, ""
+    if _replicated_in_memory(dst, context.mesh):
+        return None, ""
     digits = _refine(data_iters, canon_dst.shard)
-    if digits is None or _replicated_in_memory(dst, context.mesh):
-        return None
-    summand_digits = [_Digit(it.extent, (it.axis, it.stride), None) for it in summand_iters]
     if context.partial is None:
         if src == dst:
-            return []
-        return [_box_step(digits, src, dst, context, reduce=None)]
+            return [], "digits"
+        method = "digits"
+        if digits is None:
+            digits, method = _refine_blocks(data_iters, canon_dst.shard), "blocks"
+            if digits is None:
+                return None, ""
+        return [_box_step(digits, src, dst, context, reduce=None)], method
+    if digits is None:
+        return None, ""
+    summand_digits = [_Digit(it.extent, (it.axis, it.stride), None) for it in summand_iters]
     middle, reduced_digits, copy_digits = _reduction_target(summand_digits, digits, src, dst, context.mesh)
     steps = [_box_step(summand_digits + reduced_digits, src, middle, context, reduce=context.partial)]
     if middle != dst:
         steps.append(_box_step(copy_digits, middle, dst, context, reduce=None))
-    return steps
+    return steps, "digits"
 
 
 def _replicated_in_memory(layout: Layout, mesh: Mesh) -> bool:
@@ -726,9 +814,16 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
     """One step from ``src`` to ``dst`` whose transfers are boxes in digit space (module doc, 2.)."""
     mesh = context.mesh
     index = {a: i for i, (a, _) in enumerate(mesh)}
-    fixed = [d for d in digits if _on_mesh(d.target)]
-    free = [d for d in digits if d.source[0] == MEMORY_AXIS and d.target is not None and d.target[0] == MEMORY_AXIS]
-    moving = [d for d in digits if not _on_mesh(d.target) and not (d.source[0] == MEMORY_AXIS and d.target is not None)]
+    def targets_mesh(d):
+        return d.touches_mesh(1) if isinstance(d, _Block) else _on_mesh(d.target)
+
+    def is_free(d):  # on m on both sides, affine: one dim of every box
+        return isinstance(d, _Digit) and d.source[0] == MEMORY_AXIS and d.target is not None \
+            and d.target[0] == MEMORY_AXIS
+
+    fixed = [d for d in digits if targets_mesh(d)]
+    free = [d for d in digits if is_free(d)]
+    moving = [d for d in digits if not targets_mesh(d) and not is_free(d)]
     extents, source_strides, target_strides = _merge_free(free)
     source_points = _replica_points(src, mesh)
     aligned = _replica_digits(src, mesh)
@@ -737,13 +832,11 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
         """Add each chosen digit's contribution on ``side`` (0 source, 1 target) to (device, m)."""
         device = list(device)
         for d, v in zip(chosen, values):
-            place = d.source if side == 0 else d.target
-            if place is None or not v:
-                continue
-            if place[0] == MEMORY_AXIS:
-                m += v * place[1]
-            else:
-                device[index[place[0]]] += v * place[1]
+            for axis, delta in d.contribution(v, side):
+                if axis == MEMORY_AXIS:
+                    m += delta
+                else:
+                    device[index[axis]] += delta
         return device, m
 
     zero = [0] * len(mesh)
@@ -751,12 +844,12 @@ def _box_step(digits: Sequence[_Digit], src: Layout, dst: Layout, context: _Cont
     transfers = []
     for fixed_values in itertools.product(*(range(d.extent) for d in fixed)):
         src_device, src_m = walk(fixed, fixed_values, zero, 0, 0)
-        dst_device, _ = walk(fixed, fixed_values, zero, 0, 1)
+        dst_device, dst_m = walk(fixed, fixed_values, zero, 0, 1)  # dst_m: only blocks mix m into mesh digits
         for r_device, r_m in _replica_points(dst, mesh):
             target = tuple(a + b for a, b in zip(dst_device, r_device))
             for values in moving_values:
                 device, m = walk(moving, values, src_device, src_m, 0)
-                _, target_m = walk(moving, values, zero, r_m, 1)
+                _, target_m = walk(moving, values, zero, r_m + dst_m, 1)
                 holders = [(tuple(a + b for a, b in zip(device, p_device)), m + p_m) for p_device, p_m in source_points]
                 source, source_m = _nearest(holders, target, aligned)
                 transfers.append(Transfer(source, target, extents, source_m, source_strides, target_m, target_strides))
@@ -771,7 +864,9 @@ def _moves(digits: Sequence[_Digit], src: Layout, dst: Layout) -> tuple[str, ...
     for d in digits:
         if d.extent == 1:
             continue
-        if d.target is None:
+        if isinstance(d, _Block):
+            moves.append(str(d))
+        elif d.target is None:
             moves.append(f"{text(d.extent, d.source)} reduced")
         elif d.source[0] != d.target[0]:
             moves.append(f"{text(d.extent, d.source)} -> {text(d.extent, d.target)}")

@@ -370,18 +370,34 @@ def test_one_device_to_all_is_a_broadcast():
     assert plan.kinds == ("broadcast",)
 
 
-def test_no_common_refinement_falls_back_to_elements():
-    # block-cyclic with blocks of 3 vs 2: no digit refinement exists
+def test_no_common_refinement_enumerates_one_block():
+    # block-cyclic with blocks of 3 vs 2: no digit refinement exists; the 12 values form one block
     src = Layout.parse("S[(2,2,3):(3,1@gpuid,1)]")
     dst = Layout.parse("S[(3,2,2):(2,1@gpuid,1)]")
     plan = check_plan(src, dst, (("gpuid", 2),), (12,))
-    assert plan.method == "elements" and "fallback" in str(plan)
+    assert plan.method == "blocks" and "digits: block S[(2,2,3):(3,1@gpuid,1)] -> S[(3,2,2):(2,1@gpuid,1)]" in str(plan)
+    # rows on top of it are ordinary digits: still 12 transfers, each a column of rows
+    rows = check_plan(Layout.parse("S[(64,2,2,3):(6,3,1@gpuid,1)]"), Layout.parse("S[(64,3,2,2):(6,2,1@gpuid,1)]"),
+                      (("gpuid", 2),), (64, 12))
+    assert rows.method == "blocks" and len(rows.steps[0].transfers) == 12
+
+
+def test_large_layouts_without_refinement_need_no_element_enumeration():
+    rows = 1 << 20  # 12M elements: past the element fallback's limit
+    src = Layout.parse(f"S[({rows},2,2,3):(6,3,1@gpuid,1)]")
+    dst = Layout.parse(f"S[({rows},3,2,2):(6,2,1@gpuid,1)]")
+    plan = plan_layouts(src, dst, (("gpuid", 2),), (rows, 12))
+    assert plan.method == "blocks" and plan.bytes_received == {(0,): 12 * rows, (1,): 12 * rows}
+
+
+def test_partial_without_common_refinement_falls_back_to_elements():
+    dst = Layout.parse("S[(3,2,2):(2,1@gpuid,1)]")
     partial = Layout.parse("S[(2,2,2,3):(1@gpuid,3,1@gpuid,1)]")  # not valid: gpuid twice
     with pytest.raises(LayoutError):
         plan_layouts(partial, dst, (("gpuid", 2),), (12,), partial="sum")
     src_p = Layout.parse("S[(2,2,2,3):(1@gpuid,3,2@gpuid,1)]")
     plan = check_plan(src_p, dst, (("gpuid", 4),), (12,), partial="sum")
-    assert plan.method == "elements"
+    assert plan.method == "elements" and "fallback" in str(plan)
 
 
 def test_replicas_in_one_device_memory():
