@@ -38,8 +38,10 @@ TRANSITIONS = [
      "S[(4,1024,8192):(1@y,8192,1)] + R[2:1@x]", XY, (4096, 8192), "sum"),
     ("block-cyclic -> reversed devices, 8", "S[(4,8,256,8192):(256,1@gpuid,1,1024)]",
      "S[(8,1024,8192):(-1@gpuid,8192,1)] + 7@gpuid", G8, (8192, 8192), None),
-    ("fallback (no refinement), 2", "S[(2,2,3):(3,1@gpuid,1)]",
-     "S[(3,2,2):(2,1@gpuid,1)]", (("gpuid", 2),), (12,), None),
+    ("blocks of 3 vs 2 (no refinement), 2", "S[(1048576,2,2,3):(6,3,1@gpuid,1)]",
+     "S[(1048576,3,2,2):(6,2,1@gpuid,1)]", (("gpuid", 2),), (1048576, 12), None),
+    ("partial, no refinement (elements), 4", "S[(2,2,2,3):(1@gpuid,3,2@gpuid,1)]",
+     "S[(3,2,2):(2,1@gpuid,1)]", (("gpuid", 4),), (12,), "sum"),
 ]
 
 
