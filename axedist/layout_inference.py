@@ -64,8 +64,8 @@ How plans are derived
    one device the destination uses along that axis (reduce), else by scattering a
    local digit (reduce-scatter, followed by an all-gather: an all-reduce). A source
    replica axis that the target shards a local digit over is sliced before reducing
-   (``[Replicate, Partial] -> [Shard(0), Shard(0)]`` reduces a quarter, not all). All summand
-   axes reduce in one step (one reduce-scatter over the product group moves
+   (``[Replicate, Partial] -> [Shard(0), Shard(0)]`` on a 2x4 mesh reduces half of the
+   rows in each replica, not all of them). All summand axes reduce in one step (one reduce-scatter over the product group moves
    ``(G-1)/G`` of the data, as any order of per-axis steps does). A copy step then
    moves the intermediate layout to the destination.
 4. Each step is named by its messages, per group of devices that exchange data (the
