@@ -355,6 +355,10 @@ class Plan:
 
 
 def _mesh(mesh) -> Mesh:
+    """``((axis, size), ...)`` from that tuple, a ``{axis: size}`` dict, or a ``DeviceMesh``
+    (anything with ``axis_names`` and ``shape``; read by duck typing, so no torch import)."""
+    if hasattr(mesh, "axis_names") and hasattr(mesh, "shape"):
+        mesh = tuple(zip(mesh.axis_names, mesh.shape))
     pairs = tuple(mesh.items()) if isinstance(mesh, Mapping) else tuple(tuple(p) for p in mesh)
     names = [a for a, _ in pairs]
     if not pairs or len(set(names)) != len(names) or MEMORY_AXIS in names:
@@ -489,7 +493,7 @@ def plan_layouts(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize:
                  partial: str | None = None) -> Plan:
     """The plan moving a tensor of ``shape`` from layout ``src`` to ``dst`` on ``mesh``.
 
-    ``mesh`` is ``((axis, size), ...)``; with ``partial`` (a reduce op) ``src`` admits
+    ``mesh`` is ``((axis, size), ...)`` (or a ``DeviceMesh``); with ``partial`` (a reduce op) ``src`` admits
     ``(P, *shape)`` and holds ``P`` summands per element. Plans are cached on
     (layouts' maps, mesh, shape, itemsize, partial). Example: a partial sum over 4
     devices into ``Shard(0)`` is one reduce-scatter::

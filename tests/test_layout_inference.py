@@ -414,6 +414,11 @@ def test_plans_are_cached_by_map():
     assert a is b
     assert plan_layouts(src, dst, G4, (8, 6), itemsize=2) is not a
 
+    class MeshLike:  # what a DeviceMesh offers the planner
+        axis_names, shape = ("gpuid",), (4,)
+
+    assert plan_layouts(src, dst, MeshLike(), (8, 6)) is a and plan_layouts(src, dst, {"gpuid": 4}, (8, 6)) is a
+
 
 def test_bad_inputs_raise_clear_errors():
     with pytest.raises(LayoutError, match="does not have"):
