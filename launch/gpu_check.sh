@@ -52,16 +52,15 @@ elif [[ $MODE == second ]]; then
   step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
   step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
 else
-  step pytest_w4 240 $PYTEST tests_multigpu
-  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 200 $PYTEST tests_multigpu
-  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc_per_node=2 launch/bench_gemm_rs.py --out "$RESULTS"
-  step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step pytest_w4 200 $PYTEST -x tests_multigpu
+  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 180 $PYTEST -x tests_multigpu
+  step bench_gemm_rs_w4 110 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 15 --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 100 torchrun --nproc_per_node=2 launch/bench_gemm_rs.py --reps 15 --out "$RESULTS"
 fi
 
 grep -h "^profile\|tottime\|{built-in\|\.py:" "$LOGS"/profile_w4.log 2>/dev/null | head -30
 cat "$RESULTS"/*.md 2>/dev/null | grep -v "^$" | head -80
 tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null
-tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
+[[ $MODE == final ]] || tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
 ls -la "$OUT"
 echo "=== summary ==="; cat "$SUMMARY"

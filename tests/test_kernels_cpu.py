@@ -236,7 +236,7 @@ def _compile_fused(tma=True, transposed=False, multimem=False, gemm_only=False, 
                       GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=tma,
                       B_TRANSPOSED=transposed, MODE=1 if gemm_only else 0, MULTIMEM=multimem,
                       ALIGNED=True, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
-                      DEFER=config.defer_release, SCOPE="sys")
+                      DEFER=config.defer_release, SCOPE="sys", PUSH=config.push and not multimem)
     if not tma:
         constexprs.update(a_desc=None, b_desc=None)
     return compile_for_target(
@@ -403,3 +403,12 @@ def test_deferred_release_variant_compiles_and_still_releases_system_scope():
     from axedist.kernels import gemm_rs
     ptx = _compile_fused(config=gemm_rs.GemmConfig(defer_release=True)).asm["ptx"]
     assert "st.release.sys.global.b32" in ptx and "st.release.gpu" not in ptx
+
+
+def test_push_variant_compiles_with_remote_tile_stores_and_local_flag_waits():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    ptx = _compile_fused(config=gemm_rs.GemmConfig(push=True)).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "st.release.sys.global.b32" in ptx
+    assert "ld.acquire.sys.global.b32" in ptx and "multimem" not in ptx
+    assert ptx.count("st.global.v4") >= 8  # 16-byte stores of the tile into the owner's slot

@@ -3,7 +3,6 @@
 Fresh random inputs every time (never zeros), outputs poisoned with NaN beforehand, odd sizes,
 all three dtypes, many calls back to back without resets, and a peer that never signals.
 """
-import math
 
 import pytest
 import torch

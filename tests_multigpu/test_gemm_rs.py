@@ -85,10 +85,14 @@ def body_configs(rank, world):
     return failures
 
 
-def body_back_to_back(rank, world, calls):
+def body_back_to_back(rank, world, calls, push=False):
     """Calls of alternating shapes with no host sync in between (epochs, no memset)."""
     from axedist.collectives import gemm_reduce_scatter
+    from axedist.kernels import gemm_rs
     shapes = [(128 * world, 1024, 512), (64 * world, 520, 256), (256 * world, 2048, 1024)]
+    for m, n, k in shapes:
+        key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
+        gemm_rs.remember_config(key, gemm_rs.GemmConfig(push=push))
     pending = []
     for call in range(calls):
         m, n, k = shapes[call % len(shapes)]
@@ -104,10 +108,12 @@ def body_back_to_back(rank, world, calls):
     return failures
 
 
-def body_timeout(rank, world):
+def body_timeout(rank, world, push=False):
     from axedist.collectives import CollectiveTimeoutError, gemm_reduce_scatter, reset
     from axedist.collectives.symmetric import get_workspace
+    from axedist.kernels import gemm_rs
     m, n, k = 128 * world, 512, 256
+    gemm_rs.remember_config(gemm_rs.shape_key(m, n, k, world, torch.bfloat16), gemm_rs.GemmConfig(push=push))
     a, b = _inputs(rank, m, n, k, torch.bfloat16, 3, False)
     get_workspace(None, m * n * 2, fresh=True)
     message = ""
@@ -146,9 +152,11 @@ def body_errors(rank, world):
 
 def body_plan(rank, world):
     from axedist.collectives import plan_gemm_reduce_scatter
-    a = torch.randn(world * 64, 128, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(world * 256, 128, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
-    return str(plan_gemm_reduce_scatter(a, b, None)), str(plan_gemm_reduce_scatter(a, b, None, backend="torch"))
+    small = torch.randn(world * 32, 128, device="cuda", dtype=torch.bfloat16)
+    return (str(plan_gemm_reduce_scatter(a, b, None)), str(plan_gemm_reduce_scatter(a, b, None, backend="torch")),
+            str(plan_gemm_reduce_scatter(small, b, None)))
 
 
 def test_fused_matches_fp32_reference_bf16():
@@ -171,13 +179,15 @@ def test_every_candidate_config_and_gemm_only_mode():
     assert results == [[]] * WORLD, results
 
 
-def test_back_to_back_calls_without_sync():
-    results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(24,), timeout_s=600)
+@pytest.mark.parametrize("push", [False, True])
+def test_back_to_back_calls_without_sync(push):
+    results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(24, push), timeout_s=600)
     assert results == [[]] * WORLD, results
 
 
-def test_peer_that_never_signals_raises_timeout():
-    results = run_on_ranks(body_timeout, WORLD, "nccl", timeout_s=300)
+@pytest.mark.parametrize("push", [False, True])
+def test_peer_that_never_signals_raises_timeout(push):
+    results = run_on_ranks(body_timeout, WORLD, "nccl", args=(push,), timeout_s=300)
     assert results[0][0] == ""
     for rank in range(1, WORLD):
         assert "rank 0" in results[rank][0] and "gave up" in results[rank][0], results[rank][0]
@@ -196,5 +206,6 @@ def test_bad_input_raises_clear_errors():
 
 
 def test_plan_says_what_runs():
-    fused, torch_plan = run_on_ranks(body_plan, WORLD, "nccl", timeout_s=300)[0]
+    fused, torch_plan, small = run_on_ranks(body_plan, WORLD, "nccl", timeout_s=300)[0]
     assert "p2p" in fused and "torch" in torch_plan
+    assert "torch" in small and "rows per rank" in small

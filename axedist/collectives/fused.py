@@ -19,9 +19,17 @@ import torch.distributed as dist
 from . import fallback
 from .backend import multimem_allowed, p2p_possible
 
-# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL, and the
-# rule for shapes not measured; filled from benchmarks/results/gemm_rs_w*.json.
-FUSED_LOSES: set[tuple[int, int, int, int]] = set()
+# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL (bf16, 4x
+# H200, benchmarks/results/gemm_rs_w4.md): "auto" runs cuBLAS + NCCL there and says so.
+FUSED_LOSES: set[tuple[int, int, int, int]] = {
+    (16384, 8192, 7168, 4),   # 0.97x: reduce tasks cost more SM time than the overlap saves
+    (8192, 16384, 13312, 4),  # 0.94x (Llama-3.1-405B)
+    (128, 8192, 7168, 4),     # 0.45x: long-K tiles of a tiny M are latency-bound (no split-K)
+    (512, 8192, 7168, 4),     # 0.46x
+}
+# Measured at W=4 for M / W = 32 and 128 (both far slower): below this many rows per rank the
+# fused kernel has too few tiles to fill the GPU without split-K, so "auto" does not use it.
+MIN_ROWS_PER_RANK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +118,9 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
         return plan("multimem", "multicast supported and opted in", config)
     if (m, n, k, world) in FUSED_LOSES:
         return plan("torch", "measured: cuBLAS + NCCL is faster for this shape")
+    if m // world < MIN_ROWS_PER_RANK:
+        return plan("torch", f"{m // world} rows per rank < {MIN_ROWS_PER_RANK}: measured "
+                             f"slower than cuBLAS + NCCL (no split-K in the fused kernel)")
     return plan("p2p", "fused kernel (measured faster or shape not in the table)", config)
 
 

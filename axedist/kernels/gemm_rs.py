@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from . import schedule
-from .primitives import load_reduce, pick, st_release_gpu, st_release_sys, wait_flag
+from .primitives import (load_reduce, peer_pointers, pick, st_release_gpu, st_release_sys,
+                         wait_flag)
 
 
 @triton.jit
@@ -100,9 +101,10 @@ def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
 
 
 @triton.jit
-def _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, flag, epoch, SCOPE: tl.constexpr):
+def _release(F0, F1, F2, F3, F4, F5, F6, F7, owner, flag, epoch, SCOPE: tl.constexpr):
+    """Publish `flag` (= epoch) in the flag array of rank `owner`, after the tile's stores."""
     tl.debug_barrier()  # every thread's stores of the tile precede thread 0's release
-    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+    own_flags = pick(owner, F0, F1, F2, F3, F4, F5, F6, F7)
     if SCOPE == "gpu":
         st_release_gpu(own_flags + flag * 4, epoch)
     else:
@@ -127,8 +129,12 @@ def gemm_reduce_scatter_kernel(
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MODE: tl.constexpr, MULTIMEM: tl.constexpr,
         ALIGNED: tl.constexpr, REDUCE_ROWS: tl.constexpr, DEFER: tl.constexpr,
-        SCOPE: tl.constexpr):
-    """DEFER: release a GEMM tile's flag only after the NEXT tile's main loop (its stores have
+        SCOPE: tl.constexpr, PUSH: tl.constexpr):
+    """PUSH (p2p only): a GEMM tile is stored straight into its owner's workspace (slot of this
+    rank: [W sources, M/W rows, N]) and its flag released in the owner's flag array; reduce
+    tasks then wait on local flags and sum local slots. Remote stores are posted writes, so
+    producers never stall on NVLink latency, unlike the pull reduce's remote loads.
+    DEFER (pull only): release a GEMM tile's flag only after the NEXT tile's main loop (its stores have
     drained by then, so the system-scope fence is cheap), and always before a reduce task or
     the end, so no program holds an unreleased flag while it waits (deadlock freedom holds)."""
     ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
@@ -166,33 +172,60 @@ def gemm_reduce_scatter_kernel(
             rows = row0 + tl.arange(0, BM)
             # rows past the chunk belong to the next chunk's tiles: never write them
             mask = (rows[:, None] < (chunk + 1) * M_CHUNK) & (cols[None, :] < N)
-            tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
-                     mask=mask)
-            if MODE != 1:
-                if DEFER:
-                    pending = chunk * rounds + round_
-                else:
-                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
-                             epoch, SCOPE)
+            if PUSH and MODE != 1:
+                slot_rows = rank * M_CHUNK + rows - chunk * M_CHUNK
+                destination = peer_pointers(pick(chunk, D0, D1, D2, D3, D4, D5, D6, D7),
+                                            slot_rows[:, None] * N + cols[None, :], ELEMENT,
+                                            ALIGNED)
+                tl.store(destination, accumulator.to(ELEMENT), mask=mask)
+                _release(F0, F1, F2, F3, F4, F5, F6, F7, chunk, rank * rounds + round_, epoch,
+                         SCOPE)
+            else:
+                tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
+                         mask=mask)
+                if MODE != 1:
+                    if DEFER:
+                        pending = chunk * rounds + round_
+                    else:
+                        _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
+                                 epoch, SCOPE)
         else:
             if DEFER:
                 if pending >= 0:
                     _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
                 pending = pending * 0 - 1
-            flag = rank * rounds + round_
-            for step in tl.static_range(WORLD):
-                peer = (rank + step) % WORLD
-                address = pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag * 4
-                wait_flag(address, epoch, abort_ptr, error_address, peer, flag, timeout_ns)
-            own_row0 = rank * M_CHUNK + tile_m * BM
-            for sub in tl.static_range(0, BM, REDUCE_ROWS):
-                own_rows = own_row0 + sub + tl.arange(0, REDUCE_ROWS)
-                own_mask = (own_rows[:, None] < (rank + 1) * M_CHUNK) & (cols[None, :] < N)
-                offsets = own_rows[:, None] * N + cols[None, :]
-                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, offsets,
-                                    own_mask, rank, ELEMENT, WORLD, MULTIMEM, ALIGNED)
-                local = (own_rows[:, None] - rank * M_CHUNK) * N + cols[None, :]
-                tl.store(out_ptr + local, total.to(ELEMENT), mask=own_mask)
+            if PUSH:
+                own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+                own_data = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
+                for source in tl.static_range(WORLD):
+                    flag = source * rounds + round_
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address,
+                              rank * 0 + source, flag, timeout_ns)
+                for sub in tl.static_range(0, BM, REDUCE_ROWS):
+                    chunk_rows = tile_m * BM + sub + tl.arange(0, REDUCE_ROWS)
+                    chunk_mask = (chunk_rows[:, None] < M_CHUNK) & (cols[None, :] < N)
+                    sum_ = tl.zeros((REDUCE_ROWS, BN), dtype=tl.float32)
+                    for source in tl.static_range(WORLD):
+                        slot_offsets = (source * M_CHUNK + chunk_rows)[:, None] * N + cols[None, :]
+                        sum_ += tl.load(peer_pointers(own_data, slot_offsets, ELEMENT, ALIGNED),
+                                        mask=chunk_mask, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + chunk_rows[:, None] * N + cols[None, :],
+                             sum_.to(ELEMENT), mask=chunk_mask)
+            else:
+                flag = rank * rounds + round_
+                for step in tl.static_range(WORLD):
+                    peer = (rank + step) % WORLD
+                    address = pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag * 4
+                    wait_flag(address, epoch, abort_ptr, error_address, peer, flag, timeout_ns)
+                own_row0 = rank * M_CHUNK + tile_m * BM
+                for sub in tl.static_range(0, BM, REDUCE_ROWS):
+                    own_rows = own_row0 + sub + tl.arange(0, REDUCE_ROWS)
+                    own_mask = (own_rows[:, None] < (rank + 1) * M_CHUNK) & (cols[None, :] < N)
+                    offsets = own_rows[:, None] * N + cols[None, :]
+                    total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, offsets,
+                                        own_mask, rank, ELEMENT, WORLD, MULTIMEM, ALIGNED)
+                    local = (own_rows[:, None] - rank * M_CHUNK) * N + cols[None, :]
+                    tl.store(out_ptr + local, total.to(ELEMENT), mask=own_mask)
         task = tl.atomic_add(counter_ptr, 1) - task_base
     if DEFER:
         if pending >= 0:
@@ -213,17 +246,20 @@ class GemmConfig:
     reduce_rows: int = 64
     # release each tile's flag one tile later, when the fence no longer waits for its stores
     defer_release: bool = False
+    # p2p: producers store tiles into the owner's buffer (remote stores) instead of owners
+    # pulling them (remote loads); not with multimem (its load-reduce reads every peer)
+    push: bool = False
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}")
+                f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
+                f"{'/push' if self.push else ''}")
 
 
 CANDIDATES = (
     GemmConfig(128, 256, 64, 8, 3, 8),
-    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True),
-    GemmConfig(128, 256, 64, 8, 3, 8, reduce_rows=16),
-    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, push=True),
+    GemmConfig(64, 256, 64, 8, 4, 4, push=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
@@ -367,6 +403,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     if lag_waves is None:
         lag_waves = 2.5 if config.defer_release else 1.5
     lag = schedule.choose_lag(rounds, world, programs, lag_waves)
+    push = config.push and not multimem and mode != GEMM_ONLY
     stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
     gemm_reduce_scatter_kernel[(programs,)](
         a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
@@ -377,4 +414,5 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
         B_TRANSPOSED=ops.b_transposed and use_tma, MODE=mode, MULTIMEM=multimem,
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
-        DEFER=config.defer_release, SCOPE=scope, num_warps=config.warps)
+        DEFER=config.defer_release and not push, SCOPE=scope, PUSH=push,
+        num_warps=config.warps)
