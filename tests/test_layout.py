@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import axedist as ax
+from reference import brute_points
 from axedist.layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
 
 AXES = ("m", "gpuid", "lane")
@@ -25,21 +26,7 @@ def point(coords: dict) -> tuple:
 
 def brute(layout: Layout) -> list[frozenset]:
     """``[L(x) for x]`` from the definition, as sets of points."""
-    result = []
-    for x in range(math.prod(it.extent for it in layout.shard)):
-        base = dict(layout.offset)
-        rest = x
-        for it in reversed(layout.shard):
-            base[it.axis] = base.get(it.axis, 0) + (rest % it.extent) * it.stride
-            rest //= it.extent
-        points = set()
-        for digits in itertools.product(*(range(it.extent) for it in layout.replica)):
-            p = dict(base)
-            for it, d in zip(layout.replica, digits):
-                p[it.axis] = p.get(it.axis, 0) + d * it.stride
-            points.add(point(p))
-        result.append(frozenset(points))
-    return result
+    return [frozenset(point(p) for p in points) for points in brute_points(layout)]
 
 
 def same_map(a: Layout, b: Layout) -> bool:

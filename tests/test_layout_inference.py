@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from axedist.layout import Iter, Layout, LayoutError
+from reference import brute_points
 from axedist.layout_inference import Plan, buffer_size, plan_layouts, simulate
 
 MESHES = [
@@ -36,21 +37,10 @@ MESHES = [
 def brute_slots(layout: Layout, mesh) -> list[set]:
     """``{(device, m)}`` for every element, from the definition."""
     names = [a for a, _ in mesh]
-    result = []
-    for x in range(math.prod(it.extent for it in layout.shard)):
-        base = dict(layout.offset)
-        rest = x
-        for it in reversed(layout.shard):
-            base[it.axis] = base.get(it.axis, 0) + (rest % it.extent) * it.stride
-            rest //= it.extent
-        slots = set()
-        for digits in itertools.product(*(range(it.extent) for it in layout.replica)):
-            p = dict(base)
-            for it, d in zip(layout.replica, digits):
-                p[it.axis] = p.get(it.axis, 0) + d * it.stride
-            slots.add((tuple(p.get(a, 0) for a in names), p.get("m", 0)))
-        result.append(slots)
-    return result
+    return [
+        {(tuple(p.get(a, 0) for a in names), p.get("m", 0)) for p in points}
+        for points in brute_points(layout)
+    ]
 
 
 def devices(mesh):
