@@ -18,6 +18,9 @@ tensor of shape ``(0,)*ndim``.
 Uneven shapes: the layout admits a *padded* shape (``torch.chunk``'s split rounds
 each sharded dim up); the local tensor is the box of real (unpadded) elements,
 which must be a leading box of the padded local tensor (it is for ``torch.chunk``).
+Padding sits at the end of each dim, except where torch chunks a dim again inside
+each chunk (two ``Shard`` of one dim): there every chunk is padded to the largest and
+the spec records the true row of each padded row.
 
 Partial values (the paper's Fig. 8): a pending reduction is a leading *summand*
 dim of the layout, sharded over the mesh axes that hold partials, plus a reduce op
@@ -67,6 +70,9 @@ class _Spec:
     padded: tuple[int, ...]         # what the layout's logical dims admit (>= shape)
     reduce_op: str | None = None    # pending reduction over the leading summand dim
     summands: int = 1
+    # Per logical dim, the true index at each padded index (-1: padding), or None when the
+    # first shape[d] indices are the real ones (torch's nested chunking pads in the middle).
+    true_index: tuple[tuple[int, ...] | None, ...] | None = None
     local_padded: tuple[int, ...] = field(default=(), compare=False, hash=False)
 
     @property
@@ -77,13 +83,18 @@ class _Spec:
     def full_true(self) -> tuple[int, ...]:
         return ((self.summands,) if self.reduce_op else ()) + self.shape
 
+    @property
+    def full_true_index(self) -> tuple[tuple[int, ...] | None, ...]:
+        maps = self.true_index or (None,) * len(self.shape)
+        return ((None,) if self.reduce_op else ()) + maps
+
     def __repr__(self) -> str:
         pending = f", pending {self.reduce_op} over {self.summands} summands" if self.reduce_op else ""
         padded = f" (padded {list(self.padded)})" if self.padded != self.shape else ""
         return f"{list(self.shape)}{padded} {self.layout}{pending}"
 
 
-def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1) -> _Spec:
+def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> _Spec:
     """Check ``layout`` against the mesh and shapes (DESIGN §1's list), then build the spec."""
     shape = tuple(int(s) for s in shape)
     padded = shape if padded is None else tuple(int(s) for s in padded)
@@ -95,7 +106,14 @@ def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1) -> 
         raise LayoutError(f"padded shape {padded} must have the rank of {shape} and be >= it in every dim")
     if reduce_op is not None and reduce_op not in REDUCE_OPS:
         raise LayoutError(f"reduce op must be one of {REDUCE_OPS}, got {reduce_op!r}")
-    spec = _Spec(mesh, layout, shape, padded, reduce_op, summands)
+    if true_index is not None:
+        if all(m is None for m in true_index):
+            true_index = None
+        elif len(true_index) != len(shape) or any(
+                m is not None and (len(m) != p or sorted(i for i in m if i >= 0) != list(range(s)))
+                for m, p, s in zip(true_index, padded, shape)):
+            raise LayoutError(f"true_index must map each padded dim onto 0..n-1 once, for shape {shape}")
+    spec = _Spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
     full = spec.full_shape
     if not layout.admits(full):
         what = "shape" if padded == shape else "padded shape"
@@ -125,7 +143,7 @@ def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1) -> 
                     raise LayoutError(
                         f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
                         f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
-    return _Spec(mesh, layout, shape, padded, reduce_op, summands, local)
+    return _Spec(mesh, layout, shape, padded, reduce_op, summands, true_index, local)
 
 
 def _unravel(index, shape):
@@ -174,11 +192,14 @@ def _table(spec: _Spec) -> _Table:
     global_index = _unravel(x, full)
     reached = torch.zeros(mesh.size, dtype=torch.bool)
     reached[device] = True
-    # A device's real elements along dim d: local indices whose global index is < the true size.
+    # A device's real elements along dim d: local indices whose padded index maps to a true one.
     boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
     real = torch.ones(n, dtype=torch.bool)
-    for d, (lp, t) in enumerate(zip(spec.local_padded, true)):
-        real_d = global_index[d] < t
+    true_index = []
+    for d, (lp, t, mapping) in enumerate(zip(spec.local_padded, true, spec.full_true_index)):
+        index = global_index[d] if mapping is None else torch.tensor(mapping, dtype=torch.int64)[global_index[d]]
+        real_d = (index >= 0) & (index < t)
+        true_index.append(index)
         real &= real_d
         grid = torch.zeros(mesh.size, lp, dtype=torch.bool)
         grid[device, local_index[d]] = real_d
@@ -191,7 +212,7 @@ def _table(spec: _Spec) -> _Table:
     offsets = torch.full((math.prod(true),), -1, dtype=torch.int64)
     holders = torch.empty((math.prod(true), len(replicas)), dtype=torch.int64)
     count = int(real.sum())
-    g = _ravel([i[real] for i in global_index], true, count)
+    g = _ravel([i[real] for i in true_index], true, count)
     offsets[g] = _ravel([i[real] for i in local_index], list(boxes[device[real]].T), count)
     holders[g] = device[real][:, None] + replicas[None, :]
     shapes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
@@ -477,7 +498,10 @@ class DTensor(torch.Tensor):
             raise LayoutError(f"{spec} already has a pending {spec.reduce_op}")
         if len(spec.shape) < 1 or spec.padded[0] != spec.shape[0]:
             raise LayoutError(f"to_partial needs an unpadded leading dim, got {spec}")
-        new = _make_spec(spec.mesh, spec.layout, spec.shape[1:], spec.padded[1:], reduce_op, spec.shape[0])
+        if spec.true_index and spec.true_index[0] is not None:
+            raise LayoutError(f"to_partial needs an unpadded leading dim, got {spec}")
+        new = _make_spec(spec.mesh, spec.layout, spec.shape[1:], spec.padded[1:], reduce_op, spec.shape[0],
+                         spec.true_index[1:] if spec.true_index else None)
         return DTensor(self._local, new, requires_grad=self.requires_grad)
 
     # -- interop -------------------------------------------------------------------
@@ -624,7 +648,7 @@ def _split_local(block: list, factors: list[tuple[int, str | None]], what: str) 
     return out
 
 
-def _torch_chunk_starts(n: int, ks: list[int]):
+def _torch_chunk_ranges(n: int, ks: list[int]):
     """torch's nested chunking of one dim by mesh sizes ``ks`` (in placement order):
     ``{coords: (start, size)}``."""
     ranges = {(): (0, n)}
@@ -648,7 +672,9 @@ def _spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_part
     what = f"placements {list(placements)} for shape {list(shape)} on mesh {mesh.shape}"
     blocks = [[(MEMORY, n)] for n in shape]
     padded = list(shape)
-    shard_axes: dict[int, list[int]] = {}
+    true_index: list[tuple[int, ...] | None] = [None] * len(shape)
+    nested = _nested_uneven_dims(shape, mesh, placements)
+    sharded: set[int] = set()
     replica, partial, op = [], [], None
     for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
         if isinstance(p, Replicate):
@@ -659,32 +685,37 @@ def _spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_part
             op = p.reduce_op
             partial.append(Iter(k, 1, axis))
         elif isinstance(p, (Shard, _StridedShard)):
-            d = p.dim if p.dim >= 0 else p.dim + len(shape)
-            if not 0 <= d < len(shape):
-                raise LayoutError(f"{what}: {p} names dim {p.dim} of a {len(shape)}-d tensor")
+            d = _dim_of(p, len(shape), what)
+            if d in nested:
+                continue  # built below from torch's chunk ranges
             split = p.split_factor if isinstance(p, _StridedShard) else 1
             local = math.prod(e for a, e in blocks[d] if a == MEMORY)
             if local % (split * k):
-                if split != 1 or d in shard_axes:
-                    raise LayoutError(f"{what}: dim {d} is uneven at more than one level (or strided); "
-                                      f"torch's nested chunking of it has no single layout")
-                padded[d] = -(-local // k) * k
+                if split != 1 or d in sharded:
+                    raise LayoutError(f"{what}: dim {d} is uneven under a _StridedShard; torch's chunking of it "
+                                      f"has no single layout")
+                padded[d] = -(-local // k) * k  # torch.chunk: ceil(n/k) per shard, the last ones short or empty
                 blocks[d] = [(MEMORY, padded[d])]
                 local = padded[d]
-            shard_axes.setdefault(d, []).append(k)
+            sharded.add(d)
             blocks[d] = _split_local(blocks[d], [(split, None), (k, axis), (local // (split * k), None)], what)
         else:
             raise LayoutError(f"{what}: unsupported placement {p!r}")
-    for d, ks in shard_axes.items():
-        if padded[d] != shape[d] and len(ks) > 1:  # nested uneven: equal to padding only sometimes
-            for coords, (start, size) in _torch_chunk_starts(shape[d], ks).items():
-                ours, step = 0, padded[d]
-                for c, k in zip(coords, ks):
-                    step //= k
-                    ours += c * step
-                if (size and start != ours) or size != max(0, min(step, shape[d] - ours)):
-                    raise LayoutError(f"{what}: torch's nested chunking of dim {d} (size {shape[d]}) by {ks} "
-                                      f"gives unequal chunks at two levels; no single layout reproduces it")
+    for d, axes in nested.items():
+        # torch chunks dim d again inside each chunk, so chunks differ per mesh coordinate:
+        # pad every chunk to the largest, and record which padded index holds which row.
+        ks = [k for _, k in axes]
+        ranges = _torch_chunk_ranges(shape[d], ks)
+        chunk = max(size for _, size in ranges.values())
+        padded[d] = math.prod(ks) * chunk
+        blocks[d] = [(axis, k) for axis, k in axes] + [(MEMORY, chunk)]
+        mapping = [-1] * padded[d]
+        for coords, (start, size) in ranges.items():
+            position = 0
+            for c, k in zip(coords, ks):
+                position = position * k + c
+            mapping[position * chunk:position * chunk + size] = range(start, start + size)
+        true_index[d] = tuple(mapping)
     local_shape = [math.prod(e for a, e in block if a == MEMORY) for block in blocks]
     shard: list[Iter] = []
     if partial:
@@ -707,11 +738,31 @@ def _spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_part
                 shard.append(Iter(e, axis_stride[a], a))
     layout = Layout(shard, replica)
     if op is None:
-        return _make_spec(mesh, layout, shape, tuple(padded))
+        return _make_spec(mesh, layout, shape, tuple(padded), true_index=tuple(true_index))
     summands = math.prod(it.extent for it in partial)
     if summands_for_partial not in (None, 1, summands):
         raise LayoutError(f"{what}: {summands} partial summands, the tensor has {summands_for_partial}")
-    return _make_spec(mesh, layout, shape, tuple(padded), op, summands)
+    return _make_spec(mesh, layout, shape, tuple(padded), op, summands, tuple(true_index))
+
+
+def _dim_of(placement, ndim: int, what: str) -> int:
+    d = placement.dim if placement.dim >= 0 else placement.dim + ndim
+    if not 0 <= d < ndim:
+        raise LayoutError(f"{what}: {placement} names dim {placement.dim} of a {ndim}-d tensor")
+    return d
+
+
+def _nested_uneven_dims(shape, mesh: DeviceMesh, placements) -> dict[int, list[tuple[str, int]]]:
+    """Dims that two or more plain Shards split and that their product does not divide:
+    ``{dim: [(axis, size), ...] in mesh order}``."""
+    what = f"placements {list(placements)} for shape {list(shape)}"
+    by_dim: dict[int, list] = {}
+    for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            by_dim.setdefault(_dim_of(p, len(shape), what), []).append((axis, k, p))
+    return {d: [(axis, k) for axis, k, _ in shards] for d, shards in by_dim.items()
+            if len(shards) > 1 and shape[d] % math.prod(k for _, k, _ in shards)
+            and not any(isinstance(p, _StridedShard) for _, _, p in shards)}
 
 
 def layout_from_placements(shape: Sequence[int], mesh: DeviceMesh, placements) -> Layout:
@@ -748,7 +799,7 @@ def _placements_for(spec: _Spec) -> tuple[Placement, ...]:
         again = _spec_from_placements(spec.shape, mesh, placements, spec.summands)
     except LayoutError as e:
         again, reason = None, str(e)
-    if again is None or again.layout != spec.layout or again.padded != spec.padded:
+    if again is None or (again.layout, again.padded, again.true_index) != (spec.layout, spec.padded, spec.true_index):
         got = reason if again is None else f"those give {again.layout} over {list(again.padded)}"
         raise LayoutError(f"layout {spec.layout} over {list(spec.full_shape)} has no placement form on mesh "
                           f"{mesh.axis_names}={mesh.shape} (nearest: {placements}; {got})")
