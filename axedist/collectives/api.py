@@ -1,7 +1,7 @@
 """Collectives with backend selection: what layout inference's plans execute.
 
     >>> from axedist.collectives import reduce_scatter
-    >>> y = reduce_scatter(x, group)                 # backend="auto": p2p or torch, per size
+    >>> y = reduce_scatter(x, group)                 # backend="auto": the measured table (backend.py)
     >>> y = reduce_scatter(x, group, backend="torch")
 """
 from __future__ import annotations

@@ -19,16 +19,20 @@ import torch.distributed as dist
 from . import fallback
 from .backend import multimem_allowed, p2p_possible
 
-# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL (bf16, 4x
-# H200, benchmarks/results/gemm_rs_w4.md): "auto" runs cuBLAS + NCCL there and says so.
+# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL (bf16,
+# H200, benchmarks/results/gemm_rs_w{2,4}.md; at W=4 slower in both the v3 and final runs):
+# "auto" runs cuBLAS + NCCL there and the plan says so. The reduce tasks cost SM time that the
+# overlap does not win back when the GEMM is long (docs/gpu_notes.md).
 FUSED_LOSES: set[tuple[int, int, int, int]] = {
-    (16384, 8192, 7168, 4),   # 0.97x: reduce tasks cost more SM time than the overlap saves
-    (8192, 16384, 13312, 4),  # 0.94x (Llama-3.1-405B)
-    (128, 8192, 7168, 4),     # 0.45x: long-K tiles of a tiny M are latency-bound (no split-K)
-    (512, 8192, 7168, 4),     # 0.46x
+    (16384, 8192, 7168, 4),   # 0.97x / 0.98x
+    (8192, 16384, 13312, 4),  # 0.94x / 0.85x (Llama-3.1-405B)
+    (16384, 8192, 7168, 2),   # 0.96x
+    (8192, 5120, 12800, 2),   # 0.95x (Qwen3-32B)
+    (8192, 16384, 26624, 2),  # 0.92x (Llama-3.1-405B)
+    (512, 8192, 7168, 2),     # 0.62x (256 rows per rank)
 }
-# Measured at W=4 for M / W = 32 and 128 (both far slower): below this many rows per rank the
-# fused kernel has too few tiles to fill the GPU without split-K, so "auto" does not use it.
+# Measured at W=2 and W=4 for M / W = 32..128 with K_local = 7168 (0.42x-0.56x): with this few
+# rows per rank the long-K tiles are latency-bound (no split-K), so "auto" does not fuse.
 MIN_ROWS_PER_RANK = 256
 
 
