@@ -432,13 +432,16 @@ class DTensor(torch.Tensor):
         expected = _table(spec).local_shapes[mesh.position()]
         ok = tuple(local.shape) == expected
         if run_check:
-            rows = _gather_descriptions(mesh, _describe(local, ok))
+            # each rank's local shape and dtype, and the global shape it inferred
+            global_shape = list(spec.shape) + [0] * (_MAX_DIMS - len(spec.shape))
+            rows = _gather_descriptions(mesh, _describe(local, ok) + global_shape)
             shapes = _table(spec).local_shapes
-            dtype = rows[mesh.ranks[0]][1]
-            bad = {r: row for r, row in rows.items() if not row[0] or row[1] != dtype or row[1] < 0}
+            first = rows[mesh.ranks[0]]
+            bad = {r: row for r, row in rows.items()
+                   if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
             if bad:
-                lines = [f"rank {r}: local {_shape_text(row)}, the layout gives it {shapes[mesh.position(r)]}"
-                         for r, row in sorted(bad.items())]
+                lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)}), "
+                         f"the layout gives it {shapes[mesh.position(r)]}" for r, row in sorted(bad.items())]
                 raise LayoutError(f"from_local({spec}): local tensors do not fit the layout:\n  " + "\n  ".join(lines))
         elif not ok:
             raise LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape {tuple(local.shape)}, "

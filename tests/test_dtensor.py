@@ -199,3 +199,37 @@ def test_errors_are_clear_on_every_rank():
         assert "needs shape=" in messages["layout_needs_shape"]
         assert "pending sum" in messages["partial_from_full"]
     assert "src_rank 3 is not in mesh" in results[0]["src_outside"]
+
+
+def _tensor_behaviour(rank, world_size):
+    from torch.distributed.tensor import Shard
+
+    mesh = DeviceMesh("cpu", (world_size,))
+    local = torch.full((2, 3), float(rank), requires_grad=True)
+    dt = DTensor.from_local(local, mesh, [Shard(0)])
+    facts = {
+        "shape": tuple(dt.shape), "dtype": dt.dtype, "device": str(dt.device), "requires_grad": dt.requires_grad,
+        "repr": repr(dt), "detached": dt.detach().requires_grad, "same_local": dt.to_local() is local,
+    }
+    dt.to_local().sum().backward()  # to_local is the tensor given: its autograd graph is the user's
+    facts["grad"] = local.grad.sum().item()
+    try:
+        dt + 1
+    except NotImplementedError as e:
+        facts["op"] = str(e)
+    # with placements and no shape, the global shape is inferred per rank; run_check compares it
+    try:
+        DTensor.from_local(torch.zeros(3 if rank == 0 else 2, 3), mesh, [Shard(0)], run_check=True)
+    except LayoutError as e:
+        facts["inferred"] = str(e)
+    return facts
+
+
+def test_tensor_behaviour():
+    facts = run_on_ranks(_tensor_behaviour, 2)
+    for f in facts:
+        assert f["shape"] == (4, 3) and f["dtype"] == torch.float32 and f["device"] == "cpu"
+        assert f["requires_grad"] and not f["detached"] and f["same_local"] and f["grad"] == 6.0
+        assert f["repr"] == "DTensor(float32[4, 3] S[(2,2,3):(1@gpuid,3,1)], mesh=DeviceMesh('cpu', [0, 1], axes=('gpuid',)))"
+        assert "does not run torch op" in f["op"]
+        assert "rank 1: local (2, 3) torch.float32 (global (4, 3))" in f["inferred"]  # differs from rank 0

@@ -74,3 +74,26 @@ def test_errors_name_the_problem():
     assert "distinct" in messages[3]
     assert "2 axes but 1 names" in messages[4]
     assert "other than 'm'" in messages[5]
+
+
+def test_init_mesh_outside_torchrun(monkeypatch):
+    from axedist.mesh import init_mesh
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(MeshError, match="run under torchrun"):
+        init_mesh((2,), device_type="cpu")
+
+
+def _init_mesh_in_job(rank, world_size):
+    from axedist.mesh import init_mesh
+
+    mesh = init_mesh((2, world_size // 2), ("dp", "tp"))  # joins the existing process group
+    return mesh.device_type, mesh.shape, mesh.coordinates()
+
+
+def test_init_mesh_in_a_job():
+    results = run_on_ranks(_init_mesh_in_job, 4)
+    assert results[3] == ("cpu", (2, 2), {"dp": 1, "tp": 1})
