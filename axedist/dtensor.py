@@ -113,8 +113,7 @@ def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, tru
                 m is not None and (len(m) != p or sorted(i for i in m if i >= 0) != list(range(s)))
                 for m, p, s in zip(true_index, padded, shape)):
             raise LayoutError(f"true_index must map each padded dim onto 0..n-1 once, for shape {shape}")
-    spec = _Spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
-    full = spec.full_shape
+    full = ((summands,) if reduce_op else ()) + padded
     if not layout.admits(full):
         what = "shape" if padded == shape else "padded shape"
         raise LayoutError(f"layout {layout} of size {layout.size} does not admit the {what} {full} ({math.prod(full)} elements)")
@@ -242,10 +241,6 @@ class _Exchange:
     summands: int
     out_shape: tuple[int, ...]
     reduce_op: str | None
-
-    @property
-    def elements_sent(self) -> int:
-        return sum(len(i) for _, i in self.sends)
 
 
 @lru_cache(maxsize=256)
