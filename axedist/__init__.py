@@ -27,11 +27,10 @@ _LAZY = {
     "visualize": "visualize",
     "gemm_reduce_scatter": "collectives",
     "plan_gemm_reduce_scatter": "collectives",
-    "reduce_scatter": "collectives",
-    "all_gather": "collectives",
-    "all_reduce": "collectives",
+    "GemmReduceScatterPlan": "collectives",
     "CollectiveError": "collectives",
     "CollectiveTimeoutError": "collectives",
+    "SymmetricMemoryUnavailable": "collectives",
     "run_on_ranks": "testing",
 }
 
