@@ -23,7 +23,7 @@ try:
 except ImportError:  # imported as tests.test_dtensor_random (from tests_multigpu)
     from tests.test_dtensor import expected_local, global_tensor
 
-MESHES = {"4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y")), "2x4": ((2, 4), ("x", "y"))}
+MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y")), "2x4": ((2, 4), ("x", "y"))}
 
 
 @st.composite
@@ -74,31 +74,38 @@ def layouts(draw, digits, mesh_shape, names):
     return str(Layout(shard, replica, {a: v for a, v in offset.items() if v}))
 
 
-def _check(rank, world_size, mesh_key, shape, texts, src_rank):
-    mesh = DeviceMesh("cpu", *MESHES[mesh_key])
+def _check(rank, world_size, mesh_key, shape, texts, src_rank, device_type="cpu"):
+    mesh = DeviceMesh(device_type, *MESHES[mesh_key])
     full = global_tensor(shape, seed=len(texts[0]))
-    dt = distribute(full if rank == src_rank else torch.zeros(shape, dtype=full.dtype), mesh,
-                    Layout.parse(texts[0]), src_rank=src_rank)
+    sent = full if rank == src_rank else torch.zeros(shape, dtype=full.dtype)
+    dt = distribute(sent.to(mesh.device), mesh, Layout.parse(texts[0]), src_rank=src_rank)
     for text in texts:
         layout = Layout.parse(text)
         dt = dt.redistribute(layout)
-        assert torch.equal(dt.to_local(), expected_local(layout, mesh, full, rank)), text
-    assert torch.equal(dt.full_tensor(), full)
+        assert torch.equal(dt.to_local().cpu(), expected_local(layout, mesh, full, rank)), text
+    assert torch.equal(dt.full_tensor().cpu(), full)
     return True
 
 
-@pytest.mark.parametrize("mesh_key", ["4", "2x2", "2x4"])
-def test_random_layouts_against_brute_force(mesh_key):
+def sweep(mesh_key, examples, backend="gloo"):
+    """Draw ``examples`` random layout chains on the mesh and check each on real ranks."""
     mesh_shape, names = MESHES[mesh_key]
     world = math.prod(mesh_shape)
+    device_type = "cpu" if backend == "gloo" else "cuda"
 
-    @settings(max_examples=25 if world < 8 else 10, database=None, phases=[Phase.generate])
+    @settings(max_examples=examples, database=None, phases=[Phase.generate])
     @given(st.data())
     def check(data):
         digits = data.draw(digit_lists())
         texts = data.draw(st.lists(layouts(digits, mesh_shape, names), min_size=2, max_size=3))
         shape = tuple(math.prod(dim) for dim in digits)
         src_rank = data.draw(st.integers(0, world - 1))
-        assert run_on_ranks(_check, world, args=(mesh_key, shape, texts, src_rank)) == [True] * world
+        results = run_on_ranks(_check, world, backend=backend, args=(mesh_key, shape, texts, src_rank, device_type))
+        assert results == [True] * world
 
     check()
+
+
+@pytest.mark.parametrize("mesh_key", ["4", "2x2", "2x4"])
+def test_random_layouts_against_brute_force(mesh_key):
+    sweep(mesh_key, 25 if mesh_key != "2x4" else 10)

@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test bodies 
 
 from axedist.testing import run_on_ranks  # noqa: E402
 from tests.test_dtensor import CASES, _figure_8, _roundtrip  # noqa: E402
+from tests.test_dtensor_random import MESHES as RANDOM_MESHES  # noqa: E402
+from tests.test_dtensor_random import sweep  # noqa: E402
 from tests.test_dtensor_torch import EXPLICIT, MESHES, _differential  # noqa: E402
 from tests.test_mesh import _coordinates_and_groups  # noqa: E402
 
@@ -66,3 +68,11 @@ def test_placements_match_torch_nccl(world_size):
     for key, shape, src, dst in cases:
         results = run_on_ranks(_differential, world_size, backend="nccl", args=(key, shape, src, dst, 3, "cuda"))
         assert set(results) == {"ok"}, (key, shape, src, dst, results)
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_random_layouts_nccl(world_size):
+    keys = [k for k, (shape, _) in RANDOM_MESHES.items() if _world(shape) == world_size]
+    assert keys
+    for key in keys:
+        sweep(key, 10, backend="nccl")
