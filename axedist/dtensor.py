@@ -414,30 +414,41 @@ class DTensor(torch.Tensor):
         and raises on every rank when any differs from the layout's.
         """
         mesh.position()
-        if _is_placements(layout_or_placements):
-            if shape is None:
-                shape = _even_shape_from_local(local.shape, mesh, layout_or_placements)
-            spec = _spec_from_placements(shape, mesh, layout_or_placements)
-            if spec.reduce_op:
-                local = local.unsqueeze(0)
-        else:
-            if shape is None:
-                raise LayoutError("from_local with a layout needs shape= (the global shape)")
-            spec = _spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op, dims_include_summands=True)
-        expected = _table(spec).local_shapes[mesh.position()]
-        ok = tuple(local.shape) == expected
+        failure = None
+        try:
+            if _is_placements(layout_or_placements):
+                if padded_shape is not None or reduce_op is not None:
+                    raise LayoutError("padded_shape and reduce_op go with a layout; placements imply both")
+                if shape is None:
+                    shape = _even_shape_from_local(local.shape, mesh, layout_or_placements)
+                spec = _spec_from_placements(shape, mesh, layout_or_placements)
+                if spec.reduce_op:
+                    local = local.unsqueeze(0)
+            else:
+                if shape is None:
+                    raise LayoutError("from_local with a layout needs shape= (the global shape)")
+                spec = _spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op,
+                                        dims_include_summands=True)
+            expected = _table(spec).local_shapes[mesh.position()]
+        except LayoutError as e:
+            if not run_check:
+                raise
+            failure, spec, expected = e, None, None  # still join the check, so no peer waits forever
+        ok = failure is None and tuple(local.shape) == expected
         if run_check:
             # each rank's local shape and dtype, and the global shape it inferred
-            global_shape = list(spec.shape) + [0] * (_MAX_DIMS - len(spec.shape))
-            rows = _gather_descriptions(mesh, _describe(local, ok) + global_shape)
-            shapes = _table(spec).local_shapes
+            inferred = list(spec.shape) if spec else []
+            rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)))
             first = rows[mesh.ranks[0]]
             bad = {r: row for r, row in rows.items()
                    if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
             if bad:
-                lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)}), "
-                         f"the layout gives it {shapes[mesh.position(r)]}" for r, row in sorted(bad.items())]
-                raise LayoutError(f"from_local({spec}): local tensors do not fit the layout:\n  " + "\n  ".join(lines))
+                lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)})"
+                         + (f", the layout gives it {_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
+                         for r, row in sorted(bad.items())]
+                here = f" (here: {failure})" if failure else ""
+                raise LayoutError(f"from_local({spec or layout_or_placements}): local tensors do not fit the layout"
+                                  f"{here}:\n  " + "\n  ".join(lines))
         elif not ok:
             raise LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape {tuple(local.shape)}, "
                               f"the layout gives it {expected}")
@@ -555,6 +566,8 @@ def _spec_for_layout(mesh, layout, shape, padded, reduce_op, dims_include_summan
 
 def _target_spec(spec: _Spec, target, padded, reduce_op) -> _Spec:
     if _is_placements(target):
+        if padded is not None or reduce_op is not None:
+            raise LayoutError("padded_shape and reduce_op go with a layout; placements imply both")
         return _spec_from_placements(spec.shape, spec.mesh, target, summands_for_partial=spec.summands)
     return _spec_for_layout(spec.mesh, target, spec.shape, padded, reduce_op, dims_include_summands=False)
 
@@ -614,7 +627,7 @@ def _even_shape_from_local(local_shape, mesh, placements) -> tuple[int, ...]:
     shape = list(local_shape)
     for k, p in zip(mesh.shape, placements):
         if isinstance(p, (Shard, _StridedShard)):
-            shape[p.dim] *= k
+            shape[_dim_of(p, len(shape), f"placements {list(placements)} for a local shape {tuple(local_shape)}")] *= k
     return tuple(shape)
 
 

@@ -222,6 +222,11 @@ def _tensor_behaviour(rank, world_size):
         DTensor.from_local(torch.zeros(3 if rank == 0 else 2, 3), mesh, [Shard(0)], run_check=True)
     except LayoutError as e:
         facts["inferred"] = str(e)
+    # a rank whose own arguments are invalid still joins the check: both ranks raise, neither hangs
+    try:
+        DTensor.from_local(torch.zeros(2, 3) if rank == 0 else torch.zeros(4), mesh, [Shard(1)], run_check=True)
+    except LayoutError as e:
+        facts["invalid_here"] = str(e)
     return facts
 
 
@@ -233,3 +238,4 @@ def test_tensor_behaviour():
         assert f["repr"] == "DTensor(float32[4, 3] S[(2,2,3):(1@gpuid,3,1)], mesh=DeviceMesh('cpu', [0, 1], axes=('gpuid',)))"
         assert "does not run torch op" in f["op"]
         assert "rank 1: local (2, 3) torch.float32 (global (4, 3))" in f["inferred"]  # differs from rank 0
+        assert "rank 1: local (4,) torch.float32 (global ())" in f["invalid_here"]
