@@ -537,10 +537,14 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _row_major(shape) -> list[Iter]:
+    """``S[(8,6):(6,1)]``: the whole tensor in one local tensor."""
+    return [Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))]
+
+
 def _replicated_layout(shape, mesh: DeviceMesh) -> Layout:
     """Row-major ``shape`` on every device: ``S[(8,6):(6,1)] + R[4:1@gpuid]``."""
-    return Layout([Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))],
-                  [Iter(k, 1, a) for a, k in zip(mesh.axis_names, mesh.shape)])
+    return Layout(_row_major(shape), [Iter(k, 1, a) for a, k in zip(mesh.axis_names, mesh.shape)])
 
 
 def _is_placements(value) -> bool:
@@ -599,18 +603,19 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
     shape = tuple(tensor.shape)
     if _is_placements(layout_or_placements):
+        if padded_shape is not None:
+            raise LayoutError("padded_shape goes with a layout; placements imply it")
         dst = _spec_from_placements(shape, mesh, layout_or_placements)
         if dst.reduce_op:
             raise LayoutError("distribute to Partial placements has no single meaning; distribute, then to_partial()")
     else:
         dst = _make_spec(mesh, layout_or_placements, shape, padded_shape)
-    row_major = [Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))]
     if src_rank is None:
         src = _make_spec(mesh, _replicated_layout(shape, mesh), shape)
     else:
         if not mesh.contains(src_rank):
             raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
-        src = _make_spec(mesh, Layout(row_major, (), mesh.coordinates(src_rank)), shape)
+        src = _make_spec(mesh, Layout(_row_major(shape), (), mesh.coordinates(src_rank)), shape)
     if src_rank is None or dist.get_rank() == src_rank:
         local = tensor.to(mesh.device)
     else:
