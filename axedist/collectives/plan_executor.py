@@ -1,0 +1,981 @@
+"""Run a layout-inference ``Plan`` with ``torch.distributed`` (the executing half of issue 4).
+
+``execute_plan(plan, buffer, mesh)`` takes this rank's flat local buffer (``in_size``
+slots of the first step, the ``m`` axis of the source layout) and returns its flat buffer
+under the target layout. Every step runs one collective per group where the step's
+kind allows it, else batched ``isend``/``irecv`` (always correct). Example, 4 ranks,
+a ``(8, 6)`` tensor sharded on dim 0 gathered everywhere::
+
+    >>> plan = plan_layouts(Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"),
+    ...                     Layout.parse("S[(8,6):(6,1)] + R[4:1@gpuid]"), mesh, (8, 6))
+    >>> execute_plan(plan, torch.arange(12.) + 12 * rank, mesh)     # every rank: arange(48.)
+    >>> print(explain_execution(plan, mesh))
+    1. all-gather over gpuid (1 group of 4): ...
+       runs as all_gather_into_tensor on the mesh's (gpuid,) group (gloo)
+
+``redistribute_local(local, src_spec, dst_spec)`` is the DTensor-facing call (same
+contract as ``axedist.dtensor._redistribute_general``): it pads the true local tensor into
+the source buffer, plans, executes, and unpads, exactly as DTensor's uneven shapes say.
+
+How each kind runs (``backend_notes`` returns this table per backend):
+
+* ``all_gather`` -> ``all_gather_into_tensor``; chunk ``j`` is the member with group rank
+  ``j`` (the ``j``-th smallest global rank), whatever order the mesh lists ranks in.
+* ``reduce_scatter`` -> ``reduce_scatter_tensor`` on NCCL. gloo: ``all_reduce`` of the
+  packed input, then this rank's chunk (what gloo's own reduce_scatter does internally:
+  twice the bytes of a ring reduce-scatter).
+* a ``reduce_scatter`` + ``all_gather`` pair marked ``fused="all_reduce"`` -> one
+  ``all_reduce`` of the packed input; each rank unpacks every member's reduced chunk.
+* ``all_reduce``, ``reduce``, ``broadcast`` -> the collective of that name.
+* ``all_to_all``, ``all_to_all_v`` -> ``all_to_all_single`` with split sizes (reduced
+  afterwards when the step reduces); ``permute`` -> ``batch_isend_irecv``.
+* groups that are not whole slices of the mesh (``mesh_axis_groups == False``), uneven
+  all-gathers and collectives whose packing the plan does not line up -> ``batch_isend_irecv``.
+* ``avg`` is a sum, divided by the number of values each slot received.
+
+Index tensors are built once per (plan, rank, device) and cached; a cached call does
+one gather per message, the collective, and one scatter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..layout import Iter, Layout, LayoutError
+from ..layout_inference import Plan, Step, buffer_size, plan_layouts
+
+__all__ = [
+    "execute_plan",
+    "redistribute_local",
+    "explain_execution",
+    "backend_notes",
+    "PendingBuffer",
+    "torch_comm_bytes",
+]
+
+MEMORY = "m"
+_NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+_SCATTER_OP = {"max": "amax", "min": "amin"}
+
+# How each step kind runs per backend (gloo's substitutes, stated so explain can show them).
+_GLOO_SUBSTITUTES = {
+    "reduce_scatter": "all_reduce of the packed input, then this rank's chunk (gloo: 2x the bytes of a ring RS)",
+    "avg": "sum, then divided by the number of values per slot (gloo has no AVG everywhere)",
+}
+# Set to True (tests do) to run every step as batched isend/irecv: the reference path.
+FORCE_P2P = False
+
+
+def backend_notes(backend: str) -> dict[str, str]:
+    """``{kind: how it runs}`` on ``backend`` (``"nccl"`` or ``"gloo"``)."""
+    notes = {
+        "all_gather": "all_gather_into_tensor",
+        "reduce_scatter": "reduce_scatter_tensor",
+        "fused all_reduce": "all_reduce (one call for the reduce-scatter + all-gather pair)",
+        "all_reduce": "all_reduce",
+        "reduce": "reduce",
+        "broadcast": "broadcast",
+        "all_to_all": "all_to_all_single",
+        "all_to_all_v": "all_to_all_single with split sizes",
+        "permute": "batch_isend_irecv",
+        "other groups": "batch_isend_irecv (groups that are not whole mesh slices)",
+        "avg": "sum, then divided by the number of values per slot",
+    }
+    if backend == "gloo":
+        notes.update(_GLOO_SUBSTITUTES)
+    return notes
+
+
+# ---------------------------------------------------------------------------
+# Index tensors
+# ---------------------------------------------------------------------------
+
+
+def _box_index(transfers: Sequence, side: str) -> torch.Tensor:
+    """Flat slots of the boxes of ``transfers`` on ``side`` ("source"/"target"), row-major, concatenated."""
+    parts = []
+    for t in transfers:
+        offset, strides = (t.source_offset, t.source_strides) if side == "source" else (t.target_offset, t.target_strides)
+        index = torch.tensor(offset, dtype=torch.int64)
+        for extent, stride in zip(t.extents, strides):
+            index = index.unsqueeze(-1) + torch.arange(extent, dtype=torch.int64) * stride
+        parts.append(index.reshape(-1))
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+class _Index:
+    """A gather/scatter index on one device: a slice when the slots are one contiguous run."""
+
+    __slots__ = ("tensor", "start", "stop", "count")
+
+    def __init__(self, index: torch.Tensor, device: torch.device):
+        self.count = index.numel()
+        self.start = self.stop = None
+        if self.count == 0 or torch.equal(index, torch.arange(int(index[0]), int(index[0]) + self.count)):
+            self.start = int(index[0]) if self.count else 0
+            self.stop = self.start + self.count
+            self.tensor = None
+        else:
+            self.tensor = index.to(device)
+
+    def take(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[self.start:self.stop] if self.tensor is None else buffer.index_select(0, self.tensor)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        if self.tensor is None:
+            out[self.start:self.stop] = values
+        else:
+            out.index_copy_(0, self.tensor, values)
+
+
+def _inverse(index: torch.Tensor, size: int) -> torch.Tensor | None:
+    """``slot -> position in index`` (-1 elsewhere); None when a slot repeats."""
+    if index.numel() and torch.unique(index).numel() != index.numel():
+        return None
+    inverse = torch.full((size,), -1, dtype=torch.int64)
+    inverse[index] = torch.arange(index.numel())
+    return inverse
+
+
+# ---------------------------------------------------------------------------
+# Compiling a plan for one rank
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    mesh: object
+    device: torch.device
+    me: tuple
+    rank_of: Callable
+    backend: str
+
+
+def _reduce_into(out_size: int, values: torch.Tensor, slots: torch.Tensor, op: str, count: torch.Tensor | None,
+                 like: torch.Tensor) -> torch.Tensor:
+    """Each slot = ``op`` over the values sent to it (``avg``: their sum / ``count``)."""
+    if op in ("sum", "avg"):
+        out = torch.zeros(out_size, dtype=like.dtype, device=like.device)
+        out.index_add_(0, slots, values)
+        if op == "avg":
+            out = out / count if out.is_floating_point() or out.is_complex() else out.div_(count, rounding_mode="floor")
+        return out
+    out = torch.empty(out_size, dtype=like.dtype, device=like.device)
+    return out.scatter_reduce_(0, slots, values, _SCATTER_OP[op], include_self=False)
+
+
+def _finish_avg(values: torch.Tensor, divisor) -> torch.Tensor:
+    if values.is_floating_point() or values.is_complex():
+        return values / divisor
+    return torch.div(values, divisor, rounding_mode="floor")
+
+
+def _identity(op: str, dtype: torch.dtype) -> float:
+    if op in ("sum", "avg"):
+        return 0
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+class _StepProgram:
+    """One step, for one rank: ``start(x) -> works, finish``; ``finish() -> output buffer``."""
+
+    how = "local copies"
+
+    def __init__(self, step: Step, ctx: _Context):
+        self.step, self.ctx = step, ctx
+        me = ctx.me
+        local = step.local(me)
+        self.local_src = _Index(_box_index(local, "source"), ctx.device)
+        self.local_dst = _Index(_box_index(local, "target"), ctx.device)
+        self.local_dst_raw = _box_index(local, "target")
+        self.reduce = step.reduce
+        self.count = None
+        if step.reduce == "avg":
+            incoming = _box_index([t for t in step.transfers if t.target == me], "target")
+            self.count = torch.bincount(incoming, minlength=step.out_size).clamp_(min=1).to(ctx.device)
+
+    def _local_out(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+        self.local_dst.put(out, self.local_src.take(x))
+        return out
+
+    def start(self, x: torch.Tensor, async_op: bool):
+        if self.reduce is None:
+            return [], (lambda: self._local_out(x))
+        slots = self.local_dst_raw.to(x.device)
+        return [], (lambda: _reduce_into(self.step.out_size, self.local_src.take(x), slots, self.reduce, self.count, x))
+
+
+class _PointToPoint(_StepProgram):
+    """Any step: batched isend/irecv of each message, then copies or a reduce into place."""
+
+    how = "batch_isend_irecv"
+
+    def __init__(self, step: Step, ctx: _Context):
+        super().__init__(step, ctx)
+        me = ctx.me
+        peers = sorted({b for (a, b) in step.messages if a == me})
+        senders = sorted({a for (a, b) in step.messages if b == me})
+        self.sends = [(ctx.rank_of(p), _Index(_box_index(step.messages[(me, p)], "source"), ctx.device)) for p in peers]
+        receives = [(ctx.rank_of(p), _box_index(step.messages[(p, me)], "target")) for p in senders]
+        self.receives = [(rank, _Index(slots, ctx.device)) for rank, slots in receives]
+        if self.reduce is not None:
+            self.slots = torch.cat([self.local_dst_raw] + [s for _, s in receives]).to(ctx.device)
+        self.group = ctx.mesh.group()
+
+    def start(self, x: torch.Tensor, async_op: bool):
+        _warm(self.group, self.ctx.backend)
+        ops, landing = [], []
+        for rank, index in self.sends:
+            ops.append(dist.P2POp(dist.isend, index.take(x).contiguous(), rank, self.group))
+        for rank, index in self.receives:
+            incoming = torch.empty(index.count, dtype=x.dtype, device=x.device)
+            ops.append(dist.P2POp(dist.irecv, incoming, rank, self.group))
+            landing.append((index, incoming))
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish():
+            if self.reduce is None:
+                out = self._local_out(x)
+                for index, incoming in landing:
+                    index.put(out, incoming)
+                return out
+            values = torch.cat([self.local_src.take(x)] + [incoming for _, incoming in landing])
+            return _reduce_into(self.step.out_size, values, self.slots, self.reduce, self.count, x)
+        return works, finish
+
+
+_WARM: set = set()
+
+
+def _warm(group, backend: str) -> None:
+    """NCCL: the first call on a group must include every member; p2p may not, so make it a collective."""
+    if backend != "nccl" or id(group) in _WARM:
+        return
+    _WARM.add(id(group))
+    dist.barrier(group=group)
+
+
+def _group_of(step: Step, me):
+    return next((g for g in step.groups if me in g), None)
+
+
+class _Collective(_StepProgram):
+    """Shared set-up: this rank's group, its members in group-rank order, the process group."""
+
+    def __init__(self, step: Step, ctx: _Context):
+        super().__init__(step, ctx)
+        group = _group_of(step, ctx.me)
+        self.members = sorted(group, key=ctx.rank_of)  # group rank j = j-th smallest global rank
+        self.ranks = [ctx.rank_of(d) for d in self.members]
+        self.position = self.members.index(ctx.me)
+        self.group = ctx.mesh.group(step.axes)
+        if sorted(ctx.mesh.group_ranks(step.axes)) != sorted(self.ranks):
+            raise LayoutError(f"step {step} group {group} is not this rank's mesh group over {step.axes}")
+
+    def message_source(self, sender, receiver) -> torch.Tensor:
+        return _box_index(self.step.messages[(sender, receiver)], "source")
+
+    def message_target(self, sender, receiver) -> torch.Tensor:
+        return _box_index(self.step.messages[(sender, receiver)], "target")
+
+    def any_peer(self, device):
+        return next(d for d in self.members if d != device)
+
+
+class _AllGather(_Collective):
+    how = "all_gather_into_tensor"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        self.send = _Index(self.message_source(me, self.any_peer(me)), ctx.device)
+        self.n = self.send.count
+        chunks, slots = [], []
+        for j, d in enumerate(self.members):
+            if d != me:
+                chunks.append(torch.arange(j * self.n, (j + 1) * self.n))
+                slots.append(self.message_target(d, me))
+        self.chunk = _Index(torch.cat(chunks), ctx.device)
+        self.slots = _Index(torch.cat(slots), ctx.device)
+
+    @staticmethod
+    def fits(step: Step, group) -> bool:
+        sizes = {sum(t.count for t in step.messages[(a, b)]) for a in group for b in group if a != b}
+        return len(sizes) == 1
+
+    def start(self, x, async_op):
+        gathered = torch.empty(self.n * len(self.members), dtype=x.dtype, device=x.device)
+        work = dist.all_gather_into_tensor(gathered, self.send.take(x).contiguous(), group=self.group,
+                                           async_op=async_op)
+
+        def finish():
+            out = self._local_out(x)
+            self.slots.put(out, self.chunk.take(gathered))
+            return out
+        return [work] if async_op else [], finish
+
+
+class _ReduceScatter(_Collective):
+    """Pack every member's part in group-rank order (own part: the local boxes); reduce-scatter."""
+
+    how = "reduce_scatter_tensor"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        self.pack = _Index(torch.cat([_box_index(step.local(me), "source") if d == me else self.message_source(me, d)
+                                      for d in self.members]), ctx.device)
+        self.n = self.pack.count // len(self.members)
+        self.land = self.local_dst_raw.to(ctx.device)
+        self.land_index = _Index(self.local_dst_raw, ctx.device)
+        self.unique = _inverse(self.local_dst_raw, step.out_size) is not None
+        if ctx.backend == "gloo":
+            self.how = "all_reduce + own chunk (gloo)"
+
+    @staticmethod
+    def fits(step: Step, group) -> bool:
+        counts = {sum(t.count for t in step.local(d)) for d in group}
+        counts |= {sum(t.count for t in step.messages[(a, b)]) for a in group for b in group if a != b}
+        return len(counts) == 1
+
+    def _land(self, reduced, x):
+        if self.reduce == "avg":
+            reduced = _finish_avg(reduced, len(self.members))
+        if self.unique:
+            out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+            self.land_index.put(out, reduced)
+            return out
+        op = "avg" if self.reduce == "avg" else self.reduce
+        count = torch.bincount(self.land.cpu(), minlength=self.step.out_size).clamp_(min=1).to(x.device)
+        return _reduce_into(self.step.out_size, reduced, self.land, op, count, x)
+
+    def start(self, x, async_op):
+        packed = self.pack.take(x).contiguous()
+        op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
+        if self.ctx.backend == "gloo":
+            packed = packed.clone() if packed.data_ptr() == x.data_ptr() else packed
+            work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
+            mine = lambda: packed[self.position * self.n:(self.position + 1) * self.n]
+        else:
+            reduced = torch.empty(self.n, dtype=x.dtype, device=x.device)
+            work = dist.reduce_scatter_tensor(reduced, packed, op=op, group=self.group, async_op=async_op)
+            mine = lambda: reduced
+        return [work] if async_op else [], (lambda: self._land(mine(), x))
+
+
+class _FusedAllReduce(_ReduceScatter):
+    """A reduce-scatter + all-gather pair as one all_reduce: every member's reduced chunk lands here."""
+
+    how = "all_reduce (reduce-scatter + all-gather pair)"
+
+    def __init__(self, step, gather_step: Step, ctx):
+        super().__init__(step, ctx)
+        self.gather_step = gather_step
+        me = ctx.me
+        select, slots = [], []
+        # my own part of the gather step reads my reduced chunk through my landing slots
+        for d in self.members:
+            inverse = _inverse(_box_index(step.local(d), "target"), step.out_size)
+            if d == me:
+                src, dst = _box_index(gather_step.local(me), "source"), _box_index(gather_step.local(me), "target")
+            else:
+                src = _box_index(gather_step.messages[(d, me)], "source")
+                dst = _box_index(gather_step.messages[(d, me)], "target")
+            j = self.members.index(d)
+            select.append(j * self.n + inverse[src])
+            slots.append(dst)
+        self.select = _Index(torch.cat(select), ctx.device)
+        self.slots = _Index(torch.cat(slots), ctx.device)
+
+    @staticmethod
+    def fits(step: Step, gather_step: Step, group) -> bool:
+        if not _ReduceScatter.fits(step, group) or gather_step.groups != step.groups:
+            return False
+        for d in group:
+            inverse = _inverse(_box_index(step.local(d), "target"), step.out_size)
+            if inverse is None:
+                return False
+            reads = [_box_index(gather_step.local(d), "source")]
+            reads += [_box_index(gather_step.messages[(d, p)], "source") for p in group if (d, p) in gather_step.messages]
+            reads = torch.cat(reads)
+            if reads.numel() and bool((inverse[reads] < 0).any()):
+                return False
+        return True
+
+    def start(self, x, async_op):
+        packed = self.pack.take(x).contiguous()
+        packed = packed.clone() if packed.data_ptr() == x.data_ptr() else packed
+        op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
+        work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
+
+        def finish():
+            reduced = _finish_avg(packed, len(self.members)) if self.reduce == "avg" else packed
+            out = torch.empty(self.gather_step.out_size, dtype=x.dtype, device=x.device)
+            self.slots.put(out, self.select.take(reduced))
+            return out
+        return [work] if async_op else [], finish
+
+
+class _AllReduce(_Collective):
+    """Direct all-reduce: every member's message is aligned with its own landing boxes."""
+
+    how = "all_reduce"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        self.send = _Index(self.message_source(me, self.any_peer(me)), ctx.device)
+        self.land = _Index(self.message_target(self.any_peer(me), me), ctx.device)
+
+    @staticmethod
+    def fits(step: Step, group) -> bool:
+        for b in group:
+            a = next(d for d in group if d != b)
+            sent = _box_index(step.messages[(b, a)], "source")
+            landing = _box_index(step.messages[(a, b)], "target")
+            local_src, local_dst = _box_index(step.local(b), "source"), _box_index(step.local(b), "target")
+            inverse = _inverse(local_dst, step.out_size)
+            if inverse is None or _inverse(landing, step.out_size) is None or len(local_dst) != len(landing):
+                return False
+            if not torch.equal(local_src[inverse[landing]], sent) if (inverse[landing] >= 0).all() else True:
+                return False
+        return True
+
+    def start(self, x, async_op):
+        values = self.send.take(x).contiguous().clone()
+        op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
+        work = dist.all_reduce(values, op=op, group=self.group, async_op=async_op)
+
+        def finish():
+            reduced = _finish_avg(values, len(self.members)) if self.reduce == "avg" else values
+            out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+            self.land.put(out, reduced)
+            return out
+        return [work] if async_op else [], finish
+
+
+class _Reduce(_Collective):
+    """One receiver: senders reduce their (equal-boxed) messages onto it; it adds its own values after."""
+
+    how = "reduce"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        receivers = {b for (_, b) in step.messages if b in self.members}
+        (self.root,) = receivers
+        self.root_rank = ctx.rank_of(self.root)
+        sender = next(d for d in self.members if d != self.root)
+        self.n = sum(t.count for t in step.messages[(sender, self.root)])
+        if me != self.root:
+            self.send = _Index(self.message_source(me, self.root), ctx.device)
+        else:
+            landing = self.message_target(sender, self.root)
+            self.slots = torch.cat([landing, self.local_dst_raw]).to(ctx.device)
+
+    def start(self, x, async_op):
+        if self.ctx.me != self.root:
+            values = self.send.take(x).contiguous().clone()
+        else:
+            values = torch.full((self.n,), _identity(self.reduce, x.dtype), dtype=x.dtype, device=x.device)
+        op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
+        work = dist.reduce(values, dst=self.root_rank, op=op, group=self.group, async_op=async_op)
+
+        def finish():
+            if self.ctx.me != self.root:
+                return self._local_out(x) if not self.step.local(self.ctx.me) else \
+                    _StepProgram.start(self, x, False)[1]()
+            every = torch.cat([values, self.local_src.take(x)])
+            if self.reduce in ("max", "min"):
+                return _reduce_into(self.step.out_size, every, self.slots, self.reduce, None, x)
+            return _reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
+        return [work] if async_op else [], finish
+
+
+class _Broadcast(_Collective):
+    how = "broadcast"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        (self.root,) = {a for (a, _) in step.messages if a in self.members}
+        receiver = next(d for d in self.members if d != self.root)
+        self.root_rank = ctx.rank_of(self.root)
+        self.send = _Index(self.message_source(self.root, receiver), ctx.device)
+        self.n = self.send.count
+        if me != self.root:
+            self.land = _Index(self.message_target(self.root, me), ctx.device)
+
+    def start(self, x, async_op):
+        if self.ctx.me == self.root:
+            values = self.send.take(x).contiguous().clone()
+        else:
+            values = torch.empty(self.n, dtype=x.dtype, device=x.device)
+        work = dist.broadcast(values, src=self.root_rank, group=self.group, async_op=async_op)
+
+        def finish():
+            out = self._local_out(x)
+            if self.ctx.me != self.root:
+                self.land.put(out, values)
+            return out
+        return [work] if async_op else [], finish
+
+
+class _AllToAll(_Collective):
+    """all_to_all_single with per-member split sizes (group-rank order); a reduce step reduces after."""
+
+    how = "all_to_all_single"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        sends, receives, self.in_splits, self.out_splits = [], [], [], []
+        for d in self.members:
+            out_index = self.message_source(me, d) if (me, d) in step.messages else torch.empty(0, dtype=torch.int64)
+            in_slots = self.message_target(d, me) if (d, me) in step.messages else torch.empty(0, dtype=torch.int64)
+            sends.append(out_index)
+            receives.append(in_slots)
+            self.in_splits.append(out_index.numel())
+            self.out_splits.append(in_slots.numel())
+        self.send = _Index(torch.cat(sends), ctx.device)
+        received = torch.cat(receives)
+        self.land = _Index(received, ctx.device)
+        if self.reduce is not None:
+            self.slots = torch.cat([self.local_dst_raw, received]).to(ctx.device)
+
+    def start(self, x, async_op):
+        values = self.send.take(x).contiguous()
+        incoming = torch.empty(sum(self.out_splits), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(incoming, values, self.out_splits, self.in_splits, group=self.group,
+                                      async_op=async_op)
+
+        def finish():
+            if self.reduce is None:
+                out = self._local_out(x)
+                self.land.put(out, incoming)
+                return out
+            every = torch.cat([self.local_src.take(x), incoming])
+            return _reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
+        return [work] if async_op else [], finish
+
+
+def _choose(steps: Sequence[Step], i: int, ctx: _Context):
+    """The program for step ``i`` on this rank, and how many steps it covers."""
+    step = steps[i]
+    if step.kind == "local" or not step.messages:
+        return _StepProgram(step, ctx), 1
+    if FORCE_P2P or not step.mesh_axis_groups:
+        return _PointToPoint(step, ctx), 1
+    group = _group_of(step, ctx.me)
+    if group is None:  # this rank sits this step out (its mesh slice is idle): local copies only
+        return _StepProgram(step, ctx), 1
+    kind = step.kind
+    if kind == "reduce_scatter" and step.fused == "all_reduce" and i + 1 < len(steps) \
+            and _FusedAllReduce.fits(step, steps[i + 1], group):
+        program = _FusedAllReduce(step, steps[i + 1], ctx)
+        return program, 2
+    if kind == "all_gather" and _AllGather.fits(step, group):
+        return _AllGather(step, ctx), 1
+    if kind == "reduce_scatter" and _ReduceScatter.fits(step, group):
+        return _ReduceScatter(step, ctx), 1
+    if kind == "all_reduce" and _AllReduce.fits(step, group):
+        return _AllReduce(step, ctx), 1
+    if kind == "reduce":
+        return _Reduce(step, ctx), 1
+    if kind == "broadcast":
+        return _Broadcast(step, ctx), 1
+    if kind in ("all_to_all", "all_to_all_v"):
+        return _AllToAll(step, ctx), 1
+    return _PointToPoint(step, ctx), 1
+
+
+class _Program:
+    """A plan compiled for one rank: the step programs in order."""
+
+    def __init__(self, plan: Plan, ctx: _Context):
+        self.plan, self.steps = plan, []
+        i = 0
+        while i < len(plan.steps):
+            program, covered = _choose(plan.steps, i, ctx)
+            self.steps.append(program)
+            i += covered
+
+
+_PROGRAMS: OrderedDict = OrderedDict()
+_PROGRAM_LIMIT = 512
+
+
+def _context(plan: Plan, mesh) -> _Context:
+    names = tuple(a for a, _ in plan.mesh)
+    if names != tuple(mesh.axis_names) or tuple(n for _, n in plan.mesh) != tuple(mesh.shape):
+        raise LayoutError(f"plan's mesh {plan.mesh} is not mesh {mesh} (axes {mesh.axis_names}, shape {mesh.shape})")
+    coords = mesh.coordinates()
+    me = tuple(coords[a] for a in names)
+    backend = dist.get_backend(mesh.group())
+    return _Context(mesh, mesh.device, me, lambda d: mesh.rank_at(dict(zip(names, d))), backend)
+
+
+def _program(plan: Plan, mesh) -> _Program:
+    device = mesh.device
+    key = (id(plan), mesh, device)
+    entry = _PROGRAMS.get(key)
+    if entry is not None and entry.plan is plan:
+        _PROGRAMS.move_to_end(key)
+        return entry
+    program = _Program(plan, _context(plan, mesh))
+    _PROGRAMS[key] = program
+    while len(_PROGRAMS) > _PROGRAM_LIMIT:
+        _PROGRAMS.popitem(last=False)
+    return program
+
+
+class PendingBuffer:
+    """What ``execute_plan(..., async_op=True)`` returns: ``wait()`` gives the output buffer.
+
+    The first step's collective is in flight; ``wait()`` completes it and runs the rest.
+    """
+
+    def __init__(self, works, finish, rest: Callable):
+        self._works, self._finish, self._rest, self._value = works, finish, rest, None
+
+    def is_completed(self) -> bool:
+        return self._value is not None or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> torch.Tensor:
+        if self._value is None:
+            for w in self._works:
+                w.wait()
+            self._value = self._rest(self._finish())
+        return self._value
+
+
+def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False):
+    """This rank's flat buffer under ``plan.target`` from its flat buffer under ``plan.source``.
+
+    ``buffer`` has ``plan.steps[0].in_size`` slots (or ``buffer_size(plan.source)`` when
+    there are no steps), on ``mesh.device``. Every rank of the mesh calls this with the
+    same plan. ``async_op=True`` returns a ``PendingBuffer`` (``.wait()`` -> tensor).
+    """
+    program = _program(plan, mesh)
+    x = buffer.reshape(-1)
+    expected = plan.steps[0].in_size if plan.steps else plan.in_size
+    if x.numel() != expected:
+        raise LayoutError(f"execute_plan: buffer has {x.numel()} slots, the plan's first step reads {expected}")
+
+    def run_from(index: int, value: torch.Tensor) -> torch.Tensor:
+        for step in program.steps[index:]:
+            works, finish = step.start(value, False)
+            for w in works:
+                w.wait()
+            value = finish()
+        return value
+
+    if not async_op:
+        return run_from(0, x)
+    if not program.steps:
+        return PendingBuffer([], lambda: x, lambda v: v)
+    works, finish = program.steps[0].start(x, True)
+    works = [w for w in (works or []) if w is not None]
+    return PendingBuffer(works, finish, lambda v: run_from(1, v))
+
+
+def explain_execution(plan: Plan, mesh) -> str:
+    """``str(plan)`` plus, per step, the torch.distributed call this rank makes for it."""
+    program = _program(plan, mesh)
+    backend = dist.get_backend(mesh.group())
+    lines = [str(plan), f"  executed on {backend} ({mesh}); this rank:"]
+    index = 1
+    for step in program.steps:
+        covered = 2 if isinstance(step, _FusedAllReduce) else 1
+        label = f"{index}" if covered == 1 else f"{index}-{index + 1}"
+        group = f" on the mesh's {step.step.axes} group" if isinstance(step, _Collective) else ""
+        lines.append(f"    {label}. {step.step.kind}: {step.how}{group}")
+        index += covered
+    if backend == "gloo":
+        lines.append("  gloo: " + "; ".join(f"{k}: {v}" for k, v in _GLOO_SUBSTITUTES.items()))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# DTensor-facing: padded specs in, true local tensors out
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Side:
+    """A layout over ``full`` (padded) shape and, per dim, where the true rows sit (None: leading)."""
+
+    layout: Layout
+    full: tuple[int, ...]
+    positions: tuple[tuple[int, ...] | None, ...]  # per full dim: padded index of true row r, if re-padded
+    rows: tuple[tuple[int, ...], ...]  # per full dim: padded index of each true row (the common map)
+
+    @functools.cached_property
+    def local_padded(self) -> tuple[int, ...]:
+        blocks = self.layout.blocks(self.full)
+        return tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks)
+
+
+def _true_rows(spec) -> tuple[tuple[int, ...], ...]:
+    """Per full dim (summand dim first if any), the padded index holding each true row."""
+    rows = []
+    for n, padded, mapping in zip(spec.full_true, spec.full_shape, spec.full_true_index):
+        if mapping is None:
+            rows.append(tuple(range(n)))
+        else:
+            where = {t: p for p, t in enumerate(mapping) if t >= 0}
+            rows.append(tuple(where[t] for t in range(n)))
+    return tuple(rows)
+
+
+def _moved(rows) -> tuple:
+    """Positions for a side holding whole dims: the true rows' padded indices where not leading."""
+    return tuple(None if r == tuple(range(len(r))) else r for r in rows)
+
+
+def _free_dims(layout: Layout, full) -> set[int]:
+    """Dims entirely in local memory (every device holding any of the dim holds all of it)."""
+    return {d for d, block in enumerate(layout.blocks(full)) if all(it.axis == MEMORY for it in block)}
+
+
+def _repad(layout: Layout, full, changes: dict[int, int]) -> Layout:
+    """The same map with free dim ``d`` grown to ``changes[d]`` (row-major local memory kept)."""
+    blocks = [list(b) for b in layout.blocks(full)]
+    for d, extent in changes.items():
+        blocks[d] = [Iter(extent, 1)]
+    local = [math.prod(it.extent for it in b if it.axis == MEMORY) for b in blocks]
+    shard, inner = [], math.prod(local)
+    for d, block in enumerate(blocks):
+        inner //= local[d]
+        stride = inner * local[d]
+        for it in block:
+            if it.axis == MEMORY:
+                stride //= it.extent
+                shard.append(Iter(it.extent, stride))
+            else:
+                shard.append(it)
+    return Layout(shard, layout.replica, layout.offset)
+
+
+def _replicated(full, mesh) -> Layout:
+    strides, step = [], 1
+    for s in reversed(full):
+        strides.append(step)
+        step *= s
+    return Layout([Iter(s, st) for s, st in zip(full, reversed(strides))],
+                  [Iter(k, 1, a) for a, k in zip(mesh.axis_names, mesh.shape)])
+
+
+def _common_sides(src_layout, src_full, src_rows, dst_layout, dst_full, dst_rows, lead: int = 0):
+    """Re-pad free dims so both sides use one padded index map; None when a dim cannot be matched.
+
+    ``lead`` = 1 when the source has a leading summand dim the target lacks (it stays as it is).
+    """
+    src_changes, dst_changes = {}, {}
+    src_free, dst_free = _free_dims(src_layout, src_full), _free_dims(dst_layout, dst_full)
+    src_pos, dst_pos = [None] * len(src_full), [None] * len(dst_full)
+    src_new, dst_new, rows = list(src_full), list(dst_full), list(src_rows)
+    for d, (pd, rd) in enumerate(zip(dst_full, dst_rows)):
+        e = d + lead
+        ps, rs = src_full[e], src_rows[e]
+        if ps == pd and rs == rd:
+            continue
+        if e in src_free:
+            src_changes[e], src_pos[e], src_new[e], rows[e] = pd, rd, pd, rd
+        elif d in dst_free:
+            dst_changes[d], dst_pos[d], dst_new[d] = ps, rs, ps
+        else:
+            return None
+    src = _Side(_repad(src_layout, src_full, src_changes) if src_changes else src_layout, tuple(src_new),
+                tuple(src_pos), tuple(rows))
+    dst = _Side(_repad(dst_layout, dst_full, dst_changes) if dst_changes else dst_layout, tuple(dst_new),
+                tuple(dst_pos), tuple(rows[lead:]))
+    return src, dst
+
+
+def _to_buffer(local: torch.Tensor, side: _Side, box, size: int) -> torch.Tensor:
+    """The true local tensor (``box``) placed in the padded row-major local tensor, flattened."""
+    padded = side.local_padded
+    out = torch.zeros(padded, dtype=local.dtype, device=local.device)
+    if math.prod(box) == 0 or local.numel() == 0:
+        return out.reshape(-1) if out.numel() == size else torch.zeros(size, dtype=local.dtype, device=local.device)
+    t = local.reshape(box)
+    for d, positions in enumerate(side.positions):
+        if positions is not None:
+            grown = list(t.shape)
+            grown[d] = padded[d]
+            t = torch.zeros(grown, dtype=t.dtype, device=t.device).index_copy_(
+                d, torch.tensor(positions, device=t.device), t)
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out.reshape(-1)
+
+
+def _from_buffer(buffer: torch.Tensor, side: _Side, box) -> torch.Tensor:
+    """The true local tensor (``box``) read out of the flat padded buffer."""
+    if math.prod(box) == 0:
+        return buffer.new_empty(box)
+    t = buffer.reshape(side.local_padded)
+    for d, positions in enumerate(side.positions):
+        if positions is not None:
+            t = t.index_select(d, torch.tensor(positions, device=t.device))
+    return t[tuple(slice(0, n) for n in box)].contiguous()
+
+
+@dataclass
+class _Route:
+    """The cached answer for one (src spec, dst spec, rank): plans and the pad/unpad sides."""
+
+    first: _Side
+    last: _Side
+    plans: tuple[Plan, ...]
+    middle: tuple[_Side, _Side] | None  # fallback: all-gathered on src's padding, then on dst's
+    src_box: tuple[int, ...]
+    dst_box: tuple[int, ...]
+    reduce_op: str | None
+
+
+_ROUTES: OrderedDict = OrderedDict()
+
+
+def _route(src, dst, itemsize: int) -> _Route:
+    from ..dtensor import _table  # lazily: dtensor sits above collectives
+
+    mesh = src.mesh
+    key = (src, dst, mesh.position(), itemsize)
+    route = _ROUTES.get(key)
+    if route is not None:
+        _ROUTES.move_to_end(key)
+        return route
+    if src.mesh != dst.mesh or src.shape != dst.shape:
+        raise LayoutError(f"redistribute keeps the mesh and shape: {src} -> {dst}")
+    reduce = src.reduce_op is not None and dst.reduce_op is None
+    if dst.reduce_op is not None and (src.reduce_op, src.summands) != (dst.reduce_op, dst.summands):
+        raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from {src}; "
+                          f"use to_partial() on a tensor whose leading dim holds the summands")
+    position = mesh.position()
+    src_box, dst_box = _table(src).local_shapes[position], _table(dst).local_shapes[position]
+    partial = src.reduce_op if reduce else None
+    src_full, src_rows = src.full_shape, _true_rows(src)
+    dst_full, dst_rows = dst.full_shape, _true_rows(dst)
+    lead = 1 if reduce else 0  # a reduced summand dim has no counterpart in the target
+    sides = _common_sides(src.layout, src_full, src_rows, dst.layout, dst_full, dst_rows, lead)
+    if sides is not None:
+        first, last = sides
+        shape = last.full
+        plans = (plan_layouts(first.layout, last.layout, mesh, shape, itemsize, partial),)
+        route = _Route(first, last, plans, None, src_box, dst_box, partial)
+    else:
+        # no common padding (torch chunks a dim two different ways): gather on src's padding, re-pad locally
+        first = _Side(src.layout, src_full, (None,) * len(src_full), src_rows)
+        kept, kept_rows = src_full[lead:], src_rows[lead:]
+        gathered = _Side(_replicated(kept, mesh), kept, _moved(kept_rows), kept_rows)
+        middle, last = _common_sides(gathered.layout, kept, kept_rows, dst.layout, dst_full, dst_rows)
+        middle = _Side(middle.layout, middle.full, _moved(middle.rows), middle.rows)
+        plans = (plan_layouts(src.layout, gathered.layout, mesh, kept, itemsize, partial),
+                 plan_layouts(middle.layout, last.layout, mesh, last.full, itemsize, None))
+        route = _Route(first, last, plans, (gathered, middle), src_box, dst_box, partial)
+    _ROUTES[key] = route
+    while len(_ROUTES) > _PROGRAM_LIMIT:
+        _ROUTES.popitem(last=False)
+    return route
+
+
+def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
+    """This rank's local tensor under spec ``dst`` from its local tensor under spec ``src``.
+
+    The same contract as ``axedist.dtensor._redistribute_general``: ``local`` is the true
+    (unpadded) local tensor (with the leading summand dim for a pending reduction); the
+    result is the true local tensor under ``dst``. Example, ``(7,)`` on 4 ranks,
+    ``Shard(0)`` (padded to 8: local sizes 2, 2, 2, 1) to ``Replicate()``: one all-gather
+    of 2 slots per rank, then every rank keeps the 7 true values.
+    """
+    route = _route(src, dst, local.element_size())
+    mesh = src.mesh
+    buffer = _to_buffer(local.to(mesh.device), route.first, route.src_box, buffer_size(route.first.layout))
+    if route.middle is None:
+        out = execute_plan(route.plans[0], buffer, mesh, async_op=async_op)
+        if async_op:
+            return _Unpadding(out, lambda b: _from_buffer(b, route.last, route.dst_box))
+        return _from_buffer(out, route.last, route.dst_box)
+    gathered, middle_dst = route.middle
+    full = execute_plan(route.plans[0], buffer, mesh)
+    true = _from_buffer(full, gathered, tuple(len(r) for r in gathered.rows))
+    again = _to_buffer(true, middle_dst, tuple(len(r) for r in middle_dst.rows), buffer_size(middle_dst.layout))
+    out = execute_plan(route.plans[1], again, mesh)
+    value = _from_buffer(out, route.last, route.dst_box)
+    return _Unpadding(PendingBuffer([], lambda: value, lambda v: v), lambda v: v) if async_op else value
+
+
+class _Unpadding:
+    def __init__(self, pending, finish):
+        self._pending, self._finish = pending, finish
+
+    def is_completed(self) -> bool:
+        return self._pending.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        return self._finish(self._pending.wait())
+
+
+# ---------------------------------------------------------------------------
+# Measuring torch DTensor's traffic (for tests and launch/bench_redistribute.py)
+# ---------------------------------------------------------------------------
+
+
+def torch_comm_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
+    """Run ``fn(*args, **kwargs)`` under torch's ``CommDebugMode``; return (result, bytes this rank sends).
+
+    Bytes per collective in the direct model the planner uses: all-gather ``n*(g-1)``,
+    reduce-scatter ``N*(g-1)/g``, all-reduce ``2*N*(g-1)/g``, all-to-all the input minus
+    the own chunk, broadcast ``n*(g-1)`` at the root.
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    sent = [0]
+
+    def size_of(name) -> int:
+        return _resolve_process_group(name).size() if isinstance(name, str) else name.size()
+
+    class _Counting(CommDebugMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            packet = getattr(func, "_overloadpacket", None)
+            name = getattr(packet, "__name__", "")
+            tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if tensor is not None and not any(issubclass(t, torch.distributed.tensor.DTensor) for t in types):
+                nbytes = tensor.numel() * tensor.element_size()
+                if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
+                    sent[0] += nbytes * (args[1] - 1)
+                elif name == "reduce_scatter_tensor":
+                    g = args[2]
+                    sent[0] += nbytes * (g - 1) // g
+                elif name in ("all_reduce", "all_reduce_"):
+                    g = size_of(args[2])
+                    sent[0] += 2 * nbytes * (g - 1) // g
+                elif name == "all_to_all_single":
+                    g = size_of(args[3])
+                    splits = args[2]
+                    me = _resolve_process_group(args[3]).rank() if isinstance(args[3], str) else 0
+                    own = splits[me] if splits else tensor.shape[0] // g
+                    row = nbytes // max(tensor.shape[0], 1)
+                    sent[0] += nbytes - own * row
+                elif name == "shard_dim_alltoall":
+                    g = size_of(args[3])
+                    sent[0] += nbytes * (g - 1) // g
+                elif name in ("broadcast", "broadcast_"):
+                    g = size_of(args[2])
+                    sent[0] += nbytes * (g - 1) if _resolve_process_group(args[2]).rank() == args[1] else 0
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    with _Counting():
+        result = fn(*args, **kwargs)
+    return result, sent[0]

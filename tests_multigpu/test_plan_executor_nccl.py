@@ -1,0 +1,72 @@
+"""The CPU suite's plan-executor bodies, run on CUDA with NCCL (one process per GPU).
+
+Run on a machine with 2 or more GPUs: ``pytest tests_multigpu/test_plan_executor_nccl.py -q``.
+W is every GPU of the machine (and 2 when there are more); the cases whose mesh has
+W devices run: random layout pairs and partial sums with every reduce op (meshes
+listing ranks in random orders), the named transitions, async, the reference
+point-to-point path, and the differential against torch DTensor (values and bytes).
+"""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test bodies live in tests/
+
+from axedist.testing import run_on_ranks  # noqa: E402
+from test_plan_executor import (  # noqa: E402
+    MESHES, NAMED, OPS, TORCH_TRANSITIONS, _async, _named, _random_cases, _torch_differential,
+)
+
+GPUS = torch.cuda.device_count()
+WORLDS = sorted({2, GPUS} & set(MESHES)) if GPUS >= 2 else []
+pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_random_layouts_nccl(world):
+    for index in range(len(MESHES[world])):
+        kinds = run_on_ranks(_random_cases, world, backend="nccl",
+                             args=(index, 5000 * world + index, 24, [], "cuda"), timeout_s=300)
+        assert all(k == kinds[0] for k in kinds)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_random_partial_sums_every_op_nccl(world):
+    for index in range(len(MESHES[world])):
+        run_on_ranks(_random_cases, world, backend="nccl",
+                     args=(index, 6000 * world + index, 16, OPS, "cuda"), timeout_s=300)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_point_to_point_path_nccl(world):
+    run_on_ranks(_random_cases, world, backend="nccl", args=(0, 7000 + world, 12, OPS, "cuda", True), timeout_s=300)
+
+
+@pytest.mark.skipif(4 not in WORLDS, reason="the named transitions use 4 ranks")
+@pytest.mark.parametrize("name", sorted(NAMED))
+def test_named_transitions_nccl(name):
+    results = run_on_ranks(_named, 4, backend="nccl", args=(name, "cuda"), timeout_s=300)
+    hows, text = results[0]
+    assert "executed on nccl" in text
+    # NCCL runs the reduce-scatter natively (gloo substitutes an all-reduce)
+    if name == "reduce_scatter":
+        assert any(h == "reduce_scatter_tensor" for h in hows), hows
+
+
+@pytest.mark.skipif(4 not in WORLDS, reason="uses 4 ranks")
+def test_async_nccl():
+    assert run_on_ranks(_async, 4, backend="nccl", args=("cuda",), timeout_s=300) == [True] * 4
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_torch_dtensor_nccl(world):
+    indices = [i for i, t in enumerate(TORCH_TRANSITIONS) if math.prod(t[0]) == world]
+    for index in indices:
+        results = run_on_ranks(_torch_differential, world, backend="nccl", args=(index, "cuda"), timeout_s=300)
+        assert all(r[0] for r in results), (index, results[0][3])
+        if all(r[4] == 1 for r in results):
+            assert max(r[1] for r in results) <= max(r[2] for r in results), (index, results[0][3])
