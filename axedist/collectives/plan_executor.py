@@ -128,6 +128,10 @@ class _Index:
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer[self.start:self.stop] if self.tensor is None else buffer.index_select(0, self.tensor)
 
+    def fresh(self, buffer: torch.Tensor) -> torch.Tensor:
+        """A new tensor (never a view of ``buffer``): collectives write into it in place."""
+        return buffer[self.start:self.stop].clone() if self.tensor is None else buffer.index_select(0, self.tensor)
+
     def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
         if self.tensor is None:
             out[self.start:self.stop] = values
@@ -359,15 +363,14 @@ class _ReduceScatter(_Collective):
         return _reduce_into(self.step.out_size, reduced, self.land, op, count, x)
 
     def start(self, x, async_op):
-        packed = self.pack.take(x).contiguous()
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
         if self.ctx.backend == "gloo":
-            packed = packed.clone() if packed.data_ptr() == x.data_ptr() else packed
+            packed = self.pack.fresh(x)
             work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
             mine = lambda: packed[self.position * self.n:(self.position + 1) * self.n]
         else:
             reduced = torch.empty(self.n, dtype=x.dtype, device=x.device)
-            work = dist.reduce_scatter_tensor(reduced, packed, op=op, group=self.group, async_op=async_op)
+            work = dist.reduce_scatter_tensor(reduced, self.pack.take(x).contiguous(), op=op, group=self.group, async_op=async_op)
             mine = lambda: reduced
         return [work] if async_op else [], (lambda: self._land(mine(), x))
 
@@ -412,8 +415,7 @@ class _FusedAllReduce(_ReduceScatter):
         return True
 
     def start(self, x, async_op):
-        packed = self.pack.take(x).contiguous()
-        packed = packed.clone() if packed.data_ptr() == x.data_ptr() else packed
+        packed = self.pack.fresh(x)
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
         work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
 
@@ -446,12 +448,13 @@ class _AllReduce(_Collective):
             inverse = _inverse(local_dst, step.out_size)
             if inverse is None or _inverse(landing, step.out_size) is None or len(local_dst) != len(landing):
                 return False
-            if not torch.equal(local_src[inverse[landing]], sent) if (inverse[landing] >= 0).all() else True:
+            own = inverse[landing]  # where b's own value for each landing slot sits among its local copies
+            if bool((own < 0).any()) or not torch.equal(local_src[own], sent):
                 return False
         return True
 
     def start(self, x, async_op):
-        values = self.send.take(x).contiguous().clone()
+        values = self.send.fresh(x)
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
         work = dist.all_reduce(values, op=op, group=self.group, async_op=async_op)
 
@@ -484,7 +487,7 @@ class _Reduce(_Collective):
 
     def start(self, x, async_op):
         if self.ctx.me != self.root:
-            values = self.send.take(x).contiguous().clone()
+            values = self.send.fresh(x)
         else:
             values = torch.full((self.n,), _identity(self.reduce, x.dtype), dtype=x.dtype, device=x.device)
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
@@ -492,8 +495,7 @@ class _Reduce(_Collective):
 
         def finish():
             if self.ctx.me != self.root:
-                return self._local_out(x) if not self.step.local(self.ctx.me) else \
-                    _StepProgram.start(self, x, False)[1]()
+                return _StepProgram.start(self, x, False)[1]()
             every = torch.cat([values, self.local_src.take(x)])
             if self.reduce in ("max", "min"):
                 return _reduce_into(self.step.out_size, every, self.slots, self.reduce, None, x)
@@ -517,7 +519,7 @@ class _Broadcast(_Collective):
 
     def start(self, x, async_op):
         if self.ctx.me == self.root:
-            values = self.send.take(x).contiguous().clone()
+            values = self.send.fresh(x)
         else:
             values = torch.empty(self.n, dtype=x.dtype, device=x.device)
         work = dist.broadcast(values, src=self.root_rank, group=self.group, async_op=async_op)
