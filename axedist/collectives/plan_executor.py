@@ -55,6 +55,7 @@ __all__ = [
     "execute_plan",
     "redistribute_local",
     "explain_execution",
+    "execution_bytes",
     "backend_notes",
     "PendingBuffer",
     "torch_comm_bytes",
@@ -205,6 +206,11 @@ class _StepProgram:
         if step.reduce == "avg":
             incoming = _box_index([t for t in step.transfers if t.target == me], "target")
             self.count = torch.bincount(incoming, minlength=step.out_size).clamp_(min=1).to(ctx.device)
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sends for the step(s) this program covers (the plan's direct count)."""
+        steps = [self.step] + ([self.gather_step] if hasattr(self, "gather_step") else [])
+        return sum(s.bytes_sent.get(self.ctx.me, 0) for s in steps)
 
     def _local_out(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
@@ -382,6 +388,7 @@ class _FusedAllReduce(_ReduceScatter):
 
     def __init__(self, step, gather_step: Step, ctx):
         super().__init__(step, ctx)
+        self.how = type(self).how  # one all_reduce on every backend
         self.gather_step = gather_step
         me = ctx.me
         select, slots = [], []
@@ -452,6 +459,10 @@ class _AllReduce(_Collective):
             if bool((own < 0).any()) or not torch.equal(local_src[own], sent):
                 return False
         return True
+
+    def bytes_sent(self) -> int:
+        g = len(self.members)  # a ring all-reduce: 2 (g-1)/g of the buffer, not (g-1) direct copies
+        return 2 * (g - 1) * self.send.count * self.step.itemsize // g
 
     def start(self, x, async_op):
         values = self.send.fresh(x)
@@ -688,6 +699,13 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     works, finish = program.steps[0].start(x, True)
     works = [w for w in (works or []) if w is not None]
     return PendingBuffer(works, finish, lambda v: run_from(1, v))
+
+
+def execution_bytes(plan: Plan, mesh) -> int:
+    """Bytes this rank sends when ``plan`` runs here: the plan's count, except that a direct
+    all-reduce step runs as ``all_reduce`` (ring: ``2 (g-1)/g`` of the buffer). Algorithmic
+    bytes, as NCCL moves them (gloo's substitutes are noted in ``backend_notes``)."""
+    return sum(step.bytes_sent() for step in _program(plan, mesh).steps)
 
 
 def explain_execution(plan: Plan, mesh) -> str:
