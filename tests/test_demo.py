@@ -1,6 +1,7 @@
 """README's main job keeps working: the layout demo, and the DTensor demo under torchrun (gloo)."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,15 @@ def test_dtensor_demo_runs_under_torchrun(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "launch/demo_dtensor.py", "--png", str(tmp_path / "layout.png")]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("ok:") == 5 and "demo finished" in out.stdout
+    # Own session, so a timeout kills torchrun and every rank it started (no orphans).
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"demo timed out\n{stdout[-3000:]}{stderr[-3000:]}") from None
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert stdout.count("ok:") == 5 and "demo finished" in stdout
     assert (tmp_path / "layout.png").stat().st_size > 0
