@@ -825,6 +825,8 @@ def _common_sides(src_layout, src_full, src_rows, dst_layout, dst_full, dst_rows
 def _to_buffer(local: torch.Tensor, side: _Side, box, size: int) -> torch.Tensor:
     """The true local tensor (``box``) placed in the padded row-major local tensor, flattened."""
     padded = side.local_padded
+    if tuple(local.shape) == padded and all(p is None for p in side.positions):
+        return local.reshape(-1)  # nothing padded here: the local tensor is the buffer (never written to)
     out = torch.zeros(padded, dtype=local.dtype, device=local.device)
     if math.prod(box) == 0 or local.numel() == 0:
         return out.reshape(-1) if out.numel() == size else torch.zeros(size, dtype=local.dtype, device=local.device)
