@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 
 from axedist.testing import run_on_ranks  # noqa: E402
 from test_plan_executor import (  # noqa: E402
-    MESHES, NAMED, OPS, TORCH_TRANSITIONS, _async, _named, _random_cases, _torch_differential,
+    MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, TORCH_TRANSITIONS, _async, _named, _random_cases, _torch_differential,
 )
 
 GPUS = torch.cuda.device_count()
@@ -68,5 +68,8 @@ def test_matches_torch_dtensor_nccl(world):
     for index in indices:
         results = run_on_ranks(_torch_differential, world, backend="nccl", args=(index, "cuda"), timeout_s=300)
         assert all(r[0] for r in results), (index, results[0][3])
-        if all(r[4] == 1 for r in results):
+        padded = results[0][5]
+        # as on CPU: padded shapes move their padding, and MOVES_MORE_THAN_TORCH is a known planner limit
+        if not padded and index not in MOVES_MORE_THAN_TORCH:
             assert max(r[1] for r in results) <= max(r[2] for r in results), (index, results[0][3])
+            assert sum(r[1] for r in results) <= sum(r[2] for r in results), (index, results[0][3])
