@@ -99,7 +99,7 @@ def main():
     iters = args.iters or (20 if args.cuda else 10)
     shape = (rows, rows)
     dtype = torch.bfloat16 if args.cuda else torch.float32
-    lines = [f"| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor |",
+    lines = ["| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor |",
              "|---|---|---|---|---|---|---|"]
     for mesh_shape, src_text, dst_text in TRANSITIONS:
         mesh = mesh4 if mesh_shape == (4,) else mesh22
