@@ -76,8 +76,14 @@ def _worker(rank, world_size, backend, port, sys_path, tasks, results, collectiv
         timeout=timedelta(seconds=collective_timeout_s), **kwargs,
     )
     results.put((rank, "ready", None))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died: never linger as an orphan
+                break
+            continue
         if task is None:
             break
         call_id, module_name, qualname, args = task

@@ -196,6 +196,14 @@ TORCH_TRANSITIONS = [
 MOVES_MORE_THAN_TORCH = {15}
 
 
+def _check_not_more_than_torch(ours, theirs, text, known_limit: bool) -> None:
+    """Bytes never above torch DTensor's; a known planner limit is an explicit xfail, not a skip."""
+    moves_more = max(ours) > max(theirs) or sum(ours) > sum(theirs)
+    if moves_more and known_limit:
+        pytest.xfail(f"known planner cost limit (issue 4): axedist {ours} B vs torch DTensor {theirs} B per rank")
+    assert not moves_more, (ours, theirs, text)
+
+
 def _torch_differential(rank, world, index, device_type="cpu"):
     """One transition: redistribute_local vs torch DTensor, values and bytes on this rank."""
     from torch.distributed.tensor import DTensor as TorchDTensor
@@ -250,8 +258,6 @@ def test_matches_torch_dtensor_and_never_moves_more(index):
     ours = [r[1] for r in results]
     theirs = [r[2] for r in results]
     _, _, _, text, count, padded = results[0]
-    if not padded and index not in MOVES_MORE_THAN_TORCH:
-        assert max(ours) <= max(theirs), (ours, theirs, text)
-        assert sum(ours) <= sum(theirs), (ours, theirs, text)
+    _check_not_more_than_torch(ours, theirs, text, known_limit=padded or index in MOVES_MORE_THAN_TORCH)
     if TORCH_TRANSITIONS[index][1:] == ((4, 6), "S0 S1", "S1 S0"):
         assert max(ours) < max(theirs) and sum(ours) < sum(theirs)

@@ -65,11 +65,16 @@ def test_async_nccl():
 @pytest.mark.parametrize("world", WORLDS)
 def test_matches_torch_dtensor_nccl(world):
     indices = [i for i, t in enumerate(TORCH_TRANSITIONS) if math.prod(t[0]) == world]
+    known_excess = []
     for index in indices:
         results = run_on_ranks(_torch_differential, world, backend="nccl", args=(index, "cuda"), timeout_s=300)
         assert all(r[0] for r in results), (index, results[0][3])
-        padded = results[0][5]
+        ours, theirs, padded = [r[1] for r in results], [r[2] for r in results], results[0][5]
+        moves_more = max(ours) > max(theirs) or sum(ours) > sum(theirs)
         # as on CPU: padded shapes move their padding, and MOVES_MORE_THAN_TORCH is a known planner limit
-        if not padded and index not in MOVES_MORE_THAN_TORCH:
-            assert max(r[1] for r in results) <= max(r[2] for r in results), (index, results[0][3])
-            assert sum(r[1] for r in results) <= sum(r[2] for r in results), (index, results[0][3])
+        if moves_more and (padded or index in MOVES_MORE_THAN_TORCH):
+            known_excess.append((index, ours, theirs))
+        else:
+            assert not moves_more, (index, ours, theirs, results[0][3])
+    if known_excess:  # every other transition was checked first; this one stays visible
+        pytest.xfail(f"known planner cost limit (issue 4): (index, axedist B, torch B) {known_excess}")
