@@ -41,6 +41,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .layout import Iter, Layout, LayoutError
+from .collectives.plan_executor import redistribute_local
 from .mesh import DeviceMesh, MeshError
 
 __all__ = [
@@ -221,121 +222,6 @@ def _table(spec: _Spec) -> _Table:
 
 
 # ---------------------------------------------------------------------------
-# The general redistribute: plan (pure, per rank) then execute (point-to-point)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Exchange:
-    """What one rank does to move a tensor from one spec to another.
-
-    ``sends[peer]``: offsets into this rank's source local tensor, sent in that order;
-    ``receives[peer]``: where each received value goes in the (summands, out) buffer;
-    ``copy_from``/``copy_to``: values that stay on this rank.
-    """
-
-    sends: tuple[tuple[int, torch.Tensor], ...]
-    receives: tuple[tuple[int, torch.Tensor], ...]
-    copy_from: torch.Tensor
-    copy_to: torch.Tensor
-    summands: int
-    out_shape: tuple[int, ...]
-    reduce_op: str | None
-
-
-@lru_cache(maxsize=256)
-def _plan_general(src: _Spec, dst: _Spec, position: int) -> _Exchange:
-    """Block intersections of two layouts, for the rank at mesh ``position``.
-
-    Every (summand, element, destination replica) entry gets one source holder: the
-    destination itself when it holds the value, else replica ``(dst + element) % R``
-    (spreads the load). Senders and receivers enumerate entries in one order, so the
-    values of a message need no index on the wire.
-    """
-    if src.mesh != dst.mesh or src.shape != dst.shape:
-        raise LayoutError(f"redistribute keeps the mesh and shape: {src} -> {dst}")
-    reduce = src.reduce_op is not None and dst.reduce_op is None
-    if dst.reduce_op is not None and (src.reduce_op, src.summands) != (dst.reduce_op, dst.summands):
-        raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from {src}; "
-                          f"use to_partial() on a tensor whose leading dim holds the summands")
-    s_tab, d_tab = _table(src), _table(dst)
-    k = src.summands if reduce else 1
-    g = d_tab.offsets.numel()
-    src_holders = s_tab.holders.reshape(k, g, -1)                      # [K, G, Rs]
-    src_offsets = s_tab.offsets.reshape(k, g)
-    dst_holders = d_tab.holders                                        # [G, Rd]
-    rs, rd = src_holders.shape[-1], dst_holders.shape[-1]
-    match = src_holders[:, :, None, :] == dst_holders[None, :, :, None]   # [K, G, Rd, Rs]
-    spread = (dst_holders + torch.arange(g)[:, None]) % rs
-    choice = torch.where(match.any(-1), match.to(torch.int8).argmax(-1), spread[None])
-    sender = torch.gather(src_holders[:, :, None, :].expand(k, g, rd, rs), 3, choice[..., None])[..., 0].flatten()
-    receiver = dst_holders[None].expand(k, g, rd).flatten()
-    send_offset = src_offsets[:, :, None].expand(k, g, rd).flatten()
-    out_numel = math.prod(d_tab.local_shapes[position])
-    slot = (torch.arange(k)[:, None, None] * out_numel + d_tab.offsets[None, :, None]).expand(k, g, rd).flatten()
-
-    def by_peer(mask, peers, values):
-        peers, values = peers[mask], values[mask]
-        order = torch.argsort(peers, stable=True)
-        peers, values = peers[order], values[order]
-        out = []
-        for peer, count in zip(*torch.unique_consecutive(peers, return_counts=True)):
-            out.append((src.mesh.ranks[int(peer)], values[:int(count)]))
-            values = values[int(count):]
-        return tuple(out)
-
-    mine_out, mine_in = sender == position, receiver == position
-    return _Exchange(
-        sends=by_peer(mine_out & ~mine_in, receiver, send_offset),
-        receives=by_peer(mine_in & ~mine_out, sender, slot),
-        copy_from=send_offset[mine_out & mine_in],
-        copy_to=slot[mine_out & mine_in],
-        summands=k,
-        out_shape=d_tab.local_shapes[position],
-        reduce_op=src.reduce_op if reduce else None,
-    )
-
-
-def _execute(local: torch.Tensor, plan: _Exchange, group) -> torch.Tensor:
-    """Run one rank's exchange with batched isend/irecv (gloo has no all_to_all_v)."""
-    device = local.device
-    flat = local.contiguous().reshape(-1)
-    buffer = torch.empty(plan.summands * math.prod(plan.out_shape), dtype=local.dtype, device=device)
-    buffer[plan.copy_to.to(device)] = flat[plan.copy_from.to(device)]
-    ops, landing = [], []
-    for peer, offsets in plan.sends:
-        ops.append(dist.P2POp(dist.isend, flat[offsets.to(device)].contiguous(), peer, group))
-    for peer, slots in plan.receives:
-        incoming = torch.empty(len(slots), dtype=local.dtype, device=device)
-        ops.append(dist.P2POp(dist.irecv, incoming, peer, group))
-        landing.append((incoming, slots))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for incoming, slots in landing:
-        buffer[slots.to(device)] = incoming
-    buffer = buffer.reshape((plan.summands,) + plan.out_shape)
-    if plan.reduce_op is None:
-        return buffer.reshape(plan.out_shape) if plan.summands == 1 else buffer
-    if plan.reduce_op == "sum":
-        return buffer.sum(0)
-    if plan.reduce_op == "avg":
-        return buffer.sum(0) / plan.summands if buffer.is_floating_point() else buffer.sum(0) // plan.summands
-    return buffer.amax(0) if plan.reduce_op == "max" else buffer.amin(0)
-
-
-def _redistribute_general(local: torch.Tensor, src: _Spec, dst: _Spec) -> torch.Tensor:
-    """Move ``local`` (this rank's piece under ``src``) to this rank's piece under ``dst``.
-
-    Correct for any two valid specs on one mesh; issue 4's planner replaces it with
-    collectives chosen from the layouts.
-    """
-    mesh = src.mesh
-    plan = _plan_general(src, dst, mesh.position())
-    return _execute(local, plan, mesh.group())
-
-
-# ---------------------------------------------------------------------------
 # Agreement across ranks (so a mistake on one rank is an error on all)
 # ---------------------------------------------------------------------------
 
@@ -493,7 +379,7 @@ class DTensor(torch.Tensor):
         dst = _target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
-        local = _redistribute_general(self._local, self._spec, dst)
+        local = redistribute_local(self._local, self._spec, dst)
         return DTensor(local, dst, requires_grad=self.requires_grad)
 
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
@@ -620,7 +506,7 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         local = tensor.to(mesh.device)
     else:
         local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
-    return DTensor(_redistribute_general(local, src, dst), dst, requires_grad=tensor.requires_grad)
+    return DTensor(redistribute_local(local, src, dst), dst, requires_grad=tensor.requires_grad)
 
 
 # ---------------------------------------------------------------------------
