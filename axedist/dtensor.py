@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import Iter, Layout, LayoutError
+from .layout import Iter, Layout, LayoutError, row_major_memory
 from .collectives.plan_executor import redistribute_local
 from .mesh import DeviceMesh, MeshError
 
@@ -131,18 +131,13 @@ def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, tru
     if not layout.is_injective():
         raise LayoutError(f"layout {layout} puts two elements in one (device, m) slot")
     blocks = layout.blocks(full)
-    local = tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks)
-    inner = math.prod(local)
-    for dim, block in enumerate(blocks):
-        inner //= local[dim]
-        stride = inner * local[dim]
-        for it in block:
-            if it.axis == MEMORY:
-                stride //= it.extent
-                if it.stride != stride:
-                    raise LayoutError(
-                        f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
-                        f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
+    local, strides = row_major_memory(blocks)
+    for dim, (block, expected) in enumerate(zip(blocks, strides)):
+        for it, stride in zip(block, expected):
+            if stride is not None and it.stride != stride:
+                raise LayoutError(
+                    f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
+                    f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
     return _Spec(mesh, layout, shape, padded, reduce_op, summands, true_index, local)
 
 

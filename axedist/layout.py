@@ -41,6 +41,7 @@ __all__ = [
     "tile",
     "tile_quotient",
     "direct_sum",
+    "row_major_memory",
 ]
 
 MEMORY_AXIS = "m"
@@ -606,6 +607,29 @@ def _interleave(a: Layout, b: Layout, a_shape, b_shape) -> tuple[tuple[int, ...]
     for outer, inner in zip(a.blocks(a_shape), b.blocks(b_shape)):
         shard += outer + inner
     return tuple(x * y for x, y in zip(a_shape, b_shape)), shard
+
+
+def row_major_memory(blocks: Sequence[Sequence[Iter]]) -> tuple[tuple[int, ...], list[list[int | None]]]:
+    """The local shape that a grouped layout's ``m`` iters span, and the stride each ``m`` iter has
+    when local memory is row-major over that shape (``None`` for iters on other axes).
+
+    ``row_major_memory(S[(4,2,6):(1@gpuid,6,1)].blocks((8,6)))`` -> ``((2, 6), [[None, 6], [1]])``.
+    """
+    local = tuple(math.prod(it.extent for it in block if it.axis == MEMORY_AXIS) for block in blocks)
+    strides: list[list[int | None]] = []
+    inner = math.prod(local)
+    for extent, block in zip(local, blocks):
+        inner //= extent
+        stride = inner * extent
+        row: list[int | None] = []
+        for it in block:
+            if it.axis == MEMORY_AXIS:
+                stride //= it.extent
+                row.append(stride)
+            else:
+                row.append(None)
+        strides.append(row)
+    return local, strides
 
 
 def direct_sum(a: Layout, b: Layout, a_shape: Sequence[int], b_shape: Sequence[int]) -> Layout:

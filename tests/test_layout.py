@@ -531,3 +531,21 @@ def test_injectivity_examples():
 
 def test_package_exports():
     assert ax.Layout is Layout and ax.Iter is Iter and ax.tile is tile
+
+
+@given(layouts(max_shard=4, max_replica=0), st.data())
+def test_row_major_memory_matches_a_row_major_local_tensor(L, data):
+    from axedist.layout import row_major_memory
+
+    shape = data.draw(factorizations(L.size))
+    try:
+        blocks = L.blocks(shape)
+    except LayoutError:
+        return
+    local, strides = row_major_memory(blocks)
+    # Rebuild the m iters with those strides: the m values must then be exactly row-major
+    # positions in a tensor of shape `local` (every slot once).
+    rebuilt = Layout([Iter(it.extent, s) if s is not None else it for b, row in zip(blocks, strides) for it, s in zip(b, row)])
+    m_values = sorted({p.get("m", 0) for pts in brute_points(Layout([it for it in rebuilt.shard if it.axis == "m"])) for p in pts})
+    assert m_values == list(range(math.prod(local)))
+    assert all((s is None) == (it.axis != "m") for b, row in zip(blocks, strides) for it, s in zip(b, row))

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import Iter, Layout, LayoutError
+from ..layout import Iter, Layout, LayoutError, row_major_memory
 from ..layout_inference import Plan, Step, buffer_size, plan_layouts
 
 __all__ = [
@@ -772,17 +772,9 @@ def _repad(layout: Layout, full, changes: dict[int, int]) -> Layout:
     blocks = [list(b) for b in layout.blocks(full)]
     for d, extent in changes.items():
         blocks[d] = [Iter(extent, 1)]
-    local = [math.prod(it.extent for it in b if it.axis == MEMORY) for b in blocks]
-    shard, inner = [], math.prod(local)
-    for d, block in enumerate(blocks):
-        inner //= local[d]
-        stride = inner * local[d]
-        for it in block:
-            if it.axis == MEMORY:
-                stride //= it.extent
-                shard.append(Iter(it.extent, stride))
-            else:
-                shard.append(it)
+    _, strides = row_major_memory(blocks)
+    shard = [Iter(it.extent, stride) if stride is not None else it
+             for block, row in zip(blocks, strides) for it, stride in zip(block, row)]
     return Layout(shard, layout.replica, layout.offset)
 
 
