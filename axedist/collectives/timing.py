@@ -32,17 +32,3 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None) -> float:
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
 
-
-def time_local(fn, reps: int = 30, warmup: int = 5) -> float:
-    """Median device time of a rank-local fn in ms (no communication inside)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
