@@ -1,0 +1,579 @@
+"""Tensor-parallel layers declared with layouts (or placements), and ``parallelize``.
+
+A *style* says how one module's parameters are laid out on a 1-D tensor-parallel mesh and
+what layouts its inputs and outputs have; ``parallelize(module, mesh, plan)`` applies the
+styles of a plan (module-name patterns -> styles) and lays every other parameter and buffer
+out replicated, so axedist DTensors flow through the whole model and its backward::
+
+    >>> mesh = ax.init_mesh()                                    # 4 ranks, axis 'gpuid'
+    >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+    >>> parallelize(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    >>> mlp[0].weight.placements, mlp[0].weight.to_local().shape   # 64 output features / 4 ranks
+    ((Shard(dim=0),), torch.Size([16, 16]))
+    >>> y = mlp(torch.randn(8, 16))         # plain input: read as Replicate; y: DTensor, Replicate
+    >>> describe(mlp)                       # each layer's layouts and the collectives that ran
+
+Where a style takes a layout (``input_layouts``, ``output_layouts``, ``desired_input_layouts``,
+``weight_layout``) it accepts a torch placement (``Shard(0)``), a tuple of placements (one per
+mesh axis), an axedist :class:`~axedist.Layout` (e.g. a block-cyclic one no placement can
+express), or a function ``shape -> layout`` when the layout depends on the tensor's shape.
+torch's own ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
+``PrepareModuleInput`` and ``PrepareModuleOutput`` objects are accepted in a plan and translated
+(their layouts and ``use_local_output``). Unlike torch, axedist's styles default to
+``use_local_output=False``: outputs stay DTensors, so the model's code (e.g. its ``view`` to
+global head counts) needs no change.
+
+Row-parallel output into sequence-sharded activations is a reduce-scatter: the row-parallel
+linear multiplies ``[rows, K]`` (``K`` sharded) by its weight, giving a partial sum, and
+redistributes it to rows sharded, which on CUDA runs the fused GEMM + reduce-scatter kernel.
+With sequence-first activations ``[S, B, H]``, sharding the GEMM's rows is sharding ``S``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import types
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..dtensor import DTensor, distribute
+from ..layout import Layout, LayoutError
+from ..layout_inference import plan_layouts
+from ..mesh import DeviceMesh
+
+__all__ = [
+    "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
+    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate",
+    "vocab_parallel_cross_entropy",
+]
+
+# What a style accepts wherever it takes a layout.
+Where = Placement | Sequence[Placement] | Layout | Callable[[tuple[int, ...]], Any]
+
+
+# ---------------------------------------------------------------------------
+# Layouts as a style states them -> what DTensor takes
+# ---------------------------------------------------------------------------
+
+
+def _resolve(where, shape: Sequence[int], mesh: DeviceMesh):
+    """Placements (tuple, one per mesh axis, dims made non-negative) or a Layout for ``shape``."""
+    if callable(where) and not isinstance(where, (Layout, Placement)):
+        where = where(tuple(shape))
+    if isinstance(where, Layout):
+        return where
+    placements = (where,) if isinstance(where, Placement) else tuple(where)
+    if len(placements) != mesh.ndim or not all(isinstance(p, Placement) for p in placements):
+        raise LayoutError(f"expected a placement, {mesh.ndim} placements or an axedist Layout for a tensor of "
+                          f"shape {tuple(shape)} on mesh {mesh}, got {where!r}")
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise LayoutError(f"{p} names a dim that a tensor of shape {tuple(shape)} does not have")
+            p = Shard(p.dim % len(shape))
+        out.append(p)
+    return tuple(out)
+
+
+def _text(where) -> str:
+    if where is None:
+        return "-"
+    if isinstance(where, (Placement, Layout)):
+        return str(where)
+    if callable(where):
+        return getattr(where, "__name__", repr(where))
+    return str(tuple(where))
+
+
+def replicate(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A tensor every rank already holds, as a replicated DTensor (no data moves).
+
+    >>> replicate(torch.tensor([3, 1, 2]), mesh).placements      # 4 ranks
+    (Replicate(),)
+    """
+    return DTensor.from_local(tensor.to(mesh.device), mesh, [Replicate()] * mesh.ndim)
+
+
+def _where_now(x: DTensor) -> str:
+    try:
+        placements = x.placements
+    except LayoutError:
+        return str(x.layout)
+    return str(tuple(placements))
+
+
+class _Log:
+    """What a parallelized module did, recorded the first time each transition runs."""
+
+    def __init__(self, name: str, style: "ParallelStyle"):
+        self.name, self.style = name, style
+        self.lines: dict[str, str] = {}
+
+    def seen(self, what: str) -> bool:
+        return what in self.lines
+
+    def add(self, what: str, text: str) -> None:
+        self.lines.setdefault(what, text)
+
+
+def _log_of(module: nn.Module) -> _Log | None:
+    return module.__dict__.get("_axedist_log")
+
+
+def _transition(x: DTensor, dst, what: str) -> str:
+    """``[8, 64] Partial(sum) -> (Shard(0),): reduce-scatter, 3 KiB/rank`` (the inferred plan)."""
+    head = f"{what} {list(x.shape)} {_where_now(x)} -> {_text(dst)}"
+    try:
+        spec = _spec_of(x, dst)
+        if spec == x._spec:
+            return f"{head}: nothing to move"
+        plan = plan_layouts(x._spec.layout, spec.layout, x.mesh, x._spec.padded, x.element_size(),
+                            partial=x._spec.reduce_op)
+        sent = max(plan.bytes_sent.values(), default=0)
+        kinds = ", ".join(plan.kinds) or "local copy"
+        return f"{head}: {kinds}, {sent} B sent per rank"
+    except Exception as e:  # the description must never break a forward
+        return f"{head}: (no plan: {e})"
+
+
+def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None):
+    """``x`` laid out as ``dst``; a plain tensor is first read as ``given`` (its local piece)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    log = _log_of(module)
+    if not isinstance(x, DTensor):
+        src = _resolve(given if given is not None else dst, x.shape, mesh)
+        if isinstance(src, Layout):
+            raise LayoutError(f"{what} of {log.name if log else module}: a plain tensor cannot be read as the layout "
+                              f"{src} (its global shape is unknown); pass a DTensor or give placements")
+        x = DTensor.from_local(x.to(mesh.device), mesh, src)
+    if dst is None:
+        return x
+    target = _resolve(dst, x.shape, mesh)
+    if log is not None and not log.seen(what):
+        log.add(what, _transition(x, target, what))
+    return x.redistribute(target)
+
+
+def _local(x, use_local_output: bool):
+    return x.to_local() if use_local_output and isinstance(x, DTensor) else x
+
+
+# ---------------------------------------------------------------------------
+# Styles
+# ---------------------------------------------------------------------------
+
+
+class ParallelStyle:
+    """How one module is parallelized; ``parallelize`` calls ``apply`` once per matching module."""
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, name: str, shared: dict) -> None:
+        raise NotImplementedError
+
+    def _params(self, module: nn.Module, mesh: DeviceMesh, layouts: dict, shared: dict, src_rank) -> None:
+        for pname, where in layouts.items():
+            param = getattr(module, pname, None)
+            if param is None:
+                continue
+            module.register_parameter(pname, _distribute_param(param, mesh, where, shared, src_rank,
+                                                               f"{type(module).__name__}.{pname}"))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={_text(v) if not isinstance(v, bool) else v}" for k, v in vars(self).items()
+                           if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+def _distribute_param(param: nn.Parameter, mesh: DeviceMesh, where, shared: dict, src_rank, what: str) -> nn.Parameter:
+    """The parameter as a DTensor Parameter; a parameter shared by two modules (tied weights)
+    becomes one DTensor Parameter, and both modules must ask for the same layout."""
+    target = _resolve(where, param.shape, mesh)
+    if id(param) in shared:
+        old_target, new = shared[id(param)]
+        if new._spec != _spec_of(new, target):
+            raise LayoutError(f"{what}: a tied parameter is laid out as {_text(old_target)} by one module and "
+                              f"{_text(target)} by another")
+        return new
+    if isinstance(param, DTensor):
+        dt = param.detach().redistribute(target)
+    else:
+        dt = distribute(param.detach().to(mesh.device), mesh, target, src_rank=src_rank)
+    new = nn.Parameter(dt, requires_grad=param.requires_grad)
+    shared[id(param)] = (target, new)
+    shared[id(new)] = (target, new)
+    return new
+
+
+def _spec_of(x: DTensor, target):
+    from ..dtensor import _target_spec
+    return _target_spec(x._spec, target, None, None)
+
+
+def _check_type(style, module, kinds):
+    if not isinstance(module, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise TypeError(f"{type(style).__name__} applies to {names} modules, got {type(module).__name__}")
+
+
+class _LinearLike(ParallelStyle):
+    def __init__(self, *, input_layouts: Where | None = None, output_layouts: Where | None = None,
+                 use_local_output: bool = False, weight_layout: Where | None = None,
+                 desired_input_layouts: Where | None = None):
+        self.input_layouts = input_layouts
+        self.output_layouts = output_layouts
+        self.desired_input_layouts = desired_input_layouts
+        self.use_local_output = use_local_output
+        self.weight_layout = weight_layout
+
+    def _hooks(self, module: nn.Module, mesh: DeviceMesh, given, desired, output, move_output: bool = True):
+        def pre(mod, args):
+            return (_move(args[0], desired, mesh, mod, "input", given=given),) + tuple(args[1:])
+
+        def post(mod, args, out):
+            if move_output:
+                out = _move(out, output, mesh, mod, "output")
+            return _local(out, self.use_local_output)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+class ColwiseParallel(_LinearLike):
+    """Split a Linear's output features (weight ``Shard(0)``) or an Embedding's embedding dim.
+
+    Input: read as ``input_layouts`` (default Replicate), brought to Replicate; output:
+    ``output_layouts`` (default ``Shard(-1)``: no communication). A ``[8, 16] -> [8, 64]``
+    Linear on 4 ranks holds a ``[16, 16]`` weight slice and gives a ``[8, 16]`` local output.
+    """
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        _check_type(self, module, (nn.Linear, nn.Embedding))
+        if isinstance(module, nn.Linear):
+            self._params(module, mesh, {"weight": self.weight_layout or Shard(0), "bias": Shard(0)}, shared, src_rank)
+        else:
+            self._params(module, mesh, {"weight": self.weight_layout or Shard(1)}, shared, src_rank)
+        self._hooks(module, mesh, self.input_layouts or Replicate(), self.desired_input_layouts or Replicate(),
+                    self.output_layouts or Shard(-1))
+
+
+class RowwiseParallel(_LinearLike):
+    """Split a Linear's input features (weight ``Shard(1)``) or an Embedding's vocabulary.
+
+    Linear: input read as ``input_layouts`` (default ``Shard(-1)``); the local GEMM gives a
+    partial sum of the ``[rows, out]`` result, which goes to ``output_layouts`` (default
+    Replicate: an all-reduce; ``Shard(0)`` of sequence-first activations: a reduce-scatter of
+    the GEMM's rows, fused with the GEMM on CUDA). The bias (Replicate) is added after the sum.
+    Embedding (vocab-parallel): the weight is ``Shard(0)``, each rank looks up the ids in its
+    vocabulary slice (a partial sum), which goes to ``output_layouts`` (default Replicate).
+    """
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        _check_type(self, module, (nn.Linear, nn.Embedding))
+        output = self.output_layouts or Replicate()
+        if isinstance(module, nn.Embedding):
+            self._params(module, mesh, {"weight": self.weight_layout or Shard(0)}, shared, src_rank)
+            self._hooks(module, mesh, self.input_layouts or Replicate(), self.desired_input_layouts or Replicate(),
+                        output)
+            return
+        self._params(module, mesh, {"weight": self.weight_layout or Shard(1), "bias": Replicate()}, shared, src_rank)
+        module.forward = types.MethodType(_row_parallel_forward(mesh, output), module)
+        self._hooks(module, mesh, self.input_layouts or Shard(-1), self.desired_input_layouts or Shard(-1), None,
+                    move_output=False)
+
+
+def _row_parallel_forward(mesh: DeviceMesh, output):
+    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        lead, k = tuple(x.shape[:-1]), x.shape[-1]
+        flat = x.reshape(-1, k) if x.dim() != 2 else x
+        partial = F.linear(flat, self.weight)          # [rows, out]: a partial sum over the K shards
+        out_shape = lead + (partial.shape[-1],)
+        target = _resolve(output, out_shape, mesh)
+        log = _log_of(self)
+        rows_sharded = (target == (Shard(0),) and partial.reduce_op is not None and len(lead) >= 1
+                        and lead[0] % mesh.size == 0)
+        if rows_sharded:
+            # Shard(0) of [S, B, out] is Shard(0) of the GEMM's [S*B, out] rows when S divides:
+            # the partial GEMM result is reduce-scattered on its rows (the fused kernel on CUDA).
+            if log is not None and not log.seen("output"):
+                log.add("output", _transition(partial, (Shard(0),), "output (GEMM rows)") + _fused_note(flat, self))
+            y = partial.redistribute((Shard(0),))
+            y = y.view(out_shape) if len(out_shape) != 2 else y
+        else:
+            y = partial.view(out_shape) if len(out_shape) != 2 else partial
+            if log is not None and not log.seen("output"):
+                log.add("output", _transition(y, target, "output"))
+            y = y.redistribute(target)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    return forward
+
+
+def _fused_note(flat, module) -> str:
+    """On CUDA, which GEMM + reduce-scatter implementation the planner picks for this shape."""
+    if not isinstance(flat, DTensor) or flat.mesh.device_type != "cuda":
+        return ""
+    try:
+        from ..collectives import plan_gemm_reduce_scatter
+        a, b = flat.to_local(), module.weight.to_local().t()
+        return f"\n      {plan_gemm_reduce_scatter(a, b, flat.mesh.group())}"
+    except Exception as e:  # e.g. fp32 operands: the fused kernel takes bf16/fp16
+        return f"\n      gemm_reduce_scatter not used: {e}"
+
+
+class VocabParallelEmbedding(RowwiseParallel):
+    """An Embedding whose vocabulary is split over the ranks (weight ``Shard(0)``).
+
+    ids are Replicate; each rank returns the rows of the ids in its slice and zeros elsewhere,
+    a partial sum that goes to ``output_layouts`` (Replicate: all-reduce; ``Shard(0)`` of
+    sequence-first activations: reduce-scatter). Vocabulary 10 on 4 ranks: slices of 3,3,3,1 rows.
+    """
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        _check_type(self, module, (nn.Embedding,))
+        super().apply(module, mesh, name, shared, src_rank)
+
+
+class SequenceParallel(ParallelStyle):
+    """A norm (or any module with replicated parameters) run on sequence-sharded activations.
+
+    Parameters Replicate; input read as / brought to ``Shard(sequence_dim)``; output left as
+    the ops make it (``Shard(sequence_dim)`` for norms over the last dim). The parameters'
+    gradients come out as partial sums (each rank saw part of the sequence).
+    """
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        self._params(module, mesh, {p: Replicate() for p, _ in module.named_parameters(recurse=False)}, shared,
+                     src_rank)
+        layout = Shard(self.sequence_dim)
+
+        def pre(mod, args):
+            return (_move(args[0], layout, mesh, mod, "input"),) + tuple(args[1:])
+
+        def post(mod, args, out):
+            return _local(out, self.use_local_output)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+def _per_argument(layouts, what: str) -> tuple | None:
+    if layouts is None:
+        return None
+    return (layouts,) if isinstance(layouts, (Placement, Layout)) else tuple(layouts)
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Lay a module's inputs out before it runs: positional input ``i`` is read as
+    ``input_layouts[i]`` (a plain tensor) and brought to ``desired_input_layouts[i]``;
+    ``None`` leaves that input alone. Same for keyword inputs with the ``*_kwarg_*`` dicts.
+
+    ``PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None))``
+    all-gathers a sequence-sharded first input and leaves the second as it is.
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+                 desired_input_kwarg_layouts=None, use_local_output: bool = False):
+        self.input_layouts = _per_argument(input_layouts, "input_layouts")
+        self.desired_input_layouts = _per_argument(desired_input_layouts, "desired_input_layouts")
+        if self.input_layouts is not None and (self.desired_input_layouts is None
+                                               or len(self.input_layouts) != len(self.desired_input_layouts)):
+            raise ValueError(f"PrepareModuleInput: input_layouts {self.input_layouts} and desired_input_layouts "
+                             f"{self.desired_input_layouts} must have one entry per input each")
+        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
+        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise ValueError(f"PrepareModuleInput: input_kwarg_layouts names {sorted(self.input_kwarg_layouts)} and "
+                             f"desired_input_kwarg_layouts names {sorted(self.desired_input_kwarg_layouts)} differ")
+        self.use_local_output = use_local_output
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        def prepare(mod, value, given, desired, what):
+            if desired is None and given is None:
+                return value
+            out = _move(value, desired, mesh, mod, what, given=given)
+            return _local(out, self.use_local_output)
+
+        def pre(mod, args, kwargs):
+            args = list(args)
+            if self.input_layouts is not None:
+                if len(args) < len(self.input_layouts):
+                    raise ValueError(f"{name}: PrepareModuleInput has layouts for {len(self.input_layouts)} inputs, "
+                                     f"the module got {len(args)}")
+                for i, (given, desired) in enumerate(zip(self.input_layouts, self.desired_input_layouts)):
+                    args[i] = prepare(mod, args[i], given, desired, f"input {i}")
+            for key, given in self.input_kwarg_layouts.items():
+                if key in kwargs:
+                    kwargs[key] = prepare(mod, kwargs[key], given, self.desired_input_kwarg_layouts[key], f"input {key}")
+            return tuple(args), kwargs
+
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Lay a module's outputs out after it runs: output ``i`` is read as ``output_layouts[i]``
+    (a plain tensor) and brought to ``desired_output_layouts[i]``."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        self.output_layouts = _per_argument(output_layouts, "output_layouts")
+        self.desired_output_layouts = _per_argument(desired_output_layouts, "desired_output_layouts")
+        if len(self.output_layouts) != len(self.desired_output_layouts):
+            raise ValueError("PrepareModuleOutput: output_layouts and desired_output_layouts differ in length")
+        self.use_local_output = use_local_output
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        def post(mod, args, out):
+            single = not isinstance(out, tuple)
+            outs = (out,) if single else out
+            if len(outs) != len(self.output_layouts):
+                raise ValueError(f"{name}: PrepareModuleOutput has layouts for {len(self.output_layouts)} outputs, "
+                                 f"the module returned {len(outs)}")
+            moved = tuple(o if d is None else _local(_move(o, d, mesh, mod, f"output {i}", given=g),
+                                                     self.use_local_output)
+                          for i, (o, g, d) in enumerate(zip(outs, self.output_layouts, self.desired_output_layouts)))
+            return moved[0] if single else moved
+
+        module.register_forward_hook(post)
+
+
+# ---------------------------------------------------------------------------
+# torch's styles -> ours
+# ---------------------------------------------------------------------------
+
+
+def _first(layouts):
+    return None if layouts is None else layouts[0]
+
+
+def from_torch_style(style) -> ParallelStyle:
+    """The axedist style equal to one of torch's ``torch.distributed.tensor.parallel`` styles."""
+    if isinstance(style, ParallelStyle):
+        return style
+    from torch.distributed.tensor import parallel as tp
+
+    if isinstance(style, tp.ColwiseParallel):
+        return ColwiseParallel(input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
+                               use_local_output=style.use_local_output)
+    if isinstance(style, tp.RowwiseParallel):
+        return RowwiseParallel(input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
+                               use_local_output=style.use_local_output)
+    if isinstance(style, tp.SequenceParallel):
+        return SequenceParallel(sequence_dim=style.sequence_sharding[0].dim, use_local_output=style.use_local_output)
+    if isinstance(style, tp.PrepareModuleInput):
+        return PrepareModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                                  input_kwarg_layouts=style.input_kwarg_layouts,
+                                  desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                                  use_local_output=style.use_local_output)
+    if isinstance(style, tp.PrepareModuleOutput):
+        return PrepareModuleOutput(output_layouts=style.output_layouts,
+                                   desired_output_layouts=style.desired_output_layouts,
+                                   use_local_output=style.use_local_output)
+    raise TypeError(f"a plan's values must be axedist styles or torch's ColwiseParallel / RowwiseParallel / "
+                    f"SequenceParallel / PrepareModuleInput / PrepareModuleOutput, got {style!r}")
+
+
+# ---------------------------------------------------------------------------
+# parallelize
+# ---------------------------------------------------------------------------
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """fnmatch per dotted part (as torch's parallelize_module): ``layers.*.wq`` matches
+    ``layers.3.wq`` but not ``layers.3.attention.wq``."""
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: int | None = 0) -> nn.Module:
+    """Apply ``plan`` (module-name pattern -> style) to ``module`` on a 1-D mesh, in place.
+
+    Matching modules get their style (parameters laid out, input/output hooks); every other
+    parameter and every buffer becomes a replicated DTensor. Parameter values come from
+    ``src_rank`` (``None``: every rank already holds the same values, nothing is sent).
+    A pattern that matches no module is an error. Returns ``module``.
+
+        >>> parallelize(model, mesh, {"layers.*.attention.wq": ColwiseParallel(), "output": ColwiseParallel()})
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize takes an axedist DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"parallelize lays modules out on a 1-D tensor-parallel mesh; mesh {mesh} has axes "
+                         f"{mesh.axis_names}: pass mesh['<tp axis>']")
+    styles = {pattern: from_torch_style(style) for pattern, style in plan.items()}
+    used = {pattern: 0 for pattern in styles}
+    shared: dict = {}
+    logs = []
+    for name, sub in list(module.named_modules()):
+        for pattern, style in styles.items():
+            if not _matches(pattern, name):
+                continue
+            used[pattern] += 1
+            if _log_of(sub) is None:
+                sub.__dict__["_axedist_log"] = _Log(name, style)
+                logs.append(sub.__dict__["_axedist_log"])
+            else:
+                _log_of(sub).style = f"{_log_of(sub).style} + {style}"
+            style.apply(sub, mesh, name, shared, src_rank)
+    unused = [p for p, n in used.items() if n == 0]
+    if unused:
+        names = [n for n, _ in module.named_modules() if n][:12]
+        raise ValueError(f"plan patterns {unused} match no module (names look like {names})")
+    for sub in module.modules():
+        for pname, param in list(sub.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                sub.register_parameter(pname, _distribute_param(param, mesh, Replicate(), shared, src_rank,
+                                                                f"{type(sub).__name__}.{pname}"))
+        for bname, buffer in list(sub.named_buffers(recurse=False)):
+            if buffer is not None and not isinstance(buffer, DTensor):
+                persistent = bname not in sub._non_persistent_buffers_set
+                sub.register_buffer(bname, replicate(buffer, mesh), persistent=persistent)
+    module.__dict__["_axedist_mesh"] = mesh
+    return module
+
+
+def describe(module: nn.Module) -> str:
+    """Each parallelized layer's style, parameter layouts and (after a forward) the collectives
+    its inputs and outputs ran::
+
+        layers.0.attention.wo  RowwiseParallel(output_layouts=Shard(dim=0), ...)
+          weight  f32[64, 64]  (Shard(dim=1),)  S[(64,4,16):(16,1@gpuid,1)]
+          output (GEMM rows) [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent per rank
+    """
+    lines = []
+    for name, sub in module.named_modules():
+        log = _log_of(sub)
+        if log is None:
+            continue
+        lines.append(f"{name or '<root>'}  {log.style}")
+        for pname, p in sub.named_parameters(recurse=False):
+            if isinstance(p, DTensor):
+                dtype = str(p.dtype).replace("torch.", "")
+                lines.append(f"  {pname}  {dtype}{list(p.shape)}  {_where_now(p)}  {p.layout}")
+        for text in log.lines.values():
+            lines.append(f"  {text}")
+    return "\n".join(lines)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Cross-entropy of logits ``[..., V]`` sharded on the classes, without gathering them.
+
+    Each rank holds a vocabulary slice; the log-sum-exp and the target's logit are reduced
+    across ranks by the loss's sharding rule (a few scalars per row move, never ``V``).
+    Plain ``targets`` are taken as replicated. ``kwargs`` go to ``F.cross_entropy``.
+
+    >>> vocab_parallel_cross_entropy(logits, targets)   # logits f32[32, 1000] (Shard(1),), targets [32]
+    """
+    if isinstance(logits, DTensor) and not isinstance(targets, DTensor):
+        targets = replicate(targets, logits.mesh)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), **kwargs)

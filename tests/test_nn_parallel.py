@@ -1,0 +1,329 @@
+"""Tensor-parallel styles against the plain layer: outputs, parameter and input gradients.
+
+Each case builds a layer from a fresh seed in fp64 on every rank (the same values), runs it
+plain as the reference, then parallelizes a copy on 2 and 4 gloo ranks and checks
+``full_tensor()`` of the output and of every gradient against the reference. Shapes are
+uneven on purpose (10 output features on 4 ranks: 3, 3, 3, 1), and every style is also given
+as torch's own style object and with axedist Layouts instead of placements.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import parallel as torch_tp
+
+from axedist.dtensor import DTensor, distribute
+from axedist.layout import Layout, LayoutError
+from axedist.mesh import DeviceMesh
+from axedist.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
+                        VocabParallelEmbedding, describe, parallelize, vocab_parallel_cross_entropy)
+from axedist.nn.llama import RMSNorm
+from axedist.testing import run_on_ranks
+
+WORLDS = (2, 4)
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def seed() -> int:
+    return random.randrange(2**31)
+
+
+def full(x):
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def check_grads(ref: nn.Module, par: nn.Module, what: str):
+    ref_params = dict(ref.named_parameters())
+    for name, p in par.named_parameters():
+        assert isinstance(p, DTensor), f"{what}: {name} is not a DTensor"
+        assert p.grad is not None, f"{what}: {name} got no gradient"
+        torch.testing.assert_close(full(p.grad), ref_params[name].grad, **TOL,
+                                   msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
+def run_and_compare(ref, par, x_ref, x_par, weight, what, out_to_full=full):
+    """Forward both, check outputs; backward ``(out * weight).sum()`` both, check grads."""
+    y_ref = ref(x_ref)
+    y_par = par(x_par)
+    torch.testing.assert_close(out_to_full(y_par), y_ref, **TOL, msg=lambda m: f"{what}: output: {m}")
+    (y_ref * weight).sum().backward()
+    (out_to_full(y_par) * weight).sum().backward()
+    check_grads(ref, par, what)
+    return y_par
+
+
+# --------------------------------------------------------------------------- column / row
+
+
+def _colwise(rank, world, s, kind):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    ref = nn.Linear(6, 10, dtype=torch.float64)
+    x = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 5, 10, dtype=torch.float64)
+    par = copy.deepcopy(ref)
+    style = {"ours": ColwiseParallel(), "torch": torch_tp.ColwiseParallel(use_local_output=False),
+             "cyclic_weight": ColwiseParallel(weight_layout=lambda shape: Layout.parse(
+                 f"S[({shape[0] // 2},2,{shape[1]}):({shape[1]},1@gpuid,1)]") if world == 2 else Shard(0))}[kind]
+    parallelize(par, mesh, {"": style})
+    assert par.weight.shape == (10, 6)
+    if kind != "cyclic_weight":
+        assert par.weight.placements == (Shard(0),) and par.bias.placements == (Shard(0),)
+        assert par.weight.to_local().shape == torch.chunk(torch.empty(10, 6), world)[rank].shape
+    x_par = x.detach().clone().requires_grad_(True)
+    y = run_and_compare(ref, par, x, x_par, weight, f"colwise {kind}")
+    assert y.placements == (Shard(2),), y
+    if kind != "cyclic_weight":  # the GEMM itself gave Shard(-1): the output hook moved nothing
+        assert "Shard(dim=2),) -> (Shard(dim=2),): nothing to move" in describe(par), describe(par)
+    torch.testing.assert_close(x_par.grad, x.grad, **TOL)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", ["ours", "torch", "cyclic_weight"])
+def test_colwise_linear(world, kind):
+    assert run_on_ranks(_colwise, world, args=(seed(), kind)) == [True] * world
+
+
+def _rowwise(rank, world, s, output, seq, kind):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    ref = nn.Linear(10, 7, dtype=torch.float64)
+    x = torch.randn(seq, 3, 10, dtype=torch.float64)     # sequence-first [S, B, in]
+    weight = torch.randn(seq, 3, 7, dtype=torch.float64)
+    par = copy.deepcopy(ref)
+    out_layout = {"replicate": Replicate(), "seq": Shard(0)}[output]
+    if kind == "torch":
+        style = torch_tp.RowwiseParallel(output_layouts=out_layout, use_local_output=False)
+    else:
+        style = RowwiseParallel(output_layouts=out_layout)
+    parallelize(par, mesh, {"": style})
+    assert par.weight.placements == (Shard(1),) and par.bias.placements == (Replicate(),)
+    # the input arrives as this rank's slice of the features (torch's convention for Shard(-1))
+    x_local = torch.chunk(x, world, dim=-1)[rank].clone().requires_grad_(True)
+    x.requires_grad_(True)
+    y = run_and_compare(ref, par, x, x_local, weight, f"rowwise {output} S={seq}")
+    assert y.placements == (out_layout,), y
+    torch.testing.assert_close(x_local.grad, torch.chunk(x.grad, world, dim=-1)[rank], **TOL)
+    if output == "seq" and seq % world == 0:
+        assert "reduce_scatter" in describe(par), describe(par)   # never an all-reduce, then a slice
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("output,seq", [("replicate", 5), ("seq", 8), ("seq", 6)])
+def test_rowwise_linear(world, output, seq):
+    assert run_on_ranks(_rowwise, world, args=(seed(), output, seq, "ours")) == [True] * world
+
+
+def test_rowwise_linear_torch_style():
+    assert run_on_ranks(_rowwise, 4, args=(seed(), "seq", 8, "torch")) == [True] * 4
+
+
+def _mlp(rank, world, s, use_torch):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    ref = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6)).double()
+    par = copy.deepcopy(ref)
+    if use_torch:  # torch's defaults: local outputs in between, exactly as torch's TP
+        plan = {"0": torch_tp.ColwiseParallel(), "2": torch_tp.RowwiseParallel()}
+    else:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    parallelize(par, mesh, plan)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    weight = torch.randn(4, 6, dtype=torch.float64)
+    y = run_and_compare(ref, par, x, x, weight, f"mlp torch={use_torch}")
+    if use_torch:
+        assert not isinstance(y, DTensor)   # torch's RowwiseParallel returns the local (replicated) tensor
+    else:
+        assert y.placements == (Replicate(),)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("use_torch", [False, True])
+def test_colwise_then_rowwise_mlp(world, use_torch):
+    assert run_on_ranks(_mlp, world, args=(seed(), use_torch)) == [True] * world
+
+
+# --------------------------------------------------------------------------- embeddings and loss
+
+
+def _embedding(rank, world, s, kind):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    ref = nn.Embedding(10, 6, dtype=torch.float64)     # 10 rows: uneven on 4 ranks
+    ids = torch.randint(0, 10, (8, 3))
+    weight = torch.randn(8, 3, 6, dtype=torch.float64)
+    par = copy.deepcopy(ref)
+    style, placement = {
+        "vocab": (VocabParallelEmbedding(), Replicate()),
+        "vocab_seq": (VocabParallelEmbedding(output_layouts=Shard(0)), Shard(0)),
+        "torch_rowwise": (torch_tp.RowwiseParallel(input_layouts=Replicate(), use_local_output=False), Replicate()),
+        "colwise": (ColwiseParallel(), Shard(2)),
+    }[kind]
+    parallelize(par, mesh, {"": style})
+    assert par.weight.placements == ((Shard(1),) if kind == "colwise" else (Shard(0),))
+    y = run_and_compare(ref, par, ids, ids, weight, f"embedding {kind}")
+    assert y.placements == (placement,)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", ["vocab", "vocab_seq", "torch_rowwise", "colwise"])
+def test_embedding(world, kind):
+    assert run_on_ranks(_embedding, world, args=(seed(), kind)) == [True] * world
+
+
+def _loss(rank, world, s):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    logits = torch.randn(5, 3, 10, dtype=torch.float64, requires_grad=True)   # 10 classes: uneven on 4
+    targets = torch.randint(0, 10, (5, 3))
+    want = F.cross_entropy(logits.reshape(-1, 10), targets.reshape(-1))
+    want.backward()
+    sharded = distribute(logits.detach(), mesh, [Shard(2)]).requires_grad_(True)
+    got = vocab_parallel_cross_entropy(sharded, targets)
+    torch.testing.assert_close(full(got), want, **TOL)
+    full(got).backward()
+    torch.testing.assert_close(full(sharded.grad), logits.grad, **TOL)
+    assert sharded.grad.placements == (Shard(2),)   # the gradient stays sharded on the classes
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_vocab_parallel_cross_entropy(world):
+    assert run_on_ranks(_loss, world, args=(seed(),)) == [True] * world
+
+
+# --------------------------------------------------------------------------- sequence parallel, prepare
+
+
+def _sequence_parallel(rank, world, s, kind):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    norm = RMSNorm(6) if kind != "layer_norm" else nn.LayerNorm(6)
+    ref = norm.double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p))
+    par = copy.deepcopy(ref)
+    style = torch_tp.SequenceParallel(sequence_dim=0) if kind == "torch" else SequenceParallel(sequence_dim=0)
+    parallelize(par, mesh, {"": style})
+    x = torch.randn(8, 3, 6, dtype=torch.float64)
+    weight = torch.randn(8, 3, 6, dtype=torch.float64)
+    x_local = torch.chunk(x, world, dim=0)[rank]   # a plain input is this rank's sequence slice
+    y = run_and_compare(ref, par, x, x_local, weight, f"sequence parallel {kind}")
+    assert y.placements == (Shard(0),)
+    assert all(p.placements == (Replicate(),) for p in par.parameters())
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", ["rms_norm", "layer_norm", "torch"])
+def test_sequence_parallel_norm(world, kind):
+    assert run_on_ranks(_sequence_parallel, world, args=(seed(), kind)) == [True] * world
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6, dtype=torch.float64)
+
+    def forward(self, x, scale, *, shift):
+        return self.proj(x) * scale + shift, x
+
+
+def _prepare(rank, world, s):
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    ref = _Two()
+    par = copy.deepcopy(ref)
+    cyclic = Layout.parse(f"S[({8 // world},{world},3,6):(18,1@gpuid,6,1)]")   # rows dealt round-robin
+    parallelize(par, mesh, {
+        "": PrepareModuleInput(input_layouts=(Shard(0), Replicate()), desired_input_layouts=(Replicate(), None),
+                               input_kwarg_layouts={"shift": Replicate()},
+                               desired_input_kwarg_layouts={"shift": Shard(1)}),
+        "proj": ColwiseParallel(output_layouts=Replicate()),
+    })
+    par.register_forward_hook(lambda mod, args, out: (out[0].redistribute(cyclic), out[1]))
+    x = torch.randn(8, 3, 6, dtype=torch.float64)
+    scale, shift = torch.randn(6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    y_ref, _ = ref(x, scale, shift=shift)
+    y, x_seen = par(torch.chunk(x, world)[rank], scale, shift=shift)
+    assert isinstance(x_seen, DTensor) and x_seen.placements == (Replicate(),)
+    assert y.layout == cyclic
+    torch.testing.assert_close(y.full_tensor(), y_ref, **TOL)
+    # PrepareModuleOutput: a Replicate DTensor output brought to Shard(1), then handed out as local
+    out_par = copy.deepcopy(ref.proj)
+    parallelize(out_par, mesh, {"": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))})
+    local = out_par(x)
+    torch.testing.assert_close(local, torch.chunk(ref.proj(x), world, dim=1)[rank], **TOL)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_prepare_module_input_output_with_layouts(world):
+    assert run_on_ranks(_prepare, world, args=(seed(),)) == [True] * world
+
+
+def _sub_mesh(rank, world, s):
+    """A (dp, tp) = (2, 2) mesh: each dp row parallelizes over its own tp pair, on its own data."""
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    ref = nn.Sequential(nn.Linear(6, 10), nn.SiLU(), nn.Linear(10, 6)).double()
+    par = copy.deepcopy(ref)
+    with pytest.raises(ValueError, match="1-D"):
+        parallelize(copy.deepcopy(ref), mesh, {"0": ColwiseParallel()})
+    parallelize(par, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    g = torch.Generator().manual_seed(s + mesh.coordinates()["dp"])
+    x = torch.randn(5, 6, dtype=torch.float64, generator=g)
+    weight = torch.randn(5, 6, dtype=torch.float64, generator=g)
+    run_and_compare(ref, par, x, x, weight, "dp x tp sub-mesh")
+    return True
+
+
+def test_tp_on_a_sub_mesh_of_a_2x2_mesh():
+    assert run_on_ranks(_sub_mesh, 4, args=(seed(),)) == [True] * 4
+
+
+# --------------------------------------------------------------------------- errors and printing
+
+
+def _errors(rank, world):
+    mesh = DeviceMesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"match no module.*'layers\.\*'"):
+        parallelize(copy.deepcopy(model), mesh, {"layers.*": ColwiseParallel()})
+    with pytest.raises(TypeError, match="ColwiseParallel applies to Linear or Embedding modules, got ReLU"):
+        parallelize(copy.deepcopy(model), mesh, {"1": ColwiseParallel()})
+    with pytest.raises(TypeError, match="plan's values must be axedist styles"):
+        parallelize(copy.deepcopy(model), mesh, {"0": "colwise"})
+    tied = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(LayoutError, match="tied parameter"):
+        parallelize(copy.deepcopy(tied), mesh, {"0": ColwiseParallel(), "1": ColwiseParallel()})
+    both = parallelize(copy.deepcopy(tied), mesh, {"0": VocabParallelEmbedding(), "1": ColwiseParallel()})
+    assert both[0].weight is both[1].weight and len(list(both.parameters())) == 1
+    with pytest.raises(LayoutError, match="cannot be read as the layout"):
+        bad = parallelize(copy.deepcopy(model), mesh, {"0": ColwiseParallel(
+            input_layouts=Layout.parse(f"S[(2,{world},4):(4,1@gpuid,1)]"))})
+        bad(torch.randn(2, 4))
+    text = repr(ColwiseParallel(output_layouts=Shard(0)))
+    assert text.startswith("ColwiseParallel(") and "Shard(dim=0)" in text
+    par = parallelize(copy.deepcopy(model), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    par(torch.randn(3, 4))
+    report = describe(par)
+    assert "0  ColwiseParallel" in report and "weight  float32[8, 4]  (Shard(dim=0),)" in report
+    assert "(Partial(sum),) -> (Replicate(),): all_reduce" in report, report
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_errors_and_describe(world):
+    assert run_on_ranks(_errors, world) == [True] * world
