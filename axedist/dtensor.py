@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 MEMORY = "m"
+_dispatch = None  # axedist.ops.dispatch.dispatch, bound on the first op
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
@@ -254,30 +255,40 @@ class DTensor(torch.Tensor):
     """A global tensor whose elements sit on a mesh as an Axe layout says.
 
     A wrapper subclass (like torch's DTensor): ``shape``/``dtype``/``device``/``requires_grad``
-    describe the global tensor; the data is ``to_local()`` on each rank. Torch ops do not
-    run on it yet: move data with ``redistribute``, read it with ``to_local``/``full_tensor``.
+    describe the global tensor; the data is ``to_local()`` on each rank. Torch ops run on it
+    through ``axedist.ops`` (sharding rules per op family; ops without one gather, with a
+    one-time warning): ``(x + y).sum()`` works on DTensors as on tensors, autograd included.
     """
 
-    _local: torch.Tensor
     _spec: _Spec
+    _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: _Spec, requires_grad: bool = False):
+    def __new__(cls, local: torch.Tensor, spec: _Spec, requires_grad: bool = False, *, stride=None, pending=None):
+        kwargs = {} if stride is None else {"strides": stride}
         self = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad)
-        self._local = local
+            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad, **kwargs)
+        self._value = local
         self._spec = spec
+        if pending is not None:
+            self._pending = pending
         return self
+
+    @property
+    def _local(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._value = self._pending.wait()
+            self._pending = None
+        return self._value
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
-            (dt,) = args
-            return DTensor(dt._local.detach(), dt._spec)
-        raise NotImplementedError(f"axedist.DTensor does not run torch op {func} yet; use to_local(), "
-                                  f"full_tensor() or redistribute()")
+        global _dispatch
+        if _dispatch is None:
+            from .ops.dispatch import dispatch as _dispatch  # ops sit above dtensor: import on first use
+        return _dispatch(func, args, kwargs)
 
     # -- construction ----------------------------------------------------------
 

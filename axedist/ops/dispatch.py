@@ -1,0 +1,599 @@
+"""Running a torch op on axedist DTensors: look up the rule, move inputs, run locally, wrap.
+
+``DTensor.__torch_dispatch__`` calls :func:`dispatch` for every aten op that reaches a
+DTensor (below autograd, so backward ops arrive here too). For ``a + b`` with ``a`` in
+``[Shard(0)]`` and ``b`` in ``[Replicate()]`` on 4 ranks, shape ``(8, 6)``:
+
+1. each DTensor argument becomes an :class:`ArgSpec` (shape, dtype, placements/layout);
+2. the rule for ``aten.add.Tensor`` (``ops/pointwise.py``) says: ``b`` to ``[Shard(0)]``,
+   output ``[Shard(0)]`` -- cached per (op, argument specs, non-tensor arguments), together
+   with the global output shape (the op run once on meta tensors of the global shapes);
+3. ``b`` is redistributed (a local slice here: no communication), ``aten.add`` runs on the
+   ``(2, 6)`` local tensors, and the ``(2, 6)`` result is wrapped as a ``(8, 6)`` DTensor.
+
+Also handled here, for every family: in-place ops (the result is ``self``, whose layout must
+not change), ``out=`` (the functional op, then a copy into ``out``), ``_foreach_*`` ops (one
+call per list element), plain 0-dim tensors (scalars), non-tensor outputs, pending
+reductions (``Partial``: the local summand dim of extent 1 is removed before the op and
+added back to outputs that stay partial), and ops with no rule: every argument gathered,
+the op run on whole tensors, the result replicated, with a one-time warning naming the op.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..layout import Layout, LayoutError
+from .registry import ArgSpec, OpCall, Sharding, rule_for
+
+__all__ = ["dispatch", "DispatchError", "clear_caches", "cache_info", "fallback_ops"]
+
+aten = torch.ops.aten
+
+
+class DispatchError(RuntimeError):
+    """An op on DTensors that cannot run as called (mixed meshes, plain tensors, a rule's mistake)."""
+
+
+# The dtensor module is imported on first use: ops sit above dtensor in the layering, and
+# dtensor only reaches this module from inside __torch_dispatch__.
+_dt = None
+
+
+def _dtensor_module():
+    global _dt
+    if _dt is None:
+        from .. import dtensor as module
+
+        _dt = module
+    return _dt
+
+
+# ---------------------------------------------------------------------------
+# Per-op facts read from the schema (cached)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _OpInfo:
+    inplace: bool                 # writes its first (positional) argument and returns it
+    out_names: tuple[str, ...]    # kwarg-only written arguments (the out= variant)
+    written: tuple[int, ...]      # positional indices of other written arguments
+    foreach: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _op_info(func) -> _OpInfo:
+    schema = func._schema
+    written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    out_names = tuple(schema.arguments[i].name for i in written if schema.arguments[i].kwarg_only)
+    positional = tuple(i for i in written if not schema.arguments[i].kwarg_only)
+    inplace = positional[:1] == (0,) and not out_names
+    return _OpInfo(inplace, out_names, positional[1:] if inplace else positional,
+                   schema.name.startswith("aten::_foreach_"))
+
+
+@functools.lru_cache(maxsize=None)
+def _functional_of(func):
+    """The overload of ``func``'s packet with the same non-out arguments and no writes
+    (``add.out`` -> ``add.Tensor``), or None."""
+    schema = func._schema
+    wanted = [(a.name, str(a.type)) for a in schema.arguments if not (a.alias_info and a.alias_info.is_write)]
+    packet = func._overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        args = candidate._schema.arguments
+        if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+            continue
+        if [(a.name, str(a.type)) for a in args] == wanted:
+            return candidate
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Specs: placements of a spec, ArgSpecs, specs of placements (all cached)
+# ---------------------------------------------------------------------------
+
+_ARG_SPECS: dict = {}
+
+
+def _arg_spec(dt) -> ArgSpec:
+    spec = dt._spec
+    key = (spec, dt.dtype)
+    found = _ARG_SPECS.get(key)
+    if found is None:
+        try:
+            placements = _dtensor_module()._placements_for(spec)
+        except LayoutError:
+            placements = None
+        found = ArgSpec(spec.shape, dt.dtype, spec.mesh, spec.layout, placements, spec.reduce_op, spec)
+        if len(_ARG_SPECS) > 4096:
+            _ARG_SPECS.clear()
+        _ARG_SPECS[key] = found
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_of(shape: tuple, mesh, target, summands: int | None = None):
+    """The spec of placements (or a Layout) for a global shape."""
+    dt = _dtensor_module()
+    if isinstance(target, Layout):
+        return dt._make_spec(mesh, target, shape)
+    return dt._spec_from_placements(shape, mesh, tuple(target), summands_for_partial=summands)
+
+
+def _chunk_size(n: int, ks_coords) -> int:
+    """torch.chunk applied once per (parts, index): the size of the piece this rank keeps."""
+    for k, c in ks_coords:
+        chunk = -(-n // k)
+        n = max(0, min((c + 1) * chunk, n) - min(c * chunk, n))
+    return n
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_local_shape(spec, placements) -> tuple[int, ...]:
+    """This rank's local shape under ``spec`` (placements, when known, avoid the element table)."""
+    mesh = spec.mesh
+    if placements is not None and not any(isinstance(p, _StridedShard) for p in placements):
+        coords = mesh.coordinates()
+        per_dim: dict[int, list] = {}
+        for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
+            if isinstance(p, Shard):
+                per_dim.setdefault(p.dim % max(len(spec.shape), 1), []).append((k, coords[axis]))
+        shape = tuple(_chunk_size(n, per_dim.get(d, ())) for d, n in enumerate(spec.shape))
+        return ((1,) if spec.reduce_op else ()) + shape
+    if spec.padded == spec.shape and not spec.true_index:
+        # unpadded: every reached device holds the whole local box
+        return spec.local_padded if _reaches_here(spec.layout, mesh) else (0,) * len(spec.full_shape)
+    return tuple(_dtensor_module()._table(spec).local_shapes[mesh.position()])
+
+
+def _reaches_here(layout: Layout, mesh) -> bool:
+    """Does the layout put any element on this rank? (enumerates only the mesh-axis digits)"""
+    import itertools
+
+    here = mesh.coordinates()
+    iters = [it for it in list(layout.shard) + list(layout.replica) if it.axis != "m"]
+    if math.prod(it.extent for it in iters) > 1 << 16:
+        return True  # such a layout covers the mesh many times over
+    base = {a: layout.offset.get(a, 0) for a in mesh.axis_names}
+    for digits in itertools.product(*(range(it.extent) for it in iters)):
+        point = dict(base)
+        for it, d in zip(iters, digits):
+            point[it.axis] += d * it.stride
+        if point == here:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------
+# Walking arguments
+# ---------------------------------------------------------------------------
+
+
+def _scan(func, args, kwargs):
+    """DTensors (in ``OpCall.specs`` order), their mesh, and a hashable key of the call
+    (None if some argument is unhashable). Raises for plain non-scalar tensors and mixed meshes."""
+    DTensor = _dtensor_module().DTensor
+    found: list = []
+    key: list = [func]
+    hashable = [True]
+    mesh = [None]
+
+    def item(value, where):
+        if isinstance(value, DTensor):
+            spec = value._spec
+            if mesh[0] is None:
+                mesh[0] = spec.mesh
+            elif spec.mesh is not mesh[0] and spec.mesh != mesh[0]:
+                raise DispatchError(f"{func}: {where} is on mesh {spec.mesh}, another argument on {mesh[0]}; "
+                                    f"an op needs all its DTensors on one mesh")
+            found.append(value)
+            return (spec, value.dtype, value.stride())
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                return ("scalar", value.dtype, value.device.type)
+            raise DispatchError(f"{func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} mixed with "
+                                f"axedist DTensors; distribute it first (ax.distribute or DTensor.from_local)")
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__,) + tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+        try:
+            hash(value)
+        except TypeError:
+            hashable[0] = False
+            return None
+        return value
+
+    names = [a.name for a in func._schema.arguments]
+    for i, value in enumerate(args):
+        key.append(item(value, f"argument {names[i] if i < len(names) else i!r}"))
+    for name in kwargs:
+        key.append((name, item(kwargs[name], f"argument {name!r}")))
+    return found, mesh[0], (tuple(key) if hashable[0] else None)
+
+
+def _replace(value, convert):
+    """``value`` with every DTensor (also inside lists) replaced by ``convert(dtensor)``."""
+    DTensor = _dtensor_module().DTensor
+    if isinstance(value, DTensor):
+        return convert(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (DTensor, list, tuple)) for v in value):
+        return type(value)(_replace(v, convert) for v in value)
+    return value
+
+
+def _replace_all(args, kwargs, convert):
+    return (tuple(_replace(a, convert) for a in args), {k: _replace(v, convert) for k, v in kwargs.items()})
+
+
+# ---------------------------------------------------------------------------
+# The cached plan of one call
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _OutSpec:
+    spec: Any            # dtensor _Spec, or None for a non-tensor output
+    local_shape: tuple
+    stride: tuple
+
+
+@dataclass
+class _CallPlan:
+    call: OpCall
+    sharding: Sharding
+    targets: list        # per DTensor: target _Spec (the argument's own spec when kept)
+    outputs: list        # _OutSpec per output (flattened)
+    structure: str       # "single", "tuple", "list", "none"
+
+
+def _meta(value):
+    DTensor = _dtensor_module().DTensor
+    if isinstance(value, DTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):  # a 0-dim scalar
+        return torch.empty((), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+def _meta_outputs(func, args, kwargs, sharding):
+    """The op's outputs on meta tensors of the global shapes: checks the call like torch
+    would (shape mismatches raise torch's error before any data moves) and gives the
+    global output shapes."""
+    meta_args = tuple(_meta(a) for a in args)
+    meta_kwargs = {k: _meta(v) for k, v in kwargs.items()}
+    if "device" in meta_kwargs and meta_kwargs["device"] is not None:
+        meta_kwargs["device"] = "meta"
+    try:
+        return func(*meta_args, **meta_kwargs)
+    except NotImplementedError:
+        if sharding is None or sharding.out_shape is None:
+            raise DispatchError(f"{func} has no meta kernel, so its global output shape is unknown; its sharding "
+                                f"rule must give out_shape") from None
+        shapes = sharding.out_shape
+        if isinstance(shapes, (tuple, list)) and shapes and isinstance(shapes[0], (tuple, list, torch.Size)):
+            return tuple(torch.empty(s, device="meta") for s in shapes)
+        return torch.empty(shapes, device="meta")
+
+
+def _normalize_outputs(outputs, count: int, func):
+    """A rule's ``outputs`` as one entry per output."""
+    def one(entry):
+        return entry is None or isinstance(entry, (Layout, ArgSpec, _dtensor_module()._Spec)) or (
+            isinstance(entry, (list, tuple)) and all(not isinstance(p, (list, tuple, Layout)) and p is not None
+                                                     for p in entry))
+
+    if count == 1 and one(outputs) and not (isinstance(outputs, tuple) and len(outputs) == 1
+                                            and isinstance(outputs[0], (list, tuple, Layout, ArgSpec))):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)) and len(outputs) == count:
+        return list(outputs)
+    raise DispatchError(f"{func}: the sharding rule gave outputs {outputs!r} for {count} outputs")
+
+
+def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None:
+    rule = rule_for(func)
+    if rule is None:
+        return None
+    specs = [_arg_spec(d) for d in dts]
+    iterator = iter(specs)
+    spec_args, spec_kwargs = _replace_all(args, kwargs, lambda d: next(iterator))
+    call = OpCall(func, spec_args, spec_kwargs, mesh)
+    sharding = rule(call)
+    if sharding is None:  # a rule may decline (e.g. a layout it cannot reason about): gather
+        return None
+    if len(sharding.inputs) != len(dts):
+        raise DispatchError(f"{func}: rule {rule.__name__} gave {len(sharding.inputs)} input placements for "
+                            f"{len(dts)} DTensor arguments ({specs})")
+    targets = []
+    for d, spec, wanted in zip(dts, specs, sharding.inputs):
+        own = d._spec
+        if wanted is None:
+            target = own
+        else:
+            target = _spec_of(own.shape, mesh, wanted if isinstance(wanted, Layout) else tuple(wanted),
+                              None if isinstance(wanted, Layout) else own.summands)
+            if target == own:
+                target = own
+        if target.reduce_op and _expected_local_shape(target, spec.placements if target is own else
+                                                      (None if isinstance(wanted, Layout) else tuple(wanted)))[0] != 1:
+            raise DispatchError(f"{func}: rule {rule.__name__} keeps {spec}, a pending {target.reduce_op} with more "
+                                f"than one summand per device; ask for placements instead")
+        targets.append(target)
+    for i, d in enumerate(dts):
+        written = info.inplace and d is args[0] or any(d is w for w in _written(args, kwargs, info))
+        if written and targets[i] is not d._spec:
+            raise DispatchError(f"{func} is in-place on {specs[i]}, but rule {rule.__name__} needs it as "
+                                f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
+                                f"(redistribute first, or use the out-of-place op)")
+    # meta: the op on the global shapes of the (redistributed) inputs
+    out = _meta_outputs(func, args, kwargs, sharding)
+    if isinstance(out, torch.Tensor):
+        flat, structure = [out], "single"
+    elif isinstance(out, (tuple, list)):
+        flat, structure = list(out), "list" if isinstance(out, list) else "tuple"
+    else:
+        flat, structure = [out], "none"
+    count = len(flat)
+    entries = _normalize_outputs(sharding.outputs, count, func) if structure != "none" else [None]
+    outputs = []
+    for value, entry in zip(flat, entries):
+        if not isinstance(value, torch.Tensor):
+            outputs.append(_OutSpec(None, (), ()))
+            continue
+        if entry is None:
+            raise DispatchError(f"{func}: rule {rule.__name__} gave no placements for a tensor output")
+        shape = tuple(value.shape)
+        if isinstance(entry, ArgSpec):  # exactly that argument's spec (alias, detach)
+            spec, placements = entry.spec, entry.placements
+        elif isinstance(entry, _dtensor_module()._Spec):
+            spec, placements = entry, None
+        elif isinstance(entry, Layout):
+            spec = _spec_of(shape, mesh, entry)
+            placements = None
+        else:
+            placements = tuple(entry)
+            spec = _spec_of(shape, mesh, placements)
+        outputs.append(_OutSpec(spec, _expected_local_shape(spec, placements), tuple(value.stride())))
+    if info.inplace:
+        self_spec = dts[0]._spec if dts and dts[0] is args[0] else None
+        if outputs[0].spec != self_spec:
+            raise DispatchError(f"{func} is in-place on {specs[0]}, but rule {rule.__name__} gives its result as "
+                                f"{entries[0]}; an in-place op cannot change its tensor's layout")
+    return _CallPlan(call, sharding, targets, outputs, structure)
+
+
+def _written(args, kwargs, info: _OpInfo) -> list:
+    """The written positional arguments other than an in-place op's self (lists flattened)."""
+    out = []
+    for i in info.written:
+        if i < len(args):
+            out.extend(args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------
+
+_PLANS: dict = {}
+_STATS = {"hits": 0, "misses": 0, "uncached": 0, "fallbacks": 0}
+_WARNED: set = set()
+_NO_RULE = object()
+
+
+def clear_caches() -> None:
+    """Forget cached plans (rules are re-run on next use)."""
+    _PLANS.clear()
+    _ARG_SPECS.clear()
+
+
+def cache_info() -> dict:
+    """Counts of cached-plan hits and misses and of fallback runs (for tests and benchmarks)."""
+    return dict(_STATS, size=len(_PLANS))
+
+
+def fallback_ops() -> set:
+    """Ops that ran through the gather fallback in this process (each warned once)."""
+    return set(_WARNED)
+
+
+def dispatch(func, args, kwargs):
+    kwargs = kwargs or {}
+    info = _op_info(func)
+    if info.foreach:
+        return _dispatch_foreach(func, args, kwargs)
+    if info.out_names:
+        return _dispatch_out(func, args, kwargs, info)
+    dts, mesh, key = _scan(func, args, kwargs)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_call(func, args, kwargs, dts, mesh, info)
+        if plan is None:
+            plan = _NO_RULE
+        if key is not None:
+            _STATS["misses"] += 1
+            if len(_PLANS) > 16384:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        else:
+            _STATS["uncached"] += 1
+    else:
+        _STATS["hits"] += 1
+    if plan is _NO_RULE:
+        return _fallback(func, args, kwargs, dts, mesh, info)
+    return _run(func, args, kwargs, dts, mesh, plan, info)
+
+
+def _local_of(dt, target):
+    dtm = _dtensor_module()
+    local = dt._local
+    if target is not dt._spec:
+        local = dtm.redistribute_local(local, dt._spec, target)
+    if target.reduce_op:
+        local = local[0]
+    return local
+
+
+def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
+    DTensor = _dtensor_module().DTensor
+    locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
+    local_args, local_kwargs = _replace_all(args, kwargs, lambda d: locals_[id(d)])
+    if plan.sharding.local is not None:
+        result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
+    else:
+        result = func(*local_args, **local_kwargs)
+    if info.inplace:
+        return args[0]
+    if plan.structure == "none":
+        return result
+    flat = [result] if plan.structure == "single" else list(result)
+    wrapped = []
+    for value, out in zip(flat, plan.outputs):
+        if out.spec is None:
+            wrapped.append(value)
+            continue
+        if out.spec.reduce_op:
+            value = value.unsqueeze(0)
+        if tuple(value.shape) != out.local_shape:
+            raise DispatchError(f"{func}: the local result has shape {tuple(value.shape)}, but the output layout "
+                                f"{out.spec} gives this rank {out.local_shape} (a wrong sharding rule: "
+                                f"{plan.sharding})")
+        wrapped.append(DTensor(value, out.spec, stride=out.stride))
+    if plan.structure == "single":
+        return wrapped[0]
+    return wrapped if plan.structure == "list" else tuple(wrapped)
+
+
+def _warn_fallback(func) -> None:
+    if func not in _WARNED:
+        _WARNED.add(func)
+        warnings.warn(f"axedist: no sharding rule for {func}; it runs by gathering every DTensor argument to "
+                      f"Replicate and replicating the result (correct, but moves whole tensors)",
+                      stacklevel=4)
+
+
+def _fallback(func, args, kwargs, dts, mesh, info: _OpInfo):
+    """Gather every DTensor, run the op on the whole tensors, lay the result out replicated."""
+    dtm = _dtensor_module()
+    _warn_fallback(func)
+    _STATS["fallbacks"] += 1
+    full = {}
+    for d in dts:
+        if id(d) not in full:
+            replicated = dtm._make_spec(mesh, dtm._replicated_layout(d.shape, mesh), d.shape)
+            full[id(d)] = (d, replicated, dtm.redistribute_local(d._local, d._spec, replicated))
+    local_args, local_kwargs = _replace_all(args, kwargs, lambda d: full[id(d)][2])
+    result = func(*local_args, **local_kwargs)
+    # written arguments: lay the whole result back out in their own layout
+    written = ([args[0]] if info.inplace else []) + _written(args, kwargs, info)
+    for target in written:
+        if isinstance(target, dtm.DTensor):
+            d, replicated, value = full[id(target)]
+            back = dtm.redistribute_local(value, replicated, d._spec)
+            d._local.copy_(back)
+    if info.inplace:
+        return args[0]
+
+    def wrap(value):
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0 or value.numel() > 0:
+                spec = dtm._make_spec(mesh, dtm._replicated_layout(value.shape, mesh), value.shape) \
+                    if value.numel() > 0 else None
+                if spec is not None:
+                    return dtm.DTensor(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
+            raise DispatchError(f"{func} (run through the gather fallback) returned an empty tensor of shape "
+                                f"{tuple(value.shape)}; axedist DTensors need every dim >= 1")
+        if isinstance(value, (list, tuple)):
+            return type(value)(wrap(v) for v in value)
+        return value
+
+    return wrap(result)
+
+
+def _dispatch_out(func, args, kwargs, info: _OpInfo):
+    """``op(..., out=o)``: the functional op, then the result copied into ``o`` in ``o``'s layout."""
+    dtm = _dtensor_module()
+    functional = _functional_of(func)
+    if functional is None:
+        return _fallback(func, args, kwargs, _scan(func, args, kwargs)[0], _scan(func, args, kwargs)[1], info)
+    outs = [kwargs[name] for name in info.out_names]
+    rest = {k: v for k, v in kwargs.items() if k not in info.out_names}
+    result = dispatch(functional, args, rest)
+    results = [result] if len(outs) == 1 else list(result)
+    for o, r in zip(outs, results):
+        if not isinstance(o, dtm.DTensor):
+            raise DispatchError(f"{func}: out= is a plain tensor but the result is a DTensor; pass a DTensor")
+        if tuple(o.shape) != tuple(r.shape):
+            raise DispatchError(f"{func}: out= has shape {tuple(o.shape)}, the result {tuple(r.shape)} "
+                                f"(axedist does not resize DTensors)")
+        if not isinstance(r, dtm.DTensor):
+            raise DispatchError(f"{func}: the result is not a DTensor")
+        value = r._local if r._spec == o._spec else dtm.redistribute_local(r._local, r._spec, o._spec)
+        o._local.copy_(value)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _dispatch_foreach(func, args, kwargs):
+    """``_foreach_op(list, ...)``: the same op once per list element (lists of one),
+    so each element follows its own sharding rule."""
+    schema = func._schema.arguments
+    lengths = {len(v) for v, a in zip(args, schema) if isinstance(v, (list, tuple)) and str(a.type).endswith("[]")}
+    lengths |= {len(v) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
+    if len(lengths) != 1:
+        raise DispatchError(f"{func}: list arguments of different lengths {sorted(lengths)}")
+    (n,) = lengths
+    is_list = [isinstance(v, (list, tuple)) and str(a.type).endswith("[]") for v, a in zip(args, schema)]
+    results = []
+    for i in range(n):
+        one_args = tuple([v[i]] if lst and str(schema[j].type).startswith("Tensor") else
+                         ([v[i]] if lst else v)
+                         for j, (v, lst) in enumerate(zip(args, is_list)))
+        # A Scalar[] argument gives element i as a one-element list too (the op takes lists).
+        one_kwargs = {k: ([v[i]] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+        if any(isinstance(x, _dtensor_module().DTensor) for v in one_args for x in (v if isinstance(v, list) else [v])):
+            results.append(_dispatch_single_foreach(func, one_args, one_kwargs))
+        else:
+            results.append(func(*one_args, **one_kwargs))
+    if func._schema.returns and len(func._schema.returns) and str(func._schema.returns[0].type) == "Tensor[]":
+        return [r[0] for r in results]
+    return None
+
+
+def _dispatch_single_foreach(func, args, kwargs):
+    info = _op_info(func)
+    dts, mesh, key = _scan(func, args, kwargs)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_call(func, args, kwargs, dts, mesh, _FOREACH_INFO) or _NO_RULE
+        if key is not None:
+            _PLANS[key] = plan
+    if plan is _NO_RULE:
+        return _fallback(func, args, kwargs, dts, mesh, _FOREACH_WRITE if _writes_first(func) else _FOREACH_INFO)
+    if _writes_first(func):
+        for d, t in zip(dts, plan.targets):
+            if d is args[0][0] and t is not d._spec:
+                raise DispatchError(f"{func} is in-place on {d._spec}, but its rule needs it moved; an in-place op "
+                                    f"cannot change its tensor's layout")
+    del info
+    return _run(func, args, kwargs, dts, mesh, plan, _FOREACH_INFO)
+
+
+_FOREACH_INFO = _OpInfo(False, (), (), True)
+_FOREACH_WRITE = _OpInfo(False, (), (0,), True)
+
+
+@functools.lru_cache(maxsize=None)
+def _writes_first(func) -> bool:
+    a = func._schema.arguments[0]
+    return a.alias_info is not None and a.alias_info.is_write

@@ -1,0 +1,288 @@
+"""Elementwise ops: the output is sharded like the inputs, broadcasting included.
+
+The rule reads which mesh axis shards which dim of each input, aligned to the output's
+dims from the right (torch broadcasting), and keeps every shard it can: ``x + b`` with
+``x`` ``(8, 6)`` in ``[Shard(0)]`` and ``b`` ``(6,)`` in ``[Replicate()]`` runs locally
+(output ``[Shard(0)]``); with ``x`` in ``[Replicate()]`` and ``y`` in ``[Shard(1)]`` the
+output is ``[Shard(1)]`` and ``x`` is sliced locally (no communication). A dim of extent
+1 that broadcasts is never sharded (its single element is needed by every shard).
+
+Pending sums (``Partial``) stay pending only where the op is linear in them:
+``p + q`` of two partial sums, ``p * r`` or ``p / r`` for a non-partial ``r`` (or a
+Python scalar), ``-p``, ``threshold_backward(p, x, 0)`` (linear in the incoming grad),
+casts and copies. Anything else (``p + 1``, ``exp(p)``, ``p * q``) reduces first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+
+aten = torch.ops.aten
+
+# Linear in all tensor arguments together (kept partial when every tensor argument is).
+_LINEAR_ALL = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Tensor, aten.neg.default,
+               aten.neg_.default, aten.clone.default, aten._to_copy.default, aten.zero_.default,
+               aten._foreach_add.List, aten._foreach_add_.List, aten._foreach_sub.List,
+               aten._foreach_sub_.List, aten._foreach_neg.default, aten._foreach_neg_.default,
+               aten._foreach_zero_.default, aten.positive.default}
+# Linear in one argument at the given positions (of the tensor arguments), the others not partial.
+_LINEAR_ONE = {aten.mul.Tensor: (0, 1), aten.mul_.Tensor: (0,), aten.mul.Scalar: (0,), aten.mul_.Scalar: (0,),
+               aten.div.Tensor: (0,), aten.div_.Tensor: (0,), aten.div.Scalar: (0,), aten.div_.Scalar: (0,),
+               aten._foreach_mul.List: (0, 1), aten._foreach_mul_.List: (0,), aten._foreach_mul.Scalar: (0,),
+               aten._foreach_mul_.Scalar: (0,), aten._foreach_mul.Tensor: (0,), aten._foreach_mul_.Tensor: (0,),
+               aten._foreach_div.List: (0,), aten._foreach_div_.List: (0,), aten._foreach_div.Scalar: (0,),
+               aten._foreach_div_.Scalar: (0,), aten._foreach_div_.Tensor: (0,), aten._foreach_div.Tensor: (0,),
+               aten._foreach_mul.ScalarList: (0,), aten._foreach_mul_.ScalarList: (0,),
+               aten._foreach_div.ScalarList: (0,), aten._foreach_div_.ScalarList: (0,),
+               aten.threshold_backward.default: (0,), aten.sigmoid_backward.default: (0,),
+               aten.tanh_backward.default: (0,), aten.gelu_backward.default: (0,),
+               aten.silu_backward.default: (0,), aten.hardtanh_backward.default: (0,),
+               aten.leaky_relu_backward.default: (0,)}
+_LINEAR_REDUCE_OPS = ("sum", "avg")
+
+
+def _tensor_args(call: OpCall) -> list:
+    """Tensor arguments in order: ArgSpecs and plain 0-dim tensors (scalars)."""
+    found = []
+
+    def visit(value):
+        if isinstance(value, (ArgSpec, torch.Tensor)):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for value in list(call.args) + list(call.kwargs.values()):
+        visit(value)
+    return found
+
+
+def _broadcast_shape(shapes) -> tuple[int, ...]:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, n in enumerate(s):
+            j = ndim - len(s) + i
+            if n != 1:
+                out[j] = n
+    return tuple(out)
+
+
+def _is_inplace(func) -> bool:
+    first = func._schema.arguments[0]
+    return first.alias_info is not None and first.alias_info.is_write
+
+
+def _partial_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
+    """The reduce op the output keeps pending on this mesh axis, or None (inputs reduce first)."""
+    partial = [isinstance(t, ArgSpec) and t.placements is not None and isinstance(t.placements[axis_index], Partial)
+               for t in tensors]
+    if not any(partial):
+        return None
+    ops = {t.placements[axis_index].reduce_op for t, p in zip(tensors, partial) if p}
+    if len(ops) != 1 or next(iter(ops)) not in _LINEAR_REDUCE_OPS:
+        return None
+    func = call.func
+    if func in _LINEAR_ALL and all(partial):
+        return next(iter(ops))
+    positions = _LINEAR_ONE.get(func)
+    if positions is not None and sum(partial) == 1 and partial.index(True) in positions:
+        return next(iter(ops))
+    return None
+
+
+def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
+    """The elementwise rule (also used by other families for ops that act per element).
+
+    ``anchor``: an argument whose placements the output must keep (in-place ops: self).
+    """
+    mesh = call.mesh
+    tensors = _tensor_args(call)
+    specs = call.specs
+    out_shape = _broadcast_shape([tuple(t.shape) for t in tensors])
+    ndim = len(out_shape)
+    if anchor is None and _is_inplace(call.func) and specs and (call.args[0] is specs[0] or (
+            isinstance(call.args[0], (list, tuple)) and call.args[0] and call.args[0][0] is specs[0])):
+        anchor = specs[0]
+
+    # Same shape and same placements (or layout) everywhere, nothing pending: run as is.
+    if specs and all(s.shape == out_shape for s in specs) and all(s.reduce_op is None for s in specs):
+        first = specs[0]
+        if all((s.placements, s.layout) == (first.placements, first.layout) if first.placements is None
+               else s.placements == first.placements for s in specs):
+            return Sharding(inputs=[None] * len(specs),
+                            outputs=first.placements if first.placements is not None else first.layout)
+
+    def out_dim(spec: ArgSpec, d: int) -> int | None:
+        """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
+        j = ndim - spec.ndim + d
+        return None if spec.shape[d] == 1 and out_shape[j] != 1 else j
+
+    out = []
+    order = sorted(specs, key=lambda s: -_numel(s.shape))
+    if anchor is not None:
+        order = [anchor] + [s for s in order if s is not anchor]
+    for axis_index in range(mesh.ndim):
+        if anchor is not None and anchor.placements is not None:
+            p = anchor.placements[axis_index]
+            if isinstance(p, Shard):
+                out.append(Shard(out_dim(anchor, p.dim)))
+            elif isinstance(p, Partial):
+                kept = _partial_kept(call, tensors, axis_index)
+                out.append(Partial(kept) if kept else Replicate())  # self must reduce: the dispatcher refuses
+            else:
+                out.append(Replicate())
+            continue
+        if anchor is not None:
+            out.append(Replicate())
+            continue
+        chosen = None
+        for s in order:
+            p = s.placements[axis_index] if s.placements is not None else None
+            if type(p) is Shard and out_dim(s, p.dim) is not None:
+                chosen = Shard(out_dim(s, p.dim))
+                break
+        if chosen is None:
+            kept = _partial_kept(call, tensors, axis_index)
+            chosen = Partial(kept) if kept else Replicate()
+        out.append(chosen)
+    if anchor is not None and anchor.placements is None:
+        # an in-place op on a tensor without placement form: everything else follows its layout
+        return Sharding(inputs=[None if s is anchor else (anchor.layout if s.shape == anchor.shape else
+                                                          [Replicate()] * mesh.ndim) for s in specs],
+                        outputs=anchor.layout)
+
+    inputs = []
+    for s in specs:
+        want = []
+        for axis_index, p in enumerate(out):
+            if isinstance(p, Shard):
+                d = p.dim - (ndim - s.ndim)
+                want.append(Shard(d) if d >= 0 and out_dim(s, d) is not None else Replicate())
+            elif isinstance(p, Partial):
+                mine = s.placements[axis_index] if s.placements is not None else None
+                want.append(mine if isinstance(mine, Partial) else Replicate())
+            else:
+                want.append(Replicate())
+        want = tuple(want)
+        inputs.append(None if s.placements == want else want)
+    return Sharding(inputs=inputs, outputs=tuple(out))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_UNARY = ["abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt", "sin", "cos",
+          "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh", "sigmoid", "relu",
+          "gelu", "silu", "mish", "erf", "erfc", "erfinv", "reciprocal", "sign", "sgn", "signbit", "floor", "ceil",
+          "round", "trunc", "frac", "logical_not", "bitwise_not", "isnan", "isinf", "isposinf", "isneginf",
+          "isfinite", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "celu",
+          "selu", "softplus", "hardswish", "hardsigmoid", "hardshrink", "softshrink", "threshold", "logit",
+          "relu6", "square", "positive", "conj_physical", "digamma", "lgamma", "i0", "sinc", "deg2rad", "rad2deg",
+          "bitwise_left_shift", "bitwise_right_shift", "fill", "clone", "_to_copy", "alias_copy"]
+_BINARY = ["add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow",
+           "maximum", "minimum", "fmax", "fmin", "atan2", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
+           "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "copysign", "hypot", "xlogy",
+           "nextafter", "lerp", "addcmul", "addcdiv", "masked_fill", "heaviside", "logaddexp", "logaddexp2",
+           "float_power", "ldexp", "igamma", "igammac"]
+_BACKWARD = ["threshold_backward", "sigmoid_backward", "tanh_backward", "gelu_backward", "silu_backward",
+             "leaky_relu_backward", "elu_backward", "hardtanh_backward", "softplus_backward", "mish_backward",
+             "hardswish_backward", "hardsigmoid_backward", "logit_backward"]
+_FOREACH = ["add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "neg", "abs", "exp", "log",
+            "maximum", "minimum", "clamp_min", "clamp_max", "reciprocal", "sign", "pow", "sigmoid", "tanh",
+            "zero", "copy", "rsqrt", "sin", "cos", "floor", "ceil", "round", "trunc", "frac", "erf", "expm1",
+            "log1p", "log2", "log10"]
+
+
+def _packets(names, inplace=True):
+    out = []
+    for name in names:
+        for candidate in (name, name + "_") if inplace else (name,):
+            packet = getattr(aten, candidate, None)
+            if packet is not None:
+                out.append(packet)
+    return out
+
+
+_ELEMENTWISE = _packets(_UNARY + _BINARY + _BACKWARD) + [aten.where.self, aten.where.ScalarSelf,
+                                                        aten.where.ScalarOther, aten.where.Scalar,
+                                                        aten.copy_.default, aten.zero_.default, aten.fill_.Scalar,
+                                                        aten.fill_.Tensor, aten.contiguous.default
+                                                        if hasattr(aten, "contiguous") else aten.clone.default]
+_ELEMENTWISE = list(dict.fromkeys(_ELEMENTWISE))
+_ELEMENTWISE += [p for p in _packets([f"_foreach_{n}" for n in _FOREACH]) if p not in _ELEMENTWISE]
+
+
+@register(*_ELEMENTWISE)
+def elementwise(call: OpCall) -> Sharding:
+    return pointwise_sharding(call)
+
+
+@register(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like)
+def like_factory(call: OpCall) -> Sharding:
+    """A new tensor shaped like its input: same sharding, nothing pending (a fresh value is whole)."""
+    (spec,) = call.specs
+    if spec.placements is None:
+        return Sharding(inputs=[None], outputs=spec.layout)
+    return Sharding(inputs=[None], outputs=tuple(Replicate() if isinstance(p, Partial) else p
+                                                 for p in spec.placements))
+
+
+@register(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided)
+def new_factory(call: OpCall) -> Sharding:
+    """``x.new_zeros(size)``: a fresh tensor of the given (global) size on every rank."""
+    return Sharding(inputs=[None] * len(call.specs), outputs=(Replicate(),) * call.mesh.ndim)
+
+
+@register(aten._local_scalar_dense, aten.equal, aten.is_nonzero)
+def to_python(call: OpCall) -> Sharding:
+    """``x.item()``, ``torch.equal``: the whole value on every rank, a Python result."""
+    return Sharding(inputs=[(Replicate(),) * call.mesh.ndim] * len(call.specs), outputs=None)
+
+
+@register(aten._foreach_norm)
+def foreach_norm(call: OpCall) -> Sharding:
+    """``_foreach_norm([x], ord)`` (clip_grad_norm_): each rank's partial norm, combined over
+    the axes that shard ``x`` (``(sum |x|^p)^(1/p)``, or max/min for the infinity norms)."""
+    (spec,) = call.specs
+    ord_ = float(call.args[1]) if len(call.args) > 1 else float(call.kwargs.get("ord", 2))
+    if spec.placements is None or any(isinstance(p, Partial) for p in spec.placements):
+        want = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements) \
+            if spec.placements is not None else (Replicate(),) * call.mesh.ndim
+        spec_placements = want
+    else:
+        want, spec_placements = None, spec.placements
+    if not any(isinstance(p, Shard) for p in spec_placements) or any(
+            type(p) not in (Shard, Replicate) for p in spec_placements):
+        want = None if want is None and all(isinstance(p, Replicate) for p in spec_placements) else \
+            (Replicate(),) * call.mesh.ndim
+        return Sharding(inputs=[want], outputs=[(Replicate(),) * call.mesh.ndim])
+    axes = [a for a, p in zip(call.mesh.axis_names, spec_placements) if isinstance(p, Shard)]
+    mesh = call.mesh
+
+    def local(call_, tensors, *rest, **kwargs):
+        import torch.distributed as dist
+
+        (x,) = tensors
+        if ord_ == float("inf") or ord_ == float("-inf"):
+            value = x.abs().amax() if ord_ > 0 else x.abs().amin()
+            if x.numel() == 0:
+                value = torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=x.dtype, device=x.device)
+            op = dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN
+            dist.all_reduce(value, op=op, group=mesh.group(axes))
+            return [value]
+        if ord_ == 0:
+            value = (x != 0).sum().to(x.dtype)
+            dist.all_reduce(value, group=mesh.group(axes))
+            return [value]
+        value = x.abs().pow(ord_).sum()
+        dist.all_reduce(value, group=mesh.group(axes))
+        return [value.pow(1.0 / ord_)]
+
+    return Sharding(inputs=[want], outputs=[(Replicate(),) * call.mesh.ndim], local=local)

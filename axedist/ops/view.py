@@ -1,0 +1,238 @@
+"""View ops (view/reshape/flatten/unsqueeze/squeeze, transpose/permute/t, expand, alias/detach).
+
+A view keeps the map from elements to (device, ``m``): only the shape the layout is
+grouped by changes. So the output layout is the input's layout regrouped for the new
+shape (``Layout.group``), when ``m`` stays row-major over the new local shape; the
+local tensor is then the local view, and no data moves. Example, 4 ranks: ``x`` of shape
+``(2, 8, 6)`` sharded on the sequence dim (``[Shard(1)]``,
+``S[(2,4,2,6):(12,1@gpuid,6,1)]``) viewed as ``(16, 6)``: the same layout grouped by
+``(16, 6)`` is ``S[(2,4,2,6):(12,1@gpuid,6,1)]`` -- rows ``2b + 8r'`` ... each rank keeps
+its ``(4, 6)`` local rows, which no placement list can say (rank r holds rows
+``2r, 2r+1, 8+2r, 9+2r``). Permutes reorder the layout's dims (and re-stride ``m``).
+
+With placements and uneven (padded) dims the placements way is used: a ``Shard`` of a
+dim that the view leaves whole (or that stays the outer part of a merged or split dim
+with an even split) moves to the new dim index; anything else is replicated first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..layout import Iter, Layout, LayoutError, row_major_memory
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+
+aten = torch.ops.aten
+
+
+def _dtm():
+    from .. import dtensor
+
+    return dtensor
+
+
+def _out_shape(call: OpCall) -> tuple[int, ...]:
+    spec = call.specs[0]
+    meta = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    args = (meta,) + tuple(call.args[1:])
+    return tuple(call.func(*args, **call.kwargs).shape)
+
+
+def _groups(old: tuple, new: tuple):
+    """Pair consecutive runs of old dims with runs of new dims of equal product (torch's view
+    groups), size-1 dims alone: ``[(old dims), (new dims)]``."""
+    out, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        if i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):
+            out.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(new) and new[j] == 1 and (i >= len(old) or old[i] != 1):
+            out.append(((), (j,)))
+            j += 1
+            continue
+        a, b = [i], [j]
+        pa, pb = old[i], new[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                pa *= old[i]
+                a.append(i)
+                i += 1
+            else:
+                pb *= new[j]
+                b.append(j)
+                j += 1
+        out.append((tuple(a), tuple(b)))
+    return out
+
+
+def _reshape_placements(spec: ArgSpec, new: tuple, mesh) -> tuple:
+    """Placements of the reshaped tensor: a Shard kept where it stays the outer part of its
+    group and splits evenly (or its dim is unchanged); otherwise Replicate (None: input must change)."""
+    old = spec.shape
+    where = {}
+    for a, b in _groups(old, new):
+        for k, d in enumerate(a):
+            where[d] = (a, b, k)
+    out, keep = [], []
+    for axis_index, (k, p) in enumerate(zip(mesh.shape, spec.placements)):
+        if isinstance(p, Shard):
+            a, b, pos = where[p.dim]
+            if not b:
+                out.append(None)
+            elif a == (p.dim,) and len(b) == 1:
+                out.append(Shard(b[0]))
+            elif pos == 0 and new[b[0]] % k == 0 and old[p.dim] % k == 0 and \
+                    sum(isinstance(q, Shard) and q.dim == p.dim for q in spec.placements) == 1:
+                out.append(Shard(b[0]))
+            else:
+                out.append(None)
+        else:
+            out.append(p)
+    return tuple(out)
+
+
+def _local_reshape(out_placements_or_layout, out_shape, mesh, reduce_op=None):
+    """The local function: reshape this rank's piece to its local shape under the output."""
+    @functools.lru_cache(maxsize=None)
+    def local_shape():
+        from .dispatch import _expected_local_shape, _spec_of
+
+        target = out_placements_or_layout
+        spec = target if isinstance(target, _dtm()._Spec) else _spec_of(out_shape, mesh, target)
+        shape = _expected_local_shape(spec, None if not isinstance(target, tuple) else target)
+        return shape[1:] if spec.reduce_op else shape
+
+    def local(call, x, *args, **kwargs):
+        shape = local_shape()
+        try:
+            return x.view(shape)
+        except RuntimeError:
+            return x.reshape(shape)
+
+    return local
+
+
+def _layout_way(spec: ArgSpec, new_shape: tuple, perm=None):
+    """The input's layout regrouped for ``new_shape`` (reshape) or with dims permuted;
+    a spec, or None where m would not be row-major or the layout is padded."""
+    s = spec.spec
+    if s.padded != s.shape or s.true_index:
+        return None
+    lead = (s.summands,) if s.reduce_op else ()
+    try:
+        if perm is None:
+            blocks = s.layout.blocks(lead + tuple(new_shape))
+        else:
+            old = s.layout.blocks(lead + tuple(s.shape))
+            blocks = old[:len(lead)] + tuple(old[len(lead) + p] for p in perm)
+        # m iters re-strided row-major over the new local shape (the local tensor is a logical view)
+        _, strides = row_major_memory(blocks)
+        iters = [Iter(it.extent, st, it.axis) if st is not None else it
+                 for block, block_strides in zip(blocks, strides) for it, st in zip(block, block_strides)]
+        layout = Layout(iters, s.layout.replica, s.layout.offset)
+        return _dtm()._make_spec(s.mesh, layout, tuple(new_shape), None, s.reduce_op, s.summands)
+    except LayoutError:
+        return None
+
+
+@register(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+          aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.flatten.using_ints,
+          aten.unflatten.int, aten.view_as.default if hasattr(aten, "view_as") else aten.view.default)
+def reshape(call: OpCall) -> Sharding:
+    spec = call.specs[0]
+    others = [None] * (len(call.specs) - 1)   # view_as's other argument: only its shape matters
+    new = _out_shape(call)
+    mesh = call.mesh
+    if spec.placements is not None:
+        kept = _reshape_placements(spec, new, mesh)
+        if all(p is not None for p in kept):
+            return Sharding(inputs=[None] + others, outputs=kept, local=_local_reshape(kept, new, mesh))
+    layout_spec = _layout_way(spec, new)
+    if layout_spec is not None:
+        return Sharding(inputs=[None] + others, outputs=layout_spec, local=_local_reshape(layout_spec, new, mesh))
+    if spec.placements is not None:
+        # replicate what cannot stay (a partial stays: a view is linear)
+        want = tuple(Replicate() if p is None else q for p, q in zip(kept, spec.placements))
+        want = tuple(Replicate() if isinstance(q, Shard) and k is None else q for q, k in zip(want, kept))
+        out = tuple(Replicate() if k is None else k for k in kept)
+        return Sharding(inputs=[want] + others, outputs=out, local=_local_reshape(out, new, mesh))
+    full = (Replicate(),) * mesh.ndim
+    return Sharding(inputs=[full] + others, outputs=full, local=_local_reshape(full, new, mesh))
+
+
+def _permutation(call: OpCall) -> tuple[int, ...]:
+    ndim = call.specs[0].ndim
+    func = call.func
+    if func is aten.t.default:
+        return (1, 0) if ndim == 2 else tuple(range(ndim))
+    if func in (aten.transpose.int,):
+        d0, d1 = (call.args[1] % max(ndim, 1), call.args[2] % max(ndim, 1))
+        perm = list(range(ndim))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return tuple(perm)
+    dims = call.args[1]
+    return tuple(d % ndim for d in dims)
+
+
+@register(aten.t.default, aten.transpose.int, aten.permute.default)
+def permute(call: OpCall) -> Sharding:
+    spec = call.specs[0]
+    perm = _permutation(call)
+    inverse = {p: i for i, p in enumerate(perm)}
+    if spec.placements is not None and all(type(p) in (Shard, Replicate, Partial) for p in spec.placements):
+        out = tuple(Shard(inverse[p.dim % spec.ndim]) if isinstance(p, Shard) else p for p in spec.placements)
+        return Sharding(inputs=[None], outputs=out)
+    new_shape = tuple(spec.shape[p] for p in perm)
+    layout_spec = _layout_way(spec, new_shape, perm)
+    if layout_spec is not None:
+        return Sharding(inputs=[None], outputs=layout_spec)
+    full = (Replicate(),) * call.mesh.ndim
+    return Sharding(inputs=[full], outputs=full)
+
+
+@register(aten.expand.default)
+def expand(call: OpCall) -> Sharding:
+    """Broadcast dims (extent 1 -> n) are replicated; the others keep their shards."""
+    spec = call.specs[0]
+    new = _out_shape(call)
+    mesh = call.mesh
+    lead = len(new) - spec.ndim
+    if spec.placements is None:
+        full = (Replicate(),) * mesh.ndim
+        want, out = full, full
+    else:
+        want, out = [], []
+        for p in spec.placements:
+            if isinstance(p, Shard) and spec.shape[p.dim] == new[lead + p.dim]:
+                want.append(p)
+                out.append(Shard(lead + p.dim))
+            elif isinstance(p, Shard):
+                want.append(Replicate())
+                out.append(Replicate())
+            else:
+                want.append(p)
+                out.append(p)
+        want, out = tuple(want), tuple(out)
+
+    @functools.lru_cache(maxsize=None)
+    def local_shape():
+        from .dispatch import _expected_local_shape, _spec_of
+
+        shape = _expected_local_shape(_spec_of(new, mesh, out), out)
+        return shape[1:] if any(isinstance(p, Partial) for p in out) else shape
+
+    def local(call_, x, *args, **kwargs):
+        return x.expand(local_shape())
+
+    return Sharding(inputs=[None if want == spec.placements else want], outputs=out, local=local)
+
+
+@register(aten.alias.default, aten.detach.default, aten.lift_fresh.default)
+def alias(call: OpCall) -> Sharding:
+    """Same data, same spec."""
+    return Sharding(inputs=[None], outputs=call.specs[0])
