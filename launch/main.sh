@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# README's main command: set up a fresh machine, then run the demo.
+# README's main command: set up a fresh machine, run the demo, then the main job.
 #   1. the layout algebra (one process);
 #   2. DTensors on layouts under torchrun: 4 CPU processes on gloo by default,
-#      or one process per GPU on NCCL when GPUs are present (AXEDIST_DEMO_CPU=1 forces CPU).
+#      or one process per GPU on NCCL when GPUs are present (AXEDIST_DEMO_CPU=1 forces CPU);
+#   3. the main job: a small Llama trained with tensor + sequence parallelism on the same
+#      processes (launch/train_tp.py: layouts and collectives printout, progress, loss curve,
+#      checkpoint in runs/train_tp/), then greedy decoding from that checkpoint at TP=2
+#      (launch/infer_tp.py: the checkpoint is resharded on load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh
@@ -11,7 +15,15 @@ python3 launch/demo.py
 echo
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "${AXEDIST_DEMO_CPU:-0}" != 1 ] && [ "$gpus" -ge 2 ]; then
-  exec torchrun --nproc-per-node "$gpus" launch/demo_dtensor.py --cuda "$@"
+  torchrun --nproc-per-node "$gpus" launch/demo_dtensor.py --cuda "$@"
+  echo
+  torchrun --nproc-per-node "$gpus" launch/train_tp.py --cuda
+  echo
+  torchrun --nproc-per-node 2 launch/infer_tp.py --cuda
 else
-  exec torchrun --nproc-per-node "${NPROC:-4}" launch/demo_dtensor.py "$@"
+  torchrun --nproc-per-node "${NPROC:-4}" launch/demo_dtensor.py "$@"
+  echo
+  torchrun --nproc-per-node "${NPROC:-4}" launch/train_tp.py
+  echo
+  torchrun --nproc-per-node 2 launch/infer_tp.py
 fi

@@ -167,7 +167,7 @@ def main(argv=None) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = float(loss.to_local().float())
+        value = float(loss.detach().to_local().float())
         losses.append(value)
         if tty:
             say("\r" + progress(step, run["steps"], value, started), end="")

@@ -1,0 +1,191 @@
+"""Training-step time: the axedist-parallelized Llama vs the same model under torch's TP.
+
+    torchrun --nproc-per-node 4 launch/bench_tp.py                            # CPU, gloo
+    torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out benchmarks/results   # 4 GPUs, NCCL, bf16
+
+Both sides build the same ``Llama`` from the same seed and train on the same batches with
+AdamW: axedist with ``parallelize(model, mesh, llama_tp_plan(cfg))`` (axedist DTensors, fused
+GEMM + reduce-scatter on CUDA), torch with ``parallelize_module`` and the equal plan of torch
+styles (torch DTensors, ``loss_parallel``). Both use sequence parallelism unless
+``--no-sequence-parallel``. A step is forward + backward + optimizer step; the time of a step
+is the slowest rank's; the table gives the median of ``--steps`` steps after ``--warmup``. The
+first losses of both sides are printed side by side (they must agree: same model, same data).
+Writes ``bench_tp_<device>_w<W>.json`` and ``.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import parallel as tp
+
+import axedist as ax
+from axedist.nn import parallelize, replicate
+from axedist.nn.llama import Attention, Llama, LlamaConfig, llama_tp_plan, next_token_loss
+
+
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def torch_plan(sequence_parallel: bool) -> dict:
+    """torch's styles for the same layouts as ``llama_tp_plan``. As in torch's own Llama recipe,
+    q/k/v come out as local tensors and attention runs on local heads (torch DTensor has no
+    sharding rule for CPU attention); everything else flows as torch DTensors."""
+    residual = Shard(0) if sequence_parallel else Replicate()
+    plan = {
+        "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                             use_local_output=False),
+        "layers.*.attention": tp.PrepareModuleInput(input_layouts=(residual, None, None),
+                                                    desired_input_layouts=(Replicate(), None, None)),
+        "layers.*.attention.wq": tp.ColwiseParallel(),
+        "layers.*.attention.wk": tp.ColwiseParallel(),
+        "layers.*.attention.wv": tp.ColwiseParallel(),
+        "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=residual, use_local_output=False),
+        "layers.*.feed_forward": tp.PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "layers.*.feed_forward.w1": tp.ColwiseParallel(use_local_output=False),
+        "layers.*.feed_forward.w3": tp.ColwiseParallel(use_local_output=False),
+        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=residual, use_local_output=False),
+        "output": tp.ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
+    }
+    if sequence_parallel:
+        for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm"):
+            plan[name] = tp.SequenceParallel(sequence_dim=0)
+    return plan
+
+
+def torch_parallelize(model: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool) -> Llama:
+    torch_mesh = mesh.to_torch()
+    tp.parallelize_module(model, torch_mesh, torch_plan(sequence_parallel))
+    for sub in model.modules():
+        if isinstance(sub, Attention):  # local heads
+            sub.n_heads //= mesh.size
+            sub.kv_heads //= mesh.size
+        for name, param in list(sub.named_parameters(recurse=False)):  # the rest replicated (norms without SP)
+            if not isinstance(param, torch.distributed.tensor.DTensor):
+                sub.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, torch_mesh, [Replicate()])))
+    return model
+
+
+def batches(n: int, batch: int, seq: int, vocab: int):
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
+
+
+def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int, steps: int):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    cuda = mesh.device_type == "cuda"
+    times, losses = [], []
+    for i, tokens in enumerate(data[:warmup + steps]):
+        tokens = tokens.to(mesh.device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        begin = time.perf_counter()
+        logits = model(inputs)
+        if kind == "axedist":
+            loss = next_token_loss(logits, replicate(targets, mesh))
+        else:
+            with tp.loss_parallel():
+                loss = next_token_loss(logits, distribute_tensor(targets, mesh.to_torch(), [Replicate()]))
+                loss.backward()
+        if kind == "axedist":
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=mesh.device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        losses.append(float(loss.detach().to_local().float()))
+        if i >= warmup:
+            times.append(float(elapsed) * 1e3)
+    return statistics.median(times), losses
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cuda", action="store_true")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=None, help="default: 8 CPU, 8 CUDA")
+    p.add_argument("--seq", type=int, default=None, help="default: 64 CPU, 1024 CUDA")
+    p.add_argument("--dim", type=int, default=None, help="default: 128 CPU, 2048 CUDA")
+    p.add_argument("--layers", type=int, default=None, help="default: 2 CPU, 4 CUDA")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    p.add_argument("--out", default="runs/bench_tp")
+    args = p.parse_args(argv)
+
+    mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
+    cuda, world = args.cuda, mesh.size
+    if not cuda:
+        torch.set_num_threads(1)
+    pick = lambda v, cpu, gpu: v if v is not None else (gpu if cuda else cpu)  # noqa: E731
+    dim = pick(args.dim, 128, 2048)
+    cfg = LlamaConfig(vocab_size=pick(None, 512, 8192), dim=dim, n_layers=pick(args.layers, 2, 4),
+                      n_heads=pick(None, 8, 16), ffn_hidden=pick(None, 4 * dim, 4 * dim),
+                      max_seq_len=pick(args.seq, 64, 1024))
+    batch = pick(args.batch, 8, 8)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    base = Llama(cfg).to(device=mesh.device, dtype=dtype)
+    data = batches(args.warmup + args.steps, batch, cfg.max_seq_len, cfg.vocab_size)
+    say(f"{world} ranks on {mesh.device_type}, {dtype}, batch {batch} x seq {cfg.max_seq_len}, {cfg}")
+
+    ours = parallelize(copy.deepcopy(base), mesh, llama_tp_plan(cfg, sequence_parallel=args.sequence_parallel))
+    theirs = torch_parallelize(copy.deepcopy(base), mesh, args.sequence_parallel)
+    results = {}
+    for kind, model in (("axedist", ours), ("torch", theirs)):
+        median, losses = run(kind, model, mesh, data, args.warmup, args.steps)
+        results[kind] = {"median_ms": median, "losses": losses}
+        say(f"{kind:8s} median step {median:9.2f} ms   first losses {[round(v, 4) for v in losses[:3]]}")
+    ratio = results["torch"]["median_ms"] / results["axedist"]["median_ms"]
+    say(f"axedist is {ratio:.2f}x torch's step time (>1: faster)")
+
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+        device = torch.cuda.get_device_name() if cuda else "cpu"
+        record = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device, "world": world,
+                  "dtype": str(dtype), "batch": batch, "seq": cfg.max_seq_len, "config": cfg.__dict__,
+                  "sequence_parallel": args.sequence_parallel, "warmup": args.warmup, "steps": args.steps,
+                  "command": f"torchrun --nproc-per-node {world} launch/bench_tp.py" + (" --cuda" if cuda else ""),
+                  "results": results, "torch_over_axedist": ratio}
+        stem = os.path.join(args.out, f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}")
+        with open(stem + ".json", "w") as f:
+            json.dump(record, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(f"# TP training step: axedist vs torch parallelize_module\n\n"
+                    f"{record['date']}, commit {commit}, {device} x {world}, {dtype}, batch {batch} x seq "
+                    f"{cfg.max_seq_len}, dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
+                    f"{'TP + SP' if args.sequence_parallel else 'TP'}; median of {args.steps} steps after "
+                    f"{args.warmup} warm-up, slowest rank. `{record['command']}`\n\n"
+                    f"| implementation | median step (ms) | first loss |\n|---|---|---|\n"
+                    f"| axedist | {results['axedist']['median_ms']:.2f} | {results['axedist']['losses'][0]:.4f} |\n"
+                    f"| torch parallelize_module | {results['torch']['median_ms']:.2f} | "
+                    f"{results['torch']['losses'][0]:.4f} |\n\ntorch / axedist step time: {ratio:.2f}x\n")
+        say(f"wrote {stem}.json and {stem}.md")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Greedy decoding with the tensor-parallel Llama trained by ``launch/train_tp.py``.
+
+    torchrun --nproc-per-node 4 launch/train_tp.py                    # writes runs/train_tp/checkpoint
+    torchrun --nproc-per-node 2 launch/infer_tp.py                    # loads it at TP=2 (resharded by DCP)
+    torchrun --nproc-per-node 4 launch/infer_tp.py --cuda
+
+The checkpoint may have been written at another TP degree: ``torch.distributed.checkpoint``
+reads each rank's shards through torch DTensors (``axedist.nn.checkpoint.load``). Decoding runs
+under ``torch.inference_mode()`` on the same parallel layers as training (no sequence
+parallelism: any prompt length works), and rank 0 prints the continuation, whether it follows
+the counting pattern the model was trained on, and the milliseconds per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    os.environ.setdefault(_key, _value)
+
+import torch
+import torch.distributed as dist
+
+import axedist as ax
+from axedist.nn import checkpoint, parallelize
+from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan
+
+
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", default="runs/train_tp", help="train_tp.py's output dir (config.json, checkpoint/)")
+    p.add_argument("--cuda", action="store_true", help="GPUs and NCCL (default: CPU and gloo)")
+    p.add_argument("--start", type=int, default=7, help="the prompt counts from here ...")
+    p.add_argument("--stride", type=int, default=3, help="... in steps of this (1, 2, 3 or 5 were trained)")
+    p.add_argument("--prompt-len", type=int, default=6)
+    p.add_argument("--new-tokens", type=int, default=20)
+    args = p.parse_args(argv)
+
+    mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
+    if not args.cuda:
+        torch.set_num_threads(1)
+    with open(os.path.join(args.run, "config.json")) as f:
+        saved = json.load(f)
+    cfg = LlamaConfig(**saved["config"])
+    dtype = getattr(torch, saved["dtype"])
+    model = Llama(cfg).to(device=mesh.device, dtype=dtype)
+    parallelize(model, mesh, llama_tp_plan(cfg, sequence_parallel=False))
+    checkpoint.load(model, os.path.join(args.run, "checkpoint"))
+    model.eval()
+    say(f"loaded {args.run}/checkpoint on {mesh} ({dtype}, TP={mesh.size})")
+
+    v = cfg.vocab_size
+    total = args.prompt_len + args.new_tokens
+    expected = [(args.start + args.stride * i) % v for i in range(total)]
+    tokens = torch.tensor([expected[:args.prompt_len]], device=mesh.device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(args.new_tokens):
+            if mesh.device_type == "cuda":
+                torch.cuda.synchronize()
+            begin = time.perf_counter()
+            window = tokens[:, -cfg.max_seq_len:]          # no KV cache: the model sees the last window
+            logits = model(window)                         # [S, 1, V], vocab-sharded
+            token = logits[-1].argmax(dim=-1)              # argmax across the vocabulary shards
+            token = token.full_tensor() if isinstance(token, ax.DTensor) else token
+            tokens = torch.cat([tokens, token.reshape(1, 1).to(tokens.dtype)], dim=1)
+            if mesh.device_type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - begin) * 1e3)
+    got = tokens[0].tolist()
+    right = sum(a == b for a, b in zip(got[args.prompt_len:], expected[args.prompt_len:]))
+    say(f"prompt     {got[:args.prompt_len]}")
+    say(f"generated  {got[args.prompt_len:]}")
+    say(f"expected   {expected[args.prompt_len:]}  ({right}/{args.new_tokens} tokens follow the pattern)")
+    say(f"{statistics.median(times):.2f} ms per token (median of {len(times)}; first {times[0]:.2f} ms)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
