@@ -84,11 +84,15 @@ def _resolve(where, shape: Sequence[int], mesh: DeviceMesh):
 def _text(where) -> str:
     if where is None:
         return "-"
-    if isinstance(where, (Placement, Layout)):
+    if isinstance(where, (bool, int, str, dict)):
+        return repr(where)
+    if isinstance(where, Placement):
+        return repr(where)
+    if isinstance(where, Layout):
         return str(where)
     if callable(where):
         return getattr(where, "__name__", repr(where))
-    return str(tuple(where))
+    return str(tuple(None if w is None else w for w in where))
 
 
 def replicate(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -185,8 +189,8 @@ class ParallelStyle:
                                                                f"{type(module).__name__}.{pname}"))
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={_text(v) if not isinstance(v, bool) else v}" for k, v in vars(self).items()
-                           if not k.startswith("_"))
+        fields = ", ".join(f"{k}={_text(v)}" for k, v in vars(self).items()
+                           if v is not None and v != {} and not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
 
 
