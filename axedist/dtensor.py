@@ -46,6 +46,7 @@ from .mesh import DeviceMesh, MeshError
 
 __all__ = [
     "DTensor",
+    "plan",
     "distribute",
     "from_torch",
     "layout_from_placements",
@@ -314,14 +315,14 @@ class DTensor(torch.Tensor):
                 if shape is None:
                     shape = _even_shape_from_local(local.shape, mesh, layout_or_placements)
                 spec = _spec_from_placements(shape, mesh, layout_or_placements)
-                if spec.reduce_op:
-                    local = local.unsqueeze(0)
             else:
                 if shape is None:
                     raise LayoutError("from_local with a layout needs shape= (the global shape)")
                 spec = _spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op,
                                         dims_include_summands=True)
             expected = _table(spec).local_shapes[mesh.position()]
+            if spec.reduce_op and _is_placements(layout_or_placements):
+                expected = expected[1:]  # the summand dim is added below
         except LayoutError as e:
             if not run_check:
                 raise
@@ -346,11 +347,20 @@ class DTensor(torch.Tensor):
                               f"the layout gives it {expected}")
         if local.device != mesh.device:
             raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
-        return DTensor(local, spec, requires_grad=local.requires_grad)
+        unsqueeze = bool(spec.reduce_op) and _is_placements(layout_or_placements)
+        if local.requires_grad and torch.is_grad_enabled():
+            return _FromLocal.apply(local, spec, unsqueeze)
+        return DTensor(local.unsqueeze(0) if unsqueeze else local, spec)
 
     # -- reading -------------------------------------------------------------------
 
     def to_local(self) -> torch.Tensor:
+        """This rank's piece (with the leading summand dim for a pending reduction).
+
+        Differentiable: the gradient of the piece comes back as a DTensor in this layout.
+        """
+        if self.requires_grad and torch.is_grad_enabled():
+            return _ToLocal.apply(self)
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
@@ -380,13 +390,20 @@ class DTensor(torch.Tensor):
     # -- moving --------------------------------------------------------------------
 
     def redistribute(self, layout_or_placements, *, padded_shape: Sequence[int] | None = None,
-                     reduce_op: str | None = None) -> "DTensor":
-        """The same global tensor in another layout (or placements) on the same mesh."""
+                     reduce_op: str | None = None, async_op: bool = False) -> "DTensor":
+        """The same global tensor in another layout (or placements) on the same mesh.
+
+        Differentiable: the gradient goes back to this tensor's layout (a pending reduction's
+        gradient is replicated on its axes, as in torch). ``async_op=True`` starts the
+        communication and returns at once; the result's data is waited for on its first use
+        (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
+        """
         dst = _target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
-        local = redistribute_local(self._local, self._spec, dst)
-        return DTensor(local, dst, requires_grad=self.requires_grad)
+        if self.requires_grad and torch.is_grad_enabled():
+            return _Redistribute.apply(self, dst, async_op)
+        return _redistributed(self, dst, async_op)
 
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
         """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.
@@ -419,6 +436,133 @@ class DTensor(torch.Tensor):
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
+
+
+# ---------------------------------------------------------------------------
+# Autograd: the moves between local tensors and DTensors, and between layouts
+# ---------------------------------------------------------------------------
+
+
+def _redistributed(dt: DTensor, dst: _Spec, async_op: bool = False) -> DTensor:
+    if async_op:
+        pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
+        probe = torch.empty(0, dtype=dt.dtype, device=dt.mesh.device)
+        return DTensor(probe, dst, pending=pending)
+    return DTensor(redistribute_local(dt._local, dt._spec, dst), dst)
+
+
+def _grad_spec(spec: _Spec) -> _Spec:
+    """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
+    reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
+    if not spec.reduce_op:
+        return spec
+    try:
+        placements = _placements_for(spec)
+    except LayoutError:
+        return _make_spec(spec.mesh, _replicated_layout(spec.shape, spec.mesh), spec.shape)
+    return _spec_from_placements(spec.shape, spec.mesh,
+                                 [Replicate() if isinstance(p, Partial) else p for p in placements])
+
+
+def _grad_local(grad, spec: _Spec, placements_partial: bool) -> torch.Tensor:
+    """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient."""
+    if not isinstance(grad, DTensor):
+        raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
+    if spec.reduce_op and not placements_partial:
+        # a layout with summands held locally: every summand's gradient is the whole gradient
+        full_spec = _make_spec(spec.mesh, _replicated_layout(spec.shape, spec.mesh), spec.shape)
+        full = redistribute_local(grad._local, grad._spec, full_spec)
+        lead = (spec.summands,)
+        expanded = full.unsqueeze(0).expand(lead + tuple(spec.shape)).contiguous()
+        src = _make_spec(spec.mesh, _replicated_layout(lead + spec.shape, spec.mesh), lead + spec.shape)
+        dst = _make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
+                         true_index=((None,) + spec.true_index) if spec.true_index else None)
+        return redistribute_local(expanded, src, dst)
+    target = _grad_spec(spec)
+    local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
+    return local[0] if target.reduce_op else local
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec, unsqueeze):
+        ctx.spec, ctx.unsqueeze = spec, unsqueeze
+        return DTensor(local.unsqueeze(0) if unsqueeze else local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _grad_local(grad, ctx.spec, ctx.unsqueeze), None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt):
+        ctx.spec = dt._spec
+        return dt._local.view_as(dt._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor(grad.contiguous(), ctx.spec)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, dst, async_op):
+        ctx.src = dt._spec
+        return _redistributed(dt, dst, async_op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _grad_spec(ctx.src)
+        if grad._spec == target:
+            return grad, None, None
+        return DTensor(redistribute_local(grad._local, grad._spec, target), target), None, None
+
+
+class _Distribute(torch.autograd.Function):
+    """distribute of a tensor that requires grad: the tensor is read as the same global
+    tensor on every rank, so each rank's gradient is the whole (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, local, src, dst):
+        ctx.shape, ctx.mesh = tuple(tensor.shape), dst.mesh
+        return DTensor(redistribute_local(local.detach(), src, dst), dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = _make_spec(ctx.mesh, _replicated_layout(ctx.shape, ctx.mesh), ctx.shape)
+        return _grad_local(grad, full, False), None, None, None
+
+
+def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None, itemsize: int | None = None):
+    """The layout-inference plan (``axedist.Plan``) that moves ``src`` to ``dst``; nothing moves.
+
+    ``src``: a DTensor, or a layout / placements with ``mesh=`` and ``shape=``; ``dst``: a
+    layout or placements (or a DTensor, whose layout is the target). Example, 4 ranks::
+
+        >>> print(ax.plan(x, [Replicate()]))        # x: (8, 6) in [Shard(0)]
+        all-gather over gpuid ...
+    """
+    if isinstance(src, DTensor):
+        src_spec, mesh, itemsize = src._spec, src.mesh, itemsize or src.element_size()
+    else:
+        if mesh is None or shape is None:
+            raise LayoutError("plan(src, dst): give mesh= and shape= when src is a layout or placements")
+        src_spec = (_spec_from_placements(shape, mesh, src) if _is_placements(src)
+                    else _spec_for_layout(mesh, src, shape, None, None, dims_include_summands=False))
+    if isinstance(dst, DTensor):
+        dst_spec = dst._spec
+    else:
+        dst_spec = _target_spec(src_spec, dst, None, None)
+    itemsize = itemsize or 4
+    if src_spec.padded == dst_spec.padded and src_spec.true_index == dst_spec.true_index:
+        from .layout_inference import plan_layouts
+
+        return plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
+                            src_spec.reduce_op)
+    from .collectives import plan_executor
+
+    return plan_executor.plan_for(src_spec, dst_spec, itemsize).plans[0]
 
 
 def _contiguous_strides(shape) -> tuple[int, ...]:
@@ -512,7 +656,9 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         local = tensor.to(mesh.device)
     else:
         local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
-    return DTensor(redistribute_local(local, src, dst), dst, requires_grad=tensor.requires_grad)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Distribute.apply(tensor, local, src, dst)
+    return DTensor(redistribute_local(local, src, dst), dst)
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""Matrix products: mm, bmm, addmm, baddbmm.
+
+Per mesh axis the rule picks one of the product's shardings and moves the operands
+there as cheaply as possible (bytes moved; slicing a replicated operand is free):
+
+* rows:     ``a`` Shard(rows), ``b`` Replicate      -> output Shard(rows)
+* columns:  ``a`` Replicate,  ``b`` Shard(cols)     -> output Shard(cols)
+* batch:    both Shard(0) (bmm)                     -> output Shard(0)
+* contract: ``a`` Shard(K), ``b`` Shard(K)          -> output Partial("sum")
+* linear:   one operand Partial(sum/avg), the other Replicate -> output Partial
+* replicate everything                              -> output Replicate
+
+Example, 4 ranks: ``x`` ``(8, 16)`` in ``[Shard(1)]`` times ``w`` ``(16, 6)`` in
+``[Shard(0)]`` is the row-parallel product: no data moves, the output ``(8, 6)`` is a
+pending sum (``[Partial()]``); ``w`` in ``[Replicate()]`` instead is sliced locally to
+``[Shard(0)]`` (free) for the same result. ``addmm``'s bias is added on one rank of each
+partial group only, so the pending sum counts it once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+
+aten = torch.ops.aten
+
+_LINEAR = ("sum", "avg")
+
+
+def _cost(current, wanted, numel: int) -> float:
+    """Bytes-like cost of moving one operand on one mesh axis (per rank, relative)."""
+    if current == wanted:
+        return 0.0
+    if current is None:
+        return float(numel)
+    if isinstance(current, Replicate) and isinstance(wanted, Shard):
+        return 0.0                     # a local slice
+    if isinstance(wanted, Partial):
+        return float("inf")            # partial sums are made by products, not by moving data
+    if isinstance(current, Partial):
+        return float(numel) * (2.0 if isinstance(wanted, Replicate) else 1.0)
+    return float(numel)                # all-gather or all-to-all
+
+
+def _candidates(batched: bool):
+    """(a placement, b placement, output placement) per strategy, dims of a [B?,M,K], b [B?,K,N]."""
+    o = 1 if batched else 0
+    out = [
+        (Shard(o), Replicate(), Shard(o)),                   # rows
+        (Replicate(), Shard(o + 1), Shard(o + 1)),           # columns
+        (Shard(o + 1), Shard(o), Partial("sum")),            # contraction
+        (Replicate(), Replicate(), Replicate()),
+    ]
+    if batched:
+        out.insert(0, (Shard(0), Shard(0), Shard(0)))
+    return out
+
+
+def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
+    """Per mesh axis: the cheapest (a, b, out) placements; linear partials are kept."""
+    wa, wb, wo = [], [], []
+    for axis in range(mesh.ndim):
+        pa = a.placements[axis] if a.placements is not None else None
+        pb = b.placements[axis] if b.placements is not None else None
+        options = list(_candidates(batched))
+        for p, other_first in ((pa, True), (pb, False)):
+            if isinstance(p, Partial) and p.reduce_op in _LINEAR:
+                options.append((p, Replicate(), p) if other_first else (Replicate(), p, p))
+        best = min(options, key=lambda c: (_cost(pa, c[0], _numel(a.shape)) + _cost(pb, c[1], _numel(b.shape)),
+                                           isinstance(c[2], Replicate)))
+        wa.append(best[0])
+        wb.append(best[1])
+        wo.append(best[2])
+    return tuple(wa), tuple(wb), tuple(wo)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _keep(spec: ArgSpec, wanted: tuple):
+    return None if spec.placements == wanted else wanted
+
+
+@register(aten.mm.default, aten.bmm.default)
+def mm(call: OpCall) -> Sharding:
+    a, b = call.specs
+    wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
+    return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=wo)
+
+
+def _bias_placements(bias: ArgSpec, out: tuple, out_ndim: int) -> tuple:
+    """The bias (broadcast against the output) sharded like the output; replicated on partial axes."""
+    want = []
+    for p in out:
+        if isinstance(p, Shard):
+            d = p.dim - (out_ndim - bias.ndim)
+            want.append(Shard(d) if d >= 0 and bias.shape[d] != 1 else Replicate())
+        else:
+            want.append(Replicate())
+    return tuple(want)
+
+
+@register(aten.addmm.default, aten.baddbmm.default)
+def addmm(call: OpCall) -> Sharding:
+    """``beta * bias + alpha * (a @ b)``: the product's sharding; the bias added once per partial group."""
+    bias, a, b = call.specs
+    batched = call.func is aten.baddbmm.default
+    wa, wb, wo = _product_strategy(a, b, call.mesh, batched)
+    out_ndim = 3 if batched else 2
+    want_bias = _bias_placements(bias, wo, out_ndim)
+    partial_axes = [name for name, p in zip(call.mesh.axis_names, wo) if isinstance(p, Partial)]
+    inputs = [_keep(bias, want_bias), _keep(a, wa), _keep(b, wb)]
+    if not partial_axes:
+        return Sharding(inputs=inputs, outputs=wo)
+    mesh, func = call.mesh, call.func
+
+    def local(call_, bias_local, a_local, b_local, **kwargs):
+        # a pending sum holds the bias once: on the rank at coordinate 0 of every partial axis
+        coords = mesh.coordinates()
+        if all(coords[axis] == 0 for axis in partial_axes):
+            return func(bias_local, a_local, b_local, **kwargs)
+        return func(bias_local, a_local, b_local, **{**kwargs, "beta": 0})
+
+    return Sharding(inputs=inputs, outputs=wo, local=local)
