@@ -337,7 +337,8 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                 f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
                                 f"(redistribute first, or use the out-of-place op)")
     # meta: the op on the global shapes of the (redistributed) inputs
-    out = _meta_outputs(func, args, kwargs, sharding)
+    returns_tensor = any("Tensor" in str(r.type) for r in func._schema.returns)
+    out = _meta_outputs(func, args, kwargs, sharding) if returns_tensor else None
     if isinstance(out, torch.Tensor):
         flat, structure = [out], "single"
     elif isinstance(out, (tuple, list)):
@@ -548,24 +549,24 @@ def _dispatch_foreach(func, args, kwargs):
     """``_foreach_op(list, ...)``: the same op once per list element (lists of one),
     so each element follows its own sharding rule."""
     schema = func._schema.arguments
-    lengths = {len(v) for v, a in zip(args, schema) if isinstance(v, (list, tuple)) and str(a.type).endswith("[]")}
-    lengths |= {len(v) for k, v in kwargs.items() if isinstance(v, (list, tuple))}
+    is_list = [isinstance(v, (list, tuple)) and isinstance(a.type, torch.ListType) for v, a in zip(args, schema)]
+    lengths = {len(v) for v, lst in zip(args, is_list) if lst}
+    lengths |= {len(v) for v in kwargs.values() if isinstance(v, (list, tuple))}
     if len(lengths) != 1:
         raise DispatchError(f"{func}: list arguments of different lengths {sorted(lengths)}")
     (n,) = lengths
-    is_list = [isinstance(v, (list, tuple)) and str(a.type).endswith("[]") for v, a in zip(args, schema)]
+    DTensor = _dtensor_module().DTensor
     results = []
     for i in range(n):
-        one_args = tuple([v[i]] if lst and str(schema[j].type).startswith("Tensor") else
-                         ([v[i]] if lst else v)
-                         for j, (v, lst) in enumerate(zip(args, is_list)))
-        # A Scalar[] argument gives element i as a one-element list too (the op takes lists).
+        # element i of every list argument, as a list of one (the op still takes lists)
+        one_args = tuple([v[i]] if lst else v for v, lst in zip(args, is_list))
         one_kwargs = {k: ([v[i]] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
-        if any(isinstance(x, _dtensor_module().DTensor) for v in one_args for x in (v if isinstance(v, list) else [v])):
+        if any(isinstance(x, DTensor) for v in one_args for x in (v if isinstance(v, list) else [v])):
             results.append(_dispatch_single_foreach(func, one_args, one_kwargs))
         else:
             results.append(func(*one_args, **one_kwargs))
-    if func._schema.returns and len(func._schema.returns) and str(func._schema.returns[0].type) == "Tensor[]":
+    returns = func._schema.returns
+    if returns and isinstance(returns[0].type, torch.ListType):
         return [r[0] for r in results]
     return None
 

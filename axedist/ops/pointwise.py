@@ -86,6 +86,10 @@ def _partial_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
         return None
     func = call.func
     if func in _LINEAR_ALL and all(partial):
+        # p + 1 (a Python number arrives as is) would add the number once per summand
+        if func._schema.name.split("::")[1].strip("_").replace("foreach_", "") in ("add", "sub") \
+                and len(tensors) < 2:
+            return None
         return next(iter(ops))
     positions = _LINEAR_ONE.get(func)
     if positions is not None and sum(partial) == 1 and partial.index(True) in positions:
