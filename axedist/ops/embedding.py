@@ -1,0 +1,121 @@
+"""Sharding rules for embedding lookups (``aten.embedding``) and their backward.
+
+Per mesh axis, the weight ``(V, D)`` decides:
+
+- ``Shard(0)`` (vocab-parallel): every rank looks up only the rows it holds; an index
+  outside its rows gives a zero row, so the output is ``Partial("sum")`` (exactly one rank
+  adds each real row). The indices must be whole on that axis (``Replicate``).
+- ``Shard(1)``: each rank's columns of every row: the output is ``Shard(-1)``.
+- ``Partial("sum")``: a row of a sum is the sum of the rows: the output stays partial.
+- ``Replicate``: the output follows the indices (``Shard(i)`` of the indices -> ``Shard(i)``).
+
+Example: ``V = 10`` on 4 ranks with ``[Shard(0)]`` holds rows ``[0,3) [3,6) [6,9) [9,10)``;
+indices ``[[1, 9]]`` (replicated) give rank 0 ``[[w[1], 0]]`` and rank 3 ``[[0, w[9]]]``;
+their sum is ``[[w[1], w[9]]]``.
+
+Backward (``embedding_dense_backward``, which sees the output grad and the indices but not
+the weight): on an axis where both are whole, every rank builds only its vocab rows of the
+weight grad (``Shard(0)``: what a vocab-sharded weight needs, with no communication and
+``1/k`` of the memory); a replicated weight then receives a ``Shard(0)`` grad, which an
+optimizer step gathers. Batch-sharded grads give a ``Partial("sum")`` weight grad, a grad
+sharded on its last dim gives ``Shard(1)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .shard_ranges import dim_range
+
+aten = torch.ops.aten
+
+__all__ = ["embedding_rule", "embedding_backward_rule"]
+
+
+def _placements(spec: ArgSpec, mesh) -> tuple:
+    """An argument's placements; a layout with no placement form is asked for as replicated."""
+    return spec.placements if spec.placements is not None else (Replicate(),) * mesh.ndim
+
+
+def _isShard(p, dim: int, ndim: int) -> bool:
+    return type(p) is Shard and p.dim % max(ndim, 1) == dim
+
+
+@register(aten.embedding.default)
+def embedding_rule(call: OpCall) -> Sharding:
+    weight, indices = call.args[0], call.args[1]
+    mesh = call.mesh
+    out_ndim = indices.ndim + 1
+    w_in, i_in, out = [], [], []
+    vocab_sharded = False
+    for wp, ip in zip(_placements(weight, mesh), _placements(indices, mesh)):
+        if _isShard(wp, 0, 2):
+            w_in.append(wp), i_in.append(Replicate()), out.append(Partial("sum"))
+            vocab_sharded = True
+        elif _isShard(wp, 1, 2):
+            w_in.append(wp), i_in.append(Replicate()), out.append(Shard(out_ndim - 1))
+        elif isinstance(wp, Partial) and wp.reduce_op == "sum":
+            w_in.append(wp), i_in.append(Replicate()), out.append(Partial("sum"))
+        elif type(ip) is Shard:
+            w_in.append(Replicate()), i_in.append(ip), out.append(Shard(ip.dim % indices.ndim))
+        else:
+            w_in.append(Replicate()), i_in.append(Replicate()), out.append(Replicate())
+    w_in, i_in = tuple(w_in), tuple(i_in)
+    local = _masked_lookup(weight.shape[0], w_in) if vocab_sharded else None
+    return Sharding(inputs=(w_in, i_in), outputs=tuple(out), local=local,
+                    note="vocab-sharded: masked lookup, partial sum" if vocab_sharded else "")
+
+
+def _masked_lookup(vocab: int, weight_placements):
+    """The local lookup of a vocab-sharded weight: rows this rank lacks give zeros."""
+
+    def local(call, weight, indices, *rest, **kwargs):
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= vocab):
+            bad = indices[(indices < 0) | (indices >= vocab)][0]
+            raise IndexError(f"embedding: index {int(bad)} is out of range for a vocabulary of {vocab} rows")
+        start, size = dim_range(vocab, 0, call.mesh, weight_placements, 2)
+        inside = (indices >= start) & (indices < start + size)
+        if size == 0:  # an uneven vocab leaves this rank no rows
+            return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+        rows = aten.embedding(weight, torch.where(inside, indices - start, torch.zeros_like(indices)))
+        return rows.masked_fill(~inside.unsqueeze(-1), 0)  # masked_fill: an inf row times 0 would be nan
+
+    return local
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_backward_rule(call: OpCall) -> Sharding:
+    grad, indices, num_weights, padding_idx, scale_grad_by_freq = call.args[:5]
+    mesh = call.mesh
+    last = grad.ndim - 1
+    g_in, i_in, out = [], [], []
+    for gp, ip in zip(_placements(grad, mesh), _placements(indices, mesh)):
+        if _isShard(gp, last, grad.ndim):
+            g_in.append(gp), i_in.append(Replicate()), out.append(Shard(1))
+        elif isinstance(gp, Partial) and gp.reduce_op == "sum":
+            g_in.append(gp), i_in.append(Replicate()), out.append(Partial("sum"))
+        elif not scale_grad_by_freq and (type(gp) is Shard or type(ip) is Shard):
+            # batch-sharded: each rank's rows of the grad add into every weight row (a partial sum);
+            # with scale_grad_by_freq the counts need every index, so that case gathers below
+            d = gp.dim % grad.ndim if type(gp) is Shard else ip.dim % indices.ndim
+            g_in.append(Shard(d)), i_in.append(Shard(d)), out.append(Partial("sum"))
+        else:
+            g_in.append(Replicate()), i_in.append(Replicate()), out.append(Shard(0))
+    vocab = tuple(out)
+    local = _masked_backward(num_weights, vocab) if any(_isShard(p, 0, 2) for p in vocab) else None
+    return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab, local=local)
+
+
+def _masked_backward(num_weights: int, out_placements):
+    """This rank's vocab rows of the weight grad: only the indices that fall in its rows count."""
+
+    def local(call, grad, indices, _num_weights, padding_idx, scale_grad_by_freq):
+        start, size = dim_range(num_weights, 0, call.mesh, out_placements, 2)
+        inside = ((indices >= start) & (indices < start + size)).reshape(-1)
+        rows = grad.reshape(-1, grad.shape[-1])[inside]
+        local_padding = padding_idx - start if start <= padding_idx < start + size else -1
+        return aten.embedding_dense_backward(rows, indices.reshape(-1)[inside] - start, size, local_padding,
+                                             scale_grad_by_freq)
+
+    return local

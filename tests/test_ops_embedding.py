@@ -1,0 +1,126 @@
+"""Embedding over DTensors (ops/embedding.py) against F.embedding on whole tensors.
+
+Every placement of the weight (vocab-sharded, dim-sharded, replicated) with every
+placement of the indices, on 2 and 4 ranks and a 2x2 mesh, uneven vocabularies included:
+the output and the weight grad must equal the single-device ones, and a vocab-sharded
+weight must give a partial-sum output (the masked lookup, not a gather) and a vocab-sharded
+grad.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from axedist.dtensor import distribute
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
+
+
+def _pairs(mesh, weight_options, index_options, generator, most=8):
+    """Placement pairs to try: all of them on a 1-D mesh, a random ``most`` of them on 2-D."""
+    pairs = [(list(w), list(i)) for w in itertools.product(weight_options, repeat=mesh.ndim)
+             for i in itertools.product(index_options, repeat=mesh.ndim)]
+    if len(pairs) > most:
+        pairs = [pairs[j] for j in torch.randperm(len(pairs), generator=generator)[:most].tolist()]
+    return pairs
+
+
+def _embedding_case(rank, world_size, mesh_name, seed):
+    mesh = DeviceMesh("cpu", *MESHES[mesh_name])
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(torch.randint(2, 12, (1,), generator=g))          # often not divisible by the mesh
+    dim = int(torch.randint(1, 6, (1,), generator=g))
+    batch, seq = (int(v) for v in torch.randint(1, 6, (2,), generator=g))
+    weight = torch.randn(vocab, dim, dtype=torch.float64, generator=g)
+    indices = torch.randint(0, vocab, (batch, seq), generator=g)
+    grad = torch.randn(batch, seq, dim, dtype=torch.float64, generator=g)
+    padding_idx = int(torch.randint(-1, vocab, (1,), generator=g))  # -1: none
+    scale = bool(torch.randint(0, 2, (1,), generator=g))
+    pad = None if padding_idx < 0 else padding_idx
+
+    reference = weight.clone().requires_grad_()
+    want = F.embedding(indices, reference, padding_idx=pad, scale_grad_by_freq=scale)
+    want.backward(grad)
+
+    checked = 0
+    for wp, ip in _pairs(mesh, [Shard(0), Shard(1), Replicate()], [Replicate(), Shard(0), Shard(1)], g):
+        w = distribute(weight, mesh, wp).requires_grad_()
+        i = distribute(indices, mesh, ip)
+        out = F.embedding(i, w, padding_idx=pad, scale_grad_by_freq=scale)
+        what = f"seed {seed}, vocab {vocab}, weight {wp}, indices {ip}"
+        torch.testing.assert_close(out.full_tensor(), want, msg=what)
+        for axis, p in enumerate(wp):
+            if p == Shard(0):
+                assert out.placements[axis] == Partial("sum"), f"{what}: {out.placements}"
+            if p == Shard(1):
+                assert out.placements[axis] == Shard(2), f"{what}: {out.placements}"
+        out.backward(distribute(grad, mesh, [Replicate()] * mesh.ndim))
+        torch.testing.assert_close(w.grad.full_tensor(), reference.grad, msg=what)
+        if not scale and all(p == Replicate() for p in ip):
+            # whole grads and indices: each rank builds only its vocab rows (no gather, no partial)
+            assert all(p == Shard(0) for p in w.grad.placements), f"{what}: {w.grad.placements}"
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("mesh_name,world_size", [("2", 2), ("4", 4), ("2x2", 4)])
+@settings(max_examples=3)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_embedding_forward_backward(mesh_name, world_size, seed):
+    counts = run_on_ranks(_embedding_case, world_size, args=(mesh_name, seed))
+    assert counts[0] == 8
+
+
+def _sharded_grad_case(rank, world_size, seed):
+    """A grad sharded on its last dim gives a dim-sharded weight grad; a batch-sharded one a partial sum."""
+    mesh = DeviceMesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(9, 6, dtype=torch.float64, generator=g)
+    indices = torch.randint(0, 9, (3, 5), generator=g)
+    grad = torch.randn(3, 5, 6, dtype=torch.float64, generator=g)
+    reference = weight.clone().requires_grad_()
+    F.embedding(indices, reference).backward(grad)
+    out = {}
+    for name, gp, ip in (("last", Shard(2), Replicate()), ("batch", Shard(0), Shard(0)), ("partial", None, Replicate())):
+        w = distribute(weight, mesh, [Replicate()]).requires_grad_()
+        i = distribute(indices, mesh, [ip])
+        if gp is None:  # a partial-sum grad: rank r holds grad * (r + 1) / sum
+            share = grad * (rank + 1) / sum(range(1, world_size + 1))
+            from axedist.dtensor import DTensor
+            dgrad = DTensor.from_local(share, mesh, [Partial("sum")])
+        else:
+            dgrad = distribute(grad, mesh, [gp])
+        F.embedding(i, w).backward(dgrad)
+        torch.testing.assert_close(w.grad.full_tensor(), reference.grad)
+        out[name] = w.grad.placements
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_embedding_backward_sharded_grads(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    got = run_on_ranks(_sharded_grad_case, world_size, args=(seed,))[0]
+    assert got == {"last": (Shard(1),), "batch": (Partial("sum"),), "partial": (Partial("sum"),)}
+
+
+def _bad_index_case(rank, world_size):
+    mesh = DeviceMesh("cpu", (world_size,))
+    w = distribute(torch.randn(5, 2), mesh, [Shard(0)])
+    i = distribute(torch.tensor([[1, 5]]), mesh, [Replicate()])
+    try:
+        F.embedding(i, w)
+    except IndexError as e:
+        return str(e)
+    return "no error"
+
+
+def test_embedding_index_out_of_range_is_a_clear_error():
+    messages = run_on_ranks(_bad_index_case, 2)
+    assert all("index 5 is out of range for a vocabulary of 5 rows" in m for m in messages), messages
