@@ -214,13 +214,10 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool = True) -> dict:
     residual = Shard(0) if sequence_parallel else Replicate()
     plan = {
         "tok_embeddings": VocabParallelEmbedding(output_layouts=residual),
-        "layers.*.attention": PrepareModuleInput(input_layouts=(residual, None, None),
-                                                 desired_input_layouts=(Replicate(), None, None)),
         "layers.*.attention.wq": ColwiseParallel(),
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
         "layers.*.attention.wo": RowwiseParallel(output_layouts=residual),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
         "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
@@ -228,6 +225,11 @@ def llama_tp_plan(cfg: LlamaConfig, sequence_parallel: bool = True) -> dict:
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1)),
     }
     if sequence_parallel:
+        # the blocks take the whole sequence: all-gather their sequence-sharded inputs
+        plan["layers.*.attention"] = PrepareModuleInput(input_layouts=(residual, None, None),
+                                                        desired_input_layouts=(Replicate(), None, None))
+        plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(residual,),
+                                                           desired_input_layouts=(Replicate(),))
         plan["layers.*.attention_norm"] = SequenceParallel(sequence_dim=0)
         plan["layers.*.ffn_norm"] = SequenceParallel(sequence_dim=0)
         plan["norm"] = SequenceParallel(sequence_dim=0)

@@ -499,12 +499,13 @@ def _matches(pattern: str, name: str) -> bool:
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: int | None = 0) -> nn.Module:
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: int | None | str = "first") -> nn.Module:
     """Apply ``plan`` (module-name pattern -> style) to ``module`` on a 1-D mesh, in place.
 
     Matching modules get their style (parameters laid out, input/output hooks); every other
     parameter and every buffer becomes a replicated DTensor. Parameter values come from
-    ``src_rank`` (``None``: every rank already holds the same values, nothing is sent).
+    global rank ``src_rank`` (default ``"first"``: the mesh's first rank, as torch's
+    ``distribute_tensor``; ``None``: every rank already holds the same values, nothing is sent).
     A pattern that matches no module is an error. Returns ``module``.
 
         >>> parallelize(model, mesh, {"layers.*.attention.wq": ColwiseParallel(), "output": ColwiseParallel()})
@@ -514,6 +515,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: in
     if mesh.ndim != 1:
         raise ValueError(f"parallelize lays modules out on a 1-D tensor-parallel mesh; mesh {mesh} has axes "
                          f"{mesh.axis_names}: pass mesh['<tp axis>']")
+    if src_rank == "first":
+        src_rank = mesh.ranks[0]
     styles = {pattern: from_torch_style(style) for pattern, style in plan.items()}
     used = {pattern: 0 for pattern in styles}
     shared: dict = {}
