@@ -67,8 +67,9 @@ def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
         for p, other_first in ((pa, True), (pb, False)):
             if isinstance(p, Partial) and p.reduce_op in _LINEAR:
                 options.append((p, Replicate(), p) if other_first else (Replicate(), p, p))
+        # cheapest first; among equals, the one that changes fewest operands (R x R stays R)
         best = min(options, key=lambda c: (_cost(pa, c[0], _numel(a.shape)) + _cost(pb, c[1], _numel(b.shape)),
-                                           isinstance(c[2], Replicate)))
+                                           (pa != c[0]) + (pb != c[1])))
         wa.append(best[0])
         wb.append(best[1])
         wo.append(best[2])

@@ -1,0 +1,58 @@
+"""mm/bmm/addmm/baddbmm on DTensors vs torch on full tensors, with gradients and output placements."""
+
+import random
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from axedist.dtensor import distribute
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+R, P = Replicate(), Partial()
+
+
+def _matmul(rank, world, two_d, seed):
+    mesh = DeviceMesh("cpu", (2, world // 2), ("x", "y")) if two_d else DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(7, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(9, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
+    # (a placements, b placements, expected output placements): no needless gather
+    one = [([Shard(1)], [Shard(0)], (P,)), ([Shard(0)], [R], (Shard(0),)), ([R], [Shard(1)], (Shard(1),)),
+           ([Shard(1)], [R], (P,)), ([R], [R], (R,)), ([Shard(0)], [Shard(1)], None), ([Shard(0)], [Shard(0)], None)]
+    two = [([Shard(0), Shard(1)], [R, Shard(0)], (Shard(0), P)), ([R, Shard(1)], [Shard(1), Shard(0)], (Shard(1), P)),
+           ([Shard(1), Shard(1)], [Shard(0), Shard(0)], (P, P)), ([Shard(0), R], [R, Shard(1)], (Shard(0), Shard(1)))]
+    for pa, pb, expected in (two if two_d else one):
+        da, db, dbias = distribute(a, mesh, pa), distribute(b, mesh, pb), distribute(bias, mesh, [R] * mesh.ndim)
+        c = torch.mm(da, db)
+        if expected is not None:
+            assert c.placements == expected, (pa, pb, c.placements)
+        assert torch.allclose(c.full_tensor(), a @ b)
+        c2 = torch.addmm(dbias, da, db, beta=0.5, alpha=2.0)
+        loss = (torch.relu(c2) * c2).full_tensor().sum()
+        got = torch.autograd.grad(loss, (a, b, bias))
+        want_c2 = torch.addmm(bias, a, b, beta=0.5, alpha=2.0)
+        want = torch.autograd.grad((torch.relu(want_c2) * want_c2).sum(), (a, b, bias))
+        assert torch.allclose(c2.full_tensor(), want_c2), (pa, pb)
+        for x, y in zip(got, want):
+            assert torch.allclose(x, y), (pa, pb)
+    # batched: batch sharded stays sharded; contraction sharded gives a partial sum
+    x = torch.randn(3, 6, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    inp = torch.randn(3, 6, 4, generator=g, dtype=torch.float64)
+    rest = [R] * (mesh.ndim - 1)
+    for px, py, expected in [([Shard(0)] + rest, [Shard(0)] + rest, Shard(0)), ([Shard(2)] + rest, [Shard(1)] + rest, P),
+                             ([Shard(1)] + rest, [R] + rest, Shard(1))]:
+        dx, dy = distribute(x, mesh, px), distribute(y, mesh, py)
+        out = torch.bmm(dx, dy)
+        assert out.placements[0] == expected and torch.allclose(out.full_tensor(), torch.bmm(x, y))
+        out2 = torch.baddbmm(distribute(inp, mesh, [R] * mesh.ndim), dx, dy, alpha=0.5)
+        assert torch.allclose(out2.full_tensor(), torch.baddbmm(inp, x, y, alpha=0.5))
+    return True
+
+
+@pytest.mark.parametrize("world,two_d", [(2, False), (4, False), (4, True)])
+def test_matmul_matches_full(world, two_d):
+    run_on_ranks(_matmul, world, args=(two_d, random.randrange(10**6)))
