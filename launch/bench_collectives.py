@@ -3,13 +3,17 @@
     torchrun --nproc_per_node=4 launch/bench_collectives.py --out benchmarks/results
 
 Size = bytes of each rank's full input (reduce-scatter, all-reduce) or of the gathered output
-(all-gather), bf16. Latency in us (median of calls, CUDA events, max over ranks); bus bandwidth
-as nccl-tests defines it: size / time * (W-1)/W (RS, AG) or * 2(W-1)/W (AR).
-  axedist       the public call (copies the input into the symmetric workspace first)
-  axedist_zc    input already in the workspace (p2p.symmetric_input): the kernel alone
+(all-gather), bf16. Latency in us: median over calls of CUDA events around each call, issued
+back to back as an application would (so host-bound calls show their host time), max over
+ranks. Bus bandwidth as nccl-tests defines it: size / time * (W-1)/W (RS, AG) or * 2(W-1)/W (AR).
+  push / pull   p2p.<op>(x, variant=...): the public call on an ordinary tensor
+  zc            pull of an input already in the symmetric workspace (p2p.symmetric_input)
   nccl          torch.distributed (NCCL, NVLS off)
-  torch_symm    torch.ops.symm_mem one_shot_all_reduce / two_shot_all_reduce_ (input in symm mem)
-Writes collectives_w{W}.json / .md / .png. Multicast stays off (refuses AXEDIST_ENABLE_MULTICAST=1).
+  symm          torch.ops.symm_mem one_shot_all_reduce / two_shot_all_reduce_ (input in symm mem)
+Every timed axedist variant is also checked against NCCL's result at every size.
+Writes collectives_w{W}.json / .md / .png; prints the per-size choice tables that
+collectives/p2p.py (MEASURED_VARIANT) and collectives/backend.py (MEASURED_CHOICE) hold.
+Multicast stays off (refuses AXEDIST_ENABLE_MULTICAST=1).
 """
 import argparse
 import datetime
@@ -18,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,18 +33,144 @@ from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.timing import time_collective  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+ONE_SHOT_MAX = 16 << 20
+# column key -> (op, label)
+SERIES = {
+    "rs_nccl": ("reduce_scatter", "NCCL"), "rs_push": ("reduce_scatter", "push"),
+    "rs_pull": ("reduce_scatter", "pull"), "rs_zc": ("reduce_scatter", "pull zc"),
+    "ag_nccl": ("all_gather", "NCCL"), "ag_push": ("all_gather", "push"),
+    "ag_pull": ("all_gather", "pull"),
+    "ar_nccl": ("all_reduce", "NCCL"), "ar1_push": ("all_reduce", "1-shot push"),
+    "ar1_pull": ("all_reduce", "1-shot pull"), "ar2_push": ("all_reduce", "2-shot push"),
+    "ar2_pull": ("all_reduce", "2-shot pull"), "ar_symm1": ("all_reduce", "torch-symm 1-shot"),
+    "ar_symm2": ("all_reduce", "torch-symm 2-shot"),
+}
+OURS = {"reduce_scatter": ["rs_push", "rs_pull"], "all_gather": ["ag_push", "ag_pull"],
+        "all_reduce": ["ar1_push", "ar1_pull", "ar2_push", "ar2_pull"]}
 
 
 def bus_factor(op, world):
     return 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
 
 
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def measure_size(size, world, rank, reps, group_name, symm_mem):
+    numel = size // 2
+    numel -= numel % (world * 16)
+    x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    row = dict(bytes=size, world=world)
+    errors = {}
+    # reduce-scatter
+    out = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty_like(out)
+    dist.reduce_scatter_tensor(ref, x)
+    row["rs_nccl"] = time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps)
+    for variant in ("push", "pull"):
+        row[f"rs_{variant}"] = time_collective(
+            lambda: p2p.reduce_scatter(x, out=out, variant=variant), reps)
+        errors[f"rs_{variant}"] = _rel(out, ref)
+
+    def rs_zero_copy():
+        staged = p2p.symmetric_input(x.shape, x.dtype, None, "reduce_scatter")
+        p2p.reduce_scatter(staged, out=out)
+    row["rs_zc"] = time_collective(rs_zero_copy, reps)  # the staged tensor holds stale data
+    # all-gather (size = gathered output)
+    piece = x[:numel // world]
+    gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
+    ag_ref = torch.empty_like(gathered)
+    dist.all_gather_into_tensor(ag_ref, piece)
+    row["ag_nccl"] = time_collective(lambda: dist.all_gather_into_tensor(gathered, piece), reps)
+    for variant in ("push", "pull"):
+        row[f"ag_{variant}"] = time_collective(
+            lambda: p2p.all_gather(piece, out=gathered, variant=variant), reps)
+        errors[f"ag_{variant}"] = 0.0 if torch.equal(gathered, ag_ref) else _rel(gathered, ag_ref)
+    # all-reduce
+    y = torch.empty_like(x)
+    ar_ref = x.clone()
+    dist.all_reduce(ar_ref)
+    row["ar_nccl"] = time_collective(lambda: (y.copy_(x), dist.all_reduce(y)), reps)
+    for algorithm, prefix in (("one_shot", "ar1"), ("two_shot", "ar2")):
+        if algorithm == "one_shot" and size > ONE_SHOT_MAX:
+            continue
+        for variant in ("push", "pull"):
+            row[f"{prefix}_{variant}"] = time_collective(
+                lambda: p2p.all_reduce(x, out=y, algorithm=algorithm, variant=variant), reps)
+            errors[f"{prefix}_{variant}"] = _rel(y, ar_ref)
+    try:
+        symm = symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16)
+        symm_mem.rendezvous(symm, group_name)
+        symm.copy_(x)
+        if size <= ONE_SHOT_MAX:
+            row["ar_symm1"] = time_collective(
+                lambda: torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", group_name), reps)
+        row["ar_symm2"] = time_collective(
+            lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name), reps)
+    except Exception as error:  # noqa: BLE001 - record why PyTorch's op did not run
+        row["torch_symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    torch.cuda.synchronize()
+    worst = torch.tensor([max(errors.values())], dtype=torch.float64, device="cuda")
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    row["errors_rank0"] = errors
+    row["max_rel_err_vs_nccl"] = worst.item()
+    for key in list(row):
+        if key in SERIES and row[key] is not None:
+            row[key.replace("_", "_busbw_", 1)] = (
+                size / (row[key] * 1e-3) * bus_factor(SERIES[key][0], world) / 1e9)
+    return row
+
+
+def host_overhead(world, calls=300):
+    """CPU time per call (no synchronization inside the loop) at 64 KB: what bounds latency
+    when the device part is a few microseconds."""
+    x = torch.randn(32768, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(32768 // world, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    cases = {
+        "rs_nccl": lambda: dist.reduce_scatter_tensor(out, x),
+        "rs_push": lambda: p2p.reduce_scatter(x, out=out, variant="push"),
+        "rs_push_alloc": lambda: p2p.reduce_scatter(x, variant="push"),
+        "ag_push": lambda: p2p.all_gather(out, out=x, variant="push"),
+        "ar1_push": lambda: p2p.all_reduce(x, out=y, algorithm="one_shot", variant="push"),
+        "empty_like": lambda: torch.empty_like(out),
+    }
+    result = {}
+    for name, fn in cases.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        result[name] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+        dist.barrier()
+    return result
+
+
+def choice_tables(rows):
+    """Per op: the fastest axedist variant per size, and whether it beats NCCL there."""
+    variant, backend = {}, {}
+    for op, keys in OURS.items():
+        variant[op], backend[op] = [], []
+        for row in rows:
+            timed = [(row[key], key) for key in keys if row.get(key) is not None]
+            best_time, best_key = min(timed)
+            variant[op].append((row["bytes"], best_key))
+            nccl = row[{"reduce_scatter": "rs_nccl", "all_gather": "ag_nccl",
+                        "all_reduce": "ar_nccl"}[op]]
+            backend[op].append((row["bytes"], "p2p" if best_time < nccl else "torch"))
+    return variant, backend
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--profile", action="store_true",
-                        help="only measure host (CPU) time per call at 64 KB and print a cProfile")
+    parser.add_argument("--sizes", type=int, nargs="*", default=None, help="bytes")
     args = parser.parse_args()
     if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
         raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
@@ -51,111 +182,29 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     group_name = dist.group.WORLD.group_name
     import torch.distributed._symmetric_memory as symm_mem
-    if args.profile:
-        profile_host_overhead(world, rank)
-        dist.destroy_process_group()
-        return
     rows = []
-    for size in SIZES:
-        numel = size // 2
-        numel -= numel % (world * 16)
-        x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-        row = dict(bytes=size, world=world)
-        # reduce-scatter
-        out = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
-        row["rs_nccl"] = time_collective(lambda: dist.reduce_scatter_tensor(out, x), args.reps)
-        row["rs_axedist"] = time_collective(lambda: p2p.reduce_scatter(x, out=out), args.reps)
-
-        def rs_zero_copy():
-            staged = p2p.symmetric_input(x.shape, x.dtype, None, "reduce_scatter")
-            p2p.reduce_scatter(staged, out=out)
-        row["rs_axedist_zc"] = time_collective(rs_zero_copy, args.reps)
-        # all-gather (size = gathered output)
-        piece = x[:numel // world]
-        gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
-        row["ag_nccl"] = time_collective(lambda: dist.all_gather_into_tensor(gathered, piece), args.reps)
-        row["ag_axedist"] = time_collective(lambda: p2p.all_gather(piece, out=gathered), args.reps)
-        # all-reduce
-        y = torch.empty_like(x)
-        row["ar_nccl"] = time_collective(lambda: (y.copy_(x), dist.all_reduce(y)), args.reps)
-        row["ar_axedist_one_shot"] = (time_collective(lambda: p2p.all_reduce(x, out=y, algorithm="one_shot"), args.reps)
-                                      if size <= (16 << 20) else None)
-        row["ar_axedist_two_shot"] = time_collective(lambda: p2p.all_reduce(x, out=y, algorithm="two_shot"), args.reps)
-        try:
-            symm = symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16)
-            symm_mem.rendezvous(symm, group_name)
-            symm.copy_(x)
-            row["ar_torch_symm_one_shot"] = (time_collective(
-                lambda: torch.ops.symm_mem.one_shot_all_reduce(symm, "sum", group_name), args.reps)
-                if size <= (16 << 20) else None)
-            row["ar_torch_symm_two_shot"] = time_collective(
-                lambda: torch.ops.symm_mem.two_shot_all_reduce_(symm, "sum", group_name), args.reps)
-        except Exception as error:
-            row["torch_symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        # correctness of the timed calls against NCCL
-        check = p2p.reduce_scatter(x)
-        dist.reduce_scatter_tensor(out, x)
-        row["rs_rel_err_vs_nccl"] = ((check.float() - out.float()).norm() / out.float().norm()).item()
-        for key in list(row):
-            if key.startswith(("rs_", "ag_", "ar_")) and isinstance(row[key], float) and "err" not in key:
-                op = {"rs": "reduce_scatter", "ag": "all_gather", "ar": "all_reduce"}[key[:2]]
-                row[key.replace("_", "_busbw_", 1)] = size / (row[key] * 1e-3) * bus_factor(op, world) / 1e9
+    for size in args.sizes or SIZES:
+        row = measure_size(size, world, rank, args.reps, group_name, symm_mem)
         rows.append(row)
         if rank == 0:
-            print(f"{size >> 10:>8} KB  RS us: nccl {row['rs_nccl']*1e3:8.1f} axedist {row['rs_axedist']*1e3:8.1f} "
-                  f"zero-copy {row['rs_axedist_zc']*1e3:8.1f} | AG nccl {row['ag_nccl']*1e3:8.1f} axedist {row['ag_axedist']*1e3:8.1f} "
-                  f"| AR nccl {row['ar_nccl']*1e3:8.1f} axedist 2-shot {row['ar_axedist_two_shot']*1e3:8.1f}", flush=True)
-        del x, y, out, gathered
+            print(f"{size >> 10:>8} KB " + " ".join(
+                f"{key} {row[key] * 1e3:.1f}" for key in SERIES if row.get(key) is not None)
+                + f" | max rel err {row['max_rel_err_vs_nccl']:.1e}", flush=True)
         torch.cuda.empty_cache()
+    host = host_overhead(world)
     if rank == 0:
-        write_outputs(rows, world, args.out)
+        print("host us/call at 64 KB: " + ", ".join(f"{k} {v:.1f}" for k, v in host.items()),
+              flush=True)
+        write_outputs(rows, host, world, args.out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def profile_host_overhead(world, rank, calls=300):
-    """CPU time per call (no synchronization inside the loop) of small collectives, and where
-    axedist's goes: tells launch/host overhead apart from device time."""
-    import cProfile
-    import pstats
-    import time
-    x = torch.randn(32768, device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(32768 // world, device="cuda", dtype=torch.bfloat16)
-    cases = {
-        "nccl_rs": lambda: dist.reduce_scatter_tensor(out, x),
-        "axedist_rs": lambda: p2p.reduce_scatter(x, out=out),
-        "axedist_ag": lambda: p2p.all_gather(out, out=x),
-        "copy_only": lambda: out.copy_(x[:out.numel()]),
-    }
-    for name, fn in cases.items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = (time.perf_counter() - start) / calls
-        torch.cuda.synchronize()
-        total = (time.perf_counter() - start) / calls
-        if rank == 0:
-            print(f"profile {name}: host {host * 1e6:.1f} us/call, host+device {total * 1e6:.1f} us/call", flush=True)
-    profiler = cProfile.Profile()
-    dist.barrier()
-    profiler.enable()
-    for _ in range(calls):
-        p2p.reduce_scatter(x, out=out)
-    profiler.disable()
-    torch.cuda.synchronize()
-    if rank == 0:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
 
 
 def _fmt(value, scale=1e3):
     return "n/a" if value is None else f"{value * scale:.1f}"
 
 
-def write_outputs(rows, world, out_dir):
+def write_outputs(rows, host, world, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -166,44 +215,64 @@ def write_outputs(rows, world, out_dir):
                 machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                 commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
                 command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
+    variant, backend = choice_tables(rows)
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
-        json.dump(dict(meta=meta, rows=rows), handle, indent=1)
+        json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host,
+                       fastest_variant=variant, faster_than_nccl=backend), handle, indent=1)
     lines = [f"# Collectives, W={world}, bf16 ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; NVLS/multicast off",
              f"command: `{meta['command']}`", "",
-             "latency in us (median, max over ranks) / bus bandwidth GB/s; zc = input already in the symmetric workspace", "",
-             "| size | RS NCCL | RS axedist | RS axedist zc | RS busbw NCCL / axedist / zc | AG NCCL | AG axedist | AR NCCL | AR ax 1-shot | AR ax 2-shot | AR torch-symm 1-shot | AR torch-symm 2-shot |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['bytes'] >> 10} KB | {_fmt(r['rs_nccl'])} | {_fmt(r['rs_axedist'])} | {_fmt(r['rs_axedist_zc'])} | "
-            f"{r['rs_busbw_nccl']:.0f} / {r['rs_busbw_axedist']:.0f} / {r['rs_busbw_axedist_zc']:.0f} | "
-            f"{_fmt(r['ag_nccl'])} | {_fmt(r['ag_axedist'])} | {_fmt(r['ar_nccl'])} | {_fmt(r.get('ar_axedist_one_shot'))} | "
-            f"{_fmt(r['ar_axedist_two_shot'])} | {_fmt(r.get('ar_torch_symm_one_shot'))} | {_fmt(r.get('ar_torch_symm_two_shot'))} |")
+             "Latency in us (median of CUDA-event intervals of back-to-back calls, max over ranks); "
+             "busbw in GB/s. push / pull: the public call on an ordinary tensor; zc: input already "
+             "in the symmetric workspace. `best/NCCL` = NCCL latency / fastest axedist latency.", ""]
+    for op, keys in (("reduce_scatter", ["rs_nccl", "rs_push", "rs_pull", "rs_zc"]),
+                     ("all_gather", ["ag_nccl", "ag_push", "ag_pull"]),
+                     ("all_reduce", ["ar_nccl", "ar1_push", "ar1_pull", "ar2_push", "ar2_pull",
+                                     "ar_symm1", "ar_symm2"])):
+        lines += [f"## {op}", "", "| size | " + " | ".join(SERIES[k][1] for k in keys)
+                  + " | best/NCCL | busbw NCCL / best |", "|---" * (len(keys) + 3) + "|"]
+        for r in rows:
+            best = min(r[k] for k in OURS[op] if r.get(k) is not None)
+            lines.append(f"| {r['bytes'] >> 10} KB | " + " | ".join(_fmt(r.get(k)) for k in keys)
+                         + f" | {r[keys[0]] / best:.2f}x | {r[keys[0].replace('_', '_busbw_', 1)]:.0f} / "
+                         f"{r['bytes'] / (best * 1e-3) * bus_factor(op, world) / 1e9:.0f} |")
+        lines.append("")
+    lines += ["host CPU us per call at 64 KB (no sync in the loop): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in host.items()), "",
+              f"max relative error vs NCCL over all sizes and variants: "
+              f"{max(r['max_rel_err_vs_nccl'] for r in rows):.2e}", ""]
     with open(os.path.join(out_dir, f"collectives_w{world}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
+    print("fastest variant per size:", json.dumps(variant), flush=True)
+    print("p2p faster than NCCL per size:", json.dumps(backend), flush=True)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         sizes = [r["bytes"] for r in rows]
-        figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-        for key, label in [("rs_nccl", "RS NCCL"), ("rs_axedist", "RS axedist"), ("rs_axedist_zc", "RS axedist zero-copy"),
-                           ("ag_nccl", "AG NCCL"), ("ag_axedist", "AG axedist"), ("ar_nccl", "AR NCCL"),
-                           ("ar_axedist_two_shot", "AR axedist 2-shot")]:
-            left.plot(sizes, [r[key] * 1e3 for r in rows], marker="o", label=label)
-            busbw = key.replace("_", "_busbw_", 1)
-            right.plot(sizes, [r[busbw] for r in rows], marker="o", label=label)
-        for axis, name in ((left, "latency (us)"), (right, "bus bandwidth (GB/s)")):
-            axis.set_xscale("log", base=2)
-            axis.set_xlabel("bytes")
-            axis.set_ylabel(name)
-            axis.legend(fontsize=7)
-        left.set_yscale("log")
-        figure.suptitle(f"bf16 collectives, W={world}, {meta['machine']}", fontsize=9)
+        figure, axes = plt.subplots(2, 3, figsize=(15, 8))
+        for column, op in enumerate(("reduce_scatter", "all_gather", "all_reduce")):
+            for key, (series_op, label) in SERIES.items():
+                if series_op != op:
+                    continue
+                points = [(s, r[key]) for s, r in zip(sizes, rows) if r.get(key) is not None]
+                if not points:
+                    continue
+                busbw = key.replace("_", "_busbw_", 1)
+                axes[0][column].plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=label)
+                axes[1][column].plot([p[0] for p in points], [r[busbw] for r in rows if r.get(key) is not None],
+                                     marker="o", label=label)
+            axes[0][column].set_title(op)
+            for axis, name in ((axes[0][column], "latency (us)"), (axes[1][column], "bus bandwidth (GB/s)")):
+                axis.set_xscale("log", base=2)
+                axis.set_xlabel("bytes")
+                axis.set_ylabel(name)
+                axis.legend(fontsize=7)
+            axes[0][column].set_yscale("log")
+        figure.suptitle(f"bf16 collectives, W={world}, {meta['machine']}, commit {meta['commit']}", fontsize=9)
         figure.tight_layout()
-        figure.savefig(os.path.join(out_dir, f"collectives_w{world}.png"), dpi=110)
+        figure.savefig(os.path.join(out_dir, f"collectives_w{world}.png"), dpi=100)
     except ImportError:
         print("matplotlib missing: no PNG")
 

@@ -2,6 +2,7 @@
 # One device call: multi-GPU tests and benchmarks of the communication layer, logs under $OUT.
 #   bash launch/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
 #   bash launch/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
+#   bash launch/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
@@ -34,7 +35,17 @@ if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton
 grep -E "torch|GPU0|NV" "$LOGS/env.log" | head -8
 
 PYTEST="python3 -m pytest -q -rf -p no:cacheprovider"
-if [[ $MODE == first ]]; then
+if [[ $MODE == collectives ]]; then  # issue 6 speed work: tests + benchmarks, W=4 then W=2
+  step precompile 150 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
+  step pytest_w4 200 $PYTEST -x tests_multigpu/test_collectives.py
+  step bench_collectives_w4 150 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 150 $PYTEST -x tests_multigpu/test_collectives.py
+  CUDA_VISIBLE_DEVICES=0,1 step bench_collectives_w2 90 torchrun --nproc_per_node=2 launch/bench_collectives.py --reps 20 --out "$RESULTS"
+elif [[ $MODE == collectives_w4 ]]; then  # the W=4 half alone
+  step precompile 150 python3 launch/precompile_collectives.py --worlds 4 --jobs 48
+  step pytest_w4 200 $PYTEST -x tests_multigpu/test_collectives.py
+  step bench_collectives_w4 150 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+elif [[ $MODE == first ]]; then
   step smoke_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back"
   step bench_gemm_rs_w4 220 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
@@ -61,6 +72,11 @@ fi
 grep -h "^profile\|tottime\|{built-in\|\.py:" "$LOGS"/profile_w4.log 2>/dev/null | head -30
 cat "$RESULTS"/*.md 2>/dev/null | grep -v "^$" | head -80
 tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null
-[[ $MODE == final ]] || tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
+if [[ $MODE == collectives* ]]; then  # at most 8 files come back: the bundle, summary, results
+  cp "$RESULTS"/collectives_w4.* "$RESULTS"/collectives_w2.json "$RESULTS"/collectives_w2.md "$OUT"/ 2>/dev/null
+  rm -rf "$LOGS" "$RESULTS"
+else
+  [[ $MODE == final ]] || tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
+fi
 ls -la "$OUT"
 echo "=== summary ==="; cat "$SUMMARY"

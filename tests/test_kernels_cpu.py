@@ -154,63 +154,59 @@ def test_device_decode_matches_schedule_under_the_interpreter():
 
 # -- compilation for sm_90a --------------------------------------------------------------------
 
-def _collective_signature(dtype):
-    signature = {"out_ptr": f"*{dtype}"}
-    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
-        signature[name] = "i64"
-    signature.update(chunk_numel="i32", chunk_stride="i32", rank="i32", epoch="i32",
-                     abort_ptr="*i32", error_address="i64", timeout_ns="i64")
-    return signature
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce_one_shot", "all_reduce_two_shot")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _compile_collective(op, dtype="bf16", world=4, rows=8, push=False, copy_in=True,
+                        multimem=False, chunk=1 << 20):
+    """Compile `op`'s kernel exactly as p2p.CallPlan does on a GPU, for sm_90a."""
+    from axedist.collectives import p2p
+    return p2p.compile_collective(op, _DTYPES[dtype], world, rows, push, copy_in, multimem,
+                                  chunk, aligned=True, capability=90)
 
 
 @pytest.mark.parametrize("dtype,ptx_op", [("bf16", "add.acc::f32.v4.bf16x2"), ("fp16", "add.acc::f32.v4.f16x2"), ("fp32", "add.v4.f32")])
-def test_multimem_reduce_scatter_ptx_for_sm90a(dtype, ptx_op):
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_reduce_one_shot", "all_reduce_two_shot"])
+def test_multimem_collectives_ptx_for_sm90a(op, dtype, ptx_op):
     _need_triton()
-    from axedist.kernels.collective_kernels import reduce_scatter_kernel
-    from axedist.kernels.compile_check import compile_for_target
-    kernel = compile_for_target(
-        reduce_scatter_kernel, _collective_signature(dtype),
-        dict(WORLD=4, ROWS=4, COLS=1024, MULTIMEM=True, ALIGNED=True),
-        divisible_by_16=["out_ptr", "chunk_numel", "chunk_stride"], num_warps=8)
+    kernel = _compile_collective(op, dtype, multimem=True)
     ptx = kernel.asm["ptx"]
     assert ".target sm_90a" in ptx
     assert f"multimem.ld_reduce.relaxed.sys.global.{ptx_op}" in ptx
     assert len(kernel.asm["cubin"]) > 0  # ptxas accepted it for sm_90a
 
 
-def test_p2p_reduce_scatter_uses_acquire_release_bounded_waits_and_vector_peer_loads():
+@pytest.mark.parametrize("push", [False, True])
+@pytest.mark.parametrize("op", COLLECTIVE_OPS)
+def test_p2p_collectives_signal_with_one_fence_wait_bounded_and_move_16_byte_vectors(op, push):
     _need_triton()
-    from axedist.kernels.collective_kernels import reduce_scatter_kernel
-    from axedist.kernels.compile_check import compile_for_target
-    kernel = compile_for_target(
-        reduce_scatter_kernel, _collective_signature("bf16"),
-        dict(WORLD=4, ROWS=4, COLS=1024, MULTIMEM=False, ALIGNED=True),
-        divisible_by_16=["out_ptr", "chunk_numel", "chunk_stride"], num_warps=8)
-    ptx = kernel.asm["ptx"]
+    ptx = _compile_collective(op, "bf16", push=push).asm["ptx"]
+    barriers = 2 if op == "all_reduce_two_shot" else 1
     assert "multimem" not in ptx
-    assert "ld.acquire.sys.global.b32" in ptx and "st.release.sys.global.b32" in ptx
-    assert "%globaltimer" in ptx  # the spin-wait is bounded by time
-    assert ptx.count("ld.global.v4") >= 4  # 16-byte peer loads, not 2-byte scalars
+    # per barrier: one system-scope fence, then a relaxed flag store to each of the 3 peers
+    assert ptx.count("fence.acq_rel.sys") == barriers
+    assert ptx.count("st.relaxed.sys.global.b32") == 3 * barriers
+    assert "ld.acquire.sys.global.b32" in ptx and "%globaltimer" in ptx  # bounded local waits
+    assert ptx.count("ld.global.v4") >= 4 and ptx.count("st.global.v4") >= 4
 
 
-@pytest.mark.parametrize("kernel_name", ["all_gather_kernel", "all_reduce_one_shot_kernel", "all_reduce_two_shot_kernel"])
-def test_other_collectives_compile_for_sm90a(kernel_name):
+def test_unaligned_sizes_compile_too():
     _need_triton()
-    from axedist.kernels import collective_kernels
-    from axedist.kernels.compile_check import compile_for_target
-    kernel_fn = getattr(collective_kernels, kernel_name)
-    signature = _collective_signature("bf16")
-    constexprs = dict(WORLD=8, ROWS=4, COLS=1024, ALIGNED=True)
-    if kernel_name == "all_gather_kernel":
-        del signature["multicast_base"], signature["chunk_stride"]
-    else:
-        constexprs["MULTIMEM"] = False
-        signature["numel"] = signature.pop("chunk_numel")
-        if kernel_name == "all_reduce_one_shot_kernel":
-            del signature["chunk_stride"]
-    signature = {name: signature[name] for name in kernel_fn.arg_names if name in signature}
-    kernel = compile_for_target(kernel_fn, signature, constexprs, num_warps=8)
-    assert "ld.acquire.sys" in kernel.asm["ptx"]
+    for op in COLLECTIVE_OPS:
+        assert "ld.acquire.sys" in _compile_collective(op, "fp16", world=8, rows=2, chunk=1001).asm["ptx"]
+
+
+def test_collective_phases_match_a_float64_reference_under_the_interpreter():
+    """Every op, push / pull / zero-copy, W = 2, 3, 4, odd sizes and tails, run phase by phase
+    rank by rank (tests/collectives_interpreter.py): indexing and workspace layout on CPU."""
+    _need_triton()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "tests", "collectives_interpreter.py")
+    result = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
+        result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def _fused_signature(tma, transposed, config, dtype="bf16"):
@@ -314,6 +310,25 @@ def test_measured_table_and_backend_names():
     with pytest.raises(ValueError, match="backend must be one of"):
         backend.select_backend("reduce_scatter", torch.ones(4), None, "nccl")
     assert backend.select_backend("reduce_scatter", torch.ones(4), None, "torch") == "torch"
+
+
+def test_p2p_geometry_variants_and_input_errors():
+    from axedist.collectives import p2p
+    # reduce-scatter of 4 x 1001 elements: chunks padded to 1008 in the workspace, no zero-copy
+    rs = p2p._geometry("reduce_scatter", (4 * 1001,), 4)
+    assert (rs["chunk"], rs["stride"], rs["elements"], rs["zero_copy_elements"]) == (1001, 1008, 4032, -1)
+    # two-shot all-reduce of 10 elements on 4 ranks: chunks of 16, push slots + gathered chunks
+    ar = p2p._geometry("all_reduce_two_shot", (10,), 4)
+    assert (ar["stride"], ar["work"], ar["elements"]) == (16, 16, 128)
+    assert p2p._choose_variant("all_gather", 1 << 20, "pull") == "pull"
+    assert p2p._choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
+    with pytest.raises(ValueError, match="variant must be one of"):
+        p2p._choose_variant("all_gather", 1, "multicast")
+    with pytest.raises(ValueError, match="must be on a CUDA device"):
+        p2p.reduce_scatter(torch.ones(8))
+    with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
+        p2p.all_reduce(torch.ones(8, dtype=torch.int64), algorithm="two_shot")
+    assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["abort_ptr", "chunk_stride"]
 
 
 def test_error_record_round_trip():

@@ -40,7 +40,7 @@ def _reference_sum(x, world):
     return gathered.float().sum(0)
 
 
-def body_reduce_scatter(rank, world, sizes, dtypes, repeats):
+def body_reduce_scatter(rank, world, sizes, dtypes, repeats, variant):
     from axedist.collectives import p2p
     failures = []
     for dtype in dtypes:
@@ -48,7 +48,15 @@ def body_reduce_scatter(rank, world, sizes, dtypes, repeats):
             for repeat in range(repeats):
                 x = _inputs(rank, (world * chunk,), dtype, seed=chunk + repeat + 7 * DTYPES.index(dtype))
                 out = torch.full((chunk,), float("nan"), dtype=dtype, device="cuda")
-                p2p.reduce_scatter(x, out=out)
+                if variant == "zero_copy":
+                    staged = p2p.symmetric_input(x.shape, dtype, None, "reduce_scatter")
+                    if staged is None:  # chunk not a multiple of 16: the call copies instead
+                        staged = x
+                    else:
+                        staged.copy_(x)
+                    p2p.reduce_scatter(staged, out=out)
+                else:
+                    p2p.reduce_scatter(x, out=out, variant=variant)
                 ref = _reference_sum(x, world)[rank * chunk:(rank + 1) * chunk]
                 nccl = torch.empty(chunk, dtype=dtype, device="cuda")
                 dist.reduce_scatter_tensor(nccl, x)
@@ -56,12 +64,12 @@ def body_reduce_scatter(rank, world, sizes, dtypes, repeats):
                     failures.append(f"{dtype} chunk {chunk} repeat {repeat}: NaN left (unwritten)")
                 error = _rel_error(out, ref)
                 if error > _tolerance(dtype, world) / 4:
-                    failures.append(f"{dtype} chunk {chunk}: rel error {error:.2e} vs fp32 ref")
+                    failures.append(f"{variant} {dtype} chunk {chunk}: rel error {error:.2e} vs fp32 ref")
                 if _rel_error(out, nccl) > _tolerance(dtype, world):
-                    failures.append(f"{dtype} chunk {chunk}: differs from NCCL")
+                    failures.append(f"{variant} {dtype} chunk {chunk}: differs from NCCL")
     # 2-D input, dim 0 scattered
     x = _inputs(rank, (world * 3, 129), torch.bfloat16, seed=99)
-    out = p2p.reduce_scatter(x)
+    out = p2p.reduce_scatter(x, variant="pull" if variant == "zero_copy" else variant)
     ref = _reference_sum(x, world)[rank * 3:(rank + 1) * 3]
     if out.shape != (3, 129) or _rel_error(out, ref) > 5e-3:
         failures.append(f"2-D reduce-scatter: shape {tuple(out.shape)}, error {_rel_error(out, ref)}")
@@ -71,62 +79,86 @@ def body_reduce_scatter(rank, world, sizes, dtypes, repeats):
     return failures
 
 
-def body_all_gather(rank, world, sizes, dtypes):
+def body_all_gather(rank, world, sizes, dtypes, variant):
     from axedist.collectives import p2p
     failures = []
     for dtype in dtypes:
         for chunk in sizes:
             x = _inputs(rank, (chunk,), dtype, seed=chunk + 3)
             out = torch.full((world * chunk,), float("nan"), dtype=dtype, device="cuda")
-            p2p.all_gather(x, out=out)
+            if variant == "zero_copy":
+                staged = p2p.symmetric_input(x.shape, dtype, None, "all_gather")
+                staged.copy_(x)
+                p2p.all_gather(staged, out=out)
+            else:
+                p2p.all_gather(x, out=out, variant=variant)
             ref = torch.empty(world * chunk, dtype=dtype, device="cuda")
             dist.all_gather_into_tensor(ref, x)
             if not torch.equal(out, ref):
-                failures.append(f"{dtype} chunk {chunk}: all_gather differs from NCCL "
+                failures.append(f"{variant} {dtype} chunk {chunk}: all_gather differs from NCCL "
                                 f"(NaN left: {bool(torch.isnan(out).any())})")
     torch.cuda.synchronize()
     return failures
 
 
-def body_all_reduce(rank, world, sizes, dtypes, algorithm):
+def body_all_reduce(rank, world, sizes, dtypes, algorithm, variant):
     from axedist.collectives import p2p
     failures = []
     for dtype in dtypes:
         for numel in sizes:
             x = _inputs(rank, (numel,), dtype, seed=numel + 11)
             out = torch.full((numel,), float("nan"), dtype=dtype, device="cuda")
-            p2p.all_reduce(x, out=out, algorithm=algorithm)
+            if variant == "zero_copy":
+                staged = p2p.symmetric_input(x.shape, dtype, None, "all_reduce")
+                staged.copy_(x)
+                p2p.all_reduce(staged, out=out, algorithm=algorithm)
+            else:
+                p2p.all_reduce(x, out=out, algorithm=algorithm, variant=variant)
             ref = _reference_sum(x, world)
             if torch.isnan(out).any():
-                failures.append(f"{algorithm} {dtype} n {numel}: NaN left")
+                failures.append(f"{algorithm} {variant} {dtype} n {numel}: NaN left")
             error = _rel_error(out, ref)
             if error > _tolerance(dtype, world) / 4:
-                failures.append(f"{algorithm} {dtype} n {numel}: rel error {error:.2e}")
+                failures.append(f"{algorithm} {variant} {dtype} n {numel}: rel error {error:.2e}")
             # every rank must hold bit-identical results (two-shot gathers one reduced copy)
             if algorithm == "two_shot":
                 gathered = torch.empty((world, numel), dtype=dtype, device="cuda")
                 dist.all_gather_into_tensor(gathered, out)
                 if not all(torch.equal(gathered[0], gathered[r]) for r in range(world)):
-                    failures.append(f"two_shot {dtype} n {numel}: ranks disagree")
+                    failures.append(f"two_shot {variant} {dtype} n {numel}: ranks disagree")
     torch.cuda.synchronize()
     return failures
 
 
 def body_back_to_back(rank, world, calls):
-    """Many calls of mixed ops and sizes with no host sync: epochs and halves alternate."""
+    """Many calls of mixed ops, variants and sizes with no host sync: epochs and halves
+    alternate, push calls write into halves that pull calls read, and the public api runs."""
+    import axedist.collectives as collectives
     from axedist.collectives import p2p
     inputs, outputs = [], []
     for call in range(calls):
         chunk = 1000 + 4096 * (call % 5)
         x = _inputs(rank, (world * chunk,), torch.bfloat16, seed=500 + call)
         inputs.append(x)
-        kind = call % 3
+        kind, variant = call % 3, ("push", "pull", "auto", "zero_copy")[call % 4]
         if kind == 0:
-            outputs.append(p2p.reduce_scatter(x))
+            if variant == "zero_copy" and chunk % 16 == 0:
+                staged = p2p.symmetric_input(x.shape, x.dtype, None, "reduce_scatter")
+                staged.copy_(x)
+                outputs.append(p2p.reduce_scatter(staged))
+            elif variant == "auto":
+                outputs.append(collectives.reduce_scatter(x, backend="p2p"))
+            else:
+                outputs.append(p2p.reduce_scatter(x, variant="pull" if variant == "zero_copy" else variant))
         elif kind == 1:
-            outputs.append(p2p.all_reduce(x, algorithm="two_shot"))
+            algorithm = ("one_shot", "two_shot")[call % 2]
+            if variant == "auto":
+                outputs.append(collectives.all_reduce(x, backend="p2p"))
+            else:
+                outputs.append(p2p.all_reduce(x, algorithm=algorithm,
+                                              variant="push" if variant == "push" else "pull"))
         else:
-            outputs.append(p2p.all_gather(x))
+            outputs.append(p2p.all_gather(x, variant="push" if variant == "push" else "pull"))
     failures = []
     for call, (x, out) in enumerate(zip(inputs, outputs)):
         chunk = x.numel() // world
@@ -145,7 +177,21 @@ def body_back_to_back(rank, world, calls):
     return failures
 
 
-def body_timeout(rank, world):
+def body_view_inside_workspace(rank, world):
+    """An input that lies inside the call's workspace half but is not the symmetric_input
+    tensor (an offset view) must still give the right sum: the call copies it out first."""
+    from axedist.collectives import p2p
+    chunk = 4096
+    staged = p2p.symmetric_input((world * chunk + 64,), torch.float32, None, "reduce_scatter")
+    x = _inputs(rank, (world * chunk,), torch.float32, seed=77)
+    view = staged[64:]
+    view.copy_(x)
+    out = p2p.reduce_scatter(view)
+    ref = _reference_sum(x, world)[rank * chunk:(rank + 1) * chunk]
+    return _rel_error(out, ref)
+
+
+def body_timeout(rank, world, variant):
     """Rank 0 never launches; the other ranks' kernels must give up and raise, naming rank 0."""
     from axedist.collectives import CollectiveTimeoutError, p2p
     from axedist.collectives.symmetric import get_workspace
@@ -153,7 +199,7 @@ def body_timeout(rank, world):
     workspace = get_workspace(None, x.numel() * 2 * 64, fresh=True)  # collective allocation
     message = ""
     if rank != 0:
-        p2p.reduce_scatter(x, timeout_s=0.5)
+        p2p.reduce_scatter(x, timeout_s=0.5, variant=variant)
         try:
             workspace.check(synchronize=True)
         except CollectiveTimeoutError as error:
@@ -162,7 +208,7 @@ def body_timeout(rank, world):
     from axedist.collectives import reset
     reset()
     # the group works again afterwards (fresh workspace)
-    out = p2p.reduce_scatter(x)
+    out = p2p.reduce_scatter(x, variant=variant)
     ref = _reference_sum(x, world)[rank * 4096:(rank + 1) * 4096]
     return message, _rel_error(out, ref)
 
@@ -173,7 +219,10 @@ def body_errors(rank, world):
     for bad in (lambda: p2p.reduce_scatter(torch.randn(world * 2 + 1, device="cuda")),
                 lambda: p2p.reduce_scatter(torch.randn(8)),
                 lambda: p2p.all_reduce(torch.ones(8, dtype=torch.int32, device="cuda")),
-                lambda: reduce_scatter(torch.randn(8, device="cuda"), backend="nccl")):
+                lambda: reduce_scatter(torch.randn(8, device="cuda"), backend="nccl"),
+                lambda: p2p.all_gather(torch.randn(8, device="cuda"), variant="multicast"),
+                lambda: p2p.reduce_scatter(torch.randn(world * 4, device="cuda"),
+                                           out=torch.empty(3, device="cuda"))):
         try:
             bad()
             messages.append(None)
@@ -182,20 +231,28 @@ def body_errors(rank, world):
     return messages
 
 
-def test_reduce_scatter_matches_nccl():
-    results = run_on_ranks(body_reduce_scatter, WORLD, "nccl", args=(SIZES, DTYPES, 2), timeout_s=600)
+VARIANTS = ("push", "pull", "zero_copy")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reduce_scatter_matches_nccl(variant):
+    results = run_on_ranks(body_reduce_scatter, WORLD, "nccl", args=(SIZES, DTYPES, 2, variant),
+                           timeout_s=600)
     assert results == [[]] * WORLD, results
 
 
-def test_all_gather_matches_nccl():
-    results = run_on_ranks(body_all_gather, WORLD, "nccl", args=(SIZES, DTYPES), timeout_s=600)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_all_gather_matches_nccl(variant):
+    results = run_on_ranks(body_all_gather, WORLD, "nccl", args=(SIZES, DTYPES, variant), timeout_s=600)
     assert results == [[]] * WORLD, results
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_all_reduce_matches_reference(algorithm):
+def test_all_reduce_matches_reference(algorithm, variant):
     sizes = (1, 7, 4097, 65_537, 1 << 20, 3_000_001)
-    results = run_on_ranks(body_all_reduce, WORLD, "nccl", args=(sizes, DTYPES, algorithm), timeout_s=600)
+    results = run_on_ranks(body_all_reduce, WORLD, "nccl", args=(sizes, DTYPES, algorithm, variant),
+                           timeout_s=600)
     assert results == [[]] * WORLD, results
 
 
@@ -204,8 +261,14 @@ def test_back_to_back_calls_without_resets():
     assert results == [[]] * WORLD, results
 
 
-def test_peer_that_never_signals_raises_timeout():
-    results = run_on_ranks(body_timeout, WORLD, "nccl", timeout_s=300)
+def test_input_view_inside_the_workspace_is_copied_out_first():
+    errors = run_on_ranks(body_view_inside_workspace, WORLD, "nccl", timeout_s=300)
+    assert all(error < 1e-5 for error in errors), errors
+
+
+@pytest.mark.parametrize("variant", ["push", "pull"])
+def test_peer_that_never_signals_raises_timeout(variant):
+    results = run_on_ranks(body_timeout, WORLD, "nccl", args=(variant,), timeout_s=300)
     assert results[0][0] == ""
     for rank in range(1, WORLD):
         message, error = results[rank]
@@ -219,3 +282,5 @@ def test_bad_input_raises_clear_errors():
     assert messages[1] and "CUDA" in messages[1]
     assert messages[2] and "dtype" in messages[2]
     assert messages[3] and "backend must be one of" in messages[3]
+    assert messages[4] and "variant must be one of" in messages[4]
+    assert messages[5] and "out must be" in messages[5]

@@ -78,8 +78,20 @@ def measured_choice(op: str, nbytes: int) -> str:
     return MEASURED_CHOICE[op][-1][1]
 
 
+_possible: dict[tuple, tuple[bool, str]] = {}
+
+
 def p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
-    """Can the symmetric-memory kernels run for this tensor and group at all?"""
+    """Can the symmetric-memory kernels run for this tensor and group at all? (Asked on every
+    collective call: the answer is cached per device kind, dtype and group.)"""
+    key = (tensor.is_cuda, tensor.dtype, group)
+    answer = _possible.get(key)
+    if answer is None:
+        answer = _possible[key] = _p2p_possible(tensor, group)
+    return answer
+
+
+def _p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
     if not tensor.is_cuda:
         return False, "tensor is not on a CUDA device"
     if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -105,7 +117,7 @@ def select_backend(op: str, tensor: torch.Tensor, group, requested: str = "auto"
     if requested in ("p2p", "multimem") and not possible:
         raise ValueError(f"backend {requested!r} cannot run: {reason}")
     if requested == "multimem":
-        allowed, why = multimem_allowed(tensor.device.index)
+        allowed, why = multimem_allowed(tensor.get_device())
         if not allowed:
             raise ValueError(f"backend 'multimem' is not available: {why}")
         return "multimem"
@@ -113,7 +125,7 @@ def select_backend(op: str, tensor: torch.Tensor, group, requested: str = "auto"
         return "p2p"
     if not possible:
         return "torch"
-    if multimem_allowed(tensor.device.index)[0]:
+    if multimem_allowed(tensor.get_device())[0]:
         return "multimem"
     nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
     return measured_choice(op, nbytes)

@@ -1,8 +1,15 @@
 """Host side of the symmetric-memory collectives (p2p, or multimem where allowed).
 
-Each call copies the input into this rank's half of the group's workspace (skipped when the
-caller already wrote it there through `symmetric_input`), then launches one kernel that starts
-with a block-wise barrier and pulls the peers' data over NVLink, summing in fp32.
+One kernel launch per call and nothing else on the host's critical path: the kernel reads the
+caller's input itself (collective_kernels.py), so there is no copy kernel, no allocation but the
+output (none when `out` is given), no host synchronization. What does not change between calls
+of the same op, shape, dtype and group -- compiled kernel, grid, workspace addresses, the
+launch arguments of both workspace halves -- is a `CallPlan`, built on the first call.
+
+Variants (measured, benchmarks/results/collectives_w4.md; `variant="auto"` picks by size):
+  push  each rank stores its data into the peers' workspaces, then combines locally;
+  pull  each rank copies its data into its own workspace, then loads the peers' over NVLink.
+        An input already in the workspace (`symmetric_input`) skips the copy (zero-copy).
 
     >>> out = reduce_scatter(x, group)      # x: [W * m, ...] bf16 on cuda -> [m, ...]
 """
@@ -11,12 +18,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .symmetric import get_workspace
+from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
-ROWS, COLS = 8, 1024  # one program iteration covers 8192 elements, 32 per thread at 8 warps
-BLOCK = ROWS * COLS
+COLS = 1024
 NUM_WARPS = 8
-ONE_SHOT_ALL_REDUCE_MAX_BYTES = 1 << 19  # measured switch point (benchmarks/results/)
+ONE_SHOT_ALL_REDUCE_MAX_BYTES = 1 << 20  # all_reduce "auto": one-shot up to here (measured)
+VARIANTS = ("auto", "push", "pull")
+# op -> [(max bytes of the call's input, variant), ...]: the faster variant per size, W=4 H200
+# (benchmarks/results/collectives_w4.md); the last entry covers everything larger.
+MEASURED_VARIANT: dict[str, list[tuple[int, str]]] = {
+    "reduce_scatter": [(1 << 40, "push")],
+    "all_gather": [(1 << 40, "push")],
+    "all_reduce_one_shot": [(1 << 40, "push")],
+    "all_reduce_two_shot": [(1 << 40, "push")],
+}
+_SEGMENT_FLAGS = 8  # flag words per barrier slot (one per possible peer, W <= 8)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -26,12 +42,19 @@ def _round_up(value: int, multiple: int) -> int:
 _processors: dict[int, int] = {}
 
 
-def _programs(elements_per_rank_pass: int, device: torch.device) -> int:
-    processors = _processors.get(device.index)
+def _programs(work: int, block: int, device_index: int) -> int:
+    processors = _processors.get(device_index)
     if processors is None:
-        processors = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        processors = torch.cuda.get_device_properties(device_index).multi_processor_count
+        _processors[device_index] = processors
     # at most one program per SM: always co-resident, so the block-wise barrier cannot deadlock
-    return max(1, min((elements_per_rank_pass + BLOCK - 1) // BLOCK, processors))
+    return max(1, min((work + block - 1) // block, processors, MAX_BARRIER_PROGRAMS))
+
+
+def _rows(work: int) -> int:
+    # small calls: 2048-element tiles spread the NVLink traffic over more SMs (lower latency);
+    # large calls: 8192-element tiles keep more bytes in flight per SM
+    return 8 if work >= 8192 * 132 else 2
 
 
 def _check_input(x: torch.Tensor, op: str) -> None:
@@ -39,152 +62,300 @@ def _check_input(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: tensor must be on a CUDA device, got {x.device}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"{op}: dtype must be bf16, fp16 or fp32, got {x.dtype}")
-    if x.numel() >= (1 << 31):
+    if x.numel() >= (1 << 31) // 2:
         raise ValueError(f"{op}: {x.numel()} elements exceed the kernels' int32 indexing")
 
 
-def _common(workspace, epoch):
-    return dict(abort_ptr=workspace.abort, error_address=workspace.error_address(),
-                timeout_ns=workspace.timeout_ns(epoch))
-
-
-def _layout_numel(op: str, shape, world: int) -> tuple[int, int]:
-    """(elements a rank places in its workspace half, chunk stride) for op on `shape`."""
+def _geometry(op: str, shape, world: int) -> dict:
+    """Sizes of one call: per-rank work, chunk, 16-aligned stride, workspace elements (the
+    larger of the push and pull layouts, so that the variant never changes the allocation)."""
     numel = 1
     for size in shape:
         numel *= size
     if op == "reduce_scatter":
-        stride = _round_up(numel // world, 16)
-        return world * stride, stride
+        chunk = numel // world
+        stride = _round_up(chunk, 16)
+        return dict(numel=numel, chunk=chunk, stride=stride, work=chunk, elements=world * stride,
+                    zero_copy_elements=numel if stride == chunk else -1)
     if op == "all_gather":
-        return numel, numel
+        stride = _round_up(numel, 16)
+        return dict(numel=numel, chunk=numel, stride=stride, work=numel,
+                    elements=world * stride, zero_copy_elements=numel)
+    if op == "all_reduce_one_shot":
+        stride = _round_up(numel, 16)
+        return dict(numel=numel, chunk=numel, stride=stride, work=numel,
+                    elements=world * stride, zero_copy_elements=numel)
     stride = _round_up((numel + world - 1) // world, 16)
-    return world * stride, stride
+    return dict(numel=numel, chunk=numel, stride=stride, work=stride, elements=2 * world * stride,
+                zero_copy_elements=numel)
+
+
+def _kernel(op: str):
+    from ..kernels import collective_kernels
+    return getattr(collective_kernels, f"{op}_kernel")
+
+
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def kernel_signature(op: str, dtype: torch.dtype) -> dict:
+    """Triton types of the runtime arguments of `op`'s kernel, in order."""
+    element = _TRITON_DTYPE[dtype]
+    signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", epoch="i32", timeout_ns="i64")
+    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
+        signature[name] = "i64"
+    signature.update({_size_name(op): "i32", "chunk_stride": "i32", "rank": "i32",
+                      "abort_ptr": "*i32", "error_address": "i64"})
+    if op == "all_gather":  # a gather has nothing to reduce: no multicast address
+        del signature["multicast_base"]
+    return signature
+
+
+def kernel_constexprs(op: str, world: int, rows: int, push: bool, copy_in: bool,
+                      multimem: bool) -> dict:
+    """Compile-time arguments of `op`'s kernel, in the kernel's order (every phase runs)."""
+    values = dict(WORLD=world, ROWS=rows, COLS=COLS, MULTIMEM=multimem, PUSH=push,
+                  COPY_IN=copy_in, PHASES=7 if op == "all_reduce_two_shot" else 3)
+    return {name: values[name] for name in _kernel(op).arg_names if name in values}
+
+
+def divisible_arguments(op: str, chunk: int, aligned: bool) -> list[str]:
+    """Arguments Triton may assume divisible by 16 (16-byte aligned pointers, sizes): what makes
+    the loads and stores 16-byte vectors. The host compiles separate kernels otherwise."""
+    names = ["abort_ptr", "chunk_stride"] + (["x_ptr", "out_ptr"] if aligned else [])
+    return names + ([_size_name(op)] if chunk % 16 == 0 else [])
+
+
+def compile_collective(op: str, dtype: torch.dtype, world: int, rows: int, push: bool,
+                       copy_in: bool, multimem: bool, chunk: int, aligned: bool,
+                       capability: int = 90):
+    """`op`'s kernel compiled for one call shape class (Triton caches it on disk): what the GPU
+    launches, what the CPU tests inspect and what launch/precompile_collectives.py warms.
+
+    >>> compile_collective("reduce_scatter", torch.bfloat16, 4, 8, True, True, False,
+    ...                    1 << 20, True).asm["ptx"].count("st.relaxed.sys")   # 3 peers: 3
+    """
+    from ..kernels.compile_check import compile_for_target
+    constexprs = kernel_constexprs(op, world, rows, push, copy_in, multimem)
+    return compile_for_target(_kernel(op), kernel_signature(op, dtype), constexprs,
+                              divisible_arguments(op, chunk, aligned), capability=capability,
+                              num_warps=NUM_WARPS)
+
+
+def _size_name(op: str) -> str:
+    return "chunk_numel" if op in ("reduce_scatter", "all_gather") else "numel"
+
+
+class CallPlan:
+    """What one collective call needs that does not change between calls.
+
+    >>> plan = CallPlan("reduce_scatter", (4096,), torch.bfloat16, None, 0, "push", False)
+    >>> plan          # CallPlan(reduce_scatter push, bf16 (4096,) W=4: 2 programs x 2048)
+    """
+
+    def __init__(self, op: str, shape, dtype: torch.dtype, group, device_index: int,
+                 variant: str, multimem: bool, aligned: bool = True):
+        self.op, self.shape, self.dtype, self.group = op, tuple(shape), dtype, group
+        self.device_index, self.multimem, self.aligned = device_index, multimem, aligned
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if op == "reduce_scatter" and (len(shape) == 0 or shape[0] % self.world != 0):
+            raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(shape)} is not divisible "
+                             f"by the group size {self.world}")
+        self.geometry = _geometry(op, shape, self.world)
+        self.variant = "pull" if multimem else variant
+        device = torch.device("cuda", device_index)
+        self.workspace = get_workspace(group, self.geometry["elements"] * dtype.itemsize, device)
+        if multimem and not self.workspace.multicast_base:
+            raise ValueError(f"{op}: multimem needs a multicast mapping, and the symmetric "
+                             f"workspace has none")
+        self.rows = _rows(self.geometry["work"])
+        self.programs = _programs(self.geometry["work"], self.rows * COLS, device_index)
+        self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half)
+                       for half in (0, 1)]
+        self._launches: dict[tuple[bool, bool], tuple] = {}
+
+    def __repr__(self) -> str:
+        return (f"CallPlan({self.op} {self.variant}{' multimem' if self.multimem else ''}, "
+                f"{_TRITON_DTYPE[self.dtype]} {self.shape} W={self.world}: "
+                f"{self.programs} programs x {self.rows * COLS})")
+
+    # -- kernels ---------------------------------------------------------------------------
+    def _launch(self, push: bool, copy_in: bool):
+        """(CompiledLaunch, static arguments of half 0, of half 1) for this variant."""
+        entry = self._launches.get((push, copy_in))
+        if entry is not None:
+            return entry
+        from ..kernels.launch import CompiledLaunch
+        geometry = self.geometry
+        major, minor = torch.cuda.get_device_capability(self.device_index)
+        compiled = compile_collective(self.op, self.dtype, self.world, self.rows, push, copy_in,
+                                      self.multimem, geometry["chunk"], self.aligned,
+                                      major * 10 + minor)
+        constexprs = kernel_constexprs(self.op, self.world, self.rows, push, copy_in,
+                                       self.multimem)
+        launch = CompiledLaunch(compiled, tuple(constexprs.values()))
+        workspace = self.workspace
+        statics = []
+        for half in (0, 1):
+            values = list(workspace.data_addresses(half))
+            if self.op != "all_gather":
+                values.append(workspace.multicast_address(half) if self.multimem else 0)
+            values += workspace.barrier_addresses()
+            values += [geometry["chunk"], geometry["stride"], self.rank,
+                       workspace.abort.data_ptr(), workspace.error_address()]
+            statics.append(tuple(values))
+        entry = (launch, statics[0], statics[1])
+        self._launches[(push, copy_in)] = entry
+        return entry
+
+    # -- per call --------------------------------------------------------------------------
+    def run(self, x: torch.Tensor, out: torch.Tensor, timeout_s: float | None) -> None:
+        workspace = self.workspace
+        epoch, half = workspace.begin_call(self.op, timeout_s)
+        if epoch >= (1 << 31) - 2:  # int32 epochs: a fresh workspace starts again at 1
+            raise RuntimeError("workspace epoch exhausted; call collectives.reset(group)")
+        if self.geometry["work"] == 0:
+            return
+        x_address = x.data_ptr()
+        push, copy_in = self.variant == "push", True
+        start = self.halves[half]
+        if start <= x_address < start + workspace.data_bytes:
+            if x_address == start and self.geometry["zero_copy_elements"] >= 0:
+                # the caller wrote the input into this call's half (symmetric_input): pull it
+                # in place; pushing would let the peers overwrite it while it is being read
+                push, copy_in = False, False
+            else:  # some other view of this half: the kernel would overwrite its own input
+                x = x.clone()  # kept alive by this frame until the launch is queued
+                x_address = x.data_ptr()
+        launch, static0, static1 = self._launch(push, copy_in)
+        timeout = workspace.timeout_s
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        launch(self.programs, stream, (x_address, out.data_ptr(), epoch, int(timeout * 1e9),
+                                       *(static1 if half else static0)))
+
+
+_plans: dict[tuple, CallPlan] = {}
+
+
+def _choose_variant(op: str, nbytes: int, variant: str) -> str:
+    if variant != "auto":
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+        return variant
+    for limit, choice in MEASURED_VARIANT[op]:
+        if nbytes <= limit:
+            return choice
+    return MEASURED_VARIANT[op][-1][1]
+
+
+def _plan(op: str, x: torch.Tensor, group, variant: str, multimem: bool,
+          out: torch.Tensor | None) -> CallPlan:
+    aligned = x.data_ptr() % 16 == 0 and (out is None or out.data_ptr() % 16 == 0)
+    key = (op, group, x.shape, x.dtype, x.get_device(), variant, multimem, aligned)
+    plan = _plans.get(key)
+    if plan is not None and not plan.workspace.retired:
+        return plan
+    _check_input(x, op.replace("_one_shot", "").replace("_two_shot", ""))
+    if x.get_device() != torch.cuda.current_device():
+        raise ValueError(f"{op}: tensor is on cuda:{x.get_device()} but the current device is "
+                         f"cuda:{torch.cuda.current_device()} (torch.cuda.set_device first)")
+    chosen = _choose_variant(op, x.numel() * x.element_size(), variant)
+    plan = CallPlan(op, x.shape, x.dtype, group, x.get_device(), chosen, multimem, aligned)
+    _plans[key] = plan
+    return plan
+
+
+def _check_out(out: torch.Tensor, shape, x: torch.Tensor, op: str) -> None:
+    if out.shape != shape or out.dtype != x.dtype or out.device != x.device \
+            or not out.is_contiguous():
+        raise ValueError(f"{op}: out must be a contiguous {x.dtype} tensor of shape "
+                         f"{tuple(shape)} on {x.device}, got {out.dtype} {tuple(out.shape)} "
+                         f"on {out.device}")
 
 
 def symmetric_input(shape, dtype: torch.dtype, group=None, op: str = "reduce_scatter"):
     """A tensor in this rank's workspace half that the NEXT `op` call on `group` reads in place
-    (no copy-in). Write it on the current stream after the previous call on the group was
-    issued. Returns None when the op pads chunks in the workspace (reduce-scatter chunks whose
-    size is not a multiple of 16 elements): then the call copies.
+    (no copy, pull variant). Write it on the current stream after the previous call on the
+    group was issued. Every rank of that call must pass such a tensor (or none does): the
+    ranks' variants must agree. Returns None when the op's workspace layout differs from the
+    tensor's (reduce-scatter chunks whose size is not a multiple of 16 elements).
+    op: "reduce_scatter", "all_gather" or "all_reduce" (one-shot or two-shot: same layout).
     """
     world = dist.get_world_size(group)
-    numel, stride = _layout_numel(op, shape, world)
-    count = 1
-    for size in shape:
-        count *= size
-    if op == "reduce_scatter" and stride * world != count:
+    ops = ("all_reduce_one_shot", "all_reduce_two_shot") if op == "all_reduce" else (op,)
+    geometries = [_geometry(name, shape, world) for name in ops]
+    geometry = geometries[-1]
+    if geometry["zero_copy_elements"] < 0:
         return None
-    workspace = get_workspace(group, numel * dtype.itemsize)
+    # as large as the call's own plan will ask for, so that the call finds this same workspace
+    elements = max(g["elements"] for g in geometries)
+    workspace = get_workspace(group, elements * dtype.itemsize)
     half = (workspace.epoch + 1) % 2
-    return workspace.local_data(half, dtype, numel)[:count].view(shape)
-
-
-def _stage(x: torch.Tensor, flat: torch.Tensor, world: int, stride: int, op: str) -> None:
-    """Copy x into the workspace half `flat` in the op's layout unless it is already there."""
-    if x.data_ptr() == flat.data_ptr() and (op != "reduce_scatter" or stride * world == x.numel()):
-        return
-    if op == "reduce_scatter":
-        chunk = x.numel() // world
-        flat.view(world, stride)[:, :chunk].copy_(x.reshape(world, chunk))
-    else:
-        flat[:x.numel()].copy_(x.reshape(-1))
+    count = geometry["numel"]
+    return workspace.local_data(half, dtype, count).view(shape)
 
 
 def reduce_scatter(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
-                   multimem: bool = False, timeout_s: float | None = None) -> torch.Tensor:
+                   multimem: bool = False, timeout_s: float | None = None,
+                   variant: str = "auto") -> torch.Tensor:
     """Sum x over the group's ranks and keep this rank's slice of dim 0.
 
     >>> x = torch.randn(8, 5, device="cuda", dtype=torch.bfloat16)   # W = 4
     >>> reduce_scatter(x, group).shape                              # torch.Size([2, 5])
     """
-    from ..kernels.collective_kernels import reduce_scatter_kernel
-
-    _check_input(x, "reduce_scatter")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if x.dim() == 0 or x.shape[0] % world != 0:
-        raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(x.shape)} is not divisible by "
-                         f"the group size {world}")
-    x = x.contiguous()
-    numel, stride = _layout_numel("reduce_scatter", x.shape, world)
-    chunk = x.numel() // world
-    workspace = get_workspace(group, numel * x.element_size(), x.device)
-    epoch, half = workspace.begin_call("reduce_scatter", timeout_s)
-    _stage(x, workspace.local_data(half, x.dtype, numel), world, stride, "reduce_scatter")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    plan = _plan("reduce_scatter", x, group, variant, multimem, out)
+    shape = (x.shape[0] // plan.world, *x.shape[1:])
     if out is None:
-        out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if chunk == 0:
-        return out
-    reduce_scatter_kernel[(_programs(chunk, x.device),)](
-        out, *workspace.data_addresses(half), workspace.multicast_address(half) if multimem
-        else 0, *workspace.flag_addresses(), chunk, stride, rank, epoch,
-        WORLD=world, ROWS=ROWS, COLS=COLS, MULTIMEM=multimem, ALIGNED=True,
-        num_warps=NUM_WARPS, **_common(workspace, epoch))
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, shape, x, "reduce_scatter")
+    plan.run(x, out, timeout_s)
     return out
 
 
 def all_gather(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
-               timeout_s: float | None = None) -> torch.Tensor:
+               timeout_s: float | None = None, variant: str = "auto") -> torch.Tensor:
     """Concatenate every rank's x along dim 0 (rank order).
 
     >>> all_gather(torch.ones(2, 3, device="cuda"), group).shape   # W = 4: torch.Size([8, 3])
     """
-    from ..kernels.collective_kernels import all_gather_kernel
-
-    _check_input(x, "all_gather")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     if x.dim() == 0:
         x = x.reshape(1)
-    chunk = x.numel()
-    workspace = get_workspace(group, chunk * x.element_size(), x.device)
-    epoch, half = workspace.begin_call("all_gather", timeout_s)
-    _stage(x, workspace.local_data(half, x.dtype, chunk), world, chunk, "all_gather")
+    plan = _plan("all_gather", x, group, variant, False, out)
+    shape = (plan.world * x.shape[0], *x.shape[1:])
     if out is None:
-        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    if chunk == 0:
-        return out
-    all_gather_kernel[(_programs(chunk, x.device),)](
-        out, *workspace.data_addresses(half), *workspace.flag_addresses(), chunk, rank, epoch,
-        WORLD=world, ROWS=ROWS, COLS=COLS, ALIGNED=True, num_warps=NUM_WARPS,
-        **_common(workspace, epoch))
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, shape, x, "all_gather")
+    plan.run(x, out, timeout_s)
     return out
 
 
 def all_reduce(x: torch.Tensor, group=None, out: torch.Tensor | None = None,
                algorithm: str = "auto", multimem: bool = False,
-               timeout_s: float | None = None) -> torch.Tensor:
-    """Sum x over the group's ranks (out of place). algorithm: "one_shot" (every rank pulls
+               timeout_s: float | None = None, variant: str = "auto") -> torch.Tensor:
+    """Sum x over the group's ranks (out of place). algorithm: "one_shot" (every rank combines
     everything: lowest latency), "two_shot" (reduce-scatter + all-gather: least traffic) or
     "auto" (one-shot up to ONE_SHOT_ALL_REDUCE_MAX_BYTES).
-    """
-    from ..kernels.collective_kernels import (all_reduce_one_shot_kernel,
-                                              all_reduce_two_shot_kernel)
 
-    _check_input(x, "all_reduce")
+    >>> all_reduce(torch.full((3,), 2.0, device="cuda"), group)   # W = 4: tensor([8., 8., 8.])
+    """
     if algorithm not in ("auto", "one_shot", "two_shot"):
         raise ValueError(f"algorithm must be auto, one_shot or two_shot, got {algorithm!r}")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    numel, stride = _layout_numel("all_reduce", x.shape, world)
+    if not x.is_contiguous():
+        x = x.contiguous()
     if algorithm == "auto":
         nbytes = x.numel() * x.element_size()
         algorithm = "one_shot" if nbytes <= ONE_SHOT_ALL_REDUCE_MAX_BYTES else "two_shot"
-    workspace = get_workspace(group, numel * x.element_size(), x.device)
-    epoch, half = workspace.begin_call(f"all_reduce/{algorithm}", timeout_s)
-    _stage(x, workspace.local_data(half, x.dtype, numel), world, stride, "all_reduce")
-    out = torch.empty_like(x) if out is None else out
-    if x.numel() == 0:
-        return out
-    multicast = workspace.multicast_address(half) if multimem else 0
-    common = dict(WORLD=world, ROWS=ROWS, COLS=COLS, MULTIMEM=multimem, ALIGNED=True,
-                  num_warps=NUM_WARPS, **_common(workspace, epoch))
-    if algorithm == "one_shot":
-        all_reduce_one_shot_kernel[(_programs(x.numel(), x.device),)](
-            out, *workspace.data_addresses(half), multicast, *workspace.flag_addresses(),
-            x.numel(), rank, epoch, **common)
+    plan = _plan(f"all_reduce_{algorithm}", x, group, variant, multimem, out)
+    if out is None:
+        out = torch.empty_like(x)
     else:
-        all_reduce_two_shot_kernel[(_programs(stride, x.device),)](
-            out, *workspace.data_addresses(half), multicast, *workspace.flag_addresses(),
-            x.numel(), stride, rank, epoch, **common)
+        _check_out(out, x.shape, x, "all_reduce")
+    plan.run(x, out, timeout_s)
     return out

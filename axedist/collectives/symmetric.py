@@ -3,7 +3,11 @@
 Built on torch.distributed._symmetric_memory (`empty` + `rendezvous`): every rank allocates the
 same number of bytes and gets the peers' base addresses, usable inside kernels. Layout:
 
-    [ flags: FLAG_SLOTS int32 | data half 0: data_bytes | data half 1: data_bytes ]
+    [ flags: FLAG_SLOTS int32 | barrier: BARRIER_SLOTS int32 | data half 0 | data half 1 ]
+
+Flags are written by their owner (the fused kernel's tile flags); barrier words are written by
+the peers (the collectives' block barriers store into the peer's area and spin locally). Keeping
+the two apart means a word only ever receives writes of one discipline, whose values grow.
 
 Epochs. Every call on a workspace takes the next epoch e = 1, 2, 3, ...; it writes e into flags
 (system-scope release) and waits until the peers' flags are >= e. The data half used by call e is
@@ -28,6 +32,9 @@ from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
 FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
 FLAG_BYTES = FLAG_SLOTS * 4
+MAX_BARRIER_PROGRAMS = 512
+BARRIER_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x one word per peer
+BARRIER_BYTES = BARRIER_SLOTS * 4
 MIN_DATA_BYTES = 1 << 22
 ALIGN_BYTES = 1 << 12
 
@@ -79,7 +86,7 @@ class SymmetricWorkspace:
                 f"group has {self.world_size}")
         self.device = device
         self.data_bytes = data_bytes
-        total = FLAG_BYTES + 2 * data_bytes
+        total = FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
@@ -95,16 +102,18 @@ class SymmetricWorkspace:
             ) from error
         self.bases = [int(address) for address in self.handle.buffer_ptrs]
         self.multicast_base = int(getattr(self.handle, "multicast_ptr", 0) or 0)
-        self.tensor[:FLAG_BYTES].zero_()
+        self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.epoch = 0
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
         self._data_addresses = [self._addresses(FLAG_BYTES + half * data_bytes) for half in (0, 1)]
         self._flag_addresses = self._addresses(0)
+        self._barrier_addresses = self._addresses(FLAG_BYTES)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter_base = 0
         self.broken = ""
+        self.retired = False  # set when replaced: plans holding it rebuild (p2p.CallPlan)
         self.last_op = ""
         self.timeout_s = default_timeout_s()
         torch.cuda.synchronize(device)
@@ -130,7 +139,7 @@ class SymmetricWorkspace:
         return base
 
     def data_offset(self, half: int) -> int:
-        return FLAG_BYTES + half * self.data_bytes
+        return FLAG_BYTES + BARRIER_BYTES + half * self.data_bytes
 
     def _addresses(self, offset: int) -> list[int]:
         return _pad8([base + offset for base in self.bases])
@@ -140,6 +149,10 @@ class SymmetricWorkspace:
 
     def flag_addresses(self) -> list[int]:
         return self._flag_addresses
+
+    def barrier_addresses(self) -> list[int]:
+        """Each rank's barrier area (8 padded): word (slot * 8 + peer) is written by `peer`."""
+        return self._barrier_addresses
 
     def multicast_address(self, half: int) -> int:
         return self.multicast_base + self.data_offset(half) if self.multicast_base else 0
@@ -194,6 +207,7 @@ def _pad8(addresses: list[int]) -> list[int]:
 
 
 def _retire(workspace: SymmetricWorkspace) -> None:
+    workspace.retired = True
     for key, value in list(_workspaces.items()):
         if value is workspace:
             del _workspaces[key]

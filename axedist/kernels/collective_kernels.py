@@ -1,35 +1,59 @@
 """Triton kernels for reduce-scatter, all-gather and all-reduce over a symmetric workspace.
 
-Every rank's kernel starts with a block-wise barrier: program b of each rank publishes the call's
-epoch in flag slot b of its own signal area and waits for slot b on every peer. That is all the
-synchronization needed, because each rank's input was written into its symmetric buffer by an
-earlier operation on the same stream, and the two halves (parities) of the workspace alternate
-between calls, so a buffer is never rewritten while a peer may still read it (see
-axedist/collectives/symmetric.py).
+One launch per call, and the kernel reads the caller's input itself (no separate copy kernel):
 
-Data layout in the workspace (elements of the call's dtype, one parity half):
-  reduce_scatter: rank chunks at [r * chunk_stride, r * chunk_stride + chunk_numel)
-  all_gather:     this rank's chunk at [0, chunk_numel)
-  all_reduce:     the whole tensor at [0, numel); two-shot splits it in chunks of chunk_stride.
+  place    program b moves its element range of the input to where the reduction reads it:
+           PUSH: straight into each peer's workspace (remote stores over NVLink);
+           pull: into this rank's own workspace (local copy; skipped when the caller wrote the
+           input there already: COPY_IN = False, see p2p.symmetric_input).
+  barrier  program b of every rank meets program b of every peer (block_barrier).
+  combine  PUSH: sum / copy the slots the peers stored here (local loads);
+           pull: load the peers' workspaces over NVLink (p2p) or one multimem.ld_reduce on the
+           multicast mapping (MULTIMEM), summing in fp32.
+
+Program b handles the same element range in every phase on every rank, so a per-program barrier
+is all the synchronization needed. The two workspace halves alternate between calls, so a half
+is never rewritten while a peer may still read it (axedist/collectives/symmetric.py).
+
+PHASES selects which phases one launch runs (bit 0 place, bit 1 combine, bit 2 the two-shot
+all-reduce's gather); a barrier runs only between two phases of the same launch. The GPU always
+runs every phase; the CPU tests run the phases rank by rank under TRITON_INTERPRET=1, where the
+order of launches replaces the barrier.
+
+Workspace layout (elements of the call's dtype, one half; s = chunk_stride, a multiple of 16):
+  reduce_scatter  pull: rank chunk c at [c*s, c*s + chunk)   push: slot of source q at [q*s, ...)
+  all_gather      pull: this rank's chunk at [0, chunk)      push: slot of source q at [q*s, ...)
+  all_reduce 1    pull: the whole tensor at [0, numel)        push: slot of source q at [q*s, ...)
+  all_reduce 2    pull: the tensor at [0, numel), chunk c at [c*s, ...)
+                  push: slot of source q at [q*s, ...), reduced chunk of rank q at [(W+q)*s, ...)
 """
 import triton
 import triton.language as tl
 
-from .primitives import load_reduce, peer_pointers, pick, st_release_sys, wait_flag
+from .primitives import (fence_release_sys_first_thread, load_reduce, peer_pointers, pick,
+                         st_relaxed_sys, sum_peer_loads, wait_flag)
 
 
 @triton.jit
 def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, error_address,
                   timeout_ns, WORLD: tl.constexpr):
-    """Program-level barrier across ranks on flag `slot`: returns 1 when every peer arrived."""
+    """Program-level barrier across ranks on barrier `slot`; returns 1 when every peer arrived.
+
+    Program b writes the call's epoch into word slot * 8 + rank of every peer's barrier area (one
+    system-scope fence, then relaxed stores: a release pattern) and spins on words slot * 8 + p
+    of its own area, so the spinning is local and no NVLink round trip is in the wait.
+    """
     tl.debug_barrier()
+    fence_release_sys_first_thread(epoch)
+    for step in tl.static_range(1, WORLD):
+        peer = (rank + step) % WORLD
+        st_relaxed_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + (slot * 8 + rank) * 4, epoch)
     own = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
-    st_release_sys(own + slot * 4, epoch)
     arrived = 1
     for step in tl.static_range(1, WORLD):
         peer = (rank + step) % WORLD
-        address = pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + slot * 4
-        arrived &= wait_flag(address, epoch, abort_ptr, error_address, peer, slot, timeout_ns)
+        arrived &= wait_flag(own + (slot * 8 + peer) * 4, epoch, abort_ptr, error_address, peer,
+                             slot, timeout_ns)
     return arrived
 
 
@@ -39,106 +63,232 @@ def _tile(start, ROWS: tl.constexpr, COLS: tl.constexpr):
     return start + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns"])
-def reduce_scatter_kernel(out_ptr, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
-                          F0, F1, F2, F3, F4, F5, F6, F7,
-                          chunk_numel, chunk_stride, rank, epoch, abort_ptr, error_address,
-                          timeout_ns, WORLD: tl.constexpr, ROWS: tl.constexpr,
-                          COLS: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """out[i] = sum_r buffer_r[rank * chunk_stride + i] for i < chunk_numel (one-shot pull)."""
+@triton.jit
+def reduce_scatter_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
+                          multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel,
+                          chunk_stride, rank, abort_ptr, error_address, WORLD: tl.constexpr,
+                          ROWS: tl.constexpr, COLS: tl.constexpr, MULTIMEM: tl.constexpr,
+                          PUSH: tl.constexpr, COPY_IN: tl.constexpr, PHASES: tl.constexpr):
+    """out[i] = sum_r x_r[rank * chunk_numel + i] for i < chunk_numel."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr, error_address,
-                  timeout_ns, WORLD)
     BLOCK: tl.constexpr = ROWS * COLS
-    base = rank * chunk_stride
-    for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-        index = _tile(start, ROWS, COLS)
-        mask = index < chunk_numel
-        total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, base + index, mask,
-                            rank, out_ptr.dtype.element_ty, WORLD, MULTIMEM, ALIGNED)
-        tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    # multimem reduces every rank's buffer, this rank's own chunk included
+    FIRST: tl.constexpr = 0 if MULTIMEM else 1
+    own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
+    if (PHASES & 1) and (COPY_IN or PUSH):
+        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < chunk_numel
+            for step in tl.static_range(FIRST, WORLD):
+                peer = (rank + step) % WORLD
+                values = tl.load(x_ptr + peer * chunk_numel + index, mask=mask)
+                if PUSH:
+                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                           rank * chunk_stride + index, ELEMENT, True)
+                else:
+                    target = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                tl.store(target, values, mask=mask)
+    if (PHASES & 3) == 3:
+        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                      error_address, timeout_ns, WORLD)
+    if PHASES & 2:
+        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < chunk_numel
+            if MULTIMEM:
+                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                                    rank * chunk_stride + index, mask, rank, ELEMENT, WORLD,
+                                    MULTIMEM, True)
+            else:
+                total = tl.load(x_ptr + rank * chunk_numel + index, mask=mask,
+                                other=0.0).to(tl.float32)
+                if PUSH:
+                    for step in tl.static_range(1, WORLD):
+                        peer = (rank + step) % WORLD
+                        slot = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                        total += tl.load(slot, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7,
+                                            rank * chunk_stride + index, mask, rank, ELEMENT,
+                                            WORLD, 1, True)
+            tl.store(out_ptr + index, total.to(ELEMENT), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns"])
-def all_gather_kernel(out_ptr, D0, D1, D2, D3, D4, D5, D6, D7,
-                      F0, F1, F2, F3, F4, F5, F6, F7,
-                      chunk_numel, rank, epoch, abort_ptr, error_address, timeout_ns,
-                      WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      ALIGNED: tl.constexpr):
-    """out[r * chunk_numel + i] = buffer_r[i] (one-shot pull; peers in staggered order)."""
+@triton.jit
+def all_gather_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
+                      F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel, chunk_stride, rank,
+                      abort_ptr, error_address, WORLD: tl.constexpr, ROWS: tl.constexpr,
+                      COLS: tl.constexpr, PUSH: tl.constexpr, COPY_IN: tl.constexpr,
+                      PHASES: tl.constexpr):
+    """out[r * chunk_numel + i] = x_r[i] for every rank r and i < chunk_numel."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr, error_address,
-                  timeout_ns, WORLD)
     BLOCK: tl.constexpr = ROWS * COLS
-    for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-        index = _tile(start, ROWS, COLS)
-        mask = index < chunk_numel
-        for step in tl.static_range(WORLD):
-            peer = (rank + step) % WORLD
-            source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), index,
-                                   out_ptr.dtype.element_ty, ALIGNED)
-            values = tl.load(source, mask=mask)
-            tl.store(out_ptr + peer * chunk_numel + index, values, mask=mask)
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
+    if PHASES & 1:
+        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < chunk_numel
+            values = tl.load(x_ptr + index, mask=mask)
+            tl.store(out_ptr + rank * chunk_numel + index, values, mask=mask)
+            if PUSH:
+                for step in tl.static_range(1, WORLD):
+                    peer = (rank + step) % WORLD
+                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                           rank * chunk_stride + index, ELEMENT, True)
+                    tl.store(target, values, mask=mask)
+            elif COPY_IN:
+                tl.store(peer_pointers(own, index, ELEMENT, True), values, mask=mask)
+    if (PHASES & 3) == 3:
+        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                      error_address, timeout_ns, WORLD)
+    if PHASES & 2:
+        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < chunk_numel
+            for step in tl.static_range(1, WORLD):
+                peer = (rank + step) % WORLD
+                if PUSH:
+                    source = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                else:
+                    source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), index,
+                                           ELEMENT, True)
+                tl.store(out_ptr + peer * chunk_numel + index, tl.load(source, mask=mask),
+                         mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns"])
-def all_reduce_one_shot_kernel(out_ptr, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
-                               F0, F1, F2, F3, F4, F5, F6, F7,
-                               numel, rank, epoch, abort_ptr, error_address, timeout_ns,
+@triton.jit
+def all_reduce_one_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
+                               D7, multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, numel,
+                               chunk_stride, rank, abort_ptr, error_address,
                                WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
-                               MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """out[i] = sum_r buffer_r[i]: every rank pulls everything (lowest latency, small sizes)."""
+                               MULTIMEM: tl.constexpr, PUSH: tl.constexpr,
+                               COPY_IN: tl.constexpr, PHASES: tl.constexpr):
+    """out[i] = sum_r x_r[i]: every rank combines everything (lowest latency, small sizes).
+    chunk_stride: the push slot size (numel rounded up to 16)."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr, error_address,
-                  timeout_ns, WORLD)
     BLOCK: tl.constexpr = ROWS * COLS
-    for start in range(pid * BLOCK, numel, programs * BLOCK):
-        index = _tile(start, ROWS, COLS)
-        mask = index < numel
-        total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, index, mask, rank,
-                            out_ptr.dtype.element_ty, WORLD, MULTIMEM, ALIGNED)
-        tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
+    if (PHASES & 1) and (COPY_IN or PUSH):
+        for start in range(pid * BLOCK, numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < numel
+            values = tl.load(x_ptr + index, mask=mask)
+            if PUSH:
+                for step in tl.static_range(1, WORLD):
+                    peer = (rank + step) % WORLD
+                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                           rank * chunk_stride + index, ELEMENT, True)
+                    tl.store(target, values, mask=mask)
+            else:
+                tl.store(peer_pointers(own, index, ELEMENT, True), values, mask=mask)
+    if (PHASES & 3) == 3:
+        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                      error_address, timeout_ns, WORLD)
+    if PHASES & 2:
+        for start in range(pid * BLOCK, numel, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = index < numel
+            if MULTIMEM:
+                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, index, mask,
+                                    rank, ELEMENT, WORLD, MULTIMEM, True)
+            else:
+                total = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+                if PUSH:
+                    for step in tl.static_range(1, WORLD):
+                        peer = (rank + step) % WORLD
+                        slot = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                        total += tl.load(slot, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7, index, mask, rank,
+                                            ELEMENT, WORLD, 1, True)
+            tl.store(out_ptr + index, total.to(ELEMENT), mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout_ns"])
-def all_reduce_two_shot_kernel(out_ptr, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
-                               F0, F1, F2, F3, F4, F5, F6, F7,
-                               numel, chunk_stride, rank, epoch, abort_ptr, error_address,
-                               timeout_ns, WORLD: tl.constexpr, ROWS: tl.constexpr,
-                               COLS: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr):
-    """Reduce-scatter into the own buffer, barrier, then all-gather the reduced chunks.
+@triton.jit
+def all_reduce_two_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
+                               D7, multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, numel,
+                               chunk_stride, rank, abort_ptr, error_address,
+                               WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                               MULTIMEM: tl.constexpr, PUSH: tl.constexpr,
+                               COPY_IN: tl.constexpr, PHASES: tl.constexpr):
+    """Reduce-scatter (rank r reduces chunk r), barrier, then all-gather the reduced chunks:
+    least traffic for large sizes, and every rank ends with bit-identical results.
 
-    Program b handles the same element range of every chunk in both phases, so the second
-    barrier (flag slot programs + b) only has to cover program b of each peer.
+    Program b handles the same element range of every chunk in all three phases, so the
+    barriers (slots b and programs + b) only have to cover program b of each peer.
     """
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr, error_address,
-                  timeout_ns, WORLD)
     BLOCK: tl.constexpr = ROWS * COLS
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    FIRST: tl.constexpr = 0 if MULTIMEM else 1
+    own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
     base = rank * chunk_stride
-    for start in range(pid * BLOCK, chunk_stride, programs * BLOCK):
-        index = _tile(start, ROWS, COLS)
-        mask = (index < chunk_stride) & (base + index < numel)
-        total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base, base + index, mask,
-                            rank, ELEMENT, WORLD, MULTIMEM, ALIGNED).to(ELEMENT)
-        # in place: peers only read chunk `rank` of this buffer after the second barrier
-        own = peer_pointers(pick(rank, D0, D1, D2, D3, D4, D5, D6, D7), base + index, ELEMENT,
-                            ALIGNED)
-        tl.store(own, total, mask=mask)
-        tl.store(out_ptr + base + index, total, mask=mask)
-    block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, programs + pid, epoch, rank, abort_ptr,
-                  error_address, timeout_ns, WORLD)
-    for start in range(pid * BLOCK, chunk_stride, programs * BLOCK):
-        index = _tile(start, ROWS, COLS)
-        for step in tl.static_range(1, WORLD):
-            peer = (rank + step) % WORLD
-            offset = peer * chunk_stride + index
-            mask = (index < chunk_stride) & (offset < numel)
-            source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), offset, ELEMENT,
-                                   ALIGNED)
-            tl.store(out_ptr + offset, tl.load(source, mask=mask), mask=mask)
+    if (PHASES & 1) and (COPY_IN or PUSH):
+        for start in range(pid * BLOCK, chunk_stride, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            for step in tl.static_range(FIRST, WORLD):
+                peer = (rank + step) % WORLD
+                offset = peer * chunk_stride + index
+                mask = (index < chunk_stride) & (offset < numel)
+                values = tl.load(x_ptr + offset, mask=mask)
+                if PUSH:
+                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                           base + index, ELEMENT, True)
+                else:
+                    target = peer_pointers(own, offset, ELEMENT, True)
+                tl.store(target, values, mask=mask)
+    if (PHASES & 3) == 3:
+        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                      error_address, timeout_ns, WORLD)
+    if PHASES & 2:
+        for start in range(pid * BLOCK, chunk_stride, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            mask = (index < chunk_stride) & (base + index < numel)
+            if MULTIMEM:
+                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                                    base + index, mask, rank, ELEMENT, WORLD, MULTIMEM, True)
+            else:
+                total = tl.load(x_ptr + base + index, mask=mask, other=0.0).to(tl.float32)
+                if PUSH:
+                    for step in tl.static_range(1, WORLD):
+                        peer = (rank + step) % WORLD
+                        slot = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                        total += tl.load(slot, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7, base + index, mask,
+                                            rank, ELEMENT, WORLD, 1, True)
+            reduced = total.to(ELEMENT)
+            tl.store(out_ptr + base + index, reduced, mask=mask)
+            if PUSH:
+                for step in tl.static_range(1, WORLD):
+                    peer = (rank + step) % WORLD
+                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                           (WORLD + rank) * chunk_stride + index, ELEMENT, True)
+                    tl.store(target, reduced, mask=mask)
+            else:
+                # in place: peers read chunk `rank` of this buffer only after the second barrier
+                tl.store(peer_pointers(own, base + index, ELEMENT, True), reduced, mask=mask)
+    if (PHASES & 6) == 6:
+        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, programs + pid, epoch, rank, abort_ptr,
+                      error_address, timeout_ns, WORLD)
+    if PHASES & 4:
+        for start in range(pid * BLOCK, chunk_stride, programs * BLOCK):
+            index = _tile(start, ROWS, COLS)
+            for step in tl.static_range(1, WORLD):
+                peer = (rank + step) % WORLD
+                offset = peer * chunk_stride + index
+                mask = (index < chunk_stride) & (offset < numel)
+                if PUSH:
+                    source = peer_pointers(own, (WORLD + peer) * chunk_stride + index, ELEMENT,
+                                           True)
+                else:
+                    source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), offset,
+                                           ELEMENT, True)
+                tl.store(out_ptr + offset, tl.load(source, mask=mask), mask=mask)

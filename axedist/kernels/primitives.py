@@ -44,6 +44,40 @@ def st_release_sys(address, value):
 
 
 @triton.jit
+def fence_release_sys_first_thread(dummy):
+    """fence.acq_rel.sys from thread 0 of the program (dummy: any int32 operand).
+
+    With the relaxed stores of `st_relaxed_sys` after it, this is a release pattern: one fence
+    for W-1 flag stores instead of one release per store. Call after tl.debug_barrier() so that
+    the fence covers every thread's earlier stores (cumulativity through the CTA barrier).
+    """
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_is_first;
+        .reg .u32 %t_index;
+        mov.u32 %t_index, %tid.x;
+        setp.eq.u32 %p_is_first, %t_index, 0;
+        @%p_is_first fence.acq_rel.sys;
+        mov.u32 $0, 0;
+        }""", "=r,r", [dummy], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def st_relaxed_sys(address, value):
+    """Store one int32 (relaxed, system scope) from thread 0 only; a release once it follows
+    fence_release_sys_first_thread in the same thread."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_is_first;
+        .reg .u32 %t_index;
+        mov.u32 %t_index, %tid.x;
+        setp.eq.u32 %p_is_first, %t_index, 0;
+        @%p_is_first st.relaxed.sys.global.b32 [$1], $2;
+        mov.u32 $0, 0;
+        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def st_release_gpu(address, value):
     """As st_release_sys at GPU scope. NOT a correct signal to another GPU under the PTX memory
     model; exists only so the benchmark can measure what the system-scope fence costs."""
@@ -190,11 +224,22 @@ def load_reduce(bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6, b
             values = multimem_ld_reduce_16bit(addresses, ELEMENT)
         total = tl.where(mask, values, 0.0)
     else:
-        total = tl.zeros(offsets.shape, tl.float32)
-        for step in tl.static_range(WORLD):
-            peer = (rank + step) % WORLD
-            base = pick(peer, bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6,
-                        bases_7)
-            pointers = peer_pointers(base, offsets, ELEMENT, ALIGNED)
-            total += tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+        total = sum_peer_loads(bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6,
+                               bases_7, offsets, mask, rank, ELEMENT, WORLD, 0, ALIGNED)
+    return total
+
+
+@triton.jit
+def sum_peer_loads(bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6, bases_7,
+                   offsets, mask, rank, ELEMENT: tl.constexpr, WORLD: tl.constexpr,
+                   FIRST_STEP: tl.constexpr, ALIGNED: tl.constexpr):
+    """fp32 sum of buffer_p[offsets] over peers p = rank + FIRST_STEP, ..., rank + WORLD - 1
+    (mod WORLD): staggered by rank so that the links share the traffic. FIRST_STEP = 1 leaves
+    out this rank's own buffer (the caller adds its input from local memory instead)."""
+    total = tl.zeros(offsets.shape, tl.float32)
+    for step in tl.static_range(FIRST_STEP, WORLD):
+        peer = (rank + step) % WORLD
+        base = pick(peer, bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6, bases_7)
+        pointers = peer_pointers(base, offsets, ELEMENT, ALIGNED)
+        total += tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
     return total

@@ -1,0 +1,57 @@
+"""Launch a compiled Triton kernel without Triton's per-call Python binding.
+
+`kernel[grid](...)` re-derives the specialization of every argument, looks the kernel up by a
+string key and builds launch metadata on every call: about 40 us of CPU for the collectives'
+30 arguments (docs/gpu_notes.md, v2 profile), more than the whole device time of a 1 MB
+reduce-scatter. Here the kernel is compiled once for an explicit signature (the same
+`compile_for_target` the CPU tests use, with the device's own capability) and each call goes
+straight to the generated C launcher with integer addresses (no `data_ptr()` calls, no
+`cuPointerGetAttribute`).
+
+    >>> compiled = compile_for_target(all_gather_kernel, signature, constexprs, ["x_ptr"], 90)
+    >>> launch = CompiledLaunch(compiled, constexprs.values())
+    >>> launch(grid=16, stream=torch.cuda.current_stream().cuda_stream,
+    ...        args=(x.data_ptr(), out.data_ptr(), 7, 30_000_000_000, ...))  # runtime arguments
+
+The caller owns the specialization: it must pass values that satisfy the compiled signature
+(types, and the arguments declared divisible by 16; it compiles another kernel for others).
+"""
+from __future__ import annotations
+
+
+class CompiledLaunch:
+    """A compiled kernel (`triton.compile` output) ready to launch on the current CUDA device.
+
+    constexpr_values: the kernel's compile-time arguments in order; the generated launcher
+    parses them too (and ignores them), after the runtime arguments.
+    """
+
+    def __init__(self, compiled, constexpr_values: tuple):
+        self.compiled = compiled
+        self.name = compiled.name
+        self.constexpr_values = tuple(constexpr_values)
+        launcher = compiled.run  # loads the module into the current device's context
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        needs_scratch = (getattr(launcher, "global_scratch_size", 0) or 0) > 0 or \
+                        (getattr(launcher, "profile_scratch_size", 0) or 0) > 0
+        raw = getattr(launcher, "launch", None)
+        if raw is not None and not needs_scratch and hasattr(launcher, "launch_pdl"):
+            self._raw = raw
+            self._cooperative = bool(launcher.launch_cooperative_grid)
+            self._pdl = bool(launcher.launch_pdl)
+        else:  # another Triton layout, or a kernel that needs scratch memory: Triton's launcher
+            self._raw = None
+            self._launcher = launcher
+
+    def __call__(self, grid: int, stream: int, args: tuple) -> None:
+        if self._raw is not None:
+            self._raw(grid, 1, 1, stream, self.function, self._cooperative, self._pdl, None, None,
+                      self.metadata, None, None, None, *args, *self.constexpr_values)
+        else:
+            self._launcher(grid, 1, 1, stream, self.function, self.metadata, None, None, None,
+                           *args, *self.constexpr_values)
+
+    def __repr__(self) -> str:
+        return f"CompiledLaunch({self.name}, {self.compiled.metadata.target}, " \
+               f"warps={self.compiled.metadata.num_warps})"

@@ -1,0 +1,110 @@
+"""Run the collective kernels' phases rank by rank under TRITON_INTERPRET=1 and compare every
+output with a float64 reference; prints the failures, or OK. Used by tests/test_kernels_cpu.py.
+
+CPU tensors stand in for the ranks' workspaces (the interpreter dereferences raw addresses).
+The kernels take PHASES: launching phase 1 on every rank, then phase 2 on every rank (then
+phase 4: the two-shot all-reduce's gather) replaces the in-kernel barrier, which needs inline
+PTX the interpreter cannot run. Tiles are 1 x 64 and grids 2 programs, so 200-element chunks
+exercise the grid-stride loops and the tails.
+
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 tests/collectives_interpreter.py   # -> ... OK
+"""
+import itertools
+import sys
+import time
+
+import torch
+
+from axedist.collectives.p2p import _geometry
+from triton.runtime import interpreter
+
+# Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3
+# (loops with run-time bounds fail); convert through .item() instead.
+_patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def _patch_with_item(tensor, scope):
+    _patch_lang_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+
+interpreter._patch_lang_tensor = _patch_with_item
+from axedist.kernels import collective_kernels
+
+ROWS, COLS = 1, 64
+PHASES = {"reduce_scatter": (1, 2), "all_gather": (1, 2), "all_reduce_one_shot": (1, 2),
+          "all_reduce_two_shot": (1, 2, 4)}
+
+
+def run_case(op, world, count, dtype, variant, programs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    numel = count * world if op == "reduce_scatter" else count
+    xs = [torch.randn(numel, generator=generator).to(dtype) for _ in range(world)]
+    geometry = _geometry(op, (numel,), world)
+    spaces = [torch.full((geometry["elements"] + 64,), float("nan"), dtype=dtype) for _ in range(world)]
+    flags = [torch.zeros(16, dtype=torch.int32) for _ in range(world)]
+    abort = torch.zeros(1, dtype=torch.int32)
+    push, copy_in = variant == "push", variant == "pull"
+    inputs = xs
+    if variant == "zero_copy":
+        if geometry["zero_copy_elements"] < 0:
+            return None
+        for space, x in zip(spaces, xs):
+            space[:numel].copy_(x)
+        inputs = [space[:numel] for space in spaces]
+    out_numel = {"reduce_scatter": count, "all_gather": world * count}.get(op, numel)
+    outs = [torch.full((out_numel,), float("nan"), dtype=dtype) for _ in range(world)]
+    bases = [s.data_ptr() for s in spaces] + [spaces[0].data_ptr()] * (8 - world)
+    flag_bases = [f.data_ptr() for f in flags] + [flags[0].data_ptr()] * (8 - world)
+    kernel = getattr(collective_kernels, f"{op}_kernel")
+    for phase in PHASES[op]:
+        for rank in range(world):
+            args = [inputs[rank], outs[rank], 1, 0, *bases]
+            if op != "all_gather":
+                args.append(0)
+            args += [*flag_bases, geometry["chunk"], geometry["stride"], rank, abort, 0]
+            constexprs = dict(WORLD=world, ROWS=ROWS, COLS=COLS, PUSH=push, COPY_IN=copy_in,
+                              PHASES=phase)
+            if op != "all_gather":
+                constexprs["MULTIMEM"] = False
+            kernel[(programs,)](*args, **constexprs)
+    stacked = torch.stack([x.double() for x in xs])
+    failures = []
+    for rank in range(world):
+        if op == "reduce_scatter":
+            ref = stacked.sum(0)[rank * count:(rank + 1) * count]
+        elif op == "all_gather":
+            ref = stacked.reshape(-1)
+        else:
+            ref = stacked.sum(0)
+        out = outs[rank].double()
+        if torch.isnan(out).any():
+            failures.append(f"{op} {variant} W={world} n={count} {dtype} rank {rank}: NaN left")
+            continue
+        tolerance = 0 if op == "all_gather" else (1e-2 if dtype == torch.bfloat16 else 1e-5)
+        error = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+        if error > tolerance:
+            failures.append(f"{op} {variant} W={world} n={count} {dtype} rank {rank}: error {error:.2e}")
+    if op == "all_reduce_two_shot" and not failures:
+        if not all(torch.equal(outs[0], o) for o in outs):
+            failures.append(f"{op} {variant} W={world} n={count}: ranks differ")
+    return failures
+
+
+def main():
+    start = time.time()
+    failures, cases = [], 0
+    grid = list(itertools.product(PHASES, (2, 4), (1, 37, 200), ("push", "pull", "zero_copy")))
+    grid += itertools.product(PHASES, (3,), (37,), ("push", "pull", "zero_copy"))
+    for index, (op, world, count, variant) in enumerate(grid):
+        dtype = (torch.float32, torch.bfloat16)[index % 2]
+        result = run_case(op, world, count, dtype, variant, programs=2, seed=index)
+        if result is not None:
+            cases += 1
+            failures += result
+    print(f"{cases} cases in {time.time() - start:.1f} s")
+    print("\n".join(failures) if failures else "OK")
+
+
+if __name__ == "__main__":
+    main()
