@@ -209,9 +209,9 @@ def _tensor_behaviour(rank, world_size):
     dt = DTensor.from_local(local, mesh, [Shard(0)])
     facts = {
         "shape": tuple(dt.shape), "dtype": dt.dtype, "device": str(dt.device), "requires_grad": dt.requires_grad,
-        "repr": repr(dt), "detached": dt.detach().requires_grad, "same_local": dt.to_local() is local,
+        "repr": repr(dt), "detached": dt.detach().requires_grad, "same_local": dt.to_local().data_ptr() == local.data_ptr(),
     }
-    dt.to_local().sum().backward()  # to_local is the tensor given: its autograd graph is the user's
+    dt.to_local().sum().backward()  # from_local/to_local are differentiable: the grad reaches local
     facts["grad"] = local.grad.sum().item()
     facts["op"] = (dt + 1).full_tensor().tolist()  # torch ops run through axedist.ops
     # with placements and no shape, the global shape is inferred per rank; run_check compares it
