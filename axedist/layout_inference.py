@@ -100,6 +100,7 @@ from .layout import Iter, Layout, LayoutError
 
 __all__ = [
     "Plan",
+    "plan_alternatives",
     "Step",
     "Transfer",
     "plan_layouts",
@@ -294,6 +295,7 @@ class Plan:
     partial: str | None
     steps: tuple[Step, ...]
     method: str  # "digits" (from the layouts' digits), "blocks" (some enumerated digit blocks), "elements"
+    note: str = ""  # what was changed after planning (e.g. padding left out by the executor)
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -320,6 +322,26 @@ class Plan:
     def kinds(self) -> tuple[str, ...]:
         return tuple(s.kind for s in self.steps)
 
+    @functools.cached_property
+    def cost(self) -> tuple[float, float, int]:
+        """(most bytes one device sends, bytes all devices send, steps), as an executor moves them:
+        a direct all-reduce step runs as a ring ``all_reduce`` (``2 (g-1)/g`` of its buffer, not
+        ``g-1`` copies). Plans are compared by this tuple, smallest first."""
+        return _step_cost(self.steps)
+
+    def with_transfers(self, transfers: Sequence[Sequence[Transfer]], note: str) -> "Plan":
+        """The same steps moving only ``transfers[i]`` in step ``i`` (each step renamed from its
+        new messages). For an executor that leaves slots out (padding of uneven shapes):
+        it must keep every value the target reads, which ``simulate`` checks."""
+        if len(transfers) != len(self.steps):
+            raise LayoutError(f"with_transfers: {len(transfers)} transfer lists for {len(self.steps)} steps")
+        context = _Context(self.mesh, self.itemsize, self.partial)
+        steps = [_replace(_make_step(list(ts), s.reduce, s.source, s.target, s.in_size, s.out_size, context),
+                          moves=s.moves)
+                 for s, ts in zip(self.steps, transfers)]
+        return Plan(self.source, self.target, self.mesh, self.shape, self.itemsize, self.partial,
+                    _mark_all_reduce(steps), self.method, note)
+
     def explain(self) -> str:
         mesh_text = "(" + ", ".join(f"{a}={n}" for a, n in self.mesh) + ")"
         head = f"plan {self.source} -> {self.target}, shape {self.shape}, mesh {mesh_text}, {self.itemsize}-byte items"
@@ -337,6 +359,8 @@ class Plan:
                 lines.append("     digits: " + ", ".join(step.moves))
         if self.method == "elements":
             lines.append("  (element-level fallback: the layouts share no digit refinement)")
+        if self.note:
+            lines.append(f"  ({self.note})")
         lines.append(f"  per device at most: sent {max(self.bytes_sent.values(), default=0)} B, "
                      f"received {max(self.bytes_received.values(), default=0)} B")
         return "\n".join(lines)
@@ -508,6 +532,68 @@ def plan_layouts(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize:
     if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
         raise LayoutError(f"itemsize must be a positive int, got {itemsize!r}")
     return _plan_cached(src, dst, _mesh(mesh), tuple(int(s) for s in shape), itemsize, partial)
+
+
+def plan_alternatives(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize: int = 4,
+                      partial: str | None = None) -> tuple[Plan, ...]:
+    """``plan_layouts``' plan first, then plans that gather one mesh axis per step, in every order.
+
+    On even shapes a gather over several axes in one step moves as many bytes as one step
+    per axis, so ``plan_layouts`` keeps one step. When some slots hold padding that need not
+    move (uneven shapes: the executor drops it), gathering axis by axis balances what each
+    device sends: ``(5, 6)`` rows 2/1/1/1 on a 2x2 mesh all-gathered in one step send 2 real
+    rows to 3 peers from device ``(0, 0)``; over ``y`` then ``x`` it sends 2 rows, then 3.
+    The caller picks by its own count of bytes. Example, ``[Shard(0), Shard(1)] -> [R, R]``::
+
+        >>> [p.kinds for p in plan_alternatives(Layout.parse("S[(2,4,2,3):(1@x,3,1@y,1)]"),
+        ...     Layout.parse("S[(8,6):(6,1)] + R[(2,2):(1@x,1@y)]"), (("x", 2), ("y", 2)), (8, 6))]
+        [('all_gather',), ('all_gather', 'all_gather'), ('all_gather', 'all_gather')]
+    """
+    first = plan_layouts(src, dst, mesh, shape, itemsize, partial)
+    if partial is not None or first.method != "digits":
+        return (first,)
+    return (first,) + _gather_orders(src, dst, _mesh(mesh), tuple(int(s) for s in shape), itemsize)
+
+
+@functools.lru_cache(maxsize=256)
+def _gather_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -> tuple[Plan, ...]:
+    canon_src, canon_dst = src.canonicalize(), dst.canonicalize()
+    digits = _refine(canon_src.shard, canon_dst.shard)
+    if digits is None or any(it.axis == MEMORY_AXIS for it in canon_src.replica):
+        return ()
+    gathered = [d for d in digits if _on_mesh(d.source) and d.target[0] == MEMORY_AXIS]
+    axes = list(dict.fromkeys(d.source[0] for d in gathered))
+    if len(axes) < 2:
+        return ()
+    context = _Context(mesh, itemsize, None)
+    offset = {a: v for a, v in src.offset.items() if a != MEMORY_AXIS}
+    plans = []
+    for order in itertools.permutations(axes):
+        chain = [(src, [d.source for d in digits])]  # (layout, place of each digit)
+        for k in range(1, len(order)):
+            # the next intermediate: this axis' gathered digits join local memory (compact, row-major
+            # over the local digits) and become replicas along the axis they came from
+            done, (before, places) = set(order[:k]), chain[-1]
+            new, stride = list(places), 1
+            for i in reversed(range(len(digits))):
+                if places[i][0] == MEMORY_AXIS or (digits[i] in gathered and places[i][0] in done):
+                    new[i] = (MEMORY_AXIS, stride)
+                    stride *= digits[i].extent
+            replica = list(before.replica) + [Iter(d.extent, d.source[1], d.source[0])
+                                              for d in gathered if d.source[0] == order[k - 1]]
+            layout = Layout([Iter(d.extent, p[1], p[0]) for d, p in zip(digits, new)], replica, offset)
+            try:
+                _validate(layout, mesh, math.prod(shape), "intermediate")
+            except LayoutError:
+                break
+            chain.append((layout, new))
+        else:
+            chain.append((dst, [d.target for d in digits]))
+            steps = [_box_step([_Digit(d.extent, p, q) for d, p, q in zip(digits, a_places, b_places)],
+                               a, b, context, reduce=None)
+                     for (a, a_places), (b, b_places) in zip(chain, chain[1:])]
+            plans.append(Plan(src, dst, mesh, shape, itemsize, None, _mark_all_reduce(steps), "digits"))
+    return tuple(plans)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -692,11 +778,58 @@ def _plan_by_digits(src: Layout, dst: Layout, summands: int, size: int,
     if digits is None:
         return None, ""
     summand_digits = [_Digit(it.extent, (it.axis, it.stride), None) for it in summand_iters]
-    middle, reduced_digits, copy_digits = _reduction_target(summand_digits, digits, src, dst, context.mesh)
+    middle, reduced_digits, copy_digits, late = _reduction_target(summand_digits, digits, src, dst, context.mesh)
     steps = [_box_step(summand_digits + reduced_digits, src, middle, context, reduce=context.partial)]
+    scattering = [u for u in summand_digits if _on_mesh(u.source) and u not in late]
+    if late and scattering:
+        # Summands with no data digit to scatter become replicas (every device reduces all of its
+        # part): reducing them in the same step as the scattering ones sends every piece across the
+        # whole product group. Reduce the scattering axes first, then the rest on the smaller piece.
+        split = _reduce_late(summand_digits, late, reduced_digits, src, middle, context)
+        if _step_cost(split) < _step_cost(steps):
+            steps = split
     if middle != dst:
         steps.append(_box_step(copy_digits, middle, dst, context, reduce=None))
     return steps, "digits"
+
+
+def _reduce_late(summand_digits, late, reduced_digits, src: Layout, middle: Layout, context: _Context) -> list[Step]:
+    """Two reduce steps: ``src -> pending`` reduces every summand digit but ``late`` (those stay a
+    leading summand block on their mesh axes), ``pending -> middle`` reduces ``late``.
+
+    ``[Partial, Partial] -> [Shard(1), Replicate]`` of ``(5, 6)`` on 2x2 (x, y): the x summand
+    reduce-scatters the 6 columns into place (15 elements a device stay), the y summand (no
+    local digit of 5 or 3 splits by 2) then all-reduces those 15: 60 + 60 B a device with
+    4-byte items, where one step over the 4-group sends 3 x 15 x 4 = 180 B.
+    """
+    late_iters = [Iter(u.extent, u.source[1], u.source[0]) for u in late]
+    replica = list(middle.replica)
+    for it in late_iters:
+        replica.remove(it)
+    pending = Layout(late_iters + list(middle.shard), replica, middle.offset)
+    early = [u for u in summand_digits if u not in late]
+    kept = [_Digit(u.extent, u.source, u.source) for u in late]
+    same = [_Digit(it.extent, (it.axis, it.stride), (it.axis, it.stride)) for it in middle.shard]
+    return [_box_step(early + kept + reduced_digits, src, pending, context, reduce=context.partial),
+            _box_step(list(late) + same, pending, middle, context, reduce=context.partial)]
+
+
+def _step_cost(steps: Sequence[Step]) -> tuple[int, int, int]:
+    """(most bytes a device sends, bytes all devices send, steps) as the executor moves them:
+    a direct all-reduce step runs as a ring ``all_reduce``, ``2 (g-1)/g`` of its buffer."""
+    sent: dict[Device, float] = {}
+    for step in steps:
+        if step.kind == "all_reduce":
+            for group in step.groups:
+                g = len(group)
+                for a in group:
+                    peer = next(b for b in group if b != a)
+                    count = sum(t.count for t in step.messages[(a, peer)])
+                    sent[a] = sent.get(a, 0) + 2 * (g - 1) * count * step.itemsize / g
+        else:
+            for d, b in step.bytes_sent.items():
+                sent[d] = sent.get(d, 0) + b
+    return (max(sent.values(), default=0), sum(sent.values()), len(steps))
 
 
 def _replicated_in_memory(layout: Layout, mesh: Mesh) -> bool:
@@ -720,7 +853,7 @@ def _reduction_target(summand_digits, digits, src: Layout, dst: Layout, mesh: Me
     offset = {a: v for a, v in src.offset.items() if a != MEMORY_AXIS}
     replica = [it for it in src.replica if it.axis != MEMORY_AXIS]
     mesh_summands = [u for u in summand_digits if u.source[0] != MEMORY_AXIS]  # local ones reduce in place
-    waiting = []
+    waiting, late = [], []
     for u in mesh_summands:  # first: reduce-scatter straight into the target's place
         axis, stride = u.source
         match = next((i for i, (d, place) in enumerate(pieces)
@@ -764,6 +897,7 @@ def _reduction_target(summand_digits, digits, src: Layout, dst: Layout, mesh: Me
             pieces[split:split + 1] = [[outer, (axis, stride)], [inner, inner.source]]
             continue
         replica.append(Iter(u.extent, stride, axis))  # every device reduces everything
+        late.append(u)
     # the middle layout's memory is compact, row-major over its local digits
     stride = 1
     places = [None] * len(pieces)
@@ -777,7 +911,7 @@ def _reduction_target(summand_digits, digits, src: Layout, dst: Layout, mesh: Me
     middle = Layout([Iter(d.extent, p[1], p[0]) for (d, _), p in zip(pieces, places)], replica, offset)
     reduced = [_Digit(d.extent, d.source, p) for (d, _), p in zip(pieces, places)]
     copied = [_Digit(d.extent, p, d.target) for (d, _), p in zip(pieces, places)]
-    return middle, reduced, copied
+    return middle, reduced, copied, late
 
 
 def _replica_points(layout: Layout, mesh: Mesh) -> list[tuple[Device, int]]:

@@ -1,34 +1,42 @@
-"""Redistribute: axedist's plans (executed by plan_executor) vs torch DTensor, bytes and time.
+"""Redistribute: axedist DTensor (layout-inference plans) vs torch DTensor, bytes and time.
 
     torchrun --nproc-per-node 4 launch/bench_redistribute.py            # CPU, gloo
-    torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda     # GPUs, NCCL
+    torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda     # 4 GPUs, NCCL
 
-Prints a markdown table (rank 0): per transition, the bytes a rank sends at most
-(axedist plan vs torch DTensor, counted from the collectives torch issues under
-``CommDebugMode``) and the median wall time (max over ranks) of both; then the CPU
-overhead of one call with a cached plan on a transition that moves no data
-(``Replicate -> Shard``: slicing only), where the time is all framework.
+Rank 0 prints a markdown table and writes ``<out>/redistribute_w4[_cpu].{json,md,png}``
+(date, machine, commit, command): per transition, the bytes one rank sends at most
+(axedist: from the plans it ran, collected with ``plan_executor.record``; torch DTensor:
+from the collectives it issues, counted under ``CommDebugMode``) and the median time
+(max over ranks; CUDA events on GPUs, wall clock on CPU) of ``DTensor.redistribute`` on
+both sides; then the CPU overhead of one call with a cached plan on a transition that
+moves no data (``Replicate -> Shard(0)``: slicing only), where the time is all framework.
+Only public names are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor import DTensor as TorchDTensor
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import axedist as ax
-from axedist.collectives.plan_executor import _route, explain_execution, redistribute_local, torch_comm_bytes
-from axedist.dtensor import _target_spec
+from axedist.collectives.plan_executor import record, torch_comm_bytes
 
 P = {"R": Replicate(), "P": Partial(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [
-    # (mesh shape, src, dst, shape scale: rows, cols per unit)
+    # (mesh shape, src, dst)
     ((4,), "S0", "R"),
     ((4,), "P", "S0"),
     ((4,), "P", "R"),
@@ -39,108 +47,175 @@ TRANSITIONS = [
     ((2, 2), "P P", "S0 S1"),
     ((2, 2), "S0 R", "R S0"),
     ((2, 2), "P R", "S0 S1"),
+    ((2, 2), "P P", "S1 R"),
 ]
 
 
 def _timed(fn, device, iters: int) -> float:
-    """Median over ``iters`` of the slowest rank's wall time (ms)."""
+    """Median over ``iters`` of the slowest rank's time (ms): CUDA events on GPUs, wall clock on CPU."""
     times = []
     for _ in range(iters):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed) * 1e3)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1e3
+        else:
+            begin = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - begin
+        value = torch.tensor([elapsed], dtype=torch.float64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        times.append(float(value) * 1e3)
     return statistics.median(times)
 
 
-def _max_over_ranks(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
+def _max_over_ranks(value: float, device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t)
+    return float(t)
 
 
 def _pair(mesh, shape, src_text, dst_text, dtype):
-    """(axedist local + specs, torch source DTensor, dst placements) for one transition."""
+    """(axedist source DTensor, torch source DTensor, torch mesh, dst placements) for one transition."""
     src_pl = [P[p] for p in src_text.split()]
     dst_pl = [P[p] for p in dst_text.split()]
     torch_mesh = mesh.to_torch()
-    full = torch.randn(shape, dtype=dtype, device=mesh.device, generator=None)
+    full = torch.randn(shape, dtype=dtype, device=mesh.device)
     dist.broadcast(full, src=0)
     if any(isinstance(p, Partial) for p in src_pl):
         start = [p if isinstance(p, Partial) else Replicate() for p in src_pl]
-        torch_src = TorchDTensor.from_local(full, torch_mesh, start, run_check=False).redistribute(torch_mesh, src_pl) \
-            if start != src_pl else TorchDTensor.from_local(full, torch_mesh, src_pl, run_check=False)
+        torch_src = TorchDTensor.from_local(full, torch_mesh, start, run_check=False)
+        if start != src_pl:
+            torch_src = torch_src.redistribute(torch_mesh, src_pl)
     else:
         torch_src = distribute_tensor(full, torch_mesh, src_pl)
-    ours = ax.from_torch(torch_src)
-    dst_spec = _target_spec(ours._spec, dst_pl, None, None)
-    return ours, dst_spec, torch_src, torch_mesh, dst_pl
+    return ax.from_torch(torch_src), torch_src, torch_mesh, dst_pl
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return os.environ.get("AXEDIST_COMMIT", out.stdout.strip() or "unknown")
+    except OSError:
+        return os.environ.get("AXEDIST_COMMIT", "unknown")
+
+
+def _write(rows, overhead, meta, path_stem):
+    os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
+    with open(path_stem + ".json", "w") as handle:
+        json.dump(dict(meta=meta, rows=rows, cpu_overhead_us=overhead), handle, indent=1)
+    lines = [f"# Redistribute, axedist vs torch DTensor, W={meta['world']} ({meta['date']})", "",
+             f"machine: {meta['machine']}; backend {meta['backend']}; commit {meta['commit']}; "
+             f"torch {meta['torch']}; multicast off", f"command: `{meta['command']}`", "",
+             f"Tensor {meta['shape']} {meta['dtype']}. Bytes: what one rank sends at most (axedist: its plans; "
+             f"torch: the collectives it issues, under CommDebugMode). Time: median of {meta['iters']} calls of "
+             f"`DTensor.redistribute`, slowest rank ({meta['timer']}).", "",
+             "| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mesh']} | {r['transition']} | {r['steps']} | {r['bytes_axedist']:,} | "
+                     f"{r['bytes_torch']:,} | {r['ms_axedist']:.3f} | {r['ms_torch']:.3f} |")
+    lines += ["", f"CPU overhead per call with a cached plan, `Replicate -> Shard(0)` of {overhead['shape']} "
+                  f"(no communication): axedist {overhead['axedist']:.1f} us, torch DTensor {overhead['torch']:.1f} us."]
+    with open(path_stem + ".md", "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG")
+        return
+    labels = [f"{r['mesh']}: {r['transition']}" for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 1.5))
+    ys = range(len(rows))
+    for axis, key, title in ((left, "bytes", "MB sent per rank (max)"), (right, "ms", "median ms (slowest rank)")):
+        ours = [r[f"{key}_axedist"] / (1e6 if key == "bytes" else 1) for r in rows]
+        theirs = [r[f"{key}_torch"] / (1e6 if key == "bytes" else 1) for r in rows]
+        axis.barh([y + 0.2 for y in ys], ours, height=0.4, label="axedist")
+        axis.barh([y - 0.2 for y in ys], theirs, height=0.4, label="torch DTensor")
+        axis.set_yticks(list(ys))
+        axis.set_yticklabels(labels if axis is left else [""] * len(rows))
+        axis.invert_yaxis()
+        axis.set_title(title)
+        axis.legend(loc="lower right")
+    figure.suptitle(f"redistribute {meta['shape']} {meta['dtype']}, {meta['backend']}, W={meta['world']}")
+    figure.tight_layout()
+    figure.savefig(path_stem + ".png", dpi=100)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs (default: gloo on CPU)")
-    parser.add_argument("--rows", type=int, default=None, help="rows of the tensor (default 1024 CPU, 8192 CUDA)")
+    parser.add_argument("--rows", type=int, default=None, help="rows = cols of the tensor (default 1024 CPU, 8192 CUDA)")
     parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--explain", action="store_true", help="print each plan and how it runs")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the json/md/png")
+    parser.add_argument("--explain", action="store_true", help="print each plan and how it ran")
     args = parser.parse_args()
     mesh4 = ax.init_mesh((4,), device_type="cuda" if args.cuda else "cpu")
     device = mesh4.device
     world = dist.get_world_size()
     assert world == 4, "run with 4 ranks"
     mesh22 = ax.DeviceMesh(mesh4.device_type, (2, 2), ("x", "y"))
-    rows = args.rows or (8192 if args.cuda else 1024)
+    rows_count = args.rows or (8192 if args.cuda else 1024)
     iters = args.iters or (20 if args.cuda else 10)
-    shape = (rows, rows)
+    shape = (rows_count, rows_count)
     dtype = torch.bfloat16 if args.cuda else torch.float32
-    lines = ["| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor |",
-             "|---|---|---|---|---|---|---|"]
+    rows = []
     for mesh_shape, src_text, dst_text in TRANSITIONS:
         mesh = mesh4 if mesh_shape == (4,) else mesh22
-        ours, dst_spec, torch_src, torch_mesh, dst_pl = _pair(mesh, shape, src_text, dst_text, dtype)
-        local, src_spec = ours.to_local(), ours._spec
-        out = redistribute_local(local, src_spec, dst_spec)  # plans, compiles, warms up
+        ours, torch_src, torch_mesh, dst_pl = _pair(mesh, shape, src_text, dst_text, dtype)
+        with record() as ran:
+            out = ours.redistribute(dst_pl)  # plans, compiles, warms up
         want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
-        assert torch.allclose(out.float(), want.float(), rtol=1e-2, atol=1e-2), (src_text, dst_text)
-        route = _route(src_spec, dst_spec, local.element_size())
-        me = tuple(mesh.coordinates()[a] for a in mesh.axis_names)
-        ours_bytes = sum(p.bytes_sent.get(me, 0) for p in route.plans)
-        if args.explain and dist.get_rank() == 0:
-            print(explain_execution(route.plans[0], mesh), flush=True)
-        t_ours = _timed(lambda: redistribute_local(local, src_spec, dst_spec), device, iters)
-        t_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local(), device, iters)
-        kinds = " + ".join(k for p in route.plans for k in p.kinds) or "none"
-        lines.append(f"| {'x'.join(map(str, mesh_shape))} | {src_text} -> {dst_text} | {kinds} | "
-                     f"{_max_over_ranks(ours_bytes):,} | {_max_over_ranks(torch_bytes):,} | {t_ours:.2f} | {t_torch:.2f} |")
+        got = out.to_local()[0] if out.reduce_op else out.to_local()
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), (src_text, dst_text)
+        route = ran[0] if ran else None
+        ours_bytes = route.bytes_sent(mesh) if route else 0
+        t_ours = _timed(lambda: ours.redistribute(dst_pl), device, iters)
+        t_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl), device, iters)
+        if args.explain and route and dist.get_rank() == 0:
+            print(route.explain(mesh), flush=True)
+        steps = " + ".join(k for p in route.plans for k in p.kinds) if route else "none"
+        rows.append(dict(mesh="x".join(map(str, mesh_shape)), transition=f"{src_text} -> {dst_text}",
+                         steps=steps or "local",
+                         bytes_axedist=int(_max_over_ranks(ours_bytes, device)),
+                         bytes_torch=int(_max_over_ranks(torch_bytes, device)),
+                         ms_axedist=t_ours, ms_torch=t_torch))
     # CPU overhead of a cached call that moves nothing: Replicate -> Shard(0)
     small = (64, 64)
-    ours, dst_spec, torch_src, torch_mesh, dst_pl = _pair(mesh4, small, "R", "S0", torch.float32)
-    local, src_spec = ours.to_local(), ours._spec
-    redistribute_local(local, src_spec, dst_spec)
+    ours, torch_src, torch_mesh, dst_pl = _pair(mesh4, small, "R", "S0", torch.float32)
+    ours.redistribute(dst_pl)
     torch_src.redistribute(torch_mesh, dst_pl)
     calls = 2000
 
     def per_call(fn) -> float:
-        start = time.perf_counter()
+        begin = time.perf_counter()
         for _ in range(calls):
             fn()
-        return (time.perf_counter() - start) / calls * 1e6
+        return (time.perf_counter() - begin) / calls * 1e6
 
-    us_ours = statistics.median(per_call(lambda: redistribute_local(local, src_spec, dst_spec)) for _ in range(3))
+    us_ours = statistics.median(per_call(lambda: ours.redistribute(dst_pl)) for _ in range(3))
     us_torch = statistics.median(per_call(lambda: torch_src.redistribute(torch_mesh, dst_pl)) for _ in range(3))
+    overhead = dict(shape=list(small), axedist=_max_over_ranks(us_ours, device), torch=_max_over_ranks(us_torch, device))
     if dist.get_rank() == 0:
         backend = "NCCL" if args.cuda else "gloo"
-        print(f"shape {shape} {str(dtype).replace('torch.', '')}, {world} ranks, {backend}, median of {iters} "
-              f"(max over ranks)\n")
-        print("\n".join(lines))
-        print(f"\nCPU overhead per call, cached plan, Replicate -> Shard(0) of {small} (no communication): "
-              f"axedist redistribute_local {us_ours:.1f} us, torch DTensor.redistribute {us_torch:.1f} us")
+        gpu = torch.cuda.get_device_name() if args.cuda else platform.processor() or platform.machine()
+        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    machine=f"{socket.gethostname()}: {world}x {gpu}", backend=backend, world=world,
+                    commit=_commit(), torch=torch.__version__, shape=list(shape),
+                    dtype=str(dtype).replace("torch.", ""), iters=iters,
+                    timer="CUDA events" if args.cuda else "wall clock",
+                    command=f"torchrun --nproc-per-node {world} launch/bench_redistribute.py " + " ".join(sys.argv[1:]))
+        stem = os.path.join(args.out, f"redistribute_w{world}" + ("" if args.cuda else "_cpu"))
+        _write(rows, overhead, meta, stem)
+        print(open(stem + ".md").read(), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -13,9 +13,24 @@ a ``(8, 6)`` tensor sharded on dim 0 gathered everywhere::
     1. all-gather over gpuid (1 group of 4): ...
        runs as all_gather_into_tensor on the mesh's (gpuid,) group (gloo)
 
-``redistribute_local(local, src_spec, dst_spec)`` is the DTensor-facing call (same
-contract as ``axedist.dtensor._redistribute_general``): it pads the true local tensor into
-the source buffer, plans, executes, and unpads, exactly as DTensor's uneven shapes say.
+``redistribute_local(local, src_spec, dst_spec)`` is the DTensor-facing call: it pads the
+true local tensor into the source buffer, runs the plans, and unpads, exactly as DTensor's
+uneven shapes say. ``plan_for(src_spec, dst_spec)`` returns what it runs (a
+``Redistribution``); ``with record() as ran:`` collects those of the calls made inside.
+The specs are read by attribute only (``mesh``, ``layout``, ``shape``, ``full_shape``,
+``full_true``, ``full_true_index``, ``reduce_op``, ``summands``): nothing here imports
+``axedist.dtensor``, which sits above collectives.
+
+Padding (uneven shapes) is never sent: the planner plans on padded layouts, then the
+executor drops every transfer of a padded slot (``Plan.with_transfers``; realness follows
+the values step by step) and picks, among ``plan_alternatives`` (one gather step, or one
+per mesh axis in each order), the one whose real bytes are fewest (``Plan.cost``).
+
+On CUDA (NCCL) a synchronous all-gather, reduce-scatter or all-reduce (sum/avg) calls
+``axedist.collectives.api`` with ``backend="auto"``: its ``select_backend`` picks the
+symmetric-memory kernels or torch.distributed from the measured table per size, and
+``explain_execution`` says which ran last. On gloo, and for max/min or ``async_op``,
+the torch.distributed call below runs.
 
 How each kind runs (``backend_notes`` returns this table per backend):
 
@@ -39,7 +54,9 @@ one gather per message, the collective, and one scatter.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -48,8 +65,10 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from . import api
+from .backend import select_backend
 from ..layout import Iter, Layout, LayoutError, row_major_memory
-from ..layout_inference import Plan, Step, buffer_size, plan_layouts
+from ..layout_inference import Plan, Step, Transfer, buffer_size, plan_alternatives, plan_layouts
 
 __all__ = [
     "execute_plan",
@@ -58,6 +77,9 @@ __all__ = [
     "execution_bytes",
     "backend_notes",
     "PendingBuffer",
+    "Redistribution",
+    "plan_for",
+    "record",
     "torch_comm_bytes",
 ]
 
@@ -291,6 +313,18 @@ class _Collective(_StepProgram):
         if sorted(ctx.mesh.group_ranks(step.axes)) != sorted(self.ranks):
             raise LayoutError(f"step {step} group {group} is not this rank's mesh group over {step.axes}")
 
+    ran = None  # which implementation the last call used: "torch" (torch.distributed) or "p2p"/"multimem" (api)
+
+    def _through_api(self, op: str, tensor: torch.Tensor, async_op: bool) -> bool:
+        """Whether this call goes through ``axedist.collectives.api`` (CUDA, NCCL, a sum, synchronous);
+        sets ``ran`` to the backend ``select_backend("auto")`` picks from the measured table."""
+        if self.ctx.backend != "nccl" or async_op or tensor.device.type != "cuda" or \
+                self.reduce not in (None, "sum", "avg"):
+            self.ran = "torch"
+            return False
+        self.ran = select_backend(op, tensor, self.group, "auto")
+        return True
+
     def message_source(self, sender, receiver) -> torch.Tensor:
         return _box_index(self.step.messages[(sender, receiver)], "source")
 
@@ -324,14 +358,18 @@ class _AllGather(_Collective):
 
     def start(self, x, async_op):
         gathered = torch.empty(self.n * len(self.members), dtype=x.dtype, device=x.device)
-        work = dist.all_gather_into_tensor(gathered, self.send.take(x).contiguous(), group=self.group,
-                                           async_op=async_op)
+        send = self.send.take(x).contiguous()
+        work = None
+        if self._through_api("all_gather", send, async_op):
+            api.all_gather(send, self.group, backend=self.ran, out=gathered)
+        else:
+            work = dist.all_gather_into_tensor(gathered, send, group=self.group, async_op=async_op)
 
         def finish():
             out = self._local_out(x)
             self.slots.put(out, self.chunk.take(gathered))
             return out
-        return [work] if async_op else [], finish
+        return [work] if async_op and work is not None else [], finish
 
 
 class _ReduceScatter(_Collective):
@@ -371,14 +409,20 @@ class _ReduceScatter(_Collective):
     def start(self, x, async_op):
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
         if self.ctx.backend == "gloo":
+            self.ran = "torch"
             packed = self.pack.fresh(x)
             work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
             mine = lambda: packed[self.position * self.n:(self.position + 1) * self.n]
         else:
             reduced = torch.empty(self.n, dtype=x.dtype, device=x.device)
-            work = dist.reduce_scatter_tensor(reduced, self.pack.take(x).contiguous(), op=op, group=self.group, async_op=async_op)
+            packed = self.pack.take(x).contiguous()
+            if self._through_api("reduce_scatter", packed, async_op):
+                api.reduce_scatter(packed, self.group, backend=self.ran, out=reduced)
+                work = None
+            else:
+                work = dist.reduce_scatter_tensor(reduced, packed, op=op, group=self.group, async_op=async_op)
             mine = lambda: reduced
-        return [work] if async_op else [], (lambda: self._land(mine(), x))
+        return [work] if async_op and work is not None else [], (lambda: self._land(mine(), x))
 
 
 class _FusedAllReduce(_ReduceScatter):
@@ -424,14 +468,18 @@ class _FusedAllReduce(_ReduceScatter):
     def start(self, x, async_op):
         packed = self.pack.fresh(x)
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
-        work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
+        work = None
+        if self._through_api("all_reduce", packed, async_op):
+            packed = api.all_reduce(packed, self.group, backend=self.ran)
+        else:
+            work = dist.all_reduce(packed, op=op, group=self.group, async_op=async_op)
 
         def finish():
             reduced = _finish_avg(packed, len(self.members)) if self.reduce == "avg" else packed
             out = torch.empty(self.gather_step.out_size, dtype=x.dtype, device=x.device)
             self.slots.put(out, self.select.take(reduced))
             return out
-        return [work] if async_op else [], finish
+        return [work] if async_op and work is not None else [], finish
 
 
 class _AllReduce(_Collective):
@@ -467,14 +515,18 @@ class _AllReduce(_Collective):
     def start(self, x, async_op):
         values = self.send.fresh(x)
         op = getattr(dist.ReduceOp, _NATIVE_OP[self.reduce])
-        work = dist.all_reduce(values, op=op, group=self.group, async_op=async_op)
+        work = None
+        if self._through_api("all_reduce", values, async_op):
+            values = api.all_reduce(values, self.group, backend=self.ran)
+        else:
+            work = dist.all_reduce(values, op=op, group=self.group, async_op=async_op)
 
         def finish():
             reduced = _finish_avg(values, len(self.members)) if self.reduce == "avg" else values
             out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
             self.land.put(out, reduced)
             return out
-        return [work] if async_op else [], finish
+        return [work] if async_op and work is not None else [], finish
 
 
 class _Reduce(_Collective):
@@ -701,6 +753,13 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     return PendingBuffer(works, finish, lambda v: run_from(1, v))
 
 
+_RAN_TEXT = {
+    "torch": "torch.distributed",
+    "p2p": "axedist.collectives.api (p2p symmetric-memory kernels)",
+    "multimem": "axedist.collectives.api (multimem kernels)",
+}
+
+
 def execution_bytes(plan: Plan, mesh) -> int:
     """Bytes this rank sends when ``plan`` runs here: the plan's count, except that a direct
     all-reduce step runs as ``all_reduce`` (ring: ``2 (g-1)/g`` of the buffer). Algorithmic
@@ -718,7 +777,8 @@ def explain_execution(plan: Plan, mesh) -> str:
         covered = 2 if isinstance(step, _FusedAllReduce) else 1
         label = f"{index}" if covered == 1 else f"{index}-{index + 1}"
         group = f" on the mesh's {step.step.axes} group" if isinstance(step, _Collective) else ""
-        lines.append(f"    {label}. {step.step.kind}: {step.how}{group}")
+        ran = f"; last call ran on {_RAN_TEXT[step.ran]}" if getattr(step, "ran", None) else ""
+        lines.append(f"    {label}. {step.step.kind}: {step.how}{group}{ran}")
         index += covered
     if backend == "gloo":
         lines.append("  gloo: " + "; ".join(f"{k}: {v}" for k, v in _GLOO_SUBSTITUTES.items()))
@@ -814,6 +874,112 @@ def _common_sides(src_layout, src_full, src_rows, dst_layout, dst_full, dst_rows
     return src, dst
 
 
+def _from_blocks(blocks, replica, offset) -> Layout:
+    """The layout of per-dim iter blocks with row-major local memory (``m`` strides recomputed)."""
+    _, strides = row_major_memory(blocks)
+    shard = [Iter(it.extent, stride) if stride is not None else it
+             for block, row in zip(blocks, strides) for it, stride in zip(block, row)]
+    return Layout(shard, replica, offset)
+
+
+def _held_rows(layout: Layout, full, rows, mesh) -> list[tuple[tuple[int, ...], ...]]:
+    """Per mesh position, per dim: the true rows it holds along that dim, in local order.
+
+    The true local tensor of a device is the product of these (a local tensor is row-major
+    over its dims); two layouts whose lists agree everywhere hold the same true local tensors.
+    """
+    n = math.prod(full)
+    x = torch.arange(n, dtype=torch.int64)
+    coords = layout.shard_coordinates(x)
+    strides = mesh.strides()
+    on = lambda a: coords[a] if isinstance(coords.get(a), torch.Tensor) else torch.full((n,), int(coords.get(a, 0)))
+    device = sum((on(a) * strides[a] for a in mesh.axis_names), torch.zeros(n, dtype=torch.int64))
+    blocks = layout.blocks(full)
+    local_padded = [math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks]
+    index, local, rest, m = [], [], x, on(MEMORY)
+    for extent, lp in zip(reversed(full), reversed(local_padded)):
+        index.append(rest % extent)
+        rest = rest // extent
+        local.append(m % lp)
+        m = m // lp
+    index, local = index[::-1], local[::-1]
+    shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
+    held = [[() for _ in full] for _ in range(mesh.size)]
+    for d in range(len(full)):
+        true_of = torch.full((full[d],), -1, dtype=torch.int64)
+        true_of[list(rows[d])] = torch.arange(len(rows[d]))
+        t = true_of[index[d]]
+        real = t >= 0
+        for shift in shifts:
+            key = torch.stack([device[real] + shift, local[d][real], t[real]], 1).unique(dim=0)
+            per: dict[int, list] = {}
+            for p, l_, r in key.tolist():
+                per.setdefault(p, []).append((l_, r))
+            for p, pairs in per.items():
+                held[p][d] = tuple(sorted(pairs))
+    return [tuple(row) for row in held]
+
+
+def _gather_inner(src, dst, lead: int, mesh):
+    """No common padding, without a reduction: keep the outer chunks both sides cut a conflicting
+    dim into; gather the source's inner ones, re-pad each device's local tensor in place to the
+    target's padding (its inner chunks still local), and plan on from there.
+
+    ``(5, 6)`` on 2x2, ``[Shard(0), Shard(0)] -> [Shard(0), Replicate]``: dim 0 is chunked by
+    x then y in the source (padded 8: rows 0,1 | 2,- | 3,- | 4,-), by x in the target
+    (padded 6: rows 0,1,2 | 3,4,-). Gathering the y iter only (an all-gather over y) leaves
+    x=0 with rows 0,1,2,- and x=1 with 3,-,4,-: the target's rows per device, padded
+    differently, so a local copy finishes (48 B a device, not a gather of all 30 values).
+    The other way round (``[Shard(1), Shard(0)] -> [Shard(1), Shard(1)]`` of ``(2, 5)`` on
+    2x4) nothing is gathered: each x chunk of 3 columns is re-padded to the target's 4 slots
+    (one per y) before the plan moves rows and columns over y.
+    Returns (gathered side, re-padded side, true box here) or None when some device would
+    hold other rows (then the caller gathers everything).
+    """
+    if lead:
+        return None
+    src_full, src_rows, dst_full, dst_rows = src.full_shape, _true_rows(src), dst.full_shape, _true_rows(dst)
+    src_blocks, dst_blocks = [list(b) for b in src.layout.blocks(src_full)], dst.layout.blocks(dst_full)
+    src_free, dst_free = _free_dims(src.layout, src_full), _free_dims(dst.layout, dst_full)
+    gathered, repadded, full, rows, extra = [list(b) for b in src_blocks], [list(b) for b in src_blocks], \
+        list(src_full), list(src_rows), []
+    for d in range(len(src_full)):
+        if (src_full[d], src_rows[d]) == (dst_full[d], dst_rows[d]) or d in src_free or d in dst_free:
+            continue
+        src_mesh = [it for it in src_blocks[d] if it.axis != MEMORY]
+        dst_mesh = [it for it in dst_blocks[d] if it.axis != MEMORY]
+        shared = 0  # the outer chunks both sides cut this dim into
+        while shared < min(len(src_mesh), len(dst_mesh)) and src_mesh[shared] == dst_mesh[shared]:
+            shared += 1
+        gather, split = src_mesh[shared:], dst_mesh[shared:]
+        gathered[d] = [Iter(it.extent, 1) if it in gather else it for it in src_blocks[d]]
+        repadded[d] = [Iter(it.extent, 1) if it in split else it for it in dst_blocks[d]]
+        full[d], rows[d] = dst_full[d], dst_rows[d]
+        extra += gather
+    replica, offset = list(src.layout.replica) + extra, src.layout.offset
+    try:
+        middle = _from_blocks(gathered, replica, offset)
+        after = _from_blocks(repadded, replica, offset)
+        if not (middle.is_injective() and after.is_injective()):
+            return None
+        held_middle = _held_rows(middle, src_full, src_rows, mesh)
+        held_after = _held_rows(after, full, rows, mesh)
+    except LayoutError:
+        return None
+    if any(tuple(tuple(r for _, r in dim) for dim in a) != tuple(tuple(r for _, r in dim) for dim in b)
+           for a, b in zip(held_middle, held_after)):
+        return None  # some device would hold other rows: not a local re-pad
+    me = mesh.position()
+
+    def positions(held):
+        return tuple(None if [l_ for l_, _ in dim] == list(range(len(dim))) else tuple(l_ for l_, _ in dim)
+                     for dim in held[me])
+
+    box = tuple(len(dim) for dim in held_middle[me])
+    gathered_side = _Side(middle, tuple(src_full), positions(held_middle), tuple(src_rows))
+    after_side = _Side(after, tuple(full), positions(held_after), tuple(rows))
+    return gathered_side, after_side, box
+
 def _to_buffer(local: torch.Tensor, side: _Side, box, size: int) -> torch.Tensor:
     """The true local tensor (``box``) placed in the padded row-major local tensor, flattened."""
     padded = side.local_padded
@@ -844,9 +1010,17 @@ def _from_buffer(buffer: torch.Tensor, side: _Side, box) -> torch.Tensor:
     return t[tuple(slice(0, n) for n in box)].contiguous()
 
 
-@dataclass
-class _Route:
-    """The cached answer for one (src spec, dst spec, rank): plans and the pad/unpad sides."""
+@dataclass(frozen=True, repr=False)
+class Redistribution:
+    """How one rank moves a DTensor from spec ``src`` to spec ``dst``: the plans it runs, and the
+    pad/unpad sides around them (what ``plan_for`` returns and ``record`` collects).
+
+    ``plans`` is one plan when the two sides share one padded index map (always for even
+    shapes), else two with a local re-pad between them (``middle``). With padding, the plans
+    move only real elements (``plan.note`` says how many bytes of padding were left out).
+    Example, ``(7,)`` on 4 ranks, ``Shard(0)`` (padded to 8: real sizes 2, 2, 2, 1) to
+    ``Replicate()``: one all-gather-like step; rank 3 sends its 1 real value, the others 2.
+    """
 
     first: _Side
     last: _Side
@@ -855,14 +1029,226 @@ class _Route:
     src_box: tuple[int, ...]
     dst_box: tuple[int, ...]
     reduce_op: str | None
+    middle_box: tuple[int, ...] | None = None  # this rank's true local shape between the two plans
+
+    def bytes_sent(self, mesh) -> int:
+        """Bytes this rank sends when it runs (``execution_bytes`` summed over the plans)."""
+        return sum(execution_bytes(p, mesh) for p in self.plans)
+
+    def explain(self, mesh) -> str:
+        """Each plan as ``explain_execution`` prints it: the plan, then the call each step makes here."""
+        return "\n".join(explain_execution(p, mesh) for p in self.plans)
+
+    def __repr__(self) -> str:
+        kinds = " | ".join(" + ".join(p.kinds) or "local" for p in self.plans)
+        return f"Redistribution({self.first.layout} -> {self.last.layout}: {kinds})"
 
 
 _ROUTES: OrderedDict = OrderedDict()
+_RECORDS: list = []
 
 
-def _route(src, dst, itemsize: int) -> _Route:
-    from ..dtensor import _table  # lazily: dtensor sits above collectives
+@contextlib.contextmanager
+def record():
+    """Collect the ``Redistribution`` of every ``redistribute_local`` this rank runs inside the block.
 
+        >>> with record() as ran:
+        ...     y = x.redistribute([Replicate()])
+        >>> ran[0].bytes_sent(x.mesh), ran[0].plans[0].kinds      # e.g. (144, ('all_gather',))
+    """
+    ran: list = []
+    _RECORDS.append(ran)
+    try:
+        yield ran
+    finally:
+        _RECORDS.remove(ran)
+
+
+def _holdings(layout: Layout, full, rows, mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per mesh position: which buffer slots hold real (unpadded) elements, and the true local box.
+
+    ``rows[d]`` lists the padded indices of dim ``d`` that hold true rows. Every element of the
+    padded tensor is evaluated at once (``shard_coordinates`` on an arange), so this costs
+    O(padded size) once per spec pair; even shapes never call it.
+    """
+    n = math.prod(full)
+    x = torch.arange(n, dtype=torch.int64)
+    coords = layout.shard_coordinates(x)
+    strides = mesh.strides()
+
+    def on(axis):
+        v = coords.get(axis, 0)
+        return v if isinstance(v, torch.Tensor) else torch.full((n,), int(v), dtype=torch.int64)
+
+    device = sum((on(a) * strides[a] for a in mesh.axis_names), torch.zeros(n, dtype=torch.int64))
+    m = on(MEMORY)
+    rest = x
+    index = []
+    for extent in reversed(full):
+        index.append(rest % extent)
+        rest = rest // extent
+    real_along = []  # per dim: the element's index along it is a true row (a box counts each dim alone)
+    for d, i in enumerate(reversed(index)):
+        is_real = torch.zeros(full[d], dtype=torch.bool)
+        is_real[list(rows[d])] = True
+        real_along.append(is_real[i])
+    real = functools.reduce(torch.logical_and, real_along, torch.ones(n, dtype=torch.bool))
+    local_padded = tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in layout.blocks(full))
+    local = []
+    rest = m
+    for extent in reversed(local_padded):
+        local.append(rest % extent)
+        rest = rest // extent
+    local = local[::-1]
+    masks = torch.zeros(mesh.size, buffer_size(layout), dtype=torch.bool)
+    boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
+    for r in layout.replica_offsets or ({},):
+        shift = sum(r.get(a, 0) * strides[a] for a in mesh.axis_names)
+        masks[device[real] + shift, m[real]] = True
+        for d in range(len(full)):  # the true box is leading (DTensor checks it): its extent is the largest index + 1
+            on_d = real_along[d]
+            boxes[:, d].scatter_reduce_(0, device[on_d] + shift, local[d][on_d] + 1, "amax")
+    return masks, boxes
+
+
+def _true_box(spec, side: _Side) -> tuple[int, ...]:
+    """This rank's true (unpadded) local shape under ``spec`` (``side`` is its layout over padded dims)."""
+    mesh = spec.mesh
+    position = mesh.position()
+    unpadded = spec.full_shape == spec.full_true and all(m is None for m in spec.full_true_index)
+    if unpadded:  # the padded local tensor where the layout reaches this device, else empty
+        return side.local_padded if position in _reached(side.layout, mesh) else (0,) * len(side.full)
+    _, boxes = _holdings(spec.layout, spec.full_shape, _true_rows(spec), mesh)
+    return tuple(boxes[position].tolist())
+
+
+def _reached(layout: Layout, mesh) -> set[int]:
+    """Mesh positions holding any element: the mesh iters' digits (at most the mesh's size), plus replicas."""
+    strides = mesh.strides()
+    iters = [it for it in layout.shard if it.axis != MEMORY]
+    base = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
+    points = {base}
+    for it in iters:
+        points = {p + k * it.stride * strides[it.axis] for p in points for k in range(it.extent)}
+    offsets = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
+    return {p + o for p in points for o in offsets}
+
+
+def _slots_of(transfer, side: str) -> torch.Tensor:
+    return _box_index([transfer], side)
+
+
+def _drop_padding(plan: Plan, masks: torch.Tensor, mesh) -> Plan:
+    """``plan`` moving only the real elements (``masks[position, slot]`` on its first input buffers).
+
+    Realness follows the values through the steps (an output slot is real when a real value
+    lands in it). A box that is partly padding is cut into the boxes of its real part along
+    each of its dims (when the real part is such a product), else into runs of real slots.
+    """
+    strides = mesh.strides()
+    names = [a for a, _ in plan.mesh]
+    position = lambda d: sum(c * strides[a] for a, c in zip(names, d))
+    kept_steps, dropped = [], 0
+    for step in plan.steps:
+        out = torch.zeros(masks.shape[0], step.out_size, dtype=torch.bool)
+        kept = []
+        for t in step.transfers:
+            source, target = _slots_of(t, "source"), _slots_of(t, "target")
+            keep = masks[position(t.source)][source]
+            out[position(t.target), target[keep]] = True
+            if t.is_local or bool(keep.all()):
+                kept.append(t)
+            elif bool(keep.any()):
+                kept.extend(_real_boxes(t, keep))
+                dropped += int((~keep).sum())
+            else:
+                dropped += t.count
+        kept_steps.append(kept)
+        masks = out
+    if not dropped:
+        return plan
+    return plan.with_transfers(kept_steps, note=f"padding left out: {dropped} slot(s) not sent")
+
+
+def _real_boxes(t, keep: torch.Tensor) -> list:
+    """The real part of box ``t`` as boxes: a product of runs per dim when it is one, else 1-D runs."""
+    grid = keep.reshape(t.extents)
+    along = [grid.flatten(0, -1) if grid.dim() == 1 else
+             grid.movedim(k, 0).reshape(t.extents[k], -1).any(1) for k in range(grid.dim())]
+    product = along[0]
+    for k in range(1, grid.dim()):
+        product = product.unsqueeze(-1) & along[k]
+    if torch.equal(product, grid):
+        runs = [_runs_of(a) for a in along]
+        boxes = []
+        for choice in itertools.product(*runs):
+            starts = [r[0] for r in choice]
+            boxes.append(Transfer(t.source, t.target, tuple(r[1] for r in choice),
+                                  t.source_offset + sum(s * st for s, st in zip(starts, t.source_strides)),
+                                  t.source_strides,
+                                  t.target_offset + sum(s * st for s, st in zip(starts, t.target_strides)),
+                                  t.target_strides))
+        return boxes
+    source, target = _slots_of(t, "source")[keep].tolist(), _slots_of(t, "target")[keep].tolist()
+    return [Transfer(t.source, t.target, (1,), s, (1,), m, (1,)) for s, m in zip(source, target)]
+
+
+def _runs_of(flags: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, length)`` of each run of True in a 1-D bool tensor."""
+    runs, start = [], None
+    for i, f in enumerate(flags.tolist() + [False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def _cheapest(candidates: Sequence[Plan], masks: torch.Tensor | None, mesh) -> Plan:
+    """The candidate (padding left out when ``masks`` says some slots are padding) that moves least."""
+    if masks is None or bool(masks.all()):
+        return candidates[0]
+    pruned = [_drop_padding(p, masks, mesh) for p in candidates]
+    return min(pruned, key=lambda p: p.cost)
+
+
+def _padding_masks(side: _Side, mesh) -> torch.Tensor | None:
+    """``[position, slot]`` real-slot masks of ``side``'s buffers; None when nothing is padded."""
+    if all(len(r) == f for r, f in zip(side.rows, side.full)):
+        return None
+    masks, _ = _holdings(side.layout, side.full, side.rows, mesh)
+    return masks
+
+
+def _inner_gather_route(src, dst, lead: int, mesh):
+    """``_gather_inner``'s sides when the re-padded layout then meets the target without re-padding again."""
+    inner = _gather_inner(src, dst, lead, mesh)
+    if inner is None:
+        return None
+    gathered, after, box = inner
+    ends = _common_sides(after.layout, after.full, after.rows, dst.layout, dst.full_shape, _true_rows(dst))
+    if ends is None or ends[0].layout != after.layout or ends[0].full != after.full:
+        return None
+    return gathered, after, box
+
+
+def _full_gather_route(src, dst, lead: int, mesh):
+    """Every device gathers the whole tensor on the source's padding, then re-pads it to the target's."""
+    src_rows, dst_rows = _true_rows(src), _true_rows(dst)
+    kept, kept_rows = src.full_shape[lead:], src_rows[lead:]
+    gathered = _Side(_replicated(kept, mesh), kept, _moved(kept_rows), kept_rows)
+    middle, _ = _common_sides(gathered.layout, kept, kept_rows, dst.layout, dst.full_shape, dst_rows)
+    middle = _Side(middle.layout, middle.full, _moved(middle.rows), middle.rows)
+    return gathered, middle, tuple(len(r) for r in kept_rows)
+
+
+def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
+    """The cached ``Redistribution`` this rank runs for DTensor specs ``src -> dst`` (no data moves).
+
+    ``src``/``dst`` are what ``redistribute_local`` takes (DTensor's specs: ``mesh``, ``layout``,
+    ``shape``, ``full_shape``, ``full_true``, ``full_true_index``, ``reduce_op``, ``summands``).
+    """
     mesh = src.mesh
     key = (src, dst, mesh.position(), itemsize)
     route = _ROUTES.get(key)
@@ -875,28 +1261,29 @@ def _route(src, dst, itemsize: int) -> _Route:
     if dst.reduce_op is not None and (src.reduce_op, src.summands) != (dst.reduce_op, dst.summands):
         raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from {src}; "
                           f"use to_partial() on a tensor whose leading dim holds the summands")
-    position = mesh.position()
-    src_box, dst_box = _table(src).local_shapes[position], _table(dst).local_shapes[position]
     partial = src.reduce_op if reduce else None
     src_full, src_rows = src.full_shape, _true_rows(src)
     dst_full, dst_rows = dst.full_shape, _true_rows(dst)
+    own_src = _Side(src.layout, src_full, (None,) * len(src_full), src_rows)
+    own_dst = _Side(dst.layout, dst_full, (None,) * len(dst_full), dst_rows)
+    src_box, dst_box = _true_box(src, own_src), _true_box(dst, own_dst)
     lead = 1 if reduce else 0  # a reduced summand dim has no counterpart in the target
     sides = _common_sides(src.layout, src_full, src_rows, dst.layout, dst_full, dst_rows, lead)
     if sides is not None:
         first, last = sides
-        shape = last.full
-        plans = (plan_layouts(first.layout, last.layout, mesh, shape, itemsize, partial),)
-        route = _Route(first, last, plans, None, src_box, dst_box, partial)
+        candidates = plan_alternatives(first.layout, last.layout, mesh, last.full, itemsize, partial)
+        plans = (_cheapest(candidates, _padding_masks(first, mesh), mesh),)
+        route = Redistribution(first, last, plans, None, src_box, dst_box, partial)
     else:
-        # no common padding (torch chunks a dim two different ways): gather on src's padding, re-pad locally
-        first = _Side(src.layout, src_full, (None,) * len(src_full), src_rows)
-        kept, kept_rows = src_full[lead:], src_rows[lead:]
-        gathered = _Side(_replicated(kept, mesh), kept, _moved(kept_rows), kept_rows)
-        middle, last = _common_sides(gathered.layout, kept, kept_rows, dst.layout, dst_full, dst_rows)
-        middle = _Side(middle.layout, middle.full, _moved(middle.rows), middle.rows)
-        plans = (plan_layouts(src.layout, gathered.layout, mesh, kept, itemsize, partial),
-                 plan_layouts(middle.layout, last.layout, mesh, last.full, itemsize, None))
-        route = _Route(first, last, plans, (gathered, middle), src_box, dst_box, partial)
+        # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on
+        first = own_src
+        gathered, middle, box = _inner_gather_route(src, dst, lead, mesh) or _full_gather_route(src, dst, lead, mesh)
+        last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst_full, dst_rows)[1]
+        gather = plan_alternatives(src.layout, gathered.layout, mesh, gathered.full, itemsize, partial)
+        scatter = plan_alternatives(middle.layout, last.layout, mesh, last.full, itemsize, None)
+        plans = (_cheapest(gather, _padding_masks(first, mesh), mesh),
+                 _cheapest(scatter, _padding_masks(middle, mesh), mesh))
+        route = Redistribution(first, last, plans, (gathered, middle), src_box, dst_box, partial, box)
     _ROUTES[key] = route
     while len(_ROUTES) > _PROGRAM_LIMIT:
         _ROUTES.popitem(last=False)
@@ -906,13 +1293,15 @@ def _route(src, dst, itemsize: int) -> _Route:
 def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     """This rank's local tensor under spec ``dst`` from its local tensor under spec ``src``.
 
-    The same contract as ``axedist.dtensor._redistribute_general``: ``local`` is the true
-    (unpadded) local tensor (with the leading summand dim for a pending reduction); the
-    result is the true local tensor under ``dst``. Example, ``(7,)`` on 4 ranks,
-    ``Shard(0)`` (padded to 8: local sizes 2, 2, 2, 1) to ``Replicate()``: one all-gather
-    of 2 slots per rank, then every rank keeps the 7 true values.
+    ``local`` is the true (unpadded) local tensor (with the leading summand dim for a
+    pending reduction); the result is the true local tensor under ``dst``. Example,
+    ``(7,)`` on 4 ranks, ``Shard(0)`` (padded to 8: local sizes 2, 2, 2, 1) to
+    ``Replicate()``: ranks send their 2, 2, 2 and 1 real values to every peer, then every
+    rank keeps the 7 true values.
     """
-    route = _route(src, dst, local.element_size())
+    route = plan_for(src, dst, local.element_size())
+    for ran in _RECORDS:
+        ran.append(route)
     mesh = src.mesh
     buffer = _to_buffer(local.to(mesh.device), route.first, route.src_box, buffer_size(route.first.layout))
     if route.middle is None:
@@ -922,8 +1311,8 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
         return _from_buffer(out, route.last, route.dst_box)
     gathered, middle_dst = route.middle
     full = execute_plan(route.plans[0], buffer, mesh)
-    true = _from_buffer(full, gathered, tuple(len(r) for r in gathered.rows))
-    again = _to_buffer(true, middle_dst, tuple(len(r) for r in middle_dst.rows), buffer_size(middle_dst.layout))
+    true = _from_buffer(full, gathered, route.middle_box)
+    again = _to_buffer(true, middle_dst, route.middle_box, buffer_size(middle_dst.layout))
     out = execute_plan(route.plans[1], again, mesh)
     value = _from_buffer(out, route.last, route.dst_box)
     return _Unpadding(PendingBuffer([], lambda: value, lambda v: v), lambda v: v) if async_op else value
