@@ -201,7 +201,7 @@ class CallPlan:
             values = list(workspace.data_addresses(half))
             if self.op != "all_gather":
                 values.append(workspace.multicast_address(half) if self.multimem else 0)
-            values += workspace.barrier_addresses()
+            values += workspace.barrier_addresses(half)  # half == epoch % 2
             values += [geometry["chunk"], geometry["stride"], self.rank,
                        workspace.abort.data_ptr(), workspace.error_address()]
             statics.append(tuple(values))

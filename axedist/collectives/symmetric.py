@@ -8,6 +8,10 @@ same number of bytes and gets the peers' base addresses, usable inside kernels. 
 Flags are written by their owner (the fused kernel's tile flags); barrier words are written by
 the peers (the collectives' block barriers store into the peer's area and spin locally). Keeping
 the two apart means a word only ever receives writes of one discipline, whose values grow.
+The barrier area has two regions, used by calls of odd and even epoch: a peer's word is written
+again only two calls later, when that peer has provably read the previous value (it finished
+that call before signalling the call in between). Reusing a word in consecutive calls let a
+relaxed remote store of epoch e-1 land after the one of epoch e (seen on H200: a lost signal).
 
 Epochs. Every call on a workspace takes the next epoch e = 1, 2, 3, ...; it writes e into flags
 (system-scope release) and waits until the peers' flags are >= e. The data half used by call e is
@@ -33,8 +37,8 @@ from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
 FLAG_BYTES = FLAG_SLOTS * 4
 MAX_BARRIER_PROGRAMS = 512
-BARRIER_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x one word per peer
-BARRIER_BYTES = BARRIER_SLOTS * 4
+BARRIER_REGION_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x a word per peer
+BARRIER_BYTES = 2 * BARRIER_REGION_SLOTS * 4  # one region per epoch parity
 MIN_DATA_BYTES = 1 << 22
 ALIGN_BYTES = 1 << 12
 
@@ -109,7 +113,8 @@ class SymmetricWorkspace:
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
         self._data_addresses = [self._addresses(FLAG_BYTES + half * data_bytes) for half in (0, 1)]
         self._flag_addresses = self._addresses(0)
-        self._barrier_addresses = self._addresses(FLAG_BYTES)
+        self._barrier_addresses = [self._addresses(FLAG_BYTES + parity * BARRIER_BYTES // 2)
+                                   for parity in (0, 1)]
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter_base = 0
         self.broken = ""
@@ -150,9 +155,10 @@ class SymmetricWorkspace:
     def flag_addresses(self) -> list[int]:
         return self._flag_addresses
 
-    def barrier_addresses(self) -> list[int]:
-        """Each rank's barrier area (8 padded): word (slot * 8 + peer) is written by `peer`."""
-        return self._barrier_addresses
+    def barrier_addresses(self, parity: int) -> list[int]:
+        """Each rank's barrier region for calls of epoch parity `parity` (8 addresses, padded):
+        word (slot * 8 + peer) is written by `peer`."""
+        return self._barrier_addresses[parity]
 
     def multicast_address(self, half: int) -> int:
         return self.multicast_base + self.data_offset(half) if self.multicast_base else 0

@@ -30,8 +30,8 @@ Workspace layout (elements of the call's dtype, one half; s = chunk_stride, a mu
 import triton
 import triton.language as tl
 
-from .primitives import (fence_release_sys_first_thread, load_reduce, peer_pointers, pick,
-                         st_relaxed_sys, sum_peer_loads, wait_flag)
+from .primitives import (fence_acq_rel_sys, load_reduce, peer_pointers, pick, st_relaxed_sys,
+                         sum_peer_loads, wait_flag)
 
 
 @triton.jit
@@ -39,12 +39,14 @@ def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, 
                   timeout_ns, WORLD: tl.constexpr):
     """Program-level barrier across ranks on barrier `slot`; returns 1 when every peer arrived.
 
-    Program b writes the call's epoch into word slot * 8 + rank of every peer's barrier area (one
-    system-scope fence, then relaxed stores: a release pattern) and spins on words slot * 8 + p
-    of its own area, so the spinning is local and no NVLink round trip is in the wait.
+    Program b writes the call's epoch into word slot * 8 + rank of every peer's barrier area
+    (every thread fences at system scope, a CTA barrier, then thread 0's relaxed stores: a
+    release pattern) and spins on words slot * 8 + p of its own area, so the spinning is local
+    and no NVLink round trip is in the wait. F0..F7 are the barrier areas of the call's parity:
+    a word is rewritten only two calls later, after its reader observed it (symmetric.py).
     """
+    fence_acq_rel_sys(epoch)
     tl.debug_barrier()
-    fence_release_sys_first_thread(epoch)
     for step in tl.static_range(1, WORLD):
         peer = (rank + step) % WORLD
         st_relaxed_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + (slot * 8 + rank) * 4, epoch)

@@ -44,28 +44,22 @@ def st_release_sys(address, value):
 
 
 @triton.jit
-def fence_release_sys_first_thread(dummy):
-    """fence.acq_rel.sys from thread 0 of the program (dummy: any int32 operand).
+def fence_acq_rel_sys(dummy):
+    """fence.acq_rel.sys in every thread (dummy: any int32 operand).
 
-    With the relaxed stores of `st_relaxed_sys` after it, this is a release pattern: one fence
-    for W-1 flag stores instead of one release per store. Call after tl.debug_barrier() so that
-    the fence covers every thread's earlier stores (cumulativity through the CTA barrier).
+    Each thread's earlier stores -- remote NVLink stores included -- are ordered before its
+    later ones at system scope. Seen on H200 (push variants, 2026-11-21): a fence in thread
+    0 alone after a CTA barrier did NOT cover the other warps' in-flight remote stores (peers
+    read stale slots), so every thread fences before the barrier that precedes the flag store.
     """
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred %p_is_first;
-        .reg .u32 %t_index;
-        mov.u32 %t_index, %tid.x;
-        setp.eq.u32 %p_is_first, %t_index, 0;
-        @%p_is_first fence.acq_rel.sys;
-        mov.u32 $0, 0;
-        }""", "=r,r", [dummy], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [dummy],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def st_relaxed_sys(address, value):
-    """Store one int32 (relaxed, system scope) from thread 0 only; a release once it follows
-    fence_release_sys_first_thread in the same thread."""
+    """Store one int32 (relaxed, system scope) from thread 0 only: a release of every thread's
+    earlier stores when each thread ran fence_acq_rel_sys and then a CTA barrier."""
     tl.inline_asm_elementwise(
         """{
         .reg .pred %p_is_first;
