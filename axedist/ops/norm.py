@@ -1,0 +1,216 @@
+"""Sharding rules of softmax, log_softmax, layer norm and RMS norm, forward and backward.
+
+Softmax over a dim no mesh axis shards runs locally and keeps every shard. Over a
+sharded dim it still keeps the shards: each rank all-reduces its rows' maxima, then
+the sums of ``exp(x - max)`` (two small all-reduces instead of gathering ``x``).
+4 ranks, logits (2, 10) in ``[Shard(1)]`` (vocab pieces 3, 3, 3, 1): ``softmax(x, 1)``
+is (2, 10) ``[Shard(1)]``, and every piece divides by the same global sum.
+
+Layer norm and RMS norm normalize over trailing dims, which must be whole on each device
+(redistributed if not); leading (batch, sequence) dims keep their shards. That is
+sequence parallelism: ``x`` (B, S, H) in ``[Shard(1)]`` with a replicated weight runs
+locally, and the backward's weight and bias gradients are sums over the local tokens,
+pending sums over the sequence axis, ``[Partial("sum")]``, reduced when someone reads
+them (``full_tensor``) or by the optimizer's redistribute.
+
+RMS norm as torch 2.13 dispatches it: ``F.rms_norm``/``nn.RMSNorm`` on CPU decompose into
+pointwise ops, ``mean`` and ``sum`` (rules in ``pointwise``/``reduction``); on CUDA they reach
+aten as ``_fused_rms_norm`` and ``_fused_rms_norm_backward``, whose rules are here (the
+backward has no CPU kernel, so on CPU its local step is computed from the formula).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Partial, Replicate
+
+from .registry import ArgSpec, OpCall, Sharding, register
+from .tensor_ops import placements_of, shard_dim, unshard, without_partial
+
+aten = torch.ops.aten
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _axes_sharding(mesh, places, dim: int, ndim: int) -> list[str]:
+    return [axis for axis, p in zip(mesh.axis_names, places) if shard_dim(p, ndim) == dim]
+
+
+def _linear_partial(p) -> bool:
+    """A pending reduction a gradient may keep through a linear backward (sum only: the
+    weight gradients add pending sums of their own, and a tensor has one pending op)."""
+    return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+def _grad_target(grad_places, data_places) -> tuple:
+    """A gradient laid out like the data it flows through, except that pending sums stay
+    pending where the data is replicated (the backward is linear in the gradient), as long
+    as all of them can (a tensor's pending axes are reduced together)."""
+    keep = all(_linear_partial(g) and isinstance(p, Replicate)
+               for g, p in zip(grad_places, data_places) if isinstance(g, Partial))
+    return tuple(g if keep and isinstance(g, Partial) else p for g, p in zip(grad_places, data_places))
+
+
+# ---------------------------------------------------------------------------
+# softmax / log_softmax
+# ---------------------------------------------------------------------------
+
+
+@register(aten._softmax.default, aten._log_softmax.default)
+def softmax_rule(call: OpCall) -> Sharding:
+    """``x.softmax(1)`` of ``[Shard(0)]``: local. Of ``[Shard(1)]``: stays ``[Shard(1)]``, with
+    the row max and the row sum all-reduced over the axes that shard dim 1."""
+    x, dim, half_to_float = call.args[0], call.args[1], call.args[2]
+    d = dim % max(x.ndim, 1)
+    target = without_partial(placements_of(x))  # softmax is not linear: pending sums first
+    axes = _axes_sharding(x.mesh, target, d, x.ndim)
+    if not axes:
+        return Sharding(inputs=[target], outputs=target)
+    log = call.func is aten._log_softmax.default
+
+    def local(call_, t, *args, **kwargs):
+        group = call_.mesh.group(axes)
+        out_dtype = torch.float32 if half_to_float else t.dtype
+        work = t.to(_accumulation_dtype(out_dtype))
+        if work.shape[d]:
+            top = work.amax(d, keepdim=True)
+        else:
+            shape = list(work.shape)
+            shape[d] = 1
+            top = torch.full(shape, float("-inf"), dtype=work.dtype, device=work.device)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = work - top
+        total = shifted.exp().sum(d, keepdim=True)
+        dist.all_reduce(total, group=group)
+        out = shifted - total.log() if log else shifted.exp() / total
+        return out.to(out_dtype)
+
+    return Sharding(inputs=[target], outputs=target, local=local)
+
+
+@register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(call: OpCall) -> Sharding:
+    """``grad_x = y * (g - sum(g * y))`` (softmax) or ``g - exp(y) * sum(g)`` (log_softmax),
+    sums over the softmax dim: local when that dim is whole, one all-reduce when sharded.
+    Linear in ``g``, so a pending sum in ``g`` stays pending where ``y`` is replicated."""
+    grad, out, dim, input_dtype = call.args[:4]
+    d = dim % max(out.ndim, 1)
+    out_target = without_partial(placements_of(out))
+    grad_target = _grad_target(placements_of(grad), out_target)
+    result = grad_target
+    axes = _axes_sharding(out.mesh, out_target, d, out.ndim)
+    if not axes:
+        return Sharding(inputs=[grad_target, out_target], outputs=result)
+    log = call.func is aten._log_softmax_backward_data.default
+
+    def local(call_, g, y, *args, **kwargs):
+        group = call_.mesh.group(axes)
+        acc = _accumulation_dtype(input_dtype)
+        g, y = g.to(acc), y.to(acc)
+        if log:
+            total = g.sum(d, keepdim=True)
+            dist.all_reduce(total, group=group)
+            value = g - y.exp() * total
+        else:
+            total = (g * y).sum(d, keepdim=True)
+            dist.all_reduce(total, group=group)
+            value = y * (g - total)
+        return value.to(input_dtype)
+
+    return Sharding(inputs=[grad_target, out_target], outputs=result, local=local)
+
+
+# ---------------------------------------------------------------------------
+# layer norm, fused RMS norm
+# ---------------------------------------------------------------------------
+
+
+def _norm_input(x: ArgSpec, normalized_ndim: int) -> tuple:
+    """``x``'s placements with the normalized (trailing) dims whole and nothing pending."""
+    return without_partial(unshard(placements_of(x), range(x.ndim - normalized_ndim, x.ndim), x.ndim))
+
+
+def _replicated(spec) -> tuple | None:
+    return (Replicate(),) * spec.mesh.ndim if isinstance(spec, ArgSpec) else None
+
+
+def _specs_inputs(values, targets) -> list:
+    """Targets for the ArgSpecs among ``values`` (a None weight/bias has no entry)."""
+    return [t for v, t in zip(values, targets) if isinstance(v, ArgSpec)]
+
+
+@register(aten.native_layer_norm.default)
+def layer_norm_rule(call: OpCall) -> Sharding:
+    """``native_layer_norm(x, [H], w, b)``, ``x`` (B, S, H) in ``[Shard(1)]``: local, outputs
+    ``[Shard(1)]`` (mean and rstd are (B, S, 1), sharded alike); ``w``, ``b`` replicated."""
+    x, normalized_shape, weight, bias = call.args[:4]
+    xt = _norm_input(x, len(normalized_shape))
+    inputs = _specs_inputs([x, weight, bias], [xt, _replicated(weight), _replicated(bias)])
+    return Sharding(inputs=inputs, outputs=(xt, xt, xt))
+
+
+@register(aten._fused_rms_norm.default)
+def fused_rms_norm_rule(call: OpCall) -> Sharding:
+    """``_fused_rms_norm(x, [H], w, eps)`` -> (out, rstd): as layer norm, without mean/bias."""
+    x, normalized_shape, weight = call.args[:3]
+    xt = _norm_input(x, len(normalized_shape))
+    inputs = _specs_inputs([x, weight], [xt, _replicated(weight)])
+    return Sharding(inputs=inputs, outputs=(xt, xt))
+
+
+def _backward_placements(grad: ArgSpec, x: ArgSpec, normalized_ndim: int):
+    """Placements of a norm backward: ``x``'s (normalized dims whole); the gradient keeps a
+    pending sum where ``x`` is replicated (the backward is linear in it); the input gradient
+    follows; weight and bias gradients are pending sums over every axis that splits the
+    tokens (each rank sums its own) or holds a pending gradient, replicated elsewhere."""
+    xt = _norm_input(x, normalized_ndim)
+    gt = _grad_target(placements_of(grad), xt)
+    param = tuple(Partial("sum") if not isinstance(g, Replicate) else Replicate() for g in gt)
+    return xt, gt, param
+
+
+@register(aten.native_layer_norm_backward.default)
+def layer_norm_backward_rule(call: OpCall) -> Sharding:
+    """``x`` (B, S, H) ``[Shard(1)]``: grad_input ``[Shard(1)]``; grad_weight and grad_bias (H,)
+    ``[Partial("sum")]``."""
+    grad, x, normalized_shape, mean, rstd, weight, bias = call.args[:7]
+    xt, gt, param = _backward_placements(grad, x, len(normalized_shape))
+    values = [grad, x, mean, rstd, weight, bias]
+    inputs = _specs_inputs(values, [gt, xt, xt, xt, _replicated(weight), _replicated(bias)])
+    return Sharding(inputs=inputs, outputs=(gt, param, param))
+
+
+def _rms_norm_backward_formula(grad, x, normalized_shape, rstd, weight, output_mask):
+    """What ``_fused_rms_norm_backward`` computes, from the formula (it has no CPU kernel):
+    with ``xhat = x * rstd`` and ``gw = grad * weight``,
+    ``grad_x = rstd * (gw - xhat * mean(gw * xhat))`` over the normalized dims, and
+    ``grad_weight = sum over the leading dims of grad * xhat``."""
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    acc = _accumulation_dtype(x.dtype)
+    g, xs, r = grad.to(acc), x.to(acc), rstd.to(acc)
+    xhat = xs * r
+    gw = g * weight.to(acc) if weight is not None else g
+    grad_x = grad_w = None
+    if output_mask[0]:
+        grad_x = (r * (gw - xhat * (gw * xhat).mean(dims, keepdim=True))).to(x.dtype)
+    if output_mask[1] and weight is not None:
+        lead = list(range(x.dim() - len(normalized_shape)))
+        grad_w = (g * xhat).sum(lead).to(weight.dtype) if lead else (g * xhat).to(weight.dtype)
+    return grad_x, grad_w
+
+
+def _fused_rms_norm_backward_local(call, grad, x, normalized_shape, rstd, weight, output_mask):
+    if x.device.type == "cpu":
+        return _rms_norm_backward_formula(grad, x, normalized_shape, rstd, weight, output_mask)
+    return aten._fused_rms_norm_backward.default(grad, x, normalized_shape, rstd, weight, output_mask)
+
+
+@register(aten._fused_rms_norm_backward.default)
+def fused_rms_norm_backward_rule(call: OpCall) -> Sharding:
+    grad, x, normalized_shape, rstd, weight = call.args[:5]
+    xt, gt, param = _backward_placements(grad, x, len(normalized_shape))
+    inputs = _specs_inputs([grad, x, rstd, weight], [gt, xt, xt, _replicated(weight)])
+    return Sharding(inputs=inputs, outputs=(gt, param), local=_fused_rms_norm_backward_local)

@@ -1,0 +1,398 @@
+"""Sharding rules of ops that select, join, split and fill tensors.
+
+cat/stack, split/split_with_sizes/unbind (``chunk`` arrives as ``split``), slice
+(``narrow`` arrives as ``slice``), select, index_select, gather, scatter/scatter_add,
+index_add, flip, and the backward ops these produce (``slice_backward``, ``select_backward``; ``index_add``/``scatter_add`` for
+index_select/gather, ``scatter`` for ``max.dim``).
+
+The common idea: an op that only *moves* elements along some dims keeps every other
+dim's sharding, and a dim it moves elements along must be whole on each device
+(Replicate), unless the op leaves that dim untouched (a full slice). Example, 4 ranks,
+``x`` of shape (8, 6) in ``[Shard(0)]``: ``x[:, 1:4]`` stays ``[Shard(0)]``, local
+(2, 6) -> (2, 3), no communication; ``x[1:4]`` first gathers dim 0.
+
+Pending reductions (``Partial``) commute with any op that only selects or places
+elements (``sum_r x_r[i] = (sum_r x_r)[i]``), so selections keep them; an op that mixes
+in values of its own (a nonzero fill of a pending sum) reduces first.
+
+The placement helpers at the top are shared by ``reduction.py`` and ``norm.py``.
+(``masked_fill`` and the ``new_*``/``*_like`` factories are elementwise: ``pointwise.py``.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .registry import ArgSpec, OpCall, Sharding, register
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------
+# Placement helpers (shared by the rules of this family, reductions and norms)
+# ---------------------------------------------------------------------------
+
+
+def placements_of(spec: ArgSpec) -> tuple[Placement, ...]:
+    """The spec's placements; a layout with no placement form is asked to become replicated
+    (the dispatcher moves the data), which is always correct."""
+    if spec.placements is None:
+        return (Replicate(),) * spec.mesh.ndim
+    return tuple(spec.placements)
+
+
+def shard_dim(p: Placement, ndim: int) -> int | None:
+    """The tensor dim a ``Shard``/``_StridedShard`` splits (non-negative), else None."""
+    if isinstance(p, (Shard, _StridedShard)):
+        return p.dim % max(ndim, 1)
+    return None
+
+
+def is_plain_shard(p: Placement) -> bool:
+    return isinstance(p, Shard) and not isinstance(p, _StridedShard)
+
+
+def moved(p: Placement, dim: int) -> Placement:
+    """The same kind of shard, on ``dim`` (a ``_StridedShard`` keeps its split factor)."""
+    if isinstance(p, _StridedShard):
+        return _StridedShard(dim, split_factor=p.split_factor)
+    return Shard(dim)
+
+
+def unshard(places, dims, ndim: int) -> tuple[Placement, ...]:
+    """Replicate every mesh axis that shards one of ``dims``."""
+    dims = {d % max(ndim, 1) for d in dims}
+    return tuple(Replicate() if shard_dim(p, ndim) in dims else p for p in places)
+
+
+def without_partial(places) -> tuple[Placement, ...]:
+    """Pending reductions applied (for ops that are not linear in this argument)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in places)
+
+
+def renumber(places, ndim: int, new_dim) -> tuple[Placement, ...]:
+    """Shards moved to ``new_dim(old_dim)`` (None: that dim is gone, so Replicate)."""
+    out = []
+    for p in places:
+        d = shard_dim(p, ndim)
+        if d is None:
+            out.append(p)
+        else:
+            nd = new_dim(d)
+            out.append(Replicate() if nd is None else moved(p, nd))
+    return tuple(out)
+
+
+def reduce_op_of(places) -> str | None:
+    for p in places:
+        if isinstance(p, Partial):
+            return p.reduce_op
+    return None
+
+
+def keeps_all_partials(own, target) -> bool:
+    """Whether ``target`` keeps every pending axis of ``own`` or none of them: a tensor's
+    pending reduction is applied over all its partial axes at once (``[Partial, Partial]``
+    cannot become ``[Partial, Replicate]`` in one redistribute)."""
+    kept = [isinstance(t, Partial) for o, t in zip(own, target) if isinstance(o, Partial)]
+    return all(kept) or not any(kept)
+
+
+def is_full_range(size: int, start, end, step) -> bool:
+    """Whether ``slice(start, end, step)`` of a dim of ``size`` keeps it whole."""
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if start < 0:
+        start += size
+    if end < 0:
+        end += size
+    return step == 1 and start <= 0 and end >= size
+
+
+def _same_dim_choice(specs: list[ArgSpec], axis_index: int, allowed) -> Placement:
+    """For joining ops (cat/stack): on one mesh axis, the plain Shard that the most inputs
+    already have (replicated inputs take it by a local slice), or Replicate."""
+    votes: dict[int, int] = {}
+    for s in specs:
+        p = placements_of(s)[axis_index]
+        if is_plain_shard(p) and allowed(p.dim % s.ndim):
+            votes[p.dim % s.ndim] = votes.get(p.dim % s.ndim, 0) + s_numel(s)
+    if not votes:
+        return Replicate()
+    return Shard(max(votes, key=lambda d: (votes[d], -d)))
+
+
+def s_numel(spec: ArgSpec) -> int:
+    n = 1
+    for s in spec.shape:
+        n *= s
+    return n
+
+
+def joint_placements(specs: list[ArgSpec], allowed=lambda d: True, linear: bool = True) -> tuple[Placement, ...]:
+    """One placement per mesh axis that every input of a joining op takes.
+
+    An axis where every input holds the same pending reduction keeps it (the op is linear
+    in all inputs together: ``cat(sum a_r, sum b_r) = sum cat(a_r, b_r)``); otherwise the
+    Shard the inputs agree on most (by elements), or Replicate.
+    """
+    mesh = specs[0].mesh
+    out = []
+    for i in range(mesh.ndim):
+        ps = [placements_of(s)[i] for s in specs]
+        if linear and all(isinstance(p, Partial) for p in ps) and len({p.reduce_op for p in ps}) == 1:
+            out.append(ps[0])
+        else:
+            out.append(_same_dim_choice(specs, i, allowed))
+    if not all(keeps_all_partials(placements_of(s), out) for s in specs):
+        out = [_same_dim_choice(specs, i, allowed) if isinstance(p, Partial) else p for i, p in enumerate(out)]
+    return tuple(out)
+
+
+def tensor_specs(values) -> list[ArgSpec]:
+    return [v for v in values if isinstance(v, ArgSpec)]
+
+
+# ---------------------------------------------------------------------------
+# Joining: cat, stack
+# ---------------------------------------------------------------------------
+
+
+@register(aten.cat.default)
+def cat_rule(call: OpCall) -> Sharding:
+    """``cat([a, b], 1)`` with ``a: [Shard(0)]``, ``b: [Replicate()]`` -> both ``[Shard(0)]``
+    (b by a local slice), output ``[Shard(0)]``; the cat dim itself must be whole."""
+    tensors = call.args[0]
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
+    specs = tensor_specs(tensors)
+    ndim = specs[0].ndim
+    d = dim % ndim
+    target = joint_placements(specs, allowed=lambda e: e != d)
+    return Sharding(inputs=[target] * len(specs), outputs=target)
+
+
+@register(aten.stack.default)
+def stack_rule(call: OpCall) -> Sharding:
+    """``stack([a, b], 0)`` of ``[Shard(1)]`` inputs -> ``[Shard(2)]``."""
+    tensors = call.args[0]
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
+    specs = tensor_specs(tensors)
+    ndim = specs[0].ndim
+    d = dim % (ndim + 1)
+    target = joint_placements(specs)
+    out = renumber(target, ndim, lambda e: e if e < d else e + 1)
+    return Sharding(inputs=[target] * len(specs), outputs=out)
+
+
+# ---------------------------------------------------------------------------
+# Splitting: split, split_with_sizes, unbind
+# ---------------------------------------------------------------------------
+
+
+def _split_count(size: int, split_size: int) -> int:
+    return max(1, -(-size // split_size)) if split_size > 0 else 1
+
+
+@register(aten.split.Tensor, aten.unsafe_split.Tensor)
+def split_rule(call: OpCall) -> Sharding:
+    """``x.split(2, dim=1)`` keeps every dim's sharding but dim 1's (replicated first)."""
+    x, split_size = call.args[0], call.args[1]
+    dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
+    d = dim % x.ndim
+    target = unshard(placements_of(x), [d], x.ndim)
+    n = _split_count(x.shape[d], split_size)
+    return Sharding(inputs=[target], outputs=tuple([target] * n))
+
+
+@register(aten.split_with_sizes.default, aten.unsafe_split_with_sizes.default)
+def split_with_sizes_rule(call: OpCall) -> Sharding:
+    x, sizes = call.args[0], call.args[1]
+    dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
+    target = unshard(placements_of(x), [dim], x.ndim)
+    return Sharding(inputs=[target], outputs=tuple([target] * len(sizes)))
+
+
+@register(aten.unbind.int)
+def unbind_rule(call: OpCall) -> Sharding:
+    """``x.unbind(0)`` of ``[Shard(1)]`` (shape (3, 8)) -> three ``[Shard(0)]`` rows."""
+    x = call.args[0]
+    dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
+    d = dim % x.ndim
+    target = unshard(placements_of(x), [d], x.ndim)
+    out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
+    return Sharding(inputs=[target], outputs=tuple([out] * x.shape[d]))
+
+
+# ---------------------------------------------------------------------------
+# Selecting: slice, select, index_select, gather, flip (and their backward ops)
+# ---------------------------------------------------------------------------
+
+
+def _arg(call: OpCall, index: int, name: str, default=None):
+    if len(call.args) > index:
+        return call.args[index]
+    return call.kwargs.get(name, default)
+
+
+@register(aten.slice.Tensor)
+def slice_rule(call: OpCall) -> Sharding:
+    """``x[:, 1:4]`` of ``[Shard(0)]`` stays ``[Shard(0)]``; ``x[1:4]`` gathers dim 0 first
+    (unless the slice keeps the dim whole, like ``x[0:]``)."""
+    x = call.args[0]
+    dim, start, end, step = (_arg(call, 1, "dim", 0), _arg(call, 2, "start"), _arg(call, 3, "end"),
+                             _arg(call, 4, "step", 1))
+    d = dim % x.ndim
+    places = placements_of(x)
+    if not is_full_range(x.shape[d], start, end, step):
+        places = unshard(places, [d], x.ndim)
+    return Sharding(inputs=[places], outputs=places)
+
+
+@register(aten.slice_backward.default)
+def slice_backward_rule(call: OpCall) -> Sharding:
+    """The gradient of a slice: zeros of the input's size with ``grad`` placed in the sliced
+    range; ``grad``'s other dims keep their sharding, and a pending sum stays pending (zeros
+    add up to zeros)."""
+    grad, sizes, dim, start, end, step = call.args[:6]
+    d = dim % grad.ndim
+    places = placements_of(grad)
+    if not is_full_range(sizes[d], start, end, step) or grad.shape[d] != sizes[d]:
+        places = unshard(places, [d], grad.ndim)
+    return Sharding(inputs=[places], outputs=places)
+
+
+@register(aten.select.int)
+def select_rule(call: OpCall) -> Sharding:
+    """``x[:, 2]`` of ``[Shard(0)]`` -> ``[Shard(0)]``; ``x[2]`` of ``[Shard(1)]`` -> ``[Shard(0)]``."""
+    x, dim = call.args[0], call.args[1]
+    d = dim % x.ndim
+    target = unshard(placements_of(x), [d], x.ndim)
+    out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
+    return Sharding(inputs=[target], outputs=out)
+
+
+@register(aten.select_backward.default)
+def select_backward_rule(call: OpCall) -> Sharding:
+    grad, sizes, dim = call.args[0], call.args[1], call.args[2]
+    d = dim % len(sizes)
+    places = placements_of(grad)
+    out = renumber(places, grad.ndim, lambda e: e if e < d else e + 1)
+    return Sharding(inputs=[places], outputs=out)
+
+
+@register(aten.flip.default)
+def flip_rule(call: OpCall) -> Sharding:
+    """Flipped dims must be whole on each device; the others keep their sharding."""
+    x, dims = call.args[0], call.args[1]
+    target = unshard(placements_of(x), list(dims), x.ndim)
+    return Sharding(inputs=[target], outputs=target)
+
+
+@register(aten.index_select.default)
+def index_select_rule(call: OpCall) -> Sharding:
+    """``x.index_select(1, idx)``: dim 1 of ``x`` whole; ``x``'s other shards kept; an index
+    sharded where ``x`` is replicated shards the output's dim 1 (each rank picks its rows).
+
+    ``x: (4, 10) [Shard(0)]``, ``idx: (3,) [Replicate()]`` -> ``(4, 3) [Shard(0)]``.
+    """
+    x, dim, index = call.args[0], call.args[1], call.args[2]
+    d = dim % x.ndim
+    xp = list(unshard(placements_of(x), [d], x.ndim))
+    has_index = isinstance(index, ArgSpec)
+    ip = list(without_partial(placements_of(index))) if has_index else []
+    out = list(xp)
+    for i in range(len(xp)):
+        if not has_index:
+            continue
+        if is_plain_shard(ip[i]) and isinstance(xp[i], Replicate):
+            out[i] = Shard(d)
+        else:
+            ip[i] = Replicate()
+    inputs = [tuple(xp)] + ([tuple(ip)] if has_index else [])
+    return Sharding(inputs=inputs, outputs=tuple(out))
+
+
+@register(aten.index_add.default)
+def index_add_rule(call: OpCall) -> Sharding:
+    """``x.index_add(dim, idx, src)`` (index_select's backward): ``x`` and ``src`` share their
+    shards off ``dim``, ``dim`` is whole, the index replicated; pending sums in both ``x``
+    and ``src`` stay pending (the op is linear in them together)."""
+    x, dim, index, src = call.args[:4]
+    d = dim % x.ndim
+    specs = [s for s in (x, src) if isinstance(s, ArgSpec)]
+    target = joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e])
+    target = tuple(p if not isinstance(p, Partial) or p.reduce_op == "sum" else Replicate() for p in target)
+    inputs = []
+    for value in (x, index, src):
+        if isinstance(value, ArgSpec):
+            inputs.append(target if value is not index else (Replicate(),) * x.mesh.ndim)
+    return Sharding(inputs=inputs, outputs=target)
+
+
+def _index_axis(dim: int, shapes, ps):
+    """One mesh axis of gather/scatter: the placement each tensor takes and the output's.
+
+    ``shapes``/``ps``: (self, index, src?) shapes and placements. A dim ``e != dim`` may stay
+    sharded when every tensor has the same size there (element (.., i_e, ..) of every
+    tensor then sits on the same rank)."""
+    ndim = len(shapes[0])
+    for p in ps:
+        e = shard_dim(p, ndim)
+        if is_plain_shard(p) and e != dim and len({s[e] for s in shapes}) == 1:
+            return [Shard(e)] * len(ps), Shard(e)
+    return [Replicate()] * len(ps), Replicate()
+
+
+@register(aten.gather.default)
+def gather_rule(call: OpCall) -> Sharding:
+    """``x.gather(1, idx)``: out[i, j] = x[i, idx[i, j]].
+
+    Per mesh axis: an index sharded on ``dim`` with ``x`` replicated gives an output sharded
+    the same way; a dim sharded alike in both (same size) stays sharded; a pending reduction
+    of ``x`` with a replicated index stays pending (gather only selects); else replicate.
+    ``x: (6, 5) [Shard(0)]``, ``idx: (6, 2) [Shard(0)]``, dim 1 -> out ``(6, 2) [Shard(0)]``.
+    """
+    x, dim, index = call.args[0], call.args[1], call.args[2]
+    d = dim % x.ndim
+    xt, it, out = [], [], []
+    for xp, ip in zip(placements_of(x), without_partial(placements_of(index))):
+        if isinstance(xp, Partial):
+            xt.append(xp), it.append(Replicate()), out.append(xp)
+        elif is_plain_shard(ip) and ip.dim % x.ndim == d:
+            xt.append(Replicate()), it.append(ip), out.append(ip)
+        else:
+            (a, b), o = _index_axis(d, [x.shape, index.shape], [xp, ip])
+            xt.append(a), it.append(b), out.append(o)
+    return Sharding(inputs=[tuple(xt), tuple(it)], outputs=tuple(out))
+
+
+@register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+def scatter_rule(call: OpCall) -> Sharding:
+    """``x.scatter(dim, idx, src)`` / ``scatter_add``: dims off ``dim`` with equal sizes in all
+    three tensors may stay sharded alike; ``dim`` and everything else replicated. With a
+    replicated index, pending sums in both ``x`` and ``src`` stay pending (the op is linear in
+    them together: every rank writes the same positions)."""
+    x, dim, index = call.args[0], call.args[1], call.args[2]
+    src = call.args[3] if len(call.args) > 3 else call.kwargs.get("src", call.kwargs.get("value"))
+    d = dim % x.ndim
+    tensors = [x, index] + ([src] if isinstance(src, ArgSpec) else [])
+    places = [placements_of(t) for t in tensors]
+    targets = [[] for _ in tensors]
+    out = []
+    # pending sums stay pending when x and src are pending on exactly the same axes
+    data = [places[0]] + places[2:]
+    linear = isinstance(src, ArgSpec) and len({tuple(isinstance(p, Partial) and p.reduce_op == "sum" for p in ps)
+                                                 for ps in data}) == 1 and \
+        not any(isinstance(p, Partial) for p in places[1]) and \
+        all(not isinstance(p, Partial) or p.reduce_op == "sum" for p in places[0])
+    for axis in range(x.mesh.ndim):
+        ps = [p[axis] for p in places]
+        if linear and isinstance(ps[0], Partial):
+            chosen, o = [ps[0], Replicate()] + ps[2:], ps[0]
+        else:
+            chosen, o = _index_axis(d, [t.shape for t in tensors], ps)
+        for t, c in zip(targets, chosen):
+            t.append(c)
+        out.append(o)
+    return Sharding(inputs=[tuple(t) for t in targets], outputs=tuple(out))

@@ -1,0 +1,174 @@
+"""Select/join/split ops on DTensors (ops/tensor_ops.py) against the same ops on whole tensors.
+
+On 2 and 4 ranks and a 2x2 mesh, fp64 inputs of random (often uneven) shapes in every
+assignment of Shard(0)/Shard(1)/Replicate/Partial to the mesh axes (a second input in a
+different one, so inputs get redistributed): outputs and gradients (slice_backward,
+select_backward, index_add, scatter_add, cat/stack in split's backward ...) must equal the
+single-device ones, and dims an op does not touch keep their shards (no needless gather).
+"""
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from axedist.testing import run_on_ranks
+from ops_cases import (MESHES, WORLD, Partial, Replicate, Shard, check, make, mesh_of, placement_sets, rand,
+                       randint, sample_sets, shards)
+
+OPTIONS = [Shard(0), Shard(1), Replicate(), Partial()]
+
+
+def _kept_shards(placements_in, dims_gone, out_dim):
+    """The placements an op that leaves dims (other than ``dims_gone``) in place must give,
+    for the shards of the input: ``out_dim(d)`` is where input dim ``d`` lands."""
+    want = {}
+    for axis, p in enumerate(placements_in):
+        if isinstance(p, Shard) and p.dim not in dims_gone:
+            want[axis] = Shard(out_dim(p.dim))
+        if isinstance(p, Partial):
+            want[axis] = p
+    return want
+
+
+def _expect(want, what):
+    def run(outs):
+        for o in outs:
+            for axis, p in want.items():
+                assert o.placements[axis] == p, f"{what}: output placements {o.placements}, axis {axis} should be {p}"
+    return run
+
+
+def _joins_and_splits(rank, world_size, mesh_name, seed):
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    a, b, c = randint(g, 1, 7), randint(g, 1, 7), randint(g, 1, 5)
+    X = rand(g, a, b)
+    sets = placement_sets(mesh, OPTIONS)
+    for xp in sample_sets(mesh, OPTIONS, g):
+        # y: the same placements (shards must survive) or another set (forces a redistribute)
+        yp = xp if randint(g, 0, 2) else sets[randint(g, 0, len(sets))]
+        what = f"seed {seed}, mesh {mesh_name}, shape {(a, b)}, x {xp}, y {yp}"
+        dim = randint(g, -2, 2)
+        for dim, Y in ((dim, rand(g, c, b) if dim % 2 == 0 else rand(g, a, c)),):
+            want = _kept_shards(xp, {dim % 2}, lambda d: d) if xp == yp else {}
+            out = check(lambda x, y: torch.cat([x, y], dim), [(X, xp), (Y, yp)], mesh, seed, g, f"cat {dim} {what}",
+                        _expect(want, f"cat {dim} {what}"))[0]
+            assert not shards(out.placements, dim % 2), f"cat {dim} {what}: {out.placements}"
+        for dim in (randint(g, 0, 3),):
+            want = _kept_shards(xp, set(), lambda d: d if d < dim else d + 1) if xp == yp else {}
+            check(lambda x, y: torch.stack([x, y], dim), [(X, xp), (rand(g, a, b), yp)], mesh, seed, g,
+                  f"stack {dim} {what}", _expect(want, f"stack {dim} {what}"))
+        for dim in (randint(g, 0, 2),):
+            n = X.shape[dim]
+            size = randint(g, 1, n + 1)
+            keep = _kept_shards(xp, {dim}, lambda d: d)
+            check(lambda x: x.split(size, dim), [(X, xp)], mesh, seed, g, f"split {size} {dim} {what}",
+                  _expect(keep, f"split {dim} {what}"))
+            chunks = randint(g, 1, 4)
+            check(lambda x: x.chunk(chunks, dim), [(X, xp)], mesh, seed, g,
+                  f"chunk {chunks} {dim} {what}", _expect(keep, f"chunk {dim} {what}"))
+            cut = randint(g, 0, n)
+            sizes = [cut, n - cut] if 0 < cut < n else [n]
+            check(lambda x: x.split(sizes, dim), [(X, xp)], mesh, seed, g, f"split {sizes} {dim} {what}",
+                  _expect(keep, f"split sizes {dim} {what}"))
+            check(lambda x: x.unbind(dim), [(X, xp)], mesh, seed, g, f"unbind {dim} {what}",
+                  _expect(_kept_shards(xp, {dim}, lambda d: d - 1 if d > dim else d), f"unbind {dim} {what}"))
+    return True
+
+
+def _selections(rank, world_size, mesh_name, seed):
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    a, b, c = randint(g, 1, 7), randint(g, 2, 7), randint(g, 1, 4)
+    X = rand(g, a, b, c)
+    for xp in sample_sets(mesh, [Shard(0), Shard(1), Shard(2), Replicate(), Partial()], g):
+        what = f"seed {seed}, mesh {mesh_name}, shape {(a, b, c)}, x {xp}"
+        lo = randint(g, 0, b)
+        hi = randint(g, lo + 1, b + 1)
+        step = randint(g, 1, 3)
+        check(lambda x: x[:, lo:hi:step], [(X, xp)], mesh, seed, g, f"slice [{lo}:{hi}:{step}] {what}",
+              _expect(_kept_shards(xp, {1}, lambda d: d), f"slice {what}"))
+        check(lambda x: x[:, 0:], [(X, xp)], mesh, seed, g, f"full slice {what}",
+              _expect(_kept_shards(xp, set(), lambda d: d), f"full slice {what}"))
+        check(lambda x: x.narrow(0, 0, max(1, a - 1)), [(X, xp)], mesh, seed, g, f"narrow {what}")
+        index = randint(g, -b, b)
+        check(lambda x: x[:, index], [(X, xp)], mesh, seed, g, f"select {index} {what}",
+              _expect(_kept_shards(xp, {1}, lambda d: d if d < 1 else d - 1), f"select {what}"))
+        check(lambda x: x[a - 1], [(X, xp)], mesh, seed, g, f"select row {what}")
+        check(lambda x: x.flip(1), [(X, xp)], mesh, seed, g, f"flip {what}",
+              _expect(_kept_shards(xp, {1}, lambda d: d), f"flip {what}"))
+        # index_select with a replicated and a sharded index (indices repeat, in any order)
+        idx = torch.randint(0, b, (randint(g, 1, 6),), generator=g)
+        for ip in sample_sets(mesh, [Replicate(), Shard(0)], g, 2):
+            check(lambda x, i: x.index_select(1, i), [(X, xp), (idx, ip)], mesh, seed, g,
+                  f"index_select idx {ip} {what}", _expect(_kept_shards(xp, {1}, lambda d: d), f"index_select {what}"))
+        # gather along dim 1 with an index of the same size off dim 1 (so shards can be kept)
+        gidx = torch.randint(0, b, (a, randint(g, 1, 5), c), generator=g)
+        m = randint(g, 1, b + 1)
+        for ip in sample_sets(mesh, [Replicate(), Shard(0), Shard(1)], g, 2):
+            out = check(lambda x, i: x.gather(1, i), [(X, xp), (gidx, ip)], mesh, seed, g, f"gather idx {ip} {what}")
+            for axis, (p, q) in enumerate(zip(xp, ip)):
+                if p == q == Shard(0):
+                    assert out[0].placements[axis] == Shard(0), f"gather {what} idx {ip}: {out[0].placements}"
+        # scatter_add / scatter / index_add (the backward ops of gather, max.dim, index_select) directly
+        src = rand(g, *gidx.shape)
+        sidx = torch.stack([torch.randperm(b, generator=g)[:m] for _ in range(a * c)]) \
+            .reshape(a, c, m).permute(0, 2, 1).contiguous()  # no repeats along dim 1: scatter is exact
+        ssrc = rand(g, a, m, c)
+        yp = [Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in xp]
+        check(lambda x, i, s: x.scatter_add(1, i, s), [(X, xp), (gidx, yp), (src, yp)], mesh, seed, g,
+              f"scatter_add {what}")
+        check(lambda x, i, s: x.scatter(1, i, s), [(X, xp), (sidx, yp), (ssrc, yp)], mesh, seed, g,
+              f"scatter {what}")
+        check(lambda x, i: x.scatter(1, i, 2.5), [(X, xp), (sidx, yp)], mesh, seed, g, f"scatter value {what}")
+        source = rand(g, a, idx.shape[0], c)
+        check(lambda x, i, s: x.index_add(1, i, s, alpha=1.5), [(X, xp), (idx, [Replicate()] * mesh.ndim),
+                                                                (source, yp)], mesh, seed, g, f"index_add {what}")
+        mask = torch.rand(b, c, generator=g) > 0.5
+        check(lambda x, m: x.masked_fill(m, -3.0), [(X, xp), (mask, [Replicate()] * mesh.ndim)], mesh, seed, g,
+              f"masked_fill {what}")
+    return True
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(max_examples=2, database=None, phases=[Phase.explicit, Phase.generate])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_joins_and_splits(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_joins_and_splits, world, args=(mesh_name, seed)) == [True] * world
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(max_examples=2, database=None, phases=[Phase.explicit, Phase.generate])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_selections(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_selections, world, args=(mesh_name, seed)) == [True] * world
+
+
+def _no_needless_gather(rank, world_size):
+    """Exact placements of the common cases (4 ranks, uneven shapes)."""
+    mesh = mesh_of("4")
+    g = torch.Generator().manual_seed(1)
+    X = make(rand(g, 10, 6), mesh, [Shard(0)], 0)
+    Y = make(rand(g, 10, 3), mesh, [Replicate()], 0)
+    assert torch.cat([X, Y], 1).placements == (Shard(0),)
+    assert torch.stack([X, X], 0).placements == (Shard(1),)
+    assert [t.placements for t in X.split(4, 1)] == [(Shard(0),)] * 2
+    assert X[:, 2].placements == (Shard(0),)
+    assert X[:, 1:3].placements == (Shard(0),)
+    assert X[1:3].placements == (Replicate(),)
+    assert X.unbind(1)[0].placements == (Shard(0),)
+    P = make(rand(g, 10, 6), mesh, [Partial()], 0)
+    assert P[:, 1:3].placements == (Partial(),)
+    assert P[3].placements == (Partial(),)
+    assert torch.cat([P, P], 0).placements == (Partial(),)
+    idx = make(torch.tensor([4, 0, 0, 5, 1]), mesh, [Shard(0)], 0)
+    R = make(rand(g, 10, 6), mesh, [Replicate()], 0)
+    assert R.index_select(1, idx).placements == (Shard(1),)
+    return True
+
+
+def test_no_needless_gather():
+    assert run_on_ranks(_no_needless_gather, 4) == [True] * 4
