@@ -24,6 +24,7 @@ _LAZY = {
     "from_torch": "dtensor",
     "layout_from_placements": "dtensor",
     "placements_from_layout": "dtensor",
+    "plan": "dtensor",
     "visualize": "visualize",
     "gemm_reduce_scatter": "collectives",
     "plan_gemm_reduce_scatter": "collectives",
