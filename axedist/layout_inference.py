@@ -101,6 +101,7 @@ from .layout import Iter, Layout, LayoutError
 __all__ = [
     "Plan",
     "plan_alternatives",
+    "clear_plan_cache",
     "Step",
     "Transfer",
     "plan_layouts",
@@ -594,6 +595,12 @@ def _gather_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -
                      for (a, a_places), (b, b_places) in zip(chain, chain[1:])]
             plans.append(Plan(src, dst, mesh, shape, itemsize, None, _mark_all_reduce(steps), "digits"))
     return tuple(plans)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan (``plan_layouts``, ``plan_alternatives``); for cold-planning benchmarks."""
+    _plan_cached.cache_clear()
+    _gather_orders.cache_clear()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from axedist.layout import Layout
-from axedist.layout_inference import _plan_cached, plan_layouts
+from axedist.layout_inference import clear_plan_cache, plan_layouts
 
 G8 = (("gpuid", 8),)
 XY = (("x", 2), ("y", 4))
@@ -62,7 +62,7 @@ def main():
     rows = []
     for name, src_text, dst_text, mesh, shape, partial in TRANSITIONS:
         def cold():
-            _plan_cached.cache_clear()
+            clear_plan_cache()
             # fresh layouts: no canonical form cached on them either
             return plan_layouts(Layout.parse(src_text), Layout.parse(dst_text), mesh, shape, partial=partial)
 

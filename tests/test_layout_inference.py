@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from axedist.layout import Iter, Layout, LayoutError
 from reference import brute_points
-from axedist.layout_inference import Plan, buffer_size, plan_layouts, simulate
+from axedist.layout_inference import Plan, Transfer, buffer_size, plan_alternatives, plan_layouts, simulate
 
 MESHES = [
     (("gpuid", 2),),
@@ -60,9 +60,9 @@ def scatter(layout, mesh, values):
 REDUCE = {"sum": sum, "max": max, "min": min, "avg": lambda v: sum(v) / len(v)}
 
 
-def check_plan(src, dst, mesh, shape, partial=None, one_step_minimum=True):
-    """Simulate the plan and compare every destination slot with the global tensor."""
-    plan = plan_layouts(src, dst, mesh, shape, partial=partial)
+def check_plan(src, dst, mesh, shape, partial=None, one_step_minimum=True, plan=None):
+    """Simulate the plan (default: ``plan_layouts``') and compare every destination slot with the global tensor."""
+    plan = plan_layouts(src, dst, mesh, shape, partial=partial) if plan is None else plan
     size = math.prod(shape)
     summands = src.size // size if partial else 1
     values = [(x % size) * 16 + x // size + 1 for x in range(summands * size)]  # element x, summand p
@@ -553,3 +553,66 @@ def test_replicated_partial_is_sliced_before_reducing():
                       partial="sum")
     assert plan.kinds == ("reduce_scatter",) and plan.steps[0].axes == ("y",)
     assert set(plan.bytes_sent.values()) == {3 * 8 * 4}  # 3 peers x 8 elements: half the rows, not all
+
+
+# -- ordering per-axis work by bytes ------------------------------------------------------
+
+
+def test_partial_over_two_axes_reduces_the_scattering_axis_first():
+    """No local digit of 5 or 3 splits by 2 for y: reduce-scatter over x, then all-reduce the half over y."""
+    src, dst = placements(XY, (5, 6), ["P", "P"]), placements(XY, (5, 6), ["S1", "R"])
+    plan = check_plan(src, dst, XY, (5, 6), partial="sum")
+    assert plan.kinds == ("reduce_scatter", "all_reduce")
+    assert [s.axes for s in plan.steps] == [("x",), ("y",)]
+    # 15 of 30 values stay after the x step: 60 B, then a ring all-reduce of 15 over 2: 60 B
+    assert plan.cost[0] == 120 and set(plan.bytes_sent.values()) == {120}
+    replicated = check_plan(src, placements(XY, (5, 6), ["R", "R"]), XY, (5, 6), partial="sum")
+    assert replicated.kinds == ("reduce_scatter", "all_reduce", "all_gather") and replicated.cost[0] == 180
+
+
+@pytest.mark.parametrize("mesh", [XY, (("x", 2), ("y", 4))], ids=["2x2", "2x4"])
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_alternatives_gather_one_axis_per_step_and_stay_correct(mesh, seed):
+    rng = random.Random(seed)
+    shape = random_shape(rng, mesh)
+    src, dst = random_layout(rng, mesh, shape), random_layout(rng, mesh, shape)
+    plans = plan_alternatives(src, dst, mesh, shape)
+    assert plans[0] is plan_layouts(src, dst, mesh, shape)
+    for plan in plans[1:]:
+        check_plan(src, dst, mesh, shape, one_step_minimum=False, plan=plan)
+        assert len(plan.steps) == len({a for a, _ in mesh})
+        assert all(len(step.axes) <= 1 for step in plan.steps[:-1])
+        # gathering in stages never receives less than one step does (it never beats the minimum)
+        assert sum(plan.bytes_received.values()) >= sum(plans[0].bytes_received.values())
+
+
+def test_alternatives_for_a_two_axis_gather():
+    src, dst = placements(XY, (4, 6), ["S0", "S1"]), placements(XY, (4, 6), ["R", "R"])
+    one, x_first, y_first = plan_alternatives(src, dst, XY, (4, 6))
+    assert one.kinds == ("all_gather",) and one.steps[0].axes == ("x", "y")
+    assert [s.axes for s in x_first.steps] == [("x",), ("y",)] and [s.axes for s in y_first.steps] == [("y",), ("x",)]
+    assert one.cost[:2] == x_first.cost[:2] == y_first.cost[:2]  # even shapes: equal bytes, one step fewer
+    assert one.cost < x_first.cost
+
+
+def test_with_transfers_leaves_slots_out_and_renames_the_step():
+    """What the executor does with padding: rows 7 of an (8, 6) Shard(0) -> Replicate are padding."""
+    src, dst = placements(G4, (8, 6), ["S0"]), placements(G4, (8, 6), ["R"])
+    plan = plan_layouts(src, dst, G4, (8, 6))
+    kept = []
+    for t in plan.steps[0].transfers:
+        if t.source == (3,) and not t.is_local:  # device 3 holds rows 6 and 7: send row 6 only
+            kept.append(Transfer(t.source, t.target, (6,), t.source_offset, (1,), t.target_offset, (1,)))
+        else:
+            kept.append(t)
+    pruned = plan.with_transfers([kept], note="padding left out: 18 slot(s) not sent")
+    assert pruned.kinds == ("all_to_all_v",)  # members send different sizes now: no longer an all-gather
+    assert pruned.bytes_sent[(3,)] == 3 * 6 * 4 and pruned.bytes_sent[(0,)] == 3 * 12 * 4
+    assert "padding left out: 18 slot(s) not sent" in str(pruned)
+    values = list(range(48))
+    out = simulate(pruned, scatter(src, G4, values))
+    for d in devices(G4):  # device 3 keeps its own row 7; the others never receive it
+        assert out[d][:42] == values[:42] and out[d][42:] == (values[42:] if d == (3,) else [None] * 6)
+    with pytest.raises(LayoutError, match="transfer lists"):
+        plan.with_transfers([], note="")
