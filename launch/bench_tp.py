@@ -113,7 +113,7 @@ def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int, steps: 
             torch.cuda.synchronize()
         elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=mesh.device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        losses.append(float(loss.detach().to_local().float()))
+        losses.append(float(loss.detach().full_tensor().float()))
         if i >= warmup:
             times.append(float(elapsed) * 1e3)
     return statistics.median(times), losses

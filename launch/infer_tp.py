@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import axedist as ax
-from axedist.nn import checkpoint, parallelize
+from axedist.nn import checkpoint, parallelize, to_inference
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan
 
 
@@ -38,7 +38,7 @@ def say(*args) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", default="runs/train_tp", help="train_tp.py's output dir (config.json, checkpoint/)")
+    p.add_argument("--train-dir", default="runs/train_tp", help="train_tp.py's output dir (config.json, checkpoint/)")
     p.add_argument("--cuda", action="store_true", help="GPUs and NCCL (default: CPU and gloo)")
     p.add_argument("--start", type=int, default=7, help="the prompt counts from here ...")
     p.add_argument("--stride", type=int, default=3, help="... in steps of this (1, 2, 3 or 5 were trained)")
@@ -49,15 +49,16 @@ def main(argv=None) -> None:
     mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
     if not args.cuda:
         torch.set_num_threads(1)
-    with open(os.path.join(args.run, "config.json")) as f:
+    with open(os.path.join(args.train_dir, "config.json")) as f:
         saved = json.load(f)
     cfg = LlamaConfig(**saved["config"])
     dtype = getattr(torch, saved["dtype"])
     model = Llama(cfg).to(device=mesh.device, dtype=dtype)
     parallelize(model, mesh, llama_tp_plan(cfg, sequence_parallel=False))
-    checkpoint.load(model, os.path.join(args.run, "checkpoint"))
+    checkpoint.load(model, os.path.join(args.train_dir, "checkpoint"))
     model.eval()
-    say(f"loaded {args.run}/checkpoint on {mesh} ({dtype}, TP={mesh.size})")
+    to_inference(model)  # DTensors made outside inference mode cannot be viewed inside it (as torch's)
+    say(f"loaded {args.train_dir}/checkpoint on {mesh} ({dtype}, TP={mesh.size})")
 
     v = cfg.vocab_size
     total = args.prompt_len + args.new_tokens

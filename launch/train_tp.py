@@ -63,21 +63,21 @@ def counting_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> tu
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true", help="GPUs and NCCL (default: CPU and gloo)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 80 on CPU, 200 on CUDA)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 8 CPU, 16 CUDA)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 60 on CPU, 200 on CUDA)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: 32 CPU, 512 CUDA)")
     p.add_argument("--dim", type=int, default=None, help="model width (default: 64 CPU, 1024 CUDA)")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 2 CPU, 4 CUDA)")
     p.add_argument("--heads", type=int, default=None, help="attention heads (default: 4 CPU, 16 CUDA)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: = heads)")
     p.add_argument("--ffn", type=int, default=None, help="MLP hidden size (default: 2 * dim rounded)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 128 CPU, 4096 CUDA)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: 64 CPU, 4096 CUDA)")
     p.add_argument("--tie-embeddings", action="store_true", help="share the embedding and output weights")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="replicate activations between blocks (all-reduce) instead of sharding the sequence")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float64"],
                    help="parameter dtype (default: float32 on CPU, bfloat16 on CUDA, which the fused kernel takes)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=6e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="runs/train_tp", help="output directory (losses.json, loss.png, checkpoint/)")
@@ -89,11 +89,11 @@ def config_from(args, world: int) -> tuple[LlamaConfig, dict]:
     cuda = args.cuda
     pick = lambda value, cpu, gpu: value if value is not None else (gpu if cuda else cpu)  # noqa: E731
     dim = pick(args.dim, 64, 1024)
-    cfg = LlamaConfig(vocab_size=pick(args.vocab, 128, 4096), dim=dim, n_layers=pick(args.layers, 2, 4),
+    cfg = LlamaConfig(vocab_size=pick(args.vocab, 64, 4096), dim=dim, n_layers=pick(args.layers, 2, 4),
                       n_heads=pick(args.heads, 4, 16), n_kv_heads=args.kv_heads,
                       ffn_hidden=args.ffn or 64 * math.ceil(8 * dim / 3 / 64),
                       max_seq_len=pick(args.seq, 32, 512), tie_embeddings=args.tie_embeddings)
-    run = dict(steps=pick(args.steps, 80, 200), batch=pick(args.batch, 8, 16), seq=cfg.max_seq_len,
+    run = dict(steps=pick(args.steps, 60, 200), batch=pick(args.batch, 16, 16), seq=cfg.max_seq_len,
                dtype=getattr(torch, args.dtype or ("bfloat16" if cuda else "float32")))
     if cfg.kv_heads % world or cfg.n_heads % world or cfg.ffn_hidden % world:
         raise SystemExit(f"heads ({cfg.n_heads}), kv heads ({cfg.kv_heads}) and ffn ({cfg.ffn_hidden}) must be "
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = float(loss.detach().to_local().float())
+        value = float(loss.detach().full_tensor().float())
         losses.append(value)
         if tty:
             say("\r" + progress(step, run["steps"], value, started), end="")

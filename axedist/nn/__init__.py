@@ -4,10 +4,10 @@ and DCP checkpoints of parallelized models (``checkpoint``)."""
 from .checkpoint import load, save, torch_state_dict
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                        SequenceParallel, VocabParallelEmbedding, describe, from_torch_style, parallelize, replicate,
-                       vocab_parallel_cross_entropy)
+                       to_inference, vocab_parallel_cross_entropy)
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
     "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate", "from_torch_style",
-    "vocab_parallel_cross_entropy", "save", "load", "torch_state_dict",
+    "vocab_parallel_cross_entropy", "to_inference", "save", "load", "torch_state_dict",
 ]

@@ -49,7 +49,7 @@ from ..mesh import DeviceMesh
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
     "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate",
-    "vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy", "to_inference",
 ]
 
 # What a style accepts wherever it takes a layout.
@@ -584,3 +584,27 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **
     if isinstance(logits, DTensor) and not isinstance(targets, DTensor):
         targets = replicate(targets, logits.mesh)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), **kwargs)
+
+
+def to_inference(module: nn.Module) -> nn.Module:
+    """Make every parameter and buffer an inference tensor (no grad), in place, for decoding
+    under ``torch.inference_mode()``.
+
+    A view of a DTensor made outside inference mode fails inside it ("Cannot set
+    version_counter for inference tensor": the wrapper made inside is an inference tensor;
+    torch's DTensor has the same limit), and ``F.linear`` views its weight. Copies made inside
+    inference mode view freely. Returns ``module``; train it no more afterwards.
+
+        >>> to_inference(model)
+        >>> with torch.inference_mode():
+        ...     logits = model(tokens)
+    """
+    with torch.inference_mode():
+        for sub in module.modules():
+            for name, param in list(sub._parameters.items()):
+                if param is not None:
+                    sub._parameters[name] = nn.Parameter(param.clone(), requires_grad=False)  # clone: not a view
+            for name, buffer in list(sub._buffers.items()):
+                if buffer is not None:
+                    sub._buffers[name] = buffer.clone()
+    return module
