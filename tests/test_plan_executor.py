@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import axedist as ax
 from axedist.collectives import plan_executor
-from axedist.collectives.plan_executor import execute_plan, execution_bytes, redistribute_local, torch_comm_bytes
+from axedist.collectives.plan_executor import execute_plan, torch_comm_bytes
 from axedist.layout_inference import plan_layouts, simulate
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
@@ -279,6 +279,18 @@ def test_matches_torch_dtensor_and_never_moves_more(index):
 
 PLACED = ["S0", "S1", "R"]
 RANDOM_MESHES = [(2,), (3,), (4,), (2, 2), (2, 4)]
+
+
+def random_transitions(rng: random.Random, mesh_shape, count: int) -> list:
+    """``count`` transitions drawn like ``_transitions`` from a seeded ``random.Random`` (for the GPU suite)."""
+    ops = ["", "", "", "max", "avg", "min"]
+    cases = []
+    for _ in range(count):
+        op = rng.choice(ops)
+        cases.append((tuple(mesh_shape), (rng.randint(1, 9), rng.randint(1, 9)),
+                      " ".join(rng.choice(PLACED + ["P" + op]) for _ in mesh_shape),
+                      " ".join(rng.choice(PLACED) for _ in mesh_shape)))
+    return cases
 
 
 @st.composite

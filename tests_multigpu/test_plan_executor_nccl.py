@@ -4,10 +4,12 @@ Run on a machine with 2 or more GPUs: ``pytest tests_multigpu/test_plan_executor
 W is every GPU of the machine (and 2 when there are more); the cases whose mesh has
 W devices run: random layout pairs and partial sums with every reduce op (meshes
 listing ranks in random orders), the named transitions, async, the reference
-point-to-point path, and the differential against torch DTensor (values and bytes).
+point-to-point path, and the differential against torch DTensor (values and bytes), on
+the listed transitions and on seeded random placements.
 """
 
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -18,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 
 from axedist.testing import run_on_ranks  # noqa: E402
 from test_plan_executor import (  # noqa: E402
-    MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, TORCH_TRANSITIONS, _async, _named, _random_cases, _torch_differential,
+    MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, RANDOM_MESHES, TORCH_TRANSITIONS, _async, _named, _random_cases,
+    _torch_cases, _torch_differential, random_transitions,
 )
 
 GPUS = torch.cuda.device_count()
@@ -80,3 +83,17 @@ def test_matches_torch_dtensor_nccl(world):
             assert not moves_more, (index, ours, theirs, results[0][3])
     if known_excess:  # every other transition was checked first; this one stays visible
         pytest.xfail(f"known planner cost limit (issue 4): (index, axedist B, torch B) {known_excess}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_random_placements_match_torch_nccl(world):
+    """Seeded random placements (even, uneven, empty shards; every reduce op) on each mesh of W devices:
+    values equal torch DTensor's on NCCL, bytes never above what it issues."""
+    for mesh_shape in [m for m in RANDOM_MESHES if math.prod(m) == world]:
+        cases = random_transitions(random.Random(8000 + world + len(mesh_shape)), mesh_shape, 24)
+        results = run_on_ranks(_torch_cases, world, backend="nccl", args=(cases, "cuda"), timeout_s=300)
+        for i, case in enumerate(cases):
+            per_rank = [r[i] for r in results]
+            assert all(r[0] for r in per_rank), (case, per_rank[0][3])
+            ours, theirs = [r[1] for r in per_rank], [r[2] for r in per_rank]
+            assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][3])

@@ -1205,11 +1205,12 @@ def _runs_of(flags: torch.Tensor) -> list[tuple[int, int]]:
     return runs
 
 
-def _cheapest(candidates: Sequence[Plan], masks: torch.Tensor | None, mesh) -> Plan:
-    """The candidate (padding left out when ``masks`` says some slots are padding) that moves least."""
+def _cheapest(src: Layout, dst: Layout, full, itemsize: int, partial, masks: torch.Tensor | None, mesh) -> Plan:
+    """The plan to run: ``plan_layouts``' own on even shapes; with padding (``masks`` marks the real
+    slots), the ``plan_alternatives`` candidate that moves least once its padding is left out."""
     if masks is None or bool(masks.all()):
-        return candidates[0]
-    pruned = [_drop_padding(p, masks, mesh) for p in candidates]
+        return plan_layouts(src, dst, mesh, full, itemsize, partial)
+    pruned = [_drop_padding(p, masks, mesh) for p in plan_alternatives(src, dst, mesh, full, itemsize, partial)]
     return min(pruned, key=lambda p: p.cost)
 
 
@@ -1271,18 +1272,16 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     sides = _common_sides(src.layout, src_full, src_rows, dst.layout, dst_full, dst_rows, lead)
     if sides is not None:
         first, last = sides
-        candidates = plan_alternatives(first.layout, last.layout, mesh, last.full, itemsize, partial)
-        plans = (_cheapest(candidates, _padding_masks(first, mesh), mesh),)
+        plans = (_cheapest(first.layout, last.layout, last.full, itemsize, partial, _padding_masks(first, mesh), mesh),)
         route = Redistribution(first, last, plans, None, src_box, dst_box, partial)
     else:
         # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on
         first = own_src
         gathered, middle, box = _inner_gather_route(src, dst, lead, mesh) or _full_gather_route(src, dst, lead, mesh)
         last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst_full, dst_rows)[1]
-        gather = plan_alternatives(src.layout, gathered.layout, mesh, gathered.full, itemsize, partial)
-        scatter = plan_alternatives(middle.layout, last.layout, mesh, last.full, itemsize, None)
-        plans = (_cheapest(gather, _padding_masks(first, mesh), mesh),
-                 _cheapest(scatter, _padding_masks(middle, mesh), mesh))
+        plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partial,
+                           _padding_masks(first, mesh), mesh),
+                 _cheapest(middle.layout, last.layout, last.full, itemsize, None, _padding_masks(middle, mesh), mesh))
         route = Redistribution(first, last, plans, (gathered, middle), src_box, dst_box, partial, box)
     _ROUTES[key] = route
     while len(_ROUTES) > _PROGRAM_LIMIT:
