@@ -3,7 +3,7 @@
 Same seed, fp64: the TP loss, every parameter's gradient and the parameters after two
 AdamW steps must match the single-process run, on 2 and 4 gloo ranks, with and without
 sequence parallelism (vocabulary 30: uneven on 4 ranks). A DCP checkpoint written at TP=4
-loads at TP=2 with the same full parameters. And ``launch/train_tp.py`` runs under torchrun.
+loads at TP=2 with the same full parameters and decodes under inference_mode. And ``launch/train_tp.py`` runs under torchrun.
 """
 
 import copy
@@ -21,7 +21,7 @@ import torch
 
 from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
-from axedist.nn import checkpoint, parallelize, replicate
+from axedist.nn import checkpoint, parallelize, replicate, to_inference
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import run_on_ranks
 
@@ -115,6 +115,13 @@ def _load(rank, world, s, path):
     checkpoint.load(model, path)
     for (name, p_want), p in zip(want.named_parameters(), model.parameters()):
         assert torch.equal(p.full_tensor(), p_want), name
+    # the loaded layers decode under inference_mode
+    to_inference(model)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(s))
+    with torch.inference_mode():
+        logits = model(tokens)
+        torch.testing.assert_close(logits.full_tensor(), want(tokens), **TOL)
+        assert torch.equal(logits[-1].argmax(-1).full_tensor(), want(tokens)[-1].argmax(-1))
     return True
 
 
