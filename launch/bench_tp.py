@@ -156,7 +156,7 @@ def main(argv=None) -> None:
         results[kind] = {"median_ms": median, "losses": losses}
         say(f"{kind:8s} median step {median:9.2f} ms   first losses {[round(v, 4) for v in losses[:3]]}")
     ratio = results["torch"]["median_ms"] / results["axedist"]["median_ms"]
-    say(f"axedist is {ratio:.2f}x torch's step time (>1: faster)")
+    say(f"speed-up of axedist over torch (torch step time / axedist step time): {ratio:.2f}x")
 
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
@@ -182,7 +182,8 @@ def main(argv=None) -> None:
                     f"| implementation | median step (ms) | first loss |\n|---|---|---|\n"
                     f"| axedist | {results['axedist']['median_ms']:.2f} | {results['axedist']['losses'][0]:.4f} |\n"
                     f"| torch parallelize_module | {results['torch']['median_ms']:.2f} | "
-                    f"{results['torch']['losses'][0]:.4f} |\n\ntorch / axedist step time: {ratio:.2f}x\n")
+                    f"{results['torch']['losses'][0]:.4f} |\n\nspeed-up of axedist over torch (torch step time / axedist step "
+                    f"time): {ratio:.2f}x\n")
         say(f"wrote {stem}.json and {stem}.md")
     dist.destroy_process_group()
 
