@@ -67,12 +67,17 @@ def _fused_row_parallel(rank, world, s):
     parallelize(par, mesh, {"": RowwiseParallel(output_layouts=Shard(0))})
     x = torch.randn(seq, batch, k, device="cuda", dtype=torch.bfloat16)
     want = (x.float() @ ref.weight.float().t())
+    from axedist.dtensor import fused_gemm_stats
+
+    fused_before = fused_gemm_stats()["fused"]
     for _ in range(3):  # back to back calls
         y = par(torch.chunk(x, world, dim=-1)[rank])
         assert y.placements == (Shard(0),)
         got = y.full_tensor().float()
         error = ((got - want).norm() / want.norm()).item()
         assert error < 2e-2, error
+    stats = fused_gemm_stats()
+    assert stats["fused"] - fused_before == 3, stats   # the redistribute ran gemm_reduce_scatter each time
     report = describe(par)
     assert "reduce_scatter" in report and "gemm_reduce_scatter" in report, report
     return report
