@@ -191,6 +191,9 @@ TORCH_TRANSITIONS = [
     ((2, 2), (5, 7), "S0 R", "R S1"), ((2, 2), (8, 8), "P R", "S0 S1"), ((2, 2), (5, 6), "P P", "S1 R"),
     ((2, 2), (5, 6), "S0 S0", "R R"), ((2, 2), (5, 6), "S0 S0", "S0 R"), ((2, 2), (6, 6), "R P", "S0 S0"),
     ((2, 2), (8, 4), "S1 S0", "S0 S1"), ((2, 2), (3, 3), "S1 S0", "R R"), ((2, 2), (5, 6), "Pmin R", "S0 S1"),
+    # found by the random differential (both sides shard a dim, padded differently; with and without Partial)
+    ((2, 2), (2, 5), "S0 P", "S0 S0"), ((2, 2), (3, 6), "S1 S1", "S1 S0"), ((2, 4), (5, 5), "S1 P", "S0 S1"),
+    ((2, 4), (9, 3), "S0 Pmin", "S0 S0"), ((2, 4), (2, 5), "S1 S0", "S1 S1"),
 ]
 
 

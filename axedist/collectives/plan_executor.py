@@ -9,9 +9,9 @@ a ``(8, 6)`` tensor sharded on dim 0 gathered everywhere::
     >>> plan = plan_layouts(Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"),
     ...                     Layout.parse("S[(8,6):(6,1)] + R[4:1@gpuid]"), mesh, (8, 6))
     >>> execute_plan(plan, torch.arange(12.) + 12 * rank, mesh)     # every rank: arange(48.)
-    >>> print(explain_execution(plan, mesh))
-    1. all-gather over gpuid (1 group of 4): ...
-       runs as all_gather_into_tensor on the mesh's (gpuid,) group (gloo)
+    >>> print(explain_execution(plan, mesh))        # str(plan), then per step on this rank:
+      executed on gloo (DeviceMesh(...)); this rank:
+        1. all_gather: all_gather_into_tensor on the mesh's ('gpuid',) group; last call ran on torch.distributed
 
 ``redistribute_local(local, src_spec, dst_spec)`` is the DTensor-facing call: it pads the
 true local tensor into the source buffer, runs the plans, and unpads, exactly as DTensor's
@@ -921,9 +921,10 @@ def _held_rows(layout: Layout, full, rows, mesh) -> list[tuple[tuple[int, ...], 
 
 
 def _gather_inner(src, dst, lead: int, mesh):
-    """No common padding, without a reduction: keep the outer chunks both sides cut a conflicting
-    dim into; gather the source's inner ones, re-pad each device's local tensor in place to the
-    target's padding (its inner chunks still local), and plan on from there.
+    """No common padding: keep the outer chunks both sides cut a conflicting dim into; gather
+    the source's inner ones (a copy: a pending reduction's summand dim is kept), re-pad each
+    device's local tensor in place to the target's padding (its inner chunks still local),
+    and plan on from there (reducing then, if pending).
 
     ``(5, 6)`` on 2x2, ``[Shard(0), Shard(0)] -> [Shard(0), Replicate]``: dim 0 is chunked by
     x then y in the source (padded 8: rows 0,1 | 2,- | 3,- | 4,-), by x in the target
@@ -936,25 +937,24 @@ def _gather_inner(src, dst, lead: int, mesh):
     Returns (gathered side, re-padded side, true box here) or None when some device would
     hold other rows (then the caller gathers everything).
     """
-    if lead:
-        return None
     src_full, src_rows, dst_full, dst_rows = src.full_shape, _true_rows(src), dst.full_shape, _true_rows(dst)
     src_blocks, dst_blocks = [list(b) for b in src.layout.blocks(src_full)], dst.layout.blocks(dst_full)
     src_free, dst_free = _free_dims(src.layout, src_full), _free_dims(dst.layout, dst_full)
     gathered, repadded, full, rows, extra = [list(b) for b in src_blocks], [list(b) for b in src_blocks], \
         list(src_full), list(src_rows), []
-    for d in range(len(src_full)):
-        if (src_full[d], src_rows[d]) == (dst_full[d], dst_rows[d]) or d in src_free or d in dst_free:
+    for d in range(len(dst_full)):  # a summand dim (lead = 1) stays as it is on both sides
+        e = d + lead
+        if (src_full[e], src_rows[e]) == (dst_full[d], dst_rows[d]) or e in src_free or d in dst_free:
             continue
-        src_mesh = [it for it in src_blocks[d] if it.axis != MEMORY]
+        src_mesh = [it for it in src_blocks[e] if it.axis != MEMORY]
         dst_mesh = [it for it in dst_blocks[d] if it.axis != MEMORY]
         shared = 0  # the outer chunks both sides cut this dim into
         while shared < min(len(src_mesh), len(dst_mesh)) and src_mesh[shared] == dst_mesh[shared]:
             shared += 1
         gather, split = src_mesh[shared:], dst_mesh[shared:]
-        gathered[d] = [Iter(it.extent, 1) if it in gather else it for it in src_blocks[d]]
-        repadded[d] = [Iter(it.extent, 1) if it in split else it for it in dst_blocks[d]]
-        full[d], rows[d] = dst_full[d], dst_rows[d]
+        gathered[e] = [Iter(it.extent, 1) if it in gather else it for it in src_blocks[e]]
+        repadded[e] = [Iter(it.extent, 1) if it in split else it for it in dst_blocks[d]]
+        full[e], rows[e] = dst_full[d], dst_rows[d]
         extra += gather
     replica, offset = list(src.layout.replica) + extra, src.layout.offset
     try:
@@ -1223,15 +1223,21 @@ def _padding_masks(side: _Side, mesh) -> torch.Tensor | None:
 
 
 def _inner_gather_route(src, dst, lead: int, mesh):
-    """``_gather_inner``'s sides when the re-padded layout then meets the target without re-padding again."""
+    """``_gather_inner``'s sides, and the target side its second plan runs to; None if none.
+
+    The re-padded side may still re-pad dims it holds whole (``_common_sides``): those
+    take that positions map, the conflicting dims keep their per-device one.
+    """
     inner = _gather_inner(src, dst, lead, mesh)
     if inner is None:
         return None
     gathered, after, box = inner
-    ends = _common_sides(after.layout, after.full, after.rows, dst.layout, dst.full_shape, _true_rows(dst))
-    if ends is None or ends[0].layout != after.layout or ends[0].full != after.full:
+    ends = _common_sides(after.layout, after.full, after.rows, dst.layout, dst.full_shape, _true_rows(dst), lead)
+    if ends is None:
         return None
-    return gathered, after, box
+    middle, last = ends
+    positions = tuple(p if p is not None else q for p, q in zip(middle.positions, after.positions))
+    return gathered, _Side(middle.layout, middle.full, positions, middle.rows), last, box
 
 
 def _full_gather_route(src, dst, lead: int, mesh):
@@ -1277,11 +1283,18 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     else:
         # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on
         first = own_src
-        gathered, middle, box = _inner_gather_route(src, dst, lead, mesh) or _full_gather_route(src, dst, lead, mesh)
-        last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst_full, dst_rows)[1]
-        plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partial,
+        inner = _inner_gather_route(src, dst, lead, mesh)
+        if inner is not None:  # copy (summands kept), re-pad, then reduce if pending
+            gathered, middle, last, box = inner
+            partials = (None, partial)
+        else:  # reduce while gathering, re-pad, then copy
+            gathered, middle, box = _full_gather_route(src, dst, lead, mesh)
+            last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst_full, dst_rows)[1]
+            partials = (partial, None)
+        plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partials[0],
                            _padding_masks(first, mesh), mesh),
-                 _cheapest(middle.layout, last.layout, last.full, itemsize, None, _padding_masks(middle, mesh), mesh))
+                 _cheapest(middle.layout, last.layout, last.full, itemsize, partials[1],
+                           _padding_masks(middle, mesh), mesh))
         route = Redistribution(first, last, plans, (gathered, middle), src_box, dst_box, partial, box)
     _ROUTES[key] = route
     while len(_ROUTES) > _PROGRAM_LIMIT:
