@@ -11,8 +11,11 @@ ranks. Bus bandwidth as nccl-tests defines it: size / time * (W-1)/W (RS, AG) or
   nccl          torch.distributed (NCCL, NVLS off)
   symm          torch.ops.symm_mem one_shot_all_reduce / two_shot_all_reduce_ (input in symm mem)
 Every timed axedist variant is also checked against NCCL's result at every size.
-Writes collectives_w{W}.json / .md / .png; prints the per-size choice tables that
-collectives/p2p.py (MEASURED_VARIANT) and collectives/backend.py (MEASURED_CHOICE) hold.
+Writes collectives_w{W}.json / .md / .png. The choice tables that "auto" uses come from such a
+result file (no GPU needed):
+    python3 launch/bench_collectives.py --tables-from benchmarks/results/collectives_w4.json
+writes axedist/kernels/collectives_tuned.json (backend.TUNED: p2p or NCCL per size, push or
+pull per size, the one-shot / two-shot all-reduce switch).
 Multicast stays off (refuses AXEDIST_ENABLE_MULTICAST=1).
 """
 import argparse
@@ -151,19 +154,68 @@ def host_overhead(world, calls=300):
     return result
 
 
-def choice_tables(rows):
-    """Per op: the fastest axedist variant per size, and whether it beats NCCL there."""
-    variant, backend = {}, {}
-    for op, keys in OURS.items():
-        variant[op], backend[op] = [], []
-        for row in rows:
-            timed = [(row[key], key) for key in keys if row.get(key) is not None]
-            best_time, best_key = min(timed)
-            variant[op].append((row["bytes"], best_key))
-            nccl = row[{"reduce_scatter": "rs_nccl", "all_gather": "ag_nccl",
-                        "all_reduce": "ar_nccl"}[op]]
-            backend[op].append((row["bytes"], "p2p" if best_time < nccl else "torch"))
-    return variant, backend
+def _best(row, keys):
+    timed = [(row[key], key) for key in keys if row.get(key) is not None]
+    return min(timed) if timed else (None, None)
+
+
+def _runs(points):
+    """[(max bytes, choice)] with runs of one choice merged; the last covers everything above."""
+    merged = []
+    for limit, choice in points:
+        if merged and merged[-1][1] == choice:
+            merged[-1] = [limit, choice]
+        else:
+            merged.append([limit, choice])
+    merged[-1][0] = 1 << 40
+    return merged
+
+
+def tuned_tables(rows, world, source):
+    """The tables of axedist/kernels/collectives_tuned.json from one benchmark's rows: per size
+    the faster p2p variant, the one-shot / two-shot switch, and p2p or torch for "auto" (p2p
+    only where its fastest choice beat NCCL). Sizes are the call's input bytes (all-gather:
+    the gathered size / W)."""
+    rows = sorted(rows, key=lambda row: row["bytes"])
+    variant = {
+        "reduce_scatter": [(r["bytes"], _best(r, ["rs_push", "rs_pull"])[1][3:]) for r in rows],
+        "all_gather": [(r["bytes"] // world, _best(r, ["ag_push", "ag_pull"])[1][3:]) for r in rows],
+        "all_reduce_one_shot": [(r["bytes"], _best(r, ["ar1_push", "ar1_pull"])[1][4:])
+                                for r in rows if r.get("ar1_push") is not None],
+        "all_reduce_two_shot": [(r["bytes"], _best(r, ["ar2_push", "ar2_pull"])[1][4:]) for r in rows],
+    }
+    one_shot_max = 0
+    for r in rows:  # one-shot from the smallest size up to where two-shot starts winning
+        one, _ = _best(r, ["ar1_push", "ar1_pull"])
+        two, _ = _best(r, ["ar2_push", "ar2_pull"])
+        if one is None or one >= two:
+            break
+        one_shot_max = r["bytes"]
+    backend = {"reduce_scatter": [], "all_gather": [], "all_reduce": []}
+    for r in rows:
+        for op, keys, nccl, size in (
+                ("reduce_scatter", ["rs_push", "rs_pull"], "rs_nccl", r["bytes"]),
+                ("all_gather", ["ag_push", "ag_pull"], "ag_nccl", r["bytes"] // world),
+                ("all_reduce", ["ar1_push", "ar1_pull"] if r["bytes"] <= one_shot_max
+                 else ["ar2_push", "ar2_pull"], "ar_nccl", r["bytes"])):
+            best, _ = _best(r, keys)
+            backend[op].append((size, "p2p" if best < r[nccl] else "torch"))
+    return dict(source=source, backend={op: _runs(v) for op, v in backend.items()},
+                variant={op: _runs(v) for op, v in variant.items()},
+                one_shot_all_reduce_max_bytes=one_shot_max)
+
+
+def write_tuned(results_json, target):
+    with open(results_json) as handle:
+        result = json.load(handle)
+    meta, rows = result["meta"], result["rows"]
+    source = (f"{os.path.relpath(results_json)}: {meta['machine']}, commit {meta['commit']}, "
+              f"{meta['date']}, `{meta['command']}`")
+    tables = tuned_tables(rows, rows[0]["world"], source)
+    with open(target, "w") as handle:
+        json.dump(tables, handle, indent=1)
+        handle.write("\n")
+    print(json.dumps(tables, indent=1))
 
 
 def main():
@@ -171,7 +223,14 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--sizes", type=int, nargs="*", default=None, help="bytes")
+    parser.add_argument("--tables-from", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write the choice tables of this result file into "
+                             "axedist/kernels/collectives_tuned.json (what 'auto' uses)")
     args = parser.parse_args()
+    if args.tables_from:
+        from axedist.collectives.backend import TUNED_PATH
+        write_tuned(args.tables_from, TUNED_PATH)
+        return
     if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
         raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
     if os.environ.get("NCCL_NVLS_ENABLE") != "0" or os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST") != "1":
@@ -215,10 +274,10 @@ def write_outputs(rows, host, world, out_dir):
                 machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                 commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
                 command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
-    variant, backend = choice_tables(rows)
+    tables = tuned_tables(rows, world, "this run")
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
-        json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host,
-                       fastest_variant=variant, faster_than_nccl=backend), handle, indent=1)
+        json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host, tuned=tables), handle,
+                  indent=1)
     lines = [f"# Collectives, W={world}, bf16 ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; NVLS/multicast off",
              f"command: `{meta['command']}`", "",
@@ -244,8 +303,7 @@ def write_outputs(rows, host, world, out_dir):
     with open(os.path.join(out_dir, f"collectives_w{world}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
-    print("fastest variant per size:", json.dumps(variant), flush=True)
-    print("p2p faster than NCCL per size:", json.dumps(backend), flush=True)
+    print("tables for axedist/kernels/collectives_tuned.json:", json.dumps(tables), flush=True)
     try:
         import matplotlib
         matplotlib.use("Agg")

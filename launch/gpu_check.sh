@@ -36,9 +36,9 @@ grep -E "torch|GPU0|NV" "$LOGS/env.log" | head -8
 
 PYTEST="python3 -m pytest -q -rf -p no:cacheprovider"
 if [[ $MODE == collectives ]]; then  # issue 6 speed work: tests + benchmarks, W=4 then W=2
-  step precompile 150 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
+  step precompile 60 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
   step pytest_w4 200 $PYTEST -x tests_multigpu/test_collectives.py
-  step bench_collectives_w4 150 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 150 $PYTEST -x tests_multigpu/test_collectives.py
   CUDA_VISIBLE_DEVICES=0,1 step bench_collectives_w2 90 torchrun --nproc_per_node=2 launch/bench_collectives.py --reps 20 --out "$RESULTS"
 elif [[ $MODE == collectives_w4 ]]; then  # the W=4 half alone
@@ -58,7 +58,6 @@ elif [[ $MODE == third ]]; then
   step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or back_to_back"
   step bench_gemm_rs_w4 240 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --variants --out "$RESULTS"
 elif [[ $MODE == second ]]; then
-  step profile_w4 90 torchrun --nproc_per_node=4 launch/bench_collectives.py --profile
   step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or fp32_reference_bf16"
   step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
   step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"

@@ -1,7 +1,9 @@
 """Run the collective kernels' phases rank by rank under TRITON_INTERPRET=1 and compare every
 output with a float64 reference; prints the failures, or OK. Used by tests/test_kernels_cpu.py.
 
-CPU tensors stand in for the ranks' workspaces (the interpreter dereferences raw addresses).
+CPU memory stands in for the ranks' symmetric workspaces, laid out and addressed by the same
+code as on the GPU (SymmetricWorkspace._set_layout, p2p.static_arguments); the interpreter
+dereferences the raw addresses.
 The kernels take PHASES: launching phase 1 on every rank, then phase 2 on every rank (then
 phase 4: the two-shot all-reduce's gather) replaces the in-kernel barrier, which needs inline
 PTX the interpreter cannot run. Tiles are 1 x 64 and grids 2 programs, so 200-element chunks
@@ -15,7 +17,8 @@ import time
 
 import torch
 
-from axedist.collectives.p2p import _geometry
+from axedist.collectives.p2p import _geometry, static_arguments
+from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, SymmetricWorkspace
 from triton.runtime import interpreter
 
 # Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3
@@ -36,40 +39,54 @@ PHASES = {"reduce_scatter": (1, 2), "all_gather": (1, 2), "all_reduce_one_shot":
           "all_reduce_two_shot": (1, 2, 4)}
 
 
+def fake_workspaces(world, data_bytes, dtype):
+    """One SymmetricWorkspace per rank over CPU memory, with the real region layout and the
+    addresses the GPU path computes (SymmetricWorkspace._set_layout); data halves hold NaN."""
+    memories = [torch.zeros(FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes, dtype=torch.uint8)
+                for _ in range(world)]
+    bases = [memory.data_ptr() for memory in memories]
+    workspaces = []
+    for memory in memories:
+        workspace = SymmetricWorkspace.__new__(SymmetricWorkspace)
+        workspace.tensor, workspace.multicast_base = memory, 0
+        workspace.abort = torch.zeros(1, dtype=torch.int32)
+        workspace.error = torch.zeros(1, dtype=torch.int64)
+        workspace._set_layout(bases, data_bytes)
+        memory[workspace.data_offset(0):].view(dtype).fill_(float("nan"))
+        workspaces.append(workspace)
+    return workspaces
+
+
 def run_case(op, world, count, dtype, variant, programs, seed):
     generator = torch.Generator().manual_seed(seed)
     numel = count * world if op == "reduce_scatter" else count
     xs = [torch.randn(numel, generator=generator).to(dtype) for _ in range(world)]
     geometry = _geometry(op, (numel,), world)
-    spaces = [torch.full((geometry["elements"] + 64,), float("nan"), dtype=dtype) for _ in range(world)]
-    flags = [torch.zeros(16, dtype=torch.int32) for _ in range(world)]
-    abort = torch.zeros(1, dtype=torch.int32)
+    data_bytes = (geometry["elements"] * dtype.itemsize + 4095) // 4096 * 4096
+    workspaces = fake_workspaces(world, data_bytes, dtype)
+    half = seed % 2  # the call's epoch parity: both halves' addresses get exercised
     push, copy_in = variant == "push", variant == "pull"
     inputs = xs
     if variant == "zero_copy":
         if geometry["zero_copy_elements"] < 0:
             return None
-        for space, x in zip(spaces, xs):
-            space[:numel].copy_(x)
-        inputs = [space[:numel] for space in spaces]
+        inputs = [w.local_data(half, dtype, numel) for w in workspaces]
+        for staged, x in zip(inputs, xs):
+            staged.copy_(x)
     out_numel = {"reduce_scatter": count, "all_gather": world * count}.get(op, numel)
     outs = [torch.full((out_numel,), float("nan"), dtype=dtype) for _ in range(world)]
-    bases = [s.data_ptr() for s in spaces] + [spaces[0].data_ptr()] * (8 - world)
-    flag_bases = [f.data_ptr() for f in flags] + [flags[0].data_ptr()] * (8 - world)
     kernel = getattr(collective_kernels, f"{op}_kernel")
     for phase in PHASES[op]:
         for rank in range(world):
-            args = [inputs[rank], outs[rank], 1, 0, *bases]
-            if op != "all_gather":
-                args.append(0)
-            args += [*flag_bases, geometry["chunk"], geometry["stride"], rank, abort, 0]
+            statics = static_arguments(op, workspaces[rank], geometry, rank, half, False)
             constexprs = dict(WORLD=world, ROWS=ROWS, COLS=COLS, PUSH=push, COPY_IN=copy_in,
                               PHASES=phase)
             if op != "all_gather":
                 constexprs["MULTIMEM"] = False
-            kernel[(programs,)](*args, **constexprs)
+            kernel[(programs,)](inputs[rank], outs[rank], 2 - half, 0, *statics, **constexprs)
     stacked = torch.stack([x.double() for x in xs])
     failures = []
+    name = f"{op} {variant} W={world} n={count} {dtype}"
     for rank in range(world):
         if op == "reduce_scatter":
             ref = stacked.sum(0)[rank * count:(rank + 1) * count]
@@ -79,15 +96,21 @@ def run_case(op, world, count, dtype, variant, programs, seed):
             ref = stacked.sum(0)
         out = outs[rank].double()
         if torch.isnan(out).any():
-            failures.append(f"{op} {variant} W={world} n={count} {dtype} rank {rank}: NaN left")
+            failures.append(f"{name} rank {rank}: NaN left")
             continue
         tolerance = 0 if op == "all_gather" else (1e-2 if dtype == torch.bfloat16 else 1e-5)
         error = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
         if error > tolerance:
-            failures.append(f"{op} {variant} W={world} n={count} {dtype} rank {rank}: error {error:.2e}")
+            failures.append(f"{name} rank {rank}: error {error:.2e}")
+        start = workspaces[rank].data_offset(1 - half)
+        other = workspaces[rank].tensor[start:start + data_bytes]
+        if not torch.isnan(other.view(dtype)).all():
+            failures.append(f"{name} rank {rank}: wrote into the other data half")
+        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+            failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
     if op == "all_reduce_two_shot" and not failures:
         if not all(torch.equal(outs[0], o) for o in outs):
-            failures.append(f"{op} {variant} W={world} n={count}: ranks differ")
+            failures.append(f"{name}: ranks differ")
     return failures
 
 

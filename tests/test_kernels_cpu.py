@@ -12,6 +12,7 @@ Triton 3.6 is required (CI installs it). Without it the compile tests FAIL with 
 AXEDIST_SKIP_TRITON_TESTS=1 asks for a visible skip.
 """
 import itertools
+import json
 import os
 import random
 import subprocess
@@ -329,6 +330,74 @@ def test_p2p_geometry_variants_and_input_errors():
     with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
         p2p.all_reduce(torch.ones(8, dtype=torch.int64), algorithm="two_shot")
     assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["abort_ptr", "chunk_stride"]
+
+
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "bench_collectives", os.path.join(ROOT, "launch", "bench_collectives.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_auto_tables_follow_the_benchmark_rows(tmp_path):
+    """Synthetic benchmark rows (ms) -> the tables backend.TUNED loads: p2p only where it beat
+    NCCL, the faster variant per size, one-shot while it beats two-shot."""
+    from axedist.collectives import backend
+    bench = _bench_module()
+    small, large = 64 << 10, 64 << 20
+    rows = [dict(bytes=small, world=4, rs_nccl=0.030, rs_push=0.010, rs_pull=0.012,
+                 ag_nccl=0.030, ag_push=0.040, ag_pull=0.035, ar_nccl=0.040, ar1_push=0.015,
+                 ar1_pull=0.020, ar2_push=0.030, ar2_pull=0.025),
+            dict(bytes=large, world=4, rs_nccl=0.20, rs_push=0.25, rs_pull=0.18,
+                 ag_nccl=0.20, ag_push=0.19, ag_pull=0.21, ar_nccl=0.35, ar1_push=None,
+                 ar1_pull=None, ar2_push=0.40, ar2_pull=0.36)]
+    tables = bench.tuned_tables(rows, 4, "synthetic")
+    assert tables["backend"]["reduce_scatter"] == [[1 << 40, "p2p"]]  # one run: merged
+    assert tables["backend"]["all_gather"] == [[small // 4, "torch"], [1 << 40, "p2p"]]
+    assert tables["backend"]["all_reduce"] == [[small, "p2p"], [1 << 40, "torch"]]
+    assert tables["variant"]["reduce_scatter"] == [[small, "push"], [1 << 40, "pull"]]
+    assert tables["variant"]["all_reduce_two_shot"] == [[1 << 40, "pull"]]
+    assert tables["one_shot_all_reduce_max_bytes"] == small
+    results = tmp_path / "collectives_w4.json"
+    results.write_text(json.dumps(dict(meta=dict(machine="m", commit="c", date="d", command="x"),
+                                       rows=rows)))
+    target = tmp_path / "tuned.json"
+    bench.write_tuned(str(results), str(target))
+    loaded = backend.load_tuned(str(target))
+    assert loaded["backend"]["all_gather"] == [(small // 4, "torch"), (1 << 40, "p2p")]
+    assert "commit c" in loaded["source"]
+
+
+def test_shipped_tables_are_well_formed():
+    from axedist.collectives import backend, p2p
+    for table, choices in ((backend.MEASURED_CHOICE, {"p2p", "torch"}),
+                           (p2p.MEASURED_VARIANT, {"push", "pull"})):
+        for rows in table.values():
+            limits = [limit for limit, _ in rows]
+            assert limits == sorted(limits) and limits[-1] >= 1 << 40
+            assert {choice for _, choice in rows} <= choices
+    assert set(p2p.MEASURED_VARIANT) == set(COLLECTIVE_OPS)
+
+
+def test_workspace_regions_are_disjoint_and_kernels_address_local_data():
+    from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, SymmetricWorkspace
+    data_bytes = 1 << 12
+    memory = torch.zeros(FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes, dtype=torch.uint8)
+    workspace = SymmetricWorkspace.__new__(SymmetricWorkspace)
+    workspace.tensor = memory
+    base = memory.data_ptr()
+    workspace._set_layout([base, base + (1 << 40)], data_bytes)
+    regions = [(workspace.flag_addresses()[0], FLAG_BYTES)]
+    regions += [(workspace.barrier_addresses(parity)[0], BARRIER_BYTES // 2) for parity in (0, 1)]
+    regions += [(workspace.data_addresses(half)[0], data_bytes) for half in (0, 1)]
+    spans = sorted((start - base, start - base + size) for start, size in regions)
+    assert spans[0][0] == 0 and spans[-1][1] == memory.numel()
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # disjoint, no gaps
+    for half in (0, 1):  # what the kernels address is what the host writes (zero-copy)
+        assert workspace.data_addresses(half)[0] == workspace.local_data(half, torch.bfloat16, 8).data_ptr()
+        assert workspace.data_addresses(half)[1] == workspace.data_addresses(half)[0] + (1 << 40)
 
 
 def test_error_record_round_trip():

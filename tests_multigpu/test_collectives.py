@@ -137,7 +137,7 @@ def body_back_to_back(rank, world, calls):
     from axedist.collectives import p2p
     inputs, outputs = [], []
     for call in range(calls):
-        chunk = 1000 + 4096 * (call % 5)
+        chunk = 1000 + 4096 * (call % 5) + 24 * (call % 2)  # odd calls: multiples of 16
         x = _inputs(rank, (world * chunk,), torch.bfloat16, seed=500 + call)
         inputs.append(x)
         kind, variant = call % 3, ("push", "pull", "auto", "zero_copy")[call % 4]

@@ -6,12 +6,16 @@ cuda-python) AND the user opted in with AXEDIST_ENABLE_MULTICAST=1, AND the work
 multicast mapping from PyTorch. Our GPU machines keep multicast off by policy; there it is never
 chosen, and asking for it explicitly raises.
 
-p2p versus torch for "auto" is decided per size from the benchmark table below (measured with
-launch/bench_collectives.py, see benchmarks/results/), not guessed.
+p2p versus torch for "auto" is decided per size from a measured table, not guessed: the file
+axedist/kernels/collectives_tuned.json, which `launch/bench_collectives.py --tables-from
+<collectives_w4.json>` derives from a benchmark run (benchmarks/results/). It also holds the
+p2p variant (push / pull) per size and the one-shot / two-shot all-reduce switch (p2p.py).
+Without a measurement that beats NCCL, "auto" keeps torch (NCCL).
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import torch
@@ -19,16 +23,26 @@ import torch.distributed as dist
 
 MULTICAST_ENV = "AXEDIST_ENABLE_MULTICAST"
 BACKENDS = ("auto", "p2p", "multimem", "torch")
+TUNED_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels",
+                          "collectives_tuned.json")
 
-# op -> list of (max bytes of the full input, backend) in increasing size; from the W=4 H200
-# benchmark (benchmarks/results/collectives_w4.md). Through the public call (which copies the
-# input into the symmetric workspace) NCCL was as fast or faster at every size from 64 KB to
-# 256 MB, so "auto" keeps NCCL; p2p runs when asked for (backend="p2p").
-MEASURED_CHOICE: dict[str, list[tuple[int, str]]] = {
-    "reduce_scatter": [(1 << 40, "torch")],
-    "all_gather": [(1 << 40, "torch")],
-    "all_reduce": [(1 << 40, "torch")],
-}
+
+def load_tuned(path: str = TUNED_PATH) -> dict:
+    """The measured tables: {"backend": {op: [[max input bytes, "p2p" | "torch"], ...]},
+    "variant": {kernel op: [[max input bytes, "push" | "pull"], ...]},
+    "one_shot_all_reduce_max_bytes": int, "source": where the numbers come from}."""
+    with open(path) as handle:
+        tuned = json.load(handle)
+    for table in (tuned["backend"], tuned["variant"]):
+        for op, rows in table.items():
+            table[op] = [(int(limit), str(choice)) for limit, choice in rows]
+    return tuned
+
+
+TUNED = load_tuned()
+# op -> list of (max bytes of the full input, backend) in increasing size; the last entry also
+# covers everything larger.
+MEASURED_CHOICE: dict[str, list[tuple[int, str]]] = TUNED["backend"]
 
 
 def _query_multicast_attribute(device_index: int) -> bool:

@@ -6,7 +6,7 @@ output (none when `out` is given), no host synchronization. What does not change
 of the same op, shape, dtype and group -- compiled kernel, grid, workspace addresses, the
 launch arguments of both workspace halves -- is a `CallPlan`, built on the first call.
 
-Variants (measured, benchmarks/results/collectives_w4.md; `variant="auto"` picks by size):
+Variants (`variant="auto"` picks by size from the measured table, backend.TUNED):
   push  each rank stores its data into the peers' workspaces, then combines locally;
   pull  each rank copies its data into its own workspace, then loads the peers' over NVLink.
         An input already in the workspace (`symmetric_input`) skips the copy (zero-copy).
@@ -18,21 +18,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .backend import TUNED
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
 COLS = 1024
 NUM_WARPS = 8
-ONE_SHOT_ALL_REDUCE_MAX_BYTES = 1 << 20  # all_reduce "auto": one-shot up to here (measured)
 VARIANTS = ("auto", "push", "pull")
-# op -> [(max bytes of the call's input, variant), ...]: the faster variant per size, W=4 H200
-# (benchmarks/results/collectives_w4.md); the last entry covers everything larger.
-MEASURED_VARIANT: dict[str, list[tuple[int, str]]] = {
-    "reduce_scatter": [(1 << 40, "push")],
-    "all_gather": [(1 << 40, "push")],
-    "all_reduce_one_shot": [(1 << 40, "push")],
-    "all_reduce_two_shot": [(1 << 40, "push")],
-}
-_SEGMENT_FLAGS = 8  # flag words per barrier slot (one per possible peer, W <= 8)
+# all_reduce "auto": one-shot up to this many input bytes, two-shot above (measured)
+ONE_SHOT_ALL_REDUCE_MAX_BYTES: int = TUNED["one_shot_all_reduce_max_bytes"]
+# kernel op -> [(max bytes of the call's input, variant), ...]: the faster variant per size
+# (axedist/kernels/collectives_tuned.json); the last entry also covers everything larger.
+MEASURED_VARIANT: dict[str, list[tuple[int, str]]] = TUNED["variant"]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -142,6 +138,19 @@ def compile_collective(op: str, dtype: torch.dtype, world: int, rows: int, push:
                               num_warps=NUM_WARPS)
 
 
+def static_arguments(op: str, workspace, geometry: dict, rank: int, half: int,
+                     multimem: bool) -> tuple:
+    """The kernel arguments after (x_ptr, out_ptr, epoch, timeout_ns) for calls whose epoch has
+    parity `half`: data half and barrier region of that parity, sizes, rank, error words."""
+    values = list(workspace.data_addresses(half))
+    if op != "all_gather":
+        values.append(workspace.multicast_address(half) if multimem else 0)
+    values += workspace.barrier_addresses(half)
+    values += [geometry["chunk"], geometry["stride"], rank, workspace.abort.data_ptr(),
+               workspace.error_address()]
+    return tuple(values)
+
+
 def _size_name(op: str) -> str:
     return "chunk_numel" if op in ("reduce_scatter", "all_gather") else "numel"
 
@@ -195,17 +204,8 @@ class CallPlan:
         constexprs = kernel_constexprs(self.op, self.world, self.rows, push, copy_in,
                                        self.multimem)
         launch = CompiledLaunch(compiled, tuple(constexprs.values()))
-        workspace = self.workspace
-        statics = []
-        for half in (0, 1):
-            values = list(workspace.data_addresses(half))
-            if self.op != "all_gather":
-                values.append(workspace.multicast_address(half) if self.multimem else 0)
-            values += workspace.barrier_addresses(half)  # half == epoch % 2
-            values += [geometry["chunk"], geometry["stride"], self.rank,
-                       workspace.abort.data_ptr(), workspace.error_address()]
-            statics.append(tuple(values))
-        entry = (launch, statics[0], statics[1])
+        entry = (launch, *(static_arguments(self.op, self.workspace, geometry, self.rank, half,
+                                            self.multimem) for half in (0, 1)))
         self._launches[(push, copy_in)] = entry
         return entry
 

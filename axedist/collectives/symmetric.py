@@ -10,8 +10,8 @@ the peers (the collectives' block barriers store into the peer's area and spin l
 the two apart means a word only ever receives writes of one discipline, whose values grow.
 The barrier area has two regions, used by calls of odd and even epoch: a peer's word is written
 again only two calls later, when that peer has provably read the previous value (it finished
-that call before signalling the call in between). Reusing a word in consecutive calls let a
-relaxed remote store of epoch e-1 land after the one of epoch e (seen on H200: a lost signal).
+that call before signalling the call in between). In consecutive calls, two relaxed remote
+stores to one word from different SMs would have no order that the peer observed in between.
 
 Epochs. Every call on a workspace takes the next epoch e = 1, 2, 3, ...; it writes e into flags
 (system-scope release) and waits until the peers' flags are >= e. The data half used by call e is
@@ -111,10 +111,7 @@ class SymmetricWorkspace:
         self.abort = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
-        self._data_addresses = [self._addresses(FLAG_BYTES + half * data_bytes) for half in (0, 1)]
-        self._flag_addresses = self._addresses(0)
-        self._barrier_addresses = [self._addresses(FLAG_BYTES + parity * BARRIER_BYTES // 2)
-                                   for parity in (0, 1)]
+        self._set_layout(self.bases, data_bytes)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter_base = 0
         self.broken = ""
@@ -145,6 +142,15 @@ class SymmetricWorkspace:
 
     def data_offset(self, half: int) -> int:
         return FLAG_BYTES + BARRIER_BYTES + half * self.data_bytes
+
+    def _set_layout(self, bases: list[int], data_bytes: int) -> None:
+        """Every rank's address of each region (flags, the two barrier regions, the two data
+        halves), computed once from the ranks' base addresses: the kernels' arguments."""
+        self.bases, self.data_bytes = list(bases), data_bytes
+        self._flag_addresses = self._addresses(0)
+        self._barrier_addresses = [self._addresses(FLAG_BYTES + parity * BARRIER_BYTES // 2)
+                                   for parity in (0, 1)]
+        self._data_addresses = [self._addresses(self.data_offset(half)) for half in (0, 1)]
 
     def _addresses(self, offset: int) -> list[int]:
         return _pad8([base + offset for base in self.bases])

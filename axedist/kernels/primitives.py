@@ -48,9 +48,9 @@ def fence_acq_rel_sys(dummy):
     """fence.acq_rel.sys in every thread (dummy: any int32 operand).
 
     Each thread's earlier stores -- remote NVLink stores included -- are ordered before its
-    later ones at system scope. Seen on H200 (push variants, 2026-11-21): a fence in thread
-    0 alone after a CTA barrier did NOT cover the other warps' in-flight remote stores (peers
-    read stale slots), so every thread fences before the barrier that precedes the flag store.
+    later ones at system scope. Every thread fences before the CTA barrier that precedes
+    thread 0's flag store, so the release does not rest on cumulativity through the barrier
+    for the other warps' posted remote stores.
     """
     tl.inline_asm_elementwise("fence.acq_rel.sys; mov.u32 $0, 0;", "=r,r", [dummy],
                               dtype=tl.int32, is_pure=False, pack=1)
