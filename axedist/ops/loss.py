@@ -1,0 +1,173 @@
+"""Cross-entropy over class-sharded logits, without gathering the logits (vocab-parallel loss).
+
+``F.cross_entropy(logits, target)`` reaches DTensors as ``_log_softmax`` (ops/norm.py:
+over a sharded class dim, an all-reduce of the row max and of the row sum of exponentials),
+then ``nll_loss_forward`` (``nll_loss2d_forward`` for a class dim followed by spatial dims),
+and in backward ``nll_loss_backward`` and ``_log_softmax_backward_data``. Label smoothing
+decomposes into a sum over the class dim (ops/reduction.py), which gives a partial sum.
+
+**It is automatic**: no context manager. When the log-probabilities are sharded on the
+class dim, ``nll_loss_forward`` picks each row's target entry on the rank that holds it
+(other ranks contribute zero), so the loss is a ``Partial("sum")`` with no communication;
+its backward writes ``-weight[t]/total`` into the rank's own class columns. That is the
+cheapest correct plan whenever the logits are class-sharded, so there is nothing to opt in to
+(torch needs ``loss_parallel()`` because its default gathers them).
+
+Example, 4 ranks, logits ``(2, 10)`` in ``[Shard(1)]`` (classes ``[0,3) [3,6) [6,9) [9,10)``),
+targets ``[4, 9]`` replicated, ``reduction="sum"``: rank 1 holds ``-lp[0,4]``, rank 3 holds
+``-lp[1,9]``, ranks 0 and 2 hold 0; ``loss.full_tensor()`` adds them: ``-lp[0,4] - lp[1,9]``.
+
+Other placements: logits sharded on the batch (or a spatial) dim shard the targets the same
+way; ``reduction="mean"`` then all-reduces the scalar total weight (one tiny collective) so
+each rank's share is ``local sum / global weight`` (exact for uneven shards). Partial-sum
+logits stay partial (the loss is linear in them). ``ignore_index`` and per-class ``weight``
+(gathered: it is one value per class) work everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .shard_ranges import dim_range, inputs_by_name
+
+aten = torch.ops.aten
+
+__all__ = ["nll_loss_rule", "nll_loss_backward_rule"]
+
+_NONE, _MEAN, _SUM = 0, 1, 2   # torch's reduction enum
+
+
+def _placements(spec: ArgSpec | None, mesh) -> tuple:
+    if spec is None or spec.placements is None:
+        return (Replicate(),) * mesh.ndim
+    return spec.placements
+
+
+def _class_dim(scores: ArgSpec) -> int:
+    return 1 if scores.ndim >= 2 else 0
+
+
+def _target_dim(dim: int, class_dim: int) -> int:
+    """The target's dim for a (non-class) dim of the scores: the class dim is absent from it."""
+    return dim if dim < class_dim else dim - 1
+
+
+def _score_dim(dim: int, class_dim: int) -> int:
+    return dim if dim < class_dim else dim + 1
+
+
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def nll_loss_rule(call: OpCall) -> Sharding:
+    scores, target, weight, reduction = call.args[:4]
+    mesh = call.mesh
+    class_dim = _class_dim(scores)
+    s_in, t_in, out, total = [], [], [], []
+    batch_axes = []
+    for axis, sp, tp in zip(mesh.axis_names, _placements(scores, mesh), _placements(target, mesh)):
+        if type(sp) is Shard and sp.dim % scores.ndim == class_dim:
+            s_in.append(sp), t_in.append(Replicate()), out.append(Partial("sum")), total.append(Replicate())
+        elif isinstance(sp, Partial) and sp.reduce_op == "sum":
+            s_in.append(sp), t_in.append(Replicate()), out.append(Partial("sum")), total.append(Replicate())
+        elif type(sp) is Shard or (isinstance(sp, Replicate) and type(tp) is Shard):
+            # rows of the batch (or spatial) dims: the target is split the same way
+            d = sp.dim % scores.ndim if type(sp) is Shard else _score_dim(tp.dim % target.ndim, class_dim)
+            td = _target_dim(d, class_dim)
+            s_in.append(Shard(d)), t_in.append(Shard(td))
+            out.append(Shard(td) if reduction == _NONE else Partial("sum"))
+            # mean divides by the global weight (all-reduced in the local step); otherwise it stays a partial sum
+            total.append(Replicate() if reduction == _MEAN else Partial("sum"))
+            batch_axes.append(axis)
+        else:
+            s_in.append(Replicate()), t_in.append(Replicate()), out.append(Replicate()), total.append(Replicate())
+    everything = (Replicate(),) * mesh.ndim  # per-class weight: small, so every rank has it all
+    s_in = tuple(s_in)
+    inputs = inputs_by_name(call, {"self": s_in, "target": tuple(t_in)}, default=everything)
+    return Sharding(inputs=inputs, outputs=(tuple(out), tuple(total)),
+                    local=_nll_forward(scores.shape[class_dim], class_dim, s_in, tuple(batch_axes)))
+
+
+def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, start: int, size: int):
+    """Per target element: its score here (0 where this rank lacks its class), whether it is
+    here, and its weight (0 for ignored targets)."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= classes))
+    if bad.any():
+        raise IndexError(f"nll_loss: target {int(target[bad][0])} is out of bounds for {classes} classes")
+    here = valid & (target >= start) & (target < start + size)
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    if weight is None:
+        weights = valid.to(scores.dtype)
+    else:
+        weights = weight[safe].to(scores.dtype).masked_fill(~valid, 0)
+    if size == 0:  # an uneven class split leaves this rank no classes
+        return scores.new_zeros(target.shape), here, weights
+    index = torch.where(here, target - start, torch.zeros_like(target))
+    picked = scores.movedim(class_dim, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    return picked, here, weights
+
+
+def _nll_forward(classes: int, class_dim: int, score_placements, batch_axes):
+    def local(call, scores, target, weight=None, reduction=_MEAN, ignore_index=-100):
+        start, size = dim_range(classes, class_dim, call.mesh, score_placements, scores.dim())
+        picked, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, start, size)
+        losses = (-picked * weights).masked_fill(~here, 0)
+        total = weights.sum()
+        if reduction == _NONE:
+            # torch gives a total weight without a reduction only for a single (0-dim) target
+            return losses, total if target.dim() == 0 else torch.zeros_like(total)
+        if reduction == _SUM:
+            return losses.sum(), total
+        if batch_axes:
+            dist.all_reduce(total, group=call.mesh.group(list(batch_axes)))
+        return losses.sum() / total, total
+
+    return local
+
+
+@register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward_rule(call: OpCall) -> Sharding:
+    grad, scores, target, weight, reduction, _ignore, total_weight = call.args[:7]
+    mesh = call.mesh
+    class_dim = _class_dim(scores)
+    g_in, s_in, t_in, out = [], [], [], []
+    for sp, tp in zip(_placements(scores, mesh), _placements(target, mesh)):
+        if type(sp) is Shard and sp.dim % scores.ndim == class_dim:
+            g_in.append(Replicate()), s_in.append(sp), t_in.append(Replicate()), out.append(sp)
+        elif type(sp) is Shard or (isinstance(sp, Replicate) and type(tp) is Shard):
+            d = sp.dim % scores.ndim if type(sp) is Shard else _score_dim(tp.dim % target.ndim, class_dim)
+            td = _target_dim(d, class_dim)
+            g_in.append(Shard(td) if reduction == _NONE else Replicate())
+            s_in.append(Shard(d)), t_in.append(Shard(td)), out.append(Shard(d))
+        else:
+            # the scores' values are not read (only their shape): a partial input keeps its summands
+            g_in.append(Replicate()), s_in.append(sp if isinstance(sp, Partial) else Replicate())
+            t_in.append(Replicate()), out.append(Replicate())
+    s_in = tuple(s_in)
+    wanted = {"grad_output": tuple(g_in), "self": s_in, "target": tuple(t_in)}
+    if reduction != _MEAN:
+        wanted["total_weight"] = None  # read only by mean
+    inputs = inputs_by_name(call, wanted, default=(Replicate(),) * mesh.ndim)
+    return Sharding(inputs=inputs, outputs=tuple(out),
+                    local=_nll_backward(scores.shape[class_dim], class_dim, s_in))
+
+
+def _nll_backward(classes: int, class_dim: int, score_placements):
+    def local(call, grad, scores, target, weight, reduction, ignore_index, total_weight):
+        start, size = dim_range(classes, class_dim, call.mesh, score_placements, scores.dim())
+        result = torch.zeros_like(scores)
+        if size == 0:
+            return result
+        _, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, start, size)
+        coefficient = -weights * grad
+        if reduction == _MEAN:
+            coefficient = coefficient / total_weight
+        # after the division: every target ignored makes total 0, and torch's grad is then 0, not nan
+        coefficient = coefficient.masked_fill(~here, 0)
+        index = torch.where(here, target - start, torch.zeros_like(target))
+        # one entry per row; rows whose class is elsewhere write their 0 into column 0 of their own row
+        result.movedim(class_dim, -1).scatter_(-1, index.unsqueeze(-1), coefficient.unsqueeze(-1).to(result.dtype))
+        return result
+
+    return local
