@@ -21,7 +21,8 @@ from axedist.dtensor import DTensor, distribute
 from axedist.layout import Layout, LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                        VocabParallelEmbedding, describe, parallelize, vocab_parallel_cross_entropy)
+                        VocabParallelEmbedding, describe, from_torch_style, parallelize,
+                        vocab_parallel_cross_entropy)
 from axedist.nn.llama import RMSNorm
 from axedist.testing import run_on_ranks
 
@@ -105,7 +106,9 @@ def _rowwise(rank, world, s, output, seq, kind):
     x = torch.randn(seq, 3, 12, dtype=torch.float64)     # sequence-first [S, B, in]
     weight = torch.randn(seq, 3, 7, dtype=torch.float64)
     par = copy.deepcopy(ref)
-    out_layout = {"replicate": Replicate(), "seq": Shard(0)}[output]
+    # "cyclic": sequence positions dealt round-robin to the ranks, a layout no placement expresses
+    out_layout = {"replicate": Replicate(), "seq": Shard(0),
+                  "cyclic": Layout.parse(f"S[({seq // world},{world},3,7):(21,1@gpuid,7,1)]")}[output]
     if kind == "torch":
         style = torch_tp.RowwiseParallel(output_layouts=out_layout, use_local_output=False)
     else:
@@ -116,7 +119,10 @@ def _rowwise(rank, world, s, output, seq, kind):
     x_local = piece(x, world, 2, rank).clone().requires_grad_(True)
     x.requires_grad_(True)
     y = run_and_compare(ref, par, x, x_local, weight, f"rowwise {output} S={seq}")
-    assert y.placements == (out_layout,), y
+    if isinstance(out_layout, Layout):
+        assert y.layout == out_layout, y
+    else:
+        assert y.placements == (out_layout,), y
     torch.testing.assert_close(x_local.grad, piece(x.grad, world, 2, rank), **TOL)
     if output == "seq" and seq % world == 0:
         assert "reduce_scatter" in describe(par), describe(par)   # never an all-reduce, then a slice
@@ -124,7 +130,7 @@ def _rowwise(rank, world, s, output, seq, kind):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("output,seq", [("replicate", 5), ("seq", 8), ("seq", 6)])
+@pytest.mark.parametrize("output,seq", [("replicate", 5), ("seq", 8), ("seq", 6), ("cyclic", 8)])
 def test_rowwise_linear(world, output, seq):
     assert run_on_ranks(_rowwise, world, args=(seed(), output, seq, "ours")) == [True] * world
 
@@ -327,6 +333,12 @@ def _errors(rank, world):
         bad = parallelize(copy.deepcopy(model), mesh, {"0": ColwiseParallel(
             input_layouts=Layout.parse(f"S[(2,{world},4):(4,1@gpuid,1)]"))})
         bad(torch.randn(2, 4))
+    translated = from_torch_style(torch_tp.PrepareModuleInput(input_layouts=(Shard(0), None),
+                                                               desired_input_layouts=(Replicate(), None)))
+    assert isinstance(translated, PrepareModuleInput)
+    assert (translated.input_layouts, translated.desired_input_layouts) == ((Shard(0), None), (Replicate(), None))
+    translated = from_torch_style(torch_tp.RowwiseParallel(output_layouts=Shard(0)))
+    assert translated.output_layouts == Shard(0) and translated.use_local_output is True
     text = repr(ColwiseParallel(output_layouts=Shard(0)))
     assert text.startswith("ColwiseParallel(") and "Shard(dim=0)" in text
     par = parallelize(copy.deepcopy(model), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})

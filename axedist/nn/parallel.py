@@ -314,7 +314,9 @@ def _row_parallel_forward(mesh: DeviceMesh, output):
                 log.add("output", _transition(y, target, "output"))
             y = y.redistribute(target)
         if self.bias is not None:
-            y = y + self.bias
+            # added once, after the sum; the add may need placements (a Layout target has none),
+            # so lay the sum out as asked again (no data moves when it already is)
+            y = (y + self.bias).redistribute(target)
         return y
 
     return forward
