@@ -444,11 +444,209 @@ class DTensor(torch.Tensor):
 
 
 def _redistributed(dt: DTensor, dst: _Spec, async_op: bool = False) -> DTensor:
+    pending = dt._pending
+    if isinstance(pending, _DeferredGemm) and pending.value is None:
+        fused = _fused_reduce_scatter(dt, pending, dst)
+        if fused is not None:
+            return DTensor(fused, dst)
     if async_op:
         pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
         probe = torch.empty(0, dtype=dt.dtype, device=dt.mesh.device)
         return DTensor(probe, dst, pending=pending)
     return DTensor(redistribute_local(dt._local, dt._spec, dst), dst)
+
+
+# ---------------------------------------------------------------------------
+# Deferred products: mm / addmm giving a pending sum, fused with a row reduce-scatter
+# ---------------------------------------------------------------------------
+
+# Counts for tests and plans: products deferred, fused (gemm_reduce_scatter ran), reduce-scatters
+# of a deferred product that ran unfused (GEMM, then the planned collective), and products
+# computed on first use of their data; "reason": why the last row reduce-scatter was not fused.
+_GEMM_STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": ""}
+# Deferred products nobody has consumed yet (weak): every op dispatch computes them first, so an
+# in-place op on an operand can never reach a product still waiting for it.
+_OUTSTANDING: list = []
+
+
+def fused_gemm_stats() -> dict:
+    """How deferred products ran in this process: ``{"deferred", "fused", "unfused",
+    "materialized", "reason"}`` (reason: why the last row reduce-scatter was not fused)."""
+    return dict(_GEMM_STATS)
+
+
+class _DeferredGemm:
+    """The local product of an ``mm``/``addmm`` whose result is a pending sum, not yet run.
+
+    ``redistribute`` of it to rows sharded on the summed mesh axis runs
+    ``collectives.gemm_reduce_scatter`` on the operands instead (one fused kernel on CUDA);
+    any other use of the data runs ``compute()`` once (the GEMM as the op would have). The
+    product is ``alpha * (a @ b) + beta * bias`` with the bias counted once per pending sum.
+    """
+
+    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "__weakref__")
+
+    def __init__(self, compute, a, b, bias, alpha, beta, shape):
+        self.compute, self.a, self.b, self.bias = compute, a, b, bias
+        self.alpha, self.beta, self.shape, self.value = alpha, beta, tuple(shape), None
+        self.versions = self._versions()
+        _GEMM_STATS["deferred"] += 1
+
+    def _versions(self) -> tuple:
+        return tuple(t._version for t in (self.a, self.b, self.bias) if t is not None)
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            if self._versions() != self.versions:
+                raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
+                                  "e.g. through to_local()) before the product was used; use the product first, "
+                                  "or clone the operand's local tensor before changing it")
+            value = self.compute()
+            if tuple(value.shape) != self.shape:
+                raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
+            self.value = value
+            self.compute = self.a = self.b = self.bias = None
+            _GEMM_STATS["materialized"] += 1
+        return self.value
+
+
+def _defer_gemm(compute, a, b, bias, alpha, beta, spec: _Spec, local_shape, stride) -> DTensor:
+    """A DTensor in ``spec`` whose local tensor is the deferred product (ops/dispatch.py calls this)."""
+    pending = _DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
+    if len(_OUTSTANDING) > 64:
+        _flush_deferred()
+    import weakref
+
+    _OUTSTANDING.append(weakref.ref(pending))
+    probe = torch.empty(0, dtype=a.dtype, device=a.device)
+    return DTensor(probe, spec, stride=stride, pending=pending)
+
+
+def _flush_deferred() -> None:
+    """Compute every outstanding deferred product (before an op that might change an operand)."""
+    refs = list(_OUTSTANDING)
+    _OUTSTANDING.clear()
+    for ref in refs:
+        pending = ref()
+        if pending is not None and pending.value is None and pending.compute is not None:
+            pending.wait()
+
+
+def _consumed(pending: _DeferredGemm) -> None:
+    """A fused reduce-scatter used the product: no eager flush for it any more (later uses of
+    the pending sum itself still compute it, checking its operands did not change)."""
+    for i, ref in enumerate(_OUTSTANDING):
+        if ref() is pending:
+            del _OUTSTANDING[i]
+            return
+
+
+@lru_cache(maxsize=1024)
+def _row_scatter_axis(src: _Spec, dst: _Spec) -> str | None:
+    """The mesh axis when ``src -> dst`` is a reduce-scatter of a 2-d pending sum's rows over
+    one mesh axis (every other axis kept, rows even), the move a fused GEMM + RS can do."""
+    if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
+        return None
+    try:
+        ps, pd = _placements_for(src), _placements_for(dst)
+    except LayoutError:
+        return None
+    partial = [i for i, p in enumerate(ps) if isinstance(p, Partial)]
+    if len(partial) != 1:
+        return None
+    (i,) = partial
+    if not (type(pd[i]) is Shard and pd[i].dim % 2 == 0):
+        return None
+    for j, (p, q) in enumerate(zip(ps, pd)):
+        if j != i and (p != q or isinstance(p, (Shard, _StridedShard)) and p.dim % 2 == 0):
+            return None  # another axis changes, or also splits the rows (then the row blocks differ)
+    if src.shape[0] % src.mesh.shape[i]:
+        return None      # uneven rows: torch.chunk pieces, not the equal row blocks of the kernel
+    return src.mesh.axis_names[i]
+
+
+@dataclass(frozen=True)
+class _FusedChoice:
+    axis: str
+    gemm: object          # collectives.GemmReduceScatterPlan, or None
+    fused: bool
+    reason: str
+
+
+def _fused_choice(spec: _Spec, pending: _DeferredGemm, dst: _Spec) -> _FusedChoice | None:
+    """None when ``spec -> dst`` is not a row reduce-scatter (or the product already ran);
+    otherwise whether the fused kernel runs, and why not when it does not."""
+    axis = _row_scatter_axis(spec, dst)
+    if axis is None or pending.a is None:
+        return None
+    a, b = pending.a, pending.b
+    if not a.is_cuda:
+        return _FusedChoice(axis, None, False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return _FusedChoice(axis, None, False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
+    mesh = spec.mesh
+    group = mesh.group(axis)
+    if dist.get_rank(group) != mesh.coordinates()[axis]:
+        return _FusedChoice(axis, None, False, f"process-group order differs from mesh axis {axis}'s order")
+    from .collectives import plan_gemm_reduce_scatter
+
+    try:
+        gemm = plan_gemm_reduce_scatter(a, b, group)
+    except ValueError as e:
+        return _FusedChoice(axis, None, False, str(e))
+    if gemm.backend == "torch":
+        return _FusedChoice(axis, gemm, False, gemm.reason)
+    return _FusedChoice(axis, gemm, True, gemm.reason)
+
+
+def _fused_reduce_scatter(dt: DTensor, pending: _DeferredGemm, dst: _Spec) -> torch.Tensor | None:
+    """The local result of ``dt -> dst`` by ``gemm_reduce_scatter``, or None (unfused path)."""
+    choice = _fused_choice(dt._spec, pending, dst)
+    if choice is None:
+        return None
+    if not choice.fused:
+        _GEMM_STATS["unfused"] += 1
+        _GEMM_STATS["reason"] = choice.reason
+        return None
+    from .collectives import gemm_reduce_scatter
+
+    if pending._versions() != pending.versions:
+        pending.wait()  # raises the clear error
+    mesh = dt.mesh
+    out = gemm_reduce_scatter(pending.a, pending.b, mesh.group(choice.axis))
+    if pending.alpha != 1:
+        out.mul_(pending.alpha)
+    bias = pending.bias
+    if bias is not None and pending.beta != 0:
+        if bias.dim() == 2 and bias.shape[0] != 1:  # a whole [M, n] bias: this rank's rows
+            rows = out.shape[0]
+            bias = bias.narrow(0, mesh.coordinates()[choice.axis] * rows, rows)
+        out.add_(bias, alpha=pending.beta)
+    _GEMM_STATS["fused"] += 1
+    _GEMM_STATS["reason"] = ""
+    _consumed(pending)
+    return out
+
+
+@dataclass(frozen=True)
+class FusedGemmPlan:
+    """What ``redistribute`` runs for a deferred product's pending sum going to row shards:
+    the fused GEMM + reduce-scatter, or the GEMM then ``collective`` (and why)."""
+
+    fused: bool
+    gemm: object        # collectives.GemmReduceScatterPlan, or None (not asked: CPU, dtype, ...)
+    reason: str
+    collective: object  # the layout-inference Plan the unfused path runs
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.collective, name)  # steps, kinds, bytes_sent, ... of the collective
+
+    def __str__(self) -> str:
+        if self.fused:
+            return f"fused GEMM + reduce-scatter: {self.gemm}"
+        return (f"GEMM, then {self.collective}\n(fused GEMM + reduce-scatter not used: {self.reason})")
 
 
 def _grad_spec(spec: _Spec) -> _Spec:
@@ -542,6 +740,10 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
 
         >>> print(ax.plan(x, [Replicate()]))        # x: (8, 6) in [Shard(0)]
         all-gather over gpuid ...
+
+    ``src`` the pending sum of an ``mm``/``addmm`` (deferred, see ``_DeferredGemm``) and
+    ``dst`` its rows sharded on the summed axis: a :class:`FusedGemmPlan`, whose text says
+    ``fused GEMM + reduce-scatter: ...`` or the GEMM, the collective, and why not fused.
     """
     if isinstance(src, DTensor):
         src_spec, mesh, itemsize = src._spec, src.mesh, itemsize or src.element_size()
@@ -555,6 +757,14 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     else:
         dst_spec = _target_spec(src_spec, dst, None, None)
     itemsize = itemsize or 4
+    if isinstance(src, DTensor) and isinstance(src._pending, _DeferredGemm) and src._pending.value is None:
+        choice = _fused_choice(src_spec, src._pending, dst_spec)
+        if choice is not None:
+            from .layout_inference import plan_layouts
+
+            collective = plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
+                                      src_spec.reduce_op)
+            return FusedGemmPlan(choice.fused, choice.gemm, choice.reason, collective)
     if src_spec.padded == dst_spec.padded and src_spec.true_index == dst_spec.true_index:
         from .layout_inference import plan_layouts
 

@@ -48,12 +48,16 @@ class DispatchError(RuntimeError):
 _dt = None
 
 
+_DEFERRED: list = []  # dtensor._OUTSTANDING (bound on first use): deferred products not yet used
+
+
 def _dtensor_module():
-    global _dt
+    global _dt, _DEFERRED
     if _dt is None:
         from .. import dtensor as module
 
         _dt = module
+        _DEFERRED = module._OUTSTANDING
     return _dt
 
 
@@ -250,9 +254,10 @@ class _OutSpec:
 class _CallPlan:
     call: OpCall
     sharding: Sharding
-    targets: list        # per DTensor: target _Spec (the argument's own spec when kept)
+    targets: list        # per DTensor: target _Spec, or None to keep the argument as it is
     outputs: list        # _OutSpec per output (flattened)
     structure: str       # "single", "tuple", "list", "none"
+    defer: bool = False  # mm/addmm giving a pending sum: the local GEMM waits (fusable with a reduce-scatter)
 
 
 def _meta(value):
@@ -329,10 +334,11 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                                       (None if isinstance(wanted, Layout) else tuple(wanted)))[0] != 1:
             raise DispatchError(f"{func}: rule {rule.__name__} keeps {spec}, a pending {target.reduce_op} with more "
                                 f"than one summand per device; ask for placements instead")
-        targets.append(target)
+        # None, not the spec: a cached plan serves later DTensors whose equal specs are other objects
+        targets.append(None if target is own else target)
     for i, d in enumerate(dts):
         written = info.inplace and d is args[0] or any(d is w for w in _written(args, kwargs, info))
-        if written and targets[i] is not d._spec:
+        if written and targets[i] is not None:
             raise DispatchError(f"{func} is in-place on {specs[i]}, but rule {rule.__name__} needs it as "
                                 f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
                                 f"(redistribute first, or use the out-of-place op)")
@@ -371,7 +377,21 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
         if outputs[0].spec != self_spec:
             raise DispatchError(f"{func} is in-place on {specs[0]}, but rule {rule.__name__} gives its result as "
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
-    return _CallPlan(call, sharding, targets, outputs, structure)
+    defer = (func in _DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
+             and sum(isinstance(p, Partial) for p in (_placements_or_none(outputs[0].spec) or ())) == 1)
+    return _CallPlan(call, sharding, targets, outputs, structure, defer)
+
+
+# mm/addmm whose output is a pending sum over one mesh axis run later (``dtensor._DeferredGemm``):
+# redistributing the result to row shards on that axis then runs the fused GEMM + reduce-scatter.
+_DEFERRABLE = (aten.mm.default, aten.addmm.default)
+
+
+def _placements_or_none(spec):
+    try:
+        return _dtensor_module()._placements_for(spec)
+    except LayoutError:
+        return None
 
 
 def _written(args, kwargs, info: _OpInfo) -> list:
@@ -410,6 +430,8 @@ def fallback_ops() -> set:
 
 
 def dispatch(func, args, kwargs):
+    if _DEFERRED:
+        _dt._flush_deferred()  # no op may run while a deferred product waits on its operands
     kwargs = kwargs or {}
     info = _op_info(func)
     if info.foreach:
@@ -437,19 +459,19 @@ def dispatch(func, args, kwargs):
 
 
 def _local_of(dt, target):
-    dtm = _dtensor_module()
     local = dt._local
-    if target is not dt._spec:
-        local = dtm.redistribute_local(local, dt._spec, target)
-    if target.reduce_op:
-        local = local[0]
-    return local
+    if target is None:
+        return local[0] if dt._spec.reduce_op else local
+    local = _dtensor_module().redistribute_local(local, dt._spec, target)
+    return local[0] if target.reduce_op else local
 
 
 def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     DTensor = _dtensor_module().DTensor
     locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
     local_args, local_kwargs = _replace_all(args, kwargs, lambda d: locals_[id(d)])
+    if plan.defer:
+        return _deferred(func, plan, local_args, local_kwargs)
     if plan.sharding.local is not None:
         result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
     else:
@@ -474,6 +496,23 @@ def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     if plan.structure == "single":
         return wrapped[0]
     return wrapped if plan.structure == "list" else tuple(wrapped)
+
+
+def _deferred(func, plan: _CallPlan, local_args, local_kwargs):
+    """The pending-sum output of mm/addmm with its local GEMM deferred (see ``_DEFERRABLE``)."""
+    local, call = plan.sharding.local, plan.call
+    if func is aten.mm.default:
+        (a, b), bias, alpha, beta = local_args[:2], None, 1, 1
+    else:
+        bias, a, b = local_args[:3]
+        beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
+
+    def compute():
+        value = local(call, *local_args, **local_kwargs) if local is not None else func(*local_args, **local_kwargs)
+        return value.unsqueeze(0)
+
+    out = plan.outputs[0]
+    return _dt._defer_gemm(compute, a, b, bias, alpha, beta, out.spec, out.local_shape, out.stride)
 
 
 def _warn_fallback(func) -> None:
@@ -583,7 +622,7 @@ def _dispatch_single_foreach(func, args, kwargs):
         return _fallback(func, args, kwargs, dts, mesh, _FOREACH_WRITE if _writes_first(func) else _FOREACH_INFO)
     if _writes_first(func):
         for d, t in zip(dts, plan.targets):
-            if d is args[0][0] and t is not d._spec:
+            if d is args[0][0] and t is not None:
                 raise DispatchError(f"{func} is in-place on {d._spec}, but its rule needs it moved; an in-place op "
                                     f"cannot change its tensor's layout")
     del info

@@ -1,0 +1,218 @@
+"""Deferred mm/addmm with a pending sum, and its fused GEMM + reduce-scatter wiring (CPU side).
+
+On CPU the fused kernel never runs (it is CUDA-only); these tests check what the CUDA path
+relies on: the product waits (deferred), a reduce-scatter of its rows goes through the fused
+decision (here: GEMM, then the planned collective, with the reason), every other use computes
+it exactly once, and values and gradients equal torch on the full tensors.
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from axedist.dtensor import FusedGemmPlan, distribute, fused_gemm_stats, plan
+from axedist.layout import LayoutError
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+R, P = Replicate(), Partial()
+
+
+def _delta(before, after):
+    return {k: after[k] - before[k] for k in ("deferred", "fused", "unfused", "materialized")}
+
+
+def _row_parallel(rank, world, seed):
+    """x [M, K] Shard(1) @ w [K, N] Shard(0) -> pending sum -> Shard(0): values, counters, plan, grads."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    m = world * random.Random(seed).randint(2, 4)
+    a = torch.randn(m, 3 * world + 1, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3 * world + 1, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    da, db = distribute(a, mesh, [Shard(1)]), distribute(b, mesh, [Shard(0)])
+    before = fused_gemm_stats()
+    c = da @ db
+    assert c.placements == (P,)
+    assert _delta(before, fused_gemm_stats()) == {"deferred": 1, "fused": 0, "unfused": 0, "materialized": 0}
+    p = plan(c, [Shard(0)])
+    assert isinstance(p, FusedGemmPlan) and not p.fused and "CUDA-only" in p.reason
+    assert "fused GEMM + reduce-scatter not used" in str(p) and "reduce_scatter" in p.kinds  # the collective's
+    y = c.redistribute([Shard(0)])
+    d = _delta(before, fused_gemm_stats())
+    assert d == {"deferred": 1, "fused": 0, "unfused": 1, "materialized": 1}, d
+    assert "CUDA-only" in fused_gemm_stats()["reason"]
+    ref = a @ b
+    assert y.placements == (Shard(0),) and torch.allclose(y.full_tensor(), ref)
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    loss = (y.full_tensor() * w).sum()
+    ga, gb = torch.autograd.grad(loss, (a, b))
+    wa, wb = torch.autograd.grad((ref * w).sum(), (a, b))
+    assert torch.allclose(ga, wa) and torch.allclose(gb, wb)
+    # the pending sum itself still reads right afterwards (computed once, not again)
+    assert torch.allclose(c.full_tensor(), ref)
+    assert _delta(before, fused_gemm_stats())["materialized"] == 1
+    return True
+
+
+def _other_uses(rank, world, seed):
+    """Any use other than a row reduce-scatter computes the product (once) and is right."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2 * world, 2 * world + 1, generator=g, dtype=torch.float64)
+    b = torch.randn(2 * world + 1, 3, generator=g, dtype=torch.float64)
+    ref = a @ b
+    da, db = distribute(a, mesh, [Shard(1)]), distribute(b, mesh, [Shard(0)])
+    uses = [
+        ("to_local", lambda c: c.to_local(), None),
+        ("full_tensor", lambda c: c.full_tensor(), ref),
+        ("to Replicate", lambda c: c.redistribute([R]).full_tensor(), ref),
+        ("to Shard(1)", lambda c: c.redistribute([Shard(1)]).full_tensor(), ref),
+        ("an op", lambda c: (c * 2).full_tensor(), 2 * ref),
+        ("a view", lambda c: c.t().full_tensor(), ref.t()),
+        ("in place", lambda c: c.mul_(3).full_tensor(), 3 * ref),
+    ]
+    for name, use, want in uses:
+        before = fused_gemm_stats()
+        c = torch.mm(da, db)
+        got = use(c)
+        d = _delta(before, fused_gemm_stats())
+        assert d["deferred"] == 1 and d["materialized"] == 1 and d["unfused"] == 0, (name, d)
+        if want is not None:
+            assert torch.allclose(got, want), name
+    # plan() of a move that is not a row reduce-scatter is the ordinary layout plan
+    c = torch.mm(da, db)
+    assert not isinstance(plan(c, [R]), FusedGemmPlan)
+    # an op on anything flushes outstanding products first: an in-place change of an operand
+    # afterwards cannot reach the product
+    c = torch.mm(da, db)
+    da.add_(1.0)
+    assert torch.allclose(c.full_tensor(), ref)
+    # changing an operand's local tensor behind axedist's back (no op dispatched) is caught,
+    # not silently wrong
+    db2 = distribute(b, mesh, [Shard(0)])
+    c = torch.mm(distribute(a, mesh, [Shard(1)]), db2)
+    db2.to_local().add_(1.0)
+    assert c._pending is not None, fused_gemm_stats()
+    with pytest.raises(LayoutError, match="changed in place"):
+        c.to_local()
+    return True
+
+
+def _addmm_and_linear(rank, world, seed):
+    """addmm (bias counted once), F.linear with and without bias as RowwiseParallel calls it."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    m, k, n = 2 * world, 2 * world + 3, 6
+    x = torch.randn(m, k, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, generator=g, dtype=torch.float64, requires_grad=True)
+    bias2 = torch.randn(m, n, generator=g, dtype=torch.float64)
+    dx, dw = distribute(x, mesh, [Shard(1)]), distribute(w, mesh, [Shard(1)])
+    dbias = distribute(bias, mesh, [R])
+    cases = [
+        (lambda: F.linear(dx, dw), lambda: F.linear(x, w), (x, w)),
+        (lambda: F.linear(dx, dw, dbias), lambda: F.linear(x, w, bias), (x, w, bias)),
+        (lambda: torch.addmm(distribute(bias2, mesh, [R]), dx, dw.t(), beta=0.5, alpha=-2.0),
+         lambda: torch.addmm(bias2, x, w.t(), beta=0.5, alpha=-2.0), (x, w)),
+    ]
+    for ours, theirs, leaves in cases:
+        before = fused_gemm_stats()
+        partial = ours()
+        assert partial.placements == (P,)
+        y = partial.redistribute((Shard(0),))
+        d = _delta(before, fused_gemm_stats())
+        assert d == {"deferred": 1, "fused": 0, "unfused": 1, "materialized": 1}, d
+        ref = theirs()
+        assert torch.allclose(y.full_tensor(), ref)
+        up = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+        got = torch.autograd.grad((y.full_tensor() * up).sum(), leaves)
+        want = torch.autograd.grad((ref * up).sum(), leaves)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b)
+    return True
+
+
+def _not_row_scatter(rank, world, seed):
+    """2x2 mesh: a pending sum on one axis, rows of the other kept; uneven rows; two partial axes."""
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    b = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    ref = a @ b
+    # columns on dp, contraction on tp: (Shard(1), Partial) -> (Shard(1), Shard(0)) is a row RS on tp
+    c = torch.mm(distribute(a, mesh, [R, Shard(1)]), distribute(b, mesh, [Shard(1), Shard(0)]))
+    assert c.placements == (Shard(1), P)
+    p = plan(c, [Shard(1), Shard(0)])
+    assert isinstance(p, FusedGemmPlan) and "CUDA-only" in p.reason
+    assert torch.allclose(c.redistribute([Shard(1), Shard(0)]).full_tensor(), ref)
+    # rows already split on dp: the row blocks differ from the kernel's, so no fused choice
+    c = torch.mm(distribute(a, mesh, [Shard(0), Shard(1)]), distribute(b, mesh, [R, Shard(0)]))
+    assert c.placements == (Shard(0), P)
+    assert not isinstance(plan(c, [Shard(0), Shard(0)]), FusedGemmPlan)
+    assert torch.allclose(c.redistribute([Shard(0), Shard(0)]).full_tensor(), ref)
+    # a pending sum over both axes is not deferred (the kernel reduces over one group)
+    before = fused_gemm_stats()
+    c = torch.mm(distribute(a, mesh, [Shard(1), Shard(1)]), distribute(b, mesh, [Shard(0), Shard(0)]))
+    assert c.placements == (P, P) and _delta(before, fused_gemm_stats())["deferred"] == 0
+    assert torch.allclose(c.full_tensor(), ref)
+    # uneven rows (7 on 2 ranks): deferred, but a row RS of it is not the kernel's equal blocks
+    a7 = torch.randn(7, 6, generator=g, dtype=torch.float64)
+    c = torch.mm(distribute(a7, mesh, [R, Shard(1)]), distribute(b, mesh, [R, Shard(0)]))
+    assert not isinstance(plan(c, [R, Shard(0)]), FusedGemmPlan)
+    assert torch.allclose(c.redistribute([R, Shard(0)]).full_tensor(), a7 @ b)
+    return True
+
+
+def _rowwise_module(rank, world, seed):
+    """axedist.nn.RowwiseParallel(output_layouts=Shard(0)) reaches the fused decision (CPU: the
+    GEMM then the reduce-scatter, reason named) and its output and grads equal the plain Linear's."""
+    from axedist.nn import RowwiseParallel, parallelize
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    s, b, k, n = 2 * world, 3, 2 * world + 1, 5
+    lin = torch.nn.Linear(k, n, dtype=torch.float64)
+    ref = torch.nn.Linear(k, n, dtype=torch.float64)
+    ref.load_state_dict(lin.state_dict())
+    parallelize(lin, mesh, {"": RowwiseParallel(output_layouts=Shard(0))})
+    x = torch.randn(s, b, k, dtype=torch.float64)
+    before = fused_gemm_stats()
+    y = lin(distribute(x, mesh, [Shard(2)]))
+    d = _delta(before, fused_gemm_stats())
+    assert d == {"deferred": 1, "fused": 0, "unfused": 1, "materialized": 1}, d
+    assert "CUDA-only" in fused_gemm_stats()["reason"]
+    want = ref(x)
+    assert y.placements == (Shard(0),) and torch.allclose(y.full_tensor(), want)
+    up = torch.randn(want.shape, dtype=torch.float64)
+    (y.full_tensor() * up).sum().backward()
+    (want * up).sum().backward()
+    assert torch.allclose(lin.weight.grad.full_tensor(), ref.weight.grad)
+    assert torch.allclose(lin.bias.grad.full_tensor(), ref.bias.grad)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rowwise_parallel_pattern_reaches_fused_path(world):
+    run_on_ranks(_rowwise_module, world, args=(random.randrange(10**6),))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_parallel_mm_then_reduce_scatter(world):
+    run_on_ranks(_row_parallel, world, args=(random.randrange(10**6),))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_other_uses_materialize_once(world):
+    run_on_ranks(_other_uses, world, args=(random.randrange(10**6),))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_addmm_and_linear_fuse_path(world):
+    run_on_ranks(_addmm_and_linear, world, args=(random.randrange(10**6),))
+
+
+def test_2d_mesh_and_non_row_moves():
+    run_on_ranks(_not_row_scatter, 4, args=(random.randrange(10**6),))
