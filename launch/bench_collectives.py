@@ -226,7 +226,15 @@ def main():
     parser.add_argument("--tables-from", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write the choice tables of this result file into "
                              "axedist/kernels/collectives_tuned.json (what 'auto' uses)")
+    parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write the .md and .png of this result file (same meta) into --out")
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as handle:
+            saved = json.load(handle)
+        world = int(saved["meta"]["machine"].split(": ")[-1].split("x")[0])
+        write_outputs(saved["rows"], saved["host_us_per_call_64KB"], world, args.out, meta=saved["meta"])
+        return
     if args.tables_from:
         from axedist.collectives.backend import TUNED_PATH
         write_tuned(args.tables_from, TUNED_PATH)
@@ -263,14 +271,14 @@ def _fmt(value, scale=1e3):
     return "n/a" if value is None else f"{value * scale:.1f}"
 
 
-def write_outputs(rows, host, world, out_dir):
+def write_outputs(rows, host, world, out_dir, meta=None):
     os.makedirs(out_dir, exist_ok=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = meta or dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                 commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
                 command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
