@@ -330,6 +330,21 @@ class Plan:
         ``g-1`` copies). Plans are compared by this tuple, smallest first."""
         return _step_cost(self.steps)
 
+    @functools.cached_property
+    def sent_per_device(self) -> dict:
+        """``{device: bytes it sends}`` as ``cost`` counts them (a direct all-reduce as a ring)."""
+        return _sent_per_device(self.steps)
+
+    def then(self, other: "Plan") -> "Plan":
+        """One plan running ``self``'s steps, then ``other``'s (``other.source`` is ``self.target``'s
+        buffer, e.g. a reduction in place, then a gather)."""
+        if other.mesh != self.mesh or other.steps and self.steps and other.steps[0].in_size != self.steps[-1].out_size:
+            raise LayoutError(f"then: {other!r} does not start where {self!r} ends")
+        note = "; ".join(n for n in (self.note, other.note) if n)
+        return Plan(self.source, other.target, self.mesh, other.shape, self.itemsize, self.partial or other.partial,
+                    self.steps + other.steps, "digits" if self.method == other.method == "digits" else "elements",
+                    note)
+
     def with_transfers(self, transfers: Sequence[Sequence[Transfer]], note: str) -> "Plan":
         """The same steps moving only ``transfers[i]`` in step ``i`` (each step renamed from its
         new messages). For an executor that leaves slots out (padding of uneven shapes):
@@ -824,6 +839,12 @@ def _reduce_late(summand_digits, late, reduced_digits, src: Layout, middle: Layo
 def _step_cost(steps: Sequence[Step]) -> tuple[int, int, int]:
     """(most bytes a device sends, bytes all devices send, steps) as the executor moves them:
     a direct all-reduce step runs as a ring ``all_reduce``, ``2 (g-1)/g`` of its buffer."""
+    sent = _sent_per_device(steps)
+    return (max(sent.values(), default=0), sum(sent.values()), len(steps))
+
+
+def _sent_per_device(steps: Sequence[Step]) -> dict:
+    """``{device: bytes sent}`` over ``steps``, a direct all-reduce counted as a ring ``all_reduce``."""
     sent: dict[Device, float] = {}
     for step in steps:
         if step.kind == "all_reduce":
@@ -836,7 +857,7 @@ def _step_cost(steps: Sequence[Step]) -> tuple[int, int, int]:
         else:
             for d, b in step.bytes_sent.items():
                 sent[d] = sent.get(d, 0) + b
-    return (max(sent.values(), default=0), sum(sent.values()), len(steps))
+    return sent
 
 
 def _replicated_in_memory(layout: Layout, mesh: Mesh) -> bool:

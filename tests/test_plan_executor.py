@@ -193,7 +193,8 @@ TORCH_TRANSITIONS = [
     ((2, 2), (8, 4), "S1 S0", "S0 S1"), ((2, 2), (3, 3), "S1 S0", "R R"), ((2, 2), (5, 6), "Pmin R", "S0 S1"),
     # found by the random differential (both sides shard a dim, padded differently; with and without Partial)
     ((2, 2), (2, 5), "S0 P", "S0 S0"), ((2, 2), (3, 6), "S1 S1", "S1 S0"), ((2, 4), (5, 5), "S1 P", "S0 S1"),
-    ((2, 4), (9, 3), "S0 Pmin", "S0 S0"), ((2, 4), (2, 5), "S1 S0", "S1 S1"),
+    ((2, 4), (9, 3), "S0 Pmin", "S0 S0"), ((2, 4), (2, 5), "S1 S0", "S1 S1"), ((2, 4), (5, 3), "S0 P", "S0 R"),
+    ((2, 4), (2, 9), "S1 Pmax", "R S1"),
 ]
 
 

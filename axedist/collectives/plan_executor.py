@@ -1144,6 +1144,7 @@ def _drop_padding(plan: Plan, masks: torch.Tensor, mesh) -> Plan:
     Realness follows the values through the steps (an output slot is real when a real value
     lands in it). A box that is partly padding is cut into the boxes of its real part along
     each of its dims (when the real part is such a product), else into runs of real slots.
+    Output slots of padding are then never written (garbage that nothing reads).
     """
     strides = mesh.strides()
     names = [a for a, _ in plan.mesh]
@@ -1156,13 +1157,15 @@ def _drop_padding(plan: Plan, masks: torch.Tensor, mesh) -> Plan:
             source, target = _slots_of(t, "source"), _slots_of(t, "target")
             keep = masks[position(t.source)][source]
             out[position(t.target), target[keep]] = True
-            if t.is_local or bool(keep.all()):
+            # local copies are cut the same way (they cost nothing, but a collective's own part must
+            # line up with what it sends: an all-reduce stays an all-reduce)
+            if bool(keep.all()):
                 kept.append(t)
             elif bool(keep.any()):
                 kept.extend(_real_boxes(t, keep))
-                dropped += int((~keep).sum())
+                dropped += 0 if t.is_local else int((~keep).sum())
             else:
-                dropped += t.count
+                dropped += 0 if t.is_local else t.count
         kept_steps.append(kept)
         masks = out
     if not dropped:
@@ -1250,6 +1253,53 @@ def _full_gather_route(src, dst, lead: int, mesh):
     return gathered, middle, tuple(len(r) for r in kept_rows)
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What the routes read of a spec: a layout over padded dims and where the true rows sit."""
+
+    layout: Layout
+    full_shape: tuple[int, ...]
+    full_true: tuple[int, ...]
+    full_true_index: tuple
+
+
+def _reduced_in_place(src) -> _Held:
+    """``src`` after its pending reduction, with the data where it is: the summand axes become
+    replicas (an all-reduce over them), the summand dim goes."""
+    blocks = src.layout.blocks(src.full_shape)
+    replica = list(src.layout.replica) + [it for it in blocks[0] if it.axis != MEMORY]
+    offset = {a: v for a, v in src.layout.offset.items() if a != MEMORY}
+    return _Held(_from_blocks(blocks[1:], replica, offset), src.full_shape[1:], src.full_true[1:],
+                 src.full_true_index[1:])
+
+
+def _repad_route(src, dst, lead: int, partial, itemsize: int, mesh):
+    """(two plans, (gathered, re-padded, target) sides, true box between them) for specs without a
+    common padding: the inner gather when it applies, else a gather of everything."""
+    first = _Side(src.layout, src.full_shape, (None,) * len(src.full_shape), _true_rows(src))
+    inner = _inner_gather_route(src, dst, lead, mesh)
+    if inner is not None:  # copy (summands kept), re-pad, then reduce if pending
+        gathered, middle, last, box = inner
+        partials = (None, partial)
+    else:  # reduce while gathering, re-pad, then copy
+        gathered, middle, box = _full_gather_route(src, dst, lead, mesh)
+        last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst.full_shape, _true_rows(dst))[1]
+        partials = (partial, None)
+    plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partials[0],
+                       _padding_masks(first, mesh), mesh),
+             _cheapest(middle.layout, last.layout, last.full, itemsize, partials[1], _padding_masks(middle, mesh), mesh))
+    return plans, (gathered, middle, last), box
+
+
+def _route_cost(plans) -> tuple:
+    """(most bytes one device sends, all bytes, steps) over consecutive plans."""
+    sent: dict = {}
+    for plan in plans:
+        for d, b in plan.sent_per_device.items():
+            sent[d] = sent.get(d, 0) + b
+    return (max(sent.values(), default=0), sum(sent.values()), sum(len(p.steps) for p in plans))
+
+
 def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     """The cached ``Redistribution`` this rank runs for DTensor specs ``src -> dst`` (no data moves).
 
@@ -1281,21 +1331,17 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
         plans = (_cheapest(first.layout, last.layout, last.full, itemsize, partial, _padding_masks(first, mesh), mesh),)
         route = Redistribution(first, last, plans, None, src_box, dst_box, partial)
     else:
-        # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on
-        first = own_src
-        inner = _inner_gather_route(src, dst, lead, mesh)
-        if inner is not None:  # copy (summands kept), re-pad, then reduce if pending
-            gathered, middle, last, box = inner
-            partials = (None, partial)
-        else:  # reduce while gathering, re-pad, then copy
-            gathered, middle, box = _full_gather_route(src, dst, lead, mesh)
-            last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst_full, dst_rows)[1]
-            partials = (partial, None)
-        plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partials[0],
-                           _padding_masks(first, mesh), mesh),
-                 _cheapest(middle.layout, last.layout, last.full, itemsize, partials[1],
-                           _padding_masks(middle, mesh), mesh))
-        route = Redistribution(first, last, plans, (gathered, middle), src_box, dst_box, partial, box)
+        # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on;
+        # with a pending reduction, reduce first or last, whichever moves fewer bytes
+        candidates = [_repad_route(src, dst, lead, partial, itemsize, mesh)]
+        if reduce:
+            reduced = _reduced_in_place(src)
+            in_place = _cheapest(src.layout, reduced.layout, reduced.full_shape, itemsize, partial,
+                                 _padding_masks(own_src, mesh), mesh)
+            plans, sides, box = _repad_route(reduced, dst, 0, None, itemsize, mesh)
+            candidates.append(((in_place.then(plans[0]), plans[1]), sides, box))
+        plans, (gathered, middle, last), box = min(candidates, key=lambda c: _route_cost(c[0]))
+        route = Redistribution(own_src, last, plans, (gathered, middle), src_box, dst_box, partial, box)
     _ROUTES[key] = route
     while len(_ROUTES) > _PROGRAM_LIMIT:
         _ROUTES.popitem(last=False)
