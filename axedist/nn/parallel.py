@@ -92,7 +92,7 @@ def _text(where) -> str:
         return str(where)
     if callable(where):
         return getattr(where, "__name__", repr(where))
-    return str(tuple(None if w is None else w for w in where))
+    return str(tuple(where))
 
 
 def replicate(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -131,7 +131,8 @@ def _log_of(module: nn.Module) -> _Log | None:
 
 
 def _transition(x: DTensor, dst, what: str) -> str:
-    """``[8, 64] Partial(sum) -> (Shard(0),): reduce-scatter, 3 KiB/rank`` (the inferred plan)."""
+    """``output [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent per rank``:
+    the plan that layout inference makes for this move (planning only; nothing moves here)."""
     head = f"{what} {list(x.shape)} {_where_now(x)} -> {_text(dst)}"
     try:
         spec = _spec_of(x, dst)
@@ -374,7 +375,7 @@ class SequenceParallel(ParallelStyle):
         module.register_forward_hook(post)
 
 
-def _per_argument(layouts, what: str) -> tuple | None:
+def _per_argument(layouts) -> tuple | None:
     if layouts is None:
         return None
     return (layouts,) if isinstance(layouts, (Placement, Layout)) else tuple(layouts)
@@ -391,8 +392,8 @@ class PrepareModuleInput(ParallelStyle):
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
                  desired_input_kwarg_layouts=None, use_local_output: bool = False):
-        self.input_layouts = _per_argument(input_layouts, "input_layouts")
-        self.desired_input_layouts = _per_argument(desired_input_layouts, "desired_input_layouts")
+        self.input_layouts = _per_argument(input_layouts)
+        self.desired_input_layouts = _per_argument(desired_input_layouts)
         if self.input_layouts is not None and (self.desired_input_layouts is None
                                                or len(self.input_layouts) != len(self.desired_input_layouts)):
             raise ValueError(f"PrepareModuleInput: input_layouts {self.input_layouts} and desired_input_layouts "
@@ -432,8 +433,8 @@ class PrepareModuleOutput(ParallelStyle):
     (a plain tensor) and brought to ``desired_output_layouts[i]``."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
-        self.output_layouts = _per_argument(output_layouts, "output_layouts")
-        self.desired_output_layouts = _per_argument(desired_output_layouts, "desired_output_layouts")
+        self.output_layouts = _per_argument(output_layouts)
+        self.desired_output_layouts = _per_argument(desired_output_layouts)
         if len(self.output_layouts) != len(self.desired_output_layouts):
             raise ValueError("PrepareModuleOutput: output_layouts and desired_output_layouts differ in length")
         self.use_local_output = use_local_output
