@@ -616,3 +616,17 @@ def test_with_transfers_leaves_slots_out_and_renames_the_step():
         assert out[d][:42] == values[:42] and out[d][42:] == (values[42:] if d == (3,) else [None] * 6)
     with pytest.raises(LayoutError, match="transfer lists"):
         plan.with_transfers([], note="")
+
+
+def test_then_runs_one_plan_after_another():
+    """An all-reduce in place over y, then an all-gather over x: one plan, simulated end to end."""
+    src = placements(XY, (4, 6), ["S0", "P"])  # rows split over x, partial values over y
+    reduced = Layout.parse("S[(2,2,6):(1@x,6,1)] + R[2:1@y]")
+    dst = placements(XY, (4, 6), ["R", "R"])
+    first = plan_layouts(src, reduced, XY, (4, 6), partial="sum")
+    both = first.then(plan_layouts(reduced, dst, XY, (4, 6)))
+    assert both.kinds == first.kinds + ("all_gather",) and both.partial == "sum"
+    check_plan(src, dst, XY, (4, 6), partial="sum", plan=both)
+    assert both.sent_per_device == {d: first.sent_per_device[d] + 12 * 4 for d in devices(XY)}
+    with pytest.raises(LayoutError, match="does not start where"):
+        first.then(plan_layouts(placements(XY, (8, 8), ["S0", "S1"]), placements(XY, (8, 8), ["R", "R"]), XY, (8, 8)))
