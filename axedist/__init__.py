@@ -33,6 +33,14 @@ _LAZY = {
     "CollectiveTimeoutError": "collectives",
     "SymmetricMemoryUnavailable": "collectives",
     "run_on_ranks": "testing",
+    "parallelize": "nn",
+    "ColwiseParallel": "nn",
+    "RowwiseParallel": "nn",
+    "SequenceParallel": "nn",
+    "VocabParallelEmbedding": "nn",
+    "PrepareModuleInput": "nn",
+    "PrepareModuleOutput": "nn",
+    "vocab_parallel_cross_entropy": "nn",
 }
 
 __all__ = [
