@@ -144,7 +144,7 @@ def _write(rows, overhead, meta, path_stem):
         axis.set_yticklabels(labels if axis is left else [""] * len(rows))
         axis.invert_yaxis()
         axis.set_title(title)
-        axis.legend(loc="lower right")
+        axis.legend(loc="best")
     figure.suptitle(f"redistribute {meta['shape']} {meta['dtype']}, {meta['backend']}, W={meta['world']}")
     figure.tight_layout()
     figure.savefig(path_stem + ".png", dpi=100)

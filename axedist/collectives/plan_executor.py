@@ -98,11 +98,12 @@ FORCE_P2P = False
 
 def backend_notes(backend: str) -> dict[str, str]:
     """``{kind: how it runs}`` on ``backend`` (``"nccl"`` or ``"gloo"``)."""
+    via_api = " through collectives.api (backend='auto': p2p kernels or NCCL per size; sum/avg, synchronous)"
     notes = {
-        "all_gather": "all_gather_into_tensor",
-        "reduce_scatter": "reduce_scatter_tensor",
-        "fused all_reduce": "all_reduce (one call for the reduce-scatter + all-gather pair)",
-        "all_reduce": "all_reduce",
+        "all_gather": "all_gather_into_tensor" + via_api,
+        "reduce_scatter": "reduce_scatter_tensor" + via_api,
+        "fused all_reduce": "all_reduce (one call for the reduce-scatter + all-gather pair)" + via_api,
+        "all_reduce": "all_reduce" + via_api,
         "reduce": "reduce",
         "broadcast": "broadcast",
         "all_to_all": "all_to_all_single",
@@ -112,6 +113,7 @@ def backend_notes(backend: str) -> dict[str, str]:
         "avg": "sum, then divided by the number of values per slot",
     }
     if backend == "gloo":
+        notes.update({k: v.replace(via_api, "") for k, v in notes.items()})
         notes.update(_GLOO_SUBSTITUTES)
     return notes
 
