@@ -1,0 +1,121 @@
+"""Scaled dot-product attention over DTensors (ops/attention.py) against F.scaled_dot_product_attention.
+
+q, k, v sharded on heads, on the batch, on the query sequence (k, v whole: each rank its
+query rows) and on the sequence of all three (moved to heads, or replicated when the heads
+do not split), with causal masks, additive and boolean masks, a custom scale and grouped-query
+attention; on 2 and 4 ranks and a 2x2 mesh. Output and q/k/v grads must equal the
+single-device ones, and head/batch sharding must run locally (output in the same placements).
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor import Replicate, Shard
+
+from axedist.dtensor import distribute
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
+NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # shrinking re-runs ranks
+
+
+def _inputs(g, gqa: bool):
+    batch = int(torch.randint(1, 4, (1,), generator=g))
+    kv_heads = int(torch.randint(1, 5, (1,), generator=g))
+    heads = kv_heads * (2 if gqa else 1)
+    length, source = (int(v) for v in torch.randint(1, 7, (2,), generator=g))
+    dim = int(torch.randint(2, 6, (1,), generator=g))
+    q = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=g)
+    k = torch.randn(batch, kv_heads, source, dim, dtype=torch.float64, generator=g)
+    v = torch.randn(batch, kv_heads, source, dim, dtype=torch.float64, generator=g)
+    return q, k, v
+
+
+def _mask(g, kind, q, k):
+    batch, heads, length, source = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if kind == "bool":  # (L, S), every row keeps column 0 (a row with nothing to attend to is nan)
+        keep = torch.rand(length, source, generator=g) < 0.6
+        keep[:, 0] = True
+        return keep
+    if kind == "additive":  # (B, H, L, S)
+        return torch.randn(batch, heads, length, source, dtype=torch.float64, generator=g)
+    return None
+
+
+def _attention_case(rank, world_size, mesh_name, seed, gqa):
+    mesh = DeviceMesh("cpu", *MESHES[mesh_name])
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = _inputs(g, gqa)
+    checked = 0
+    layouts = [("heads", [Shard(1)], [Shard(1)]), ("batch", [Shard(0)], [Shard(0)]),
+               ("query rows", [Shard(2)], [Replicate()]), ("sequence", [Shard(2)], [Shard(2)]),
+               ("replicated", [Replicate()], [Replicate()])]
+    for (name, qp, kvp), kind, causal in itertools.product(layouts, ["none", "bool", "additive"], [False, True]):
+        if causal and kind != "none":
+            continue  # torch takes a mask or is_causal, not both
+        scale = None if torch.rand(1, generator=g) < 0.5 else float(torch.rand(1, generator=g)) + 0.1
+        mask = _mask(g, kind, q, k)
+        grad = torch.randn(q.shape[:3] + (v.shape[3],), dtype=torch.float64, generator=g)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+        want.backward(grad)
+        qp, kvp = qp * mesh.ndim, kvp * mesh.ndim
+        dq = distribute(q, mesh, qp).requires_grad_()
+        dk = distribute(k, mesh, kvp).requires_grad_()
+        dv = distribute(v, mesh, kvp).requires_grad_()
+        dmask = None if mask is None else distribute(mask, mesh, [Replicate()] * mesh.ndim)
+        out = F.scaled_dot_product_attention(dq, dk, dv, attn_mask=dmask, is_causal=causal, scale=scale,
+                                             enable_gqa=gqa)
+        what = f"seed {seed}, {name}, q {tuple(q.shape)}, k {tuple(k.shape)}, mask {kind}, causal {causal}"
+        torch.testing.assert_close(out.full_tensor(), want, msg=what)
+        if name in ("heads", "batch") and (name == "batch" or not gqa or k.shape[1] % world_size == 0):
+            assert out.placements == tuple(qp), f"{what}: output {out.placements}"
+        if name == "query rows" and not causal:
+            assert out.placements == tuple(qp), f"{what}: output {out.placements}"
+        out.backward(distribute(grad, mesh, list(out.placements)))
+        for d, r, label in zip((dq, dk, dv), ref, "qkv"):
+            torch.testing.assert_close(d.grad.full_tensor(), r.grad, msg=f"{what}: grad of {label}")
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mesh_name,world_size", [("2", 2), ("4", 4), ("2x2", 4)])
+@NO_SHRINK
+@given(seed=st.integers(0, 2**31 - 1))
+def test_attention(mesh_name, world_size, gqa, seed):
+    counts = run_on_ranks(_attention_case, world_size, args=(mesh_name, seed, gqa))
+    assert counts[0] == 20
+
+
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops that run (on DTensors and below)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _fused_kernel_case(rank, world_size):
+    mesh = DeviceMesh("cpu", (world_size,))
+    q, k, v = (distribute(torch.randn(2, 4, 6, 8, dtype=torch.float64), mesh, [Shard(1)]).requires_grad_()
+               for _ in range(3))
+    with _Seen() as seen:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(distribute(torch.ones(2, 4, 6, 8, dtype=torch.float64), mesh, [Shard(1)]))
+    return sorted(op for op in seen.ops if "attention" in op or op.startswith(("aten.bmm", "aten.mm", "aten._softmax")))
+
+
+def test_attention_runs_the_fused_cpu_kernel_on_local_heads():
+    seen = run_on_ranks(_fused_kernel_case, 2)[0]
+    assert seen == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
+                    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"], seen
