@@ -58,6 +58,7 @@ import contextlib
 import functools
 import itertools
 import math
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -94,6 +95,9 @@ _GLOO_SUBSTITUTES = {
 }
 # Set to True (tests do) to run every step as batched isend/irecv: the reference path.
 FORCE_P2P = False
+# What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
+# measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
+BACKEND = os.environ.get("AXEDIST_PLAN_BACKEND", "auto")
 
 
 def backend_notes(backend: str) -> dict[str, str]:
@@ -319,12 +323,12 @@ class _Collective(_StepProgram):
 
     def _through_api(self, op: str, tensor: torch.Tensor, async_op: bool) -> bool:
         """Whether this call goes through ``axedist.collectives.api`` (CUDA, NCCL, a sum, synchronous);
-        sets ``ran`` to the backend ``select_backend("auto")`` picks from the measured table."""
+        sets ``ran`` to the backend ``select_backend(BACKEND)`` picks ("auto": the measured table)."""
         if self.ctx.backend != "nccl" or async_op or tensor.device.type != "cuda" or \
                 self.reduce not in (None, "sum", "avg"):
             self.ran = "torch"
             return False
-        self.ran = select_backend(op, tensor, self.group, "auto")
+        self.ran = select_backend(op, tensor, self.group, BACKEND)
         return True
 
     def message_source(self, sender, receiver) -> torch.Tensor:
