@@ -83,7 +83,7 @@ def replicated(full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 def rand(g: torch.Generator, *shape) -> torch.Tensor:
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float64)
 
 
 def randint(g: torch.Generator, low: int, high: int) -> int:
@@ -101,12 +101,13 @@ def shards(placements, dim) -> list[int]:
     return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
 
 
-def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str, expect=None):
+def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str, expect=None, backward=True):
     """Run ``fn`` on DTensors and on the plain tensors; compare outputs and gradients.
 
     ``inputs``: ``(full, placements)`` pairs (a floating ``full`` gets a gradient). The
     DTensor outputs are returned (for placement checks: ``expect(outputs)`` runs too).
-    Floating outputs are back-propagated with a random replicated gradient.
+    Floating outputs are back-propagated with a random replicated gradient (unless
+    ``backward`` is False).
     """
     dts, refs = [], []
     for i, (full, placements) in enumerate(inputs):
@@ -123,7 +124,7 @@ def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str
         close(o, r, f"{what}: output {k}")
     if expect is not None:
         expect(outs)
-    pairs = [(o, r) for o, r in zip(outs, ref_outs) if r.requires_grad]
+    pairs = [(o, r) for o, r in zip(outs, ref_outs) if r.requires_grad and backward]
     if pairs:
         grads = [rand(g, *r.shape) for _, r in pairs]
         torch.autograd.backward([o for o, _ in pairs], [replicated(G, mesh) for G in grads])
