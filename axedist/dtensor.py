@@ -31,6 +31,7 @@ tensor keeps it (extent 1 for torch's ``Partial``).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
@@ -91,6 +92,25 @@ class _Spec:
         maps = self.true_index or (None,) * len(self.shape)
         return ((None,) if self.reduce_op else ()) + maps
 
+    def _fields(self) -> tuple:
+        return (self.mesh, self.layout, self.shape, self.padded, self.reduce_op, self.summands, self.true_index)
+
+    # Specs key every cached plan: hash once, and compare by identity first (specs are interned
+    # by _make_spec, so equal specs are mostly the same object).
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self._fields())
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if type(other) is not _Spec:
+            return NotImplemented
+        return hash(self) == hash(other) and self._fields() == other._fields()
+
     def __repr__(self) -> str:
         pending = f", pending {self.reduce_op} over {self.summands} summands" if self.reduce_op else ""
         padded = f" (padded {list(self.padded)})" if self.padded != self.shape else ""
@@ -98,7 +118,21 @@ class _Spec:
 
 
 def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> _Spec:
-    """Check ``layout`` against the mesh and shapes (DESIGN §1's list), then build the spec."""
+    """Check ``layout`` against the mesh and shapes (DESIGN §1's list), then build the spec
+    (interned: the same arguments give the same spec object, checked once)."""
+    try:
+        return _interned_spec(mesh, layout, tuple(shape), None if padded is None else tuple(padded), reduce_op,
+                              summands, true_index)
+    except TypeError:  # an unhashable argument (e.g. lists in true_index): build it afresh
+        return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
+
+
+@lru_cache(maxsize=8192)
+def _interned_spec(mesh, layout, shape, padded, reduce_op, summands, true_index) -> _Spec:
+    return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
+
+
+def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> _Spec:
     shape = tuple(int(s) for s in shape)
     padded = shape if padded is None else tuple(int(s) for s in padded)
     if not isinstance(layout, Layout):
@@ -273,6 +307,19 @@ class DTensor(torch.Tensor):
         self._spec = spec
         if pending is not None:
             self._pending = pending
+        return self
+
+    @classmethod
+    def _wrap(cls, local: torch.Tensor, spec: _Spec, stride) -> "DTensor":
+        """``DTensor(local, spec, stride=stride)`` without the keyword handling (the dispatcher's
+        hot path; ``stride`` None means contiguous)."""
+        if stride is None:
+            self = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device)
+        else:
+            self = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device,
+                                                       strides=stride)
+        self._value = local
+        self._spec = spec
         return self
 
     @property
@@ -515,11 +562,15 @@ def _defer_gemm(compute, a, b, bias, alpha, beta, spec: _Spec, local_shape, stri
     pending = _DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
     if len(_OUTSTANDING) > 64:
         _flush_deferred()
-    import weakref
-
     _OUTSTANDING.append(weakref.ref(pending))
-    probe = torch.empty(0, dtype=a.dtype, device=a.device)
+    key = (a.dtype, a.device)
+    probe = _PROBES.get(key)
+    if probe is None:  # an empty stand-in for the data (never written): one per dtype and device
+        probe = _PROBES[key] = torch.empty(0, dtype=a.dtype, device=a.device)
     return DTensor(probe, spec, stride=stride, pending=pending)
+
+
+_PROBES: dict = {}
 
 
 def _flush_deferred() -> None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import FusedGemmPlan, distribute, fused_gemm_stats, plan
+from axedist.ops import dispatch
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
@@ -21,10 +22,24 @@ from axedist.testing import run_on_ranks
 R, P = Replicate(), Partial()
 
 
+def _deferring(fn):
+    """Run ``fn`` with mm/addmm deferring on CPU too (by default only CUDA bf16/fp16 defers)."""
+    def run(rank, world, *args):
+        old = dispatch.DEFER_GEMM
+        dispatch.DEFER_GEMM = "always"
+        try:
+            return fn(rank, world, *args)
+        finally:
+            dispatch.DEFER_GEMM = old
+    run.__name__ = run.__qualname__ = fn.__name__
+    return run
+
+
 def _delta(before, after):
     return {k: after[k] - before[k] for k in ("deferred", "fused", "unfused", "materialized")}
 
 
+@_deferring
 def _row_parallel(rank, world, seed):
     """x [M, K] Shard(1) @ w [K, N] Shard(0) -> pending sum -> Shard(0): values, counters, plan, grads."""
     mesh = DeviceMesh("cpu", (world,))
@@ -57,6 +72,7 @@ def _row_parallel(rank, world, seed):
     return True
 
 
+@_deferring
 def _other_uses(rank, world, seed):
     """Any use other than a row reduce-scatter computes the product (once) and is right."""
     mesh = DeviceMesh("cpu", (world,))
@@ -101,6 +117,7 @@ def _other_uses(rank, world, seed):
     return True
 
 
+@_deferring
 def _addmm_and_linear(rank, world, seed):
     """addmm (bias counted once), F.linear with and without bias as RowwiseParallel calls it."""
     mesh = DeviceMesh("cpu", (world,))
@@ -135,6 +152,7 @@ def _addmm_and_linear(rank, world, seed):
     return True
 
 
+@_deferring
 def _not_row_scatter(rank, world, seed):
     """2x2 mesh: a pending sum on one axis, rows of the other kept; uneven rows; two partial axes."""
     mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
@@ -166,6 +184,7 @@ def _not_row_scatter(rank, world, seed):
     return True
 
 
+@_deferring
 def _rowwise_module(rank, world, seed):
     """axedist.nn.RowwiseParallel(output_layouts=Shard(0)) reaches the fused decision (CPU: the
     GEMM then the reduce-scatter, reason named) and its output and grads equal the plain Linear's."""
@@ -192,6 +211,25 @@ def _rowwise_module(rank, world, seed):
     assert torch.allclose(lin.weight.grad.full_tensor(), ref.weight.grad)
     assert torch.allclose(lin.bias.grad.full_tensor(), ref.bias.grad)
     return True
+
+
+def _auto_on_cpu(rank, world, seed):
+    """By default a CPU (or fp32/fp64) product runs at once: nothing is deferred, values right."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2 * world, 3 * world, generator=g, dtype=torch.float64)
+    b = torch.randn(3 * world, 4, generator=g, dtype=torch.float64)
+    assert dispatch.DEFER_GEMM == "auto"
+    before = fused_gemm_stats()
+    c = torch.mm(distribute(a, mesh, [Shard(1)]), distribute(b, mesh, [Shard(0)]))
+    assert c._pending is None and _delta(before, fused_gemm_stats())["deferred"] == 0
+    assert not isinstance(plan(c, [Shard(0)]), FusedGemmPlan)
+    assert torch.allclose(c.redistribute([Shard(0)]).full_tensor(), a @ b)
+    return True
+
+
+def test_cpu_products_are_not_deferred_by_default():
+    run_on_ranks(_auto_on_cpu, 2, args=(random.randrange(10**6),))
 
 
 @pytest.mark.parametrize("world", [2, 4])

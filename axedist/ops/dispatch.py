@@ -247,7 +247,7 @@ def _replace_all(args, kwargs, convert):
 class _OutSpec:
     spec: Any            # dtensor _Spec, or None for a non-tensor output
     local_shape: tuple
-    stride: tuple
+    stride: tuple | None  # None: contiguous
 
 
 @dataclass
@@ -258,6 +258,7 @@ class _CallPlan:
     outputs: list        # _OutSpec per output (flattened)
     structure: str       # "single", "tuple", "list", "none"
     defer: bool = False  # mm/addmm giving a pending sum: the local GEMM waits (fusable with a reduce-scatter)
+    fast: tuple | None = None  # (argument slots, output) for dispatch's fast path, or None
 
 
 def _meta(value):
@@ -371,7 +372,8 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
         else:
             placements = tuple(entry)
             spec = _spec_of(shape, mesh, placements)
-        outputs.append(_OutSpec(spec, _expected_local_shape(spec, placements), tuple(value.stride())))
+        outputs.append(_OutSpec(spec, _expected_local_shape(spec, placements),
+                                None if value.is_contiguous() else tuple(value.stride())))
     if info.inplace:
         self_spec = dts[0]._spec if dts and dts[0] is args[0] else None
         if outputs[0].spec != self_spec:
@@ -379,7 +381,8 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
     defer = (func in _DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
              and sum(isinstance(p, Partial) for p in (_placements_or_none(outputs[0].spec) or ())) == 1)
-    return _CallPlan(call, sharding, targets, outputs, structure, defer)
+    fast = _fast_form(args, kwargs, dts, info, targets, structure, outputs)
+    return _CallPlan(call, sharding, targets, outputs, structure, defer, fast)
 
 
 # mm/addmm whose output is a pending sum over one mesh axis run later (``dtensor._DeferredGemm``):
@@ -416,6 +419,7 @@ _NO_RULE = object()
 def clear_caches() -> None:
     """Forget cached plans (rules are re-run on next use)."""
     _PLANS.clear()
+    _FAST.clear()
     _ARG_SPECS.clear()
 
 
@@ -429,9 +433,42 @@ def fallback_ops() -> set:
     return set(_WARNED)
 
 
+# The fast path: calls whose DTensors are all top-level positional arguments and whose other
+# arguments are plain scalars or lists of them (most calls). Its key is built without walking
+# the schema; a hit goes straight to the cached plan's argument positions and output spec.
+_FAST: dict = {}
+_FAST_SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.memory_format,
+                           torch.layout, complex})
+_DTensorClass = None
+
+
+def _fast_key(func, args):
+    """(func, per argument: (spec, dtype, stride) or (type, value)), or None when not fast-path shaped."""
+    key = [func]
+    for a in args:
+        t = type(a)
+        if t is _DTensorClass:
+            key.append((a._spec, a.dtype, a.stride()))
+        elif t in _FAST_SCALARS:
+            key.append((t, a))
+        elif (t is list or t is tuple) and all(type(v) in _FAST_SCALARS for v in a):
+            key.append((t, tuple((type(v), v) for v in a)))
+        else:
+            return None
+    return tuple(key)
+
+
 def dispatch(func, args, kwargs):
     if _DEFERRED:
         _dt._flush_deferred()  # no op may run while a deferred product waits on its operands
+    fast_key = None
+    if not kwargs and _DTensorClass is not None:
+        fast_key = _fast_key(func, args)
+        if fast_key is not None:
+            plan = _FAST.get(fast_key)
+            if plan is not None:
+                _STATS["hits"] += 1
+                return _run_fast(func, args, plan)
     kwargs = kwargs or {}
     info = _op_info(func)
     if info.foreach:
@@ -455,7 +492,54 @@ def dispatch(func, args, kwargs):
         _STATS["hits"] += 1
     if plan is _NO_RULE:
         return _fallback(func, args, kwargs, dts, mesh, info)
+    if fast_key is not None and plan.fast is not None:
+        if len(_FAST) > 16384:
+            _FAST.clear()
+        _FAST[fast_key] = plan
     return _run(func, args, kwargs, dts, mesh, plan, info)
+
+
+def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, outputs):
+    """``(positions, out)`` for the fast path, or None: each DTensor a top-level positional
+    argument, one tensor output (or an in-place op), no kwargs."""
+    global _DTensorClass
+    _DTensorClass = _dtensor_module().DTensor
+    if kwargs or info.foreach or info.out_names or info.written:
+        return None
+    positions = [i for i, a in enumerate(args) if isinstance(a, _DTensorClass)]
+    if len(positions) != len(dts) or any(type(args[i]) is not _DTensorClass for i in positions):
+        return None
+    if not info.inplace and structure != "single":
+        return None
+    slots = tuple((i, t, t is None and bool(args[i]._spec.reduce_op)) for i, t in zip(positions, targets))
+    return slots, (None if info.inplace else outputs[0])
+
+
+def _run_fast(func, args, plan: "_CallPlan"):
+    slots, out = plan.fast
+    local_args = list(args)
+    for i, target, strip in slots:
+        d = args[i]
+        if target is None:
+            local = d._local
+            local_args[i] = local[0] if strip else local
+        else:
+            local_args[i] = _local_of(d, target)
+    if plan.defer:
+        deferred = _deferred(func, plan, local_args, {})
+        if deferred is not None:
+            return deferred
+    local = plan.sharding.local
+    value = local(plan.call, *local_args) if local is not None else func(*local_args)
+    if out is None:  # in-place
+        return args[0]
+    spec = out.spec
+    if spec.reduce_op:
+        value = value.unsqueeze(0)
+    if value.shape != out.local_shape:
+        raise DispatchError(f"{func}: the local result has shape {tuple(value.shape)}, but the output layout "
+                            f"{spec} gives this rank {out.local_shape} (a wrong sharding rule: {plan.sharding})")
+    return _DTensorClass._wrap(value, spec, out.stride)
 
 
 def _local_of(dt, target):
@@ -471,7 +555,9 @@ def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
     local_args, local_kwargs = _replace_all(args, kwargs, lambda d: locals_[id(d)])
     if plan.defer:
-        return _deferred(func, plan, local_args, local_kwargs)
+        deferred = _deferred(func, plan, local_args, local_kwargs)
+        if deferred is not None:
+            return deferred
     if plan.sharding.local is not None:
         result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
     else:
@@ -498,14 +584,24 @@ def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     return wrapped if plan.structure == "list" else tuple(wrapped)
 
 
+# When mm/addmm with a pending-sum output defers its GEMM: "auto" only where the fused kernel
+# can run (CUDA, bf16/fp16 operands: elsewhere deferring could only cost), "always" (tests of
+# the deferral on CPU), "never".
+DEFER_GEMM = "auto"
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def _deferred(func, plan: _CallPlan, local_args, local_kwargs):
-    """The pending-sum output of mm/addmm with its local GEMM deferred (see ``_DEFERRABLE``)."""
+    """The pending-sum output of mm/addmm with its local GEMM deferred (see ``_DEFERRABLE``),
+    or None when ``DEFER_GEMM`` says to run it now."""
     local, call = plan.sharding.local, plan.call
     if func is aten.mm.default:
         (a, b), bias, alpha, beta = local_args[:2], None, 1, 1
     else:
         bias, a, b = local_args[:3]
         beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
+    if DEFER_GEMM != "always" and (DEFER_GEMM == "never" or not a.is_cuda or a.dtype not in _HALF):
+        return None
 
     def compute():
         value = local(call, *local_args, **local_kwargs) if local is not None else func(*local_args, **local_kwargs)
