@@ -1070,50 +1070,64 @@ def record():
         _RECORDS.remove(ran)
 
 
+def _dim_terms(block, extent: int, strides) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each index of one dim: its mesh-position term, its ``m`` term and its local index
+    along the dim (each iter of a grouped layout belongs to one dim, so these add up per dim)."""
+    index = torch.arange(extent, dtype=torch.int64)
+    device = torch.zeros(extent, dtype=torch.int64)
+    memory = torch.zeros(extent, dtype=torch.int64)
+    local = torch.zeros(extent, dtype=torch.int64)
+    inner = 1
+    for it in reversed(block):  # row-major within the block: the last iter is fastest
+        digit = (index // inner) % it.extent
+        inner *= it.extent
+        if it.axis == MEMORY:
+            memory += digit * it.stride
+            local = local + digit * math.prod(i.extent for i in block[block.index(it) + 1:] if i.axis == MEMORY)
+        else:
+            device += digit * it.stride * strides[it.axis]
+    return device, memory, local
+
+
+def _spread(terms, ndim: int) -> torch.Tensor:
+    """Sum of 1-D tensors, the ``d``-th along dim ``d`` of an ``ndim``-dim grid, flattened row-major."""
+    total = torch.zeros((), dtype=torch.int64)
+    for d, t in enumerate(terms):
+        shape = [1] * ndim
+        shape[d] = -1
+        total = total + t.view(shape)
+    return total.reshape(-1)
+
+
 def _holdings(layout: Layout, full, rows, mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Per mesh position: which buffer slots hold real (unpadded) elements, and the true local box.
 
-    ``rows[d]`` lists the padded indices of dim ``d`` that hold true rows. Every element of the
-    padded tensor is evaluated at once (``shard_coordinates`` on an arange), so this costs
-    O(padded size) once per spec pair; even shapes never call it.
+    ``rows[d]`` lists the padded indices of dim ``d`` that hold true rows. Each dim's iters give
+    it a device term and an ``m`` term; the real elements' slots are their sums over a grid of
+    the real rows (no per-element digit arithmetic). Once per spec pair; even shapes never call it.
     """
-    n = math.prod(full)
-    x = torch.arange(n, dtype=torch.int64)
-    coords = layout.shard_coordinates(x)
     strides = mesh.strides()
-
-    def on(axis):
-        v = coords.get(axis, 0)
-        return v if isinstance(v, torch.Tensor) else torch.full((n,), int(v), dtype=torch.int64)
-
-    device = sum((on(a) * strides[a] for a in mesh.axis_names), torch.zeros(n, dtype=torch.int64))
-    m = on(MEMORY)
-    rest = x
-    index = []
-    for extent in reversed(full):
-        index.append(rest % extent)
-        rest = rest // extent
-    real_along = []  # per dim: the element's index along it is a true row (a box counts each dim alone)
-    for d, i in enumerate(reversed(index)):
-        is_real = torch.zeros(full[d], dtype=torch.bool)
-        is_real[list(rows[d])] = True
-        real_along.append(is_real[i])
-    real = functools.reduce(torch.logical_and, real_along, torch.ones(n, dtype=torch.bool))
-    local_padded = tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in layout.blocks(full))
-    local = []
-    rest = m
-    for extent in reversed(local_padded):
-        local.append(rest % extent)
-        rest = rest // extent
-    local = local[::-1]
+    blocks = layout.blocks(full)
+    ndim = len(full)
+    terms = [_dim_terms(list(block), extent, strides) for block, extent in zip(blocks, full)]
+    real = [torch.tensor(sorted(r), dtype=torch.int64) for r in rows]
+    base_device = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
+    base_m = layout.offset.get(MEMORY, 0)
+    shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
+    device = base_device + _spread([t[0][r] for t, r in zip(terms, real)], ndim)
+    memory = base_m + _spread([t[1][r] for t, r in zip(terms, real)], ndim)
     masks = torch.zeros(mesh.size, buffer_size(layout), dtype=torch.bool)
-    boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
-    for r in layout.replica_offsets or ({},):
-        shift = sum(r.get(a, 0) * strides[a] for a in mesh.axis_names)
-        masks[device[real] + shift, m[real]] = True
-        for d in range(len(full)):  # the true box is leading (DTensor checks it): its extent is the largest index + 1
-            on_d = real_along[d]
-            boxes[:, d].scatter_reduce_(0, device[on_d] + shift, local[d][on_d] + 1, "amax")
+    for shift in shifts:
+        masks[device + shift, memory] = True
+    boxes = torch.zeros(mesh.size, ndim, dtype=torch.int64)
+    for d in range(ndim):  # along dim d a box counts the true rows of d alone (any index elsewhere)
+        on_d = base_device + _spread([t[0][real[e]] if e == d else t[0] for e, t in enumerate(terms)], ndim)
+        sizes = [len(real[e]) if e == d else full[e] for e in range(ndim)]
+        view = [1] * ndim
+        view[d] = -1
+        local = terms[d][2][real[d]].view(view).expand(sizes).reshape(-1)
+        for shift in shifts:  # the true box is leading (DTensor checks it): its extent is the largest index + 1
+            boxes[:, d].scatter_reduce_(0, on_d + shift, local + 1, "amax")
     return masks, boxes
 
 
