@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .registry import ArgSpec, OpCall, Partial, Replicate, Sharding, register
-from .shard_ranges import inputs_by_name, local_piece, named_args, without_partial
+from .shard_ranges import inputs_by_name, local_piece, without_partial
 
 aten = torch.ops.aten
 
@@ -158,7 +158,7 @@ def random_of_values_rule(call: OpCall) -> Sharding:
 
 @register(aten.native_dropout.default)
 def native_dropout_rule(call: OpCall) -> Sharding:
-    source, p = call.args[0], call.args[1]
+    source = call.args[0]
     train = call.args[2] if len(call.args) > 2 else call.kwargs.get("train")
     if source.placements is None:  # rare: gather, so the mask can be cut by placements
         placements = (Replicate(),) * call.mesh.ndim
@@ -172,16 +172,26 @@ def native_dropout_rule(call: OpCall) -> Sharding:
             return aten.native_dropout(x, p, train)
         whole = torch.ones(source.shape, dtype=x.dtype, device=x.device)
         mask = local_piece(aten.native_dropout(whole, p, train)[1], call.mesh, placements).contiguous()
-        scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
-        return x * mask * scale, mask
+        return x * mask * _dropout_scale(p, x), mask
 
     return Sharding(inputs=inputs, outputs=(out, placements), local=local,
                     note="mask drawn whole on every rank" if train is not False else "")
 
 
+def _dropout_scale(p: float, x: torch.Tensor) -> float:
+    """``1 / (1 - p)`` rounded as torch's kernel rounds it (so outputs match to the bit): in
+    double on CPU, in the accumulate type (float, double for double) in the CUDA kernel."""
+    if p >= 1:
+        return 0.0
+    if x.device.type != "cuda" or x.dtype == torch.float64:
+        return 1.0 / (1.0 - p)
+    keep = torch.tensor(1.0 - p, dtype=torch.float32)
+    return float(torch.tensor(1.0, dtype=torch.float32) / keep)
+
+
 @register(aten.native_dropout_backward.default)
 def native_dropout_backward_rule(call: OpCall) -> Sharding:
-    grad, mask = call.args[0], call.args[1]
+    grad = call.args[0]
     if grad.placements is None:
         everything = (Replicate(),) * call.mesh.ndim
         return Sharding(inputs=(everything, everything), outputs=everything)

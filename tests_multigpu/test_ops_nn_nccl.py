@@ -1,0 +1,105 @@
+"""The nn op rules on CUDA with NCCL: the fused attention kernels, dropout and random fills.
+
+Run on 2+ GPUs: ``pytest tests_multigpu/test_ops_nn_nccl.py -q`` (W = every GPU, and 2).
+On CPU, tests/test_ops_{attention,random,embedding,loss}.py cover the rules; here the CUDA
+overloads (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
+``_cudnn_attention`` and their backwards, ``native_dropout``) run on head-sharded DTensors and
+must match the same kernel on the whole tensors, and CUDA random draws must equal the
+unsharded ones exactly (Philox: the whole tensor is drawn on every rank).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+from axedist.dtensor import distribute
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+GPUS = torch.cuda.device_count()
+WORLDS = sorted({2, GPUS}) if GPUS >= 2 else []
+pytestmark = pytest.mark.skipif(GPUS < 2, reason="needs 2 or more CUDA GPUs")
+
+BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+KERNELS = {"flash": "aten._scaled_dot_product_flash_attention", "efficient": "aten._scaled_dot_product_efficient_attention",
+           "cudnn": "aten._scaled_dot_product_cudnn_attention"}
+
+
+class _Seen(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_cuda(rank, world_size, backend, placements_name, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = DeviceMesh("cuda", (world_size,))
+    torch.manual_seed(0)  # the same inputs on every rank
+    shape = (2, 4 * world_size, 256, 64)
+    q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    kernel = getattr(SDPBackend, BACKENDS[backend])
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    try:
+        with sdpa_kernel(kernel):
+            want = F.scaled_dot_product_attention(*ref, is_causal=causal)
+            want.backward(grad)
+    except RuntimeError as e:  # this backend does not run here (GPU, build): nothing to compare
+        return f"unavailable: {e}"
+    placements = {"heads": [Shard(1)], "batch": [Shard(0)], "sequence": [Shard(2)]}[placements_name]
+    dq, dk, dv = (distribute(t, mesh, placements).requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(kernel), _Seen() as seen:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
+        out.backward(distribute(grad, mesh, list(out.placements)))
+    assert any(op.startswith(KERNELS[backend]) for op in seen.ops), sorted(seen.ops)
+    if placements_name != "sequence":
+        assert out.placements == tuple(placements), out.placements
+    torch.testing.assert_close(out.full_tensor(), want, atol=2e-2, rtol=2e-2)
+    for d, r in zip((dq, dk, dv), ref):
+        torch.testing.assert_close(d.grad.full_tensor(), r.grad, atol=5e-2, rtol=5e-2)
+    return "ok"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("placements_name", ["heads", "batch", "sequence"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_attention_cuda_kernels(world_size, backend, placements_name, causal):
+    results = run_on_ranks(_attention_cuda, world_size, backend="nccl", args=(backend, placements_name, causal))
+    if all(r.startswith("unavailable") for r in results):
+        pytest.skip(results[0])
+    assert results == ["ok"] * world_size
+
+
+def _random_cuda(rank, world_size):
+    mesh = DeviceMesh("cuda", (world_size,))
+    shape = (37, 1000)  # uneven rows: Philox's element-to-counter map depends on the whole tensor
+    checks = {}
+    for name, placements in (("rows", [Shard(0)]), ("cols", [Shard(1)]), ("replicated", [Replicate()])):
+        torch.manual_seed(5)
+        want = torch.empty(shape, device="cuda").uniform_()
+        want_next = torch.rand(4, device="cuda")
+        torch.manual_seed(5)
+        got = distribute(torch.empty(shape, device="cuda"), mesh, placements).uniform_()
+        checks[f"uniform_ {name}"] = torch.equal(got.full_tensor(), want) and torch.equal(torch.rand(4, device="cuda"),
+                                                                                          want_next)
+        x = torch.randn(shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        torch.manual_seed(6)
+        want = F.dropout(x, 0.3)
+        torch.manual_seed(6)
+        dx = distribute(x, mesh, placements)
+        with _Seen() as seen:
+            got = F.dropout(dx, 0.3)
+        checks[f"dropout {name}"] = torch.equal(got.full_tensor(), want) and "aten.native_dropout.default" in seen.ops
+    return checks
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_random_cuda_matches_unsharded(world_size):
+    for checks in run_on_ranks(_random_cuda, world_size, backend="nccl"):
+        assert all(checks.values()), checks
