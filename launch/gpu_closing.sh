@@ -1,19 +1,44 @@
 #!/usr/bin/env bash
-# One device call before a stop: every multi-GPU test at W=4 and W=2, and the main demo on NCCL.
+# Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
+#   bash launch/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
+#   bash launch/gpu_closing.sh benches  # redistribute, TP training step, dispatch, main job on NCCL
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 OMP_NUM_THREADS=4
-OUT=${OUT:-/tmp/axedist_out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=index,name --format=csv,noheader | tee "$OUT/env.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
-run() { local name=$1; shift; local t0=$(date +%s); timeout -k 5 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -1)" | tee -a "$OUT/summary.txt"; }
-# TESTS narrows the run (default: every multi-GPU test), e.g. TESTS="tests_multigpu/test_dtensor_nccl.py"
-TESTS=${TESTS:-tests_multigpu}
-LIMIT=${LIMIT_W4:-210} run pytest_w4 python3 -m pytest -q -rfx -x -p no:cacheprovider $TESTS
-LIMIT=${LIMIT_W2:-150} CUDA_VISIBLE_DEVICES=0,1 run pytest_w2 python3 -m pytest -q -rfx -x -p no:cacheprovider $TESTS
-LIMIT=90 run demo_w4 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda --png "$OUT/demo.png"
-grep -E "ok:|fused|finished|Error|error" "$OUT/demo_w4.log" | head -12
-grep -E "FAILED|Error" "$OUT"/pytest_w*.log | head -20
-echo "=== summary ==="; cat "$OUT/summary.txt"
+MODE=${1:-tests}
+BUDGET=${BUDGET:-560}
+OUT=${OUT:-/tmp/axedist_out}
+LOGS=$OUT/logs RESULTS=$OUT/results
+mkdir -p "$LOGS" "$RESULTS"
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+{ date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
+
+step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - START) ))
+  (( left < limit )) && limit=$left
+  if (( limit < 20 )); then echo "$name SKIPPED (no time left)" | tee -a "$SUMMARY"; return; fi
+  local t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "$name rc=$? took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
+  grep -E "[0-9]+ (passed|failed)" "$LOGS/$name.log" | tail -1 | sed 's/^/    /' | tee -a "$SUMMARY"
+}
+
+PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
+if [[ $MODE == tests ]]; then
+  TESTS=${TESTS:-tests_multigpu}
+  [[ -f launch/precompile_collectives.py ]] && step precompile 60 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
+  step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
+  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-200} $PYTEST $TESTS
+  grep -hE "^(FAILED|ERROR)|Error:" "$LOGS"/pytest_w*.log | head -20
+elif [[ $MODE == benches ]]; then
+  step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --out "$RESULTS"
+  step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS"
+  step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp"
+  step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda
+  for f in bench_redistribute bench_tp main_job demo; do echo "== $f"; tail -25 "$LOGS/$f.log"; done
+fi
+echo "=== summary ==="; cat "$SUMMARY"
