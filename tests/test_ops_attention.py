@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
+aten = torch.ops.aten
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # shrinking re-runs ranks
 
@@ -119,3 +120,50 @@ def test_attention_runs_the_fused_cpu_kernel_on_local_heads():
     seen = run_on_ranks(_fused_kernel_case, 2)[0]
     assert seen == ["aten._scaled_dot_product_flash_attention_for_cpu.default",
                     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"], seen
+
+
+def _cuda_rules_case(rank, world_size):
+    """The CUDA overloads' rules, read on CPU (the kernels themselves run in
+    tests_multigpu/test_ops_nn_nccl.py): every output gets the right placements."""
+    from axedist.dtensor import layout_from_placements
+    from axedist.ops.attention import attention_rule
+    from axedist.ops.registry import ArgSpec, OpCall
+
+    mesh = DeviceMesh("cpu", (world_size,))
+
+    def spec(shape, placements, dtype=torch.bfloat16):
+        return ArgSpec(tuple(shape), dtype, mesh, layout_from_placements(shape, mesh, placements), tuple(placements))
+
+    q = spec((2, 8, 16, 64), [Shard(1)])
+    lse = spec((2, 8, 16), [Shard(1)], torch.float32)
+    seed = spec((2,), [Replicate()], torch.int64)
+    found = {}
+    flash = OpCall(aten._scaled_dot_product_flash_attention.default, (q, q, q, 0.0, True), {}, mesh)
+    found["flash"] = attention_rule(flash)
+    flash_back = OpCall(aten._scaled_dot_product_flash_attention_backward.default,
+                        (q, q, q, q, q, lse, None, None, 16, 16, 0.0, True, seed, seed), {}, mesh)
+    found["flash_backward"] = attention_rule(flash_back)
+    qb = spec((2, 8, 16, 64), [Shard(0)])
+    bias = spec((1, 8, 16, 16), [Replicate()])
+    efficient_back = OpCall(aten._scaled_dot_product_efficient_attention_backward.default,
+                            (qb, qb, qb, qb, bias, qb, spec((2, 8, 32), [Shard(0)], torch.float32), seed, seed, 0.0,
+                             [True, True, True, True], False), {}, mesh)
+    found["efficient_backward"] = attention_rule(efficient_back)
+    cudnn = OpCall(aten._scaled_dot_product_cudnn_attention.default, (q, q, q, None, True), {}, mesh)
+    found["cudnn"] = attention_rule(cudnn)
+    dropout = OpCall(aten._scaled_dot_product_efficient_attention.default, (q, q, q, None, True, 0.1), {}, mesh)
+    found["dropout"] = attention_rule(dropout)
+    return {name: (tuple(s.inputs), s.outputs) for name, s in found.items()}
+
+
+def test_cuda_attention_rules():
+    got = run_on_ranks(_cuda_rules_case, 2)[0]
+    heads, batch, whole = (Shard(1),), (Shard(0),), (Replicate(),)
+    assert got["flash"] == ((heads, heads, heads), (heads, heads, whole, whole, None, None, whole, whole, None))
+    assert got["flash_backward"] == ((heads,) * 6 + (whole, whole), (heads, heads, heads))
+    # a bias broadcast over the batch: each rank's batch rows add into its grad
+    assert got["efficient_backward"] == ((batch, batch, batch, batch, whole, batch, batch, whole, whole),
+                                         (batch, batch, batch, (Partial("sum"),)))
+    assert got["cudnn"] == ((heads, heads, heads), (heads, heads, whole, whole, None, None, whole, whole, None))
+    # dropout inside attention: every rank runs the whole kernel with the same random state
+    assert got["dropout"] == ((whole, whole, whole), (whole, whole, whole, whole))

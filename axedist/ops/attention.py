@@ -43,17 +43,18 @@ _STATS = ("logsumexp",)                               # (B, H, L[padded], ...)
 _MASKS = ("attn_mask", "attn_bias")                   # broadcast to (B, H, L, S)
 
 # The role of each output, by position: q/k/v-like, stat (dims 0..2 as q's), bias grad,
-# aux (seeds, offsets, cumulative lengths: whole on every rank), None (not a tensor).
+# aux (seeds, offsets, cumulative lengths: whole on every rank), debug (the attention
+# probabilities when return_debug_mask, else an empty tensor), None (not a tensor).
 _OUTPUTS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: ("query", "stat"),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: ("query", "key", "value"),
     aten._scaled_dot_product_flash_attention.default:
-        ("query", "stat", "aux", "aux", None, None, "aux", "aux", "stat"),
+        ("query", "stat", "aux", "aux", None, None, "aux", "aux", "debug"),
     aten._scaled_dot_product_flash_attention_backward.default: ("query", "key", "value"),
     aten._scaled_dot_product_efficient_attention.default: ("query", "stat", "aux", "aux"),
     aten._scaled_dot_product_efficient_attention_backward.default: ("query", "key", "value", "bias"),
     aten._scaled_dot_product_cudnn_attention.default:
-        ("query", "stat", "aux", "aux", None, None, "aux", "aux", "stat"),
+        ("query", "stat", "aux", "aux", None, None, "aux", "aux", "debug"),
     aten._scaled_dot_product_cudnn_attention_backward.default: ("query", "key", "value"),
 }
 
@@ -118,6 +119,8 @@ def _role_placements(role: str, mode, mask: ArgSpec | None):
         return Replicate()
     if role == "bias":
         return Replicate() if mask is None else _mask_placement(mask, mode, grad=True)
+    if role == "debug":
+        role = "stat"
     return Shard(mode)
 
 
@@ -139,7 +142,8 @@ def attention_rule(call: OpCall) -> Sharding:
     outputs = []
     backward_rows = call.func is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
     for role in _OUTPUTS[call.func]:
-        if role is None:
+        if role is None or (role == "debug" and not args.get("return_debug_mask", False)):
+            # an empty (0,) tensor has no DTensor form: the dispatcher hands it back as it is
             outputs.append(None)
         elif role in ("key", "value") and backward_rows:
             # each rank's query rows add into every key/value row
