@@ -12,7 +12,7 @@ use, so ``import axedist`` stays fast and never imports Triton.
 from importlib import import_module
 
 from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
-from .layout_inference import Plan, Step, Transfer, plan_layouts, simulate
+from .layout_inference import Plan, Step, Transfer, plan_alternatives, plan_layouts, simulate
 
 # name -> module that defines it, imported on first access
 _LAZY = {
@@ -45,7 +45,7 @@ _LAZY = {
 
 __all__ = [
     "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient",
-    "Plan", "Step", "Transfer", "plan_layouts", "simulate",
+    "Plan", "Step", "Transfer", "plan_alternatives", "plan_layouts", "simulate",
     *_LAZY,
 ]
 __version__ = "0.1.0"
