@@ -381,7 +381,7 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
     defer = (func in _DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
              and sum(isinstance(p, Partial) for p in (_placements_or_none(outputs[0].spec) or ())) == 1)
-    fast = _fast_form(args, kwargs, dts, info, targets, structure, outputs)
+    fast = _fast_form(args, kwargs, dts, info, targets, structure, outputs, sharding)
     return _CallPlan(call, sharding, targets, outputs, structure, defer, fast)
 
 
@@ -499,7 +499,7 @@ def dispatch(func, args, kwargs):
     return _run(func, args, kwargs, dts, mesh, plan, info)
 
 
-def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, outputs):
+def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, outputs, sharding):
     """``(positions, out)`` for the fast path, or None: each DTensor a top-level positional
     argument, one tensor output (or an in-place op), no kwargs."""
     global _DTensorClass
@@ -512,34 +512,35 @@ def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, output
     if not info.inplace and structure != "single":
         return None
     slots = tuple((i, t, t is None and bool(args[i]._spec.reduce_op)) for i, t in zip(positions, targets))
-    return slots, (None if info.inplace else outputs[0])
+    if info.inplace:
+        return slots, None, sharding.local, None, False, None, None
+    out = outputs[0]
+    return (slots, out, sharding.local, out.spec, bool(out.spec.reduce_op), torch.Size(out.local_shape),
+            out.stride)
 
 
 def _run_fast(func, args, plan: "_CallPlan"):
-    slots, out = plan.fast
+    slots, out, local, spec, unsqueeze, local_shape, stride = plan.fast
     local_args = list(args)
     for i, target, strip in slots:
         d = args[i]
-        if target is None:
-            local = d._local
-            local_args[i] = local[0] if strip else local
+        if target is None and d._pending is None:
+            local_args[i] = d._value[0] if strip else d._value
         else:
             local_args[i] = _local_of(d, target)
     if plan.defer:
         deferred = _deferred(func, plan, local_args, {})
         if deferred is not None:
             return deferred
-    local = plan.sharding.local
     value = local(plan.call, *local_args) if local is not None else func(*local_args)
     if out is None:  # in-place
         return args[0]
-    spec = out.spec
-    if spec.reduce_op:
+    if unsqueeze:
         value = value.unsqueeze(0)
-    if value.shape != out.local_shape:
+    if value.shape != local_shape:
         raise DispatchError(f"{func}: the local result has shape {tuple(value.shape)}, but the output layout "
-                            f"{spec} gives this rank {out.local_shape} (a wrong sharding rule: {plan.sharding})")
-    return _DTensorClass._wrap(value, spec, out.stride)
+                            f"{spec} gives this rank {local_shape} (a wrong sharding rule: {plan.sharding})")
+    return _DTensorClass._wrap(value, spec, stride)
 
 
 def _local_of(dt, target):
