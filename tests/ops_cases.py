@@ -63,7 +63,9 @@ def make(full: torch.Tensor, mesh: DeviceMesh, placements, seed: int, requires_g
         for i in partial:
             mine = mine * mesh.shape[i] + coords[mesh.axis_names[i]]
         g = torch.Generator().manual_seed(seed + 7)
-        noise = torch.randn((k,) + tuple(full.shape), generator=g, dtype=full.dtype)
+        # quarter-integer summands: integer-valued tensors (ties) add back exactly
+        noise = (torch.randn((k,) + tuple(full.shape), generator=g, dtype=torch.float64) * 4).round() / 4
+        noise = noise.to(full.dtype)
         if op == "sum":
             local = noise[mine] if mine < k - 1 else full - noise[:-1].sum(0)
         else:
@@ -120,7 +122,8 @@ def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str
     assert len(outs) == len(ref_outs), what
     for k, (o, r) in enumerate(zip(outs, ref_outs)):
         assert isinstance(o, DTensor), f"{what}: output {k} is {type(o)}"
-        assert o.shape == r.shape and o.dtype == r.dtype, f"{what}: output {k} {o.shape} {o.dtype} vs {r.shape} {r.dtype}"
+        assert o.shape == r.shape and o.dtype == r.dtype, \
+            f"{what}: output {k} {o.shape} {o.dtype} vs {r.shape} {r.dtype}"
         close(o, r, f"{what}: output {k}")
     if expect is not None:
         expect(outs)
@@ -136,5 +139,5 @@ def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str
     return outs
 
 
-__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "mesh_of", "placement_sets", "make", "replicated", "rand", "randint", "close",
-           "shards", "Partial", "Replicate", "Shard"]
+__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "mesh_of", "placement_sets", "make", "replicated",
+           "rand", "randint", "close", "shards", "Partial", "Replicate", "Shard"]

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from axedist.ops.dispatch import dispatch
 from axedist.testing import run_on_ranks
 from ops_cases import (MESHES, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand, randint,
-                       replicated, sample_sets)
+                       sample_sets)
 
 aten = torch.ops.aten
 OPTIONS = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
-SETTINGS = dict(max_examples=2, database=None, phases=[Phase.explicit, Phase.generate])
+SETTINGS = dict(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
 
 
 def _same_shards(xp, what, normalized=()):
@@ -221,12 +221,12 @@ def test_fused_rms_norm_ops(mesh_name, seed):
     assert run_on_ranks(_fused_rms_norm, world, args=(mesh_name, seed)) == [True] * world
 
 
+def test_layer_norm_backward_keeps_a_pending_gradient():
+    assert run_on_ranks(_layer_norm_backward_pending_grad, 4) == [True] * 4
+
+
 @pytest.mark.xfail(strict=True, reason="known limit outside norm.py: F.rms_norm on CPU decomposes into "
                                        "x.pow(2).mean(-1, keepdim=True).add_(eps); over a sharded hidden dim the mean "
                                        "is a pending sum, and the dispatcher cannot apply it in place for add_")
 def test_rms_norm_decomposition_over_a_sharded_hidden_dim():
     assert run_on_ranks(_rms_norm_sharded_hidden, 2) == [True] * 2
-
-
-def test_layer_norm_backward_keeps_a_pending_gradient():
-    assert run_on_ranks(_layer_norm_backward_pending_grad, 4) == [True] * 4

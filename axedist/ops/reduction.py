@@ -27,7 +27,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range

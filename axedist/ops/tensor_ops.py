@@ -2,8 +2,9 @@
 
 cat/stack, split/split_with_sizes/unbind (``chunk`` arrives as ``split``), slice
 (``narrow`` arrives as ``slice``), select, index_select, gather, scatter/scatter_add,
-index_add, flip, and the backward ops these produce (``slice_backward``, ``select_backward``; ``index_add``/``scatter_add`` for
-index_select/gather, ``scatter`` for ``max.dim``).
+index_add, flip, and the backward ops these produce (``slice_backward``,
+``select_backward``; ``index_add``/``scatter_add`` for index_select/gather, ``scatter``
+for ``max.dim``).
 
 The common idea: an op that only *moves* elements along some dims keeps every other
 dim's sharding, and a dim it moves elements along must be whole on each device
