@@ -56,3 +56,39 @@ def _matmul(rank, world, two_d, seed):
 @pytest.mark.parametrize("world,two_d", [(2, False), (4, False), (4, True)])
 def test_matmul_matches_full(world, two_d):
     run_on_ranks(_matmul, world, args=(two_d, random.randrange(10**6)))
+
+
+def _rows_layout_way(rank, world, seed):
+    """Rows of a sequence-sharded [B, S, H] flattened to [B*S, H] (no placement form) times a
+    replicated weight: the output keeps the row map, no data moves; values and grads as torch."""
+    from axedist.collectives.plan_executor import record
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    bsz, seq, h, n = 3, 2 * world, 5, 4
+    x = torch.randn(bsz, seq, h, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(h, n, generator=g, dtype=torch.float64, requires_grad=True)
+    dx, dw = distribute(x, mesh, [Shard(1)]), distribute(w, mesh, [R])
+    flat = dx.view(bsz * seq, h)
+    with record() as ran:
+        out = torch.mm(flat, dw)
+    assert not ran, ran  # no redistribute at all: each rank multiplied its own rows
+    from axedist.layout import LayoutError
+    with pytest.raises(LayoutError):
+        flat.placements  # the flattened rows have no placement form
+    assert out.layout.replica == flat.layout.replica
+    assert torch.allclose(out.full_tensor(), x.reshape(-1, h) @ w)
+    back = out.view(bsz, seq, n)
+    assert back.placements == (Shard(1),)  # the row map is the sequence sharding again
+    up = torch.randn(bsz, seq, n, generator=g, dtype=torch.float64)
+    (back.full_tensor() * up).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    ((x.reshape(-1, h) @ w).view(bsz, seq, n) * up).sum().backward()
+    assert torch.allclose(gx, x.grad) and torch.allclose(gw, w.grad)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mm_keeps_a_row_layout_without_placements(world):
+    run_on_ranks(_rows_layout_way, world, args=(random.randrange(10**6),))

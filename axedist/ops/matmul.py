@@ -15,6 +15,10 @@ Example, 4 ranks: ``x`` ``(8, 16)`` in ``[Shard(1)]`` times ``w`` ``(16, 6)`` in
 pending sum (``[Partial()]``); ``w`` in ``[Replicate()]`` instead is sliced locally to
 ``[Shard(0)]`` (free) for the same result. ``addmm``'s bias is added on one rank of each
 partial group only, so the pending sum counts it once.
+
+Layout way: ``a`` whose rows have no placement form (the rows of ``h.view(B*S, H)`` for ``h``
+``[B, S, H]`` in ``[Shard(1)]``: ``S[(B,4,S/4,H):(..,1@gpuid,..,1)]``) times a replicated ``b``
+keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements.
 """
 
 from __future__ import annotations
@@ -87,9 +91,38 @@ def _keep(spec: ArgSpec, wanted: tuple):
     return None if spec.placements == wanted else wanted
 
 
+def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
+    """The output layout of ``a @ b`` when ``a``'s rows have a layout with no placement form
+    (e.g. the flattened rows of a sequence-sharded ``[B, S, H]``) and ``b`` is replicated:
+    each device multiplies its own rows, so the output keeps ``a``'s row map and its columns
+    are local and whole. None when that does not hold (``a``'s columns split over devices,
+    padding, a pending sum): then the placement strategies (which move ``a``) apply."""
+    spec = a.spec
+    if (a.placements is not None or b.placements is None or not b.is_replicated() or a.reduce_op
+            or spec is None or spec.padded != spec.shape or spec.true_index):
+        return None
+    from ..layout import Iter, Layout, LayoutError
+
+    try:
+        rows, cols = a.layout.blocks(spec.shape)
+    except LayoutError:
+        return None
+    k = spec.shape[1]
+    if any(it.axis != "m" for it in cols) or len(cols) != 1 or cols[0].stride != 1 or cols[0].extent != k:
+        return None  # the contraction dim is not whole and innermost in every local tensor
+    shard = [Iter(it.extent, it.stride // k * n if it.axis == "m" else it.stride, it.axis) for it in rows]
+    if any(it.axis == "m" and it.stride % k for it in rows):
+        return None
+    return Layout(shard + [Iter(n, 1)], a.layout.replica, a.layout.offset)
+
+
 @register(aten.mm.default, aten.bmm.default)
 def mm(call: OpCall) -> Sharding:
     a, b = call.specs
+    if call.func is aten.mm.default:
+        rows = _rows_layout_way(a, b, b.shape[1])
+        if rows is not None:
+            return Sharding(inputs=[None, None], outputs=rows)
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
     return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=wo)
 
