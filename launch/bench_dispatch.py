@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import axedist as ax
 from axedist.dtensor import distribute
@@ -119,7 +119,8 @@ def main():
     if dist.get_rank() == 0:
         print(f"\nCPU cost per op call, {world} gloo ranks, torch {torch.__version__}; median of {args.repeats} "
               f"batches x {args.calls} calls; overhead = call - same op on the local tensors (us)\n")
-        print("| op | local op | axedist | torch DTensor | axedist overhead | DTensor overhead | ratio | ratio (best batch) |")
+        print("| op | local op | axedist | torch DTensor | axedist overhead | DTensor overhead | ratio "
+              "| ratio (best batch) |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         ratios, best = [], []
         for (name, _, _, _), (p, o, t, bp, bo, bt) in zip(rows, table.tolist()):

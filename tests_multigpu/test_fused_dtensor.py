@@ -9,7 +9,7 @@ W = torch.cuda.device_count(): run under CUDA_VISIBLE_DEVICES=0,1 and with all f
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 
 from axedist.testing import run_on_ranks
 

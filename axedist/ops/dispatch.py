@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layout import Layout, LayoutError
