@@ -25,6 +25,7 @@ _LAZY = {
     "layout_from_placements": "dtensor",
     "placements_from_layout": "dtensor",
     "plan": "dtensor",
+    "fused_gemm_stats": "dtensor",
     "visualize": "visualize",
     "gemm_reduce_scatter": "collectives",
     "plan_gemm_reduce_scatter": "collectives",

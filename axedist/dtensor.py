@@ -869,8 +869,14 @@ def _target_spec(spec: _Spec, target, padded, reduce_op) -> _Spec:
     if _is_placements(target):
         if padded is not None or reduce_op is not None:
             raise LayoutError("padded_shape and reduce_op go with a layout; placements imply both")
-        return _spec_from_placements(spec.shape, spec.mesh, target, summands_for_partial=spec.summands)
+        return _placement_target(spec.shape, spec.mesh, tuple(target), spec.summands)
     return _spec_for_layout(spec.mesh, target, spec.shape, padded, reduce_op, dims_include_summands=False)
+
+
+@lru_cache(maxsize=1024)
+def _placement_target(shape, mesh, placements, summands) -> _Spec:
+    """Placements -> spec, cached: a redistribute call names its target anew each time."""
+    return _spec_from_placements(shape, mesh, placements, summands_for_partial=summands)
 
 
 # ---------------------------------------------------------------------------

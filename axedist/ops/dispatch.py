@@ -360,6 +360,9 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
             outputs.append(_OutSpec(None, (), ()))
             continue
         if entry is None:
+            if value.numel() == 0:  # an unused empty output, e.g. flash attention's debug mask: stays plain
+                outputs.append(_OutSpec(None, (), ()))
+                continue
             raise DispatchError(f"{func}: rule {rule.__name__} gave no placements for a tensor output")
         shape = tuple(value.shape)
         if isinstance(entry, ArgSpec):  # exactly that argument's spec (alias, detach)
