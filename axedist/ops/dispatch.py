@@ -573,7 +573,7 @@ def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     flat = [result] if plan.structure == "single" else list(result)
     wrapped = []
     for value, out in zip(flat, plan.outputs):
-        if out.spec is None:
+        if out.spec is None or value is None:  # None: an undefined optional output (CUDA flash attention's cum_seq)
             wrapped.append(value)
             continue
         if out.spec.reduce_op:
