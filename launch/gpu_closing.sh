@@ -35,7 +35,7 @@ if [[ $MODE == tests ]]; then
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-200} $PYTEST $TESTS
   grep -hE "^(FAILED|ERROR)|Error:" "$LOGS"/pytest_w*.log | head -20
 elif [[ $MODE == benches ]]; then
-  step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --out "$RESULTS"
+  step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS"
   step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS"
   step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp"
   step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda
