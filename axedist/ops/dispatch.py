@@ -494,6 +494,12 @@ def dispatch(func, args, kwargs):
     else:
         _STATS["hits"] += 1
     if plan is _NO_RULE:
+        if _decomposable(func):
+            # A composite op (linear, rms_norm, chunk, sdpa, ...) reaches us undecomposed under
+            # inference_mode; its decomposition runs on ops that have rules.
+            result = func.decompose(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
         return _fallback(func, args, kwargs, dts, mesh, info)
     if fast_key is not None and plan.fast is not None:
         if len(_FAST) > 16384:
@@ -613,6 +619,11 @@ def _deferred(func, plan: _CallPlan, local_args, local_kwargs):
 
     out = plan.outputs[0]
     return _dt._defer_gemm(compute, a, b, bias, alpha, beta, out.spec, out.local_shape, out.stride)
+
+
+@functools.lru_cache(maxsize=None)
+def _decomposable(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 def _warn_fallback(func) -> None:
