@@ -16,17 +16,7 @@ mkdir -p "$LOGS" "$RESULTS"
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 
-step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  (( left < limit )) && limit=$left
-  if (( limit < 20 )); then echo "$name SKIPPED (no time left)" | tee -a "$SUMMARY"; return; fi
-  local t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
-  echo "$name rc=$rc ${limit}s-limit took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
-  grep -E "passed|failed|error" "$LOGS/$name.log" | tail -3 | sed 's/^/    /' | tee -a "$SUMMARY"
-}
+source "$(dirname "$0")/gpu_step.sh"
 
 if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton_cache/cache.tgz -C ~/.triton; fi
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;

@@ -16,16 +16,7 @@ SUMMARY=$OUT/summary.txt
 { date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
 
-step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  (( left < limit )) && limit=$left
-  if (( limit < 20 )); then echo "$name SKIPPED (no time left)" | tee -a "$SUMMARY"; return; fi
-  local t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  echo "$name rc=$? took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
-  grep -E "[0-9]+ (passed|failed)" "$LOGS/$name.log" | tail -1 | sed 's/^/    /' | tee -a "$SUMMARY"
-}
+source "$(dirname "$0")/gpu_step.sh"
 
 PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
 if [[ $MODE == tests ]]; then
