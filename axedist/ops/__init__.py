@@ -4,7 +4,6 @@ Importing this package registers every family's rules (``registry.RULES``).
 """
 
 from importlib import import_module
-from importlib.util import find_spec
 
 from .registry import RULES, ArgSpec, OpCall, Sharding, register, rule_for
 
@@ -13,8 +12,6 @@ FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm",
             "embedding", "loss", "attention", "random")
 
 for _family in FAMILIES:
-    # TODO(lead): plain imports once every family module exists (they are being written in parallel)
-    if find_spec(f"{__name__}.{_family}") is not None:
-        import_module(f".{_family}", __name__)
+    import_module(f".{_family}", __name__)
 
 __all__ = ["RULES", "ArgSpec", "OpCall", "Sharding", "register", "rule_for", "FAMILIES"]
