@@ -138,7 +138,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_train_script_runs_under_torchrun(tmp_path):
+def _torchrun_train(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
            "launch/train_tp.py", "--steps", "6", "--log-every", "3", "--seq", "8", "--batch", "2", "--dim", "16",
@@ -152,7 +152,15 @@ def test_train_script_runs_under_torchrun(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"train_tp.py timed out\n{stdout[-3000:]}{stderr[-3000:]}") from None
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return proc.returncode, stdout, stderr
+
+
+def test_train_script_runs_under_torchrun(tmp_path):
+    returncode, stdout, stderr = _torchrun_train(tmp_path)
+    if returncode != 0 and "address already in use" in (stdout + stderr).lower():
+        # the free port was taken between picking and binding (other test processes pick ports too)
+        returncode, stdout, stderr = _torchrun_train(tmp_path)
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "training finished" in stdout and "step    6" in stdout
     assert "RowwiseParallel" in stdout and "reduce_scatter" in stdout    # the layouts/collectives printout
     record = json.loads((tmp_path / "losses.json").read_text())
