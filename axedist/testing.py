@@ -29,14 +29,16 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
 import sys
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["RankError", "run_on_ranks", "shutdown_pools"]
+__all__ = ["RankError", "run_on_ranks", "run_torchrun", "shutdown_pools"]
 
 # Environment every rank gets: multicast stays off on shared GPU hosts (project policy).
 _SAFE_ENV = {
@@ -228,3 +230,27 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+def run_torchrun(script_args: Sequence[str], nproc: int, cwd: str, timeout_s: float = 300,
+                 env: dict | None = None) -> tuple[int, str, str]:
+    """``torchrun --nproc-per-node nproc <script_args>`` on a free port: (returncode, stdout, stderr).
+
+    The run has its own session, so a timeout kills torchrun and every rank it started (no
+    orphans) and raises. A port taken between picking and binding (other test processes pick
+    ports too) gets one more try on a fresh port.
+    """
+    for attempt in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), *script_args]
+        proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ) if env is None else env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            raise RankError(f"{' '.join(script_args)} timed out after {timeout_s} s\n{stdout[-3000:]}{stderr[-3000:]}")
+        if proc.returncode == 0 or attempt or "address already in use" not in (stdout + stderr).lower():
+            return proc.returncode, stdout, stderr
+    raise AssertionError("unreachable")

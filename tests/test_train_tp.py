@@ -10,10 +10,6 @@ import copy
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
 from axedist.nn import checkpoint, parallelize, replicate, to_inference
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from axedist.testing import run_on_ranks
+from axedist.testing import run_on_ranks, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -132,34 +128,10 @@ def test_checkpoint_saved_at_tp4_loads_at_tp2(tmp_path):
     assert run_on_ranks(_load, 2, args=(s, path)) == [True] * 2
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _torchrun_train(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           "launch/train_tp.py", "--steps", "6", "--log-every", "3", "--seq", "8", "--batch", "2", "--dim", "16",
-           "--vocab", "32", "--layers", "1", "--out", str(tmp_path)]
-    # Own session, so a timeout kills torchrun and every rank it started (no orphans).
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"train_tp.py timed out\n{stdout[-3000:]}{stderr[-3000:]}") from None
-    return proc.returncode, stdout, stderr
-
-
 def test_train_script_runs_under_torchrun(tmp_path):
-    returncode, stdout, stderr = _torchrun_train(tmp_path)
-    if returncode != 0 and "address already in use" in (stdout + stderr).lower():
-        # the free port was taken between picking and binding (other test processes pick ports too)
-        returncode, stdout, stderr = _torchrun_train(tmp_path)
+    returncode, stdout, stderr = run_torchrun(
+        ["launch/train_tp.py", "--steps", "6", "--log-every", "3", "--seq", "8", "--batch", "2", "--dim", "16",
+         "--vocab", "32", "--layers", "1", "--out", str(tmp_path)], 2, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "training finished" in stdout and "step    6" in stdout
     assert "RowwiseParallel" in stdout and "reduce_scatter" in stdout    # the layouts/collectives printout

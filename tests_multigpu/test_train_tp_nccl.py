@@ -5,12 +5,7 @@ W = torch.cuda.device_count() (CUDA_VISIBLE_DEVICES=0,1 for W=2).
 """
 
 import copy
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +16,7 @@ from torch.distributed.tensor import Shard
 from axedist.mesh import DeviceMesh
 from axedist.nn import RowwiseParallel, describe, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from axedist.testing import run_on_ranks
+from axedist.testing import run_on_ranks, run_torchrun
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(WORLD < 2, reason="needs >= 2 CUDA GPUs")
@@ -90,19 +85,8 @@ def test_row_parallel_output_uses_fused_gemm_reduce_scatter():
 
 
 def test_train_script_cuda(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port", str(port),
-           "launch/train_tp.py", "--cuda", "--steps", "20", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=500)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"train_tp.py --cuda timed out\n{stdout[-3000:]}{stderr[-3000:]}") from None
+    returncode, stdout, stderr = run_torchrun(["launch/train_tp.py", "--cuda", "--steps", "20", "--out", str(tmp_path)],
+                                              WORLD, cwd=ROOT, timeout_s=500)
     print(stdout[-6000:])
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     assert "training finished" in stdout and "gemm_reduce_scatter" in stdout

@@ -45,18 +45,7 @@ _LINEAR_REDUCE_OPS = ("sum", "avg")
 
 def _tensor_args(call: OpCall) -> list:
     """Tensor arguments in order: ArgSpecs and plain 0-dim tensors (scalars)."""
-    found = []
-
-    def visit(value):
-        if isinstance(value, (ArgSpec, torch.Tensor)):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
-    for value in list(call.args) + list(call.kwargs.values()):
-        visit(value)
-    return found
+    return call.leaves((ArgSpec, torch.Tensor))
 
 
 def _broadcast_shape(shapes) -> tuple[int, ...]:

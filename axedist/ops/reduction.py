@@ -125,12 +125,18 @@ def _group(call: OpCall, axes):
 # ---------------------------------------------------------------------------
 
 
+def _whole_or_dims(call: OpCall, x, whole_overload) -> tuple:
+    """(dims, keepdim, dtype) of ``op(x, dtype=)`` (the whole tensor) or ``op(x, dim, keepdim, dtype=)``."""
+    if call.func is whole_overload:
+        return reduced_dims(x.ndim, None), False, _arg(call, 1, "dtype")
+    return reduced_dims(x.ndim, _arg(call, 1, "dim")), _arg(call, 2, "keepdim", False), _arg(call, 3, "dtype")
+
+
 @register(aten.sum.default, aten.sum.dim_IntList)
 def sum_rule(call: OpCall) -> Sharding:
     """``x.sum(0)`` of ``[Shard(0)]`` -> ``[Partial("sum")]``; ``x.sum(1)`` -> ``[Shard(0)]``."""
     x = call.args[0]
-    dims = reduced_dims(x.ndim, None if call.func is aten.sum.default else _arg(call, 1, "dim"))
-    keepdim = False if call.func is aten.sum.default else _arg(call, 2, "keepdim", False)
+    dims, keepdim, _ = _whole_or_dims(call, x, aten.sum.default)
     plan = _Plan(x, dims, keepdim, "sum")
     return Sharding(inputs=[plan.target], outputs=plan.out)
 
@@ -139,10 +145,7 @@ def sum_rule(call: OpCall) -> Sharding:
 def mean_rule(call: OpCall) -> Sharding:
     """``x.mean(0)`` of (10, 6) ``[Shard(0)]`` on 4 ranks: local sums / 10, ``[Partial("sum")]``."""
     x = call.args[0]
-    is_all = call.func is aten.mean.default
-    dims = reduced_dims(x.ndim, None if is_all else _arg(call, 1, "dim"))
-    keepdim = False if is_all else _arg(call, 2, "keepdim", False)
-    dtype = _arg(call, 1 if is_all else 3, "dtype")
+    dims, keepdim, dtype = _whole_or_dims(call, x, aten.mean.default)
     plan = _Plan(x, dims, keepdim, "sum")
     if not plan.sharded:
         return Sharding(inputs=[plan.target], outputs=plan.out)
@@ -306,10 +309,7 @@ def _combined_rule(call: OpCall, x: ArgSpec, dims, keepdim, compute) -> Sharding
 def prod_rule(call: OpCall) -> Sharding:
     """``x.prod(0)`` of ``[Shard(0)]``: local products, one all-reduce (PRODUCT); ``[Replicate()]``."""
     x = call.args[0]
-    is_all = call.func is aten.prod.default
-    dims = reduced_dims(x.ndim, None if is_all else _arg(call, 1, "dim"))
-    keepdim = False if is_all else _arg(call, 2, "keepdim", False)
-    dtype = _arg(call, 1 if is_all else 3, "dtype")
+    dims, keepdim, dtype = _whole_or_dims(call, x, aten.prod.default)
 
     def compute(t, group):
         value = t.to(dtype) if dtype is not None else t

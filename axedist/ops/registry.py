@@ -82,13 +82,12 @@ class OpCall:
     kwargs: dict
     mesh: DeviceMesh
 
-    @property
-    def specs(self) -> list[ArgSpec]:
-        """The ArgSpecs in argument order (args, then kwargs; lists flattened)."""
-        found: list[ArgSpec] = []
+    def leaves(self, kinds: tuple = (ArgSpec,)) -> list:
+        """The arguments of these types in argument order (args, then kwargs; lists flattened)."""
+        found: list = []
 
         def visit(value):
-            if isinstance(value, ArgSpec):
+            if isinstance(value, kinds):
                 found.append(value)
             elif isinstance(value, (list, tuple)):
                 for v in value:
@@ -97,6 +96,11 @@ class OpCall:
         for value in list(self.args) + list(self.kwargs.values()):
             visit(value)
         return found
+
+    @property
+    def specs(self) -> list[ArgSpec]:
+        """The ArgSpecs in argument order (args, then kwargs; lists flattened)."""
+        return self.leaves()
 
 
 @dataclass
