@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
-from axedist.collectives.timing import time_collective  # noqa: E402
+from axedist.collectives.timing import time_collective as _time  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 ONE_SHOT_MAX = 16 << 20
@@ -61,6 +61,14 @@ def _rel(a, b):
 
 
 def measure_size(size, world, rank, reps, group_name, symm_mem):
+    queued = {}
+
+    def time_collective(fn, reps, key=None):
+        # eager (the table's main numbers) and queued (device time: see axedist/collectives/timing.py)
+        eager = _time(fn, reps)
+        if key is not None:
+            queued[key] = _time(fn, reps, queued=True)
+        return eager
     numel = size // 2
     numel -= numel % (world * 16)
     x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
@@ -70,10 +78,10 @@ def measure_size(size, world, rank, reps, group_name, symm_mem):
     out = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
     ref = torch.empty_like(out)
     dist.reduce_scatter_tensor(ref, x)
-    row["rs_nccl"] = time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps)
+    row["rs_nccl"] = time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps, "rs_nccl")
     for variant in ("push", "pull"):
         row[f"rs_{variant}"] = time_collective(
-            lambda: p2p.reduce_scatter(x, out=out, variant=variant), reps)
+            lambda: p2p.reduce_scatter(x, out=out, variant=variant), reps, f"rs_{variant}")
         errors[f"rs_{variant}"] = _rel(out, ref)
 
     def rs_zero_copy():
@@ -85,22 +93,23 @@ def measure_size(size, world, rank, reps, group_name, symm_mem):
     gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
     ag_ref = torch.empty_like(gathered)
     dist.all_gather_into_tensor(ag_ref, piece)
-    row["ag_nccl"] = time_collective(lambda: dist.all_gather_into_tensor(gathered, piece), reps)
+    row["ag_nccl"] = time_collective(lambda: dist.all_gather_into_tensor(gathered, piece), reps, "ag_nccl")
     for variant in ("push", "pull"):
         row[f"ag_{variant}"] = time_collective(
-            lambda: p2p.all_gather(piece, out=gathered, variant=variant), reps)
+            lambda: p2p.all_gather(piece, out=gathered, variant=variant), reps, f"ag_{variant}")
         errors[f"ag_{variant}"] = 0.0 if torch.equal(gathered, ag_ref) else _rel(gathered, ag_ref)
     # all-reduce
     y = torch.empty_like(x)
     ar_ref = x.clone()
     dist.all_reduce(ar_ref)
-    row["ar_nccl"] = time_collective(lambda: (y.copy_(x), dist.all_reduce(y)), reps)
+    row["ar_nccl"] = time_collective(lambda: (y.copy_(x), dist.all_reduce(y)), reps, "ar_nccl")
     for algorithm, prefix in (("one_shot", "ar1"), ("two_shot", "ar2")):
         if algorithm == "one_shot" and size > ONE_SHOT_MAX:
             continue
         for variant in ("push", "pull"):
             row[f"{prefix}_{variant}"] = time_collective(
-                lambda: p2p.all_reduce(x, out=y, algorithm=algorithm, variant=variant), reps)
+                lambda: p2p.all_reduce(x, out=y, algorithm=algorithm, variant=variant), reps,
+                f"{prefix}_{variant}")
             errors[f"{prefix}_{variant}"] = _rel(y, ar_ref)
     try:
         symm = symm_mem.empty(numel, device="cuda", dtype=torch.bfloat16)
@@ -117,6 +126,7 @@ def measure_size(size, world, rank, reps, group_name, symm_mem):
     worst = torch.tensor([max(errors.values())], dtype=torch.float64, device="cuda")
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     row["errors_rank0"] = errors
+    row["queued"] = queued
     row["max_rel_err_vs_nccl"] = worst.item()
     for key in list(row):
         if key in SERIES and row[key] is not None:
@@ -303,6 +313,21 @@ def write_outputs(rows, host, world, out_dir, meta=None):
             lines.append(f"| {r['bytes'] >> 10} KB | " + " | ".join(_fmt(r.get(k)) for k in keys)
                          + f" | {r[keys[0]] / best:.2f}x | {r[keys[0].replace('_', '_busbw_', 1)]:.0f} / "
                          f"{r['bytes'] / (best * 1e-3) * bus_factor(op, world) / 1e9:.0f} |")
+        lines.append("")
+    if all("queued" in r for r in rows):
+        lines += ["## Device time (queued)", "",
+                  "The same calls with the stream held by a sleep kernel while the host enqueues "
+                  "them all, so the GPU runs them back to back: the interval is device time "
+                  "without host overhead (axedist/collectives/timing.py). In us; best/NCCL as above.",
+                  "", "| size | RS NCCL | RS best | RS best/NCCL | AG NCCL | AG best | AG best/NCCL "
+                  "| AR NCCL | AR best | AR best/NCCL |", "|---" * 10 + "|"]
+        for r in rows:
+            cells = []
+            for op, nccl in (("reduce_scatter", "rs_nccl"), ("all_gather", "ag_nccl"),
+                             ("all_reduce", "ar_nccl")):
+                best = min(r["queued"][k] for k in OURS[op] if k in r["queued"])
+                cells += [_fmt(r["queued"][nccl]), _fmt(best), f"{r['queued'][nccl] / best:.2f}x"]
+            lines.append(f"| {r['bytes'] >> 10} KB | " + " | ".join(cells) + " |")
         lines.append("")
     lines += ["host CPU us per call at 64 KB (no sync in the loop): "
               + ", ".join(f"{k} {v:.1f}" for k, v in host.items()), "",

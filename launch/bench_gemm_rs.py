@@ -3,7 +3,10 @@
     torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out benchmarks/results
 
 Per shape (bf16, A [M, K_local], B [K_local, N], scatter dim 0), times in ms (median of --reps
-calls timed with CUDA events, max over ranks):
+calls timed with CUDA events, max over ranks). Every column is timed twice
+(axedist/collectives/timing.py): eager (calls back to back as a program issues them: a call whose
+CPU side is slower than its GPU side shows its host time) and queued (the GPU runs the calls back
+to back behind a sleep kernel: device time). The tile config is chosen on queued time.
   cublas     torch.mm alone            nccl_rs    NCCL reduce-scatter of the [M, N] partial alone
   seq        torch.mm then NCCL RS     symm       torch.ops.symm_mem.fused_matmul_reduce_scatter
   fused      axedist.gemm_reduce_scatter (p2p, best tile config of --tune, same on all ranks)
@@ -21,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,9 +57,17 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tune", default="all", help="'all' candidate configs, or 'default'")
     parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    parser.add_argument("--configs", default="", help="comma list of gemm_rs.CANDIDATES indices (with --tune all)")
     parser.add_argument("--variants", action="store_true",
                         help="also time signal-only and GPU-scope variants (where the time goes)")
+    parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write the .md and .png of this result file into --out")
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as handle:
+            saved = json.load(handle)
+        write_outputs(saved["rows"], saved["rows"][0]["world"], args.out, meta=saved["meta"])
+        return
     if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
         raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
     for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -78,25 +90,41 @@ def main():
         partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         rs_out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
         row = dict(label=label, M=m, N=n, K_local=k, world=world)
-        row["cublas"] = time_collective(lambda: torch.mm(a, b, out=partial), args.reps)
+        queued = row["queued"] = {}
+        host = row["host_us"] = {}
+
+        def timed(name, fn):
+            """Eager time into row[name], queued (device) time into row["queued"][name], and
+            the CPU time per call (20 calls, no sync inside) into row["host_us"][name]."""
+            row[name] = time_collective(fn, args.reps)
+            queued[name] = time_collective(fn, args.reps, queued=True)
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for _ in range(20):
+                fn()
+            host[name] = (time.perf_counter() - begin) / 20 * 1e6
+            torch.cuda.synchronize()
+            dist.barrier()
+        timed("cublas", lambda: torch.mm(a, b, out=partial))
         torch.mm(a, b, out=partial)
-        row["nccl_rs"] = time_collective(lambda: dist.reduce_scatter_tensor(rs_out, partial), args.reps)
-        row["p2p_rs"] = time_collective(lambda: p2p.reduce_scatter(partial, out=rs_out), args.reps)
+        timed("nccl_rs", lambda: dist.reduce_scatter_tensor(rs_out, partial))
+        timed("p2p_rs", lambda: p2p.reduce_scatter(partial, out=rs_out))
 
         def seq():
             torch.mm(a, b, out=partial)
             dist.reduce_scatter_tensor(rs_out, partial)
-        row["seq"] = time_collective(seq, args.reps)
+        timed("seq", seq)
         try:
-            row["symm"] = time_collective(lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
-                a, b, "sum", 0, group_name), args.reps)
+            timed("symm", lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name))
         except Exception as error:  # keep the run going; say why in the table
-            row["symm"] = None
+            row["symm"] = queued["symm"] = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
         # tile config: every candidate timed fused; the same max-over-ranks numbers on every
         # rank give every rank the same choice
         key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
-        candidates = (gemm_rs.CANDIDATES if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
+        every = ([gemm_rs.CANDIDATES[int(i)] for i in args.configs.split(",")] if args.configs
+                 else gemm_rs.CANDIDATES)
+        candidates = (every if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
                       else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
         tried = {}
         for config in candidates:
@@ -105,7 +133,8 @@ def main():
             gemm_rs.remember_config(key, config)
             try:
                 tried[str(config)] = (time_collective(
-                    lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out), args.reps), config)
+                    lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out), args.reps,
+                    queued=True), config)
             except Exception as error:
                 tried[str(config)] = (float("inf"), config)
                 row.setdefault("config_errors", {})[str(config)] = f"{type(error).__name__}: {str(error)[:300]}"
@@ -113,10 +142,10 @@ def main():
         best = tried[best_name][1]
         gemm_rs.remember_config(key, best)
         row["config"] = best_name
-        row["fused_by_config"] = {name: value for name, (value, _) in tried.items()}
-        row["fused"] = tried[best_name][0]
+        row["fused_by_config_queued"] = {name: value for name, (value, _) in tried.items()}
+        timed("fused", lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out))
         only_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        row["gemm_only"] = time_collective(lambda: gemm_only(a, b, world, best, out=only_out), args.reps)
+        timed("gemm_only", lambda: gemm_only(a, b, world, best, out=only_out))
         # where the fused time goes: the same kernel with flag releases but no reduce tasks,
         # and (timing only, not a correct cross-GPU signal) with GPU-scope releases
         if args.variants:
@@ -136,11 +165,12 @@ def main():
         torch.mm(a, b, out=partial)
         row["gemm_only_rel_err"] = ((only_out.float() - partial.float()).norm() / partial.float().norm()).item()
         rs_bytes_in = (world - 1) / world * m * n * 2
-        row["limit"] = max(row["cublas"], rs_bytes_in / LINK_BYTES_PER_S * 1e3)
-        row["speedup_vs_seq"] = row["seq"] / row["fused"]
-        row["speedup_vs_symm"] = (row["symm"] / row["fused"]) if row["symm"] else None
-        row["gemm_only_vs_cublas"] = row["cublas"] / row["gemm_only"]
-        row["fused_over_limit"] = row["fused"] / row["limit"]
+        for times in (row, queued):
+            times["limit"] = max(times["cublas"], rs_bytes_in / LINK_BYTES_PER_S * 1e3)
+            times["speedup_vs_seq"] = times["seq"] / times["fused"]
+            times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
+            times["gemm_only_vs_cublas"] = times["cublas"] / times["gemm_only"]
+            times["fused_over_limit"] = times["fused"] / times["limit"]
         results.append(row)
         if rank == 0 and args.variants:
             print(f"    variants: signal_only {row['signal_only']:.3f} no_math {row['no_math']:.3f} "
@@ -149,8 +179,10 @@ def main():
             print(f"[{index}] {label} M={m} N={n} K={k}: cublas {row['cublas']:.3f} nccl_rs {row['nccl_rs']:.3f} "
                   f"seq {row['seq']:.3f} symm {row['symm'] if row['symm'] is None else round(row['symm'], 3)} "
                   f"fused {row['fused']:.3f} ({best_name}) gemm_only {row['gemm_only']:.3f} p2p_rs {row['p2p_rs']:.3f} "
-                  f"limit {row['limit']:.3f} | x{row['speedup_vs_seq']:.2f} vs seq, err {row['fused_rel_err_vs_seq']:.1e}",
-                  flush=True)
+                  f"limit {row['limit']:.3f} | x{row['speedup_vs_seq']:.2f} vs seq, err {row['fused_rel_err_vs_seq']:.1e}"
+                  f" | queued: seq {queued['seq']:.3f} fused {queued['fused']:.3f} gemm_only {queued['gemm_only']:.3f}"
+                  f" cublas {queued['cublas']:.3f} x{queued['speedup_vs_seq']:.2f} | host us fused {host['fused']:.0f}"
+                  f" seq {host['seq']:.0f}", flush=True)
         del a, b, partial, only_out, fused_out
         torch.cuda.empty_cache()
     if rank == 0:
@@ -167,40 +199,63 @@ def _commit():
         return "unknown"
 
 
-def write_outputs(results, world, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
-                command=f"torchrun --nproc_per_node={world} launch/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
-                env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
-    six = [r for r in results if r["label"] == "design"]
-    summary = {}
-    if six:
-        summary["geomean_speedup_vs_seq_six"] = math.exp(sum(math.log(r["speedup_vs_seq"]) for r in six) / len(six))
-        summary["min_speedup_vs_seq_six"] = min(r["speedup_vs_seq"] for r in six)
-        vs_symm = [r["speedup_vs_symm"] for r in six if r["speedup_vs_symm"]]
-        summary["min_speedup_vs_symm_six"] = min(vs_symm) if vs_symm else None
-        summary["geomean_gemm_only_vs_cublas_six"] = math.exp(sum(math.log(r["gemm_only_vs_cublas"]) for r in six) / len(six))
-    with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
-        json.dump(dict(meta=meta, summary=summary, rows=results), handle, indent=1)
-    with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:
-        json.dump({key: value for key, value in gemm_rs.tuned_table().items() if f"/w{world}/" in key}, handle, indent=1)
-    lines = [f"# Fused GEMM + reduce-scatter, W={world} ({meta['date']})", "",
-             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
-             f"command: `{meta['command']}`", "",
-             "times in ms (median of calls, max over ranks); speedup = seq / fused", "",
-             "| shape | M | N | K_local | cuBLAS | NCCL RS | seq | symm | fused | GEMM-only | p2p RS | limit | vs seq | vs symm | GEMM-only/cuBLAS | config |",
+def _summary(six):
+    if not six:
+        return {}
+    vs_symm = [t["speedup_vs_symm"] for t in six if t["speedup_vs_symm"]]
+    return dict(
+        geomean_speedup_vs_seq_six=math.exp(sum(math.log(t["speedup_vs_seq"]) for t in six) / len(six)),
+        min_speedup_vs_seq_six=min(t["speedup_vs_seq"] for t in six),
+        min_speedup_vs_symm_six=min(vs_symm) if vs_symm else None,
+        geomean_gemm_only_vs_cublas_six=math.exp(sum(math.log(t["gemm_only_vs_cublas"]) for t in six) / len(six)))
+
+
+def _table(results, times_of):
+    lines = ["| shape | M | N | K_local | cuBLAS | NCCL RS | seq | symm | fused | GEMM-only | p2p RS | limit | vs seq | vs symm | GEMM-only/cuBLAS | config |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        symm = f"{r['symm']:.3f}" if r["symm"] else "n/a"
-        vs_symm = f"{r['speedup_vs_symm']:.2f}x" if r["speedup_vs_symm"] else "n/a"
-        lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K_local']} | {r['cublas']:.3f} | {r['nccl_rs']:.3f} | "
-                     f"{r['seq']:.3f} | {symm} | {r['fused']:.3f} | {r['gemm_only']:.3f} | {r['p2p_rs']:.3f} | "
-                     f"{r['limit']:.3f} | {r['speedup_vs_seq']:.2f}x | {vs_symm} | {r['gemm_only_vs_cublas']:.2f} | {r['config']} |")
-    lines.append("")
-    for name, value in summary.items():
-        lines.append(f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a")
+        t = times_of(r)
+        symm = f"{t['symm']:.3f}" if t["symm"] else "n/a"
+        vs_symm = f"{t['speedup_vs_symm']:.2f}x" if t["speedup_vs_symm"] else "n/a"
+        lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['nccl_rs']:.3f} | "
+                     f"{t['seq']:.3f} | {symm} | {t['fused']:.3f} | {t['gemm_only']:.3f} | {t['p2p_rs']:.3f} | "
+                     f"{t['limit']:.3f} | {t['speedup_vs_seq']:.2f}x | {vs_symm} | {t['gemm_only_vs_cublas']:.2f} | {r['config']} |")
+    return lines
+
+
+def write_outputs(results, world, out_dir, meta=None):
+    os.makedirs(out_dir, exist_ok=True)
+    meta = meta or dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
+                        commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
+                        command=f"torchrun --nproc_per_node={world} launch/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
+                        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
+    six = [r for r in results if r["label"] == "design"]
+    summary = _summary(six)
+    summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
+    with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
+        json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
+    if gemm_rs.tuned_table():
+        with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:
+            json.dump({key: value for key, value in gemm_rs.tuned_table().items() if f"/w{world}/" in key}, handle, indent=1)
+    lines = [f"# Fused GEMM + reduce-scatter, W={world} ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`", ""]
+    if summary_queued:
+        lines += ["## Device time (queued: the GPU runs the calls back to back behind a sleep kernel)", "",
+                  "times in ms (median of calls, max over ranks); speedup = seq / fused", ""]
+        lines += _table(results, lambda r: r["queued"]) + [""]
+        lines += [f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a"
+                  for name, value in summary_queued.items()] + [""]
+        lines += ["## Eager (calls issued back to back by the host; host-bound calls show their host time)", ""]
+    lines += ["times in ms (median of calls, max over ranks); speedup = seq / fused", ""]
+    lines += _table(results, lambda r: r) + [""]
+    lines += [f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a" for name, value in summary.items()]
+    if all("host_us" in r for r in results):
+        lines += ["", "CPU us per call (20 calls, no sync inside): "
+                  + "; ".join(f"{r['M']}x{r['N']}x{r['K_local']}: fused {r['host_us']['fused']:.0f}, "
+                              f"seq {r['host_us']['seq']:.0f}, symm "
+                              f"{r['host_us'].get('symm') or float('nan'):.0f}" for r in results)]
     with open(os.path.join(out_dir, f"gemm_rs_w{world}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -213,12 +268,13 @@ def write_outputs(results, world, out_dir):
         figure, axis = plt.subplots(figsize=(max(8, len(names) * 1.1), 4.5))
         width = 0.16
         for i, column in enumerate(columns):
-            values = [(r["seq"] / r[column]) if r.get(column) else 0 for r in results]
+            values = [(t["seq"] / t[column]) if t.get(column) else 0
+                      for t in (r.get("queued", r) for r in results)]
             axis.bar([x + i * width for x in range(len(names))], values, width, label=column)
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xticks([x + 2 * width for x in range(len(names))])
         axis.set_xticklabels(names, rotation=35, ha="right", fontsize=7)
-        axis.set_ylabel("speed relative to cuBLAS + NCCL (higher is faster)")
+        axis.set_ylabel("speed vs cuBLAS + NCCL, device time (higher is faster)")
         axis.set_title(f"GEMM + reduce-scatter, bf16, W={world} ({meta['machine']})", fontsize=9)
         axis.legend(fontsize=7)
         figure.tight_layout()

@@ -3,6 +3,7 @@
 #   bash launch/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
 #   bash launch/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
 #   bash launch/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
+#   bash launch/gpu_check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
@@ -42,15 +43,11 @@ elif [[ $MODE == first ]]; then
   step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
   step rest_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
-elif [[ $MODE == fourth ]]; then
-  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --variants --tune first --only 0,1,2,3,4,5,7 --out "$RESULTS"
-elif [[ $MODE == third ]]; then
-  step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or back_to_back"
-  step bench_gemm_rs_w4 240 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --variants --out "$RESULTS"
-elif [[ $MODE == second ]]; then
-  step smoke_w4 150 $PYTEST tests_multigpu/test_gemm_rs.py -k "every_candidate or fp32_reference_bf16"
-  step bench_gemm_rs_w4 200 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
-  step bench_collectives_w4 100 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+elif [[ $MODE == perf ]]; then  # fused GEMM+RS host path / push+defer, queued timing; collectives
+  step smoke_w4 200 $PYTEST -x tests_multigpu/test_gemm_rs.py \
+    -k "fp32_reference_bf16 or back_to_back or compiled_launcher or never_signals"
+  step bench_gemm_rs_w4 260 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 20 --configs ${CONFIGS:-0,1,2,3,4} --out "$RESULTS"
+  step bench_collectives_w4 130 torchrun --nproc_per_node=4 launch/bench_collectives.py --reps 30 --out "$RESULTS"
 else
   step pytest_w4 200 $PYTEST -x tests_multigpu
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 180 $PYTEST -x tests_multigpu

@@ -496,3 +496,30 @@ def test_push_variant_compiles_with_remote_tile_stores_and_local_flag_waits():
     assert "wgmma.mma_async" in ptx and "st.release.sys.global.b32" in ptx
     assert "ld.acquire.sys.global.b32" in ptx and "multimem" not in ptx
     assert ptx.count("st.global.v4") >= 8  # 16-byte stores of the tile into the owner's slot
+
+
+def test_push_with_deferred_release_compiles_and_releases_system_scope():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    ptx = _compile_fused(config=gemm_rs.GemmConfig(push=True, defer_release=True)).asm["ptx"]
+    assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
+    assert ptx.count("st.global.v4") >= 8
+
+
+def test_launch_cache_key_separates_every_specialization():
+    """The compiled-launcher cache must never reuse a kernel compiled for other sizes, strides,
+    pointer alignment or timeout width (Triton would have compiled another one)."""
+    from axedist.kernels import gemm_rs
+    a = torch.zeros(64, 32, dtype=torch.bfloat16)
+    b = torch.zeros(32, 48, dtype=torch.bfloat16)
+    ops = gemm_rs.prepare_operands(a, b)
+    part = torch.zeros(64 * 48 + 8, dtype=torch.bfloat16)
+
+    def key(ops=ops, tensors=(part,), timeout=30 * 10**9, constexprs=(4,)):
+        return gemm_rs._specialization(ops, tensors, timeout, constexprs, 8, 0)
+    assert key() == key()
+    assert key(tensors=(part[1:],)) != key()              # pointer no longer 16-byte aligned
+    assert key(timeout=10**9) != key()                    # compiled as i32 instead of i64
+    assert key(constexprs=(2,)) != key()
+    assert key(ops=gemm_rs.prepare_operands(a, b.t().contiguous().t())) != key()  # B^T layout
+    assert key(ops=gemm_rs.prepare_operands(a[:, :16], b[:16])) != key()        # K and strides

@@ -108,6 +108,33 @@ def body_back_to_back(rank, world, calls, push=False):
     return failures
 
 
+def body_cached_launches(rank, world):
+    """After the first call of a specialization, calls go through the compiled C launcher:
+    fresh values every call stay correct, and a 16-byte-misaligned A (pointer path) gets its
+    own compiled kernel instead of reusing the TMA one."""
+    from axedist.collectives import check, gemm_reduce_scatter
+    from axedist.kernels import gemm_rs
+    m, n, k = 96 * world, 640, 384
+    failures, counts = [], []
+    for misaligned in (False, True, False):
+        for call in range(3):
+            a, b = _inputs(rank, m, n, k, torch.bfloat16, 50 + call, False)
+            if misaligned:
+                flat = torch.empty(m * k + 8, device="cuda", dtype=torch.bfloat16)
+                a = flat[1:1 + m * k].view(m, k).copy_(a)
+            out = gemm_reduce_scatter(a, b, None, backend="p2p")
+            error = _rel_error(out, _reference(a, b, rank, world))
+            if not error <= 1e-2:
+                failures.append(f"misaligned={misaligned} call {call}: rel error {error:.2e}")
+            counts.append(len(gemm_rs._launches))
+    check()
+    # one new compiled kernel for the aligned A, one for the misaligned, none for repeats
+    first = counts[0]
+    if counts != [first] * 3 + [first + 1] * 6:
+        failures.append(f"compiled-launch cache sizes {counts}")
+    return failures
+
+
 def body_timeout(rank, world, push=False):
     from axedist.collectives import CollectiveTimeoutError, gemm_reduce_scatter, reset
     from axedist.collectives.symmetric import get_workspace
@@ -182,6 +209,11 @@ def test_every_candidate_config_and_gemm_only_mode():
 @pytest.mark.parametrize("push", [False, True])
 def test_back_to_back_calls_without_sync(push):
     results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(24, push), timeout_s=600)
+    assert results == [[]] * WORLD, results
+
+
+def test_repeated_calls_run_the_compiled_launcher_correctly():
+    results = run_on_ranks(body_cached_launches, WORLD, "nccl", timeout_s=600)
     assert results == [[]] * WORLD, results
 
 

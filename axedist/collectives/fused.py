@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import fallback
-from .backend import multimem_allowed, p2p_possible
+from .backend import multicast_opted_in, multimem_allowed, p2p_possible
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL (bf16,
 # H200, benchmarks/results/gemm_rs_w{2,4}.md; at W=4 slower in both the v3 and final runs):
@@ -128,6 +128,37 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
     return plan("p2p", "fused kernel (measured faster or shape not in the table)", config)
 
 
+@dataclasses.dataclass
+class _FusedCall:
+    """What repeated calls with the same shapes, strides, dtype, group and backend share: the
+    plan, the group's size and rank, the tile config, and this rank's workspace halves as
+    tensors (rebuilt when the workspace is replaced)."""
+    plan: GemmReduceScatterPlan
+    world: int
+    rank: int
+    config: object = None
+    config_version: int = -1
+    workspace: object = None
+    parts: tuple = ()
+
+
+_calls: dict[tuple, _FusedCall] = {}
+
+
+def _fused_call(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
+                backend: str) -> _FusedCall:
+    key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+           group, scatter_dim, backend, multicast_opted_in())
+    call = _calls.get(key)
+    if call is None:
+        plan = plan_gemm_reduce_scatter(a, b, group, scatter_dim, backend)
+        call = _FusedCall(plan, dist.get_world_size(group), dist.get_rank(group))
+        if len(_calls) > 4096:  # shapes of one model are few; a shape sweep must not grow it
+            _calls.clear()
+        _calls[key] = call
+    return call
+
+
 def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
                         backend: str = "auto", out: torch.Tensor | None = None,
                         timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
@@ -137,13 +168,15 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     of a row-major [N, K_local] (nn.Linear's weight.t()). bf16/fp16, fp32 accumulation.
     Returns [M / W, N] (the slice of dim `scatter_dim` this rank owns). check=True synchronizes
     and raises a pending timeout error (otherwise it surfaces at the next call on the group or
-    through axedist.collectives.check(group)).
+    through axedist.collectives.check(group)). The first call of a shape plans and compiles;
+    later ones only take an epoch and launch (tens of microseconds of CPU).
 
     >>> a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
     >>> b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
     >>> gemm_reduce_scatter(a, b, group).shape     # W = 4: torch.Size([2048, 8192])
     """
-    plan = plan_gemm_reduce_scatter(a, b, group, scatter_dim, backend)
+    call = _fused_call(a, b, group, scatter_dim, backend)
+    plan = call.plan
     if plan.backend == "torch":
         product = torch.matmul(a, b)
         if plan.world == 1:
@@ -155,18 +188,23 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     from ..kernels import gemm_rs
     from .symmetric import get_workspace
 
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world, rank = call.world, call.rank
     lead = a.shape[:-1]
     ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
     if ops.m * ops.n >= (1 << 31):
         raise ValueError(f"gemm_reduce_scatter: M * N = {ops.m * ops.n} exceeds int32 indexing")
-    config = gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
-    workspace = get_workspace(group, ops.m * ops.n * a.element_size(), a.device)
+    if call.config_version != gemm_rs.config_version():  # first call, or remember_config since
+        call.config = gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
+        call.config_version = gemm_rs.config_version()
+    workspace = call.workspace
+    if workspace is None or workspace.retired:
+        workspace = call.workspace = get_workspace(group, ops.m * ops.n * a.element_size(),
+                                                   a.device)
+        call.parts = tuple(workspace.local_data(half, a.dtype, ops.m * ops.n) for half in (0, 1))
     epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
-    part = workspace.local_data(half, a.dtype, ops.m * ops.n)
     if out is None:
         out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
-    gemm_rs.launch(ops, config, world, rank, part, out, workspace, epoch, half,
+    gemm_rs.launch(ops, call.config, world, rank, call.parts[half], out, workspace, epoch, half,
                    multimem=plan.backend == "multimem")
     if check:
         workspace.check(synchronize=True)

@@ -4,7 +4,16 @@ Each sample is one call between two CUDA events on the current stream; the resul
 over samples on each rank, then the maximum over ranks (a collective is as slow as its slowest
 rank). Warm-up calls come first so that compilation and handle creation stay out.
 
-    >>> time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps=30)   # ms
+Two modes:
+  eager   calls issued back to back as an application would: when the CPU side of a call is
+          slower than its GPU side, the GPU waits for the launch and the interval includes the
+          host time (what an eager program sees for small calls);
+  queued  the stream first runs a sleep kernel long enough for the host to enqueue every call,
+          so the GPU runs them back to back: the interval is the device time of one call
+          (kernel, and any launch gaps between its kernels), without host overhead.
+
+    >>> time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps=30)               # ms
+    >>> time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps=30, queued=True)  # ms
 """
 from __future__ import annotations
 
@@ -13,15 +22,24 @@ import statistics
 import torch
 import torch.distributed as dist
 
+# a generous upper bound of the host time per call while enqueueing (ms), and SM cycles per ms
+# (H200 runs <= 1.98 GHz: a slower clock only sleeps longer)
+_HOST_MS_PER_CALL = 0.5
+_CYCLES_PER_MS = 2_000_000
 
-def time_collective(fn, reps: int = 30, warmup: int = 5, group=None) -> float:
-    """Median over `reps` calls of fn's device time in ms, max over the group's ranks."""
+
+def time_collective(fn, reps: int = 30, warmup: int = 5, group=None,
+                    queued: bool = False) -> float:
+    """Median over `reps` calls of fn's time in ms (eager or queued, see above), max over the
+    group's ranks."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     dist.barrier(group=group)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    if queued:
+        torch.cuda._sleep(int((2 + reps * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
     for start, end in zip(starts, ends):
         start.record()
         fn()
@@ -31,4 +49,3 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None) -> float:
     value = torch.tensor([median], dtype=torch.float64, device="cuda")
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
-

@@ -134,9 +134,10 @@ def gemm_reduce_scatter_kernel(
     rank: [W sources, M/W rows, N]) and its flag released in the owner's flag array; reduce
     tasks then wait on local flags and sum local slots. Remote stores are posted writes, so
     producers never stall on NVLink latency, unlike the pull reduce's remote loads.
-    DEFER (pull only): release a GEMM tile's flag only after the NEXT tile's main loop (its stores have
-    drained by then, so the system-scope fence is cheap), and always before a reduce task or
-    the end, so no program holds an unreleased flag while it waits (deadlock freedom holds)."""
+    DEFER: release a GEMM tile's flag only after the NEXT tile's main loop (its stores, local or
+    remote, have drained by then, so the system-scope fence is cheap), and always before a
+    reduce task or the end, so no program holds an unreleased flag while it waits (deadlock
+    freedom holds). `pending` is the held flag, `pending_owner` the rank whose array holds it."""
     ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M_CHUNK, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -147,6 +148,7 @@ def gemm_reduce_scatter_kernel(
         tasks = rounds * WORLD
     task = tl.atomic_add(counter_ptr, 1) - task_base
     pending = task * 0 - 1
+    pending_owner = task * 0
     while task < tasks:
         if (MODE == 0) or (MODE == 3):
             is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
@@ -168,7 +170,7 @@ def gemm_reduce_scatter_kernel(
                                          STAGES, USE_TMA, B_TRANSPOSED)
             if DEFER:
                 if pending >= 0:
-                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
             rows = row0 + tl.arange(0, BM)
             # rows past the chunk belong to the next chunk's tiles: never write them
             mask = (rows[:, None] < (chunk + 1) * M_CHUNK) & (cols[None, :] < N)
@@ -178,21 +180,26 @@ def gemm_reduce_scatter_kernel(
                                             slot_rows[:, None] * N + cols[None, :], ELEMENT,
                                             ALIGNED)
                 tl.store(destination, accumulator.to(ELEMENT), mask=mask)
-                _release(F0, F1, F2, F3, F4, F5, F6, F7, chunk, rank * rounds + round_, epoch,
-                         SCOPE)
+                if DEFER:
+                    pending = rank * rounds + round_
+                    pending_owner = chunk
+                else:
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, chunk, rank * rounds + round_,
+                             epoch, SCOPE)
             else:
                 tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
                          mask=mask)
                 if MODE != 1:
                     if DEFER:
                         pending = chunk * rounds + round_
+                        pending_owner = rank
                     else:
                         _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
                                  epoch, SCOPE)
         else:
             if DEFER:
                 if pending >= 0:
-                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
                 pending = pending * 0 - 1
             if PUSH:
                 own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
@@ -229,7 +236,7 @@ def gemm_reduce_scatter_kernel(
         task = tl.atomic_add(counter_ptr, 1) - task_base
     if DEFER:
         if pending >= 0:
-            _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE)
+            _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +267,8 @@ CANDIDATES = (
     GemmConfig(128, 256, 64, 8, 3, 8),
     GemmConfig(128, 256, 64, 8, 3, 8, push=True),
     GemmConfig(64, 256, 64, 8, 4, 4, push=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True),
+    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
@@ -285,8 +294,18 @@ def _load_tuned() -> dict[str, GemmConfig]:
     return _tuned
 
 
+_config_version = 0
+
+
 def remember_config(key: str, config: GemmConfig) -> None:
+    global _config_version
     _load_tuned()[key] = config
+    _config_version += 1
+
+
+def config_version() -> int:
+    """Changes whenever remember_config does (callers that cache a shape's config re-read it)."""
+    return _config_version
 
 
 def tuned_table() -> dict[str, dict]:
@@ -353,6 +372,35 @@ def _strides(ops: _Operands) -> tuple[int, int, int, int]:
 
 _gemm_only_counters: dict[int, list] = {}
 _processors: dict[int, int] = {}
+# compiled kernel per specialization (see _specialization): after the first call of a shape,
+# launches go straight to Triton's C launcher, skipping its per-call argument binding
+_launches: dict[tuple, object] = {}
+_CONSTEXPRS = ("WORLD", "BM", "BN", "BK", "GROUP_M", "STAGES", "USE_TMA", "B_TRANSPOSED", "MODE",
+               "MULTIMEM", "ALIGNED", "REDUCE_ROWS", "DEFER", "SCOPE", "PUSH")
+
+
+def _specialization(ops: _Operands, tensors: tuple, timeout_ns: int, constexprs: tuple,
+                    warps: int, device_index: int) -> tuple:
+    """Everything Triton specializes the kernel on, for the arguments that are not already
+    constexpr: exact sizes and strides (so a size or stride equal to 1, which Triton folds into
+    the kernel, is part of the key), 16-byte alignment of every pointer, and the integer width
+    of the timeout (an argument below 2**31 is compiled as i32)."""
+    return (ops.m, ops.n, ops.k, ops.b_transposed, _strides(ops),
+            tuple(t.data_ptr() % 16 == 0 for t in tensors), timeout_ns >= (1 << 31),
+            constexprs, warps, device_index, ops.a.dtype)
+
+
+def _run(grid: int, args: tuple, constexprs: dict, warps: int, key: tuple, device_index: int):
+    """Launch with Triton's JIT the first time a specialization is seen (compiling it), then
+    through its compiled C launcher with the same arguments (tensors passed as addresses)."""
+    launch = _launches.get(key)
+    if launch is None:
+        compiled = gemm_reduce_scatter_kernel[(grid,)](*args, **constexprs, num_warps=warps)
+        from .launch import CompiledLaunch
+        _launches[key] = CompiledLaunch(compiled, tuple(constexprs.values()))
+        return
+    raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    launch(grid, torch._C._cuda_getCurrentRawStream(device_index), raw)
 
 
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
@@ -405,14 +453,17 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     lag = schedule.choose_lag(rounds, world, programs, lag_waves)
     push = config.push and not multimem and mode != GEMM_ONLY
     stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
-    gemm_reduce_scatter_kernel[(programs,)](
-        a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
-        counter, task_base, abort, error_address, timeout_ns,
-        ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
-        rank, epoch, lag,
+    constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
         B_TRANSPOSED=ops.b_transposed and use_tma, MODE=mode, MULTIMEM=multimem,
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
-        DEFER=config.defer_release and not push, SCOPE=scope, PUSH=push,
-        num_warps=config.warps)
+        DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
+        PUSH=push)
+    args = (a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
+            counter, task_base, abort, error_address, timeout_ns,
+            ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
+            rank, epoch, lag)
+    key = _specialization(ops, (part, out, counter, abort), timeout_ns,
+                          tuple(constexprs.values()), config.warps, device.index)
+    _run(programs, args, constexprs, config.warps, key, device.index)
