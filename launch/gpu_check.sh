@@ -58,8 +58,9 @@ fi
 grep -h "^profile\|tottime\|{built-in\|\.py:" "$LOGS"/profile_w4.log 2>/dev/null | head -30
 cat "$RESULTS"/*.md 2>/dev/null | grep -v "^$" | head -80
 tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null
-if [[ $MODE == collectives* ]]; then  # at most 8 files come back: the bundle, summary, results
+if [[ $MODE == collectives* || $MODE == perf ]]; then  # at most 8 files come back: bundle, summary, results
   cp "$RESULTS"/collectives_w4.* "$RESULTS"/collectives_w2.json "$RESULTS"/collectives_w2.md "$OUT"/ 2>/dev/null
+  [[ $MODE == perf ]] && cp "$RESULTS"/gemm_rs_w4.md "$RESULTS"/gemm_rs_w4.json "$OUT"/ 2>/dev/null && rm -f "$OUT"/collectives_w4.png
   rm -rf "$LOGS" "$RESULTS"
 else
   [[ $MODE == final ]] || tar -czf "$OUT/triton_cache.tgz" -C ~/.triton cache 2>/dev/null
