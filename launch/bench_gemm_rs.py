@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
-from axedist.collectives.timing import time_collective  # noqa: E402
+from axedist.collectives.timing import time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
@@ -91,71 +91,75 @@ def main():
         rs_out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
         row = dict(label=label, M=m, N=n, K_local=k, world=world)
         queued = row["queued"] = {}
-        host = row["host_us"] = {}
-
-        def timed(name, fn):
-            """Eager time into row[name], queued (device) time into row["queued"][name], and
-            the CPU time per call (20 calls, no sync inside) into row["host_us"][name]."""
-            row[name] = time_collective(fn, args.reps)
-            queued[name] = time_collective(fn, args.reps, queued=True)
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            for _ in range(20):
-                fn()
-            host[name] = (time.perf_counter() - begin) / 20 * 1e6
-            torch.cuda.synchronize()
-            dist.barrier()
-        timed("cublas", lambda: torch.mm(a, b, out=partial))
-        torch.mm(a, b, out=partial)
-        timed("nccl_rs", lambda: dist.reduce_scatter_tensor(rs_out, partial))
-        timed("p2p_rs", lambda: p2p.reduce_scatter(partial, out=rs_out))
 
         def seq():
             torch.mm(a, b, out=partial)
             dist.reduce_scatter_tensor(rs_out, partial)
-        timed("seq", seq)
+
+        def symm():
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
+        torch.mm(a, b, out=partial)
         try:
-            timed("symm", lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name))
+            symm()
         except Exception as error:  # keep the run going; say why in the table
-            row["symm"] = queued["symm"] = None
+            symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        # tile config: every candidate timed fused; the same max-over-ranks numbers on every
-        # rank give every rank the same choice
+        # tile config: every candidate timed fused (device time, interleaved); the same
+        # max-over-ranks numbers on every rank give every rank the same choice
         key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
         every = ([gemm_rs.CANDIDATES[int(i)] for i in args.configs.split(",")] if args.configs
                  else gemm_rs.CANDIDATES)
         candidates = (every if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
                       else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
-        tried = {}
+        runnable = {}
         for config in candidates:
             if m // world < config.block_m // 2 and config.block_m > 64:
                 continue  # mostly-empty tiles; not worth compile time
-            gemm_rs.remember_config(key, config)
-            try:
-                tried[str(config)] = (time_collective(
-                    lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out), args.reps,
-                    queued=True), config)
+            try:  # compile and check that it runs before it enters the timed set
+                gemm_reduce_scatter_variant(a, b, None, config, gemm_rs.FUSED, out=rs_out)
+                torch.cuda.synchronize()
+                runnable[str(config)] = (lambda c: lambda: gemm_reduce_scatter_variant(
+                    a, b, None, c, gemm_rs.FUSED, out=rs_out))(config)
             except Exception as error:
-                tried[str(config)] = (float("inf"), config)
                 row.setdefault("config_errors", {})[str(config)] = f"{type(error).__name__}: {str(error)[:300]}"
-        best_name = min(tried, key=lambda name: tried[name][0])
-        best = tried[best_name][1]
+        tried = time_interleaved(runnable, args.reps, queued=True)
+        best_name = min(tried, key=tried.get)
+        best = next(config for config in candidates if str(config) == best_name)
         gemm_rs.remember_config(key, best)
         row["config"] = best_name
-        row["fused_by_config_queued"] = {name: value for name, (value, _) in tried.items()}
-        timed("fused", lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out))
+        row["fused_by_config_queued"] = tried
         only_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        timed("gemm_only", lambda: gemm_only(a, b, world, best, out=only_out))
+        columns = {"cublas": lambda: torch.mm(a, b, out=partial),
+                   "nccl_rs": lambda: dist.reduce_scatter_tensor(rs_out, partial),
+                   "p2p_rs": lambda: p2p.reduce_scatter(partial, out=rs_out),
+                   "seq": seq, "symm": symm,
+                   "fused": lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out),
+                   "gemm_only": lambda: gemm_only(a, b, world, best, out=only_out)}
         # where the fused time goes: the same kernel with flag releases but no reduce tasks,
-        # and (timing only, not a correct cross-GPU signal) with GPU-scope releases
+        # with stores, flags and reduce but no GEMM math, and other reduce lags
         if args.variants:
-            for name, mode, scope, lag_waves in (
-                    ("signal_only", gemm_rs.GEMM_AND_SIGNAL, "sys", None),
-                    ("no_math", gemm_rs.NO_MATH, "sys", None),
-                    ("fused_lag4", gemm_rs.FUSED, "sys", 4.0),
-                    ("fused_lag_end", gemm_rs.FUSED, "sys", 1e9)):
-                row[name] = time_collective(lambda: gemm_reduce_scatter_variant(
-                    a, b, None, best, mode, scope, out=rs_out, lag_waves=lag_waves), args.reps)
+            for name, mode, lag_waves in (("signal_only", gemm_rs.GEMM_AND_SIGNAL, None),
+                                          ("no_math", gemm_rs.NO_MATH, None),
+                                          ("fused_lag4", gemm_rs.FUSED, 4.0),
+                                          ("fused_lag_end", gemm_rs.FUSED, 1e9)):
+                columns[name] = (lambda mode, lag: lambda: gemm_reduce_scatter_variant(
+                    a, b, None, best, mode, out=rs_out, lag_waves=lag))(mode, lag_waves)
+        columns = {name: fn for name, fn in columns.items() if fn is not None}
+        # all columns in one interleaved loop per mode (axedist/collectives/timing.py)
+        row.update(time_interleaved(columns, args.reps))
+        queued.update(time_interleaved(columns, args.reps, queued=True))
+        row.setdefault("symm", None)
+        queued.setdefault("symm", None)
+        host = row["host_us"] = {}
+        for name in ("seq", "symm", "fused", "gemm_only"):
+            if name in columns:
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                for _ in range(20):
+                    columns[name]()
+                host[name] = (time.perf_counter() - begin) / 20 * 1e6
+        torch.cuda.synchronize()
+        dist.barrier()
         # correctness of what was timed: fused vs cuBLAS + NCCL, gemm-only vs cuBLAS
         fused_out = gemm_reduce_scatter(a, b, None, backend="p2p", check=True)
         seq()
@@ -173,8 +177,8 @@ def main():
             times["fused_over_limit"] = times["fused"] / times["limit"]
         results.append(row)
         if rank == 0 and args.variants:
-            print(f"    variants: signal_only {row['signal_only']:.3f} no_math {row['no_math']:.3f} "
-                  f"fused_lag4 {row['fused_lag4']:.3f} fused_lag_end {row['fused_lag_end']:.3f}", flush=True)
+            print(f"    variants (queued): signal_only {queued['signal_only']:.3f} no_math {queued['no_math']:.3f} "
+                  f"fused_lag4 {queued['fused_lag4']:.3f} fused_lag_end {queued['fused_lag_end']:.3f}", flush=True)
         if rank == 0:
             print(f"[{index}] {label} M={m} N={n} K={k}: cublas {row['cublas']:.3f} nccl_rs {row['nccl_rs']:.3f} "
                   f"seq {row['seq']:.3f} symm {row['symm'] if row['symm'] is None else round(row['symm'], 3)} "

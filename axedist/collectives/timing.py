@@ -49,3 +49,37 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None,
     value = torch.tensor([median], dtype=torch.float64, device="cuda")
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return float(value.item())
+
+
+def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
+                     queued: bool = False) -> dict:
+    """Like time_collective for several candidates at once, interleaved: each repetition runs
+    every candidate once, in order, so that all of them see the same clocks, temperature and
+    neighbours (back-to-back runs of one candidate after another drift by several percent on a
+    GPU that heats up). Returns {name: median ms, max over the group's ranks}.
+
+    >>> time_interleaved({"nccl": lambda: dist.reduce_scatter_tensor(out, x),
+    ...                   "p2p": lambda: p2p.reduce_scatter(x, out=out)}, queued=True)
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(reps)] for name in names}
+    if queued:
+        torch.cuda._sleep(int((2 + reps * len(names) * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
+    for rep in range(reps):
+        for name in names:
+            start, end = events[name][rep]
+            start.record()
+            fns[name]()
+            end.record()
+    torch.cuda.synchronize()
+    medians = [statistics.median(start.elapsed_time(end) for start, end in events[name])
+               for name in names]
+    values = torch.tensor(medians, dtype=torch.float64, device="cuda")
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return dict(zip(names, values.tolist()))
