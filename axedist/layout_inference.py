@@ -101,6 +101,7 @@ from .layout import Iter, Layout, LayoutError
 __all__ = [
     "Plan",
     "plan_alternatives",
+    "plan_direct",
     "clear_plan_cache",
     "Step",
     "Transfer",
@@ -295,7 +296,8 @@ class Plan:
     itemsize: int
     partial: str | None
     steps: tuple[Step, ...]
-    method: str  # "digits" (from the layouts' digits), "blocks" (some enumerated digit blocks), "elements"
+    method: str  # "digits" (from the layouts' digits), "blocks" (some enumerated digit blocks), "elements",
+    # or "direct" (``plan_direct``: true elements between two paddings of one tensor)
     note: str = ""  # what was changed after planning (e.g. padding left out by the executor)
 
     @property
@@ -372,7 +374,7 @@ class Plan:
                 line += "  [all-reduce, part " + ("1/2]" if step.kind == "reduce_scatter" else "2/2]")
             lines.append(line)
             if step.moves:
-                lines.append("     digits: " + ", ".join(step.moves))
+                lines.append(("     how: " if self.method == "direct" else "     digits: ") + ", ".join(step.moves))
         if self.method == "elements":
             lines.append("  (element-level fallback: the layouts share no digit refinement)")
         if self.note:
@@ -566,9 +568,84 @@ def plan_alternatives(src: Layout, dst: Layout, mesh, shape: Sequence[int], item
         [('all_gather',), ('all_gather', 'all_gather'), ('all_gather', 'all_gather')]
     """
     first = plan_layouts(src, dst, mesh, shape, itemsize, partial)
-    if partial is not None or first.method != "digits":
+    if first.method != "digits":
         return (first,)
-    return (first,) + _gather_orders(src, dst, _mesh(mesh), tuple(int(s) for s in shape), itemsize)
+    mesh, shape = _mesh(mesh), tuple(int(s) for s in shape)
+    head, start = (), src
+    if partial is not None:  # the reduction stays; its copy step (if any) gets the alternatives
+        if len(first.steps) < 2 or first.steps[-1].reduce is not None or first.steps[-1].source is None:
+            return (first,)
+        head, start = tuple(_replace(s, fused=None) for s in first.steps[:-1]), first.steps[-1].source
+    plans = [first]
+    for plan in _gather_orders(start, dst, mesh, shape, itemsize) + _axis_orders(start, dst, mesh, shape, itemsize):
+        steps = _mark_all_reduce(list(head + plan.steps))
+        if all(steps != p.steps for p in plans):  # a gather order is often also an axis order
+            plans.append(Plan(src, dst, mesh, shape, itemsize, partial, steps, "digits"))
+    return tuple(plans)
+
+
+@functools.lru_cache(maxsize=256)
+def _axis_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -> tuple[Plan, ...]:
+    """One plan per order of the mesh axes the copy changes, one step per axis (as torch's
+    DTensor goes placement by placement): after the steps of axes ``done``, a digit sits at its
+    target place if that is on a done axis, in local memory if it left a done axis for a place
+    not yet reached, else where the source has it; replicas and offsets follow the same rule.
+
+    With padding left out, a one-step exchange can load one device more than a chain:
+    ``(7, 2)`` on 2x2, ``[Shard(1), Shard(1)] -> [Replicate, Shard(0)]`` (the devices at
+    ``y = 1`` hold no column) sends 40 B from device ``(0, 0)`` in one all-to-all-v, 28 B
+    as an all-to-all over ``y`` then an all-gather over ``x``.
+    """
+    canon_src, canon_dst = src.canonicalize(), dst.canonicalize()
+    digits = _refine(canon_src.shard, canon_dst.shard)
+    if digits is None or any(it.axis == MEMORY_AXIS for it in canon_src.replica + canon_dst.replica):
+        return ()
+    names = [a for a, _ in mesh]
+    replicas = lambda layout, axis: sorted((it.extent, it.stride) for it in layout.canonicalize().replica
+                                           if it.axis == axis)
+    axes = [a for a in names
+            if any((d.source[0] == a or d.target[0] == a) and d.source != d.target for d in digits)
+            or replicas(src, a) != replicas(dst, a) or src.offset.get(a, 0) != dst.offset.get(a, 0)]
+    if len(axes) < 2:
+        return ()
+    context = _Context(mesh, itemsize, None)
+    plans = []
+    for order in itertools.permutations(axes):
+        chain = [(src, [d.source for d in digits])]
+        for k in range(1, len(order)):
+            done = set(order[:k])
+            places = []
+            for d in digits:
+                if _on_mesh(d.target) and d.target[0] in done:
+                    places.append(d.target)
+                elif _on_mesh(d.source) and d.source[0] not in done:
+                    places.append(d.source)
+                else:
+                    places.append(None)  # local memory; strides below
+            stride = 1
+            for i in reversed(range(len(digits))):  # compact, row-major over the local digits
+                if places[i] is None:
+                    places[i] = (MEMORY_AXIS, stride)
+                    stride *= digits[i].extent
+            replica = [it for it in src.replica if it.axis not in done] + \
+                [it for it in dst.replica if it.axis in done]
+            offset = {a: v for a, v in src.offset.items() if a not in done and a != MEMORY_AXIS}
+            offset.update({a: v for a, v in dst.offset.items() if a in done})
+            layout = Layout([Iter(d.extent, p[1], p[0]) for d, p in zip(digits, places)], replica, offset)
+            try:
+                _validate(layout, mesh, math.prod(shape), "intermediate")
+            except LayoutError:
+                break
+            if _replicated_in_memory(layout, mesh):
+                break
+            chain.append((layout, places))
+        else:
+            chain.append((dst, [d.target for d in digits]))
+            steps = [_box_step([_Digit(d.extent, p, q) for d, p, q in zip(digits, a_places, b_places)],
+                               a, b, context, reduce=None)
+                     for (a, a_places), (b, b_places) in zip(chain, chain[1:]) if a != b]
+            plans.append(Plan(src, dst, mesh, shape, itemsize, None, _mark_all_reduce(steps), "digits"))
+    return tuple(plans)
 
 
 @functools.lru_cache(maxsize=256)
@@ -612,10 +689,133 @@ def _gather_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -
     return tuple(plans)
 
 
+def plan_direct(src: Layout, src_shape: Sequence[int], src_rows: Sequence[Sequence[int]], dst: Layout,
+                dst_shape: Sequence[int], dst_rows: Sequence[Sequence[int]], mesh, itemsize: int = 4,
+                partial: str | None = None) -> Plan:
+    """One step moving only the true elements between two padded index spaces (an all-to-all-v).
+
+    ``src`` admits ``src_shape`` and ``dst`` admits ``dst_shape``, two paddings of one tensor;
+    ``src_rows[d]`` (``dst_rows[d]``) lists the padded index of each true row of dim ``d``,
+    so both lists of a dim have one entry per true row. With ``partial`` the source's first
+    dim is the summand dim (every index real, no entry in ``dst_*``): each summand is sent to
+    every target slot of its element and reduced there. Each element goes from the holder
+    nearest its target device (the target itself when it holds it) straight into place, so
+    no padding and nothing a device already holds is sent. Derived per dim: the device and
+    ``m`` terms a dim's index adds are cut into runs (same devices, constant strides), and a
+    box is one run per dim, so the work is the product of the runs, not the element count.
+
+    Example, ``(3, 6)`` on a 2x2 mesh ``(x, y)``, torch's ``[Shard(1), Shard(1)]`` (columns
+    chunked by x, then by y: 2 + 1 per x, padded to 8) to ``[Shard(1), Shard(0)]`` (rows
+    chunked by y: 2 + 1, padded to 4): each device sends the 2 values its y-peer lacks::
+
+        >>> src = Layout.parse("S[(3,2,2,2):(2,1@x,1@y,1)]")
+        >>> dst = Layout.parse("S[(2,2,2,3):(1@y,3,1@x,1)]")
+        >>> plan = plan_direct(src, (3, 8), [range(3), (0, 1, 2, 4, 5, 6)],
+        ...                    dst, (4, 6), [(0, 1, 2), range(6)], (("x", 2), ("y", 2)))
+        >>> plan.kinds, max(plan.bytes_sent.values())
+        (('permute',), 8)
+    """
+    mesh = _mesh(mesh)
+    src_shape, dst_shape = tuple(int(n) for n in src_shape), tuple(int(n) for n in dst_shape)
+    src_rows = tuple(tuple(int(i) for i in r) for r in src_rows)
+    dst_rows = tuple(tuple(int(i) for i in r) for r in dst_rows)
+    if partial is not None and partial not in REDUCE_OPS:
+        raise LayoutError(f"partial must be one of {REDUCE_OPS} or None, got {partial!r}")
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize <= 0:
+        raise LayoutError(f"itemsize must be a positive int, got {itemsize!r}")
+    return _plan_direct_cached(src, src_shape, src_rows, dst, dst_shape, dst_rows, mesh, itemsize, partial)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_direct_cached(src, src_shape, src_rows, dst, dst_shape, dst_rows, mesh: Mesh, itemsize, partial) -> Plan:
+    lead = 1 if partial is not None else 0
+    if len(src_shape) != len(dst_shape) + lead or len(src_rows) != len(src_shape) or len(dst_rows) != len(dst_shape):
+        raise LayoutError(f"plan_direct: shapes {src_shape} -> {dst_shape} and their row lists do not match"
+                          + (" (the source leads with a summand dim)" if lead else ""))
+    for what, shape, rows in (("source", src_shape, src_rows), ("target", dst_shape, dst_rows)):
+        for d, (n, r) in enumerate(zip(shape, rows)):
+            if len(set(r)) != len(r) or any(not 0 <= i < n for i in r):
+                raise LayoutError(f"plan_direct: {what} rows of dim {d} must be distinct indices below {n}, got {r}")
+    if lead and src_rows[0] != tuple(range(src_shape[0])):
+        raise LayoutError(f"plan_direct: the summand dim is never padded, got rows {src_rows[0]}")
+    for d, (a, b) in enumerate(zip(src_rows[lead:], dst_rows)):
+        if len(a) != len(b):
+            raise LayoutError(f"plan_direct: dim {d} has {len(a)} true rows in the source, {len(b)} in the target")
+    _validate(src, mesh, math.prod(src_shape), "source")
+    _validate(dst, mesh, math.prod(dst_shape), "target")
+    true_shape = tuple(len(r) for r in dst_rows)
+    src_terms = _dim_terms(src, src_shape, src_rows, mesh)
+    dst_terms = _dim_terms(dst, dst_shape, dst_rows, mesh)
+    zero = ((0,) * len(mesh), 0)
+    # per dim: runs of true rows with the same device terms on both sides and constant m strides
+    per_dim = [_term_runs(a, b) for a, b in zip(src_terms, [[zero] * src_shape[0]] * lead + dst_terms)]
+    src_points, dst_points = _replica_points(src, mesh), _replica_points(dst, mesh)
+    aligned = _replica_digits(src, mesh)
+    transfers = []
+    for choice in itertools.product(*per_dim):
+        src_device = [sum(c) for c in zip(*(run[0] for run in choice))] or [0] * len(mesh)
+        dst_device = [sum(c) for c in zip(*(run[1] for run in choice))] or [0] * len(mesh)
+        src_m, dst_m = sum(run[2] for run in choice), sum(run[3] for run in choice)
+        kept = [k for k, run in enumerate(choice) if run[6] > 1] or [0]
+        extents = tuple(choice[k][6] for k in kept)
+        source_strides, target_strides = tuple(choice[k][4] for k in kept), tuple(choice[k][5] for k in kept)
+        for r_device, r_m in dst_points:
+            target = tuple(a + b for a, b in zip(dst_device, r_device))
+            holders = [(tuple(a + b for a, b in zip(src_device, p_device)), src_m + p_m) for p_device, p_m in src_points]
+            source, source_m = _nearest(holders, target, aligned)
+            transfers.append(Transfer(source, target, extents, source_m, source_strides, dst_m + r_m, target_strides))
+    context = _Context(mesh, itemsize, partial)
+    step = _make_step(transfers, partial, src, dst, buffer_size(src), buffer_size(dst), context)
+    moves = (f"each true element from its nearest holder straight into place ({math.prod(true_shape)} real of "
+             f"{math.prod(dst_shape)} padded target elements; padding never sent)",)
+    return Plan(src, dst, mesh, true_shape, itemsize, partial, _mark_all_reduce([_replace(step, moves=moves)]), "direct",
+                f"direct between paddings: source admits {src_shape}, target admits {dst_shape}")
+
+
+def _dim_terms(layout: Layout, shape, rows, mesh: Mesh) -> list[list[tuple[Device, int]]]:
+    """Per dim, per true row (``rows[d]`` gives its padded index): the (device, m) that dim's
+    iters add. A grouped layout's iters each belong to one dim, so an element's place is the
+    sum of its dims' terms plus the offset (and a replica)."""
+    index = {a: i for i, (a, _) in enumerate(mesh)}
+    terms = []
+    for block, dim_rows in zip(layout.blocks(shape), rows):
+        row_terms = []
+        for i in dim_rows:
+            device, m, rest = [0] * len(mesh), 0, i
+            for it in reversed(block):  # row-major within the block: the last iter is fastest
+                digit, rest = rest % it.extent, rest // it.extent
+                if it.axis == MEMORY_AXIS:
+                    m += digit * it.stride
+                else:
+                    device[index[it.axis]] += digit * it.stride
+            row_terms.append((tuple(device), m))
+        terms.append(row_terms)
+    return terms
+
+
+def _term_runs(src_terms, dst_terms) -> list[tuple]:
+    """Consecutive rows with equal device terms on both sides and constant ``m`` steps, as
+    ``(src device, dst device, src m, dst m, src stride, dst stride, length)``."""
+    runs, i, n = [], 0, len(src_terms)
+    while i < n:
+        j, (sd, sm), (dd, dm) = i + 1, src_terms[i], dst_terms[i]
+        ss = st = 1
+        if j < n and src_terms[j][0] == sd and dst_terms[j][0] == dd:
+            ss, st = src_terms[j][1] - sm, dst_terms[j][1] - dm
+            while j < n and src_terms[j][0] == sd and dst_terms[j][0] == dd \
+                    and src_terms[j][1] - src_terms[j - 1][1] == ss and dst_terms[j][1] - dst_terms[j - 1][1] == st:
+                j += 1
+        runs.append((sd, dd, sm, dm, ss, st, j - i))
+        i = j
+    return runs
+
+
 def clear_plan_cache() -> None:
     """Forget every cached plan (``plan_layouts``, ``plan_alternatives``); for cold-planning benchmarks."""
     _plan_cached.cache_clear()
     _gather_orders.cache_clear()
+    _axis_orders.cache_clear()
+    _plan_direct_cached.cache_clear()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from axedist.layout import Iter, Layout, LayoutError
 from reference import brute_points
-from axedist.layout_inference import Plan, Transfer, buffer_size, plan_alternatives, plan_layouts, simulate
+from axedist.layout_inference import Plan, Transfer, buffer_size, plan_alternatives, plan_direct, plan_layouts, simulate
 
 MESHES = [
     (("gpuid", 2),),
@@ -581,9 +581,8 @@ def test_alternatives_gather_one_axis_per_step_and_stay_correct(mesh, seed):
     assert plans[0] is plan_layouts(src, dst, mesh, shape)
     for plan in plans[1:]:
         check_plan(src, dst, mesh, shape, one_step_minimum=False, plan=plan)
-        assert len(plan.steps) == len({a for a, _ in mesh})
-        assert all(len(step.axes) <= 1 for step in plan.steps[:-1])
-        # gathering in stages never receives less than one step does (it never beats the minimum)
+        assert 1 <= len(plan.steps) <= len({a for a, _ in mesh})  # at most one step per mesh axis
+        # moving in stages never receives less than one step does (it never beats the minimum)
         assert sum(plan.bytes_received.values()) >= sum(plans[0].bytes_received.values())
 
 
@@ -630,3 +629,82 @@ def test_then_runs_one_plan_after_another():
     assert both.sent_per_device == {d: first.sent_per_device[d] + 12 * 4 for d in devices(XY)}
     with pytest.raises(LayoutError, match="does not start where"):
         first.then(plan_layouts(placements(XY, (8, 8), ["S0", "S1"]), placements(XY, (8, 8), ["R", "R"]), XY, (8, 8)))
+
+
+# -- direct plans between two paddings of one tensor (uneven shapes) -------------------
+
+
+def _padding(rng, true_shape):
+    """A padded shape >= ``true_shape`` and, per dim, the padded index of each true row (any positions)."""
+    padded = tuple(n + rng.choice([0, 0, 1, 2, 3]) for n in true_shape)
+    rows = tuple(tuple(sorted(rng.sample(range(p), n))) for p, n in zip(padded, true_shape))
+    return padded, rows
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(str(n) for _, n in m))
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1), op=st.sampled_from([None, None, "sum", "max", "avg", "min"]))
+def test_direct_plan_moves_only_true_elements_into_place(mesh, seed, op):
+    """Random layouts of two different paddings of one tensor: every true element lands in every
+    target slot of it (reduced over its summands), nothing else is sent, and without a pending
+    reduction each device receives exactly the true elements it needs and does not hold."""
+    rng = random.Random(seed)
+    true_shape = tuple(rng.randint(1, 5) for _ in range(rng.choice([1, 2, 2, 3])))
+    src_shape, src_rows = _padding(rng, true_shape)
+    dst_shape, dst_rows = _padding(rng, true_shape)
+    src = random_layout(rng, mesh, src_shape, partial=op is not None)
+    dst = random_layout(rng, mesh, dst_shape)
+    padded_size = math.prod(src_shape)
+    summands = src.size // padded_size
+    lead = ((summands,), (tuple(range(summands)),)) if op else ((), ())
+    plan = plan_direct(src, lead[0] + src_shape, lead[1] + src_rows, dst, dst_shape, dst_rows, mesh, partial=op)
+    index = lambda shape, rows, t: sum(rows[d][t[d]] * math.prod(shape[d + 1:]) for d in range(len(shape)))
+    trues = list(itertools.product(*(range(n) for n in true_shape)))
+    values = [None] * (summands * padded_size)  # padding stays None: sending it would poison a sum
+    for k, t in enumerate(trues):
+        for p in range(summands):
+            values[p * padded_size + index(src_shape, src_rows, t)] = 1 + k * 16 + p
+    out = simulate(plan, scatter(src, mesh, values))
+    src_slots, dst_slots = brute_slots(src, mesh), brute_slots(dst, mesh)
+    missing = dict.fromkeys(devices(mesh), 0)
+    for k, t in enumerate(trues):
+        want = REDUCE[op]([1 + k * 16 + p for p in range(summands)]) if op else 1 + k * 16
+        x = index(dst_shape, dst_rows, t)
+        for d, m in dst_slots[x]:
+            assert out[d][m] == pytest.approx(want), (str(plan), t, d, m)
+        held = {dev for p in range(summands) for dev, _ in src_slots[p * padded_size + index(src_shape, src_rows, t)]}
+        for d in {dev for dev, _ in dst_slots[x]} - held:
+            missing[d] += 1
+    assert sum(plan.bytes_sent.values()) == sum(plan.bytes_received.values())
+    if op is None:
+        assert plan.bytes_received == {d: 4 * missing[d] for d in devices(mesh)}, str(plan)
+    assert plan.method == "direct" and len(plan.steps) == 1
+    check_kind(plan.steps[0])
+
+
+def test_direct_plan_of_an_uneven_digit_swap():
+    """(3, 6) on 2x2, torch's [Shard(1), Shard(1)] -> [Shard(1), Shard(0)]: each device sends its
+    y-peer the 2 values it lacks (8 B), where gathering the inner column chunks sends 24 B."""
+    src = placements(XY, (3, 8), ["S1", "S1"])  # columns padded 6 -> 8: 2 + 1 per x chunk
+    dst = placements(XY, (4, 6), ["S1", "S0"])  # rows padded 3 -> 4: 2 + 1
+    plan = plan_direct(src, (3, 8), [range(3), (0, 1, 2, 4, 5, 6)], dst, (4, 6), [range(3), range(6)], XY)
+    assert plan.steps[0].axes == ("y",) and plan.bytes_sent == dict.fromkeys(devices(XY), 8)
+    assert "padding never sent" in str(plan) and plan.shape == (3, 6)
+    with pytest.raises(LayoutError, match="true rows"):
+        plan_direct(src, (3, 8), [range(3), range(5)], dst, (4, 6), [range(3), range(6)], XY)
+    with pytest.raises(LayoutError, match="distinct indices below 8"):
+        plan_direct(src, (3, 8), [range(3), (0, 1, 2, 4, 5, 9)], dst, (4, 6), [range(3), range(6)], XY)
+
+
+@pytest.mark.parametrize("mesh", [XY, (("x", 2), ("y", 4))], ids=["2x2", "2x4"])
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**32 - 1), op=st.sampled_from(["sum", "max", "avg", "min"]))
+def test_alternatives_of_partial_sums_keep_the_reduction_and_stay_correct(mesh, seed, op):
+    rng = random.Random(seed)
+    shape = random_shape(rng, mesh)
+    src, dst = random_layout(rng, mesh, shape, partial=True), random_layout(rng, mesh, shape)
+    plans = plan_alternatives(src, dst, mesh, shape, partial=op)
+    assert plans[0] is plan_layouts(src, dst, mesh, shape, partial=op)
+    for plan in plans[1:]:
+        check_plan(src, dst, mesh, shape, partial=op, plan=plan)
+        assert plan.steps[0].reduce == op and plan.steps[0].kind == plans[0].steps[0].kind
