@@ -195,17 +195,16 @@ TORCH_TRANSITIONS = [
     ((2, 2), (2, 5), "S0 P", "S0 S0"), ((2, 2), (3, 6), "S1 S1", "S1 S0"), ((2, 4), (5, 5), "S1 P", "S0 S1"),
     ((2, 4), (9, 3), "S0 Pmin", "S0 S0"), ((2, 4), (2, 5), "S1 S0", "S1 S1"), ((2, 4), (5, 3), "S0 P", "S0 R"),
     ((2, 4), (2, 9), "S1 Pmax", "R S1"),
+    # found by the random differential against torch's NCCL path: one all-to-all-v over the 4
+    # devices loads the devices holding columns more than torch's route axis by axis
+    ((2, 2), (7, 2), "S1 S1", "R S0"), ((2, 2), (2, 5), "S1 S1", "R S0"), ((2, 2), (4, 1), "P S1", "R S0"),
 ]
 
 
 # Transitions where axedist is known to send more than torch DTensor, each with its reason
-# (docs/layout_inference.md, "Known limits").
-MOVES_MORE_THAN_TORCH = {
-    # (2,2) mesh, (3,6) [S1,S1] -> [S1,S0]: an uneven all-to-all over y. The planner all-gathers
-    # over y (24 B on the ranks holding two columns); torch on NCCL runs all_to_all (16 B). On gloo
-    # torch substitutes all_gather (32 B), so only the NCCL suite sees it (found 2026-11-21 on 4x H200).
-    23,
-}
+# (docs/layout_inference.md, "Known limits"). Empty: (3, 6) [S1, S1] -> [S1, S0] on 2x2 (index 23,
+# an uneven all-to-all over y, 8 B a device where torch on NCCL sends 16 B) was the last one.
+MOVES_MORE_THAN_TORCH: set = set()
 
 
 def _check_not_more_than_torch(ours, theirs, text, known_limit: bool) -> None:
@@ -324,3 +323,94 @@ def test_random_placements_match_torch_and_never_move_more(mesh_shape, data):
         assert all(r[0] for r in per_rank), (case, per_rank[0][3])
         ours, theirs = [r[1] for r in per_rank], [r[2] for r in per_rank]
         assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][3])
+
+
+# -- the uneven digit swap: true elements only, one all_to_all_single --------------------
+
+
+def _digit_swap(rank, world, device_type="cpu"):
+    """(3, 6) on 2x2, [S1, S1] -> [S1, S0]: values as torch's, the route and the bytes on the plan."""
+    same, ours, theirs, text, plans = _torch_case(*TORCH_TRANSITIONS[23], seed=23, device_type=device_type)
+    return same, ours, theirs, text
+
+
+def test_uneven_digit_swap_sends_only_true_elements():
+    """Index 23: torch on NCCL runs all_to_all of its padded (4, 2) piece (16 B a rank, counted on its
+    NCCL path here, as on GPUs); axedist sends each y-peer the 2 values it lacks (8 B), in one
+    all_to_all_single per y pair (the plan's bytes are what NCCL moves)."""
+    assert TORCH_TRANSITIONS[23] == ((2, 2), (3, 6), "S1 S1", "S1 S0")
+    results = run_on_ranks(_digit_swap, 4, timeout_s=60)
+    assert all(r[0] for r in results), results[0][3]
+    assert [r[1] for r in results] == [8] * 4, results[0][3]
+    assert [r[2] for r in results] == [16] * 4  # torch's NCCL path, not its gloo all-gather (32 B)
+    text = results[0][3]
+    assert "all_to_all_single on the mesh's ('y',) group" in text and "padding never sent" in text, text
+
+
+# -- a pending reduction reduced on some mesh axes, kept on the others -------------------
+
+KEEP_PARTIAL = [  # (mesh shape, target placements); the source is [Partial(op), Partial(op)]
+    ((2, 2), "R P"), ((2, 2), "S0 P"), ((2, 2), "P R"), ((2, 2), "P S1"),
+    ((2, 4), "R P"), ((2, 4), "S1 P"), ((2, 4), "P S0"), ((2, 4), "P R"), ((2, 4), "P S1"),
+]
+
+
+def _keep_partial(rank, world, cases, device_type="cpu"):
+    """Each case: axedist's local result against torch DTensor's and against the partial values
+    reduced over the dropped axis (element by element), then the rest reduced against the global op."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial, Replicate
+
+    from axedist.dtensor import _spec_from_placements
+
+    reduce = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0),
+              "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
+    out = []
+    for mesh_shape, d, shape, op, seed in cases:
+        mesh = DeviceMesh(device_type, mesh_shape, ("x", "y"))
+        me = mesh.coordinates()
+        g = torch.Generator().manual_seed(seed)
+        parts = torch.randint(-8, 8, (*mesh_shape, *shape), generator=g).to(torch.float32)  # [x, y, *shape]
+        dst_pl = [Partial(op) if p == "P" else _placement(p) for p in d.split()]
+        torch_mesh = mesh.to_torch()
+        torch_src = TorchDTensor.from_local(parts[me["x"], me["y"]].to(mesh.device), torch_mesh,
+                                            [Partial(op), Partial(op)], run_check=False)
+        want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
+        # redistribute(placements) keeps the summand count (dtensor's target spec); a layout target may drop some
+        spec = _spec_from_placements(shape, mesh, dst_pl)
+        with plan_executor.record() as ran:
+            got = ax.from_torch(torch_src).redistribute(spec.layout, padded_shape=spec.padded, reduce_op=op)
+        local = got.to_local()[0]
+        # reference: reduce over the mesh axis that is no longer partial, keep this device's kept summand
+        kept = 0 if d.split()[0] == "P" else 1
+        expected = reduce[op](parts.movedim(1 - kept, 0))[me["y" if kept else "x"]]
+        other, axis = d.split()[1 - kept], "y" if kept == 0 else "x"
+        if other.startswith("S"):
+            dim = int(other[1:])
+            chunks = torch.chunk(expected, mesh_shape[1 - kept], dim=dim)
+            k = me[axis]
+            expected = chunks[k] if k < len(chunks) else expected.narrow(dim, 0, 0)
+        full = got.redistribute([Replicate(), Replicate()]).to_local()
+        whole = reduce[op](parts.reshape(-1, *shape))
+        out.append((torch.allclose(local.cpu(), expected) and tuple(local.shape) == tuple(expected.shape),
+                    torch.allclose(local.cpu(), want.cpu()) and tuple(local.shape) == tuple(want.shape),
+                    torch.allclose(full.cpu(), whole), ran[0].bytes_sent(mesh), torch_bytes,
+                    ran[0].explain(mesh)))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
+@settings(max_examples=2)
+@given(data=st.data())
+def test_partial_reduced_on_some_axes_matches_torch(mesh_shape, data):
+    """[Partial, Partial] -> [Replicate | Shard(d), Partial] and back-to-front, every reduce op, uneven
+    shapes: values element by element, bytes never above torch DTensor's."""
+    targets = [d for m, d in KEEP_PARTIAL if m == mesh_shape]
+    cases = [(mesh_shape, d, (data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))),
+              data.draw(st.sampled_from(OPS)), data.draw(st.integers(0, 2**31 - 1))) for d in targets]
+    results = run_on_ranks(_keep_partial, math.prod(mesh_shape), args=(cases,), timeout_s=120)
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert all(r[0] and r[1] and r[2] for r in per_rank), (case, [r[:3] for r in per_rank], per_rank[0][5])
+        ours, theirs = [r[3] for r in per_rank], [r[4] for r in per_rank]
+        assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][5])

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from . import api
 from .backend import select_backend
 from ..layout import Iter, Layout, LayoutError, row_major_memory
-from ..layout_inference import Plan, Step, Transfer, buffer_size, plan_alternatives, plan_layouts
+from ..layout_inference import Plan, Step, Transfer, buffer_size, plan_alternatives, plan_direct, plan_layouts
 
 __all__ = [
     "execute_plan",
@@ -664,9 +664,15 @@ def _choose(steps: Sequence[Step], i: int, ctx: _Context):
         return _Reduce(step, ctx), 1
     if kind == "broadcast":
         return _Broadcast(step, ctx), 1
-    if kind in ("all_to_all", "all_to_all_v"):
+    if kind in ("all_to_all", "all_to_all_v") or (kind == "permute" and _is_swap(step, group)):
         return _AllToAll(step, ctx), 1
     return _PointToPoint(step, ctx), 1
+
+
+def _is_swap(step: Step, group) -> bool:
+    """Every member of a mesh-slice group sends to every other (a pair exchanging, e.g. an uneven
+    all-to-all over a 2-device axis): one ``all_to_all_single`` with split sizes, not send/recv."""
+    return len(group) > 1 and all((a, b) in step.messages for a in group for b in group if a != b)
 
 
 class _Program:
@@ -1320,6 +1326,49 @@ def _route_cost(plans) -> tuple:
     return (max(sent.values(), default=0), sum(sent.values()), sum(len(p.steps) for p in plans))
 
 
+@dataclass(frozen=True)
+class _SplitPending:
+    """A spec with a pending reduction, seen with two summand dims: (reduced, kept) (the kept
+    ones stay pending, in the order the target holds them). The same map, local buffer and
+    true local tensor as the spec it comes from; ``plan_for`` reduces its leading dim."""
+
+    mesh: object
+    layout: Layout
+    shape: tuple[int, ...]
+    full_shape: tuple[int, ...]
+    full_true: tuple[int, ...]
+    full_true_index: tuple
+    reduce_op: str
+    summands: int
+
+
+def _split_summands(src, dst) -> _SplitPending:
+    """``src``'s summand dim cut into (the summands ``dst`` no longer has, those it keeps).
+
+    The kept part is made of the source's summand iters that the target's summand dim has
+    (same axis, stride, extent), so kept summands stay where they are: ``[Partial, Partial]``
+    on 2x2 (summand iters ``2:1@x, 2:1@y``) to ``[Replicate, Partial]`` (``2:1@y``) reduces
+    over ``x`` and keeps ``y``; with no such match, the inner part of the summand dim is kept
+    and the plan moves it into the target's places.
+    """
+    summand = list(src.layout.blocks(src.full_shape)[0])
+    rest = [it for block in src.layout.blocks(src.full_shape)[1:] for it in block]
+    reduced, kept = list(summand), []
+    for it in dst.layout.blocks(dst.full_shape)[0]:
+        if it not in reduced:
+            kept = None
+            break
+        reduced.remove(it)
+        kept.append(it)
+    if kept is None or math.prod(it.extent for it in kept) != dst.summands:
+        outer, inner = Layout(summand).blocks((src.summands // dst.summands, dst.summands))
+        reduced, kept = list(outer), list(inner)
+    layout = Layout(reduced + kept + rest, src.layout.replica, src.layout.offset)
+    lead = (src.summands // dst.summands, dst.summands)
+    return _SplitPending(src.mesh, layout, src.shape, lead + tuple(src.full_shape[1:]), lead + tuple(src.full_true[1:]),
+                         (None, None) + tuple(src.full_true_index[1:]), src.reduce_op, lead[0])
+
+
 def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     """The cached ``Redistribution`` this rank runs for DTensor specs ``src -> dst`` (no data moves).
 
@@ -1336,8 +1385,12 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
         raise LayoutError(f"redistribute keeps the mesh and shape: {src} -> {dst}")
     reduce = src.reduce_op is not None and dst.reduce_op is None
     if dst.reduce_op is not None and (src.reduce_op, src.summands) != (dst.reduce_op, dst.summands):
-        raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from {src}; "
-                          f"use to_partial() on a tensor whose leading dim holds the summands")
+        if src.reduce_op != dst.reduce_op or src.summands % dst.summands:
+            raise LayoutError(f"cannot redistribute to a pending {dst.reduce_op} over {dst.summands} summands from "
+                              f"{src}; a pending reduction can keep part of its summands (the same op, a divisor of "
+                              f"their count), else use to_partial() on a tensor whose leading dim holds the summands")
+        # reduce some summands, keep the others pending: [Partial, Partial] -> [Replicate, Partial]
+        src, reduce = _split_summands(src, dst), True
     partial = src.reduce_op if reduce else None
     src_full, src_rows = src.full_shape, _true_rows(src)
     dst_full, dst_rows = dst.full_shape, _true_rows(dst)
@@ -1362,6 +1415,12 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
             candidates.append(((in_place.then(plans[0]), plans[1]), sides, box))
         plans, (gathered, middle, last), box = min(candidates, key=lambda c: _route_cost(c[0]))
         route = Redistribution(own_src, last, plans, (gathered, middle), src_box, dst_box, partial, box)
+        # or every true element straight from its holder into place: an all-to-all-v with no
+        # padding (an uneven digit swap: (3, 6) [S1, S1] -> [S1, S0] on 2x2 sends 8 B a device
+        # where gathering the inner chunks over y sends 24 B)
+        direct = plan_direct(src.layout, src_full, src_rows, dst.layout, dst_full, dst_rows, mesh, itemsize, partial)
+        if _route_cost((direct,)) < _route_cost(plans):
+            route = Redistribution(own_src, own_dst, (direct,), None, src_box, dst_box, partial)
     _ROUTES[key] = route
     while len(_ROUTES) > _PROGRAM_LIMIT:
         _ROUTES.popitem(last=False)
@@ -1417,12 +1476,30 @@ def torch_comm_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
 
     Bytes per collective in the direct model the planner uses: all-gather ``n*(g-1)``,
     reduce-scatter ``N*(g-1)/g``, all-reduce ``2*N*(g-1)/g``, all-to-all the input minus
-    the own chunk, broadcast ``n*(g-1)`` at the root.
+    the own chunk, broadcast ``n*(g-1)`` at the root. A shard-dim all-to-all counts as on NCCL
+    (``n*(g-1)/g`` of its padded input) also on CPU, where torch all-gathers instead: the bytes
+    are those of torch's NCCL path on every backend.
     """
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.distributed.tensor.debug import CommDebugMode
 
-    sent = [0]
+    import torch.distributed.tensor.placement_types as placement_types
+
+    sent, paused = [0], [0]
+    alltoall = placement_types.shard_dim_alltoall
+
+    def alltoall_as_on_nccl(input, gather_dim, shard_dim, mesh, mesh_dim):
+        # torch's CPU path all-gathers instead (gloo lacked alltoall when it was written); count what
+        # the NCCL path sends (the padded input but its own chunk), so a CPU test sees NCCL's bytes
+        if mesh.device_type != "cpu":
+            return alltoall(input, gather_dim, shard_dim, mesh, mesh_dim)
+        g = mesh.size(mesh_dim)
+        sent[0] += input.numel() * input.element_size() * (g - 1) // g
+        paused[0] += 1
+        try:
+            return alltoall(input, gather_dim, shard_dim, mesh, mesh_dim)
+        finally:
+            paused[0] -= 1
 
     def size_of(name) -> int:
         return _resolve_process_group(name).size() if isinstance(name, str) else name.size()
@@ -1432,7 +1509,8 @@ def torch_comm_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
             packet = getattr(func, "_overloadpacket", None)
             name = getattr(packet, "__name__", "")
             tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if tensor is not None and not any(issubclass(t, torch.distributed.tensor.DTensor) for t in types):
+            if tensor is not None and not paused[0] and \
+                    not any(issubclass(t, torch.distributed.tensor.DTensor) for t in types):
                 nbytes = tensor.numel() * tensor.element_size()
                 if name in ("all_gather_into_tensor", "all_gather_into_tensor_out"):
                     sent[0] += nbytes * (args[1] - 1)
@@ -1457,6 +1535,10 @@ def torch_comm_bytes(fn: Callable, *args, **kwargs) -> tuple[object, int]:
                     sent[0] += nbytes * (g - 1) if _resolve_process_group(args[2]).rank() == args[1] else 0
             return super().__torch_dispatch__(func, types, args, kwargs)
 
-    with _Counting():
-        result = fn(*args, **kwargs)
+    placement_types.shard_dim_alltoall = alltoall_as_on_nccl
+    try:
+        with _Counting():
+            result = fn(*args, **kwargs)
+    finally:
+        placement_types.shard_dim_alltoall = alltoall
     return result, sent[0]
