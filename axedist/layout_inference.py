@@ -86,6 +86,9 @@ How plans are derived
    elements, pick a holder per (element, target device) as above, and compress the
    element pairs into strided runs. Partial sums reduce each element at the target
    device holding most of its summands first.
+7. Two paddings of one tensor (``plan_direct``: uneven dims that torch chunks differently
+   on the two sides): one step sends each true element from its nearest holder straight
+   into place, from per-dim runs of rows; padding is never planned, so never sent.
 """
 
 from __future__ import annotations

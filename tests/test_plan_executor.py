@@ -351,7 +351,7 @@ def test_uneven_digit_swap_sends_only_true_elements():
 
 KEEP_PARTIAL = [  # (mesh shape, target placements); the source is [Partial(op), Partial(op)]
     ((2, 2), "R P"), ((2, 2), "S0 P"), ((2, 2), "P R"), ((2, 2), "P S1"),
-    ((2, 4), "R P"), ((2, 4), "S1 P"), ((2, 4), "P S0"), ((2, 4), "P R"), ((2, 4), "P S1"),
+    ((2, 4), "R P"), ((2, 4), "S1 P"), ((2, 4), "P S0"),
 ]
 
 
@@ -400,7 +400,7 @@ def _keep_partial(rank, world, cases, device_type="cpu"):
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)], ids=["2x2", "2x4"])
-@settings(max_examples=2)
+@settings(max_examples=1)
 @given(data=st.data())
 def test_partial_reduced_on_some_axes_matches_torch(mesh_shape, data):
     """[Partial, Partial] -> [Replicate | Shard(d), Partial] and back-to-front, every reduce op, uneven

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 
 from axedist.testing import run_on_ranks  # noqa: E402
 from test_plan_executor import (  # noqa: E402
-    MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, RANDOM_MESHES, TORCH_TRANSITIONS, _async, _named, _random_cases,
-    _torch_cases, _torch_differential, random_transitions,
+    KEEP_PARTIAL, MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, RANDOM_MESHES, TORCH_TRANSITIONS, _async, _digit_swap,
+    _keep_partial, _named, _random_cases, _torch_cases, _torch_differential, random_transitions,
 )
 
 GPUS = torch.cuda.device_count()
@@ -97,3 +97,29 @@ def test_random_placements_match_torch_nccl(world):
             assert all(r[0] for r in per_rank), (case, per_rank[0][3])
             ours, theirs = [r[1] for r in per_rank], [r[2] for r in per_rank]
             assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][3])
+
+
+@pytest.mark.skipif(4 not in WORLDS, reason="uses a 2x2 mesh")
+def test_uneven_digit_swap_nccl():
+    """(3, 6) [S1, S1] -> [S1, S0] on 2x2: one all_to_all_single per y pair moving the true
+    elements only (8 B a rank; torch DTensor's NCCL all_to_all of padded pieces: 16 B)."""
+    results = run_on_ranks(_digit_swap, 4, backend="nccl", args=("cuda",), timeout_s=300)
+    assert all(r[0] for r in results), results[0][3]
+    assert [r[1] for r in results] == [8] * 4 and [r[2] for r in results] == [16] * 4, results[0][3]
+    assert "all_to_all_single on the mesh's ('y',) group" in results[0][3], results[0][3]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_partial_reduced_on_some_axes_nccl(world):
+    """[Partial, Partial] -> [R | Shard(d), Partial] and back-to-front, seeded uneven shapes, every op."""
+    rng = random.Random(9000 + world)
+    cases = [(m, d, (rng.randint(1, 9), rng.randint(1, 9)), rng.choice(OPS), rng.randrange(2**31))
+             for m, d in KEEP_PARTIAL if math.prod(m) == world]
+    if not cases:
+        pytest.skip(f"no 2-D mesh of {world} devices")
+    results = run_on_ranks(_keep_partial, world, backend="nccl", args=(cases, "cuda"), timeout_s=300)
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert all(r[0] and r[1] and r[2] for r in per_rank), (case, [r[:3] for r in per_rank], per_rank[0][5])
+        ours, theirs = [r[3] for r in per_rank], [r[4] for r in per_rank]
+        assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][5])

@@ -24,7 +24,11 @@ The specs are read by attribute only (``mesh``, ``layout``, ``shape``, ``full_sh
 Padding (uneven shapes) is never sent: the planner plans on padded layouts, then the
 executor drops every transfer of a padded slot (``Plan.with_transfers``; realness follows
 the values step by step) and picks, among ``plan_alternatives`` (one gather step, or one
-per mesh axis in each order), the one whose real bytes are fewest (``Plan.cost``).
+per mesh axis in each order, or one step per changed mesh axis in each order), the one whose
+real bytes are fewest (``Plan.cost``). When the two sides pad a dim differently, a route that
+gathers and re-pads competes with ``plan_direct``: the true elements only, in one
+all-to-all-v. A pending reduction may keep part of its summands (``[Partial, Partial] ->
+[Replicate, Partial]``): the dropped ones are reduced, the kept ones stay in place.
 
 On CUDA (NCCL) a synchronous all-gather, reduce-scatter or all-reduce (sum/avg) calls
 ``axedist.collectives.api`` with ``backend="auto"``: its ``select_backend`` picks the
@@ -43,7 +47,8 @@ How each kind runs (``backend_notes`` returns this table per backend):
   ``all_reduce`` of the packed input; each rank unpacks every member's reduced chunk.
 * ``all_reduce``, ``reduce``, ``broadcast`` -> the collective of that name.
 * ``all_to_all``, ``all_to_all_v`` -> ``all_to_all_single`` with split sizes (reduced
-  afterwards when the step reduces); ``permute`` -> ``batch_isend_irecv``.
+  afterwards when the step reduces); so is a ``permute`` in which every member of a mesh
+  slice sends to every other (a pair swapping); other ``permute`` -> ``batch_isend_irecv``.
 * groups that are not whole slices of the mesh (``mesh_axis_groups == False``), uneven
   all-gathers and collectives whose packing the plan does not line up -> ``batch_isend_irecv``.
 * ``avg`` is a sum, divided by the number of values each slot received.
@@ -112,7 +117,7 @@ def backend_notes(backend: str) -> dict[str, str]:
         "broadcast": "broadcast",
         "all_to_all": "all_to_all_single",
         "all_to_all_v": "all_to_all_single with split sizes",
-        "permute": "batch_isend_irecv",
+        "permute": "batch_isend_irecv (all_to_all_single with split sizes when mesh-slice pairs swap)",
         "other groups": "batch_isend_irecv (groups that are not whole mesh slices)",
         "avg": "sum, then divided by the number of values per slot",
     }
@@ -664,15 +669,16 @@ def _choose(steps: Sequence[Step], i: int, ctx: _Context):
         return _Reduce(step, ctx), 1
     if kind == "broadcast":
         return _Broadcast(step, ctx), 1
-    if kind in ("all_to_all", "all_to_all_v") or (kind == "permute" and _is_swap(step, group)):
+    if kind in ("all_to_all", "all_to_all_v") or (kind == "permute" and _is_swap(step)):
         return _AllToAll(step, ctx), 1
     return _PointToPoint(step, ctx), 1
 
 
-def _is_swap(step: Step, group) -> bool:
-    """Every member of a mesh-slice group sends to every other (a pair exchanging, e.g. an uneven
-    all-to-all over a 2-device axis): one ``all_to_all_single`` with split sizes, not send/recv."""
-    return len(group) > 1 and all((a, b) in step.messages for a in group for b in group if a != b)
+def _is_swap(step: Step) -> bool:
+    """In every group, every member sends to every other (pairs exchanging, e.g. an uneven
+    all-to-all over a 2-device axis): one ``all_to_all_single`` with split sizes per group, not
+    send/recv. Decided over all groups, so every rank picks the same kind of call."""
+    return all(len(g) > 1 and all((a, b) in step.messages for a in g for b in g if a != b) for g in step.groups)
 
 
 class _Program:
