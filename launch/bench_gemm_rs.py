@@ -79,6 +79,9 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     world, rank = dist.get_world_size(), dist.get_rank()
     group_name = dist.group.WORLD.group_name
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
     torch.manual_seed(1234 + rank)
     results = []
     selected = [int(i) for i in args.only.split(",") if i] or None

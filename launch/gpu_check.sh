@@ -45,8 +45,8 @@ elif [[ $MODE == first ]]; then
     -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
 elif [[ $MODE == perf ]]; then  # fused GEMM+RS host path / push+defer, queued timing; collectives
   step smoke_w4 200 $PYTEST -x tests_multigpu/test_gemm_rs.py \
-    -k "fp32_reference_bf16 or back_to_back or compiled_launcher or never_signals"
-  step bench_gemm_rs_w4 260 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 20 --configs ${CONFIGS:-0,1,2,3,4} --out "$RESULTS"
+    -k "fp32_reference_bf16 or back_to_back or compiled_launcher or never_signals or every_candidate"
+  step bench_gemm_rs_w4 260 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 20 --configs ${CONFIGS:-0,1,3,5,6} --out "$RESULTS"
   step bench_collectives_w4 130 torchrun --nproc_per_node=4 launch/bench_collectives.py --reps 30 --out "$RESULTS"
 else
   step pytest_w4 200 $PYTEST -x tests_multigpu

@@ -217,6 +217,8 @@ def _fused_signature(tma, transposed, config, dtype="bf16"):
         signature["b_desc"] = (f"tensordesc<{dtype}[{config.block_n}, {config.block_k}]>" if transposed
                                else f"tensordesc<{dtype}[{config.block_k}, {config.block_n}]>")
     signature.update(a_ptr=f"*{dtype}", b_ptr=f"*{dtype}", part_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+    if config.tma_push and tma:
+        signature.update({f"P{i}": f"tensordesc<{dtype}[{config.block_m}, {config.block_n}]>" for i in range(8)})
     for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
         signature[name] = "i64"
     signature.update(counter_ptr="*i32", task_base="i32", abort_ptr="*i32", error_address="i64",
@@ -233,11 +235,15 @@ def _compile_fused(tma=True, transposed=False, multimem=False, gemm_only=False, 
                       GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=tma,
                       B_TRANSPOSED=transposed, MODE=1 if gemm_only else 0, MULTIMEM=multimem,
                       ALIGNED=True, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
-                      DEFER=config.defer_release, SCOPE="sys", PUSH=config.push and not multimem)
+                      DEFER=config.defer_release, SCOPE="sys", PUSH=config.push and not multimem,
+                      TMA_PUSH=config.tma_push and tma)
     if not tma:
         constexprs.update(a_desc=None, b_desc=None)
+    signature = _fused_signature(tma, transposed, config, dtype)
+    if not constexprs["TMA_PUSH"]:
+        constexprs.update({f"P{i}": None for i in range(8)})
     return compile_for_target(
-        gemm_rs.gemm_reduce_scatter_kernel, _fused_signature(tma, transposed, config, dtype), constexprs,
+        gemm_rs.gemm_reduce_scatter_kernel, signature, constexprs,
         divisible_by_16=["a_ptr", "b_ptr", "part_ptr", "out_ptr", "N", "K", "stride_am", "stride_bk"],
         num_warps=config.warps, num_stages=config.stages)
 
@@ -504,6 +510,17 @@ def test_push_with_deferred_release_compiles_and_releases_system_scope():
     ptx = _compile_fused(config=gemm_rs.GemmConfig(push=True, defer_release=True)).asm["ptx"]
     assert "st.release.sys.global.b32" in ptx and "ld.acquire.sys.global.b32" in ptx
     assert ptx.count("st.global.v4") >= 8
+
+
+def test_tma_push_variant_stores_tiles_asynchronously_and_waits_before_each_release():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    for config in [c for c in gemm_rs.CANDIDATES if c.tma_push]:
+        kernel = _compile_fused(config=config)
+        ptx = kernel.asm["ptx"]
+        assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, config   # the TMA tile stores
+        assert "cp.async.bulk.wait_group 0" in ptx and "st.release.sys.global.b32" in ptx
+        assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
 
 
 def test_launch_cache_key_separates_every_specialization():

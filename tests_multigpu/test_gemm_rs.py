@@ -67,32 +67,37 @@ def body_configs(rank, world):
     from axedist.collectives import gemm_reduce_scatter
     from axedist.kernels import gemm_rs
     failures = []
-    m, n, k = 300 * world, 1000, 520
-    for config in gemm_rs.CANDIDATES:
+    # the second shape is whole row tiles, so the TMA-push candidates take their TMA path
+    for (m, n, k), config in [(shape, config) for shape in ((300 * world, 1000, 520), (256 * world, 1024, 512))
+                              for config in gemm_rs.CANDIDATES]:
         gemm_rs.remember_config(gemm_rs.shape_key(m, n, k, world, torch.bfloat16), config)
         a, b = _inputs(rank, m, n, k, torch.bfloat16, 5, False)
         out = torch.full((m // world, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         gemm_reduce_scatter(a, b, None, backend="p2p", out=out, check=True)
         error = _rel_error(out, _reference(a, b, rank, world))
         if not error <= 1e-2:
-            failures.append(f"config {config}: rel error {error:.2e}")
+            failures.append(f"config {config} M={m}: rel error {error:.2e}")
         only = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         from axedist.collectives.fused import gemm_only
         gemm_only(a, b, world, config, out=only)
         error = _rel_error(only, a.float() @ b.float())
         if not error <= 1e-2:
-            failures.append(f"gemm-only {config}: rel error {error:.2e}")
+            failures.append(f"gemm-only {config} M={m}: rel error {error:.2e}")
     return failures
 
 
-def body_back_to_back(rank, world, calls, push=False):
-    """Calls of alternating shapes with no host sync in between (epochs, no memset)."""
+STYLES = {"pull": {}, "push": dict(push=True), "tma": dict(push=True, defer_release=True, tma_push=True)}
+
+
+def body_back_to_back(rank, world, calls, style="pull"):
+    """Calls of alternating shapes with no host sync in between (epochs, no memset). With the
+    TMA style, the second shape (chunks of 64 rows) takes the masked-store path."""
     from axedist.collectives import gemm_reduce_scatter
     from axedist.kernels import gemm_rs
     shapes = [(128 * world, 1024, 512), (64 * world, 520, 256), (256 * world, 2048, 1024)]
     for m, n, k in shapes:
         key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
-        gemm_rs.remember_config(key, gemm_rs.GemmConfig(push=push))
+        gemm_rs.remember_config(key, gemm_rs.GemmConfig(**STYLES[style]))
     pending = []
     for call in range(calls):
         m, n, k = shapes[call % len(shapes)]
@@ -206,9 +211,9 @@ def test_every_candidate_config_and_gemm_only_mode():
     assert results == [[]] * WORLD, results
 
 
-@pytest.mark.parametrize("push", [False, True])
-def test_back_to_back_calls_without_sync(push):
-    results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(24, push), timeout_s=600)
+@pytest.mark.parametrize("style", list(STYLES))
+def test_back_to_back_calls_without_sync(style):
+    results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(24, style), timeout_s=600)
     assert results == [[]] * WORLD, results
 
 

@@ -114,6 +114,7 @@ class SymmetricWorkspace:
         self._set_layout(self.bases, data_bytes)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.counter_base = 0
+        self._peer_views: dict[tuple, torch.Tensor] = {}
         self.broken = ""
         self.retired = False  # set when replaced: plans holding it rebuild (p2p.CallPlan)
         self.last_op = ""
@@ -176,6 +177,19 @@ class SymmetricWorkspace:
         if size > self.data_bytes:
             raise ValueError(f"{size} bytes do not fit the workspace half of {self.data_bytes}")
         return self.tensor[offset:offset + size].view(dtype)
+
+    def peer_data(self, peer: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """Rank `peer`'s data half as a flat tensor of this process (its memory is mapped here):
+        what host-built TMA descriptors of remote stores are made from."""
+        key = (peer, half, dtype, numel)
+        cached = self._peer_views.get(key)
+        if cached is None:
+            offset = self.data_offset(half)
+            if numel * dtype.itemsize > self.data_bytes or offset % dtype.itemsize:
+                raise ValueError(f"{numel} {dtype} elements do not fit the workspace half")
+            cached = self._peer_views[key] = self.handle.get_buffer(
+                peer, (numel,), dtype, offset // dtype.itemsize)
+        return cached
 
     def error_address(self) -> int:
         return self.error.data_ptr()

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from . import schedule
-from .primitives import (load_reduce, peer_pointers, pick, st_release_gpu, st_release_sys,
-                         wait_flag)
+from .primitives import (bulk_stores_complete, load_reduce, peer_pointers, pick, st_release_gpu,
+                         st_release_sys, wait_flag)
 
 
 @triton.jit
@@ -101,8 +101,36 @@ def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
 
 
 @triton.jit
-def _release(F0, F1, F2, F3, F4, F5, F6, F7, owner, flag, epoch, SCOPE: tl.constexpr):
-    """Publish `flag` (= epoch) in the flag array of rank `owner`, after the tile's stores."""
+def _tma_store_to(owner, P0, P1, P2, P3, P4, P5, P6, P7, row, col, tile,
+                  WORLD: tl.constexpr):
+    """TMA store of `tile` at [row, col] of rank `owner`'s push buffer (descriptor P<owner>).
+    The store is asynchronous: the copy engine of the SM drains it over NVLink while the
+    program goes on; bulk_stores_complete waits for it before the tile's flag is released."""
+    if owner == 0:
+        P0.store([row, col], tile)
+    elif owner == 1:
+        P1.store([row, col], tile)
+    elif (WORLD > 2) and (owner == 2):
+        P2.store([row, col], tile)
+    elif (WORLD > 3) and (owner == 3):
+        P3.store([row, col], tile)
+    elif (WORLD > 4) and (owner == 4):
+        P4.store([row, col], tile)
+    elif (WORLD > 5) and (owner == 5):
+        P5.store([row, col], tile)
+    elif (WORLD > 6) and (owner == 6):
+        P6.store([row, col], tile)
+    elif WORLD > 7:
+        P7.store([row, col], tile)
+
+
+@triton.jit
+def _release(F0, F1, F2, F3, F4, F5, F6, F7, owner, flag, epoch, SCOPE: tl.constexpr,
+             BULK: tl.constexpr = False):
+    """Publish `flag` (= epoch) in the flag array of rank `owner`, after the tile's stores
+    (BULK: the program's TMA stores too)."""
+    if BULK:
+        bulk_stores_complete(flag)
     tl.debug_barrier()  # every thread's stores of the tile precede thread 0's release
     own_flags = pick(owner, F0, F1, F2, F3, F4, F5, F6, F7)
     if SCOPE == "gpu":
@@ -120,6 +148,7 @@ FUSED, GEMM_ONLY, GEMM_AND_SIGNAL, NO_MATH = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["rank", "epoch", "task_base", "timeout_ns", "lag"])
 def gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, part_ptr, out_ptr,
+        P0, P1, P2, P3, P4, P5, P6, P7,
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         counter_ptr, task_base, abort_ptr, error_address, timeout_ns,
@@ -129,7 +158,7 @@ def gemm_reduce_scatter_kernel(
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MODE: tl.constexpr, MULTIMEM: tl.constexpr,
         ALIGNED: tl.constexpr, REDUCE_ROWS: tl.constexpr, DEFER: tl.constexpr,
-        SCOPE: tl.constexpr, PUSH: tl.constexpr):
+        SCOPE: tl.constexpr, PUSH: tl.constexpr, TMA_PUSH: tl.constexpr):
     """PUSH (p2p only): a GEMM tile is stored straight into its owner's workspace (slot of this
     rank: [W sources, M/W rows, N]) and its flag released in the owner's flag array; reduce
     tasks then wait on local flags and sum local slots. Remote stores are posted writes, so
@@ -137,7 +166,12 @@ def gemm_reduce_scatter_kernel(
     DEFER: release a GEMM tile's flag only after the NEXT tile's main loop (its stores, local or
     remote, have drained by then, so the system-scope fence is cheap), and always before a
     reduce task or the end, so no program holds an unreleased flag while it waits (deadlock
-    freedom holds). `pending` is the held flag, `pending_owner` the rank whose array holds it."""
+    freedom holds). `pending` is the held flag, `pending_owner` the rank whose array holds it.
+    TMA_PUSH (with PUSH; the host sets it only when M_CHUNK % BM == 0, so a tile never crosses
+    into the next source's slot): the remote tile store is a TMA store through descriptor
+    P<owner> of the owner's push buffer [W * M_CHUNK, N], asynchronous, so the program starts
+    its next tile while NVLink drains the last one (with DEFER, usually already drained when
+    the flag is released)."""
     ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
     tiles_m = tl.cdiv(M_CHUNK, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -170,22 +204,28 @@ def gemm_reduce_scatter_kernel(
                                          STAGES, USE_TMA, B_TRANSPOSED)
             if DEFER:
                 if pending >= 0:
-                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE,
+                             TMA_PUSH)
             rows = row0 + tl.arange(0, BM)
             # rows past the chunk belong to the next chunk's tiles: never write them
             mask = (rows[:, None] < (chunk + 1) * M_CHUNK) & (cols[None, :] < N)
             if PUSH and MODE != 1:
-                slot_rows = rank * M_CHUNK + rows - chunk * M_CHUNK
-                destination = peer_pointers(pick(chunk, D0, D1, D2, D3, D4, D5, D6, D7),
-                                            slot_rows[:, None] * N + cols[None, :], ELEMENT,
-                                            ALIGNED)
-                tl.store(destination, accumulator.to(ELEMENT), mask=mask)
+                if TMA_PUSH:
+                    _tma_store_to(chunk, P0, P1, P2, P3, P4, P5, P6, P7,
+                                  rank * M_CHUNK + tile_m * BM, col0, accumulator.to(ELEMENT),
+                                  WORLD)
+                else:
+                    slot_rows = rank * M_CHUNK + rows - chunk * M_CHUNK
+                    destination = peer_pointers(pick(chunk, D0, D1, D2, D3, D4, D5, D6, D7),
+                                                slot_rows[:, None] * N + cols[None, :], ELEMENT,
+                                                ALIGNED)
+                    tl.store(destination, accumulator.to(ELEMENT), mask=mask)
                 if DEFER:
                     pending = rank * rounds + round_
                     pending_owner = chunk
                 else:
                     _release(F0, F1, F2, F3, F4, F5, F6, F7, chunk, rank * rounds + round_,
-                             epoch, SCOPE)
+                             epoch, SCOPE, TMA_PUSH)
             else:
                 tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
                          mask=mask)
@@ -199,7 +239,8 @@ def gemm_reduce_scatter_kernel(
         else:
             if DEFER:
                 if pending >= 0:
-                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE,
+                             TMA_PUSH)
                 pending = pending * 0 - 1
             if PUSH:
                 own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
@@ -236,7 +277,10 @@ def gemm_reduce_scatter_kernel(
         task = tl.atomic_add(counter_ptr, 1) - task_base
     if DEFER:
         if pending >= 0:
-            _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE)
+            _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE,
+                     TMA_PUSH)
+    if TMA_PUSH:
+        bulk_stores_complete(task)  # no TMA store may outlive the kernel unfinished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +300,14 @@ class GemmConfig:
     # p2p: producers store tiles into the owner's buffer (remote stores) instead of owners
     # pulling them (remote loads); not with multimem (its load-reduce reads every peer)
     push: bool = False
+    # push: remote tile stores as asynchronous TMA stores (where the chunk is a whole number
+    # of row tiles and rows are 16-byte multiples; masked stores elsewhere)
+    tma_push: bool = False
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
-                f"{'/push' if self.push else ''}")
+                f"{'/push' if self.push else ''}{'/tma' if self.tma_push else ''}")
 
 
 CANDIDATES = (
@@ -269,6 +316,8 @@ CANDIDATES = (
     GemmConfig(64, 256, 64, 8, 4, 4, push=True),
     GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True),
     GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, tma_push=True),
+    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True, tma_push=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
@@ -375,8 +424,24 @@ _processors: dict[int, int] = {}
 # compiled kernel per specialization (see _specialization): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
 _launches: dict[tuple, object] = {}
-_CONSTEXPRS = ("WORLD", "BM", "BN", "BK", "GROUP_M", "STAGES", "USE_TMA", "B_TRANSPOSED", "MODE",
-               "MULTIMEM", "ALIGNED", "REDUCE_ROWS", "DEFER", "SCOPE", "PUSH")
+_push_descriptor_cache: dict[tuple, tuple] = {}
+
+
+def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
+                      config: GemmConfig, dtype: torch.dtype) -> tuple:
+    """TMA descriptors of every rank's push buffer [W * M_CHUNK, N] in data half `half` (eight,
+    the unused ones repeating rank 0's), built once per workspace, half and shape."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    key = (id(workspace), half, world, m_chunk, n, config.block_m, config.block_n, dtype)
+    cached = _push_descriptor_cache.get(key)
+    if cached is None:
+        views = [workspace.peer_data(peer, half, dtype, world * m_chunk * n).view(world * m_chunk, n)
+                 for peer in range(world)]
+        descriptors = [TensorDescriptor.from_tensor(view, [config.block_m, config.block_n])
+                       for view in views]
+        cached = _push_descriptor_cache[key] = tuple(descriptors + [descriptors[0]] * (8 - world))
+    return cached
 
 
 def _specialization(ops: _Operands, tensors: tuple, timeout_ns: int, constexprs: tuple,
@@ -452,6 +517,10 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         lag_waves = 2.5 if config.defer_release else 1.5
     lag = schedule.choose_lag(rounds, world, programs, lag_waves)
     push = config.push and not multimem and mode != GEMM_ONLY
+    tma_push = (push and config.tma_push and use_tma and m_chunk % config.block_m == 0
+                and (ops.n * element) % 16 == 0)
+    peers = (_push_descriptors(workspace, half, world, m_chunk, ops.n, config, ops.a.dtype)
+             if tma_push else (None,) * 8)
     stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
     constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
@@ -459,8 +528,8 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         B_TRANSPOSED=ops.b_transposed and use_tma, MODE=mode, MULTIMEM=multimem,
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
-        PUSH=push)
-    args = (a_desc, ops.a, b_desc, ops.b, part, out, *data, multicast, *flags,
+        PUSH=push, TMA_PUSH=tma_push)
+    args = (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
             counter, task_base, abort, error_address, timeout_ns,
             ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
             rank, epoch, lag)

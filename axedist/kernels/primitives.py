@@ -57,6 +57,17 @@ def fence_acq_rel_sys(dummy):
 
 
 @triton.jit
+def bulk_stores_complete(dummy):
+    """Wait until this thread's TMA (cp.async.bulk) stores have completed -- their writes
+    performed, not only their shared-memory source read -- then order them before the thread's
+    later generic-proxy accesses. Every thread runs it; only the thread that issued the stores
+    has groups to wait for. Call before the CTA barrier that precedes a flag release."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [dummy],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def st_relaxed_sys(address, value):
     """Store one int32 (relaxed, system scope) from thread 0 only: a release of every thread's
     earlier stores when each thread ran fence_acq_rel_sys and then a CTA barrier."""
