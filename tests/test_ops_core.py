@@ -56,11 +56,10 @@ def _behaviours(rank, world, seed):
         w = dy.clone()
         w.renorm_(2, 1, 1.0)
     assert w.placements == (Shard(1),) and torch.allclose(w.full_tensor(), y.clone().renorm_(2, 1, 1.0))
-    # in-place that would need self's layout to change: a clear error
-    p = distribute(x, mesh, [Replicate()]).redistribute([Partial()]) if False else \
-        DTensor.from_local(_rand((7, 5), seed + rank), mesh, [Partial()])
-    with pytest.raises(RuntimeError, match="in-place"):
-        p.exp_()
+    # a non-affine in-place op on a pending sum applies the sum in self's buffer first
+    p = DTensor.from_local(_rand((7, 5), seed + rank), mesh, [Partial()])
+    full_p = sum(_rand((7, 5), seed + r) for r in range(world))
+    assert p.exp_() is p and p.placements == (Replicate(),) and torch.allclose(p.full_tensor(), full_p.exp())
     # out=
     out = distribute(torch.zeros(7, 5, dtype=torch.float64), mesh, [Shard(1)])
     r = torch.add(dx, dy, out=out)

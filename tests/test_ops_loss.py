@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.ops.dispatch import fallback_ops
-from axedist.testing import RankError, run_on_ranks
+from axedist.testing import run_on_ranks
 
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 REDUCTIONS = ("none", "mean", "sum")
@@ -42,10 +42,9 @@ def _loss_case(rank, world_size, mesh_name, seed, spatial, smoothing=0.0):
     mesh = DeviceMesh("cpu", *MESHES[mesh_name])
     g = torch.Generator().manual_seed(seed)
     logits, target, weight = _case(g, spatial, smoothing)
-    # label smoothing over class-sharded logits: see test_label_smoothing_class_sharded
-    dims = [d for d in range(logits.dim()) if not (smoothing and d == 1)]
-    options = [[Shard(1) if not smoothing else Shard(0)] * mesh.ndim, [Replicate()] * mesh.ndim] + \
-        [list(p) for p in itertools.product([Shard(d) for d in dims] + [Replicate()], repeat=mesh.ndim)]
+    options = [[Shard(1)] * mesh.ndim, [Replicate()] * mesh.ndim] + \
+        [list(p) for p in itertools.product([Shard(d) for d in range(logits.dim())] + [Replicate()],
+                                            repeat=mesh.ndim)]
     picks = [options[0], options[1]] + [options[2 + j] for j in torch.randperm(len(options) - 2, generator=g)[:3]]
     checked = 0
     for reduction in REDUCTIONS:
@@ -87,25 +86,31 @@ def test_cross_entropy(mesh_name, world_size, spatial, seed, smoothing):
     assert counts[0] >= 9  # 3 reductions x at least 3 placements
 
 
-@pytest.mark.xfail(strict=True, raises=RankError,
-                   reason="label smoothing runs masked_fill_(ignored, 0) in place on the class sum, a Partial(sum); "
-                          "ops/pointwise.py's rule asks for Replicate, which an in-place op cannot do (a zero fill "
-                          "of a pending sum could stay partial)")
-def test_label_smoothing_class_sharded():
-    seed = int(torch.randint(0, 2**31 - 1, (1,)))
-
-    run_on_ranks(_smoothing_class_sharded_case, 2, args=(seed,))
-
-
 def _smoothing_class_sharded_case(rank, world_size, seed):
+    """Label smoothing over class-sharded logits: the class sum of log-probabilities is a
+    pending sum that ``masked_fill_(ignored, 0)`` keeps pending (in place, on every rank)."""
     mesh = DeviceMesh("cpu", (world_size,))
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(4, 7, dtype=torch.float64, generator=g)
-    target = torch.randint(0, 7, (4,), generator=g)
-    want = F.cross_entropy(logits, target, label_smoothing=0.1)
-    x = distribute(logits, mesh, [Shard(1)])
+    classes = int(torch.randint(world_size + 1, 3 * world_size, (1,), generator=g))
+    logits = torch.randn(5, classes, dtype=torch.float64, generator=g)
+    target = torch.randint(0, classes, (5,), generator=g)
+    target[int(torch.randint(0, 5, (1,), generator=g))] = -100
+    reference = logits.clone().requires_grad_()
+    want = F.cross_entropy(reference, target, label_smoothing=0.1)
+    want.backward()
+    x = distribute(logits, mesh, [Shard(1)]).requires_grad_()
     loss = F.cross_entropy(x, distribute(target, mesh, [Replicate()]), label_smoothing=0.1)
+    assert loss.placements == (Partial("sum"),), loss.placements
+    loss.backward()
     torch.testing.assert_close(loss.full_tensor(), want)
+    torch.testing.assert_close(x.grad.full_tensor(), reference.grad)
+    return x.grad.placements
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_label_smoothing_class_sharded(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    assert run_on_ranks(_smoothing_class_sharded_case, world_size, args=(seed,)) == [(Shard(1),)] * world_size
 
 
 def _vocab_parallel_case(rank, world_size, seed):

@@ -90,12 +90,18 @@ def _layer_norm(rank, world_size, mesh_name, seed):
     return True
 
 
-def _rms_norm_sharded_hidden(rank, world_size):
-    mesh = mesh_of("2")
-    g = torch.Generator().manual_seed(4)
-    X, W = rand(g, 3, 6), rand(g, 6)
-    check(lambda x, w: F.rms_norm(x, (6,), w, eps=1e-6), [(X, [Shard(1)]), (W, [Replicate()])], mesh, 0, g,
-          "rms_norm over a sharded hidden dim")
+def _rms_norm_sharded_hidden(rank, world_size, mesh_name, seed):
+    """F.rms_norm on CPU decomposes into ``x.pow(2).mean(-1, keepdim=True).add_(eps)``: over a
+    sharded hidden dim the mean is a pending sum, and add_ keeps it pending (eps on one rank)."""
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    rows, hidden = randint(g, 1, 6), randint(g, 2, 11)
+    X, W = rand(g, rows, hidden), rand(g, hidden)
+    R = [Replicate()] * mesh.ndim
+    sets = [[Shard(1)]] if mesh.ndim == 1 else [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Replicate(), Shard(1)]]
+    for xp in sets:
+        check(lambda x, w: F.rms_norm(x, (hidden,), w, eps=1e-6), [(X, xp), (W, R)], mesh, seed, g,
+              f"rms_norm over a sharded hidden dim, {xp}")
     return True
 
 
@@ -225,8 +231,9 @@ def test_layer_norm_backward_keeps_a_pending_gradient():
     assert run_on_ranks(_layer_norm_backward_pending_grad, 4) == [True] * 4
 
 
-@pytest.mark.xfail(strict=True, reason="known limit outside norm.py: F.rms_norm on CPU decomposes into "
-                                       "x.pow(2).mean(-1, keepdim=True).add_(eps); over a sharded hidden dim the mean "
-                                       "is a pending sum, and the dispatcher cannot apply it in place for add_")
-def test_rms_norm_decomposition_over_a_sharded_hidden_dim():
-    assert run_on_ranks(_rms_norm_sharded_hidden, 2) == [True] * 2
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_decomposition_over_a_sharded_hidden_dim(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_rms_norm_sharded_hidden, world, args=(mesh_name, seed)) == [True] * world

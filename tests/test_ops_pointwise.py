@@ -1,13 +1,16 @@
-"""Elementwise ops on DTensors vs the same ops on full tensors (fp64, uneven shapes, 1-D and 2x2 meshes)."""
+"""Elementwise ops on DTensors vs the same ops on full tensors (fp64, uneven shapes, 1-D and 2x2 meshes),
+in-place ops on pending values (Partial sum/avg/max/min) included."""
 
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import Replicate, Shard
+from hypothesis import Phase, given, settings, strategies as st
+from ops_cases import MESHES, WORLD, check, close, make, mesh_of, rand, randint, sample_sets
+from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import distribute
+from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
@@ -61,3 +64,138 @@ def _pointwise(rank, world, two_d, seed):
 @pytest.mark.parametrize("world,two_d", [(2, False), (4, False), (4, True)])
 def test_pointwise_matches_full(world, two_d):
     run_on_ranks(_pointwise, world, args=(two_d, random.randrange(10**6)))
+
+
+# ---------------------------------------------------------------------------
+# In-place ops on pending values (Partial sum/avg/max/min)
+# ---------------------------------------------------------------------------
+
+ONE_EXAMPLE = dict(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+EVERY_OP = ("sum", "avg", "max", "min")
+
+# name, the in-place op (x, r: a replicated row, m: a mask, s: a tensor like x), the pending ops
+# it keeps exactly (any other is applied first, in x's own buffer: x turns Replicate there)
+INPLACE_CASES = [
+    ("add_ number", lambda x, r, m, s: x.add_(1.25), EVERY_OP),
+    ("sub_ row, alpha", lambda x, r, m, s: x.sub_(r, alpha=0.5), EVERY_OP),
+    ("add_ 0-dim tensor", lambda x, r, m, s: x.add_(torch.tensor(-0.75, dtype=torch.float64)), EVERY_OP),
+    ("masked_fill_ 0", lambda x, r, m, s: x.masked_fill_(m, 0.0), EVERY_OP),
+    ("masked_fill_ v", lambda x, r, m, s: x.masked_fill_(m, -1.5), EVERY_OP),
+    ("fill_", lambda x, r, m, s: x.fill_(2.0), EVERY_OP),
+    ("copy_", lambda x, r, m, s: x.copy_(s), EVERY_OP),
+    ("mul_ positive", lambda x, r, m, s: x.mul_(2.5), EVERY_OP),
+    ("div_ positive", lambda x, r, m, s: x.div_(4.0), EVERY_OP),
+    ("mul_ negative", lambda x, r, m, s: x.mul_(-2.0), ("sum", "avg")),
+    ("mul_ row", lambda x, r, m, s: x.mul_(r), ("sum", "avg")),
+    ("clamp_", lambda x, r, m, s: x.clamp_(-0.5, 0.75), ("max", "min")),
+    ("exp_", lambda x, r, m, s: x.exp_(), ()),
+    ("pow_", lambda x, r, m, s: x.pow_(2), ()),
+]
+
+
+def _pending(full, mesh, placements, seed):
+    """``full`` as a pending value in ``placements`` (ops_cases.make, plus avg: summands
+    whose mean is ``full``)."""
+    ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
+    if ops != {"avg"}:
+        return make(full, mesh, placements, seed)
+    partial = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    k, mine = 1, 0
+    for i in partial:
+        k *= mesh.shape[i]
+        mine = mine * mesh.shape[i] + mesh.coordinates()[mesh.axis_names[i]]
+    noise = rand(torch.Generator().manual_seed(seed + 7), k, *full.shape)
+    local = full + noise[mine] - noise.mean(0)
+    base = [p if isinstance(p, Partial) else Replicate() for p in placements]
+    return DTensor.from_local(local.contiguous(), mesh, base).redistribute(placements)
+
+
+def _inplace_on_pending(rank, world, mesh_name, seed):
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = randint(g, 3, 8), randint(g, 2, 7)  # mostly uneven over 2 and 4
+    X, R, S = rand(g, rows, cols), rand(g, cols), rand(g, rows, cols)
+    M = rand(g, rows, cols) > 0
+    checked = 0
+    for op in EVERY_OP:
+        options = [Partial(op), Shard(0), Shard(1), Replicate()]
+        sets = [p for p in sample_sets(mesh, options, g, k=8) if any(isinstance(q, Partial) for q in p)]
+        for xp in sets[:3]:
+            whole = [Replicate() if isinstance(p, Partial) else p for p in xp]
+            r = distribute(R, mesh, [Replicate()] * mesh.ndim)
+            m, s = distribute(M, mesh, whole), distribute(S, mesh, whole)
+            for name, fn, keeps in INPLACE_CASES:
+                x = _pending(X, mesh, xp, seed)
+                want = fn(X.clone(), R, M, S)
+                got = fn(x, r, m, s)
+                what = f"{name} on {xp}"
+                assert got is x, what
+                expected = tuple(xp) if op in keeps else tuple(whole)
+                assert x.placements == expected, f"{what}: {x.placements}, expected {expected}"
+                close(x, want, what)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_inplace_on_pending_values(mesh_name, seed):
+    """Each in-place op on a Partial sum/avg/max/min equals the op on the full tensor; it keeps
+    the pending value where that is exact, and otherwise turns self Replicate on those axes."""
+    counts = run_on_ranks(_inplace_on_pending, WORLD[mesh_name], args=(mesh_name, seed))
+    assert counts[0] >= 4 * len(INPLACE_CASES), counts
+
+
+def _inplace_pending_backward(rank, world, mesh_name, seed):
+    """Gradients through in-place ops on a pending sum made inside the graph (the sum of squares
+    over a sharded dim, as in RMS norm), against the same code on plain tensors."""
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = randint(g, 2, 7), randint(g, 3, 9)
+    X, R = rand(g, rows, cols), rand(g, 1)
+    mask = rand(g, rows, 1) > 0
+    bodies = {
+        "add_ eps then rsqrt": lambda y, r: y.add_(1e-3).rsqrt(),
+        "masked_fill_ 0": lambda y, r: y.masked_fill_(_like(mask, y), 0.0) * 2,
+        "masked_fill_ v": lambda y, r: y.masked_fill_(_like(mask, y), 3.0).sqrt(),
+        "sub_ a replicated value, mul_": lambda y, r: y.sub_(r).mul_(0.5),
+        "exp_": lambda y, r: y.div_(cols).exp_(),
+    }
+    layouts = [[Shard(1)]] if mesh.ndim == 1 else [[Shard(0), Shard(1)], [Shard(1), Shard(1)], [Shard(1), Replicate()]]
+    for xp in layouts:
+        for name, body in bodies.items():
+            def fn(x, r, body=body):
+                y = (x * x).sum(-1, keepdim=True)  # a pending sum where x's columns are sharded
+                return x * body(y, r) * r
+
+            check(fn, [(X, xp), (R, [Replicate()] * mesh.ndim)], mesh, seed, g, f"{name} on {xp}")
+    return True
+
+
+def _like(mask, y):
+    """The plain mask, or the same mask as a replicated DTensor when ``y`` is one."""
+    if isinstance(y, DTensor):
+        return distribute(mask, y.mesh, [Replicate()] * y.mesh.ndim)
+    return mask
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_inplace_on_pending_sum_backward(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_inplace_pending_backward, world, args=(mesh_name, seed)) == [True] * world
+
+
+def _inplace_on_pending_view(rank, world):
+    mesh = DeviceMesh("cpu", (world,))
+    p = DTensor.from_local(torch.randn(4, 3, dtype=torch.float64), mesh, [Partial()])
+    v = p.view(12)
+    with pytest.raises(RuntimeError, match=r"aten.exp_.default is in-place on a view of a pending sum"):
+        v.exp_()
+    return True
+
+
+def test_nonaffine_inplace_on_a_view_of_a_pending_sum_is_a_clear_error():
+    assert run_on_ranks(_inplace_on_pending_view, 2) == [True, True]

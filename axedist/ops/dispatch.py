@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layout import Layout, LayoutError
@@ -259,6 +259,7 @@ class _CallPlan:
     structure: str       # "single", "tuple", "list", "none"
     defer: bool = False  # mm/addmm giving a pending sum: the local GEMM waits (fusable with a reduce-scatter)
     fast: tuple | None = None  # (argument slots, output) for dispatch's fast path, or None
+    reduce_self: Any = None  # in-place op on a pending value it cannot keep: self's spec with it applied
 
 
 def _meta(value):
@@ -327,8 +328,11 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
         if wanted is None:
             target = own
         else:
-            target = _spec_of(own.shape, mesh, wanted if isinstance(wanted, Layout) else tuple(wanted),
-                              None if isinstance(wanted, Layout) else own.summands)
+            summands = None if isinstance(wanted, Layout) else own.summands
+            if summands is not None and spec.placements is not None and \
+                    sum(isinstance(p, Partial) for p in wanted) != sum(isinstance(p, Partial) for p in spec.placements):
+                summands = None  # [Partial, Partial] -> [Partial, Replicate]: the target has fewer summands
+            target = _spec_of(own.shape, mesh, wanted if isinstance(wanted, Layout) else tuple(wanted), summands)
             if target == own:
                 target = own
         if target.reduce_op and _expected_local_shape(target, spec.placements if target is own else
@@ -337,12 +341,21 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                 f"than one summand per device; ask for placements instead")
         # None, not the spec: a cached plan serves later DTensors whose equal specs are other objects
         targets.append(None if target is own else target)
+    reduce_self = None
     for i, d in enumerate(dts):
-        written = info.inplace and d is args[0] or any(d is w for w in _written(args, kwargs, info))
-        if written and targets[i] is not None:
-            raise DispatchError(f"{func} is in-place on {specs[i]}, but rule {rule.__name__} needs it as "
-                                f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
-                                f"(redistribute first, or use the out-of-place op)")
+        is_self = info.inplace and d is args[0]
+        written = is_self or any(d is w for w in _written(args, kwargs, info))
+        if not written or targets[i] is None:
+            continue
+        if is_self and _only_reduces(d._spec, targets[i]):
+            # exp_ of a pending sum: the sum is applied in self's own buffer first (run time)
+            reduce_self = targets[i]
+            continue
+        raise DispatchError(f"{func} is in-place on {specs[i]}, but rule {rule.__name__} needs it as "
+                            f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
+                            f"(redistribute first, or use the out-of-place op)")
+    if reduce_self is not None:
+        targets = [None if d is args[0] else t for d, t in zip(dts, targets)]
     # meta: the op on the global shapes of the (redistributed) inputs
     returns_tensor = any("Tensor" in str(r.type) for r in func._schema.returns)
     out = _meta_outputs(func, args, kwargs, sharding) if returns_tensor else None
@@ -379,13 +392,56 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
                                 None if value.is_contiguous() else tuple(value.stride())))
     if info.inplace:
         self_spec = dts[0]._spec if dts and dts[0] is args[0] else None
+        if reduce_self is not None:
+            self_spec = reduce_self
         if outputs[0].spec != self_spec:
             raise DispatchError(f"{func} is in-place on {specs[0]}, but rule {rule.__name__} gives its result as "
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
     defer = (func in _DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
              and sum(isinstance(p, Partial) for p in (_placements_or_none(outputs[0].spec) or ())) == 1)
-    fast = _fast_form(args, kwargs, dts, info, targets, structure, outputs, sharding)
-    return _CallPlan(call, sharding, targets, outputs, structure, defer, fast)
+    fast = None if reduce_self is not None else _fast_form(args, kwargs, dts, info, targets, structure, outputs,
+                                                           sharding)
+    return _CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self)
+
+
+def _only_reduces(own, target) -> bool:
+    """Is ``target`` ``own`` with its pending reduction applied and nothing else moved
+    (``[Partial(), Shard(0)]`` -> ``[Replicate(), Shard(0)]``)?"""
+    if not own.reduce_op or target.reduce_op:
+        return False
+    mine, theirs = _placements_or_none(own), _placements_or_none(target)
+    if mine is None or theirs is None:
+        return False
+    return all((isinstance(p, Partial) and isinstance(q, Replicate)) or p == q for p, q in zip(mine, theirs))
+
+
+def _reduce_in_place(func, dt, target) -> None:
+    """Apply ``dt``'s pending reduction in its own local buffer and give it ``target``'s spec.
+
+    An in-place op that does not keep a pending value (``p.exp_()`` of ``[Partial()]``) must
+    first turn it into the value it stands for; ``dt`` then is ``[Replicate()]`` on those axes
+    (its local tensor loses the summand dim of extent 1). Autograd sees one in-place change of
+    ``dt`` (the op's), so saved-tensor version checks stay exact. Refused on a view of another
+    DTensor (its base would keep claiming ``Partial`` over reduced values). Known limit: views
+    taken of ``dt`` before this call share its buffer and are not told (they read reduced
+    values as summands); redistribute such a tensor to ``Replicate`` before a non-affine
+    in-place op.
+    """
+    if dt._is_view():
+        raise DispatchError(f"{func} is in-place on a view of a pending {dt._spec.reduce_op} ({dt._spec}); it would "
+                            f"have to reduce the pending value of the view alone, which its base shares. Apply it to "
+                            f"the base, or redistribute the view to Replicate first")
+    buffer = dt._local
+    value = _dtensor_module().redistribute_local(buffer, dt._spec, target)
+    if tuple(value.shape) != tuple(buffer.shape[1:]):
+        raise DispatchError(f"{func}: reducing {dt._spec} to {target} changes the local shape "
+                            f"{tuple(buffer.shape)} -> {tuple(value.shape)}; an in-place op cannot do that")
+    buffer.squeeze_(0)  # the summand dim of extent 1 goes: same storage, same tensor object
+    if value.data_ptr() != buffer.data_ptr():
+        buffer.copy_(value)
+    dt._value = buffer
+    dt._spec = target
+
 
 
 # mm/addmm whose output is a pending sum over one mesh axis run later (``dtensor._DeferredGemm``):
@@ -562,6 +618,8 @@ def _local_of(dt, target):
 
 def _run(func, args, kwargs, dts, mesh, plan: _CallPlan, info: _OpInfo):
     DTensor = _dtensor_module().DTensor
+    if plan.reduce_self is not None:
+        _reduce_in_place(func, args[0], plan.reduce_self)
     locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
     local_args, local_kwargs = _replace_all(args, kwargs, lambda d: locals_[id(d)])
     if plan.defer:

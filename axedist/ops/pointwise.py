@@ -11,6 +11,15 @@ Pending sums (``Partial``) stay pending only where the op is linear in them:
 ``p + q`` of two partial sums, ``p * r`` or ``p / r`` for a non-partial ``r`` (or a
 Python scalar), ``-p``, ``threshold_backward(p, x, 0)`` (linear in the incoming grad),
 casts and copies. Anything else (``p + 1``, ``exp(p)``, ``p * q``) reduces first.
+
+In-place ops cannot move ``self``, so an affine one keeps its pending value exact by
+acting on the summands: ``p.add_(1)`` of a ``Partial("sum")`` adds 1 on one rank of the
+partial axes (coordinate 0 on each) and leaves the others; ``p.masked_fill_(m, v)`` writes
+``v`` there and 0 on the others; on a pending avg/max/min both act on every rank (as do
+``mul_``/``div_`` by a positive number and ``clamp_``, which commute with max and min).
+2 ranks holding 3 and 4 of ``p = 7``: ``p.add_(1)`` leaves 4 and 4 (8 = 7 + 1). A
+non-affine in-place op (``p.exp_()``) has the dispatcher apply the pending reduction in
+``p``'s own buffer first (``p`` becomes ``Replicate`` on those axes).
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ _LINEAR_ALL = {aten.add.Tensor, aten.add_.Tensor, aten.sub.Tensor, aten.sub_.Ten
                aten.neg_.default, aten.clone.default, aten._to_copy.default, aten.zero_.default,
                aten._foreach_add.List, aten._foreach_add_.List, aten._foreach_sub.List,
                aten._foreach_sub_.List, aten._foreach_neg.default, aten._foreach_neg_.default,
-               aten._foreach_zero_.default, aten.positive.default}
+               aten._foreach_zero_.default, aten.positive.default,
+               aten.copy_.default}  # copy_(p, q) of two pending sums: p's summands become q's
 # Linear in one argument at the given positions (of the tensor arguments), the others not partial.
 _LINEAR_ONE = {aten.mul.Tensor: (0, 1), aten.mul_.Tensor: (0,), aten.mul.Scalar: (0,), aten.mul_.Scalar: (0,),
                aten.div.Tensor: (0,), aten.div_.Tensor: (0,), aten.div.Scalar: (0,), aten.div_.Scalar: (0,),
@@ -41,6 +51,19 @@ _LINEAR_ONE = {aten.mul.Tensor: (0, 1), aten.mul_.Tensor: (0,), aten.mul.Scalar:
                aten.silu_backward.default: (0,), aten.hardtanh_backward.default: (0,),
                aten.leaky_relu_backward.default: (0,)}
 _LINEAR_REDUCE_OPS = ("sum", "avg")
+
+# In-place ops on a pending self that the summands can carry exactly (the other tensor
+# arguments not pending on that axis): "shift" self += c, "fill" self[mask] = v (sum: on one
+# summand, the others unchanged / 0; avg, max, min: on every summand), "scale" self *= c > 0
+# and "monotone" clamps (max, min only: a nondecreasing map commutes with max and min).
+_INPLACE_KINDS = {aten.add_.Tensor: "shift", aten.add_.Scalar: "shift", aten.sub_.Tensor: "shift",
+                  aten.sub_.Scalar: "shift", aten.masked_fill_.Scalar: "fill", aten.masked_fill_.Tensor: "fill",
+                  aten.fill_.Scalar: "fill", aten.fill_.Tensor: "fill", aten.copy_.default: "fill",
+                  aten.mul_.Scalar: "scale", aten.div_.Scalar: "scale", aten.mul_.Tensor: "scale",
+                  aten.div_.Tensor: "scale", aten.clamp_.default: "monotone",
+                  aten.clamp_min_.default: "monotone", aten.clamp_max_.default: "monotone"}
+_KIND_OPS = {"shift": ("sum", "avg", "max", "min"), "fill": ("sum", "avg", "max", "min"), "scale": ("max", "min"),
+             "monotone": ("max", "min")}
 
 
 def _tensor_args(call: OpCall) -> list:
@@ -86,6 +109,46 @@ def _partial_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
     return None
 
 
+def _inplace_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
+    """The reduce op an in-place op keeps pending on this axis by acting on the summands
+    (``_INPLACE_KINDS``), or None."""
+    kind = _INPLACE_KINDS.get(call.func)
+    self, others = tensors[0], tensors[1:]
+    if kind is None or not isinstance(self, ArgSpec) or self.placements is None:
+        return None
+    p = self.placements[axis_index]
+    if not isinstance(p, Partial) or p.reduce_op not in _KIND_OPS[kind]:
+        return None
+    if any(isinstance(t, ArgSpec) and (t.placements is None or isinstance(t.placements[axis_index], Partial))
+           for t in others):
+        return None
+    if kind == "scale":  # x.mul_(2.5) arrives as mul_.Tensor with the Python number (part of the plan's key)
+        factor = call.args[1] if len(call.args) > 1 else None
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            return None
+    if kind == "monotone" and any(isinstance(a, torch.Tensor) for a in call.args[1:]):
+        return None
+    return p.reduce_op
+
+
+def _on_one_summand(func, lead: bool):
+    """The local function of a "shift"/"fill" in-place op on a pending sum: the op itself on
+    the lead rank of the partial axes; elsewhere self unchanged (shift) or 0 where the value
+    goes (fill)."""
+    kind = _INPLACE_KINDS[func]
+
+    def local(call, self, *args, **kwargs):
+        if lead:
+            return func(self, *args, **kwargs)
+        if kind == "shift":
+            return self
+        if func in (aten.masked_fill_.Scalar, aten.masked_fill_.Tensor):
+            return self.masked_fill_(args[0], 0)
+        return self.zero_()
+
+    return local
+
+
 def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     """The elementwise rule (also used by other families for ops that act per element).
 
@@ -114,6 +177,7 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         return None if spec.shape[d] == 1 and out_shape[j] != 1 else j
 
     out = []
+    one_summand = []  # mesh axes whose pending sum an in-place shift/fill changes on one summand
     order = sorted(specs, key=lambda s: -_numel(s.shape))
     if anchor is not None:
         order = [anchor] + [s for s in order if s is not anchor]
@@ -124,7 +188,12 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
                 out.append(Shard(out_dim(anchor, p.dim)))
             elif isinstance(p, Partial):
                 kept = _partial_kept(call, tensors, axis_index)
-                out.append(Partial(kept) if kept else Replicate())  # self must reduce: the dispatcher refuses
+                if kept is None and anchor is tensors[0]:
+                    kept = _inplace_kept(call, tensors, axis_index)
+                    if kept == "sum" and _INPLACE_KINDS[call.func] in ("shift", "fill"):
+                        one_summand.append(mesh.axis_names[axis_index])
+                # not kept: self's pending value is applied in its own buffer first (dispatcher)
+                out.append(Partial(kept) if kept else Replicate())
             else:
                 out.append(Replicate())
             continue
@@ -161,7 +230,11 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
                 want.append(Replicate())
         want = tuple(want)
         inputs.append(None if s.placements == want else want)
-    return Sharding(inputs=inputs, outputs=tuple(out))
+    local = None
+    if one_summand:
+        here = mesh.coordinates()
+        local = _on_one_summand(call.func, all(here[a] == 0 for a in one_summand))
+    return Sharding(inputs=inputs, outputs=tuple(out), local=local)
 
 
 def _numel(shape) -> int:
