@@ -515,7 +515,7 @@ def test_push_with_deferred_release_compiles_and_releases_system_scope():
 def test_tma_push_variant_stores_tiles_asynchronously_and_waits_before_each_release():
     _need_triton()
     from axedist.kernels import gemm_rs
-    for config in [c for c in gemm_rs.CANDIDATES if c.tma_push]:
+    for config in gemm_rs.TMA_PUSH_CONFIGS:
         kernel = _compile_fused(config=config)
         ptx = kernel.asm["ptx"]
         assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx, config   # the TMA tile stores
@@ -540,3 +540,24 @@ def test_launch_cache_key_separates_every_specialization():
     assert key(constexprs=(2,)) != key()
     assert key(ops=gemm_rs.prepare_operands(a, b.t().contiguous().t())) != key()  # B^T layout
     assert key(ops=gemm_rs.prepare_operands(a[:, :16], b[:16])) != key()        # K and strides
+
+
+def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
+    _need_triton()
+    import gc
+    import weakref
+
+    from axedist.kernels import gemm_rs
+    a = torch.randn(256, 128).to(torch.bfloat16)
+    fresh = gemm_rs._descriptor(a, [128, 64], cached=False)
+    cached = gemm_rs._descriptor(a, [128, 64], cached=True)
+    assert gemm_rs._descriptor(a, [128, 64], cached=True) is cached      # a hit
+    assert cached.base.data_ptr() == fresh.base.data_ptr() == a.data_ptr()
+    assert (list(cached.shape), list(cached.strides), list(cached.block_shape)) == \
+        (list(fresh.shape), list(fresh.strides), list(fresh.block_shape))
+    assert gemm_rs._descriptor(a, [64, 64], cached=True) is not cached   # block is in the key
+    del fresh
+    alive = weakref.ref(a)
+    del a
+    gc.collect()
+    assert alive() is None   # the cache did not keep the tensor

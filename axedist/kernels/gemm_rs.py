@@ -316,12 +316,22 @@ CANDIDATES = (
     GemmConfig(64, 256, 64, 8, 4, 4, push=True),
     GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True),
     GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True),
-    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, tma_push=True),
-    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True, tma_push=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, defer_release=True, push=True),
+    GemmConfig(256, 128, 64, 8, 3, 8, defer_release=True, push=True),
+    GemmConfig(256, 128, 64, 8, 4, 8, defer_release=True, push=True),
+    GemmConfig(128, 256, 128, 8, 2, 8, defer_release=True, push=True),
     GemmConfig(128, 128, 64, 8, 4, 8),
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
+)
+# Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
+# the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
+# the TMA unit to read the whole tile out of shared memory right after each store, and over
+# NVLink that read is paced by the link, so the program stalls as long as with plain stores.
+TMA_PUSH_CONFIGS = (
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, tma_push=True),
+    GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True, tma_push=True),
 )
 
 _TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_rs_tuned.json")
@@ -402,15 +412,47 @@ def prepare_operands(a: torch.Tensor, b: torch.Tensor) -> _Operands:
     return _Operands(a, b, False, m, n, k)
 
 
-def _descriptors(ops: _Operands, config: GemmConfig):
+class _Address:
+    """Stands in for a tensor as a cached descriptor's base: its address and dtype are all the
+    compiled launcher reads, and, unlike the tensor, it does not keep the memory alive."""
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+_descriptor_cache: dict[tuple, object] = {}
+
+
+def _descriptor(t: torch.Tensor, block: list[int], cached: bool):
+    """TMA descriptor of a row-major matrix. cached: reuse one built for the same address,
+    shape, strides and block (weights always; activations when the caching allocator hands out
+    the same block again) -- only for the compiled launcher, which reads nothing but the
+    address, shape and strides; the JIT's first call gets one made from the tensor."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    if not cached:
+        return TensorDescriptor.from_tensor(t, block)
+    key = (t.data_ptr(), t.shape, t.stride(0), t.dtype, block[0], block[1])
+    descriptor = _descriptor_cache.get(key)
+    if descriptor is None:
+        if len(_descriptor_cache) >= 256:
+            _descriptor_cache.clear()
+        descriptor = _descriptor_cache[key] = TensorDescriptor(
+            _Address(t.data_ptr(), t.dtype), list(t.shape), list(t.stride()), list(block))
+    return descriptor
+
+
+def _descriptors(ops: _Operands, config: GemmConfig, cached: bool = False):
     if not (_tma_ok(ops.a) and _tma_ok(ops.b)):
         return None, None
-    a_desc = TensorDescriptor.from_tensor(ops.a, [config.block_m, config.block_k])
     block_b = ([config.block_n, config.block_k] if ops.b_transposed
                else [config.block_k, config.block_n])
-    return a_desc, TensorDescriptor.from_tensor(ops.b, block_b)
+    return (_descriptor(ops.a, [config.block_m, config.block_k], cached),
+            _descriptor(ops.b, block_b, cached))
 
 
 def _strides(ops: _Operands) -> tuple[int, int, int, int]:
@@ -483,8 +525,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
     tasks = schedule.task_count(rounds, world, mode in (GEMM_ONLY, GEMM_AND_SIGNAL))
     programs = max(1, min(programs, tasks))
-    a_desc, b_desc = _descriptors(ops, config)
-    use_tma = a_desc is not None
+    use_tma = _tma_ok(ops.a) and _tma_ok(ops.b)
     element = ops.a.element_size()
     aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
     if mode == GEMM_ONLY:
@@ -529,10 +570,11 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
         PUSH=push, TMA_PUSH=tma_push)
+    key = _specialization(ops, (part, out, counter, abort), timeout_ns,
+                          tuple(constexprs.values()), config.warps, device.index)
+    a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
     args = (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
             counter, task_base, abort, error_address, timeout_ns,
             ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
             rank, epoch, lag)
-    key = _specialization(ops, (part, out, counter, abort), timeout_ns,
-                          tuple(constexprs.values()), config.warps, device.index)
     _run(programs, args, constexprs, config.warps, key, device.index)
