@@ -31,6 +31,7 @@ tensor keeps it (extent 1 for torch's ``Partial``).
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -56,6 +57,7 @@ __all__ = [
 
 MEMORY = "m"
 _dispatch = None  # axedist.ops.dispatch.dispatch, bound on the first op
+_RECORDING: list = []  # ops/fastpath.py's recorders of the torch call now running (innermost last)
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
@@ -313,11 +315,12 @@ class DTensor(torch.Tensor):
     def _wrap(cls, local: torch.Tensor, spec: _Spec, stride) -> "DTensor":
         """``DTensor(local, spec, stride=stride)`` without the keyword handling (the dispatcher's
         hot path; ``stride`` None means contiguous)."""
-        if stride is None:
-            self = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device)
+        if WRAPPER_POSITIONAL:
+            self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device)
+        elif stride is None:
+            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device)
         else:
-            self = torch.Tensor._make_wrapper_subclass(cls, spec.shape, dtype=local.dtype, device=local.device,
-                                                       strides=stride)
+            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device, strides=stride)
         self._value = local
         self._spec = spec
         return self
@@ -329,13 +332,27 @@ class DTensor(torch.Tensor):
             self._pending = None
         return self._value
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    _tag = None       # (spec, ops/fastpath.py's int for (spec, dtype, stride)), set on first use
+
+    if os.environ.get("AXEDIST_FASTPATH", "1") == "0":
+        __torch_function__ = torch._C._disabled_torch_function_impl
+    else:
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            # The first torch call on a DTensor installs ops/fastpath.py's handler in place of
+            # this one (ops sit above dtensor, so it is imported on first use).
+            from .ops import fastpath
+
+            fastpath.enable(True)
+            return DTensor.__torch_function__(func, types, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         global _dispatch
         if _dispatch is None:
             from .ops.dispatch import dispatch as _dispatch  # ops sit above dtensor: import on first use
+        if _RECORDING:  # the fast path is recording what this torch call dispatches
+            return _RECORDING[-1](func, args, kwargs)
         return _dispatch(func, args, kwargs)
 
     # -- construction ----------------------------------------------------------
@@ -406,13 +423,13 @@ class DTensor(torch.Tensor):
 
         Differentiable: the gradient of the piece comes back as a DTensor in this layout.
         """
-        if self.requires_grad and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _requires_grad(self):
             return _ToLocal.apply(self)
         return self._local
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
-        return self.redistribute(_replicated_layout(self.shape, self.mesh)).to_local()
+        return self.redistribute(_replicated_layout(self._spec.shape, self.mesh)).to_local()
 
     @property
     def layout(self) -> Layout:  # shadows torch.Tensor.layout (torch.strided): an Axe layout is the point here
@@ -448,7 +465,7 @@ class DTensor(torch.Tensor):
         dst = _target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
-        if self.requires_grad and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _requires_grad(self):
             return _Redistribute.apply(self, dst, async_op)
         return _redistributed(self, dst, async_op)
 
@@ -483,6 +500,32 @@ class DTensor(torch.Tensor):
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _wrapper_takes_positions() -> bool:
+    """Does ``_make_wrapper_subclass`` take (size, strides, storage_offset, memory_format, dtype,
+    layout, device) by position? Its keywords cost ~1 us per call in torch's argument parser,
+    a tenth of an op's whole overhead; positions are checked here once, keywords otherwise."""
+    try:
+        probe = _make_wrapper(DTensor, (2, 3), (1, 2), None, None, torch.float64, torch.strided, torch.device("meta"))
+        with torch._C.DisableTorchFunctionSubclass():
+            return (probe.dtype, probe.device.type, probe.stride(), tuple(probe.shape)) == \
+                (torch.float64, "meta", (1, 2), (2, 3))
+    except (TypeError, RuntimeError):
+        return False
+
+
+WRAPPER_POSITIONAL = _wrapper_takes_positions()
+
+
+def _requires_grad(dt: DTensor) -> bool:
+    """``dt.requires_grad`` without a trip through ``__torch_function__`` (a getter costs ~2 us
+    there; DTensor's own methods read it on every call)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return dt.requires_grad
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """CPU cost of one op call on DTensors: axedist (cached rules/plans) vs PyTorch DTensor.
 
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py             # gloo, 4 CPU ranks
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py --profile   # + cProfile of axedist's calls
+    torchrun --nproc-per-node 4 launch/bench_dispatch.py                # gloo, 4 CPU ranks
+    torchrun --nproc-per-node 4 launch/bench_dispatch.py --no-fastpath  # axedist's __torch_dispatch__ route only
+    torchrun --nproc-per-node 4 launch/bench_dispatch.py --breakdown    # + where a cached add's time goes
+    torchrun --nproc-per-node 4 launch/bench_dispatch.py --profile      # + cProfile of axedist's calls
 
 Same ops, same placements, same (small) tensors on both sides, so the time is framework
 overhead: per op, the median over ``--repeats`` batches of ``--calls`` calls (after a warm-up
@@ -11,6 +13,12 @@ too and subtracted, giving each framework's *overhead* per call. Rank 0 prints a
 the ratio (axedist overhead / DTensor overhead; the goal is <= 0.5), from the medians and
 from each side's fastest batch (less sensitive to a loaded machine). No op here communicates
 (every placement is kept), so ranks never wait on each other inside a timed loop.
+
+Two tables: inputs that do not require grad (the fast path of ``ops/fastpath.py`` serves
+them), and inputs that require grad with grad mode on (autograd records every call on all
+three sides, the plain one included, and axedist takes its normal route); each has its own
+geomean and says whether it meets the goal. A getter (``x.shape``) is timed too: with the
+fast path on, every attribute read of a DTensor passes its ``__torch_function__``.
 
 Ops: ``x + y`` (Shard(0) + Shard(0)), ``x * 2.0``, ``a @ b`` giving a pending sum (Shard(1) @
 Shard(0) -> Partial; the local product is read with ``to_local()`` on both sides, since axedist
@@ -36,17 +44,20 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import axedist as ax
 from axedist.dtensor import distribute
+from axedist.ops import fastpath
 
 
-def _cases(mesh, torch_mesh):
-    """(name, axedist fn, torch DTensor fn, plain-local fn) per op; each fn takes no arguments."""
+def _cases(mesh, torch_mesh, requires_grad: bool):
+    """(name, axedist fn, torch DTensor fn, plain-local fn) per op; each fn takes no arguments.
+    With ``requires_grad`` every input is a leaf that requires grad (grad mode on: autograd
+    records each call on all three sides)."""
     g = torch.Generator().manual_seed(0)
 
     def both(shape, placements):
         t = torch.randn(shape, generator=g)
-        ours = distribute(t, mesh, placements)
-        theirs = distribute_tensor(t, torch_mesh, placements)
-        return ours, theirs, ours.to_local()
+        ours = distribute(t, mesh, placements).requires_grad_(requires_grad)
+        theirs = distribute_tensor(t, torch_mesh, placements).requires_grad_(requires_grad)
+        return ours, theirs, ours._local.detach().requires_grad_(requires_grad)
 
     x, tx, lx = both((64, 32), [Shard(0)])
     y, ty, ly = both((64, 32), [Shard(0)])
@@ -57,7 +68,7 @@ def _cases(mesh, torch_mesh):
     w, tw, lw = both((64, 32), [Shard(0)])
     vshape, lvshape = (32, 16), (lv.shape[0] * 4, 16)
     return [
-        ("add  S0 + S0", lambda: x + y, lambda: tx + ty, lambda: lx + ly),
+        ("add  S0 + S0", lambda: x + y, lambda: tx + ty, lambda: lx + ly, x, tx, lx, y),
         ("mul  S0 * 2.0", lambda: x * 2.0, lambda: tx * 2.0, lambda: lx * 2.0),
         ("mm   S1 @ S0 -> P", lambda: torch.mm(a, b).to_local(), lambda: torch.mm(ta, tb).to_local(),
          lambda: torch.mm(la, lb)),
@@ -86,52 +97,157 @@ def _measure(fns, calls: int, repeats: int) -> list[float]:
     return [statistics.median(s) for s in samples] + [min(s) for s in samples]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--calls", type=int, default=200, help="calls per timed batch")
-    parser.add_argument("--repeats", type=int, default=25, help="timed batches (the median is reported)")
-    parser.add_argument("--profile", action="store_true", help="cProfile axedist's calls (rank 0 prints the top)")
-    args = parser.parse_args()
-    mesh = ax.init_mesh((int(os.environ.get("WORLD_SIZE", "4")),), device_type="cpu")
-    world = dist.get_world_size()
-    torch_mesh = mesh.to_torch()
-    torch.set_num_threads(1)
-    cases = _cases(mesh, torch_mesh)
+class _Probe(torch.Tensor):
+    """A wrapper subclass whose handlers return a fixed tensor: the cost of entering and
+    leaving ``__torch_dispatch__`` (or ``__torch_function__``) and nothing else."""
+
+    RESULT = torch.empty(0)
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return cls.RESULT
+
+
+def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
+    """Where the microseconds of ``x + y`` (cached) go, on the normal route and the fast path."""
+    from axedist.dtensor import DTensor
+    from axedist.ops import dispatch
+
+    add = torch.ops.aten.add.Tensor
+    lx, ly = x._local, y._local
+    p, q = _Probe(x.shape), _Probe(x.shape)
+    value = lx + ly
+    spec = x._spec
+    fastpath.enable(False)
+    key = dispatch._fast_key(add, (x, y))
+    x + y
+    table = dispatch._FAST
+    gx, gy = x.detach().requires_grad_(), y.detach().requires_grad_()
+    wrap = torch.Tensor._make_wrapper_subclass
+    probe_tf = classmethod(lambda cls, func, types, args=(), kwargs=None: _Probe.RESULT)
+
+    def wrapped():
+        out = wrap(DTensor, spec.shape, None, None, None, value.dtype, torch.strided, value.device)
+        out._value, out._spec, out._tag = value, spec, None
+        return out
+
+    normal = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: p + q,
+                       lambda: dispatch._fast_key(add, (x, y)), lambda: table.get(key),
+                       lambda: DTensor._wrap(value, spec, None)], calls, repeats)
+    fastpath.enable(True)
+    _Probe.__torch_function__ = probe_tf
+    fast = _measure([lambda: lx + ly, lambda: x + y, lambda: p + q, wrapped], calls, repeats)
+    _Probe.__torch_function__ = torch._C._disabled_torch_function_impl
+    local, call, grad, entry, make_key, lookup, wrap_us = normal[:7]
+    f_local, f_call, f_entry, f_wrap = fast[:4]
+    return [
+        ("normal route: local add (subtracted as the op itself)", local),
+        ("normal route: whole call", call),
+        ("  torch's dispatcher -> __torch_dispatch__ -> back (empty handler)", entry),
+        ("  dispatch: cache key (spec, dtype, stride per DTensor)", make_key),
+        ("  dispatch: plan lookup", lookup),
+        ("  dispatch: wrap the output (_make_wrapper_subclass + attributes)", wrap_us),
+        ("  dispatch: the rest (argument slots, local op call, shape check)",
+         call - local - entry - make_key - lookup - wrap_us),
+        ("  autograd (inputs require grad): added to the whole call", grad - call),
+        ("fast path: whole call", f_call),
+        ("  __torch_function__ entry and exit (empty handler)", f_entry),
+        ("  wrap the output (positional _make_wrapper_subclass + attributes)", f_wrap),
+        ("  key, lookup, checks (grad, modes, autocast), local call overhead", f_call - f_local - f_entry - f_wrap),
+    ]
+
+
+def _timed(cases, args, world: int) -> torch.Tensor:
+    """Per case: median and best batch of (plain, axedist, DTensor), the median over ranks."""
     rows = torch.zeros(len(cases), 6, dtype=torch.float64)
     # ranks take turns (the others wait in a barrier), so the timed rank has the cores to itself
     for turn in range(world):
         dist.barrier()
         if dist.get_rank() == turn:
-            for i, (name, ours, theirs, plain) in enumerate(cases):
+            for i, (name, ours, theirs, plain, *_) in enumerate(cases):
                 rows[i] = torch.tensor(_measure([plain, ours, theirs], args.calls, args.repeats))
         dist.barrier()
     gathered = [torch.zeros_like(rows) for _ in range(world)]
     dist.all_gather(gathered, rows)
-    table = torch.stack(gathered).median(dim=0).values  # the median rank
-    rows = [(name, None, None, None) for name, _, _, _ in cases]
+    return torch.stack(gathered).median(dim=0).values  # the median rank
+
+
+def _print_table(cases, table, title: str) -> None:
+    print(f"\n{title}:\n")
+    print("| op | local op | axedist | torch DTensor | axedist overhead | DTensor overhead | ratio "
+          "| ratio (best batch) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    ratios, best = [], []
+    for (name, *_), (p, o, t, bp, bo, bt) in zip(cases, table.tolist()):
+        ours_over, theirs_over = o - p, t - p
+        ratio = ours_over / theirs_over if theirs_over > 0 else float("nan")
+        ratios.append(ratio)
+        best.append((bo - bp) / (bt - bp) if bt > bp else float("nan"))
+        print(f"| {name} | {p:.1f} | {o:.1f} | {t:.1f} | {ours_over:.1f} | {theirs_over:.1f} | {ratio:.2f} "
+              f"| {best[-1]:.2f} |")
+    mean = statistics.geometric_mean(ratios)
+    print(f"\ngeomean ratio {mean:.2f} (best batches: {statistics.geometric_mean(best):.2f}; goal <= 0.50: "
+          f"{'met' if mean <= 0.5 else 'NOT met'}); worst {max(ratios):.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed batch")
+    parser.add_argument("--repeats", type=int, default=25, help="timed batches (the median is reported)")
+    parser.add_argument("--profile", action="store_true", help="cProfile axedist's calls (rank 0 prints the top)")
+    parser.add_argument("--no-fastpath", action="store_true",
+                        help="axedist without its torch-function fast path (ops/fastpath.py): every call "
+                             "takes __torch_dispatch__")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="rank 0 also times the parts of a cached x + y on both routes")
+    parser.add_argument("--grad", choices=("both", "no", "yes"), default="both",
+                        help="inputs that do not require grad, that do (grad mode on), or both tables")
+    args = parser.parse_args()
+    mesh = ax.init_mesh((int(os.environ.get("WORLD_SIZE", "4")),), device_type="cpu")
+    world = dist.get_world_size()
+    torch_mesh = mesh.to_torch()
+    torch.set_num_threads(1)
+    fastpath.enable(not args.no_fastpath)
+    kinds = {"both": (False, True), "no": (False,), "yes": (True,)}[args.grad]
+    tables = []
+    for requires_grad in kinds:
+        cases = _cases(mesh, torch_mesh, requires_grad)
+        tables.append((requires_grad, cases, _timed(cases, args, world)))
+    # a getter: every attribute read of a DTensor passes __torch_function__ while the fast path is on
+    getter = _timed([("x.shape (getter)", lambda: x.shape, lambda: tx.shape, lambda: lx.shape)
+                     for x, tx, lx in [(tables[0][1][0][4], tables[0][1][0][5], tables[0][1][0][6])]],
+                    args, world)
+    breakdown = None
+    if args.breakdown and dist.get_rank() == 0:
+        x, y = tables[0][1][0][4], tables[0][1][0][7]
+        breakdown = _breakdown(x, y, args.calls, args.repeats)
+        fastpath.enable(not args.no_fastpath)
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(500):
-            for _, ours, _, _ in cases:
-                ours()
+            for case in tables[0][1]:
+                case[1]()
         profiler.disable()
     if dist.get_rank() == 0:
-        print(f"\nCPU cost per op call, {world} gloo ranks, torch {torch.__version__}; median of {args.repeats} "
-              f"batches x {args.calls} calls; overhead = call - same op on the local tensors (us)\n")
-        print("| op | local op | axedist | torch DTensor | axedist overhead | DTensor overhead | ratio "
-              "| ratio (best batch) |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-        ratios, best = [], []
-        for (name, _, _, _), (p, o, t, bp, bo, bt) in zip(rows, table.tolist()):
-            ours_over, theirs_over = o - p, t - p
-            ratio = ours_over / theirs_over if theirs_over > 0 else float("nan")
-            ratios.append(ratio)
-            best.append((bo - bp) / (bt - bp) if bt > bp else float("nan"))
-            print(f"| {name} | {p:.1f} | {o:.1f} | {t:.1f} | {ours_over:.1f} | {theirs_over:.1f} | {ratio:.2f} "
-                  f"| {best[-1]:.2f} |")
-        print(f"\ngeomean ratio {statistics.geometric_mean(ratios):.2f} (best batches: "
-              f"{statistics.geometric_mean(best):.2f}; goal <= 0.50); worst {max(ratios):.2f}")
+        print(f"\nCPU cost per op call, {world} gloo ranks, torch {torch.__version__}, axedist fast path "
+              f"{'off' if args.no_fastpath else 'on'}; median of {args.repeats} batches x {args.calls} calls; "
+              f"overhead = call - same op on the local tensors (us)")
+        for requires_grad, cases, table in tables:
+            _print_table(cases, table, "inputs require grad (autograd records every call)" if requires_grad
+                         else "inputs do not require grad")
+        (p, o, t, _, _, _), = getter.tolist()
+        print(f"\ngetter x.shape: plain {p:.2f} us, axedist {o:.2f} us, torch DTensor {t:.2f} us")
+        if breakdown:
+            print("\nwhere the time of a cached `x + y` goes (us per call, rank 0):\n")
+            print("| part | us |\n|---|---:|")
+            for name, us in breakdown:
+                print(f"| {name} | {us:.2f} |")
         if args.profile:
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)

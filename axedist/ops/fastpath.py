@@ -1,0 +1,319 @@
+"""The torch-function fast path: a repeated op call on DTensors served before torch's dispatcher.
+
+Every torch call that involves a DTensor first reaches ``DTensor.__torch_function__``. The
+normal route from there (torch's C++ dispatcher -> ``__torch_dispatch__`` -> ``ops/dispatch.py``)
+costs ~10 us of Python entry and exit per aten op even when the op's plan is cached. This
+module remembers, per torch-level call shape, what that route did, and when it did nothing
+but run the op on the local tensors and wrap the result, later calls of the same shape do
+exactly that directly::
+
+    >>> z = x + y          # x, y (64, 32) in (Shard(0),) on 4 ranks: recorded (one aten.add.Tensor,
+    ...                    # no data moved, output (Shard(0),)); the normal route ran
+    >>> z = x + y          # a hit: torch.add on the (16, 32) local tensors, wrapped as (64, 32)
+
+A call's *key* is the torch function plus, per argument, a DTensor's tag (one small int per
+(spec, dtype, stride): no spec hashing on the hot path) or a plain scalar's (type, value).
+On a miss, the normal route runs while ``__torch_dispatch__`` records the aten ops it
+dispatches; the key becomes a fast entry only when all of these hold:
+
+* each aten op had a cached plan that kept every argument where it was (no redistribute),
+  ran the op itself on the local tensors (no rule-specific local function), and took no
+  pending-sum input; none writes its inputs (in-place, ``out=``) or draws random numbers;
+* the call returned the last op's DTensor, which is not a view of an input (a view must stay
+  a view in autograd's eyes: version counter and ``_base``), and a deferred GEMM did not
+  happen (``ops.dispatch.DEFER_GEMM`` is part of the entry);
+* the torch function run once more on the plain local tensors gives the same local result
+  (shape, dtype, strides, values, a new tensor): the proof that local decompositions match.
+
+Any other key is remembered as slow and goes the normal route at once. A hit also needs, at
+call time: no DTensor argument requiring grad while grad mode is on (autograd runs on the
+normal route), no torch dispatch mode (it must see the aten ops on DTensors), no autocast.
+``enable(False)`` (or ``AXEDIST_FASTPATH=0`` before import) puts torch's plain disabled
+``__torch_function__`` back on the class: every call takes the normal route, and getters such
+as ``x.shape`` cost what they cost without this module (with it, ~2 us more each).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+from torch._prims_common import make_contiguous_strides_for
+
+from .. import dtensor as _dtensor
+from . import dispatch as _dispatch_module
+
+__all__ = ["enable", "enabled", "clear", "stats"]
+
+DTensor = _dtensor.DTensor
+_disabled = torch._C._disabled_torch_function_impl
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_any_autocast = torch._C._is_any_autocast_enabled
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_POSITIONAL = _dtensor.WRAPPER_POSITIONAL
+_STRIDED = torch.strided
+_OUTSTANDING = _dtensor._OUTSTANDING
+_STATS = _dispatch_module._STATS  # fast hits count as plan-cache hits (ops.dispatch.cache_info)
+_EMPTY: dict = {}  # kwargs for torch's disabled impl when none were given (never written)
+
+_SCALARS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                      torch.layout})
+_SEQUENCES = frozenset({tuple, list, torch.Size})
+_SLOW = object()          # a key that must take the normal route
+_KWARGS = object()        # separates positional from keyword arguments in a key
+_CACHE: dict = {}         # key -> _Entry or _SLOW
+_PASS: set = set()        # torch functions that dispatched nothing when recorded (getters, size(), ...)
+_TAGS: dict = {}          # (spec, dtype, stride) -> tag
+_COUNTS = {"hits": 0, "recorded": 0, "slow": 0, "passed": 0}
+
+
+class _Entry:
+    """What a hit does: wrap the local result in ``spec`` (after ``unsqueeze(0)`` for a pending sum)."""
+
+    __slots__ = ("spec", "shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer")  # tag: (spec, int)
+
+    def __init__(self, spec, dtype, device, stride, unsqueeze, defer):
+        self.spec, self.shape, self.dtype, self.device = spec, spec.shape, dtype, device
+        self.stride, self.unsqueeze, self.defer = stride, unsqueeze, defer
+        self.tag = (spec, _tag_for(spec, dtype, stride))
+
+    def __repr__(self) -> str:
+        return f"_Entry(-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
+
+
+def _tag_for(spec, dtype, stride) -> int:
+    key = (spec, dtype, None if stride is None else tuple(stride))
+    tag = _TAGS.get(key)
+    if tag is None:
+        if len(_TAGS) > 65536:  # tags in cached keys stay valid: only new DTensors get new tags
+            _TAGS.clear()
+        tag = _TAGS[key] = next(_NEXT_TAG)
+    return tag
+
+
+_NEXT_TAG = itertools.count(1)  # tags are never reused, even after _TAGS is cleared
+
+
+def _tag_of(dt) -> int:
+    with _no_torch_function():
+        stride = tuple(dt.stride())
+    spec = dt._spec
+    contiguous = tuple(make_contiguous_strides_for(spec.shape)) if spec.shape else ()
+    tag = _tag_for(spec, dt._value.dtype, None if stride == contiguous else stride)
+    dt._tag = (spec, tag)
+    return tag
+
+
+def torch_function(cls, func, types, args=(), kwargs=None):
+    """``DTensor.__torch_function__`` while the fast path is on."""
+    if func in _PASS:
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    key = [func]
+    local_args = []
+    dts = []
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            tag = a._tag
+            # (spec, tag): re-derived when the spec changed (an in-place op may reduce a pending sum)
+            key.append(tag[1] if tag is not None and tag[0] is a._spec else _tag_of(a))
+            local_args.append(a._value if a._pending is None else a._local)
+            dts.append(a)
+        elif t in _SCALARS:
+            key.append(t)
+            key.append(a)
+            local_args.append(a)
+        elif t in _SEQUENCES and all(type(v) is int for v in a):
+            key.append(t)
+            key.append(tuple(a))
+            local_args.append(a)
+        else:
+            return _disabled(func, types, args, kwargs or _EMPTY)
+    if kwargs:
+        key.append(_KWARGS)
+        for name, a in kwargs.items():
+            t = type(a)
+            if t in _SCALARS or (t in _SEQUENCES and all(type(v) is int for v in a)):
+                key.append(name)
+                key.append(t)
+                key.append(tuple(a) if t in _SEQUENCES else a)
+            else:
+                return _disabled(func, types, args, kwargs)
+    if not dts:
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    key = tuple(key)
+    entry = _CACHE.get(key)
+    if entry is _SLOW:
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    if _grad_enabled():
+        with _no_torch_function():  # (a getter inside __torch_function__ would come back here)
+            for d in dts:
+                if d.requires_grad:  # autograd must record the call: the normal route
+                    return _disabled(func, types, args, kwargs or _EMPTY)
+    if _dispatch_modes() or _any_autocast():
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    if entry is None:
+        return _record(func, types, args, kwargs, key, local_args)
+    if entry.defer is not None and entry.defer != _dispatch_module.DEFER_GEMM:
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    if _OUTSTANDING:
+        _dtensor._flush_deferred()  # as dispatch does: no op runs while a deferred product waits
+    value = func(*local_args, **kwargs) if kwargs else func(*local_args)
+    unlike = value._is_view() or value.dtype != entry.dtype
+    for a in local_args:
+        unlike = unlike or a is value
+    if unlike:
+        # The local call aliased an input where the recorded one did not (contiguous() or
+        # reshape() decide on local strides, the normal route on global ones), or its dtype
+        # changed (torch.set_default_dtype and int / int): no side effect happened yet, so
+        # take the normal route, now and for this key.
+        _CACHE[key] = _SLOW
+        return _disabled(func, types, args, kwargs or _EMPTY)
+    if entry.unsqueeze:
+        value = value.unsqueeze(0)
+    if _POSITIONAL:
+        out = _make_wrapper(DTensor, entry.shape, entry.stride, None, None, entry.dtype, _STRIDED, entry.device)
+    else:
+        out = DTensor._wrap(value, entry.spec, entry.stride)
+    out._value = value
+    out._spec = entry.spec
+    out._tag = entry.tag
+    _STATS["hits"] += 1
+    _COUNTS["hits"] += 1
+    return out
+
+
+class _Recorder:
+    """Stands in for ``ops.dispatch.dispatch`` during one torch-level call: runs it, and keeps
+    the top-level aten calls (ops that dispatch runs inside them are not steps)."""
+
+    def __init__(self):
+        self.steps: list = []
+        self.depth = 0
+        self.thread = threading.get_ident()
+
+    def __call__(self, func, args, kwargs):
+        if threading.get_ident() != self.thread:  # another thread's op: its own recorder, if any
+            for recorder in reversed(_dtensor._RECORDING):
+                if recorder.thread == threading.get_ident():
+                    return recorder(func, args, kwargs)
+            return _dispatch_module.dispatch(func, args, kwargs)
+        self.depth += 1
+        try:
+            out = _dispatch_module.dispatch(func, args, kwargs)
+        finally:
+            self.depth -= 1
+        if self.depth == 0:
+            self.steps.append((func, args, kwargs, out))
+        return out
+
+
+def _record(func, types, args, kwargs, key, local_args):
+    recorder = _Recorder()
+    _dtensor._RECORDING.append(recorder)
+    try:
+        result = _disabled(func, types, args, kwargs or _EMPTY)
+    finally:
+        _dtensor._RECORDING.pop()
+    if not recorder.steps:
+        _PASS.add(func)
+        _COUNTS["passed"] += 1
+        return result
+    entry = _entry_for(func, recorder.steps, result, local_args, kwargs)
+    if len(_CACHE) > 16384:
+        _CACHE.clear()
+    _CACHE[key] = entry
+    _COUNTS["recorded" if entry is not _SLOW else "slow"] += 1
+    return result
+
+
+def _plan_of(op, args, kwargs):
+    """The plan ops/dispatch.py cached for this aten call (None: it has none, or no rule)."""
+    plan = _dispatch_module._PLANS.get(_dispatch_module._scan(op, args, kwargs)[2])
+    if plan is None and not kwargs:
+        fast_key = _dispatch_module._fast_key(op, args)
+        plan = _dispatch_module._FAST.get(fast_key) if fast_key is not None else None
+    return plan if isinstance(plan, _dispatch_module._CallPlan) else None
+
+
+def _local_only(op, args, kwargs, out) -> bool:
+    """Did dispatch run this aten call as "the op on the local tensors, wrapped"? (no input
+    moved, no rule-specific local function, no pending-sum input, one output, nothing written,
+    nothing random)"""
+    plan = _plan_of(op, args, kwargs)
+    info = _dispatch_module._op_info(op)
+    if plan is None or type(out) is not DTensor or out._pending is not None:
+        return False
+    if info.inplace or info.out_names or info.written or info.foreach or torch.Tag.nondeterministic_seeded in op.tags:
+        return False
+    if plan.structure != "single" or plan.sharding.local is not None or getattr(plan, "reduce_self", None) is not None:
+        return False
+    inputs = _dispatch_module._scan(op, args, kwargs)[0]
+    return all(t is None for t in plan.targets) and not any(d._spec.reduce_op for d in inputs)
+
+
+def _entry_for(func, steps, result, local_args, kwargs):
+    """The fast entry proven by these recorded steps, or _SLOW (see the module docstring)."""
+    if type(result) is not DTensor or result is not steps[-1][3]:
+        return _SLOW
+    if not all(_local_only(*step) for step in steps):
+        return _SLOW
+    defer = None
+    for op, op_args, op_kwargs, _ in steps:
+        if _plan_of(op, op_args, op_kwargs).defer:
+            defer = _dispatch_module.DEFER_GEMM  # the entry holds while this setting does
+    last_op, last_args, last_kwargs, _ = steps[-1]
+    if any(r.alias_info is not None for r in last_op._schema.returns):
+        return _SLOW  # a view: the normal route makes it a view of its base for autograd
+    out = _plan_of(last_op, last_args, last_kwargs).outputs[0]
+    unsqueeze = bool(out.spec.reduce_op)
+    expected = result._value
+    try:
+        again = func(*local_args, **(kwargs or {}))
+        if unsqueeze:
+            again = again.unsqueeze(0)
+    except Exception:
+        return _SLOW
+    if (type(again) is not torch.Tensor or again.shape != expected.shape or again.dtype != expected.dtype
+            or again.device != expected.device or again.stride() != expected.stride()):
+        return _SLOW
+    inputs = {a.untyped_storage().data_ptr() for a in local_args if isinstance(a, torch.Tensor)}
+    if again.numel() and again.untyped_storage().data_ptr() in inputs:
+        return _SLOW
+    same = again == expected
+    if again.is_floating_point() or again.is_complex():
+        same |= again.isnan() & expected.isnan()
+    if not bool(same.all()):
+        return _SLOW
+    return _Entry(out.spec, expected.dtype, expected.device, out.stride, unsqueeze, defer)
+
+
+# ---------------------------------------------------------------------------
+# Switching it on and off
+# ---------------------------------------------------------------------------
+
+_HANDLER = classmethod(torch_function)
+
+
+def enable(on: bool = True) -> None:
+    """Turn the fast path on or off for every DTensor (results are the same either way)."""
+    DTensor.__torch_function__ = _HANDLER if on else _disabled
+
+
+def enabled() -> bool:
+    return DTensor.__dict__.get("__torch_function__") is _HANDLER
+
+
+def clear() -> None:
+    """Forget recorded calls (they are recorded again on next use)."""
+    _CACHE.clear()
+    _PASS.clear()
+
+
+def stats() -> dict:
+    """``{"hits", "recorded", "slow", "passed", "size"}``: fast hits, keys recorded as fast,
+    keys recorded as slow, functions that dispatched nothing (getters), cached keys."""
+    return dict(_COUNTS, size=len(_CACHE))

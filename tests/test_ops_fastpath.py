@@ -1,0 +1,306 @@
+"""The torch-function fast path (axedist/ops/fastpath.py) against the normal dispatch route.
+
+Every call runs first with the fast path off (the normal route: torch's dispatcher ->
+``__torch_dispatch__`` -> ops/dispatch.py), then three times with it on (a miss that
+records, then hits); each result must equal the normal route's exactly (spec, dtype,
+global strides, local tensor bit for bit) and the unsharded op on the full tensors.
+Fresh random inputs each run (hypothesis seeds), several placements, uneven shapes.
+"""
+
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from hypothesis import Phase, given, settings, strategies as st
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from axedist.dtensor import DTensor, distribute
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+ONE_EXAMPLE = dict(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+
+
+def _rand(shape, seed, dtype=torch.float64):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _facts(result):
+    """Everything a caller can observe of a result (on this rank)."""
+    if isinstance(result, DTensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return ("DTensor", result._spec, result.dtype, tuple(result.shape), result.stride(),
+                    result.requires_grad, result._local.clone())
+    return ("plain", result)
+
+
+def _same(a, b, what):
+    assert a[0] == b[0], what
+    if a[0] == "plain":
+        assert type(a[1]) is type(b[1]) and (a[1] == b[1] if not isinstance(a[1], torch.Tensor)
+                                            else torch.equal(a[1], b[1])), what
+        return
+    assert a[1:6] == b[1:6], f"{what}: {a[1:6]} != {b[1:6]}"
+    assert torch.equal(a[6], b[6]) or (a[6].isnan() == b[6].isnan()).all() and torch.equal(
+        a[6].nan_to_num(), b[6].nan_to_num()), what
+
+
+def _inputs(mesh, seed):
+    """(name -> (DTensor, full tensor)) over several placements and an uneven shape."""
+    r = lambda shape, k, dtype=torch.float64: _rand(shape, seed + k, dtype)  # noqa: E731
+    world = mesh.size
+    made = {
+        "x": (r((4 * world, 6), 1), [Shard(0)]),
+        "y": (r((4 * world, 6), 2), [Shard(0)]),
+        "c": (r((4 * world, 6), 3), [Shard(1)]),
+        "u": (r((4 * world + 1, 5), 4), [Shard(0)]),           # uneven: torch.chunk shards
+        "a": (r((6, 4 * world), 5), [Shard(1)]),
+        "b": (r((4 * world, 3), 6), [Shard(0)]),
+        "inp": (r((5, 6), 7), [Replicate()]),
+        "w": (r((2 * world, 6), 8), [Shard(0)]),
+        "bias": (r((2 * world,), 9), [Shard(0)]),
+        "v": (r((2 * world, 3, 4), 10), [Shard(0)]),
+        "f": (r((4 * world, 6), 11, torch.float32), [Shard(0)]),
+    }
+    out = {name: (distribute(t, mesh, p), t) for name, (t, p) in made.items()}
+    ints = torch.randint(-5, 5, (4 * world, 3), generator=torch.Generator().manual_seed(seed))
+    out["i"] = (distribute(ints, mesh, [Shard(0)]), ints)
+    # a pending sum: every rank's summand, and their total
+    parts = [r((4, 3), 20 + k) for k in range(world)]
+    out["p"] = (DTensor.from_local(parts[mesh.position()], mesh, [Partial()]), sum(parts))
+    return out
+
+
+# name, call on (DTensors or full tensors), kept fast after recording (else: the normal route)
+CALLS = [
+    ("add", lambda t: t["x"] + t["y"], True),
+    ("add alpha kwarg", lambda t: torch.add(t["x"], t["y"], alpha=0.5), True),
+    ("radd scalar", lambda t: 2.5 + t["x"], True),
+    ("mul float", lambda t: t["x"] * 2.0, True),
+    ("mul int", lambda t: t["x"] * 3, True),
+    ("int tensor * int", lambda t: t["i"] * 2, True),           # int64 result
+    ("int tensor * float", lambda t: t["i"] * 2.0, True),       # float result: not the int entry
+    ("int tensor * bool", lambda t: t["i"] * True, True),
+    ("sub, exp", lambda t: torch.exp(t["x"] - t["y"]), True),
+    ("uneven tanh", lambda t: torch.tanh(t["u"]), True),
+    ("sum dim", lambda t: t["x"].sum(1), True),
+    ("sum dim keepdim", lambda t: t["x"].sum(dim=1, keepdim=True), True),
+    ("mean sharded dim", lambda t: t["x"].mean(0), False),       # communicates: normal route
+    ("softmax", lambda t: torch.softmax(t["c"], dim=0), True),
+    ("cast", lambda t: t["f"].to(torch.float64), True),
+    ("mm -> pending sum", lambda t: torch.mm(t["a"], t["b"]), True),
+    ("linear column-parallel", lambda t: F.linear(t["inp"], t["w"]), True),
+    ("linear + bias", lambda t: F.linear(t["inp"], t["w"], t["bias"]), True),
+    ("matmul", lambda t: t["inp"] @ t["w"].t(), True),
+    ("needs a move", lambda t: t["x"] + t["c"], False),
+    ("pending sum input", lambda t: t["p"] * 2.0, False),
+    ("pending sum, nonlinear", lambda t: torch.exp(t["p"]), False),
+    ("view", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),  # views keep the normal route
+    ("transpose", lambda t: t["x"].transpose(0, 1), False),
+    ("reshape", lambda t: t["v"].reshape(-1, 4), False),
+    ("0-dim tensor scalar", lambda t: t["x"] * torch.tensor(3.0, dtype=torch.float64), False),
+    ("clone", lambda t: t["x"].clone(), True),
+]
+
+
+def _full(result):
+    if isinstance(result, DTensor):
+        return result.full_tensor()
+    return result
+
+
+def _check_calls(rank, world, seed):
+    from axedist.ops import fastpath
+
+    mesh = DeviceMesh("cpu", (world,))
+    fastpath.clear()
+    t = _inputs(mesh, seed)
+    dts = {k: d for k, (d, _) in t.items()}
+    full = {k: f for k, (_, f) in t.items()}
+    fast_seen = []
+    for name, call, fast in CALLS:
+        fastpath.enable(False)
+        normal = _facts(call(dts))
+        expected = call(full)
+        fastpath.enable(True)
+        before = fastpath.stats()["hits"]
+        for attempt in range(3):  # a miss (records), then hits
+            result = call(dts)
+            _same(_facts(result), normal, f"{name} (call {attempt})")
+            got = _full(result)
+            assert got.dtype == expected.dtype, name
+            assert torch.allclose(got, expected, atol=1e-12), name
+        hits = fastpath.stats()["hits"] - before
+        fast_seen.append((name, hits))
+        assert (hits >= 2) == fast, f"{name}: {hits} fast hits, expected {'some' if fast else 'none'}"
+    return fast_seen
+
+
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_fast_path_equals_normal_route(seed):
+    run_on_ranks(_check_calls, 4, args=(seed,))
+
+
+def _in_place_and_out(rank, world, seed):
+    """In-place ops and out= take the normal route; their results (and the tensor written)
+    equal the normal route's, also after the functional op's key was cached."""
+    from axedist.ops import fastpath
+
+    mesh = DeviceMesh("cpu", (world,))
+    x, y = _rand((4 * world, 6), seed), _rand((4 * world, 6), seed + 1)
+    runs = []
+    for on in (False, True):
+        fastpath.enable(on)
+        dx, dy = distribute(x, mesh, [Shard(0)]), distribute(y, mesh, [Shard(0)])
+        dx + dy
+        dx + dy  # the functional add is cached now
+        z = dx.clone()
+        version = z._version
+        z.add_(dy, alpha=2.0)
+        z.mul_(0.5)
+        assert z._version == version + 2  # in-place ops bump the wrapper's version counter (autograd relies on it)
+        out = distribute(torch.zeros(4 * world, 6, dtype=torch.float64), mesh, [Shard(0)])
+        r = torch.add(dx, dy, out=out)
+        assert r is out
+        runs.append((_facts(z), _facts(out)))
+        assert torch.allclose(z.full_tensor(), (x + 2 * y) * 0.5) and torch.allclose(out.full_tensor(), x + y)
+    for a, b in zip(runs[0], runs[1]):
+        _same(a, b, "in-place / out=")
+
+
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_in_place_and_out(seed):
+    run_on_ranks(_in_place_and_out, 4, args=(seed,))
+
+
+def _autograd(rank, world, seed):
+    """A cached key never skips autograd: with inputs requiring grad (grad mode on) the call
+    takes the normal route, and gradients equal the fast-path-off run's."""
+    from axedist.ops import fastpath
+
+    mesh = DeviceMesh("cpu", (world,))
+    x, w = _rand((4, 6), seed), _rand((2 * world, 6), seed + 1)
+    grads = []
+    for on in (False, True):
+        fastpath.enable(on)
+        dx = distribute(x, mesh, [Replicate()])
+        dw = distribute(w, mesh, [Shard(0)])
+        for _ in range(3):  # cache the key without grad
+            F.linear(dx, dw)
+            (dx * 2.0).sum(1)
+        dw.requires_grad_()
+        y = F.linear(dx, dw)
+        assert y.grad_fn is not None and y.requires_grad
+        loss = (y * 2.0).sum(1).sum()
+        assert loss.grad_fn is not None
+        loss.backward()
+        grads.append(_facts(dw.grad))
+        with torch.no_grad():  # no autograd to record: the fast path may serve it
+            hits = fastpath.stats()["hits"]
+            z = F.linear(dx, dw)
+            assert not z.requires_grad and z.grad_fn is None
+            if on:
+                assert fastpath.stats()["hits"] == hits + 1
+        expected = (2 * torch.ones(4, 2 * world, dtype=torch.float64)).T @ x
+        assert torch.allclose(dw.grad.full_tensor(), expected)
+    _same(grads[0], grads[1], "grad of w")
+
+
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_autograd_takes_the_normal_route(seed):
+    run_on_ranks(_autograd, 4, args=(seed,))
+
+
+class _AtenLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, [type(a).__name__ for a in args]))
+        return func(*args, **(kwargs or {}))
+
+
+class _CallLog(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _modes_views_state(rank, world, seed):
+    """Modes see what they saw before; views stay views; deferred GEMMs and inference mode."""
+    from axedist.ops import dispatch, fastpath
+
+    mesh = DeviceMesh("cpu", (world,))
+    fastpath.enable(True)
+    x, y = _rand((4 * world, 6), seed), _rand((4 * world, 6), seed + 1)
+    dx, dy = distribute(x, mesh, [Shard(0)]), distribute(y, mesh, [Shard(0)])
+    for _ in range(3):
+        dx + dy
+    # a torch dispatch mode must see the aten op on DTensors: the fast path steps aside
+    with _AtenLog() as log:
+        z = dx + dy
+    assert (torch.ops.aten.add.Tensor, ["DTensor", "DTensor"]) in log.ops
+    assert torch.allclose(z.full_tensor(), x + y)
+    # a torch function mode sees the call, and the result is the same
+    hits = fastpath.stats()["hits"]
+    with _CallLog() as calls:
+        z = dx + dy
+    assert calls.calls >= 1 and torch.allclose(z.full_tensor(), x + y)
+    assert fastpath.stats()["hits"] == hits + 1
+    # views stay views of their base (autograd's version counter and _base), never fast
+    v = distribute(_rand((2 * world, 3, 4), seed + 2), mesh, [Shard(0)])
+    for _ in range(3):
+        view = v.view(2 * world * 3, 4)
+    assert view._is_view() and view._base is v
+    view.mul_(2.0)
+    assert torch.allclose(v.full_tensor(), 2 * _rand((2 * world, 3, 4), seed + 2))
+    # a deferred GEMM recorded as "not deferred" under DEFER_GEMM="auto" defers again under "always"
+    a, b = distribute(_rand((6, 4 * world), seed + 3), mesh, [Shard(1)]), \
+        distribute(_rand((4 * world, 3), seed + 4), mesh, [Shard(0)])
+    for _ in range(3):
+        p = torch.mm(a, b)
+    assert p._pending is None
+    dispatch.DEFER_GEMM = "always"
+    try:
+        q = torch.mm(a, b)
+        assert q._pending is not None
+        assert torch.allclose(q.full_tensor(), p.full_tensor())
+    finally:
+        dispatch.DEFER_GEMM = "auto"
+    # inference mode: fast hits give inference tensors, like the normal route
+    with torch.inference_mode():
+        for _ in range(3):
+            s = dx * 3.0
+        assert s.is_inference()
+        assert torch.allclose(s.full_tensor(), 3 * x)
+    # getters and methods still answer through the fast path's handler
+    assert tuple(dx.shape) == (4 * world, 6) and dx.dtype == torch.float64 and dx.dim() == 2
+    assert dx.size(0) == 4 * world and not dx.requires_grad
+
+
+@settings(**ONE_EXAMPLE)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_modes_views_and_state(seed):
+    run_on_ranks(_modes_views_state, 4, args=(seed,))
+
+
+def test_env_var_turns_it_off():
+    # on by default: the first torch call on a DTensor installs the handler
+    assert DTensor.__dict__["__torch_function__"] is not torch._C._disabled_torch_function_impl
+    code = ("import torch, axedist.dtensor as d; "
+            "print(d.DTensor.__dict__['__torch_function__'] is torch._C._disabled_torch_function_impl)")
+    env = dict(os.environ, AXEDIST_FASTPATH="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
