@@ -115,9 +115,9 @@ def main():
         candidates = (every if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
                       else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
         runnable = {}
-        for config in candidates:
-            if m // world < config.block_m // 2 and config.block_m > 64:
-                continue  # mostly-empty tiles; not worth compile time
+        fitting = [c for c in candidates if not (m // world < c.block_m // 2 and c.block_m > 64)]
+        # mostly-empty tiles are not worth compile time; the heuristic's choice if none is left
+        for config in fitting or [gemm_rs.default_config(m, n, k, world, torch.bfloat16)]:
             try:  # compile and check that it runs before it enters the timed set
                 gemm_reduce_scatter_variant(a, b, None, config, gemm_rs.FUSED, out=rs_out)
                 torch.cuda.synchronize()
@@ -127,7 +127,8 @@ def main():
                 row.setdefault("config_errors", {})[str(config)] = f"{type(error).__name__}: {str(error)[:300]}"
         tried = time_interleaved(runnable, args.reps, queued=True)
         best_name = min(tried, key=tried.get)
-        best = next(config for config in candidates if str(config) == best_name)
+        best = next(config for config in list(candidates) + [gemm_rs.default_config(m, n, k, world, torch.bfloat16)]
+                    if str(config) == best_name)
         gemm_rs.remember_config(key, best)
         row["config"] = best_name
         row["fused_by_config_queued"] = tried

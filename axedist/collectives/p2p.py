@@ -15,6 +15,8 @@ Variants (`variant="auto"` picks by size from the measured table, backend.TUNED)
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -49,7 +51,11 @@ def _programs(work: int, block: int, device_index: int) -> int:
 
 def _rows(work: int) -> int:
     # small calls: 2048-element tiles spread the NVLink traffic over more SMs (lower latency);
-    # large calls: 8192-element tiles keep more bytes in flight per SM
+    # large calls: 8192-element tiles keep more bytes in flight per SM.
+    # AXEDIST_P2P_ROWS forces a tile height (for the benchmark's sweeps, not for production)
+    forced = os.environ.get("AXEDIST_P2P_ROWS")
+    if forced:
+        return int(forced)
     return 8 if work >= 8192 * 132 else 2
 
 
