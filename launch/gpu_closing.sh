@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
 #   bash launch/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
-#   bash launch/gpu_closing.sh benches  # redistribute, TP training step, dispatch, main job on NCCL
+#   bash launch/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
+#                                       # TP training step, main job on NCCL (BENCHES narrows them)
+# Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
@@ -25,11 +27,22 @@ if [[ $MODE == tests ]]; then
   step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-200} $PYTEST $TESTS
   grep -hE "^(FAILED|ERROR)|Error:" "$LOGS"/pytest_w*.log | head -20
-elif [[ $MODE == benches ]]; then
-  step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS"
-  step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS"
-  step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp"
-  step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda
-  for f in bench_redistribute bench_tp main_job demo; do echo "== $f"; tail -25 "$LOGS/$f.log"; done
+elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
+  BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp main_job demo"}
+  export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+  CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
+  for name in $BENCHES; do case $name in
+    gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS --out "$RESULTS" ;;
+    gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS --out "$RESULTS" ;;
+    rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 launch/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
+    redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
+    tp) step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS" ;;
+    main_job) step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
+    demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
+  esac; done
+  for f in "$LOGS"/*.log; do echo "== $f"; grep -E "^\[|geomean|min_|rc=|Error|ms/token|loss|x faster|slower" "$f" | tail -12; done
 fi
+# at most ~8 files come back from a device call: one bundle of logs and results, plus the tables
+tar -czf "$OUT/bundle.tgz" -C "$OUT" logs results 2>/dev/null && rm -rf "$LOGS" "$RESULTS"
+rm -rf "$OUT/train_tp"
 echo "=== summary ==="; cat "$SUMMARY"
