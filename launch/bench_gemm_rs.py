@@ -149,9 +149,13 @@ def main():
                 columns[name] = (lambda mode, lag: lambda: gemm_reduce_scatter_variant(
                     a, b, None, best, mode, out=rs_out, lag_waves=lag))(mode, lag_waves)
         columns = {name: fn for name, fn in columns.items() if fn is not None}
-        # all columns in one interleaved loop per mode (axedist/collectives/timing.py)
-        row.update(time_interleaved(columns, args.reps))
+        # device time: all columns in one interleaved loop (same clocks and temperature for
+        # all); eager: one column at a time, since an eager call's interval also depends on
+        # what the host did just before it (after PyTorch's symm op, whose host side is several
+        # hundred us, the next call finds an idle GPU)
         queued.update(time_interleaved(columns, args.reps, queued=True))
+        for name, fn in columns.items():
+            row.update(time_interleaved({name: fn}, args.reps))
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         host = row["host_us"] = {}
