@@ -29,6 +29,11 @@ def _behaviours(rank, world, seed):
     # plain non-scalar tensor mixed in: a clear error naming the op and argument
     with pytest.raises(RuntimeError, match="aten.add.Tensor: argument 'other' is a plain torch.Tensor"):
         dx + y
+    # a plain tensor holding one value, the same on every rank (autograd formulas make them): replicated
+    c = dx + torch.full((7, 5), 2.5, dtype=torch.float64)
+    assert c.placements == (Shard(0),) and torch.equal(c.full_tensor(), x + 2.5)
+    with pytest.raises(RuntimeError, match="the same on every rank"):
+        dx + torch.full((7, 5), float(rank), dtype=torch.float64)
     # a 0-dim plain tensor is a scalar
     assert torch.allclose((dx * torch.tensor(3.0, dtype=torch.float64)).full_tensor(), x * 3)
     # different meshes

@@ -125,8 +125,6 @@ def _statistics(rank, world_size, mesh_name, seed):
         check(lambda x: x.norm(dim=d, keepdim=True), [(X, xp)], mesh, seed, g, f"norm({d}) {what}", backward=grads)
         check(lambda x: x.logsumexp(d), [(X, xp)], mesh, seed, g, f"logsumexp({d}) {what}")
         check(lambda x: x.logsumexp([0, 2], keepdim=True), [(X, xp)], mesh, seed, g, f"logsumexp([0,2]) {what}")
-        check(lambda x: x.prod(d).detach(), [(X, xp)], mesh, seed, g, f"prod({d}) {what}")
-        check(lambda x: x.prod().detach(), [(X, xp)], mesh, seed, g, f"prod() {what}")
         check(lambda x: x.cumsum(d), [(X, xp)], mesh, seed, g, f"cumsum({d}) {what}")
         bools = [p if not isinstance(p, Partial) else Replicate() for p in xp]
         B = torch.rand(shape, generator=g) > 0.7
@@ -134,6 +132,31 @@ def _statistics(rank, world_size, mesh_name, seed):
         check(lambda b: b.all(d, keepdim=True), [(B | (torch.rand(shape, generator=g) > 0.3), bools)], mesh, seed, g,
               f"all({d}) {what}")
         check(lambda b: b.any(), [(B, bools)], mesh, seed, g, f"any() {what}")
+    return True
+
+
+def _prod(rank, world_size, mesh_name, seed):
+    """prod over sharded and unsharded dims, whole and per dim, forward and backward, with
+    zeros in the input: one zero in some slices (its gradient is the product of the others),
+    two in others (gradient 0), and zeros that fall on different ranks' shards."""
+    from axedist.ops.dispatch import fallback_ops
+
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    shape = _shape(g)
+    X = rand(g, *shape) * 0.5 + torch.where(rand(g, *shape) > 0, 1.0, -1.0)  # |x| near 1: products stay O(1)
+    zeros = torch.rand(shape, generator=g) < 0.15
+    X = X.masked_fill(zeros, 0.0)
+    before = set(fallback_ops())
+    for xp in sample_sets(mesh, OPTIONS, g, 4):
+        what = f"seed {seed}, mesh {mesh_name}, shape {shape}, {int(zeros.sum())} zeros, x {xp}"
+        d = randint(g, 0, 3)
+        check(lambda x: x.prod(d), [(X, xp)], mesh, seed, g, f"prod({d}) {what}",
+              _replicated_where_sharded(xp, {d}, what))
+        check(lambda x: x.prod(d, keepdim=True), [(X, xp)], mesh, seed, g, f"prod({d}, keepdim) {what}")
+        check(lambda x: x.prod(), [(X, xp)], mesh, seed, g, f"prod() {what}")
+        check(lambda x: (x * 2).prod(-1).sum(), [(X, xp)], mesh, seed, g, f"(2x).prod(-1).sum() {what}")
+    assert set(fallback_ops()) - before == set(), set(fallback_ops()) - before
     return True
 
 
@@ -182,6 +205,14 @@ def test_sums_and_extremes(mesh_name, seed):
 def test_statistics(mesh_name, seed):
     world = WORLD[mesh_name]
     assert run_on_ranks(_statistics, world, args=(mesh_name, seed)) == [True] * world
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@settings(**SETTINGS)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_prod_forward_and_backward(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_prod, world, args=(mesh_name, seed)) == [True] * world
 
 
 def test_infinities():

@@ -13,7 +13,8 @@ DTensor (below autograd, so backward ops arrive here too). For ``a + b`` with ``
 
 Also handled here, for every family: in-place ops (the result is ``self``, whose layout must
 not change), ``out=`` (the functional op, then a copy into ``out``), ``_foreach_*`` ops (one
-call per list element), plain 0-dim tensors (scalars), non-tensor outputs, pending
+call per list element), plain 0-dim tensors (scalars), plain tensors that hold one value
+on every rank (replicated; autograd formulas make them), non-tensor outputs, pending
 reductions (``Partial``: the local summand dim of extent 1 is removed before the op and
 added back to outputs that stay partial), and ops with no rule: every argument gathered,
 the op run on whole tensors, the result replicated, with a one-time warning naming the op.
@@ -41,6 +42,10 @@ aten = torch.ops.aten
 
 class DispatchError(RuntimeError):
     """An op on DTensors that cannot run as called (mixed meshes, plain tensors, a rule's mistake)."""
+
+
+class _PlainTensorError(DispatchError):
+    """A plain tensor with dims among DTensor arguments (maybe a constant: see ``_adopt_constants``)."""
 
 
 # The dtensor module is imported on first use: ops sit above dtensor in the layering, and
@@ -205,8 +210,9 @@ def _scan(func, args, kwargs):
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 return ("scalar", value.dtype, value.device.type)
-            raise DispatchError(f"{func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} mixed with "
-                                f"axedist DTensors; distribute it first (ax.distribute or DTensor.from_local)")
+            raise _PlainTensorError(f"{func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} mixed "
+                                    f"with axedist DTensors; distribute it first (ax.distribute or "
+                                    f"DTensor.from_local)")
         if isinstance(value, (list, tuple)):
             return (type(value).__name__,) + tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
         try:
@@ -534,7 +540,11 @@ def dispatch(func, args, kwargs):
         return _dispatch_foreach(func, args, kwargs)
     if info.out_names:
         return _dispatch_out(func, args, kwargs, info)
-    dts, mesh, key = _scan(func, args, kwargs)
+    try:
+        dts, mesh, key = _scan(func, args, kwargs)
+    except _PlainTensorError as error:
+        args, kwargs = _adopt_constants(func, args, kwargs, error)
+        dts, mesh, key = _scan(func, args, kwargs)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         plan = _plan_call(func, args, kwargs, dts, mesh, info)
@@ -562,6 +572,61 @@ def dispatch(func, args, kwargs):
             _FAST.clear()
         _FAST[fast_key] = plan
     return _run(func, args, kwargs, dts, mesh, plan, info)
+
+
+def _adopt_constants(func, args, kwargs, error: _PlainTensorError):
+    """``args``/``kwargs`` with each plain tensor that holds one value, the same on every rank
+    of the mesh, replaced by a replicated DTensor; else ``error`` is raised (on every rank).
+
+    Autograd formulas make such constants next to DTensors: prod's backward concatenates
+    ``torch.ones(1, 3)`` with slices of the input (``ones`` follows only dtype and device).
+    Whether every rank holds the same value takes one small all-reduce over the mesh, which
+    every rank joins (the arguments' structure is the same on every rank), so none waits.
+    """
+    DTensor = _dtensor_module().DTensor
+    mesh, plain = None, []
+
+    def visit(value):
+        nonlocal mesh
+        if isinstance(value, DTensor):
+            mesh = mesh or value._spec.mesh
+        elif isinstance(value, torch.Tensor):
+            if value.dim() > 0:
+                plain.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for value in list(args) + list(kwargs.values()):
+        visit(value)
+    if mesh is None or not plain:
+        raise error
+    # per tensor: (not constant here, its value, minus its value), reduced with MAX over the mesh
+    facts = []
+    for t in plain:
+        first = t.reshape(-1)[0] if t.numel() else None
+        constant = (first is not None and not t.requires_grad and not t.is_complex()
+                    and bool((t == first).all()))
+        v = float(first) if constant else 0.0
+        facts += [0.0 if constant else 1.0, v, -v]
+    agreed = torch.tensor(facts, dtype=torch.float64, device=mesh.device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
+    for i in range(len(plain)):
+        not_constant, high, minus_low = agreed[3 * i:3 * i + 3].tolist()
+        if not_constant or high != -minus_low:
+            raise DispatchError(f"{error} (a plain tensor is taken as replicated only when it holds one value, the "
+                                f"same on every rank, like the ones an autograd formula makes)") from None
+    adopted = {id(t): DTensor(t.to(mesh.device).contiguous(),
+                              _spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim)) for t in plain}
+
+    def swap(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return adopted.get(id(value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
 def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, outputs, sharding):
