@@ -10,7 +10,9 @@ from the collectives it issues, counted under ``CommDebugMode``) and the median 
 (max over ranks; CUDA events on GPUs, wall clock on CPU) of ``DTensor.redistribute`` on
 both sides; then the CPU overhead of one call with a cached plan on a transition that
 moves no data (``Replicate -> Shard(0)``: slicing only), where the time is all framework.
-Only public names are used.
+Only public names are used. The last rows are uneven, ``(rows - 1, rows + 2)``. torch's bytes
+are those of its NCCL path also on CPU (``torch_comm_bytes``: its CPU shard-dim all-to-all
+all-gathers instead), while its CPU times are those of what it runs there.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ TRANSITIONS = [
     ((2, 2), "S0 R", "R S0"),
     ((2, 2), "P R", "S0 S1"),
     ((2, 2), "P P", "S1 R"),
+    # uneven: (rows - 1, rows + 2), dim 1 chunked by x then by y (torch's nested chunks, padded
+    # differently from the target's): true elements only (plan_direct), or axis by axis
+    ((2, 2), "S1 S1", "S1 S0", "uneven"),
+    ((2, 2), "S1 S1", "R S0", "uneven"),
 ]
 
 
@@ -168,9 +174,10 @@ def main():
     shape = (rows_count, rows_count)
     dtype = torch.bfloat16 if args.cuda else torch.float32
     rows = []
-    for mesh_shape, src_text, dst_text in TRANSITIONS:
+    for mesh_shape, src_text, dst_text, *uneven in TRANSITIONS:
         mesh = mesh4 if mesh_shape == (4,) else mesh22
-        ours, torch_src, torch_mesh, dst_pl = _pair(mesh, shape, src_text, dst_text, dtype)
+        here = (rows_count - 1, rows_count + 2) if uneven else shape
+        ours, torch_src, torch_mesh, dst_pl = _pair(mesh, here, src_text, dst_text, dtype)
         with record() as ran:
             out = ours.redistribute(dst_pl)  # plans, compiles, warms up
         want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
@@ -183,7 +190,8 @@ def main():
         if args.explain and route and dist.get_rank() == 0:
             print(route.explain(mesh), flush=True)
         steps = " + ".join(k for p in route.plans for k in p.kinds) if route else "none"
-        rows.append(dict(mesh="x".join(map(str, mesh_shape)), transition=f"{src_text} -> {dst_text}",
+        shape_text = f" ({here[0]}x{here[1]})" if uneven else ""
+        rows.append(dict(mesh="x".join(map(str, mesh_shape)), transition=f"{src_text} -> {dst_text}{shape_text}",
                          steps=steps or "local",
                          bytes_axedist=int(_max_over_ranks(ours_bytes, device)),
                          bytes_torch=int(_max_over_ranks(torch_bytes, device)),
