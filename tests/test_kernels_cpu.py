@@ -561,3 +561,41 @@ def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
     del a
     gc.collect()
     assert alive() is None   # the cache did not keep the tensor
+
+
+def test_replay_slots_match_the_kernel_signature():
+    """Replay fills operands, output, task base and epoch by position: the positions must be
+    those of the kernel's parameters (runtime ones come first, constexprs last)."""
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
+    runtime = [name for name in names if name not in gemm_rs.gemm_reduce_scatter_kernel.constexprs_names] \
+        if hasattr(gemm_rs.gemm_reduce_scatter_kernel, "constexprs_names") else names[:names.index("WORLD")]
+    replay = gemm_rs.Replay
+    assert runtime[replay._A_DESC] == "a_desc" and runtime[replay._A] == "a_ptr"
+    assert runtime[replay._B_DESC] == "b_desc" and runtime[replay._B] == "b_ptr"
+    assert runtime[replay._OUT] == "out_ptr" and runtime[replay._TASK_BASE] == "task_base"
+    assert runtime[replay._EPOCH] == "epoch"
+    assert all(names.index(n) > names.index("lag") for n in ("WORLD", "PUSH", "TMA_PUSH"))
+
+
+def test_replay_fills_only_the_per_call_slots(monkeypatch):
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    calls = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    a, b = torch.randn(64, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)
+    ops = gemm_rs.prepare_operands(a, b)
+    names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
+    template = tuple(range(names.index("lag") + 1))     # slot i holds i
+    replay = gemm_rs.Replay(lambda grid, stream, args: calls.append((grid, stream, args)), 5,
+                            template, 99, True, gemm_rs.GemmConfig(), False, 30 * 10**9, 0)
+    out = torch.empty(16, 48, dtype=torch.bfloat16)
+    replay(ops, out, epoch=11, task_base=1234)
+    grid, stream, args = calls[0]
+    assert (grid, stream, replay.claim) == (5, 7, 99)
+    changed = {i for i, value in enumerate(args) if value != template[i]}
+    assert changed == {0, 1, 2, 3, 5, names.index("task_base"), names.index("epoch")}
+    assert args[1] == ops.a.data_ptr() and args[3] == ops.b.data_ptr() and args[5] == out.data_ptr()
+    assert args[names.index("epoch")] == 11 and args[names.index("task_base")] == 1234
+    assert args[0].base.data_ptr() == ops.a.data_ptr() and list(args[2].block_shape) == [64, 256]

@@ -140,6 +140,7 @@ class _FusedCall:
     config_version: int = -1
     workspace: object = None
     parts: tuple = ()
+    replays: list = dataclasses.field(default_factory=lambda: [None, None])  # per data half
 
 
 _calls: dict[tuple, _FusedCall] = {}
@@ -196,16 +197,26 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     if call.config_version != gemm_rs.config_version():  # first call, or remember_config since
         call.config = gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
         call.config_version = gemm_rs.config_version()
+        call.replays = [None, None]
     workspace = call.workspace
     if workspace is None or workspace.retired:
         workspace = call.workspace = get_workspace(group, ops.m * ops.n * a.element_size(),
                                                    a.device)
         call.parts = tuple(workspace.local_data(half, a.dtype, ops.m * ops.n) for half in (0, 1))
+        call.replays = [None, None]
     epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
     if out is None:
         out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
-    gemm_rs.launch(ops, call.config, world, rank, call.parts[half], out, workspace, epoch, half,
-                   multimem=plan.backend == "multimem")
+    replay = call.replays[half]
+    aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
+    if (replay is not None and aligned and timeout_s is None
+            and replay.timeout_ns == workspace.timeout_ns(epoch)):
+        # the same call as before on this half: only operands, output, tasks and epoch change
+        replay(ops, out, epoch, workspace.claim_tasks(replay.claim))
+    else:
+        replay = gemm_rs.launch(ops, call.config, world, rank, call.parts[half], out, workspace,
+                                epoch, half, multimem=plan.backend == "multimem")
+        call.replays[half] = replay if aligned and timeout_s is None else None
     if check:
         workspace.check(synchronize=True)
     return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out

@@ -513,9 +513,10 @@ def _run(grid: int, args: tuple, constexprs: dict, warps: int, key: tuple, devic
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
            out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
            multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
-           scope: str = "sys", lag_waves: float | None = None) -> None:
+           scope: str = "sys", lag_waves: float | None = None) -> "Replay":
     """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
-    `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant."""
+    `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant.
+    Returns the launch prepared for repetition (Replay)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
     programs = _processors.get(device.index)
@@ -578,3 +579,37 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
             ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
             rank, epoch, lag)
     _run(programs, args, constexprs, config.warps, key, device.index)
+    return Replay(_launches[key], programs, args, tasks + programs, use_tma, config,
+                  ops.b_transposed, timeout_ns, device.index)
+
+
+class Replay:
+    """A launch of the fused kernel prepared for repetition: the compiled launcher and every
+    argument that stays the same for calls of the same shapes, config, workspace half and
+    rank (returned by `launch`). A call fills in A, B, the output, the task base and the epoch;
+    the caller must only replay it for operands and output as 16-byte aligned as the first
+    call's (the compiled kernel assumed it) and with the same timeout.
+
+    >>> replay = launch(ops, config, world, rank, part, out, workspace, epoch, half)
+    >>> replay(ops, out, epoch + 2, workspace.claim_tasks(replay.claim))  # next call on this half
+    """
+    _A_DESC, _A, _B_DESC, _B, _OUT = 0, 1, 2, 3, 5
+    _TASK_BASE = 6 + 8 + 8 + 1 + 8 + 1  # after peers, data, multicast, flags and the counter
+    _EPOCH = -2
+
+    def __init__(self, compiled, grid: int, args: tuple, claim: int, use_tma: bool,
+                 config: GemmConfig, b_transposed: bool, timeout_ns: int, device_index: int):
+        self.compiled, self.grid, self.claim = compiled, grid, claim
+        self.template = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        self.use_tma, self.timeout_ns, self.device_index = use_tma, timeout_ns, device_index
+        self.block_a = [config.block_m, config.block_k]
+        self.block_b = [config.block_n, config.block_k] if b_transposed else [config.block_k, config.block_n]
+
+    def __call__(self, ops: _Operands, out: torch.Tensor, epoch: int, task_base: int) -> None:
+        args = list(self.template)
+        if self.use_tma:
+            args[self._A_DESC] = _descriptor(ops.a, self.block_a, True)
+            args[self._B_DESC] = _descriptor(ops.b, self.block_b, True)
+        args[self._A], args[self._B], args[self._OUT] = ops.a.data_ptr(), ops.b.data_ptr(), out.data_ptr()
+        args[self._TASK_BASE], args[self._EPOCH] = task_base, epoch
+        self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
