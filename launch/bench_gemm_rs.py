@@ -17,6 +17,7 @@ Writes gemm_rs_w{W}.json / .md / .png; also the tuned configs (gemm_rs_tuned_w{W
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -62,7 +63,14 @@ def main():
                         help="also time signal-only and GPU-scope variants (where the time goes)")
     parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write the .md and .png of this result file into --out")
+    parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write what 'auto' uses (axedist/kernels/gemm_rs_auto.json: "
+                             "the shapes where fused lost; gemm_rs_tuned.json: the best tile config per "
+                             "shape) from these result files (one per world size)")
     args = parser.parse_args()
+    if args.tables_from:
+        write_tables(args.tables_from)
+        return
     if args.render:
         with open(args.render) as handle:
             saved = json.load(handle)
@@ -209,6 +217,46 @@ def _commit():
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def auto_tables(results: list[dict]) -> tuple[dict, dict]:
+    """(gemm_rs_auto.json, tuned configs) from benchmark result files: a shape where fused was
+    slower than cuBLAS + NCCL in device time (the queued table; eager for runs that have none)
+    goes to "fused_loses"; every shape's chosen config to the tuned table."""
+    loses, configs, sources = [], {}, []
+    for result in results:
+        meta = result["meta"]
+        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        for row in result["rows"]:
+            times = row.get("queued", row)
+            if times["speedup_vs_seq"] < 1.0:
+                loses.append([row["M"], row["N"], row["K_local"], row["world"]])
+            key = gemm_rs.shape_key(row["M"], row["N"], row["K_local"], row["world"], torch.bfloat16)
+            configs[key] = dataclasses.asdict(gemm_rs.GemmConfig.parse(row["config"]))
+    return dict(source=sources, fused_loses=sorted(loses)), configs
+
+
+def write_tables(paths: list[str]) -> None:
+    results = []
+    for path in paths:
+        with open(path) as handle:
+            results.append(json.load(handle))
+    auto, configs = auto_tables(results)
+    from axedist.collectives.fused import AUTO_TABLE_PATH
+    with open(AUTO_TABLE_PATH, "w") as handle:
+        shapes = ",\n  ".join(json.dumps(shape) for shape in auto["fused_loses"])
+        handle.write(f'{{"source": {json.dumps(auto["source"], indent=1)},\n'
+                     f' "fused_loses": [\n  {shapes}\n ]}}\n')
+    tuned_path = os.path.join(os.path.dirname(gemm_rs.__file__), "gemm_rs_tuned.json")
+    worlds = {f"/w{row['world']}/" for result in results for row in result["rows"]}
+    with open(tuned_path) as handle:
+        tuned = {key: value for key, value in json.load(handle).items()
+                 if not any(world in key for world in worlds)}   # these world sizes are re-measured
+    tuned.update(configs)
+    with open(tuned_path, "w") as handle:
+        json.dump(dict(sorted(tuned.items())), handle, indent=1)
+        handle.write("\n")
+    print(json.dumps(auto, indent=1))
 
 
 def _summary(six):

@@ -599,3 +599,30 @@ def test_replay_fills_only_the_per_call_slots(monkeypatch):
     assert args[1] == ops.a.data_ptr() and args[3] == ops.b.data_ptr() and args[5] == out.data_ptr()
     assert args[names.index("epoch")] == 11 and args[names.index("task_base")] == 1234
     assert args[0].base.data_ptr() == ops.a.data_ptr() and list(args[2].block_shape) == [64, 256]
+
+
+def test_auto_table_is_what_the_recorded_benchmarks_say():
+    """kernels/gemm_rs_auto.json (the shapes where "auto" does not fuse) and the tuned configs
+    must be what `bench_gemm_rs.py --tables-from` derives from the recorded result files that
+    the table names, so a new benchmark run cannot silently disagree with the shipped choice."""
+    _need_triton()
+    import importlib.util
+    import json
+
+    from axedist.collectives import fused
+    from axedist.kernels import gemm_rs
+    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "launch", "bench_gemm_rs.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = []
+    for world in (4, 2):
+        with open(os.path.join(ROOT, "benchmarks", "results", f"gemm_rs_w{world}.json")) as handle:
+            results.append(json.load(handle))
+    auto, configs = bench.auto_tables(results)
+    with open(fused.AUTO_TABLE_PATH) as handle:
+        shipped = json.load(handle)
+    assert shipped == auto
+    assert fused.FUSED_LOSES == {tuple(shape) for shape in auto["fused_loses"]}
+    tuned = gemm_rs.tuned_table()
+    for key, fields in configs.items():
+        assert tuned[key] == fields, key

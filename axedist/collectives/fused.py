@@ -12,6 +12,8 @@ This module imports Triton only when a kernel is launched.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,20 +21,23 @@ import torch.distributed as dist
 from . import fallback
 from .backend import multicast_opted_in, multimem_allowed, p2p_possible
 
-# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL (bf16,
-# H200, benchmarks/results/gemm_rs_w{2,4}.md; at W=4 slower in both the v3 and final runs):
-# "auto" runs cuBLAS + NCCL there and the plan says so. The reduce tasks cost SM time that the
-# overlap does not win back when the GEMM is long (docs/gpu_notes.md).
-FUSED_LOSES: set[tuple[int, int, int, int]] = {
-    (16384, 8192, 7168, 4),   # 0.97x / 0.98x
-    (8192, 16384, 13312, 4),  # 0.94x / 0.85x (Llama-3.1-405B)
-    (16384, 8192, 7168, 2),   # 0.96x
-    (8192, 5120, 12800, 2),   # 0.95x (Qwen3-32B)
-    (8192, 16384, 26624, 2),  # 0.92x (Llama-3.1-405B)
-    (512, 8192, 7168, 2),     # 0.62x (256 rows per rank)
-}
-# Measured at W=2 and W=4 for M / W = 32..128 with K_local = 7168 (0.42x-0.56x): with this few
-# rows per rank the long-K tiles are latency-bound (no split-K), so "auto" does not fuse.
+# Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
+# time (bf16, H200): axedist/kernels/gemm_rs_auto.json, which `launch/bench_gemm_rs.py
+# --tables-from <gemm_rs_w4.json> <gemm_rs_w2.json>` derives from the recorded benchmark runs
+# (benchmarks/results/). "auto" runs cuBLAS + NCCL there and the plan says so.
+AUTO_TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               "kernels", "gemm_rs_auto.json")
+
+
+def load_auto_table(path: str = AUTO_TABLE_PATH) -> set[tuple[int, int, int, int]]:
+    with open(path) as handle:
+        return {tuple(int(v) for v in shape) for shape in json.load(handle)["fused_loses"]}
+
+
+FUSED_LOSES: set[tuple[int, int, int, int]] = load_auto_table()
+# Below this many rows per rank "auto" does not fuse: at M / W = 32 the fused kernel is slower in
+# device time (no split-K), and at 128 it is faster in device time but its host side (tens of
+# us per call) makes it slower for a program that issues calls one by one (eager table).
 MIN_ROWS_PER_RANK = 256
 
 

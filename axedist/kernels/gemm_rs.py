@@ -304,6 +304,23 @@ class GemmConfig:
     # of row tiles and rows are 16-byte multiples; masked stores elsewhere)
     tma_push: bool = False
 
+    @classmethod
+    def parse(cls, text: str) -> "GemmConfig":
+        """The config that str() printed as `text` (benchmark tables store it so).
+
+        >>> GemmConfig.parse("128x256x64/g8/s3/w8/r64/defer/push")
+        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False)
+        """
+        tile, *parts = text.split("/")
+        block_m, block_n, block_k = (int(v) for v in tile.split("x"))
+        numbers = {part[0]: int(part[1:]) for part in parts if part[:1] in "gswr" and part[1:].isdigit()}
+        flags = {part for part in parts if not (part[:1] in "gswr" and part[1:].isdigit())}
+        unknown = flags - {"defer", "push", "tma"}
+        if unknown or set(numbers) != set("gswr"):
+            raise ValueError(f"not a GemmConfig string: {text!r}")
+        return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"], numbers["r"],
+                   "defer" in flags, "push" in flags, "tma" in flags)
+
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
