@@ -101,10 +101,13 @@ def test_dispatcher_behaviours(world):
     run_on_ranks(_behaviours, world, args=(random.randrange(10**6),))
 
 
-def _adamw(rank, world, seed, foreach):
+def _adamw(rank, world, seed, mode):
+    """AdamW (for-loop, foreach or fused) with clip_grad_norm_ on sharded and replicated
+    parameters; one gradient is a pending sum (a replicated weight's gradient under sequence
+    parallelism), which the step reads as its sum."""
     mesh = DeviceMesh("cpu", (2, world // 2), ("dp", "tp")) if world == 4 else DeviceMesh("cpu", (world,))
     tp = mesh.ndim - 1
-    shapes = [(6, 5), (5,), (3, 7)]
+    shapes = [(6, 5), (5,), (3, 7), (4,)]
     fulls = [_rand(s, seed + i) for i, s in enumerate(shapes)]
     grads = [_rand(s, seed + 10 + i) for i, s in enumerate(shapes)]
     pl = [[Replicate()] * mesh.ndim for _ in shapes]
@@ -112,25 +115,78 @@ def _adamw(rank, world, seed, foreach):
     pl[2][tp] = Shard(1)
     params = [distribute(f, mesh, p).requires_grad_() for f, p in zip(fulls, pl)]
     plain = [f.clone().requires_grad_() for f in fulls]
-    for p, g in zip(params, grads):
-        p.grad = distribute(g, mesh, p.placements)
-    for p, g in zip(plain, grads):
-        p.grad = g.clone()
-    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, foreach=foreach)
-    ref = torch.optim.AdamW(plain, lr=0.1, weight_decay=0.1, foreach=foreach)
+    for p, q in zip(plain, grads):
+        p.grad = q.clone()
+    flags = {"loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}[mode]
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1, **flags)
+    ref = torch.optim.AdamW(plain, lr=0.1, weight_decay=0.1, **flags)
     for _ in range(3):
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=foreach)
-        torch.nn.utils.clip_grad_norm_(plain, 1.0, foreach=foreach)
+        for p, q in zip(params, grads):
+            p.grad = distribute(q, mesh, p.placements)
+        # the last gradient pending over the tp axis: summands that add up to it
+        pending = [Partial() if i == tp else Replicate() for i in range(mesh.ndim)]
+        piece = _rand(shapes[-1], seed + 20 + mesh.coordinates()[mesh.axis_names[tp]])
+        total = sum(_rand(shapes[-1], seed + 20 + r) for r in range(mesh.shape[tp]))
+        if mesh.coordinates()[mesh.axis_names[tp]] == 0:
+            piece = piece + grads[-1] - total
+        params[-1].grad = DTensor.from_local(piece, mesh, pending)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=mode != "loop")
+        torch.nn.utils.clip_grad_norm_(plain, 1.0, foreach=mode != "loop")
         opt.step()
         ref.step()
-    for p, q in zip(params, plain):
-        assert p.placements == tuple(q2 for q2 in p.placements)
+        for p, q in zip(plain, grads):
+            p.grad = q.clone()
+    for p, q, places in zip(params, plain, pl):
+        assert p.placements == tuple(places), p.placements
         assert torch.allclose(p.detach().full_tensor(), q.detach(), atol=1e-12), (p, q)
     return True
 
 
-@pytest.mark.parametrize("world,foreach", [(2, True), (4, False), (4, True)])
-def test_adamw_step_matches_plain(world, foreach):
+@pytest.mark.parametrize("world,mode", [(2, "foreach"), (4, "loop"), (4, "foreach"), (2, "fused"), (4, "fused")])
+def test_adamw_step_matches_plain(world, mode):
+    from axedist.ops.dispatch import fallback_ops
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_on_ranks(_adamw, world, args=(random.randrange(10**6), foreach))
+        run_on_ranks(_adamw, world, args=(random.randrange(10**6), mode))
+    del fallback_ops  # (the ranks' fallbacks are checked in test_fused_optimizer_fallback_writes_back)
+
+
+def _fused_with_grad_scale(rank, world, seed):
+    """``_fused_adamw_`` with ``grad_scale`` (AMP) has no rule: the gather fallback runs it and
+    writes every written list back in its own layout, a pending gradient as valid summands."""
+    from axedist.ops import dispatch
+
+    mesh = DeviceMesh("cpu", (world,))
+    shapes = [(6, 5), (5,)]
+    fulls = [_rand(s, seed + i) for i, s in enumerate(shapes)]
+    grads = [_rand(s, seed + 10 + i) for i, s in enumerate(shapes)]
+    places = [[Shard(0)], [Replicate()]]
+    params = [distribute(f, mesh, p) for f, p in zip(fulls, places)]
+    pieces = [_rand(s, seed + 30 + rank) for s in shapes]
+    totals = [sum(_rand(s, seed + 30 + r) for r in range(world)) for s in shapes]
+    dgrads = [distribute(grads[0], mesh, [Shard(0)]),
+              DTensor.from_local(pieces[1] + (grads[1] - totals[1] if rank == 0 else 0), mesh, [Partial()])]
+    states = [[distribute(torch.zeros(s, dtype=torch.float64), mesh, p) for s, p in zip(shapes, places)]
+              for _ in range(2)]
+    plain_states = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(2)]
+    steps, plain_steps = [[torch.tensor(1.0) for _ in shapes] for _ in range(2)]
+    plain_params, plain_grads = [f.clone() for f in fulls], [g.clone() for g in grads]
+    hyper = dict(lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False)
+    scale, found = torch.tensor(4.0), torch.tensor(0.0)
+    before = dispatch.cache_info()["fallbacks"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._fused_adamw_(params, dgrads, *states, [], steps, **hyper, grad_scale=scale, found_inf=found)
+    assert dispatch.cache_info()["fallbacks"] == before + 1
+    torch._fused_adamw_(plain_params, plain_grads, *plain_states, [], plain_steps, **hyper,
+                        grad_scale=scale.clone(), found_inf=found.clone())
+    assert dgrads[1].placements == (Partial(),)
+    for got, want in zip(params + dgrads + states[0] + states[1],
+                         plain_params + plain_grads + plain_states[0] + plain_states[1]):
+        assert torch.allclose(got.full_tensor(), want, atol=1e-12), (got.full_tensor(), want)
+    return True
+
+
+def test_fused_optimizer_fallback_writes_back():
+    run_on_ranks(_fused_with_grad_scale, 2, args=(random.randrange(10**6),))

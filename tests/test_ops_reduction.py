@@ -98,31 +98,25 @@ def _statistics(rank, world_size, mesh_name, seed):
     for xp in sample_sets(mesh, OPTIONS, g, 4):
         what = f"seed {seed}, mesh {mesh_name}, shape {shape}, x {xp}"
         d = randint(g, 0, 3)
-        # the backward of var/std/norm on a pending input runs pointwise ops that cannot keep
-        # it yet (see test_pending_input_through_var_and_norm_backward): forward only there
-        grads = not any(isinstance(p, Partial) for p in xp)
         if shape[d] > 1:
             check(lambda x: x.var(d), [(X, xp)], mesh, seed, g, f"var({d}) {what}",
-                  _replicated_where_sharded(xp, {d}, what), backward=grads)
-        check(lambda x: x.std(d, correction=0), [(X, xp)], mesh, seed, g, f"std({d}, 0) {what}", backward=grads)
+                  _replicated_where_sharded(xp, {d}, what))
+        check(lambda x: x.std(d, correction=0), [(X, xp)], mesh, seed, g, f"std({d}, 0) {what}")
         if math.prod(shape[i] for i in (0, 2)) > 2:
             check(lambda x: x.var([0, 2], correction=2, keepdim=True), [(X, xp)], mesh, seed, g,
-                  f"var([0,2], 2) {what}", backward=grads)
-        check(lambda x: torch.var_mean(x, d, correction=0), [(X, xp)], mesh, seed, g, f"var_mean({d}) {what}",
-              backward=grads)
-        check(lambda x: torch.std_mean(x, correction=0), [(X, xp)], mesh, seed, g, f"std_mean() {what}",
-              backward=grads)
+                  f"var([0,2], 2) {what}")
+        check(lambda x: torch.var_mean(x, d, correction=0), [(X, xp)], mesh, seed, g, f"var_mean({d}) {what}")
+        check(lambda x: torch.std_mean(x, correction=0), [(X, xp)], mesh, seed, g, f"std_mean() {what}")
         for ord_ in (1, 2, 3.5, math.inf, -math.inf):
             want = {1: "sum", math.inf: "max", -math.inf: "min"}.get(ord_)
             expect = _pending_where_sharded(xp, {d}, want, what) if want else \
                 _replicated_where_sharded(xp, {d}, what)
             check(lambda x: torch.linalg.vector_norm(x, ord_, d), [(X, xp)], mesh, seed, g,
-                  f"vector_norm({ord_}, {d}) {what}", expect, backward=grads)
-        check(lambda x: torch.linalg.vector_norm(x), [(X, xp)], mesh, seed, g, f"vector_norm() {what}",
-              backward=grads)
+                  f"vector_norm({ord_}, {d}) {what}", expect)
+        check(lambda x: torch.linalg.vector_norm(x), [(X, xp)], mesh, seed, g, f"vector_norm() {what}")
         check(lambda x: torch.linalg.vector_norm(x.detach(), 0, [0, 1]), [(X, xp)], mesh, seed, g,
               f"vector_norm(0) {what}")
-        check(lambda x: x.norm(dim=d, keepdim=True), [(X, xp)], mesh, seed, g, f"norm({d}) {what}", backward=grads)
+        check(lambda x: x.norm(dim=d, keepdim=True), [(X, xp)], mesh, seed, g, f"norm({d}) {what}")
         check(lambda x: x.logsumexp(d), [(X, xp)], mesh, seed, g, f"logsumexp({d}) {what}")
         check(lambda x: x.logsumexp([0, 2], keepdim=True), [(X, xp)], mesh, seed, g, f"logsumexp([0,2]) {what}")
         check(lambda x: x.cumsum(d), [(X, xp)], mesh, seed, g, f"cumsum({d}) {what}")
@@ -235,11 +229,6 @@ def _pending_backward(rank, world_size):
     return True
 
 
-@pytest.mark.xfail(strict=True, reason="known limit outside reduction.py: the backward of var/norm on a pending "
-                                       "input runs pointwise ops that ask a [Partial, Partial] tensor for "
-                                       "[Replicate, Partial] (which redistribute cannot do yet) or apply "
-                                       "masked_fill_ in place to a pending sum (fill 0 keeps a sum, but the "
-                                       "elementwise rule reduces it, and in place it cannot)")
 def test_pending_input_through_var_and_norm_backward():
     assert run_on_ranks(_pending_backward, 4) == [True] * 4
 

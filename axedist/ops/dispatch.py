@@ -538,6 +538,10 @@ def dispatch(func, args, kwargs):
     info = _op_info(func)
     if info.foreach:
         return _dispatch_foreach(func, args, kwargs)
+    if func in _FUSED_OPTIMIZERS:
+        result = _dispatch_fused_optimizer(func, args, kwargs)
+        if result is not _NO_RULE:
+            return result
     if info.out_names:
         return _dispatch_out(func, args, kwargs, info)
     try:
@@ -770,12 +774,14 @@ def _fallback(func, args, kwargs, dts, mesh, info: _OpInfo):
     local_args, local_kwargs = _replace_all(args, kwargs, lambda d: full[id(d)][2])
     result = func(*local_args, **local_kwargs)
     # written arguments: lay the whole result back out in their own layout
-    written = ([args[0]] if info.inplace else []) + _written(args, kwargs, info)
+    first = args[0] if info.inplace else []
+    written = (list(first) if isinstance(first, (list, tuple)) else [first]) + _written(args, kwargs, info)
     for target in written:
         if isinstance(target, dtm.DTensor):
             d, replicated, value = full[id(target)]
-            back = dtm.redistribute_local(value, replicated, d._spec)
-            d._local.copy_(back)
+            d._local.copy_(_laid_out(func, value, replicated, d._spec))
+    if not func._schema.returns:  # torch wants None from an op that returns nothing (_fused_adamw_)
+        return None
     if info.inplace:
         return args[0]
 
@@ -793,6 +799,79 @@ def _fallback(func, args, kwargs, dts, mesh, info: _OpInfo):
         return value
 
     return wrap(result)
+
+
+def _laid_out(func, value, replicated, spec) -> torch.Tensor:
+    """This rank's local tensor of the whole ``value`` (given ``replicated``) in ``spec``.
+
+    A pending ``spec`` (a written argument that was a partial sum) gets a valid set of
+    summands of ``value``: for a sum, ``value`` on the rank at coordinate 0 of the partial
+    axes and 0 on the others; for avg/max/min, ``value`` on every rank.
+    """
+    dtm = _dtensor_module()
+    if not spec.reduce_op:
+        return dtm.redistribute_local(value, replicated, spec)
+    placements = _placements_or_none(spec)
+    if placements is None:
+        raise DispatchError(f"{func} (run through the gather fallback) writes an argument pending a "
+                            f"{spec.reduce_op} in a layout with no placement form ({spec}); redistribute it first")
+    whole = _spec_of(spec.shape, spec.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements))
+    local = dtm.redistribute_local(value, replicated, whole)
+    if spec.reduce_op == "sum":
+        here = spec.mesh.coordinates()
+        if any(here[a] != 0 for a, p in zip(spec.mesh.axis_names, placements) if isinstance(p, Partial)):
+            local = torch.zeros_like(local)
+    return local.unsqueeze(0)
+
+
+# Fused optimizer steps (``torch.optim.AdamW(fused=True)``, ``SGD(fused=True)``): one call over
+# lists of parameters, gradients and states.
+_FUSED_OPTIMIZERS = tuple(getattr(getattr(aten, name), overload) for name in ("_fused_adam_", "_fused_adamw_",
+                                                                             "_fused_sgd_")
+                          if hasattr(aten, name) for overload in getattr(aten, name).overloads())
+
+
+def _dispatch_fused_optimizer(func, args, kwargs):
+    """A fused optimizer step on DTensor parameters, or ``_NO_RULE`` (then the fallback runs).
+
+    Element ``i`` of every list lives where parameter ``i`` does (its states were made by
+    ``zeros_like(param)``); the gradient, which the step only reads (no ``grad_scale``), is
+    moved there (a pending sum reduced or reduce-scattered), and the op runs once on all the
+    local tensors: AdamW on a ``[Shard(0)]`` weight with a ``[Partial()]`` gradient updates
+    each rank's rows with its rows of the summed gradient.
+    """
+    DTensor = _dtensor_module().DTensor
+    if kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None:
+        return _NO_RULE  # the step would write the unscaled gradients back
+    params = args[0]
+    if not all(isinstance(p, DTensor) and not p._spec.reduce_op for p in params):
+        return _NO_RULE
+    mesh = params[0]._spec.mesh if params else None
+    local_args = [[p._local for p in params]]
+    for k, values in enumerate(args[1:], start=1):
+        if not isinstance(values, (list, tuple)):
+            local_args.append(values)
+            continue
+        locals_ = []
+        for i, t in enumerate(values):
+            if not isinstance(t, DTensor):
+                locals_.append(t)  # plain 0-dim step counters
+            elif t._spec.mesh != mesh:
+                return _NO_RULE
+            elif t._spec == params[i]._spec:
+                locals_.append(t._local)
+            elif k == 1:
+                locals_.append(_dtensor_module().redistribute_local(t._local, t._spec, params[i]._spec))
+            else:
+                return _NO_RULE  # a state in another layout than its parameter: written, so not moved
+        local_args.append(locals_)
+    local_kwargs = {k: (v._local if isinstance(v, DTensor) and v._spec.mesh == mesh and
+                        all(isinstance(p, Replicate) for p in (_placements_or_none(v._spec) or [None])) else v)
+                    for k, v in kwargs.items()}
+    if any(isinstance(v, DTensor) for v in local_kwargs.values()):
+        return _NO_RULE
+    func(*local_args, **local_kwargs)
+    return None
 
 
 def _dispatch_out(func, args, kwargs, info: _OpInfo):
