@@ -12,8 +12,9 @@ DTensor (below autograd, so backward ops arrive here too). For ``a + b`` with ``
    ``(2, 6)`` local tensors, and the ``(2, 6)`` result is wrapped as a ``(8, 6)`` DTensor.
 
 Also handled here, for every family: in-place ops (the result is ``self``, whose layout must
-not change), ``out=`` (the functional op, then a copy into ``out``), ``_foreach_*`` ops (one
-call per list element), plain 0-dim tensors (scalars), plain tensors that hold one value
+not change; a pending ``self`` that the op cannot keep pending is reduced in its own buffer
+first), ``out=`` (the functional op, then a copy into ``out``), ``_foreach_*`` ops (one
+call per list element), fused optimizer steps (one call on the local tensors), plain 0-dim tensors (scalars), plain tensors that hold one value
 on every rank (replicated; autograd formulas make them), non-tensor outputs, pending
 reductions (``Partial``: the local summand dim of extent 1 is removed before the op and
 added back to outputs that stay partial), and ops with no rule: every argument gathered,
