@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from axedist.dtensor import DTensor, distribute
+from axedist.dtensor import DTensor, distribute, fused_gemm_stats
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
@@ -131,9 +131,9 @@ def _check_calls(rank, world, seed):
         for attempt in range(3):  # a miss (records), then hits
             result = call(dts)
             _same(_facts(result), normal, f"{name} (call {attempt})")
-            got = _full(result)
-            assert got.dtype == expected.dtype, name
-            assert torch.allclose(got, expected, atol=1e-12), name
+        got = _full(result)  # the same facts on every rank: the same global tensor each time
+        assert got.dtype == expected.dtype, name
+        assert torch.allclose(got, expected, atol=1e-12), name
         hits = fastpath.stats()["hits"] - before
         fast_seen.append((name, hits))
         assert (hits >= 2) == fast, f"{name}: {hits} fast hits, expected {'some' if fast else 'none'}"
@@ -276,6 +276,12 @@ def _modes_views_state(rank, world, seed):
     try:
         q = torch.mm(a, b)
         assert q._pending is not None
+        # calls that take the normal route without using the data leave the product unrun
+        # (a fused reduce-scatter may still take it): getters, first seen or not
+        fastpath.clear()
+        materialized = fused_gemm_stats()["materialized"]
+        assert not q.requires_grad and tuple(q.shape) == (6, 3) and q.dim() == 2
+        assert q._pending.value is None and fused_gemm_stats()["materialized"] == materialized
         assert torch.allclose(q.full_tensor(), p.full_tensor())
     finally:
         dispatch.DEFER_GEMM = "auto"
@@ -285,6 +291,14 @@ def _modes_views_state(rank, world, seed):
             s = dx * 3.0
         assert s.is_inference()
         assert torch.allclose(s.full_tensor(), 3 * x)
+    # a DTensor whose spec changes in place (dispatch reduces a pending sum in place for exp_
+    # of a Partial) is keyed by its new spec, never by the tag of the old one
+    e, r = distribute(x, mesh, [Shard(0)]), distribute(x, mesh, [Replicate()])
+    for _ in range(3):
+        e * 2.0
+        r * 2.0
+    e._spec, e._value = r._spec, r._value
+    assert (e * 2.0).placements == (Replicate(),) and torch.allclose((e * 2.0).full_tensor(), 2 * x)
     # getters and methods still answer through the fast path's handler
     assert tuple(dx.shape) == (4 * world, 6) and dx.dtype == torch.float64 and dx.dim() == 2
     assert dx.size(0) == 4 * world and not dx.requires_grad

@@ -114,14 +114,16 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     key = [func]
     local_args = []
     dts = []
+    waits = False  # a DTensor whose data is still coming (async redistribute, deferred GEMM)
     for a in args:
         t = type(a)
         if t is DTensor:
             tag = a._tag
             # (spec, tag): re-derived when the spec changed (an in-place op may reduce a pending sum)
             key.append(tag[1] if tag is not None and tag[0] is a._spec else _tag_of(a))
-            local_args.append(a._value if a._pending is None else a._local)
+            local_args.append(a._value)
             dts.append(a)
+            waits = waits or a._pending is not None
         elif t in _SCALARS:
             key.append(t)
             key.append(a)
@@ -156,11 +158,13 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if _dispatch_modes() or _any_autocast():
         return _disabled(func, types, args, kwargs or _EMPTY)
     if entry is None:
-        return _record(func, types, args, kwargs, key, local_args)
+        return _record(func, types, args, kwargs, key)
     if entry.defer is not None and entry.defer != _dispatch_module.DEFER_GEMM:
         return _disabled(func, types, args, kwargs or _EMPTY)
     if _OUTSTANDING:
         _dtensor._flush_deferred()  # as dispatch does: no op runs while a deferred product waits
+    if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
+        local_args = [a._local if type(a) is DTensor else a for a in args]
     value = func(*local_args, **kwargs) if kwargs else func(*local_args)
     unlike = value._is_view() or value.dtype != entry.dtype
     for a in local_args:
@@ -211,7 +215,7 @@ class _Recorder:
         return out
 
 
-def _record(func, types, args, kwargs, key, local_args):
+def _record(func, types, args, kwargs, key):
     recorder = _Recorder()
     _dtensor._RECORDING.append(recorder)
     try:
@@ -222,7 +226,7 @@ def _record(func, types, args, kwargs, key, local_args):
         _PASS.add(func)
         _COUNTS["passed"] += 1
         return result
-    entry = _entry_for(func, recorder.steps, result, local_args, kwargs)
+    entry = _entry_for(func, recorder.steps, result, args, kwargs)
     if len(_CACHE) > 16384:
         _CACHE.clear()
     _CACHE[key] = entry
@@ -255,12 +259,13 @@ def _local_only(op, args, kwargs, out) -> bool:
     return all(t is None for t in plan.targets) and not any(d._spec.reduce_op for d in inputs)
 
 
-def _entry_for(func, steps, result, local_args, kwargs):
+def _entry_for(func, steps, result, args, kwargs):
     """The fast entry proven by these recorded steps, or _SLOW (see the module docstring)."""
     if type(result) is not DTensor or result is not steps[-1][3]:
         return _SLOW
     if not all(_local_only(*step) for step in steps):
         return _SLOW
+    local_args = [a._local if type(a) is DTensor else a for a in args]  # the steps used (so waited for) them
     defer = None
     for op, op_args, op_kwargs, _ in steps:
         if _plan_of(op, op_args, op_kwargs).defer:
