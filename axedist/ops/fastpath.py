@@ -2,7 +2,8 @@
 
 Every torch call that involves a DTensor first reaches ``DTensor.__torch_function__``. The
 normal route from there (torch's C++ dispatcher -> ``__torch_dispatch__`` -> ``ops/dispatch.py``)
-costs ~10 us of Python entry and exit per aten op even when the op's plan is cached. This
+costs ~6 us per aten op beyond the op itself even with its plan cached (docs/dtensor.md,
+"Dispatch overhead", has the breakdown). This
 module remembers, per torch-level call shape, what that route did, and when it did nothing
 but run the op on the local tensors and wrap the result, later calls of the same shape do
 exactly that directly::
@@ -25,12 +26,14 @@ dispatches; the key becomes a fast entry only when all of these hold:
 * the torch function run once more on the plain local tensors gives the same local result
   (shape, dtype, strides, values, a new tensor): the proof that local decompositions match.
 
-Any other key is remembered as slow and goes the normal route at once. A hit also needs, at
-call time: no DTensor argument requiring grad while grad mode is on (autograd runs on the
-normal route), no torch dispatch mode (it must see the aten ops on DTensors), no autocast.
+Any other key is remembered as slow and goes the normal route at once; a torch function
+that dispatched nothing (a getter such as ``x.shape``) or returned a view does so for good,
+whatever its arguments. Every call also needs: no DTensor argument requiring grad while grad
+mode is on (autograd records it on the normal route; checked first), no torch dispatch mode
+(it must see the aten ops on DTensors), no autocast.
 ``enable(False)`` (or ``AXEDIST_FASTPATH=0`` before import) puts torch's plain disabled
-``__torch_function__`` back on the class: every call takes the normal route, and getters such
-as ``x.shape`` cost what they cost without this module (with it, ~2 us more each).
+``__torch_function__`` back on the class: every call takes the normal route, and getters
+cost what they cost without this module (with it, ~1 us more each).
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
 _KWARGS = object()        # separates positional from keyword arguments in a key
 _CACHE: dict = {}         # key -> _Entry or _SLOW
-_PASS: set = set()        # torch functions that dispatched nothing when recorded (getters, size(), ...)
+# Torch functions that always take the normal route, decided when first recorded: those that
+# dispatched nothing (getters, size(), ...) and views.
+_PASS: set = set()
 _TAGS: dict = {}          # (spec, dtype, stride) -> tag
 _COUNTS = {"hits": 0, "recorded": 0, "slow": 0, "passed": 0}
 
@@ -111,9 +116,16 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     """``DTensor.__torch_function__`` while the fast path is on."""
     if func in _PASS:
         return _disabled(func, types, args, kwargs or _EMPTY)
+    if _grad_enabled():
+        # autograd must record a call with an input that requires grad: the normal route,
+        # decided before any key is built (a getter inside __torch_function__ would come back here)
+        with _no_torch_function():
+            for a in args:
+                if type(a) is DTensor and a.requires_grad:  # (what _disabled does, in this context)
+                    return func(*args, **kwargs) if kwargs else func(*args)
     key = [func]
     local_args = []
-    dts = []
+    found = False  # any DTensor among the positional arguments
     waits = False  # a DTensor whose data is still coming (async redistribute, deferred GEMM)
     for a in args:
         t = type(a)
@@ -122,7 +134,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
             # (spec, tag): re-derived when the spec changed (an in-place op may reduce a pending sum)
             key.append(tag[1] if tag is not None and tag[0] is a._spec else _tag_of(a))
             local_args.append(a._value)
-            dts.append(a)
+            found = True
             waits = waits or a._pending is not None
         elif t in _SCALARS:
             key.append(t)
@@ -144,17 +156,12 @@ def torch_function(cls, func, types, args=(), kwargs=None):
                 key.append(tuple(a) if t in _SEQUENCES else a)
             else:
                 return _disabled(func, types, args, kwargs)
-    if not dts:
+    if not found:
         return _disabled(func, types, args, kwargs or _EMPTY)
     key = tuple(key)
     entry = _CACHE.get(key)
     if entry is _SLOW:
         return _disabled(func, types, args, kwargs or _EMPTY)
-    if _grad_enabled():
-        with _no_torch_function():  # (a getter inside __torch_function__ would come back here)
-            for d in dts:
-                if d.requires_grad:  # autograd must record the call: the normal route
-                    return _disabled(func, types, args, kwargs or _EMPTY)
     if _dispatch_modes() or _any_autocast():
         return _disabled(func, types, args, kwargs or _EMPTY)
     if entry is None:
@@ -222,7 +229,10 @@ def _record(func, types, args, kwargs, key):
         result = _disabled(func, types, args, kwargs or _EMPTY)
     finally:
         _dtensor._RECORDING.pop()
-    if not recorder.steps:
+    last = recorder.steps[-1][0] if recorder.steps else None
+    if last is None or any(r.alias_info is not None for r in last._schema.returns):
+        # nothing dispatched (a getter), or a view (the normal route makes it a view of its
+        # base for autograd): so for this torch function with any arguments
         _PASS.add(func)
         _COUNTS["passed"] += 1
         return result
@@ -271,8 +281,6 @@ def _entry_for(func, steps, result, args, kwargs):
         if _plan_of(op, op_args, op_kwargs).defer:
             defer = _dispatch_module.DEFER_GEMM  # the entry holds while this setting does
     last_op, last_args, last_kwargs, _ = steps[-1]
-    if any(r.alias_info is not None for r in last_op._schema.returns):
-        return _SLOW  # a view: the normal route makes it a view of its base for autograd
     out = _plan_of(last_op, last_args, last_kwargs).outputs[0]
     unsqueeze = bool(out.spec.reduce_op)
     expected = result._value
@@ -320,5 +328,6 @@ def clear() -> None:
 
 def stats() -> dict:
     """``{"hits", "recorded", "slow", "passed", "size"}``: fast hits, keys recorded as fast,
-    keys recorded as slow, functions that dispatched nothing (getters), cached keys."""
+    keys recorded as slow, torch functions sent to the normal route for good (getters, views),
+    cached keys."""
     return dict(_COUNTS, size=len(_CACHE))
