@@ -3,7 +3,7 @@ disk cache: the ranks then load them instead of compiling one by one on first us
 
     python3 launch/precompile_collectives.py --worlds 2 4 --jobs 32      # needs no GPU
 
-Kernels differ by op, dtype, W, tile rows (2 or 8), variant (push / pull / pull zero-copy) and
+Kernels differ by op, dtype, W, tile rows (2 or 4), variant (push / pull / pull zero-copy) and
 whether the sizes are multiples of 16; each is compiled through p2p.compile_collective, the
 function the GPU path calls, so the cache keys are the ones the launches look up.
 """
@@ -37,7 +37,7 @@ def main():
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args()
-    cases = list(itertools.product(OPS, DTYPES, args.worlds, (2, 8), VARIANTS, (16, 1)))
+    cases = list(itertools.product(OPS, DTYPES, args.worlds, (2, 4), VARIANTS, (16, 1)))
     start = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         for _ in pool.map(_compile, cases):

@@ -51,12 +51,14 @@ def _programs(work: int, block: int, device_index: int) -> int:
 
 def _rows(work: int) -> int:
     # small calls: 2048-element tiles spread the NVLink traffic over more SMs (lower latency);
-    # large calls: 8192-element tiles keep more bytes in flight per SM.
+    # large calls: 4096-element tiles (8192 measured slower at 64 and 256 MB: reduce-scatter
+    # 682 vs 664 us and two-shot all-reduce 1270 vs 1240 us at 256 MB, W=4; 16384 slower still;
+    # benchmarks/results/collectives_rows_w4.md).
     # AXEDIST_P2P_ROWS forces a tile height (for the benchmark's sweeps, not for production)
     forced = os.environ.get("AXEDIST_P2P_ROWS")
     if forced:
         return int(forced)
-    return 8 if work >= 8192 * 132 else 2
+    return 4 if work >= 8192 * 132 else 2
 
 
 def _check_input(x: torch.Tensor, op: str) -> None:
