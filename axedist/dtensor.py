@@ -302,9 +302,13 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: _Spec, requires_grad: bool = False, *, stride=None, pending=None):
-        kwargs = {} if stride is None else {"strides": stride}
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad, **kwargs)
+        if WRAPPER_POSITIONAL:  # (size, strides, storage_offset, memory_format, dtype, layout, device, pin, grad)
+            self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device,
+                                 False, requires_grad)
+        else:
+            kwargs = {} if stride is None else {"strides": stride}
+            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad,
+                                 **kwargs)
         self._value = local
         self._spec = spec
         if pending is not None:
@@ -507,13 +511,14 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 def _wrapper_takes_positions() -> bool:
     """Does ``_make_wrapper_subclass`` take (size, strides, storage_offset, memory_format, dtype,
-    layout, device) by position? Its keywords cost ~1 us per call in torch's argument parser,
+    layout, device, pin_memory, requires_grad) by position? Its keywords cost ~1 us per call in torch's argument parser,
     a tenth of an op's whole overhead; positions are checked here once, keywords otherwise."""
     try:
-        probe = _make_wrapper(DTensor, (2, 3), (1, 2), None, None, torch.float64, torch.strided, torch.device("meta"))
+        probe = _make_wrapper(DTensor, (2, 3), (1, 2), None, None, torch.float64, torch.strided, torch.device("meta"),
+                              False, True)
         with torch._C.DisableTorchFunctionSubclass():
-            return (probe.dtype, probe.device.type, probe.stride(), tuple(probe.shape)) == \
-                (torch.float64, "meta", (1, 2), (2, 3))
+            return (probe.dtype, probe.device.type, probe.stride(), tuple(probe.shape), probe.requires_grad) == \
+                (torch.float64, "meta", (1, 2), (2, 3), True)
     except (TypeError, RuntimeError):
         return False
 
