@@ -33,7 +33,7 @@ mode is on (autograd records it on the normal route; checked first), no torch di
 (it must see the aten ops on DTensors), no autocast.
 ``enable(False)`` (or ``AXEDIST_FASTPATH=0`` before import) puts torch's plain disabled
 ``__torch_function__`` back on the class: every call takes the normal route, and getters
-cost what they cost without this module (with it, ~1 us more each).
+cost what they cost without this module (with it, 1-2 us more each).
 """
 
 from __future__ import annotations
