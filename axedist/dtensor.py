@@ -588,7 +588,10 @@ class _DeferredGemm:
         _GEMM_STATS["deferred"] += 1
 
     def _versions(self) -> tuple:
-        return tuple(t._version for t in (self.a, self.b, self.bias) if t is not None)
+        # inference tensors (made under torch.inference_mode) keep no version counter: an
+        # in-place change of such an operand before the product is used cannot be detected
+        return tuple(-1 if t.is_inference() else t._version
+                     for t in (self.a, self.b, self.bias) if t is not None)
 
     def wait(self) -> torch.Tensor:
         if self.value is None:

@@ -213,6 +213,32 @@ def _rowwise_module(rank, world, seed):
     return True
 
 
+@_deferring
+def _rowwise_module_inference(rank, world, seed):
+    """The same layer under torch.inference_mode (what infer_tp.py runs): the deferred product's
+    operands are inference tensors, which keep no version counter."""
+    from axedist.nn import RowwiseParallel, parallelize
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(2 * world + 1, 5, dtype=torch.float64)
+    ref = torch.nn.Linear(2 * world + 1, 5, dtype=torch.float64)
+    ref.load_state_dict(lin.state_dict())
+    parallelize(lin, mesh, {"": RowwiseParallel(output_layouts=Shard(0))})
+    x = torch.randn(2 * world, 3, 2 * world + 1, dtype=torch.float64)
+    with torch.inference_mode():
+        before = fused_gemm_stats()
+        y = lin(distribute(x, mesh, [Shard(2)]))
+        assert _delta(before, fused_gemm_stats())["deferred"] == 1
+        assert y.placements == (Shard(0),) and torch.allclose(y.full_tensor(), ref(x))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rowwise_parallel_under_inference_mode(world):
+    run_on_ranks(_rowwise_module_inference, world, args=(random.randrange(10**6),))
+
+
 def _auto_on_cpu(rank, world, seed):
     """By default a CPU (or fp32/fp64) product runs at once: nothing is deferred, values right."""
     mesh = DeviceMesh("cpu", (world,))
