@@ -928,10 +928,15 @@ def _held_rows(layout: Layout, full, rows, mesh) -> list[tuple[tuple[int, ...], 
         true_of[list(rows[d])] = torch.arange(len(rows[d]))
         t = true_of[index[d]]
         real = t >= 0
+        # (device, local row, true row) triples, deduplicated through one int64 key: a 1-D
+        # unique (a sort) is linear-time in practice where unique(dim=0) on rows was not
+        span_local, span_true = local_padded[d] + 1, len(rows[d]) + 1
         for shift in shifts:
-            key = torch.stack([device[real] + shift, local[d][real], t[real]], 1).unique(dim=0)
+            key = ((device[real] + shift) * span_local + local[d][real]) * span_true + t[real]
             per: dict[int, list] = {}
-            for p, l_, r in key.tolist():
+            for code in torch.unique(key).tolist():
+                rest_code, r = divmod(code, span_true)
+                p, l_ = divmod(rest_code, span_local)
                 per.setdefault(p, []).append((l_, r))
             for p, pairs in per.items():
                 held[p][d] = tuple(sorted(pairs))
