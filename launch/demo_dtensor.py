@@ -112,6 +112,9 @@ def main() -> None:
             f"rel. error {error:.2e}")
 
     say("\ndemo finished")
+    # every rank past its last collective before any tears gloo down (a rank that left early
+    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

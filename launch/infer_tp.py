@@ -84,6 +84,9 @@ def main(argv=None) -> None:
     say(f"generated  {got[args.prompt_len:]}")
     say(f"expected   {expected[args.prompt_len:]}  ({right}/{args.new_tokens} tokens follow the pattern)")
     say(f"{statistics.median(times):.2f} ms per token (median of {len(times)}; first {times[0]:.2f} ms)")
+    # every rank past its last collective before any tears gloo down (a rank that left early
+    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -193,6 +193,9 @@ def main(argv=None) -> None:
                            "seed": args.seed}, f, indent=1)
         say(f"saved the parameters with torch.distributed.checkpoint to {path} (load: launch/infer_tp.py)")
     say("training finished")
+    # every rank past its last collective before any tears gloo down (a rank that left early
+    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
