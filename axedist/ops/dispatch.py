@@ -880,7 +880,8 @@ def _dispatch_out(func, args, kwargs, info: _OpInfo):
     dtm = _dtensor_module()
     functional = _functional_of(func)
     if functional is None:
-        return _fallback(func, args, kwargs, _scan(func, args, kwargs)[0], _scan(func, args, kwargs)[1], info)
+        dts, mesh, _ = _scan(func, args, kwargs)
+        return _fallback(func, args, kwargs, dts, mesh, info)
     outs = [kwargs[name] for name in info.out_names]
     rest = {k: v for k, v in kwargs.items() if k not in info.out_names}
     result = dispatch(functional, args, rest)
@@ -925,7 +926,6 @@ def _dispatch_foreach(func, args, kwargs):
 
 
 def _dispatch_single_foreach(func, args, kwargs):
-    info = _op_info(func)
     dts, mesh, key = _scan(func, args, kwargs)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
@@ -939,7 +939,6 @@ def _dispatch_single_foreach(func, args, kwargs):
             if d is args[0][0] and t is not None:
                 raise DispatchError(f"{func} is in-place on {d._spec}, but its rule needs it moved; an in-place op "
                                     f"cannot change its tensor's layout")
-    del info
     return _run(func, args, kwargs, dts, mesh, plan, _FOREACH_INFO)
 
 
