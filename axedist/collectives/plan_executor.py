@@ -850,10 +850,7 @@ def _repad(layout: Layout, full, changes: dict[int, int]) -> Layout:
     blocks = [list(b) for b in layout.blocks(full)]
     for d, extent in changes.items():
         blocks[d] = [Iter(extent, 1)]
-    _, strides = row_major_memory(blocks)
-    shard = [Iter(it.extent, stride) if stride is not None else it
-             for block, row in zip(blocks, strides) for it, stride in zip(block, row)]
-    return Layout(shard, layout.replica, layout.offset)
+    return _from_blocks(blocks, layout.replica, layout.offset)
 
 
 def _replicated(full, mesh) -> Layout:
