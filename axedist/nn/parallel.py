@@ -84,9 +84,7 @@ def _resolve(where, shape: Sequence[int], mesh: DeviceMesh):
 def _text(where) -> str:
     if where is None:
         return "-"
-    if isinstance(where, (bool, int, str, dict)):
-        return repr(where)
-    if isinstance(where, Placement):
+    if isinstance(where, (bool, int, str, dict, Placement)):
         return repr(where)
     if isinstance(where, Layout):
         return str(where)
