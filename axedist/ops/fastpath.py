@@ -62,8 +62,7 @@ _OUTSTANDING = _dtensor._OUTSTANDING
 _STATS = _dispatch_module._STATS  # fast hits count as plan-cache hits (ops.dispatch.cache_info)
 _EMPTY: dict = {}  # kwargs for torch's disabled impl when none were given (never written)
 
-_SCALARS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                      torch.layout})
+_SCALARS = _dispatch_module._FAST_SCALARS  # the plain arguments dispatch's own fast key takes
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
 _KWARGS = object()        # separates positional from keyword arguments in a key
@@ -245,43 +244,47 @@ def _record(func, types, args, kwargs, key):
 
 
 def _plan_of(op, args, kwargs):
-    """The plan ops/dispatch.py cached for this aten call (None: it has none, or no rule)."""
-    plan = _dispatch_module._PLANS.get(_dispatch_module._scan(op, args, kwargs)[2])
+    """The plan ops/dispatch.py cached for this aten call (None: it has none, or no rule), and
+    the call's DTensors."""
+    inputs, _, key = _dispatch_module._scan(op, args, kwargs)
+    plan = _dispatch_module._PLANS.get(key)
     if plan is None and not kwargs:
         fast_key = _dispatch_module._fast_key(op, args)
         plan = _dispatch_module._FAST.get(fast_key) if fast_key is not None else None
-    return plan if isinstance(plan, _dispatch_module._CallPlan) else None
+    return (plan if isinstance(plan, _dispatch_module._CallPlan) else None), inputs
 
 
-def _local_only(op, args, kwargs, out) -> bool:
-    """Did dispatch run this aten call as "the op on the local tensors, wrapped"? (no input
-    moved, no rule-specific local function, no pending-sum input, one output, nothing written,
-    nothing random)"""
-    plan = _plan_of(op, args, kwargs)
+def _local_plan(op, args, kwargs, out):
+    """The plan of this aten call if dispatch ran it as "the op on the local tensors, wrapped"
+    (no input moved, no rule-specific local function, no pending-sum input, one output,
+    nothing written, nothing random), else None."""
+    plan, inputs = _plan_of(op, args, kwargs)
     info = _dispatch_module._op_info(op)
     if plan is None or type(out) is not DTensor or out._pending is not None:
-        return False
+        return None
     if info.inplace or info.out_names or info.written or info.foreach or torch.Tag.nondeterministic_seeded in op.tags:
-        return False
-    if plan.structure != "single" or plan.sharding.local is not None or getattr(plan, "reduce_self", None) is not None:
-        return False
-    inputs = _dispatch_module._scan(op, args, kwargs)[0]
-    return all(t is None for t in plan.targets) and not any(d._spec.reduce_op for d in inputs)
+        return None
+    if plan.structure != "single" or plan.sharding.local is not None or plan.reduce_self is not None:
+        return None
+    if all(t is None for t in plan.targets) and not any(d._spec.reduce_op for d in inputs):
+        return plan
+    return None
 
 
 def _entry_for(func, steps, result, args, kwargs):
     """The fast entry proven by these recorded steps, or _SLOW (see the module docstring)."""
     if type(result) is not DTensor or result is not steps[-1][3]:
         return _SLOW
-    if not all(_local_only(*step) for step in steps):
-        return _SLOW
+    plans = []
+    for step in steps:
+        plan = _local_plan(*step)
+        if plan is None:
+            return _SLOW
+        plans.append(plan)
     local_args = [a._local if type(a) is DTensor else a for a in args]  # the steps used (so waited for) them
-    defer = None
-    for op, op_args, op_kwargs, _ in steps:
-        if _plan_of(op, op_args, op_kwargs).defer:
-            defer = _dispatch_module.DEFER_GEMM  # the entry holds while this setting does
-    last_op, last_args, last_kwargs, _ = steps[-1]
-    out = _plan_of(last_op, last_args, last_kwargs).outputs[0]
+    # the entry holds while this setting does
+    defer = _dispatch_module.DEFER_GEMM if any(plan.defer for plan in plans) else None
+    out = plans[-1].outputs[0]
     unsqueeze = bool(out.spec.reduce_op)
     expected = result._value
     try:
