@@ -643,11 +643,7 @@ def _axis_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -> 
                 break
             chain.append((layout, places))
         else:
-            chain.append((dst, [d.target for d in digits]))
-            steps = [_box_step([_Digit(d.extent, p, q) for d, p, q in zip(digits, a_places, b_places)],
-                               a, b, context, reduce=None)
-                     for (a, a_places), (b, b_places) in zip(chain, chain[1:]) if a != b]
-            plans.append(Plan(src, dst, mesh, shape, itemsize, None, _mark_all_reduce(steps), "digits"))
+            plans.append(_chain_plan(chain, digits, src, dst, mesh, shape, context))
     return tuple(plans)
 
 
@@ -684,12 +680,18 @@ def _gather_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -
                 break
             chain.append((layout, new))
         else:
-            chain.append((dst, [d.target for d in digits]))
-            steps = [_box_step([_Digit(d.extent, p, q) for d, p, q in zip(digits, a_places, b_places)],
-                               a, b, context, reduce=None)
-                     for (a, a_places), (b, b_places) in zip(chain, chain[1:])]
-            plans.append(Plan(src, dst, mesh, shape, itemsize, None, _mark_all_reduce(steps), "digits"))
+            plans.append(_chain_plan(chain, digits, src, dst, mesh, shape, context))
     return tuple(plans)
+
+
+def _chain_plan(chain, digits, src: Layout, dst: Layout, mesh: Mesh, shape, context: _Context) -> Plan:
+    """The plan stepping through ``chain`` (``(layout, place of each digit)`` from ``src``), then
+    into ``dst``: one copy step per pair of consecutive layouts that differ."""
+    chain = chain + [(dst, [d.target for d in digits])]
+    steps = [_box_step([_Digit(d.extent, p, q) for d, p, q in zip(digits, a_places, b_places)],
+                       a, b, context, reduce=None)
+             for (a, a_places), (b, b_places) in zip(chain, chain[1:]) if a != b]
+    return Plan(src, dst, mesh, shape, context.itemsize, None, _mark_all_reduce(steps), "digits")
 
 
 def plan_direct(src: Layout, src_shape: Sequence[int], src_rows: Sequence[Sequence[int]], dst: Layout,
