@@ -533,7 +533,7 @@ def test_launch_cache_key_separates_every_specialization():
     part = torch.zeros(64 * 48 + 8, dtype=torch.bfloat16)
 
     def key(ops=ops, tensors=(part,), timeout=30 * 10**9, constexprs=(4,)):
-        return gemm_rs._specialization(ops, tensors, timeout, constexprs, 8, 0)
+        return gemm_rs._specialization(ops, gemm_rs._strides(ops), tensors, timeout, constexprs, 8, 0)
     assert key() == key()
     assert key(tensors=(part[1:],)) != key()              # pointer no longer 16-byte aligned
     assert key(timeout=10**9) != key()                    # compiled as i32 instead of i64

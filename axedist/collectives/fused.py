@@ -219,9 +219,9 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
         # the same call as before on this half: only operands, output, tasks and epoch change
         replay(ops, out, epoch, workspace.claim_tasks(replay.claim))
     else:
-        replay = gemm_rs.launch(ops, call.config, world, rank, call.parts[half], out, workspace,
-                                epoch, half, multimem=plan.backend == "multimem")
-        call.replays[half] = replay if aligned and timeout_s is None else None
+        call.replays[half] = gemm_rs.launch(
+            ops, call.config, world, rank, call.parts[half], out, workspace, epoch, half,
+            multimem=plan.backend == "multimem", prepare=aligned and timeout_s is None)
     if check:
         workspace.check(synchronize=True)
     return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out

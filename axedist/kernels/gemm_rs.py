@@ -503,15 +503,16 @@ def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
     return cached
 
 
-def _specialization(ops: _Operands, tensors: tuple, timeout_ns: int, constexprs: tuple,
-                    warps: int, device_index: int) -> tuple:
+def _specialization(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
+                    constexprs: tuple, warps: int, device_index: int) -> tuple:
     """Everything Triton specializes the kernel on, for the arguments that are not already
     constexpr: exact sizes and strides (so a size or stride equal to 1, which Triton folds into
-    the kernel, is part of the key), 16-byte alignment of every pointer, and the integer width
-    of the timeout (an argument below 2**31 is compiled as i32)."""
-    return (ops.m, ops.n, ops.k, ops.b_transposed, _strides(ops),
-            tuple(t.data_ptr() % 16 == 0 for t in tensors), timeout_ns >= (1 << 31),
-            constexprs, warps, device_index, ops.a.dtype)
+    the kernel, is part of the key), 16-byte alignment of every pointer (A and B included: the
+    masked pointer path loads through them), and the integer width of the timeout (an argument
+    below 2**31 is compiled as i32)."""
+    return (ops.m, ops.n, ops.k, ops.b_transposed, strides,
+            tuple(t.data_ptr() % 16 == 0 for t in (ops.a, ops.b) + tensors),
+            timeout_ns >= (1 << 31), constexprs, warps, device_index, ops.a.dtype)
 
 
 def _run(grid: int, args: tuple, constexprs: dict, warps: int, key: tuple, device_index: int):
@@ -530,10 +531,11 @@ def _run(grid: int, args: tuple, constexprs: dict, warps: int, key: tuple, devic
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
            out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
            multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
-           scope: str = "sys", lag_waves: float | None = None) -> "Replay":
+           scope: str = "sys", lag_waves: float | None = None,
+           prepare: bool = False) -> "Replay | None":
     """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
     `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant.
-    Returns the launch prepared for repetition (Replay)."""
+    prepare=True returns the launch prepared for repetition (Replay)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
     programs = _processors.get(device.index)
@@ -580,7 +582,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
                 and (ops.n * element) % 16 == 0)
     peers = (_push_descriptors(workspace, half, world, m_chunk, ops.n, config, ops.a.dtype)
              if tma_push else (None,) * 8)
-    stride_am, stride_ak, stride_bk, stride_bn = _strides(ops)
+    strides = _strides(ops)
     constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
@@ -588,14 +590,15 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
         PUSH=push, TMA_PUSH=tma_push)
-    key = _specialization(ops, (part, out, counter, abort), timeout_ns,
+    key = _specialization(ops, strides, (part, out, counter, abort), timeout_ns,
                           tuple(constexprs.values()), config.warps, device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
     args = (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
             counter, task_base, abort, error_address, timeout_ns,
-            ops.m, ops.n, ops.k, m_chunk, stride_am, stride_ak, stride_bk, stride_bn,
-            rank, epoch, lag)
+            ops.m, ops.n, ops.k, m_chunk, *strides, rank, epoch, lag)
     _run(programs, args, constexprs, config.warps, key, device.index)
+    if not prepare:
+        return None
     return Replay(_launches[key], programs, args, tasks + programs, use_tma, config,
                   ops.b_transposed, timeout_ns, device.index)
 
