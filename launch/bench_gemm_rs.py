@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
-from axedist.collectives.timing import time_interleaved  # noqa: E402
+from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
@@ -163,7 +163,7 @@ def main():
         # hundred us, the next call finds an idle GPU)
         queued.update(time_interleaved(columns, args.reps, queued=True))
         for name, fn in columns.items():
-            row.update(time_interleaved({name: fn}, args.reps))
+            row[name] = time_collective(fn, args.reps)
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         host = row["host_us"] = {}

@@ -32,23 +32,7 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None,
                     queued: bool = False) -> float:
     """Median over `reps` calls of fn's time in ms (eager or queued, see above), max over the
     group's ranks."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    if queued:
-        torch.cuda._sleep(int((2 + reps * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
-    for start, end in zip(starts, ends):
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    median = statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
-    value = torch.tensor([median], dtype=torch.float64, device="cuda")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return float(value.item())
+    return time_interleaved({"call": fn}, reps, warmup, group, queued)["call"]
 
 
 def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
