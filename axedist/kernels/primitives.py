@@ -24,6 +24,27 @@ def ld_acquire_sys(address):
         dtype=tl.int32, is_pure=False, pack=1)
 
 
+# One int32 store from thread 0 of the program; {} is the store instruction. The three
+# flag stores below differ only in that word (ordering and scope).
+_THREAD0_STORE = """{{
+        .reg .pred %p_is_first;
+        .reg .u32 %t_index;
+        mov.u32 %t_index, %tid.x;
+        setp.eq.u32 %p_is_first, %t_index, 0;
+        @%p_is_first {} [$1], $2;
+        mov.u32 $0, 0;
+        }}"""
+_ST_RELEASE_SYS = tl.constexpr(_THREAD0_STORE.format("st.release.sys.global.b32"))
+_ST_RELAXED_SYS = tl.constexpr(_THREAD0_STORE.format("st.relaxed.sys.global.b32"))
+_ST_RELEASE_GPU = tl.constexpr(_THREAD0_STORE.format("st.release.gpu.global.b32"))
+
+
+@triton.jit
+def _store_from_thread0(address, value, ASM: tl.constexpr):
+    tl.inline_asm_elementwise(ASM, "=r,l,r", [address, value], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
 @triton.jit
 def st_release_sys(address, value):
     """Store one int32 with .release at system scope, from thread 0 of the program only.
@@ -32,15 +53,7 @@ def st_release_sys(address, value):
     thread 0's release, and the release is cumulative, so a peer that acquires the flag sees
     the whole tile.
     """
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred %p_is_first;
-        .reg .u32 %t_index;
-        mov.u32 %t_index, %tid.x;
-        setp.eq.u32 %p_is_first, %t_index, 0;
-        @%p_is_first st.release.sys.global.b32 [$1], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+    _store_from_thread0(address, value, _ST_RELEASE_SYS)
 
 
 @triton.jit
@@ -71,30 +84,14 @@ def bulk_stores_complete(dummy):
 def st_relaxed_sys(address, value):
     """Store one int32 (relaxed, system scope) from thread 0 only: a release of every thread's
     earlier stores when each thread ran fence_acq_rel_sys and then a CTA barrier."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred %p_is_first;
-        .reg .u32 %t_index;
-        mov.u32 %t_index, %tid.x;
-        setp.eq.u32 %p_is_first, %t_index, 0;
-        @%p_is_first st.relaxed.sys.global.b32 [$1], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+    _store_from_thread0(address, value, _ST_RELAXED_SYS)
 
 
 @triton.jit
 def st_release_gpu(address, value):
     """As st_release_sys at GPU scope. NOT a correct signal to another GPU under the PTX memory
     model; exists only so the benchmark can measure what the system-scope fence costs."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred %p_is_first;
-        .reg .u32 %t_index;
-        mov.u32 %t_index, %tid.x;
-        setp.eq.u32 %p_is_first, %t_index, 0;
-        @%p_is_first st.release.gpu.global.b32 [$1], $2;
-        mov.u32 $0, 0;
-        }""", "=r,l,r", [address, value], dtype=tl.int32, is_pure=False, pack=1)
+    _store_from_thread0(address, value, _ST_RELEASE_GPU)
 
 
 @triton.jit
