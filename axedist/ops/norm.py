@@ -25,14 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
+from .reduction import _accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _axes_sharding(mesh, places, dim: int, ndim: int) -> list[str]:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
-from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
+from .tensor_ops import _arg, is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
 
@@ -108,12 +108,6 @@ def _identity(kind: str, dtype: torch.dtype):
 
 def _reduced_shape(shape, dims, keepdim):
     return tuple(1 if d in dims else s for d, s in enumerate(shape) if keepdim or d not in dims)
-
-
-def _arg(call: OpCall, index: int, name: str, default=None):
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
 
 
 def _group(call: OpCall, axes):

@@ -27,6 +27,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
+from .shard_ranges import without_partial
 
 aten = torch.ops.aten
 
@@ -65,11 +66,6 @@ def unshard(places, dims, ndim: int) -> tuple[Placement, ...]:
     """Replicate every mesh axis that shards one of ``dims``."""
     dims = {d % max(ndim, 1) for d in dims}
     return tuple(Replicate() if shard_dim(p, ndim) in dims else p for p in places)
-
-
-def without_partial(places) -> tuple[Placement, ...]:
-    """Pending reductions applied (for ops that are not linear in this argument)."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in places)
 
 
 def renumber(places, ndim: int, new_dim) -> tuple[Placement, ...]:
