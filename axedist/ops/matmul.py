@@ -23,6 +23,8 @@ keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
@@ -72,19 +74,12 @@ def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
             if isinstance(p, Partial) and p.reduce_op in _LINEAR:
                 options.append((p, Replicate(), p) if other_first else (Replicate(), p, p))
         # cheapest first; among equals, the one that changes fewest operands (R x R stays R)
-        best = min(options, key=lambda c: (_cost(pa, c[0], _numel(a.shape)) + _cost(pb, c[1], _numel(b.shape)),
+        best = min(options, key=lambda c: (_cost(pa, c[0], math.prod(a.shape)) + _cost(pb, c[1], math.prod(b.shape)),
                                            (pa != c[0]) + (pb != c[1])))
         wa.append(best[0])
         wb.append(best[1])
         wo.append(best[2])
     return tuple(wa), tuple(wb), tuple(wo)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _keep(spec: ArgSpec, wanted: tuple):

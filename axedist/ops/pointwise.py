@@ -24,6 +24,8 @@ non-affine in-place op (``p.exp_()``) has the dispatcher apply the pending reduc
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
@@ -178,7 +180,7 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
 
     out = []
     one_summand = []  # mesh axes whose pending sum an in-place shift/fill changes on one summand
-    order = sorted(specs, key=lambda s: -_numel(s.shape))
+    order = sorted(specs, key=lambda s: -math.prod(s.shape))
     if anchor is not None:
         order = [anchor] + [s for s in order if s is not anchor]
     for axis_index in range(mesh.ndim):
@@ -235,13 +237,6 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         here = mesh.coordinates()
         local = _on_one_summand(call.func, all(here[a] == 0 for a in one_summand))
     return Sharding(inputs=inputs, outputs=tuple(out), local=local)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 _UNARY = ["abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "sqrt", "rsqrt", "sin", "cos",
