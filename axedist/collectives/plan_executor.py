@@ -916,29 +916,20 @@ def _held_rows_per_dim(layout: Layout, full, rows, mesh):
     """_held_rows from per-dim evaluations, or None where the memory offsets of a dim are not
     its row-major digit (then the element-wise route decides)."""
     blocks = layout.blocks(full)  # raises LayoutError where the layout has no per-dim blocks
+    if layout.offset.get(MEMORY, 0) != 0:
+        return None
     local_padded = [math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks]
     strides = mesh.strides()
-
-    def device_and_memory(x):
-        coords = layout.shard_coordinates(x)
-        value = lambda a: coords[a] if isinstance(coords.get(a), torch.Tensor) \
-            else torch.full(x.shape, int(coords.get(a, 0)), dtype=torch.int64)
-        device = sum((value(a) * strides[a] for a in mesh.axis_names), torch.zeros(x.shape, dtype=torch.int64))
-        return device, value(MEMORY)
-
-    device0, memory0 = (int(v[0]) for v in device_and_memory(torch.zeros(1, dtype=torch.int64)))
-    if memory0 != 0:
-        return None
+    device0 = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
     per_dim = []
-    for d in range(len(full)):
-        xs = torch.arange(full[d], dtype=torch.int64) * math.prod(full[d + 1:])
-        device, memory = device_and_memory(xs)
+    for d, block in enumerate(blocks):
+        device, memory, _ = _dim_terms(list(block), full[d], strides)  # the terms dim d adds
         inner = math.prod(local_padded[d + 1:])
         local = memory // inner
         if bool((memory % inner != 0).any()) or bool((local >= local_padded[d]).any()) \
                 or bool((local < 0).any()):
             return None
-        per_dim.append(((device - device0).tolist(), local.tolist()))
+        per_dim.append((device.tolist(), local.tolist()))
     shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
     held = [[() for _ in full] for _ in range(mesh.size)]
     for d in range(len(full)):
