@@ -920,7 +920,7 @@ def _held_rows_per_dim(layout: Layout, full, rows, mesh):
         return None
     local_padded = [math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks]
     strides = mesh.strides()
-    device0 = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
+    device0, shifts = _offset_and_shifts(layout, mesh)
     per_dim = []
     for d, block in enumerate(blocks):
         device, memory, _ = _dim_terms(list(block), full[d], strides)  # the terms dim d adds
@@ -930,7 +930,6 @@ def _held_rows_per_dim(layout: Layout, full, rows, mesh):
                 or bool((local < 0).any()):
             return None
         per_dim.append((device.tolist(), local.tolist()))
-    shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
     held = [[() for _ in full] for _ in range(mesh.size)]
     for d in range(len(full)):
         others = {0}  # every sum of the other dims' device terms
@@ -967,7 +966,7 @@ def _held_rows_everywhere(layout: Layout, full, rows, mesh) -> list[tuple[tuple[
         local.append(m % lp)
         m = m // lp
     index, local = index[::-1], local[::-1]
-    shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
+    _, shifts = _offset_and_shifts(layout, mesh)
     held = [[() for _ in full] for _ in range(mesh.size)]
     for d in range(len(full)):
         true_of = torch.full((full[d],), -1, dtype=torch.int64)
@@ -1174,9 +1173,8 @@ def _holdings(layout: Layout, full, rows, mesh) -> tuple[torch.Tensor, torch.Ten
     ndim = len(full)
     terms = [_dim_terms(list(block), extent, strides) for block, extent in zip(blocks, full)]
     real = [torch.tensor(sorted(r), dtype=torch.int64) for r in rows]
-    base_device = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
+    base_device, shifts = _offset_and_shifts(layout, mesh)
     base_m = layout.offset.get(MEMORY, 0)
-    shifts = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
     device = base_device + _spread([t[0][r] for t, r in zip(terms, real)], ndim)
     memory = base_m + _spread([t[1][r] for t, r in zip(terms, real)], ndim)
     masks = torch.zeros(mesh.size, buffer_size(layout), dtype=torch.bool)
@@ -1205,15 +1203,22 @@ def _true_box(spec, side: _Side) -> tuple[int, ...]:
     return tuple(boxes[position].tolist())
 
 
+def _offset_and_shifts(layout: Layout, mesh) -> tuple[int, list[int]]:
+    """The flat mesh position the offset ``O`` adds, and the one each replica point adds (``[0]``
+    without replicas): ``O = {x: 1}`` and ``R = 2:1@y`` on 2x2 (x, y) give ``(2, [0, 1])``."""
+    strides = mesh.strides()
+    flat = lambda point: sum(point.get(a, 0) * strides[a] for a in mesh.axis_names)
+    return flat(layout.offset), [flat(r) for r in layout.replica_offsets or ({},)]
+
+
 def _reached(layout: Layout, mesh) -> set[int]:
     """Mesh positions holding any element: the mesh iters' digits (at most the mesh's size), plus replicas."""
     strides = mesh.strides()
     iters = [it for it in layout.shard if it.axis != MEMORY]
-    base = sum(layout.offset.get(a, 0) * strides[a] for a in mesh.axis_names)
+    base, offsets = _offset_and_shifts(layout, mesh)
     points = {base}
     for it in iters:
         points = {p + k * it.stride * strides[it.axis] for p in points for k in range(it.extent)}
-    offsets = [sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets or ({},)]
     return {p + o for p in points for o in offsets}
 
 
