@@ -1,4 +1,5 @@
-"""Shared helpers of the op-family tests (test_ops_tensor, test_ops_reduction, test_ops_norm).
+"""Shared helpers of the op-family tests (test_ops_tensor, test_ops_reduction, test_ops_norm; the
+meshes and hypothesis settings also of test_ops_{random,loss,attention,embedding}).
 
 Every test builds fp64 global tensors from a fresh seed on every rank (same values on all
 ranks), lays them out with placements on a 1-D or 2x2 mesh (``Partial`` included: each rank
@@ -13,6 +14,7 @@ import itertools
 import math
 
 import torch
+from hypothesis import Phase, settings
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import DTensor, distribute
@@ -21,6 +23,10 @@ from axedist.mesh import DeviceMesh
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 WORLD = {"2": 2, "4": 4, "2x2": 4}
 TOL = dict(rtol=1e-9, atol=1e-9)
+# Each example spawns ranks and runs many cases: one fresh example per test, or two without
+# shrinking (a shrink re-runs the ranks for every candidate).
+ONE_EXAMPLE = settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
 def mesh_of(name: str) -> DeviceMesh:
@@ -139,5 +145,5 @@ def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str
     return outs
 
 
-__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "mesh_of", "placement_sets", "make", "replicated",
-           "rand", "randint", "close", "shards", "Partial", "Replicate", "Shard"]
+__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "ONE_EXAMPLE", "NO_SHRINK", "mesh_of", "placement_sets",
+           "make", "replicated", "rand", "randint", "close", "shards", "Partial", "Replicate", "Shard"]

@@ -12,17 +12,16 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
+from ops_cases import MESHES, NO_SHRINK
 
 aten = torch.ops.aten
-MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
-NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # shrinking re-runs ranks
 
 
 def _inputs(g, gqa: bool):

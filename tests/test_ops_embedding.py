@@ -19,8 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
-
-MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
+from ops_cases import MESHES
 
 
 def _pairs(mesh, weight_options, index_options, generator, most=8):

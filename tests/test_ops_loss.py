@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -20,8 +20,8 @@ from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.ops.dispatch import fallback_ops
 from axedist.testing import run_on_ranks
+from ops_cases import MESHES, NO_SHRINK
 
-MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 REDUCTIONS = ("none", "mean", "sum")
 
 
@@ -72,9 +72,6 @@ def _loss_case(rank, world_size, mesh_name, seed, spatial, smoothing=0.0):
                                                         "aten.nll_loss_backward.default", "aten.nll_loss2d_forward.default"}
     assert not ran_gathered, ran_gathered
     return checked
-
-
-NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # shrinking re-runs ranks
 
 
 @pytest.mark.parametrize("spatial", [False, True], ids=["2d", "spatial"])

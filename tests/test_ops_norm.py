@@ -14,17 +14,16 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from axedist.ops.dispatch import dispatch
 from axedist.testing import run_on_ranks
-from ops_cases import (MESHES, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand, randint,
-                       sample_sets)
+from ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand,
+                       randint, sample_sets)
 
 aten = torch.ops.aten
 OPTIONS = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
-SETTINGS = dict(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
 
 
 def _same_shards(xp, what, normalized=()):
@@ -195,7 +194,7 @@ def _layer_norm_backward_pending_grad(rank, world_size):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(**SETTINGS)
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_softmax(mesh_name, seed):
     world = WORLD[mesh_name]
@@ -203,7 +202,7 @@ def test_softmax(mesh_name, seed):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(**SETTINGS)
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_layer_norm_and_rms_norm(mesh_name, seed):
     world = WORLD[mesh_name]
@@ -212,7 +211,7 @@ def test_layer_norm_and_rms_norm(mesh_name, seed):
 
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_sequence_parallel_norm(mesh_name, kind, seed):
     world = WORLD[mesh_name]
@@ -220,7 +219,7 @@ def test_sequence_parallel_norm(mesh_name, kind, seed):
 
 
 @pytest.mark.parametrize("mesh_name", ["2", "2x2"])
-@settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_fused_rms_norm_ops(mesh_name, seed):
     world = WORLD[mesh_name]
@@ -232,7 +231,7 @@ def test_layer_norm_backward_keeps_a_pending_gradient():
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(**SETTINGS)
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_rms_norm_decomposition_over_a_sharded_hidden_dim(mesh_name, seed):
     world = WORLD[mesh_name]

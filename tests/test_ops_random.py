@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -21,9 +21,7 @@ from axedist.layout import Layout
 from axedist.mesh import DeviceMesh
 from axedist.ops.dispatch import fallback_ops
 from axedist.testing import run_on_ranks
-
-MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
-NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # shrinking re-runs ranks
+from ops_cases import MESHES, NO_SHRINK
 
 aten = torch.ops.aten
 

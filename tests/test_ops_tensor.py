@@ -9,12 +9,12 @@ single-device ones, and dims an op does not touch keep their shards (no needless
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from axedist.testing import run_on_ranks
-from ops_cases import (MESHES, WORLD, Partial, Replicate, Shard, check, make, mesh_of, placement_sets, rand,
-                       randint, sample_sets, shards)
+from ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, make, mesh_of, placement_sets,
+                       rand, randint, sample_sets, shards)
 
 OPTIONS = [Shard(0), Shard(1), Replicate(), Partial()]
 
@@ -132,7 +132,7 @@ def _selections(rank, world_size, mesh_name, seed):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_joins_and_splits(mesh_name, seed):
     world = WORLD[mesh_name]
@@ -140,7 +140,7 @@ def test_joins_and_splits(mesh_name, seed):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
+@ONE_EXAMPLE
 @given(seed=st.integers(0, 2**31 - 1))
 def test_selections(mesh_name, seed):
     world = WORLD[mesh_name]
