@@ -87,11 +87,11 @@ def batches(n: int, batch: int, seq: int, vocab: int):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
 
 
-def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int, steps: int):
+def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     cuda = mesh.device_type == "cuda"
     times, losses = [], []
-    for i, tokens in enumerate(data[:warmup + steps]):
+    for i, tokens in enumerate(data):
         tokens = tokens.to(mesh.device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         if cuda:
@@ -101,12 +101,11 @@ def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int, steps: 
         logits = model(inputs)
         if kind == "axedist":
             loss = next_token_loss(logits, replicate(targets, mesh))
+            loss.backward()
         else:
-            with tp.loss_parallel():
+            with tp.loss_parallel():  # torch's vocab-parallel loss needs its backward inside too
                 loss = next_token_loss(logits, distribute_tensor(targets, mesh.to_torch(), [Replicate()]))
                 loss.backward()
-        if kind == "axedist":
-            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
@@ -152,7 +151,7 @@ def main(argv=None) -> None:
     theirs = torch_parallelize(copy.deepcopy(base), mesh, args.sequence_parallel)
     results = {}
     for kind, model in (("axedist", ours), ("torch", theirs)):
-        median, losses = run(kind, model, mesh, data, args.warmup, args.steps)
+        median, losses = run(kind, model, mesh, data, args.warmup)
         results[kind] = {"median_ms": median, "losses": losses}
         say(f"{kind:8s} median step {median:9.2f} ms   first losses {[round(v, 4) for v in losses[:3]]}")
     ratio = results["torch"]["median_ms"] / results["axedist"]["median_ms"]
