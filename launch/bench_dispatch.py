@@ -218,13 +218,11 @@ def main():
     for requires_grad in kinds:
         cases = _cases(mesh, torch_mesh, requires_grad)
         tables.append((requires_grad, cases, _timed(cases, args, world)))
+    x, tx, lx, y = tables[0][1][0][4:]  # the inputs the add case carries
     # a getter: every attribute read of a DTensor passes __torch_function__ while the fast path is on
-    getter = _timed([("x.shape (getter)", lambda: x.shape, lambda: tx.shape, lambda: lx.shape)
-                     for x, tx, lx in [(tables[0][1][0][4], tables[0][1][0][5], tables[0][1][0][6])]],
-                    args, world)
+    getter = _timed([("x.shape (getter)", lambda: x.shape, lambda: tx.shape, lambda: lx.shape)], args, world)
     breakdown = None
     if args.breakdown and dist.get_rank() == 0:
-        x, y = tables[0][1][0][4], tables[0][1][0][7]
         breakdown = _breakdown(x, y, args.calls, args.repeats)
         fastpath.enable(not args.no_fastpath)
     if args.profile:
