@@ -159,10 +159,14 @@ def main(argv=None) -> None:
 
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            commit = ""
+        # a device call runs a tree without git history: the caller names the commit
+        commit = os.environ.get("AXEDIST_COMMIT", "")
+        if not commit:
+            try:
+                commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True).stdout.strip()
+            except OSError:
+                commit = ""
         device = torch.cuda.get_device_name() if cuda else "cpu"
         record = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device, "world": world,
                   "dtype": str(dtype), "batch": batch, "seq": cfg.max_seq_len, "config": cfg.__dict__,
