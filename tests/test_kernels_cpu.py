@@ -626,3 +626,37 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
     tuned = gemm_rs.tuned_table()
     for key, fields in configs.items():
         assert tuned[key] == fields, key
+
+
+def test_config_strings_round_trip():
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    for config in gemm_rs.CANDIDATES + gemm_rs.TMA_PUSH_CONFIGS:
+        assert gemm_rs.GemmConfig.parse(str(config)) == config
+    assert str(gemm_rs.GemmConfig(ctas_per_sm=2)).endswith("/c2")
+    with pytest.raises(ValueError, match="not a GemmConfig string"):
+        gemm_rs.GemmConfig.parse("128x256x64/g8/s3/r64")      # no warps
+
+
+@pytest.mark.parametrize("regs, shared, warps, expected", [
+    (255, 0, 8, 1),            # 8160 registers per warp round up to 8192: one 8-warp program
+    (64, 0, 4, 8),             # 2048 per warp: 8 by registers, 16 by threads
+    (32, 0, 1, 32),            # 64 by registers and by threads: the 32-program limit
+    (128, 114_000, 4, 2),      # two programs' shared memory + 1 KB each fit in 228 KB
+    (128, 116_000, 4, 1),      # two do not
+])
+def test_programs_per_sm_counts_registers_shared_memory_and_threads(regs, shared, warps, expected):
+    from axedist.kernels import gemm_rs
+    assert gemm_rs.programs_per_sm(regs, shared, warps) == expected
+
+
+def test_two_per_sm_candidates_fit_twice_in_shared_memory():
+    """The candidates asking for two programs per SM must leave room for two in shared memory
+    as compiled for sm_90a (registers are only known on the device; the launch checks them)."""
+    _need_triton()
+    from axedist.kernels import gemm_rs
+    doubles = [c for c in gemm_rs.CANDIDATES if c.ctas_per_sm == 2]
+    assert doubles
+    for config in doubles:
+        shared = _compile_fused(config=config).metadata.shared
+        assert gemm_rs.programs_per_sm(0, shared, config.warps) >= 2, (config, shared)

@@ -303,28 +303,33 @@ class GemmConfig:
     # push: remote tile stores as asynchronous TMA stores (where the chunk is a whole number
     # of row tiles and rows are 16-byte multiples; masked stores elsewhere)
     tma_push: bool = False
+    # programs per SM: 2 lets one program's epilogue (its stalled remote stores) overlap the
+    # other's main loop, for tiles small enough that two fit in an SM's registers and shared
+    # memory (checked against the compiled kernel before the first launch)
+    ctas_per_sm: int = 1
 
     @classmethod
     def parse(cls, text: str) -> "GemmConfig":
         """The config that str() printed as `text` (benchmark tables store it so).
 
         >>> GemmConfig.parse("128x256x64/g8/s3/w8/r64/defer/push")
-        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False)
+        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False, ctas_per_sm=1)
         """
         tile, *parts = text.split("/")
         block_m, block_n, block_k = (int(v) for v in tile.split("x"))
-        numbers = {part[0]: int(part[1:]) for part in parts if part[:1] in "gswr" and part[1:].isdigit()}
-        flags = {part for part in parts if not (part[:1] in "gswr" and part[1:].isdigit())}
+        numbers = {part[0]: int(part[1:]) for part in parts if part[:1] in "gswrc" and part[1:].isdigit()}
+        flags = {part for part in parts if not (part[:1] in "gswrc" and part[1:].isdigit())}
         unknown = flags - {"defer", "push", "tma"}
-        if unknown or set(numbers) != set("gswr"):
+        if unknown or not set("gswr") <= set(numbers):
             raise ValueError(f"not a GemmConfig string: {text!r}")
         return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"], numbers["r"],
-                   "defer" in flags, "push" in flags, "tma" in flags)
+                   "defer" in flags, "push" in flags, "tma" in flags, numbers.get("c", 1))
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
-                f"{'/push' if self.push else ''}{'/tma' if self.tma_push else ''}")
+                f"{'/push' if self.push else ''}{'/tma' if self.tma_push else ''}"
+                f"{f'/c{self.ctas_per_sm}' if self.ctas_per_sm != 1 else ''}")
 
 
 CANDIDATES = (
@@ -341,6 +346,9 @@ CANDIDATES = (
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
+    # two programs per SM (ping-pong by occupancy): 96 / 80 KB of shared memory each
+    GemmConfig(128, 128, 64, 8, 3, 4, defer_release=True, push=True, ctas_per_sm=2),
+    GemmConfig(64, 256, 64, 8, 2, 4, defer_release=True, push=True, ctas_per_sm=2),
 )
 # Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
 # the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
@@ -515,17 +523,55 @@ def _specialization(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: 
             timeout_ns >= (1 << 31), constexprs, warps, device_index, ops.a.dtype)
 
 
-def _run(grid: int, args: tuple, constexprs: dict, warps: int, key: tuple, device_index: int):
-    """Launch with Triton's JIT the first time a specialization is seen (compiling it), then
-    through its compiled C launcher with the same arguments (tensors passed as addresses)."""
+def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_index: int):
+    """The compiled launcher of one specialization: compiled through Triton's JIT the first time
+    (without launching), then reused; launches go straight to its C launcher with the arguments
+    (tensors passed as addresses), skipping Triton's per-call binding."""
     launch = _launches.get(key)
     if launch is None:
-        compiled = gemm_reduce_scatter_kernel[(grid,)](*args, **constexprs, num_warps=warps)
         from .launch import CompiledLaunch
-        _launches[key] = CompiledLaunch(compiled, tuple(constexprs.values()))
-        return
-    raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
-    launch(grid, torch._C._cuda_getCurrentRawStream(device_index), raw)
+        kernel = gemm_reduce_scatter_kernel.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
+        launch = _launches[key] = CompiledLaunch(kernel, tuple(constexprs.values()))
+        launch.resident_per_sm = _resident_per_sm(kernel, warps, device_index)
+    return launch
+
+
+def programs_per_sm(regs_per_thread: int, shared_bytes: int, warps: int, regs_per_sm: int = 65536,
+                    shared_per_sm: int = 233472, threads_per_sm: int = 2048,
+                    blocks_per_sm: int = 32) -> int:
+    """Programs of a kernel that fit on one SM at once, from its registers per thread and
+    shared memory per program (registers are allocated per warp in units of 256; each program
+    also reserves 1 KB of shared memory). The defaults are Hopper's (H100/H200).
+
+    >>> programs_per_sm(168, 98_336, 4)    # a 128x128x64 tile, 3 stages, 4 warps
+    2
+    >>> programs_per_sm(232, 147_480, 8)   # a 128x256x64 tile, 3 stages, 8 warps
+    1
+    """
+    regs_per_warp = -(-regs_per_thread * 32 // 256) * 256
+    by_regs = regs_per_sm // max(1, regs_per_warp * warps)
+    by_shared = shared_per_sm // (shared_bytes + 1024)
+    by_threads = threads_per_sm // (32 * warps)
+    return max(1, min(by_regs, by_shared, by_threads, blocks_per_sm))
+
+
+def _resident_per_sm(kernel, warps: int, device_index: int) -> int:
+    """How many programs of a compiled kernel one SM holds at once: the driver's occupancy
+    query where cuda-python has it, else programs_per_sm from the device's limits."""
+    shared = kernel.metadata.shared
+    try:
+        from cuda.bindings import driver
+        error, blocks = driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            driver.CUfunction(kernel.function), 32 * warps, shared)
+        if int(error) == 0 and int(blocks) > 0:
+            return int(blocks)
+    except (ImportError, TypeError, ValueError, AttributeError):
+        pass
+    props = torch.cuda.get_device_properties(device_index)
+    return programs_per_sm(kernel.n_regs, shared, warps,
+                           getattr(props, "regs_per_multiprocessor", 65536),
+                           getattr(props, "shared_memory_per_multiprocessor", 233472),
+                           getattr(props, "max_threads_per_multi_processor", 2048))
 
 
 def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
@@ -538,24 +584,19 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     prepare=True returns the launch prepared for repetition (Replay)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
-    programs = _processors.get(device.index)
-    if programs is None:
-        programs = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    processors = _processors.get(device.index)
+    if processors is None:
+        processors = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
     tasks = schedule.task_count(rounds, world, mode in (GEMM_ONLY, GEMM_AND_SIGNAL))
-    programs = max(1, min(programs, tasks))
     use_tma = _tma_ok(ops.a) and _tma_ok(ops.b)
     element = ops.a.element_size()
     aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
     if mode == GEMM_ONLY:
         state = _gemm_only_counters.setdefault(
             device.index, [torch.zeros(1, dtype=torch.int32, device=device), 0])
-        if state[1] + tasks + programs >= (1 << 30):
-            state[0].zero_()
-            state[1] = 0
-        counter, task_base = state[0], state[1]
-        state[1] += tasks + programs
+        counter = state[0]
         # no flags and no reduce in this mode: placeholders typed like the fused mode's (int64)
         data = [counter.data_ptr()] * 8
         flags = [counter.data_ptr()] * 8
@@ -564,7 +605,6 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         out = part
     else:
         counter = workspace.counter
-        task_base = workspace.claim_tasks(tasks + programs)
         data = workspace.data_addresses(half)
         flags = workspace.flag_addresses()
         multicast = workspace.multicast_address(half) if multimem else 0
@@ -574,9 +614,6 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     if mode != GEMM_ONLY and world * rounds > (1 << 16):
         raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
                          f"use larger tiles")
-    if lag_waves is None:
-        lag_waves = 2.5 if config.defer_release else 1.5
-    lag = schedule.choose_lag(rounds, world, programs, lag_waves)
     push = config.push and not multimem and mode != GEMM_ONLY
     tma_push = (push and config.tma_push and use_tma and m_chunk % config.block_m == 0
                 and (ops.n * element) % 16 == 0)
@@ -593,13 +630,33 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     key = _specialization(ops, strides, (part, out, counter, abort), timeout_ns,
                           tuple(constexprs.values()), config.warps, device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
-    args = (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
-            counter, task_base, abort, error_address, timeout_ns,
-            ops.m, ops.n, ops.k, m_chunk, *strides, rank, epoch, lag)
-    _run(programs, args, constexprs, config.warps, key, device.index)
+
+    def arguments(task_base: int, lag: int) -> tuple:
+        return (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
+                counter, task_base, abort, error_address, timeout_ns,
+                ops.m, ops.n, ops.k, m_chunk, *strides, rank, epoch, lag)
+
+    # compiled (and its occupancy known) before any task is claimed: every program of the grid
+    # must be resident at once, since a reduce task waits on tiles other programs produce
+    compiled = _compiled(key, arguments(0, 0), constexprs, config.warps, device.index)
+    programs = max(1, min(processors * min(config.ctas_per_sm, compiled.resident_per_sm), tasks))
+    if mode == GEMM_ONLY:
+        if state[1] + tasks + programs >= (1 << 30):
+            state[0].zero_()
+            state[1] = 0
+        task_base = state[1]
+        state[1] += tasks + programs
+    else:
+        task_base = workspace.claim_tasks(tasks + programs)
+    if lag_waves is None:
+        lag_waves = 2.5 if config.defer_release else 1.5
+    lag = schedule.choose_lag(rounds, world, programs, lag_waves)
+    args = arguments(task_base, lag)
+    raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
+    compiled(programs, torch._C._cuda_getCurrentRawStream(device.index), raw)
     if not prepare:
         return None
-    return Replay(_launches[key], programs, args, tasks + programs, use_tma, config,
+    return Replay(compiled, programs, args, tasks + programs, use_tma, config,
                   ops.b_transposed, timeout_ns, device.index)
 
 
