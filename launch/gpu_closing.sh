@@ -2,7 +2,8 @@
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
 #   bash launch/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
 #   bash launch/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
-#                                       # TP training step, main job on NCCL (BENCHES narrows them)
+#                                       # TP training step, main job on NCCL (BENCHES narrows them;
+#                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -32,8 +33,8 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   for name in $BENCHES; do case $name in
-    gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS --out "$RESULTS" ;;
-    gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS --out "$RESULTS" ;;
+    gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
+    gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 launch/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
     tp) step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS" ;;
