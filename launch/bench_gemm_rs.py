@@ -58,7 +58,9 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tune", default="all", help="'all' candidate configs, or 'default'")
     parser.add_argument("--only", default="", help="comma list of shape indices to run")
-    parser.add_argument("--configs", default="", help="comma list of gemm_rs.CANDIDATES indices (with --tune all)")
+    parser.add_argument("--configs", default="",
+                        help="comma list of gemm_rs.CANDIDATES indices or config strings such as "
+                             "128x128x64/g8/s3/w4/r64/defer/push/c2 (with --tune all)")
     parser.add_argument("--variants", action="store_true",
                         help="also time signal-only and GPU-scope variants (where the time goes)")
     parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
@@ -118,8 +120,8 @@ def main():
         # tile config: every candidate timed fused (device time, interleaved); the same
         # max-over-ranks numbers on every rank give every rank the same choice
         key = gemm_rs.shape_key(m, n, k, world, torch.bfloat16)
-        every = ([gemm_rs.CANDIDATES[int(i)] for i in args.configs.split(",")] if args.configs
-                 else gemm_rs.CANDIDATES)
+        every = ([gemm_rs.CANDIDATES[int(c)] if c.isdigit() else gemm_rs.GemmConfig.parse(c)
+                  for c in args.configs.split(",")] if args.configs else gemm_rs.CANDIDATES)
         candidates = (every if args.tune == "all" else gemm_rs.CANDIDATES[:1] if args.tune == "first"
                       else (gemm_rs.default_config(m, n, k, world, torch.bfloat16),))
         runnable = {}

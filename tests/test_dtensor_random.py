@@ -93,7 +93,7 @@ def sweep(mesh_key, examples, backend="gloo"):
     world = math.prod(mesh_shape)
     device_type = "cpu" if backend == "gloo" else "cuda"
 
-    @settings(max_examples=examples, database=None, phases=[Phase.generate])
+    @settings(max_examples=examples, database=None, phases=[Phase.generate], deadline=None)
     @given(st.data())
     def check(data):
         digits = data.draw(digit_lists())

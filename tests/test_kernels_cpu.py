@@ -631,7 +631,7 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
 def test_config_strings_round_trip():
     _need_triton()
     from axedist.kernels import gemm_rs
-    for config in gemm_rs.CANDIDATES + gemm_rs.TMA_PUSH_CONFIGS:
+    for config in gemm_rs.CANDIDATES + gemm_rs.TMA_PUSH_CONFIGS + gemm_rs.TWO_PER_SM_CONFIGS:
         assert gemm_rs.GemmConfig.parse(str(config)) == config
     assert str(gemm_rs.GemmConfig(ctas_per_sm=2)).endswith("/c2")
     with pytest.raises(ValueError, match="not a GemmConfig string"):
@@ -655,7 +655,7 @@ def test_two_per_sm_candidates_fit_twice_in_shared_memory():
     as compiled for sm_90a (registers are only known on the device; the launch checks them)."""
     _need_triton()
     from axedist.kernels import gemm_rs
-    doubles = [c for c in gemm_rs.CANDIDATES if c.ctas_per_sm == 2]
+    doubles = [c for c in gemm_rs.CANDIDATES + gemm_rs.TWO_PER_SM_CONFIGS if c.ctas_per_sm == 2]
     assert doubles
     for config in doubles:
         shared = _compile_fused(config=config).metadata.shared

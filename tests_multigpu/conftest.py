@@ -9,3 +9,10 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 os.environ.pop("AXEDIST_ENABLE_MULTICAST", None)
+
+# the CPU suite's hypothesis profile (no per-example deadline: a first NCCL call on fresh ranks
+# takes hundreds of ms) also for the property tests the multi-GPU files run
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci")

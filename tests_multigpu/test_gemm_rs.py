@@ -69,7 +69,8 @@ def body_configs(rank, world):
     failures = []
     # the second shape is whole row tiles, so the TMA-push candidates take their TMA path
     for (m, n, k), config in [(shape, config) for shape in ((300 * world, 1000, 520), (256 * world, 1024, 512))
-                              for config in gemm_rs.CANDIDATES + gemm_rs.TMA_PUSH_CONFIGS]:
+                              for config in gemm_rs.CANDIDATES + gemm_rs.TMA_PUSH_CONFIGS
+                              + gemm_rs.TWO_PER_SM_CONFIGS]:
         gemm_rs.remember_config(gemm_rs.shape_key(m, n, k, world, torch.bfloat16), config)
         a, b = _inputs(rank, m, n, k, torch.bfloat16, 5, False)
         out = torch.full((m // world, n), float("nan"), dtype=torch.bfloat16, device="cuda")

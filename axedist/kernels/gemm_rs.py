@@ -346,9 +346,6 @@ CANDIDATES = (
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
-    # two programs per SM (ping-pong by occupancy): 96 / 80 KB of shared memory each
-    GemmConfig(128, 128, 64, 8, 3, 4, defer_release=True, push=True, ctas_per_sm=2),
-    GemmConfig(64, 256, 64, 8, 2, 4, defer_release=True, push=True, ctas_per_sm=2),
 )
 # Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
 # the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
@@ -357,6 +354,15 @@ CANDIDATES = (
 TMA_PUSH_CONFIGS = (
     GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, tma_push=True),
     GemmConfig(64, 256, 64, 8, 4, 4, defer_release=True, push=True, tma_push=True),
+)
+
+# Opt-in (not tuned by default): two programs per SM, so that one program's epilogue (its
+# remote stores stalled on NVLink) overlaps the other's main loop (96 / 80 KB of shared memory
+# each). Measured slower on 4x H200 (benchmarks/results/gemm_rs_w4_ctas.md): 11-17 % at
+# K_local = 7168 and level at best at 2048; the smaller tiles cost more than the overlap gains.
+TWO_PER_SM_CONFIGS = (
+    GemmConfig(128, 128, 64, 8, 3, 4, defer_release=True, push=True, ctas_per_sm=2),
+    GemmConfig(64, 256, 64, 8, 2, 4, defer_release=True, push=True, ctas_per_sm=2),
 )
 
 _TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_rs_tuned.json")
