@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+import threading
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
@@ -58,6 +59,17 @@ __all__ = [
 MEMORY = "m"
 _dispatch = None  # axedist.ops.dispatch.dispatch, bound on the first op
 _RECORDING: list = []  # ops/fastpath.py's recorders of the torch call now running (innermost last)
+
+
+class _Ready(threading.local):
+    """ops/fastpath.py's output computed ahead for a grad-mode call, per thread: ``value`` is
+    (aten op, positions of its DTensor arguments, the torch-level arguments, output); see
+    ``DTensor.__torch_dispatch__``, which sets it to None once served, False once dropped."""
+
+    value = None
+
+
+_READY = _Ready()
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
@@ -352,6 +364,22 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        ready = _READY.value
+        if ready:
+            # A grad-mode fast-path hit: ops/fastpath.py ran the op on the local tensors and let
+            # autograd record the call through torch's dispatcher, which brings it here. The
+            # output is served only to the op it was computed for, on the same DTensor objects
+            # (this thread's first aten op of the call); anything else drops it.
+            op, positions, expected, out = ready
+            if func is op:
+                count = len(args)
+                for i in positions:
+                    if i >= count or args[i] is not expected[i]:
+                        break
+                else:
+                    _READY.value = None
+                    return out
+            _READY.value = False
         global _dispatch
         if _dispatch is None:
             from .ops.dispatch import dispatch as _dispatch  # ops sit above dtensor: import on first use

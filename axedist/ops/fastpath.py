@@ -57,6 +57,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _any_autocast = torch._C._is_any_autocast_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _POSITIONAL = _dtensor.WRAPPER_POSITIONAL
+_READY = _dtensor._READY
 _STRIDED = torch.strided
 _OUTSTANDING = _dtensor._OUTSTANDING
 _STATS = _dispatch_module._STATS  # fast hits count as plan-cache hits (ops.dispatch.cache_info)
@@ -66,26 +67,31 @@ _SCALARS = _dispatch_module._FAST_SCALARS  # the plain arguments dispatch's own 
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
 _KWARGS = object()        # separates positional from keyword arguments in a key
+_GRAD = object()          # precedes the requires-grad bits of a grad-mode key
 _CACHE: dict = {}         # key -> _Entry or _SLOW
 # Torch functions that always take the normal route, decided when first recorded: those that
 # dispatched nothing (getters, size(), ...) and views.
 _PASS: set = set()
 _TAGS: dict = {}          # (spec, dtype, stride) -> tag
-_COUNTS = {"hits": 0, "recorded": 0, "slow": 0, "passed": 0}
+_COUNTS = {"hits": 0, "grad hits": 0, "recorded": 0, "slow": 0, "passed": 0}
 
 
 class _Entry:
-    """What a hit does: wrap the local result in ``spec`` (after ``unsqueeze(0)`` for a pending sum)."""
+    """What a hit does: wrap the local result in ``spec`` (after ``unsqueeze(0)`` for a pending sum).
+    A grad-mode entry also names the aten ``op`` whose output that is and the ``positions`` of
+    its DTensor arguments (the torch call's own positions)."""
 
-    __slots__ = ("spec", "shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer")  # tag: (spec, int)
+    __slots__ = ("spec", "shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer", "op", "positions")
 
-    def __init__(self, spec, dtype, device, stride, unsqueeze, defer):
+    def __init__(self, spec, dtype, device, stride, unsqueeze, defer, op=None, positions=()):
         self.spec, self.shape, self.dtype, self.device = spec, spec.shape, dtype, device
         self.stride, self.unsqueeze, self.defer = stride, unsqueeze, defer
-        self.tag = (spec, _tag_for(spec, dtype, stride))
+        self.tag = (spec, _tag_for(spec, dtype, stride))  # (spec, int): the output's key tag
+        self.op, self.positions = op, positions
 
     def __repr__(self) -> str:
-        return f"_Entry(-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
+        via = f"{self.op} (grad mode), " if self.op is not None else ""
+        return f"_Entry({via}-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
 
 
 def _tag_for(spec, dtype, stride) -> int:
@@ -115,13 +121,15 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     """``DTensor.__torch_function__`` while the fast path is on."""
     if func in _PASS:
         return _disabled(func, types, args, kwargs or _EMPTY)
+    grad = 0  # with grad mode on: a bit per positional DTensor that requires grad
     if _grad_enabled():
-        # autograd must record a call with an input that requires grad: the normal route,
-        # decided before any key is built (a getter inside __torch_function__ would come back here)
-        with _no_torch_function():
+        with _no_torch_function():  # requires_grad without coming back here
+            bit = 1
             for a in args:
-                if type(a) is DTensor and a.requires_grad:  # (what _disabled does, in this context)
-                    return func(*args, **kwargs) if kwargs else func(*args)
+                if type(a) is DTensor:
+                    if a.requires_grad:
+                        grad |= bit
+                    bit <<= 1
     key = [func]
     local_args = []
     found = False  # any DTensor among the positional arguments
@@ -157,6 +165,11 @@ def torch_function(cls, func, types, args=(), kwargs=None):
                 return _disabled(func, types, args, kwargs)
     if not found:
         return _disabled(func, types, args, kwargs or _EMPTY)
+    if grad:
+        # which inputs require grad is part of the key: a composite function may take another
+        # route then (and autograd records different ops)
+        key.append(_GRAD)
+        key.append(grad)
     key = tuple(key)
     entry = _CACHE.get(key)
     if entry is _SLOW:
@@ -164,7 +177,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     if _dispatch_modes() or _any_autocast():
         return _disabled(func, types, args, kwargs or _EMPTY)
     if entry is None:
-        return _record(func, types, args, kwargs, key)
+        return _record(func, types, args, kwargs, key, grad)
     if entry.defer is not None and entry.defer != _dispatch_module.DEFER_GEMM:
         return _disabled(func, types, args, kwargs or _EMPTY)
     if _OUTSTANDING:
@@ -191,9 +204,27 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     out._value = value
     out._spec = entry.spec
     out._tag = entry.tag
-    _STATS["hits"] += 1
-    _COUNTS["hits"] += 1
-    return out
+    if not grad:
+        _STATS["hits"] += 1
+        _COUNTS["hits"] += 1
+        return out
+    # Autograd must record the call: it goes through torch's dispatcher after all (autograd's
+    # C++ kernel for the op: graph node, saved tensors, version bookkeeping), and
+    # __torch_dispatch__ hands back this output instead of running ops/dispatch.py.
+    _READY.value = (entry.op, entry.positions, args, out)
+    try:
+        result = _disabled(func, types, args, kwargs or _EMPTY)
+    finally:
+        served = _READY.value is None
+        _READY.value = None
+    if served:
+        _STATS["hits"] += 1
+        _COUNTS["hits"] += 1
+        _COUNTS["grad hits"] += 1
+    else:
+        # the first aten op was not the recorded one (the normal route ran instead): not again
+        _CACHE[key] = _SLOW
+    return result
 
 
 class _Recorder:
@@ -221,7 +252,7 @@ class _Recorder:
         return out
 
 
-def _record(func, types, args, kwargs, key):
+def _record(func, types, args, kwargs, key, grad=0):
     recorder = _Recorder()
     _dtensor._RECORDING.append(recorder)
     try:
@@ -229,18 +260,47 @@ def _record(func, types, args, kwargs, key):
     finally:
         _dtensor._RECORDING.pop()
     last = recorder.steps[-1][0] if recorder.steps else None
-    if last is None or any(r.alias_info is not None for r in last._schema.returns):
-        # nothing dispatched (a getter), or a view (the normal route makes it a view of its
-        # base for autograd): so for this torch function with any arguments
+    # Nothing dispatched (a getter), or (without autograd, which adds ops of its own, e.g. a
+    # detach of an output it saves) a view, which the normal route makes a view of its base
+    # for autograd: the normal route for this torch function with any arguments.
+    if last is None or (not grad and any(r.alias_info is not None for r in last._schema.returns)):
         _PASS.add(func)
         _COUNTS["passed"] += 1
         return result
-    entry = _entry_for(func, recorder.steps, result, args, kwargs)
+    if grad:
+        entry = _grad_entry_for(func, recorder.steps, result, args, kwargs)
+    else:
+        entry = _entry_for(func, recorder.steps, result, args, kwargs)
     if len(_CACHE) > 16384:
         _CACHE.clear()
     _CACHE[key] = entry
     _COUNTS["recorded" if entry is not _SLOW else "slow"] += 1
     return result
+
+
+def _grad_entry_for(func, steps, result, args, kwargs):
+    """The grad-mode entry proven by these steps, or _SLOW.
+
+    Under autograd the call's result is what ``__torch_dispatch__`` returned for the first
+    aten op (later ones are autograd's own, e.g. ``detach`` of an output it saves, and keep
+    the normal route on every call). That first op must qualify as a step of a no-grad entry,
+    take the torch call's DTensors at their own positions (so ``__torch_dispatch__`` can tell
+    it by identity) and none in its keyword arguments, and give the call's result.
+    """
+    if not steps or type(result) is not DTensor or result is not steps[0][3]:
+        return _SLOW
+    op, op_args, op_kwargs, _ = steps[0]
+    positions = tuple(i for i, a in enumerate(args) if type(a) is DTensor)
+    if any(i >= len(op_args) or op_args[i] is not args[i] for i in positions):
+        return _SLOW
+    if any(isinstance(a, DTensor) for i, a in enumerate(op_args) if i not in positions) or \
+            any(isinstance(v, (DTensor, list, tuple)) for v in (op_kwargs or _EMPTY).values()):
+        return _SLOW
+    entry = _entry_for(func, steps[:1], result, args, kwargs)
+    if entry is _SLOW:
+        return _SLOW
+    entry.op, entry.positions = op, positions
+    return entry
 
 
 def _plan_of(op, args, kwargs):
@@ -330,7 +390,8 @@ def clear() -> None:
 
 
 def stats() -> dict:
-    """``{"hits", "recorded", "slow", "passed", "size"}``: fast hits, keys recorded as fast,
+    """``{"hits", "grad hits", "recorded", "slow", "passed", "size"}``: fast hits (of which
+    ``grad hits`` had autograd record them), keys recorded as fast,
     keys recorded as slow, torch functions sent to the normal route for good (getters, views),
     cached keys."""
     return dict(_COUNTS, size=len(_CACHE))
