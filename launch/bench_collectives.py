@@ -229,11 +229,87 @@ def write_tuned(results_json, target):
     print(json.dumps(tables, indent=1))
 
 
+def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
+    """Reduce-scatter and all-gather (push and pull) with their phases pipelined over each of
+    `rounds_list` ranges, timed interleaved with NCCL in one run (device time, queued, and eager);
+    every candidate is checked against NCCL's result first. Writes collectives_rounds_w{W}.json/.md."""
+    from axedist.collectives.timing import time_interleaved
+    device = torch.cuda.current_device()
+    rows = []
+    for size in sizes:
+        numel = size // 2
+        numel -= numel % (world * 16)
+        x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        piece = x[:numel // world]
+        scattered = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
+        gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
+        cases = {"reduce_scatter": (x, scattered, lambda: dist.reduce_scatter_tensor(scattered, x)),
+                 "all_gather": (piece, gathered, lambda: dist.all_gather_into_tensor(gathered, piece))}
+        for op, (source, target, nccl) in cases.items():
+            nccl()
+            reference = target.clone()
+            fns, errors, programs = {"nccl": nccl}, {}, None
+            for variant in ("push", "pull"):
+                for rounds in rounds_list:
+                    os.environ["AXEDIST_P2P_ROUNDS"] = str(rounds)
+                    plan = p2p.CallPlan(op, source.shape, source.dtype, None, device, variant, False)
+                    del os.environ["AXEDIST_P2P_ROUNDS"]
+                    programs = plan.programs
+                    name = f"{variant} r{plan.rounds}"
+                    fns[name] = lambda plan=plan, source=source, target=target: plan.run(source, target, None)
+                    target.fill_(float("nan"))
+                    fns[name]()
+                    errors[name] = 0.0 if torch.equal(target, reference) else _rel(target, reference)
+            row = dict(op=op, bytes=size, world=world, programs=programs, errors=errors,
+                       queued=time_interleaved(fns, reps, 3, None, queued=True),
+                       eager=time_interleaved(fns, reps, 3, None, queued=False))
+            rows.append(row)
+            if rank == 0:
+                print(f"{op} {size >> 20} MB: " + " ".join(f"{k} {v * 1e3:.1f}" for k, v in row["queued"].items())
+                      + f" | max err {max(errors.values()):.1e}", flush=True)
+        torch.cuda.empty_cache()
+    if rank != 0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
+                commit=os.environ.get("AXEDIST_COMMIT", "unknown"), torch=torch.__version__,
+                command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
+    with open(os.path.join(out_dir, f"collectives_rounds_w{world}.json"), "w") as handle:
+        json.dump(dict(meta=meta, rows=rows), handle, indent=1)
+    names = list(rows[0]["queued"])
+    lines = [f"# Pipelined reduce-scatter / all-gather (ROUNDS), W={world} ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`", "",
+             "Device time in us (queued, median of calls, max over ranks), all candidates interleaved in one run; "
+             "`r1` is the unpipelined kernel. busbw = size * (W-1)/W / time.", "",
+             "| op | size | " + " | ".join(names) + " | best axedist busbw / NCCL busbw |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for row in rows:
+        times = row["queued"]
+        best = min(v for k, v in times.items() if k != "nccl")
+        factor = row["bytes"] * (world - 1) / world / 1e6   # GB/s from ms
+        lines.append(f"| {row['op']} | {row['bytes'] >> 20} MB | " + " | ".join(f"{times[n] * 1e3:.1f}" for n in names)
+                     + f" | {factor / best:.0f} / {factor / times['nccl']:.0f} |")
+    lines += ["", "Eager (calls issued back to back by the host), us:", "",
+              "| op | size | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for row in rows:
+        lines.append(f"| {row['op']} | {row['bytes'] >> 20} MB | "
+                     + " | ".join(f"{row['eager'][n] * 1e3:.1f}" for n in names) + " |")
+    worst = max(max(row["errors"].values()) for row in rows)
+    lines += ["", f"max relative error vs NCCL over all candidates: {worst:.1e}"]
+    with open(os.path.join(out_dir, f"collectives_rounds_w{world}.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--sizes", type=int, nargs="*", default=None, help="bytes")
+    parser.add_argument("--rounds", type=int, nargs="*", default=None,
+                        help="only sweep the pipelined reduce-scatter / all-gather over these "
+                             "ROUNDS values (with --sizes), interleaved with NCCL")
     parser.add_argument("--tables-from", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write the choice tables of this result file into "
                              "axedist/kernels/collectives_tuned.json (what 'auto' uses)")
@@ -259,6 +335,12 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     world, rank = dist.get_world_size(), dist.get_rank()
     group_name = dist.group.WORLD.group_name
+    if args.rounds:
+        sweep_rounds(args.sizes or [16 << 20, 64 << 20, 256 << 20], args.rounds, args.reps, world,
+                     rank, args.out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     import torch.distributed._symmetric_memory as symm_mem
     rows = []
     for size in args.sizes or SIZES:

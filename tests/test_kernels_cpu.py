@@ -160,11 +160,42 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _compile_collective(op, dtype="bf16", world=4, rows=8, push=False, copy_in=True,
-                        multimem=False, chunk=1 << 20):
+                        multimem=False, chunk=1 << 20, rounds=1):
     """Compile `op`'s kernel exactly as p2p.CallPlan does on a GPU, for sm_90a."""
     from axedist.collectives import p2p
     return p2p.compile_collective(op, _DTYPES[dtype], world, rows, push, copy_in, multimem,
-                                  chunk, aligned=True, capability=90)
+                                  chunk, aligned=True, capability=90, rounds=rounds)
+
+
+@pytest.mark.parametrize("push", [False, True])
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather"])
+def test_pipelined_kernels_signal_once_per_round(op, push):
+    """ROUNDS = 4: four signals (a fence, then a relaxed store to each of the 3 peers) and four
+    bounded waits, instead of one barrier."""
+    _need_triton()
+    ptx = _compile_collective(op, "bf16", push=push, rounds=4).asm["ptx"]
+    assert ptx.count("fence.acq_rel.sys") == 4
+    assert ptx.count("st.relaxed.sys.global.b32") == 4 * 3
+    assert ptx.count("%globaltimer") >= 4 * 3           # each of 3 peers waited on, per round
+    assert ptx.count("ld.global.v4") >= 4 and ptx.count("st.global.v4") >= 4
+
+
+def test_rounds_for_forces_clamps_and_skips_other_ops(monkeypatch):
+    from axedist.collectives import p2p
+    from axedist.collectives.symmetric import MAX_BARRIER_PROGRAMS
+    monkeypatch.delenv("AXEDIST_P2P_ROUNDS", raising=False)
+    monkeypatch.setattr(p2p, "PIPELINE_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr(p2p, "PIPELINE_ROUNDS", 4)
+    assert p2p.rounds_for("reduce_scatter", 1 << 20, 132) == 4
+    assert p2p.rounds_for("all_gather", (1 << 20) - 1, 132) == 1        # below the threshold
+    assert p2p.rounds_for("all_reduce_two_shot", 1 << 30, 132) == 1
+    monkeypatch.setenv("AXEDIST_P2P_ROUNDS", "16")
+    # the barrier area holds 2 * MAX_BARRIER_PROGRAMS slots per parity: rounds * programs fit
+    assert p2p.rounds_for("all_gather", 10, 132) == 2 * MAX_BARRIER_PROGRAMS // 132
+    assert p2p.rounds_for("all_gather", 10, 16) == 16
+    monkeypatch.setenv("AXEDIST_P2P_ROUNDS", "0")
+    with pytest.raises(ValueError, match="AXEDIST_P2P_ROUNDS"):
+        p2p.rounds_for("reduce_scatter", 10, 8)
 
 
 @pytest.mark.parametrize("dtype,ptx_op", [("bf16", "add.acc::f32.v4.bf16x2"), ("fp16", "add.acc::f32.v4.f16x2"), ("fp32", "add.v4.f32")])

@@ -4,6 +4,8 @@ Fresh random inputs every time (never zeros), outputs poisoned with NaN beforeha
 all three dtypes, many calls back to back without resets, and a peer that never signals.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -231,7 +233,36 @@ def body_errors(rank, world):
     return messages
 
 
+def body_pipelined(rank, world, rounds, sizes):
+    """Reduce-scatter and all-gather with their phases pipelined over `rounds` ranges (forced
+    through AXEDIST_P2P_ROUNDS; production picks rounds by size from the measured table)."""
+    from axedist.collectives import p2p
+    os.environ["AXEDIST_P2P_ROUNDS"] = str(rounds)
+    p2p._plans.clear()
+    try:
+        failures = []
+        for variant in ("push", "pull"):
+            failures += body_reduce_scatter(rank, world, sizes, (torch.bfloat16, torch.float32), 2,
+                                            variant)
+            failures += body_all_gather(rank, world, sizes, (torch.bfloat16,), variant)
+        used = {plan.rounds for plan in p2p._plans.values()
+                if plan.op in ("reduce_scatter", "all_gather")}
+        if used != {rounds}:
+            failures.append(f"plans ran with rounds {used}, not {rounds}")
+        return failures
+    finally:
+        del os.environ["AXEDIST_P2P_ROUNDS"]
+        p2p._plans.clear()
+
+
 VARIANTS = ("push", "pull", "zero_copy")
+
+
+@pytest.mark.parametrize("rounds", [2, 3])
+def test_pipelined_reduce_scatter_and_all_gather_match_nccl(rounds):
+    results = run_on_ranks(body_pipelined, WORLD, "nccl", args=(rounds, SIZES + (9_000_011,)),
+                           timeout_s=600)
+    assert results == [[]] * WORLD, results
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -61,6 +61,29 @@ def _rows(work: int) -> int:
     return 4 if work >= 8192 * 132 else 2
 
 
+# reduce-scatter / all-gather: the place and combine phases pipelined over this many ranges
+# from this many bytes of per-rank work up (kernels/collective_kernels.py, ROUNDS); 1: not
+PIPELINE_MIN_BYTES: int = TUNED.get("pipeline_min_bytes", 1 << 62)
+PIPELINE_ROUNDS: int = TUNED.get("pipeline_rounds", 1)
+
+
+def rounds_for(op: str, work_bytes: int, programs: int) -> int:
+    """Ranges the reduce-scatter / all-gather kernel pipelines its phases over (1 for the other
+    ops and small calls). Each range has its own barrier slot per program, and the barrier area
+    holds 2 * MAX_BARRIER_PROGRAMS slots. AXEDIST_P2P_ROUNDS forces it (benchmark sweeps).
+
+    >>> rounds_for("all_reduce_one_shot", 1 << 30, 132)
+    1
+    """
+    if op not in ("reduce_scatter", "all_gather"):
+        return 1
+    forced = os.environ.get("AXEDIST_P2P_ROUNDS")
+    rounds = int(forced) if forced else (PIPELINE_ROUNDS if work_bytes >= PIPELINE_MIN_BYTES else 1)
+    if rounds < 1:
+        raise ValueError(f"AXEDIST_P2P_ROUNDS must be >= 1, got {rounds}")
+    return max(1, min(rounds, 2 * MAX_BARRIER_PROGRAMS // max(1, programs)))
+
+
 def _check_input(x: torch.Tensor, op: str) -> None:
     if not x.is_cuda:
         raise ValueError(f"{op}: tensor must be on a CUDA device, got {x.device}")
@@ -116,10 +139,11 @@ def kernel_signature(op: str, dtype: torch.dtype) -> dict:
 
 
 def kernel_constexprs(op: str, world: int, rows: int, push: bool, copy_in: bool,
-                      multimem: bool) -> dict:
-    """Compile-time arguments of `op`'s kernel, in the kernel's order (every phase runs)."""
+                      multimem: bool, rounds: int = 1) -> dict:
+    """Compile-time arguments of `op`'s kernel, in the kernel's order (every phase runs;
+    reduce-scatter and all-gather pipelined over `rounds` ranges)."""
     values = dict(WORLD=world, ROWS=rows, COLS=COLS, MULTIMEM=multimem, PUSH=push,
-                  COPY_IN=copy_in, PHASES=7 if op == "all_reduce_two_shot" else 3)
+                  COPY_IN=copy_in, PHASES=7 if op == "all_reduce_two_shot" else 3, ROUNDS=rounds)
     return {name: values[name] for name in _kernel(op).arg_names if name in values}
 
 
@@ -132,7 +156,7 @@ def divisible_arguments(op: str, chunk: int, aligned: bool) -> list[str]:
 
 def compile_collective(op: str, dtype: torch.dtype, world: int, rows: int, push: bool,
                        copy_in: bool, multimem: bool, chunk: int, aligned: bool,
-                       capability: int = 90):
+                       capability: int = 90, rounds: int = 1):
     """`op`'s kernel compiled for one call shape class (Triton caches it on disk): what the GPU
     launches, what the CPU tests inspect and what launch/precompile_collectives.py warms.
 
@@ -140,7 +164,7 @@ def compile_collective(op: str, dtype: torch.dtype, world: int, rows: int, push:
     ...                    1 << 20, True).asm["ptx"].count("st.relaxed.sys")   # 3 peers: 3
     """
     from ..kernels.compile_check import compile_for_target
-    constexprs = kernel_constexprs(op, world, rows, push, copy_in, multimem)
+    constexprs = kernel_constexprs(op, world, rows, push, copy_in, multimem, rounds)
     return compile_for_target(_kernel(op), kernel_signature(op, dtype), constexprs,
                               divisible_arguments(op, chunk, aligned), capability=capability,
                               num_warps=NUM_WARPS)
@@ -188,6 +212,7 @@ class CallPlan:
                              f"workspace has none")
         self.rows = _rows(self.geometry["work"])
         self.programs = _programs(self.geometry["work"], self.rows * COLS, device_index)
+        self.rounds = rounds_for(op, self.geometry["work"] * dtype.itemsize, self.programs)
         self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half)
                        for half in (0, 1)]
         self._launches: dict[tuple[bool, bool], tuple] = {}
@@ -195,7 +220,8 @@ class CallPlan:
     def __repr__(self) -> str:
         return (f"CallPlan({self.op} {self.variant}{' multimem' if self.multimem else ''}, "
                 f"{_TRITON_DTYPE[self.dtype]} {self.shape} W={self.world}: "
-                f"{self.programs} programs x {self.rows * COLS})")
+                f"{self.programs} programs x {self.rows * COLS}"
+                f"{f', {self.rounds} rounds' if self.rounds > 1 else ''})")
 
     # -- kernels ---------------------------------------------------------------------------
     def _launch(self, push: bool, copy_in: bool):
@@ -208,9 +234,9 @@ class CallPlan:
         major, minor = torch.cuda.get_device_capability(self.device_index)
         compiled = compile_collective(self.op, self.dtype, self.world, self.rows, push, copy_in,
                                       self.multimem, geometry["chunk"], self.aligned,
-                                      major * 10 + minor)
+                                      major * 10 + minor, self.rounds)
         constexprs = kernel_constexprs(self.op, self.world, self.rows, push, copy_in,
-                                       self.multimem)
+                                       self.multimem, self.rounds)
         launch = CompiledLaunch(compiled, tuple(constexprs.values()))
         entry = (launch, *(static_arguments(self.op, self.workspace, geometry, self.rank, half,
                                             self.multimem) for half in (0, 1)))

@@ -35,21 +35,22 @@ from .primitives import (fence_acq_rel_sys, load_reduce, peer_pointers, pick, st
 
 
 @triton.jit
-def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, error_address,
-                  timeout_ns, WORLD: tl.constexpr):
-    """Program-level barrier across ranks on barrier `slot`; returns 1 when every peer arrived.
-
-    Program b writes the call's epoch into word slot * 8 + rank of every peer's barrier area
-    (every thread fences at system scope, a CTA barrier, then thread 0's relaxed stores: a
-    release pattern) and spins on words slot * 8 + p of its own area, so the spinning is local
-    and no NVLink round trip is in the wait. F0..F7 are the barrier areas of the call's parity:
-    a word is rewritten only two calls later, after its reader observed it (symmetric.py).
-    """
+def block_signal(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, WORLD: tl.constexpr):
+    """Program b tells program b of every peer that its stores so far are visible: every thread
+    fences at system scope, a CTA barrier, then thread 0 writes the call's epoch into word
+    slot * 8 + rank of every peer's barrier area (relaxed stores: a release pattern)."""
     fence_acq_rel_sys(epoch)
     tl.debug_barrier()
     for step in tl.static_range(1, WORLD):
         peer = (rank + step) % WORLD
         st_relaxed_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + (slot * 8 + rank) * 4, epoch)
+
+
+@triton.jit
+def block_wait(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, error_address,
+               timeout_ns, WORLD: tl.constexpr):
+    """Spin on words slot * 8 + p of this rank's own barrier area until every peer p signalled
+    slot `slot` of this call (local spinning: no NVLink round trip in the wait); 1 if all came."""
     own = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
     arrived = 1
     for step in tl.static_range(1, WORLD):
@@ -60,9 +61,75 @@ def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, 
 
 
 @triton.jit
+def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, error_address,
+                  timeout_ns, WORLD: tl.constexpr):
+    """Program-level barrier across ranks on barrier `slot`; returns 1 when every peer arrived.
+
+    F0..F7 are the barrier areas of the call's parity: a word is rewritten only two calls
+    later, after its reader observed it (symmetric.py).
+    """
+    block_signal(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, WORLD)
+    return block_wait(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, error_address,
+                      timeout_ns, WORLD)
+
+
+@triton.jit
 def _tile(start, ROWS: tl.constexpr, COLS: tl.constexpr):
     # a [ROWS, COLS] tile of consecutive element indices beginning at `start`
     return start + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+
+
+@triton.jit
+def _rs_place(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride, rank,
+              first, last, WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+              FIRST: tl.constexpr, PUSH: tl.constexpr):
+    # this program's tiles with first element in [first, last): every peer's part of them goes
+    # to the peer's slot (PUSH) or into this rank's own workspace (pull)
+    pid = tl.program_id(0)
+    BLOCK: tl.constexpr = ROWS * COLS
+    ELEMENT: tl.constexpr = x_ptr.dtype.element_ty
+    for start in range(first + pid * BLOCK, last, tl.num_programs(0) * BLOCK):
+        index = _tile(start, ROWS, COLS)
+        mask = index < chunk_numel
+        for step in tl.static_range(FIRST, WORLD):
+            peer = (rank + step) % WORLD
+            values = tl.load(x_ptr + peer * chunk_numel + index, mask=mask)
+            if PUSH:
+                target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                       rank * chunk_stride + index, ELEMENT, True)
+            else:
+                target = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+            tl.store(target, values, mask=mask)
+
+
+@triton.jit
+def _rs_combine(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                chunk_numel, chunk_stride, rank, first, last, WORLD: tl.constexpr,
+                ROWS: tl.constexpr, COLS: tl.constexpr, MULTIMEM: tl.constexpr,
+                PUSH: tl.constexpr):
+    pid = tl.program_id(0)
+    BLOCK: tl.constexpr = ROWS * COLS
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    for start in range(first + pid * BLOCK, last, tl.num_programs(0) * BLOCK):
+        index = _tile(start, ROWS, COLS)
+        mask = index < chunk_numel
+        if MULTIMEM:
+            total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                                rank * chunk_stride + index, mask, rank, ELEMENT, WORLD,
+                                MULTIMEM, True)
+        else:
+            total = tl.load(x_ptr + rank * chunk_numel + index, mask=mask,
+                            other=0.0).to(tl.float32)
+            if PUSH:
+                for step in tl.static_range(1, WORLD):
+                    peer = (rank + step) % WORLD
+                    slot = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                    total += tl.load(slot, mask=mask, other=0.0).to(tl.float32)
+            else:
+                total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7,
+                                        rank * chunk_stride + index, mask, rank, ELEMENT,
+                                        WORLD, 1, True)
+        tl.store(out_ptr + index, total.to(ELEMENT), mask=mask)
 
 
 @triton.jit
@@ -70,52 +137,101 @@ def reduce_scatter_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4,
                           multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel,
                           chunk_stride, rank, abort_ptr, error_address, WORLD: tl.constexpr,
                           ROWS: tl.constexpr, COLS: tl.constexpr, MULTIMEM: tl.constexpr,
-                          PUSH: tl.constexpr, COPY_IN: tl.constexpr, PHASES: tl.constexpr):
-    """out[i] = sum_r x_r[rank * chunk_numel + i] for i < chunk_numel."""
+                          PUSH: tl.constexpr, COPY_IN: tl.constexpr, PHASES: tl.constexpr,
+                          ROUNDS: tl.constexpr = 1):
+    """out[i] = sum_r x_r[i] for i < chunk_numel, r over ranks.
+
+    ROUNDS > 1 (with every phase in this launch) pipelines the phases: the chunk is cut into
+    ROUNDS consecutive ranges; program b places range j + 1 before it waits for range j and
+    combines it, and signals range j + 1 only after that combine (its stores have drained by
+    then), on barrier slot (j + 1) * programs + b. Programs drift apart, so while some combine
+    (local memory), others keep the links busy."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
-    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     # multimem reduces every rank's buffer, this rank's own chunk included
     FIRST: tl.constexpr = 0 if MULTIMEM else 1
+    PLACE: tl.constexpr = COPY_IN or PUSH
     own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
-    if (PHASES & 1) and (COPY_IN or PUSH):
-        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-            index = _tile(start, ROWS, COLS)
-            mask = index < chunk_numel
-            for step in tl.static_range(FIRST, WORLD):
+    if ROUNDS > 1 and PHASES == 3:
+        stride = programs * BLOCK
+        span = tl.cdiv(tl.cdiv(chunk_numel, stride), ROUNDS) * stride  # elements per round
+        if PLACE:
+            _rs_place(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
+                      rank, 0, tl.minimum(span, chunk_numel), WORLD, ROWS, COLS, FIRST, PUSH)
+        block_signal(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, WORLD)
+        for r in tl.static_range(ROUNDS):
+            if r + 1 < ROUNDS:
+                if PLACE:
+                    _rs_place(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel,
+                              chunk_stride, rank, (r + 1) * span,
+                              tl.minimum((r + 2) * span, chunk_numel), WORLD, ROWS, COLS, FIRST,
+                              PUSH)
+            block_wait(F0, F1, F2, F3, F4, F5, F6, F7, r * programs + pid, epoch, rank,
+                       abort_ptr, error_address, timeout_ns, WORLD)
+            _rs_combine(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                        chunk_numel, chunk_stride, rank, r * span,
+                        tl.minimum((r + 1) * span, chunk_numel), WORLD, ROWS, COLS, MULTIMEM,
+                        PUSH)
+            if r + 1 < ROUNDS:
+                block_signal(F0, F1, F2, F3, F4, F5, F6, F7, (r + 1) * programs + pid, epoch,
+                             rank, WORLD)
+    else:
+        if (PHASES & 1) and PLACE:
+            _rs_place(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
+                      rank, 0, chunk_numel, WORLD, ROWS, COLS, FIRST, PUSH)
+        if (PHASES & 3) == 3:
+            block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                          error_address, timeout_ns, WORLD)
+        if PHASES & 2:
+            _rs_combine(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+                        chunk_numel, chunk_stride, rank, 0, chunk_numel, WORLD, ROWS, COLS,
+                        MULTIMEM, PUSH)
+
+
+@triton.jit
+def _ag_place(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
+              rank, first, last, WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+              PUSH: tl.constexpr, COPY_IN: tl.constexpr):
+    # this rank's own part of the output, and its chunk into every peer's slot (PUSH) or into
+    # its own workspace (pull), for this program's tiles with first element in [first, last)
+    pid = tl.program_id(0)
+    BLOCK: tl.constexpr = ROWS * COLS
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    for start in range(first + pid * BLOCK, last, tl.num_programs(0) * BLOCK):
+        index = _tile(start, ROWS, COLS)
+        mask = index < chunk_numel
+        values = tl.load(x_ptr + index, mask=mask)
+        tl.store(out_ptr + rank * chunk_numel + index, values, mask=mask)
+        if PUSH:
+            for step in tl.static_range(1, WORLD):
                 peer = (rank + step) % WORLD
-                values = tl.load(x_ptr + peer * chunk_numel + index, mask=mask)
-                if PUSH:
-                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
-                                           rank * chunk_stride + index, ELEMENT, True)
-                else:
-                    target = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
+                target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                       rank * chunk_stride + index, ELEMENT, True)
                 tl.store(target, values, mask=mask)
-    if (PHASES & 3) == 3:
-        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
-                      error_address, timeout_ns, WORLD)
-    if PHASES & 2:
-        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-            index = _tile(start, ROWS, COLS)
-            mask = index < chunk_numel
-            if MULTIMEM:
-                total = load_reduce(D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
-                                    rank * chunk_stride + index, mask, rank, ELEMENT, WORLD,
-                                    MULTIMEM, True)
+        elif COPY_IN:
+            tl.store(peer_pointers(own, index, ELEMENT, True), values, mask=mask)
+
+
+@triton.jit
+def _ag_combine(out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride, rank,
+                first, last, WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                PUSH: tl.constexpr):
+    pid = tl.program_id(0)
+    BLOCK: tl.constexpr = ROWS * COLS
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    for start in range(first + pid * BLOCK, last, tl.num_programs(0) * BLOCK):
+        index = _tile(start, ROWS, COLS)
+        mask = index < chunk_numel
+        for step in tl.static_range(1, WORLD):
+            peer = (rank + step) % WORLD
+            if PUSH:
+                source = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
             else:
-                total = tl.load(x_ptr + rank * chunk_numel + index, mask=mask,
-                                other=0.0).to(tl.float32)
-                if PUSH:
-                    for step in tl.static_range(1, WORLD):
-                        peer = (rank + step) % WORLD
-                        slot = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
-                        total += tl.load(slot, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7,
-                                            rank * chunk_stride + index, mask, rank, ELEMENT,
-                                            WORLD, 1, True)
-            tl.store(out_ptr + index, total.to(ELEMENT), mask=mask)
+                source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), index,
+                                       ELEMENT, True)
+            tl.store(out_ptr + peer * chunk_numel + index, tl.load(source, mask=mask),
+                     mask=mask)
 
 
 @triton.jit
@@ -123,43 +239,44 @@ def all_gather_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5,
                       F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel, chunk_stride, rank,
                       abort_ptr, error_address, WORLD: tl.constexpr, ROWS: tl.constexpr,
                       COLS: tl.constexpr, PUSH: tl.constexpr, COPY_IN: tl.constexpr,
-                      PHASES: tl.constexpr):
-    """out[r * chunk_numel + i] = x_r[i] for every rank r and i < chunk_numel."""
+                      PHASES: tl.constexpr, ROUNDS: tl.constexpr = 1):
+    """out[r * chunk_numel + i] = x_r[i] for every rank r and i < chunk_numel.
+    ROUNDS > 1: the phases pipelined over consecutive ranges, as in reduce_scatter_kernel."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
-    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
-    if PHASES & 1:
-        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-            index = _tile(start, ROWS, COLS)
-            mask = index < chunk_numel
-            values = tl.load(x_ptr + index, mask=mask)
-            tl.store(out_ptr + rank * chunk_numel + index, values, mask=mask)
-            if PUSH:
-                for step in tl.static_range(1, WORLD):
-                    peer = (rank + step) % WORLD
-                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
-                                           rank * chunk_stride + index, ELEMENT, True)
-                    tl.store(target, values, mask=mask)
-            elif COPY_IN:
-                tl.store(peer_pointers(own, index, ELEMENT, True), values, mask=mask)
-    if (PHASES & 3) == 3:
-        block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
-                      error_address, timeout_ns, WORLD)
-    if PHASES & 2:
-        for start in range(pid * BLOCK, chunk_numel, programs * BLOCK):
-            index = _tile(start, ROWS, COLS)
-            mask = index < chunk_numel
-            for step in tl.static_range(1, WORLD):
-                peer = (rank + step) % WORLD
-                if PUSH:
-                    source = peer_pointers(own, peer * chunk_stride + index, ELEMENT, True)
-                else:
-                    source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), index,
-                                           ELEMENT, True)
-                tl.store(out_ptr + peer * chunk_numel + index, tl.load(source, mask=mask),
-                         mask=mask)
+    if ROUNDS > 1 and PHASES == 3:
+        stride = programs * BLOCK
+        span = tl.cdiv(tl.cdiv(chunk_numel, stride), ROUNDS) * stride  # elements per round
+        _ag_place(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel,
+                  chunk_stride, rank, 0, tl.minimum(span, chunk_numel), WORLD, ROWS, COLS, PUSH,
+                  COPY_IN)
+        block_signal(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, WORLD)
+        for r in tl.static_range(ROUNDS):
+            if r + 1 < ROUNDS:
+                _ag_place(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel,
+                          chunk_stride, rank, (r + 1) * span,
+                          tl.minimum((r + 2) * span, chunk_numel), WORLD, ROWS, COLS, PUSH,
+                          COPY_IN)
+            block_wait(F0, F1, F2, F3, F4, F5, F6, F7, r * programs + pid, epoch, rank,
+                       abort_ptr, error_address, timeout_ns, WORLD)
+            _ag_combine(out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
+                        rank, r * span, tl.minimum((r + 1) * span, chunk_numel), WORLD, ROWS,
+                        COLS, PUSH)
+            if r + 1 < ROUNDS:
+                block_signal(F0, F1, F2, F3, F4, F5, F6, F7, (r + 1) * programs + pid, epoch,
+                             rank, WORLD)
+    else:
+        if PHASES & 1:
+            _ag_place(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel,
+                      chunk_stride, rank, 0, chunk_numel, WORLD, ROWS, COLS, PUSH, COPY_IN)
+        if (PHASES & 3) == 3:
+            block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
+                          error_address, timeout_ns, WORLD)
+        if PHASES & 2:
+            _ag_combine(out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
+                        rank, 0, chunk_numel, WORLD, ROWS, COLS, PUSH)
 
 
 @triton.jit
