@@ -184,9 +184,10 @@ def test_rounds_for_forces_clamps_and_skips_other_ops(monkeypatch):
     from axedist.collectives import p2p
     from axedist.collectives.symmetric import MAX_BARRIER_PROGRAMS
     monkeypatch.delenv("AXEDIST_P2P_ROUNDS", raising=False)
-    monkeypatch.setattr(p2p, "PIPELINE_MIN_BYTES", 1 << 20)
-    monkeypatch.setattr(p2p, "PIPELINE_ROUNDS", 4)
+    monkeypatch.setattr(p2p, "PIPELINE", ((1 << 20, 4), (1 << 22, 8)))
     assert p2p.rounds_for("reduce_scatter", 1 << 20, 132) == 4
+    assert p2p.rounds_for("reduce_scatter", 1 << 22, 132) == 7          # 8 x 132 slots do not fit
+    assert p2p.rounds_for("all_gather", 1 << 22, 64) == 8
     assert p2p.rounds_for("all_gather", (1 << 20) - 1, 132) == 1        # below the threshold
     assert p2p.rounds_for("all_reduce_two_shot", 1 << 30, 132) == 1
     monkeypatch.setenv("AXEDIST_P2P_ROUNDS", "16")

@@ -61,10 +61,12 @@ def _rows(work: int) -> int:
     return 4 if work >= 8192 * 132 else 2
 
 
-# reduce-scatter / all-gather: the place and combine phases pipelined over this many ranges
-# from this many bytes of per-rank work up (kernels/collective_kernels.py, ROUNDS); 1: not
-PIPELINE_MIN_BYTES: int = TUNED.get("pipeline_min_bytes", 1 << 62)
-PIPELINE_ROUNDS: int = TUNED.get("pipeline_rounds", 1)
+# reduce-scatter / all-gather: (bytes of per-rank work from which, ranges) the place and
+# combine phases are pipelined over (kernels/collective_kernels.py, ROUNDS). Measured on 4x H200
+# (benchmarks/results/collectives_rounds_w4.md, push, device time): 4 ranges cut 64 MB calls
+# (16 MB per rank) from 186 / 192 us to 167 / 171 (reduce-scatter / all-gather; NCCL 193 / 192),
+# 7 cut 256 MB calls from 697 / 725 to 623 / 632 (NCCL 674 / 663); at 16 MB ranges only cost.
+PIPELINE: tuple[tuple[int, int], ...] = ((16 << 20, 4), (64 << 20, 8))
 
 
 def rounds_for(op: str, work_bytes: int, programs: int) -> int:
@@ -78,7 +80,12 @@ def rounds_for(op: str, work_bytes: int, programs: int) -> int:
     if op not in ("reduce_scatter", "all_gather"):
         return 1
     forced = os.environ.get("AXEDIST_P2P_ROUNDS")
-    rounds = int(forced) if forced else (PIPELINE_ROUNDS if work_bytes >= PIPELINE_MIN_BYTES else 1)
+    rounds = 1
+    for least, count in PIPELINE:
+        if work_bytes >= least:
+            rounds = count
+    if forced:
+        rounds = int(forced)
     if rounds < 1:
         raise ValueError(f"AXEDIST_P2P_ROUNDS must be >= 1, got {rounds}")
     return max(1, min(rounds, 2 * MAX_BARRIER_PROGRAMS // max(1, programs)))
