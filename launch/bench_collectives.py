@@ -186,8 +186,10 @@ def tuned_tables(rows, world, source):
     """The tables of axedist/kernels/collectives_tuned.json from one benchmark's rows: per size
     the faster p2p variant, the one-shot / two-shot switch, and p2p or torch for "auto" (p2p
     only where its fastest choice beat NCCL). Sizes are the call's input bytes (all-gather:
-    the gathered size / W)."""
-    rows = sorted(rows, key=lambda row: row["bytes"])
+    the gathered size / W). Choices come from device time (the rows' "queued" numbers) where a
+    row has it: eager times of small calls are host-bound, equal for every variant within the
+    noise, and vary 2x between runs with the host."""
+    rows = sorted(({**row, **row.get("queued", {})} for row in rows), key=lambda row: row["bytes"])
     variant = {
         "reduce_scatter": [(r["bytes"], _best(r, ["rs_push", "rs_pull"])[1][3:]) for r in rows],
         "all_gather": [(r["bytes"] // world, _best(r, ["ag_push", "ag_pull"])[1][3:]) for r in rows],
