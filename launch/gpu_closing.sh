@@ -3,7 +3,8 @@
 #   bash launch/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
 #   bash launch/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # TP training step, main job on NCCL (BENCHES narrows them;
-#                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices)
+#                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
+#                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -42,6 +43,10 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp) step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS" ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
+    w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
+      step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
+      step bench_collectives_w8 240 torchrun --nproc-per-node 8 launch/bench_collectives.py --reps 30 --out "$RESULTS"
+      step bench_tp_w8 200 torchrun --nproc-per-node 8 launch/bench_tp.py --cuda --out "$RESULTS" ;;
   esac; done
   for f in "$LOGS"/*.log; do echo "== $f"; grep -E "^\[|geomean|min_|rc=|Error|ms/token|loss|x faster|slower" "$f" | tail -12; done
 fi
