@@ -908,28 +908,49 @@ def _held_rows(layout: Layout, full, rows, mesh, everywhere: bool = False
     O(elements) (a (4095, 4098) tensor took minutes the other way). everywhere=True forces the
     element-wise evaluation (the tests compare the two).
     """
-    held = None if everywhere else _held_rows_per_dim(layout, full, rows, mesh)
+    held = None if everywhere or ELEMENTWISE else _held_rows_per_dim(layout, full, rows, mesh)
     return held if held is not None else _held_rows_everywhere(layout, full, rows, mesh)
+
+
+def _dim_placements(layout: Layout, full, mesh):
+    """Where each index of each dim puts its element, per dim: ``(device0, shifts, local_padded,
+    per_dim)`` with ``per_dim[d] = (device terms, local rows)`` (lists over the indices of dim
+    ``d``). An element sits at ``device0 + sum of its dims' device terms + shift`` (one shift per
+    replica point), at local index ``local rows[d][i_d]`` along each dim of the row-major local
+    tensor. None where the layout's memory is not per-dim row-major (an ``m`` offset, or a dim
+    whose ``m`` term is not its local row, its memory digits row-major, times the row-major
+    stride of the dim): then only the element-wise evaluation knows. Raises LayoutError where
+    the layout has no per-dim blocks.
+    ``S[(2,4,6):(1@x,6,1)]`` over ``(8, 6)`` on 2x2 (x, y): dim 0's device terms are 0 for rows
+    0-3 and 2 for rows 4-7 (x = 1 is flat position 2), its local rows 0,1,2,3,0,1,2,3; dim 1's
+    terms are all 0, local rows 0..5; device0 0, shifts [0], local_padded (4, 6).
+    """
+    blocks = layout.blocks(full)
+    if layout.offset.get(MEMORY, 0) != 0:
+        return None
+    local_padded = tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks)
+    strides = mesh.strides()
+    device0, shifts = _offset_and_shifts(layout, mesh)
+    per_dim = []
+    for d, block in enumerate(blocks):
+        device, memory, digits = _dim_terms(list(block), full[d], strides)  # the terms dim d adds
+        inner = math.prod(local_padded[d + 1:])
+        local = memory // inner
+        # the m term must be the dim's local row (its memory digits row-major) times its stride
+        if bool((memory % inner != 0).any()) or not torch.equal(local, digits):
+            return None
+        per_dim.append((device, local))
+    return device0, shifts, local_padded, per_dim
 
 
 def _held_rows_per_dim(layout: Layout, full, rows, mesh):
     """_held_rows from per-dim evaluations, or None where the memory offsets of a dim are not
     its row-major digit (then the element-wise route decides)."""
-    blocks = layout.blocks(full)  # raises LayoutError where the layout has no per-dim blocks
-    if layout.offset.get(MEMORY, 0) != 0:
+    placed = _dim_placements(layout, full, mesh)
+    if placed is None:
         return None
-    local_padded = [math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks]
-    strides = mesh.strides()
-    device0, shifts = _offset_and_shifts(layout, mesh)
-    per_dim = []
-    for d, block in enumerate(blocks):
-        device, memory, _ = _dim_terms(list(block), full[d], strides)  # the terms dim d adds
-        inner = math.prod(local_padded[d + 1:])
-        local = memory // inner
-        if bool((memory % inner != 0).any()) or bool((local >= local_padded[d]).any()) \
-                or bool((local < 0).any()):
-            return None
-        per_dim.append((device.tolist(), local.tolist()))
+    device0, shifts, _, per_dim = placed
+    per_dim = [(device.tolist(), local.tolist()) for device, local in per_dim]
     held = [[() for _ in full] for _ in range(mesh.size)]
     for d in range(len(full)):
         others = {0}  # every sum of the other dims' device terms
@@ -1161,13 +1182,196 @@ def _spread(terms, ndim: int) -> torch.Tensor:
     return total.reshape(-1)
 
 
-def _holdings(layout: Layout, full, rows, mesh) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per mesh position: which buffer slots hold real (unpadded) elements, and the true local box.
+# Set to True (tests do) to answer every padding question element by element: the reference the
+# per-dim route is checked against (also the route for layouts whose memory is not per-dim).
+ELEMENTWISE = False
 
-    ``rows[d]`` lists the padded indices of dim ``d`` that hold true rows. Each dim's iters give
-    it a device term and an ``m`` term; the real elements' slots are their sums over a grid of
-    the real rows (no per-element digit arithmetic). Once per spec pair; even shapes never call it.
+
+class _Holdings:
+    """Which buffer slots of each mesh position hold real (unpadded) elements, and each
+    position's true local box, for one (layout, padded shape, true rows, mesh).
+
+    Per dim (``real``): when each position is one choice of per-dim device terms and replica
+    point, what it holds is a product of per-dim index sets, so its real slots are the row-major
+    product of ``real[p][d]`` (a bool per local row of dim ``d``): O(sum of dims x mesh size).
+    Else ``dense``: a ``[position, slot]`` bool tensor built from every element (O(elements)),
+    the reference. Example, ``(3,)`` padded to 4 as ``S[(2,2):(1@gpuid,1)]`` on 2 devices:
+    position 0 holds rows 0, 1 (real ``[True, True]``), position 1 rows 2, 3 (``[True, False]``);
+    boxes ``((2,), (1,))``; masks ``[[True, True], [True, False]]``.
     """
+
+    def __init__(self, layout: Layout, full, rows, size: int, boxes, local_padded=None, real=None, dense=None):
+        self.layout, self.full, self.rows, self.size, self.boxes = layout, tuple(full), rows, size, boxes
+        self.local_padded, self.real, self._dense = local_padded, real, dense
+        if real is not None:
+            self.inner = tuple(math.prod(local_padded[d + 1:]) for d in range(len(local_padded)))
+
+    def masks(self) -> torch.Tensor:
+        """``[position, slot]``: whether the slot holds a real element (built once from ``real``)."""
+        if self._dense is None:
+            masks = torch.zeros(len(self.real), self.size, dtype=torch.bool)
+            for p, dims in enumerate(self.real):
+                if dims is not None:
+                    masks[p] = _outer(dims).reshape(-1)[:self.size]
+            self._dense = masks
+        return self._dense
+
+    @functools.cached_property
+    def all_real(self) -> bool:
+        if self.real is None:
+            return bool(self._dense.all())
+        return math.prod(self.local_padded) == self.size and \
+            all(dims is not None and all(bool(v.all()) for v in dims) for dims in self.real)
+
+    def keep(self, position: int, t: Transfer) -> tuple[Transfer, list[tuple[tuple[int, ...], torch.Tensor]]]:
+        """Which elements of ``t``'s source box (on ``position``) are real: ``(box, groups)``, where
+        ``box`` is ``t`` or the same box with a dim that runs over the end of a tensor dim's local
+        rows cut in two (``(24,)`` at stride 7 over local rows of 14 slots -> ``(12, 2)`` at strides
+        ``(14, 7)``), and ``groups`` are ``(box dims, bool grid over them)`` whose outer product is
+        the answer: one group per tensor dim the box walks (per dim), else one of all box dims."""
+        if self.real is not None:
+            found = self._keep_per_dim(position, t)
+            if found is not None:
+                return found
+        grid = self.masks()[position][_slots_of(t, "source")].reshape(t.extents)
+        return t, [(tuple(range(len(t.extents))), grid)]
+
+    def _keep_per_dim(self, position: int, t: Transfer):
+        """``keep`` from the per-dim rows, or None where a box dim does not walk one tensor dim's
+        local rows (after cutting at their ends), or two box dims together run past its end."""
+        dims, lp, inner = self.real[position], self.local_padded, self.inner
+        if dims is None:  # the layout puts nothing here
+            return t, [(tuple(range(len(t.extents))), torch.zeros(t.extents, dtype=torch.bool))]
+        if not 0 <= t.source_offset < math.prod(lp):
+            return None
+        start = [(t.source_offset // inner[d]) % lp[d] for d in range(len(lp))]
+        box = []  # (extent, source stride, target stride) per box dim, cut where a walk carries
+        for walk in zip(t.extents, t.source_strides, t.target_strides):
+            cut = self._cut(*walk, start)
+            if cut is None:
+                return None
+            box += cut
+        if len(box) != len(t.extents):
+            t = Transfer(t.source, t.target, tuple(e for e, _, _ in box), t.source_offset,
+                         tuple(s for _, s, _ in box), t.target_offset, tuple(s for _, _, s in box))
+        walks: dict[int, list] = {}
+        groups = []
+        for k, (extent, stride, _) in enumerate(box):
+            d = self._walked(extent, stride)
+            if d is None:
+                groups.append(((k,), torch.ones(extent, dtype=torch.bool)))
+            else:
+                walks.setdefault(d, []).append((k, extent, stride // inner[d]))
+        for d, members in walks.items():
+            if not self._within(d, start[d], [(e, c) for _, e, c in members]):
+                return None
+            index = torch.tensor(start[d], dtype=torch.int64)
+            for _, e, c in members:
+                index = index.unsqueeze(-1) + torch.arange(e, dtype=torch.int64) * c
+            groups.append((tuple(k for k, _, _ in members), dims[d][index]))
+        # a dim no box dim walks stays at its start row: real or not for the whole box
+        groups += [((), dims[d][start[d]]) for d in range(len(lp)) if d not in walks]
+        return t, groups
+
+    def _walked(self, extent: int, stride: int) -> int | None:
+        """The tensor dim a box dim walks: the outermost whose row-major stride divides its stride
+        (the only one it can walk without carrying); None for a box dim that stays in place."""
+        if extent == 1 or stride == 0:
+            return None
+        return next((d for d in range(len(self.local_padded))
+                     if self.local_padded[d] > 1 and stride % self.inner[d] == 0), -1)
+
+    def _within(self, d: int, start: int, steps) -> bool:
+        """Whether local row ``start`` plus any ``j * c`` (``j < e``, per ``(e, c)``) stays in dim ``d``."""
+        low = start + sum(min(0, (e - 1) * c) for e, c in steps)
+        high = start + sum(max(0, (e - 1) * c) for e, c in steps)
+        return 0 <= low and high < self.local_padded[d]
+
+    def _cut(self, extent: int, stride: int, target_stride: int, start) -> list | None:
+        """A box dim as box dims that each walk one tensor dim: itself, or, where it runs from dim
+        ``d``'s first rows over its end into the dim before (a coalesced box), an outer dim at
+        ``run`` times the stride and an inner one of ``run`` steps; None where neither is exact."""
+        d = self._walked(extent, stride)
+        if d is None:
+            return [(extent, stride, target_stride)]
+        if d < 0:
+            return None
+        c = stride // self.inner[d]
+        if self._within(d, start[d], [(extent, c)]):
+            return [(extent, stride, target_stride)]
+        if c <= 0 or self.local_padded[d] % c or start[d] >= c:
+            return None
+        run = self.local_padded[d] // c  # steps until the walk carries into dim d - 1
+        if run <= 1 or extent % run:
+            return None
+        outer = self._cut(extent // run, run * stride, run * target_stride, start)
+        return None if outer is None else outer + [(run, stride, target_stride)]
+
+    def __repr__(self) -> str:
+        how = "per dim" if self.real is not None else "element-wise"
+        return f"_Holdings({self.layout} over {list(self.full)}, {how})"
+
+
+def _outer(vectors) -> torch.Tensor:
+    """The outer AND of 1-D bool tensors: a grid of ``len(vectors)`` dims."""
+    grid = torch.ones((), dtype=torch.bool)
+    for v in vectors:
+        grid = grid.unsqueeze(-1) & v
+    return grid
+
+
+def _holdings(layout: Layout, full, rows, mesh, everywhere: bool = False) -> _Holdings:
+    """What each position holds of the true rows (``rows[d]``: the padded indices of dim ``d``
+    holding true rows): per dim where it factors (``_holdings_per_dim``), else element by element.
+    Cached: a spec pair's first plan asks about each side several times."""
+    held = None if everywhere else _holdings_per_dim(layout, tuple(full), rows, mesh)
+    return held if held is not None else _holdings_everywhere(layout, tuple(full), rows, mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _holdings_per_dim(layout: Layout, full, rows, mesh) -> _Holdings | None:
+    """``_Holdings`` from each dim's own indices, or None where a position is not one product of
+    per-dim index sets (two choices of per-dim device terms, or of replica points, land on it)
+    or the memory is not per-dim row-major."""
+    try:
+        placed = _dim_placements(layout, full, mesh)
+    except LayoutError:
+        return None
+    if placed is None:
+        return None
+    device0, shifts, local_padded, per_dim = placed
+    terms = [sorted(set(device.tolist())) for device, _ in per_dim]
+    choice = {device0: ()}  # position -> the device term of each dim that puts elements there
+    for ts in terms:
+        widened = {p + t: c + (t,) for p, c in choice.items() for t in ts}
+        if len(widened) != len(choice) * len(ts):
+            return None
+        choice = widened
+    at = {p + shift: c for shift in shifts for p, c in choice.items()}
+    if len(at) != len(choice) * len(shifts) or not all(0 <= p < mesh.size for p in at):
+        return None
+    real_of, box_of = [], []  # per dim: {device term: real local rows}, {device term: box extent}
+    for d, (device, local) in enumerate(per_dim):
+        true = torch.tensor(sorted(rows[d]), dtype=torch.int64)
+        true_device, true_local = device[true], local[true]
+        reals, boxes = {}, {}
+        for t in terms[d]:
+            mine = true_local[true_device == t]
+            reals[t] = torch.zeros(local_padded[d], dtype=torch.bool).index_fill_(0, mine, True)
+            boxes[t] = int(mine.max()) + 1 if mine.numel() else 0  # the true box is leading
+        real_of.append(reals)
+        box_of.append(boxes)
+    real, boxes = [None] * mesh.size, [(0,) * len(full)] * mesh.size
+    for p, c in at.items():
+        real[p] = tuple(real_of[d][t] for d, t in enumerate(c))
+        boxes[p] = tuple(box_of[d][t] for d, t in enumerate(c))
+    return _Holdings(layout, full, rows, buffer_size(layout), tuple(boxes), local_padded, tuple(real))
+
+
+@functools.lru_cache(maxsize=8)
+def _holdings_everywhere(layout: Layout, full, rows, mesh) -> _Holdings:
+    """``_Holdings`` from every element: each dim's iters give it a device term and an ``m`` term;
+    the real elements' slots are their sums over a grid of the real rows (O(elements))."""
     strides = mesh.strides()
     blocks = layout.blocks(full)
     ndim = len(full)
@@ -1189,7 +1393,7 @@ def _holdings(layout: Layout, full, rows, mesh) -> tuple[torch.Tensor, torch.Ten
         local = terms[d][2][real[d]].view(view).expand(sizes).reshape(-1)
         for shift in shifts:  # the true box is leading (DTensor checks it): its extent is the largest index + 1
             boxes[:, d].scatter_reduce_(0, on_d + shift, local + 1, "amax")
-    return masks, boxes
+    return _Holdings(layout, full, rows, buffer_size(layout), tuple(tuple(b) for b in boxes.tolist()), dense=masks)
 
 
 def _true_box(spec, side: _Side) -> tuple[int, ...]:
@@ -1199,8 +1403,7 @@ def _true_box(spec, side: _Side) -> tuple[int, ...]:
     unpadded = spec.full_shape == spec.full_true and all(m is None for m in spec.full_true_index)
     if unpadded:  # the padded local tensor where the layout reaches this device, else empty
         return side.local_padded if position in _reached(side.layout, mesh) else (0,) * len(side.full)
-    _, boxes = _holdings(spec.layout, spec.full_shape, _true_rows(spec), mesh)
-    return tuple(boxes[position].tolist())
+    return _holdings(spec.layout, spec.full_shape, _true_rows(spec), mesh, ELEMENTWISE).boxes[position]
 
 
 def _offset_and_shifts(layout: Layout, mesh) -> tuple[int, list[int]]:
@@ -1226,91 +1429,132 @@ def _slots_of(transfer, side: str) -> torch.Tensor:
     return _box_index([transfer], side)
 
 
-def _drop_padding(plan: Plan, masks: torch.Tensor, mesh) -> Plan:
-    """``plan`` moving only the real elements (``masks[position, slot]`` on its first input buffers).
+def _drop_padding(plan: Plan, held: _Holdings, mesh, everywhere: bool = False) -> Plan:
+    """``plan`` moving only the real elements (``held``: which slots of its first input buffers are real).
 
-    Realness follows the values through the steps (an output slot is real when a real value
-    lands in it). A box that is partly padding is cut into the boxes of its real part along
-    each of its dims (when the real part is such a product), else into runs of real slots.
-    Output slots of padding are then never written (garbage that nothing reads).
+    Realness follows the values through the steps: a step's input is real where its source layout
+    holds a true element (per dim, ``_holdings``), or, where that layout does not factor per dim
+    (or ``everywhere``), where a real value landed in the step before. A box that is partly padding
+    is cut into boxes of its real part (``_real_boxes``). Output slots of padding are then never
+    written (garbage that nothing reads).
     """
     strides = mesh.strides()
     names = [a for a, _ in plan.mesh]
     position = lambda d: sum(c * strides[a] for a, c in zip(names, d))
-    kept_steps, dropped = [], 0
-    for step in plan.steps:
-        out = torch.zeros(masks.shape[0], step.out_size, dtype=torch.bool)
+    kept_steps, dropped, real = [], 0, held
+    for i, step in enumerate(plan.steps):
+        last = i + 1 == len(plan.steps)
+        after = None if last or everywhere else _step_holdings(plan.steps[i + 1].source, held, plan, mesh)
+        out = None if last or after is not None else torch.zeros(mesh.size, step.out_size, dtype=torch.bool)
         kept = []
         for t in step.transfers:
-            source, target = _slots_of(t, "source"), _slots_of(t, "target")
-            keep = masks[position(t.source)][source]
-            out[position(t.target), target[keep]] = True
+            box, groups = real.keep(position(t.source), t)
+            count = math.prod(int(grid.sum()) for _, grid in groups)
+            if out is not None and count:
+                out[position(t.target), _slots_of(box, "target")[_expand(groups, box.extents).reshape(-1)]] = True
             # local copies are cut the same way (they cost nothing, but a collective's own part must
             # line up with what it sends: an all-reduce stays an all-reduce)
-            if bool(keep.all()):
+            if count == t.count:
                 kept.append(t)
-            elif bool(keep.any()):
-                kept.extend(_real_boxes(t, keep))
-                dropped += 0 if t.is_local else int((~keep).sum())
+            elif count:
+                kept.extend(_real_boxes(box, groups))
+                dropped += 0 if t.is_local else t.count - count
             else:
                 dropped += 0 if t.is_local else t.count
         kept_steps.append(kept)
-        masks = out
+        real = after if after is not None else _Holdings(step.target, (), (), step.out_size, None, dense=out)
     if not dropped:
         return plan
     return plan.with_transfers(kept_steps, note=f"padding left out: {dropped} slot(s) not sent")
 
 
-def _real_boxes(t, keep: torch.Tensor) -> list:
-    """The real part of box ``t`` as boxes: a product of runs per dim when it is one, else 1-D runs."""
-    grid = keep.reshape(t.extents)
-    along = [grid.flatten(0, -1) if grid.dim() == 1 else
-             grid.movedim(k, 0).reshape(t.extents[k], -1).any(1) for k in range(grid.dim())]
-    product = along[0]
-    for k in range(1, grid.dim()):
-        product = product.unsqueeze(-1) & along[k]
-    if torch.equal(product, grid):
-        runs = [_runs_of(a) for a in along]
-        boxes = []
-        for choice in itertools.product(*runs):
-            starts = [r[0] for r in choice]
-            boxes.append(Transfer(t.source, t.target, tuple(r[1] for r in choice),
-                                  t.source_offset + sum(s * st for s, st in zip(starts, t.source_strides)),
-                                  t.source_strides,
-                                  t.target_offset + sum(s * st for s, st in zip(starts, t.target_strides)),
-                                  t.target_strides))
-        return boxes
-    source, target = _slots_of(t, "source")[keep].tolist(), _slots_of(t, "target")[keep].tolist()
-    return [Transfer(t.source, t.target, (1,), s, (1,), m, (1,)) for s, m in zip(source, target)]
+def _step_holdings(layout: Layout | None, held: _Holdings, plan: Plan, mesh) -> _Holdings | None:
+    """The per-dim holdings of an intermediate layout of ``plan`` (over the first input's padded
+    shape, or the plan's shape once a pending reduction is done), or None where that layout does
+    not factor per dim (an element-level intermediate, a partly reduced summand dim)."""
+    if layout is None:
+        return None
+    lead = len(held.full) - len(plan.shape)
+    for full, rows in ((held.full, held.rows), (held.full[lead:], held.rows[lead:])):
+        if layout.size == math.prod(full):
+            return _holdings_per_dim(layout, full, rows, mesh)
+    return None
+
+
+def _expand(groups, extents) -> torch.Tensor:
+    """The bool grid over the box ``extents`` that ``_Holdings.keep``'s groups stand for."""
+    grid = torch.ones(tuple(extents), dtype=torch.bool)
+    for dims, part in groups:
+        shape = [1] * len(extents)
+        for k in dims:
+            shape[k] = extents[k]
+        grid = grid & part.reshape(shape)
+    return grid
+
+
+def _real_boxes(t, groups) -> list:
+    """The real part of box ``t`` as boxes: per group of box dims, its real cells as boxes
+    (``_pieces``), and the product of those over the groups."""
+    pieces = [_pieces(grid) for _, grid in groups]
+    boxes = []
+    for choice in itertools.product(*pieces):
+        runs = [None] * len(t.extents)
+        for (dims, _), piece in zip(groups, choice):
+            for k, run in zip(dims, piece):
+                runs[k] = run
+        starts = [r[0] for r in runs]
+        boxes.append(Transfer(t.source, t.target, tuple(r[1] for r in runs),
+                              t.source_offset + sum(s * st for s, st in zip(starts, t.source_strides)),
+                              t.source_strides,
+                              t.target_offset + sum(s * st for s, st in zip(starts, t.target_strides)),
+                              t.target_strides))
+    return boxes
+
+
+def _pieces(grid: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
+    """The True cells of a bool grid as boxes, ``(start, length)`` per dim: the product of each
+    dim's runs when the grid is that product, else, per run of equal slices along dim 0, that
+    run times the slice's boxes. ``[[1,1,0],[1,1,0],[1,0,0]]`` -> ``((0,2),(0,2))``, ``((2,1),(0,1))``."""
+    if grid.dim() == 0:
+        return [()] if bool(grid) else []
+    if not bool(grid.any()):
+        return []
+    along = [grid.movedim(k, 0).reshape(grid.shape[k], -1).any(1) for k in range(grid.dim())]
+    if torch.equal(_outer(along), grid):
+        return list(itertools.product(*(_runs_of(a) for a in along)))
+    pieces, i, n = [], 0, grid.shape[0]
+    while i < n:
+        j = i + 1
+        while j < n and torch.equal(grid[j], grid[i]):
+            j += 1
+        pieces += [((i, j - i),) + piece for piece in _pieces(grid[i])]
+        i = j
+    return pieces
 
 
 def _runs_of(flags: torch.Tensor) -> list[tuple[int, int]]:
     """``(start, length)`` of each run of True in a 1-D bool tensor."""
-    runs, start = [], None
-    for i, f in enumerate(flags.tolist() + [False]):
-        if f and start is None:
-            start = i
-        elif not f and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs
+    edges = torch.diff(flags.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+                       append=torch.zeros(1, dtype=torch.int8))
+    starts, ends = (edges == 1).nonzero().flatten(), (edges == -1).nonzero().flatten()
+    return list(zip(starts.tolist(), (ends - starts).tolist()))
 
 
-def _cheapest(src: Layout, dst: Layout, full, itemsize: int, partial, masks: torch.Tensor | None, mesh) -> Plan:
-    """The plan to run: ``plan_layouts``' own on even shapes; with padding (``masks`` marks the real
-    slots), the ``plan_alternatives`` candidate that moves least once its padding is left out."""
-    if masks is None or bool(masks.all()):
+def _cheapest(src: Layout, dst: Layout, full, itemsize: int, partial, held: _Holdings | None, mesh) -> Plan:
+    """The plan to run: ``plan_layouts``' own on even shapes; with padding (``held`` says which
+    slots are real), the ``plan_alternatives`` candidate that moves least once its padding is left out."""
+    if held is None or held.all_real:
         return plan_layouts(src, dst, mesh, full, itemsize, partial)
-    pruned = [_drop_padding(p, masks, mesh) for p in plan_alternatives(src, dst, mesh, full, itemsize, partial)]
+    alternatives = plan_alternatives(src, dst, mesh, full, itemsize, partial)
+    pruned = [_drop_padding(p, held, mesh, ELEMENTWISE) for p in alternatives]
     return min(pruned, key=lambda p: p.cost)
 
 
-def _padding_masks(side: _Side, mesh) -> torch.Tensor | None:
-    """``[position, slot]`` real-slot masks of ``side``'s buffers; None when nothing is padded."""
+def _real_slots(side: _Side, mesh) -> _Holdings | None:
+    """Which slots of ``side``'s buffers are real; None when nothing is padded."""
     if all(len(r) == f for r, f in zip(side.rows, side.full)):
         return None
-    masks, _ = _holdings(side.layout, side.full, side.rows, mesh)
-    return masks
+    return _holdings(side.layout, side.full, side.rows, mesh, ELEMENTWISE)
 
 
 def _inner_gather_route(src, dst, lead: int, mesh):
@@ -1374,8 +1618,8 @@ def _repad_route(src, dst, lead: int, partial, itemsize: int, mesh):
         last = _common_sides(middle.layout, middle.full, middle.rows, dst.layout, dst.full_shape, _true_rows(dst))[1]
         partials = (partial, None)
     plans = (_cheapest(src.layout, gathered.layout, gathered.full, itemsize, partials[0],
-                       _padding_masks(first, mesh), mesh),
-             _cheapest(middle.layout, last.layout, last.full, itemsize, partials[1], _padding_masks(middle, mesh), mesh))
+                       _real_slots(first, mesh), mesh),
+             _cheapest(middle.layout, last.layout, last.full, itemsize, partials[1], _real_slots(middle, mesh), mesh))
     return plans, (gathered, middle, last), box
 
 
@@ -1438,7 +1682,7 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     ``shape``, ``full_shape``, ``full_true``, ``full_true_index``, ``reduce_op``, ``summands``).
     """
     mesh = src.mesh
-    key = (src, dst, mesh.position(), itemsize)
+    key = (src, dst, mesh.position(), itemsize, ELEMENTWISE)
     route = _ROUTES.get(key)
     if route is not None:
         _ROUTES.move_to_end(key)
@@ -1463,7 +1707,7 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
     sides = _common_sides(src.layout, src_full, src_rows, dst.layout, dst_full, dst_rows, lead)
     if sides is not None:
         first, last = sides
-        plans = (_cheapest(first.layout, last.layout, last.full, itemsize, partial, _padding_masks(first, mesh), mesh),)
+        plans = (_cheapest(first.layout, last.layout, last.full, itemsize, partial, _real_slots(first, mesh), mesh),)
         route = Redistribution(first, last, plans, None, src_box, dst_box, partial)
     else:
         # no common padding (torch chunks a dim two different ways): gather, re-pad locally, go on;
@@ -1472,7 +1716,7 @@ def plan_for(src, dst, itemsize: int = 4) -> Redistribution:
         if reduce:
             reduced = _reduced_in_place(src)
             in_place = _cheapest(src.layout, reduced.layout, reduced.full_shape, itemsize, partial,
-                                 _padding_masks(own_src, mesh), mesh)
+                                 _real_slots(own_src, mesh), mesh)
             plans, sides, box = _repad_route(reduced, dst, 0, None, itemsize, mesh)
             candidates.append(((in_place.then(plans[0]), plans[1]), sides, box))
         plans, (gathered, middle, last), box = min(candidates, key=lambda c: _route_cost(c[0]))

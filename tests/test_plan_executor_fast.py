@@ -1,0 +1,242 @@
+"""The per-dim route for padding (uneven shapes) against the element-wise one it replaces.
+
+A redistribute of an uneven tensor asks, once per spec pair, which buffer slots of each
+device hold real elements, each device's true local box, and which transfers of a plan
+carry padding. ``plan_executor`` answers from each dim's own indices where a layout's
+memory is per-dim row-major (O(sum of dims x mesh size)), and element by element otherwise
+(``ELEMENTWISE = True`` forces that route everywhere: the reference). These tests hold the
+two routes to each other on random layouts, true rows, meshes and plans, check the pruned
+plans with the simulator, and run uneven redistributes on gloo ranks against torch
+DTensor's result from the full tensor.
+"""
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from axedist.collectives import plan_executor
+from axedist.layout import LayoutError
+from axedist.layout_inference import plan_alternatives, simulate
+from axedist.testing import run_on_ranks
+from test_layout_inference import REDUCE, brute_slots, random_layout, random_shape, scatter
+from test_plan_executor import _StubMesh, _torch_case
+
+MESHES = [(("gpuid", 2),), (("gpuid", 3),), (("gpuid", 4),), (("x", 2), ("y", 2)), (("x", 2), ("y", 4))]
+SETTINGS = settings(max_examples=120, deadline=None)
+
+
+def _case(rng: random.Random, partial: bool = False):
+    """A mesh, a shape, a source layout over it (``(P, *shape)`` with ``partial``), and true rows
+    per dim (a random nonempty subset of each dim: padding anywhere, as torch's nested chunks)."""
+    mesh_spec = rng.choice(MESHES)
+    shape = random_shape(rng, mesh_spec)
+    layout = random_layout(rng, mesh_spec, shape, partial=partial)
+    full = (layout.size // math.prod(shape),) + tuple(shape) if partial else tuple(shape)
+    rows = tuple(tuple(sorted(rng.sample(range(n), rng.randint(1, n)))) for n in shape)
+    if partial:
+        rows = (tuple(range(full[0])),) + rows
+    return mesh_spec, shape, layout, full, rows
+
+
+def _both(layout, full, rows, mesh):
+    """(per-dim holdings or None, element-wise holdings); None, None for a layout without per-dim blocks."""
+    try:
+        reference = plan_executor._holdings(layout, full, rows, mesh, everywhere=True)
+    except LayoutError:
+        return None, None
+    return plan_executor._holdings_per_dim(layout, full, rows, mesh), reference
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_per_dim_holdings_equal_the_elementwise_ones(seed):
+    """Masks (real slots per device) and true boxes, per dim vs from every element."""
+    rng = random.Random(seed)
+    mesh_spec, _, layout, full, rows = _case(rng, partial=rng.random() < 0.3)
+    fast, reference = _both(layout, full, rows, _StubMesh(mesh_spec))
+    if fast is None:
+        return  # no per-dim route for this layout: the element-wise one is all there is
+    assert fast.boxes == reference.boxes, (layout, full, rows)
+    assert fast.masks().equal(reference.masks()), (layout, full, rows)
+    assert fast.all_real == reference.all_real
+
+
+def test_per_dim_route_covers_dtensor_layouts():
+    """Layouts made from placements (row-major local tensors, nested uneven chunks) always factor:
+    the per-dim route is the one that runs for DTensor, whatever the padding."""
+    from test_layout_inference import placements
+
+    rng = random.Random(7)
+    for mesh_spec in MESHES:
+        for _ in range(20):
+            n = math.prod(size for _, size in mesh_spec)  # padded dims: every placement divides them
+            shape = (rng.randint(1, 4) * n, rng.randint(1, 3) * n)
+            spec = [rng.choice(["S0", "S1", "R"]) for _ in mesh_spec]
+            layout = placements(mesh_spec, shape, spec)
+            rows = tuple(tuple(sorted(rng.sample(range(n), rng.randint(1, n)))) for n in shape)
+            fast, reference = _both(layout, shape, rows, _StubMesh(mesh_spec))
+            assert fast is not None, (layout, spec)
+            assert fast.boxes == reference.boxes and fast.masks().equal(reference.masks())
+
+
+def test_positions_reached_two_ways_take_the_elementwise_route():
+    """``S[(2,2,2,2):(1@x,2,1@x,1)]`` over ``(4, 4)`` on x=3: both dims step along x, so x = 1 holds
+    rows {0,1} x cols {2,3} and rows {2,3} x cols {0,1}, no product of per-dim sets. The per-dim
+    route declines (its masks would be the product), and ``_holdings`` answers element by element."""
+    from axedist.layout import Layout
+
+    mesh = _StubMesh((("x", 3),))
+    layout = Layout.parse("S[(2,2,2,2):(1@x,2,1@x,1)]")
+    rows = ((0, 1, 3), (0, 2, 3))
+    assert plan_executor._dim_placements(layout, (4, 4), mesh) is not None  # memory per dim: not why
+    assert plan_executor._holdings_per_dim(layout, (4, 4), rows, mesh) is None
+    held, reference = plan_executor._holdings(layout, (4, 4), rows, mesh), _both(layout, (4, 4), rows, mesh)[1]
+    assert held.masks().equal(reference.masks()) and held.boxes == reference.boxes
+
+
+def _moves(plan) -> list[list]:
+    """Per step, every (source device, target device, source slot, target slot) it moves, sorted."""
+    return [sorted((t.source, t.target, s, m) for t in step.transfers for s, m in t.pairs()) for step in plan.steps]
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), partial=st.sampled_from([None, None, "sum", "max"]))
+def test_dropped_padding_equals_the_elementwise_route(seed, partial):
+    """Every alternative plan between two random layouts, its padding left out per dim and element
+    by element: the same element moves in every step, the same bytes; and the pruned plan still
+    delivers every real element to every slot the target holds it in (the simulator)."""
+    rng = random.Random(seed)
+    mesh_spec, shape, src, full, rows = _case(rng, partial=partial is not None)
+    dst = random_layout(rng, mesh_spec, shape)
+    mesh = _StubMesh(mesh_spec)
+    fast, reference = _both(src, full, rows, mesh)
+    if reference is None:
+        return
+    if fast is None:
+        fast = reference  # the per-dim route still runs for the later steps' layouts
+    size = math.prod(shape)
+    summands = full[0] if partial else 1
+    values = [(x % size) * 16 + x // size + 1 for x in range(summands * size)]
+    buffers = scatter(src, mesh_spec, values)
+    real = [all(i in r for i, r in zip(index, rows[len(full) - len(shape):]))
+            for index in _indices(shape)]
+    for plan in plan_alternatives(src, dst, mesh_spec, shape, partial=partial):
+        ours = plan_executor._drop_padding(plan, fast, mesh)
+        theirs = plan_executor._drop_padding(plan, reference, mesh, everywhere=True)
+        assert _moves(ours) == _moves(theirs), (str(plan), rows)
+        assert ours.cost == theirs.cost and ours.note == theirs.note
+        out = simulate(ours, buffers)
+        for x, slots in enumerate(brute_slots(dst, mesh_spec)):
+            if real[x]:
+                column = [values[p * size + x] for p in range(summands)]
+                want = REDUCE[partial](column) if partial else column[0]
+                for d, m in slots:
+                    assert out[d][m] == pytest.approx(want), (str(ours), x, d, m)
+
+
+def _indices(shape):
+    """Every index tuple of ``shape``, row-major."""
+    out = [()]
+    for n in shape:
+        out = [i + (k,) for i in out for k in range(n)]
+    return out
+
+
+def test_cut_box_walks_over_a_dims_end():
+    """A coalesced box (24 slots at stride 7 over local rows of 14: two rows of a (12, 14) local
+    tensor, 7 columns apart) is cut into (12, 2) at strides (14, 7), so its realness stays per dim."""
+    from axedist.layout import Layout
+    from axedist.layout_inference import Transfer
+
+    mesh = _StubMesh((("x", 2),))
+    layout = Layout.parse("S[(12,2,2,7):(14,1@x,7,1)]")  # (12, 28) Shard(1) over x, local (12, 14)
+    rows = (tuple(range(11)), tuple(r for r in range(28) if r % 7 != 6))  # last row and every 7th column padding
+    held = plan_executor._holdings_per_dim(layout, (12, 28), rows, mesh)
+    box, groups = held.keep(0, Transfer((0,), (1,), (24, 7), 0, (7, 1), 0, (7, 1)))
+    assert box.extents == (12, 2, 7) and box.source_strides == (14, 7, 1) and box.target_strides == (14, 7, 1)
+    assert sorted(dims for dims, _ in groups) == [(0,), (1, 2)]  # one group per tensor dim walked
+    reference = plan_executor._holdings(layout, (12, 28), rows, mesh, everywhere=True)
+    _, dense = reference.keep(0, Transfer((0,), (1,), (24, 7), 0, (7, 1), 0, (7, 1)))
+    assert plan_executor._expand(groups, box.extents).reshape(-1).equal(dense[0][1].reshape(-1))
+
+
+def test_pieces_cut_a_grid_into_boxes():
+    """``_pieces``: the product of runs when the grid is one, else runs of equal slices; each cell once."""
+    import torch
+
+    rng = random.Random(3)
+    for _ in range(200):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 3)))
+        grid = torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(10**6))) < rng.random()
+        covered = torch.zeros(shape, dtype=torch.int64)
+        for piece in plan_executor._pieces(grid):
+            covered[tuple(slice(s, s + n) for s, n in piece)] += 1
+        assert covered.equal(grid.to(torch.int64)), (grid, plan_executor._pieces(grid))
+    product = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    assert plan_executor._pieces(product) == [((0, 1), (0, 2)), ((0, 1), (3, 1)), ((2, 1), (0, 2)), ((2, 1), (3, 1))]
+
+
+# -- uneven redistributes on gloo ranks: both routes against torch DTensor ----------------
+
+PLACED = ["S0", "S1", "R"]
+
+
+def _routes(rank, world, cases):
+    """Each case run with the per-dim route and with the element-wise one: (values equal torch's
+    both times, the same bytes both times, dense evaluations the per-dim route needed)."""
+    dense = [0]
+    original = plan_executor._holdings_everywhere
+
+    def counted(*args):
+        dense[0] += 1
+        return original(*args)
+
+    out = []
+    for i, case in enumerate(cases):
+        dense[0] = 0
+        plan_executor._holdings_everywhere = counted
+        try:
+            fast = _torch_case(*case, seed=i)
+        finally:
+            plan_executor._holdings_everywhere = original
+        per_dim_dense = dense[0]
+        plan_executor.ELEMENTWISE = True
+        try:
+            slow = _torch_case(*case, seed=i)
+        finally:
+            plan_executor.ELEMENTWISE = False
+        out.append((fast[0], slow[0], fast[1], slow[1], per_dim_dense, fast[3]))
+    return out
+
+
+@st.composite
+def _uneven(draw, mesh_shape):
+    """Uneven shapes (dims 1..23, one of them often a multiple of the mesh plus or minus 1)."""
+    n = math.prod(mesh_shape)
+    shape = [draw(st.integers(1, 23)), draw(st.integers(1, 23))]
+    k = draw(st.integers(0, 2))
+    if k < 2:
+        shape[k] = max(1, draw(st.integers(1, 5)) * n + draw(st.sampled_from([-1, 1])))
+    op = draw(st.sampled_from(["", "", "max", "avg"]))
+    src = [draw(st.sampled_from(PLACED + ["P" + op])) for _ in mesh_shape]
+    dst = [draw(st.sampled_from(PLACED)) for _ in mesh_shape]
+    return (tuple(mesh_shape), tuple(shape), " ".join(src), " ".join(dst))
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (4,), (2, 2)], ids=lambda m: "x".join(map(str, m)))
+@settings(max_examples=1, deadline=None)
+@given(data=st.data())
+def test_uneven_redistribute_both_routes_match_torch(mesh_shape, data):
+    """Fresh uneven transitions: the per-dim route's result equals torch DTensor's (from the full
+    tensor) and the element-wise route's, with the same bytes, without one dense evaluation."""
+    cases = data.draw(st.lists(_uneven(mesh_shape), min_size=6, max_size=6), label="transitions")
+    cases.append((tuple(mesh_shape), (9, 11), " ".join(["S1"] * len(mesh_shape)), " ".join(["S0"] * len(mesh_shape))))
+    results = run_on_ranks(_routes, math.prod(mesh_shape), args=(cases,), timeout_s=180)
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        assert all(r[0] and r[1] for r in per_rank), (case, per_rank[0][5])
+        assert [r[2] for r in per_rank] == [r[3] for r in per_rank], (case, per_rank[0][5])
+        assert all(r[4] == 0 for r in per_rank), (case, "the per-dim route fell back to every element")
