@@ -4,19 +4,23 @@
     torchrun --nproc-per-node 4 launch/bench_dispatch.py --no-fastpath  # axedist's __torch_dispatch__ route only
     torchrun --nproc-per-node 4 launch/bench_dispatch.py --breakdown    # + where a cached add's time goes
     torchrun --nproc-per-node 4 launch/bench_dispatch.py --profile      # + cProfile of axedist's calls
+    torchrun --nproc-per-node 4 launch/bench_dispatch.py --clock wall   # wall-clock time instead of CPU time
 
 Same ops, same placements, same (small) tensors on both sides, so the time is framework
 overhead: per op, the median over ``--repeats`` batches of ``--calls`` calls (after a warm-up
 that fills every cache) of the time per call, batches of the three sides interleaved and
 ranks timed in turn (the others wait in a barrier); the same op on the plain local tensors is timed
-too and subtracted, giving each framework's *overhead* per call. Rank 0 prints a table with
+too and subtracted, giving each framework's *overhead* per call. Time is the timing thread's
+CPU time by default (``time.thread_time_ns``): on a shared machine, wall-clock batches also
+count the time the thread waits for a core (``--clock wall`` measures that way). Rank 0 prints a table with
 the ratio (axedist overhead / DTensor overhead; the goal is <= 0.5), from the medians and
 from each side's fastest batch (less sensitive to a loaded machine). No op here communicates
 (every placement is kept), so ranks never wait on each other inside a timed loop.
 
 Two tables: inputs that do not require grad (the fast path of ``ops/fastpath.py`` serves
 them), and inputs that require grad with grad mode on (autograd records every call on all
-three sides, the plain one included, and axedist takes its normal route); each has its own
+three sides, the plain one included; a cached axedist call computes its output on the
+fast path and lets autograd record it through torch's dispatcher); each has its own
 geomean and says whether it meets the goal. A getter (``x.shape``) is timed too: with the
 fast path on, every attribute read of a DTensor passes its ``__torch_function__``.
 
@@ -78,11 +82,14 @@ def _cases(mesh, torch_mesh, requires_grad: bool):
     ]
 
 
+_CLOCK = time.thread_time_ns  # --clock: thread CPU time (default) or wall time (time.perf_counter_ns)
+
+
 def _batch_us(fn, calls: int) -> float:
-    start = time.perf_counter_ns()
+    start = _CLOCK()
     for _ in range(calls):
         fn()
-    return (time.perf_counter_ns() - start) / calls / 1e3
+    return (_CLOCK() - start) / calls / 1e3
 
 
 def _measure(fns, calls: int, repeats: int) -> list[float]:
@@ -105,8 +112,8 @@ class _Probe(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shape):
-        return torch.Tensor._make_wrapper_subclass(cls, shape)
+    def __new__(cls, shape, requires_grad=False):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, requires_grad=requires_grad)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -114,13 +121,16 @@ class _Probe(torch.Tensor):
 
 
 def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
-    """Where the microseconds of ``x + y`` (cached) go, on the normal route and the fast path."""
+    """Where the microseconds of ``x + y`` (cached) go, on the normal route and the fast path,
+    without and with autograd (inputs that require grad)."""
     from axedist.dtensor import DTensor
     from axedist.ops import dispatch
 
     add = torch.ops.aten.add.Tensor
     lx, ly = x._local, y._local
+    glx, gly = lx.detach().clone().requires_grad_(), ly.detach().clone().requires_grad_()
     p, q = _Probe(x.shape), _Probe(x.shape)
+    gp, gq = _Probe(x.shape, True), _Probe(x.shape, True)
     value = lx + ly
     spec = x._spec
     fastpath.enable(False)
@@ -138,13 +148,18 @@ def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
 
     normal = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: p + q,
                        lambda: dispatch._fast_key(add, (x, y)), lambda: table.get(key),
-                       lambda: DTensor._wrap(value, spec, None)], calls, repeats)
+                       lambda: DTensor._wrap(value, spec, None), lambda: glx + gly], calls, repeats)
     fastpath.enable(True)
+    fastpath.clear()
+    _Probe.RESULT = _Probe(x.shape)  # autograd records on what __torch_dispatch__ returns
+    fast = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: gp + gq, lambda: glx + gly],
+                    calls, repeats)
     _Probe.__torch_function__ = probe_tf
-    fast = _measure([lambda: lx + ly, lambda: x + y, lambda: p + q, wrapped], calls, repeats)
+    fast += _measure([lambda: p + q, wrapped], calls, repeats)
     _Probe.__torch_function__ = torch._C._disabled_torch_function_impl
-    local, call, grad, entry, make_key, lookup, wrap_us = normal[:7]
-    f_local, f_call, f_entry, f_wrap = fast[:4]
+    local, call, grad, entry, make_key, lookup, wrap_us, local_grad = normal[:8]
+    f_local, f_call, f_grad, f_trip, f_local_grad = fast[:5]
+    f_entry, f_wrap = fast[10:12]
     return [
         ("normal route: local add (subtracted as the op itself)", local),
         ("normal route: whole call", call),
@@ -154,11 +169,18 @@ def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
         ("  dispatch: wrap the output (_make_wrapper_subclass + attributes)", wrap_us),
         ("  dispatch: the rest (argument slots, local op call, shape check)",
          call - local - entry - make_key - lookup - wrap_us),
-        ("  autograd (inputs require grad): added to the whole call", grad - call),
+        ("normal route, inputs require grad: whole call", grad),
+        ("  autograd's share (over the call without grad)", grad - call),
+        ("  (autograd's share for the plain local add)", local_grad - local),
         ("fast path: whole call", f_call),
         ("  __torch_function__ entry and exit (empty handler)", f_entry),
         ("  wrap the output (positional _make_wrapper_subclass + attributes)", f_wrap),
         ("  key, lookup, checks (grad, modes, autocast), local call overhead", f_call - f_local - f_entry - f_wrap),
+        ("fast path, inputs require grad (a grad-mode hit): whole call", f_grad),
+        ("  the fast path's work as without grad (the whole call above)", f_call),
+        ("  second trip: torch's dispatcher + autograd node + __torch_dispatch__ (empty handler)", f_trip),
+        ("  the rest: requires-grad check, handing the output over, checks", f_grad - f_call - f_trip),
+        ("plain local add, input requires grad (subtracted as the op itself)", f_local_grad),
     ]
 
 
@@ -207,7 +229,12 @@ def main():
                         help="rank 0 also times the parts of a cached x + y on both routes")
     parser.add_argument("--grad", choices=("both", "no", "yes"), default="both",
                         help="inputs that do not require grad, that do (grad mode on), or both tables")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="time a batch by the thread's CPU time (default: robust on a shared machine) "
+                             "or by wall-clock time")
     args = parser.parse_args()
+    global _CLOCK
+    _CLOCK = time.thread_time_ns if args.clock == "cpu" else time.perf_counter_ns
     mesh = ax.init_mesh((int(os.environ.get("WORLD_SIZE", "4")),), device_type="cpu")
     world = dist.get_world_size()
     torch_mesh = mesh.to_torch()
@@ -234,7 +261,9 @@ def main():
         profiler.disable()
     if dist.get_rank() == 0:
         print(f"\nCPU cost per op call, {world} gloo ranks, torch {torch.__version__}, axedist fast path "
-              f"{'off' if args.no_fastpath else 'on'}; median of {args.repeats} batches x {args.calls} calls; "
+              f"{'off' if args.no_fastpath else 'on'}; median of {args.repeats} batches x {args.calls} calls, "
+              f"{'thread CPU' if args.clock == 'cpu' else 'wall-clock'} time; load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
               f"overhead = call - same op on the local tensors (us)")
         for requires_grad, cases, table in tables:
             _print_table(cases, table, "inputs require grad (autograd records every call)" if requires_grad

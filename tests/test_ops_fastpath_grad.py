@@ -94,9 +94,15 @@ def _leaves(mesh, seed, needs):
 
 
 def _run(call, needs, mesh, seed):
-    """Output facts, grads of the inputs that require grad (facts), the loss, the full output."""
+    """Output facts, grads of the inputs that require grad (facts), the loss, the full output.
+
+    The call runs twice on the same leaves: the first call enters the fast path's handler and
+    marks the leaves (and its output) so that the second goes straight to the dispatcher
+    when every DTensor argument requires grad; both must give the same output."""
     dts, _ = _leaves(mesh, seed, needs)
+    first = _facts(call(dts))
     out = call(dts)
+    _same(_facts(out), first, "the same call again on the same leaves")
     assert out.requires_grad and out.grad_fn is not None
     cot = _rand(tuple(out.shape), seed + 99)  # the same cotangent on every rank
     loss = (out.full_tensor() * cot).sum()
@@ -197,7 +203,29 @@ def _graph_semantics(rank, world, seed):
         assert torch.allclose(gy.full_tensor(), x)
         runs.append(facts)
         if on:
-            assert fastpath.stats()["grad hits"] >= 5
+            # leaves that required grad in a call carry torch's disabled handler on the instance:
+            # calls whose DTensors all carry it skip the fast path's handler (and so do their
+            # grad-mode outputs); a call with another DTensor enters it and is a grad-mode hit
+            entered = []
+
+            def spy(cls, func, types, args=(), kwargs=None):
+                entered.append(func)
+                return fastpath.torch_function(cls, func, types, args, kwargs)
+
+            DTensor.__torch_function__ = classmethod(spy)
+            try:
+                assert vars(dx)["__torch_function__"] is torch._C._disabled_torch_function_impl
+                s = (dx * dy) * 3.0
+                assert entered == [] and s.grad_fn.name() == "MulBackward0"
+                plain = distribute(y, mesh, [Shard(0)])
+                hits = fastpath.stats()["grad hits"]
+                for _ in range(3):
+                    m = dx * plain
+                assert entered and fastpath.stats()["grad hits"] == hits + 2 and m.requires_grad
+            finally:
+                fastpath.enable(True)
+            assert torch.equal(s._local, (3 * (dx._local * dy._local)).detach())
+            assert torch.equal(m._local, (dx._local * plain._local).detach())
     for i, (a, b) in enumerate(zip(runs[0], runs[1])):
         _same(a, b, f"fact {i}")
     return True

@@ -24,12 +24,14 @@ the op run on whole tensors, the result replicated, with a one-time warning nami
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -267,6 +269,10 @@ class _CallPlan:
     defer: bool = False  # mm/addmm giving a pending sum: the local GEMM waits (fusable with a reduce-scatter)
     fast: tuple | None = None  # (argument slots, output) for dispatch's fast path, or None
     reduce_self: Any = None  # in-place op on a pending value it cannot keep: self's spec with it applied
+    # the fast path's plainest case, "the op on the local tensors, wrapped" (no input moved or
+    # stripped of a summand dim, no rule-specific local function, no deferral, not in-place):
+    # (DTensor positions, the op's C++ callable, output spec, local shape, stride, unsqueeze)
+    simple: tuple | None = None
 
 
 def _meta(value):
@@ -408,7 +414,11 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
              and sum(isinstance(p, Partial) for p in (_placements_or_none(outputs[0].spec) or ())) == 1)
     fast = None if reduce_self is not None else _fast_form(args, kwargs, dts, info, targets, structure, outputs,
                                                            sharding)
-    return _CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self)
+    simple = None
+    if fast is not None and not defer and not info.inplace and sharding.local is None and \
+            all(target is None and not strip for _, target, strip in fast[0]):
+        simple = (tuple(i for i, _, _ in fast[0]), func._op, fast[3], fast[5], fast[6], fast[4])
+    return _CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, simple)
 
 
 def _only_reduces(own, target) -> bool:
@@ -506,22 +516,65 @@ _FAST: dict = {}
 _FAST_SCALARS = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.memory_format,
                            torch.layout, complex})
 _DTensorClass = None
+_POSITIONAL = False  # dtensor.WRAPPER_POSITIONAL, bound with _DTensorClass
 
 
 def _fast_key(func, args):
-    """(func, per argument: (spec, dtype, stride) or (type, value)), or None when not fast-path shaped."""
+    """(func, per argument: a DTensor's tag or a plain value's type and value), or None when
+    not fast-path shaped."""
     key = [func]
     for a in args:
         t = type(a)
         if t is _DTensorClass:
-            key.append((a._spec, a.dtype, a.stride()))
+            tag = a._tag
+            # (spec, tag): re-derived when the spec changed (an in-place op may reduce a pending sum)
+            key.append(tag[1] if tag is not None and tag[0] is a._spec else _tag_of(a))
         elif t in _FAST_SCALARS:
-            key.append((t, a))
+            key.append(t)
+            key.append(a)
         elif (t is list or t is tuple) and all(type(v) in _FAST_SCALARS for v in a):
             key.append((t, tuple((type(v), v) for v in a)))
         else:
             return None
     return tuple(key)
+
+
+# Tags: one small int per (spec, dtype, global stride) of a DTensor, kept on the DTensor as
+# ``_tag = (spec, int)``, so a cache key holds ints instead of hashing specs on every call.
+_TAGS: dict = {}          # (spec, dtype, stride or None) -> tag
+_NEXT_TAG = itertools.count(1)  # tags are never reused, even after _TAGS is cleared
+
+
+def _tag_for(spec, dtype, stride) -> int:
+    key = (spec, dtype, None if stride is None else tuple(stride))
+    tag = _TAGS.get(key)
+    if tag is None:
+        if len(_TAGS) > 65536:  # tags in cached keys stay valid: only new DTensors get new tags
+            _TAGS.clear()
+        tag = _TAGS[key] = next(_NEXT_TAG)
+    return tag
+
+
+def _tag_of(dt) -> int:
+    with _no_torch_function():
+        stride = tuple(dt.stride())
+    spec = dt._spec
+    contiguous = _contiguous(spec.shape)
+    tag = _tag_for(spec, dt._value.dtype, None if stride == contiguous else stride)
+    dt._tag = (spec, tag)
+    return tag
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape) -> tuple:
+    return tuple(make_contiguous_strides_for(shape)) if shape else ()
+
+
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_grad_enabled = torch.is_grad_enabled
+_DISABLED = torch._C._disabled_torch_function_impl
+_STRIDED = torch.strided
 
 
 def dispatch(func, args, kwargs):
@@ -534,7 +587,34 @@ def dispatch(func, args, kwargs):
             plan = _FAST.get(fast_key)
             if plan is not None:
                 _STATS["hits"] += 1
-                return _run_fast(func, args, plan)
+                simple = plan.simple
+                if simple is None:
+                    return _run_fast(func, args, plan)
+                # the op itself on the local tensors of DTensors that stay where they are
+                positions, op, spec, local_shape, stride, unsqueeze = simple
+                local_args = list(args)
+                for i in positions:
+                    d = args[i]
+                    local_args[i] = d._value if d._pending is None else d._local
+                value = op(*local_args)
+                if unsqueeze:
+                    value = value.unsqueeze(0)
+                if value.shape != local_shape:
+                    _wrong_shape(func, value, spec, local_shape, plan)
+                if _POSITIONAL:
+                    out = _make_wrapper(_DTensorClass, spec.shape, stride, None, None, value.dtype, _STRIDED,
+                                        value.device)
+                    out._value = value
+                    out._spec = spec
+                else:
+                    out = _DTensorClass._wrap(value, spec, stride)
+                if _grad_enabled():
+                    for i in positions:
+                        if args[i].__torch_function__ is _DISABLED:
+                            # it will require grad: its calls skip ops/fastpath.py's handler too
+                            out.__torch_function__ = _DISABLED
+                            break
+                return out
     kwargs = kwargs or {}
     info = _op_info(func)
     if info.foreach:
@@ -637,8 +717,9 @@ def _adopt_constants(func, args, kwargs, error: _PlainTensorError):
 def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, outputs, sharding):
     """``(positions, out)`` for the fast path, or None: each DTensor a top-level positional
     argument, one tensor output (or an in-place op), no kwargs."""
-    global _DTensorClass
+    global _DTensorClass, _POSITIONAL
     _DTensorClass = _dtensor_module().DTensor
+    _POSITIONAL = _dt.WRAPPER_POSITIONAL
     if kwargs or info.foreach or info.out_names or info.written:
         return None
     positions = [i for i, a in enumerate(args) if isinstance(a, _DTensorClass)]
@@ -652,6 +733,11 @@ def _fast_form(args, kwargs, dts, info: _OpInfo, targets, structure: str, output
     out = outputs[0]
     return (slots, out, sharding.local, out.spec, bool(out.spec.reduce_op), torch.Size(out.local_shape),
             out.stride)
+
+
+def _wrong_shape(func, value, spec, local_shape, plan):
+    raise DispatchError(f"{func}: the local result has shape {tuple(value.shape)}, but the output layout "
+                        f"{spec} gives this rank {tuple(local_shape)} (a wrong sharding rule: {plan.sharding})")
 
 
 def _run_fast(func, args, plan: "_CallPlan"):

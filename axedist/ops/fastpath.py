@@ -28,9 +28,33 @@ dispatches; the key becomes a fast entry only when all of these hold:
 
 Any other key is remembered as slow and goes the normal route at once; a torch function
 that dispatched nothing (a getter such as ``x.shape``) or returned a view does so for good,
-whatever its arguments. Every call also needs: no DTensor argument requiring grad while grad
-mode is on (autograd records it on the normal route; checked first), no torch dispatch mode
-(it must see the aten ops on DTensors), no autocast.
+whatever its arguments. Every call also needs: no torch dispatch mode (it must see the aten
+ops on DTensors), no autocast.
+
+**With autograd** (grad mode on, a DTensor argument requires grad) autograd must record the
+call, and only torch's dispatcher does that in C++ (a ``torch.autograd.Function`` per call
+costs more than the whole route). Which arguments require grad is part of the key, and
+such a key is recorded on the normal route under autograd; it becomes a fast entry when the
+*first* aten op qualifies as above, takes the call's DTensors at their own positions and
+gives the call's result (later ops are autograd's own, e.g. ``detach`` of an output it saves
+for backward: they keep the normal route). A hit computes the output on the local tensors,
+leaves it in ``dtensor._READY`` and calls the torch function through the dispatcher:
+autograd records the op, and ``__torch_dispatch__`` returns the ready output to that op on
+those same DTensor objects in this thread, without running ops/dispatch.py (any other op
+drops it, and the key goes back to the normal route)::
+
+    >>> z = x + y          # x, y require grad: recorded under autograd (one aten.add.Tensor)
+    >>> z = x + y          # a grad-mode hit: local add, wrapped, then AddBackward0 recorded in C++
+
+DTensors that require grad also stop entering this module at all: the grad check sets
+``__torch_function__`` on the *instance* to torch's disabled one (torch's C++ looks the
+attribute up on the object, so the class's handler is skipped for calls whose DTensors all
+carry it), and so do grad-mode outputs (here, and in ops/dispatch.py's plainest cached case
+when an input carries it). Such a call goes straight to the dispatcher and
+``ops/dispatch.py``'s cached route, which now costs less than entering this module twice
+(docs/dtensor.md, "Dispatch overhead"), and its getters cost what plain tensors' do. Results
+are the same either way; a DTensor that stops requiring grad keeps the normal route.
+
 ``enable(False)`` (or ``AXEDIST_FASTPATH=0`` before import) puts torch's plain disabled
 ``__torch_function__`` back on the class: every call takes the normal route, and getters
 cost what they cost without this module (with it, 1-2 us more each).
@@ -38,11 +62,9 @@ cost what they cost without this module (with it, 1-2 us more each).
 
 from __future__ import annotations
 
-import itertools
 import threading
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
 from .. import dtensor as _dtensor
 from . import dispatch as _dispatch_module
@@ -72,7 +94,6 @@ _CACHE: dict = {}         # key -> _Entry or _SLOW
 # Torch functions that always take the normal route, decided when first recorded: those that
 # dispatched nothing (getters, size(), ...) and views.
 _PASS: set = set()
-_TAGS: dict = {}          # (spec, dtype, stride) -> tag
 _COUNTS = {"hits": 0, "grad hits": 0, "recorded": 0, "slow": 0, "passed": 0}
 
 
@@ -94,27 +115,8 @@ class _Entry:
         return f"_Entry({via}-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
 
 
-def _tag_for(spec, dtype, stride) -> int:
-    key = (spec, dtype, None if stride is None else tuple(stride))
-    tag = _TAGS.get(key)
-    if tag is None:
-        if len(_TAGS) > 65536:  # tags in cached keys stay valid: only new DTensors get new tags
-            _TAGS.clear()
-        tag = _TAGS[key] = next(_NEXT_TAG)
-    return tag
-
-
-_NEXT_TAG = itertools.count(1)  # tags are never reused, even after _TAGS is cleared
-
-
-def _tag_of(dt) -> int:
-    with _no_torch_function():
-        stride = tuple(dt.stride())
-    spec = dt._spec
-    contiguous = tuple(make_contiguous_strides_for(spec.shape)) if spec.shape else ()
-    tag = _tag_for(spec, dt._value.dtype, None if stride == contiguous else stride)
-    dt._tag = (spec, tag)
-    return tag
+_tag_for = _dispatch_module._tag_for
+_tag_of = _dispatch_module._tag_of
 
 
 def torch_function(cls, func, types, args=(), kwargs=None):
@@ -129,6 +131,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
                 if type(a) is DTensor:
                     if a.requires_grad:
                         grad |= bit
+                        a.__torch_function__ = _disabled  # later calls skip this handler (docstring)
                     bit <<= 1
     key = [func]
     local_args = []
@@ -211,6 +214,7 @@ def torch_function(cls, func, types, args=(), kwargs=None):
     # Autograd must record the call: it goes through torch's dispatcher after all (autograd's
     # C++ kernel for the op: graph node, saved tensors, version bookkeeping), and
     # __torch_dispatch__ hands back this output instead of running ops/dispatch.py.
+    out.__torch_function__ = _disabled  # it will require grad: later calls skip this handler
     _READY.value = (entry.op, entry.positions, args, out)
     try:
         result = _disabled(func, types, args, kwargs or _EMPTY)
