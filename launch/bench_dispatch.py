@@ -146,41 +146,45 @@ def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
         out._value, out._spec, out._tag = value, spec, None
         return out
 
-    normal = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: p + q,
+    normal = _measure([lambda: lx + ly, lambda: x + y, lambda: p + q,
                        lambda: dispatch._fast_key(add, (x, y)), lambda: table.get(key),
                        lambda: DTensor._wrap(value, spec, None), lambda: glx + gly], calls, repeats)
     fastpath.enable(True)
     fastpath.clear()
     _Probe.RESULT = _Probe(x.shape)  # autograd records on what __torch_dispatch__ returns
-    fast = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: gp + gq, lambda: glx + gly],
-                    calls, repeats)
+    hx = x.detach().requires_grad_()  # y does not require grad: the call enters __torch_function__
+    # gx and gy carry the disabled handler after their first call: the dispatcher's route
+    fast = _measure([lambda: lx + ly, lambda: x + y, lambda: gx + gy, lambda: hx + y, lambda: gp + gq,
+                     lambda: glx + gly], calls, repeats)
     _Probe.__torch_function__ = probe_tf
     fast += _measure([lambda: p + q, wrapped], calls, repeats)
     _Probe.__torch_function__ = torch._C._disabled_torch_function_impl
-    local, call, grad, entry, make_key, lookup, wrap_us, local_grad = normal[:8]
-    f_local, f_call, f_grad, f_trip, f_local_grad = fast[:5]
-    f_entry, f_wrap = fast[10:12]
+    local, call, entry, make_key, lookup, wrap_us, local_grad = normal[:7]
+    f_local, f_call, f_marked, f_hit, f_trip, f_local_grad = fast[:6]
+    f_entry, f_wrap = fast[12:14]
     return [
-        ("normal route: local add (subtracted as the op itself)", local),
+        ("normal route (fast path off): local add (subtracted as the op itself)", local),
         ("normal route: whole call", call),
         ("  torch's dispatcher -> __torch_dispatch__ -> back (empty handler)", entry),
-        ("  dispatch: cache key (spec, dtype, stride per DTensor)", make_key),
+        ("  dispatch: cache key (a tag per DTensor)", make_key),
         ("  dispatch: plan lookup", lookup),
         ("  dispatch: wrap the output (_make_wrapper_subclass + attributes)", wrap_us),
         ("  dispatch: the rest (argument slots, local op call, shape check)",
          call - local - entry - make_key - lookup - wrap_us),
-        ("normal route, inputs require grad: whole call", grad),
-        ("  autograd's share (over the call without grad)", grad - call),
-        ("  (autograd's share for the plain local add)", local_grad - local),
         ("fast path: whole call", f_call),
         ("  __torch_function__ entry and exit (empty handler)", f_entry),
         ("  wrap the output (positional _make_wrapper_subclass + attributes)", f_wrap),
         ("  key, lookup, checks (grad, modes, autocast), local call overhead", f_call - f_local - f_entry - f_wrap),
-        ("fast path, inputs require grad (a grad-mode hit): whole call", f_grad),
-        ("  the fast path's work as without grad (the whole call above)", f_call),
-        ("  second trip: torch's dispatcher + autograd node + __torch_dispatch__ (empty handler)", f_trip),
-        ("  the rest: requires-grad check, handing the output over, checks", f_grad - f_call - f_trip),
-        ("plain local add, input requires grad (subtracted as the op itself)", f_local_grad),
+        ("inputs require grad: plain local add (subtracted as the op itself)", f_local_grad),
+        ("  autograd's share on plain tensors (over the local add without grad)", f_local_grad - f_local),
+        ("inputs require grad, both marked (no __torch_function__): whole call", f_marked),
+        ("  torch's dispatcher + autograd node + __torch_dispatch__ (empty handler)", f_trip),
+        ("  dispatch's cached route after that (normal route's whole call less its entry)", call - entry),
+        ("  the rest (marking the output; autograd's work on a subclass)", f_marked - f_trip - (call - entry)),
+        ("one input requires grad (a grad-mode hit through __torch_function__): whole call", f_hit),
+        ("  the fast path's work as without grad (its whole call above)", f_call),
+        ("  second trip: dispatcher + autograd node + __torch_dispatch__ (empty handler)", f_trip),
+        ("  the rest: requires-grad check, handing the output over", f_hit - f_call - f_trip),
     ]
 
 

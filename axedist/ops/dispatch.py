@@ -271,7 +271,8 @@ class _CallPlan:
     reduce_self: Any = None  # in-place op on a pending value it cannot keep: self's spec with it applied
     # the fast path's plainest case, "the op on the local tensors, wrapped" (no input moved or
     # stripped of a summand dim, no rule-specific local function, no deferral, not in-place):
-    # (DTensor positions, the op's C++ callable, output spec, local shape, stride, unsqueeze)
+    # (DTensor positions, the op's C++ callable, output spec, local shape, stride, unsqueeze,
+    # output dtype, output tag)
     simple: tuple | None = None
 
 
@@ -417,7 +418,9 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
     simple = None
     if fast is not None and not defer and not info.inplace and sharding.local is None and \
             all(target is None and not strip for _, target, strip in fast[0]):
-        simple = (tuple(i for i, _, _ in fast[0]), func._op, fast[3], fast[5], fast[6], fast[4])
+        dtype = flat[0].dtype
+        simple = (tuple(i for i, _, _ in fast[0]), func._op, fast[3], fast[5], fast[6], fast[4], dtype,
+                  (fast[3], _tag_for(fast[3], dtype, fast[6])))
     return _CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, simple)
 
 
@@ -532,8 +535,13 @@ def _fast_key(func, args):
         elif t in _FAST_SCALARS:
             key.append(t)
             key.append(a)
-        elif (t is list or t is tuple) and all(type(v) in _FAST_SCALARS for v in a):
-            key.append((t, tuple((type(v), v) for v in a)))
+        elif t is list or t is tuple:
+            if all(type(v) is int for v in a):  # dims and shapes: no per-element types needed
+                key.append((t, tuple(a)))
+            elif all(type(v) in _FAST_SCALARS for v in a):
+                key.append((t, tuple((type(v), v) for v in a)))
+            else:
+                return None
         else:
             return None
     return tuple(key)
@@ -591,7 +599,7 @@ def dispatch(func, args, kwargs):
                 if simple is None:
                     return _run_fast(func, args, plan)
                 # the op itself on the local tensors of DTensors that stay where they are
-                positions, op, spec, local_shape, stride, unsqueeze = simple
+                positions, op, spec, local_shape, stride, unsqueeze, dtype, tag = simple
                 local_args = list(args)
                 for i in positions:
                     d = args[i]
@@ -608,6 +616,8 @@ def dispatch(func, args, kwargs):
                     out._spec = spec
                 else:
                     out = _DTensorClass._wrap(value, spec, stride)
+                if value.dtype is dtype:  # (always, unless the op's dtype rules changed since planning)
+                    out._tag = tag  # the next op's key needs no stride() call
                 if _grad_enabled():
                     for i in positions:
                         if args[i].__torch_function__ is _DISABLED:
