@@ -186,22 +186,30 @@ PLACED = ["S0", "S1", "R"]
 
 def _routes(rank, world, cases):
     """Each case run with the per-dim route and with the element-wise one: (values equal torch's
-    both times, the same bytes both times, dense evaluations the per-dim route needed)."""
+    both times, the same bytes both times, element-wise evaluations the per-dim route needed:
+    holdings from every element, masks built for a box, or realness followed slot by slot)."""
     dense = [0]
-    original = plan_executor._holdings_everywhere
+    everywhere, masks, step_holdings = (plan_executor._holdings_everywhere, plan_executor._Holdings.masks,
+                                        plan_executor._step_holdings)
 
-    def counted(*args):
-        dense[0] += 1
-        return original(*args)
+    def counted(function, dense_when=lambda result: True):
+        def wrapper(*args):
+            result = function(*args)
+            dense[0] += bool(dense_when(result))
+            return result
+        return wrapper
 
     out = []
     for i, case in enumerate(cases):
         dense[0] = 0
-        plan_executor._holdings_everywhere = counted
+        plan_executor._holdings_everywhere = counted(everywhere)
+        plan_executor._Holdings.masks = counted(masks)
+        plan_executor._step_holdings = counted(step_holdings, lambda result: result is None)
         try:
             fast = _torch_case(*case, seed=i)
         finally:
-            plan_executor._holdings_everywhere = original
+            plan_executor._holdings_everywhere, plan_executor._Holdings.masks = everywhere, masks
+            plan_executor._step_holdings = step_holdings
         per_dim_dense = dense[0]
         plan_executor.ELEMENTWISE = True
         try:

@@ -1324,8 +1324,9 @@ def _holdings(layout: Layout, full, rows, mesh, everywhere: bool = False) -> _Ho
     """What each position holds of the true rows (``rows[d]``: the padded indices of dim ``d``
     holding true rows): per dim where it factors (``_holdings_per_dim``), else element by element.
     Cached: a spec pair's first plan asks about each side several times."""
-    held = None if everywhere else _holdings_per_dim(layout, tuple(full), rows, mesh)
-    return held if held is not None else _holdings_everywhere(layout, tuple(full), rows, mesh)
+    full, rows = tuple(full), tuple(tuple(r) for r in rows)  # the cache's key
+    held = None if everywhere else _holdings_per_dim(layout, full, rows, mesh)
+    return held if held is not None else _holdings_everywhere(layout, full, rows, mesh)
 
 
 @functools.lru_cache(maxsize=32)
@@ -1368,7 +1369,7 @@ def _holdings_per_dim(layout: Layout, full, rows, mesh) -> _Holdings | None:
     return _Holdings(layout, full, rows, buffer_size(layout), tuple(boxes), local_padded, tuple(real))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)  # O(elements) each: few
 def _holdings_everywhere(layout: Layout, full, rows, mesh) -> _Holdings:
     """``_Holdings`` from every element: each dim's iters give it a device term and an ``m`` term;
     the real elements' slots are their sums over a grid of the real rows (O(elements))."""
