@@ -283,6 +283,22 @@ def test_matches_torch_dtensor_and_never_moves_more(index):
         assert max(ours) < max(theirs) and sum(ours) < sum(theirs)
 
 
+def _uneven_gather(rank, world, shape):
+    return _torch_case((4,), shape, "S0", "R", seed=sum(shape))[:4]
+
+
+@pytest.mark.parametrize("shape,expected", [
+    ((31, 6), "pieces padded to the largest"),   # pieces of 8, 8, 8, 7 rows: 3 % padding
+    ((7, 5), "batch_isend_irecv"),               # pieces of 2, 2, 2, 1 rows: 14 % > PAD_LIMIT
+])
+def test_uneven_all_gather_is_one_padded_collective_when_padding_is_cheap(shape, expected):
+    results = run_on_ranks(_uneven_gather, 4, args=(shape,), timeout_s=60)
+    for rank, (same, _, _, text) in enumerate(results):
+        assert same and expected in text, (rank, text)
+    _check_not_more_than_torch([r[1] for r in results], [r[2] for r in results], results[0][3],
+                               known_limit=False)
+
+
 # -- random differential: placements on 1-D and 2-D meshes, even and uneven shapes ------------
 
 PLACED = ["S0", "S1", "R"]

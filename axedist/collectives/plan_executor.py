@@ -39,7 +39,8 @@ the torch.distributed call below runs.
 How each kind runs (``backend_notes`` returns this table per backend):
 
 * ``all_gather`` -> ``all_gather_into_tensor``; chunk ``j`` is the member with group rank
-  ``j`` (the ``j``-th smallest global rank), whatever order the mesh lists ranks in.
+  ``j`` (the ``j``-th smallest global rank), whatever order the mesh lists ranks in. Pieces of
+  different sizes (an uneven dim) are padded to the largest when that adds <= PAD_LIMIT bytes.
 * ``reduce_scatter`` -> ``reduce_scatter_tensor`` on NCCL. gloo: ``all_reduce`` of the
   packed input, then this rank's chunk (what gloo's own reduce_scatter does internally:
   twice the bytes of a ring reduce-scatter).
@@ -49,8 +50,9 @@ How each kind runs (``backend_notes`` returns this table per backend):
 * ``all_to_all``, ``all_to_all_v`` -> ``all_to_all_single`` with split sizes (reduced
   afterwards when the step reduces); so is a ``permute`` in which every member of a mesh
   slice sends to every other (a pair swapping); other ``permute`` -> ``batch_isend_irecv``.
-* groups that are not whole slices of the mesh (``mesh_axis_groups == False``), uneven
-  all-gathers and collectives whose packing the plan does not line up -> ``batch_isend_irecv``.
+* groups that are not whole slices of the mesh (``mesh_axis_groups == False``), all-gathers
+  whose padding would add more than PAD_LIMIT, and collectives whose packing the plan does not
+  line up -> ``batch_isend_irecv``.
 * ``avg`` is a sum, divided by the number of values each slot received.
 
 Index tensors are built once per (plan, rank, device) and cached; a cached call does
@@ -109,7 +111,7 @@ def backend_notes(backend: str) -> dict[str, str]:
     """``{kind: how it runs}`` on ``backend`` (``"nccl"`` or ``"gloo"``)."""
     via_api = " through collectives.api (backend='auto': p2p kernels or NCCL per size; sum/avg, synchronous)"
     notes = {
-        "all_gather": "all_gather_into_tensor" + via_api,
+        "all_gather": "all_gather_into_tensor (unequal pieces padded to the largest)" + via_api,
         "reduce_scatter": "reduce_scatter_tensor" + via_api,
         "fused all_reduce": "all_reduce (one call for the reduce-scatter + all-gather pair)" + via_api,
         "all_reduce": "all_reduce" + via_api,
@@ -346,30 +348,66 @@ class _Collective(_StepProgram):
         return next(d for d in self.members if d != device)
 
 
+# an all-gather of pieces of different sizes (an uneven dim) pads them to the largest and runs
+# as one collective while that adds at most this fraction to the bytes; above it, send/recv
+PAD_LIMIT = 0.125
+
+
+def _piece_counts(step: Step, members) -> list[int] | None:
+    """Elements each member sends to every other in an all-gather step, in member order; None
+    if some member sends different amounts to different peers (not an all-gather's pattern)."""
+    counts = []
+    for a in members:
+        sizes = {sum(t.count for t in step.messages.get((a, b), ())) for b in members if b != a}
+        if len(sizes) != 1:
+            return None
+        counts.append(sizes.pop())
+    return counts
+
+
 class _AllGather(_Collective):
+    """One ``all_gather_into_tensor`` (or the p2p kernels). Pieces of different sizes are padded
+    to the largest (each member sends the largest piece's size; the padding is never read), as
+    long as that adds at most PAD_LIMIT to the bytes: the (4095, 4098) ``[S1,S1] -> [R,S0]`` of
+    the GPU benchmark sent one row pair's worth of padding instead of running as point-to-point
+    sends at a third of the speed."""
+
     how = "all_gather_into_tensor"
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
         self.send = _Index(self.message_source(me, self.any_peer(me)), ctx.device)
-        self.n = self.send.count
+        counts = _piece_counts(step, self.members)
+        self.n = max(counts)
+        self.padded = min(counts) != self.n
+        if self.padded:
+            self.how = "all_gather_into_tensor (pieces padded to the largest)"
         chunks, slots = [], []
         for j, d in enumerate(self.members):
             if d != me:
-                chunks.append(torch.arange(j * self.n, (j + 1) * self.n))
+                chunks.append(torch.arange(j * self.n, j * self.n + counts[j]))
                 slots.append(self.message_target(d, me))
         self.chunk = _Index(torch.cat(chunks), ctx.device)
         self.slots = _Index(torch.cat(slots), ctx.device)
 
     @staticmethod
     def fits(step: Step, group) -> bool:
-        sizes = {sum(t.count for t in step.messages[(a, b)]) for a in group for b in group if a != b}
-        return len(sizes) == 1
+        counts = _piece_counts(step, sorted(group))
+        if counts is None or sum(counts) == 0:
+            return False
+        return max(counts) * len(counts) <= (1 + PAD_LIMIT) * sum(counts)
+
+    def bytes_sent(self) -> int:
+        """The padded piece to every other member."""
+        return self.n * self.step.itemsize * (len(self.members) - 1)
 
     def start(self, x, async_op):
         gathered = torch.empty(self.n * len(self.members), dtype=x.dtype, device=x.device)
-        send = self.send.take(x).contiguous()
+        send = self.send.take(x)
+        if send.numel() != self.n:
+            send = torch.cat([send, send.new_zeros(self.n - send.numel())])
+        send = send.contiguous()
         work = None
         if self._through_api("all_gather", send, async_op):
             api.all_gather(send, self.group, backend=self.ran, out=gathered)
@@ -780,7 +818,8 @@ _RAN_TEXT = {
 
 def execution_bytes(plan: Plan, mesh) -> int:
     """Bytes this rank sends when ``plan`` runs here: the plan's count, except that a direct
-    all-reduce step runs as ``all_reduce`` (ring: ``2 (g-1)/g`` of the buffer). Algorithmic
+    all-reduce step runs as ``all_reduce`` (ring: ``2 (g-1)/g`` of the buffer) and an all-gather
+    of unequal pieces sends the largest piece's size (padding, <= PAD_LIMIT more). Algorithmic
     bytes, as NCCL moves them (gloo's substitutes are noted in ``backend_notes``)."""
     return sum(step.bytes_sent() for step in _program(plan, mesh).steps)
 
