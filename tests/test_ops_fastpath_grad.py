@@ -201,6 +201,18 @@ def _graph_semantics(rank, world, seed):
         (gy,) = torch.autograd.grad(h.full_tensor().sum(), [dy])
         facts.append(_facts(gy))
         assert torch.allclose(gy.full_tensor(), x)
+        # backward() on a DTensor that enters the handler (the output of a call that was just
+        # recorded) is never recorded itself: a recorder holding the gradient would make
+        # autograd copy the leaf's first gradient instead of keeping it (same values, another
+        # layout than the normal route's)
+        fastpath.clear()
+        leaf = distribute(x, mesh, [Shard(1)]).requires_grad_()
+        labels = distribute(torch.arange(4 * world) % 6, mesh, [Replicate()])
+        recording = []
+        leaf.register_hook(lambda grad: recording.append(len(dtensor._RECORDING)))
+        F.cross_entropy(leaf, labels).backward()
+        assert recording == [0]
+        facts.append(_facts(leaf.grad))
         runs.append(facts)
         if on:
             # leaves that required grad in a call carry torch's disabled handler on the instance:

@@ -92,8 +92,11 @@ _KWARGS = object()        # separates positional from keyword arguments in a key
 _GRAD = object()          # precedes the requires-grad bits of a grad-mode key
 _CACHE: dict = {}         # key -> _Entry or _SLOW
 # Torch functions that always take the normal route, decided when first recorded: those that
-# dispatched nothing (getters, size(), ...) and views.
-_PASS: set = set()
+# dispatched nothing (getters, size(), ...) and views. Backward is never recorded: a recorder
+# holding the gradients it sees would keep autograd from taking ownership of a leaf's first
+# gradient (it copies it instead, into a tensor laid out as new_empty_strided gives).
+_NEVER_RECORDED = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+_PASS: set = set(_NEVER_RECORDED)
 _COUNTS = {"hits": 0, "grad hits": 0, "recorded": 0, "slow": 0, "passed": 0}
 
 
@@ -391,6 +394,7 @@ def clear() -> None:
     """Forget recorded calls (they are recorded again on next use)."""
     _CACHE.clear()
     _PASS.clear()
+    _PASS.update(_NEVER_RECORDED)
 
 
 def stats() -> dict:
