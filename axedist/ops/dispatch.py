@@ -270,9 +270,9 @@ class _CallPlan:
     fast: tuple | None = None  # (argument slots, output) for dispatch's fast path, or None
     reduce_self: Any = None  # in-place op on a pending value it cannot keep: self's spec with it applied
     # the fast path's plainest case, "the op on the local tensors, wrapped" (no input moved or
-    # stripped of a summand dim, no rule-specific local function, no deferral, not in-place):
-    # (DTensor positions, the op's C++ callable, output spec, local shape, stride, unsqueeze,
-    # output dtype, output tag)
+    # stripped of a summand dim, no rule-specific local function, not in-place): (DTensor
+    # positions, the op's C++ callable, output spec, local shape, stride, unsqueeze, output
+    # dtype, output tag, a deferrable GEMM: then only where DEFER_GEMM would not defer it)
     simple: tuple | None = None
 
 
@@ -416,11 +416,11 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
     fast = None if reduce_self is not None else _fast_form(args, kwargs, dts, info, targets, structure, outputs,
                                                            sharding)
     simple = None
-    if fast is not None and not defer and not info.inplace and sharding.local is None and \
+    if fast is not None and not info.inplace and sharding.local is None and \
             all(target is None and not strip for _, target, strip in fast[0]):
         dtype = flat[0].dtype
         simple = (tuple(i for i, _, _ in fast[0]), func._op, fast[3], fast[5], fast[6], fast[4], dtype,
-                  (fast[3], _tag_for(fast[3], dtype, fast[6])))
+                  (fast[3], _tag_for(fast[3], dtype, fast[6])), defer)
     return _CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, simple)
 
 
@@ -599,7 +599,9 @@ def dispatch(func, args, kwargs):
                 if simple is None:
                     return _run_fast(func, args, plan)
                 # the op itself on the local tensors of DTensors that stay where they are
-                positions, op, spec, local_shape, stride, unsqueeze, dtype, tag = simple
+                positions, op, spec, local_shape, stride, unsqueeze, dtype, tag, defer = simple
+                if defer and DEFER_GEMM != "never" and (DEFER_GEMM == "always" or args[positions[0]]._value.is_cuda):
+                    return _run_fast(func, args, plan)  # the GEMM may wait (see _deferred)
                 local_args = list(args)
                 for i in positions:
                     d = args[i]
