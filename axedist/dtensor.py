@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 import os
-import weakref
 import threading
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence

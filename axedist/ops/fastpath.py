@@ -53,7 +53,7 @@ carry it), and so do grad-mode outputs (here, and in ops/dispatch.py's plainest 
 when an input carries it). Such a call goes straight to the dispatcher and
 ``ops/dispatch.py``'s cached route, which now costs less than entering this module twice
 (docs/dtensor.md, "Dispatch overhead"), and its getters cost what plain tensors' do. Results
-are the same either way; a DTensor that stops requiring grad keeps the normal route.
+are the same either way; a DTensor that stops requiring grad keeps skipping the handler.
 
 ``enable(False)`` (or ``AXEDIST_FASTPATH=0`` before import) puts torch's plain disabled
 ``__torch_function__`` back on the class: every call takes the normal route, and getters
