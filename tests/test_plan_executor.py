@@ -299,6 +299,33 @@ def test_uneven_all_gather_is_one_padded_collective_when_padding_is_cheap(shape,
                                known_limit=False)
 
 
+def _repeat_uneven(rank, world):
+    """A re-padded uneven redistribute, twice: the per-dim position indices are built on the
+    first call and reused (same tensors) by the second; both give torch DTensor's result."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", (2, 2), ("x", "y"))
+    full = torch.randn((63, 66), generator=torch.Generator().manual_seed(3))
+    src = ax.from_torch(distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]))
+    dst = [Replicate(), Shard(0)]
+    want = distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]).redistribute(
+        mesh.to_torch(), dst).to_local()
+    with plan_executor.record() as ran:
+        first = src.redistribute(dst).to_local()
+    route = ran[0]
+    sides = [side for side in (route.first, route.last) + tuple(route.middle or ())
+             if any(p is not None for p in side.positions)]
+    built = [dict(side.__dict__.get("_position_index", {})) for side in sides]
+    second = src.redistribute(dst).to_local()
+    after = [side.__dict__.get("_position_index", {}) for side in sides]
+    reused = all(b and b.keys() == a.keys() and all(b[k] is a[k] for k in b) for b, a in zip(built, after))
+    return bool(sides), reused, torch.equal(first, want), torch.equal(second, want)
+
+
+def test_cached_uneven_redistribute_reuses_its_position_indices():
+    assert run_on_ranks(_repeat_uneven, 4, timeout_s=60) == [(True, True, True, True)] * 4
+
+
 # -- random differential: placements on 1-D and 2-D meshes, even and uneven shapes ------------
 
 PLACED = ["S0", "S1", "R"]

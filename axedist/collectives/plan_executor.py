@@ -860,6 +860,16 @@ class _Side:
         blocks = self.layout.blocks(self.full)
         return tuple(math.prod(it.extent for it in block if it.axis == MEMORY) for block in blocks)
 
+    def position_index(self, dim: int, device: torch.device) -> torch.Tensor:
+        """``positions[dim]`` as an index tensor on ``device``, built once per side and device: a
+        cached redistribute must not turn thousands of Python ints into a tensor and copy it to
+        the GPU on every call (1.8 ms of host time per call at (4095, 4098) on 4x H200)."""
+        cache = self.__dict__.setdefault("_position_index", {})
+        index = cache.get((dim, device))
+        if index is None:
+            index = cache[(dim, device)] = torch.tensor(self.positions[dim], device=device)
+        return index
+
 
 def _true_rows(spec) -> tuple[tuple[int, ...], ...]:
     """Per full dim (summand dim first if any), the padded index holding each true row."""
@@ -1121,7 +1131,7 @@ def _to_buffer(local: torch.Tensor, side: _Side, box, size: int) -> torch.Tensor
             grown = list(t.shape)
             grown[d] = padded[d]
             t = torch.zeros(grown, dtype=t.dtype, device=t.device).index_copy_(
-                d, torch.tensor(positions, device=t.device), t)
+                d, side.position_index(d, t.device), t)
     out[tuple(slice(0, n) for n in t.shape)] = t
     return out.reshape(-1)
 
@@ -1133,7 +1143,7 @@ def _from_buffer(buffer: torch.Tensor, side: _Side, box) -> torch.Tensor:
     t = buffer.reshape(side.local_padded)
     for d, positions in enumerate(side.positions):
         if positions is not None:
-            t = t.index_select(d, torch.tensor(positions, device=t.device))
+            t = t.index_select(d, side.position_index(d, t.device))
     return t[tuple(slice(0, n) for n in box)].contiguous()
 
 
