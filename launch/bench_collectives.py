@@ -273,10 +273,7 @@ def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
     if rank != 0:
         return
     os.makedirs(out_dir, exist_ok=True)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                commit=os.environ.get("AXEDIST_COMMIT", "unknown"), torch=torch.__version__,
-                command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
+    meta = run_meta(world)
     with open(os.path.join(out_dir, f"collectives_rounds_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows), handle, indent=1)
     names = list(rows[0]["queued"])
@@ -366,17 +363,22 @@ def _fmt(value, scale=1e3):
     return "n/a" if value is None else f"{value * scale:.1f}"
 
 
-def write_outputs(rows, host, world, out_dir, meta=None):
-    os.makedirs(out_dir, exist_ok=True)
+def run_meta(world):
+    """Date, machine, commit (AXEDIST_COMMIT, else git), torch and command of this run."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ""
-    meta = meta or dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                 commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
                 command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
+
+
+def write_outputs(rows, host, world, out_dir, meta=None):
+    os.makedirs(out_dir, exist_ok=True)
+    meta = meta or run_meta(world)
     tables = tuned_tables(rows, world, "this run")
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host, tuned=tables), handle,

@@ -37,14 +37,9 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-_processors: dict[int, int] = {}
-
-
 def _programs(work: int, block: int, device_index: int) -> int:
-    processors = _processors.get(device_index)
-    if processors is None:
-        processors = torch.cuda.get_device_properties(device_index).multi_processor_count
-        _processors[device_index] = processors
+    from ..kernels.launch import multiprocessors
+    processors = multiprocessors(device_index)
     # at most one program per SM: always co-resident, so the block-wise barrier cannot deadlock
     return max(1, min((work + block - 1) // block, processors, MAX_BARRIER_PROGRAMS))
 
@@ -80,12 +75,10 @@ def rounds_for(op: str, work_bytes: int, programs: int) -> int:
     if op not in ("reduce_scatter", "all_gather"):
         return 1
     forced = os.environ.get("AXEDIST_P2P_ROUNDS")
-    rounds = 1
-    for least, count in PIPELINE:
-        if work_bytes >= least:
-            rounds = count
     if forced:
         rounds = int(forced)
+    else:
+        rounds = max((count for least, count in PIPELINE if work_bytes >= least), default=1)
     if rounds < 1:
         raise ValueError(f"AXEDIST_P2P_ROUNDS must be >= 1, got {rounds}")
     return max(1, min(rounds, 2 * MAX_BARRIER_PROGRAMS // max(1, programs)))

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from . import schedule
+from .launch import CompiledLaunch, multiprocessors
 from .primitives import (bulk_stores_complete, load_reduce, peer_pointers, pick, st_release_gpu,
                          st_release_sys, wait_flag)
 
@@ -493,7 +494,6 @@ def _strides(ops: _Operands) -> tuple[int, int, int, int]:
 
 
 _gemm_only_counters: dict[int, list] = {}
-_processors: dict[int, int] = {}
 # compiled kernel per specialization (see _specialization): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
 _launches: dict[tuple, object] = {}
@@ -535,7 +535,6 @@ def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_inde
     (tensors passed as addresses), skipping Triton's per-call binding."""
     launch = _launches.get(key)
     if launch is None:
-        from .launch import CompiledLaunch
         kernel = gemm_reduce_scatter_kernel.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
         launch = _launches[key] = CompiledLaunch(kernel, tuple(constexprs.values()))
         launch.resident_per_sm = _resident_per_sm(kernel, warps, device_index)
@@ -590,9 +589,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     prepare=True returns the launch prepared for repetition (Replay)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
-    processors = _processors.get(device.index)
-    if processors is None:
-        processors = _processors[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    processors = multiprocessors(device.index)
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
     tasks = schedule.task_count(rounds, world, mode in (GEMM_ONLY, GEMM_AND_SIGNAL))

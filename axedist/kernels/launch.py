@@ -18,6 +18,16 @@ The caller owns the specialization: it must pass values that satisfy the compile
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int) -> int:
+    """SMs of a CUDA device (the persistent kernels' grid bound), asked once per device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
 
 class CompiledLaunch:
     """A compiled kernel (`triton.compile` output) ready to launch on the current CUDA device.
