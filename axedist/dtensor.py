@@ -30,11 +30,10 @@ tensor keeps it (extent 1 for torch's ``Partial``).
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
@@ -43,7 +42,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import Iter, Layout, LayoutError, row_major_memory
+from .layout import Layout, LayoutError
+from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
+                   layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
+                   row_major_iters, spec_for_layout, spec_from_placements, target_spec)
 from .collectives.plan_executor import redistribute_local
 from .mesh import DeviceMesh, MeshError
 
@@ -56,7 +58,6 @@ __all__ = [
     "placements_from_layout",
 ]
 
-MEMORY = "m"
 _dispatch = None  # axedist.ops.dispatch.dispatch, bound on the first op
 _RECORDING: list = []  # ops/fastpath.py's recorders of the torch call now running (innermost last)
 
@@ -70,200 +71,6 @@ class _Ready(threading.local):
 
 
 _READY = _Ready()
-REDUCE_OPS = ("sum", "avg", "max", "min")
-
-
-# ---------------------------------------------------------------------------
-# The spec: layout + shapes (+ pending reduction), validated once
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """Everything but the data: ``layout`` admits ``full_shape`` = (summands,)? + padded."""
-
-    mesh: DeviceMesh
-    layout: Layout
-    shape: tuple[int, ...]          # logical global shape (no summand dim)
-    padded: tuple[int, ...]         # what the layout's logical dims admit (>= shape)
-    reduce_op: str | None = None    # pending reduction over the leading summand dim
-    summands: int = 1
-    # Per logical dim, the true index at each padded index (-1: padding), or None when the
-    # first shape[d] indices are the real ones (torch's nested chunking pads in the middle).
-    true_index: tuple[tuple[int, ...] | None, ...] | None = None
-    local_padded: tuple[int, ...] = field(default=(), compare=False, hash=False)
-
-    @property
-    def full_shape(self) -> tuple[int, ...]:
-        return ((self.summands,) if self.reduce_op else ()) + self.padded
-
-    @property
-    def full_true(self) -> tuple[int, ...]:
-        return ((self.summands,) if self.reduce_op else ()) + self.shape
-
-    @property
-    def full_true_index(self) -> tuple[tuple[int, ...] | None, ...]:
-        maps = self.true_index or (None,) * len(self.shape)
-        return ((None,) if self.reduce_op else ()) + maps
-
-    def _fields(self) -> tuple:
-        return (self.mesh, self.layout, self.shape, self.padded, self.reduce_op, self.summands, self.true_index)
-
-    # Specs key every cached plan: hash once, and compare by identity first (specs are interned
-    # by _make_spec, so equal specs are mostly the same object).
-    def __hash__(self) -> int:
-        h = self.__dict__.get("_hash")
-        if h is None:
-            h = hash(self._fields())
-            object.__setattr__(self, "_hash", h)
-        return h
-
-    def __eq__(self, other) -> bool:
-        if self is other:
-            return True
-        if type(other) is not _Spec:
-            return NotImplemented
-        return hash(self) == hash(other) and self._fields() == other._fields()
-
-    def __repr__(self) -> str:
-        pending = f", pending {self.reduce_op} over {self.summands} summands" if self.reduce_op else ""
-        padded = f" (padded {list(self.padded)})" if self.padded != self.shape else ""
-        return f"{list(self.shape)}{padded} {self.layout}{pending}"
-
-
-def _make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> _Spec:
-    """Check ``layout`` against the mesh and shapes (DESIGN §1's list), then build the spec
-    (interned: the same arguments give the same spec object, checked once)."""
-    try:
-        return _interned_spec(mesh, layout, tuple(shape), None if padded is None else tuple(padded), reduce_op,
-                              summands, true_index)
-    except TypeError:  # an unhashable argument (e.g. lists in true_index): build it afresh
-        return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
-
-
-@lru_cache(maxsize=8192)
-def _interned_spec(mesh, layout, shape, padded, reduce_op, summands, true_index) -> _Spec:
-    return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
-
-
-def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> _Spec:
-    shape = tuple(int(s) for s in shape)
-    padded = shape if padded is None else tuple(int(s) for s in padded)
-    if not isinstance(layout, Layout):
-        raise LayoutError(f"expected an axedist Layout or a list of placements, got {layout!r}")
-    if any(s <= 0 for s in shape):
-        raise LayoutError(f"shape {shape} has an empty dim; axedist DTensors need every dim >= 1")
-    if len(padded) != len(shape) or any(p < s for p, s in zip(padded, shape)):
-        raise LayoutError(f"padded shape {padded} must have the rank of {shape} and be >= it in every dim")
-    if reduce_op is not None and reduce_op not in REDUCE_OPS:
-        raise LayoutError(f"reduce op must be one of {REDUCE_OPS}, got {reduce_op!r}")
-    if true_index is not None:
-        if all(m is None for m in true_index):
-            true_index = None
-        elif len(true_index) != len(shape) or any(
-                m is not None and (len(m) != p or sorted(i for i in m if i >= 0) != list(range(s)))
-                for m, p, s in zip(true_index, padded, shape)):
-            raise LayoutError(f"true_index must map each padded dim onto 0..n-1 once, for shape {shape}")
-    full = ((summands,) if reduce_op else ()) + padded
-    if not layout.admits(full):
-        what = "shape" if padded == shape else "padded shape"
-        raise LayoutError(f"layout {layout} of size {layout.size} does not admit the {what} {full} ({math.prod(full)} elements)")
-    for axis in layout.axes:
-        if axis != MEMORY and axis not in mesh.axis_names:
-            raise LayoutError(f"layout {layout} uses axis {axis!r}, which mesh axes {mesh.axis_names} do not have")
-    if any(it.axis == MEMORY for it in layout.replica) or layout.offset.get(MEMORY, 0):
-        raise LayoutError(f"layout {layout}: replicas and offsets must be on mesh axes, not on 'm'")
-    for axis, extent in zip(mesh.axis_names, mesh.shape):
-        low, high = layout.bounds(axis)
-        if low < 0 or high >= extent:
-            raise LayoutError(f"layout {layout} reaches {axis} = {low if low < 0 else high}, outside the mesh axis "
-                              f"{axis} of size {extent}")
-    if not layout.is_injective():
-        raise LayoutError(f"layout {layout} puts two elements in one (device, m) slot")
-    blocks = layout.blocks(full)
-    local, strides = row_major_memory(blocks)
-    for dim, (block, expected) in enumerate(zip(blocks, strides)):
-        for it, stride in zip(block, expected):
-            if stride is not None and it.stride != stride:
-                raise LayoutError(
-                    f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
-                    f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
-    return _Spec(mesh, layout, shape, padded, reduce_op, summands, true_index, local)
-
-
-def _unravel(index, shape):
-    out = []
-    for extent in reversed(shape):
-        out.append(index % extent)
-        index = index // extent
-    return out[::-1]
-
-
-def _ravel(indices, shape, count: int):
-    flat = torch.zeros(count, dtype=torch.int64)
-    for i, s in zip(indices, shape):
-        flat = flat * s + i
-    return flat
-
-
-@dataclass(frozen=True)
-class _Table:
-    """Where each real element lives: ``holders[g, r]`` (mesh position of replica r of
-    element g, row-major over ``full_true``) and ``offsets[g]`` (its position in the
-    local tensor); ``local_shapes[p]`` is the local tensor shape at mesh position p."""
-
-    holders: torch.Tensor
-    offsets: torch.Tensor
-    local_shapes: tuple[tuple[int, ...], ...]
-
-
-@lru_cache(maxsize=256)
-def _table(spec: _Spec) -> _Table:
-    """Evaluate the layout on every element at once (``shard_coordinates`` on an arange)."""
-    mesh, layout, full, true = spec.mesh, spec.layout, spec.full_shape, spec.full_true
-    n = math.prod(full)
-    x = torch.arange(n, dtype=torch.int64)
-    coords = layout.shard_coordinates(x)
-
-    def on(axis, values):
-        v = values.get(axis, 0)
-        return v if isinstance(v, torch.Tensor) else torch.full((n,), int(v), dtype=torch.int64)
-
-    strides = mesh.strides()
-    device = sum((on(a, coords) * strides[a] for a in mesh.axis_names), torch.zeros(n, dtype=torch.int64))
-    replicas = torch.tensor([sum(r.get(a, 0) * strides[a] for a in mesh.axis_names) for r in layout.replica_offsets]
-                            or [0], dtype=torch.int64)
-    local_index = _unravel(on(MEMORY, coords), spec.local_padded)
-    global_index = _unravel(x, full)
-    reached = torch.zeros(mesh.size, dtype=torch.bool)
-    reached[device] = True
-    # A device's real elements along dim d: local indices whose padded index maps to a true one.
-    boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
-    real = torch.ones(n, dtype=torch.bool)
-    true_index = []
-    for d, (lp, t, mapping) in enumerate(zip(spec.local_padded, true, spec.full_true_index)):
-        index = global_index[d] if mapping is None else torch.tensor(mapping, dtype=torch.int64)[global_index[d]]
-        real_d = (index >= 0) & (index < t)
-        true_index.append(index)
-        real &= real_d
-        grid = torch.zeros(mesh.size, lp, dtype=torch.bool)
-        grid[device, local_index[d]] = real_d
-        boxes[:, d] = grid.sum(1)
-        prefix = torch.arange(lp)[None, :] < boxes[:, d:d + 1]
-        if not torch.equal(grid[reached], prefix[reached]):
-            p = int((grid != prefix).any(1).logical_and(reached).nonzero()[0])
-            raise LayoutError(f"layout {layout} over padded shape {full} with true shape {true}: the real elements of "
-                              f"mesh position {p} along dim {d} are not a leading range of its local tensor")
-    offsets = torch.full((math.prod(true),), -1, dtype=torch.int64)
-    holders = torch.empty((math.prod(true), len(replicas)), dtype=torch.int64)
-    count = int(real.sum())
-    g = _ravel([i[real] for i in true_index], true, count)
-    offsets[g] = _ravel([i[real] for i in local_index], list(boxes[device[real]].T), count)
-    holders[g] = device[real][:, None] + replicas[None, :]
-    shapes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
-    for r in replicas.tolist():  # replicas hold the same elements as the base device
-        shapes[torch.nonzero(reached).flatten() + r] = boxes[reached]
-    return _Table(holders, offsets, tuple(tuple(s) for s in shapes.tolist()))
 
 
 # ---------------------------------------------------------------------------
@@ -309,11 +116,11 @@ class DTensor(torch.Tensor):
     one-time warning): ``(x + y).sum()`` works on DTensors as on tensors, autograd included.
     """
 
-    _spec: _Spec
+    _spec: DTensorSpec
     _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: _Spec, requires_grad: bool = False, *, stride=None, pending=None):
+    def __new__(cls, local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False, *, stride=None, pending=None):
         if WRAPPER_POSITIONAL:  # (size, strides, storage_offset, memory_format, dtype, layout, device, pin, grad)
             self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device,
                                  False, requires_grad)
@@ -328,7 +135,7 @@ class DTensor(torch.Tensor):
         return self
 
     @classmethod
-    def _wrap(cls, local: torch.Tensor, spec: _Spec, stride) -> "DTensor":
+    def _wrap(cls, local: torch.Tensor, spec: DTensorSpec, stride) -> "DTensor":
         """``DTensor(local, spec, stride=stride)`` without the keyword handling (the dispatcher's
         hot path; ``stride`` None means contiguous)."""
         if WRAPPER_POSITIONAL:
@@ -405,19 +212,19 @@ class DTensor(torch.Tensor):
         mesh.position()
         failure = None
         try:
-            if _is_placements(layout_or_placements):
+            if is_placements(layout_or_placements):
                 if padded_shape is not None or reduce_op is not None:
                     raise LayoutError("padded_shape and reduce_op go with a layout; placements imply both")
                 if shape is None:
-                    shape = _even_shape_from_local(local.shape, mesh, layout_or_placements)
-                spec = _spec_from_placements(shape, mesh, layout_or_placements)
+                    shape = even_shape_from_local(local.shape, mesh, layout_or_placements)
+                spec = spec_from_placements(shape, mesh, layout_or_placements)
             else:
                 if shape is None:
                     raise LayoutError("from_local with a layout needs shape= (the global shape)")
-                spec = _spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op,
+                spec = spec_for_layout(mesh, layout_or_placements, shape, padded_shape, reduce_op,
                                         dims_include_summands=True)
-            expected = _table(spec).local_shapes[mesh.position()]
-            if spec.reduce_op and _is_placements(layout_or_placements):
+            expected = element_table(spec).local_shapes[mesh.position()]
+            if spec.reduce_op and is_placements(layout_or_placements):
                 expected = expected[1:]  # the summand dim is added below
         except LayoutError as e:
             if not run_check:
@@ -433,7 +240,7 @@ class DTensor(torch.Tensor):
                    if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
             if bad:
                 lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)})"
-                         + (f", the layout gives it {_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
+                         + (f", the layout gives it {element_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
                          for r, row in sorted(bad.items())]
                 here = f" (here: {failure})" if failure else ""
                 raise LayoutError(f"from_local({spec or layout_or_placements}): local tensors do not fit the layout"
@@ -443,7 +250,7 @@ class DTensor(torch.Tensor):
                               f"the layout gives it {expected}")
         if local.device != mesh.device:
             raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
-        unsqueeze = bool(spec.reduce_op) and _is_placements(layout_or_placements)
+        unsqueeze = bool(spec.reduce_op) and is_placements(layout_or_placements)
         if local.requires_grad and torch.is_grad_enabled():
             return _FromLocal.apply(local, spec, unsqueeze)
         return DTensor(local.unsqueeze(0) if unsqueeze else local, spec)
@@ -461,7 +268,7 @@ class DTensor(torch.Tensor):
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
-        return self.redistribute(_replicated_layout(self._spec.shape, self.mesh)).to_local()
+        return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local()
 
     @property
     def layout(self) -> Layout:  # shadows torch.Tensor.layout (torch.strided): an Axe layout is the point here
@@ -481,7 +288,7 @@ class DTensor(torch.Tensor):
 
     @property
     def placements(self) -> tuple[Placement, ...]:
-        return _placements_for(self._spec)
+        return placements_of(self._spec)
 
     # -- moving --------------------------------------------------------------------
 
@@ -494,7 +301,7 @@ class DTensor(torch.Tensor):
         communication and returns at once; the result's data is waited for on its first use
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
         """
-        dst = _target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
+        dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
         if torch.is_grad_enabled() and _requires_grad(self):
@@ -514,7 +321,7 @@ class DTensor(torch.Tensor):
             raise LayoutError(f"to_partial needs an unpadded leading dim, got {spec}")
         if spec.true_index and spec.true_index[0] is not None:
             raise LayoutError(f"to_partial needs an unpadded leading dim, got {spec}")
-        new = _make_spec(spec.mesh, spec.layout, spec.shape[1:], spec.padded[1:], reduce_op, spec.shape[0],
+        new = make_spec(spec.mesh, spec.layout, spec.shape[1:], spec.padded[1:], reduce_op, spec.shape[0],
                          spec.true_index[1:] if spec.true_index else None)
         return DTensor(self._local, new, requires_grad=self.requires_grad)
 
@@ -524,10 +331,10 @@ class DTensor(torch.Tensor):
         """The equal ``torch.distributed.tensor.DTensor`` (same local tensors)."""
         from torch.distributed.tensor import DTensor as TorchDTensor
 
-        placements = _placements_for(self._spec)
+        placements = placements_of(self._spec)
         local = self._local[0] if self._spec.reduce_op else self._local
         return TorchDTensor.from_local(local, self.mesh.to_torch(), placements, run_check=False,
-                                       shape=torch.Size(self.shape), stride=_contiguous_strides(self.shape))
+                                       shape=torch.Size(self.shape), stride=contiguous_strides(self.shape))
 
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
@@ -566,7 +373,7 @@ def _requires_grad(dt: DTensor) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _redistributed(dt: DTensor, dst: _Spec, async_op: bool = False) -> DTensor:
+def _redistributed(dt: DTensor, dst: DTensorSpec, async_op: bool = False) -> DTensor:
     pending = dt._pending
     if isinstance(pending, _DeferredGemm) and pending.value is None:
         fused = _fused_reduce_scatter(dt, pending, dst)
@@ -636,7 +443,7 @@ class _DeferredGemm:
         return self.value
 
 
-def _defer_gemm(compute, a, b, bias, alpha, beta, spec: _Spec, local_shape, stride) -> DTensor:
+def _defer_gemm(compute, a, b, bias, alpha, beta, spec: DTensorSpec, local_shape, stride) -> DTensor:
     """A DTensor in ``spec`` whose local tensor is the deferred product (ops/dispatch.py calls this)."""
     pending = _DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
     if len(_OUTSTANDING) > 64:
@@ -672,13 +479,13 @@ def _consumed(pending: _DeferredGemm) -> None:
 
 
 @lru_cache(maxsize=1024)
-def _row_scatter_axis(src: _Spec, dst: _Spec) -> str | None:
+def _row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     """The mesh axis when ``src -> dst`` is a reduce-scatter of a 2-d pending sum's rows over
     one mesh axis (every other axis kept, rows even), the move a fused GEMM + RS can do."""
     if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
         return None
     try:
-        ps, pd = _placements_for(src), _placements_for(dst)
+        ps, pd = placements_of(src), placements_of(dst)
     except LayoutError:
         return None
     partial = [i for i, p in enumerate(ps) if isinstance(p, Partial)]
@@ -703,7 +510,7 @@ class _FusedChoice:
     reason: str
 
 
-def _fused_choice(spec: _Spec, pending: _DeferredGemm, dst: _Spec) -> _FusedChoice | None:
+def _fused_choice(spec: DTensorSpec, pending: _DeferredGemm, dst: DTensorSpec) -> _FusedChoice | None:
     """None when ``spec -> dst`` is not a row reduce-scatter (or the product already ran);
     otherwise whether the fused kernel runs, and why not when it does not."""
     axis = _row_scatter_axis(spec, dst)
@@ -729,7 +536,7 @@ def _fused_choice(spec: _Spec, pending: _DeferredGemm, dst: _Spec) -> _FusedChoi
     return _FusedChoice(axis, gemm, True, gemm.reason)
 
 
-def _fused_reduce_scatter(dt: DTensor, pending: _DeferredGemm, dst: _Spec) -> torch.Tensor | None:
+def _fused_reduce_scatter(dt: DTensor, pending: _DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:
     """The local result of ``dt -> dst`` by ``gemm_reduce_scatter``, or None (unfused path)."""
     choice = _fused_choice(dt._spec, pending, dst)
     if choice is None:
@@ -779,31 +586,31 @@ class FusedGemmPlan:
         return (f"GEMM, then {self.collective}\n(fused GEMM + reduce-scatter not used: {self.reason})")
 
 
-def _grad_spec(spec: _Spec) -> _Spec:
+def _grad_spec(spec: DTensorSpec) -> DTensorSpec:
     """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
     reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
     if not spec.reduce_op:
         return spec
     try:
-        placements = _placements_for(spec)
+        placements = placements_of(spec)
     except LayoutError:
-        return _make_spec(spec.mesh, _replicated_layout(spec.shape, spec.mesh), spec.shape)
-    return _spec_from_placements(spec.shape, spec.mesh,
+        return make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
+    return spec_from_placements(spec.shape, spec.mesh,
                                  [Replicate() if isinstance(p, Partial) else p for p in placements])
 
 
-def _grad_local(grad, spec: _Spec, placements_partial: bool) -> torch.Tensor:
+def _grad_local(grad, spec: DTensorSpec, placements_partial: bool) -> torch.Tensor:
     """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient."""
     if not isinstance(grad, DTensor):
         raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
     if spec.reduce_op and not placements_partial:
         # a layout with summands held locally: every summand's gradient is the whole gradient
-        full_spec = _make_spec(spec.mesh, _replicated_layout(spec.shape, spec.mesh), spec.shape)
+        full_spec = make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
         full = redistribute_local(grad._local, grad._spec, full_spec)
         lead = (spec.summands,)
         expanded = full.unsqueeze(0).expand(lead + tuple(spec.shape)).contiguous()
-        src = _make_spec(spec.mesh, _replicated_layout(lead + spec.shape, spec.mesh), lead + spec.shape)
-        dst = _make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
+        src = make_spec(spec.mesh, replicated_layout(lead + spec.shape, spec.mesh), lead + spec.shape)
+        dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
                          true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
     target = _grad_spec(spec)
@@ -858,7 +665,7 @@ class _Distribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        full = _make_spec(ctx.mesh, _replicated_layout(ctx.shape, ctx.mesh), ctx.shape)
+        full = make_spec(ctx.mesh, replicated_layout(ctx.shape, ctx.mesh), ctx.shape)
         return _grad_local(grad, full, False), None, None, None
 
 
@@ -880,12 +687,12 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     else:
         if mesh is None or shape is None:
             raise LayoutError("plan(src, dst): give mesh= and shape= when src is a layout or placements")
-        src_spec = (_spec_from_placements(shape, mesh, src) if _is_placements(src)
-                    else _spec_for_layout(mesh, src, shape, None, None, dims_include_summands=False))
+        src_spec = (spec_from_placements(shape, mesh, src) if is_placements(src)
+                    else spec_for_layout(mesh, src, shape, None, None, dims_include_summands=False))
     if isinstance(dst, DTensor):
         dst_spec = dst._spec
     else:
-        dst_spec = _target_spec(src_spec, dst, None, None)
+        dst_spec = target_spec(src_spec, dst, None, None)
     itemsize = itemsize or 4
     if isinstance(src, DTensor) and isinstance(src._pending, _DeferredGemm) and src._pending.value is None:
         choice = _fused_choice(src_spec, src._pending, dst_spec)
@@ -903,59 +710,6 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     from .collectives import plan_executor
 
     return plan_executor.plan_for(src_spec, dst_spec, itemsize).plans[0]
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for s in reversed(shape):
-        strides.append(step)
-        step *= s
-    return tuple(reversed(strides))
-
-
-def _row_major(shape) -> list[Iter]:
-    """``S[(8,6):(6,1)]``: the whole tensor in one local tensor."""
-    return [Iter(s, st) for s, st in zip(shape, _contiguous_strides(shape))]
-
-
-def _replicated_layout(shape, mesh: DeviceMesh) -> Layout:
-    """Row-major ``shape`` on every device: ``S[(8,6):(6,1)] + R[4:1@gpuid]``."""
-    return Layout(_row_major(shape), [Iter(k, 1, a) for a, k in zip(mesh.axis_names, mesh.shape)])
-
-
-def _is_placements(value) -> bool:
-    return isinstance(value, (list, tuple)) and all(isinstance(p, Placement) for p in value)
-
-
-def _spec_for_layout(mesh, layout, shape, padded, reduce_op, dims_include_summands) -> _Spec:
-    """A spec from a user's layout. With ``reduce_op``, ``shape`` (and ``padded``) include the
-    leading summand dim when ``dims_include_summands``."""
-    shape = tuple(shape)
-    padded = shape if padded is None else tuple(padded)
-    if reduce_op is None:
-        return _make_spec(mesh, layout, shape, padded)
-    if dims_include_summands:
-        if padded[0] != shape[0]:
-            raise LayoutError(f"the summand dim is not padded: shape {shape}, padded {padded}")
-        return _make_spec(mesh, layout, shape[1:], padded[1:], reduce_op, shape[0])
-    summands, rest = divmod(layout.size, math.prod(padded))
-    if rest:
-        raise LayoutError(f"layout {layout} of size {layout.size} is not a whole number of copies of {padded}")
-    return _make_spec(mesh, layout, shape, padded, reduce_op, summands)
-
-
-def _target_spec(spec: _Spec, target, padded, reduce_op) -> _Spec:
-    if _is_placements(target):
-        if padded is not None or reduce_op is not None:
-            raise LayoutError("padded_shape and reduce_op go with a layout; placements imply both")
-        return _placement_target(spec.shape, spec.mesh, tuple(target), spec.summands)
-    return _spec_for_layout(spec.mesh, target, spec.shape, padded, reduce_op, dims_include_summands=False)
-
-
-@lru_cache(maxsize=1024)
-def _placement_target(shape, mesh, placements, summands) -> _Spec:
-    """Placements -> spec, cached: a redistribute call names its target anew each time."""
-    return _spec_from_placements(shape, mesh, placements, summands_for_partial=summands)
 
 
 # ---------------------------------------------------------------------------
@@ -984,20 +738,20 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
     if tensor.numel() == 0:
         raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
     shape = tuple(tensor.shape)
-    if _is_placements(layout_or_placements):
+    if is_placements(layout_or_placements):
         if padded_shape is not None:
             raise LayoutError("padded_shape goes with a layout; placements imply it")
-        dst = _spec_from_placements(shape, mesh, layout_or_placements)
+        dst = spec_from_placements(shape, mesh, layout_or_placements)
         if dst.reduce_op:
             raise LayoutError("distribute to Partial placements has no single meaning; distribute, then to_partial()")
     else:
-        dst = _make_spec(mesh, layout_or_placements, shape, padded_shape)
+        dst = make_spec(mesh, layout_or_placements, shape, padded_shape)
     if src_rank is None:
-        src = _make_spec(mesh, _replicated_layout(shape, mesh), shape)
+        src = make_spec(mesh, replicated_layout(shape, mesh), shape)
     else:
         if not mesh.contains(src_rank):
             raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
-        src = _make_spec(mesh, Layout(_row_major(shape), (), mesh.coordinates(src_rank)), shape)
+        src = make_spec(mesh, Layout(row_major_iters(shape), (), mesh.coordinates(src_rank)), shape)
     if src_rank is None or dist.get_rank() == src_rank:
         local = tensor.to(mesh.device)
     else:
@@ -1007,223 +761,14 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
     return DTensor(redistribute_local(local, src, dst), dst)
 
 
-# ---------------------------------------------------------------------------
-# Placements <-> layouts
-# ---------------------------------------------------------------------------
-
-
-def _even_shape_from_local(local_shape, mesh, placements) -> tuple[int, ...]:
-    shape = list(local_shape)
-    for k, p in zip(mesh.shape, placements):
-        if isinstance(p, (Shard, _StridedShard)):
-            shape[_dim_of(p, len(shape), f"placements {list(placements)} for a local shape {tuple(local_shape)}")] *= k
-    return tuple(shape)
-
-
-def _split_local(block: list, factors: list[tuple[int, str | None]], what: str) -> list:
-    """Split the memory part of one dim (its ``('m', e)`` pieces, outer to inner, with device
-    pieces in between staying put) into ``factors`` ``(extent, owner)``, outer to inner."""
-    factors = [[e, owner] for e, owner in factors if e > 1]
-    out = []
-    for piece in block:
-        if piece[0] != MEMORY:
-            out.append(piece)
-            continue
-        extent = piece[1]
-        while extent > 1:
-            if not factors:
-                raise LayoutError(f"{what}: internal split mismatch")
-            want, owner = factors[0]
-            if want % extent == 0:
-                take = extent
-            elif extent % want == 0:
-                take = want
-            else:
-                raise LayoutError(f"{what}: cannot split a local extent {extent} into {want} parts evenly")
-            out.append((MEMORY, take) if owner is None else (owner, take))
-            extent //= take
-            factors[0][0] //= take
-            if factors[0][0] == 1:
-                factors.pop(0)
-    return out
-
-
-def _torch_chunk_ranges(n: int, ks: list[int]):
-    """torch's nested chunking of one dim by mesh sizes ``ks`` (in placement order):
-    ``{coords: (start, size)}``."""
-    ranges = {(): (0, n)}
-    for k in ks:
-        nxt = {}
-        for coords, (start, size) in ranges.items():
-            chunk = -(-size // k)
-            for i in range(k):
-                lo, hi = min(i * chunk, size), min((i + 1) * chunk, size)
-                nxt[coords + (i,)] = (start + lo, hi - lo)
-        ranges = nxt
-    return ranges
-
-
-def _spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_partial: int | None = None) -> _Spec:
-    """DESIGN §2: placements as a layout over a padded shape (``torch.chunk``'s split)."""
-    shape = tuple(int(s) for s in shape)
-    placements = tuple(placements)
-    if len(placements) != mesh.ndim:
-        raise LayoutError(f"mesh {mesh} has {mesh.ndim} axes but {len(placements)} placements {placements}")
-    what = f"placements {list(placements)} for shape {list(shape)} on mesh {mesh.shape}"
-    blocks = [[(MEMORY, n)] for n in shape]
-    padded = list(shape)
-    true_index: list[tuple[int, ...] | None] = [None] * len(shape)
-    nested = _nested_uneven_dims(shape, mesh, placements)
-    sharded: set[int] = set()
-    replica, partial, op = [], [], None
-    for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
-        if isinstance(p, Replicate):
-            replica.append(Iter(k, 1, axis))
-        elif isinstance(p, Partial):
-            if op is not None and p.reduce_op != op:
-                raise LayoutError(f"{what}: one pending reduce op per tensor ({op} and {p.reduce_op})")
-            op = p.reduce_op
-            partial.append(Iter(k, 1, axis))
-        elif isinstance(p, (Shard, _StridedShard)):
-            d = _dim_of(p, len(shape), what)
-            if d in nested:
-                continue  # built below from torch's chunk ranges
-            split = p.split_factor if isinstance(p, _StridedShard) else 1
-            local = math.prod(e for a, e in blocks[d] if a == MEMORY)
-            if local % (split * k):
-                if split != 1 or d in sharded:
-                    raise LayoutError(f"{what}: dim {d} is uneven under a _StridedShard; torch's chunking of it "
-                                      f"has no single layout")
-                padded[d] = -(-local // k) * k  # torch.chunk: ceil(n/k) per shard, the last ones short or empty
-                blocks[d] = [(MEMORY, padded[d])]
-                local = padded[d]
-            sharded.add(d)
-            blocks[d] = _split_local(blocks[d], [(split, None), (k, axis), (local // (split * k), None)], what)
-        else:
-            raise LayoutError(f"{what}: unsupported placement {p!r}")
-    for d, axes in nested.items():
-        # torch chunks dim d again inside each chunk, so chunks differ per mesh coordinate:
-        # pad every chunk to the largest, and record which padded index holds which row.
-        ks = [k for _, k in axes]
-        ranges = _torch_chunk_ranges(shape[d], ks)
-        chunk = max(size for _, size in ranges.values())
-        padded[d] = math.prod(ks) * chunk
-        blocks[d] = [(axis, k) for axis, k in axes] + [(MEMORY, chunk)]
-        mapping = [-1] * padded[d]
-        for coords, (start, size) in ranges.items():
-            position = 0
-            for c, k in zip(coords, ks):
-                position = position * k + c
-            mapping[position * chunk:position * chunk + size] = range(start, start + size)
-        true_index[d] = tuple(mapping)
-    local_shape = [math.prod(e for a, e in block if a == MEMORY) for block in blocks]
-    shard: list[Iter] = []
-    if partial:
-        shard += partial
-    inner = math.prod(local_shape)
-    for d, block in enumerate(blocks):
-        inner //= local_shape[d]
-        mem_stride = inner * local_shape[d]
-        axis_pieces: dict[str, list[int]] = {}
-        for a, e in block:
-            if a != MEMORY:
-                axis_pieces.setdefault(a, []).append(e)
-        axis_stride = {a: math.prod(es) for a, es in axis_pieces.items()}
-        for a, e in block:
-            if a == MEMORY:
-                mem_stride //= e
-                shard.append(Iter(e, mem_stride))
-            else:
-                axis_stride[a] //= e
-                shard.append(Iter(e, axis_stride[a], a))
-    layout = Layout(shard, replica)
-    if op is None:
-        return _make_spec(mesh, layout, shape, tuple(padded), true_index=tuple(true_index))
-    summands = math.prod(it.extent for it in partial)
-    if summands_for_partial not in (None, 1, summands):
-        raise LayoutError(f"{what}: {summands} partial summands, the tensor has {summands_for_partial}")
-    return _make_spec(mesh, layout, shape, tuple(padded), op, summands, tuple(true_index))
-
-
-def _dim_of(placement, ndim: int, what: str) -> int:
-    d = placement.dim if placement.dim >= 0 else placement.dim + ndim
-    if not 0 <= d < ndim:
-        raise LayoutError(f"{what}: {placement} names dim {placement.dim} of a {ndim}-d tensor")
-    return d
-
-
-def _nested_uneven_dims(shape, mesh: DeviceMesh, placements) -> dict[int, list[tuple[str, int]]]:
-    """Dims that two or more plain Shards split and that their product does not divide:
-    ``{dim: [(axis, size), ...] in mesh order}``."""
-    what = f"placements {list(placements)} for shape {list(shape)}"
-    by_dim: dict[int, list] = {}
-    for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
-        if isinstance(p, (Shard, _StridedShard)):
-            by_dim.setdefault(_dim_of(p, len(shape), what), []).append((axis, k, p))
-    return {d: [(axis, k) for axis, k, _ in shards] for d, shards in by_dim.items()
-            if len(shards) > 1 and shape[d] % math.prod(k for _, k, _ in shards)
-            and not any(isinstance(p, _StridedShard) for _, _, p in shards)}
-
-
-def layout_from_placements(shape: Sequence[int], mesh: DeviceMesh, placements) -> Layout:
-    """The layout of torch placements: ``(8,6)``, 4 GPUs, ``[Shard(0)]`` -> ``S[(4,2,6):(1@gpuid,6,1)]``.
-
-    For an uneven dim the layout admits the padded shape (each shard ``ceil(n/k)``); with
-    ``Partial`` it has the leading summand dim.
-    """
-    return _spec_from_placements(shape, mesh, placements).layout
-
-
-def _placements_for(spec: _Spec) -> tuple[Placement, ...]:
-    """Read placements off the layout's blocks, then check they give back the same map."""
-    mesh = spec.mesh
-    blocks = spec.layout.blocks(spec.full_shape)
-    first_dim = 1 if spec.reduce_op else 0
-    placements = []
-    for index, axis in enumerate(mesh.axis_names):
-        where = [d for d, block in enumerate(blocks) if any(it.axis == axis for it in block)]
-        if not where:
-            placements.append(Replicate())
-            continue
-        d = where[0]
-        if spec.reduce_op and d == 0:
-            placements.append(Partial(spec.reduce_op))
-            continue
-        block = blocks[d]
-        first = next(i for i, it in enumerate(block) if it.axis == axis)
-        split = math.prod(it.extent for it in block[:first]
-                          if it.axis != MEMORY and mesh.axis_names.index(it.axis) > index)
-        dim = d - first_dim
-        placements.append(_StridedShard(dim, split_factor=split) if split > 1 else Shard(dim))
-    try:
-        again = _spec_from_placements(spec.shape, mesh, placements, spec.summands)
-    except LayoutError as e:
-        again, reason = None, str(e)
-    if again is None or (again.layout, again.padded, again.true_index) != (spec.layout, spec.padded, spec.true_index):
-        got = reason if again is None else f"those give {again.layout} over {list(again.padded)}"
-        raise LayoutError(f"layout {spec.layout} over {list(spec.full_shape)} has no placement form on mesh "
-                          f"{mesh.axis_names}={mesh.shape} (nearest: {placements}; {got})")
-    return tuple(placements)
-
-
-def placements_from_layout(layout: Layout, mesh: DeviceMesh, shape: Sequence[int], *,
-                           reduce_op: str | None = None) -> tuple[Placement, ...]:
-    """Torch placements with the same map: ``S[(4,2,6):(1@gpuid,6,1)]``, shape (8,6) -> ``(Shard(0),)``.
-
-    ``shape`` is the shape the layout admits (with ``reduce_op``: without the summand dim).
-    Raises LayoutError naming the layout when no placements give the same map.
-    """
-    return _placements_for(_spec_for_layout(mesh, layout, shape, None, reduce_op, dims_include_summands=False))
-
-
 def from_torch(torch_dtensor) -> DTensor:
     """The axedist DTensor equal to a torch DTensor (same local tensors; mesh axes keep their names)."""
     mesh = _mesh_from_torch(torch_dtensor.device_mesh)
-    spec = _spec_from_placements(torch_dtensor.shape, mesh, torch_dtensor.placements)
+    spec = spec_from_placements(torch_dtensor.shape, mesh, torch_dtensor.placements)
     local = torch_dtensor.to_local()
     if spec.reduce_op:
         local = local.unsqueeze(0)
-    expected = _table(spec).local_shapes[mesh.position()]
+    expected = element_table(spec).local_shapes[mesh.position()]
     if tuple(local.shape) != expected:
         raise LayoutError(f"from_torch: torch's local shape {tuple(local.shape)} differs from the layout's {expected} "
                           f"for {spec}")

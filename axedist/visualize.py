@@ -19,16 +19,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .dtensor import DTensor, _make_spec, _table
+from .dtensor import DTensor
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh
+from .spec import element_table, make_spec
 
 __all__ = ["visualize"]
 
 
 def _holder_grid(spec) -> list[list[str]]:
     """Ranks holding each element (summands merged), as a rows x cols grid of labels."""
-    table = _table(spec)
+    table = element_table(spec)
     elements = table.offsets.numel() // spec.summands
     holders = table.holders.reshape(spec.summands, elements, -1).permute(1, 0, 2).reshape(elements, -1).tolist()
     labels = [",".join(str(spec.mesh.ranks[p]) for p in sorted(set(row))) for row in holders]
@@ -61,7 +62,7 @@ def visualize(dt_or_layout, mesh: DeviceMesh | None = None, shape: Sequence[int]
     elif isinstance(dt_or_layout, Layout):
         if mesh is None or shape is None:
             raise LayoutError("visualize(layout, mesh, shape) needs the mesh and the tensor's shape")
-        spec = _make_spec(mesh, dt_or_layout, tuple(shape))
+        spec = make_spec(mesh, dt_or_layout, tuple(shape))
     else:
         raise LayoutError(f"visualize takes an axedist DTensor or a Layout, got {type(dt_or_layout).__name__}")
     if len(spec.shape) not in (1, 2):

@@ -404,7 +404,7 @@ def _keep_partial(rank, world, cases, device_type="cpu"):
     from torch.distributed.tensor import DTensor as TorchDTensor
     from torch.distributed.tensor import Partial, Replicate
 
-    from axedist.dtensor import _spec_from_placements
+    from axedist.spec import spec_from_placements
 
     reduce = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0),
               "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
@@ -420,7 +420,7 @@ def _keep_partial(rank, world, cases, device_type="cpu"):
                                             [Partial(op), Partial(op)], run_check=False)
         want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
         # redistribute(placements) keeps the summand count (dtensor's target spec); a layout target may drop some
-        spec = _spec_from_placements(shape, mesh, dst_pl)
+        spec = spec_from_placements(shape, mesh, dst_pl)
         with plan_executor.record() as ran:
             got = ax.from_torch(torch_src).redistribute(spec.layout, padded_shape=spec.padded, reduce_op=op)
         local = got.to_local()[0]

@@ -214,8 +214,8 @@ def _distribute_param(param: nn.Parameter, mesh: DeviceMesh, where, shared: dict
 
 
 def _spec_of(x: DTensor, target):
-    from ..dtensor import _target_spec
-    return _target_spec(x._spec, target, None, None)
+    from ..spec import target_spec
+    return target_spec(x._spec, target, None, None)
 
 
 def _check_type(style, module, kinds):

@@ -36,6 +36,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layout import Layout, LayoutError
+from ..spec import (DTensorSpec, element_table, make_spec, nested_chunk, placements_of, replicated_layout,
+                    spec_from_placements)
 from .registry import ArgSpec, OpCall, Sharding, rule_for
 
 __all__ = ["dispatch", "DispatchError", "clear_caches", "cache_info", "fallback_ops"]
@@ -123,7 +125,7 @@ def _arg_spec(dt) -> ArgSpec:
     found = _ARG_SPECS.get(key)
     if found is None:
         try:
-            placements = _dtensor_module()._placements_for(spec)
+            placements = placements_of(spec)
         except LayoutError:
             placements = None
         found = ArgSpec(spec.shape, dt.dtype, spec.mesh, spec.layout, placements, spec.reduce_op, spec)
@@ -136,18 +138,9 @@ def _arg_spec(dt) -> ArgSpec:
 @functools.lru_cache(maxsize=4096)
 def _spec_of(shape: tuple, mesh, target, summands: int | None = None):
     """The spec of placements (or a Layout) for a global shape."""
-    dt = _dtensor_module()
     if isinstance(target, Layout):
-        return dt._make_spec(mesh, target, shape)
-    return dt._spec_from_placements(shape, mesh, tuple(target), summands_for_partial=summands)
-
-
-def _chunk_size(n: int, ks_coords) -> int:
-    """torch.chunk applied once per (parts, index): the size of the piece this rank keeps."""
-    for k, c in ks_coords:
-        chunk = -(-n // k)
-        n = max(0, min((c + 1) * chunk, n) - min(c * chunk, n))
-    return n
+        return make_spec(mesh, target, shape)
+    return spec_from_placements(shape, mesh, tuple(target), summands_for_partial=summands)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -160,12 +153,12 @@ def _expected_local_shape(spec, placements) -> tuple[int, ...]:
         for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
             if isinstance(p, Shard):
                 per_dim.setdefault(p.dim % max(len(spec.shape), 1), []).append((k, coords[axis]))
-        shape = tuple(_chunk_size(n, per_dim.get(d, ())) for d, n in enumerate(spec.shape))
+        shape = tuple(nested_chunk(n, per_dim.get(d, ()))[1] for d, n in enumerate(spec.shape))
         return ((1,) if spec.reduce_op else ()) + shape
     if spec.padded == spec.shape and not spec.true_index:
         # unpadded: every reached device holds the whole local box
         return spec.local_padded if _reaches_here(spec.layout, mesh) else (0,) * len(spec.full_shape)
-    return tuple(_dtensor_module()._table(spec).local_shapes[mesh.position()])
+    return tuple(element_table(spec).local_shapes[mesh.position()])
 
 
 def _reaches_here(layout: Layout, mesh) -> bool:
@@ -310,7 +303,7 @@ def _meta_outputs(func, args, kwargs, sharding):
 def _normalize_outputs(outputs, count: int, func):
     """A rule's ``outputs`` as one entry per output."""
     def one(entry):
-        return entry is None or isinstance(entry, (Layout, ArgSpec, _dtensor_module()._Spec)) or (
+        return entry is None or isinstance(entry, (Layout, ArgSpec, DTensorSpec)) or (
             isinstance(entry, (list, tuple)) and all(not isinstance(p, (list, tuple, Layout)) and p is not None
                                                      for p in entry))
 
@@ -394,7 +387,7 @@ def _plan_call(func, args, kwargs, dts, mesh, info: _OpInfo) -> _CallPlan | None
         shape = tuple(value.shape)
         if isinstance(entry, ArgSpec):  # exactly that argument's spec (alias, detach)
             spec, placements = entry.spec, entry.placements
-        elif isinstance(entry, _dtensor_module()._Spec):
+        elif isinstance(entry, DTensorSpec):
             spec, placements = entry, None
         elif isinstance(entry, Layout):
             spec = _spec_of(shape, mesh, entry)
@@ -471,7 +464,7 @@ _DEFERRABLE = (aten.mm.default, aten.addmm.default)
 
 def _placements_or_none(spec):
     try:
-        return _dtensor_module()._placements_for(spec)
+        return placements_of(spec)
     except LayoutError:
         return None
 
@@ -868,7 +861,7 @@ def _fallback(func, args, kwargs, dts, mesh, info: _OpInfo):
     full = {}
     for d in dts:
         if id(d) not in full:
-            replicated = dtm._make_spec(mesh, dtm._replicated_layout(d.shape, mesh), d.shape)
+            replicated = make_spec(mesh, replicated_layout(d.shape, mesh), d.shape)
             full[id(d)] = (d, replicated, dtm.redistribute_local(d._local, d._spec, replicated))
     local_args, local_kwargs = _replace_all(args, kwargs, lambda d: full[id(d)][2])
     result = func(*local_args, **local_kwargs)
@@ -887,7 +880,7 @@ def _fallback(func, args, kwargs, dts, mesh, info: _OpInfo):
     def wrap(value):
         if isinstance(value, torch.Tensor):
             if value.dim() == 0 or value.numel() > 0:
-                spec = dtm._make_spec(mesh, dtm._replicated_layout(value.shape, mesh), value.shape) \
+                spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape) \
                     if value.numel() > 0 else None
                 if spec is not None:
                     return dtm.DTensor(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from ..spec import make_spec, replicated_layout
 from .registry import ArgSpec, OpCall, Partial, Replicate, Sharding, register
 from .shard_ranges import inputs_by_name, local_piece, without_partial
 
@@ -51,10 +52,9 @@ def _piece(full: torch.Tensor, spec: ArgSpec, placements) -> torch.Tensor:
     layout has no placement form, under the argument's own layout."""
     if placements is not None:
         return local_piece(full, spec.mesh, placements).contiguous()
-    from .. import dtensor  # the layout's own map (the planner slices locally: nothing is sent)
     from ..collectives.plan_executor import redistribute_local
 
-    whole = dtensor._make_spec(spec.mesh, dtensor._replicated_layout(tuple(full.shape), spec.mesh), tuple(full.shape))
+    whole = make_spec(spec.mesh, replicated_layout(tuple(full.shape), spec.mesh), tuple(full.shape))
     return redistribute_local(full, whole, spec.spec)
 
 

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..mesh import DeviceMesh
+from ..spec import nested_chunk
 
 __all__ = ["dim_range", "inputs_by_name", "local_piece", "named_args", "sharding_axes", "without_partial"]
 
@@ -26,12 +27,8 @@ def sharding_axes(mesh: DeviceMesh, placements, dim: int, ndim: int) -> list[tup
 def dim_range(n: int, dim: int, mesh: DeviceMesh, placements, ndim: int | None = None) -> tuple[int, int]:
     """``(start, size)`` of this rank's piece of a dim of extent ``n`` (torch.chunk, nested per axis)."""
     coords = mesh.coordinates()
-    start, size = 0, n
-    for axis, k in sharding_axes(mesh, placements, dim, dim + 1 if ndim is None else ndim):
-        chunk = -(-size // k)
-        lo, hi = min(coords[axis] * chunk, size), min((coords[axis] + 1) * chunk, size)
-        start, size = start + lo, hi - lo
-    return start, size
+    axes = sharding_axes(mesh, placements, dim, dim + 1 if ndim is None else ndim)
+    return nested_chunk(n, [(k, coords[axis]) for axis, k in axes])
 
 
 def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:

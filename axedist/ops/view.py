@@ -23,15 +23,10 @@ import math
 import torch
 
 from ..layout import Iter, Layout, LayoutError, row_major_memory
+from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
 aten = torch.ops.aten
-
-
-def _dtm():
-    from .. import dtensor
-
-    return dtensor
 
 
 def _out_shape(call: OpCall) -> tuple[int, ...]:
@@ -103,7 +98,7 @@ def _local_reshape(out_placements_or_layout, out_shape, mesh, reduce_op=None):
         from .dispatch import _expected_local_shape, _spec_of
 
         target = out_placements_or_layout
-        spec = target if isinstance(target, _dtm()._Spec) else _spec_of(out_shape, mesh, target)
+        spec = target if isinstance(target, DTensorSpec) else _spec_of(out_shape, mesh, target)
         shape = _expected_local_shape(spec, None if not isinstance(target, tuple) else target)
         return shape[1:] if spec.reduce_op else shape
 
@@ -135,7 +130,7 @@ def _layout_way(spec: ArgSpec, new_shape: tuple, perm=None):
         iters = [Iter(it.extent, st, it.axis) if st is not None else it
                  for block, block_strides in zip(blocks, strides) for it, st in zip(block, block_strides)]
         layout = Layout(iters, s.layout.replica, s.layout.offset)
-        return _dtm()._make_spec(s.mesh, layout, tuple(new_shape), None, s.reduce_op, s.summands)
+        return make_spec(s.mesh, layout, tuple(new_shape), None, s.reduce_op, s.summands)
     except LayoutError:
         return None
 
