@@ -2,17 +2,9 @@
 allows, else batched ``isend``/``irecv`` (always correct). Nothing is planned here.
 
 ``execute_plan(plan, buffer, mesh)`` maps this rank's flat buffer under ``plan.source`` to its
-flat buffer under ``plan.target``; ``redistribute_local(local, src_spec, dst_spec)`` runs the
-route ``plan_redistribute`` gives between two specs on true local tensors. Example, 4 ranks,
-an ``(8, 6)`` tensor sharded on dim 0 gathered everywhere::
-
-    >>> execute_plan(plan, torch.arange(12.) + 12 * rank, mesh)     # every rank: arange(48.)
-    >>> print(explain_execution(plan, mesh))        # str(plan), then per step on this rank:
-      executed on gloo (DeviceMesh(...)); this rank:
-        1. all_gather: all_gather_into_tensor on the mesh's ('gpuid',) group; last call ran on torch.distributed
-
-On CUDA (NCCL) a synchronous all-gather, reduce-scatter or all-reduce (sum/avg) goes through
-``axedist.collectives.api`` (``steps.BACKEND``, default "auto": the measured table per size).
+flat buffer under ``plan.target`` (an ``(8, 6)`` ``Shard(0) -> Replicate()`` on 4 ranks: rank r's
+``arange(12.) + 12 r`` becomes ``arange(48.)`` everywhere); ``redistribute_local(local, src_spec,
+dst_spec)`` runs the route ``plan_redistribute`` gives on true local tensors.
 """
 
 from __future__ import annotations
