@@ -21,8 +21,9 @@ __all__ = ["FusedStep", "row_scatter_axis"]
 
 @dataclass(frozen=True)
 class FusedStep:
-    """A GEMM whose partial sums one fused kernel reduce-scatters: ``FusedStep("tp", True,
-    "measured faster", gemm)`` prints as ``fused GEMM + reduce-scatter: <gemm>``."""
+    """A GEMM whose partial sums one fused kernel reduce-scatters. A route with
+    ``fused=FusedStep("tp", True, "measured faster", gemm)`` prints as ``fused GEMM +
+    reduce-scatter: <gemm>``; with ``fused=False``, as the GEMM, then its steps, and why not."""
 
     axis: str               # the mesh axis reduce-scattered
     fused: bool             # the fused kernel runs (else: the GEMM, then the route's steps)
