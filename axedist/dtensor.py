@@ -46,7 +46,8 @@ from .layout import Layout, LayoutError
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
-from .collectives.plan_executor import redistribute_local
+from .planning import plan_layouts, plan_redistribute
+from .runtime import redistribute_local
 from .mesh import DeviceMesh, MeshError
 
 __all__ = [
@@ -670,13 +671,14 @@ class _Distribute(torch.autograd.Function):
 
 
 def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None, itemsize: int | None = None):
-    """The layout-inference plan (``axedist.Plan``) that moves ``src`` to ``dst``; nothing moves.
+    """The route (``axedist.Redistribution``) that moves ``src`` to ``dst``: every step it runs; nothing moves.
 
     ``src``: a DTensor, or a layout / placements with ``mesh=`` and ``shape=``; ``dst``: a
     layout or placements (or a DTensor, whose layout is the target). Example, 4 ranks::
 
         >>> print(ax.plan(x, [Replicate()]))        # x: (8, 6) in [Shard(0)]
-        all-gather over gpuid ...
+        plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], ...
+          1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
 
     ``src`` the pending sum of an ``mm``/``addmm`` (deferred, see ``_DeferredGemm``) and
     ``dst`` its rows sharded on the summed axis: a :class:`FusedGemmPlan`, whose text says
@@ -697,19 +699,10 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     if isinstance(src, DTensor) and isinstance(src._pending, _DeferredGemm) and src._pending.value is None:
         choice = _fused_choice(src_spec, src._pending, dst_spec)
         if choice is not None:
-            from .layout_inference import plan_layouts
-
             collective = plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
                                       src_spec.reduce_op)
             return FusedGemmPlan(choice.fused, choice.gemm, choice.reason, collective)
-    if src_spec.padded == dst_spec.padded and src_spec.true_index == dst_spec.true_index:
-        from .layout_inference import plan_layouts
-
-        return plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
-                            src_spec.reduce_op)
-    from .collectives import plan_executor
-
-    return plan_executor.plan_for(src_spec, dst_spec, itemsize).plans[0]
+    return plan_redistribute(src_spec, dst_spec, itemsize)
 
 
 # ---------------------------------------------------------------------------

@@ -296,7 +296,7 @@ def write_outputs(results, world, out_dir, meta=None):
     summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
     with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
-    from record import append_history  # benchmarks/record.py, beside this script
+    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"gemm_rs_w{world}", meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
     if gemm_rs.tuned_table():
         with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:

@@ -177,7 +177,7 @@ def main(argv=None) -> None:
         with open(stem + ".json", "w") as f:
             json.dump(record, f, indent=1)
         meta = dict(record, machine=f"{world}x {device}", command=record["command"])
-        from record import append_history  # benchmarks/record.py, beside this script
+        from history import append_history  # benchmarks/history.py, beside this script
         append_history(args.out, os.path.basename(stem), meta, dict(results=results, torch_over_axedist=ratio))
         with open(stem + ".md", "w") as f:
             f.write(f"# TP training step: axedist vs torch parallelize_module\n\n"
