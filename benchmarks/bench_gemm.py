@@ -17,6 +17,9 @@ Host time per launch (us, timing.host_time_us) of cublas, core and fused_gemm_on
 candidate's output is checked against cuBLAS's once (relative error <= 1e-2, output poisoned).
 Writes gemm_onegpu.{json,md,png} into --out and appends a line to history/gemm_onegpu.jsonl.
 --tables-from writes axedist/kernels/gemm_tuned.json (the best config per shape) from a result.
+--probe first runs every candidate config alone in a subprocess with a time limit (compile,
+one call on a few shapes checked against cuBLAS, a short timing); only the configs that pass
+are benchmarked, so a kernel that hangs or fails costs its time limit, not the run.
 """
 import argparse
 import datetime
@@ -26,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,6 +42,86 @@ SHAPES = (
     ("inference", 128, 8192, 7168), ("inference", 512, 8192, 7168),
 )
 NAME = "gemm_onegpu"
+
+
+PROBE_SHAPES = ((300, 1000, 520, True), (2048, 8192, 2048, False), (128, 8192, 7168, False),
+                (8192, 8192, 7168, False))
+
+
+def probe_one(text):
+    """One config alone: compile, check, time (prints one JSON line)."""
+    import faulthandler
+
+    import torch
+
+    from axedist.collectives.timing import device_time
+    from axedist.kernels import gemm as core
+
+    faulthandler.dump_traceback_later(40, exit=True)  # where a hang sits, then give up
+    config = core.GemmCoreConfig.parse(text)
+    result = dict(config=text, shapes={})
+    for m, n, k, transposed in PROBE_SHAPES:
+        if config.split_k > 1 and m > 2048:
+            continue
+        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda") / math.sqrt(k)).to(torch.bfloat16)
+        b = w.t() if transposed else w.t().contiguous()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        start = time.perf_counter()
+        core.gemm(a, b, out=out, config=config)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        reference = a.float() @ b.float()
+        error = ((out.float() - reference).norm() / reference.norm()).item()
+        c = torch.empty_like(out)
+        times = device_time({"cublas": lambda: torch.mm(a, b, out=c),
+                             "core": lambda: core.gemm(a, b, out=out, config=config)},
+                            calls=10, batches=3)
+        result["shapes"][f"{m}x{n}x{k}"] = dict(error=error, first_call_s=first, **times)
+        print(f"  probe {text} {m}x{n}x{k}: error {error:.2e}, cublas {times['cublas']:.4f} ms, "
+              f"core {times['core']:.4f} ms", file=sys.stderr, flush=True)
+    result["ok"] = all(v["error"] <= 1e-2 for v in result["shapes"].values())
+    print("PROBE " + json.dumps(result), flush=True)
+
+
+def probe(configs, limit_s):
+    """Every config in a subprocess of its own; returns {config: result or failure}."""
+    results = {}
+    hung = set()  # families (specialized?, device descriptors?, flattened?) with a hang
+    for text in configs:
+        from axedist.kernels.gemm import GemmCoreConfig
+        parsed = GemmCoreConfig.parse(text)
+        family = (parsed.warp_specialize, parsed.device_descriptors, parsed.flatten)
+        if family in hung:
+            results[text] = dict(config=text, ok=False, failure="skipped: a config of its "
+                                 "family did not answer", probe_s=0.0)
+            print(f"probe {text}: skipped (family hung)", flush=True)
+            continue
+        start = time.perf_counter()
+        try:
+            run = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe-one", text],
+                                 capture_output=True, text=True, timeout=limit_s)
+            lines = [line for line in run.stdout.splitlines() if line.startswith("PROBE ")]
+            if lines:
+                results[text] = json.loads(lines[-1][6:])
+            else:
+                results[text] = dict(config=text, ok=False, failure=f"exit {run.returncode}: "
+                                     + (run.stderr or run.stdout)[-1500:])
+        except subprocess.TimeoutExpired as expired:
+            stderr = expired.stderr.decode() if isinstance(expired.stderr, bytes) else (expired.stderr or "")
+            results[text] = dict(config=text, ok=False, failure=f"no answer in {limit_s} s: "
+                                 + stderr[-1500:])
+            hung.add(family)
+        if "no answer" in results[text].get("failure", "") or "Timeout" in results[text].get("failure", ""):
+            hung.add(family)
+        results[text]["probe_s"] = time.perf_counter() - start
+        print(f"probe {text}: {'ok' if results[text]['ok'] else 'FAILED'} "
+              f"({results[text]['probe_s']:.0f} s) "
+              + json.dumps({k: (v.get('core'), v.get('cublas'), v.get('error'))
+                            for k, v in results[text].get('shapes', {}).items()})
+              + ("" if results[text]["ok"] else " " + results[text].get("failure", "")[-600:]),
+              flush=True)
+    return results
 
 
 def measure(args):
@@ -65,12 +149,13 @@ def measure(args):
 
         c = output("cublas")
         fns["cublas"] = lambda c=c: torch.mm(a, b, out=c)
-        c = output("core")
-        fns["core"] = lambda c=c: core.gemm(a, b, out=c)
+        if args.candidates is None or core.core_config(m, n, k, 0) in args.candidates:
+            c = output("core")
+            fns["core"] = lambda c=c: core.gemm(a, b, out=c)
         fused_config = default_config(m, n, k, 4, torch.bfloat16)
         c = output("fused_gemm_only")
         fns["fused_gemm_only"] = lambda c=c: gemm_only(a, b, 4, fused_config, out=c)
-        candidates = [config for config in core.CORE_CANDIDATES
+        candidates = [config for config in (args.candidates or core.CORE_CANDIDATES)
                       if config.split_k == 1 or m <= 2048]
         for config in candidates:
             c = output(str(config))
@@ -235,7 +320,16 @@ def main():
     parser.add_argument("--render", default=None, metavar="RESULTS_JSON")
     parser.add_argument("--tables-from", default=None, metavar="RESULTS_JSON")
     parser.add_argument("--no-history", action="store_true")
+    parser.add_argument("--probe", type=float, default=0, metavar="SECONDS",
+                        help="probe every candidate alone first, at most SECONDS each")
+    parser.add_argument("--probe-one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-only", action="store_true", help="stop after the probe")
+    parser.add_argument("--configs-from", default=None, metavar="PROBE_JSON",
+                        help="benchmark only the configs a recorded probe passed")
     args = parser.parse_args()
+    if args.probe_one:
+        probe_one(args.probe_one)
+        return
     if args.tables_from:
         write_tables(args.tables_from)
         return
@@ -245,6 +339,23 @@ def main():
         write_outputs(saved["rows"], saved["meta"], args.out)
         return
     meta = machine_meta("python3 benchmarks/bench_gemm.py " + " ".join(sys.argv[1:]))
+    from axedist.kernels import gemm as core
+    args.candidates = None
+    if args.probe:
+        probes = probe([str(config) for config in core.CORE_CANDIDATES], args.probe)
+        meta["probe"] = probes
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{NAME}_probe.json"), "w") as handle:
+            json.dump(probes, handle, indent=1)
+        args.candidates = [config for config in core.CORE_CANDIDATES if probes[str(config)]["ok"]]
+        print("passing: " + ",".join(map(str, args.candidates)), flush=True)
+        if not args.candidates or args.probe_only:
+            return
+    if args.configs_from:
+        with open(args.configs_from) as handle:
+            probes = json.load(handle)
+        args.candidates = [config for config in core.CORE_CANDIDATES
+                           if probes.get(str(config), {}).get("ok")]
     rows = measure(args)
     write_outputs(rows, meta, args.out)
     if not args.no_history:

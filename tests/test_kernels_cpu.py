@@ -719,9 +719,11 @@ def _compile_core(config, tma=True, transposed=False):
     constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
                       STAGES=config.stages, USE_TMA=tma, B_TRANSPOSED=transposed,
                       WS=config.warp_specialize and tma, SPLIT_K=config.split_k,
-                      FLATTEN=config.flatten)
-    if not tma:
+                      FLATTEN=config.flatten, DEVICE_DESC=config.device_descriptors and tma)
+    if not tma or config.device_descriptors:
         constexprs.update(a_desc=None, b_desc=None)
+        signature.pop("a_desc", None)
+        signature.pop("b_desc", None)
     return compile_for_target(gemm.gemm_kernel, signature, constexprs,
                               ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_am", "stride_bk", "stride_cm"],
                               num_warps=config.warps, num_stages=config.stages)
@@ -736,6 +738,8 @@ def test_gemm_core_candidates_compile_for_sm90a_and_fit_shared_memory():
         kernel = _compile_core(config)
         ptx = kernel.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx, config
+        if config.device_descriptors:
+            assert "tensormap.replace" in ptx and kernel.metadata.global_scratch_size > 0, config
         assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
         assert ".local" not in ptx, config   # no register spills
         if config.warp_specialize:

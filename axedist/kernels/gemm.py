@@ -77,11 +77,24 @@ def gemm_kernel(a_desc, a_ptr, b_desc, b_ptr, c_ptr, M, N, K, stride_am, stride_
                 stride_bn, stride_cm, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
                 B_TRANSPOSED: tl.constexpr, WS: tl.constexpr, SPLIT_K: tl.constexpr,
-                FLATTEN: tl.constexpr = False):
+                FLATTEN: tl.constexpr = False, DEVICE_DESC: tl.constexpr = False):
     """C[M, N] = A @ B on a persistent grid (any number of programs). SPLIT_K > 1: c_ptr is an
     fp32 buffer [SPLIT_K, M, N] of partial products (row stride stride_cm = N). FLATTEN (not
     with WS): Triton pipelines the tile loop and the K loop as one, so the next tile's first
-    loads are issued before the last tile's epilogue."""
+    loads are issued before the last tile's epilogue. DEVICE_DESC: the TMA descriptors are
+    built by each program in global scratch memory from the pointers (a_desc, b_desc unused)."""
+    if DEVICE_DESC:
+        a_load = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BM, BK])
+        if B_TRANSPOSED:
+            b_load = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                               block_shape=[BN, BK])
+        else:
+            b_load = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_bk, 1],
+                                               block_shape=[BK, BN])
+    else:
+        a_load = a_desc
+        b_load = b_desc
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     tiles = tiles_m * tiles_n
@@ -93,7 +106,7 @@ def gemm_kernel(a_desc, a_ptr, b_desc, b_ptr, c_ptr, M, N, K, stride_am, stride_
         split = unit // tiles
         tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         k_first = split * per_split
-        accumulator = gemm_tile(a_desc, a_ptr, b_desc, b_ptr, tile_m * BM, tile_n * BN, k_first,
+        accumulator = gemm_tile(a_load, a_ptr, b_load, b_ptr, tile_m * BM, tile_n * BN, k_first,
                                 tl.minimum(per_split, k_tiles - k_first), M, N, K, stride_am,
                                 stride_ak, stride_bk, stride_bn, BM, BN, BK, STAGES, USE_TMA,
                                 B_TRANSPOSED)
@@ -136,43 +149,49 @@ class GemmCoreConfig:
     warp_specialize: bool = True
     split_k: int = 1
     flatten: bool = False
+    device_descriptors: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "GemmCoreConfig":
         """The config str() printed as `text`.
 
         >>> GemmCoreConfig.parse("128x256x64/g8/s4/w4/ws/k1")
-        GemmCoreConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=4, warps=4, warp_specialize=True, split_k=1, flatten=False)
+        GemmCoreConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=4, warps=4, warp_specialize=True, split_k=1, flatten=False, device_descriptors=False)
         """
         tile, *parts = text.split("/")
-        flags = {part for part in parts if part in ("ws", "fl")}
+        flags = {part for part in parts if part in ("ws", "fl", "dd")}
         try:
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             numbers = {part[0]: int(part[1:]) for part in parts if part not in flags}
-            if set(numbers) != set("gswk") or flags == {"ws", "fl"}:
+            if set(numbers) != set("gswk") or {"ws", "fl"} <= flags:
                 raise ValueError
         except ValueError:
             raise ValueError(f"not a GemmCoreConfig string: {text!r}") from None
         return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"],
-                   "ws" in flags, numbers["k"], "fl" in flags)
+                   "ws" in flags, numbers["k"], "fl" in flags, "dd" in flags)
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}{'/ws' if self.warp_specialize else ''}"
-                f"{'/fl' if self.flatten else ''}/k{self.split_k}")
+                f"{'/fl' if self.flatten else ''}{'/dd' if self.device_descriptors else ''}"
+                f"/k{self.split_k}")
 
 
 CORE_CANDIDATES = tuple(GemmCoreConfig.parse(text) for text in (
-    "128x256x64/g8/s4/w4/ws/k1",
+    "128x256x64/g8/s4/w8/k1",        # the fused kernel's tile, not specialized
+    "128x256x64/g8/s4/w4/ws/dd/k1",  # warp-specialized, descriptors built on the device
+    "128x256x64/g8/s4/w4/ws/k1",     # warp-specialized, descriptors encoded on the host
+    "128x256x64/g8/s3/w8/fl/k1",     # not specialized, tile and K loops pipelined as one
+    "64x128x64/g8/s6/w4/ws/dd/k1",   # small M: 128 tiles at M = 128, N = 8192
+    "128x256x64/g8/s3/w4/ws/dd/k1",
+    "256x128x64/g8/s4/w4/ws/dd/k1",
+    "128x128x64/g8/s4/w4/ws/dd/k2",  # small M: split-K (fp32 partials)
+    "128x256x64/g8/s3/w8/k1",
     "128x256x64/g8/s3/w4/ws/k1",
     "256x128x64/g8/s4/w4/ws/k1",
     "128x128x64/g8/s5/w4/ws/k1",
-    "128x256x64/g8/s3/w8/k1",      # the fused kernel's default tile, not specialized
-    "128x256x64/g8/s4/w8/k1",
-    "128x256x64/g8/s3/w8/fl/k1",   # not specialized, tile and K loops pipelined as one
-    "64x128x64/g8/s6/w4/ws/k1",    # small M: 128 tiles at M = 128, N = 8192
-    "128x128x64/g8/s4/w4/ws/k4",   # small M: split-K (fp32 partials)
-    "128x128x64/g8/s4/w4/ws/k2",
+    "64x128x64/g8/s6/w4/ws/k1",
+    "128x128x64/g8/s4/w4/ws/k4",
 ))
 
 _TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuned.json")
@@ -261,13 +280,17 @@ class CoreLaunch:
                         if split > 1 else None)
         target = self.partial if split > 1 else c
         stride_cm = n if split > 1 else c.stride(0)
+        device_desc = config.device_descriptors and self.use_tma
         constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k,
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
                           B_TRANSPOSED=b_transposed and self.use_tma,
                           WS=config.warp_specialize and self.use_tma, SPLIT_K=split,
-                          FLATTEN=config.flatten and not config.warp_specialize)
-        a_desc = TensorDescriptor.from_tensor(a, self.block_a) if self.use_tma else None
-        b_desc = TensorDescriptor.from_tensor(b, self.block_b) if self.use_tma else None
+                          FLATTEN=config.flatten and not config.warp_specialize,
+                          DEVICE_DESC=device_desc)
+        host_desc = self.use_tma and not device_desc
+        a_desc = TensorDescriptor.from_tensor(a, self.block_a) if host_desc else None
+        b_desc = TensorDescriptor.from_tensor(b, self.block_b) if host_desc else None
+        self.use_tma = host_desc  # whether calls refill encoded descriptors
         if not self.use_tma and b_transposed:
             raise ValueError("the pointer path takes B as row-major [K, N]")
         args = (a_desc, a, b_desc, b, target, m, n, k, *strides, stride_cm)
@@ -276,6 +299,11 @@ class CoreLaunch:
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) * split
         self.grid = max(1, min(tiles, multiprocessors(self.device_index)))
+        scratch = kernel.metadata.global_scratch_size
+        # device-built descriptors live in global scratch memory, one slice per program
+        self.scratch = (torch.empty(self.grid * scratch, dtype=torch.uint8, device=a.device)
+                        if scratch else None)
+        self.scratch_address = self.scratch.data_ptr() if scratch else None
         # the C launcher's argument list; slots of A, B and C are refilled per call
         self.template: list = []
         self.slots: dict[str, object] = {}
@@ -330,9 +358,9 @@ class CoreLaunch:
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         if self.sum is None:
             args[self.slots["c"]] = c.data_ptr()
-            self.kernel.launch_expanded(self.grid, stream, args)
+            self.kernel.launch_expanded(self.grid, stream, args, self.scratch_address)
         else:
-            self.kernel.launch_expanded(self.grid, stream, args)
+            self.kernel.launch_expanded(self.grid, stream, args, self.scratch_address)
             self.sum.launch_expanded(self.sum_grid, stream,
                                      [self.sum_static[0], c.data_ptr(), *self.sum_static[1:]])
 

@@ -60,9 +60,13 @@ class CompiledLaunch:
             self._raw = None
             self._launcher = launcher
         # Triton wraps the C launcher in a Python function that encodes tensor descriptors;
-        # the C function itself takes them encoded (launch_expanded)
+        # the C function itself takes them encoded (launch_expanded), and scratch memory
         closure = inspect.getclosurevars(raw).nonlocals if inspect.isfunction(raw) else {}
-        self._c_launch = closure.get("launcher", raw) if self._raw is not None else None
+        self._c_launch = closure.get("launcher", raw) if hasattr(launcher, "launch_pdl") else None
+        if self._c_launch is not None:
+            self._cooperative = bool(launcher.launch_cooperative_grid)
+            self._pdl = bool(launcher.launch_pdl)
+        self.scratch_bytes = getattr(compiled.metadata, "global_scratch_size", 0) or 0
         signature = list(getattr(compiled.src, "signature", {}).values())
         self.descriptor_positions = [i for i, kind in enumerate(signature)
                                      if isinstance(kind, str) and kind.startswith("tensordesc")]
@@ -85,13 +89,17 @@ class CompiledLaunch:
         from triton.backends.nvidia.driver import make_tensordesc_arg
         return make_tensordesc_arg(descriptor, self._descriptor_meta[position])
 
-    def launch_expanded(self, grid: int, stream: int, args: list) -> None:
+    def launch_expanded(self, grid: int, stream: int, args: list, scratch: int | None = None):
         """Launch with the runtime arguments in the C launcher's form: every tensor-descriptor
-        argument replaced by its descriptor_arguments, everything else an int or None."""
+        argument replaced by its descriptor_arguments, everything else an int or None.
+        scratch: the address of grid * scratch_bytes of global scratch memory, for a kernel
+        that needs it (device-built TMA descriptors)."""
         if self._c_launch is None:
-            raise RuntimeError(f"{self.name}: this kernel needs Triton's own launcher (scratch "
-                               f"memory or another Triton version); launch_expanded cannot run it")
-        self._c_launch(grid, 1, 1, stream, self.function, self._cooperative, self._pdl, None,
+            raise RuntimeError(f"{self.name}: another Triton launcher layout; launch_expanded "
+                               f"cannot run it")
+        if self.scratch_bytes and scratch is None:
+            raise ValueError(f"{self.name} needs {self.scratch_bytes} bytes of scratch per program")
+        self._c_launch(grid, 1, 1, stream, self.function, self._cooperative, self._pdl, scratch,
                        None, self.metadata, None, None, None, *args, *self.constexpr_values)
 
     def __repr__(self) -> str:
