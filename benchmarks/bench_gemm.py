@@ -212,7 +212,7 @@ def summary(rows):
     return result
 
 
-def write_outputs(rows, meta, out_dir):
+def write_outputs(rows, meta, out_dir, png=True):
     os.makedirs(out_dir, exist_ok=True)
     totals = summary(rows)
     with open(os.path.join(out_dir, f"{NAME}.json"), "w") as handle:
@@ -245,7 +245,8 @@ def write_outputs(rows, meta, out_dir):
         for column, value in totals.items() if "geomean" in value), ""]
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as handle:
         handle.write("\n".join(lines))
-    render_png(rows, meta, os.path.join(out_dir, f"{NAME}.png"))
+    if png:
+        render_png(rows, meta, os.path.join(out_dir, f"{NAME}.png"))
 
 
 def render_png(rows, meta, path):
@@ -320,6 +321,7 @@ def main():
     parser.add_argument("--render", default=None, metavar="RESULTS_JSON")
     parser.add_argument("--tables-from", default=None, metavar="RESULTS_JSON")
     parser.add_argument("--no-history", action="store_true")
+    parser.add_argument("--no-png", action="store_true")
     parser.add_argument("--probe", type=float, default=0, metavar="SECONDS",
                         help="probe every candidate alone first, at most SECONDS each")
     parser.add_argument("--probe-one", default=None, help=argparse.SUPPRESS)
@@ -357,7 +359,7 @@ def main():
         args.candidates = [config for config in core.CORE_CANDIDATES
                            if probes.get(str(config), {}).get("ok")]
     rows = measure(args)
-    write_outputs(rows, meta, args.out)
+    write_outputs(rows, meta, args.out, png=not args.no_png)
     if not args.no_history:
         append_history(rows, meta, args.out)
     print(json.dumps(summary(rows), indent=1))

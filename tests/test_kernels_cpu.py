@@ -747,6 +747,7 @@ def test_gemm_core_candidates_compile_for_sm90a_and_fit_shared_memory():
             assert kernel.metadata.num_warps == 12 and "setmaxnreg.inc" in ptx, config
     assert "wgmma" in _compile_core(gemm.CORE_CANDIDATES[0], transposed=True).asm["ptx"]
     assert "wgmma" in _compile_core(gemm.CORE_CANDIDATES[0], tma=False).asm["ptx"]
+    assert "ttg.warp_specialize" in _compile_core(gemm.CORE_CANDIDATES[-1], transposed=True).asm["ttgir"]
 
 
 def test_gemm_core_matches_a_float64_reference_under_the_interpreter():
@@ -799,9 +800,10 @@ def test_gemm_core_config_strings_and_heuristic():
         assert gemm.GemmCoreConfig.parse(str(config)) == config
     with pytest.raises(ValueError, match="not a GemmCoreConfig string"):
         gemm.GemmCoreConfig.parse("128x256x64/g8/s4/ws")
+    assert str(gemm.GemmCoreConfig()) == "128x256x64/g8/s3/w8/k1"
     # 32 tiles of 128 x 256 would leave most of 132 SMs idle at M = 128: 64 x 128 tiles (128)
     assert gemm.core_config(128, 8192, 7168).block_m == 64
-    assert gemm.core_config(8192, 8192, 7168) == gemm.TUNED.get("8192x8192x7168", gemm.GemmCoreConfig())
+    assert gemm.core_config(8192, 8192, 7168) == gemm.TUNED.get("8192x8192x7168", gemm.LARGE_TILE)
     tiny = gemm.core_config(64, 256, 8192)                  # 4 tiles even at 64 x 128: split K
     assert tiny.split_k > 1 and tiny.split_k <= 8
 

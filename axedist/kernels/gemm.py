@@ -14,7 +14,7 @@ SPLIT_K > 1 (few output tiles: small M) cuts K into SPLIT_K slices; work unit u 
 u // tiles of tile u % tiles into an fp32 partial, and `splitk_sum_kernel` adds the partials.
 
     >>> c = gemm(a, b)                      # a [M, K], b [K, N] (or nn.Linear's weight.t())
-    >>> gemm(a, b, config=GemmCoreConfig.parse("64x128x64/g8/s6/w4/ws/k1"))
+    >>> gemm(a, b, config=GemmCoreConfig.parse("64x128x64/g8/s6/w4/k1"))
 """
 from __future__ import annotations
 
@@ -138,15 +138,15 @@ def splitk_sum_kernel(partial_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr
 
 @dataclasses.dataclass(frozen=True)
 class GemmCoreConfig:
-    """Tiles and pipeline of the GEMM core. warp_specialize needs TMA and num_warps = 4 (the
-    consumers then hold 2 x 4 warps, the producer 4 more: 12 warps per program)."""
+    """Tiles and pipeline of the GEMM core. warp_specialize needs TMA, device descriptors and
+    num_warps = 4 (the consumers then hold 2 x 4 warps, the producer 4 more: 12 warps)."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     group_m: int = 8
-    stages: int = 4
-    warps: int = 4
-    warp_specialize: bool = True
+    stages: int = 3
+    warps: int = 8
+    warp_specialize: bool = False
     split_k: int = 1
     flatten: bool = False
     device_descriptors: bool = False
@@ -178,21 +178,21 @@ class GemmCoreConfig:
 
 
 CORE_CANDIDATES = tuple(GemmCoreConfig.parse(text) for text in (
-    "128x256x64/g8/s4/w8/k1",        # the fused kernel's tile, not specialized
-    "128x256x64/g8/s4/w4/ws/dd/k1",  # warp-specialized, descriptors built on the device
-    "128x256x64/g8/s4/w4/ws/k1",     # warp-specialized, descriptors encoded on the host
-    "128x256x64/g8/s3/w8/fl/k1",     # not specialized, tile and K loops pipelined as one
-    "64x128x64/g8/s6/w4/ws/dd/k1",   # small M: 128 tiles at M = 128, N = 8192
+    "128x256x64/g8/s3/w8/fl/k1",     # tile and K loops pipelined as one
+    "128x256x64/g8/s4/w8/fl/k1",
+    "128x256x64/g8/s3/w8/k1",        # the fused kernel's tile
+    "128x256x64/g8/s4/w8/k1",
+    "64x128x64/g8/s6/w4/k1",         # small M: 128 tiles at M = 128, N = 8192
+    "64x128x64/g8/s6/w4/fl/k1",
+    "128x128x64/g8/s4/w8/k2",        # small M: split-K (fp32 partials, then a sum kernel)
+    "128x256x64/g8/s4/w4/ws/dd/k1",  # warp-specialized (descriptors built on the device)
     "128x256x64/g8/s3/w4/ws/dd/k1",
-    "256x128x64/g8/s4/w4/ws/dd/k1",
-    "128x128x64/g8/s4/w4/ws/dd/k2",  # small M: split-K (fp32 partials)
-    "128x256x64/g8/s3/w8/k1",
-    "128x256x64/g8/s3/w4/ws/k1",
-    "256x128x64/g8/s4/w4/ws/k1",
-    "128x128x64/g8/s5/w4/ws/k1",
-    "64x128x64/g8/s6/w4/ws/k1",
-    "128x128x64/g8/s4/w4/ws/k4",
+    "64x128x64/g8/s6/w4/ws/dd/k1",
 ))
+# Warp specialization with host-encoded descriptors hung on an H200 (Triton 3.6: the first
+# launch never finished; benchmarks/results/gemm_onegpu_probe.md): refused, not a candidate.
+LARGE_TILE = CORE_CANDIDATES[0]
+SMALL_TILE = CORE_CANDIDATES[4]
 
 _TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuned.json")
 
@@ -210,25 +210,23 @@ TUNED: dict[str, GemmCoreConfig] = _load_tuned()
 
 
 def core_config(m: int, n: int, k: int, device_index: int = 0) -> GemmCoreConfig:
-    """The measured best config of this shape, else a heuristic: 128 x 256 warp-specialized
-    tiles, smaller tiles or split-K when they leave most SMs idle.
+    """The measured best config of this shape, else a heuristic: 128 x 256 tiles, smaller
+    tiles or split-K when they leave most SMs idle.
 
     >>> str(core_config(128, 8192, 7168, 0))      # 32 tiles of 128 x 256 on 132 SMs
-    '64x128x64/g8/s6/w4/ws/k1'
+    '64x128x64/g8/s6/w4/k1'
     """
     tuned = TUNED.get(f"{m}x{n}x{k}")
     if tuned is not None:
         return tuned
     processors = multiprocessors(device_index) if torch.cuda.is_available() else 132
-    big = GemmCoreConfig()
     if triton.cdiv(m, 128) * triton.cdiv(n, 256) * 2 >= processors:
-        return big
-    small = GemmCoreConfig(64, 128, 64, 8, 6, 4, True, 1)
-    if triton.cdiv(m, 64) * triton.cdiv(n, 128) * 2 >= processors:
-        return small
+        return LARGE_TILE
     tiles = triton.cdiv(m, 64) * triton.cdiv(n, 128)
+    if tiles * 2 >= processors:
+        return SMALL_TILE
     split = max(1, min(8, processors // max(tiles, 1), triton.cdiv(k, 64) // 4))
-    return dataclasses.replace(small, split_k=split)
+    return dataclasses.replace(SMALL_TILE, split_k=split)
 
 
 def tma_compatible(t: torch.Tensor) -> bool:
@@ -280,6 +278,9 @@ class CoreLaunch:
                         if split > 1 else None)
         target = self.partial if split > 1 else c
         stride_cm = n if split > 1 else c.stride(0)
+        if config.warp_specialize and not config.device_descriptors:
+            raise ValueError(f"{config}: warp specialization with host-encoded descriptors hung "
+                             f"on Hopper (Triton 3.6); use device descriptors (/dd)")
         device_desc = config.device_descriptors and self.use_tma
         constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k,
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
@@ -290,9 +291,9 @@ class CoreLaunch:
         host_desc = self.use_tma and not device_desc
         a_desc = TensorDescriptor.from_tensor(a, self.block_a) if host_desc else None
         b_desc = TensorDescriptor.from_tensor(b, self.block_b) if host_desc else None
-        self.use_tma = host_desc  # whether calls refill encoded descriptors
         if not self.use_tma and b_transposed:
             raise ValueError("the pointer path takes B as row-major [K, N]")
+        self.use_tma = host_desc  # whether calls refill encoded descriptors
         args = (a_desc, a, b_desc, b, target, m, n, k, *strides, stride_cm)
         kernel = gemm_kernel.warmup(*args, **constexprs, num_warps=config.warps,
                                     num_stages=config.stages, grid=(1,))
@@ -320,7 +321,11 @@ class CoreLaunch:
                 self.slots[name] = len(self.template)
                 self.template.append(value.data_ptr())
         self.template.extend(int(v) for v in args[5:])
-        self._encoded: dict[tuple, list] = {}
+        self._encoded: dict[str, dict[int, list]] = {"a": {}, "b": {}}
+        # (dtype, shape, strides, block) of each operand's descriptor; only the address varies
+        self.a_layout = (a.dtype, list(a.shape), list(a.stride()), self.block_a)
+        self.b_layout = (b.dtype, list(b.shape), list(b.stride()), self.block_b)
+        self.copy_a = self.copy_b = False  # set by gemm when it hands this launch copies
         self.sum = None
         if split > 1:
             block = 1024
@@ -331,30 +336,34 @@ class CoreLaunch:
             self.sum = CompiledLaunch(compiled, (split, block))
             self.sum_static = (self.partial.data_ptr(), m, n, c.stride(0))
 
-    def _encode(self, name: str, t: torch.Tensor, block: list) -> list:
-        """Encoded descriptor of t, cached by address, shape, strides and block."""
-        key = (name, t.data_ptr(), t.shape, t.stride(0))
-        encoded = self._encoded.get(key)
+    def _encode(self, name: str, address: int, dtype: torch.dtype, shape: list,
+                strides: list, block: list) -> list:
+        """Encoded descriptor of the operand at `address` (its shape and strides are this
+        specialization's), cached by address: weights and reused buffers encode once."""
+        cache = self._encoded[name]
+        encoded = cache.get(address)
         if encoded is None:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
-            if len(self._encoded) >= 64:
-                self._encoded.clear()
-            descriptor = TensorDescriptor(DescriptorBase(t.data_ptr(), t.dtype), list(t.shape),
-                                          list(t.stride()), list(block))
-            encoded = self._encoded[key] = self.kernel.descriptor_arguments(
+            if len(cache) >= 64:
+                cache.clear()
+            descriptor = TensorDescriptor(DescriptorBase(address, dtype), shape, strides, block)
+            encoded = cache[address] = self.kernel.descriptor_arguments(
                 self.slots[name + "_desc"][2], descriptor)
         return encoded
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        """Launch on a, b (as given to gemm: [K, N], or the transposed view of [N, K]) and c,
+        which must have this specialization's shapes, strides and alignment."""
         args = list(self.template)
+        a_address, b_address = a.data_ptr(), b.data_ptr()
         if self.use_tma:
             start, length, _ = self.slots["a_desc"]
-            args[start:start + length] = self._encode("a", a, self.block_a)
+            args[start:start + length] = self._encode("a", a_address, *self.a_layout)
             start, length, _ = self.slots["b_desc"]
-            args[start:start + length] = self._encode("b", b, self.block_b)
-        args[self.slots["a"]] = a.data_ptr()
-        args[self.slots["b"]] = b.data_ptr()
+            args[start:start + length] = self._encode("b", b_address, *self.b_layout)
+        args[self.slots["a"]] = a_address
+        args[self.slots["b"]] = b_address
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         if self.sum is None:
             args[self.slots["c"]] = c.data_ptr()
@@ -383,46 +392,62 @@ def _orient(b: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
     return b.contiguous(), False
 
 
+def _new_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
+                config: GemmCoreConfig | None) -> CoreLaunch:
+    """Validate the operands of a first call and build its launch (copying operands whose
+    strides neither TMA nor the pointer path can take; the launch then copies every call)."""
+    copy_a = a.stride(-1) != 1 or a.stride(0) != a.shape[1]
+    a = a.contiguous() if copy_a else a
+    m, k = a.shape
+    n = b.shape[1]
+    oriented, b_transposed = _orient(b, k)
+    copy_b = oriented.data_ptr() != b.data_ptr() and not b_transposed
+    if b_transposed and not (tma_compatible(a) and tma_compatible(oriented)):
+        oriented, b_transposed, copy_b = b.contiguous(), False, True
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype \
+            or out.dtype != a.dtype:
+        raise ValueError(f"gemm: a, b and out must be bf16 or fp16 of one dtype, got "
+                         f"{a.dtype}, {b.dtype}, {out.dtype}")
+    if b.shape[0] != k or out.shape != (m, n):
+        raise ValueError(f"gemm: shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}, "
+                         f"out {tuple(out.shape)}")
+    if not (a.is_cuda and b.device == a.device and out.device == a.device):
+        raise ValueError(f"gemm: tensors must be on one CUDA device: a on {a.device}, b on "
+                         f"{b.device}, out on {out.device}")
+    if out.stride(1) != 1:
+        raise ValueError("gemm: out must have unit column stride")
+    chosen = config or core_config(m, n, k, a.device.index)
+    launch = CoreLaunch(a, oriented, b_transposed, out, chosen)
+    launch.copy_a, launch.copy_b = copy_a, copy_b
+    return launch
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
          config: GemmCoreConfig | None = None) -> torch.Tensor:
     """a @ b for bf16 / fp16 a [M, K] and b [K, N] (fp32 accumulation), on the GEMM core.
+    The first call of a specialization (shapes, strides, dtypes, 16-byte alignment, config)
+    validates and compiles; later ones look it up and launch.
 
     >>> a = torch.randn(2048, 7168, device="cuda", dtype=torch.bfloat16)
     >>> w = torch.randn(8192, 7168, device="cuda", dtype=torch.bfloat16)   # nn.Linear weight
     >>> gemm(a, w.t()).shape
     torch.Size([2048, 8192])
     """
-    if a.stride(-1) != 1 or a.stride(0) != a.shape[1]:
-        a = a.contiguous()
-    m, k = a.shape
-    n = b.shape[1]
-    b, b_transposed = _orient(b, k)
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    key = (a.shape, b.shape, b.stride(0), b_transposed, out.shape, out.stride(0), a.dtype,
-           a.device.index, (a.data_ptr() | b.data_ptr()) % 16 == 0, out.data_ptr() % 16 == 0,
-           config)
+    a_address, b_address = a.data_ptr(), b.data_ptr()
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.device,
+           (a_address | b_address) & 15, config,
+           None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() & 15))
     launch = _launches.get(key)
     if launch is None:
-        if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype \
-                or out.dtype != a.dtype:
-            raise ValueError(f"gemm: a, b and out must be bf16 or fp16 of one dtype, got "
-                             f"{a.dtype}, {b.dtype}, {out.dtype}")
-        if b.shape[1 if b_transposed else 0] != k or out.shape != (m, n):
-            raise ValueError(f"gemm: shapes do not match: a {tuple(a.shape)}, b "
-                             f"{tuple(b.shape)}{' (transposed)' if b_transposed else ''}, "
-                             f"out {tuple(out.shape)}")
-        if not (a.is_cuda and b.device == a.device and out.device == a.device):
-            raise ValueError(f"gemm: tensors must be on one CUDA device: a on {a.device}, b on "
-                             f"{b.device}, out on {out.device}")
-        if out.stride(1) != 1:
-            raise ValueError("gemm: out must have unit column stride")
-        if b_transposed and not (tma_compatible(a) and tma_compatible(b)):
-            b, b_transposed = b.t().contiguous(), False
-            return gemm(a, b, out, config)
-        chosen = config or core_config(m, n, k, a.device.index)
         if len(_launches) >= 256:
             _launches.clear()
-        launch = _launches[key] = CoreLaunch(a, b, b_transposed, out, chosen)
+        launch = _launches[key] = _new_launch(a, b, out, config)
+    if launch.copy_a:
+        a = a.contiguous()
+    if launch.copy_b:
+        b = b.contiguous()
+    if out is None:
+        out = torch.empty((launch.m, launch.n), dtype=a.dtype, device=a.device)
     launch(a, b, out)
     return out
