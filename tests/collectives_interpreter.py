@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from axedist.collectives.p2p import _geometry, static_arguments
+from axedist.collectives.p2p import call_geometry, static_arguments
 from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, carve_workspaces
 from triton.runtime import interpreter
 
@@ -52,7 +52,7 @@ def run_case(op, world, count, dtype, variant, programs, seed):
     generator = torch.Generator().manual_seed(seed)
     numel = count * world if op == "reduce_scatter" else count
     xs = [torch.randn(numel, generator=generator).to(dtype) for _ in range(world)]
-    geometry = _geometry(op, (numel,), world)
+    geometry = call_geometry(op, (numel,), world)
     data_bytes = (geometry["elements"] * dtype.itemsize + 4095) // 4096 * 4096
     workspaces = fake_workspaces(world, data_bytes, dtype)
     half = seed % 2  # the call's epoch parity: both halves' addresses get exercised

@@ -354,10 +354,10 @@ def test_measured_table_and_backend_names():
 def test_p2p_geometry_variants_and_input_errors():
     from axedist.collectives import p2p
     # reduce-scatter of 4 x 1001 elements: chunks padded to 1008 in the workspace, no zero-copy
-    rs = p2p._geometry("reduce_scatter", (4 * 1001,), 4)
+    rs = p2p.call_geometry("reduce_scatter", (4 * 1001,), 4)
     assert (rs["chunk"], rs["stride"], rs["elements"], rs["zero_copy_elements"]) == (1001, 1008, 4032, -1)
     # two-shot all-reduce of 10 elements on 4 ranks: chunks of 16, push slots + gathered chunks
-    ar = p2p._geometry("all_reduce_two_shot", (10,), 4)
+    ar = p2p.call_geometry("all_reduce_two_shot", (10,), 4)
     assert (ar["stride"], ar["work"], ar["elements"]) == (16, 16, 128)
     assert p2p._choose_variant("all_gather", 1 << 20, "pull") == "pull"
     assert p2p._choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
@@ -823,3 +823,15 @@ def test_collective_plan_over_carved_memory_validates_and_forces_rounds():
         p2p.CallPlan("reduce_scatter", (4098,), torch.bfloat16, None, 0, "push", False, workspace=spaces[0])
     with pytest.raises(ValueError, match="do not fit the workspace half"):
         p2p.CallPlan("all_gather", (1 << 16,), torch.bfloat16, None, 0, "push", False, workspace=spaces[0])
+
+
+def test_gemm_tuned_table_is_what_the_recorded_benchmark_says():
+    """kernels/gemm_tuned.json ships, per shape, the fastest config of the recorded one-GPU
+    benchmark (bench_gemm.py --tables-from), and only configs that are candidates (so the
+    one-GPU tests check them)."""
+    _need_triton()
+    from axedist.kernels import gemm
+    with open(os.path.join(ROOT, "benchmarks", "results", "gemm_onegpu.json")) as handle:
+        rows = json.load(handle)["rows"]
+    assert {f"{r['M']}x{r['N']}x{r['K']}": gemm.GemmCoreConfig.parse(r["best_config"]) for r in rows} == gemm.TUNED
+    assert set(gemm.TUNED.values()) <= set(gemm.CORE_CANDIDATES)

@@ -92,7 +92,7 @@ def _check_input(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: {x.numel()} elements exceed the kernels' int32 indexing")
 
 
-def _geometry(op: str, shape, world: int) -> dict:
+def call_geometry(op: str, shape, world: int) -> dict:
     """Sizes of one call: per-rank work, chunk, 16-aligned stride, workspace elements (the
     larger of the push and pull layouts, so that the variant never changes the allocation).
     Raises for a reduce-scatter whose dim 0 the ranks cannot split evenly."""
@@ -206,12 +206,12 @@ class CallPlan:
         self.op, self.shape, self.dtype, self.group = op, tuple(shape), dtype, group
         self.device_index, self.multimem, self.aligned = device_index, multimem, aligned
         if workspace is None:
-            geometry = _geometry(op, shape, dist.get_world_size(group))
+            geometry = call_geometry(op, shape, dist.get_world_size(group))
             workspace = get_workspace(group, geometry["elements"] * dtype.itemsize,
                                       torch.device("cuda", device_index))
         self.workspace = workspace
         self.world, self.rank = workspace.world_size, workspace.rank
-        self.geometry = _geometry(op, shape, self.world)
+        self.geometry = call_geometry(op, shape, self.world)
         if self.geometry["elements"] * dtype.itemsize > workspace.data_bytes:
             raise ValueError(f"{op}: {self.geometry['elements']} elements of {dtype} do not fit "
                              f"the workspace half of {workspace.data_bytes} bytes")
@@ -347,7 +347,7 @@ def symmetric_input(shape, dtype: torch.dtype, group=None, op: str = "reduce_sca
     """
     world = dist.get_world_size(group)
     ops = ("all_reduce_one_shot", "all_reduce_two_shot") if op == "all_reduce" else (op,)
-    geometries = [_geometry(name, shape, world) for name in ops]
+    geometries = [call_geometry(name, shape, world) for name in ops]
     geometry = geometries[-1]
     if geometry["zero_copy_elements"] < 0:
         return None

@@ -4,11 +4,11 @@
 pointer loads where TMA cannot describe the strides) feeding wgmma through `tl.dot`, software
 pipelined over STAGES. The fused GEMM + reduce-scatter kernel (gemm_rs.py) runs it for its GEMM
 tasks; `gemm_kernel` runs it on a persistent grid that walks the output tiles in a fixed order
-(tile t on program t mod P), which lets Triton warp-specialize the loop (WS: one producer
-warpgroup issues the TMA loads, two consumer warpgroups run wgmma, registers redistributed with
-setmaxnreg), so the loads of the next tile overlap the epilogue of the last. The fused kernel
-claims its tasks dynamically (a reduce task waits for other programs' tiles), which Triton does
-not warp-specialize: it runs the same tile code without the producer warpgroup.
+(tile t on program t mod P). The fixed order lets Triton pipeline the tile and K loops as one
+(FLATTEN) or warp-specialize the loop (WS: a producer warpgroup issues the TMA loads, two
+consumer warpgroups run wgmma); WS works on Hopper only in a narrow case (CORE_CANDIDATES).
+The fused kernel claims its tasks dynamically (a reduce task waits for other programs' tiles),
+so it runs the same tile code without those two options.
 
 SPLIT_K > 1 (few output tiles: small M) cuts K into SPLIT_K slices; work unit u computes slice
 u // tiles of tile u % tiles into an fp32 partial, and `splitk_sum_kernel` adds the partials.
@@ -138,8 +138,9 @@ def splitk_sum_kernel(partial_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr
 
 @dataclasses.dataclass(frozen=True)
 class GemmCoreConfig:
-    """Tiles and pipeline of the GEMM core. warp_specialize needs TMA, device descriptors and
-    num_warps = 4 (the consumers then hold 2 x 4 warps, the producer 4 more: 12 warps)."""
+    """Tiles and pipeline of the GEMM core. warp_specialize needs TMA, device descriptors,
+    64-row tiles and num_warps = 4 (the consumers then hold 2 x 4 warps, the producer 4 more:
+    12 warps); see CORE_CANDIDATES for what was measured."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -185,12 +186,12 @@ CORE_CANDIDATES = tuple(GemmCoreConfig.parse(text) for text in (
     "64x128x64/g8/s6/w4/k1",         # small M: 128 tiles at M = 128, N = 8192
     "64x128x64/g8/s6/w4/fl/k1",
     "128x128x64/g8/s4/w8/k2",        # small M: split-K (fp32 partials, then a sum kernel)
-    "128x256x64/g8/s4/w4/ws/dd/k1",  # warp-specialized (descriptors built on the device)
-    "128x256x64/g8/s3/w4/ws/dd/k1",
-    "64x128x64/g8/s6/w4/ws/dd/k1",
+    "64x128x64/g8/s6/w4/ws/dd/k1",   # warp-specialized, descriptors built on the device
 ))
-# Warp specialization with host-encoded descriptors hung on an H200 (Triton 3.6: the first
-# launch never finished; benchmarks/results/gemm_onegpu_probe.md): refused, not a candidate.
+# Triton 3.6's Hopper warp specialization, measured on an H200 (benchmarks/results/
+# gemm_onegpu_probe.md): with host-encoded descriptors the first launch never finished; with
+# device-built descriptors 128-row tiles returned NaN and 64-row tiles ran at half speed.
+# CoreLaunch refuses the first two.
 LARGE_TILE = CORE_CANDIDATES[0]
 SMALL_TILE = CORE_CANDIDATES[4]
 
@@ -281,6 +282,9 @@ class CoreLaunch:
         if config.warp_specialize and not config.device_descriptors:
             raise ValueError(f"{config}: warp specialization with host-encoded descriptors hung "
                              f"on Hopper (Triton 3.6); use device descriptors (/dd)")
+        if config.warp_specialize and config.block_m > 64:
+            raise ValueError(f"{config}: warp-specialized tiles of more than 64 rows returned "
+                             f"NaN on Hopper (Triton 3.6)")
         device_desc = config.device_descriptors and self.use_tma
         constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k,
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
