@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import FusedGemmPlan, distribute, fused_gemm_stats, plan
-from axedist.ops import dispatch
+from axedist.dtensor import DTensor, FusedGemmPlan, distribute, fused_gemm_stats, plan
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
@@ -25,12 +24,12 @@ R, P = Replicate(), Partial()
 def _deferring(fn):
     """Run ``fn`` with mm/addmm deferring on CPU too (by default only CUDA bf16/fp16 defers)."""
     def run(rank, world, *args):
-        old = dispatch.DEFER_GEMM
-        dispatch.DEFER_GEMM = "always"
+        old = DTensor.dispatcher.defer_gemm
+        DTensor.dispatcher.defer_gemm = "always"
         try:
             return fn(rank, world, *args)
         finally:
-            dispatch.DEFER_GEMM = old
+            DTensor.dispatcher.defer_gemm = old
     run.__name__ = run.__qualname__ = fn.__name__
     return run
 
@@ -245,7 +244,7 @@ def _auto_on_cpu(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(2 * world, 3 * world, generator=g, dtype=torch.float64)
     b = torch.randn(3 * world, 4, generator=g, dtype=torch.float64)
-    assert dispatch.DEFER_GEMM == "auto"
+    assert DTensor.dispatcher.defer_gemm == "auto"
     before = fused_gemm_stats()
     c = torch.mm(distribute(a, mesh, [Shard(1)]), distribute(b, mesh, [Shard(0)]))
     assert c._pending is None and _delta(before, fused_gemm_stats())["deferred"] == 0

@@ -1,0 +1,1 @@
+"""Running plans: moving local tensors with torch.distributed and the collectives, and the deferred GEMM."""
