@@ -86,8 +86,9 @@ class DTensor(torch.Tensor):
 
     A wrapper subclass (like torch's DTensor): ``shape``/``dtype``/``device``/``requires_grad``
     describe the global tensor; the data is ``to_local()`` on each rank. Torch ops run on it
-    through ``axedist.ops`` (sharding rules per op family; ops without one gather, with a
-    one-time warning): ``(x + y).sum()`` works on DTensors as on tensors, autograd included.
+    through the class's ``dispatcher`` (``axedist.ops``: sharding rules per op family; ops
+    without one gather, with a one-time warning): ``(x + y).sum()`` works on DTensors as on
+    tensors, autograd included.
     """
 
     _spec: DTensorSpec

@@ -21,8 +21,8 @@ from .registry import ArgSpec, OpCall, Sharding, rule_for
 from .specs import expected_local_shape, placements_or_none, spec_of
 
 __all__ = ["DispatchError", "PlainTensorError", "OpInfo", "op_info", "functional_of", "decomposable",
-           "writes_first", "FOREACH_INFO", "FOREACH_WRITE", "written", "SCALAR_TYPES", "scan", "replace_dtensors", "OutSpec",
-           "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
+           "writes_first", "FOREACH_INFO", "FOREACH_WRITE", "written", "SCALAR_TYPES", "scan", "replace_dtensors",
+           "OutSpec", "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
 
 aten = torch.ops.aten
 
@@ -413,7 +413,8 @@ def _out_spec(func, rule, value, entry, mesh) -> OutSpec:
     else:
         placements = tuple(entry)
         spec = spec_of(shape, mesh, placements)
-    return OutSpec(spec, expected_local_shape(spec, placements), None if value.is_contiguous() else tuple(value.stride()))
+    stride = None if value.is_contiguous() else tuple(value.stride())
+    return OutSpec(spec, expected_local_shape(spec, placements), stride)
 
 
 def _fast_form(cls, args, kwargs, dts, info: OpInfo, targets, structure: str, outputs, sharding) -> FastForm | None:

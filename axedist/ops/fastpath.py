@@ -332,10 +332,13 @@ def _handler(fast: FastPath):
         out._value = value
         out._spec = entry.spec
         out._tag = entry.tag
-        if not grad:
-            stats["hits"] += 1  # fast hits count as plan-cache hits too
-            counts["hits"] += 1
-            return out
+        if grad:
+            return grad_hit(func, types, args, kwargs, key, entry, out)
+        stats["hits"] += 1  # fast hits count as plan-cache hits too
+        counts["hits"] += 1
+        return out
+
+    def grad_hit(func, types, args, kwargs, key, entry, out):
         # Autograd must record the call: it goes through torch's dispatcher after all (autograd's
         # C++ kernel for the op: graph node, saved tensors, version bookkeeping), and
         # __torch_dispatch__ hands back this output instead of running the dispatcher.

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
-from .registry import ArgSpec, OpCall, Sharding, register
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
 
@@ -472,7 +472,7 @@ def scan_rule(call: OpCall) -> Sharding:
     if call.func is aten.cumprod.default:
         places = without_partial(places)
     else:
-        places = tuple(p if not isinstance(p, Partial) or p.reduce_op in ("sum", "avg") else Replicate()
+        places = tuple(p if not isinstance(p, Partial) or p.reduce_op in LINEAR_REDUCE_OPS else Replicate()
                        for p in places)
     return Sharding(inputs=[places], outputs=places)
 

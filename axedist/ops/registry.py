@@ -30,10 +30,14 @@ from torch.distributed.tensor.placement_types import Placement
 from ..layout import Layout
 from ..mesh import DeviceMesh
 
-__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "RULES",
+__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "RULES", "LINEAR_REDUCE_OPS",
            "Partial", "Replicate", "Shard"]
 
 Placements = tuple[Placement, ...]
+
+# The pending reductions a linear map commutes with: f(sum of summands) = sum of f(summand),
+# the same for avg; so p + q, p * 2, p @ w keep such a pending value pending.
+LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
 @dataclass(frozen=True)
