@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import Counter
 import re
 from dataclasses import dataclass
@@ -55,9 +56,14 @@ class LayoutError(ValueError):
 
 
 def _check_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as a Python int: ints and integer scalars (numpy's, 0-d integer tensors) pass,
+    floats and bools are refused (``2.0`` as an index would silently truncate)."""
+    if isinstance(value, bool) or isinstance(value, float):
         raise LayoutError(f"{what} must be an int, got {value!r}")
-    return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise LayoutError(f"{what} must be an int, got {value!r}") from None
 
 
 def _check_axis(axis) -> str:
@@ -83,9 +89,11 @@ class Iter:
     axis: str = MEMORY_AXIS
 
     def __post_init__(self):
-        if _check_int(self.extent, "Iter extent") <= 0:
+        object.__setattr__(self, "extent", _check_int(self.extent, "Iter extent"))
+        object.__setattr__(self, "stride", _check_int(self.stride, "Iter stride"))
+        if self.extent <= 0:
             raise LayoutError(f"Iter extent must be > 0, got {self.extent}")
-        if _check_int(self.stride, "Iter stride") == 0:
+        if self.stride == 0:
             raise LayoutError(f"Iter stride must be != 0 (extent {self.extent}, axis {self.axis!r})")
         _check_axis(self.axis)
 
@@ -212,6 +220,9 @@ class Layout:
     @cached_property
     def replica_offsets(self) -> tuple[dict[str, int], ...]:
         """The distinct points ``r`` of ``R`` (without ``O``), first digit slowest."""
+        if self.replica_count > _ENUMERATION_LIMIT:
+            raise LayoutError(f"layout {self}: its replica part has {self.replica_count} points, more than "
+                              f"{_ENUMERATION_LIMIT} can be listed one by one")
         points = {}
         extents = [it.extent for it in self.replica]
         for digits in itertools.product(*(range(e) for e in extents)):
@@ -242,11 +253,12 @@ class Layout:
             shape = tuple(_check_int(s, "shape entry") for s in shape)
             if not self.admits(shape):
                 raise LayoutError(f"layout {self} of size {self.size} does not admit shape {shape}")
-        if isinstance(index, int) and not isinstance(index, bool):
+        if not isinstance(index, (tuple, list)):
+            index = _check_int(index, "index")
             if not 0 <= index < self.size:
                 raise LayoutError(f"index {index} is out of range [0, {self.size}) for {self}")
             return index
-        index = tuple(index)
+        index = tuple(_check_int(i, "index entry") for i in index)
         if shape is None:
             raise LayoutError(f"a tuple index {index} needs the shape it is taken over")
         if len(index) != len(shape) or any(not 0 <= i < s for i, s in zip(index, shape)):
@@ -443,7 +455,7 @@ class _Parser:
 
     def integer(self) -> int:
         self.skip()
-        m = re.compile(r"-?\d+").match(self.text, self.pos)
+        m = _INTEGER.match(self.text, self.pos)
         if not m:
             self.fail("an integer")
         self.pos = m.end()
@@ -521,6 +533,7 @@ class _Parser:
         return Layout(shard, replica, offset)
 
 
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: int() would read other scripts' digits too
 _AXIS_NAME_PREFIX = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

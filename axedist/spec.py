@@ -170,7 +170,12 @@ def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true
     full = ((summands,) if reduce_op else ()) + padded
     if not layout.admits(full):
         what = "shape" if padded == shape else "padded shape"
-        raise LayoutError(f"layout {layout} of size {layout.size} does not admit the {what} {full} ({math.prod(full)} elements)")
+        hint = ""
+        if padded == shape and layout.size > math.prod(full):  # an uneven tensor given without its padded shape
+            example = f" (here {(layout.size,)})" if len(full) == 1 else ""
+            hint = f"; for an uneven tensor pass padded_shape=, the shape the layout admits{example}"
+        raise LayoutError(f"layout {layout} of size {layout.size} does not admit the {what} {full} "
+                          f"({math.prod(full)} elements){hint}")
     for axis in layout.axes:
         if axis != MEMORY_AXIS and axis not in mesh.axis_names:
             raise LayoutError(f"layout {layout} uses axis {axis!r}, which mesh axes {mesh.axis_names} do not have")
@@ -475,10 +480,20 @@ def _nested_uneven_dims(shape, mesh: DeviceMesh, placements) -> dict[int, list[t
 def layout_from_placements(shape: Sequence[int], mesh: DeviceMesh, placements) -> Layout:
     """The layout of torch placements: ``(8,6)``, 4 GPUs, ``[Shard(0)]`` -> ``S[(4,2,6):(1@gpuid,6,1)]``.
 
-    For an uneven dim the layout admits the padded shape (each shard ``ceil(n/k)``); with
-    ``Partial`` it has the leading summand dim.
+    For an uneven dim the layout admits the padded shape (each shard ``ceil(n/k)``, padding at
+    the end: pass it as ``padded_shape=``); with ``Partial`` it has the leading summand dim.
+    Refused where torch chunks one uneven dim on two mesh axes (``(5,)`` as ``[Shard(0), Shard(0)]``
+    on 2x2: rows 3 + 2, then 2 + 1 and 1 + 1): each chunk is padded in the middle of the dim, which a
+    layout over a padded shape cannot say; ``spec_from_placements`` carries it (``true_index``).
     """
-    return spec_from_placements(shape, mesh, placements).layout
+    spec = spec_from_placements(shape, mesh, placements)
+    if spec.true_index is not None:
+        dims = [d for d, m in enumerate(spec.true_index) if m is not None]
+        raise LayoutError(f"placements {list(placements)} chunk dim(s) {dims} of shape {tuple(spec.shape)} on several "
+                          f"mesh axes unevenly: torch pads each chunk (padded rows sit inside the dim), which no layout "
+                          f"over a padded shape says. Use the placements themselves, or spec_from_placements(...) "
+                          f"(its true_index says where the real rows are)")
+    return spec.layout
 
 
 def placements_of(spec: DTensorSpec) -> tuple[Placement, ...]:

@@ -549,3 +549,38 @@ def test_row_major_memory_matches_a_row_major_local_tensor(L, data):
     m_values = sorted({p.get("m", 0) for pts in brute_points(Layout([it for it in rebuilt.shard if it.axis == "m"])) for p in pts})
     assert m_values == list(range(math.prod(local)))
     assert all((s is None) == (it.axis != "m") for b, row in zip(blocks, strides) for it, s in zip(b, row))
+
+
+# ---------------------------------------------------------------------------
+# Index and number types: integers of any integer type, never floats or bools
+# ---------------------------------------------------------------------------
+
+
+def test_apply_takes_numpy_integers():
+    import numpy as np
+
+    L = Layout.parse("S[(4,2,6):(1@gpuid,6,1)]")
+    assert L.apply(np.int64(5)) == L.apply(5)
+    assert L.apply((np.int32(5), np.int64(3)), shape=(np.int64(8), 6)) == [{"gpuid": 2, "m": 9}]
+    assert Iter(np.int64(4), np.int32(2)) == Iter(4, 2)
+    assert type(Iter(np.int64(4), 2).extent) is int
+
+
+@pytest.mark.parametrize("index, shape", [(2.0, None), ((5.0, 3), (8, 6)), (True, None), ((5, 3), (8.0, 6)),
+                                          ("3", None)])
+def test_apply_refuses_floats_and_bools(index, shape):
+    L = Layout.parse("S[(4,2,6):(1@gpuid,6,1)]")
+    with pytest.raises(LayoutError, match="must be an int"):
+        L.apply(index, shape=shape)
+
+
+@pytest.mark.parametrize("text", ["S[\u0663:1]", "S[(4,2):(1@gpuid,\u0661)]", "S[4:1] + \uff15@gpuid"])
+def test_parse_refuses_non_ascii_digits(text):
+    with pytest.raises(LayoutError):
+        Layout.parse(text)
+
+
+def test_huge_replica_part_is_a_layout_error_not_memory_error():
+    big = Layout([Iter(4, 1)], [Iter(1 << 21, 1, "gpuid"), Iter(1 << 10, 1 << 21, "gpuid")])
+    with pytest.raises(LayoutError, match="replica part has"):
+        big.apply(0)

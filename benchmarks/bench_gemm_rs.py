@@ -1,6 +1,6 @@
 """Fused GEMM + reduce-scatter vs cuBLAS + NCCL vs PyTorch's fused op, side by side in one run.
 
-    torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out benchmarks/results
+    torchrun --nproc_per_node=4 benchmarks/bench_gemm_rs.py --out benchmarks/results
 
 Per shape (bf16, A [M, K_local], B [K_local, N], scatter dim 0), times in ms (median of --reps
 calls timed with CUDA events, max over ranks). Every column is timed twice
@@ -30,12 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
+from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 LINK_BYTES_PER_S = 478e9
 
@@ -290,13 +290,14 @@ def write_outputs(results, world, out_dir, meta=None):
     meta = meta or dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                         commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
-                        command=f"torchrun --nproc_per_node={world} launch/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
+                        command=f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
                         env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
     six = [r for r in results if r["label"] == "design"]
     summary = _summary(six)
     summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
     with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
+    append_history(out_dir, f"gemm_rs_w{world}", meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
     if gemm_rs.tuned_table():
         with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:
             json.dump({key: value for key, value in gemm_rs.tuned_table().items() if f"/w{world}/" in key}, handle, indent=1)

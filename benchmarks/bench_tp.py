@@ -1,7 +1,7 @@
 """Training-step time: the axedist-parallelized Llama vs the same model under torch's TP.
 
-    torchrun --nproc-per-node 4 launch/bench_tp.py                            # CPU, gloo
-    torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out benchmarks/results   # 4 GPUs, NCCL, bf16
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py                            # CPU, gloo
+    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --out benchmarks/results   # 4 GPUs, NCCL, bf16
 
 Both sides build the same ``Llama`` from the same seed and train on the same batches with
 AdamW: axedist with ``parallelize(model, mesh, llama_tp_plan(cfg))`` (axedist DTensors, fused
@@ -36,6 +36,7 @@ from torch.distributed.tensor import parallel as tp
 import axedist as ax
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Attention, Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 
 def say(*args) -> None:
@@ -171,11 +172,13 @@ def main(argv=None) -> None:
         record = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device, "world": world,
                   "dtype": str(dtype), "batch": batch, "seq": cfg.max_seq_len, "config": cfg.__dict__,
                   "sequence_parallel": args.sequence_parallel, "warmup": args.warmup, "steps": args.steps,
-                  "command": f"torchrun --nproc-per-node {world} launch/bench_tp.py" + (" --cuda" if cuda else ""),
+                  "command": f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py" + (" --cuda" if cuda else ""),
                   "results": results, "torch_over_axedist": ratio}
         stem = os.path.join(args.out, f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}")
         with open(stem + ".json", "w") as f:
             json.dump(record, f, indent=1)
+        meta = dict(record, machine=f"{world}x {device}", command=record["command"])
+        append_history(args.out, os.path.basename(stem), meta, dict(results=results, torch_over_axedist=ratio))
         with open(stem + ".md", "w") as f:
             f.write(f"# TP training step: axedist vs torch parallelize_module\n\n"
                     f"{record['date']}, commit {commit}, {device} x {world}, {dtype}, batch {batch} x seq "

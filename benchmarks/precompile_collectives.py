@@ -1,7 +1,7 @@
 """Compile every collective kernel the tests and benchmarks launch, in parallel, into Triton's
 disk cache: the ranks then load them instead of compiling one by one on first use.
 
-    python3 launch/precompile_collectives.py --worlds 2 4 --jobs 32      # needs no GPU
+    python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 32      # needs no GPU
 
 Kernels differ by op, dtype, W, tile rows (2 or 4), variant (push / pull / pull zero-copy) and
 whether the sizes are multiples of 16; each is compiled through p2p.compile_collective, the
@@ -16,7 +16,6 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
 

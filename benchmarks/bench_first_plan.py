@@ -1,7 +1,7 @@
 """Time the first ``DTensor.redistribute`` of an uneven tensor: planning (once per spec pair) vs a cached call.
 
-    torchrun --nproc-per-node 4 launch/bench_first_plan.py                 # CPU, gloo
-    torchrun --nproc-per-node 4 launch/bench_first_plan.py --sizes 1023x1025 4095x4098 --profile
+    torchrun --nproc-per-node 4 benchmarks/bench_first_plan.py                 # CPU, gloo
+    torchrun --nproc-per-node 4 benchmarks/bench_first_plan.py --sizes 1023x1025 4095x4098 --profile
 
 An uneven shape pads its dims (``torch.chunk``), and the first redistribute of a spec pair
 works out which buffer slots are real, each rank's true local shape, and the plan that

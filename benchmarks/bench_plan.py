@@ -4,8 +4,8 @@ A redistribute call looks its plan up on every call, so the cached time is the o
 matters per step of training; the cold time is paid once per (layouts, shape, mesh).
 Shapes are large (the planner never enumerates elements on the digit path).
 
-    python launch/bench_plan.py            # table on stdout
-    python launch/bench_plan.py --json out.json
+    python benchmarks/bench_plan.py            # table on stdout
+    python benchmarks/bench_plan.py --json out.json
 """
 
 from __future__ import annotations

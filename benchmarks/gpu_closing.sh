@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
-#   bash launch/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
-#   bash launch/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
+#   bash benchmarks/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
+#   bash benchmarks/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # TP training step, main job on NCCL (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
@@ -25,7 +25,7 @@ source "$(dirname "$0")/gpu_step.sh"
 PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
 if [[ $MODE == tests ]]; then
   TESTS=${TESTS:-tests_multigpu}
-  [[ -f launch/precompile_collectives.py ]] && step precompile 60 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
+  [[ -f benchmarks/precompile_collectives.py ]] && step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
   step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-200} $PYTEST $TESTS
   grep -hE "^(FAILED|ERROR)|Error:" "$LOGS"/pytest_w*.log | head -20
@@ -34,19 +34,19 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   for name in $BENCHES; do case $name in
-    gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
-    gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
-    rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 launch/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
-    rounds) step rounds 200 torchrun --nproc-per-node 4 launch/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
-    collectives) step bench_collectives 240 torchrun --nproc-per-node 4 launch/bench_collectives.py --reps 30 --out "$RESULTS" ;;
-    redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
-    tp) step bench_tp 150 torchrun --nproc-per-node 4 launch/bench_tp.py --cuda --out "$RESULTS" ;;
+    gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
+    gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
+    rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
+    rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
+    collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
+    redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
+    tp) step bench_tp 150 torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --out "$RESULTS" ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
-      step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 launch/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
-      step bench_collectives_w8 240 torchrun --nproc-per-node 8 launch/bench_collectives.py --reps 30 --out "$RESULTS"
-      step bench_tp_w8 200 torchrun --nproc-per-node 8 launch/bench_tp.py --cuda --out "$RESULTS" ;;
+      step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
+      step bench_collectives_w8 240 torchrun --nproc-per-node 8 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"
+      step bench_tp_w8 200 torchrun --nproc-per-node 8 benchmarks/bench_tp.py --cuda --out "$RESULTS" ;;
   esac; done
   for f in "$LOGS"/*.log; do echo "== $f"; grep -E "^\[|geomean|min_|rc=|Error|ms/token|loss|x faster|slower" "$f" | tail -12; done
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call: multi-GPU tests and benchmarks of the communication layer, logs under $OUT.
-#   bash launch/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
-#   bash launch/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
-#   bash launch/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
-#   bash launch/gpu_check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
+#   bash benchmarks/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
+#   bash benchmarks/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
+#   bash benchmarks/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
+#   bash benchmarks/gpu_check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
 # Multicast stays off (project policy) for this shell and everything it starts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
@@ -27,32 +27,32 @@ grep -E "torch|GPU0|NV" "$LOGS/env.log" | head -8
 
 PYTEST="python3 -m pytest -q -rf -p no:cacheprovider"
 if [[ $MODE == collectives ]]; then  # issue 6 speed work: tests + benchmarks, W=4 then W=2
-  step precompile 60 python3 launch/precompile_collectives.py --worlds 2 4 --jobs 48
+  step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
   step pytest_w4 200 $PYTEST -x tests_multigpu/test_collectives.py
-  step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step bench_collectives_w4 120 torchrun --nproc_per_node=4 benchmarks/bench_collectives.py --out "$RESULTS"
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 150 $PYTEST -x tests_multigpu/test_collectives.py
-  CUDA_VISIBLE_DEVICES=0,1 step bench_collectives_w2 90 torchrun --nproc_per_node=2 launch/bench_collectives.py --reps 20 --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step bench_collectives_w2 90 torchrun --nproc_per_node=2 benchmarks/bench_collectives.py --reps 20 --out "$RESULTS"
 elif [[ $MODE == collectives_w4 ]]; then  # the W=4 half alone
-  step precompile 150 python3 launch/precompile_collectives.py --worlds 4 --jobs 48
+  step precompile 150 python3 benchmarks/precompile_collectives.py --worlds 4 --jobs 48
   step pytest_w4 200 $PYTEST -x tests_multigpu/test_collectives.py
-  step bench_collectives_w4 150 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step bench_collectives_w4 150 torchrun --nproc_per_node=4 benchmarks/bench_collectives.py --out "$RESULTS"
 elif [[ $MODE == first ]]; then
   step smoke_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back"
-  step bench_gemm_rs_w4 220 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --out "$RESULTS"
-  step bench_collectives_w4 120 torchrun --nproc_per_node=4 launch/bench_collectives.py --out "$RESULTS"
+  step bench_gemm_rs_w4 220 torchrun --nproc_per_node=4 benchmarks/bench_gemm_rs.py --out "$RESULTS"
+  step bench_collectives_w4 120 torchrun --nproc_per_node=4 benchmarks/bench_collectives.py --out "$RESULTS"
   step rest_w4 200 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_collectives.py \
     -k "not (reduce_scatter_matches or fp32_reference_bf16 or never_signals or back_to_back)"
 elif [[ $MODE == perf ]]; then  # fused GEMM+RS host path / push+defer, queued timing; collectives
   step smoke_w4 200 $PYTEST -x tests_multigpu/test_gemm_rs.py \
     -k "fp32_reference_bf16 or back_to_back or compiled_launcher or never_signals or every_candidate"
-  step bench_gemm_rs_w4 260 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 20 --configs ${CONFIGS:-0,1,3,5,6} --out "$RESULTS"
-  step bench_collectives_w4 130 torchrun --nproc_per_node=4 launch/bench_collectives.py --reps 30 --out "$RESULTS"
+  step bench_gemm_rs_w4 260 torchrun --nproc_per_node=4 benchmarks/bench_gemm_rs.py --reps 20 --configs ${CONFIGS:-0,1,3,5,6} --out "$RESULTS"
+  step bench_collectives_w4 130 torchrun --nproc_per_node=4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"
 else
   step pytest_w4 200 $PYTEST -x tests_multigpu
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 180 $PYTEST -x tests_multigpu
-  step bench_gemm_rs_w4 110 torchrun --nproc_per_node=4 launch/bench_gemm_rs.py --reps 15 --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 100 torchrun --nproc_per_node=2 launch/bench_gemm_rs.py --reps 15 --out "$RESULTS"
+  step bench_gemm_rs_w4 110 torchrun --nproc_per_node=4 benchmarks/bench_gemm_rs.py --reps 15 --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 100 torchrun --nproc_per_node=2 benchmarks/bench_gemm_rs.py --reps 15 --out "$RESULTS"
 fi
 
 grep -h "^profile\|tottime\|{built-in\|\.py:" "$LOGS"/profile_w4.log 2>/dev/null | head -30

@@ -1,4 +1,4 @@
-# Sourced by launch/gpu_check.sh and launch/gpu_closing.sh: one timed, logged step of a device call.
+# Sourced by benchmarks/gpu_check.sh and benchmarks/gpu_closing.sh: one timed, logged step of a device call.
 # Needs BUDGET, START, LOGS, SUMMARY set by the caller.
 step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
   local name=$1 limit=$2; shift 2

@@ -4,8 +4,8 @@ These run on every redistribute call, so they must stay in microseconds.
 Each operation is timed on freshly built layouts (no cached canonical form)
 and, where a cache exists, on a layout that has been used before.
 
-    python launch/bench_layout.py            # table on stdout
-    python launch/bench_layout.py --json out.json
+    python benchmarks/bench_layout.py            # table on stdout
+    python benchmarks/bench_layout.py --json out.json
 """
 
 from __future__ import annotations

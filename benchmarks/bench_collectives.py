@@ -1,6 +1,6 @@
 """axedist p2p collectives vs NCCL vs PyTorch's symmetric-memory ops, 64 KB to 256 MB.
 
-    torchrun --nproc_per_node=4 launch/bench_collectives.py --out benchmarks/results
+    torchrun --nproc_per_node=4 benchmarks/bench_collectives.py --out benchmarks/results
 
 Size = bytes of each rank's full input (reduce-scatter, all-reduce) or of the gathered output
 (all-gather), bf16. Latency in us: median over calls of CUDA events around each call, issued
@@ -13,7 +13,7 @@ ranks. Bus bandwidth as nccl-tests defines it: size / time * (W-1)/W (RS, AG) or
 Every timed axedist variant is also checked against NCCL's result at every size.
 Writes collectives_w{W}.json / .md / .png. The choice tables that "auto" uses come from such a
 result file (no GPU needed):
-    python3 launch/bench_collectives.py --tables-from benchmarks/results/collectives_w4.json
+    python3 benchmarks/bench_collectives.py --tables-from benchmarks/results/collectives_w4.json
 writes axedist/kernels/collectives_tuned.json (backend.TUNED: p2p or NCCL per size, push or
 pull per size, the one-shot / two-shot all-reduce switch).
 Multicast stays off (refuses AXEDIST_ENABLE_MULTICAST=1).
@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.timing import time_collective as _time  # noqa: E402
+from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 ONE_SHOT_MAX = 16 << 20
@@ -276,6 +276,7 @@ def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
     meta = run_meta(world)
     with open(os.path.join(out_dir, f"collectives_rounds_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows), handle, indent=1)
+    append_history(out_dir, f"collectives_rounds_w{world}", meta, dict(rows=rows))
     names = list(rows[0]["queued"])
     lines = [f"# Pipelined reduce-scatter / all-gather (ROUNDS), W={world} ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
@@ -373,7 +374,7 @@ def run_meta(world):
     return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
                 commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
-                command=f"torchrun --nproc_per_node={world} launch/bench_collectives.py " + " ".join(sys.argv[1:]))
+                command=f"torchrun --nproc_per_node={world} benchmarks/bench_collectives.py " + " ".join(sys.argv[1:]))
 
 
 def write_outputs(rows, host, world, out_dir, meta=None):
@@ -383,6 +384,7 @@ def write_outputs(rows, host, world, out_dir, meta=None):
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host, tuned=tables), handle,
                   indent=1)
+    append_history(out_dir, f"collectives_w{world}", meta, dict(rows=rows, host_us_per_call_64KB=host))
     lines = [f"# Collectives, W={world}, bf16 ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; NVLS/multicast off",
              f"command: `{meta['command']}`", "",

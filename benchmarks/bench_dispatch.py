@@ -1,10 +1,10 @@
 """CPU cost of one op call on DTensors: axedist (cached rules/plans) vs PyTorch DTensor.
 
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py                # gloo, 4 CPU ranks
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py --no-fastpath  # axedist's __torch_dispatch__ route only
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py --breakdown    # + where a cached add's time goes
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py --profile      # + cProfile of axedist's calls
-    torchrun --nproc-per-node 4 launch/bench_dispatch.py --clock wall   # wall-clock time instead of CPU time
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py                # gloo, 4 CPU ranks
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --no-fastpath  # axedist's __torch_dispatch__ route only
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --breakdown    # + where a cached add's time goes
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --profile      # + cProfile of axedist's calls
+    torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --clock wall   # wall-clock time instead of CPU time
 
 Same ops, same placements, same (small) tensors on both sides, so the time is framework
 overhead: per op, the median over ``--repeats`` batches of ``--calls`` calls (after a warm-up

@@ -1,7 +1,7 @@
 """Redistribute: axedist DTensor (layout-inference plans) vs torch DTensor, bytes and time.
 
-    torchrun --nproc-per-node 4 launch/bench_redistribute.py            # CPU, gloo
-    torchrun --nproc-per-node 4 launch/bench_redistribute.py --cuda     # 4 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py            # CPU, gloo
+    torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda     # 4 GPUs, NCCL
 
 Rank 0 prints a markdown table and writes ``<out>/redistribute_w4[_cpu].{json,md,png}``
 (date, machine, commit, command): per transition, the bytes one rank sends at most
@@ -35,6 +35,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 import axedist as ax
 from axedist.collectives.plan_executor import record, torch_comm_bytes
+from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 P = {"R": Replicate(), "P": Partial(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [
@@ -116,6 +117,8 @@ def _write(rows, overhead, meta, path_stem):
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     with open(path_stem + ".json", "w") as handle:
         json.dump(dict(meta=meta, rows=rows, cpu_overhead_us=overhead), handle, indent=1)
+    append_history(os.path.dirname(path_stem) or ".", os.path.basename(path_stem), meta,
+                   dict(rows=rows, cpu_overhead_us=overhead))
     lines = [f"# Redistribute, axedist vs torch DTensor, W={meta['world']} ({meta['date']})", "",
              f"machine: {meta['machine']}; backend {meta['backend']}; commit {meta['commit']}; "
              f"torch {meta['torch']}; multicast off", f"command: `{meta['command']}`", "",
@@ -220,7 +223,7 @@ def main():
                     commit=_commit(), torch=torch.__version__, shape=list(shape),
                     dtype=str(dtype).replace("torch.", ""), iters=iters,
                     timer="CUDA events" if args.cuda else "wall clock",
-                    command=f"torchrun --nproc-per-node {world} launch/bench_redistribute.py " + " ".join(sys.argv[1:]))
+                    command=f"torchrun --nproc-per-node {world} benchmarks/bench_redistribute.py " + " ".join(sys.argv[1:]))
         stem = os.path.join(args.out, f"redistribute_w{world}" + ("" if args.cuda else "_cpu"))
         _write(rows, overhead, meta, stem)
         print(open(stem + ".md").read(), flush=True)
