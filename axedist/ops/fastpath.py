@@ -236,6 +236,20 @@ class _Recorder:
         return out
 
 
+def _add_kwargs(key: list, kwargs: dict) -> bool:
+    """Extend a call's key by its keyword arguments; False when one is not a scalar or a list of ints."""
+    key.append(_KWARGS)
+    for name, a in kwargs.items():
+        t = type(a)
+        if t in SCALAR_TYPES or (t in _SEQUENCES and all(type(v) is int for v in a)):
+            key.append(name)
+            key.append(t)
+            key.append(tuple(a) if t in _SEQUENCES else a)
+        else:
+            return False
+    return True
+
+
 def _handler(fast: FastPath):
     """The ``__torch_function__`` of ``fast``'s tensor class (its state bound in the closure)."""
     dispatcher = fast.dispatcher
@@ -281,16 +295,8 @@ def _handler(fast: FastPath):
                 local_args.append(a)
             else:
                 return _disabled(func, types, args, kwargs or _EMPTY)
-        if kwargs:
-            key.append(_KWARGS)
-            for name, a in kwargs.items():
-                t = type(a)
-                if t in SCALAR_TYPES or (t in _SEQUENCES and all(type(v) is int for v in a)):
-                    key.append(name)
-                    key.append(t)
-                    key.append(tuple(a) if t in _SEQUENCES else a)
-                else:
-                    return _disabled(func, types, args, kwargs)
+        if kwargs and not _add_kwargs(key, kwargs):
+            return _disabled(func, types, args, kwargs)
         if not found:
             return _disabled(func, types, args, kwargs or _EMPTY)
         if grad:
