@@ -4,18 +4,23 @@
     L = ax.Layout.parse("S[(4,2,6):(1@gpuid,6,1)]")   # Shard(0) of an (8,6) tensor on 4 GPUs
     L.apply((5, 3), shape=(8, 6))                     # -> [{'gpuid': 2, 'm': 9}]
 
-The layout algebra and the planner are pure Python and load with the package;
-the names that need torch (mesh, DTensor, collectives, kernels) load on first
-use, so ``import axedist`` stays fast and never imports Triton.
+The layout algebra and the plan records are pure Python and load with the package;
+the names that need torch (planning, mesh, DTensor, collectives, kernels) load on
+first use, so ``import axedist`` stays fast and never imports torch or Triton.
 """
 
 from importlib import import_module
 
 from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
-from .layout_inference import Plan, Step, Transfer, plan_alternatives, plan_layouts, simulate
+from .planning import Plan, Step, Transfer
 
 # name -> module that defines it, imported on first access
 _LAZY = {
+    "plan_layouts": "planning",
+    "plan_alternatives": "planning",
+    "simulate": "planning",
+    "plan_redistribute": "planning",
+    "Redistribution": "planning",
     "DeviceMesh": "mesh",
     "MeshError": "mesh",
     "init_mesh": "mesh",
@@ -47,7 +52,7 @@ _LAZY = {
 
 __all__ = [
     "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient",
-    "Plan", "Step", "Transfer", "plan_alternatives", "plan_layouts", "simulate",
+    "Plan", "Step", "Transfer",
     *_LAZY,
 ]
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from .collectives.plan_executor import redistribute_local
+from .runtime import redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import DeferredGemm, fused_reduce_scatter
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements

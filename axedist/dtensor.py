@@ -16,8 +16,8 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -29,6 +29,7 @@ from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError
 from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
+from .planning import Redistribution, plan_redistribute
 from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
@@ -265,39 +266,21 @@ DTensor.__torch_dispatch__ = classmethod(DTensor.dispatcher.torch_dispatch)
 DTensor.dispatcher.fastpath.enable(os.environ.get("AXEDIST_FASTPATH", "1") != "0")
 
 
-@dataclass(frozen=True)
-class FusedGemmPlan:
-    """What ``redistribute`` runs for a deferred product's pending sum going to row shards:
-    the fused GEMM + reduce-scatter, or the GEMM then ``collective`` (and why)."""
-
-    fused: bool
-    gemm: object        # collectives.GemmReduceScatterPlan, or None (not asked: CPU, dtype, ...)
-    reason: str
-    collective: object  # the layout-inference Plan the unfused path runs
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.collective, name)  # steps, kinds, bytes_sent, ... of the collective
-
-    def __str__(self) -> str:
-        if self.fused:
-            return f"fused GEMM + reduce-scatter: {self.gemm}"
-        return (f"GEMM, then {self.collective}\n(fused GEMM + reduce-scatter not used: {self.reason})")
-
-
-def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None, itemsize: int | None = None):
-    """The layout-inference plan (``axedist.Plan``) that moves ``src`` to ``dst``; nothing moves.
+def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None,
+         itemsize: int | None = None) -> Redistribution:
+    """The route (``axedist.Redistribution``) that moves ``src`` to ``dst``: every step it runs; nothing moves.
 
     ``src``: a DTensor, or a layout / placements with ``mesh=`` and ``shape=``; ``dst``: a
     layout or placements (or a DTensor, whose layout is the target). Example, 4 ranks::
 
         >>> print(ax.plan(x, [Replicate()]))        # x: (8, 6) in [Shard(0)]
-        all-gather over gpuid ...
+        plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], ...
+          1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
 
-    ``src`` the pending sum of an ``mm``/``addmm`` (deferred, see ``runtime/deferred.py``) and
-    ``dst`` its rows sharded on the summed axis: a :class:`FusedGemmPlan`, whose text says
-    ``fused GEMM + reduce-scatter: ...`` or the GEMM, the collective, and why not fused.
+    ``src`` the pending sum of a deferred ``mm``/``addmm`` (``runtime/deferred.py``) and ``dst``
+    its rows sharded on the summed axis: the route's ``fused`` step says whether the fused GEMM +
+    reduce-scatter runs; its text is ``fused GEMM + reduce-scatter: ...``, or the GEMM, the
+    route, and why not fused.
     """
     if isinstance(src, DTensor):
         src_spec, mesh, itemsize = src._spec, src.mesh, itemsize or src.element_size()
@@ -311,22 +294,12 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     else:
         dst_spec = target_spec(src_spec, dst, None, None)
     itemsize = itemsize or 4
+    route = plan_redistribute(src_spec, dst_spec, itemsize)
     if isinstance(src, DTensor) and isinstance(src._pending, DeferredGemm) and src._pending.value is None:
-        choice = fused_choice(src_spec, src._pending, dst_spec)
-        if choice is not None:
-            from .layout_inference import plan_layouts
-
-            collective = plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
-                                      src_spec.reduce_op)
-            return FusedGemmPlan(choice.fused, choice.gemm, choice.reason, collective)
-    if src_spec.padded == dst_spec.padded and src_spec.true_index == dst_spec.true_index:
-        from .layout_inference import plan_layouts
-
-        return plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
-                            src_spec.reduce_op)
-    from .collectives import plan_executor
-
-    return plan_executor.plan_for(src_spec, dst_spec, itemsize).plans[0]
+        step = fused_choice(src_spec, src._pending, dst_spec)
+        if step is not None:
+            return dataclasses.replace(route, fused=step)
+    return route
 
 
 # ---------------------------------------------------------------------------

@@ -26,8 +26,8 @@ import axedist as ax
 
 P = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [((2, 2), "S1 S1", "S1 S0"), ((2, 2), "S1 S1", "R S0"), ((4,), "S0", "S1"), ((4,), "S1", "R")]
-# the functions of collectives/plan_executor.py and layout_inference.py whose cumulative time is shown
-PARTS = ["plan_for", "_true_box", "_real_slots", "_holdings", "_held_rows", "_drop_padding",
+# the functions of axedist/planning and axedist/runtime whose cumulative time is shown
+PARTS = ["plan_redistribute", "true_boxes", "real_slots", "holdings_of", "held_rows", "drop_padding",
          "plan_alternatives", "plan_direct", "execute_plan"]
 
 

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from axedist.layout import Layout
-from axedist.layout_inference import clear_plan_cache, plan_layouts
+from axedist.planning import clear_plan_cache, plan_layouts
 
 G8 = (("gpuid", 8),)
 XY = (("x", 2), ("y", 4))

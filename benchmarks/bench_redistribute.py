@@ -5,7 +5,7 @@
 
 Rank 0 prints a markdown table and writes ``<out>/redistribute_w4[_cpu].{json,md,png}``
 (date, machine, commit, command): per transition, the bytes one rank sends at most
-(axedist: from the plans it ran, collected with ``plan_executor.record``; torch DTensor:
+(axedist: from the plans it ran, collected with ``axedist.runtime.record``; torch DTensor:
 from the collectives it issues, counted under ``CommDebugMode``) and the median time
 (max over ranks; CUDA events on GPUs, wall clock on CPU) of ``DTensor.redistribute`` on
 both sides; then the CPU overhead of one call with a cached plan on a transition that
@@ -34,7 +34,8 @@ from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import axedist as ax
-from axedist.collectives.plan_executor import record, torch_comm_bytes
+from axedist.runtime import execution_bytes, explain_execution, record
+from axedist.testing import torch_comm_bytes
 from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 P = {"R": Replicate(), "P": Partial(), "S0": Shard(0), "S1": Shard(1)}
@@ -187,12 +188,12 @@ def main():
         got = out.to_local()[0] if out.reduce_op else out.to_local()
         assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2), (src_text, dst_text)
         route = ran[0] if ran else None
-        ours_bytes = route.bytes_sent(mesh) if route else 0
+        ours_bytes = execution_bytes(route, mesh) if route else 0
         t_ours = _timed(lambda: ours.redistribute(dst_pl), device, iters)
         t_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl), device, iters)
         if args.explain and route and dist.get_rank() == 0:
-            print(route.explain(mesh), flush=True)
-        steps = " + ".join(k for p in route.plans for k in p.kinds) if route else "none"
+            print(explain_execution(route, mesh), flush=True)
+        steps = " + ".join(route.kinds) if route else "none"
         shape_text = f" ({here[0]}x{here[1]})" if uneven else ""
         rows.append(dict(mesh="x".join(map(str, mesh_shape)), transition=f"{src_text} -> {dst_text}{shape_text}",
                          steps=steps or "local",

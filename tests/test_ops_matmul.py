@@ -61,7 +61,7 @@ def test_matmul_matches_full(world, two_d):
 def _rows_layout_way(rank, world, seed):
     """Rows of a sequence-sharded [B, S, H] flattened to [B*S, H] (no placement form) times a
     replicated weight: the output keeps the row map, no data moves; values and grads as torch."""
-    from axedist.collectives.plan_executor import record
+    from axedist.runtime import record
 
     mesh = DeviceMesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)

@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..dtensor import DTensor, distribute
 from ..layout import Layout, LayoutError
-from ..layout_inference import plan_layouts
+from ..planning import plan_layouts
 from ..mesh import DeviceMesh
 
 __all__ = [

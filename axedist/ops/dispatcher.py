@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
-from ..collectives.plan_executor import redistribute_local
+from ..runtime import redistribute_local
 from ..runtime.deferred import OUTSTANDING, defer, flush, placeholder
 from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
                         op_info, plan_call, replace_dtensors, scan)

@@ -52,7 +52,7 @@ def _piece(full: torch.Tensor, spec: ArgSpec, placements) -> torch.Tensor:
     layout has no placement form, under the argument's own layout."""
     if placements is not None:
         return local_piece(full, spec.mesh, placements).contiguous()
-    from ..collectives.plan_executor import redistribute_local
+    from ..runtime import redistribute_local
 
     whole = make_spec(spec.mesh, replicated_layout(tuple(full.shape), spec.mesh), tuple(full.shape))
     return redistribute_local(full, whole, spec.spec)

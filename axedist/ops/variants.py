@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from ..collectives.plan_executor import redistribute_local
+from ..runtime import redistribute_local
 from ..spec import make_spec, replicated_layout
 from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
                         replace_dtensors, scan, writes_first, written)

@@ -1,1 +1,11 @@
-"""Running plans: moving local tensors with torch.distributed and the collectives, and the deferred GEMM."""
+"""Runtime: run planned routes with ``torch.distributed`` and ``axedist.collectives``; the
+deferred GEMM (``deferred.py``) that a row reduce-scatter may run fused.
+
+    y_local = redistribute_local(x_local, src_spec, dst_spec)   # plan_redistribute (cached), then run it
+"""
+
+from .executor import (PendingBuffer, backend_notes, execute_plan, execution_bytes, explain_execution, record,
+                       redistribute_local, run_route)
+
+__all__ = ["redistribute_local", "run_route", "execute_plan", "execution_bytes", "explain_execution", "backend_notes",
+           "PendingBuffer", "record"]

@@ -13,19 +13,16 @@ Nothing here builds a DTensor: callers wrap what these functions return.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..layout import LayoutError
-from ..spec import DTensorSpec, placements_of
+from ..planning.fused import FusedStep, row_scatter_axis
+from ..spec import DTensorSpec
 
-__all__ = ["DeferredGemm", "OUTSTANDING", "defer", "placeholder", "flush", "fused_gemm_stats", "FusedChoice",
-           "fused_choice", "fused_reduce_scatter", "row_scatter_axis"]
+__all__ = ["DeferredGemm", "OUTSTANDING", "defer", "placeholder", "flush", "fused_gemm_stats", "fused_choice",
+           "fused_reduce_scatter"]
 
 # Products deferred, fused (gemm_reduce_scatter ran), reduce-scatters of a deferred product that
 # ran unfused (GEMM, then the planned collective), products computed on first use of their data;
@@ -119,42 +116,7 @@ def _consumed(pending: DeferredGemm) -> None:
             return
 
 
-@lru_cache(maxsize=1024)
-def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
-    """The mesh axis when ``src -> dst`` is a reduce-scatter of a 2-d pending sum's rows over
-    one mesh axis (every other axis kept, rows even), the move a fused GEMM + RS can do:
-    ``[8, 4] (Partial(),) -> (Shard(0),)`` on a 2-rank mesh gives ``"gpuid"``."""
-    if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
-        return None
-    try:
-        ps, pd = placements_of(src), placements_of(dst)
-    except LayoutError:
-        return None
-    partial = [i for i, p in enumerate(ps) if isinstance(p, Partial)]
-    if len(partial) != 1:
-        return None
-    (i,) = partial
-    if not (type(pd[i]) is Shard and pd[i].dim % 2 == 0):
-        return None
-    for j, (p, q) in enumerate(zip(ps, pd)):
-        if j != i and (p != q or isinstance(p, (Shard, _StridedShard)) and p.dim % 2 == 0):
-            return None  # another axis changes, or also splits the rows (then the row blocks differ)
-    if src.shape[0] % src.mesh.shape[i]:
-        return None      # uneven rows: torch.chunk pieces, not the equal row blocks of the kernel
-    return src.mesh.axis_names[i]
-
-
-@dataclass(frozen=True)
-class FusedChoice:
-    """Whether a row reduce-scatter of a deferred product runs the fused kernel, and why not."""
-
-    axis: str
-    fused: bool
-    reason: str
-    gemm: object = None   # collectives.GemmReduceScatterPlan, or None (not asked: CPU, dtype, ...)
-
-
-def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> FusedChoice | None:
+def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> FusedStep | None:
     """None when ``spec -> dst`` is not a row reduce-scatter (or the product already ran);
     otherwise whether the fused kernel runs, and why not when it does not."""
     axis = row_scatter_axis(spec, dst)
@@ -162,20 +124,20 @@ def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> 
         return None
     a, b = pending.a, pending.b
     if not a.is_cuda:
-        return FusedChoice(axis, False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
+        return FusedStep(axis, False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
     if a.dtype not in (torch.bfloat16, torch.float16):
-        return FusedChoice(axis, False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
+        return FusedStep(axis, False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
     mesh = spec.mesh
     group = mesh.group(axis)
     if dist.get_rank(group) != mesh.coordinates()[axis]:
-        return FusedChoice(axis, False, f"process-group order differs from mesh axis {axis}'s order")
+        return FusedStep(axis, False, f"process-group order differs from mesh axis {axis}'s order")
     from ..collectives import plan_gemm_reduce_scatter
 
     try:
         gemm = plan_gemm_reduce_scatter(a, b, group)
     except ValueError as e:
-        return FusedChoice(axis, False, str(e))
-    return FusedChoice(axis, gemm.backend != "torch", gemm.reason, gemm)
+        return FusedStep(axis, False, str(e))
+    return FusedStep(axis, gemm.backend != "torch", gemm.reason, gemm)
 
 
 def fused_reduce_scatter(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:

@@ -6,8 +6,8 @@ checks every slot of its output against the global tensor (and the simulator). M
 list ranks in a random order. Bytes are compared with what torch's DTensor moves for
 the same placements, counted from the collectives it issues (``CommDebugMode``).
 
-The rank bodies take ``device_type`` so ``tests_multigpu/test_plan_executor_nccl.py``
-runs them on CUDA with NCCL.
+The rank bodies take ``device_type`` so ``tests_multigpu/test_runtime_executor_nccl.py``
+runs them on CUDA with NCCL (it imports them by their public names).
 """
 
 import math
@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 
 import axedist as ax
-from axedist.collectives import plan_executor
-from axedist.collectives.plan_executor import execute_plan, torch_comm_bytes
-from axedist.layout_inference import plan_layouts, simulate
 from axedist.mesh import DeviceMesh
-from axedist.testing import run_on_ranks
-from test_layout_inference import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
+from axedist.planning import plan_layouts, simulate
+from axedist.runtime import execute_plan, execution_bytes, explain_execution, executor, record
+from axedist.runtime.buffers import position_index
+from axedist.testing import run_on_ranks, torch_comm_bytes
+from planning_cases import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
 
 MESHES = {
     2: [(("gpuid", 2),)],
@@ -73,11 +73,11 @@ def _check_one(mesh, mesh_spec, src, dst, shape, partial, dtype=torch.float64):
     return plan
 
 
-def _random_cases(rank, world, mesh_index, seed, count, partial_ops, device_type="cpu", force_p2p=False):
+def random_cases(rank, world, mesh_index, seed, count, partial_ops, device_type="cpu", force_p2p=False):
     """``count`` random layout pairs on one mesh; returns the step kinds seen."""
     mesh_spec = MESHES[world][mesh_index]
     mesh = _mesh(mesh_spec, seed, device_type)
-    plan_executor.FORCE_P2P = force_p2p
+    executor.FORCE_P2P = force_p2p
     kinds = set()
     try:
         rng = random.Random(seed)
@@ -89,7 +89,7 @@ def _random_cases(rank, world, mesh_index, seed, count, partial_ops, device_type
             plan = _check_one(mesh, mesh_spec, src, dst, shape, op)
             kinds.update(plan.kinds)
     finally:
-        plan_executor.FORCE_P2P = False
+        executor.FORCE_P2P = False
     return sorted(kinds)
 
 
@@ -99,7 +99,7 @@ CASES = [(world, index) for world in (2, 3, 4, 8) for index in range(len(MESHES[
 @pytest.mark.parametrize("world,mesh_index", CASES, ids=lambda v: str(v))
 def test_random_layouts(world, mesh_index):
     seed = 1000 * world + mesh_index
-    kinds = run_on_ranks(_random_cases, world, args=(mesh_index, seed, 24, []), timeout_s=120)
+    kinds = run_on_ranks(random_cases, world, args=(mesh_index, seed, 24, []), timeout_s=120)
     assert kinds[0]  # same plans on every rank
     assert all(k == kinds[0] for k in kinds)
 
@@ -107,14 +107,14 @@ def test_random_layouts(world, mesh_index):
 @pytest.mark.parametrize("world,mesh_index", CASES, ids=lambda v: str(v))
 def test_random_partial_sums_every_op(world, mesh_index):
     seed = 2000 * world + mesh_index
-    run_on_ranks(_random_cases, world, args=(mesh_index, seed, 16, OPS), timeout_s=120)
+    run_on_ranks(random_cases, world, args=(mesh_index, seed, 16, OPS), timeout_s=120)
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_point_to_point_path_agrees(world):
     """Every step as batched isend/irecv: the reference path the collectives are checked against."""
-    run_on_ranks(_random_cases, world, args=(0, 3000 + world, 12, [], "cpu", True), timeout_s=120)
-    run_on_ranks(_random_cases, world, args=(len(MESHES[world]) - 1, 3100 + world, 12, OPS, "cpu", True),
+    run_on_ranks(random_cases, world, args=(0, 3000 + world, 12, [], "cpu", True), timeout_s=120)
+    run_on_ranks(random_cases, world, args=(len(MESHES[world]) - 1, 3100 + world, 12, OPS, "cpu", True),
                  timeout_s=120)
 
 
@@ -134,16 +134,16 @@ NAMED = {
 }
 
 
-def _named(rank, world, name, device_type="cpu"):
+def named_case(rank, world, name, device_type="cpu"):
     mesh_spec, shape, s, d, partial, _ = NAMED[name]
     mesh = _mesh(mesh_spec, sum(map(ord, name)), device_type)  # str hash differs per process
     plan = _check_one(mesh, mesh_spec, placements(mesh_spec, shape, s), placements(mesh_spec, shape, d), shape, partial)
-    return plan_executor.explain_execution(plan, mesh)
+    return explain_execution(plan, mesh)
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
 def test_named_transitions_use_their_collective(name):
-    text = run_on_ranks(_named, 4, args=(name,), timeout_s=60)[0]
+    text = run_on_ranks(named_case, 4, args=(name,), timeout_s=60)[0]
     expected = NAMED[name][-1]
     assert all(e in text for e in expected), text
     assert "executed on gloo" in text
@@ -155,7 +155,7 @@ def test_named_transitions_use_their_collective(name):
 # -- async ---------------------------------------------------------------------------
 
 
-def _async(rank, world, device_type="cpu"):
+def async_case(rank, world, device_type="cpu"):
     mesh = _mesh(G4, 7, device_type)
     plan = plan_layouts(placements(G4, (8, 6), ["S0"]), placements(G4, (8, 6), ["R"]), G4, (8, 6))
     me = _device_of(mesh)[0]
@@ -165,7 +165,7 @@ def _async(rank, world, device_type="cpu"):
 
 
 def test_async_returns_a_handle():
-    assert run_on_ranks(_async, 4, timeout_s=60) == [True] * 4
+    assert run_on_ranks(async_case, 4, timeout_s=60) == [True] * 4
 
 
 # -- DTensor specs: padding, partials, differential against torch --------------------
@@ -215,17 +215,17 @@ def _check_not_more_than_torch(ours, theirs, text, known_limit: bool) -> None:
     assert not moves_more, (ours, theirs, text)
 
 
-def _torch_differential(rank, world, index, device_type="cpu"):
+def torch_differential(rank, world, index, device_type="cpu"):
     """One listed transition: axedist's redistribute vs torch DTensor, values and bytes on this rank."""
-    return _torch_case(*TORCH_TRANSITIONS[index], seed=index, device_type=device_type)
+    return torch_case(*TORCH_TRANSITIONS[index], seed=index, device_type=device_type)
 
 
-def _torch_cases(rank, world, cases, device_type="cpu"):
+def torch_cases(rank, world, cases, device_type="cpu"):
     """Several transitions in one pool call (the random differential)."""
-    return [_torch_case(*case, seed=i, device_type=device_type) for i, case in enumerate(cases)]
+    return [torch_case(*case, seed=i, device_type=device_type) for i, case in enumerate(cases)]
 
 
-def _torch_case(mesh_shape, shape, s, d, seed, device_type="cpu"):
+def torch_case(mesh_shape, shape, s, d, seed, device_type="cpu"):
     """(values equal, axedist bytes, torch bytes, explanation, plans) for ``s -> d`` on this rank.
 
     Both tensors come from the same full tensor; the bytes are what this rank sends: axedist's
@@ -255,7 +255,7 @@ def _torch_case(mesh_shape, shape, s, d, seed, device_type="cpu"):
         torch_src = distribute_tensor(full, torch_mesh, src_pl)
     want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
     ours_src = ax.from_torch(torch_src)
-    with plan_executor.record() as ran:
+    with record() as ran:
         got = ours_src.redistribute(dst_pl)
     assert len(ran) <= 1 and (ran or s == d), ran  # a call with equal specs runs nothing
     got = got.to_local()
@@ -264,7 +264,9 @@ def _torch_case(mesh_shape, shape, s, d, seed, device_type="cpu"):
     same = tuple(got.shape) == tuple(want.shape) and torch.allclose(got.cpu(), want.cpu())
     if not ran:
         return same, 0, torch_bytes, "same spec: nothing runs", 0
-    return same, ran[0].bytes_sent(ours_src.mesh), torch_bytes, ran[0].explain(ours_src.mesh), len(ran[0].plans)
+    route = ran[0]
+    return same, execution_bytes(route, ours_src.mesh), torch_bytes, explain_execution(route, ours_src.mesh), \
+        len(route.plans)
 
 
 @pytest.mark.parametrize("index", range(len(TORCH_TRANSITIONS)),
@@ -272,7 +274,7 @@ def _torch_case(mesh_shape, shape, s, d, seed, device_type="cpu"):
                               for t in TORCH_TRANSITIONS])
 def test_matches_torch_dtensor_and_never_moves_more(index):
     mesh_shape = TORCH_TRANSITIONS[index][0]
-    results = run_on_ranks(_torch_differential, math.prod(mesh_shape), args=(index,), timeout_s=60)
+    results = run_on_ranks(torch_differential, math.prod(mesh_shape), args=(index,), timeout_s=60)
     for rank, (same, _, _, text, _) in enumerate(results):
         assert same, (rank, text)
     ours = [r[1] for r in results]
@@ -284,7 +286,7 @@ def test_matches_torch_dtensor_and_never_moves_more(index):
 
 
 def _uneven_gather(rank, world, shape):
-    return _torch_case((4,), shape, "S0", "R", seed=sum(shape))[:4]
+    return torch_case((4,), shape, "S0", "R", seed=sum(shape))[:4]
 
 
 @pytest.mark.parametrize("shape,expected", [
@@ -301,7 +303,7 @@ def test_uneven_all_gather_is_one_padded_collective_when_padding_is_cheap(shape,
 
 def _repeat_uneven(rank, world):
     """A re-padded uneven redistribute, twice: the per-dim position indices are built on the
-    first call and reused (same tensors) by the second; both give torch DTensor's result."""
+    first call and reused (cache hits, no new ones) by the second; both give torch DTensor's result."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = DeviceMesh("cpu", (2, 2), ("x", "y"))
@@ -310,15 +312,16 @@ def _repeat_uneven(rank, world):
     dst = [Replicate(), Shard(0)]
     want = distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]).redistribute(
         mesh.to_torch(), dst).to_local()
-    with plan_executor.record() as ran:
+    before = position_index.cache_info()
+    with record() as ran:
         first = src.redistribute(dst).to_local()
-    route = ran[0]
-    sides = [side for side in (route.first, route.last) + tuple(route.middle or ())
-             if any(p is not None for p in side.positions)]
-    built = [dict(side.__dict__.get("_position_index", {})) for side in sides]
+    route, me = ran[0], mesh.position()
+    sides = [side for side in (route.first, route.last) + (route.repad.sides if route.repad else ())
+             if any(p is not None for p in side.positions_at(me))]
+    built = position_index.cache_info()
     second = src.redistribute(dst).to_local()
-    after = [side.__dict__.get("_position_index", {}) for side in sides]
-    reused = all(b and b.keys() == a.keys() and all(b[k] is a[k] for k in b) for b, a in zip(built, after))
+    after = position_index.cache_info()
+    reused = built.misses > before.misses and after.misses == built.misses and after.hits > built.hits
     return bool(sides), reused, torch.equal(first, want), torch.equal(second, want)
 
 
@@ -360,7 +363,7 @@ def _transitions(draw, mesh_shape):
 def test_random_placements_match_torch_and_never_move_more(mesh_shape, data):
     """Fresh random transitions per run: values equal torch DTensor's, bytes never above its own."""
     cases = data.draw(st.lists(_transitions(mesh_shape), min_size=5, max_size=5), label="transitions")
-    results = run_on_ranks(_torch_cases, math.prod(mesh_shape), args=(cases,), timeout_s=180)
+    results = run_on_ranks(torch_cases, math.prod(mesh_shape), args=(cases,), timeout_s=180)
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         assert all(r[0] for r in per_rank), (case, per_rank[0][3])
@@ -371,18 +374,18 @@ def test_random_placements_match_torch_and_never_move_more(mesh_shape, data):
 # -- the uneven digit swap: true elements only, one all_to_all_single --------------------
 
 
-def _digit_swap(rank, world, device_type="cpu"):
+def digit_swap(rank, world, device_type="cpu"):
     """(3, 6) on 2x2, [S1, S1] -> [S1, S0]: values as torch's, the route and the bytes on the plan."""
-    same, ours, theirs, text, plans = _torch_case(*TORCH_TRANSITIONS[23], seed=23, device_type=device_type)
+    same, ours, theirs, text, plans = torch_case(*TORCH_TRANSITIONS[23], seed=23, device_type=device_type)
     return same, ours, theirs, text
 
 
-def test_uneven_digit_swap_sends_only_true_elements():
+def test_unevendigit_swap_sends_only_true_elements():
     """Index 23: torch on NCCL runs all_to_all of its padded (4, 2) piece (16 B a rank, counted on its
     NCCL path here, as on GPUs); axedist sends each y-peer the 2 values it lacks (8 B), in one
     all_to_all_single per y pair (the plan's bytes are what NCCL moves)."""
     assert TORCH_TRANSITIONS[23] == ((2, 2), (3, 6), "S1 S1", "S1 S0")
-    results = run_on_ranks(_digit_swap, 4, timeout_s=60)
+    results = run_on_ranks(digit_swap, 4, timeout_s=60)
     assert all(r[0] for r in results), results[0][3]
     assert [r[1] for r in results] == [8] * 4, results[0][3]
     assert [r[2] for r in results] == [16] * 4  # torch's NCCL path, not its gloo all-gather (32 B)
@@ -398,7 +401,7 @@ KEEP_PARTIAL = [  # (mesh shape, target placements); the source is [Partial(op),
 ]
 
 
-def _keep_partial(rank, world, cases, device_type="cpu"):
+def keep_partial(rank, world, cases, device_type="cpu"):
     """Each case: axedist's local result against torch DTensor's and against the partial values
     reduced over the dropped axis (element by element), then the rest reduced against the global op."""
     from torch.distributed.tensor import DTensor as TorchDTensor
@@ -421,7 +424,7 @@ def _keep_partial(rank, world, cases, device_type="cpu"):
         want, torch_bytes = torch_comm_bytes(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local())
         # redistribute(placements) keeps the summand count (dtensor's target spec); a layout target may drop some
         spec = spec_from_placements(shape, mesh, dst_pl)
-        with plan_executor.record() as ran:
+        with record() as ran:
             got = ax.from_torch(torch_src).redistribute(spec.layout, padded_shape=spec.padded, reduce_op=op)
         local = got.to_local()[0]
         # reference: reduce over the mesh axis that is no longer partial, keep this device's kept summand
@@ -444,8 +447,8 @@ def _keep_partial(rank, world, cases, device_type="cpu"):
             refused = "the same op" in str(e)
         out.append((torch.allclose(local.cpu(), expected) and tuple(local.shape) == tuple(expected.shape),
                     torch.allclose(local.cpu(), want.cpu()) and tuple(local.shape) == tuple(want.shape),
-                    torch.allclose(full.cpu(), whole) and refused, ran[0].bytes_sent(mesh), torch_bytes,
-                    ran[0].explain(mesh)))
+                    torch.allclose(full.cpu(), whole) and refused, execution_bytes(ran[0], mesh), torch_bytes,
+                    explain_execution(ran[0], mesh)))
     return out
 
 
@@ -458,45 +461,9 @@ def test_partial_reduced_on_some_axes_matches_torch(mesh_shape, data):
     targets = [d for m, d in KEEP_PARTIAL if m == mesh_shape]
     cases = [(mesh_shape, d, (data.draw(st.integers(1, 9)), data.draw(st.integers(1, 9))),
               data.draw(st.sampled_from(OPS)), data.draw(st.integers(0, 2**31 - 1))) for d in targets]
-    results = run_on_ranks(_keep_partial, math.prod(mesh_shape), args=(cases,), timeout_s=120)
+    results = run_on_ranks(keep_partial, math.prod(mesh_shape), args=(cases,), timeout_s=120)
     for i, case in enumerate(cases):
         per_rank = [r[i] for r in results]
         assert all(r[0] and r[1] and r[2] for r in per_rank), (case, [r[:3] for r in per_rank], per_rank[0][5])
         ours, theirs = [r[3] for r in per_rank], [r[4] for r in per_rank]
         assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][5])
-
-
-class _StubMesh:
-    """What _held_rows reads of a mesh: axis names, row-major strides, size."""
-
-    def __init__(self, mesh_spec):
-        self.axis_names = tuple(a for a, _ in mesh_spec)
-        self.shape = tuple(n for _, n in mesh_spec)
-        self.size = math.prod(self.shape)
-
-    def strides(self):
-        out, stride = {}, 1
-        for name, extent in zip(reversed(self.axis_names), reversed(self.shape)):
-            out[name] = stride
-            stride *= extent
-        return out
-
-
-@settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1))
-def test_held_rows_per_dim_equals_the_elementwise_evaluation(seed):
-    """The per-dim evaluation of which true rows each device holds (O(sum of dims)) gives what
-    evaluating the layout on every element gives, on random layouts (cyclic, reversed, subsets,
-    replicas, memory gaps and offsets) with random padding and true rows."""
-    from axedist.layout import LayoutError
-    rng = random.Random(seed)
-    mesh_spec = rng.choice([m for meshes in MESHES.values() for m in meshes])
-    shape = random_shape(rng, mesh_spec)
-    layout = random_layout(rng, mesh_spec, shape)
-    rows = [sorted(rng.sample(range(n), rng.randint(1, n))) for n in shape]   # true rows (rest: padding)
-    mesh = _StubMesh(mesh_spec)
-    try:
-        reference = plan_executor._held_rows(layout, shape, rows, mesh, everywhere=True)
-    except LayoutError:
-        return  # no per-dim blocks: _held_rows is never asked about such a layout
-    assert plan_executor._held_rows(layout, shape, rows, mesh) == reference

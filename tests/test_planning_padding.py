@@ -2,7 +2,7 @@
 
 A redistribute of an uneven tensor asks, once per spec pair, which buffer slots of each
 device hold real elements, each device's true local box, and which transfers of a plan
-carry padding. ``plan_executor`` answers from each dim's own indices where a layout's
+carry padding. ``axedist.planning.holdings`` answers from each dim's own indices where a layout's
 memory is per-dim row-major (O(sum of dims x mesh size)), and element by element otherwise
 (``ELEMENTWISE = True`` forces that route everywhere: the reference). These tests hold the
 two routes to each other on random layouts, true rows, meshes and plans, check the pruned
@@ -17,12 +17,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from axedist.collectives import plan_executor
 from axedist.layout import LayoutError
-from axedist.layout_inference import plan_alternatives, simulate
+from axedist.planning import holdings, padding, plan_alternatives, simulate
+from axedist.planning.held_rows import held_rows
+from axedist.planning.holdings import Holdings, dim_placements, holdings_of, holdings_per_dim
+from axedist.planning.padding import drop_padding, expand, pieces
 from axedist.testing import run_on_ranks
-from test_layout_inference import REDUCE, brute_slots, random_layout, random_shape, scatter
-from test_plan_executor import _StubMesh, _torch_case
+from planning_cases import MESHES as ALL_MESHES
+from planning_cases import REDUCE, StubMesh, brute_slots, random_layout, random_shape, scatter
+from test_runtime_executor import torch_case
 
 MESHES = [(("gpuid", 2),), (("gpuid", 3),), (("gpuid", 4),), (("x", 2), ("y", 2)), (("x", 2), ("y", 4))]
 SETTINGS = settings(max_examples=120, deadline=None)
@@ -44,10 +47,10 @@ def _case(rng: random.Random, partial: bool = False):
 def _both(layout, full, rows, mesh):
     """(per-dim holdings or None, element-wise holdings); None, None for a layout without per-dim blocks."""
     try:
-        reference = plan_executor._holdings(layout, full, rows, mesh, everywhere=True)
+        reference = holdings_of(layout, full, rows, mesh, everywhere=True)
     except LayoutError:
         return None, None
-    return plan_executor._holdings_per_dim(layout, full, rows, mesh), reference
+    return holdings_per_dim(layout, full, rows, mesh), reference
 
 
 @SETTINGS
@@ -56,7 +59,7 @@ def test_per_dim_holdings_equal_the_elementwise_ones(seed):
     """Masks (real slots per device) and true boxes, per dim vs from every element."""
     rng = random.Random(seed)
     mesh_spec, _, layout, full, rows = _case(rng, partial=rng.random() < 0.3)
-    fast, reference = _both(layout, full, rows, _StubMesh(mesh_spec))
+    fast, reference = _both(layout, full, rows, StubMesh(mesh_spec))
     if fast is None:
         return  # no per-dim route for this layout: the element-wise one is all there is
     assert fast.boxes == reference.boxes, (layout, full, rows)
@@ -67,7 +70,7 @@ def test_per_dim_holdings_equal_the_elementwise_ones(seed):
 def test_per_dim_route_covers_dtensor_layouts():
     """Layouts made from placements (row-major local tensors, nested uneven chunks) always factor:
     the per-dim route is the one that runs for DTensor, whatever the padding."""
-    from test_layout_inference import placements
+    from planning_cases import placements
 
     rng = random.Random(7)
     for mesh_spec in MESHES:
@@ -77,7 +80,7 @@ def test_per_dim_route_covers_dtensor_layouts():
             spec = [rng.choice(["S0", "S1", "R"]) for _ in mesh_spec]
             layout = placements(mesh_spec, shape, spec)
             rows = tuple(tuple(sorted(rng.sample(range(n), rng.randint(1, n)))) for n in shape)
-            fast, reference = _both(layout, shape, rows, _StubMesh(mesh_spec))
+            fast, reference = _both(layout, shape, rows, StubMesh(mesh_spec))
             assert fast is not None, (layout, spec)
             assert fast.boxes == reference.boxes and fast.masks().equal(reference.masks())
 
@@ -85,15 +88,15 @@ def test_per_dim_route_covers_dtensor_layouts():
 def test_positions_reached_two_ways_take_the_elementwise_route():
     """``S[(2,2,2,2):(1@x,2,1@x,1)]`` over ``(4, 4)`` on x=3: both dims step along x, so x = 1 holds
     rows {0,1} x cols {2,3} and rows {2,3} x cols {0,1}, no product of per-dim sets. The per-dim
-    route declines (its masks would be the product), and ``_holdings`` answers element by element."""
+    route declines (its masks would be the product), and ``holdings_of`` answers element by element."""
     from axedist.layout import Layout
 
-    mesh = _StubMesh((("x", 3),))
+    mesh = StubMesh((("x", 3),))
     layout = Layout.parse("S[(2,2,2,2):(1@x,2,1@x,1)]")
     rows = ((0, 1, 3), (0, 2, 3))
-    assert plan_executor._dim_placements(layout, (4, 4), mesh) is not None  # memory per dim: not why
-    assert plan_executor._holdings_per_dim(layout, (4, 4), rows, mesh) is None
-    held, reference = plan_executor._holdings(layout, (4, 4), rows, mesh), _both(layout, (4, 4), rows, mesh)[1]
+    assert dim_placements(layout, (4, 4), mesh) is not None  # memory per dim: not why
+    assert holdings_per_dim(layout, (4, 4), rows, mesh) is None
+    held, reference = holdings_of(layout, (4, 4), rows, mesh), _both(layout, (4, 4), rows, mesh)[1]
     assert held.masks().equal(reference.masks()) and held.boxes == reference.boxes
 
 
@@ -111,7 +114,7 @@ def test_dropped_padding_equals_the_elementwise_route(seed, partial):
     rng = random.Random(seed)
     mesh_spec, shape, src, full, rows = _case(rng, partial=partial is not None)
     dst = random_layout(rng, mesh_spec, shape)
-    mesh = _StubMesh(mesh_spec)
+    mesh = StubMesh(mesh_spec)
     fast, reference = _both(src, full, rows, mesh)
     if reference is None:
         return
@@ -124,8 +127,8 @@ def test_dropped_padding_equals_the_elementwise_route(seed, partial):
     real = [all(i in r for i, r in zip(index, rows[len(full) - len(shape):]))
             for index in _indices(shape)]
     for plan in plan_alternatives(src, dst, mesh_spec, shape, partial=partial):
-        ours = plan_executor._drop_padding(plan, fast, mesh)
-        theirs = plan_executor._drop_padding(plan, reference, mesh, everywhere=True)
+        ours = drop_padding(plan, fast, mesh)
+        theirs = drop_padding(plan, reference, mesh, everywhere=True)
         assert _moves(ours) == _moves(theirs), (str(plan), rows)
         assert ours.cost == theirs.cost and ours.note == theirs.note
         out = simulate(ours, buffers)
@@ -149,22 +152,22 @@ def test_cut_box_walks_over_a_dims_end():
     """A coalesced box (24 slots at stride 7 over local rows of 14: two rows of a (12, 14) local
     tensor, 7 columns apart) is cut into (12, 2) at strides (14, 7), so its realness stays per dim."""
     from axedist.layout import Layout
-    from axedist.layout_inference import Transfer
+    from axedist.planning import Transfer
 
-    mesh = _StubMesh((("x", 2),))
+    mesh = StubMesh((("x", 2),))
     layout = Layout.parse("S[(12,2,2,7):(14,1@x,7,1)]")  # (12, 28) Shard(1) over x, local (12, 14)
     rows = (tuple(range(11)), tuple(r for r in range(28) if r % 7 != 6))  # last row and every 7th column padding
-    held = plan_executor._holdings_per_dim(layout, (12, 28), rows, mesh)
+    held = holdings_per_dim(layout, (12, 28), rows, mesh)
     box, groups = held.keep(0, Transfer((0,), (1,), (24, 7), 0, (7, 1), 0, (7, 1)))
     assert box.extents == (12, 2, 7) and box.source_strides == (14, 7, 1) and box.target_strides == (14, 7, 1)
     assert sorted(dims for dims, _ in groups) == [(0,), (1, 2)]  # one group per tensor dim walked
-    reference = plan_executor._holdings(layout, (12, 28), rows, mesh, everywhere=True)
+    reference = holdings_of(layout, (12, 28), rows, mesh, everywhere=True)
     _, dense = reference.keep(0, Transfer((0,), (1,), (24, 7), 0, (7, 1), 0, (7, 1)))
-    assert plan_executor._expand(groups, box.extents).reshape(-1).equal(dense[0][1].reshape(-1))
+    assert expand(groups, box.extents).reshape(-1).equal(dense[0][1].reshape(-1))
 
 
 def test_pieces_cut_a_grid_into_boxes():
-    """``_pieces``: the product of runs when the grid is one, else runs of equal slices; each cell once."""
+    """``pieces``: the product of runs when the grid is one, else runs of equal slices; each cell once."""
     import torch
 
     rng = random.Random(3)
@@ -172,11 +175,11 @@ def test_pieces_cut_a_grid_into_boxes():
         shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 3)))
         grid = torch.rand(shape, generator=torch.Generator().manual_seed(rng.randrange(10**6))) < rng.random()
         covered = torch.zeros(shape, dtype=torch.int64)
-        for piece in plan_executor._pieces(grid):
+        for piece in pieces(grid):
             covered[tuple(slice(s, s + n) for s, n in piece)] += 1
-        assert covered.equal(grid.to(torch.int64)), (grid, plan_executor._pieces(grid))
+        assert covered.equal(grid.to(torch.int64)), (grid, pieces(grid))
     product = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    assert plan_executor._pieces(product) == [((0, 1), (0, 2)), ((0, 1), (3, 1)), ((2, 1), (0, 2)), ((2, 1), (3, 1))]
+    assert pieces(product) == [((0, 1), (0, 2)), ((0, 1), (3, 1)), ((2, 1), (0, 2)), ((2, 1), (3, 1))]
 
 
 # -- uneven redistributes on gloo ranks: both routes against torch DTensor ----------------
@@ -189,8 +192,7 @@ def _routes(rank, world, cases):
     both times, the same bytes both times, element-wise evaluations the per-dim route needed:
     holdings from every element, masks built for a box, or realness followed slot by slot)."""
     dense = [0]
-    everywhere, masks, step_holdings = (plan_executor._holdings_everywhere, plan_executor._Holdings.masks,
-                                        plan_executor._step_holdings)
+    everywhere, masks, step_holdings = holdings.holdings_everywhere, Holdings.masks, padding.step_holdings
 
     def counted(function, dense_when=lambda result: True):
         def wrapper(*args):
@@ -202,20 +204,20 @@ def _routes(rank, world, cases):
     out = []
     for i, case in enumerate(cases):
         dense[0] = 0
-        plan_executor._holdings_everywhere = counted(everywhere)
-        plan_executor._Holdings.masks = counted(masks)
-        plan_executor._step_holdings = counted(step_holdings, lambda result: result is None)
+        holdings.holdings_everywhere = counted(everywhere)
+        Holdings.masks = counted(masks)
+        padding.step_holdings = counted(step_holdings, lambda result: result is None)
         try:
-            fast = _torch_case(*case, seed=i)
+            fast = torch_case(*case, seed=i)
         finally:
-            plan_executor._holdings_everywhere, plan_executor._Holdings.masks = everywhere, masks
-            plan_executor._step_holdings = step_holdings
+            holdings.holdings_everywhere, Holdings.masks = everywhere, masks
+            padding.step_holdings = step_holdings
         per_dim_dense = dense[0]
-        plan_executor.ELEMENTWISE = True
+        holdings.ELEMENTWISE = True
         try:
-            slow = _torch_case(*case, seed=i)
+            slow = torch_case(*case, seed=i)
         finally:
-            plan_executor.ELEMENTWISE = False
+            holdings.ELEMENTWISE = False
         out.append((fast[0], slow[0], fast[1], slow[1], per_dim_dense, fast[3]))
     return out
 
@@ -248,3 +250,22 @@ def test_uneven_redistribute_both_routes_match_torch(mesh_shape, data):
         assert all(r[0] and r[1] for r in per_rank), (case, per_rank[0][5])
         assert [r[2] for r in per_rank] == [r[3] for r in per_rank], (case, per_rank[0][5])
         assert all(r[4] == 0 for r in per_rank), (case, "the per-dim route fell back to every element")
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_held_rows_per_dim_equals_the_elementwise_evaluation(seed):
+    """The per-dim evaluation of which true rows each device holds (O(sum of dims)) gives what
+    evaluating the layout on every element gives, on random layouts (cyclic, reversed, subsets,
+    replicas, memory gaps and offsets) with random padding and true rows."""
+    rng = random.Random(seed)
+    mesh_spec = rng.choice(ALL_MESHES)
+    shape = random_shape(rng, mesh_spec)
+    layout = random_layout(rng, mesh_spec, shape)
+    rows = [sorted(rng.sample(range(n), rng.randint(1, n))) for n in shape]   # true rows (rest: padding)
+    mesh = StubMesh(mesh_spec)
+    try:
+        reference = held_rows(layout, shape, rows, mesh, everywhere=True)
+    except LayoutError:
+        return  # no per-dim blocks: held_rows is never asked about such a layout
+    assert held_rows(layout, shape, rows, mesh) == reference

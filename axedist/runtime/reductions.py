@@ -1,0 +1,216 @@
+"""Reducing steps as one collective per group: reduce-scatter, all-reduce, reduce.
+
+On gloo a reduce-scatter runs as an ``all_reduce`` of the packed input, then this rank's chunk
+(what gloo's own reduce_scatter does internally); a reduce-scatter + all-gather pair marked
+``fused="all_reduce"`` runs as one ``all_reduce``; ``avg`` is a sum divided by the count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import api
+from ..planning.holdings import box_index
+from ..planning.steps import Step
+from .indices import Index, finish_avg, identity, inverse, reduce_into
+from .steps import Collective, StepProgram
+
+__all__ = ["ReduceScatter", "FusedAllReduce", "AllReduce", "Reduce"]
+
+_NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def _op(reduce: str):
+    return getattr(dist.ReduceOp, _NATIVE_OP[reduce])
+
+
+class ReduceScatter(Collective):
+    """Pack every member's part in group-rank order (own part: the local boxes); reduce-scatter."""
+
+    how = "reduce_scatter_tensor"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        self.pack = Index(torch.cat([box_index(step.local(me), "source") if d == me else self.message_source(me, d)
+                                     for d in self.members]), ctx.device)
+        self.n = self.pack.count // len(self.members)
+        self.land = self.local_dst_raw.to(ctx.device)
+        self.land_index = Index(self.local_dst_raw, ctx.device)
+        self.unique = inverse(self.local_dst_raw, step.out_size) is not None
+        if ctx.backend == "gloo":
+            self.how = "all_reduce + own chunk (gloo)"
+
+    @staticmethod
+    def fits(step: Step, group) -> bool:
+        counts = {sum(t.count for t in step.local(d)) for d in group}
+        counts |= {sum(t.count for t in step.messages[(a, b)]) for a in group for b in group if a != b}
+        return len(counts) == 1
+
+    def _land(self, reduced, x):
+        if self.reduce == "avg":
+            reduced = finish_avg(reduced, len(self.members))
+        if self.unique:
+            out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+            self.land_index.put(out, reduced)
+            return out
+        op = "avg" if self.reduce == "avg" else self.reduce
+        count = torch.bincount(self.land.cpu(), minlength=self.step.out_size).clamp_(min=1).to(x.device)
+        return reduce_into(self.step.out_size, reduced, self.land, op, count, x)
+
+    def start(self, x, async_op):
+        if self.ctx.backend == "gloo":
+            self.ran = "torch"
+            packed = self.pack.fresh(x)
+            work = dist.all_reduce(packed, op=_op(self.reduce), group=self.group, async_op=async_op)
+            mine = lambda: packed[self.position * self.n:(self.position + 1) * self.n]
+        else:
+            reduced = torch.empty(self.n, dtype=x.dtype, device=x.device)
+            packed = self.pack.take(x).contiguous()
+            if self.through_api("reduce_scatter", packed, async_op):
+                api.reduce_scatter(packed, self.group, backend=self.ran, out=reduced)
+                work = None
+            else:
+                work = dist.reduce_scatter_tensor(reduced, packed, op=_op(self.reduce), group=self.group,
+                                                  async_op=async_op)
+            mine = lambda: reduced
+        return [work] if async_op and work is not None else [], (lambda: self._land(mine(), x))
+
+
+class FusedAllReduce(ReduceScatter):
+    """A reduce-scatter + all-gather pair as one all_reduce: every member's reduced chunk lands here."""
+
+    how = "all_reduce (reduce-scatter + all-gather pair)"
+    covers = 2
+
+    def __init__(self, step, gather_step: Step, ctx):
+        super().__init__(step, ctx)
+        self.how = type(self).how  # one all_reduce on every backend
+        self.gather_step = gather_step
+        me = ctx.me
+        select, slots = [], []
+        # my own part of the gather step reads my reduced chunk through my landing slots
+        for d in self.members:
+            where = inverse(box_index(step.local(d), "target"), step.out_size)
+            reads = gather_step.local(me) if d == me else gather_step.messages[(d, me)]
+            j = self.members.index(d)
+            select.append(j * self.n + where[box_index(reads, "source")])
+            slots.append(box_index(reads, "target"))
+        self.select = Index(torch.cat(select), ctx.device)
+        self.slots = Index(torch.cat(slots), ctx.device)
+
+    @staticmethod
+    def fits(step: Step, gather_step: Step, group) -> bool:
+        if not ReduceScatter.fits(step, group) or gather_step.groups != step.groups:
+            return False
+        for d in group:
+            where = inverse(box_index(step.local(d), "target"), step.out_size)
+            if where is None:
+                return False
+            reads = [box_index(gather_step.local(d), "source")]
+            reads += [box_index(gather_step.messages[(d, p)], "source") for p in group if (d, p) in gather_step.messages]
+            reads = torch.cat(reads)
+            if reads.numel() and bool((where[reads] < 0).any()):
+                return False
+        return True
+
+    def bytes_sent(self) -> int:
+        """The plan's direct count over both steps it runs."""
+        return sum(s.bytes_sent.get(self.ctx.me, 0) for s in (self.step, self.gather_step))
+
+    def start(self, x, async_op):
+        packed = self.pack.fresh(x)
+        work = None
+        if self.through_api("all_reduce", packed, async_op):
+            packed = api.all_reduce(packed, self.group, backend=self.ran)
+        else:
+            work = dist.all_reduce(packed, op=_op(self.reduce), group=self.group, async_op=async_op)
+
+        def finish():
+            reduced = finish_avg(packed, len(self.members)) if self.reduce == "avg" else packed
+            out = torch.empty(self.gather_step.out_size, dtype=x.dtype, device=x.device)
+            self.slots.put(out, self.select.take(reduced))
+            return out
+        return [work] if async_op and work is not None else [], finish
+
+
+class AllReduce(Collective):
+    """Direct all-reduce: every member's message is aligned with its own landing boxes."""
+
+    how = "all_reduce"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        self.send = Index(self.message_source(me, self.any_peer(me)), ctx.device)
+        self.land = Index(self.message_target(self.any_peer(me), me), ctx.device)
+
+    @staticmethod
+    def fits(step: Step, group) -> bool:
+        for b in group:
+            a = next(d for d in group if d != b)
+            sent = box_index(step.messages[(b, a)], "source")
+            landing = box_index(step.messages[(a, b)], "target")
+            local_src, local_dst = box_index(step.local(b), "source"), box_index(step.local(b), "target")
+            where = inverse(local_dst, step.out_size)
+            if where is None or inverse(landing, step.out_size) is None or len(local_dst) != len(landing):
+                return False
+            own = where[landing]  # where b's own value for each landing slot sits among its local copies
+            if bool((own < 0).any()) or not torch.equal(local_src[own], sent):
+                return False
+        return True
+
+    def bytes_sent(self) -> int:
+        g = len(self.members)  # a ring all-reduce: 2 (g-1)/g of the buffer, not (g-1) direct copies
+        return 2 * (g - 1) * self.send.count * self.step.itemsize // g
+
+    def start(self, x, async_op):
+        values = self.send.fresh(x)
+        work = None
+        if self.through_api("all_reduce", values, async_op):
+            values = api.all_reduce(values, self.group, backend=self.ran)
+        else:
+            work = dist.all_reduce(values, op=_op(self.reduce), group=self.group, async_op=async_op)
+
+        def finish():
+            reduced = finish_avg(values, len(self.members)) if self.reduce == "avg" else values
+            out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+            self.land.put(out, reduced)
+            return out
+        return [work] if async_op and work is not None else [], finish
+
+
+class Reduce(Collective):
+    """One receiver: senders reduce their (equal-boxed) messages onto it; it adds its own values after."""
+
+    how = "reduce"
+
+    def __init__(self, step, ctx):
+        super().__init__(step, ctx)
+        me = ctx.me
+        (self.root,) = {b for (_, b) in step.messages if b in self.members}
+        self.root_rank = ctx.rank_of(self.root)
+        sender = next(d for d in self.members if d != self.root)
+        self.n = sum(t.count for t in step.messages[(sender, self.root)])
+        if me != self.root:
+            self.send = Index(self.message_source(me, self.root), ctx.device)
+        else:
+            landing = self.message_target(sender, self.root)
+            self.slots = torch.cat([landing, self.local_dst_raw]).to(ctx.device)
+
+    def start(self, x, async_op):
+        if self.ctx.me != self.root:
+            values = self.send.fresh(x)
+        else:
+            values = torch.full((self.n,), identity(self.reduce, x.dtype), dtype=x.dtype, device=x.device)
+        work = dist.reduce(values, dst=self.root_rank, op=_op(self.reduce), group=self.group, async_op=async_op)
+
+        def finish():
+            if self.ctx.me != self.root:
+                return StepProgram.start(self, x, False)[1]()
+            every = torch.cat([values, self.local_src.take(x)])
+            if self.reduce in ("max", "min"):
+                return reduce_into(self.step.out_size, every, self.slots, self.reduce, None, x)
+            return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
+        return [work] if async_op else [], finish

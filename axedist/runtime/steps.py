@@ -1,0 +1,163 @@
+"""A plan's step compiled for one rank: the base programs (local copies, batched send/recv) and
+the set-up every collective shares.
+
+A program's ``start(x, async_op)`` issues its communication and returns ``(works, finish)``;
+``finish()`` gives this rank's output buffer. Index tensors are built once, when the program is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..collectives.backend import select_backend
+from ..layout import LayoutError
+from ..planning.holdings import box_index
+from ..planning.steps import Step
+from .indices import Index, reduce_into
+
+__all__ = ["BACKEND", "RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
+
+# What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
+# measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
+BACKEND = os.environ.get("AXEDIST_PLAN_BACKEND", "auto")
+
+
+@dataclass
+class RankContext:
+    """This rank on one mesh: its coordinates, device, backend, and how coordinates map to ranks."""
+
+    mesh: object
+    device: torch.device
+    me: tuple
+    rank_of: Callable
+    backend: str
+
+
+class StepProgram:
+    """One step, for one rank: ``start(x) -> works, finish``; ``finish() -> output buffer``."""
+
+    how = "local copies"
+    covers = 1  # plan steps this program runs
+
+    def __init__(self, step: Step, ctx: RankContext):
+        self.step, self.ctx = step, ctx
+        local = step.local(ctx.me)
+        self.local_src = Index(box_index(local, "source"), ctx.device)
+        self.local_dst = Index(box_index(local, "target"), ctx.device)
+        self.local_dst_raw = box_index(local, "target")
+        self.reduce = step.reduce
+        self.count = None
+        if step.reduce == "avg":
+            incoming = box_index([t for t in step.transfers if t.target == ctx.me], "target")
+            self.count = torch.bincount(incoming, minlength=step.out_size).clamp_(min=1).to(ctx.device)
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank sends for the step this program runs (the plan's direct count)."""
+        return self.step.bytes_sent.get(self.ctx.me, 0)
+
+    def local_out(self, x: torch.Tensor) -> torch.Tensor:
+        """A fresh output buffer holding this rank's local copies of ``x``."""
+        out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
+        self.local_dst.put(out, self.local_src.take(x))
+        return out
+
+    def start(self, x: torch.Tensor, async_op: bool):
+        if self.reduce is None:
+            return [], (lambda: self.local_out(x))
+        slots = self.local_dst_raw.to(x.device)
+        return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), slots, self.reduce, self.count, x))
+
+
+class PointToPoint(StepProgram):
+    """Any step: batched isend/irecv of each message, then copies or a reduce into place."""
+
+    how = "batch_isend_irecv"
+
+    def __init__(self, step: Step, ctx: RankContext):
+        super().__init__(step, ctx)
+        me = ctx.me
+        peers = sorted({b for (a, b) in step.messages if a == me})
+        senders = sorted({a for (a, b) in step.messages if b == me})
+        self.sends = [(ctx.rank_of(p), Index(box_index(step.messages[(me, p)], "source"), ctx.device)) for p in peers]
+        receives = [(ctx.rank_of(p), box_index(step.messages[(p, me)], "target")) for p in senders]
+        self.receives = [(rank, Index(slots, ctx.device)) for rank, slots in receives]
+        if self.reduce is not None:
+            self.slots = torch.cat([self.local_dst_raw] + [s for _, s in receives]).to(ctx.device)
+        self.group = ctx.mesh.group()
+
+    def start(self, x: torch.Tensor, async_op: bool):
+        _warm(self.group, self.ctx.backend)
+        ops, landing = [], []
+        for rank, index in self.sends:
+            ops.append(dist.P2POp(dist.isend, index.take(x).contiguous(), rank, self.group))
+        for rank, index in self.receives:
+            incoming = torch.empty(index.count, dtype=x.dtype, device=x.device)
+            ops.append(dist.P2POp(dist.irecv, incoming, rank, self.group))
+            landing.append((index, incoming))
+        works = dist.batch_isend_irecv(ops) if ops else []
+
+        def finish():
+            if self.reduce is None:
+                out = self.local_out(x)
+                for index, incoming in landing:
+                    index.put(out, incoming)
+                return out
+            values = torch.cat([self.local_src.take(x)] + [incoming for _, incoming in landing])
+            return reduce_into(self.step.out_size, values, self.slots, self.reduce, self.count, x)
+        return works, finish
+
+
+_WARM: set = set()
+
+
+def _warm(group, backend: str) -> None:
+    """NCCL: the first call on a group must include every member; p2p may not, so make it a collective."""
+    if backend != "nccl" or id(group) in _WARM:
+        return
+    _WARM.add(id(group))
+    dist.barrier(group=group)
+
+
+def group_of(step: Step, me):
+    """The group of ``step`` this rank belongs to, or None (its mesh slice sits the step out)."""
+    return next((g for g in step.groups if me in g), None)
+
+
+class Collective(StepProgram):
+    """Shared set-up: this rank's group, its members in group-rank order, the process group."""
+
+    ran = None  # which implementation the last call used: "torch" (torch.distributed) or "p2p"/"multimem" (api)
+
+    def __init__(self, step: Step, ctx: RankContext):
+        super().__init__(step, ctx)
+        group = group_of(step, ctx.me)
+        self.members = sorted(group, key=ctx.rank_of)  # group rank j = j-th smallest global rank
+        self.ranks = [ctx.rank_of(d) for d in self.members]
+        self.position = self.members.index(ctx.me)
+        self.group = ctx.mesh.group(step.axes)
+        if sorted(ctx.mesh.group_ranks(step.axes)) != sorted(self.ranks):
+            raise LayoutError(f"step {step} group {group} is not this rank's mesh group over {step.axes}")
+
+    def through_api(self, op: str, tensor: torch.Tensor, async_op: bool) -> bool:
+        """Whether this call goes through ``axedist.collectives.api`` (CUDA, NCCL, a sum, synchronous);
+        sets ``ran`` to the backend ``select_backend(BACKEND)`` picks ("auto": the measured table)."""
+        if self.ctx.backend != "nccl" or async_op or tensor.device.type != "cuda" or \
+                self.reduce not in (None, "sum", "avg"):
+            self.ran = "torch"
+            return False
+        self.ran = select_backend(op, tensor, self.group, BACKEND)
+        return True
+
+    def message_source(self, sender, receiver) -> torch.Tensor:
+        return box_index(self.step.messages[(sender, receiver)], "source")
+
+    def message_target(self, sender, receiver) -> torch.Tensor:
+        return box_index(self.step.messages[(sender, receiver)], "target")
+
+    def any_peer(self, device):
+        return next(d for d in self.members if d != device)
