@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.timing import time_collective as _time  # noqa: E402
-from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 ONE_SHOT_MAX = 16 << 20
@@ -276,6 +275,7 @@ def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
     meta = run_meta(world)
     with open(os.path.join(out_dir, f"collectives_rounds_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows), handle, indent=1)
+    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"collectives_rounds_w{world}", meta, dict(rows=rows))
     names = list(rows[0]["queued"])
     lines = [f"# Pipelined reduce-scatter / all-gather (ROUNDS), W={world} ({meta['date']})", "",
@@ -384,6 +384,7 @@ def write_outputs(rows, host, world, out_dir, meta=None):
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host, tuned=tables), handle,
                   indent=1)
+    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"collectives_w{world}", meta, dict(rows=rows, host_us_per_call_64KB=host))
     lines = [f"# Collectives, W={world}, bf16 ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; NVLS/multicast off",

@@ -35,7 +35,6 @@ from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
-from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 LINK_BYTES_PER_S = 478e9
 
@@ -297,6 +296,7 @@ def write_outputs(results, world, out_dir, meta=None):
     summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
     with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
+    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"gemm_rs_w{world}", meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
     if gemm_rs.tuned_table():
         with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:

@@ -36,7 +36,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 import axedist as ax
 from axedist.runtime import execution_bytes, explain_execution, record
 from axedist.testing import torch_comm_bytes
-from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 P = {"R": Replicate(), "P": Partial(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [
@@ -118,6 +117,7 @@ def _write(rows, overhead, meta, path_stem):
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     with open(path_stem + ".json", "w") as handle:
         json.dump(dict(meta=meta, rows=rows, cpu_overhead_us=overhead), handle, indent=1)
+    from history import append_history  # benchmarks/history.py, beside this script
     append_history(os.path.dirname(path_stem) or ".", os.path.basename(path_stem), meta,
                    dict(rows=rows, cpu_overhead_us=overhead))
     lines = [f"# Redistribute, axedist vs torch DTensor, W={meta['world']} ({meta['date']})", "",

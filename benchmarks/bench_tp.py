@@ -36,7 +36,6 @@ from torch.distributed.tensor import parallel as tp
 import axedist as ax
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Attention, Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from record import append_history  # noqa: E402  (benchmarks/record.py, beside this script)
 
 
 def say(*args) -> None:
@@ -178,6 +177,7 @@ def main(argv=None) -> None:
         with open(stem + ".json", "w") as f:
             json.dump(record, f, indent=1)
         meta = dict(record, machine=f"{world}x {device}", command=record["command"])
+        from history import append_history  # benchmarks/history.py, beside this script
         append_history(args.out, os.path.basename(stem), meta, dict(results=results, torch_over_axedist=ratio))
         with open(stem + ".md", "w") as f:
             f.write(f"# TP training step: axedist vs torch parallelize_module\n\n"

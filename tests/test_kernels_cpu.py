@@ -373,7 +373,7 @@ def test_p2p_geometry_variants_and_input_errors():
 def _bench_module():
     import importlib.util
     spec = importlib.util.spec_from_file_location(
-        "bench_collectives", os.path.join(ROOT, "launch", "bench_collectives.py"))
+        "bench_collectives", os.path.join(ROOT, "benchmarks", "bench_collectives.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -643,7 +643,7 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
 
     from axedist.collectives import fused
     from axedist.kernels import gemm_rs
-    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "launch", "bench_gemm_rs.py"))
+    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "benchmarks", "bench_gemm_rs.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = []
