@@ -354,9 +354,15 @@ class OpDispatcher:
             return args[0]
         if out.unsqueeze:
             value = value.unsqueeze(0)
+        spec = out.spec
         if value.shape != out.local_shape:
-            _wrong_shape(func, value, out.spec, out.local_shape, plan)
-        return self.cls(value, out.spec, stride=out.stride)
+            _wrong_shape(func, value, spec, out.local_shape, plan)
+        if WRAPPER_POSITIONAL:  # the constructor without its keyword handling
+            wrapped = _make_wrapper(self.cls, spec.shape, out.stride, None, None, value.dtype, _STRIDED, value.device)
+            wrapped._value = value
+            wrapped._spec = spec
+            return wrapped
+        return self.cls(value, spec, stride=out.stride)
 
     def _deferred(self, func, plan: CallPlan, local_args, local_kwargs):
         """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),
