@@ -108,7 +108,7 @@ def test_layouts_placements_cannot_express(name):
 
 
 def _figure_8(rank, world_size, device_type="cpu"):
-    """The paper's Fig. 8 (DESIGN §2): with W = 4, summing a (4,64,64) input over dim 0 into
+    """The paper's Fig. 8: with W = 4, summing a (4,64,64) input over dim 0 into
     ``S[(4,16,64):(1@gpuid,64,1)]`` is a reduce-scatter. Any W dividing 64 works the same."""
     w, rows = world_size, 64 // world_size
     mesh = DeviceMesh(device_type, (w,))

@@ -220,7 +220,7 @@ def _layouts_of_placements(rank, world_size):
         "partial": layout_from_placements((64, 64), mesh4, [Partial()]),
         "uneven": layout_from_placements((7, 6), mesh4, [Shard(0)]),
     }
-    assert out["shard0"] == L("S[(4,2,6):(1@gpuid,6,1)]")                  # DESIGN §2
+    assert out["shard0"] == L("S[(4,2,6):(1@gpuid,6,1)]")
     assert out["replicate"] == L("S[(8,6):(6,1)] + R[4:1@gpuid]")
     assert out["shard01"] == L("S[(2,4,2,3):(1@x,3,1@y,1)]")
     assert out["strided"] == L("S[(2,2,2):(1@y,1@x,1)]")

@@ -133,8 +133,9 @@ def _prod(rank, world_size, mesh_name, seed):
     """prod over sharded and unsharded dims, whole and per dim, forward and backward, with
     zeros in the input: one zero in some slices (its gradient is the product of the others),
     two in others (gradient 0), and zeros that fall on different ranks' shards."""
-    from axedist.ops.dispatch import fallback_ops
+    from axedist.dtensor import DTensor
 
+    fallback_ops = DTensor.dispatcher.fallback_ops
     mesh = mesh_of(mesh_name)
     g = torch.Generator().manual_seed(seed)
     shape = _shape(g)
