@@ -314,7 +314,7 @@ def test_multimem_needs_opt_in_and_device_support(monkeypatch):
     from axedist.collectives import backend
     backend.device_supports_multicast.cache_clear()
     asked = []
-    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: asked.append(index) or True)
+    monkeypatch.setattr(backend, "query_multicast_attribute", lambda index: asked.append(index) or True)
     monkeypatch.delenv("AXEDIST_ENABLE_MULTICAST", raising=False)
     assert backend.multimem_allowed(0, 1) == (False, "AXEDIST_ENABLE_MULTICAST=1 is not set")
     assert asked == []  # without the opt-in the driver is not even asked
@@ -324,7 +324,7 @@ def test_multimem_needs_opt_in_and_device_support(monkeypatch):
     assert backend.multimem_allowed(0, 1)[0]
     assert not backend.multimem_allowed(0, 0)[0]  # no multicast mapping in the workspace
     backend.device_supports_multicast.cache_clear()
-    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: False)
+    monkeypatch.setattr(backend, "query_multicast_attribute", lambda index: False)
     allowed, reason = backend.multimem_allowed(0, 1)
     assert not allowed and "does not report multicast support" in reason
     backend.device_supports_multicast.cache_clear()
@@ -340,7 +340,7 @@ def test_multicast_query_without_cuda_python_is_false(monkeypatch):
             raise ImportError("no cuda-python")
         return real_import(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "__import__", no_cuda)
-    assert backend._query_multicast_attribute(0) is False
+    assert backend.query_multicast_attribute(0) is False
 
 
 def test_measured_table_and_backend_names():
@@ -359,10 +359,10 @@ def test_p2p_geometry_variants_and_input_errors():
     # two-shot all-reduce of 10 elements on 4 ranks: chunks of 16, push slots + gathered chunks
     ar = p2p.call_geometry("all_reduce_two_shot", (10,), 4)
     assert (ar["stride"], ar["work"], ar["elements"]) == (16, 16, 128)
-    assert p2p._choose_variant("all_gather", 1 << 20, "pull") == "pull"
-    assert p2p._choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
+    assert p2p.choose_variant("all_gather", 1 << 20, "pull") == "pull"
+    assert p2p.choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
     with pytest.raises(ValueError, match="variant must be one of"):
-        p2p._choose_variant("all_gather", 1, "multicast")
+        p2p.choose_variant("all_gather", 1, "multicast")
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         p2p.reduce_scatter(torch.ones(8))
     with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
@@ -574,7 +574,7 @@ def test_launch_cache_key_separates_every_specialization():
     part = torch.zeros(64 * 48 + 8, dtype=torch.bfloat16)
 
     def key(ops=ops, tensors=(part,), timeout=30 * 10**9, constexprs=(4,)):
-        return gemm_rs._specialization(ops, gemm_rs._strides(ops), tensors, timeout, constexprs, 8, 0)
+        return gemm_rs.specialization_key(ops, gemm_rs.operand_strides(ops), tensors, timeout, constexprs, 8, 0)
     assert key() == key()
     assert key(tensors=(part[1:],)) != key()              # pointer no longer 16-byte aligned
     assert key(timeout=10**9) != key()                    # compiled as i32 instead of i64
@@ -590,13 +590,13 @@ def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
 
     from axedist.kernels import gemm_rs
     a = torch.randn(256, 128).to(torch.bfloat16)
-    fresh = gemm_rs._descriptor(a, [128, 64], cached=False)
-    cached = gemm_rs._descriptor(a, [128, 64], cached=True)
-    assert gemm_rs._descriptor(a, [128, 64], cached=True) is cached      # a hit
+    fresh = gemm_rs.descriptor(a, [128, 64], cached=False)
+    cached = gemm_rs.descriptor(a, [128, 64], cached=True)
+    assert gemm_rs.descriptor(a, [128, 64], cached=True) is cached      # a hit
     assert cached.base.data_ptr() == fresh.base.data_ptr() == a.data_ptr()
     assert (list(cached.shape), list(cached.strides), list(cached.block_shape)) == \
         (list(fresh.shape), list(fresh.strides), list(fresh.block_shape))
-    assert gemm_rs._descriptor(a, [64, 64], cached=True) is not cached   # block is in the key
+    assert gemm_rs.descriptor(a, [64, 64], cached=True) is not cached   # block is in the key
     del fresh
     alive = weakref.ref(a)
     del a

@@ -301,7 +301,13 @@ class CallPlan:
 _plans: dict[tuple, CallPlan] = {}
 
 
-def _choose_variant(op: str, nbytes: int, variant: str) -> str:
+def cached_plans() -> dict[tuple, CallPlan]:
+    """The live cache of call plans, one per (op, shape, dtype, group, ...): tests read which
+    plans ran (e.g. their rounds) and clear it to force fresh ones."""
+    return _plans
+
+
+def choose_variant(op: str, nbytes: int, variant: str) -> str:
     if variant != "auto":
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -323,7 +329,7 @@ def _plan(op: str, x: torch.Tensor, group, variant: str, multimem: bool,
     if x.get_device() != torch.cuda.current_device():
         raise ValueError(f"{op}: tensor is on cuda:{x.get_device()} but the current device is "
                          f"cuda:{torch.cuda.current_device()} (torch.cuda.set_device first)")
-    chosen = _choose_variant(op, x.numel() * x.element_size(), variant)
+    chosen = choose_variant(op, x.numel() * x.element_size(), variant)
     plan = CallPlan(op, x.shape, x.dtype, group, x.get_device(), chosen, multimem, aligned)
     _plans[key] = plan
     return plan

@@ -406,7 +406,7 @@ def prepare_operands(a: torch.Tensor, b: torch.Tensor) -> _Operands:
 _descriptor_cache: dict[tuple, object] = {}
 
 
-def _descriptor(t: torch.Tensor, block: list[int], cached: bool):
+def descriptor(t: torch.Tensor, block: list[int], cached: bool):
     """TMA descriptor of a row-major matrix. cached: reuse one built for the same address,
     shape, strides and block (weights always; activations when the caching allocator hands out
     the same block again) -- only for the compiled launcher, which reads nothing but the
@@ -430,21 +430,26 @@ def _descriptors(ops: _Operands, config: GemmConfig, cached: bool = False):
         return None, None
     block_b = ([config.block_n, config.block_k] if ops.b_transposed
                else [config.block_k, config.block_n])
-    return (_descriptor(ops.a, [config.block_m, config.block_k], cached),
-            _descriptor(ops.b, block_b, cached))
+    return (descriptor(ops.a, [config.block_m, config.block_k], cached),
+            descriptor(ops.b, block_b, cached))
 
 
-def _strides(ops: _Operands) -> tuple[int, int, int, int]:
+def operand_strides(ops: _Operands) -> tuple[int, int, int, int]:
     if ops.b_transposed:  # b holds [N, K]: element (k, n) at n * stride(0) + k
         return ops.a.stride(0), ops.a.stride(1), ops.b.stride(1), ops.b.stride(0)
     return ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1)
 
 
 _gemm_only_counters: dict[int, list] = {}
-# compiled kernel per specialization (see _specialization): after the first call of a shape,
+# compiled kernel per specialization (see specialization_key): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
 _launches: dict[tuple, object] = {}
 _push_descriptor_cache: dict[tuple, tuple] = {}
+
+
+def cached_launches() -> int:
+    """How many compiled launchers are cached (one per specialization: tests check reuse)."""
+    return len(_launches)
 
 
 def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
@@ -464,7 +469,7 @@ def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
     return cached
 
 
-def _specialization(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
+def specialization_key(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
                     constexprs: tuple, warps: int, device_index: int) -> tuple:
     """Everything Triton specializes the kernel on, for the arguments that are not already
     constexpr: exact sizes and strides (so a size or stride equal to 1, which Triton folds into
@@ -573,7 +578,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
                 and (ops.n * element) % 16 == 0)
     peers = (_push_descriptors(workspace, half, world, m_chunk, ops.n, config, ops.a.dtype)
              if tma_push else (None,) * 8)
-    strides = _strides(ops)
+    strides = operand_strides(ops)
     constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
@@ -581,7 +586,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
         PUSH=push, TMA_PUSH=tma_push)
-    key = _specialization(ops, strides, (part, out, counter, abort), timeout_ns,
+    key = specialization_key(ops, strides, (part, out, counter, abort), timeout_ns,
                           tuple(constexprs.values()), config.warps, device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
 
@@ -641,8 +646,8 @@ class Replay:
     def __call__(self, ops: _Operands, out: torch.Tensor, epoch: int, task_base: int) -> None:
         args = list(self.template)
         if self.use_tma:
-            args[self._A_DESC] = _descriptor(ops.a, self.block_a, True)
-            args[self._B_DESC] = _descriptor(ops.b, self.block_b, True)
+            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
+            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B], args[self._OUT] = ops.a.data_ptr(), ops.b.data_ptr(), out.data_ptr()
         args[self._TASK_BASE], args[self._EPOCH] = task_base, epoch
         self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
