@@ -253,9 +253,10 @@ def _fused_signature(tma, transposed, config, dtype="bf16"):
         signature.update({f"P{i}": f"tensordesc<{dtype}[{config.block_m}, {config.block_n}]>" for i in range(8)})
     for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
         signature[name] = "i64"
-    signature.update(counter_ptr="*i32", task_base="i32", abort_ptr="*i32", error_address="i64",
+    signature.update(state_ptr="*i32", abort_ptr="*i32", error_address="i64",
                      timeout_ns="i64", M="i32", N="i32", K="i32", M_CHUNK="i32", stride_am="i32",
-                     stride_ak="i32", stride_bk="i32", stride_bn="i32", rank="i32", epoch="i32", lag="i32")
+                     stride_ak="i32", stride_bk="i32", stride_bn="i32", rank="i32", lag="i32",
+                     half_bytes="i64", push_rows="i32")
     return signature
 
 
@@ -367,7 +368,7 @@ def test_p2p_geometry_variants_and_input_errors():
         p2p.reduce_scatter(torch.ones(8))
     with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
         p2p.all_reduce(torch.ones(8, dtype=torch.int64), algorithm="two_shot")
-    assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["abort_ptr", "chunk_stride"]
+    assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["state_ptr", "abort_ptr", "chunk_stride"]
 
 
 def _bench_module():
@@ -605,8 +606,8 @@ def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
 
 
 def test_replay_slots_match_the_kernel_signature():
-    """Replay fills operands, output, task base and epoch by position: the positions must be
-    those of the kernel's parameters (runtime ones come first, constexprs last)."""
+    """Replay fills operands and output by position: the positions must be those of the
+    kernel's parameters (runtime ones come first, constexprs last)."""
     _need_triton()
     from axedist.kernels import gemm_rs
     names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
@@ -615,9 +616,9 @@ def test_replay_slots_match_the_kernel_signature():
     replay = gemm_rs.Replay
     assert runtime[replay._A_DESC] == "a_desc" and runtime[replay._A] == "a_ptr"
     assert runtime[replay._B_DESC] == "b_desc" and runtime[replay._B] == "b_ptr"
-    assert runtime[replay._OUT] == "out_ptr" and runtime[replay._TASK_BASE] == "task_base"
-    assert runtime[replay._EPOCH] == "epoch"
-    assert all(names.index(n) > names.index("lag") for n in ("WORLD", "PUSH", "TMA_PUSH"))
+    assert runtime[replay._OUT] == "out_ptr"
+    assert "epoch" not in runtime and "task_base" not in runtime   # both live on the device
+    assert all(names.index(n) > names.index("push_rows") for n in ("WORLD", "PUSH", "TMA_PUSH"))
 
 
 def test_replay_fills_only_the_per_call_slots(monkeypatch):
@@ -628,17 +629,16 @@ def test_replay_fills_only_the_per_call_slots(monkeypatch):
     a, b = torch.randn(64, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)
     ops = gemm_rs.prepare_operands(a, b)
     names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
-    template = tuple(range(names.index("lag") + 1))     # slot i holds i
+    template = tuple(range(names.index("push_rows") + 1))     # slot i holds i
     replay = gemm_rs.Replay(lambda grid, stream, args: calls.append((grid, stream, args)), 5,
-                            template, 99, True, gemm_rs.GemmConfig(), False, 30 * 10**9, 0)
+                            template, True, gemm_rs.GemmConfig(), False, 30 * 10**9, 0)
     out = torch.empty(16, 48, dtype=torch.bfloat16)
-    replay(ops, out, epoch=11, task_base=1234)
+    replay(ops, out)
     grid, stream, args = calls[0]
-    assert (grid, stream, replay.claim) == (5, 7, 99)
+    assert (grid, stream) == (5, 7)
     changed = {i for i, value in enumerate(args) if value != template[i]}
-    assert changed == {0, 1, 2, 3, 5, names.index("task_base"), names.index("epoch")}
+    assert changed == {0, 1, 2, 3, 5}
     assert args[1] == ops.a.data_ptr() and args[3] == ops.b.data_ptr() and args[5] == out.data_ptr()
-    assert args[names.index("epoch")] == 11 and args[names.index("task_base")] == 1234
     assert args[0].base.data_ptr() == ops.a.data_ptr() and list(args[2].block_shape) == [64, 256]
 
 
