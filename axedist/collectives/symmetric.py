@@ -197,11 +197,13 @@ class SymmetricWorkspace:
     def multicast_address(self, half: int) -> int:
         return self.multicast_base + self.data_offset(half) if self.multicast_base else 0
 
-    def local_data(self, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """This rank's data half as a flat tensor of `numel` elements of `dtype`."""
+    def local_data(self, half: int, dtype: torch.dtype, numel: int,
+                   both_halves: bool = False) -> torch.Tensor:
+        """This rank's data half (both_halves: both, from half 0) as a flat tensor of `numel`
+        elements of `dtype`."""
         offset = self.data_offset(half)
         size = numel * dtype.itemsize
-        if size > self.data_bytes:
+        if size > self.data_bytes * (2 if both_halves else 1):
             raise ValueError(f"{size} bytes do not fit the workspace half of {self.data_bytes}")
         return self.tensor[offset:offset + size].view(dtype)
 

@@ -517,7 +517,7 @@ def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_inde
     if launch is None:
         kernel = gemm_reduce_scatter_kernel.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
         launch = _launches[key] = CompiledLaunch(kernel, tuple(constexprs.values()))
-        launch.resident_per_sm = _resident_per_sm(kernel, warps, device_index)
+        launch.resident_per_sm = resident_per_sm(kernel, warps, device_index)
     return launch
 
 
@@ -540,7 +540,7 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, warps: int, regs_pe
     return max(1, min(by_regs, by_shared, by_threads, blocks_per_sm))
 
 
-def _resident_per_sm(kernel, warps: int, device_index: int) -> int:
+def resident_per_sm(kernel, warps: int, device_index: int) -> int:
     """How many programs of a compiled kernel one SM holds at once: the driver's occupancy
     query where cuda-python has it, else programs_per_sm from the device's limits."""
     shared = kernel.metadata.shared

@@ -134,12 +134,19 @@ def fence_proxy_async(dummy):
 
 
 @triton.jit
-def multimem_st_16bytes(addresses, w0, w1, w2, w3):
-    """multimem.st of 16 bytes (four 32-bit words) per multicast address: one store that the
-    switch writes into every rank's copy. addresses int64 [R, G]; w0..w3 int32 [R, G]."""
+def multimem_st_16bytes(addresses, w0, w1, w2, w3, valid):
+    """multimem.st of 16 bytes (four 32-bit words) per multicast address where `valid` != 0:
+    one store that the switch writes into every rank's copy. addresses int64 [R, G]; w0..w3
+    and valid int32 [R, G]."""
     tl.inline_asm_elementwise(
-        "multimem.st.relaxed.sys.global.v4.f32 [$1], {$2, $3, $4, $5}; mov.u32 $0, 0;",
-        "=r,l,r,r,r,r", [addresses, w0, w1, w2, w3], dtype=tl.int32, is_pure=False, pack=1)
+        """{
+        .reg .pred %p_valid;
+        setp.ne.b32 %p_valid, $6, 0;
+        @%p_valid multimem.st.relaxed.sys.global.v4.f32 [$1], {$2, $3, $4, $5};
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r,r,r,r,r", [addresses, w0, w1, w2, w3, valid], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @triton.jit
