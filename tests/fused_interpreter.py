@@ -64,10 +64,10 @@ def _error(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, seed):
+def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, seed, pieces=1):
     generator = torch.Generator().manual_seed(seed)
     bm, bn, bk = block
-    config = ag_gemm.AllGatherGemmConfig(bm, bn, bk, 2, 2, 4, 4, 32)
+    config = ag_gemm.AllGatherGemmConfig(bm, bn, bk, 2, 2, 4, 4, 32, pieces)
     element = torch.tensor([], dtype=dtype).element_size()
     data_bytes = (ag_gemm.workspace_bytes_needed(world, m_local, k, element) + 4095) // 4096 * 4096
     workspaces = fake_workspaces(world, data_bytes, dtype)
@@ -76,7 +76,7 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
                for _ in range(world)]
     outs = [torch.full((world * m_local, n), float("nan"), dtype=dtype) for _ in range(world)]
     epoch = 2 - seed % 2
-    name = f"all_gather_gemm W={world} {m_local}x{n}x{k} B^T={transposed} tma={tma} {dtype}"
+    name = f"all_gather_gemm W={world} {m_local}x{n}x{k} B^T={transposed} tma={tma} pieces={pieces} {dtype}"
     half_rows = ag_gemm.gathered_rows(data_bytes, k, element)
 
     def launch(rank, phase):
@@ -92,7 +92,8 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
             workspace.error_address(), 0, m_local, n, k, as_[rank].stride(0), stride_bk,
             stride_bn, outs[rank].stride(0), rank, half_rows, WORLD=world, BM=bm, BN=bn, BK=bk,
             GROUP_M=2, STAGES=2, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=False,
-            ALIGNED=False, COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols, PHASES=phase)
+            ALIGNED=False, COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,
+            PIECES=pieces, PHASES=phase)
 
     failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1, 2), launch)]
     gathered_a = torch.cat([a.double() for a in as_])
@@ -169,7 +170,7 @@ def main():
                 (4, 16, 16, 32, True, True)]
         for index, (world, m_local, n, k, transposed, tma) in enumerate(grid):
             failures += run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype,
-                                            (16, 16, 16), seed=index)
+                                            (16, 16, 16), seed=index, pieces=1 + index % 3)
             cases += 1
     if which in ("all", "ar"):
         grid = itertools.product([(2, 5, 40, 48, False, True), (3, 33, 24, 40, True, True),

@@ -878,7 +878,8 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
         stride_om="i32", rank="i32", half_rows="i32"))
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=multimem,
-                      ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols, PHASES=3)
+                      ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
+                      PIECES=c.pieces, PHASES=3)
     if not tma:
         constexprs.update(g_desc=None, b_desc=None)
     return compile_for_target(ag_gemm.all_gather_gemm_kernel, signature, constexprs,

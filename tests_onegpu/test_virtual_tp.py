@@ -95,7 +95,7 @@ def test_all_gather_gemm_pointer_path_fp16_and_small_tiles(seed):
     failures += _all_gather_gemm(ranks, AG_TAILS, True, f"fp16 seed={seed}", torch.float16)
     world, (rows, n, k) = 4, (64, 512, 256)
     as_, bs = _operands(world, rows, n, k, True)
-    config = AllGatherGemmConfig.parse("64x256x64/g8/s4/w4/c8x512")
+    config = AllGatherGemmConfig.parse("64x256x64/g8/s4/w4/c16x512/p3")
     outs = ranks.all_gather_gemm(as_, bs, _poison(world * rows, n, world), config=config)
     ranks.check()
     failures += _ag_failures(as_, bs, outs, f"{config} seed={seed}")

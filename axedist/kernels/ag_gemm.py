@@ -7,17 +7,18 @@ p * M_LOCAL.
 Every rank claims task ids from its counter in one order (programs of a persistent grid, one per
 SM, always co-resident):
 
-    push tasks   (row block t, step s): rank r stores rows t*BM .. of its A into the gathered
-                 buffer of rank (r + s) % W (slot r; step 0 its own buffer, the others remote
-                 stores over NVLink: posted writes), then releases flag (r, t) in that rank's
-                 flag array. Steps are staggered, so every rank receives from one source per
-                 step. With MULTIMEM one multimem.st per 16 bytes writes every rank's copy at
-                 once (one task per block).
+    push tasks   (row block t, step s, piece c): rank r stores column range c of rows t*BM ..
+                 of its A into the gathered buffer of rank (r + s) % W (slot r; step 0 its own
+                 buffer, the others remote stores over NVLink: posted writes), then releases
+                 flag (r, t, c) in that rank's flag array. PIECES ranges per block let that many
+                 programs move one block at once. Steps are staggered, so every rank receives
+                 from one source per step. With MULTIMEM one multimem.st per 16 bytes writes
+                 every rank's copy at once (no steps).
     local tiles  GEMM tiles over this rank's own rows (their step-0 copy lands first).
     peer tiles   GEMM tiles over the rows of source (r - 1), (r - 2), ... (the order in which
-                 the pushes of the staggered steps land): each acquires flag (source, t) in
-                 this rank's own flag array (local polling), then TMA-loads its A tile from the
-                 gathered buffer in local memory.
+                 the pushes of the staggered steps land): each acquires the PIECES flags
+                 (source, t, c) in this rank's own flag array (local polling), then TMA-loads
+                 its A tile from the gathered buffer in local memory.
 
 Deadlock freedom: push tasks come first in the claim order and never wait, so every flag a
 peer tile waits for belongs to a task that a running program already holds on its rank.
@@ -59,16 +60,17 @@ def _words(values, ELEMENT: tl.constexpr):
 
 
 @triton.jit
-def _push_block(a_ptr, target, row0, rows_here, M_LOCAL, K, stride_am, multicast_target,
-                ELEMENT: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr,
-                ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr):
-    """Rows row0 .. row0 + rows_here of A (local) into `target` (byte address of row row0's
-    slot row in a rank's gathered buffer), COPY_ROWS x COPY_COLS elements at a time."""
+def _push_block(a_ptr, target, row0, rows_here, col_first, col_last, K, stride_am,
+                multicast_target, ELEMENT: tl.constexpr, COPY_ROWS: tl.constexpr,
+                COPY_COLS: tl.constexpr, ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr):
+    """Columns col_first .. col_last of rows row0 .. row0 + rows_here of A (local) into
+    `target` (byte address of row row0's slot row in a rank's gathered buffer), COPY_ROWS x
+    COPY_COLS elements at a time."""
     for sub in range(0, rows_here, COPY_ROWS):
         rows = sub + tl.arange(0, COPY_ROWS)
-        for k0 in range(0, K, COPY_COLS):
+        for k0 in range(col_first, col_last, COPY_COLS):
             cols = k0 + tl.arange(0, COPY_COLS)
-            mask = (rows[:, None] < rows_here) & (cols[None, :] < K)
+            mask = (rows[:, None] < rows_here) & (cols[None, :] < col_last)
             values = tl.load(a_ptr + (row0 + rows)[:, None] * stride_am + cols[None, :],
                              mask=mask)
             offsets = rows[:, None] * K + cols[None, :]
@@ -95,7 +97,8 @@ def all_gather_gemm_kernel(
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr,
-        COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PHASES: tl.constexpr):
+        COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PIECES: tl.constexpr,
+        PHASES: tl.constexpr):
     """out[p * M_LOCAL + i, :] = A_p[i, :] @ B for every rank p (see the module docstring).
     a_ptr: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride); g_desc: this
     rank's gathered buffer, both halves [2 * half_rows, K] (TMA only); D*: every rank's data
@@ -111,8 +114,9 @@ def all_gather_gemm_kernel(
     tiles_m = tl.cdiv(M_LOCAL, BM)
     tiles_n = tl.cdiv(N, BN)
     per_source = tiles_m * tiles_n
-    pushes = tiles_m * STEPS
+    pushes = tiles_m * STEPS * PIECES
     tasks = pushes + WORLD * per_source
+    piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
     own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
     gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
@@ -120,13 +124,16 @@ def all_gather_gemm_kernel(
     while task < tasks:
         if task < pushes:
             if PHASES & 1:
-                block = task // STEPS
+                block = task // (STEPS * PIECES)
+                piece = task % PIECES
+                col_first = piece * piece_cols
+                col_last = tl.minimum(col_first + piece_cols, K)
                 row0 = block * BM
                 rows_here = tl.minimum(BM, M_LOCAL - row0)
                 push_row = (slot_row0 + rank * M_LOCAL + row0).to(tl.int64)
-                flag = (rank * tiles_m + block) * 4
+                flag = ((rank * tiles_m + block) * PIECES + piece) * 4
                 if MULTIMEM:
-                    _push_block(a_ptr, 0, row0, rows_here, M_LOCAL, K, stride_am,
+                    _push_block(a_ptr, 0, row0, rows_here, col_first, col_last, K, stride_am,
                                 multicast_base + push_row * row_bytes, ELEMENT, COPY_ROWS,
                                 COPY_COLS, ALIGNED, True)
                     if SIGNAL:
@@ -137,10 +144,10 @@ def all_gather_gemm_kernel(
                             st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag,
                                            epoch)
                 else:
-                    peer = (rank + task % STEPS) % WORLD
+                    peer = (rank + task // PIECES % STEPS) % WORLD
                     target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
-                    _push_block(a_ptr, target, row0, rows_here, M_LOCAL, K, stride_am, 0,
-                                ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
+                    _push_block(a_ptr, target, row0, rows_here, col_first, col_last, K,
+                                stride_am, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
                     if SIGNAL:
                         # every thread's (remote) stores ordered before thread 0's release
                         fence_acq_rel_sys(block)
@@ -154,8 +161,10 @@ def all_gather_gemm_kernel(
             local_row0 = tile_m * BM
             col0 = tile_n * BN
             if SIGNAL:
-                wait_flag(own_flags + (source * tiles_m + tile_m) * 4, epoch, abort_ptr,
-                          error_address, source, source * tiles_m + tile_m, timeout_ns)
+                for piece in tl.static_range(PIECES):
+                    flag = (source * tiles_m + tile_m) * PIECES + piece
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
+                              flag, timeout_ns)
                 fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
             slot_row = slot_row0 + source * M_LOCAL + local_row0
             # rows past this source's slot are masked (pointer path) or garbage the store drops
@@ -174,53 +183,55 @@ def all_gather_gemm_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class AllGatherGemmConfig:
-    """Tiles and pipeline of the fused all-gather + GEMM kernel (the GEMM core's tile), and
-    the COPY_ROWS x COPY_COLS piece a push task moves per step."""
+    """Tiles and pipeline of the fused all-gather + GEMM kernel (the GEMM core's tile), the
+    COPY_ROWS x COPY_COLS elements a push task moves per step, and the column ranges (pieces)
+    a row block's push is cut into (one task and one flag each)."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
     group_m: int = 8
     stages: int = 3
     warps: int = 8
-    copy_rows: int = 16
+    copy_rows: int = 32
     copy_cols: int = 512
+    pieces: int = 4
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
         """The config str() printed as `text`.
 
-        >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c16x512")
-        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=16, copy_cols=512)
+        >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4)
         """
         try:
-            tile, g, s, w, c = text.split("/")
-            if not (g[0], s[0], w[0], c[0]) == ("g", "s", "w", "c"):
+            tile, g, s, w, c, p = text.split("/")
+            if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p"):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
             return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
-                       copy_cols)
+                       copy_cols, int(p[1:]))
         except ValueError:
             raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}")
+                f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
-    "128x256x64/g8/s3/w8/c16x512",
-    "128x256x64/g8/s4/w8/c16x512",
-    "128x128x64/g8/s4/w8/c16x512",
-    "64x256x64/g8/s4/w4/c8x512",
+    "128x256x64/g8/s3/w8/c32x512/p4",
+    "128x256x64/g8/s4/w8/c32x512/p4",
+    "128x128x64/g8/s4/w8/c32x512/p4",
+    "64x256x64/g8/s4/w4/c16x512/p4",
 ))
 
 
 def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
     """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle.
 
-    >>> str(default_config(512, 2048, 8192, 4))    # 4 x 8 tiles per source, 128 in all
-    '128x128x64/g8/s4/w8/c16x512'
+    >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
+    '128x128x64/g8/s4/w8/c32x512/p4'
     """
     if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264:
         return CANDIDATES[0]
@@ -268,7 +279,7 @@ class AllGatherGemmLaunch:
         if needed > workspace.data_bytes:
             raise ValueError(f"all_gather_gemm: {needed} bytes per half needed, the workspace "
                              f"has {workspace.data_bytes}")
-        if world * triton.cdiv(ops.m, config.block_m) > (1 << 16):
+        if world * triton.cdiv(ops.m, config.block_m) * config.pieces > (1 << 16):
             raise ValueError("all_gather_gemm: more row blocks than the workspace has flags")
         gathered = workspace.local_data(0, ops.a.dtype, 2 * workspace.data_bytes // element,
                                         both_halves=True)
@@ -293,7 +304,7 @@ class AllGatherGemmLaunch:
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
                           B_TRANSPOSED=ops.b_transposed, MULTIMEM=multimem,
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
-                          COPY_COLS=config.copy_cols, PHASES=3)
+                          COPY_COLS=config.copy_cols, PIECES=config.pieces, PHASES=3)
         args = (ops.a, g_desc, b_desc, ops.b, out,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
@@ -305,7 +316,7 @@ class AllGatherGemmLaunch:
                                                num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         tiles_m = triton.cdiv(ops.m, config.block_m)
-        tasks = tiles_m * (1 if multimem else world) \
+        tasks = tiles_m * (1 if multimem else world) * config.pieces \
             + world * tiles_m * triton.cdiv(ops.n, config.block_n)
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call on ONE GPU: the virtual-rank tests of the TP kernels (fused all-gather + GEMM,
+# GEMM + all-reduce, CUDA graphs), the earlier virtual-rank tests, then the TP = 1 paths and GEMM
+# halves of bench_ag_gemm.py / bench_decode.py and infer_tp.py with CUDA graphs. Logs under $OUT.
+#   bash benchmarks/gpu_onegpu.sh [BUDGET_S] [TRAIN_DIR]
+# Multicast stays off (project policy) for this shell and everything it starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset AXEDIST_ENABLE_MULTICAST
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-10}
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+BUDGET=${1:-500}
+TRAIN_DIR=${2:-runs/tp1_cpu}
+OUT=${OUT:-/tmp/axedist_out}
+LOGS=$OUT/logs RESULTS=$OUT/results
+mkdir -p "$LOGS" "$RESULTS"
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+source "$(dirname "$0")/gpu_step.sh"
+{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
+head -4 "$LOGS/env.log"
+PYTEST="python3 -m pytest -q -rf -p no:cacheprovider -x"
+step tp_kernels 200 $PYTEST tests_onegpu/test_virtual_tp.py
+step earlier 150 $PYTEST tests_onegpu/test_virtual_collectives.py tests_onegpu/test_virtual_fused.py tests_onegpu/test_gemm_core.py -k "not every_candidate"
+step infer_graphs 60 torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --cuda-graphs --train-dir "$TRAIN_DIR"
+step infer_eager 40 torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --train-dir "$TRAIN_DIR"
+step bench_decode 100 torchrun --nproc-per-node 1 benchmarks/bench_decode.py --out "$RESULTS" --batches 1,8,64 --reps 10 --layers 2
+step bench_ag_gemm 100 python3 benchmarks/bench_ag_gemm.py --onegpu --out "$RESULTS" --only 0,3,6,8 --calls 5 --batches 3
+echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
