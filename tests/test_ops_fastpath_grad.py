@@ -23,7 +23,7 @@ from axedist.ops.state import READY, RECORDING, ReadyOutput
 from axedist.testing import run_on_ranks
 
 fastpath = DTensor.dispatcher.fastpath
-from ops_cases import ONE_EXAMPLE
+from tests.ops_cases import ONE_EXAMPLE
 
 
 def _rand(shape, seed, dtype=torch.float64):

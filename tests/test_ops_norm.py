@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from axedist.dtensor import DTensor
 from axedist.testing import run_on_ranks
-from ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand,
+from tests.ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand,
                        randint, sample_sets)
 
 aten = torch.ops.aten

@@ -22,7 +22,7 @@ from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
 fallback_ops = DTensor.dispatcher.fallback_ops
-from ops_cases import MESHES, NO_SHRINK
+from tests.ops_cases import MESHES, NO_SHRINK
 
 aten = torch.ops.aten
 

@@ -15,7 +15,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from axedist.testing import run_on_ranks
-from ops_cases import MESHES, WORLD, Partial, Replicate, Shard, check, make, mesh_of, rand, randint, sample_sets
+from tests.ops_cases import MESHES, WORLD, Partial, Replicate, Shard, check, make, mesh_of, rand, randint, sample_sets
 
 OPTIONS = [Shard(0), Shard(1), Shard(2), Replicate(), Partial()]
 
