@@ -64,7 +64,8 @@ def _error(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, seed, pieces=1):
+def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, seed, pieces=1,
+                        copy_out=False):
     generator = torch.Generator().manual_seed(seed)
     bm, bn, bk = block
     config = ag_gemm.AllGatherGemmConfig(bm, bn, bk, 2, 2, 4, 4, 32, pieces)
@@ -75,8 +76,9 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
     weights = [torch.randn((n, k) if transposed else (k, n), generator=generator).to(dtype)
                for _ in range(world)]
     outs = [torch.full((world * m_local, n), float("nan"), dtype=dtype) for _ in range(world)]
+    gathered_outs = [torch.full((world * m_local, k), float("nan"), dtype=dtype) for _ in range(world)]
     epoch = 2 - seed % 2
-    name = f"all_gather_gemm W={world} {m_local}x{n}x{k} B^T={transposed} tma={tma} pieces={pieces} {dtype}"
+    name = f"copy_out={copy_out} all_gather_gemm W={world} {m_local}x{n}x{k} B^T={transposed} tma={tma} pieces={pieces} {dtype}"
     half_rows = ag_gemm.gathered_rows(data_bytes, k, element)
 
     def launch(rank, phase):
@@ -87,13 +89,14 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
         b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
         stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
         ag_gemm.all_gather_gemm_kernel[(3,)](
-            as_[rank], g_desc, b_desc, b, outs[rank], *workspace.data_addresses(0), 0,
+            as_[rank], g_desc, b_desc, b, outs[rank],
+            gathered_outs[rank].data_ptr() if copy_out else 0, *workspace.data_addresses(0), 0,
             *workspace.flag_addresses(), workspace.state, workspace.abort,
             workspace.error_address(), 0, m_local, n, k, as_[rank].stride(0), stride_bk,
             stride_bn, outs[rank].stride(0), rank, half_rows, WORLD=world, BM=bm, BN=bn, BK=bk,
             GROUP_M=2, STAGES=2, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=False,
             ALIGNED=False, COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,
-            PIECES=pieces, PHASES=phase)
+            PIECES=pieces, COPY_OUT=copy_out, PHASES=phase)
 
     failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1, 2), launch)]
     gathered_a = torch.cat([a.double() for a in as_])
@@ -103,6 +106,8 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
         error = _error(outs[rank], ref)
         if not error < 1e-2:
             failures.append(f"{name} rank {rank}: error {error:.2e} (NaN: unwritten)")
+        if copy_out and not torch.equal(gathered_outs[rank], torch.cat(as_)):
+            failures.append(f"{name} rank {rank}: the gathered A copied out differs")
         # an even call's rows end before half 1; an odd call's start at row half_rows, in half 1
         other = workspaces[rank].local_data(1 - epoch % 2, dtype, data_bytes // element)
         if not torch.isnan(other).all():
@@ -170,7 +175,8 @@ def main():
                 (4, 16, 16, 32, True, True)]
         for index, (world, m_local, n, k, transposed, tma) in enumerate(grid):
             failures += run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype,
-                                            (16, 16, 16), seed=index, pieces=1 + index % 3)
+                                            (16, 16, 16), seed=index, pieces=1 + index % 3,
+                                            copy_out=index % 2 == 0)
             cases += 1
     if which in ("all", "ar"):
         grid = itertools.product([(2, 5, 40, 48, False, True), (3, 33, 24, 40, True, True),

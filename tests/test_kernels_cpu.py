@@ -863,7 +863,8 @@ def _pointer_and_flag_signature(signature, dtype, names_after):
     return signature
 
 
-def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None, dtype="bf16"):
+def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None, dtype="bf16",
+                copy_out=False):
     from axedist.kernels import ag_gemm
     from axedist.kernels.compile_check import compile_for_target
     c = config or ag_gemm.AllGatherGemmConfig()
@@ -872,14 +873,14 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
         signature["g_desc"] = f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>"
         signature["b_desc"] = (f"tensordesc<{dtype}[{c.block_n}, {c.block_k}]>" if transposed
                                else f"tensordesc<{dtype}[{c.block_k}, {c.block_n}]>")
-    signature.update(b_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+    signature.update(b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", gathered_address="i64")
     _pointer_and_flag_signature(signature, dtype, dict(
         M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
         stride_om="i32", rank="i32", half_rows="i32"))
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=multimem,
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
-                      PIECES=c.pieces, PHASES=3)
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
     if not tma:
         constexprs.update(g_desc=None, b_desc=None)
     return compile_for_target(ag_gemm.all_gather_gemm_kernel, signature, constexprs,
@@ -928,6 +929,7 @@ def test_all_gather_gemm_compiles_to_tma_wgmma_with_releases_and_bounded_waits(t
         assert "multimem" not in ptx and ".local" not in ptx
         assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
     assert "wgmma" in _compile_ag(tma=False).asm["ptx"]
+    assert _compile_ag(copy_out=True).metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -975,8 +977,8 @@ def test_fused_tp_launch_slots_match_the_kernel_signatures():
     from axedist.kernels import ag_gemm, gemm_ar
     names = _runtime_names(ag_gemm.all_gather_gemm_kernel)
     launch = ag_gemm.AllGatherGemmLaunch
-    assert (names[launch._A], names[launch._B_DESC], names[launch._B], names[launch._OUT]) == \
-        ("a_ptr", "b_desc", "b_ptr", "out_ptr")
+    assert (names[launch._A], names[launch._B_DESC], names[launch._B], names[launch._OUT],
+            names[launch._GATHERED]) == ("a_ptr", "b_desc", "b_ptr", "out_ptr", "gathered_address")
     assert names[-2:] == ["rank", "half_rows"] and "epoch" not in names
     names = _runtime_names(gemm_ar.gemm_all_reduce_kernel)
     launch = gemm_ar.GemmAllReduceLaunch

@@ -88,6 +88,24 @@ def test_all_gather_gemm_every_world_size_both_orientations(world, seed):
     assert not failures, failures
 
 
+def test_all_gather_gemm_copies_the_gathered_rows_out(seed):
+    """With gathered=, the kernel also writes the gathered A (what a linear layer's backward
+    needs): exactly the concatenation, next to a right product, back to back."""
+    world = 4
+    ranks = VirtualRanks(world, 16 << 20)
+    failures = []
+    for call, transposed in enumerate((False, True, False)):
+        as_, bs = _operands(world, *AG_TAILS, transposed)
+        gathered = _poison(world * AG_TAILS[0], AG_TAILS[2], world)
+        outs = ranks.all_gather_gemm(as_, bs, _poison(world * AG_TAILS[0], AG_TAILS[1], world),
+                                     gathered=gathered)
+        ranks.check()
+        failures += _ag_failures(as_, bs, outs, f"call {call} seed={seed}")
+        failures += [f"call {call} rank {r}: gathered A differs" for r, g in enumerate(gathered)
+                     if not torch.equal(g, torch.cat(as_))]
+    assert not failures, failures
+
+
 def test_all_gather_gemm_pointer_path_fp16_and_small_tiles(seed):
     from axedist.kernels.ag_gemm import AllGatherGemmConfig
     ranks = VirtualRanks(4, 16 << 20)

@@ -173,7 +173,7 @@ class AllGatherGemmCall:
     launches: dict = dataclasses.field(default_factory=dict)
 
     def _setup(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
-               timeout_s: float | None):
+               timeout_s: float | None, gathered: torch.Tensor | None = None):
         from ..kernels import ag_gemm
 
         ops = ag_gemm.prepare_operands(a.reshape(-1, a.shape[-1]), b)
@@ -191,7 +191,12 @@ class AllGatherGemmCall:
                 or out.stride(1) != 1:
             raise ValueError(f"all_gather_gemm: out must be a {a.dtype} tensor of shape "
                              f"{(self.world * ops.m, ops.n)} with unit column stride")
-        key = (ag_gemm.launch_layout(ops, out), workspace.timeout_ns())
+        if gathered is not None and (gathered.shape != (self.world * ops.m, ops.k)
+                                     or gathered.dtype != a.dtype or not gathered.is_contiguous()
+                                     or gathered.data_ptr() % 16):
+            raise ValueError(f"all_gather_gemm: gathered must be a contiguous, 16-byte aligned "
+                             f"{a.dtype} tensor of shape {(self.world * ops.m, ops.k)}")
+        key = (ag_gemm.launch_layout(ops, out), workspace.timeout_ns(), gathered is not None)
         launch = self.launches.get(key)
         if launch is None:
             config = self.pinned_config or ag_gemm.default_config(ops.m, ops.n, ops.k,
@@ -199,20 +204,23 @@ class AllGatherGemmCall:
             if len(self.launches) >= 16:
                 self.launches.clear()
             launch = self.launches[key] = ag_gemm.AllGatherGemmLaunch(
-                ops, out, config, workspace, multimem=self.plan.backend == "multimem")
+                ops, out, config, workspace, multimem=self.plan.backend == "multimem",
+                copy_out=gathered is not None)
         return ops, out, workspace, launch
 
     def prepare(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-                timeout_s: float | None = None) -> None:
-        """Compile and load the kernel that run(a, b, out, timeout_s) launches, without
-        launching it (virtual ranks: no module may load while another rank spins)."""
-        self._setup(a, b, out, timeout_s)
+                timeout_s: float | None = None, gathered: torch.Tensor | None = None) -> None:
+        """Compile and load the kernel that run(a, b, out, timeout_s, gathered=...) launches,
+        without launching it (virtual ranks: no module may load while another rank spins)."""
+        self._setup(a, b, out, timeout_s, gathered)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
-            timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
-        ops, out, workspace, launch = self._setup(a, b, out, timeout_s)
+            timeout_s: float | None = None, check: bool = False,
+            gathered: torch.Tensor | None = None) -> torch.Tensor:
+        """The product; gathered (optional): receives the gathered A as well."""
+        ops, out, workspace, launch = self._setup(a, b, out, timeout_s, gathered)
         workspace.begin_call("all_gather_gemm", timeout_s)
-        launch(ops, out)
+        launch(ops, out, gathered)
         if check:
             workspace.check(synchronize=True)
         lead = a.shape[:-1]
@@ -240,13 +248,16 @@ def _group_workspace(group, device):
 
 def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: int = 0,
                     backend: str = "auto", out: torch.Tensor | None = None,
-                    timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+                    timeout_s: float | None = None, check: bool = False,
+                    gathered: torch.Tensor | None = None) -> torch.Tensor:
     """all_gather(a, gather_dim) @ b over `group`, fused into one kernel where it pays.
 
     a: this rank's rows [M_LOCAL, K] (or [..., K], gathered along dim 0); b: [K, N_local],
     row-major or the transpose of a row-major [N_local, K] (nn.Linear's weight.t()).
     bf16/fp16, fp32 accumulation. Returns [W * M_LOCAL, N_local] (rank p's rows at
-    p * M_LOCAL). check=True synchronizes and raises a pending timeout error.
+    p * M_LOCAL). check=True synchronizes and raises a pending timeout error. gathered: a
+    contiguous [W * M_LOCAL, K] tensor (for gather_dim 0: [W * a.shape[0], *a.shape[1:]])
+    that receives the gathered a as well (what the backward of a linear layer needs).
 
     >>> a = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)   # S/W rows, W = 4
     >>> w = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)   # column shard
@@ -259,11 +270,14 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
                                  _group_workspace(group, a.device))
     call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make)
     if call.plan.backend == "torch":
-        gathered = a if call.world == 1 else fallback.all_gather(
+        whole = a if call.world == 1 else fallback.all_gather(
             a.movedim(gather_dim, 0), group).movedim(0, gather_dim)
-        result = torch.matmul(gathered, b)
+        if gathered is not None:
+            gathered.copy_(whole.reshape(gathered.shape))
+        result = torch.matmul(whole, b)
         return result if out is None else out.copy_(result.reshape(out.shape))
-    return call.run(a, b, out, timeout_s, check)
+    flat = None if gathered is None else gathered.view(-1, a.shape[-1])
+    return call.run(a, b, out, timeout_s, check, flat)
 
 
 # -- gemm_all_reduce ------------------------------------------------------------------------

@@ -60,19 +60,19 @@ def _words(values, ELEMENT: tl.constexpr):
 
 
 @triton.jit
-def _push_block(a_ptr, target, row0, rows_here, col_first, col_last, K, stride_am,
-                multicast_target, ELEMENT: tl.constexpr, COPY_ROWS: tl.constexpr,
-                COPY_COLS: tl.constexpr, ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr):
-    """Columns col_first .. col_last of rows row0 .. row0 + rows_here of A (local) into
-    `target` (byte address of row row0's slot row in a rank's gathered buffer), COPY_ROWS x
-    COPY_COLS elements at a time."""
+def _copy_rows(source, source_stride, target, rows_here, col_first, col_last, K,
+               multicast_target, ELEMENT: tl.constexpr, COPY_ROWS: tl.constexpr,
+               COPY_COLS: tl.constexpr, ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr):
+    """Columns col_first .. col_last of rows 0 .. rows_here of `source` (a pointer to its row
+    0, row stride source_stride) into `target` (byte address of row 0 of rows of K elements,
+    in any rank's memory), COPY_ROWS x COPY_COLS elements at a time; MULTIMEM: into every
+    rank's copy through `multicast_target` instead."""
     for sub in range(0, rows_here, COPY_ROWS):
         rows = sub + tl.arange(0, COPY_ROWS)
         for k0 in range(col_first, col_last, COPY_COLS):
             cols = k0 + tl.arange(0, COPY_COLS)
             mask = (rows[:, None] < rows_here) & (cols[None, :] < col_last)
-            values = tl.load(a_ptr + (row0 + rows)[:, None] * stride_am + cols[None, :],
-                             mask=mask)
+            values = tl.load(source + rows[:, None] * source_stride + cols[None, :], mask=mask)
             offsets = rows[:, None] * K + cols[None, :]
             if MULTIMEM:
                 # one 16-byte multimem.st per group; the host sets MULTIMEM only for K % 8 == 0
@@ -87,9 +87,9 @@ def _push_block(a_ptr, target, row0, rows_here, col_first, col_last, K, stride_a
                 tl.store(peer_pointers(target, offsets, ELEMENT, ALIGNED), values, mask=mask)
 
 
-@triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows"])
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
 def all_gather_gemm_kernel(
-        a_ptr, g_desc, b_desc, b_ptr, out_ptr,
+        a_ptr, g_desc, b_desc, b_ptr, out_ptr, gathered_address,
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
@@ -98,12 +98,14 @@ def all_gather_gemm_kernel(
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr,
         COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PIECES: tl.constexpr,
-        PHASES: tl.constexpr):
+        COPY_OUT: tl.constexpr, PHASES: tl.constexpr):
     """out[p * M_LOCAL + i, :] = A_p[i, :] @ B for every rank p (see the module docstring).
     a_ptr: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride); g_desc: this
     rank's gathered buffer, both halves [2 * half_rows, K] (TMA only); D*: every rank's data
     half 0; F*: flag arrays. Every GEMM tile reads A from the gathered buffer, the local rows
-    too (copied there by the step-0 push task): one tile loop, one set of pipeline buffers."""
+    too (copied there by the step-0 push task): one tile loop, one set of pipeline buffers.
+    COPY_OUT: after the GEMM tiles, copy-out tasks (source, block, piece) also write the
+    gathered A [W * M_LOCAL, K] (row-major) at gathered_address, for later users of it."""
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
     STEPS: tl.constexpr = 1 if MULTIMEM else WORLD      # step 0: this rank's own buffer
@@ -115,7 +117,8 @@ def all_gather_gemm_kernel(
     tiles_n = tl.cdiv(N, BN)
     per_source = tiles_m * tiles_n
     pushes = tiles_m * STEPS * PIECES
-    tasks = pushes + WORLD * per_source
+    gemm_end = pushes + WORLD * per_source
+    tasks = gemm_end + (WORLD * tiles_m * PIECES if COPY_OUT else 0)
     piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
     own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
@@ -133,9 +136,9 @@ def all_gather_gemm_kernel(
                 push_row = (slot_row0 + rank * M_LOCAL + row0).to(tl.int64)
                 flag = ((rank * tiles_m + block) * PIECES + piece) * 4
                 if MULTIMEM:
-                    _push_block(a_ptr, 0, row0, rows_here, col_first, col_last, K, stride_am,
-                                multicast_base + push_row * row_bytes, ELEMENT, COPY_ROWS,
-                                COPY_COLS, ALIGNED, True)
+                    _copy_rows(a_ptr + row0 * stride_am, stride_am, 0, rows_here, col_first,
+                               col_last, K, multicast_base + push_row * row_bytes, ELEMENT,
+                               COPY_ROWS, COPY_COLS, ALIGNED, True)
                     if SIGNAL:
                         fence_acq_rel_sys(block)
                         tl.debug_barrier()
@@ -146,13 +149,31 @@ def all_gather_gemm_kernel(
                 else:
                     peer = (rank + task // PIECES % STEPS) % WORLD
                     target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
-                    _push_block(a_ptr, target, row0, rows_here, col_first, col_last, K,
-                                stride_am, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
+                    _copy_rows(a_ptr + row0 * stride_am, stride_am, target, rows_here, col_first,
+                               col_last, K, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
                     if SIGNAL:
                         # every thread's (remote) stores ordered before thread 0's release
                         fence_acq_rel_sys(block)
                         tl.debug_barrier()
                         st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag, epoch)
+        elif task >= gemm_end:
+            if PHASES & 2:
+                copy = task - gemm_end
+                piece = copy % PIECES
+                block = copy // PIECES % tiles_m
+                source = (rank - copy // (PIECES * tiles_m) + WORLD) % WORLD
+                flag = (source * tiles_m + block) * PIECES + piece
+                if SIGNAL:
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
+                              timeout_ns)
+                row0 = block * BM
+                col_first = piece * piece_cols
+                slot_row = slot_row0 + source * M_LOCAL + row0
+                _copy_rows(gathered + slot_row.to(tl.int64) * K, K,
+                           gathered_address + (source * M_LOCAL + row0).to(tl.int64) * row_bytes,
+                           tl.minimum(BM, M_LOCAL - row0), col_first,
+                           tl.minimum(col_first + piece_cols, K), K, 0, ELEMENT, COPY_ROWS,
+                           COPY_COLS, ALIGNED, False)
         elif PHASES & 2:
             gemm_task = task - pushes
             step = gemm_task // per_source
@@ -264,10 +285,10 @@ class AllGatherGemmLaunch:
     >>> launch(ops, out)          # out [W * M_LOCAL, N] on every rank
     """
 
-    _A, _B_DESC, _B, _OUT = 0, 2, 3, 4
+    _A, _B_DESC, _B, _OUT, _GATHERED = 0, 2, 3, 4, 5
 
     def __init__(self, ops, out: torch.Tensor, config: AllGatherGemmConfig,
-                 workspace, multimem: bool = False):
+                 workspace, multimem: bool = False, copy_out: bool = False):
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         world, rank = workspace.world_size, workspace.rank
@@ -304,8 +325,9 @@ class AllGatherGemmLaunch:
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
                           B_TRANSPOSED=ops.b_transposed, MULTIMEM=multimem,
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
-                          COPY_COLS=config.copy_cols, PIECES=config.pieces, PHASES=3)
-        args = (ops.a, g_desc, b_desc, ops.b, out,
+                          COPY_COLS=config.copy_cols, PIECES=config.pieces,
+                          COPY_OUT=copy_out, PHASES=3)
+        args = (ops.a, g_desc, b_desc, ops.b, out, 0,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
                 *workspace.flag_addresses(), workspace.state, workspace.abort,
@@ -317,7 +339,8 @@ class AllGatherGemmLaunch:
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         tiles_m = triton.cdiv(ops.m, config.block_m)
         tasks = tiles_m * (1 if multimem else world) * config.pieces \
-            + world * tiles_m * triton.cdiv(ops.n, config.block_n)
+            + world * tiles_m * triton.cdiv(ops.n, config.block_n) \
+            + (world * tiles_m * config.pieces if copy_out else 0)
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))
@@ -325,12 +348,16 @@ class AllGatherGemmLaunch:
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
         self.layout = launch_layout(ops, out)
 
-    def __call__(self, ops, out: torch.Tensor) -> None:
+    def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:
+        """gathered: where the gathered A [W * M_LOCAL, K] goes too (a launch built with
+        copy_out; row-major, 16-byte aligned)."""
         args = list(self.template)
         if self.use_tma:
             args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
         args[self._OUT] = out.data_ptr()
+        if gathered is not None:
+            args[self._GATHERED] = gathered.data_ptr()
         self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
 
 

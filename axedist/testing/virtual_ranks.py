@@ -129,9 +129,10 @@ class VirtualRanks:
 
     # -- fused all-gather + GEMM, GEMM + all-reduce -------------------------------------------
     def all_gather_gemm(self, as_, bs, outs=None, config=None, absent=(),
-                        timeout_s: float | None = None) -> list:
+                        timeout_s: float | None = None, gathered=None) -> list:
         """outs[r] = concatenation of as_ along dim 0, times bs[r], through the fused kernel
-        (config: a kernels.ag_gemm.AllGatherGemmConfig, default the heuristic one)."""
+        (config: a kernels.ag_gemm.AllGatherGemmConfig, default the heuristic one); gathered
+        (a tensor per rank): receives the concatenation too."""
         a, b = self._pairs("all_gather_gemm", as_, bs)
         m_local, k, n = a.shape[0], a.shape[1], b.shape[1]
         key = ("all_gather_gemm", a.shape, a.stride(), b.shape, b.stride(), a.dtype, config)
@@ -145,7 +146,8 @@ class VirtualRanks:
         if outs is None:
             outs = [torch.empty((self.world * m_local, n), dtype=a.dtype, device=a.device)
                     for _ in range(self.world)]
-        return self._run_calls(calls, as_, bs, outs, absent, timeout_s)
+        extras = None if gathered is None else [{"gathered": g} for g in gathered]
+        return self._run_calls(calls, as_, bs, outs, absent, timeout_s, extras)
 
     def gemm_all_reduce(self, as_, bs, outs=None, algorithm: str = "one_shot",
                         push: bool = True, config=None, absent=(),
@@ -176,13 +178,15 @@ class VirtualRanks:
             raise ValueError(f"{op}: {len(as_)} A and {len(bs)} B for {self.world} ranks")
         return as_[0], bs[0]
 
-    def _run_calls(self, calls, as_, bs, outs, absent, timeout_s) -> list:
+    def _run_calls(self, calls, as_, bs, outs, absent, timeout_s, extras=None) -> list:
+        """Every present rank's call (extras[r]: its further keyword arguments)."""
         present = [r for r in range(self.world) if r not in absent]
+        extras = extras or [{}] * self.world
         for rank in present:  # every kernel loaded before the first rank can spin
-            calls[rank].prepare(as_[rank], bs[rank], outs[rank], timeout_s)
+            calls[rank].prepare(as_[rank], bs[rank], outs[rank], timeout_s, **extras[rank])
         self.last_plans = calls
         self._launch(present, lambda rank: calls[rank].run(as_[rank], bs[rank], outs[rank],
-                                                            timeout_s))
+                                                            timeout_s, **extras[rank]))
         return outs
 
     def _workspace_for(self, rank: int):
