@@ -980,6 +980,7 @@ def test_fused_tp_launch_slots_match_the_kernel_signatures():
     assert (names[launch._A], names[launch._B_DESC], names[launch._B], names[launch._OUT],
             names[launch._GATHERED]) == ("a_ptr", "b_desc", "b_ptr", "out_ptr", "gathered_address")
     assert names[-2:] == ["rank", "half_rows"] and "epoch" not in names
+    assert ag_gemm.UNSET_ADDRESS >= 1 << 31   # typed i64 when the launch is compiled
     names = _runtime_names(gemm_ar.gemm_all_reduce_kernel)
     launch = gemm_ar.GemmAllReduceLaunch
     assert (names[launch._A_DESC], names[launch._A], names[launch._B_DESC], names[launch._B],

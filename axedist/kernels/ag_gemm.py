@@ -202,6 +202,12 @@ def all_gather_gemm_kernel(
     finish_call(state_ptr, epoch)
 
 
+# An address argument's value until a call fills it in: Triton types an int argument by its
+# value (i32 below 2**31), so a placeholder 0 would compile a kernel that cannot take a real
+# 64-bit address (the launcher raised OverflowError on the first call with one).
+UNSET_ADDRESS = 1 << 40
+
+
 @dataclasses.dataclass(frozen=True)
 class AllGatherGemmConfig:
     """Tiles and pipeline of the fused all-gather + GEMM kernel (the GEMM core's tile), the
@@ -327,7 +333,7 @@ class AllGatherGemmLaunch:
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
                           COPY_COLS=config.copy_cols, PIECES=config.pieces,
                           COPY_OUT=copy_out, PHASES=3)
-        args = (ops.a, g_desc, b_desc, ops.b, out, 0,
+        args = (ops.a, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
                 *workspace.flag_addresses(), workspace.state, workspace.abort,
