@@ -32,7 +32,7 @@ if [[ $MODE != kernels ]]; then
   step infer_eager 40 torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --train-dir "$TRAIN_DIR"
   step train_sp 80 torchrun --nproc-per-node 1 launch/train_tp.py --cuda --steps 20 --seq 256 --no-checkpoint --out /tmp/train_sp
 fi
-step bench_decode 100 torchrun --nproc-per-node 1 benchmarks/bench_decode.py --out "$RESULTS" --batches 1,8,64 --reps 10 --layers 2
-step bench_ag_gemm 100 python3 benchmarks/bench_ag_gemm.py --onegpu --out "$RESULTS" --only 0,3,6,8 --calls 5 --batches 3
+step bench_decode 120 torchrun --nproc-per-node 1 benchmarks/bench_decode.py --out "$RESULTS" --reps 10
+step bench_ag_gemm 100 python3 benchmarks/bench_ag_gemm.py --onegpu --out "$RESULTS" --calls 5 --batches 3
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
 tar czf "$OUT/results_logs.tgz" -C "$OUT" results logs && rm -rf "$OUT/results" "$OUT/logs"  # few files back
