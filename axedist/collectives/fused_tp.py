@@ -359,7 +359,8 @@ class GemmAllReduceCall:
         key = (gemm_ar.launch_layout(ops, out), workspace.timeout_ns())
         launch = self.launches.get(key)
         if launch is None:
-            config = self.pinned_config or gemm_ar.default_config(ops.m, ops.n, ops.k)
+            config = self.pinned_config or gemm_ar.default_config(ops.m, ops.n, ops.k,
+                                                                  workspace.processors)
             multimem = self.plan.backend == "multimem"
             if len(self.launches) >= 16:
                 self.launches.clear()
