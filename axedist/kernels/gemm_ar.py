@@ -207,17 +207,15 @@ class DecodeConfig:
 
 
 def default_config(m: int, n: int, k: int, processors: int = 132) -> DecodeConfig:
-    """64-row tiles up to M = 64, 128 above (M <= 256: at most two row tiles); 32-column tiles
-    where 64 would leave SMs without a share of B to stream (measured on one H100: 64 tiles of
-    4096 x 64 ran 2.1x cuBLAS's time at M = 1).
+    """64-row tiles up to M = 64, 128 above (M <= 256: at most two row tiles), 64 columns.
+    (Measured on one H100, W = 1, [1 x 4096] @ [4096 x 4096]: 64-column tiles 27.6 us,
+    32-column tiles 41.4 us, cuBLAS 13-14 us; the narrow TMA boxes cost more than the SMs
+    they fill. Closing the gap needs split-K; `processors` is for that choice.)
 
     >>> str(default_config(200, 8192, 1792)), str(default_config(1, 4096, 4096))
-    ('128x64x128/s3/w4', '64x32x128/s4/w4')
+    ('128x64x128/s3/w4', '64x64x128/s4/w4')
     """
-    config = DecodeConfig() if m <= 64 else DecodeConfig(128, 64, 128, 3, 4)
-    if -(-m // config.block_m) * -(-n // config.block_n) < processors:
-        config = dataclasses.replace(config, block_n=32)
-    return config
+    return DecodeConfig() if m <= 64 else DecodeConfig(128, 64, 128, 3, 4)
 
 
 def workspace_bytes_needed(world: int, m: int, n: int, element_size: int) -> int:
