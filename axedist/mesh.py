@@ -76,7 +76,8 @@ def _process_group(device_type: str, ranks: tuple[int, ...], topology: Topology)
             _GROUPS[key] = dist.group.WORLD
         else:
             _GROUPS[key] = dist.new_group(list(members), backend=backend)
-        _GROUP_TOPOLOGY[id(_GROUPS[key])] = (_GROUPS[key], topology)
+        if dist.get_rank() in members:  # others hold a placeholder, not a group
+            _GROUP_TOPOLOGY[id(_GROUPS[key])] = (_GROUPS[key], topology)
     return _GROUPS[key]
 
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import axedist as ax
 from axedist.collectives.backend import one_host, p2p_possible, select_backend
 from axedist.layout import Layout
-from axedist.mesh import DeviceMesh, MeshError, TopologyWarning, init_mesh
+from axedist.mesh import DeviceMesh, MeshError, TopologyWarning, group_hosts, init_mesh, job_topology
 from axedist.planning import plan_alternatives, plan_layouts, plan_redistribute
 from axedist.planning.cost import pick, sent_per_axis, step_time_us, steps_time_us
 from axedist.runtime import execution_bytes, explain_execution, record
@@ -192,6 +192,16 @@ def _backends(rank, world):
     out["pinned"] = str(info.value)
     out["tp_possible"] = p2p_possible(x, mesh.group("tp"))
     out["physical"] = one_host(DeviceMesh("cpu", (2, 2), ("dp", "tp")).group("dp"))
+    # groups no mesh made: the job's found hosts, or the declared host size
+    out["found"] = job_topology()
+    middle = dist.new_group([1, 2])
+    if rank in (1, 2):
+        out["outside"] = group_hosts(middle)
+        os.environ["AXEDIST_HOST_SIZE"] = "2"
+        try:
+            out["outside_simulated"] = (group_hosts(middle), one_host(middle)[0])
+        finally:
+            del os.environ["AXEDIST_HOST_SIZE"]
     out["fused"] = ax.plan_gemm_reduce_scatter(torch.ones(4, 2, dtype=torch.bfloat16),
                                                   torch.ones(2, 3, dtype=torch.bfloat16), mesh.group("dp")).reason
     src = spec_from_placements((8, 6), mesh, [Partial(), Partial()])
@@ -201,7 +211,7 @@ def _backends(rank, world):
 
 
 def test_p2p_kernels_refused_across_hosts():
-    for out in run_on_ranks(_backends, 4):
+    for rank, out in enumerate(run_on_ranks(_backends, 4)):
         dp, tp, both = out["one_host"]
         assert not dp[0] and "group spans 2 hosts" in dp[1] and tp == (True, "one host") and not both[0]
         assert out["possible"][0] is False and "spans 2 hosts" in out["possible"][1]
@@ -209,6 +219,9 @@ def test_p2p_kernels_refused_across_hosts():
         assert "backend 'p2p' cannot run: group spans 2 hosts" in out["pinned"]
         assert out["tp_possible"] == (False, "tensor is not on a CUDA device")  # past the host check
         assert out["physical"] == (True, "one host")
+        assert out["found"] == Topology((0, 0, 0, 0))
+        if rank in (1, 2):  # the members of a group made outside any mesh
+            assert out["outside"] == (0, 0) and out["outside_simulated"] == ((0, 1), False)
         assert "fused kernel unavailable: group spans 2 hosts" in out["fused"]
         lines = [ln for ln in out["explain"].splitlines() if re.match(r"    \d+(-\d+)?\. ", ln)]
         assert [ln.rsplit("; ", 1)[-1] for ln in lines] == ["gloo (one host)", "gloo (crosses hosts)",
