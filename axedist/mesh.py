@@ -25,6 +25,7 @@ gathered once per job; or a simulated host size), hence which axes leave a node.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -48,7 +49,7 @@ _GROUPS: dict[tuple, object] = {}
 _GROUP_TOPOLOGY: dict[int, tuple] = {}
 # The job's found topology, gathered once: (id of the world group, world size) -> Topology.
 _FOUND: dict[tuple, Topology] = {}
-# (axis, mesh ranks) already warned about: each once per process.
+# (axis, mesh ranks, topology) already warned about: each once per process.
 _WARNED: set = set()
 
 
@@ -199,7 +200,7 @@ class DeviceMesh:
         self.inter_node_axes = tuple(a for a in axis_names if self._spans_hosts(a))
         self._groups = self._create_groups() if _groups is None else _groups
         self._torch_mesh = None
-        self._warn_spanning(("tp",) if intra_node_axes is None else tuple(intra_node_axes))
+        self._warn_spanning(intra_node_axes)
 
     # -- geometry ---------------------------------------------------------------
 
@@ -289,12 +290,14 @@ class DeviceMesh:
                 raise MeshError(f"links[{axis!r}] must be a Link(bandwidth_gbps > 0, latency_us >= 0), got {link!r}")
         return links
 
-    def _warn_spanning(self, intra_node_axes: Sequence[str]) -> None:
+    def _warn_spanning(self, intra_node_axes: Sequence[str] | None) -> None:
+        """A ``TopologyWarning`` (once, on the mesh's first rank) for each axis meant to stay inside
+        a host that spans hosts: ``intra_node_axes``, by default an axis named ``tp``."""
+        if intra_node_axes is None:
+            intra_node_axes = [a for a in ("tp",) if a in self.axis_names]
         for axis in intra_node_axes:
             if axis not in self.axis_names:
-                if intra_node_axes != ("tp",):
-                    raise MeshError(f"intra_node_axes names {axis!r}, not an axis of {self.axis_names}")
-                continue
+                raise MeshError(f"intra_node_axes names {axis!r}, not an axis of {self.axis_names}")
             key = (axis, self.ranks, self.topology)
             if axis in self.inter_node_axes and key not in _WARNED:
                 _WARNED.add(key)
@@ -304,7 +307,7 @@ class DeviceMesh:
                                   f"on a node last in the mesh (ranks of a node are consecutive)",
                                   TopologyWarning, stacklevel=3)
 
-    @property
+    @functools.cached_property
     def network(self) -> Network | None:
         """What the planner costs plans with: each axis's link, inter- or intra-node. None on one
         host with default links (plans are then chosen by bytes alone)."""
