@@ -20,7 +20,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import axedist as ax
 from axedist.collectives.backend import one_host, p2p_possible, select_backend
-from axedist.layout import Layout
 from axedist.mesh import DeviceMesh, MeshError, TopologyWarning, group_hosts, init_mesh, job_topology
 from axedist.planning import plan_alternatives, plan_layouts, plan_redistribute
 from axedist.planning.cost import pick, sent_per_axis, step_time_us, steps_time_us
