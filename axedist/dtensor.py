@@ -1,77 +1,49 @@
 """Distributed tensors described by Axe layouts over a DeviceMesh.
 
-A DTensor's layout maps each element of its global tensor to mesh coordinates
-(which devices hold it: the layout's non-``m`` axes are the mesh's axis names) and
-to ``m``, its row-major position in that device's local tensor (DESIGN §2)::
+A DTensor's layout maps each element of its global tensor to mesh coordinates (which devices
+hold it: the layout's non-``m`` axes are the mesh's axis names) and to ``m``, its row-major
+position in that device's local tensor::
 
     >>> mesh = DeviceMesh("cpu", (4,))                        # axis 'gpuid'
     >>> x = distribute(torch.arange(48.).reshape(8, 6), mesh, Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"))
     >>> x.to_local()                                          # rank 1: rows 2..3, shape (2, 6)
     >>> x.redistribute([Replicate()]).to_local()              # every rank: the (8, 6) tensor
 
-Local shape (for any layout, placements included): group the layout by the global
-shape (``layout.blocks``); dim ``d`` of the local tensor has the product of the
-extents of the ``m`` iters in block ``d``, and ``m`` must be row-major over that
-shape (strides are checked). A device the layout does not reach holds an empty
-tensor of shape ``(0,)*ndim``.
-
-Uneven shapes: the layout admits a *padded* shape (``torch.chunk``'s split rounds
-each sharded dim up); the local tensor is the box of real (unpadded) elements,
-which must be a leading box of the padded local tensor (it is for ``torch.chunk``).
-Padding sits at the end of each dim, except where torch chunks a dim again inside
-each chunk (two ``Shard`` of one dim): there every chunk is padded to the largest and
-the spec records the true row of each padded row.
-
-Partial values (the paper's Fig. 8): a pending reduction is a leading *summand*
-dim of the layout, sharded over the mesh axes that hold partials, plus a reduce op
-(``sum``, ``avg``, ``max``, ``min``). ``dt.shape`` excludes the summand dim; the local
-tensor keeps it (extent 1 for torch's ``Partial``).
+The spec (layout, shapes, padding of uneven dims, a pending reduction's summand dim) is
+``axedist.spec.DTensorSpec``; torch ops run through the class's ``dispatcher``
+(``axedist.ops``), and the differentiable moves are in ``axedist.autograd``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
-import weakref
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from . import autograd
 from .layout import Layout, LayoutError
+from .mesh import DeviceMesh, MeshError
+from .ops.dispatcher import OpDispatcher
+from .ops.state import WRAPPER_POSITIONAL
+from .planning import Redistribution, plan_redistribute
+from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
-from .planning import plan_layouts, plan_redistribute
-from .runtime import redistribute_local
-from .mesh import DeviceMesh, MeshError
 
 __all__ = [
     "DTensor",
     "plan",
     "distribute",
     "from_torch",
+    "fused_gemm_stats",
     "layout_from_placements",
     "placements_from_layout",
 ]
-
-_dispatch = None  # axedist.ops.dispatch.dispatch, bound on the first op
-_RECORDING: list = []  # ops/fastpath.py's recorders of the torch call now running (innermost last)
-
-
-class _Ready(threading.local):
-    """ops/fastpath.py's output computed ahead for a grad-mode call, per thread: ``value`` is
-    (aten op, positions of its DTensor arguments, the torch-level arguments, output); see
-    ``DTensor.__torch_dispatch__``, which sets it to None once served, False once dropped."""
-
-    value = None
-
-
-_READY = _Ready()
 
 
 # ---------------------------------------------------------------------------
@@ -107,18 +79,24 @@ def _shape_text(row) -> str:
 # The tensor
 # ---------------------------------------------------------------------------
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
 
 class DTensor(torch.Tensor):
     """A global tensor whose elements sit on a mesh as an Axe layout says.
 
     A wrapper subclass (like torch's DTensor): ``shape``/``dtype``/``device``/``requires_grad``
     describe the global tensor; the data is ``to_local()`` on each rank. Torch ops run on it
-    through ``axedist.ops`` (sharding rules per op family; ops without one gather, with a
-    one-time warning): ``(x + y).sum()`` works on DTensors as on tensors, autograd included.
+    through the class's ``dispatcher`` (``axedist.ops``: sharding rules per op family; ops
+    without one gather, with a one-time warning): ``(x + y).sum()`` works on DTensors as on
+    tensors, autograd included.
     """
 
     _spec: DTensorSpec
     _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
+    _tag = None       # the dispatcher's Tag of (spec, dtype, stride), set on first use
+    dispatcher: OpDispatcher  # set below, once the class exists
+    __torch_function__ = torch._C._disabled_torch_function_impl  # the fast path's handler when enabled
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False, *, stride=None, pending=None):
@@ -135,65 +113,12 @@ class DTensor(torch.Tensor):
             self._pending = pending
         return self
 
-    @classmethod
-    def _wrap(cls, local: torch.Tensor, spec: DTensorSpec, stride) -> "DTensor":
-        """``DTensor(local, spec, stride=stride)`` without the keyword handling (the dispatcher's
-        hot path; ``stride`` None means contiguous)."""
-        if WRAPPER_POSITIONAL:
-            self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device)
-        elif stride is None:
-            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device)
-        else:
-            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device, strides=stride)
-        self._value = local
-        self._spec = spec
-        return self
-
     @property
     def _local(self) -> torch.Tensor:
         if self._pending is not None:
             self._value = self._pending.wait()
             self._pending = None
         return self._value
-
-    _tag = None       # (spec, ops/fastpath.py's int for (spec, dtype, stride)), set on first use
-
-    if os.environ.get("AXEDIST_FASTPATH", "1") == "0":
-        __torch_function__ = torch._C._disabled_torch_function_impl
-    else:
-        @classmethod
-        def __torch_function__(cls, func, types, args=(), kwargs=None):
-            # The first torch call on a DTensor installs ops/fastpath.py's handler in place of
-            # this one (ops sit above dtensor, so it is imported on first use).
-            from .ops import fastpath
-
-            fastpath.enable(True)
-            return DTensor.__torch_function__(func, types, args, kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        ready = _READY.value
-        if ready:
-            # A grad-mode fast-path hit: ops/fastpath.py ran the op on the local tensors and let
-            # autograd record the call through torch's dispatcher, which brings it here. The
-            # output is served only to the op it was computed for, on the same DTensor objects
-            # (this thread's first aten op of the call); anything else drops it.
-            op, positions, expected, out = ready
-            if func is op:
-                count = len(args)
-                for i in positions:
-                    if i >= count or args[i] is not expected[i]:
-                        break
-                else:
-                    _READY.value = None
-                    return out
-            _READY.value = False
-        global _dispatch
-        if _dispatch is None:
-            from .ops.dispatch import dispatch as _dispatch  # ops sit above dtensor: import on first use
-        if _RECORDING:  # the fast path is recording what this torch call dispatches
-            return _RECORDING[-1](func, args, kwargs)
-        return _dispatch(func, args, kwargs)
 
     # -- construction ----------------------------------------------------------
 
@@ -251,10 +176,7 @@ class DTensor(torch.Tensor):
                               f"the layout gives it {expected}")
         if local.device != mesh.device:
             raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
-        unsqueeze = bool(spec.reduce_op) and is_placements(layout_or_placements)
-        if local.requires_grad and torch.is_grad_enabled():
-            return _FromLocal.apply(local, spec, unsqueeze)
-        return DTensor(local.unsqueeze(0) if unsqueeze else local, spec)
+        return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements))
 
     # -- reading -------------------------------------------------------------------
 
@@ -263,9 +185,7 @@ class DTensor(torch.Tensor):
 
         Differentiable: the gradient of the piece comes back as a DTensor in this layout.
         """
-        if torch.is_grad_enabled() and _requires_grad(self):
-            return _ToLocal.apply(self)
-        return self._local
+        return autograd.to_local(self)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
@@ -305,9 +225,7 @@ class DTensor(torch.Tensor):
         dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
-        if torch.is_grad_enabled() and _requires_grad(self):
-            return _Redistribute.apply(self, dst, async_op)
-        return _redistributed(self, dst, async_op)
+        return autograd.redistribute(self, dst, async_op)
 
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
         """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.
@@ -342,335 +260,14 @@ class DTensor(torch.Tensor):
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
 
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+# Torch ops reach the dispatcher (axedist.ops) through these two handlers; the class owns it.
+DTensor.dispatcher = OpDispatcher(DTensor)
+DTensor.__torch_dispatch__ = classmethod(DTensor.dispatcher.torch_dispatch)
+DTensor.dispatcher.fastpath.enable(os.environ.get("AXEDIST_FASTPATH", "1") != "0")
 
 
-def _wrapper_takes_positions() -> bool:
-    """Does ``_make_wrapper_subclass`` take (size, strides, storage_offset, memory_format, dtype,
-    layout, device, pin_memory, requires_grad) by position? Its keywords cost ~1 us per call in torch's argument parser,
-    a tenth of an op's whole overhead; positions are checked here once, keywords otherwise."""
-    try:
-        probe = _make_wrapper(DTensor, (2, 3), (1, 2), None, None, torch.float64, torch.strided, torch.device("meta"),
-                              False, True)
-        with torch._C.DisableTorchFunctionSubclass():
-            return (probe.dtype, probe.device.type, probe.stride(), tuple(probe.shape), probe.requires_grad) == \
-                (torch.float64, "meta", (1, 2), (2, 3), True)
-    except (TypeError, RuntimeError):
-        return False
-
-
-WRAPPER_POSITIONAL = _wrapper_takes_positions()
-
-
-def _requires_grad(dt: DTensor) -> bool:
-    """``dt.requires_grad`` without a trip through ``__torch_function__`` (a getter costs ~2 us
-    there; DTensor's own methods read it on every call)."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return dt.requires_grad
-
-
-# ---------------------------------------------------------------------------
-# Autograd: the moves between local tensors and DTensors, and between layouts
-# ---------------------------------------------------------------------------
-
-
-def _redistributed(dt: DTensor, dst: DTensorSpec, async_op: bool = False) -> DTensor:
-    pending = dt._pending
-    if isinstance(pending, _DeferredGemm) and pending.value is None:
-        fused = _fused_reduce_scatter(dt, pending, dst)
-        if fused is not None:
-            return DTensor(fused, dst)
-    if async_op:
-        pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
-        probe = torch.empty(0, dtype=dt.dtype, device=dt.mesh.device)
-        return DTensor(probe, dst, pending=pending)
-    return DTensor(redistribute_local(dt._local, dt._spec, dst), dst)
-
-
-# ---------------------------------------------------------------------------
-# Deferred products: mm / addmm giving a pending sum, fused with a row reduce-scatter
-# ---------------------------------------------------------------------------
-
-# Counts for tests and plans: products deferred, fused (gemm_reduce_scatter ran), reduce-scatters
-# of a deferred product that ran unfused (GEMM, then the planned collective), and products
-# computed on first use of their data; "reason": why the last row reduce-scatter was not fused.
-_GEMM_STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": ""}
-# Deferred products nobody has consumed yet (weak): every op dispatch computes them first, so an
-# in-place op on an operand can never reach a product still waiting for it.
-_OUTSTANDING: list = []
-
-
-def fused_gemm_stats() -> dict:
-    """How deferred products ran in this process: ``{"deferred", "fused", "unfused",
-    "materialized", "reason"}`` (reason: why the last row reduce-scatter was not fused)."""
-    return dict(_GEMM_STATS)
-
-
-class _DeferredGemm:
-    """The local product of an ``mm``/``addmm`` whose result is a pending sum, not yet run.
-
-    ``redistribute`` of it to rows sharded on the summed mesh axis runs
-    ``collectives.gemm_reduce_scatter`` on the operands instead (one fused kernel on CUDA);
-    any other use of the data runs ``compute()`` once (the GEMM as the op would have). The
-    product is ``alpha * (a @ b) + beta * bias`` with the bias counted once per pending sum.
-    """
-
-    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "__weakref__")
-
-    def __init__(self, compute, a, b, bias, alpha, beta, shape):
-        self.compute, self.a, self.b, self.bias = compute, a, b, bias
-        self.alpha, self.beta, self.shape, self.value = alpha, beta, tuple(shape), None
-        self.versions = self._versions()
-        _GEMM_STATS["deferred"] += 1
-
-    def _versions(self) -> tuple:
-        # inference tensors (made under torch.inference_mode) keep no version counter: an
-        # in-place change of such an operand before the product is used cannot be detected
-        return tuple(-1 if t.is_inference() else t._version
-                     for t in (self.a, self.b, self.bias) if t is not None)
-
-    def wait(self) -> torch.Tensor:
-        if self.value is None:
-            if self._versions() != self.versions:
-                raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
-                                  "e.g. through to_local()) before the product was used; use the product first, "
-                                  "or clone the operand's local tensor before changing it")
-            value = self.compute()
-            if tuple(value.shape) != self.shape:
-                raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
-            self.value = value
-            self.compute = self.a = self.b = self.bias = None
-            _GEMM_STATS["materialized"] += 1
-        return self.value
-
-
-def _defer_gemm(compute, a, b, bias, alpha, beta, spec: DTensorSpec, local_shape, stride) -> DTensor:
-    """A DTensor in ``spec`` whose local tensor is the deferred product (ops/dispatch.py calls this)."""
-    pending = _DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
-    if len(_OUTSTANDING) > 64:
-        _flush_deferred()
-    _OUTSTANDING.append(weakref.ref(pending))
-    key = (a.dtype, a.device)
-    probe = _PROBES.get(key)
-    if probe is None:  # an empty stand-in for the data (never written): one per dtype and device
-        probe = _PROBES[key] = torch.empty(0, dtype=a.dtype, device=a.device)
-    return DTensor(probe, spec, stride=stride, pending=pending)
-
-
-_PROBES: dict = {}
-
-
-def _flush_deferred() -> None:
-    """Compute every outstanding deferred product (before an op that might change an operand)."""
-    refs = list(_OUTSTANDING)
-    _OUTSTANDING.clear()
-    for ref in refs:
-        pending = ref()
-        if pending is not None and pending.value is None and pending.compute is not None:
-            pending.wait()
-
-
-def _consumed(pending: _DeferredGemm) -> None:
-    """A fused reduce-scatter used the product: no eager flush for it any more (later uses of
-    the pending sum itself still compute it, checking its operands did not change)."""
-    for i, ref in enumerate(_OUTSTANDING):
-        if ref() is pending:
-            del _OUTSTANDING[i]
-            return
-
-
-@lru_cache(maxsize=1024)
-def _row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
-    """The mesh axis when ``src -> dst`` is a reduce-scatter of a 2-d pending sum's rows over
-    one mesh axis (every other axis kept, rows even), the move a fused GEMM + RS can do."""
-    if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
-        return None
-    try:
-        ps, pd = placements_of(src), placements_of(dst)
-    except LayoutError:
-        return None
-    partial = [i for i, p in enumerate(ps) if isinstance(p, Partial)]
-    if len(partial) != 1:
-        return None
-    (i,) = partial
-    if not (type(pd[i]) is Shard and pd[i].dim % 2 == 0):
-        return None
-    for j, (p, q) in enumerate(zip(ps, pd)):
-        if j != i and (p != q or isinstance(p, (Shard, _StridedShard)) and p.dim % 2 == 0):
-            return None  # another axis changes, or also splits the rows (then the row blocks differ)
-    if src.shape[0] % src.mesh.shape[i]:
-        return None      # uneven rows: torch.chunk pieces, not the equal row blocks of the kernel
-    return src.mesh.axis_names[i]
-
-
-@dataclass(frozen=True)
-class _FusedChoice:
-    axis: str
-    gemm: object          # collectives.GemmReduceScatterPlan, or None
-    fused: bool
-    reason: str
-
-
-def _fused_choice(spec: DTensorSpec, pending: _DeferredGemm, dst: DTensorSpec) -> _FusedChoice | None:
-    """None when ``spec -> dst`` is not a row reduce-scatter (or the product already ran);
-    otherwise whether the fused kernel runs, and why not when it does not."""
-    axis = _row_scatter_axis(spec, dst)
-    if axis is None or pending.a is None:
-        return None
-    a, b = pending.a, pending.b
-    if not a.is_cuda:
-        return _FusedChoice(axis, None, False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
-    if a.dtype not in (torch.bfloat16, torch.float16):
-        return _FusedChoice(axis, None, False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
-    mesh = spec.mesh
-    group = mesh.group(axis)
-    if dist.get_rank(group) != mesh.coordinates()[axis]:
-        return _FusedChoice(axis, None, False, f"process-group order differs from mesh axis {axis}'s order")
-    from .collectives import plan_gemm_reduce_scatter
-
-    try:
-        gemm = plan_gemm_reduce_scatter(a, b, group)
-    except ValueError as e:
-        return _FusedChoice(axis, None, False, str(e))
-    if gemm.backend == "torch":
-        return _FusedChoice(axis, gemm, False, gemm.reason)
-    return _FusedChoice(axis, gemm, True, gemm.reason)
-
-
-def _fused_reduce_scatter(dt: DTensor, pending: _DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:
-    """The local result of ``dt -> dst`` by ``gemm_reduce_scatter``, or None (unfused path)."""
-    choice = _fused_choice(dt._spec, pending, dst)
-    if choice is None:
-        return None
-    if not choice.fused:
-        _GEMM_STATS["unfused"] += 1
-        _GEMM_STATS["reason"] = choice.reason
-        return None
-    from .collectives import gemm_reduce_scatter
-
-    if pending._versions() != pending.versions:
-        pending.wait()  # raises the clear error
-    mesh = dt.mesh
-    out = gemm_reduce_scatter(pending.a, pending.b, mesh.group(choice.axis))
-    if pending.alpha != 1:
-        out.mul_(pending.alpha)
-    bias = pending.bias
-    if bias is not None and pending.beta != 0:
-        if bias.dim() == 2 and bias.shape[0] != 1:  # a whole [M, n] bias: this rank's rows
-            rows = out.shape[0]
-            bias = bias.narrow(0, mesh.coordinates()[choice.axis] * rows, rows)
-        out.add_(bias, alpha=pending.beta)
-    _GEMM_STATS["fused"] += 1
-    _GEMM_STATS["reason"] = ""
-    _consumed(pending)
-    return out
-
-
-@dataclass(frozen=True)
-class FusedGemmPlan:
-    """What ``redistribute`` runs for a deferred product's pending sum going to row shards:
-    the fused GEMM + reduce-scatter, or the GEMM then ``collective`` (and why)."""
-
-    fused: bool
-    gemm: object        # collectives.GemmReduceScatterPlan, or None (not asked: CPU, dtype, ...)
-    reason: str
-    collective: object  # the layout-inference Plan the unfused path runs
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.collective, name)  # steps, kinds, bytes_sent, ... of the collective
-
-    def __str__(self) -> str:
-        if self.fused:
-            return f"fused GEMM + reduce-scatter: {self.gemm}"
-        return (f"GEMM, then {self.collective}\n(fused GEMM + reduce-scatter not used: {self.reason})")
-
-
-def _grad_spec(spec: DTensorSpec) -> DTensorSpec:
-    """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
-    reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
-    if not spec.reduce_op:
-        return spec
-    try:
-        placements = placements_of(spec)
-    except LayoutError:
-        return make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
-    return spec_from_placements(spec.shape, spec.mesh,
-                                 [Replicate() if isinstance(p, Partial) else p for p in placements])
-
-
-def _grad_local(grad, spec: DTensorSpec, placements_partial: bool) -> torch.Tensor:
-    """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient."""
-    if not isinstance(grad, DTensor):
-        raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
-    if spec.reduce_op and not placements_partial:
-        # a layout with summands held locally: every summand's gradient is the whole gradient
-        full_spec = make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
-        full = redistribute_local(grad._local, grad._spec, full_spec)
-        lead = (spec.summands,)
-        expanded = full.unsqueeze(0).expand(lead + tuple(spec.shape)).contiguous()
-        src = make_spec(spec.mesh, replicated_layout(lead + spec.shape, spec.mesh), lead + spec.shape)
-        dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
-                         true_index=((None,) + spec.true_index) if spec.true_index else None)
-        return redistribute_local(expanded, src, dst)
-    target = _grad_spec(spec)
-    local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
-    return local[0] if target.reduce_op else local
-
-
-class _FromLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, spec, unsqueeze):
-        ctx.spec, ctx.unsqueeze = spec, unsqueeze
-        return DTensor(local.unsqueeze(0) if unsqueeze else local.view_as(local), spec)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _grad_local(grad, ctx.spec, ctx.unsqueeze), None, None
-
-
-class _ToLocal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dt):
-        ctx.spec = dt._spec
-        return dt._local.view_as(dt._local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return DTensor(grad.contiguous(), ctx.spec)
-
-
-class _Redistribute(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, dt, dst, async_op):
-        ctx.src = dt._spec
-        return _redistributed(dt, dst, async_op)
-
-    @staticmethod
-    def backward(ctx, grad):
-        target = _grad_spec(ctx.src)
-        if grad._spec == target:
-            return grad, None, None
-        return DTensor(redistribute_local(grad._local, grad._spec, target), target), None, None
-
-
-class _Distribute(torch.autograd.Function):
-    """distribute of a tensor that requires grad: the tensor is read as the same global
-    tensor on every rank, so each rank's gradient is the whole (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor, local, src, dst):
-        ctx.shape, ctx.mesh = tuple(tensor.shape), dst.mesh
-        return DTensor(redistribute_local(local.detach(), src, dst), dst)
-
-    @staticmethod
-    def backward(ctx, grad):
-        full = make_spec(ctx.mesh, replicated_layout(ctx.shape, ctx.mesh), ctx.shape)
-        return _grad_local(grad, full, False), None, None, None
-
-
-def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None, itemsize: int | None = None):
+def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None,
+         itemsize: int | None = None) -> Redistribution:
     """The route (``axedist.Redistribution``) that moves ``src`` to ``dst``: every step it runs; nothing moves.
 
     ``src``: a DTensor, or a layout / placements with ``mesh=`` and ``shape=``; ``dst``: a
@@ -680,9 +277,10 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
         plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], ...
           1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
 
-    ``src`` the pending sum of an ``mm``/``addmm`` (deferred, see ``_DeferredGemm``) and
-    ``dst`` its rows sharded on the summed axis: a :class:`FusedGemmPlan`, whose text says
-    ``fused GEMM + reduce-scatter: ...`` or the GEMM, the collective, and why not fused.
+    ``src`` the pending sum of a deferred ``mm``/``addmm`` (``runtime/deferred.py``) and ``dst``
+    its rows sharded on the summed axis: the route's ``fused`` step says whether the fused GEMM +
+    reduce-scatter runs; its text is ``fused GEMM + reduce-scatter: ...``, or the GEMM, the
+    route, and why not fused.
     """
     if isinstance(src, DTensor):
         src_spec, mesh, itemsize = src._spec, src.mesh, itemsize or src.element_size()
@@ -696,13 +294,12 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
     else:
         dst_spec = target_spec(src_spec, dst, None, None)
     itemsize = itemsize or 4
-    if isinstance(src, DTensor) and isinstance(src._pending, _DeferredGemm) and src._pending.value is None:
-        choice = _fused_choice(src_spec, src._pending, dst_spec)
-        if choice is not None:
-            collective = plan_layouts(src_spec.layout, dst_spec.layout, src_spec.mesh, src_spec.padded, itemsize,
-                                      src_spec.reduce_op)
-            return FusedGemmPlan(choice.fused, choice.gemm, choice.reason, collective)
-    return plan_redistribute(src_spec, dst_spec, itemsize)
+    route = plan_redistribute(src_spec, dst_spec, itemsize)
+    if isinstance(src, DTensor) and isinstance(src._pending, DeferredGemm) and src._pending.value is None:
+        step = fused_choice(src_spec, src._pending, dst_spec)
+        if step is not None:
+            return dataclasses.replace(route, fused=step)
+    return route
 
 
 # ---------------------------------------------------------------------------
@@ -749,9 +346,7 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         local = tensor.to(mesh.device)
     else:
         local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _Distribute.apply(tensor, local, src, dst)
-    return DTensor(redistribute_local(local, src, dst), dst)
+    return autograd.distribute(DTensor, tensor, local, src, dst)
 
 
 def from_torch(torch_dtensor) -> DTensor:

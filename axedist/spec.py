@@ -376,16 +376,36 @@ def _split_local(block: list, factors: list[tuple[int, str | None]], what: str) 
 
 
 def spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_partial: int | None = None) -> DTensorSpec:
-    """Placements as a layout over a padded shape (``torch.chunk``'s split)."""
+    """Placements as a layout over a padded shape (``torch.chunk``'s split).
+
+    ``(8, 6)`` as ``[Shard(0)]`` on 4 ranks: dim 0's block is ``(4@gpuid, 2 local)``, so the layout
+    is ``S[(4,2,6):(1@gpuid,6,1)]``; ``(5, 6)`` pads dim 0 to 8 (chunks of 2, the last one empty).
+    """
     shape = tuple(int(s) for s in shape)
     placements = tuple(placements)
     if len(placements) != mesh.ndim:
         raise LayoutError(f"mesh {mesh} has {mesh.ndim} axes but {len(placements)} placements {placements}")
     what = f"placements {list(placements)} for shape {list(shape)} on mesh {mesh.shape}"
+    nested = _nested_uneven_dims(shape, mesh, placements)
+    blocks, padded, replica, partial, op = _placement_blocks(shape, mesh, placements, nested, what)
+    true_index: list[tuple[int, ...] | None] = [None] * len(shape)
+    for d, axes in nested.items():
+        blocks[d], padded[d], true_index[d] = _nested_block(shape[d], axes)
+    layout = Layout(partial + _iters_of_blocks(blocks), replica)
+    if op is None:
+        return make_spec(mesh, layout, shape, tuple(padded), true_index=tuple(true_index))
+    summands = math.prod(it.extent for it in partial)
+    if summands_for_partial not in (None, 1, summands):
+        raise LayoutError(f"{what}: {summands} partial summands, the tensor has {summands_for_partial}")
+    return make_spec(mesh, layout, shape, tuple(padded), op, summands, tuple(true_index))
+
+
+def _placement_blocks(shape, mesh: DeviceMesh, placements, nested, what: str):
+    """Per dim, its pieces ``(axis or 'm', extent)`` outer to inner after every Shard (dims that
+    nested uneven chunking splits are left for ``_nested_block``); the padded shape; the replica
+    and partial iters; the pending reduce op."""
     blocks = [[(MEMORY_AXIS, n)] for n in shape]
     padded = list(shape)
-    true_index: list[tuple[int, ...] | None] = [None] * len(shape)
-    nested = _nested_uneven_dims(shape, mesh, placements)
     sharded: set[int] = set()
     replica, partial, op = [], [], None
     for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
@@ -399,7 +419,7 @@ def spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_parti
         elif isinstance(p, (Shard, _StridedShard)):
             d = _dim_of(p, len(shape), what)
             if d in nested:
-                continue  # built below from torch's chunk ranges
+                continue
             split = p.split_factor if isinstance(p, _StridedShard) else 1
             local = math.prod(e for a, e in blocks[d] if a == MEMORY_AXIS)
             if local % (split * k):
@@ -413,34 +433,40 @@ def spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_parti
             blocks[d] = _split_local(blocks[d], [(split, None), (k, axis), (local // (split * k), None)], what)
         else:
             raise LayoutError(f"{what}: unsupported placement {p!r}")
-    for d, axes in nested.items():
-        # torch chunks dim d again inside each chunk, so chunks differ per mesh coordinate:
-        # pad every chunk to the largest, and record which padded index holds which row.
-        ks = [k for _, k in axes]
-        ranges = chunk_ranges(shape[d], ks)
-        largest = max(size for _, size in ranges.values())
-        padded[d] = math.prod(ks) * largest
-        blocks[d] = [(axis, k) for axis, k in axes] + [(MEMORY_AXIS, largest)]
-        mapping = [-1] * padded[d]
-        for coords, (start, size) in ranges.items():
-            position = 0
-            for c, k in zip(coords, ks):
-                position = position * k + c
-            mapping[position * largest:position * largest + size] = range(start, start + size)
-        true_index[d] = tuple(mapping)
+    return blocks, padded, replica, partial, op
+
+
+def _nested_block(n: int, axes: list[tuple[str, int]]):
+    """A dim of extent ``n`` that torch chunks again inside each chunk (one chunk per coordinate of
+    ``axes``): every chunk padded to the largest; returns the block, the padded extent and the true
+    row of each padded row (-1: padding). ``n = 5`` on two axes of 2: chunks 2, 1, 1, 1 padded to 2,
+    true rows ``(0, 1, 2, -1, 3, -1, 4, -1)``."""
+    ks = [k for _, k in axes]
+    ranges = chunk_ranges(n, ks)
+    largest = max(size for _, size in ranges.values())
+    padded = math.prod(ks) * largest
+    mapping = [-1] * padded
+    for coords, (start, size) in ranges.items():
+        position = 0
+        for c, k in zip(coords, ks):
+            position = position * k + c
+        mapping[position * largest:position * largest + size] = range(start, start + size)
+    return [(axis, k) for axis, k in axes] + [(MEMORY_AXIS, largest)], padded, tuple(mapping)
+
+
+def _iters_of_blocks(blocks) -> list[Iter]:
+    """The shard iters of per-dim blocks: ``m`` pieces row-major over the local shape, each mesh
+    axis's pieces nested outer to inner (strides in that axis's own units)."""
     local_shape = [math.prod(e for a, e in block if a == MEMORY_AXIS) for block in blocks]
     shard: list[Iter] = []
-    if partial:
-        shard += partial
     inner = math.prod(local_shape)
     for d, block in enumerate(blocks):
         inner //= local_shape[d]
         mem_stride = inner * local_shape[d]
-        axis_pieces: dict[str, list[int]] = {}
+        axis_stride: dict[str, int] = {}
         for a, e in block:
             if a != MEMORY_AXIS:
-                axis_pieces.setdefault(a, []).append(e)
-        axis_stride = {a: math.prod(es) for a, es in axis_pieces.items()}
+                axis_stride[a] = axis_stride.get(a, 1) * e
         for a, e in block:
             if a == MEMORY_AXIS:
                 mem_stride //= e
@@ -448,13 +474,7 @@ def spec_from_placements(shape, mesh: DeviceMesh, placements, summands_for_parti
             else:
                 axis_stride[a] //= e
                 shard.append(Iter(e, axis_stride[a], a))
-    layout = Layout(shard, replica)
-    if op is None:
-        return make_spec(mesh, layout, shape, tuple(padded), true_index=tuple(true_index))
-    summands = math.prod(it.extent for it in partial)
-    if summands_for_partial not in (None, 1, summands):
-        raise LayoutError(f"{what}: {summands} partial summands, the tensor has {summands_for_partial}")
-    return make_spec(mesh, layout, shape, tuple(padded), op, summands, tuple(true_index))
+    return shard
 
 
 def _dim_of(placement, ndim: int, what: str) -> int:

@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import axedist as ax
-from axedist.dtensor import distribute
-from axedist.ops import fastpath
+from axedist.dtensor import DTensor, distribute
+
+fastpath = DTensor.dispatcher.fastpath
 
 
 def _cases(mesh, torch_mesh, requires_grad: bool):
@@ -61,7 +62,7 @@ def _cases(mesh, torch_mesh, requires_grad: bool):
         t = torch.randn(shape, generator=g)
         ours = distribute(t, mesh, placements).requires_grad_(requires_grad)
         theirs = distribute_tensor(t, torch_mesh, placements).requires_grad_(requires_grad)
-        return ours, theirs, ours._local.detach().requires_grad_(requires_grad)
+        return ours, theirs, ours.to_local().detach().requires_grad_(requires_grad)
 
     x, tx, lx = both((64, 32), [Shard(0)])
     y, ty, ly = both((64, 32), [Shard(0)])
@@ -123,20 +124,18 @@ class _Probe(torch.Tensor):
 def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
     """Where the microseconds of ``x + y`` (cached) go, on the normal route and the fast path,
     without and with autograd (inputs that require grad)."""
-    from axedist.dtensor import DTensor
-    from axedist.ops import dispatch
-
+    dispatcher = DTensor.dispatcher
     add = torch.ops.aten.add.Tensor
-    lx, ly = x._local, y._local
+    lx, ly = x.to_local(), y.to_local()
     glx, gly = lx.detach().clone().requires_grad_(), ly.detach().clone().requires_grad_()
     p, q = _Probe(x.shape), _Probe(x.shape)
     gp, gq = _Probe(x.shape, True), _Probe(x.shape, True)
     value = lx + ly
     spec = x._spec
     fastpath.enable(False)
-    key = dispatch._fast_key(add, (x, y))
+    key = dispatcher.cache_key(add, (x, y))
     x + y
-    table = dispatch._FAST
+    table = dispatcher.fast_plans
     gx, gy = x.detach().requires_grad_(), y.detach().requires_grad_()
     wrap = torch.Tensor._make_wrapper_subclass
     probe_tf = classmethod(lambda cls, func, types, args=(), kwargs=None: _Probe.RESULT)
@@ -147,8 +146,8 @@ def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
         return out
 
     normal = _measure([lambda: lx + ly, lambda: x + y, lambda: p + q,
-                       lambda: dispatch._fast_key(add, (x, y)), lambda: table.get(key),
-                       lambda: DTensor._wrap(value, spec, None), lambda: glx + gly], calls, repeats)
+                       lambda: dispatcher.cache_key(add, (x, y)), lambda: table.get(key),
+                       wrapped, lambda: glx + gly], calls, repeats)
     fastpath.enable(True)
     fastpath.clear()
     _Probe.RESULT = _Probe(x.shape)  # autograd records on what __torch_dispatch__ returns

@@ -1,8 +1,8 @@
 """Run the collective kernels' phases rank by rank under TRITON_INTERPRET=1 and compare every
 output with a float64 reference; prints the failures, or OK. Used by tests/test_kernels_cpu.py.
 
-CPU memory stands in for the ranks' symmetric workspaces, laid out and addressed by the same
-code as on the GPU (SymmetricWorkspace._set_layout, p2p.static_arguments); the interpreter
+CPU memory stands in for the ranks' symmetric workspaces, carved and addressed by the same code
+as virtual ranks on one GPU (symmetric.carve_workspaces, p2p.static_arguments); the interpreter
 dereferences the raw addresses.
 The kernels take PHASES: launching phase 1 on every rank, then phase 2 on every rank (then
 phase 4: the two-shot all-reduce's gather) replaces the in-kernel barrier, which needs inline
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from axedist.collectives.p2p import _geometry, static_arguments
-from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, SymmetricWorkspace
+from axedist.collectives.p2p import call_geometry, static_arguments
+from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, carve_workspaces
 from triton.runtime import interpreter
 
 # Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3
@@ -40,20 +40,11 @@ PHASES = {"reduce_scatter": (1, 2), "all_gather": (1, 2), "all_reduce_one_shot":
 
 
 def fake_workspaces(world, data_bytes, dtype):
-    """One SymmetricWorkspace per rank over CPU memory, with the real region layout and the
-    addresses the GPU path computes (SymmetricWorkspace._set_layout); data halves hold NaN."""
-    memories = [torch.zeros(FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes, dtype=torch.uint8)
-                for _ in range(world)]
-    bases = [memory.data_ptr() for memory in memories]
-    workspaces = []
-    for memory in memories:
-        workspace = SymmetricWorkspace.__new__(SymmetricWorkspace)
-        workspace.tensor, workspace.multicast_base = memory, 0
-        workspace.abort = torch.zeros(1, dtype=torch.int32)
-        workspace.error = torch.zeros(1, dtype=torch.int64)
-        workspace._set_layout(bases, data_bytes)
-        memory[workspace.data_offset(0):].view(dtype).fill_(float("nan"))
-        workspaces.append(workspace)
+    """One workspace per rank over CPU memory, carved as for virtual ranks (the real region
+    layout and address tables); data halves hold NaN."""
+    workspaces = carve_workspaces(world, data_bytes, torch.device("cpu"))
+    for workspace in workspaces:
+        workspace.tensor[workspace.data_offset(0):].view(dtype).fill_(float("nan"))
     return workspaces
 
 
@@ -61,7 +52,7 @@ def run_case(op, world, count, dtype, variant, programs, seed):
     generator = torch.Generator().manual_seed(seed)
     numel = count * world if op == "reduce_scatter" else count
     xs = [torch.randn(numel, generator=generator).to(dtype) for _ in range(world)]
-    geometry = _geometry(op, (numel,), world)
+    geometry = call_geometry(op, (numel,), world)
     data_bytes = (geometry["elements"] * dtype.itemsize + 4095) // 4096 * 4096
     workspaces = fake_workspaces(world, data_bytes, dtype)
     half = seed % 2  # the call's epoch parity: both halves' addresses get exercised

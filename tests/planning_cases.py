@@ -17,7 +17,7 @@ import pytest
 
 from axedist.layout import Iter, Layout
 from axedist.planning import buffer_size, plan_layouts, simulate
-from reference import brute_points
+from tests.reference import brute_points
 
 MESHES = [
     (("gpuid", 2),),

@@ -70,7 +70,7 @@ CASES = {
 }
 
 
-def _roundtrip(rank, world_size, name, src_rank, device_type="cpu"):
+def roundtrip(rank, world_size, name, src_rank, device_type="cpu"):
     mesh_shape, names, ranks, shape, text = CASES[name]
     mesh = DeviceMesh(device_type, mesh_shape, names, ranks)
     layout = Layout.parse(text)
@@ -104,11 +104,11 @@ def _roundtrip(rank, world_size, name, src_rank, device_type="cpu"):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_layouts_placements_cannot_express(name):
     world = math.prod(CASES[name][0])
-    assert run_on_ranks(_roundtrip, world, args=(name, world - 1)) == [True] * world
+    assert run_on_ranks(roundtrip, world, args=(name, world - 1)) == [True] * world
 
 
-def _figure_8(rank, world_size, device_type="cpu"):
-    """The paper's Fig. 8 (DESIGN §2): with W = 4, summing a (4,64,64) input over dim 0 into
+def figure_8(rank, world_size, device_type="cpu"):
+    """The paper's Fig. 8: with W = 4, summing a (4,64,64) input over dim 0 into
     ``S[(4,16,64):(1@gpuid,64,1)]`` is a reduce-scatter. Any W dividing 64 works the same."""
     w, rows = world_size, 64 // world_size
     mesh = DeviceMesh(device_type, (w,))
@@ -140,7 +140,7 @@ def _figure_8(rank, world_size, device_type="cpu"):
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_figure_8_partial_sum_reduce_scatter(world_size):
-    assert run_on_ranks(_figure_8, world_size) == [True] * world_size
+    assert run_on_ranks(figure_8, world_size) == [True] * world_size
 
 
 def _error(fn):

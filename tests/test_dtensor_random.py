@@ -18,10 +18,7 @@ from axedist.layout import Iter, Layout
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
-try:
-    from test_dtensor import expected_local, global_tensor
-except ImportError:  # imported as tests.test_dtensor_random (from tests_multigpu)
-    from tests.test_dtensor import expected_local, global_tensor
+from tests.test_dtensor import expected_local, global_tensor
 
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y")), "2x4": ((2, 4), ("x", "y"))}
 

@@ -61,7 +61,7 @@ def strided_uneven(shape, mesh_shape, placements) -> bool:
                for d, kps in by_dim.items())
 
 
-def _differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed, device_type="cpu"):
+def differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed, device_type="cpu"):
     mesh_shape, names = MESHES[mesh_key]
     mesh = DeviceMesh(device_type, mesh_shape, names)
     tmesh = mesh.to_torch()
@@ -171,7 +171,7 @@ def test_random_placements_match_torch(mesh_key):
     @given(cases(mesh_key))
     def check(case):
         shape, src, dst, seed = case
-        results = run_on_ranks(_differential, _world(mesh_key), args=(mesh_key, shape, src, dst, seed))
+        results = run_on_ranks(differential, _world(mesh_key), args=(mesh_key, shape, src, dst, seed))
         assert len(set(results)) == 1, results
         outcomes.append(results[0])
 
@@ -204,7 +204,7 @@ EXPLICIT = [
 
 @pytest.mark.parametrize("mesh_key,shape,src,dst", EXPLICIT)
 def test_explicit_placements_match_torch(mesh_key, shape, src, dst):
-    results = run_on_ranks(_differential, _world(mesh_key), args=(mesh_key, shape, src, dst, 7))
+    results = run_on_ranks(differential, _world(mesh_key), args=(mesh_key, shape, src, dst, 7))
     assert set(results) == {"ok"}, results
 
 
@@ -220,7 +220,7 @@ def _layouts_of_placements(rank, world_size):
         "partial": layout_from_placements((64, 64), mesh4, [Partial()]),
         "uneven": layout_from_placements((7, 6), mesh4, [Shard(0)]),
     }
-    assert out["shard0"] == L("S[(4,2,6):(1@gpuid,6,1)]")                  # DESIGN §2
+    assert out["shard0"] == L("S[(4,2,6):(1@gpuid,6,1)]")
     assert out["replicate"] == L("S[(8,6):(6,1)] + R[4:1@gpuid]")
     assert out["shard01"] == L("S[(2,4,2,3):(1@x,3,1@y,1)]")
     assert out["strided"] == L("S[(2,2,2):(1@y,1@x,1)]")

@@ -314,7 +314,7 @@ def test_multimem_needs_opt_in_and_device_support(monkeypatch):
     from axedist.collectives import backend
     backend.device_supports_multicast.cache_clear()
     asked = []
-    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: asked.append(index) or True)
+    monkeypatch.setattr(backend, "query_multicast_attribute", lambda index: asked.append(index) or True)
     monkeypatch.delenv("AXEDIST_ENABLE_MULTICAST", raising=False)
     assert backend.multimem_allowed(0, 1) == (False, "AXEDIST_ENABLE_MULTICAST=1 is not set")
     assert asked == []  # without the opt-in the driver is not even asked
@@ -324,7 +324,7 @@ def test_multimem_needs_opt_in_and_device_support(monkeypatch):
     assert backend.multimem_allowed(0, 1)[0]
     assert not backend.multimem_allowed(0, 0)[0]  # no multicast mapping in the workspace
     backend.device_supports_multicast.cache_clear()
-    monkeypatch.setattr(backend, "_query_multicast_attribute", lambda index: False)
+    monkeypatch.setattr(backend, "query_multicast_attribute", lambda index: False)
     allowed, reason = backend.multimem_allowed(0, 1)
     assert not allowed and "does not report multicast support" in reason
     backend.device_supports_multicast.cache_clear()
@@ -340,7 +340,7 @@ def test_multicast_query_without_cuda_python_is_false(monkeypatch):
             raise ImportError("no cuda-python")
         return real_import(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "__import__", no_cuda)
-    assert backend._query_multicast_attribute(0) is False
+    assert backend.query_multicast_attribute(0) is False
 
 
 def test_measured_table_and_backend_names():
@@ -354,15 +354,15 @@ def test_measured_table_and_backend_names():
 def test_p2p_geometry_variants_and_input_errors():
     from axedist.collectives import p2p
     # reduce-scatter of 4 x 1001 elements: chunks padded to 1008 in the workspace, no zero-copy
-    rs = p2p._geometry("reduce_scatter", (4 * 1001,), 4)
+    rs = p2p.call_geometry("reduce_scatter", (4 * 1001,), 4)
     assert (rs["chunk"], rs["stride"], rs["elements"], rs["zero_copy_elements"]) == (1001, 1008, 4032, -1)
     # two-shot all-reduce of 10 elements on 4 ranks: chunks of 16, push slots + gathered chunks
-    ar = p2p._geometry("all_reduce_two_shot", (10,), 4)
+    ar = p2p.call_geometry("all_reduce_two_shot", (10,), 4)
     assert (ar["stride"], ar["work"], ar["elements"]) == (16, 16, 128)
-    assert p2p._choose_variant("all_gather", 1 << 20, "pull") == "pull"
-    assert p2p._choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
+    assert p2p.choose_variant("all_gather", 1 << 20, "pull") == "pull"
+    assert p2p.choose_variant("all_gather", 1 << 20, "auto") in ("push", "pull")
     with pytest.raises(ValueError, match="variant must be one of"):
-        p2p._choose_variant("all_gather", 1, "multicast")
+        p2p.choose_variant("all_gather", 1, "multicast")
     with pytest.raises(ValueError, match="must be on a CUDA device"):
         p2p.reduce_scatter(torch.ones(8))
     with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
@@ -420,22 +420,31 @@ def test_shipped_tables_are_well_formed():
 
 
 def test_workspace_regions_are_disjoint_and_kernels_address_local_data():
-    from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, SymmetricWorkspace
+    """The layout every workspace gets (torch's symmetric memory or carved for virtual ranks):
+    flags, two barrier regions and two data halves tile the rank's bytes without gaps; every
+    rank's copy sees the same address tables; what the kernels address is local_data."""
+    from axedist.collectives.symmetric import (BARRIER_BYTES, FLAG_BYTES, carve_workspaces,
+                                               workspace_bytes)
     data_bytes = 1 << 12
-    memory = torch.zeros(FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes, dtype=torch.uint8)
-    workspace = SymmetricWorkspace.__new__(SymmetricWorkspace)
-    workspace.tensor = memory
-    base = memory.data_ptr()
-    workspace._set_layout([base, base + (1 << 40)], data_bytes)
-    regions = [(workspace.flag_addresses()[0], FLAG_BYTES)]
-    regions += [(workspace.barrier_addresses(parity)[0], BARRIER_BYTES // 2) for parity in (0, 1)]
-    regions += [(workspace.data_addresses(half)[0], data_bytes) for half in (0, 1)]
-    spans = sorted((start - base, start - base + size) for start, size in regions)
-    assert spans[0][0] == 0 and spans[-1][1] == memory.numel()
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # disjoint, no gaps
-    for half in (0, 1):  # what the kernels address is what the host writes (zero-copy)
-        assert workspace.data_addresses(half)[0] == workspace.local_data(half, torch.bfloat16, 8).data_ptr()
-        assert workspace.data_addresses(half)[1] == workspace.data_addresses(half)[0] + (1 << 40)
+    spaces = carve_workspaces(3, data_bytes, torch.device("cpu"))
+    for rank, workspace in enumerate(spaces):
+        base = workspace.tensor.data_ptr()
+        assert workspace.tensor.numel() == workspace_bytes(data_bytes) and workspace.rank == rank
+        regions = [(workspace.flag_addresses()[rank], FLAG_BYTES)]
+        regions += [(workspace.barrier_addresses(parity)[rank], BARRIER_BYTES // 2) for parity in (0, 1)]
+        regions += [(workspace.data_addresses(half)[rank], data_bytes) for half in (0, 1)]
+        spans = sorted((start - base, start - base + size) for start, size in regions)
+        assert spans[0][0] == 0 and spans[-1][1] == workspace.tensor.numel()
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # disjoint, no gaps
+        for half in (0, 1):  # what the kernels address is what the host writes (zero-copy)
+            assert workspace.data_addresses(half)[rank] == workspace.local_data(half, torch.bfloat16, 8).data_ptr()
+            assert workspace.data_addresses(half) == spaces[0].data_addresses(half)
+            view = spaces[0].peer_data(rank, half, torch.bfloat16, 8)
+            assert view.data_ptr() == workspace.data_addresses(half)[rank]
+        assert workspace.flag_addresses() == spaces[0].flag_addresses()
+        assert len(workspace.flag_addresses()) == 8 and workspace.flag_addresses()[3:] == [spaces[0].flag_addresses()[0]] * 5
+    starts = [w.tensor.data_ptr() for w in spaces]
+    assert all(b - a >= workspace_bytes(data_bytes) and b % 4096 == 0 for a, b in zip(starts, starts[1:]))
 
 
 def test_error_record_round_trip():
@@ -565,7 +574,7 @@ def test_launch_cache_key_separates_every_specialization():
     part = torch.zeros(64 * 48 + 8, dtype=torch.bfloat16)
 
     def key(ops=ops, tensors=(part,), timeout=30 * 10**9, constexprs=(4,)):
-        return gemm_rs._specialization(ops, gemm_rs._strides(ops), tensors, timeout, constexprs, 8, 0)
+        return gemm_rs.specialization_key(ops, gemm_rs.operand_strides(ops), tensors, timeout, constexprs, 8, 0)
     assert key() == key()
     assert key(tensors=(part[1:],)) != key()              # pointer no longer 16-byte aligned
     assert key(timeout=10**9) != key()                    # compiled as i32 instead of i64
@@ -581,13 +590,13 @@ def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
 
     from axedist.kernels import gemm_rs
     a = torch.randn(256, 128).to(torch.bfloat16)
-    fresh = gemm_rs._descriptor(a, [128, 64], cached=False)
-    cached = gemm_rs._descriptor(a, [128, 64], cached=True)
-    assert gemm_rs._descriptor(a, [128, 64], cached=True) is cached      # a hit
+    fresh = gemm_rs.descriptor(a, [128, 64], cached=False)
+    cached = gemm_rs.descriptor(a, [128, 64], cached=True)
+    assert gemm_rs.descriptor(a, [128, 64], cached=True) is cached      # a hit
     assert cached.base.data_ptr() == fresh.base.data_ptr() == a.data_ptr()
     assert (list(cached.shape), list(cached.strides), list(cached.block_shape)) == \
         (list(fresh.shape), list(fresh.strides), list(fresh.block_shape))
-    assert gemm_rs._descriptor(a, [64, 64], cached=True) is not cached   # block is in the key
+    assert gemm_rs.descriptor(a, [64, 64], cached=True) is not cached   # block is in the key
     del fresh
     alive = weakref.ref(a)
     del a
@@ -692,3 +701,137 @@ def test_two_per_sm_candidates_fit_twice_in_shared_memory():
     for config in doubles:
         shared = _compile_fused(config=config).metadata.shared
         assert gemm_rs.programs_per_sm(0, shared, config.warps) >= 2, (config, shared)
+
+
+# -- the GEMM core ------------------------------------------------------------------------------
+
+def _compile_core(config, tma=True, transposed=False):
+    from axedist.kernels import gemm
+    from axedist.kernels.compile_check import compile_for_target
+    signature = {}
+    if tma:
+        signature["a_desc"] = f"tensordesc<bf16[{config.block_m}, {config.block_k}]>"
+        signature["b_desc"] = (f"tensordesc<bf16[{config.block_n}, {config.block_k}]>" if transposed
+                               else f"tensordesc<bf16[{config.block_k}, {config.block_n}]>")
+    signature.update(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*fp32" if config.split_k > 1 else "*bf16",
+                     M="i32", N="i32", K="i32", stride_am="i32", stride_ak="i32", stride_bk="i32",
+                     stride_bn="i32", stride_cm="i32")
+    constexprs = dict(BM=config.block_m, BN=config.block_n, BK=config.block_k, GROUP_M=config.group_m,
+                      STAGES=config.stages, USE_TMA=tma, B_TRANSPOSED=transposed,
+                      WS=config.warp_specialize and tma, SPLIT_K=config.split_k,
+                      FLATTEN=config.flatten, DEVICE_DESC=config.device_descriptors and tma)
+    if not tma or config.device_descriptors:
+        constexprs.update(a_desc=None, b_desc=None)
+        signature.pop("a_desc", None)
+        signature.pop("b_desc", None)
+    return compile_for_target(gemm.gemm_kernel, signature, constexprs,
+                              ["a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_am", "stride_bk", "stride_cm"],
+                              num_warps=config.warps, num_stages=config.stages)
+
+
+def test_gemm_core_candidates_compile_for_sm90a_and_fit_shared_memory():
+    """Warp-specialized candidates: a producer and two consumer warpgroups (12 warps) with
+    setmaxnreg, wgmma, TMA loads; every candidate within Hopper's 227 KB of shared memory."""
+    _need_triton()
+    from axedist.kernels import gemm
+    for config in gemm.CORE_CANDIDATES:
+        kernel = _compile_core(config)
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx, config
+        if config.device_descriptors:
+            assert "tensormap.replace" in ptx and kernel.metadata.global_scratch_size > 0, config
+        assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
+        assert ".local" not in ptx, config   # no register spills
+        if config.warp_specialize:
+            assert "ttg.warp_specialize" in kernel.asm["ttgir"], config
+            assert kernel.metadata.num_warps == 12 and "setmaxnreg.inc" in ptx, config
+    assert "wgmma" in _compile_core(gemm.CORE_CANDIDATES[0], transposed=True).asm["ptx"]
+    assert "wgmma" in _compile_core(gemm.CORE_CANDIDATES[0], tma=False).asm["ptx"]
+    assert "ttg.warp_specialize" in _compile_core(gemm.CORE_CANDIDATES[-1], transposed=True).asm["ttgir"]
+
+
+def test_gemm_core_matches_a_float64_reference_under_the_interpreter():
+    """Tails in every dim, split-K 1 / 2 / 3, both B orientations, TMA and pointer paths."""
+    _need_triton()
+    script = textwrap.dedent("""
+        import itertools
+        import torch, triton
+        from triton.runtime import interpreter
+        patch = interpreter._patch_lang_tensor
+        def with_item(tensor, scope):   # Triton 3.6's interpreter vs numpy >= 2.3 (see collectives_interpreter.py)
+            patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        interpreter._patch_lang_tensor = with_item
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        from axedist.kernels import gemm
+        failures = []
+        for (m, n, k), (bm, bn, bk, split), bt, tma in itertools.product(
+                [(100, 72, 200), (33, 16, 48)], [(32, 32, 16, 1), (64, 32, 32, 3), (32, 64, 16, 2)],
+                [False, True], [True, False]):
+            if bt and not tma:
+                continue
+            a = torch.randn(m, k).half()
+            b = torch.randn(n, k).half() if bt else torch.randn(k, n).half()
+            ref = a.double() @ (b.double().t() if bt else b.double())
+            c = torch.full((m, n), float("nan"), dtype=torch.float16)
+            target = torch.full((split, m, n), float("nan")) if split > 1 else c
+            ad = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else None
+            bd = TensorDescriptor.from_tensor(b, [bn, bk] if bt else [bk, bn]) if tma else None
+            strides = (a.stride(0), a.stride(1), b.stride(1), b.stride(0)) if bt else (a.stride(0), a.stride(1), b.stride(0), b.stride(1))
+            gemm.gemm_kernel[(3,)](ad, a, bd, b, target, m, n, k, *strides, n if split > 1 else c.stride(0),
+                                   BM=bm, BN=bn, BK=bk, GROUP_M=2, STAGES=2, USE_TMA=tma, B_TRANSPOSED=bt,
+                                   WS=True, SPLIT_K=split)
+            if split > 1:
+                gemm.splitk_sum_kernel[(triton.cdiv(m * n, 64),)](target, c, m, n, c.stride(0), SPLIT_K=split, BLOCK=64)
+            error = ((c.double() - ref).norm() / ref.norm()).item()
+            if torch.isnan(c).any() or not error < 2e-3:
+                failures.append((m, n, k, bm, bn, bk, split, bt, tma, error))
+        print(failures or "OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_gemm_core_config_strings_and_heuristic():
+    _need_triton()
+    from axedist.kernels import gemm
+    for config in gemm.CORE_CANDIDATES:
+        assert gemm.GemmCoreConfig.parse(str(config)) == config
+    with pytest.raises(ValueError, match="not a GemmCoreConfig string"):
+        gemm.GemmCoreConfig.parse("128x256x64/g8/s4/ws")
+    assert str(gemm.GemmCoreConfig()) == "128x256x64/g8/s3/w8/k1"
+    # 32 tiles of 128 x 256 would leave most of 132 SMs idle at M = 128: 64 x 128 tiles (128)
+    assert gemm.core_config(128, 8192, 7168).block_m == 64
+    assert gemm.core_config(8192, 8192, 7168) == gemm.TUNED.get("8192x8192x7168", gemm.LARGE_TILE)
+    tiny = gemm.core_config(64, 256, 8192)                  # 4 tiles even at 64 x 128: split K
+    assert tiny.split_k > 1 and tiny.split_k <= 8
+
+
+def test_collective_plan_over_carved_memory_validates_and_forces_rounds():
+    """The plan the virtual ranks build (their own workspace, forced rounds) computes its
+    geometry from the workspace's rank count and refuses what does not fit."""
+    from axedist.collectives import p2p
+    from axedist.collectives.symmetric import carve_workspaces
+    spaces = carve_workspaces(4, 1 << 16, torch.device("cpu"), processors=33)
+    plan = p2p.CallPlan("all_gather", (4096,), torch.bfloat16, None, 0, "push", False,
+                        workspace=spaces[2], rounds=3)
+    assert (plan.world, plan.rank, plan.rounds) == (4, 2, 3) and plan.programs <= 33
+    assert p2p.CallPlan("all_reduce_one_shot", (64,), torch.bfloat16, None, 0, "push", False,
+                        workspace=spaces[0], rounds=3).rounds == 1     # only RS / AG pipeline
+    with pytest.raises(ValueError, match="not divisible by the group size 4"):
+        p2p.CallPlan("reduce_scatter", (4098,), torch.bfloat16, None, 0, "push", False, workspace=spaces[0])
+    with pytest.raises(ValueError, match="do not fit the workspace half"):
+        p2p.CallPlan("all_gather", (1 << 16,), torch.bfloat16, None, 0, "push", False, workspace=spaces[0])
+
+
+def test_gemm_tuned_table_is_what_the_recorded_benchmark_says():
+    """kernels/gemm_tuned.json ships, per shape, the fastest config of the recorded one-GPU
+    benchmark (bench_gemm.py --tables-from), and only configs that are candidates (so the
+    one-GPU tests check them)."""
+    _need_triton()
+    from axedist.kernels import gemm
+    with open(os.path.join(ROOT, "benchmarks", "results", "gemm_onegpu.json")) as handle:
+        rows = json.load(handle)["rows"]
+    assert {f"{r['M']}x{r['N']}x{r['K']}": gemm.GemmCoreConfig.parse(r["best_config"]) for r in rows} == gemm.TUNED
+    assert set(gemm.TUNED.values()) <= set(gemm.CORE_CANDIDATES)

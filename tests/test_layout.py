@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import axedist as ax
-from reference import brute_points
+from tests.reference import brute_points
 from axedist.layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
 
 AXES = ("m", "gpuid", "lane")

@@ -8,7 +8,7 @@ from axedist.mesh import DeviceMesh, MeshError
 from axedist.testing import run_on_ranks
 
 
-def _coordinates_and_groups(rank, world_size, device_type="cpu"):
+def coordinates_and_groups(rank, world_size, device_type="cpu"):
     mesh = DeviceMesh(device_type, (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
     coords = mesh.coordinates()
     assert mesh.rank_at(coords) == rank
@@ -31,7 +31,7 @@ def _coordinates_and_groups(rank, world_size, device_type="cpu"):
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_coordinates_groups_submeshes(world_size):
-    results = run_on_ranks(_coordinates_and_groups, world_size)
+    results = run_on_ranks(coordinates_and_groups, world_size)
     half = world_size // 2
     for rank, (coords, tp_ranks, dp_ranks, text) in enumerate(results):
         position = world_size - 1 - rank  # ranks listed in reverse

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
-from ops_cases import MESHES, NO_SHRINK
+from tests.ops_cases import MESHES, NO_SHRINK
 
 aten = torch.ops.aten
 

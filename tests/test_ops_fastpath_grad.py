@@ -2,7 +2,7 @@
 
 With grad mode on and a DTensor argument that requires grad, a cached call still goes through
 torch's dispatcher (autograd records it in C++), but ``__torch_dispatch__`` hands back the
-output the fast path computed on the local tensors instead of running ops/dispatch.py. Every
+output the fast path computed on the local tensors instead of running the dispatcher. Every
 call here runs with the fast path off (the normal route), then three times with it on (a miss
 that records, then hits), on fresh leaves each time; the outputs and the gradients must equal
 the normal route's exactly (spec, dtype, strides, local tensor bit for bit) and the unsharded
@@ -17,11 +17,13 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
-from axedist import dtensor
 from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
+from axedist.ops.state import READY, RECORDING, ReadyOutput
 from axedist.testing import run_on_ranks
-from ops_cases import ONE_EXAMPLE
+
+fastpath = DTensor.dispatcher.fastpath
+from tests.ops_cases import ONE_EXAMPLE
 
 
 def _rand(shape, seed, dtype=torch.float64):
@@ -111,8 +113,6 @@ def _run(call, needs, mesh, seed):
 
 
 def _check_calls(rank, world, seed):
-    from axedist.ops import fastpath
-
     mesh = DeviceMesh("cpu", (world,))
     fastpath.clear()
     for name, needs, call, fast in CALLS:
@@ -148,8 +148,6 @@ def _graph_semantics(rank, world, seed):
     """retain_graph, accumulation into .grad, version checks of saved tensors, switching
     no_grad / inference_mode / grad mode, the same key with and without grad: all as on the
     normal route."""
-    from axedist.ops import fastpath
-
     mesh = DeviceMesh("cpu", (world,))
     x, y = _rand((4 * world, 6), seed), _rand((4 * world, 6), seed + 1)
     runs = []
@@ -209,7 +207,7 @@ def _graph_semantics(rank, world, seed):
         leaf = distribute(x, mesh, [Shard(1)]).requires_grad_()
         labels = distribute(torch.arange(4 * world) % 6, mesh, [Replicate()])
         recording = []
-        leaf.register_hook(lambda grad: recording.append(len(dtensor._RECORDING)))
+        leaf.register_hook(lambda grad: recording.append(len(RECORDING)))
         F.cross_entropy(leaf, labels).backward()
         assert recording == [0]
         facts.append(_facts(leaf.grad))
@@ -251,8 +249,6 @@ def test_graph_semantics_match_normal_route(seed):
 
 def _ready_guard(rank, world, seed):
     """An output computed ahead is served only to the op, DTensors and thread it was made for."""
-    from axedist.ops import fastpath
-
     mesh = DeviceMesh("cpu", (world,))
     fastpath.enable(False)
     x, y = distribute(_rand((4 * world, 6), seed), mesh, [Shard(0)]), \
@@ -262,20 +258,20 @@ def _ready_guard(rank, world, seed):
     try:
         # a wrong op, the right objects in the wrong order, a wrong object: dropped, the normal route runs
         for ready_op, args in ((mul, (x, y)), (add, (y, x)), (add, (x, x))):
-            dtensor._READY.value = (ready_op, (0, 1), (x, y), bogus)
+            READY.value = ReadyOutput(ready_op, (0, 1), (x, y), bogus)
             z = add(*args)
-            assert z is not bogus and dtensor._READY.value is False
+            assert z is not bogus and READY.value is False
             assert torch.equal(z.full_tensor(), args[0].full_tensor() + args[1].full_tensor())
         # another thread's pending output is not this thread's
-        dtensor._READY.value = (add, (0, 1), (x, y), bogus)
+        READY.value = ReadyOutput(add, (0, 1), (x, y), bogus)
         seen = []
         worker = threading.Thread(target=lambda: seen.append(add(x, y) is bogus))
         worker.start()
         worker.join()
-        assert seen == [False] and dtensor._READY.value[3] is bogus
-        assert add(x, y) is bogus and dtensor._READY.value is None  # the right op, objects and thread
+        assert seen == [False] and READY.value.out is bogus
+        assert add(x, y) is bogus and READY.value is None  # the right op, objects and thread
     finally:
-        dtensor._READY.value = None
+        READY.value = None
         fastpath.enable(True)
     return True
 

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import FusedGemmPlan, distribute, fused_gemm_stats, plan
-from axedist.ops import dispatch
+from axedist.dtensor import DTensor, distribute, fused_gemm_stats, plan
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
@@ -25,12 +24,12 @@ R, P = Replicate(), Partial()
 def _deferring(fn):
     """Run ``fn`` with mm/addmm deferring on CPU too (by default only CUDA bf16/fp16 defers)."""
     def run(rank, world, *args):
-        old = dispatch.DEFER_GEMM
-        dispatch.DEFER_GEMM = "always"
+        old = DTensor.dispatcher.defer_gemm
+        DTensor.dispatcher.defer_gemm = "always"
         try:
             return fn(rank, world, *args)
         finally:
-            dispatch.DEFER_GEMM = old
+            DTensor.dispatcher.defer_gemm = old
     run.__name__ = run.__qualname__ = fn.__name__
     return run
 
@@ -53,8 +52,8 @@ def _row_parallel(rank, world, seed):
     assert c.placements == (P,)
     assert _delta(before, fused_gemm_stats()) == {"deferred": 1, "fused": 0, "unfused": 0, "materialized": 0}
     p = plan(c, [Shard(0)])
-    assert isinstance(p, FusedGemmPlan) and not p.fused and "CUDA-only" in p.reason
-    assert "fused GEMM + reduce-scatter not used" in str(p) and "reduce_scatter" in p.kinds  # the collective's
+    assert p.fused is not None and not p.fused.fused and "CUDA-only" in p.fused.reason
+    assert "fused GEMM + reduce-scatter not used" in str(p) and "reduce_scatter" in p.kinds  # the route's
     y = c.redistribute([Shard(0)])
     d = _delta(before, fused_gemm_stats())
     assert d == {"deferred": 1, "fused": 0, "unfused": 1, "materialized": 1}, d
@@ -98,9 +97,9 @@ def _other_uses(rank, world, seed):
         assert d["deferred"] == 1 and d["materialized"] == 1 and d["unfused"] == 0, (name, d)
         if want is not None:
             assert torch.allclose(got, want), name
-    # plan() of a move that is not a row reduce-scatter is the ordinary layout plan
+    # plan() of a move that is not a row reduce-scatter is the ordinary route (no fused step)
     c = torch.mm(da, db)
-    assert not isinstance(plan(c, [R]), FusedGemmPlan)
+    assert plan(c, [R]).fused is None
     # an op on anything flushes outstanding products first: an in-place change of an operand
     # afterwards cannot reach the product
     c = torch.mm(da, db)
@@ -164,12 +163,12 @@ def _not_row_scatter(rank, world, seed):
     c = torch.mm(distribute(a, mesh, [R, Shard(1)]), distribute(b, mesh, [Shard(1), Shard(0)]))
     assert c.placements == (Shard(1), P)
     p = plan(c, [Shard(1), Shard(0)])
-    assert isinstance(p, FusedGemmPlan) and "CUDA-only" in p.reason
+    assert p.fused is not None and "CUDA-only" in p.fused.reason
     assert torch.allclose(c.redistribute([Shard(1), Shard(0)]).full_tensor(), ref)
     # rows already split on dp: the row blocks differ from the kernel's, so no fused choice
     c = torch.mm(distribute(a, mesh, [Shard(0), Shard(1)]), distribute(b, mesh, [R, Shard(0)]))
     assert c.placements == (Shard(0), P)
-    assert not isinstance(plan(c, [Shard(0), Shard(0)]), FusedGemmPlan)
+    assert plan(c, [Shard(0), Shard(0)]).fused is None
     assert torch.allclose(c.redistribute([Shard(0), Shard(0)]).full_tensor(), ref)
     # a pending sum over both axes is not deferred (the kernel reduces over one group)
     before = fused_gemm_stats()
@@ -179,7 +178,7 @@ def _not_row_scatter(rank, world, seed):
     # uneven rows (7 on 2 ranks): deferred, but a row RS of it is not the kernel's equal blocks
     a7 = torch.randn(7, 6, generator=g, dtype=torch.float64)
     c = torch.mm(distribute(a7, mesh, [R, Shard(1)]), distribute(b, mesh, [R, Shard(0)]))
-    assert not isinstance(plan(c, [R, Shard(0)]), FusedGemmPlan)
+    assert plan(c, [R, Shard(0)]).fused is None
     assert torch.allclose(c.redistribute([R, Shard(0)]).full_tensor(), a7 @ b)
     return True
 
@@ -245,11 +244,11 @@ def _auto_on_cpu(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(2 * world, 3 * world, generator=g, dtype=torch.float64)
     b = torch.randn(3 * world, 4, generator=g, dtype=torch.float64)
-    assert dispatch.DEFER_GEMM == "auto"
+    assert DTensor.dispatcher.defer_gemm == "auto"
     before = fused_gemm_stats()
     c = torch.mm(distribute(a, mesh, [Shard(1)]), distribute(b, mesh, [Shard(0)]))
     assert c._pending is None and _delta(before, fused_gemm_stats())["deferred"] == 0
-    assert not isinstance(plan(c, [Shard(0)]), FusedGemmPlan)
+    assert plan(c, [Shard(0)]).fused is None
     assert torch.allclose(c.redistribute([Shard(0)]).full_tensor(), a @ b)
     return True
 

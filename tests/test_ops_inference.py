@@ -5,10 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from axedist.dtensor import distribute
+from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
-from axedist.ops.dispatch import fallback_ops
 from axedist.testing import run_on_ranks
+
+fallback_ops = DTensor.dispatcher.fallback_ops
 
 
 def _body(rank, world, seed):

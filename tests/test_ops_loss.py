@@ -16,11 +16,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import distribute
+from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
-from axedist.ops.dispatch import fallback_ops
 from axedist.testing import run_on_ranks
-from ops_cases import MESHES, NO_SHRINK
+
+fallback_ops = DTensor.dispatcher.fallback_ops
+from tests.ops_cases import MESHES, NO_SHRINK
 
 REDUCTIONS = ("none", "mean", "sum")
 

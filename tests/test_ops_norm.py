@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from axedist.ops.dispatch import dispatch
+from axedist.dtensor import DTensor
 from axedist.testing import run_on_ranks
-from ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand,
+from tests.ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, close, make, mesh_of, rand,
                        randint, sample_sets)
 
 aten = torch.ops.aten
@@ -161,12 +161,12 @@ def _fused_rms_norm(rank, world_size, mesh_name, seed):
     for xp in sample_sets(mesh, OPTIONS, g, 4):
         what = f"seed {seed}, mesh {mesh_name}, shape {shape}, x {xp}"
         x, w = make(X, mesh, xp, seed), make(W, mesh, [Replicate()] * mesh.ndim, seed)
-        y, rstd = dispatch(aten._fused_rms_norm.default, (x, [shape[-1]], w, 1e-6), {})
+        y, rstd = DTensor.dispatcher.dispatch(aten._fused_rms_norm.default, (x, [shape[-1]], w, 1e-6), {})
         close(y, y_ref.detach(), f"{what}: out")
         close(rstd, rstd_ref, f"{what}: rstd")
         gp = [Partial() if isinstance(p, Replicate) else p for p in xp]
         grad = make(G, mesh, gp, seed + 1)
-        gx, gw = dispatch(aten._fused_rms_norm_backward.default, (grad, x, [shape[-1]], rstd, w, [True, True]), {})
+        gx, gw = DTensor.dispatcher.dispatch(aten._fused_rms_norm_backward.default, (grad, x, [shape[-1]], rstd, w, [True, True]), {})
         close(gx, x_ref.grad, f"{what}: grad input")
         close(gw, w_ref.grad, f"{what}: grad weight")
         for axis, p in enumerate(y.placements):

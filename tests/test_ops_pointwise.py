@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
-from ops_cases import MESHES, WORLD, check, close, make, mesh_of, rand, randint, sample_sets
+from tests.ops_cases import MESHES, WORLD, check, close, make, mesh_of, rand, randint, sample_sets
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import DTensor, distribute

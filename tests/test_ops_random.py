@@ -19,9 +19,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from axedist.dtensor import DTensor, distribute
 from axedist.layout import Layout
 from axedist.mesh import DeviceMesh
-from axedist.ops.dispatch import fallback_ops
 from axedist.testing import run_on_ranks
-from ops_cases import MESHES, NO_SHRINK
+
+fallback_ops = DTensor.dispatcher.fallback_ops
+from tests.ops_cases import MESHES, NO_SHRINK
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from axedist.testing import run_on_ranks
-from ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, make, mesh_of, placement_sets,
+from tests.ops_cases import (MESHES, ONE_EXAMPLE, WORLD, Partial, Replicate, Shard, check, make, mesh_of, placement_sets,
                        rand, randint, sample_sets, shards)
 
 OPTIONS = [Shard(0), Shard(1), Replicate(), Partial()]

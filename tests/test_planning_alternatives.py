@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import pytest
 
 from axedist.planning import plan_alternatives, plan_layouts
-from planning_cases import XY, check_plan, placements, random_layout, random_shape
+from tests.planning_cases import XY, check_plan, placements, random_layout, random_shape
 
 
 @pytest.mark.parametrize("mesh", [XY, (("x", 2), ("y", 4))], ids=["2x2", "2x4"])

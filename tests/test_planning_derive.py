@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from axedist.layout import Layout, LayoutError
 from axedist.planning import Plan, plan_layouts
-from planning_cases import G4, MESHES, XY, check_plan, devices, placements, random_layout, random_shape
+from tests.planning_cases import G4, MESHES, XY, check_plan, devices, placements, random_layout, random_shape
 
 
 

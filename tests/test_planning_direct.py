@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from axedist.layout import LayoutError
 from axedist.planning import plan_direct, simulate
-from planning_cases import MESHES, REDUCE, XY, brute_slots, check_kind, devices, placements, random_layout, scatter
+from tests.planning_cases import MESHES, REDUCE, XY, brute_slots, check_kind, devices, placements, random_layout, scatter
 
 
 def _padding(rng, true_shape):

@@ -23,9 +23,9 @@ from axedist.planning.held_rows import held_rows
 from axedist.planning.holdings import Holdings, dim_placements, holdings_of, holdings_per_dim
 from axedist.planning.padding import drop_padding, expand, pieces
 from axedist.testing import run_on_ranks
-from planning_cases import MESHES as ALL_MESHES
-from planning_cases import REDUCE, StubMesh, brute_slots, random_layout, random_shape, scatter
-from test_runtime_executor import torch_case
+from tests.planning_cases import MESHES as ALL_MESHES
+from tests.planning_cases import REDUCE, StubMesh, brute_slots, random_layout, random_shape, scatter
+from tests.test_runtime_executor import torch_case
 
 MESHES = [(("gpuid", 2),), (("gpuid", 3),), (("gpuid", 4),), (("x", 2), ("y", 2)), (("x", 2), ("y", 4))]
 SETTINGS = settings(max_examples=120, deadline=None)
@@ -70,7 +70,7 @@ def test_per_dim_holdings_equal_the_elementwise_ones(seed):
 def test_per_dim_route_covers_dtensor_layouts():
     """Layouts made from placements (row-major local tensors, nested uneven chunks) always factor:
     the per-dim route is the one that runs for DTensor, whatever the padding."""
-    from planning_cases import placements
+    from tests.planning_cases import placements
 
     rng = random.Random(7)
     for mesh_spec in MESHES:

@@ -8,7 +8,7 @@ import pytest
 
 from axedist.layout import Layout, LayoutError
 from axedist.planning import Transfer, global_values, local_buffers, plan_layouts, simulate
-from planning_cases import G4, XY, check_plan, devices, placements, scatter
+from tests.planning_cases import G4, XY, check_plan, devices, placements, scatter
 
 
 def test_local_buffers_round_trip():

@@ -25,7 +25,7 @@ from axedist.planning import plan_layouts, simulate
 from axedist.runtime import execute_plan, execution_bytes, explain_execution, executor, record
 from axedist.runtime.buffers import position_index
 from axedist.testing import run_on_ranks, torch_comm_bytes
-from planning_cases import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
+from tests.planning_cases import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
 
 MESHES = {
     2: [(("gpuid", 2),)],

@@ -81,8 +81,7 @@ def test_tp_training_gqa_tied_embeddings(world):
 
 
 def _no_fallback(rank, world, s):
-    from axedist.ops.dispatch import cache_info, fallback_ops
-
+    cache_info, fallback_ops = DTensor.dispatcher.cache_info, DTensor.dispatcher.fallback_ops
     before = cache_info()["fallbacks"]
     _train_step(rank, world, s, True, False, False)
     _train_step(rank, world, s, False, True, True)

@@ -238,21 +238,21 @@ def body_pipelined(rank, world, rounds, sizes):
     through AXEDIST_P2P_ROUNDS; production picks rounds by size from the measured table)."""
     from axedist.collectives import p2p
     os.environ["AXEDIST_P2P_ROUNDS"] = str(rounds)
-    p2p._plans.clear()
+    p2p.cached_plans().clear()
     try:
         failures = []
         for variant in ("push", "pull"):
             failures += body_reduce_scatter(rank, world, sizes, (torch.bfloat16, torch.float32), 2,
                                             variant)
             failures += body_all_gather(rank, world, sizes, (torch.bfloat16,), variant)
-        used = {plan.rounds for plan in p2p._plans.values()
+        used = {plan.rounds for plan in p2p.cached_plans().values()
                 if plan.op in ("reduce_scatter", "all_gather")}
         if used != {rounds}:
             failures.append(f"plans ran with rounds {used}, not {rounds}")
         return failures
     finally:
         del os.environ["AXEDIST_P2P_ROUNDS"]
-        p2p._plans.clear()
+        p2p.cached_plans().clear()
 
 
 VARIANTS = ("push", "pull", "zero_copy")

@@ -6,20 +6,15 @@ has W devices run (the CPU suite's test bodies, with ``device_type="cuda"``).
 """
 
 import math
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test bodies live in tests/
-
-from axedist.testing import run_on_ranks  # noqa: E402
-from tests.test_dtensor import CASES, _figure_8, _roundtrip  # noqa: E402
-from tests.test_dtensor_random import MESHES as RANDOM_MESHES  # noqa: E402
-from tests.test_dtensor_random import sweep  # noqa: E402
-from tests.test_dtensor_torch import EXPLICIT, MESHES, _differential  # noqa: E402
-from tests.test_mesh import _coordinates_and_groups  # noqa: E402
+from axedist.testing import run_on_ranks
+from tests.test_dtensor import CASES, figure_8, roundtrip
+from tests.test_dtensor_random import MESHES as RANDOM_MESHES
+from tests.test_dtensor_random import sweep
+from tests.test_dtensor_torch import EXPLICIT, MESHES, differential
+from tests.test_mesh import coordinates_and_groups
 
 GPUS = torch.cuda.device_count()
 WORLDS = sorted({2, GPUS}) if GPUS >= 2 else []
@@ -32,7 +27,7 @@ def _world(mesh_shape):
 
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_mesh_nccl(world_size):
-    results = run_on_ranks(_coordinates_and_groups, world_size, backend="nccl", args=("cuda",))
+    results = run_on_ranks(coordinates_and_groups, world_size, backend="nccl", args=("cuda",))
     half = world_size // 2
     for rank, (coords, _, _, _) in enumerate(results):
         position = world_size - 1 - rank  # ranks listed in reverse
@@ -44,13 +39,13 @@ def test_layouts_placements_cannot_express_nccl(world_size):
     names = [n for n, case in CASES.items() if _world(case[0]) == world_size]
     assert names
     for name in names:
-        results = run_on_ranks(_roundtrip, world_size, backend="nccl", args=(name, world_size - 1, "cuda"))
+        results = run_on_ranks(roundtrip, world_size, backend="nccl", args=(name, world_size - 1, "cuda"))
         assert results == [True] * world_size, name
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_figure_8_nccl(world_size):
-    assert run_on_ranks(_figure_8, world_size, backend="nccl", args=("cuda",)) == [True] * world_size
+    assert run_on_ranks(figure_8, world_size, backend="nccl", args=("cuda",)) == [True] * world_size
 
 
 @pytest.mark.parametrize("world_size", WORLDS)
@@ -66,7 +61,7 @@ def test_placements_match_torch_nccl(world_size):
                         cases.append((key, shape, src, dst))
     assert cases
     for key, shape, src, dst in cases:
-        results = run_on_ranks(_differential, world_size, backend="nccl", args=(key, shape, src, dst, 3, "cuda"))
+        results = run_on_ranks(differential, world_size, backend="nccl", args=(key, shape, src, dst, 3, "cuda"))
         assert set(results) == {"ok"}, (key, shape, src, dst, results)
 
 

@@ -132,7 +132,7 @@ def body_cached_launches(rank, world):
             error = _rel_error(out, _reference(a, b, rank, world))
             if not error <= 1e-2:
                 failures.append(f"misaligned={misaligned} call {call}: rel error {error:.2e}")
-            counts.append(len(gemm_rs._launches))
+            counts.append(gemm_rs.cached_launches())
     check()
     # one new compiled kernel for the aligned A, one for the misaligned, none for repeats
     first = counts[0]

@@ -10,16 +10,11 @@ the listed transitions and on seeded random placements.
 
 import math
 import random
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test bodies live in tests/
-
-from axedist.testing import run_on_ranks  # noqa: E402
-from test_runtime_executor import (  # noqa: E402
+from axedist.testing import run_on_ranks
+from tests.test_runtime_executor import (
     KEEP_PARTIAL, MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, RANDOM_MESHES, TORCH_TRANSITIONS, async_case, digit_swap,
     keep_partial, named_case, random_cases, random_transitions, torch_cases, torch_differential,
 )

@@ -47,7 +47,7 @@ TUNED = load_tuned()
 MEASURED_CHOICE: dict[str, list[tuple[int, str]]] = TUNED["backend"]
 
 
-def _query_multicast_attribute(device_index: int) -> bool:
+def query_multicast_attribute(device_index: int) -> bool:
     """CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED via cuda-python; False if it cannot be asked."""
     try:
         from cuda.bindings import driver
@@ -69,7 +69,7 @@ def _query_multicast_attribute(device_index: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def device_supports_multicast(device_index: int) -> bool:
-    return _query_multicast_attribute(device_index)
+    return query_multicast_attribute(device_index)
 
 
 def multicast_opted_in() -> bool:

@@ -134,31 +134,108 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
 
 
 @dataclasses.dataclass
-class _FusedCall:
-    """What repeated calls with the same shapes, strides, dtype, group and backend share: the
-    plan, the group's size and rank, the tile config, and this rank's workspace halves as
-    tensors (rebuilt when the workspace is replaced)."""
+class FusedCall:
+    """What repeated fused calls of one rank with the same shapes, strides, dtype and group
+    share: the plan, the group's size and this rank, the tile config, the rank's workspace
+    halves as tensors (rebuilt when the workspace is replaced) and a prepared launch per half.
+
+    workspace_for(nbytes) gives the rank's workspace with at least nbytes per half: the group's
+    symmetric workspace (collective) on the real path, a carved one for virtual ranks.
+    pinned_config: a tile config to use instead of the tuned / heuristic one.
+
+    >>> call = FusedCall(plan, 4, 1, lambda nbytes: workspace)
+    >>> out = call.run(a, b)        # [M / 4, N] on rank 1, one kernel launch
+    """
     plan: GemmReduceScatterPlan
     world: int
     rank: int
+    workspace_for: object
+    pinned_config: object = None
     config: object = None
     config_version: int = -1
     workspace: object = None
     parts: tuple = ()
     replays: list = dataclasses.field(default_factory=lambda: [None, None])  # per data half
 
+    def _setup(self, a: torch.Tensor, b: torch.Tensor):
+        """(operands, workspace) of a call, refreshing the config and the workspace halves."""
+        from ..kernels import gemm_rs
 
-_calls: dict[tuple, _FusedCall] = {}
+        ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
+        if ops.m * ops.n >= (1 << 31):
+            raise ValueError(f"gemm_reduce_scatter: M * N = {ops.m * ops.n} exceeds int32 "
+                             f"indexing")
+        if self.pinned_config is not None:
+            if self.config is not self.pinned_config:
+                self.config, self.replays = self.pinned_config, [None, None]
+        elif self.config_version != gemm_rs.config_version():  # first call, or a new tuning
+            self.config = gemm_rs.default_config(ops.m, ops.n, ops.k, self.world, a.dtype)
+            self.config_version = gemm_rs.config_version()
+            self.replays = [None, None]
+        workspace = self.workspace
+        if workspace is None or workspace.retired:
+            workspace = self.workspace = self.workspace_for(ops.m * ops.n * a.element_size())
+            self.parts = tuple(workspace.local_data(half, a.dtype, ops.m * ops.n)
+                               for half in (0, 1))
+            self.replays = [None, None]
+        return ops, workspace
+
+    def prepare(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                timeout_s: float | None = None) -> None:
+        """Compile and load the kernel that run(a, b, out, timeout_s) launches, without
+        launching it (the timeout's width is part of the kernel's specialization)."""
+        from ..kernels import gemm_rs
+
+        ops, workspace = self._setup(a, b)
+        workspace.set_timeout(timeout_s)
+        half = (workspace.epoch + 1) % 2
+        gemm_rs.launch(ops, self.config, self.world, self.rank, self.parts[half], out,
+                       workspace, workspace.epoch + 1, half,
+                       multimem=self.plan.backend == "multimem", compile_only=True)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+            timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+        """The fused kernel on this rank: an epoch, then one launch (a prepared Replay from the
+        third call of a shape on)."""
+        from ..kernels import gemm_rs
+
+        ops, workspace = self._setup(a, b)
+        world = self.world
+        lead = a.shape[:-1]
+        epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
+        if out is None:
+            out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
+        replay = self.replays[half]
+        aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
+        if (replay is not None and aligned and timeout_s is None
+                and replay.timeout_ns == workspace.timeout_ns(epoch)):
+            # the same call as before on this half: only operands, output, tasks and epoch
+            replay(ops, out, epoch, workspace.claim_tasks(replay.claim))
+        else:
+            self.replays[half] = gemm_rs.launch(
+                ops, self.config, world, self.rank, self.parts[half], out, workspace, epoch,
+                half, multimem=self.plan.backend == "multimem",
+                prepare=aligned and timeout_s is None)
+        if check:
+            workspace.check(synchronize=True)
+        return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out
+
+
+_calls: dict[tuple, FusedCall] = {}
 
 
 def _fused_call(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
-                backend: str) -> _FusedCall:
+                backend: str) -> FusedCall:
     key = (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
            group, scatter_dim, backend, multicast_opted_in())
     call = _calls.get(key)
     if call is None:
+        from .symmetric import get_workspace
+
         plan = plan_gemm_reduce_scatter(a, b, group, scatter_dim, backend)
-        call = _FusedCall(plan, dist.get_world_size(group), dist.get_rank(group))
+        device = a.device
+        call = FusedCall(plan, dist.get_world_size(group), dist.get_rank(group),
+                         lambda nbytes: get_workspace(group, nbytes, device))
         if len(_calls) > 4096:  # shapes of one model are few; a shape sweep must not grow it
             _calls.clear()
         _calls[key] = call
@@ -191,40 +268,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
         moved = product.movedim(dim, 0).contiguous()
         result = fallback.reduce_scatter(moved, group).movedim(0, dim)
         return result.contiguous() if out is None else out.copy_(result)
-    from ..kernels import gemm_rs
-    from .symmetric import get_workspace
-
-    world, rank = call.world, call.rank
-    lead = a.shape[:-1]
-    ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
-    if ops.m * ops.n >= (1 << 31):
-        raise ValueError(f"gemm_reduce_scatter: M * N = {ops.m * ops.n} exceeds int32 indexing")
-    if call.config_version != gemm_rs.config_version():  # first call, or remember_config since
-        call.config = gemm_rs.default_config(ops.m, ops.n, ops.k, world, a.dtype)
-        call.config_version = gemm_rs.config_version()
-        call.replays = [None, None]
-    workspace = call.workspace
-    if workspace is None or workspace.retired:
-        workspace = call.workspace = get_workspace(group, ops.m * ops.n * a.element_size(),
-                                                   a.device)
-        call.parts = tuple(workspace.local_data(half, a.dtype, ops.m * ops.n) for half in (0, 1))
-        call.replays = [None, None]
-    epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
-    if out is None:
-        out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
-    replay = call.replays[half]
-    aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
-    if (replay is not None and aligned and timeout_s is None
-            and replay.timeout_ns == workspace.timeout_ns(epoch)):
-        # the same call as before on this half: only operands, output, tasks and epoch change
-        replay(ops, out, epoch, workspace.claim_tasks(replay.claim))
-    else:
-        call.replays[half] = gemm_rs.launch(
-            ops, call.config, world, rank, call.parts[half], out, workspace, epoch, half,
-            multimem=plan.backend == "multimem", prepare=aligned and timeout_s is None)
-    if check:
-        workspace.check(synchronize=True)
-    return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out
+    return call.run(a, b, out, timeout_s, check)
 
 
 def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,

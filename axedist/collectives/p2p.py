@@ -37,10 +37,9 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
-def _programs(work: int, block: int, device_index: int) -> int:
-    from ..kernels.launch import multiprocessors
-    processors = multiprocessors(device_index)
-    # at most one program per SM: always co-resident, so the block-wise barrier cannot deadlock
+def _programs(work: int, block: int, processors: int) -> int:
+    # at most one program per SM the rank may fill: always co-resident, so the block-wise
+    # barrier cannot deadlock
     return max(1, min((work + block - 1) // block, processors, MAX_BARRIER_PROGRAMS))
 
 
@@ -93,9 +92,13 @@ def _check_input(x: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: {x.numel()} elements exceed the kernels' int32 indexing")
 
 
-def _geometry(op: str, shape, world: int) -> dict:
+def call_geometry(op: str, shape, world: int) -> dict:
     """Sizes of one call: per-rank work, chunk, 16-aligned stride, workspace elements (the
-    larger of the push and pull layouts, so that the variant never changes the allocation)."""
+    larger of the push and pull layouts, so that the variant never changes the allocation).
+    Raises for a reduce-scatter whose dim 0 the ranks cannot split evenly."""
+    if op == "reduce_scatter" and (len(shape) == 0 or shape[0] % world != 0):
+        raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(shape)} is not divisible "
+                         f"by the group size {world}")
     numel = 1
     for size in shape:
         numel *= size
@@ -195,24 +198,35 @@ class CallPlan:
     """
 
     def __init__(self, op: str, shape, dtype: torch.dtype, group, device_index: int,
-                 variant: str, multimem: bool, aligned: bool = True):
+                 variant: str, multimem: bool, aligned: bool = True, workspace=None,
+                 rounds: int | None = None):
+        """workspace: the rank's workspace to run on (default: the group's, get_workspace;
+        virtual ranks pass their own); rounds: force the pipelined ranges (default
+        rounds_for)."""
         self.op, self.shape, self.dtype, self.group = op, tuple(shape), dtype, group
         self.device_index, self.multimem, self.aligned = device_index, multimem, aligned
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if op == "reduce_scatter" and (len(shape) == 0 or shape[0] % self.world != 0):
-            raise ValueError(f"reduce_scatter: dim 0 of shape {tuple(shape)} is not divisible "
-                             f"by the group size {self.world}")
-        self.geometry = _geometry(op, shape, self.world)
+        if workspace is None:
+            geometry = call_geometry(op, shape, dist.get_world_size(group))
+            workspace = get_workspace(group, geometry["elements"] * dtype.itemsize,
+                                      torch.device("cuda", device_index))
+        self.workspace = workspace
+        self.world, self.rank = workspace.world_size, workspace.rank
+        self.geometry = call_geometry(op, shape, self.world)
+        if self.geometry["elements"] * dtype.itemsize > workspace.data_bytes:
+            raise ValueError(f"{op}: {self.geometry['elements']} elements of {dtype} do not fit "
+                             f"the workspace half of {workspace.data_bytes} bytes")
         self.variant = "pull" if multimem else variant
-        device = torch.device("cuda", device_index)
-        self.workspace = get_workspace(group, self.geometry["elements"] * dtype.itemsize, device)
         if multimem and not self.workspace.multicast_base:
             raise ValueError(f"{op}: multimem needs a multicast mapping, and the symmetric "
                              f"workspace has none")
         self.rows = _rows(self.geometry["work"])
-        self.programs = _programs(self.geometry["work"], self.rows * COLS, device_index)
-        self.rounds = rounds_for(op, self.geometry["work"] * dtype.itemsize, self.programs)
+        self.programs = _programs(self.geometry["work"], self.rows * COLS, workspace.processors)
+        if rounds is None or op not in ("reduce_scatter", "all_gather"):
+            rounds = rounds_for(op, self.geometry["work"] * dtype.itemsize, self.programs)
+        self.rounds = rounds
+        if self.rounds * self.programs > 2 * MAX_BARRIER_PROGRAMS:
+            raise ValueError(f"{op}: {self.rounds} rounds x {self.programs} programs exceed "
+                             f"the barrier area's {2 * MAX_BARRIER_PROGRAMS} slots")
         self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half)
                        for half in (0, 1)]
         self._launches: dict[tuple[bool, bool], tuple] = {}
@@ -224,6 +238,13 @@ class CallPlan:
                 f"{f', {self.rounds} rounds' if self.rounds > 1 else ''})")
 
     # -- kernels ---------------------------------------------------------------------------
+    def compile(self, push: bool, copy_in: bool, capability: int = 90):
+        """This call's kernel for one variant, compiled for CUDA `capability` (Triton caches
+        it on disk: a process without a GPU can compile it ahead of the launch)."""
+        return compile_collective(self.op, self.dtype, self.world, self.rows, push, copy_in,
+                                  self.multimem, self.geometry["chunk"], self.aligned,
+                                  capability, self.rounds)
+
     def _launch(self, push: bool, copy_in: bool):
         """(CompiledLaunch, static arguments of half 0, of half 1) for this variant."""
         entry = self._launches.get((push, copy_in))
@@ -232,9 +253,7 @@ class CallPlan:
         from ..kernels.launch import CompiledLaunch
         geometry = self.geometry
         major, minor = torch.cuda.get_device_capability(self.device_index)
-        compiled = compile_collective(self.op, self.dtype, self.world, self.rows, push, copy_in,
-                                      self.multimem, geometry["chunk"], self.aligned,
-                                      major * 10 + minor, self.rounds)
+        compiled = self.compile(push, copy_in, major * 10 + minor)
         constexprs = kernel_constexprs(self.op, self.world, self.rows, push, copy_in,
                                        self.multimem, self.rounds)
         launch = CompiledLaunch(compiled, tuple(constexprs.values()))
@@ -243,36 +262,52 @@ class CallPlan:
         self._launches[(push, copy_in)] = entry
         return entry
 
+    def variant_for(self, x: torch.Tensor) -> tuple[bool, bool, torch.Tensor]:
+        """(push, copy_in, input) of a call on x in the coming call's half: an input the caller
+        wrote into that half (symmetric_input) is pulled in place; any other view of the half
+        is copied out first, since the kernel would overwrite its own input."""
+        push, copy_in = self.variant == "push", True
+        start = self.halves[(self.workspace.epoch + 1) % 2]
+        x_address = x.data_ptr()
+        if start <= x_address < start + self.workspace.data_bytes:
+            if x_address == start and self.geometry["zero_copy_elements"] >= 0:
+                # pushing would let the peers overwrite it while it is being read
+                return False, False, x
+            return push, copy_in, x.clone()
+        return push, copy_in, x
+
+    def prepare(self, x: torch.Tensor) -> None:
+        """Compile and load the kernel a call on x will launch, without launching it (virtual
+        ranks: no module may load while another rank's kernel spins)."""
+        push, copy_in, _ = self.variant_for(x)
+        self._launch(push, copy_in)
+
     # -- per call --------------------------------------------------------------------------
     def run(self, x: torch.Tensor, out: torch.Tensor, timeout_s: float | None) -> None:
         workspace = self.workspace
+        push, copy_in, x = self.variant_for(x)  # a clone stays alive until the launch is queued
         epoch, half = workspace.begin_call(self.op, timeout_s)
         if epoch >= (1 << 31) - 2:  # int32 epochs: a fresh workspace starts again at 1
             raise RuntimeError("workspace epoch exhausted; call collectives.reset(group)")
         if self.geometry["work"] == 0:
             return
-        x_address = x.data_ptr()
-        push, copy_in = self.variant == "push", True
-        start = self.halves[half]
-        if start <= x_address < start + workspace.data_bytes:
-            if x_address == start and self.geometry["zero_copy_elements"] >= 0:
-                # the caller wrote the input into this call's half (symmetric_input): pull it
-                # in place; pushing would let the peers overwrite it while it is being read
-                push, copy_in = False, False
-            else:  # some other view of this half: the kernel would overwrite its own input
-                x = x.clone()  # kept alive by this frame until the launch is queued
-                x_address = x.data_ptr()
         launch, static0, static1 = self._launch(push, copy_in)
         timeout = workspace.timeout_s
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        launch(self.programs, stream, (x_address, out.data_ptr(), epoch, int(timeout * 1e9),
+        launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), epoch, int(timeout * 1e9),
                                        *(static1 if half else static0)))
 
 
 _plans: dict[tuple, CallPlan] = {}
 
 
-def _choose_variant(op: str, nbytes: int, variant: str) -> str:
+def cached_plans() -> dict[tuple, CallPlan]:
+    """The live cache of call plans, one per (op, shape, dtype, group, ...): tests read which
+    plans ran (e.g. their rounds) and clear it to force fresh ones."""
+    return _plans
+
+
+def choose_variant(op: str, nbytes: int, variant: str) -> str:
     if variant != "auto":
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -294,7 +329,7 @@ def _plan(op: str, x: torch.Tensor, group, variant: str, multimem: bool,
     if x.get_device() != torch.cuda.current_device():
         raise ValueError(f"{op}: tensor is on cuda:{x.get_device()} but the current device is "
                          f"cuda:{torch.cuda.current_device()} (torch.cuda.set_device first)")
-    chosen = _choose_variant(op, x.numel() * x.element_size(), variant)
+    chosen = choose_variant(op, x.numel() * x.element_size(), variant)
     plan = CallPlan(op, x.shape, x.dtype, group, x.get_device(), chosen, multimem, aligned)
     _plans[key] = plan
     return plan
@@ -318,7 +353,7 @@ def symmetric_input(shape, dtype: torch.dtype, group=None, op: str = "reduce_sca
     """
     world = dist.get_world_size(group)
     ops = ("all_reduce_one_shot", "all_reduce_two_shot") if op == "all_reduce" else (op,)
-    geometries = [_geometry(name, shape, world) for name in ops]
+    geometries = [call_geometry(name, shape, world) for name in ops]
     geometry = geometries[-1]
     if geometry["zero_copy_elements"] < 0:
         return None

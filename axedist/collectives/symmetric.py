@@ -1,7 +1,9 @@
 """Symmetric workspaces: one buffer per process group, mapped into every peer's address space.
 
 Built on torch.distributed._symmetric_memory (`empty` + `rendezvous`): every rank allocates the
-same number of bytes and gets the peers' base addresses, usable inside kernels. Layout:
+same number of bytes and gets the peers' base addresses, usable inside kernels. Virtual ranks
+(W ranks in one process on one GPU, axedist.testing.virtual_ranks) carve W copies from one
+allocation instead; the layout and the address tables are the same code. Layout:
 
     [ flags: FLAG_SLOTS int32 | barrier: BARRIER_SLOTS int32 | data half 0 | data half 1 ]
 
@@ -32,6 +34,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from ..kernels.launch import multiprocessors
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
 FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
@@ -68,59 +71,55 @@ def group_name(group) -> str:
     return group.group_name
 
 
+def workspace_bytes(data_bytes: int) -> int:
+    """Bytes of one rank's workspace with two data halves of `data_bytes` (flags and barrier
+    areas first)."""
+    return FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes
+
+
 class SymmetricWorkspace:
-    """Flags + two data halves in symmetric memory for one process group on this GPU.
+    """Flags + two data halves of one rank, and the addresses of every rank's copy.
+
+    The memory comes from torch's symmetric memory (`allocate_workspace`, one process per GPU)
+    or from one allocation carved into W copies (`carve_workspaces`, W virtual ranks on one
+    GPU); either way the layout and the peer address tables are computed here.
 
     >>> ws = get_workspace(group, 64 << 20)        # collective: every rank calls it
     >>> epoch, half = ws.begin_call("reduce_scatter")
     >>> ws.data_addresses(half)                     # 8 ints: each rank's half base (0 padded)
     """
 
-    def __init__(self, group, data_bytes: int, device: torch.device):
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-        except ImportError as error:  # pragma: no cover - torch without distributed
-            raise SymmetricMemoryUnavailable(f"torch.distributed._symmetric_memory: {error}")
-        self.group = group if group is not None else dist.group.WORLD
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        if self.world_size > 8:
+    def __init__(self, memory: torch.Tensor, bases: list[int], rank: int, data_bytes: int,
+                 peer_buffer, processors: int, group=None, name: str = "",
+                 multicast_base: int = 0, handle=None):
+        """memory: this rank's uint8 workspace; bases: every rank's base address as seen by this
+        process; peer_buffer(peer, shape, dtype, element offset): a tensor over a rank's
+        workspace (what host-built TMA descriptors of remote stores are made from);
+        processors: SMs this rank's kernels may fill (the persistent grids' bound); handle:
+        what keeps the peers' mappings alive (torch's symmetric-memory handle)."""
+        if len(bases) > 8:
             raise SymmetricMemoryUnavailable(
                 f"symmetric-memory kernels support up to 8 ranks (one NVLink node), "
-                f"group has {self.world_size}")
-        self.device = device
-        self.data_bytes = data_bytes
-        total = FLAG_BYTES + BARRIER_BYTES + 2 * data_bytes
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                if hasattr(symm_mem, "enable_symm_mem_for_group"):
-                    symm_mem.enable_symm_mem_for_group(self.group.group_name)
-            self.tensor = symm_mem.empty(total, dtype=torch.uint8, device=device)
-            self.handle = symm_mem.rendezvous(self.tensor, self.group)
-        except Exception as error:
-            raise SymmetricMemoryUnavailable(
-                f"could not set up symmetric memory for group {self.group.group_name!r} "
-                f"(world size {self.world_size}) on {device}: {error}. The fused kernels need "
-                f"GPUs of one node with NVLink peer access; use backend='torch' otherwise."
-            ) from error
-        self.bases = [int(address) for address in self.handle.buffer_ptrs]
-        self.multicast_base = int(getattr(self.handle, "multicast_ptr", 0) or 0)
+                f"group has {len(bases)}")
+        self.tensor, self.group, self.name = memory, group, name
+        self.world_size, self.rank = len(bases), rank
+        self.device = memory.device
+        self.multicast_base, self.handle = multicast_base, handle
+        self.processors = processors
+        self._peer_buffer = peer_buffer
         self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.epoch = 0
-        self.abort = torch.zeros(1, dtype=torch.int32, device=device)
-        self.error = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.abort = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.error = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
-        self._set_layout(self.bases, data_bytes)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self._set_layout(bases, data_bytes)
+        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.counter_base = 0
         self._peer_views: dict[tuple, torch.Tensor] = {}
         self.broken = ""
         self.retired = False  # set when replaced: plans holding it rebuild (p2p.CallPlan)
         self.last_op = ""
         self.timeout_s = default_timeout_s()
-        torch.cuda.synchronize(device)
-        dist.barrier(group=self.group)  # every rank's flags are zero before anyone signals
 
     # -- per call --------------------------------------------------------------------------
     def begin_call(self, op: str, timeout_s: float | None = None) -> tuple[int, int]:
@@ -129,8 +128,12 @@ class SymmetricWorkspace:
             self.check()
         self.epoch += 1
         self.last_op = op
-        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
+        self.set_timeout(timeout_s)
         return self.epoch, self.epoch % 2
+
+    def set_timeout(self, timeout_s: float | None) -> None:
+        """The spin-wait timeout of the coming call (None: default_timeout_s())."""
+        self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
 
     def claim_tasks(self, count: int) -> int:
         """Base of the task counter for a launch that will claim `count` task ids in all."""
@@ -187,7 +190,7 @@ class SymmetricWorkspace:
             offset = self.data_offset(half)
             if numel * dtype.itemsize > self.data_bytes or offset % dtype.itemsize:
                 raise ValueError(f"{numel} {dtype} elements do not fit the workspace half")
-            cached = self._peer_views[key] = self.handle.get_buffer(
+            cached = self._peer_views[key] = self._peer_buffer(
                 peer, (numel,), dtype, offset // dtype.itemsize)
         return cached
 
@@ -209,9 +212,10 @@ class SymmetricWorkspace:
             return
         code, peer, flag, epoch_low = decode_error_record(record)
         timeout = self.timeout_s
-        global_peer = dist.get_global_rank(self.group, peer) if peer < self.world_size else peer
+        global_peer = (dist.get_global_rank(self.group, peer)
+                       if self.group is not None and peer < self.world_size else peer)
         self.broken = (
-            f"rank {self.rank} of group {self.group.group_name!r}: {self.last_op or 'kernel'} "
+            f"rank {self.rank} of group {self.name!r}: {self.last_op or 'kernel'} "
             f"waited {timeout:g} s for flag {flag} of rank {peer} (global rank {global_peer}) "
             f"to reach epoch {epoch_low} (mod 65536) and gave up (error code {code}). The peer "
             f"never signalled: it crashed, skipped the call, or called a different collective. "
@@ -240,6 +244,68 @@ def _retire(workspace: SymmetricWorkspace) -> None:
     _retired.append(workspace)
 
 
+def allocate_workspace(group, data_bytes: int, device: torch.device) -> SymmetricWorkspace:
+    """This rank's workspace in torch's symmetric memory, mapped into every peer of `group`
+    (collective: every rank of the group calls it with the same size)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as error:  # pragma: no cover - torch without distributed
+        raise SymmetricMemoryUnavailable(f"torch.distributed._symmetric_memory: {error}")
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    if world > 8:
+        raise SymmetricMemoryUnavailable(
+            f"symmetric-memory kernels support up to 8 ranks (one NVLink node), group has {world}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+        tensor = symm_mem.empty(workspace_bytes(data_bytes), dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(tensor, group)
+    except Exception as error:
+        raise SymmetricMemoryUnavailable(
+            f"could not set up symmetric memory for group {group.group_name!r} "
+            f"(world size {world}) on {device}: {error}. The fused kernels need "
+            f"GPUs of one node with NVLink peer access; use backend='torch' otherwise."
+        ) from error
+    workspace = SymmetricWorkspace(
+        tensor, [int(address) for address in handle.buffer_ptrs], dist.get_rank(group),
+        data_bytes, handle.get_buffer, multiprocessors(device.index), group, group.group_name,
+        int(getattr(handle, "multicast_ptr", 0) or 0), handle)
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # every rank's flags are zero before anyone signals
+    return workspace
+
+
+def carve_workspaces(world: int, data_bytes: int, device: torch.device,
+                     processors: int = 1) -> list[SymmetricWorkspace]:
+    """W ranks' workspaces carved from one allocation of this process (virtual ranks on one
+    GPU, or CPU memory under the interpreter): the same layout and peer tables as
+    `allocate_workspace`, the peers' copies at 4 KB-aligned offsets of that allocation.
+
+    >>> spaces = carve_workspaces(4, 1 << 20, torch.device("cuda"), processors=33)
+    >>> spaces[2].flag_addresses()[:4] == spaces[0].flag_addresses()[:4]   # one table for all
+    True
+    """
+    stride = _round_up(workspace_bytes(data_bytes), ALIGN_BYTES)
+    memory = torch.empty(world * stride + ALIGN_BYTES, dtype=torch.uint8, device=device)
+    start = (-memory.data_ptr()) % ALIGN_BYTES
+    copies = [memory[start + r * stride:start + r * stride + workspace_bytes(data_bytes)]
+              for r in range(world)]
+
+    def peer_buffer(peer: int, shape, dtype: torch.dtype, offset: int) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = copies[peer][:(offset + numel) * dtype.itemsize].view(dtype)
+        return flat[offset:offset + numel].view(shape)
+
+    bases = [copy.data_ptr() for copy in copies]
+    return [SymmetricWorkspace(copies[r], bases, r, data_bytes, peer_buffer, processors,
+                               name=f"virtual-{world}") for r in range(world)]
+
+
 def get_workspace(group, data_bytes: int, device: torch.device | None = None,
                   fresh: bool = False) -> SymmetricWorkspace:
     """The group's workspace with at least `data_bytes` per half (collective on first use and
@@ -250,7 +316,7 @@ def get_workspace(group, data_bytes: int, device: torch.device | None = None,
     if fresh or workspace is None or workspace.data_bytes < data_bytes:
         if workspace is not None:
             _retire(workspace)
-        workspace = SymmetricWorkspace(group, _data_class(_round_up(data_bytes, ALIGN_BYTES)),
+        workspace = allocate_workspace(group, _data_class(_round_up(data_bytes, ALIGN_BYTES)),
                                        device)
         _workspaces[key] = workspace
     return workspace
@@ -266,7 +332,7 @@ def check(group=None, synchronize: bool = True) -> None:
     if synchronize:
         torch.cuda.synchronize()
     for workspace in list(_workspaces.values()) + list(_retired):
-        if workspace.group.group_name == name and workspace.device.index == device_index:
+        if workspace.name == name and workspace.device.index == device_index:
             if workspace.broken and workspace in _retired:
                 continue
             workspace.check()

@@ -1,4 +1,4 @@
-"""Timing of collective GPU operations for the benchmarks (launch/bench_*.py).
+"""Timing of GPU operations for the benchmarks (collectives over ranks; one GPU: device_time).
 
 Each sample is one call between two CUDA events on the current stream; the result is the median
 over samples on each rank, then the maximum over ranks (a collective is as slow as its slowest
@@ -67,3 +67,49 @@ def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
     values = torch.tensor(medians, dtype=torch.float64, device="cuda")
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return dict(zip(names, values.tolist()))
+
+
+def device_time(fns: dict, calls: int = 20, batches: int = 7, warmup: int = 2) -> dict:
+    """Device time of one call of each candidate on this GPU, in ms: `batches` batches of
+    `calls` calls queued back to back behind a sleep kernel (so the host's launch time stays
+    out), one batch of every candidate after another (interleaved: they share clocks and
+    temperature); the median over batches of batch time / calls. No process group needed.
+
+    >>> device_time({"cublas": lambda: torch.mm(a, b, out=c), "core": lambda: gemm(a, b, c)})
+    {'cublas': 0.304, 'core': 0.297}
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    torch.cuda.synchronize()
+    events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                     for _ in range(batches)] for name in names}
+    for batch in range(batches):
+        for name in names:
+            start, end = events[name][batch]
+            torch.cuda._sleep(int((0.2 + calls * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
+            start.record()
+            for _ in range(calls):
+                fns[name]()
+            end.record()
+    torch.cuda.synchronize()
+    return {name: statistics.median(start.elapsed_time(end) / calls for start, end in events[name])
+            for name in names}
+
+
+def host_time_us(fn, calls: int = 200, repeats: int = 5) -> float:
+    """CPU time of one launch of fn in microseconds (median over `repeats` runs of `calls`
+    calls issued while the GPU is held busy by a sleep kernel, so no call waits for it)."""
+    import time
+
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(calls * 0.1 * _CYCLES_PER_MS))
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)

@@ -9,8 +9,8 @@ reduce tiles of this rank's chunk acquire that tile's flag on every rank, `load_
 from all ranks in fp32 and store the output. Back-to-back calls need no memset and no host sync
 (epochs + alternating workspace halves, see collectives/symmetric.py). Waits time out and raise.
 
-The GEMM uses TMA descriptors and wgmma through Triton (tl.dot on Hopper) with a software
-pipeline over K; shapes whose strides TMA cannot describe use masked pointer loads instead.
+The GEMM tiles are the GEMM core's (gemm.gemm_tile: TMA descriptors and wgmma through tl.dot,
+software-pipelined over K; masked pointer loads where TMA cannot describe the strides).
 GEMM_ONLY runs the same kernel with the reduce tasks and flags removed (for the benchmark).
 """
 from __future__ import annotations
@@ -24,18 +24,10 @@ import triton
 import triton.language as tl
 
 from . import schedule
+from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
 from .launch import CompiledLaunch, multiprocessors
 from .primitives import (bulk_stores_complete, load_reduce, peer_pointers, pick, st_release_gpu,
                          st_release_sys, wait_flag)
-
-
-@triton.jit
-def _grouped_tile(index, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    per_group = GROUP_M * tiles_n
-    first_m = (index // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    within = index % per_group
-    return first_m + within % size_m, within // size_m
 
 
 @triton.jit
@@ -57,35 +49,6 @@ def _decode_task(task, rounds, lag, WORLD: tl.constexpr):
 
 
 @triton.jit
-def _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K, stride_am, stride_ak,
-               stride_bk, stride_bn, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               STAGES: tl.constexpr, USE_TMA: tl.constexpr, B_TRANSPOSED: tl.constexpr):
-    accumulator = tl.zeros((BM, BN), dtype=tl.float32)
-    k_tiles = tl.cdiv(K, BK)
-    if USE_TMA:
-        for kk in tl.range(0, k_tiles, num_stages=STAGES):
-            a = a_desc.load([row0, kk * BK])
-            if B_TRANSPOSED:
-                b = b_desc.load([col0, kk * BK])
-                accumulator = tl.dot(a, b.T, accumulator)
-            else:
-                b = b_desc.load([kk * BK, col0])
-                accumulator = tl.dot(a, b, accumulator)
-    else:
-        rows = row0 + tl.arange(0, BM)
-        cols = col0 + tl.arange(0, BN)
-        ks = tl.arange(0, BK)
-        for kk in tl.range(0, k_tiles, num_stages=STAGES):
-            k_index = kk * BK + ks
-            a = tl.load(a_ptr + rows[:, None] * stride_am + k_index[None, :] * stride_ak,
-                        mask=(rows[:, None] < M) & (k_index[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + k_index[:, None] * stride_bk + cols[None, :] * stride_bn,
-                        mask=(k_index[:, None] < K) & (cols[None, :] < N), other=0.0)
-            accumulator = tl.dot(a, b, accumulator)
-    return accumulator
-
-
-@triton.jit
 def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
                           WORLD: tl.constexpr, GROUP_M: tl.constexpr):
     """Program `task` writes (is_gemm, chunk, tile row, tile col) of that task id, decoded as the
@@ -93,7 +56,7 @@ def schedule_probe_kernel(out_ptr, rounds, lag, tiles_m, tiles_n, rank,
     task = tl.program_id(0)
     if task >= 0:
         is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
-        tile_m, tile_n = _grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
+        tile_m, tile_n = grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
         chunk = tl.where(is_gemm, (rank + 1 + slot) % WORLD, rank)
         tl.store(out_ptr + task * 4 + 0, is_gemm.to(tl.int32))
         tl.store(out_ptr + task * 4 + 1, chunk)
@@ -191,7 +154,7 @@ def gemm_reduce_scatter_kernel(
             is_gemm = task >= 0
             round_ = task // WORLD
             slot = task % WORLD
-        tile_m, tile_n = _grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
+        tile_m, tile_n = grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
         col0 = tile_n * BN
         cols = col0 + tl.arange(0, BN)
         if is_gemm:
@@ -200,9 +163,10 @@ def gemm_reduce_scatter_kernel(
             if MODE == 3:
                 accumulator = tl.zeros((BM, BN), dtype=tl.float32)
             else:
-                accumulator = _gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, M, N, K,
-                                         stride_am, stride_ak, stride_bk, stride_bn, BM, BN, BK,
-                                         STAGES, USE_TMA, B_TRANSPOSED)
+                accumulator = gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, 0,
+                                        tl.cdiv(K, BK), M, N, K, stride_am, stride_ak,
+                                        stride_bk, stride_bn, BM, BN, BK, STAGES, USE_TMA,
+                                        B_TRANSPOSED)
             if DEFER:
                 if pending >= 0:
                     _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE,
@@ -417,11 +381,6 @@ def default_config(m: int, n: int, k: int, world: int, dtype: torch.dtype) -> Ge
     return GemmConfig(128, 256, 64, 8, 3, 8)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and (t.stride(0) * t.element_size()) % 16 == 0)
-
-
 @dataclasses.dataclass
 class _Operands:
     a: torch.Tensor
@@ -444,22 +403,10 @@ def prepare_operands(a: torch.Tensor, b: torch.Tensor) -> _Operands:
     return _Operands(a, b, False, m, n, k)
 
 
-class _Address:
-    """Stands in for a tensor as a cached descriptor's base: its address and dtype are all the
-    compiled launcher reads, and, unlike the tensor, it does not keep the memory alive."""
-    __slots__ = ("address", "dtype")
-
-    def __init__(self, address: int, dtype: torch.dtype):
-        self.address, self.dtype = address, dtype
-
-    def data_ptr(self) -> int:
-        return self.address
-
-
 _descriptor_cache: dict[tuple, object] = {}
 
 
-def _descriptor(t: torch.Tensor, block: list[int], cached: bool):
+def descriptor(t: torch.Tensor, block: list[int], cached: bool):
     """TMA descriptor of a row-major matrix. cached: reuse one built for the same address,
     shape, strides and block (weights always; activations when the caching allocator hands out
     the same block again) -- only for the compiled launcher, which reads nothing but the
@@ -474,30 +421,35 @@ def _descriptor(t: torch.Tensor, block: list[int], cached: bool):
         if len(_descriptor_cache) >= 256:
             _descriptor_cache.clear()
         descriptor = _descriptor_cache[key] = TensorDescriptor(
-            _Address(t.data_ptr(), t.dtype), list(t.shape), list(t.stride()), list(block))
+            DescriptorBase(t.data_ptr(), t.dtype), list(t.shape), list(t.stride()), list(block))
     return descriptor
 
 
 def _descriptors(ops: _Operands, config: GemmConfig, cached: bool = False):
-    if not (_tma_ok(ops.a) and _tma_ok(ops.b)):
+    if not (tma_compatible(ops.a) and tma_compatible(ops.b)):
         return None, None
     block_b = ([config.block_n, config.block_k] if ops.b_transposed
                else [config.block_k, config.block_n])
-    return (_descriptor(ops.a, [config.block_m, config.block_k], cached),
-            _descriptor(ops.b, block_b, cached))
+    return (descriptor(ops.a, [config.block_m, config.block_k], cached),
+            descriptor(ops.b, block_b, cached))
 
 
-def _strides(ops: _Operands) -> tuple[int, int, int, int]:
+def operand_strides(ops: _Operands) -> tuple[int, int, int, int]:
     if ops.b_transposed:  # b holds [N, K]: element (k, n) at n * stride(0) + k
         return ops.a.stride(0), ops.a.stride(1), ops.b.stride(1), ops.b.stride(0)
     return ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1)
 
 
 _gemm_only_counters: dict[int, list] = {}
-# compiled kernel per specialization (see _specialization): after the first call of a shape,
+# compiled kernel per specialization (see specialization_key): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
 _launches: dict[tuple, object] = {}
 _push_descriptor_cache: dict[tuple, tuple] = {}
+
+
+def cached_launches() -> int:
+    """How many compiled launchers are cached (one per specialization: tests check reuse)."""
+    return len(_launches)
 
 
 def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
@@ -517,7 +469,7 @@ def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
     return cached
 
 
-def _specialization(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
+def specialization_key(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
                     constexprs: tuple, warps: int, device_index: int) -> tuple:
     """Everything Triton specializes the kernel on, for the arguments that are not already
     constexpr: exact sizes and strides (so a size or stride equal to 1, which Triton folds into
@@ -583,17 +535,21 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
            out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
            multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
            scope: str = "sys", lag_waves: float | None = None,
-           prepare: bool = False) -> "Replay | None":
+           prepare: bool = False, compile_only: bool = False) -> "Replay | None":
     """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
     `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant.
-    prepare=True returns the launch prepared for repetition (Replay)."""
+    prepare=True returns the launch prepared for repetition (Replay). compile_only=True compiles
+    and loads the kernel this launch would run and returns without launching (virtual ranks
+    load every kernel before any rank spins). The grid fills the SMs the workspace's rank may
+    use (all of them on a real GPU, a W-th with W virtual ranks)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
-    processors = multiprocessors(device.index)
+    processors = (multiprocessors(device.index) if workspace is None or mode == GEMM_ONLY
+                  else workspace.processors)
     m_chunk = ops.m // world
     rounds = triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
     tasks = schedule.task_count(rounds, world, mode in (GEMM_ONLY, GEMM_AND_SIGNAL))
-    use_tma = _tma_ok(ops.a) and _tma_ok(ops.b)
+    use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
     element = ops.a.element_size()
     aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
     if mode == GEMM_ONLY:
@@ -622,7 +578,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
                 and (ops.n * element) % 16 == 0)
     peers = (_push_descriptors(workspace, half, world, m_chunk, ops.n, config, ops.a.dtype)
              if tma_push else (None,) * 8)
-    strides = _strides(ops)
+    strides = operand_strides(ops)
     constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
         GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
@@ -630,7 +586,7 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
         PUSH=push, TMA_PUSH=tma_push)
-    key = _specialization(ops, strides, (part, out, counter, abort), timeout_ns,
+    key = specialization_key(ops, strides, (part, out, counter, abort), timeout_ns,
                           tuple(constexprs.values()), config.warps, device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
 
@@ -642,6 +598,8 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     # compiled (and its occupancy known) before any task is claimed: every program of the grid
     # must be resident at once, since a reduce task waits on tiles other programs produce
     compiled = _compiled(key, arguments(0, 0), constexprs, config.warps, device.index)
+    if compile_only:
+        return None
     programs = max(1, min(processors * min(config.ctas_per_sm, compiled.resident_per_sm), tasks))
     if mode == GEMM_ONLY:
         if state[1] + tasks + programs >= (1 << 30):
@@ -688,8 +646,8 @@ class Replay:
     def __call__(self, ops: _Operands, out: torch.Tensor, epoch: int, task_base: int) -> None:
         args = list(self.template)
         if self.use_tma:
-            args[self._A_DESC] = _descriptor(ops.a, self.block_a, True)
-            args[self._B_DESC] = _descriptor(ops.b, self.block_b, True)
+            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
+            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B], args[self._OUT] = ops.a.data_ptr(), ops.b.data_ptr(), out.data_ptr()
         args[self._TASK_BASE], args[self._EPOCH] = task_base, epoch
         self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)

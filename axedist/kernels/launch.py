@@ -15,10 +15,16 @@ straight to the generated C launcher with integer addresses (no `data_ptr()` cal
 
 The caller owns the specialization: it must pass values that satisfy the compiled signature
 (types, and the arguments declared divisible by 16; it compiles another kernel for others).
+
+Tensor-descriptor (TMA) arguments: Triton's launcher encodes every descriptor into a CUDA tensor
+map on every call. `descriptor_arguments` encodes one once (the caller caches it by address,
+shape, strides and block) and `launch_expanded` passes the encoded arguments straight to the C
+launcher.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -53,6 +59,20 @@ class CompiledLaunch:
         else:  # another Triton layout, or a kernel that needs scratch memory: Triton's launcher
             self._raw = None
             self._launcher = launcher
+        # Triton wraps the C launcher in a Python function that encodes tensor descriptors;
+        # the C function itself takes them encoded (launch_expanded), and scratch memory
+        closure = inspect.getclosurevars(raw).nonlocals if inspect.isfunction(raw) else {}
+        self._c_launch = closure.get("launcher", raw) if hasattr(launcher, "launch_pdl") else None
+        if self._c_launch is not None:
+            self._cooperative = bool(launcher.launch_cooperative_grid)
+            self._pdl = bool(launcher.launch_pdl)
+        self.scratch_bytes = getattr(compiled.metadata, "global_scratch_size", 0) or 0
+        signature = list(getattr(compiled.src, "signature", {}).values())
+        self.descriptor_positions = [i for i, kind in enumerate(signature)
+                                     if isinstance(kind, str) and kind.startswith("tensordesc")]
+        meta = getattr(compiled.metadata, "tensordesc_meta", None) or \
+            [None] * len(self.descriptor_positions)
+        self._descriptor_meta = dict(zip(self.descriptor_positions, meta))
 
     def __call__(self, grid: int, stream: int, args: tuple) -> None:
         if self._raw is not None:
@@ -61,6 +81,26 @@ class CompiledLaunch:
         else:
             self._launcher(grid, 1, 1, stream, self.function, self.metadata, None, None, None,
                            *args, *self.constexpr_values)
+
+    def descriptor_arguments(self, position: int, descriptor) -> list:
+        """What the C launcher takes for the tensor-descriptor argument at `position` (the
+        CUDA tensor map encoded from `descriptor`, then its shape and strides); encode once,
+        reuse for every call on the same memory."""
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        return make_tensordesc_arg(descriptor, self._descriptor_meta[position])
+
+    def launch_expanded(self, grid: int, stream: int, args: list, scratch: int | None = None):
+        """Launch with the runtime arguments in the C launcher's form: every tensor-descriptor
+        argument replaced by its descriptor_arguments, everything else an int or None.
+        scratch: the address of grid * scratch_bytes of global scratch memory, for a kernel
+        that needs it (device-built TMA descriptors)."""
+        if self._c_launch is None:
+            raise RuntimeError(f"{self.name}: another Triton launcher layout; launch_expanded "
+                               f"cannot run it")
+        if self.scratch_bytes and scratch is None:
+            raise ValueError(f"{self.name} needs {self.scratch_bytes} bytes of scratch per program")
+        self._c_launch(grid, 1, 1, stream, self.function, self._cooperative, self._pdl, scratch,
+                       None, self.metadata, None, None, None, *args, *self.constexpr_values)
 
     def __repr__(self) -> str:
         return f"CompiledLaunch({self.name}, {self.compiled.metadata.target}, " \

@@ -1,17 +1,20 @@
 """Torch ops on axedist DTensors: sharding rules per op family, and the dispatcher.
 
-Importing this package registers every family's rules (``registry.RULES``).
+Importing this package registers every family's rules (``registry.RULES``). The dispatcher
+(``dispatcher.OpDispatcher``) is created by the tensor class, which passes itself in: nothing
+here imports ``axedist.dtensor``.
 """
 
 from importlib import import_module
 
+from .call_plan import DispatchError
 from .registry import RULES, ArgSpec, OpCall, Sharding, register, rule_for
 
-# One module per op family (STYLE: rules registered per family, not one switch).
+# One module per op family (rules registered per family, not one switch).
 FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm",
             "embedding", "loss", "attention", "random")
 
 for _family in FAMILIES:
     import_module(f".{_family}", __name__)
 
-__all__ = ["RULES", "ArgSpec", "OpCall", "Sharding", "register", "rule_for", "FAMILIES"]
+__all__ = ["RULES", "ArgSpec", "OpCall", "Sharding", "register", "rule_for", "FAMILIES", "DispatchError"]

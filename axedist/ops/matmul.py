@@ -27,11 +27,10 @@ import math
 
 import torch
 
-from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
 aten = torch.ops.aten
-
-_LINEAR = ("sum", "avg")
 
 
 def _cost(current, wanted, numel: int) -> float:
@@ -71,7 +70,7 @@ def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
         pb = b.placements[axis] if b.placements is not None else None
         options = list(_candidates(batched))
         for p, other_first in ((pa, True), (pb, False)):
-            if isinstance(p, Partial) and p.reduce_op in _LINEAR:
+            if isinstance(p, Partial) and p.reduce_op in LINEAR_REDUCE_OPS:
                 options.append((p, Replicate(), p) if other_first else (Replicate(), p, p))
         # cheapest first; among equals, the one that changes fewest operands (R x R stays R)
         best = min(options, key=lambda c: (_cost(pa, c[0], math.prod(a.shape)) + _cost(pb, c[1], math.prod(b.shape)),
@@ -96,17 +95,15 @@ def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
     if (a.placements is not None or b.placements is None or not b.is_replicated() or a.reduce_op
             or spec is None or spec.padded != spec.shape or spec.true_index):
         return None
-    from ..layout import Iter, Layout, LayoutError
-
     try:
         rows, cols = a.layout.blocks(spec.shape)
     except LayoutError:
         return None
     k = spec.shape[1]
-    if any(it.axis != "m" for it in cols) or len(cols) != 1 or cols[0].stride != 1 or cols[0].extent != k:
+    if any(it.axis != MEMORY_AXIS for it in cols) or len(cols) != 1 or cols[0].stride != 1 or cols[0].extent != k:
         return None  # the contraction dim is not whole and innermost in every local tensor
-    shard = [Iter(it.extent, it.stride // k * n if it.axis == "m" else it.stride, it.axis) for it in rows]
-    if any(it.axis == "m" and it.stride % k for it in rows):
+    shard = [Iter(it.extent, it.stride // k * n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in rows]
+    if any(it.axis == MEMORY_AXIS and it.stride % k for it in rows):
         return None
     return Layout(shard + [Iter(n, 1)], a.layout.replica, a.layout.offset)
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
-from .reduction import _accumulation_dtype
+from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
 
@@ -71,7 +71,7 @@ def softmax_rule(call: OpCall) -> Sharding:
     def local(call_, t, *args, **kwargs):
         group = call_.mesh.group(axes)
         out_dtype = torch.float32 if half_to_float else t.dtype
-        work = t.to(_accumulation_dtype(out_dtype))
+        work = t.to(accumulation_dtype(out_dtype))
         if work.shape[d]:
             top = work.amax(d, keepdim=True)
         else:
@@ -105,7 +105,7 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
 
     def local(call_, g, y, *args, **kwargs):
         group = call_.mesh.group(axes)
-        acc = _accumulation_dtype(input_dtype)
+        acc = accumulation_dtype(input_dtype)
         g, y = g.to(acc), y.to(acc)
         if log:
             total = g.sum(d, keepdim=True)
@@ -186,7 +186,7 @@ def _rms_norm_backward_formula(grad, x, normalized_shape, rstd, weight, output_m
     ``grad_x = rstd * (gw - xhat * mean(gw * xhat))`` over the normalized dims, and
     ``grad_weight = sum over the leading dims of grad * xhat``."""
     dims = list(range(x.dim() - len(normalized_shape), x.dim()))
-    acc = _accumulation_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     g, xs, r = grad.to(acc), x.to(acc), rstd.to(acc)
     xhat = xs * r
     gw = g * weight.to(acc) if weight is not None else g

@@ -28,7 +28,8 @@ import math
 
 import torch
 
-from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from ..spec import REDUCE_OPS
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
 aten = torch.ops.aten
 
@@ -52,7 +53,6 @@ _LINEAR_ONE = {aten.mul.Tensor: (0, 1), aten.mul_.Tensor: (0,), aten.mul.Scalar:
                aten.tanh_backward.default: (0,), aten.gelu_backward.default: (0,),
                aten.silu_backward.default: (0,), aten.hardtanh_backward.default: (0,),
                aten.leaky_relu_backward.default: (0,)}
-_LINEAR_REDUCE_OPS = ("sum", "avg")
 
 # In-place ops on a pending self that the summands can carry exactly (the other tensor
 # arguments not pending on that axis): "shift" self += c, "fill" self[mask] = v (sum: on one
@@ -64,7 +64,7 @@ _INPLACE_KINDS = {aten.add_.Tensor: "shift", aten.add_.Scalar: "shift", aten.sub
                   aten.mul_.Scalar: "scale", aten.div_.Scalar: "scale", aten.mul_.Tensor: "scale",
                   aten.div_.Tensor: "scale", aten.clamp_.default: "monotone",
                   aten.clamp_min_.default: "monotone", aten.clamp_max_.default: "monotone"}
-_KIND_OPS = {"shift": ("sum", "avg", "max", "min"), "fill": ("sum", "avg", "max", "min"), "scale": ("max", "min"),
+_KIND_OPS = {"shift": REDUCE_OPS, "fill": REDUCE_OPS, "scale": ("max", "min"),
              "monotone": ("max", "min")}
 
 
@@ -96,7 +96,7 @@ def _partial_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
     if not any(partial):
         return None
     ops = {t.placements[axis_index].reduce_op for t, p in zip(tensors, partial) if p}
-    if len(ops) != 1 or next(iter(ops)) not in _LINEAR_REDUCE_OPS:
+    if len(ops) != 1 or next(iter(ops)) not in LINEAR_REDUCE_OPS:
         return None
     func = call.func
     if func in _LINEAR_ALL and all(partial):

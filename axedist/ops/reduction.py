@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
-from .registry import ArgSpec, OpCall, Sharding, register
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
-from .tensor_ops import _arg, is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
+from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
 
@@ -122,8 +122,8 @@ def _group(call: OpCall, axes):
 def _whole_or_dims(call: OpCall, x, whole_overload) -> tuple:
     """(dims, keepdim, dtype) of ``op(x, dtype=)`` (the whole tensor) or ``op(x, dim, keepdim, dtype=)``."""
     if call.func is whole_overload:
-        return reduced_dims(x.ndim, None), False, _arg(call, 1, "dtype")
-    return reduced_dims(x.ndim, _arg(call, 1, "dim")), _arg(call, 2, "keepdim", False), _arg(call, 3, "dtype")
+        return reduced_dims(x.ndim, None), False, call.arg(1, "dtype")
+    return reduced_dims(x.ndim, call.arg(1, "dim")), call.arg(2, "keepdim", False), call.arg(3, "dtype")
 
 
 @register(aten.sum.default, aten.sum.dim_IntList)
@@ -179,8 +179,8 @@ def amax_rule(call: OpCall) -> Sharding:
     """``x.amax(1)`` of ``[Shard(1)]`` -> ``[Partial("max")]`` (no communication)."""
     x = call.args[0]
     kind = "max" if call.func is aten.amax.default else "min"
-    dims = reduced_dims(x.ndim, _arg(call, 1, "dim", []))
-    keepdim = _arg(call, 2, "keepdim", False)
+    dims = reduced_dims(x.ndim, call.arg(1, "dim", []))
+    keepdim = call.arg(2, "keepdim", False)
     fn = torch.amax if kind == "max" else torch.amin
     return _extreme_rule(call, kind, dims, keepdim, lambda t: fn(t, dims, keepdim))
 
@@ -235,7 +235,7 @@ def max_dim_rule(call: OpCall) -> Sharding:
     """``x.max(1)`` of (4, 10) ``[Shard(1)]``: values and global indices, ``[Replicate()]``
     (two small all-reduces of the (4,) results instead of gathering ``x``)."""
     x, dim = call.args[0], call.args[1]
-    keepdim = _arg(call, 2, "keepdim", False)
+    keepdim = call.arg(2, "keepdim", False)
     kind = "max" if call.func is aten.max.dim else "min"
     d = dim % max(x.ndim, 1)
     plan = _Plan(x, [d] if x.ndim else [], keepdim, None, exact_shards=True)
@@ -255,7 +255,7 @@ def argmax_rule(call: OpCall) -> Sharding:
     """``x.argmax(1)`` of ``[Shard(1)]``: global indices, replicated over the shard axes.
     ``x.argmax()`` (flattened) gathers a sharded ``x`` first."""
     x = call.args[0]
-    dim, keepdim = _arg(call, 1, "dim"), _arg(call, 2, "keepdim", False)
+    dim, keepdim = call.arg(1, "dim"), call.arg(2, "keepdim", False)
     kind = "max" if call.func is aten.argmax.default else "min"
     if dim is None or x.ndim == 0:
         target = tuple(Replicate() for _ in placements_of(x))
@@ -325,8 +325,8 @@ def any_all_rule(call: OpCall) -> Sharding:
     if call.func in (aten.any.default, aten.all.default):
         dims, keepdim = list(range(x.ndim)), False
     else:
-        dims = reduced_dims(x.ndim, _arg(call, 1, "dim"), empty_means_all=False)
-        keepdim = _arg(call, 2, "keepdim", False)
+        dims = reduced_dims(x.ndim, call.arg(1, "dim"), empty_means_all=False)
+        keepdim = call.arg(2, "keepdim", False)
 
     def compute(t, group):
         value = t.bool()
@@ -342,7 +342,8 @@ def any_all_rule(call: OpCall) -> Sharding:
     return _combined_rule(call, x, dims, keepdim, compute)
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reduction of ``dtype`` sums in: float32 for float16/bfloat16, else ``dtype``."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -352,7 +353,7 @@ def var_rule(call: OpCall) -> Sharding:
     local squared deviations from it; divide by ``10 - correction``. ``[Replicate()]``."""
     x = call.args[0]
     name = call.func._overloadpacket.__name__
-    dims = reduced_dims(x.ndim, _arg(call, 1, "dim"))
+    dims = reduced_dims(x.ndim, call.arg(1, "dim"))
     correction = call.kwargs.get("correction")
     correction = 1 if correction is None else correction
     keepdim = call.kwargs.get("keepdim", False)
@@ -369,7 +370,7 @@ def var_rule(call: OpCall) -> Sharding:
     def local(call_, t, *args, **kwargs):
         group = _group(call_, axes)
         real = t.real.dtype if t.is_complex() else t.dtype
-        work = t.to(_accumulation_dtype(t.dtype))
+        work = t.to(accumulation_dtype(t.dtype))
         total = work.sum(dims, keepdim=True)
         dist.all_reduce(total, group=group)
         mean = total / count
@@ -391,13 +392,13 @@ def logsumexp_rule(call: OpCall) -> Sharding:
     """``x.logsumexp(1)`` of ``[Shard(1)]``: all-reduce the local max, then the sums of
     ``exp(x - max)``; ``[Replicate()]``."""
     x, dim = call.args[0], call.args[1]
-    keepdim = _arg(call, 2, "keepdim", False)
+    keepdim = call.arg(2, "keepdim", False)
     dims = reduced_dims(x.ndim, dim)
 
     def compute(t, group):
         if group is None:
             return torch.logsumexp(t, dims, keepdim=keepdim)
-        work = t.to(_accumulation_dtype(t.dtype)) if t.is_floating_point() else t.double()
+        work = t.to(accumulation_dtype(t.dtype)) if t.is_floating_point() else t.double()
         if work.numel():
             top = work.amax(dims, keepdim=True)
         else:
@@ -424,9 +425,9 @@ def vector_norm_rule(call: OpCall) -> Sharding:
     replicated. (10,) ``[Shard(0)]`` on 4 ranks, p = 2: each rank sums 3, 3, 3, 1 squares.
     """
     x = call.args[0]
-    ord_ = float(_arg(call, 1, "ord", 2))
-    dims = reduced_dims(x.ndim, _arg(call, 2, "dim"))
-    keepdim = _arg(call, 3, "keepdim", False)
+    ord_ = float(call.arg(1, "ord", 2))
+    dims = reduced_dims(x.ndim, call.arg(2, "dim"))
+    keepdim = call.arg(3, "keepdim", False)
     dtype = call.kwargs.get("dtype")
     pending = {1.0: "sum", 0.0: "sum", math.inf: "max", -math.inf: "min"}.get(ord_)
     plan = _Plan(x, dims, keepdim, pending, keeps=())  # |a + b| != |a| + |b|: reduce inputs first
@@ -449,7 +450,7 @@ def vector_norm_rule(call: OpCall) -> Sharding:
             return (magnitude != 0).to(real).sum(dims, keepdim=keepdim)
         if ord_ == 1:
             return magnitude.sum(dims, keepdim=keepdim)
-        acc = _accumulation_dtype(real)
+        acc = accumulation_dtype(real)
         total = magnitude.to(acc).pow(ord_).sum(dims, keepdim=keepdim)
         dist.all_reduce(total, group=_group(call_, axes))
         return total.pow(1.0 / ord_).to(real)
@@ -466,14 +467,14 @@ def vector_norm_rule(call: OpCall) -> Sharding:
 def scan_rule(call: OpCall) -> Sharding:
     """``x.cumsum(1)``: dim 1 whole on each device (gathered if sharded), the others kept;
     a pending sum stays pending for cumsum (it is linear)."""
-    x, dim = call.args[0], _arg(call, 1, "dim")
+    x, dim = call.args[0], call.arg(1, "dim")
     places = unshard(placements_of(x), [dim], x.ndim)
     if call.func is aten.cumprod.default:
         places = without_partial(places)
     else:
-        places = tuple(p if not isinstance(p, Partial) or p.reduce_op in ("sum", "avg") else Replicate()
+        places = tuple(p if not isinstance(p, Partial) or p.reduce_op in LINEAR_REDUCE_OPS else Replicate()
                        for p in places)
     return Sharding(inputs=[places], outputs=places)
 
 
-__all__ = ["reduced_dims"]
+__all__ = ["reduced_dims", "accumulation_dtype"]

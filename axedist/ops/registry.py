@@ -9,7 +9,7 @@ data) and returns a :class:`Sharding`:
     ... def mm(call):                                   # x: [Shard(1)], w: [Shard(0)]
     ...     return Sharding(inputs=([Shard(1)], [Shard(0)]), outputs=[Partial()])
 
-The dispatcher (``ops/dispatch.py``) redistributes each DTensor argument to the rule's
+The dispatcher (``ops/dispatcher.py``) redistributes each DTensor argument to the rule's
 ``inputs`` (``None``: leave it as it is), runs the op on the local tensors (or the rule's
 ``local`` function), and wraps the results with ``outputs``. Rules are pure: they never
 communicate, so their results are cached per (op, argument specs).
@@ -30,10 +30,14 @@ from torch.distributed.tensor.placement_types import Placement
 from ..layout import Layout
 from ..mesh import DeviceMesh
 
-__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "RULES",
+__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "RULES", "LINEAR_REDUCE_OPS",
            "Partial", "Replicate", "Shard"]
 
 Placements = tuple[Placement, ...]
+
+# The pending reductions a linear map commutes with: f(sum of summands) = sum of f(summand),
+# the same for avg; so p + q, p * 2, p @ w keep such a pending value pending.
+LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,13 @@ class OpCall:
     def specs(self) -> list[ArgSpec]:
         """The ArgSpecs in argument order (args, then kwargs; lists flattened)."""
         return self.leaves()
+
+    def arg(self, index: int, name: str, default=None):
+        """The argument at position ``index``, else the keyword ``name``, else ``default``:
+        ``call.arg(2, "keepdim", False)`` of ``x.sum(1)`` is False."""
+        if len(self.args) > index:
+            return self.args[index]
+        return self.kwargs.get(name, default)
 
 
 @dataclass

@@ -226,19 +226,13 @@ def unbind_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------
 
 
-def _arg(call: OpCall, index: int, name: str, default=None):
-    if len(call.args) > index:
-        return call.args[index]
-    return call.kwargs.get(name, default)
-
-
 @register(aten.slice.Tensor)
 def slice_rule(call: OpCall) -> Sharding:
     """``x[:, 1:4]`` of ``[Shard(0)]`` stays ``[Shard(0)]``; ``x[1:4]`` gathers dim 0 first
     (unless the slice keeps the dim whole, like ``x[0:]``)."""
     x = call.args[0]
-    dim, start, end, step = (_arg(call, 1, "dim", 0), _arg(call, 2, "start"), _arg(call, 3, "end"),
-                             _arg(call, 4, "step", 1))
+    dim, start, end, step = (call.arg(1, "dim", 0), call.arg(2, "start"), call.arg(3, "end"),
+                             call.arg(4, "step", 1))
     d = dim % x.ndim
     places = placements_of(x)
     if not is_full_range(x.shape[d], start, end, step):

@@ -25,6 +25,7 @@ import torch
 from ..layout import Iter, Layout, LayoutError, row_major_memory
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .specs import expected_local_shape, spec_of
 
 aten = torch.ops.aten
 
@@ -95,11 +96,9 @@ def _local_reshape(out_placements_or_layout, out_shape, mesh, reduce_op=None):
     """The local function: reshape this rank's piece to its local shape under the output."""
     @functools.lru_cache(maxsize=None)
     def local_shape():
-        from .dispatch import _expected_local_shape, _spec_of
-
         target = out_placements_or_layout
-        spec = target if isinstance(target, DTensorSpec) else _spec_of(out_shape, mesh, target)
-        shape = _expected_local_shape(spec, None if not isinstance(target, tuple) else target)
+        spec = target if isinstance(target, DTensorSpec) else spec_of(out_shape, mesh, target)
+        shape = expected_local_shape(spec, None if not isinstance(target, tuple) else target)
         return shape[1:] if spec.reduce_op else shape
 
     def local(call, x, *args, **kwargs):
@@ -216,9 +215,7 @@ def expand(call: OpCall) -> Sharding:
 
     @functools.lru_cache(maxsize=None)
     def local_shape():
-        from .dispatch import _expected_local_shape, _spec_of
-
-        shape = _expected_local_shape(_spec_of(new, mesh, out), out)
+        shape = expected_local_shape(spec_of(new, mesh, out), out)
         return shape[1:] if any(isinstance(p, Partial) for p in out) else shape
 
     def local(call_, x, *args, **kwargs):

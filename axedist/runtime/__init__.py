@@ -1,4 +1,5 @@
-"""Runtime: run planned routes with ``torch.distributed`` and ``axedist.collectives``.
+"""Runtime: run planned routes with ``torch.distributed`` and ``axedist.collectives``; the
+deferred GEMM (``deferred.py``) that a row reduce-scatter may run fused.
 
     y_local = redistribute_local(x_local, src_spec, dst_spec)   # plan_redistribute (cached), then run it
 """

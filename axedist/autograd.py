@@ -1,0 +1,153 @@
+"""The differentiable moves of a DTensor: from and to local tensors, between layouts, from a global tensor.
+
+Each function takes the DTensor class (or a DTensor) from its caller, so this module never
+imports ``axedist.dtensor``. Gradients go back where the input was: ``redistribute`` of a
+``(Shard(0),)`` tensor to ``(Replicate(),)`` sends its ``(Replicate(),)`` gradient back to
+``(Shard(0),)``; a pending sum's gradient is replicated on its axes (d sum / d summand = 1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from .runtime import redistribute_local
+from .layout import LayoutError
+from .runtime.deferred import DeferredGemm, fused_reduce_scatter
+from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
+
+__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute"]
+
+
+def requires_grad(dt) -> bool:
+    """``dt.requires_grad`` without a trip through ``__torch_function__`` (a getter costs ~2 us
+    there; DTensor's own methods read it on every call)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return dt.requires_grad
+
+
+def from_local(cls, local: torch.Tensor, spec: DTensorSpec, unsqueeze: bool):
+    """A ``cls`` DTensor in ``spec`` holding ``local`` (``unsqueeze``: add the summand dim of a
+    placements ``Partial``); the gradient of ``local`` is the DTensor gradient's piece."""
+    if local.requires_grad and torch.is_grad_enabled():
+        return _FromLocal.apply(cls, local, spec, unsqueeze)
+    return cls(local.unsqueeze(0) if unsqueeze else local, spec)
+
+
+def to_local(dt) -> torch.Tensor:
+    """``dt``'s local tensor; its gradient comes back as a DTensor in ``dt``'s layout."""
+    if torch.is_grad_enabled() and requires_grad(dt):
+        return _ToLocal.apply(dt)
+    return dt._local
+
+
+def redistribute(dt, dst: DTensorSpec, async_op: bool = False):
+    """``dt`` moved to ``dst`` (differentiable: the gradient goes back to ``dt``'s layout)."""
+    if torch.is_grad_enabled() and requires_grad(dt):
+        return _Redistribute.apply(dt, dst, async_op)
+    return move(dt, dst, async_op)
+
+
+def move(dt, dst: DTensorSpec, async_op: bool = False):
+    """``dt`` moved to ``dst``, outside autograd: a deferred product's row reduce-scatter runs
+    fused where it can; ``async_op`` returns at once and waits on the first use of the data."""
+    cls = type(dt)
+    pending = dt._pending
+    if isinstance(pending, DeferredGemm) and pending.value is None:
+        fused = fused_reduce_scatter(dt._spec, pending, dst)
+        if fused is not None:
+            return cls(fused, dst)
+    if async_op:
+        pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
+        placeholder = torch.empty(0, dtype=dt.dtype, device=dt.mesh.device)
+        return cls(placeholder, dst, pending=pending)
+    return cls(redistribute_local(dt._local, dt._spec, dst), dst)
+
+
+def distribute(cls, tensor: torch.Tensor, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec):
+    """``local`` (``tensor``'s data where ``src`` holds it) moved to a ``cls`` DTensor in ``dst``.
+    With ``tensor.requires_grad``, every rank reads ``tensor`` as the same global tensor, so each
+    rank's gradient is the whole (replicated) gradient."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _Distribute.apply(cls, tensor, local, src, dst)
+    return cls(redistribute_local(local, src, dst), dst)
+
+
+def _grad_spec(spec: DTensorSpec) -> DTensorSpec:
+    """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
+    reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
+    if not spec.reduce_op:
+        return spec
+    try:
+        placements = placements_of(spec)
+    except LayoutError:
+        return make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
+    return spec_from_placements(spec.shape, spec.mesh,
+                                [Replicate() if isinstance(p, Partial) else p for p in placements])
+
+
+def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch.Tensor:
+    """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient."""
+    if not isinstance(grad, cls):
+        raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
+    if spec.reduce_op and not placements_partial:
+        # a layout with summands held locally: every summand's gradient is the whole gradient
+        full_spec = make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
+        full = redistribute_local(grad._local, grad._spec, full_spec)
+        lead = (spec.summands,)
+        expanded = full.unsqueeze(0).expand(lead + tuple(spec.shape)).contiguous()
+        src = make_spec(spec.mesh, replicated_layout(lead + spec.shape, spec.mesh), lead + spec.shape)
+        dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
+                        true_index=((None,) + spec.true_index) if spec.true_index else None)
+        return redistribute_local(expanded, src, dst)
+    target = _grad_spec(spec)
+    local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
+    return local[0] if target.reduce_op else local
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cls, local, spec, unsqueeze):
+        ctx.cls, ctx.spec, ctx.unsqueeze = cls, spec, unsqueeze
+        return cls(local.unsqueeze(0) if unsqueeze else local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _grad_local(ctx.cls, grad, ctx.spec, ctx.unsqueeze), None, None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt):
+        ctx.cls, ctx.spec = type(dt), dt._spec
+        return dt._local.view_as(dt._local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.cls(grad.contiguous(), ctx.spec)
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, dst, async_op):
+        ctx.cls, ctx.src = type(dt), dt._spec
+        return move(dt, dst, async_op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        target = _grad_spec(ctx.src)
+        if grad._spec == target:
+            return grad, None, None
+        return ctx.cls(redistribute_local(grad._local, grad._spec, target), target), None, None
+
+
+class _Distribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, cls, tensor, local, src, dst):
+        ctx.cls, ctx.shape, ctx.mesh = cls, tuple(tensor.shape), dst.mesh
+        return cls(redistribute_local(local.detach(), src, dst), dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = make_spec(ctx.mesh, replicated_layout(ctx.shape, ctx.mesh), ctx.shape)
+        return None, _grad_local(ctx.cls, grad, full, False), None, None, None

@@ -1,0 +1,431 @@
+"""One op call on DTensors read as data: its DTensors and key (unwrap), and its rule's answer
+turned into a :class:`CallPlan` (propagate) that the dispatcher caches and runs.
+
+``a + b`` with ``a`` in ``[Shard(0)]`` and ``b`` in ``[Replicate()]``, shape ``(8, 6)``, 4 ranks:
+:func:`scan` gives ``[a, b]``, their mesh and a hashable key; :func:`plan_call` asks the rule for
+``aten.add.Tensor`` (``ops/pointwise.py``) and records ``b``'s target ``[Shard(0)]``, the output
+``[Shard(0)]`` with local shape ``(2, 6)`` (the op run once on meta tensors of the global
+shapes gives the global output shape), and the routes the dispatcher may take on later calls.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from ..layout import Layout
+from ..spec import DTensorSpec
+from .registry import ArgSpec, OpCall, Sharding, rule_for
+from .specs import expected_local_shape, placements_or_none, spec_of
+
+__all__ = ["DispatchError", "PlainTensorError", "OpInfo", "op_info", "functional_of", "decomposable",
+           "writes_first", "FOREACH_INFO", "FOREACH_WRITE", "written", "SCALAR_TYPES", "scan", "replace_dtensors",
+           "OutSpec", "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
+
+aten = torch.ops.aten
+
+
+class DispatchError(RuntimeError):
+    """An op on DTensors that cannot run as called (mixed meshes, plain tensors, a rule's mistake)."""
+
+
+class PlainTensorError(DispatchError):
+    """A plain tensor with dims among DTensor arguments (maybe a constant the dispatcher can adopt)."""
+
+
+# ---------------------------------------------------------------------------
+# Per-op facts read from the schema (cached)
+# ---------------------------------------------------------------------------
+
+
+class OpInfo:
+    """What an op writes: ``add_.Tensor`` is ``inplace``; ``add.out`` has ``out_names == ("out",)``."""
+
+    __slots__ = ("inplace", "out_names", "written", "foreach")
+
+    def __init__(self, inplace: bool, out_names: tuple[str, ...], written: tuple[int, ...], foreach: bool):
+        self.inplace = inplace        # writes its first (positional) argument and returns it
+        self.out_names = out_names    # kwarg-only written arguments (the out= variant)
+        self.written = written        # positional indices of other written arguments
+        self.foreach = foreach
+
+
+@functools.lru_cache(maxsize=None)
+def op_info(func) -> OpInfo:
+    schema = func._schema
+    written_at = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    out_names = tuple(schema.arguments[i].name for i in written_at if schema.arguments[i].kwarg_only)
+    positional = tuple(i for i in written_at if not schema.arguments[i].kwarg_only)
+    inplace = positional[:1] == (0,) and not out_names
+    return OpInfo(inplace, out_names, positional[1:] if inplace else positional,
+                  schema.name.startswith("aten::_foreach_"))
+
+
+FOREACH_INFO = OpInfo(False, (), (), True)
+FOREACH_WRITE = OpInfo(False, (), (0,), True)
+
+
+@functools.lru_cache(maxsize=None)
+def functional_of(func):
+    """The overload of ``func``'s packet with the same non-out arguments and no writes
+    (``add.out`` -> ``add.Tensor``), or None."""
+    schema = func._schema
+    wanted = [(a.name, str(a.type)) for a in schema.arguments if not (a.alias_info and a.alias_info.is_write)]
+    packet = func._overloadpacket
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        args = candidate._schema.arguments
+        if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+            continue
+        if [(a.name, str(a.type)) for a in args] == wanted:
+            return candidate
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def decomposable(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+@functools.lru_cache(maxsize=None)
+def writes_first(func) -> bool:
+    a = func._schema.arguments[0]
+    return a.alias_info is not None and a.alias_info.is_write
+
+
+def written(args, kwargs, info: OpInfo) -> list:
+    """The written positional arguments other than an in-place op's self (lists flattened)."""
+    out = []
+    for i in info.written:
+        if i < len(args):
+            out.extend(args[i] if isinstance(args[i], (list, tuple)) else [args[i]])
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Unwrap: the DTensors of a call
+# ---------------------------------------------------------------------------
+
+
+# The plain argument types a cache key holds by value (with their type): ``x * 2.0`` keys on
+# (float, 2.0). Other arguments make a call uncacheable on the fast routes.
+SCALAR_TYPES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.device, torch.memory_format,
+                          torch.layout, complex})
+
+
+def scan(cls, func, args, kwargs):
+    """The ``cls`` DTensors (in ``OpCall.specs`` order), their mesh, and a hashable key of the
+    call (None if some argument is unhashable). Raises for plain non-scalar tensors and mixed meshes."""
+    found: list = []
+    key: list = [func]
+    hashable = [True]
+    mesh = [None]
+
+    def item(value, where):
+        if isinstance(value, cls):
+            spec = value._spec
+            if mesh[0] is None:
+                mesh[0] = spec.mesh
+            elif spec.mesh is not mesh[0] and spec.mesh != mesh[0]:
+                raise DispatchError(f"{func}: {where} is on mesh {spec.mesh}, another argument on {mesh[0]}; "
+                                    f"an op needs all its DTensors on one mesh")
+            found.append(value)
+            return (spec, value.dtype, value.stride())
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                return ("scalar", value.dtype, value.device.type)
+            raise PlainTensorError(f"{func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} mixed "
+                                   f"with axedist DTensors; distribute it first (ax.distribute or "
+                                   f"DTensor.from_local)")
+        if isinstance(value, (list, tuple)):
+            return (type(value).__name__,) + tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+        try:
+            hash(value)
+        except TypeError:
+            hashable[0] = False
+            return None
+        return value
+
+    names = [a.name for a in func._schema.arguments]
+    for i, value in enumerate(args):
+        key.append(item(value, f"argument {names[i] if i < len(names) else i!r}"))
+    for name in kwargs:
+        key.append((name, item(kwargs[name], f"argument {name!r}")))
+    return found, mesh[0], (tuple(key) if hashable[0] else None)
+
+
+def _replace(cls, value, convert):
+    if isinstance(value, cls):
+        return convert(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (cls, list, tuple)) for v in value):
+        return type(value)(_replace(cls, v, convert) for v in value)
+    return value
+
+
+def replace_dtensors(cls, args, kwargs, convert):
+    """``args``, ``kwargs`` with every ``cls`` DTensor (also inside lists) replaced by ``convert(dtensor)``."""
+    return (tuple(_replace(cls, a, convert) for a in args), {k: _replace(cls, v, convert) for k, v in kwargs.items()})
+
+
+# ---------------------------------------------------------------------------
+# The plan of one call and its routes
+# ---------------------------------------------------------------------------
+
+
+class OutSpec:
+    """One output: its spec (None for a non-tensor output), this rank's local shape, its global
+    stride (None: contiguous), and whether the local result gains the summand dim (a pending sum)."""
+
+    __slots__ = ("spec", "local_shape", "stride", "unsqueeze")
+
+    def __init__(self, spec, local_shape, stride):
+        self.spec, self.local_shape, self.stride = spec, torch.Size(local_shape), stride
+        self.unsqueeze = spec is not None and bool(spec.reduce_op)
+
+
+_NO_OUTPUT = OutSpec(None, (), ())
+
+
+class Slot:
+    """A DTensor argument at ``position``: moved to ``target`` (None: kept), and whether its
+    local tensor loses the summand dim of extent 1 (``strip``: a kept pending sum)."""
+
+    __slots__ = ("position", "target", "strip")
+
+    def __init__(self, position: int, target, strip: bool):
+        self.position, self.target, self.strip = position, target, strip
+
+
+class FastForm:
+    """A call whose DTensors are all top-level positional arguments and whose other arguments
+    are scalars: its argument ``slots``, the output (None: in-place, the result is ``self``) and
+    the rule's ``local`` function (None: the op itself)."""
+
+    __slots__ = ("slots", "out", "local")
+
+    def __init__(self, slots: tuple[Slot, ...], out: OutSpec | None, local):
+        self.slots, self.out, self.local = slots, out, local
+
+
+class PlainRoute:
+    """The plainest cached case, "the op on the local tensors, wrapped": the DTensors at
+    ``positions`` stay where they are, ``op`` is the aten op's C++ callable, and the output goes
+    in ``spec`` with ``tag``. A deferrable GEMM (``defer``) takes it only where the dispatcher
+    would not defer it."""
+
+    __slots__ = ("positions", "op", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer")
+
+    def __init__(self, positions, op, out: OutSpec, dtype, tag, defer: bool):
+        self.positions, self.op, self.spec, self.local_shape = positions, op, out.spec, out.local_shape
+        self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
+
+
+class CallPlan:
+    """What the dispatcher does for calls with this key: move each DTensor to its ``targets``
+    entry (None: keep it), run the op (or ``sharding.local``), wrap per ``outputs``."""
+
+    __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain")
+
+    def __init__(self, call: OpCall, sharding: Sharding, targets: list, outputs: list, structure: str,
+                 defer: bool, fast: FastForm | None, reduce_self, plain: PlainRoute | None):
+        self.call, self.sharding, self.targets, self.outputs = call, sharding, targets, outputs
+        self.structure = structure      # "single", "tuple", "list", "none"
+        self.defer = defer              # mm/addmm giving a pending sum: the local GEMM may wait
+        self.fast = fast
+        self.reduce_self = reduce_self  # in-place op on a pending value it cannot keep: self's spec reduced
+        self.plain = plain
+
+    def __repr__(self) -> str:
+        return f"CallPlan({self.call.func}: {self.sharding})"
+
+
+# mm/addmm whose output is a pending sum over one mesh axis may run later (runtime/deferred.py):
+# redistributing the result to row shards on that axis then runs the fused GEMM + reduce-scatter.
+DEFERRABLE = (aten.mm.default, aten.addmm.default)
+
+
+def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) -> CallPlan | None:
+    """The plan of ``func(*args, **kwargs)`` (``dts`` its DTensors, ``specs`` their ArgSpecs),
+    or None when no rule answers; ``tag_for(spec, dtype, stride)`` tags the plainest route's output."""
+    rule = rule_for(func)
+    if rule is None:
+        return None
+    iterator = iter(specs)
+    spec_args, spec_kwargs = replace_dtensors(cls, args, kwargs, lambda d: next(iterator))
+    call = OpCall(func, spec_args, spec_kwargs, mesh)
+    sharding = rule(call)
+    if sharding is None:  # a rule may decline (e.g. a layout it cannot reason about): gather
+        return None
+    if len(sharding.inputs) != len(dts):
+        raise DispatchError(f"{func}: rule {rule.__name__} gave {len(sharding.inputs)} input placements for "
+                            f"{len(dts)} DTensor arguments ({specs})")
+    targets = _input_targets(func, rule, dts, specs, sharding, mesh)
+    reduce_self = _reduce_self(func, rule, args, kwargs, dts, specs, sharding, targets, info)
+    if reduce_self is not None:
+        targets = [None if d is args[0] else t for d, t in zip(dts, targets)]
+    flat, structure = _meta_result(cls, func, args, kwargs, sharding)
+    entries = _normalize_outputs(sharding.outputs, len(flat), func) if structure != "none" else [None]
+    outputs = [_out_spec(func, rule, value, entry, mesh) for value, entry in zip(flat, entries)]
+    if info.inplace:
+        self_spec = dts[0]._spec if dts and dts[0] is args[0] else None
+        if reduce_self is not None:
+            self_spec = reduce_self
+        if outputs[0].spec != self_spec:
+            raise DispatchError(f"{func} is in-place on {specs[0]}, but rule {rule.__name__} gives its result as "
+                                f"{entries[0]}; an in-place op cannot change its tensor's layout")
+    defer = (func in DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
+             and sum(isinstance(p, Partial) for p in (placements_or_none(outputs[0].spec) or ())) == 1)
+    fast = None if reduce_self is not None else _fast_form(cls, args, kwargs, dts, info, targets, structure,
+                                                           outputs, sharding)
+    plain = None
+    if fast is not None and not info.inplace and sharding.local is None and \
+            all(slot.target is None and not slot.strip for slot in fast.slots):
+        dtype = flat[0].dtype
+        out = fast.out
+        plain = PlainRoute(tuple(slot.position for slot in fast.slots), func._op, out, dtype,
+                           tag_for(out.spec, dtype, out.stride), defer)
+    return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain)
+
+
+def _input_targets(func, rule, dts, specs, sharding, mesh) -> list:
+    """Per DTensor: the spec the rule wants it in, or None to keep it as it is."""
+    targets = []
+    for d, spec, wanted in zip(dts, specs, sharding.inputs):
+        own = d._spec
+        if wanted is None:
+            target = own
+        else:
+            summands = None if isinstance(wanted, Layout) else own.summands
+            if summands is not None and spec.placements is not None and \
+                    sum(isinstance(p, Partial) for p in wanted) != sum(isinstance(p, Partial) for p in spec.placements):
+                summands = None  # [Partial, Partial] -> [Partial, Replicate]: the target has fewer summands
+            target = spec_of(own.shape, mesh, wanted if isinstance(wanted, Layout) else tuple(wanted), summands)
+            if target == own:
+                target = own
+        if target.reduce_op and expected_local_shape(target, spec.placements if target is own else
+                                                     (None if isinstance(wanted, Layout) else tuple(wanted)))[0] != 1:
+            raise DispatchError(f"{func}: rule {rule.__name__} keeps {spec}, a pending {target.reduce_op} with more "
+                                f"than one summand per device; ask for placements instead")
+        # None, not the spec: a cached plan serves later DTensors whose equal specs are other objects
+        targets.append(None if target is own else target)
+    return targets
+
+
+def _reduce_self(func, rule, args, kwargs, dts, specs, sharding, targets, info: OpInfo):
+    """An in-place op's self spec with its pending reduction applied, when that is the only
+    move the rule asks of a written argument (``exp_`` of a pending sum); None when nothing
+    written moves; raises for any other move of a written argument."""
+    reduce_self = None
+    for i, d in enumerate(dts):
+        is_self = info.inplace and d is args[0]
+        if targets[i] is None or not (is_self or any(d is w for w in written(args, kwargs, info))):
+            continue
+        if is_self and _only_reduces(d._spec, targets[i]):
+            reduce_self = targets[i]  # the sum is applied in self's own buffer first (run time)
+            continue
+        raise DispatchError(f"{func} is in-place on {specs[i]}, but rule {rule.__name__} needs it as "
+                            f"{sharding.inputs[i]}; an in-place op cannot change its tensor's layout "
+                            f"(redistribute first, or use the out-of-place op)")
+    return reduce_self
+
+
+def _only_reduces(own, target) -> bool:
+    """Is ``target`` ``own`` with its pending reduction applied and nothing else moved
+    (``[Partial(), Shard(0)]`` -> ``[Replicate(), Shard(0)]``)?"""
+    if not own.reduce_op or target.reduce_op:
+        return False
+    mine, theirs = placements_or_none(own), placements_or_none(target)
+    if mine is None or theirs is None:
+        return False
+    return all((isinstance(p, Partial) and isinstance(q, Replicate)) or p == q for p, q in zip(mine, theirs))
+
+
+def _meta(cls, value):
+    if isinstance(value, cls):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):  # a 0-dim scalar
+        return torch.empty((), dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(cls, v) for v in value)
+    return value
+
+
+def _meta_result(cls, func, args, kwargs, sharding):
+    """The op's outputs on meta tensors of the global shapes, flattened, and their structure:
+    checks the call like torch would (shape mismatches raise torch's error before any data
+    moves) and gives the global output shapes."""
+    if not any("Tensor" in str(r.type) for r in func._schema.returns):
+        return [None], "none"
+    meta_args = tuple(_meta(cls, a) for a in args)
+    meta_kwargs = {k: _meta(cls, v) for k, v in kwargs.items()}
+    if "device" in meta_kwargs and meta_kwargs["device"] is not None:
+        meta_kwargs["device"] = "meta"
+    try:
+        out = func(*meta_args, **meta_kwargs)
+    except NotImplementedError:
+        if sharding is None or sharding.out_shape is None:
+            raise DispatchError(f"{func} has no meta kernel, so its global output shape is unknown; its sharding "
+                                f"rule must give out_shape") from None
+        shapes = sharding.out_shape
+        if isinstance(shapes, (tuple, list)) and shapes and isinstance(shapes[0], (tuple, list, torch.Size)):
+            out = tuple(torch.empty(s, device="meta") for s in shapes)
+        else:
+            out = torch.empty(shapes, device="meta")
+    if isinstance(out, torch.Tensor):
+        return [out], "single"
+    if isinstance(out, (tuple, list)):
+        return list(out), "list" if isinstance(out, list) else "tuple"
+    return [out], "none"
+
+
+def _normalize_outputs(outputs, count: int, func):
+    """A rule's ``outputs`` as one entry per output."""
+    def one(entry):
+        return entry is None or isinstance(entry, (Layout, ArgSpec, DTensorSpec)) or (
+            isinstance(entry, (list, tuple)) and all(not isinstance(p, (list, tuple, Layout)) and p is not None
+                                                     for p in entry))
+
+    if count == 1 and one(outputs) and not (isinstance(outputs, tuple) and len(outputs) == 1
+                                            and isinstance(outputs[0], (list, tuple, Layout, ArgSpec))):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)) and len(outputs) == count:
+        return list(outputs)
+    raise DispatchError(f"{func}: the sharding rule gave outputs {outputs!r} for {count} outputs")
+
+
+def _out_spec(func, rule, value, entry, mesh) -> OutSpec:
+    """The OutSpec of one meta output under the rule's entry for it."""
+    if not isinstance(value, torch.Tensor):
+        return _NO_OUTPUT
+    if entry is None:
+        if value.numel() == 0:  # an unused empty output, e.g. flash attention's debug mask: stays plain
+            return _NO_OUTPUT
+        raise DispatchError(f"{func}: rule {rule.__name__} gave no placements for a tensor output")
+    shape = tuple(value.shape)
+    if isinstance(entry, ArgSpec):  # exactly that argument's spec (alias, detach)
+        spec, placements = entry.spec, entry.placements
+    elif isinstance(entry, DTensorSpec):
+        spec, placements = entry, None
+    elif isinstance(entry, Layout):
+        spec, placements = spec_of(shape, mesh, entry), None
+    else:
+        placements = tuple(entry)
+        spec = spec_of(shape, mesh, placements)
+    stride = None if value.is_contiguous() else tuple(value.stride())
+    return OutSpec(spec, expected_local_shape(spec, placements), stride)
+
+
+def _fast_form(cls, args, kwargs, dts, info: OpInfo, targets, structure: str, outputs, sharding) -> FastForm | None:
+    """The FastForm of a call, or None: each DTensor a top-level positional argument, one tensor
+    output (or an in-place op), no kwargs."""
+    if kwargs or info.foreach or info.out_names or info.written:
+        return None
+    positions = [i for i, a in enumerate(args) if isinstance(a, cls)]
+    if len(positions) != len(dts) or any(type(args[i]) is not cls for i in positions):
+        return None
+    if not info.inplace and structure != "single":
+        return None
+    slots = tuple(Slot(i, t, t is None and bool(args[i]._spec.reduce_op)) for i, t in zip(positions, targets))
+    return FastForm(slots, None if info.inplace else outputs[0], sharding.local)

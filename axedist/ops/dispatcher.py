@@ -1,0 +1,455 @@
+"""The op dispatcher: one object per tensor class that runs aten ops on its DTensors.
+
+The tensor class creates it (``OpDispatcher(DTensor)``) and routes ``__torch_dispatch__`` and
+``__torch_function__`` to it; this package never imports the tensor module. Every call goes
+unwrap (the DTensors, their mesh, a key) -> propagate (the op family's rule, cached as a
+``CallPlan``) -> redistribute (inputs the rule wants elsewhere) -> the local op -> wrap. For
+``a + b`` with ``a`` in ``[Shard(0)]`` and ``b`` in ``[Replicate()]``, shape ``(8, 6)``, on 4 ranks:
+``b`` is sliced to ``[Shard(0)]`` (no communication), ``aten.add`` runs on the ``(2, 6)`` local
+tensors, and the result is wrapped as an ``(8, 6)`` DTensor in ``[Shard(0)]``.
+
+Also handled, for every family: in-place ops (the result is ``self``, whose layout must not
+change; a pending ``self`` the op cannot keep pending is reduced in its own buffer first),
+plain 0-dim tensors (scalars), pending reductions (the local summand dim of extent 1 is removed
+before the op and added back to outputs that stay pending), deferred GEMMs, and, through
+``ops/variants.py``, ``out=``, ``_foreach_*``, fused optimizer steps, plain constants and the
+gather fallback of ops with no rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+
+import torch
+from torch._prims_common import make_contiguous_strides_for
+
+from ..runtime import redistribute_local
+from ..runtime.deferred import OUTSTANDING, defer, flush, placeholder
+from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
+                        op_info, plan_call, replace_dtensors, scan)
+from .fastpath import FastPath
+from .registry import ArgSpec
+from .specs import placements_or_none
+from .state import READY, RECORDING, WRAPPER_POSITIONAL
+from .variants import (FUSED_OPTIMIZERS, NOT_HANDLED, adopt_constants, dispatch_foreach, dispatch_fused_optimizer,
+                       dispatch_out, gather_fallback)
+
+__all__ = ["OpDispatcher", "DispatchError", "Tag"]
+
+aten = torch.ops.aten
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_grad_enabled = torch.is_grad_enabled
+_DISABLED = torch._C._disabled_torch_function_impl
+_STRIDED = torch.strided
+_HALF = (torch.bfloat16, torch.float16)
+_NO_RULE = object()
+_CACHE_LIMIT = 16384
+_DEFER_POLICIES = ("auto", "always", "never")
+
+
+class Tag:
+    """A small int standing for a DTensor's (spec, dtype, global stride), kept on the DTensor
+    (``_tag``) with the spec it was made for, so cache keys hold ints instead of hashing specs."""
+
+    __slots__ = ("spec", "number")
+
+    def __init__(self, spec, number: int):
+        self.spec, self.number = spec, number
+
+    def __repr__(self) -> str:
+        return f"Tag({self.number}: {self.spec})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous(shape) -> tuple:
+    return tuple(make_contiguous_strides_for(shape)) if shape else ()
+
+
+class OpDispatcher:
+    """Runs aten ops on DTensors of ``cls``; owns the plan caches, the tags and the counts.
+
+    ``cache_info()``, ``fallback_ops()``, ``clear_caches()``, ``defer_gemm`` and ``fastpath``
+    (``enable``/``enabled``/``clear``/``stats``) are its public controls, reached as
+    ``DTensor.dispatcher``: ``DTensor.dispatcher.cache_info()`` -> ``{"hits": 12, "misses": 3, ...}``.
+    """
+
+    def __init__(self, cls):
+        self.cls = cls
+        self.plans: dict = {}        # scan key -> CallPlan, or _NO_RULE
+        self.fast_plans: dict = {}   # cache_key -> CallPlan with a FastForm
+        self.arg_specs: dict = {}    # (spec, dtype) -> ArgSpec
+        self.stats = {"hits": 0, "misses": 0, "uncached": 0, "fallbacks": 0}
+        self.warned: set = set()     # ops that ran through the gather fallback (warned once each)
+        self._tags: dict = {}        # (spec, dtype, stride or None) -> Tag
+        self._next_tag = itertools.count(1)  # tag numbers are never reused, even after _tags is cleared
+        self._defer_gemm = "auto"
+        self.fastpath = FastPath(self)
+        self.torch_dispatch = _torch_dispatch_handler(self.dispatch)
+
+    # -- public controls -----------------------------------------------------------
+
+    @property
+    def defer_gemm(self) -> str:
+        """When mm/addmm with a pending-sum output defer their GEMM: ``"auto"`` only where the
+        fused kernel can run (CUDA, bf16/fp16 operands: elsewhere deferring could only cost),
+        ``"always"`` (tests of the deferral on CPU), ``"never"``."""
+        return self._defer_gemm
+
+    @defer_gemm.setter
+    def defer_gemm(self, value: str) -> None:
+        if value not in _DEFER_POLICIES:
+            raise ValueError(f"defer_gemm must be one of {_DEFER_POLICIES}, got {value!r}")
+        self._defer_gemm = value
+
+    def clear_caches(self) -> None:
+        """Forget cached plans (rules are re-run on next use)."""
+        self.plans.clear()
+        self.fast_plans.clear()
+        self.arg_specs.clear()
+
+    def cache_info(self) -> dict:
+        """Counts of cached-plan hits and misses and of fallback runs (for tests and benchmarks)."""
+        return dict(self.stats, size=len(self.plans))
+
+    def fallback_ops(self) -> set:
+        """Ops that ran through the gather fallback in this process (each warned once)."""
+        return set(self.warned)
+
+    def forget_fallbacks(self) -> None:
+        """Warn again on the next gather fallback of every op (ranks pooled across tests share a process)."""
+        self.warned.clear()
+
+    def note_fallback(self, func) -> None:
+        """Count a gather fallback of ``func``, warning the first time."""
+        self.stats["fallbacks"] += 1
+        if func not in self.warned:
+            self.warned.add(func)
+            warnings.warn(f"axedist: no sharding rule for {func}; it runs by gathering every DTensor argument to "
+                          f"Replicate and replicating the result (correct, but moves whole tensors)", stacklevel=5)
+
+    # -- keys and tags -------------------------------------------------------------
+
+    def tag_for(self, spec, dtype, stride) -> Tag:
+        key = (spec, dtype, None if stride is None else tuple(stride))
+        tag = self._tags.get(key)
+        if tag is None:
+            if len(self._tags) > 65536:  # tags in cached keys stay valid: only new DTensors get new tags
+                self._tags.clear()
+            tag = self._tags[key] = Tag(spec, next(self._next_tag))
+        return tag
+
+    def tag_of(self, dt) -> int:
+        """The tag number of ``dt`` (derived and kept on it when it has none for its spec)."""
+        with _no_torch_function():
+            stride = tuple(dt.stride())
+        spec = dt._spec
+        tag = self.tag_for(spec, dt._value.dtype, None if stride == _contiguous(spec.shape) else stride)
+        if tag.spec is not spec:  # an equal spec, another object: the identity check needs this one
+            tag = Tag(spec, tag.number)
+        dt._tag = tag
+        return tag.number
+
+    def cache_key(self, func, args):
+        """(func, per argument: a DTensor's tag number or a plain value's type and value), or
+        None when the call is not fast-path shaped (kwargs, DTensors inside lists, ...)."""
+        cls = self.cls
+        key = [func]
+        for a in args:
+            t = type(a)
+            if t is cls:
+                tag = a._tag
+                # re-derived when the spec changed (an in-place op may reduce a pending sum)
+                key.append(tag.number if tag is not None and tag.spec is a._spec else self.tag_of(a))
+            elif t in SCALAR_TYPES:
+                key.append(t)
+                key.append(a)
+            elif t is list or t is tuple:
+                if all(type(v) is int for v in a):  # dims and shapes: no per-element types needed
+                    key.append((t, tuple(a)))
+                elif all(type(v) in SCALAR_TYPES for v in a):
+                    key.append((t, tuple((type(v), v) for v in a)))
+                else:
+                    return None
+            else:
+                return None
+        return tuple(key)
+
+    # -- the route -------------------------------------------------------------------
+
+    def dispatch(self, func, args, kwargs):
+        """Run the aten op ``func`` on DTensors (what ``__torch_dispatch__`` calls)."""
+        if OUTSTANDING:
+            flush()  # no op may run while a deferred product waits on its operands
+        fast_key = None
+        if not kwargs:
+            fast_key = self.cache_key(func, args)
+            if fast_key is not None:
+                plan = self.fast_plans.get(fast_key)
+                if plan is not None:
+                    self.stats["hits"] += 1
+                    route = plan.plain
+                    if route is None:
+                        return self._run_fast(func, args, plan)
+                    # the op itself on the local tensors of DTensors that stay where they are
+                    positions = route.positions
+                    if route.defer:
+                        policy = self._defer_gemm
+                        if policy == "always" or (policy == "auto" and args[positions[0]]._value.is_cuda):
+                            return self._run_fast(func, args, plan)  # the GEMM may wait (see _deferred)
+                    local_args = list(args)
+                    for i in positions:
+                        d = args[i]
+                        local_args[i] = d._value if d._pending is None else d._local
+                    value = route.op(*local_args)
+                    if route.unsqueeze:
+                        value = value.unsqueeze(0)
+                    spec = route.spec
+                    if value.shape != route.local_shape:
+                        _wrong_shape(func, value, spec, route.local_shape, plan)
+                    if WRAPPER_POSITIONAL:
+                        out = _make_wrapper(self.cls, spec.shape, route.stride, None, None, value.dtype, _STRIDED,
+                                            value.device)
+                        out._value = value
+                        out._spec = spec
+                    else:
+                        out = self.cls(value, spec, stride=route.stride)
+                    if value.dtype is route.dtype:  # (always, unless the op's dtype rules changed since planning)
+                        out._tag = route.tag  # the next op's key needs no stride() call
+                    if _grad_enabled():
+                        for i in positions:
+                            if args[i].__torch_function__ is _DISABLED:
+                                # it will require grad: its calls skip the fast path's handler too
+                                out.__torch_function__ = _DISABLED
+                                break
+                    return out
+        return self._dispatch_uncached(func, args, kwargs or {}, fast_key)
+
+    def _dispatch_uncached(self, func, args, kwargs, fast_key):
+        """Unwrap, plan (cached by the call's full key), run; the variants branch off here."""
+        info = op_info(func)
+        if info.foreach:
+            return dispatch_foreach(self, func, args, kwargs)
+        if func in FUSED_OPTIMIZERS:
+            result = dispatch_fused_optimizer(self, func, args, kwargs)
+            if result is not NOT_HANDLED:
+                return result
+        if info.out_names:
+            return dispatch_out(self, func, args, kwargs, info)
+        try:
+            dts, mesh, key = scan(self.cls, func, args, kwargs)
+        except PlainTensorError as error:
+            args, kwargs = adopt_constants(self.cls, func, args, kwargs, error)
+            dts, mesh, key = scan(self.cls, func, args, kwargs)
+        plan = self.plan(func, args, kwargs, dts, mesh, key, info)
+        if plan is None:
+            if decomposable(func):
+                # A composite op (linear, rms_norm, chunk, sdpa, ...) reaches us undecomposed under
+                # inference_mode; its decomposition runs on ops that have rules.
+                result = func.decompose(*args, **kwargs)
+                if result is not NotImplemented:
+                    return result
+            return gather_fallback(self, func, args, kwargs, dts, mesh, info)
+        if fast_key is not None and plan.fast is not None:
+            if len(self.fast_plans) > _CACHE_LIMIT:
+                self.fast_plans.clear()
+            self.fast_plans[fast_key] = plan
+        return self.run(func, args, kwargs, dts, plan, info)
+
+    def plan(self, func, args, kwargs, dts, mesh, key, info: OpInfo) -> CallPlan | None:
+        """The call's plan (propagate: the rule's answer, cached by ``key`` unless it is None), or
+        None when no rule answers."""
+        plan = self.plans.get(key) if key is not None else None
+        if plan is None:
+            plan = plan_call(self.cls, func, args, kwargs, dts, [self.arg_spec(d) for d in dts], mesh, info,
+                             self.tag_for) or _NO_RULE
+            if key is not None:
+                self.stats["misses"] += 1
+                if len(self.plans) > _CACHE_LIMIT:
+                    self.plans.clear()
+                self.plans[key] = plan
+            else:
+                self.stats["uncached"] += 1
+        else:
+            self.stats["hits"] += 1
+        return None if plan is _NO_RULE else plan
+
+    def cached_plan(self, func, args, kwargs):
+        """The plan cached for this call (None: none yet, or no rule) and the call's DTensors."""
+        dts, _, key = scan(self.cls, func, args, kwargs)
+        plan = self.plans.get(key)
+        if plan is None and not kwargs:
+            fast_key = self.cache_key(func, args)
+            plan = self.fast_plans.get(fast_key) if fast_key is not None else None
+        return (plan if isinstance(plan, CallPlan) else None), dts
+
+    def arg_spec(self, dt) -> ArgSpec:
+        """What a rule sees of ``dt`` (cached per (spec, dtype))."""
+        spec = dt._spec
+        key = (spec, dt.dtype)
+        found = self.arg_specs.get(key)
+        if found is None:
+            found = ArgSpec(spec.shape, dt.dtype, spec.mesh, spec.layout, placements_or_none(spec), spec.reduce_op,
+                            spec)
+            if len(self.arg_specs) > 4096:
+                self.arg_specs.clear()
+            self.arg_specs[key] = found
+        return found
+
+    # -- redistribute -> local op -> wrap -----------------------------------------------
+
+    def run(self, func, args, kwargs, dts, plan: CallPlan, info: OpInfo):
+        """Move the inputs to the plan's targets, run the op on the local tensors, wrap the outputs."""
+        if plan.reduce_self is not None:
+            self._reduce_in_place(func, args[0], plan.reduce_self)
+        locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
+        local_args, local_kwargs = replace_dtensors(self.cls, args, kwargs, lambda d: locals_[id(d)])
+        if plan.defer:
+            deferred = self._deferred(func, plan, local_args, local_kwargs)
+            if deferred is not None:
+                return deferred
+        if plan.sharding.local is not None:
+            result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
+        else:
+            result = func(*local_args, **local_kwargs)
+        if info.inplace:
+            return args[0]
+        if plan.structure == "none":
+            return result
+        flat = [result] if plan.structure == "single" else list(result)
+        wrapped = []
+        for value, out in zip(flat, plan.outputs):
+            if out.spec is None or value is None:  # None: an undefined optional output (CUDA flash attention's cum_seq)
+                wrapped.append(value)
+                continue
+            if out.unsqueeze:
+                value = value.unsqueeze(0)
+            if value.shape != out.local_shape:
+                _wrong_shape(func, value, out.spec, out.local_shape, plan)
+            wrapped.append(self.cls(value, out.spec, stride=out.stride))
+        if plan.structure == "single":
+            return wrapped[0]
+        return wrapped if plan.structure == "list" else tuple(wrapped)
+
+    def _run_fast(self, func, args, plan: CallPlan):
+        """``run`` for a call in its FastForm (positional DTensors, no kwargs, one output or in-place)."""
+        fast = plan.fast
+        local_args = list(args)
+        for slot in fast.slots:
+            i, target = slot.position, slot.target
+            d = args[i]
+            if target is None and d._pending is None:
+                local_args[i] = d._value[0] if slot.strip else d._value
+            else:
+                local_args[i] = _local_of(d, target)
+        if plan.defer:
+            deferred = self._deferred(func, plan, local_args, {})
+            if deferred is not None:
+                return deferred
+        value = fast.local(plan.call, *local_args) if fast.local is not None else func(*local_args)
+        out = fast.out
+        if out is None:  # in-place
+            return args[0]
+        if out.unsqueeze:
+            value = value.unsqueeze(0)
+        spec = out.spec
+        if value.shape != out.local_shape:
+            _wrong_shape(func, value, spec, out.local_shape, plan)
+        if WRAPPER_POSITIONAL:  # the constructor without its keyword handling
+            wrapped = _make_wrapper(self.cls, spec.shape, out.stride, None, None, value.dtype, _STRIDED, value.device)
+            wrapped._value = value
+            wrapped._spec = spec
+            return wrapped
+        return self.cls(value, spec, stride=out.stride)
+
+    def _deferred(self, func, plan: CallPlan, local_args, local_kwargs):
+        """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),
+        or None when ``defer_gemm`` says to run it now."""
+        local, call = plan.sharding.local, plan.call
+        if func is aten.mm.default:
+            (a, b), bias, alpha, beta = local_args[:2], None, 1, 1
+        else:
+            bias, a, b = local_args[:3]
+            beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
+        policy = self._defer_gemm
+        if policy != "always" and (policy == "never" or not a.is_cuda or a.dtype not in _HALF):
+            return None
+
+        def compute():
+            value = local(call, *local_args, **local_kwargs) if local is not None else func(*local_args, **local_kwargs)
+            return value.unsqueeze(0)
+
+        out = plan.outputs[0]
+        pending = defer(compute, a, b, bias, alpha, beta, out.local_shape)
+        return self.cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=pending)
+
+    def _reduce_in_place(self, func, dt, target) -> None:
+        """Apply ``dt``'s pending reduction in its own local buffer and give it ``target``'s spec.
+
+        An in-place op that does not keep a pending value (``p.exp_()`` of ``[Partial()]``) must
+        first turn it into the value it stands for; ``dt`` then is ``[Replicate()]`` on those axes
+        (its local tensor loses the summand dim of extent 1). Autograd sees one in-place change of
+        ``dt`` (the op's), so saved-tensor version checks stay exact. Refused on a view of another
+        DTensor (its base would keep claiming ``Partial`` over reduced values). Known limit: views
+        taken of ``dt`` before this call share its buffer and are not told (they read reduced
+        values as summands); redistribute such a tensor to ``Replicate`` before a non-affine
+        in-place op.
+        """
+        if dt._is_view():
+            raise DispatchError(f"{func} is in-place on a view of a pending {dt._spec.reduce_op} ({dt._spec}); it "
+                                f"would have to reduce the pending value of the view alone, which its base shares. "
+                                f"Apply it to the base, or redistribute the view to Replicate first")
+        buffer = dt._local
+        value = redistribute_local(buffer, dt._spec, target)
+        if tuple(value.shape) != tuple(buffer.shape[1:]):
+            raise DispatchError(f"{func}: reducing {dt._spec} to {target} changes the local shape "
+                                f"{tuple(buffer.shape)} -> {tuple(value.shape)}; an in-place op cannot do that")
+        buffer.squeeze_(0)  # the summand dim of extent 1 goes: same storage, same tensor object
+        if value.data_ptr() != buffer.data_ptr():
+            buffer.copy_(value)
+        dt._value = buffer
+        dt._spec = target
+
+
+def _local_of(dt, target):
+    """``dt``'s local tensor moved to ``target`` (None: kept), without a pending sum's summand dim."""
+    local = dt._local
+    if target is None:
+        return local[0] if dt._spec.reduce_op else local
+    local = redistribute_local(local, dt._spec, target)
+    return local[0] if target.reduce_op else local
+
+
+def _wrong_shape(func, value, spec, local_shape, plan):
+    raise DispatchError(f"{func}: the local result has shape {tuple(value.shape)}, but the output layout "
+                        f"{spec} gives this rank {tuple(local_shape)} (a wrong sharding rule: {plan.sharding})")
+
+
+def _torch_dispatch_handler(dispatch):
+    """The tensor class's ``__torch_dispatch__``: a grad-mode fast-path hit's ready output, a
+    recorder of the fast path, or ``dispatch``."""
+
+    def torch_dispatch(cls, func, types, args=(), kwargs=None):
+        ready = READY.value
+        if ready:
+            # A grad-mode fast-path hit: the fast path ran the op on the local tensors and let
+            # autograd record the call through torch's dispatcher, which brings it here. The
+            # output is served only to the op it was computed for, on the same DTensor objects
+            # (this thread's first aten op of the call); anything else drops it.
+            if func is ready.op:
+                count = len(args)
+                expected = ready.args
+                for i in ready.positions:
+                    if i >= count or args[i] is not expected[i]:
+                        break
+                else:
+                    READY.value = None
+                    return ready.out
+            READY.value = False
+        if RECORDING:  # the fast path is recording what this torch call dispatches
+            return RECORDING[-1](func, args, kwargs)
+        return dispatch(func, args, kwargs)
+
+    return torch_dispatch

@@ -1,0 +1,70 @@
+"""Specs that the dispatcher and the rules derive, cached: the spec of placements for a global
+shape, and this rank's local shape under a spec.
+
+``spec_of((8, 6), mesh, (Shard(0),))`` on 4 ranks is ``[8, 6] S[(4,2,6):(1@gpuid,6,1)]``, and
+``expected_local_shape`` of it is ``(2, 6)`` on every rank (``(1, 2, 6)`` for a pending sum).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..layout import MEMORY_AXIS, Layout, LayoutError
+from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
+
+__all__ = ["spec_of", "expected_local_shape", "placements_or_none"]
+
+
+@functools.lru_cache(maxsize=4096)
+def spec_of(shape: tuple, mesh, target, summands: int | None = None):
+    """The spec of placements (a tuple) or of a Layout for a global shape."""
+    if isinstance(target, Layout):
+        return make_spec(mesh, target, shape)
+    return spec_from_placements(shape, mesh, tuple(target), summands_for_partial=summands)
+
+
+@functools.lru_cache(maxsize=4096)
+def expected_local_shape(spec, placements) -> tuple[int, ...]:
+    """This rank's local shape under ``spec`` (placements, when known, avoid the element table)."""
+    mesh = spec.mesh
+    if placements is not None and not any(isinstance(p, _StridedShard) for p in placements):
+        coords = mesh.coordinates()
+        per_dim: dict[int, list] = {}
+        for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
+            if isinstance(p, Shard):
+                per_dim.setdefault(p.dim % max(len(spec.shape), 1), []).append((k, coords[axis]))
+        shape = tuple(nested_chunk(n, per_dim.get(d, ()))[1] for d, n in enumerate(spec.shape))
+        return ((1,) if spec.reduce_op else ()) + shape
+    if spec.padded == spec.shape and not spec.true_index:
+        # unpadded: every reached device holds the whole local box
+        return spec.local_padded if _reaches_here(spec.layout, mesh) else (0,) * len(spec.full_shape)
+    return tuple(element_table(spec).local_shapes[mesh.position()])
+
+
+def _reaches_here(layout: Layout, mesh) -> bool:
+    """Does the layout put any element on this rank? (enumerates only the mesh-axis digits)"""
+    here = mesh.coordinates()
+    iters = [it for it in list(layout.shard) + list(layout.replica) if it.axis != MEMORY_AXIS]
+    if math.prod(it.extent for it in iters) > 1 << 16:
+        return True  # such a layout covers the mesh many times over
+    base = {a: layout.offset.get(a, 0) for a in mesh.axis_names}
+    for digits in itertools.product(*(range(it.extent) for it in iters)):
+        point = dict(base)
+        for it, d in zip(iters, digits):
+            point[it.axis] += d * it.stride
+        if point == here:
+            return True
+    return False
+
+
+def placements_or_none(spec):
+    """``placements_of(spec)``, or None for a layout with no placement form."""
+    try:
+        return placements_of(spec)
+    except LayoutError:
+        return None

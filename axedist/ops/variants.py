@@ -1,0 +1,258 @@
+"""Calls the dispatcher's per-op route does not cover alone: ``out=``, ``_foreach_*``, fused
+optimizer steps, plain constants among DTensors, and ops with no rule (the gather fallback).
+
+Each function takes the dispatcher (``d``: its tensor class ``d.cls``, ``d.dispatch`` for the
+functional op, its caches and counts). ``torch.add(x, y, out=o)`` runs ``add.Tensor`` through the
+dispatcher, then copies the result into ``o`` in ``o``'s layout; ``torch.cummin(x, 1)`` (no rule)
+gathers ``x``, runs on the whole tensor, and lays the result out replicated, warning once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.distributed.tensor import Partial, Replicate
+
+from ..runtime import redistribute_local
+from ..spec import make_spec, replicated_layout
+from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
+                        replace_dtensors, scan, writes_first, written)
+from .specs import placements_or_none, spec_of
+
+__all__ = ["FUSED_OPTIMIZERS", "NOT_HANDLED", "dispatch_out", "dispatch_foreach", "dispatch_fused_optimizer",
+           "adopt_constants", "gather_fallback"]
+
+aten = torch.ops.aten
+
+NOT_HANDLED = object()  # dispatch_fused_optimizer's answer when the gather fallback must run
+
+# Fused optimizer steps (``torch.optim.AdamW(fused=True)``, ``SGD(fused=True)``): one call over
+# lists of parameters, gradients and states.
+FUSED_OPTIMIZERS = tuple(getattr(getattr(aten, name), overload) for name in ("_fused_adam_", "_fused_adamw_",
+                                                                            "_fused_sgd_")
+                         if hasattr(aten, name) for overload in getattr(aten, name).overloads())
+
+
+def dispatch_out(d, func, args, kwargs, info: OpInfo):
+    """``op(..., out=o)``: the functional op, then the result copied into ``o`` in ``o``'s layout."""
+    functional = functional_of(func)
+    if functional is None:
+        dts, mesh, _ = scan(d.cls, func, args, kwargs)
+        return gather_fallback(d, func, args, kwargs, dts, mesh, info)
+    outs = [kwargs[name] for name in info.out_names]
+    rest = {k: v for k, v in kwargs.items() if k not in info.out_names}
+    result = d.dispatch(functional, args, rest)
+    results = [result] if len(outs) == 1 else list(result)
+    for o, r in zip(outs, results):
+        if not isinstance(o, d.cls):
+            raise DispatchError(f"{func}: out= is a plain tensor but the result is a DTensor; pass a DTensor")
+        if tuple(o.shape) != tuple(r.shape):
+            raise DispatchError(f"{func}: out= has shape {tuple(o.shape)}, the result {tuple(r.shape)} "
+                                f"(axedist does not resize DTensors)")
+        if not isinstance(r, d.cls):
+            raise DispatchError(f"{func}: the result is not a DTensor")
+        value = r._local if r._spec == o._spec else redistribute_local(r._local, r._spec, o._spec)
+        o._local.copy_(value)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def dispatch_foreach(d, func, args, kwargs):
+    """``_foreach_op(list, ...)``: the same op once per list element (lists of one),
+    so each element follows its own sharding rule."""
+    schema = func._schema.arguments
+    is_list = [isinstance(v, (list, tuple)) and isinstance(a.type, torch.ListType) for v, a in zip(args, schema)]
+    lengths = {len(v) for v, lst in zip(args, is_list) if lst}
+    lengths |= {len(v) for v in kwargs.values() if isinstance(v, (list, tuple))}
+    if len(lengths) != 1:
+        raise DispatchError(f"{func}: list arguments of different lengths {sorted(lengths)}")
+    (n,) = lengths
+    results = []
+    for i in range(n):
+        # element i of every list argument, as a list of one (the op still takes lists)
+        one_args = tuple([v[i]] if lst else v for v, lst in zip(args, is_list))
+        one_kwargs = {k: ([v[i]] if isinstance(v, (list, tuple)) else v) for k, v in kwargs.items()}
+        if any(isinstance(x, d.cls) for v in one_args for x in (v if isinstance(v, list) else [v])):
+            results.append(_dispatch_single_foreach(d, func, one_args, one_kwargs))
+        else:
+            results.append(func(*one_args, **one_kwargs))
+    returns = func._schema.returns
+    if returns and isinstance(returns[0].type, torch.ListType):
+        return [r[0] for r in results]
+    return None
+
+
+def _dispatch_single_foreach(d, func, args, kwargs):
+    dts, mesh, key = scan(d.cls, func, args, kwargs)
+    plan = d.plan(func, args, kwargs, dts, mesh, key, FOREACH_INFO)
+    if plan is None:
+        return gather_fallback(d, func, args, kwargs, dts, mesh, FOREACH_WRITE if writes_first(func) else FOREACH_INFO)
+    if writes_first(func):
+        for dt, t in zip(dts, plan.targets):
+            if dt is args[0][0] and t is not None:
+                raise DispatchError(f"{func} is in-place on {dt._spec}, but its rule needs it moved; an in-place op "
+                                    f"cannot change its tensor's layout")
+    return d.run(func, args, kwargs, dts, plan, FOREACH_INFO)
+
+
+def dispatch_fused_optimizer(d, func, args, kwargs):
+    """A fused optimizer step on DTensor parameters, or ``NOT_HANDLED`` (then the fallback runs).
+
+    Element ``i`` of every list lives where parameter ``i`` does (its states were made by
+    ``zeros_like(param)``); the gradient, which the step only reads (no ``grad_scale``), is
+    moved there (a pending sum reduced or reduce-scattered), and the op runs once on all the
+    local tensors: AdamW on a ``[Shard(0)]`` weight with a ``[Partial()]`` gradient updates
+    each rank's rows with its rows of the summed gradient.
+    """
+    cls = d.cls
+    if kwargs.get("grad_scale") is not None or kwargs.get("found_inf") is not None:
+        return NOT_HANDLED  # the step would write the unscaled gradients back
+    params = args[0]
+    if not all(isinstance(p, cls) and not p._spec.reduce_op for p in params):
+        return NOT_HANDLED
+    mesh = params[0]._spec.mesh if params else None
+    local_args = [[p._local for p in params]]
+    for k, values in enumerate(args[1:], start=1):
+        if not isinstance(values, (list, tuple)):
+            local_args.append(values)
+            continue
+        locals_ = []
+        for i, t in enumerate(values):
+            if not isinstance(t, cls):
+                locals_.append(t)  # plain 0-dim step counters
+            elif t._spec.mesh != mesh:
+                return NOT_HANDLED
+            elif t._spec == params[i]._spec:
+                locals_.append(t._local)
+            elif k == 1:
+                locals_.append(redistribute_local(t._local, t._spec, params[i]._spec))
+            else:
+                return NOT_HANDLED  # a state in another layout than its parameter: written, so not moved
+        local_args.append(locals_)
+    local_kwargs = {k: (v._local if isinstance(v, cls) and v._spec.mesh == mesh and
+                        all(isinstance(p, Replicate) for p in (placements_or_none(v._spec) or [None])) else v)
+                    for k, v in kwargs.items()}
+    if any(isinstance(v, cls) for v in local_kwargs.values()):
+        return NOT_HANDLED
+    func(*local_args, **local_kwargs)
+    return None
+
+
+def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
+    """``args``/``kwargs`` with each plain tensor that holds one value, the same on every rank
+    of the mesh, replaced by a replicated ``cls`` DTensor; else ``error`` is raised (on every rank).
+
+    Autograd formulas make such constants next to DTensors: prod's backward concatenates
+    ``torch.ones(1, 3)`` with slices of the input (``ones`` follows only dtype and device).
+    Whether every rank holds the same value takes one small all-reduce over the mesh, which
+    every rank joins (the arguments' structure is the same on every rank), so none waits.
+    """
+    mesh, plain = None, []
+
+    def visit(value):
+        nonlocal mesh
+        if isinstance(value, cls):
+            mesh = mesh or value._spec.mesh
+        elif isinstance(value, torch.Tensor):
+            if value.dim() > 0:
+                plain.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+
+    for value in list(args) + list(kwargs.values()):
+        visit(value)
+    if mesh is None or not plain:
+        raise error
+    if not _agree_constant(mesh, plain):
+        raise DispatchError(f"{error} (a plain tensor is taken as replicated only when it holds one value, the "
+                            f"same on every rank, like the ones an autograd formula makes)") from None
+    adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
+               for t in plain}
+
+    def swap(value):
+        if isinstance(value, torch.Tensor) and not isinstance(value, cls):
+            return adopted.get(id(value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _agree_constant(mesh, plain: list) -> bool:
+    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?"""
+    # per tensor: (not constant here, its value, minus its value), reduced with MAX over the mesh
+    facts = []
+    for t in plain:
+        first = t.reshape(-1)[0] if t.numel() else None
+        constant = (first is not None and not t.requires_grad and not t.is_complex()
+                    and bool((t == first).all()))
+        v = float(first) if constant else 0.0
+        facts += [0.0 if constant else 1.0, v, -v]
+    agreed = torch.tensor(facts, dtype=torch.float64, device=mesh.device)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
+    for i in range(len(plain)):
+        not_constant, high, minus_low = agreed[3 * i:3 * i + 3].tolist()
+        if not_constant or high != -minus_low:
+            return False
+    return True
+
+
+def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
+    """Gather every DTensor, run the op on the whole tensors, lay the result out replicated."""
+    cls = d.cls
+    d.note_fallback(func)
+    full = {}
+    for dt in dts:
+        if id(dt) not in full:
+            replicated = make_spec(mesh, replicated_layout(dt.shape, mesh), dt.shape)
+            full[id(dt)] = (dt, replicated, redistribute_local(dt._local, dt._spec, replicated))
+    local_args, local_kwargs = replace_dtensors(cls, args, kwargs, lambda dt: full[id(dt)][2])
+    result = func(*local_args, **local_kwargs)
+    # written arguments: lay the whole result back out in their own layout
+    first = args[0] if info.inplace else []
+    targets = (list(first) if isinstance(first, (list, tuple)) else [first]) + written(args, kwargs, info)
+    for target in targets:
+        if isinstance(target, cls):
+            dt, replicated, value = full[id(target)]
+            dt._local.copy_(_laid_out(func, value, replicated, dt._spec))
+    if not func._schema.returns:  # torch wants None from an op that returns nothing (_fused_adamw_)
+        return None
+    if info.inplace:
+        return args[0]
+
+    def wrap(value):
+        if isinstance(value, torch.Tensor):
+            if value.numel() > 0:
+                spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
+                return cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
+            raise DispatchError(f"{func} (run through the gather fallback) returned an empty tensor of shape "
+                                f"{tuple(value.shape)}; axedist DTensors need every dim >= 1")
+        if isinstance(value, (list, tuple)):
+            return type(value)(wrap(v) for v in value)
+        return value
+
+    return wrap(result)
+
+
+def _laid_out(func, value, replicated, spec) -> torch.Tensor:
+    """This rank's local tensor of the whole ``value`` (given ``replicated``) in ``spec``.
+
+    A pending ``spec`` (a written argument that was a partial sum) gets a valid set of
+    summands of ``value``: for a sum, ``value`` on the rank at coordinate 0 of the partial
+    axes and 0 on the others; for avg/max/min, ``value`` on every rank.
+    """
+    if not spec.reduce_op:
+        return redistribute_local(value, replicated, spec)
+    placements = placements_or_none(spec)
+    if placements is None:
+        raise DispatchError(f"{func} (run through the gather fallback) writes an argument pending a "
+                            f"{spec.reduce_op} in a layout with no placement form ({spec}); redistribute it first")
+    whole = spec_of(spec.shape, spec.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in placements))
+    local = redistribute_local(value, replicated, whole)
+    if spec.reduce_op == "sum":
+        here = spec.mesh.coordinates()
+        if any(here[a] != 0 for a, p in zip(spec.mesh.axis_names, placements) if isinstance(p, Partial)):
+            local = torch.zeros_like(local)
+    return local.unsqueeze(0)

@@ -1,0 +1,189 @@
+"""The package's import graph keeps its layers: every import points down, none forms a cycle, and
+no module imports another module's private (``_``) names.
+
+Layers, lowest first (a module may import its own layer's lower sub-layers and anything below):
+layout < mesh < spec < planning < kernels < collectives < runtime < ops < tensor < nn < tools.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
+
+# (layer rank, module prefix): the longest matching prefix decides a module's layer
+LAYERS = [
+    (0, "axedist.layout"),
+    (1, "axedist.mesh"),
+    (2, "axedist.spec"),
+    (3, "axedist.planning"),
+    (4, "axedist.kernels"),
+    (5, "axedist.collectives"),
+    (6, "axedist.runtime"),
+    (7, "axedist.ops"),
+    (8, "axedist.autograd"),
+    (9, "axedist.dtensor"),
+    (10, "axedist.nn"),
+    (11, "axedist.visualize"),
+    (11, "axedist.testing"),
+]
+EXEMPT = {"axedist"}  # the package's own __init__: the public API, loaded lazily
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> int | None:
+    best = None
+    for rank, prefix in LAYERS:
+        if module == prefix or module.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[1]):
+                best = (rank, prefix)
+    return None if best is None else best[0]
+
+
+def imports(path: Path, here: str | None = None):
+    """``(line, imported module, imported names)`` of every axedist import, function bodies included."""
+    tree = ast.parse(path.read_text())
+    here = here or module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("axedist"):
+                    yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("axedist"):
+                names = tuple(a.name for a in node.names)
+                # "from . import x" imports the submodule x
+                if node.module is None:
+                    for name in names:
+                        yield node.lineno, f"{target}.{name}", ()
+                else:
+                    yield node.lineno, target, names
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+# tests and benchmarks: held to "no private names of the package" (they may import any layer)
+USERS = sorted(p for folder in ("tests", "tests_multigpu", "tests_onegpu", "benchmarks", "launch")
+               for p in (PACKAGE.parent / folder).glob("*.py"))
+
+
+def private_uses(path: Path, here: str):
+    """Private names of other axedist modules this file reaches: ``from m import _x``, and
+    ``alias._x`` where ``alias`` names an axedist module."""
+    tree = ast.parse(path.read_text())
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("axedist") and a.asname:
+                    aliases[a.asname] = a.name
+                elif a.name.startswith("axedist"):
+                    aliases[a.name.split(".")[0]] = "axedist"
+    for line, target, names in imports(path, here):
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private and target != here:
+            yield f"line {line}: imports private {private} from {target}"
+        if not names and target != here:  # "from package import module [as alias]"
+            pass
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                aliases.setdefault(a.asname or a.name, None)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and node.value.id in _module_aliases(tree, path, here):
+            yield f"line {node.lineno}: uses private {node.value.id}.{node.attr}"
+
+
+def _module_aliases(tree, path, here):
+    """Local names bound to axedist modules other than this one (``import axedist.x as y``,
+    ``from axedist import x`` where x is a module)."""
+    names = {}
+    for line, target, imported in imports(path, here):
+        pass
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("axedist") and a.name != here:
+                    out.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            if not base.startswith("axedist"):
+                continue
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full != here and (PACKAGE.parent / (full.replace(".", "/") + ".py")).exists() or \
+                        (PACKAGE.parent / full.replace(".", "/") / "__init__.py").exists():
+                    out.add(a.asname or a.name)
+    return out
+
+
+def test_every_module_has_a_layer():
+    missing = [module_name(p) for p in MODULES if module_name(p) not in EXEMPT and layer(module_name(p)) is None]
+    assert not missing, f"modules outside every layer: {missing}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_imports_point_down_and_no_private_names(path):
+    here = module_name(path)
+    if here in EXEMPT:
+        return
+    mine = layer(here)
+    problems = []
+    for line, target, names in imports(path):
+        theirs = layer(target)
+        if theirs is not None and theirs > mine:
+            problems.append(f"line {line}: {here} (layer {mine}) imports {target} (layer {theirs}): upward")
+    problems += list(private_uses(path, here))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", USERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_tests_and_benchmarks_use_no_private_names(path):
+    problems = list(private_uses(path, f"{path.parent.name}.{path.stem}"))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles():
+    graph = {}
+    for path in MODULES:
+        here = module_name(path)
+        graph[here] = {t for _, t, _ in imports(path) if t != here}
+    # resolve "from package import name" to the module when name is one
+    known = set(graph)
+    for here, targets in graph.items():
+        graph[here] = {t for t in targets if t in known}
+    seen, stack, cycles = {}, [], []
+
+    def visit(node):
+        seen[node] = "open"
+        stack.append(node)
+        for nxt in graph[node]:
+            if nxt in EXEMPT or node in EXEMPT:
+                continue
+            if seen.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in seen:
+                visit(nxt)
+        stack.pop()
+        seen[node] = "done"
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"

@@ -1,0 +1,140 @@
+"""The fused GEMM + reduce-scatter kernel with W = 2, 4, 8 virtual ranks on one GPU.
+
+The real per-rank path (fused.FusedCall: tuned or pinned tile config, workspace halves, epochs,
+prepared replays from the third call of a shape on) against an fp32 reference: every mode (pull,
+push, deferred release, TMA push), both B orientations (row-major [K, N] and nn.Linear's
+weight.t()), the TMA and the masked-pointer paths, tails in every dimension, calls back to back,
+and a rank that never arrives.
+"""
+import time
+
+import pytest
+import torch
+
+from axedist.testing import VirtualRanks
+
+# rows per rank, N, K: tails in every dim on the TMA path; strides TMA cannot describe (N * 2
+# bytes not a multiple of 16: masked pointer loads); whole 128-row tiles (the TMA push path)
+TAILS = (257, 1000, 520)
+POINTER = (100, 300, 200)
+WHOLE_TILES = (256, 768, 384)
+
+
+def _configs():
+    from axedist.kernels.gemm_rs import GemmConfig
+    return {"pull": GemmConfig(),
+            "push": GemmConfig(push=True),
+            "defer_push": GemmConfig(push=True, defer_release=True),
+            "tma_push": GemmConfig(push=True, defer_release=True, tma_push=True)}
+
+
+def _inputs(world, rows, n, k, transposed, dtype=torch.bfloat16):
+    as_, bs = [], []
+    for _ in range(world):
+        a = torch.randn(rows * world, k, device="cuda") / k ** 0.25
+        b = torch.randn((n, k) if transposed else (k, n), device="cuda") / k ** 0.25
+        as_.append(a.to(dtype))
+        bs.append(b.to(dtype).t() if transposed else b.to(dtype))
+    return as_, bs
+
+
+def _failures(as_, bs, outs, label):
+    world = len(as_)
+    total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
+    rows = total.shape[0] // world
+    failures = []
+    for rank, out in enumerate(outs):
+        ref = total[rank * rows:(rank + 1) * rows]
+        if torch.isnan(out).any():
+            failures.append(f"{label} rank {rank}: NaN (unwritten output)")
+            continue
+        error = ((out.float() - ref).norm() / ref.norm()).item()
+        if not error <= 1e-2:
+            failures.append(f"{label} rank {rank}: rel error {error:.2e}")
+    return failures
+
+
+def _poisoned(as_, bs):
+    world = len(as_)
+    return [torch.full((as_[0].shape[0] // world, bs[0].shape[1]), float("nan"),
+                       dtype=as_[0].dtype, device="cuda") for _ in range(world)]
+
+
+def _call(ranks, as_, bs, config, label, **kwargs):
+    outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=config, **kwargs)
+    ranks.check()
+    return _failures(as_, bs, outs, label)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_world_size_both_orientations(world, seed):
+    ranks = VirtualRanks(world, 16 << 20)
+    failures = []
+    for transposed in (False, True):
+        as_, bs = _inputs(world, *TAILS, transposed)
+        failures += _call(ranks, as_, bs, _configs()["pull"], f"W={world} B^T={transposed} seed={seed}")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("mode", ["push", "defer_push", "tma_push"])
+def test_every_mode_both_orientations(mode, seed):
+    ranks = VirtualRanks(4, 16 << 20)
+    shape = WHOLE_TILES if mode == "tma_push" else TAILS
+    failures = []
+    for transposed in (False, True):
+        as_, bs = _inputs(4, *shape, transposed)
+        failures += _call(ranks, as_, bs, _configs()[mode], f"{mode} B^T={transposed} seed={seed}")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_masked_pointer_path(mode, seed):
+    ranks = VirtualRanks(4, 16 << 20)
+    as_, bs = _inputs(4, *POINTER, False)
+    assert not _call(ranks, as_, bs, _configs()[mode], f"pointer {mode} seed={seed}")
+
+
+def test_fp16(seed):
+    ranks = VirtualRanks(2, 16 << 20)
+    as_, bs = _inputs(2, *TAILS, False, torch.float16)
+    assert not _call(ranks, as_, bs, _configs()["pull"], f"fp16 seed={seed}")
+
+
+@pytest.mark.parametrize("mode", ["pull", "defer_push"])
+def test_back_to_back_calls_alternate_halves_and_replay(mode, seed):
+    """Twelve calls of three shapes, both orientations, queued with no host sync: epochs 1..12,
+    both workspace halves, and from the third call of a shape on the prepared replay (only
+    operands, output, task base and epoch refilled). Checked after the last call."""
+    world = 4
+    ranks = VirtualRanks(world, 16 << 20)
+    shapes = [TAILS, (64, 512, 256), (128, 1024, 1024)]
+    pending = []
+    for call in range(12):
+        as_, bs = _inputs(world, *shapes[call % 3], transposed=(call // 3) % 2 == 1)
+        outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=_configs()[mode])
+        pending.append((as_, bs, outs, f"call {call} {mode} seed={seed}"))
+    ranks.check()
+    assert [w.epoch for w in ranks.workspaces] == [12] * world
+    assert all(call.replays[0] is not None or call.replays[1] is not None
+               for call in ranks.last_plans)
+    failures = [f for as_, bs, outs, label in pending for f in _failures(as_, bs, outs, label)]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_rank_that_never_arrives_is_named_by_the_others(mode):
+    world, missing, timeout_s = 4, 0, 1.0
+    ranks = VirtualRanks(world, 16 << 20)
+    as_, bs = _inputs(world, 128, 512, 256, False)
+    config = _configs()[mode]
+    ranks.gemm_reduce_scatter(as_, bs, config=config)
+    ranks.check()
+    start = time.perf_counter()
+    ranks.gemm_reduce_scatter(as_, bs, config=config, absent=(missing,), timeout_s=timeout_s)
+    messages = ranks.errors()
+    elapsed = time.perf_counter() - start
+    assert messages[missing] == ""
+    for rank in range(world):
+        if rank != missing:
+            assert f"of rank {missing} " in messages[rank] and "gave up" in messages[rank], messages
+    assert elapsed < timeout_s + 5.0, elapsed
