@@ -27,7 +27,7 @@ from axedist.runtime import execution_bytes, explain_execution, record
 from axedist.spec import spec_from_placements
 from axedist.testing import run_on_ranks, torch_comm_bytes
 from axedist.topology import INTER_NODE, INTRA_NODE, AxisLink, Link, Network, Topology
-from planning_cases import check_plan, placements, random_layout, random_shape
+from tests.planning_cases import check_plan, placements, random_layout, random_shape
 
 DP_TP = (("dp", 2), ("tp", 2))
 NETWORK = Network((AxisLink("dp", 2, INTER_NODE, True), AxisLink("tp", 2, INTRA_NODE, False)), "cpu")
