@@ -24,6 +24,8 @@ _LAZY = {
     "DeviceMesh": "mesh",
     "MeshError": "mesh",
     "init_mesh": "mesh",
+    "TopologyWarning": "mesh",
+    "Link": "topology",
     "DTensor": "dtensor",
     "distribute": "dtensor",
     "from_torch": "dtensor",

@@ -16,46 +16,125 @@ Every rank of the default process group constructs every mesh (as with
 ``torch.distributed.new_group``): the constructor creates, in one fixed order, a
 process group for every set of axes (NCCL on CUDA, gloo on CPU) and caches it by
 its ranks, so rebuilding an equal mesh or taking a sub-mesh creates nothing.
+
+A mesh knows its hosts: which ranks share a node (torchrun's node rank and the hostnames,
+gathered once per job; or a simulated host size), hence which axes leave a node. Under
+``torchrun --nnodes 2 --nproc-per-node 4``, ``init_mesh((2, 4), ("dp", "tp"))`` prints
+``dp=2 (inter-node) x tp=4 (intra-node)``; the planner costs each axis with its link.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
+import socket
+import warnings
 from datetime import timedelta
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceMesh", "MeshError", "init_mesh"]
+from .topology import HOST_SIZE_ENV, INTER_NODE, INTRA_NODE, AxisLink, Link, Network, Topology
+
+__all__ = ["DeviceMesh", "MeshError", "TopologyWarning", "group_hosts", "group_topology", "init_mesh", "job_topology"]
 
 _DEFAULT_NAMES = {1: ("gpuid",), 2: ("gpuid_x", "gpuid_y"), 3: ("gpuid_x", "gpuid_y", "gpuid_z")}
-# Process groups by (backend, ranks in mesh order); new_group is collective, so this
-# cache fills in the same order on every rank.
-_GROUPS: dict[tuple[str, tuple[int, ...]], object] = {}
+# Process groups by (backend, sorted ranks, simulated hosts or None); new_group is collective,
+# so this cache fills in the same order on every rank.
+_GROUPS: dict[tuple, object] = {}
+# id(group) -> (group, the topology of the mesh that made it).
+_GROUP_TOPOLOGY: dict[int, tuple] = {}
+# The job's found topology, gathered once: (id of the world group, world size) -> Topology.
+_FOUND: dict[tuple, Topology] = {}
+# (axis, mesh ranks, topology) already warned about: each once per process.
+_WARNED: set = set()
 
 
 class MeshError(ValueError):
     """A mesh that cannot exist in this job, or a rank asking a mesh it is not part of."""
 
 
+class TopologyWarning(UserWarning):
+    """A mesh axis meant to stay inside one host (tensor parallel) spans hosts."""
+
+
 def _backend_for(device_type: str) -> str:
     return "gloo" if device_type == "cpu" else "nccl"
 
 
-def _process_group(device_type: str, ranks: tuple[int, ...]):
-    """The process group over ``ranks`` (created once per job, by every rank)."""
+def _process_group(device_type: str, ranks: tuple[int, ...], topology: Topology):
+    """The process group over ``ranks`` (created once per job, by every rank). A simulated
+    topology gets groups of its own, so each group has one answer to "which hosts"."""
     backend = _backend_for(device_type)
-    key = (backend, tuple(sorted(ranks)))
+    members = tuple(sorted(ranks))
+    key = (backend, members, topology.hosts if topology.simulated else None)
     if key not in _GROUPS:
         world = dist.get_world_size()
-        if key[1] == tuple(range(world)) and dist.get_backend() == backend:
+        if members == tuple(range(world)) and dist.get_backend() == backend and not topology.simulated:
             _GROUPS[key] = dist.group.WORLD
         else:
-            _GROUPS[key] = dist.new_group(list(key[1]), backend=backend)
+            _GROUPS[key] = dist.new_group(list(members), backend=backend)
+        if dist.get_rank() in members:  # others hold a placeholder, not a group
+            _GROUP_TOPOLOGY[id(_GROUPS[key])] = (_GROUPS[key], topology)
     return _GROUPS[key]
+
+
+def job_topology() -> Topology:
+    """This job's hosts, found once (a collective on the world: call it on every rank).
+
+    A node is a (hostname, torchrun node rank) pair: two torchrun agents on one machine are two
+    nodes, as torchrun itself counts them. ``AXEDIST_HOST_SIZE=2`` declares a simulated one
+    instead (ranks 0-1, 2-3, ... share a host). Example: ``torchrun --nnodes 2
+    --nproc-per-node 2`` gives ``Topology((0, 0, 1, 1))``.
+    """
+    world = dist.get_world_size()
+    size = os.environ.get(HOST_SIZE_ENV)
+    if size:
+        return _simulated(world, size)
+    key = (id(dist.group.WORLD), world)
+    if key not in _FOUND:
+        here = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
+        keys = [None] * world
+        dist.all_gather_object(keys, here)
+        _FOUND[key] = Topology.from_keys(keys)
+    return _FOUND[key]
+
+
+def _simulated(world: int, host_size) -> Topology:
+    try:
+        size = int(host_size)
+    except ValueError:
+        raise MeshError(f"host size must be an int, got {host_size!r} (from {HOST_SIZE_ENV} or host_size=)") from None
+    if size <= 0 or world % size:
+        raise MeshError(f"host size {size} must be positive and divide the world of {world} ranks")
+    return Topology.of_host_size(world, size)
+
+
+def group_topology(group) -> Topology | None:
+    """The topology of the mesh that created ``group`` (None for a group no mesh made)."""
+    known = _GROUP_TOPOLOGY.get(id(group))
+    return known[1] if known is not None and known[0] is group else None
+
+
+def group_hosts(group=None) -> tuple[int, ...]:
+    """The host of each member of a process group (group-rank order), as the mesh that created it
+    declares. For a group no mesh made: the job's found topology if a mesh found it, else
+    torchrun's node size (``LOCAL_WORLD_SIZE`` consecutive ranks a node), else one host."""
+    group = dist.group.WORLD if group is None else group
+    ranks, world = dist.get_process_group_ranks(group), dist.get_world_size()
+    known = group_topology(group)
+    if known is not None:
+        return known.hosts_of(ranks)
+    if os.environ.get(HOST_SIZE_ENV):
+        return _simulated(world, os.environ[HOST_SIZE_ENV]).hosts_of(ranks)
+    found = _FOUND.get((id(dist.group.WORLD), world))
+    if found is not None:
+        return found.hosts_of(ranks)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    return tuple(r // per_node for r in ranks) if per_node > 0 else (0,) * len(ranks)
 
 
 class DeviceMesh:
@@ -63,10 +142,18 @@ class DeviceMesh:
 
     ``ranks`` lists global ranks row-major over ``shape`` (default ``0..W-1``); a nested
     list is flattened. Axis names default to ``gpuid`` (1-D) or ``gpuid_x, gpuid_y[, gpuid_z]``.
+
+    Hosts: ``host_size=2`` (or ``AXEDIST_HOST_SIZE=2``) simulates hosts of 2 consecutive ranks;
+    else they are found (``job_topology``). An axis is inter-node when some group along it spans
+    hosts. ``links={"dp": Link(12.5, 30.0)}`` overrides an axis's link (defaults ``INTRA_NODE`` /
+    ``INTER_NODE``). ``intra_node_axes`` names the axes meant to stay inside a host (default: an
+    axis named ``tp``); one that spans hosts works, with a ``TopologyWarning`` once.
     """
 
     def __init__(self, device_type: str, shape: Sequence[int] | int, axis_names: Sequence[str] | str | None = None,
-                 ranks=None, *, _groups: dict | None = None):
+                 ranks=None, *, host_size: int | None = None, links: Mapping[str, Link] | None = None,
+                 intra_node_axes: Sequence[str] | None = None, _groups: dict | None = None,
+                 _topology: Topology | None = None):
         if not dist.is_initialized():
             raise MeshError("DeviceMesh needs an initialized torch.distributed process group (see axedist.init_mesh)")
         if device_type not in ("cpu", "cuda"):
@@ -106,8 +193,14 @@ class DeviceMesh:
         self.axis_names = axis_names
         self.ranks = ranks
         self._position = {r: p for p, r in enumerate(ranks)}
+        self.links = self._check_links(links)
+        if _topology is None:
+            _topology = _simulated(world, host_size) if host_size is not None else job_topology()
+        self.topology = _topology
+        self.inter_node_axes = tuple(a for a in axis_names if self._spans_hosts(a))
         self._groups = self._create_groups() if _groups is None else _groups
         self._torch_mesh = None
+        self._warn_spanning(intra_node_axes)
 
     # -- geometry ---------------------------------------------------------------
 
@@ -174,6 +267,63 @@ class DeviceMesh:
             stride *= extent
         return {name: out[name] for name in self.axis_names}
 
+    # -- hosts ----------------------------------------------------------------------
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        """The host of each mesh position (row-major), hosts numbered as in ``topology``."""
+        return self.topology.hosts_of(self.ranks)
+
+    def _spans_hosts(self, axis: str) -> bool:
+        """Whether some group along ``axis`` has ranks on two hosts."""
+        i, hosts = self._axis_index(axis), self.hosts
+        stride = self.strides()[axis]
+        return any(hosts[p] != hosts[p + k * stride] for p in range(len(hosts))
+                   if (p // stride) % self.shape[i] == 0 for k in range(1, self.shape[i]))
+
+    def _check_links(self, links) -> dict[str, Link]:
+        links = dict(links or {})
+        for axis, link in links.items():
+            if axis not in self.axis_names:
+                raise MeshError(f"links names axis {axis!r}, not one of the mesh's axes {self.axis_names}")
+            if not isinstance(link, Link) or not (link.bandwidth_gbps > 0 and link.latency_us >= 0):
+                raise MeshError(f"links[{axis!r}] must be a Link(bandwidth_gbps > 0, latency_us >= 0), got {link!r}")
+        return links
+
+    def _warn_spanning(self, intra_node_axes: Sequence[str] | None) -> None:
+        """A ``TopologyWarning`` (once, on the mesh's first rank) for each axis meant to stay inside
+        a host that spans hosts: ``intra_node_axes``, by default an axis named ``tp``."""
+        if intra_node_axes is None:
+            intra_node_axes = [a for a in ("tp",) if a in self.axis_names]
+        for axis in intra_node_axes:
+            if axis not in self.axis_names:
+                raise MeshError(f"intra_node_axes names {axis!r}, not an axis of {self.axis_names}")
+            key = (axis, self.ranks, self.topology)
+            if axis in self.inter_node_axes and key not in _WARNED:
+                _WARNED.add(key)
+                if dist.get_rank() == self.ranks[0]:
+                    warnings.warn(f"mesh axis {axis!r} spans hosts ({self.describe()}): its collectives cross the "
+                                  f"network and cannot use the symmetric-memory kernels; put the axes meant to stay "
+                                  f"on a node last in the mesh (ranks of a node are consecutive)",
+                                  TopologyWarning, stacklevel=3)
+
+    @functools.cached_property
+    def network(self) -> Network | None:
+        """What the planner costs plans with: each axis's link, inter- or intra-node. None on one
+        host with default links (plans are then chosen by bytes alone)."""
+        if not self.inter_node_axes and not self.links:
+            return None
+        axes = tuple(AxisLink(a, n, self.links.get(a, INTER_NODE if a in self.inter_node_axes else INTRA_NODE),
+                              a in self.inter_node_axes) for a, n in zip(self.axis_names, self.shape))
+        return Network(axes, self.device_type)
+
+    def describe(self) -> str:
+        """``dp=2 (inter-node) x tp=2 (intra-node)``, or ``dp=2 x tp=2 (one host)``."""
+        if len(set(self.hosts)) == 1:
+            return " x ".join(f"{a}={n}" for a, n in zip(self.axis_names, self.shape)) + " (one host)"
+        return " x ".join(f"{a}={n} ({'inter' if a in self.inter_node_axes else 'intra'}-node)"
+                          for a, n in zip(self.axis_names, self.shape))
+
     # -- groups -------------------------------------------------------------------
 
     def group_ranks(self, axes: Sequence[str] | str | None = None, rank: int | None = None) -> tuple[int, ...]:
@@ -216,7 +366,7 @@ class DeviceMesh:
                     for values in itertools.product(*(range(self.axis_size(a)) for a in axes)):
                         coords.update(zip(axes, values))
                         members.append(self.rank_at(dict(coords)))
-                    group = _process_group(self.device_type, tuple(members))
+                    group = _process_group(self.device_type, tuple(members), self.topology)
                     if me in members:
                         mine[axes] = group
         return mine
@@ -231,7 +381,9 @@ class DeviceMesh:
             raise MeshError(f"sub-mesh axes must be listed in mesh order {self.axis_names}, got {asked}")
         ranks = self.group_ranks(axes)
         groups = {k: g for k, g in self._groups.items() if set(k) <= set(axes)}
-        return DeviceMesh(self.device_type, tuple(self.axis_size(a) for a in axes), axes, ranks, _groups=groups)
+        links = {a: link for a, link in self.links.items() if a in axes}
+        return DeviceMesh(self.device_type, tuple(self.axis_size(a) for a in axes), axes, ranks, links=links,
+                          intra_node_axes=(), _groups=groups, _topology=self.topology)
 
     # -- interop ---------------------------------------------------------------------
 
@@ -248,15 +400,18 @@ class DeviceMesh:
 
     @classmethod
     def from_torch(cls, torch_mesh) -> "DeviceMesh":
-        """The equal axedist mesh (unnamed torch axes get the default names)."""
+        """The equal axedist mesh (unnamed torch axes get the default names; the hosts of the mesh
+        that made its groups, if one did)."""
         shape = tuple(torch_mesh.mesh.shape)
         names = torch_mesh.mesh_dim_names or _DEFAULT_NAMES.get(len(shape))
-        return cls(torch_mesh.device_type, shape, names, torch_mesh.mesh.flatten().tolist())
+        known = group_topology(torch_mesh.get_group(0)) if torch_mesh.get_coordinate() is not None else None
+        return cls(torch_mesh.device_type, shape, names, torch_mesh.mesh.flatten().tolist(), _topology=known)
 
     # -- value semantics -----------------------------------------------------------------
 
     def _key(self):
-        return (self.device_type, self.shape, self.axis_names, self.ranks)
+        return (self.device_type, self.shape, self.axis_names, self.ranks, self.hosts, self.topology.simulated,
+                tuple(sorted(self.links.items())))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, DeviceMesh) and self._key() == other._key()
@@ -266,15 +421,20 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         grid = torch.tensor(self.ranks).reshape(self.shape).tolist()
-        return f"DeviceMesh({self.device_type!r}, {grid}, axes={self.axis_names})"
+        hosts = "" if self.network is None else f", {self.describe()}, {self.topology}"
+        return f"DeviceMesh({self.device_type!r}, {grid}, axes={self.axis_names}{hosts})"
 
 
 def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str] | str | None = None,
-              device_type: str | None = None, ranks=None, timeout_s: float = 600.0) -> DeviceMesh:
+              device_type: str | None = None, ranks=None, timeout_s: float = 600.0, *,
+              host_size: int | None = None, links: Mapping[str, Link] | None = None,
+              intra_node_axes: Sequence[str] | None = None) -> DeviceMesh:
     """A mesh for a ``torchrun`` job: joins the process group from torchrun's environment.
 
     ``init_mesh((2, 4), ("dp", "tp"))`` under ``torchrun --nproc-per-node 8`` gives a 2x4 mesh
-    on CUDA (NCCL, rank r on GPU LOCAL_RANK) when GPUs are present, else on CPU (gloo).
+    on CUDA (NCCL, rank r on GPU LOCAL_RANK) when GPUs are present, else on CPU (gloo); under
+    ``torchrun --nnodes 2 --nproc-per-node 4`` its ``dp`` axis is inter-node. ``host_size``,
+    ``links`` and ``intra_node_axes`` as for ``DeviceMesh``.
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -290,4 +450,5 @@ def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str
         dist.init_process_group(_backend_for(device_type), timeout=timedelta(seconds=timeout_s), **kwargs)
     if shape is None:
         shape = (dist.get_world_size(),)
-    return DeviceMesh(device_type, shape, axis_names, ranks)
+    return DeviceMesh(device_type, shape, axis_names, ranks, host_size=host_size, links=links,
+                      intra_node_axes=intra_node_axes)

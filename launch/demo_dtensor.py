@@ -2,10 +2,14 @@
 
     torchrun --nproc-per-node 4 launch/demo_dtensor.py            # CPU, gloo
     torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda     # GPUs, NCCL (+ fused GEMM + RS)
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        launch/demo_dtensor.py --mesh 2x2                         # also a (dp, tp) mesh over the nodes
 
 Each step moves one global tensor between layouts (placements and layouts that
 placements cannot express), checks every rank's local tensor against the global
-tensor, and rank 0 prints the layout, the inferred plan and a holder table.
+tensor, and rank 0 prints the layout, the inferred plan and a holder table. With
+``--mesh DPxTP`` it then moves tensors over both axes of a (dp, tp) mesh (dp across nodes
+when the job spans several): the plans reduce and gather on tp inside a node first.
 """
 
 from __future__ import annotations
@@ -49,10 +53,35 @@ def show_move(dt: "ax.DTensor", target, shape, mesh_spec, itemsize, title: str) 
     return moved
 
 
+def two_axes(shape_text: str, device_type: str) -> None:
+    """Moves over both axes of a (dp, tp) mesh; each plan names the link and backend of its steps."""
+    dp, tp = (int(n) for n in shape_text.lower().split("x"))
+    mesh = ax.init_mesh((dp, tp), ("dp", "tp"), device_type=device_type)
+    say(f"\n== 2-D mesh {mesh.describe()}: {mesh}")
+    world, device = mesh.size, mesh.device
+    shape = (4 * world, 6)
+    torch.manual_seed(1)
+    reference = torch.randint(-8, 8, shape, device=device).float()  # integers: sums are exact in any order
+    # every rank holds reference * (rank + 1); the pending sum over both axes is reference * W (W + 1) / 2
+    partial = ax.DTensor.from_local(reference * (dist.get_rank() + 1), mesh, [Partial(), Partial()], shape=shape)
+    total = reference * (world * (world + 1) // 2)
+    for target, title in (([Replicate(), Replicate()], "reduce over (dp, tp): an all-reduce in three stages"),
+                          ([Shard(0), Shard(0)], "reduce-scatter over (dp, tp)")):
+        say(f"\n-- [Partial(), Partial()] -> {target}: {title}")
+        say("   " + str(ax.plan(partial, target)).replace("\n", "\n   "))
+        check(partial.redistribute(target), total, f"{target}")
+    rows = ax.distribute(reference, mesh, [Shard(0), Shard(0)])
+    say("\n-- [Shard(0), Shard(0)] -> [Replicate(), Replicate()]: all-gather across nodes first (the smaller piece)")
+    say("   " + str(ax.plan(rows, [Replicate(), Replicate()])).replace("\n", "\n   "))
+    check(rows.redistribute([Replicate(), Replicate()]), reference, "[Replicate(), Replicate()]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuda", action="store_true", help="use GPUs and NCCL (default: CPU and gloo)")
     parser.add_argument("--png", default="out/demo_layout.png", help="where rank 0 draws the holder picture")
+    parser.add_argument("--mesh", default=None, metavar="DPxTP",
+                        help="also move tensors over a 2-D (dp, tp) mesh of that shape, e.g. 2x2")
     args = parser.parse_args()
 
     device_type = "cuda" if args.cuda else "cpu"
@@ -110,6 +139,9 @@ def main() -> None:
         error = ((fused.float() - want).norm() / want.norm()).item()
         say(f"\n-- fused GEMM + reduce-scatter, one persistent kernel: [{m}x{kl}] @ [{kl}x{n}] x {world} ranks, "
             f"rel. error {error:.2e}")
+
+    if args.mesh:
+        two_axes(args.mesh, device_type)
 
     say("\ndemo finished")
     # every rank past its last collective before any tears gloo down (a rank that left early

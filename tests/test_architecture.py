@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
 LAYERS = [
     (0, "axedist.layout"),
     (1, "axedist.mesh"),
+    (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads
     (2, "axedist.spec"),
     (3, "axedist.planning"),
     (4, "axedist.kernels"),

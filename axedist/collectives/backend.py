@@ -21,6 +21,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..mesh import group_hosts
+
 MULTICAST_ENV = "AXEDIST_ENABLE_MULTICAST"
 BACKENDS = ("auto", "p2p", "multimem", "torch")
 TUNED_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels",
@@ -106,8 +108,14 @@ def p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
 
 
 def _p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
+    inside, why = one_host(group)
+    if not inside:
+        return False, why
     if not tensor.is_cuda:
         return False, "tensor is not on a CUDA device"
+    reachable, why = peers_reachable(tensor.get_device())
+    if not reachable:
+        return False, why
     if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False, f"dtype {tensor.dtype} is not bf16/fp16/fp32"
     world = dist.get_world_size(group)
@@ -118,6 +126,27 @@ def _p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:
     except ImportError:
         return False, "triton is not installed"
     return True, "ok"
+
+
+# -- topology: the symmetric-memory kernels (collectives and fused GEMM + RS) need every rank of
+# the group on one host with peer access; any other group runs on torch.distributed (NCCL).
+
+def one_host(group) -> tuple[bool, str]:
+    """(whether every rank of ``group`` sits on one host, why not): the hosts its mesh declares,
+    simulated ones included (``axedist.mesh.group_hosts``)."""
+    hosts = group_hosts(group)
+    if len(set(hosts)) > 1:
+        return False, f"group spans {len(set(hosts))} hosts (hosts {list(hosts)}): symmetric memory needs one host"
+    return True, "one host"
+
+
+def peers_reachable(device_index: int) -> tuple[bool, str]:
+    """(whether ``cuda:device_index`` has peer access to every other visible GPU, why not)."""
+    others = [d for d in range(torch.cuda.device_count()) if d != device_index]
+    blocked = [d for d in others if not torch.cuda.can_device_access_peer(device_index, d)]
+    if blocked:
+        return False, f"cuda:{device_index} has no peer access to cuda:{blocked}"
+    return True, "peer access"
 
 
 def select_backend(op: str, tensor: torch.Tensor, group, requested: str = "auto",

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
 from .classify import Context, mark_all_reduce, replace_step
-from .derive import plan_layouts
+from .derive import plan_layouts, staged_reduction
 from .digits import Digit, box_step, on_mesh, refine
 from .plans import Plan
 from .points import as_mesh, replicated_in_memory, validate
@@ -23,8 +23,9 @@ __all__ = ["plan_alternatives", "clear_alternatives_cache"]
 
 
 def plan_alternatives(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize: int = 4,
-                      partial: str | None = None) -> tuple[Plan, ...]:
-    """``plan_layouts``' plan first, then plans that gather one mesh axis per step, in every order.
+                      partial: str | None = None, inter_node: Sequence[str] = ()) -> tuple[Plan, ...]:
+    """``plan_layouts``' plan first, then plans that gather one mesh axis per step, in every order
+    (and with ``inter_node`` axes, the ``staged_reduction`` and its orders).
 
     On even shapes a gather over several axes in one step moves as many bytes as one step
     per axis, so ``plan_layouts`` keeps one step. When some slots hold padding that need not
@@ -41,17 +42,29 @@ def plan_alternatives(src: Layout, dst: Layout, mesh, shape: Sequence[int], item
     if first.method != "digits":
         return (first,)
     mesh, shape = as_mesh(mesh), tuple(int(s) for s in shape)
+    plans = [first]
+    _add_copy_orders(plans, first.steps, src, dst, mesh, shape, itemsize, partial)
+    staged = staged_reduction(src, dst, mesh, shape, itemsize, partial, inter_node) if partial and inter_node \
+        else None
+    if staged is not None and all(staged.steps != p.steps for p in plans):
+        plans.append(Plan(src, dst, mesh, shape, itemsize, partial, staged.steps, "digits"))
+        _add_copy_orders(plans, staged.steps, src, dst, mesh, shape, itemsize, partial)
+    return tuple(plans)
+
+
+def _add_copy_orders(plans: list, steps, src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int,
+                     partial) -> None:
+    """Append to ``plans`` the variants of the plan of ``steps`` whose last copy runs axis by axis
+    (a reduction before it stays), each unless ``plans`` has its steps already."""
     head, start = (), src
     if partial is not None:  # the reduction stays; its copy step (if any) gets the alternatives
-        if len(first.steps) < 2 or first.steps[-1].reduce is not None or first.steps[-1].source is None:
-            return (first,)
-        head, start = tuple(replace_step(s, fused=None) for s in first.steps[:-1]), first.steps[-1].source
-    plans = [first]
-    for plan in _gather_orders(start, dst, mesh, shape, itemsize) + _axis_orders(start, dst, mesh, shape, itemsize):
-        steps = mark_all_reduce(list(head + plan.steps))
-        if all(steps != p.steps for p in plans):  # a gather order is often also an axis order
-            plans.append(Plan(src, dst, mesh, shape, itemsize, partial, steps, "digits"))
-    return tuple(plans)
+        if len(steps) < 2 or steps[-1].reduce is not None or steps[-1].source is None:
+            return
+        head, start = tuple(replace_step(s, fused=None) for s in steps[:-1]), steps[-1].source
+    for chain in _gather_orders(start, dst, mesh, shape, itemsize) + _axis_orders(start, dst, mesh, shape, itemsize):
+        ordered = mark_all_reduce(list(head + chain.steps))
+        if all(ordered != p.steps for p in plans):  # a gather order is often also an axis order
+            plans.append(Plan(src, dst, mesh, shape, itemsize, partial, ordered, "digits"))
 
 
 def clear_alternatives_cache() -> None:

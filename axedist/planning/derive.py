@@ -27,7 +27,7 @@ from .plans import Plan, step_cost
 from .points import as_mesh, replicated_in_memory, validate
 from .steps import Mesh, Step
 
-__all__ = ["plan_layouts", "check_options", "clear_derive_cache"]
+__all__ = ["plan_layouts", "staged_reduction", "check_options", "clear_derive_cache"]
 
 
 def check_options(partial, itemsize) -> None:
@@ -53,6 +53,23 @@ def plan_layouts(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize:
 
 def clear_derive_cache() -> None:
     _plan_cached.cache_clear()
+    _staged_cached.cache_clear()
+
+
+def staged_reduction(src: Layout, dst: Layout, mesh, shape: Sequence[int], itemsize: int, partial: str,
+                     inter_node: Sequence[str]) -> Plan | None:
+    """``plan_layouts``' reduction in two stages: the summands on intra-node axes first, then those
+    on the ``inter_node`` axes, then the copy to ``dst``; None where there is no such split.
+
+    The first stage reduce-scatters, so the second (across hosts) reduces a smaller piece. Partial
+    sums of ``(8, 6)`` over 2x2 ``(dp, tp)`` to ``Replicate`` on both, ``dp`` inter-node: a
+    reduce-scatter over ``tp`` (each device keeps 24 of 48 elements), a reduce-scatter over ``dp``
+    (12), then the all-gather back: 96 B of a device's 288 B cross hosts, where one reduce-scatter
+    over all 4 devices sends 192 B across. Same total bytes.
+    """
+    plan_layouts(src, dst, mesh, shape, itemsize, partial)  # checks the arguments, as there
+    return _staged_cached(src, dst, as_mesh(mesh), tuple(int(s) for s in shape), itemsize, partial,
+                          tuple(inter_node))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -117,6 +134,81 @@ def _reduce_steps(summand_digits, digits, src: Layout, dst: Layout, context: Con
     if middle != dst:
         steps.append(box_step(copy_digits, middle, dst, context, reduce=None))
     return steps
+
+
+@functools.lru_cache(maxsize=256)
+def _staged_cached(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int, partial, inter_node) -> Plan | None:
+    size = math.prod(shape)
+    canon_src, canon_dst = src.canonicalize(), dst.canonicalize()
+    try:
+        summand_iters, data_iters = canon_src.blocks((src.size // size, size))
+    except LayoutError:
+        return None
+    digits = refine(data_iters, canon_dst.shard)
+    if digits is None or replicated_in_memory(dst, mesh):
+        return None
+    summand_digits = [Digit(it.extent, (it.axis, it.stride), None) for it in summand_iters]
+    late = [u for u in summand_digits if u.source[0] in inter_node]
+    if not late or not any(on_mesh(u.source) and u not in late for u in summand_digits):
+        return None  # one class of summand axes: nothing to stage
+    # the intra-node summands take their places first, so where the data is too small to scatter
+    # over every summand axis, the inter-node ones are those left to all-reduce (a smaller piece)
+    intra_first = [u for u in summand_digits if u not in late] + late
+    middle, reduced_digits, copy_digits, replicas = _reduction_target(intra_first, digits, src, dst, mesh)
+    context = Context(mesh, itemsize, partial)
+    if replicas:
+        if not set(replicas) <= set(late):
+            return None
+        steps = _reduce_late(intra_first, replicas, reduced_digits, src, middle, context)
+        if middle != dst:
+            steps.append(box_step(copy_digits, middle, dst, context, reduce=None))
+        return Plan(src, dst, mesh, shape, itemsize, partial, mark_all_reduce(steps), "digits")
+    pending = _pending(late, reduced_digits, src, middle, inter_node)
+    if pending is None:
+        return None
+    layout, places = pending
+    try:
+        validate(layout, mesh, math.prod(u.extent for u in late) * size, "intermediate")
+    except LayoutError:
+        return None
+    if replicated_in_memory(layout, mesh):
+        return None
+    early = [u for u in summand_digits if u not in late]
+    kept = [Digit(u.extent, u.source, u.source) for u in late]
+    steps = [box_step(early + kept + [Digit(d.extent, d.source, p) for d, p in zip(reduced_digits, places)],
+                      src, layout, context, reduce=partial),
+             box_step(late + [Digit(d.extent, p, d.target) for d, p in zip(reduced_digits, places)],
+                      layout, middle, context, reduce=partial)]
+    if middle != dst:
+        steps.append(box_step(copy_digits, middle, dst, context, reduce=None))
+    return Plan(src, dst, mesh, shape, itemsize, partial, mark_all_reduce(steps), "digits")
+
+
+def _pending(late, reduced_digits, src: Layout, middle: Layout, inter_node):
+    """The layout between the stages: the ``late`` summands still on their axes (a leading summand
+    block), every data digit at its place in ``middle`` except those bound for an inter-node axis,
+    which stay in local memory (compact, row-major); and each data digit's place there. None where
+    a digit would leave another mesh axis for an inter-node one (not a two-stage reduction)."""
+    places = []
+    for d in reduced_digits:
+        if on_mesh(d.target) and d.target[0] in inter_node and d.target != d.source:
+            if on_mesh(d.source):
+                return None
+            places.append(None)
+        else:
+            places.append(d.target)
+    stride = 1
+    for i in reversed(range(len(places))):
+        if places[i] is None or places[i][0] == MEMORY_AXIS:
+            places[i] = (MEMORY_AXIS, stride)
+            stride *= reduced_digits[i].extent
+    late_axes = {u.source[0] for u in late}
+    offset = {a: v for a, v in middle.offset.items() if a not in late_axes}
+    offset.update({a: v for a, v in src.offset.items() if a in late_axes})
+    replica = list(middle.replica) + [it for it in src.replica if it.axis in inter_node and it not in middle.replica]
+    shard = [Iter(u.extent, u.source[1], u.source[0]) for u in late]
+    shard += [Iter(d.extent, p[1], p[0]) for d, p in zip(reduced_digits, places)]
+    return Layout(shard, replica, offset), places
 
 
 def _reduce_late(summand_digits, late, reduced_digits, src: Layout, middle: Layout, context: Context) -> list[Step]:

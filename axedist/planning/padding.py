@@ -17,6 +17,7 @@ import torch
 from ..layout import Layout
 from . import holdings
 from .alternatives import plan_alternatives
+from .cost import pick
 from .derive import plan_layouts
 from .holdings import Holdings, box_index, holdings_of, holdings_per_dim, outer
 from .plans import Plan
@@ -140,9 +141,14 @@ def real_slots(layout: Layout, full, rows, mesh) -> Holdings | None:
 
 def cheapest(src: Layout, dst: Layout, full, itemsize: int, partial, held: Holdings | None, mesh) -> Plan:
     """The plan to run: ``plan_layouts``' own on even shapes; with padding (``held`` says which
-    slots are real), the ``plan_alternatives`` candidate that moves least once its padding is left out."""
-    if held is None or held.all_real:
+    slots are real), the ``plan_alternatives`` candidate that moves least once its padding is left out.
+    On a mesh that spans hosts (``mesh.network``), the fastest of the alternatives that send as
+    few bytes a device as any (``cost.pick``), carrying the network."""
+    network = getattr(mesh, "network", None)
+    if network is None and (held is None or held.all_real):
         return plan_layouts(src, dst, mesh, full, itemsize, partial)
-    alternatives = plan_alternatives(src, dst, mesh, full, itemsize, partial)
-    pruned = [drop_padding(p, held, mesh, holdings.ELEMENTWISE) for p in alternatives]
-    return min(pruned, key=lambda p: p.cost)
+    inter_node = () if network is None else network.inter_node_axes
+    alternatives = plan_alternatives(src, dst, mesh, full, itemsize, partial, inter_node)
+    if held is not None and not held.all_real:
+        alternatives = [drop_padding(p, held, mesh, holdings.ELEMENTWISE) for p in alternatives]
+    return pick(alternatives, network).on(network)

@@ -6,17 +6,23 @@
       1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
          digits: 4:1@gpuid -> 4:12, replica R[4:1@gpuid] added
       per device at most: sent 144 B, received 144 B
+
+A plan chosen for a mesh that spans hosts (``plan_redistribute``) carries the mesh's
+``Network``; it then prints each step's link and backend and its modeled time (``cost.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..layout import MEMORY_AXIS, Layout, LayoutError
+from ..topology import Network
 from .classify import Context, make_step, mark_all_reduce, replace_step
+from .cost import sent_per_axis, step_time_us, steps_time_us
 from .steps import Device, Mesh, Step, Transfer
 
 __all__ = ["Plan", "buffer_size", "devices", "step_cost", "sent_per_device"]
@@ -71,6 +77,7 @@ class Plan:
     method: str  # "digits" (from the layouts' digits), "blocks" (some enumerated digit blocks), "elements",
     # or "direct" (``plan_direct``: true elements between two paddings of one tensor)
     note: str = ""  # what was changed after planning (e.g. padding left out by the executor)
+    network: Network | None = None  # the links it was chosen for (None: one host, chosen by bytes)
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -109,6 +116,15 @@ class Plan:
         """``{device: bytes it sends}`` as ``cost`` counts them (a direct all-reduce as a ring)."""
         return sent_per_device(self.steps)
 
+    @functools.cached_property
+    def time_us(self) -> float | None:
+        """Modeled microseconds on ``network`` (None without one)."""
+        return None if self.network is None else steps_time_us(self.steps, self.network)
+
+    def on(self, network: Network | None) -> "Plan":
+        """The same plan, costed and printed for ``network``."""
+        return self if network == self.network else dataclasses.replace(self, network=network)
+
     def then(self, other: "Plan") -> "Plan":
         """One plan running ``self``'s steps, then ``other``'s (``other.source`` is ``self.target``'s
         buffer, e.g. a reduction in place, then a gather)."""
@@ -117,7 +133,7 @@ class Plan:
         note = "; ".join(n for n in (self.note, other.note) if n)
         return Plan(self.source, other.target, self.mesh, other.shape, self.itemsize, self.partial or other.partial,
                     self.steps + other.steps, "digits" if self.method == other.method == "digits" else "elements",
-                    note)
+                    note, self.network or other.network)
 
     def with_transfers(self, transfers: Sequence[Sequence[Transfer]], note: str) -> "Plan":
         """The same steps moving only ``transfers[i]`` in step ``i`` (each step renamed from its
@@ -130,10 +146,12 @@ class Plan:
                               moves=s.moves)
                  for s, ts in zip(self.steps, transfers)]
         return Plan(self.source, self.target, self.mesh, self.shape, self.itemsize, self.partial,
-                    mark_all_reduce(steps), self.method, note)
+                    mark_all_reduce(steps), self.method, note, self.network)
 
     def explain(self) -> str:
         lines = [self._head()]
+        if self.network is not None:
+            lines.append(f"  network: {self.network}")
         if not self.steps:
             lines.append("  nothing to do: same layout")
         for i, step in enumerate(self.steps, 1):
@@ -143,13 +161,24 @@ class Plan:
             lines.append(line)
             if step.moves:
                 lines.append(("     how: " if self.method == "direct" else "     digits: ") + ", ".join(step.moves))
+            if self.network is not None and step.kind != "local":
+                lines.append(f"     {self._link_text(step)}")
         if self.method == "elements":
             lines.append("  (element-level fallback: the layouts share no digit refinement)")
         if self.note:
             lines.append(f"  ({self.note})")
         lines.append(f"  per device at most: sent {max(self.bytes_sent.values(), default=0)} B, "
                      f"received {max(self.bytes_received.values(), default=0)} B")
+        if self.network is not None:
+            per_axis = ", ".join(f"{a} {b:g} B" for a, b in sent_per_axis(self.steps, self.network).items())
+            lines.append(f"  per device and axis at most: {per_axis}; modeled time {self.time_us:.1f} us")
         return "\n".join(lines)
+
+    def _link_text(self, step: Step) -> str:
+        """``inter-node (dp): nccl, 21.3 us``: where the step's groups run, what carries it, how long."""
+        where = "inter-node" if self.network.crosses_hosts(step.axes) else "intra-node"
+        return f"{where} ({','.join(step.axes)}): {self.network.backend(step.axes)}, " \
+            f"{step_time_us(step, self.network):.1f} us"
 
     def _head(self) -> str:
         mesh_text = "(" + ", ".join(f"{a}={n}" for a, n in self.mesh) + ")"

@@ -17,14 +17,14 @@ from ..layout import LayoutError
 from ..spec import DTensorSpec
 from . import holdings
 from .alternatives import clear_alternatives_cache
+from .cost import pick, route_cost, steps_time_us
 from .derive import clear_derive_cache
 from .direct import clear_direct_cache, plan_direct
 from .fused import FusedStep
 from .holdings import true_boxes
 from .padding import cheapest, real_slots
 from .plans import Plan, devices
-from .repad import (RepadRoute, Side, common_sides, reduced_in_place, repad_route, route_cost, side_of,
-                    split_summands)
+from .repad import RepadRoute, Side, common_sides, reduced_in_place, repad_route, side_of, split_summands
 from .steps import Device, Step
 
 __all__ = ["Redistribution", "Repad", "plan_redistribute", "clear_plan_cache"]
@@ -101,6 +101,12 @@ class Redistribution:
         """(most bytes one device sends, bytes all devices send, steps) over the whole route."""
         return route_cost(self.plans)
 
+    @property
+    def time_us(self) -> float | None:
+        """Modeled microseconds over every plan on the mesh's network (None on one host)."""
+        network = self.plans[0].network
+        return None if network is None else sum(steps_time_us(p.steps, network) for p in self.plans)
+
     def explain(self) -> str:
         text = self._route_text()
         if self.fused is None:
@@ -123,7 +129,8 @@ class Redistribution:
                              f"{b.layout} over {list(b.full)} (no communication)")
         lines.append(f"in all: {len(self.steps)} step(s); per device at most: sent "
                      f"{max(self.bytes_sent.values(), default=0)} B, "
-                     f"received {max(self.bytes_received.values(), default=0)} B")
+                     f"received {max(self.bytes_received.values(), default=0)} B"
+                     + ("" if self.time_us is None else f"; modeled time {self.time_us:.1f} us"))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -183,15 +190,21 @@ def _route(src: DTensorSpec, dst: DTensorSpec, itemsize: int, elementwise: bool)
     best = _cheapest_repad(source, target, lead, partial, itemsize, mesh)
     # the direct plan: an all-to-all-v with no padding (an uneven digit swap: (3, 6) [S1, S1] -> [S1, S0]
     # on 2x2 sends 8 B a device where gathering the inner chunks over y sends 24 B)
+    network = mesh.network
     direct = plan_direct(source.layout, source.full, source.rows, target.layout, target.full, target.rows, mesh,
-                         itemsize, partial)
-    if route_cost((direct,)) < route_cost(best.plans):
+                         itemsize, partial).on(network)
+    if pick([best, direct], network, _plans_of) is direct:
         return route((direct,), source, target)
     return route(best.plans, source, best.last, repad=Repad(best.gathered, best.middle, best.boxes))
 
 
+def _plans_of(candidate) -> tuple[Plan, ...]:
+    return candidate.plans if isinstance(candidate, RepadRoute) else (candidate,)
+
+
 def _cheapest_repad(source: Side, target: Side, lead: int, partial, itemsize: int, mesh) -> RepadRoute:
-    """The re-pad route that moves least; with a pending reduction, reduce first or last."""
+    """The re-pad route that moves least (or runs fastest: ``cost.pick``); with a pending reduction,
+    reduce first or last."""
     candidates = [repad_route(source, target, lead, partial, itemsize, mesh)]
     if lead:
         reduced = reduced_in_place(source)
@@ -199,4 +212,4 @@ def _cheapest_repad(source: Side, target: Side, lead: int, partial, itemsize: in
                             real_slots(source.layout, source.full, source.rows, mesh), mesh)
         after = repad_route(reduced, target, 0, None, itemsize, mesh)
         candidates.append(after._replace(plans=(in_place.then(after.plans[0]), after.plans[1])))
-    return min(candidates, key=lambda c: route_cost(c.plans))
+    return pick(candidates, mesh.network, _plans_of)

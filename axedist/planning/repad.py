@@ -21,7 +21,7 @@ from .padding import cheapest, real_slots
 from .plans import Plan
 
 __all__ = ["Side", "RepadRoute", "side_of", "common_sides", "repad_route", "reduced_in_place", "split_summands",
-           "route_cost", "from_blocks"]
+           "from_blocks"]
 
 Positions = tuple  # per full dim: the local index of each true row, or None where the true rows lead
 
@@ -74,15 +74,6 @@ class RepadRoute(NamedTuple):
     middle: Side
     last: Side
     boxes: tuple[tuple[int, ...], ...]
-
-
-def route_cost(plans) -> tuple:
-    """(most bytes one device sends, all bytes, steps) over consecutive plans."""
-    sent: dict = {}
-    for plan in plans:
-        for d, b in plan.sent_per_device.items():
-            sent[d] = sent.get(d, 0) + b
-    return (max(sent.values(), default=0), sum(sent.values()), sum(len(p.steps) for p in plans))
 
 
 def _leading(rows) -> Positions:

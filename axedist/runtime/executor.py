@@ -213,11 +213,21 @@ def _explain_plan(plan: Plan, mesh) -> str:
         label = f"{index}" if step.covers == 1 else f"{index}-{index + step.covers - 1}"
         group = f" on the mesh's {step.step.axes} group" if isinstance(step, Collective) else ""
         ran = f"; last call ran on {_RAN_TEXT[step.ran]}" if getattr(step, "ran", None) else ""
-        lines.append(f"    {label}. {step.step.kind}: {step.how}{group}{ran}")
+        lines.append(f"    {label}. {step.step.kind}: {step.how}{group}{ran}{_carrier(step, backend, mesh)}")
         index += step.covers
     if backend == "gloo":
         lines.append("  gloo: " + "; ".join(f"{k}: {v}" for k, v in _GLOO_SUBSTITUTES.items()))
     return "\n".join(lines)
+
+
+def _carrier(program, backend: str, mesh) -> str:
+    """What carries a collective step on a mesh that spans hosts: ``; nccl (crosses hosts)``, or
+    ``; nccl or p2p kernels (one host)`` (nothing on one host, where every step is alike)."""
+    if not isinstance(program, Collective) or not mesh.inter_node_axes:
+        return ""
+    if not program.one_host:
+        return f"; {backend} (crosses hosts)"
+    return f"; {backend}{' or p2p kernels' if backend == 'nccl' else ''} (one host)"
 
 
 _RECORDS: list = []

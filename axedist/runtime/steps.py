@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..collectives.backend import select_backend
+from ..collectives.backend import one_host, select_backend
 from ..layout import LayoutError
 from ..planning.holdings import box_index
 from ..planning.steps import Step
@@ -24,6 +24,7 @@ __all__ = ["BACKEND", "RankContext", "StepProgram", "PointToPoint", "Collective"
 
 # What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
 # measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
+# A step whose group spans hosts runs on torch.distributed whatever the pin.
 BACKEND = os.environ.get("AXEDIST_PLAN_BACKEND", "auto")
 
 
@@ -145,13 +146,19 @@ class Collective(StepProgram):
 
     def through_api(self, op: str, tensor: torch.Tensor, async_op: bool) -> bool:
         """Whether this call goes through ``axedist.collectives.api`` (CUDA, NCCL, a sum, synchronous);
-        sets ``ran`` to the backend ``select_backend(BACKEND)`` picks ("auto": the measured table)."""
+        sets ``ran`` to the backend ``select_backend(BACKEND)`` picks ("auto": the measured table;
+        "torch" for a group that spans hosts, where a pin to the p2p kernels cannot hold)."""
         if self.ctx.backend != "nccl" or async_op or tensor.device.type != "cuda" or \
                 self.reduce not in (None, "sum", "avg"):
             self.ran = "torch"
             return False
-        self.ran = select_backend(op, tensor, self.group, BACKEND)
+        self.ran = select_backend(op, tensor, self.group, BACKEND if self.one_host else "torch")
         return True
+
+    @property
+    def one_host(self) -> bool:
+        """Whether this step's group sits on one host (only then may the p2p kernels carry it)."""
+        return one_host(self.group)[0]
 
     def message_source(self, sender, receiver) -> torch.Tensor:
         return box_index(self.step.messages[(sender, receiver)], "source")
