@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from .runtime import redistribute_local
 from .layout import LayoutError
-from .runtime.deferred import DeferredGemm, fused_reduce_scatter
+from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
 __all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute"]
@@ -49,18 +49,23 @@ def redistribute(dt, dst: DTensorSpec, async_op: bool = False):
 
 
 def move(dt, dst: DTensorSpec, async_op: bool = False):
-    """``dt`` moved to ``dst``, outside autograd: a deferred product's row reduce-scatter runs
-    fused where it can; ``async_op`` returns at once and waits on the first use of the data."""
+    """``dt`` moved to ``dst``, outside autograd: a deferred product's row reduce-scatter or
+    all-reduce runs fused where it can; a row all-gather of a CUDA bf16/fp16 matrix is deferred
+    (an mm with column-sharded weights then runs it fused); ``async_op`` returns at once and
+    waits on the first use of the data."""
     cls = type(dt)
     pending = dt._pending
     if isinstance(pending, DeferredGemm) and pending.value is None:
-        fused = fused_reduce_scatter(dt._spec, pending, dst)
+        fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:
             return cls(fused, dst)
+    if pending is None and not async_op:
+        gather = defer_gather(dt._value, dt._spec, dst)
+        if gather is not None:
+            return cls(placeholder(dt.dtype, dt._value.device), dst, pending=gather)
     if async_op:
         pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
-        placeholder = torch.empty(0, dtype=dt.dtype, device=dt.mesh.device)
-        return cls(placeholder, dst, pending=pending)
+        return cls(placeholder(dt.dtype, dt.mesh.device), dst, pending=pending)
     return cls(redistribute_local(dt._local, dt._spec, dst), dst)
 
 

@@ -3,12 +3,19 @@
     torchrun --nproc-per-node 4 launch/train_tp.py                    # writes runs/train_tp/checkpoint
     torchrun --nproc-per-node 2 launch/infer_tp.py                    # loads it at TP=2 (resharded by DCP)
     torchrun --nproc-per-node 4 launch/infer_tp.py --cuda
+    torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --cuda-graphs   # one GPU, TP=1
 
 The checkpoint may have been written at another TP degree: ``torch.distributed.checkpoint``
 reads each rank's shards through torch DTensors (``axedist.nn.checkpoint.load``). Decoding runs
 under ``torch.inference_mode()`` on the same parallel layers as training (no sequence
 parallelism: any prompt length works), and rank 0 prints the continuation, whether it follows
 the counting pattern the model was trained on, and the milliseconds per generated token.
+
+``--cuda-graphs`` captures the decode step once (the forward over a fixed window of
+``min(max_seq_len, prompt + new tokens)`` positions and the argmax over the vocabulary shards,
+collectives and fused kernels included) and replays it for every token: the tokens so far are
+copied into the window, and causal attention makes the logits at the last filled position the
+same as an eager forward over just those tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +51,11 @@ def main(argv=None) -> None:
     p.add_argument("--stride", type=int, default=3, help="... in steps of this (1, 2, 3 or 5 were trained)")
     p.add_argument("--prompt-len", type=int, default=6)
     p.add_argument("--new-tokens", type=int, default=20)
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the decode step in a CUDA graph once and replay it (with --cuda)")
     args = p.parse_args(argv)
+    if args.cuda_graphs and not args.cuda:
+        p.error("--cuda-graphs needs --cuda")
 
     mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
     if not args.cuda:
@@ -66,14 +77,18 @@ def main(argv=None) -> None:
     tokens = torch.tensor([expected[:args.prompt_len]], device=mesh.device)
     times = []
     with torch.inference_mode():
+        step = graphed_step(model, cfg, total, mesh) if args.cuda_graphs else None
         for _ in range(args.new_tokens):
             if mesh.device_type == "cuda":
                 torch.cuda.synchronize()
             begin = time.perf_counter()
-            window = tokens[:, -cfg.max_seq_len:]          # no KV cache: the model sees the last window
-            logits = model(window)                         # [S, 1, V], vocab-sharded
-            token = logits[-1].argmax(dim=-1)              # argmax across the vocabulary shards
-            token = token.full_tensor() if isinstance(token, ax.DTensor) else token
+            if step is not None:
+                token = step(tokens)
+            else:
+                window = tokens[:, -cfg.max_seq_len:]      # no KV cache: the model sees the last window
+                logits = model(window)                     # [S, 1, V], vocab-sharded
+                token = logits[-1].argmax(dim=-1)          # argmax across the vocabulary shards
+                token = token.full_tensor() if isinstance(token, ax.DTensor) else token
             tokens = torch.cat([tokens, token.reshape(1, 1).to(tokens.dtype)], dim=1)
             if mesh.device_type == "cuda":
                 torch.cuda.synchronize()
@@ -83,11 +98,43 @@ def main(argv=None) -> None:
     say(f"prompt     {got[:args.prompt_len]}")
     say(f"generated  {got[args.prompt_len:]}")
     say(f"expected   {expected[args.prompt_len:]}  ({right}/{args.new_tokens} tokens follow the pattern)")
-    say(f"{statistics.median(times):.2f} ms per token (median of {len(times)}; first {times[0]:.2f} ms)")
+    how = "CUDA graph replays" if args.cuda_graphs else "eager"
+    say(f"{statistics.median(times):.2f} ms per token, {how} (median of {len(times)}; first {times[0]:.2f} ms)")
     # every rank past its last collective before any tears gloo down (a rank that left early
     # once made its peer's gloo thread abort with "terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def graphed_step(model, cfg, total: int, mesh):
+    """tokens [1, n] -> the next token [1], from one CUDA graph captured here: the forward over
+    a fixed window of `length` positions plus the argmax at every position (every collective
+    inside, on the capture stream); a call copies the last tokens into the window, replays the
+    graph and picks the argmax at the last filled position."""
+    length = min(cfg.max_seq_len, total)
+    window = torch.zeros(1, length, dtype=torch.long, device=mesh.device)
+
+    def forward():
+        choices = model(window).argmax(dim=-1)             # [length, 1], over the vocab shards
+        return choices.full_tensor() if isinstance(choices, ax.DTensor) else choices
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                          # warm-up: plans, kernels, workspaces
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        choices = forward()
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        filled = min(tokens.shape[1], length)
+        window[:, :filled].copy_(tokens[:, -filled:])      # later positions cannot reach these (causal)
+        graph.replay()
+        return choices[filled - 1].clone()
+
+    return step
 
 
 if __name__ == "__main__":

@@ -67,17 +67,23 @@ def run_case(op, world, count, dtype, variant, programs, seed):
     out_numel = {"reduce_scatter": count, "all_gather": world * count}.get(op, numel)
     outs = [torch.full((out_numel,), float("nan"), dtype=dtype) for _ in range(world)]
     kernel = getattr(collective_kernels, f"{op}_kernel")
+    epoch = 2 - half  # the call's epoch: the kernels read epoch - 1 from the rank's state
+    failures = []
+    name = f"{op} {variant} W={world} n={count} {dtype}"
     for phase in PHASES[op]:
         for rank in range(world):
-            statics = static_arguments(op, workspaces[rank], geometry, rank, half, False)
+            statics = static_arguments(op, workspaces[rank], geometry, rank, False)
             constexprs = dict(WORLD=world, ROWS=ROWS, COLS=COLS, PUSH=push, COPY_IN=copy_in,
                               PHASES=phase)
             if op != "all_gather":
                 constexprs["MULTIMEM"] = False
-            kernel[(programs,)](inputs[rank], outs[rank], 2 - half, 0, *statics, **constexprs)
+            state = workspaces[rank].state
+            state[0] = epoch - 1
+            kernel[(programs,)](inputs[rank], outs[rank], state, 0, *statics, **constexprs)
+            if state.tolist()[:3] != [epoch, 0, 0]:
+                failures.append(f"{name} rank {rank}: call state {state.tolist()} after the "
+                                f"launch, expected the epoch {epoch} and zeroed counters")
     stacked = torch.stack([x.double() for x in xs])
-    failures = []
-    name = f"{op} {variant} W={world} n={count} {dtype}"
     for rank in range(world):
         if op == "reduce_scatter":
             ref = stacked.sum(0)[rank * count:(rank + 1) * count]

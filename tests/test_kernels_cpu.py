@@ -253,9 +253,10 @@ def _fused_signature(tma, transposed, config, dtype="bf16"):
         signature.update({f"P{i}": f"tensordesc<{dtype}[{config.block_m}, {config.block_n}]>" for i in range(8)})
     for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
         signature[name] = "i64"
-    signature.update(counter_ptr="*i32", task_base="i32", abort_ptr="*i32", error_address="i64",
+    signature.update(state_ptr="*i32", abort_ptr="*i32", error_address="i64",
                      timeout_ns="i64", M="i32", N="i32", K="i32", M_CHUNK="i32", stride_am="i32",
-                     stride_ak="i32", stride_bk="i32", stride_bn="i32", rank="i32", epoch="i32", lag="i32")
+                     stride_ak="i32", stride_bk="i32", stride_bn="i32", rank="i32", lag="i32",
+                     half_bytes="i64", push_rows="i32")
     return signature
 
 
@@ -367,7 +368,7 @@ def test_p2p_geometry_variants_and_input_errors():
         p2p.reduce_scatter(torch.ones(8))
     with pytest.raises(ValueError, match="all_reduce: tensor must be on a CUDA device"):
         p2p.all_reduce(torch.ones(8, dtype=torch.int64), algorithm="two_shot")
-    assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["abort_ptr", "chunk_stride"]
+    assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["state_ptr", "abort_ptr", "chunk_stride"]
 
 
 def _bench_module():
@@ -605,8 +606,8 @@ def test_cached_tma_descriptors_describe_the_same_memory_without_holding_it():
 
 
 def test_replay_slots_match_the_kernel_signature():
-    """Replay fills operands, output, task base and epoch by position: the positions must be
-    those of the kernel's parameters (runtime ones come first, constexprs last)."""
+    """Replay fills operands and output by position: the positions must be those of the
+    kernel's parameters (runtime ones come first, constexprs last)."""
     _need_triton()
     from axedist.kernels import gemm_rs
     names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
@@ -615,9 +616,9 @@ def test_replay_slots_match_the_kernel_signature():
     replay = gemm_rs.Replay
     assert runtime[replay._A_DESC] == "a_desc" and runtime[replay._A] == "a_ptr"
     assert runtime[replay._B_DESC] == "b_desc" and runtime[replay._B] == "b_ptr"
-    assert runtime[replay._OUT] == "out_ptr" and runtime[replay._TASK_BASE] == "task_base"
-    assert runtime[replay._EPOCH] == "epoch"
-    assert all(names.index(n) > names.index("lag") for n in ("WORLD", "PUSH", "TMA_PUSH"))
+    assert runtime[replay._OUT] == "out_ptr"
+    assert "epoch" not in runtime and "task_base" not in runtime   # both live on the device
+    assert all(names.index(n) > names.index("push_rows") for n in ("WORLD", "PUSH", "TMA_PUSH"))
 
 
 def test_replay_fills_only_the_per_call_slots(monkeypatch):
@@ -628,17 +629,16 @@ def test_replay_fills_only_the_per_call_slots(monkeypatch):
     a, b = torch.randn(64, 32).to(torch.bfloat16), torch.randn(32, 48).to(torch.bfloat16)
     ops = gemm_rs.prepare_operands(a, b)
     names = gemm_rs.gemm_reduce_scatter_kernel.arg_names
-    template = tuple(range(names.index("lag") + 1))     # slot i holds i
+    template = tuple(range(names.index("push_rows") + 1))     # slot i holds i
     replay = gemm_rs.Replay(lambda grid, stream, args: calls.append((grid, stream, args)), 5,
-                            template, 99, True, gemm_rs.GemmConfig(), False, 30 * 10**9, 0)
+                            template, True, gemm_rs.GemmConfig(), False, 30 * 10**9, 0)
     out = torch.empty(16, 48, dtype=torch.bfloat16)
-    replay(ops, out, epoch=11, task_base=1234)
+    replay(ops, out)
     grid, stream, args = calls[0]
-    assert (grid, stream, replay.claim) == (5, 7, 99)
+    assert (grid, stream) == (5, 7)
     changed = {i for i, value in enumerate(args) if value != template[i]}
-    assert changed == {0, 1, 2, 3, 5, names.index("task_base"), names.index("epoch")}
+    assert changed == {0, 1, 2, 3, 5}
     assert args[1] == ops.a.data_ptr() and args[3] == ops.b.data_ptr() and args[5] == out.data_ptr()
-    assert args[names.index("epoch")] == 11 and args[names.index("task_base")] == 1234
     assert args[0].base.data_ptr() == ops.a.data_ptr() and list(args[2].block_shape) == [64, 256]
 
 
@@ -835,3 +835,239 @@ def test_gemm_tuned_table_is_what_the_recorded_benchmark_says():
         rows = json.load(handle)["rows"]
     assert {f"{r['M']}x{r['N']}x{r['K']}": gemm.GemmCoreConfig.parse(r["best_config"]) for r in rows} == gemm.TUNED
     assert set(gemm.TUNED.values()) <= set(gemm.CORE_CANDIDATES)
+
+
+# -- fused all-gather + GEMM, GEMM + all-reduce ---------------------------------------------------
+
+def test_fused_tp_kernel_phases_match_a_float64_reference_under_the_interpreter():
+    """Both kernels run phase by phase, rank by rank (tests/fused_interpreter.py): W = 2, 3, 4,
+    tails, both B orientations, TMA and pointer paths, one-shot / two-shot, push / pull, both
+    halves; each launch must leave the rank's call state advanced and its counters zeroed."""
+    _need_triton()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "tests", "fused_interpreter.py")
+    result = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
+        result.stdout[-3000:] + result.stderr[-3000:]
+
+
+_STATE_DIVISIBLE = ["a_ptr", "b_ptr", "out_ptr", "N", "K", "stride_am", "stride_bk", "state_ptr"]
+
+
+def _pointer_and_flag_signature(signature, dtype, names_after):
+    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
+        signature[name] = "i64"
+    signature.update(state_ptr="*i32", abort_ptr="*i32", error_address="i64", timeout_ns="i64")
+    signature.update(names_after)
+    return signature
+
+
+def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None, dtype="bf16",
+                copy_out=False):
+    from axedist.kernels import ag_gemm
+    from axedist.kernels.compile_check import compile_for_target
+    c = config or ag_gemm.AllGatherGemmConfig()
+    signature = {"a_ptr": f"*{dtype}"}
+    if tma:
+        signature["g_desc"] = f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>"
+        signature["b_desc"] = (f"tensordesc<{dtype}[{c.block_n}, {c.block_k}]>" if transposed
+                               else f"tensordesc<{dtype}[{c.block_k}, {c.block_n}]>")
+    signature.update(b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", gathered_address="i64")
+    _pointer_and_flag_signature(signature, dtype, dict(
+        M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
+        stride_om="i32", rank="i32", half_rows="i32"))
+    constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
+                      STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=multimem,
+                      ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
+    if not tma:
+        constexprs.update(g_desc=None, b_desc=None)
+    return compile_for_target(ag_gemm.all_gather_gemm_kernel, signature, constexprs,
+                              _STATE_DIVISIBLE + ["stride_om"], num_warps=c.warps,
+                              num_stages=c.stages)
+
+
+def _compile_ar(two_shot, push, multimem=False, transposed=True, tma=True, config=None, dtype="bf16"):
+    from axedist.kernels import gemm_ar
+    from axedist.kernels.compile_check import compile_for_target
+    c = config or gemm_ar.DecodeConfig()
+    signature = {}
+    if tma:
+        signature["a_desc"] = f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>"
+    signature["a_ptr"] = f"*{dtype}"
+    if tma:
+        signature["b_desc"] = (f"tensordesc<{dtype}[{c.block_n}, {c.block_k}]>" if transposed
+                               else f"tensordesc<{dtype}[{c.block_k}, {c.block_n}]>")
+    signature.update(b_ptr=f"*{dtype}", out_ptr=f"*{dtype}")
+    _pointer_and_flag_signature(signature, dtype, dict(
+        M="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
+        rank="i32", half_bytes="i64"))
+    constexprs = dict(WORLD=4, BM=c.block_m, BN=c.block_n, BK=c.block_k, STAGES=c.stages,
+                      USE_TMA=tma, B_TRANSPOSED=transposed, TWO_SHOT=two_shot, PUSH=push,
+                      MULTIMEM=multimem, ALIGNED=True, PHASES=7)
+    if not tma:
+        constexprs.update(a_desc=None, b_desc=None)
+    return compile_for_target(gemm_ar.gemm_all_reduce_kernel, signature, constexprs,
+                              _STATE_DIVISIBLE, num_warps=c.warps, num_stages=c.stages)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_all_gather_gemm_compiles_to_tma_wgmma_with_releases_and_bounded_waits(transposed):
+    """One tile loop (one set of pipeline buffers within Hopper's shared memory), TMA loads of
+    the gathered rows after a proxy fence, remote pushes as 16-byte stores, one system-scope
+    release per push task after a fence, bounded acquire waits; no multimem in p2p."""
+    _need_triton()
+    from axedist.kernels import ag_gemm
+    for config in ag_gemm.CANDIDATES:
+        kernel = _compile_ag(transposed=transposed, config=config)
+        ptx = kernel.asm["ptx"]
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx, config
+        assert "fence.proxy.async" in ptx and "fence.acq_rel.sys" in ptx
+        assert ptx.count("st.release.sys.global.b32") == 1 and "ld.acquire.sys.global.b32" in ptx
+        assert "%globaltimer" in ptx and ptx.count("st.global.v4") >= 4
+        assert "multimem" not in ptx and ".local" not in ptx
+        assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
+    assert "wgmma" in _compile_ag(tma=False).asm["ptx"]
+    assert _compile_ag(copy_out=True).metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_all_gather_gemm_multimem_variant_ptx_for_sm90a(dtype):
+    _need_triton()
+    kernel = _compile_ag(multimem=True, dtype=dtype)
+    ptx = kernel.asm["ptx"]
+    assert "multimem.st.relaxed.sys.global.v4.f32" in ptx
+    assert ptx.count("st.release.sys.global.b32") == 4     # the flag on each of the 4 ranks
+    assert len(kernel.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("two_shot", [False, True])
+@pytest.mark.parametrize("push", [False, True])
+def test_gemm_all_reduce_compiles_for_sm90a(two_shot, push):
+    _need_triton()
+    ptx = _compile_ar(two_shot, push).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "fence.acq_rel.sys" in ptx and "ld.acquire.sys.global.b32" in ptx
+    releases = ptx.count("st.release.sys.global.b32")
+    # push: the tile's flag on all 4 ranks (one-shot) or its owner (two-shot), then the
+    # reduced tile's on all 4; pull: the rank's own flag, then the reduced tile's own flag
+    assert releases == {(False, True): 4, (True, True): 5, (False, False): 1, (True, False): 2}[(two_shot, push)]
+    assert "multimem" not in ptx and ".local" not in ptx
+    assert "wgmma" in _compile_ar(two_shot, push, tma=False, transposed=False).asm["ptx"]
+
+
+@pytest.mark.parametrize("dtype,suffix", [("bf16", "bf16x2"), ("fp16", "f16x2")])
+def test_gemm_all_reduce_multimem_variant_ptx_for_sm90a(dtype, suffix):
+    _need_triton()
+    kernel = _compile_ar(False, False, multimem=True, dtype=dtype)
+    assert f"multimem.ld_reduce.relaxed.sys.global.add.acc::f32.v4.{suffix}" in kernel.asm["ptx"]
+    assert len(kernel.asm["cubin"]) > 0
+
+
+def _runtime_names(kernel):
+    names = kernel.arg_names
+    return names[:names.index("WORLD")]
+
+
+def test_fused_tp_launch_slots_match_the_kernel_signatures():
+    """The prepared launches fill operands and output by position, and build their argument
+    list in the kernels' order: both must be the kernels' parameters."""
+    _need_triton()
+    from axedist.kernels import ag_gemm, gemm_ar
+    names = _runtime_names(ag_gemm.all_gather_gemm_kernel)
+    launch = ag_gemm.AllGatherGemmLaunch
+    assert (names[launch._A], names[launch._B_DESC], names[launch._B], names[launch._OUT],
+            names[launch._GATHERED]) == ("a_ptr", "b_desc", "b_ptr", "out_ptr", "gathered_address")
+    assert names[-2:] == ["rank", "half_rows"] and "epoch" not in names
+    assert ag_gemm.UNSET_ADDRESS >= 1 << 31   # typed i64 when the launch is compiled
+    names = _runtime_names(gemm_ar.gemm_all_reduce_kernel)
+    launch = gemm_ar.GemmAllReduceLaunch
+    assert (names[launch._A_DESC], names[launch._A], names[launch._B_DESC], names[launch._B],
+            names[launch._OUT]) == ("a_desc", "a_ptr", "b_desc", "b_ptr", "out_ptr")
+    assert names[-2:] == ["rank", "half_bytes"] and "epoch" not in names
+
+
+def test_fused_tp_configs_tables_and_sizes():
+    _need_triton()
+    from axedist.collectives import fused_tp
+    from axedist.kernels import ag_gemm, gemm_ar
+    for config in ag_gemm.CANDIDATES:
+        assert ag_gemm.AllGatherGemmConfig.parse(str(config)) == config
+    with pytest.raises(ValueError, match="not an AllGatherGemmConfig string"):
+        ag_gemm.AllGatherGemmConfig.parse("128x256x64/g8/s3")
+    assert ag_gemm.default_config(2048, 7168, 8192, 4) == ag_gemm.CANDIDATES[0]
+    assert ag_gemm.default_config(512, 2048, 8192, 4).block_n == 128       # 128 tiles in all
+    # an odd call's buffer starts on the first whole row of half 1 and ends inside it
+    for data_bytes, k in [(1 << 22, 5120), (1 << 22, 8192), (3 << 20, 1000)]:
+        rows = ag_gemm.gathered_rows(data_bytes, k, 2)
+        assert data_bytes <= rows * k * 2 < data_bytes + k * 2
+        m_local = (data_bytes - k * 2) // (4 * k * 2)      # the most rows a half holds at W = 4
+        assert ag_gemm.workspace_bytes_needed(4, m_local, k, 2) <= data_bytes
+        assert (rows + 4 * m_local) * k * 2 <= 2 * data_bytes
+    assert gemm_ar.default_config(1, 8192, 2048).block_m == 64
+    assert gemm_ar.default_config(256, 8192, 2048).block_m == 128
+    assert gemm_ar.default_config(1, 4096, 4096).block_n == 64      # 32 columns measured slower
+    assert gemm_ar.workspace_bytes_needed(4, 8, 1024, 2) == 5 * 8 * 1024 * 2
+    assert fused_tp.decode_algorithm(1, 8192, 2) == "one_shot"
+    assert fused_tp.decode_algorithm(256, 8192, 2) == "two_shot"
+    assert fused_tp.decode_algorithm(256, 8192, 2, "one_shot") == "one_shot"
+    with pytest.raises(ValueError, match="algorithm must be"):
+        fused_tp.decode_algorithm(1, 1, 2, "three_shot")
+    for table in (fused_tp.AG_AUTO, fused_tp.AR_AUTO):
+        assert isinstance(table["fused_loses"], set) and table["source"]
+
+
+def _fused_tp_body(rank, world):
+    """On gloo (CPU) ranks: the plans say why the kernels cannot run, bad input raises the same
+    clear error on every rank, and the torch path computes the right values (leading dims,
+    gather_dim 0 and 1, both B orientations)."""
+    import axedist as ax
+    from axedist.collectives import fused_tp
+    torch.manual_seed(100 + rank)
+    results = {}
+    a = torch.randn(3, 2, 16)                  # [S/W, B, K] sequence-first
+    w = torch.randn(12, 16)                    # nn.Linear weight [N_local, K]
+    results["ag_plan"] = str(fused_tp.plan_all_gather_gemm(a.bfloat16(), w.bfloat16().t()))
+    y = ax.all_gather_gemm(a, w.t(), backend="torch")
+    gathered = [torch.empty_like(a) for _ in range(world)]
+    torch.distributed.all_gather(gathered, a)
+    results["ag_error"] = (y - torch.cat(gathered) @ w.t()).abs().max().item()
+    results["ag_shape"] = tuple(y.shape)
+    y1 = ax.all_gather_gemm(a.transpose(0, 1).contiguous(), w.t(), gather_dim=1, backend="torch")
+    results["ag_dim1_error"] = (y1 - torch.cat(gathered).transpose(0, 1) @ w.t()).abs().max().item()
+    h = torch.randn(4, 16)
+    z = ax.gemm_all_reduce(h, w.t(), backend="torch")
+    total = h @ w.t()
+    torch.distributed.all_reduce(total)
+    results["ar_error"] = (z - total).abs().max().item()
+    results["ar_plan"] = str(fused_tp.plan_gemm_all_reduce(h.bfloat16(), w.bfloat16().t()))
+    for name, call in {
+            "inner": lambda: fused_tp.plan_all_gather_gemm(a, torch.randn(8, 4)),
+            "dtype": lambda: fused_tp.plan_gemm_all_reduce(h, w.t().half()),
+            "gather_dim": lambda: fused_tp.plan_all_gather_gemm(a, w.t(), gather_dim=2),
+            "backend": lambda: fused_tp.plan_gemm_all_reduce(h, w.t(), backend="nccl"),
+            "p2p_on_cpu": lambda: fused_tp.plan_all_gather_gemm(a.bfloat16(), w.bfloat16().t(), backend="p2p"),
+            "rows": lambda: fused_tp.plan_gemm_all_reduce(torch.randn(300, 16).bfloat16(), w.bfloat16().t(), backend="p2p")}.items():
+        try:
+            call()
+            results[name] = None
+        except ValueError as error:
+            results[name] = str(error)
+    return results
+
+
+def test_fused_tp_plans_validation_and_torch_path_on_cpu_ranks():
+    from axedist.testing import run_on_ranks
+    for results in run_on_ranks(_fused_tp_body, 2, "gloo", timeout_s=120):
+        assert "torch" in results["ag_plan"] and "not on a CUDA device" in results["ag_plan"]
+        assert "gathered to [12x16]" in results["ag_plan"]
+        assert results["ag_shape"] == (6, 2, 12) and results["ag_error"] < 1e-4
+        assert results["ag_dim1_error"] < 1e-4 and results["ar_error"] < 1e-4
+        assert "gemm_all_reduce[4x16]" in results["ar_plan"] and "torch" in results["ar_plan"]
+        assert "inner dimensions" in results["inner"]
+        assert "torch.float32 but b is torch.float16" in results["dtype"]
+        assert "gather_dim 2" in results["gather_dim"]
+        assert "backend must be one of" in results["backend"]
+        assert "cannot run" in results["p2p_on_cpu"] and "not on a CUDA device" in results["p2p_on_cpu"]
+        assert "cannot run" in results["rows"]

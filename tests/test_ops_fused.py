@@ -73,7 +73,8 @@ def _row_parallel(rank, world, seed):
 
 @_deferring
 def _other_uses(rank, world, seed):
-    """Any use other than a row reduce-scatter computes the product (once) and is right."""
+    """Any use computes the product (once) and is right; a row reduce-scatter or an all-reduce
+    (full_tensor, to Replicate) first asks the fused GEMM + collective (CPU: not fused)."""
     mesh = DeviceMesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(2 * world, 2 * world + 1, generator=g, dtype=torch.float64)
@@ -94,12 +95,17 @@ def _other_uses(rank, world, seed):
         c = torch.mm(da, db)
         got = use(c)
         d = _delta(before, fused_gemm_stats())
-        assert d["deferred"] == 1 and d["materialized"] == 1 and d["unfused"] == 0, (name, d)
+        all_reduce = name in ("full_tensor", "to Replicate")
+        assert d["deferred"] == 1 and d["materialized"] == 1 and d["unfused"] == all_reduce, (name, d)
         if want is not None:
             assert torch.allclose(got, want), name
-    # plan() of a move that is not a row reduce-scatter is the ordinary route (no fused step)
+    # plan() of an all-reduce names the fused GEMM + all-reduce (not used on CPU); of a move
+    # that is neither a row reduce-scatter nor an all-reduce, it is the ordinary route
     c = torch.mm(da, db)
-    assert plan(c, [R]).fused is None
+    step = plan(c, [R]).fused
+    assert step.collective == "all-reduce" and not step.fused and "CUDA-only" in step.reason
+    assert "fused GEMM + all-reduce not used" in str(plan(c, [R]))
+    assert plan(c, [Shard(1)]).fused is None
     # an op on anything flushes outstanding products first: an in-place change of an operand
     # afterwards cannot reach the product
     c = torch.mm(da, db)
@@ -279,3 +285,101 @@ def test_addmm_and_linear_fuse_path(world):
 
 def test_2d_mesh_and_non_row_moves():
     run_on_ranks(_not_row_scatter, 4, args=(random.randrange(10**6),))
+
+
+def _gathering(fn):
+    """Run ``fn`` with row all-gathers deferred on CPU too (by default only CUDA bf16/fp16)."""
+    def run(rank, world, *args):
+        from axedist.runtime.deferred import defer_gathers
+        old = defer_gathers()
+        defer_gathers("always")
+        try:
+            return fn(rank, world, *args)
+        finally:
+            defer_gathers(old)
+    run.__name__ = run.__qualname__ = fn.__name__
+    return run
+
+
+def _gather_delta(before, after):
+    return {k: after[k] - before[k] for k in ("gathers_deferred", "gathers_fused", "gathers_materialized")}
+
+
+@_gathering
+def _colwise_sequence_parallel(rank, world, seed):
+    """ColwiseParallel with sequence-parallel input: the all-gather of x's rows is deferred and
+    reaches the fused decision through linear's view and mm (CPU: not fused, the reason
+    named, gathered once); two layers share the gathered x (one gather); values and grads
+    equal the plain Linears'; an in-place change of the rows first runs the gather."""
+    from axedist.nn import ColwiseParallel, PrepareModuleInput, parallelize
+    from axedist.runtime.deferred import fused_gemm_stats as stats
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    s, b, k, n = 2 * world, 3, 5, 2 * world
+    pair = torch.nn.ModuleDict({"q": torch.nn.Linear(k, n, dtype=torch.float64),
+                                "k": torch.nn.Linear(k, n, bias=False, dtype=torch.float64)})
+    ref = torch.nn.ModuleDict({"q": torch.nn.Linear(k, n, dtype=torch.float64),
+                               "k": torch.nn.Linear(k, n, bias=False, dtype=torch.float64)})
+    ref.load_state_dict(pair.state_dict())
+    parallelize(pair, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel()})
+    x = torch.randn(s, b, k, dtype=torch.float64, requires_grad=True)
+    dx = distribute(x, mesh, [Shard(0)])
+    before = stats()
+    gathered = dx.redistribute([R])                    # what PrepareModuleInput does
+    assert _gather_delta(before, stats()) == {"gathers_deferred": 1, "gathers_fused": 0, "gathers_materialized": 0}
+    yq, yk = pair["q"](gathered), pair["k"](gathered)
+    d = _gather_delta(before, stats())
+    assert d == {"gathers_deferred": 1, "gathers_fused": 0, "gathers_materialized": 1}, d
+    assert "CUDA" in stats()["gather_reason"], stats()["gather_reason"]
+    want_q, want_k = ref["q"](x), ref["k"](x)
+    assert yq.placements == (Shard(2),) and torch.allclose(yq.full_tensor(), want_q)
+    assert torch.allclose(yk.full_tensor(), want_k)
+    up = torch.randn(want_q.shape, dtype=torch.float64)
+    (yq.full_tensor() * up + yk.full_tensor() * up).sum().backward()
+    (want_q * up + want_k * up).sum().backward()
+    assert torch.allclose(pair["q"].weight.grad.full_tensor(), ref["q"].weight.grad)
+    assert torch.allclose(pair["q"].bias.grad.full_tensor(), ref["q"].bias.grad)
+    assert torch.allclose(pair["k"].weight.grad.full_tensor(), ref["k"].weight.grad)
+    # an in-place op on the source rows runs the pending gather first: it sees the old rows
+    rows = distribute(x.detach(), mesh, [Shard(0)])
+    gathered = rows.redistribute([R])
+    rows.add_(1.0)
+    assert torch.allclose(gathered.full_tensor(), x.detach())
+    # a plain DTensor matmul: rows Shard(0) on the way to column-sharded weights
+    w = torch.randn(k, 4 * world, dtype=torch.float64)
+    before = stats()
+    rows = x.detach().reshape(s * b, k)
+    y = torch.mm(distribute(rows, mesh, [Shard(0)]).redistribute([R]), distribute(w, mesh, [Shard(1)]))
+    assert _gather_delta(before, stats()) == {"gathers_deferred": 1, "gathers_fused": 0, "gathers_materialized": 1}
+    assert y.placements == (Shard(1),) and torch.allclose(y.full_tensor(), rows @ w)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_colwise_sequence_parallel_defers_its_gather(world):
+    run_on_ranks(_colwise_sequence_parallel, world, args=(random.randrange(10**6),))
+
+
+def _moves_recognized(rank, world):
+    from axedist.planning import all_reduce_axis, row_gather_axis
+    from axedist.spec import spec_from_placements
+
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+
+    def spec(shape, *placements):
+        return spec_from_placements(shape, mesh, placements)
+    assert row_gather_axis(spec((8, 4), R, Shard(0)), spec((8, 4), R, R)) == "tp"
+    assert row_gather_axis(spec((8, 3, 4), R, Shard(0)), spec((8, 3, 4), R, R)) == "tp"   # [S, B, H]
+    assert row_gather_axis(spec((8, 4), R, Shard(1)), spec((8, 4), R, R)) is None        # columns
+    assert row_gather_axis(spec((8, 4), Shard(0), Shard(0)), spec((8, 4), Shard(0), R)) is None
+    assert row_gather_axis(spec((6, 4), R, Shard(0)), spec((6, 4), R, R)) == "tp"
+    assert row_gather_axis(spec((7, 4), R, Shard(0)), spec((7, 4), R, R)) is None        # uneven
+    assert all_reduce_axis(spec((4, 8), R, P), spec((4, 8), R, R)) == "tp"
+    assert all_reduce_axis(spec((4, 8), R, P), spec((4, 8), R, Shard(0))) is None
+    assert all_reduce_axis(spec((4, 8), Shard(1), P), spec((4, 8), R, R)) is None
+    return True
+
+
+def test_gather_and_all_reduce_moves_are_recognized():
+    run_on_ranks(_moves_recognized, 4)

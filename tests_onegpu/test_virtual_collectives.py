@@ -131,7 +131,7 @@ def test_back_to_back_calls_without_sync(seed):
         outs = _run(ranks, op, xs, variant, outs=_poisoned(op, xs[0], world))
         pending.append((op, xs, outs, f"call {call} {op} {variant} n={count} seed={seed}"))
     ranks.check()
-    assert ranks.workspaces[0].epoch == 20
+    assert [w.device_epoch() for w in ranks.workspaces] == [20] * world
     failures = [f for op, xs, outs, label in pending for f in _failures(op, xs, outs, world, label)]
     assert not failures, failures
 

@@ -5,15 +5,21 @@ Nothing here imports Triton at import time. Public entry points:
     reduce_scatter(x, group, backend="auto") / all_gather / all_reduce   (api.py)
     gemm_reduce_scatter(a, b, group, scatter_dim=0, backend="auto")      (fused.py)
     plan_gemm_reduce_scatter(...)  -> GemmReduceScatterPlan (what runs and why)
+    all_gather_gemm(a, b, group, gather_dim=0, backend="auto")           (fused_tp.py)
+    gemm_all_reduce(a, b, group, backend="auto", algorithm="auto")       (fused_tp.py)
+    plan_all_gather_gemm(...) / plan_gemm_all_reduce(...) -> FusedPlan
     check(group)                   -> raise a pending kernel timeout (CollectiveTimeoutError)
 """
 from .api import all_gather, all_reduce, reduce_scatter
 from .errors import CollectiveError, CollectiveTimeoutError, SymmetricMemoryUnavailable
 from .fused import GemmReduceScatterPlan, gemm_reduce_scatter, plan_gemm_reduce_scatter
+from .fused_tp import (FusedPlan, all_gather_gemm, gemm_all_reduce, plan_all_gather_gemm,
+                       plan_gemm_all_reduce)
 from .symmetric import check, reset
 
 __all__ = [
-    "CollectiveError", "CollectiveTimeoutError", "GemmReduceScatterPlan",
-    "SymmetricMemoryUnavailable", "all_gather", "all_reduce", "check", "gemm_reduce_scatter",
+    "CollectiveError", "CollectiveTimeoutError", "FusedPlan", "GemmReduceScatterPlan",
+    "SymmetricMemoryUnavailable", "all_gather", "all_gather_gemm", "all_reduce", "check",
+    "gemm_all_reduce", "gemm_reduce_scatter", "plan_all_gather_gemm", "plan_gemm_all_reduce",
     "plan_gemm_reduce_scatter", "reduce_scatter", "reset",
 ]

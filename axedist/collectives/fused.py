@@ -137,7 +137,7 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
 class FusedCall:
     """What repeated fused calls of one rank with the same shapes, strides, dtype and group
     share: the plan, the group's size and this rank, the tile config, the rank's workspace
-    halves as tensors (rebuilt when the workspace is replaced) and a prepared launch per half.
+    and the prepared launch (rebuilt when the workspace is replaced).
 
     workspace_for(nbytes) gives the rank's workspace with at least nbytes per half: the group's
     symmetric workspace (collective) on the real path, a carved one for virtual ranks.
@@ -154,8 +154,7 @@ class FusedCall:
     config: object = None
     config_version: int = -1
     workspace: object = None
-    parts: tuple = ()
-    replays: list = dataclasses.field(default_factory=lambda: [None, None])  # per data half
+    replay: object = None
 
     def _setup(self, a: torch.Tensor, b: torch.Tensor):
         """(operands, workspace) of a call, refreshing the config and the workspace halves."""
@@ -167,17 +166,15 @@ class FusedCall:
                              f"indexing")
         if self.pinned_config is not None:
             if self.config is not self.pinned_config:
-                self.config, self.replays = self.pinned_config, [None, None]
+                self.config, self.replay = self.pinned_config, None
         elif self.config_version != gemm_rs.config_version():  # first call, or a new tuning
             self.config = gemm_rs.default_config(ops.m, ops.n, ops.k, self.world, a.dtype)
             self.config_version = gemm_rs.config_version()
-            self.replays = [None, None]
+            self.replay = None
         workspace = self.workspace
         if workspace is None or workspace.retired:
             workspace = self.workspace = self.workspace_for(ops.m * ops.n * a.element_size())
-            self.parts = tuple(workspace.local_data(half, a.dtype, ops.m * ops.n)
-                               for half in (0, 1))
-            self.replays = [None, None]
+            self.replay = None
         return ops, workspace
 
     def prepare(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -188,33 +185,31 @@ class FusedCall:
 
         ops, workspace = self._setup(a, b)
         workspace.set_timeout(timeout_s)
-        half = (workspace.epoch + 1) % 2
-        gemm_rs.launch(ops, self.config, self.world, self.rank, self.parts[half], out,
-                       workspace, workspace.epoch + 1, half,
+        gemm_rs.launch(ops, self.config, self.world, self.rank, None, out, workspace,
                        multimem=self.plan.backend == "multimem", compile_only=True)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
             timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
-        """The fused kernel on this rank: an epoch, then one launch (a prepared Replay from the
-        third call of a shape on)."""
+        """The fused kernel on this rank: one launch (a prepared Replay from the second call of
+        a shape on). The kernel takes its epoch and data half from the rank's call state on the
+        device, so the launch may be captured in a CUDA graph and replayed."""
         from ..kernels import gemm_rs
 
         ops, workspace = self._setup(a, b)
         world = self.world
         lead = a.shape[:-1]
-        epoch, half = workspace.begin_call("gemm_reduce_scatter", timeout_s)
+        workspace.begin_call("gemm_reduce_scatter", timeout_s)
         if out is None:
             out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
-        replay = self.replays[half]
+        replay = self.replay
         aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
         if (replay is not None and aligned and timeout_s is None
-                and replay.timeout_ns == workspace.timeout_ns(epoch)):
-            # the same call as before on this half: only operands, output, tasks and epoch
-            replay(ops, out, epoch, workspace.claim_tasks(replay.claim))
+                and replay.timeout_ns == workspace.timeout_ns()):
+            replay(ops, out)  # the same call as before: only operands and output change
         else:
-            self.replays[half] = gemm_rs.launch(
-                ops, self.config, world, self.rank, self.parts[half], out, workspace, epoch,
-                half, multimem=self.plan.backend == "multimem",
+            self.replay = gemm_rs.launch(
+                ops, self.config, world, self.rank, None, out, workspace,
+                multimem=self.plan.backend == "multimem",
                 prepare=aligned and timeout_s is None)
         if check:
             workspace.check(synchronize=True)
@@ -295,10 +290,9 @@ def gemm_reduce_scatter_variant(a: torch.Tensor, b: torch.Tensor, group, config,
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     ops = gemm_rs.prepare_operands(a, b)
     workspace = get_workspace(group, ops.m * ops.n * a.element_size(), a.device)
-    epoch, half = workspace.begin_call("gemm_reduce_scatter_variant")
-    part = workspace.local_data(half, a.dtype, ops.m * ops.n)
+    workspace.begin_call("gemm_reduce_scatter_variant")
     if out is None:
         out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
-    gemm_rs.launch(ops, config, world, rank, part, out, workspace, epoch, half, mode=mode,
-                   scope=scope, lag_waves=lag_waves)
+    gemm_rs.launch(ops, config, world, rank, None, out, workspace, mode=mode, scope=scope,
+                   lag_waves=lag_waves)
     return out

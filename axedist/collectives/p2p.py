@@ -131,11 +131,13 @@ _TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 def kernel_signature(op: str, dtype: torch.dtype) -> dict:
     """Triton types of the runtime arguments of `op`'s kernel, in order."""
     element = _TRITON_DTYPE[dtype]
-    signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", epoch="i32", timeout_ns="i64")
+    signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", state_ptr="*i32",
+                     timeout_ns="i64")
     for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
         signature[name] = "i64"
     signature.update({_size_name(op): "i32", "chunk_stride": "i32", "rank": "i32",
-                      "abort_ptr": "*i32", "error_address": "i64"})
+                      "abort_ptr": "*i32", "error_address": "i64", "half_bytes": "i64",
+                      "barrier_bytes": "i64"})
     if op == "all_gather":  # a gather has nothing to reduce: no multicast address
         del signature["multicast_base"]
     return signature
@@ -153,7 +155,7 @@ def kernel_constexprs(op: str, world: int, rows: int, push: bool, copy_in: bool,
 def divisible_arguments(op: str, chunk: int, aligned: bool) -> list[str]:
     """Arguments Triton may assume divisible by 16 (16-byte aligned pointers, sizes): what makes
     the loads and stores 16-byte vectors. The host compiles separate kernels otherwise."""
-    names = ["abort_ptr", "chunk_stride"] + (["x_ptr", "out_ptr"] if aligned else [])
+    names = ["state_ptr", "abort_ptr", "chunk_stride"] + (["x_ptr", "out_ptr"] if aligned else [])
     return names + ([_size_name(op)] if chunk % 16 == 0 else [])
 
 
@@ -173,16 +175,16 @@ def compile_collective(op: str, dtype: torch.dtype, world: int, rows: int, push:
                               num_warps=NUM_WARPS)
 
 
-def static_arguments(op: str, workspace, geometry: dict, rank: int, half: int,
-                     multimem: bool) -> tuple:
-    """The kernel arguments after (x_ptr, out_ptr, epoch, timeout_ns) for calls whose epoch has
-    parity `half`: data half and barrier region of that parity, sizes, rank, error words."""
-    values = list(workspace.data_addresses(half))
+def static_arguments(op: str, workspace, geometry: dict, rank: int, multimem: bool) -> tuple:
+    """The kernel arguments after (x_ptr, out_ptr, state_ptr, timeout_ns): data half 0 and
+    barrier region 0 (the kernel moves to those of its epoch's parity), sizes, rank, error
+    words, and the two parity strides."""
+    values = list(workspace.data_addresses(0))
     if op != "all_gather":
-        values.append(workspace.multicast_address(half) if multimem else 0)
-    values += workspace.barrier_addresses(half)
+        values.append(workspace.multicast_address(0) if multimem else 0)
+    values += workspace.barrier_addresses(0)
     values += [geometry["chunk"], geometry["stride"], rank, workspace.abort.data_ptr(),
-               workspace.error_address()]
+               workspace.error_address(), *workspace.parity_strides()]
     return tuple(values)
 
 
@@ -230,6 +232,7 @@ class CallPlan:
         self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half)
                        for half in (0, 1)]
         self._launches: dict[tuple[bool, bool], tuple] = {}
+        self.state_address = self.workspace.state_address()
 
     def __repr__(self) -> str:
         return (f"CallPlan({self.op} {self.variant}{' multimem' if self.multimem else ''}, "
@@ -246,7 +249,7 @@ class CallPlan:
                                   capability, self.rounds)
 
     def _launch(self, push: bool, copy_in: bool):
-        """(CompiledLaunch, static arguments of half 0, of half 1) for this variant."""
+        """(CompiledLaunch, static arguments) for this variant."""
         entry = self._launches.get((push, copy_in))
         if entry is not None:
             return entry
@@ -257,8 +260,8 @@ class CallPlan:
         constexprs = kernel_constexprs(self.op, self.world, self.rows, push, copy_in,
                                        self.multimem, self.rounds)
         launch = CompiledLaunch(compiled, tuple(constexprs.values()))
-        entry = (launch, *(static_arguments(self.op, self.workspace, geometry, self.rank, half,
-                                            self.multimem) for half in (0, 1)))
+        entry = (launch, static_arguments(self.op, self.workspace, geometry, self.rank,
+                                          self.multimem))
         self._launches[(push, copy_in)] = entry
         return entry
 
@@ -267,8 +270,12 @@ class CallPlan:
         wrote into that half (symmetric_input) is pulled in place; any other view of the half
         is copied out first, since the kernel would overwrite its own input."""
         push, copy_in = self.variant == "push", True
-        start = self.halves[(self.workspace.epoch + 1) % 2]
         x_address = x.data_ptr()
+        if not self.halves[0] <= x_address < self.halves[1] + self.workspace.data_bytes:
+            return push, copy_in, x
+        if torch.cuda.is_current_stream_capturing():
+            return push, copy_in, x.clone()  # the half of each replay is not known here
+        start = self.halves[self.workspace.next_half()]
         if start <= x_address < start + self.workspace.data_bytes:
             if x_address == start and self.geometry["zero_copy_elements"] >= 0:
                 # pushing would let the peers overwrite it while it is being read
@@ -286,16 +293,14 @@ class CallPlan:
     def run(self, x: torch.Tensor, out: torch.Tensor, timeout_s: float | None) -> None:
         workspace = self.workspace
         push, copy_in, x = self.variant_for(x)  # a clone stays alive until the launch is queued
-        epoch, half = workspace.begin_call(self.op, timeout_s)
-        if epoch >= (1 << 31) - 2:  # int32 epochs: a fresh workspace starts again at 1
-            raise RuntimeError("workspace epoch exhausted; call collectives.reset(group)")
         if self.geometry["work"] == 0:
             return
-        launch, static0, static1 = self._launch(push, copy_in)
+        workspace.begin_call(self.op, timeout_s)
+        launch, static = self._launch(push, copy_in)
         timeout = workspace.timeout_s
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), epoch, int(timeout * 1e9),
-                                       *(static1 if half else static0)))
+        launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), self.state_address,
+                                       int(timeout * 1e9), *static))
 
 
 _plans: dict[tuple, CallPlan] = {}
@@ -360,7 +365,7 @@ def symmetric_input(shape, dtype: torch.dtype, group=None, op: str = "reduce_sca
     # as large as the call's own plan will ask for, so that the call finds this same workspace
     elements = max(g["elements"] for g in geometries)
     workspace = get_workspace(group, elements * dtype.itemsize)
-    half = (workspace.epoch + 1) % 2
+    half = workspace.next_half()
     count = geometry["numel"]
     return workspace.local_data(half, dtype, count).view(shape)
 

@@ -17,7 +17,10 @@ stores to one word from different SMs would have no order that the peer observed
 
 Epochs. Every call on a workspace takes the next epoch e = 1, 2, 3, ...; it writes e into flags
 (system-scope release) and waits until the peers' flags are >= e. The data half used by call e is
-e % 2. A rank is in call e only after its call e-1 finished, and call e-1 finished only after
+e % 2. The epoch lives in device memory (`state`, a few int32 words of this rank): each kernel
+reads it, and the last of its programs to finish advances it (kernels/primitives.py), so a call
+captured in a CUDA graph takes a fresh epoch and the other half on every replay. The host counts
+the calls it issued (`epoch`) only for messages and for `next_half` outside graphs. A rank is in call e only after its call e-1 finished, and call e-1 finished only after
 every peer had entered call e-1 (every kernel waits on every peer), i.e. after every peer
 finished call e-2 -- the last call that used the same half. So a half is never overwritten while
 a peer may still read it, and flags never need resetting: no memset, no host sync between calls.
@@ -36,6 +39,8 @@ import torch.distributed as dist
 
 from ..kernels.launch import multiprocessors
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
+
+STATE_WORDS = 4  # int32 words of a rank's call state (kernels/primitives.py names them)
 
 FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
 FLAG_BYTES = FLAG_SLOTS * 4
@@ -85,8 +90,9 @@ class SymmetricWorkspace:
     GPU); either way the layout and the peer address tables are computed here.
 
     >>> ws = get_workspace(group, 64 << 20)        # collective: every rank calls it
-    >>> epoch, half = ws.begin_call("reduce_scatter")
-    >>> ws.data_addresses(half)                     # 8 ints: each rank's half base (0 padded)
+    >>> ws.begin_call("reduce_scatter")             # raises an earlier call's pending error
+    >>> ws.data_addresses(0)                        # 8 ints: each rank's half base (0 padded)
+    >>> ws.state_address()                          # the kernels' epoch and counters
     """
 
     def __init__(self, memory: torch.Tensor, bases: list[int], rank: int, data_bytes: int,
@@ -108,13 +114,13 @@ class SymmetricWorkspace:
         self.processors = processors
         self._peer_buffer = peer_buffer
         self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
-        self.epoch = 0
+        self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
+        self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
+        self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.abort = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.error = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
         self._set_layout(bases, data_bytes)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.counter_base = 0
         self._peer_views: dict[tuple, torch.Tensor] = {}
         self.broken = ""
         self.retired = False  # set when replaced: plans holding it rebuild (p2p.CallPlan)
@@ -122,27 +128,40 @@ class SymmetricWorkspace:
         self.timeout_s = default_timeout_s()
 
     # -- per call --------------------------------------------------------------------------
-    def begin_call(self, op: str, timeout_s: float | None = None) -> tuple[int, int]:
-        """Next epoch and data half; raises a pending error of an earlier call first."""
+    def begin_call(self, op: str, timeout_s: float | None = None) -> None:
+        """A call is about to be launched: raises a pending error of an earlier call first.
+        (The kernel takes its epoch and half from `state` on the device.)"""
         if self.broken or self._error_view[0]:
             self.check()
         self.epoch += 1
+        if self.epoch >= (1 << 31) - 2:  # int32 epochs: a fresh workspace starts again at 1
+            raise RuntimeError("workspace epoch exhausted; call collectives.reset(group)")
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.captured = True
         self.last_op = op
         self.set_timeout(timeout_s)
-        return self.epoch, self.epoch % 2
 
     def set_timeout(self, timeout_s: float | None) -> None:
         """The spin-wait timeout of the coming call (None: default_timeout_s())."""
         self.timeout_s = default_timeout_s() if timeout_s is None else timeout_s
 
-    def claim_tasks(self, count: int) -> int:
-        """Base of the task counter for a launch that will claim `count` task ids in all."""
-        if self.counter_base + count >= (1 << 30):
-            self.counter.zero_()  # stream-ordered after the previous launch, before the next
-            self.counter_base = 0
-        base = self.counter_base
-        self.counter_base += count
-        return base
+    def state_address(self) -> int:
+        return self.state.data_ptr()
+
+    def device_epoch(self) -> int:
+        """The epoch of the last finished call, read from the device (synchronizes)."""
+        return int(self.state[0].item())
+
+    def next_half(self) -> int:
+        """The data half the next call will use. Outside CUDA graphs the host knows it; once a
+        call was captured, graph replays advance the epoch unseen, so it is read from the device
+        (a synchronization, and not possible while capturing)."""
+        if self.captured:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the next data half of a workspace used in a CUDA graph is "
+                                   "unknown while capturing")
+            self.epoch = self.device_epoch()
+        return (self.epoch + 1) % 2
 
     def data_offset(self, half: int) -> int:
         return FLAG_BYTES + BARRIER_BYTES + half * self.data_bytes
@@ -165,6 +184,11 @@ class SymmetricWorkspace:
     def flag_addresses(self) -> list[int]:
         return self._flag_addresses
 
+    def parity_strides(self) -> tuple[int, int]:
+        """(bytes from data half 0 to half 1, bytes from barrier region 0 to region 1): what a
+        kernel adds to the half-0 / region-0 addresses for a call of odd epoch."""
+        return self.data_bytes, BARRIER_BYTES // 2
+
     def barrier_addresses(self, parity: int) -> list[int]:
         """Each rank's barrier region for calls of epoch parity `parity` (8 addresses, padded):
         word (slot * 8 + peer) is written by `peer`."""
@@ -173,22 +197,27 @@ class SymmetricWorkspace:
     def multicast_address(self, half: int) -> int:
         return self.multicast_base + self.data_offset(half) if self.multicast_base else 0
 
-    def local_data(self, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """This rank's data half as a flat tensor of `numel` elements of `dtype`."""
+    def local_data(self, half: int, dtype: torch.dtype, numel: int,
+                   both_halves: bool = False) -> torch.Tensor:
+        """This rank's data half (both_halves: both, from half 0) as a flat tensor of `numel`
+        elements of `dtype`."""
         offset = self.data_offset(half)
         size = numel * dtype.itemsize
-        if size > self.data_bytes:
+        if size > self.data_bytes * (2 if both_halves else 1):
             raise ValueError(f"{size} bytes do not fit the workspace half of {self.data_bytes}")
         return self.tensor[offset:offset + size].view(dtype)
 
-    def peer_data(self, peer: int, half: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """Rank `peer`'s data half as a flat tensor of this process (its memory is mapped here):
-        what host-built TMA descriptors of remote stores are made from."""
-        key = (peer, half, dtype, numel)
+    def peer_data(self, peer: int, half: int, dtype: torch.dtype, numel: int,
+                  both_halves: bool = False) -> torch.Tensor:
+        """Rank `peer`'s data half (both_halves: both, from half 0) as a flat tensor of this
+        process (its memory is mapped here): what host-built TMA descriptors of the peers'
+        buffers are made from."""
+        key = (peer, half, dtype, numel, both_halves)
         cached = self._peer_views.get(key)
         if cached is None:
             offset = self.data_offset(half)
-            if numel * dtype.itemsize > self.data_bytes or offset % dtype.itemsize:
+            room = self.data_bytes * (2 if both_halves else 1)
+            if numel * dtype.itemsize > room or offset % dtype.itemsize:
                 raise ValueError(f"{numel} {dtype} elements do not fit the workspace half")
             cached = self._peer_views[key] = self._peer_buffer(
                 peer, (numel,), dtype, offset // dtype.itemsize)
@@ -197,7 +226,7 @@ class SymmetricWorkspace:
     def error_address(self) -> int:
         return self.error.data_ptr()
 
-    def timeout_ns(self, epoch: int) -> int:
+    def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
     # -- errors ----------------------------------------------------------------------------

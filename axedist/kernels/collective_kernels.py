@@ -13,7 +13,10 @@ One launch per call, and the kernel reads the caller's input itself (no separate
 
 Program b handles the same element range in every phase on every rank, so a per-program barrier
 is all the synchronization needed. The two workspace halves alternate between calls, so a half
-is never rewritten while a peer may still read it (axedist/collectives/symmetric.py).
+is never rewritten while a peer may still read it (axedist/collectives/symmetric.py). A kernel
+reads its epoch from the rank's call state in device memory and picks the half and barrier
+region of that epoch's parity itself (D*, F* are half 0's and region 0's addresses), so a launch
+replayed from a CUDA graph is a new call every time.
 
 PHASES selects which phases one launch runs (bit 0 place, bit 1 combine, bit 2 the two-shot
 all-reduce's gather); a barrier runs only between two phases of the same launch. The GPU always
@@ -30,8 +33,8 @@ Workspace layout (elements of the call's dtype, one half; s = chunk_stride, a mu
 import triton
 import triton.language as tl
 
-from .primitives import (fence_acq_rel_sys, load_reduce, peer_pointers, pick, st_relaxed_sys,
-                         sum_peer_loads, wait_flag)
+from .primitives import (call_epoch, fence_acq_rel_sys, finish_call, load_reduce, peer_pointers,
+                         pick, shift8, st_relaxed_sys, sum_peer_loads, wait_flag)
 
 
 @triton.jit
@@ -133,9 +136,9 @@ def _rs_combine(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, multicast_b
 
 
 @triton.jit
-def reduce_scatter_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
+def reduce_scatter_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
                           multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel,
-                          chunk_stride, rank, abort_ptr, error_address, WORLD: tl.constexpr,
+                          chunk_stride, rank, abort_ptr, error_address, half_bytes, barrier_bytes, WORLD: tl.constexpr,
                           ROWS: tl.constexpr, COLS: tl.constexpr, MULTIMEM: tl.constexpr,
                           PUSH: tl.constexpr, COPY_IN: tl.constexpr, PHASES: tl.constexpr,
                           ROUNDS: tl.constexpr = 1):
@@ -146,6 +149,11 @@ def reduce_scatter_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4,
     combines it, and signals range j + 1 only after that combine (its stores have drained by
     then), on barrier slot (j + 1) * programs + b. Programs drift apart, so while some combine
     (local memory), others keep the links busy."""
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(tl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    F0, F1, F2, F3, F4, F5, F6, F7 = shift8(F0, F1, F2, F3, F4, F5, F6, F7, parity * barrier_bytes)
+    multicast_base += parity * half_bytes  # (used by MULTIMEM only)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
@@ -187,6 +195,7 @@ def reduce_scatter_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4,
             _rs_combine(x_ptr, out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
                         chunk_numel, chunk_stride, rank, 0, chunk_numel, WORLD, ROWS, COLS,
                         MULTIMEM, PUSH)
+    finish_call(state_ptr, epoch)
 
 
 @triton.jit
@@ -235,13 +244,17 @@ def _ag_combine(out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk
 
 
 @triton.jit
-def all_gather_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
+def all_gather_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7,
                       F0, F1, F2, F3, F4, F5, F6, F7, chunk_numel, chunk_stride, rank,
-                      abort_ptr, error_address, WORLD: tl.constexpr, ROWS: tl.constexpr,
+                      abort_ptr, error_address, half_bytes, barrier_bytes, WORLD: tl.constexpr, ROWS: tl.constexpr,
                       COLS: tl.constexpr, PUSH: tl.constexpr, COPY_IN: tl.constexpr,
                       PHASES: tl.constexpr, ROUNDS: tl.constexpr = 1):
     """out[r * chunk_numel + i] = x_r[i] for every rank r and i < chunk_numel.
     ROUNDS > 1: the phases pipelined over consecutive ranges, as in reduce_scatter_kernel."""
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(tl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    F0, F1, F2, F3, F4, F5, F6, F7 = shift8(F0, F1, F2, F3, F4, F5, F6, F7, parity * barrier_bytes)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
@@ -277,17 +290,23 @@ def all_gather_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5,
         if PHASES & 2:
             _ag_combine(out_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, chunk_numel, chunk_stride,
                         rank, 0, chunk_numel, WORLD, ROWS, COLS, PUSH)
+    finish_call(state_ptr, epoch)
 
 
 @triton.jit
-def all_reduce_one_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
+def all_reduce_one_shot_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
                                D7, multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, numel,
-                               chunk_stride, rank, abort_ptr, error_address,
+                               chunk_stride, rank, abort_ptr, error_address, half_bytes, barrier_bytes,
                                WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                                MULTIMEM: tl.constexpr, PUSH: tl.constexpr,
                                COPY_IN: tl.constexpr, PHASES: tl.constexpr):
     """out[i] = sum_r x_r[i]: every rank combines everything (lowest latency, small sizes).
     chunk_stride: the push slot size (numel rounded up to 16)."""
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(tl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    F0, F1, F2, F3, F4, F5, F6, F7 = shift8(F0, F1, F2, F3, F4, F5, F6, F7, parity * barrier_bytes)
+    multicast_base += parity * half_bytes  # (used by MULTIMEM only)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
@@ -327,12 +346,13 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3
                     total += sum_peer_loads(D0, D1, D2, D3, D4, D5, D6, D7, index, mask, rank,
                                             ELEMENT, WORLD, 1, True)
             tl.store(out_ptr + index, total.to(ELEMENT), mask=mask)
+    finish_call(state_ptr, epoch)
 
 
 @triton.jit
-def all_reduce_two_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
+def all_reduce_two_shot_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
                                D7, multicast_base, F0, F1, F2, F3, F4, F5, F6, F7, numel,
-                               chunk_stride, rank, abort_ptr, error_address,
+                               chunk_stride, rank, abort_ptr, error_address, half_bytes, barrier_bytes,
                                WORLD: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                                MULTIMEM: tl.constexpr, PUSH: tl.constexpr,
                                COPY_IN: tl.constexpr, PHASES: tl.constexpr):
@@ -342,6 +362,11 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3
     Program b handles the same element range of every chunk in all three phases, so the
     barriers (slots b and programs + b) only have to cover program b of each peer.
     """
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(tl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    F0, F1, F2, F3, F4, F5, F6, F7 = shift8(F0, F1, F2, F3, F4, F5, F6, F7, parity * barrier_bytes)
+    multicast_base += parity * half_bytes  # (used by MULTIMEM only)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     BLOCK: tl.constexpr = ROWS * COLS
@@ -411,3 +436,4 @@ def all_reduce_two_shot_kernel(x_ptr, out_ptr, epoch, timeout_ns, D0, D1, D2, D3
                     source = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7), offset,
                                            ELEMENT, True)
                 tl.store(out_ptr + offset, tl.load(source, mask=mask), mask=mask)
+    finish_call(state_ptr, epoch)

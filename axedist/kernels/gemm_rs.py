@@ -8,6 +8,8 @@ partial into this rank's symmetric workspace and release a per-tile flag (epoch,
 reduce tiles of this rank's chunk acquire that tile's flag on every rank, `load_reduce` the tile
 from all ranks in fp32 and store the output. Back-to-back calls need no memset and no host sync
 (epochs + alternating workspace halves, see collectives/symmetric.py). Waits time out and raise.
+The epoch, the half and the task counter are the rank's call state in device memory, advanced
+and reset by the kernel itself (primitives.finish_call): a launch replays from a CUDA graph.
 
 The GEMM tiles are the GEMM core's (gemm.gemm_tile: TMA descriptors and wgmma through tl.dot,
 software-pipelined over K; masked pointer loads where TMA cannot describe the strides).
@@ -26,8 +28,9 @@ import triton.language as tl
 from . import schedule
 from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
 from .launch import CompiledLaunch, multiprocessors
-from .primitives import (bulk_stores_complete, load_reduce, peer_pointers, pick, st_release_gpu,
-                         st_release_sys, wait_flag)
+from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
+                         load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
+                         wait_flag)
 
 
 @triton.jit
@@ -109,15 +112,15 @@ def _release(F0, F1, F2, F3, F4, F5, F6, F7, owner, flag, epoch, SCOPE: tl.const
 FUSED, GEMM_ONLY, GEMM_AND_SIGNAL, NO_MATH = 0, 1, 2, 3
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "task_base", "timeout_ns", "lag"])
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "lag", "half_bytes", "push_rows"])
 def gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, part_ptr, out_ptr,
         P0, P1, P2, P3, P4, P5, P6, P7,
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
-        counter_ptr, task_base, abort_ptr, error_address, timeout_ns,
+        state_ptr, abort_ptr, error_address, timeout_ns,
         M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn,
-        rank, epoch, lag,
+        rank, lag, half_bytes, push_rows,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MODE: tl.constexpr, MULTIMEM: tl.constexpr,
@@ -133,10 +136,17 @@ def gemm_reduce_scatter_kernel(
     freedom holds). `pending` is the held flag, `pending_owner` the rank whose array holds it.
     TMA_PUSH (with PUSH; the host sets it only when M_CHUNK % BM == 0, so a tile never crosses
     into the next source's slot): the remote tile store is a TMA store through descriptor
-    P<owner> of the owner's push buffer [W * M_CHUNK, N], asynchronous, so the program starts
-    its next tile while NVLink drains the last one (with DEFER, usually already drained when
-    the flag is released)."""
+    P<owner> of the owner's push buffers (both halves: [2 * push_rows, N], half 1 starting at
+    row push_rows), asynchronous, so the program starts its next tile while NVLink drains the
+    last one (with DEFER, usually already drained when the flag is released).
+    D* are the ranks' data half 0 (the kernel moves to its epoch's half); part_ptr is the
+    product's destination in GEMM_ONLY mode only."""
     ELEMENT: tl.constexpr = part_ptr.dtype.element_ty
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(tl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    multicast_base += parity * half_bytes  # (used by MULTIMEM only)
+    push_row0 = parity.to(tl.int32) * push_rows
     tiles_m = tl.cdiv(M_CHUNK, BM)
     tiles_n = tl.cdiv(N, BN)
     rounds = tiles_m * tiles_n
@@ -144,7 +154,7 @@ def gemm_reduce_scatter_kernel(
         tasks = rounds * (WORLD + 1)
     else:
         tasks = rounds * WORLD
-    task = tl.atomic_add(counter_ptr, 1) - task_base
+    task = claim_task(state_ptr)
     pending = task * 0 - 1
     pending_owner = task * 0
     while task < tasks:
@@ -177,8 +187,8 @@ def gemm_reduce_scatter_kernel(
             if PUSH and MODE != 1:
                 if TMA_PUSH:
                     _tma_store_to(chunk, P0, P1, P2, P3, P4, P5, P6, P7,
-                                  rank * M_CHUNK + tile_m * BM, col0, accumulator.to(ELEMENT),
-                                  WORLD)
+                                  push_row0 + rank * M_CHUNK + tile_m * BM, col0,
+                                  accumulator.to(ELEMENT), WORLD)
                 else:
                     slot_rows = rank * M_CHUNK + rows - chunk * M_CHUNK
                     destination = peer_pointers(pick(chunk, D0, D1, D2, D3, D4, D5, D6, D7),
@@ -191,16 +201,19 @@ def gemm_reduce_scatter_kernel(
                 else:
                     _release(F0, F1, F2, F3, F4, F5, F6, F7, chunk, rank * rounds + round_,
                              epoch, SCOPE, TMA_PUSH)
-            else:
+            elif MODE == 1:
                 tl.store(part_ptr + rows[:, None] * N + cols[None, :], accumulator.to(ELEMENT),
                          mask=mask)
-                if MODE != 1:
-                    if DEFER:
-                        pending = chunk * rounds + round_
-                        pending_owner = rank
-                    else:
-                        _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
-                                 epoch, SCOPE)
+            else:
+                partial = peer_pointers(pick(rank, D0, D1, D2, D3, D4, D5, D6, D7),
+                                        rows[:, None] * N + cols[None, :], ELEMENT, ALIGNED)
+                tl.store(partial, accumulator.to(ELEMENT), mask=mask)
+                if DEFER:
+                    pending = chunk * rounds + round_
+                    pending_owner = rank
+                else:
+                    _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, chunk * rounds + round_,
+                             epoch, SCOPE)
         else:
             if DEFER:
                 if pending >= 0:
@@ -239,13 +252,14 @@ def gemm_reduce_scatter_kernel(
                                         own_mask, rank, ELEMENT, WORLD, MULTIMEM, ALIGNED)
                     local = (own_rows[:, None] - rank * M_CHUNK) * N + cols[None, :]
                     tl.store(out_ptr + local, total.to(ELEMENT), mask=own_mask)
-        task = tl.atomic_add(counter_ptr, 1) - task_base
+        task = claim_task(state_ptr)
     if DEFER:
         if pending >= 0:
             _release(F0, F1, F2, F3, F4, F5, F6, F7, pending_owner, pending, epoch, SCOPE,
                      TMA_PUSH)
     if TMA_PUSH:
         bulk_stores_complete(task)  # no TMA store may outlive the kernel unfinished
+    finish_call(state_ptr, epoch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,7 +454,19 @@ def operand_strides(ops: _Operands) -> tuple[int, int, int, int]:
     return ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1)
 
 
-_gemm_only_counters: dict[int, list] = {}
+_gemm_only_states: dict[int, torch.Tensor] = {}
+
+
+def gemm_only_state(device: torch.device) -> torch.Tensor:
+    """The call state (task counter, finished programs) of GEMM_ONLY launches on a device: no
+    workspace is involved, and each launch zeroes the counters it used as it ends."""
+    state = _gemm_only_states.get(device.index)
+    if state is None:
+        state = _gemm_only_states[device.index] = torch.zeros(
+            STATE_WORDS, dtype=torch.int32, device=device)
+    return state
+
+
 # compiled kernel per specialization (see specialization_key): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
 _launches: dict[tuple, object] = {}
@@ -452,16 +478,18 @@ def cached_launches() -> int:
     return len(_launches)
 
 
-def _push_descriptors(workspace, half: int, world: int, m_chunk: int, n: int,
-                      config: GemmConfig, dtype: torch.dtype) -> tuple:
-    """TMA descriptors of every rank's push buffer [W * M_CHUNK, N] in data half `half` (eight,
-    the unused ones repeating rank 0's), built once per workspace, half and shape."""
+def _push_descriptors(workspace, world: int, n: int, config: GemmConfig,
+                      dtype: torch.dtype) -> tuple:
+    """TMA descriptors of every rank's push buffers, one per rank spanning both data halves as
+    rows of N ([2 * half rows, N]; the caller checked that a half is a whole number of rows),
+    eight, the unused ones repeating rank 0's; built once per workspace and shape."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    key = (id(workspace), half, world, m_chunk, n, config.block_m, config.block_n, dtype)
+    key = (id(workspace), world, n, config.block_m, config.block_n, dtype)
     cached = _push_descriptor_cache.get(key)
     if cached is None:
-        views = [workspace.peer_data(peer, half, dtype, world * m_chunk * n).view(world * m_chunk, n)
+        rows = 2 * workspace.data_bytes // (n * dtype.itemsize)
+        views = [workspace.peer_data(peer, 0, dtype, rows * n, both_halves=True).view(rows, n)
                  for peer in range(world)]
         descriptors = [TensorDescriptor.from_tensor(view, [config.block_m, config.block_n])
                        for view in views]
@@ -489,7 +517,7 @@ def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_inde
     if launch is None:
         kernel = gemm_reduce_scatter_kernel.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
         launch = _launches[key] = CompiledLaunch(kernel, tuple(constexprs.values()))
-        launch.resident_per_sm = _resident_per_sm(kernel, warps, device_index)
+        launch.resident_per_sm = resident_per_sm(kernel, warps, device_index)
     return launch
 
 
@@ -512,7 +540,7 @@ def programs_per_sm(regs_per_thread: int, shared_bytes: int, warps: int, regs_pe
     return max(1, min(by_regs, by_shared, by_threads, blocks_per_sm))
 
 
-def _resident_per_sm(kernel, warps: int, device_index: int) -> int:
+def resident_per_sm(kernel, warps: int, device_index: int) -> int:
     """How many programs of a compiled kernel one SM holds at once: the driver's occupancy
     query where cuda-python has it, else programs_per_sm from the device's limits."""
     shared = kernel.metadata.shared
@@ -531,17 +559,17 @@ def _resident_per_sm(kernel, warps: int, device_index: int) -> int:
                            getattr(props, "max_threads_per_multi_processor", 2048))
 
 
-def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor,
-           out: torch.Tensor | None, workspace=None, epoch: int = 0, half: int = 0,
-           multimem: bool = False, gemm_only: bool = False, mode: int | None = None,
-           scope: str = "sys", lag_waves: float | None = None,
-           prepare: bool = False, compile_only: bool = False) -> "Replay | None":
-    """Launch the persistent kernel once: fused (mode FUSED), GEMM_ONLY writing the product into
-    `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a measurement-only variant.
-    prepare=True returns the launch prepared for repetition (Replay). compile_only=True compiles
-    and loads the kernel this launch would run and returns without launching (virtual ranks
-    load every kernel before any rank spins). The grid fills the SMs the workspace's rank may
-    use (all of them on a real GPU, a W-th with W virtual ranks)."""
+def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torch.Tensor | None,
+           out: torch.Tensor | None, workspace=None, multimem: bool = False,
+           gemm_only: bool = False, mode: int | None = None, scope: str = "sys",
+           lag_waves: float | None = None, prepare: bool = False,
+           compile_only: bool = False) -> "Replay | None":
+    """Launch the persistent kernel once: fused (mode FUSED) into `out`, GEMM_ONLY writing the
+    product into `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a
+    measurement-only variant. prepare=True returns the launch prepared for repetition (Replay).
+    compile_only=True compiles and loads the kernel this launch would run and returns without
+    launching (virtual ranks load every kernel before any rank spins). The grid fills the SMs
+    the workspace's rank may use (all of them on a real GPU, a W-th with W virtual ranks)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     device = ops.a.device
     processors = (multiprocessors(device.index) if workspace is None or mode == GEMM_ONLY
@@ -553,30 +581,33 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     element = ops.a.element_size()
     aligned = (ops.n * element) % 16 == 0 and config.block_n % 8 == 0
     if mode == GEMM_ONLY:
-        state = _gemm_only_counters.setdefault(
-            device.index, [torch.zeros(1, dtype=torch.int32, device=device), 0])
-        counter = state[0]
+        state = gemm_only_state(device)
         # no flags and no reduce in this mode: placeholders typed like the fused mode's (int64)
-        data = [counter.data_ptr()] * 8
-        flags = [counter.data_ptr()] * 8
-        multicast = 0
-        abort, error_address, timeout_ns = counter, counter.data_ptr(), 1 << 40
+        data = [state.data_ptr()] * 8
+        flags = [state.data_ptr()] * 8
+        multicast, half_bytes = 0, 0
+        abort, error_address, timeout_ns = state, state.data_ptr(), 1 << 40
         out = part
     else:
-        counter = workspace.counter
-        data = workspace.data_addresses(half)
+        state = workspace.state
+        data = workspace.data_addresses(0)
         flags = workspace.flag_addresses()
-        multicast = workspace.multicast_address(half) if multimem else 0
+        multicast = workspace.multicast_address(0) if multimem else 0
         abort, error_address = workspace.abort, workspace.error_address()
-        timeout_ns = workspace.timeout_ns(epoch)
-        out = part if out is None else out
+        timeout_ns = workspace.timeout_ns()
+        half_bytes = workspace.data_bytes
+        part = out
     if mode != GEMM_ONLY and world * rounds > (1 << 16):
         raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
                          f"use larger tiles")
     push = config.push and not multimem and mode != GEMM_ONLY
+    row_bytes = ops.n * element
+    # a TMA store never crosses into the next source's slot (whole row tiles), and the second
+    # half starts on a whole row of the descriptor that spans both halves
     tma_push = (push and config.tma_push and use_tma and m_chunk % config.block_m == 0
-                and (ops.n * element) % 16 == 0)
-    peers = (_push_descriptors(workspace, half, world, m_chunk, ops.n, config, ops.a.dtype)
+                and row_bytes % 16 == 0 and half_bytes % row_bytes == 0)
+    push_rows = half_bytes // row_bytes if tma_push else 0
+    peers = (_push_descriptors(workspace, world, ops.n, config, ops.a.dtype)
              if tma_push else (None,) * 8)
     strides = operand_strides(ops)
     constexprs = dict(
@@ -586,68 +617,62 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         ALIGNED=aligned, REDUCE_ROWS=min(config.reduce_rows, config.block_m),
         DEFER=config.defer_release and mode != GEMM_ONLY, SCOPE=scope,
         PUSH=push, TMA_PUSH=tma_push)
-    key = specialization_key(ops, strides, (part, out, counter, abort), timeout_ns,
-                          tuple(constexprs.values()), config.warps, device.index)
+    # (the width of half_bytes too: Triton types an int argument i32 or i64 by its value)
+    key = specialization_key(ops, strides, (part, out, state, abort), timeout_ns,
+                             (*constexprs.values(), half_bytes >= (1 << 31)), config.warps,
+                             device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
 
-    def arguments(task_base: int, lag: int) -> tuple:
+    def arguments(lag: int) -> tuple:
         return (a_desc, ops.a, b_desc, ops.b, part, out, *peers, *data, multicast, *flags,
-                counter, task_base, abort, error_address, timeout_ns,
-                ops.m, ops.n, ops.k, m_chunk, *strides, rank, epoch, lag)
+                state, abort, error_address, timeout_ns,
+                ops.m, ops.n, ops.k, m_chunk, *strides, rank, lag, half_bytes, push_rows)
 
     # compiled (and its occupancy known) before any task is claimed: every program of the grid
     # must be resident at once, since a reduce task waits on tiles other programs produce
-    compiled = _compiled(key, arguments(0, 0), constexprs, config.warps, device.index)
+    compiled = _compiled(key, arguments(0), constexprs, config.warps, device.index)
     if compile_only:
         return None
     programs = max(1, min(processors * min(config.ctas_per_sm, compiled.resident_per_sm), tasks))
-    if mode == GEMM_ONLY:
-        if state[1] + tasks + programs >= (1 << 30):
-            state[0].zero_()
-            state[1] = 0
-        task_base = state[1]
-        state[1] += tasks + programs
-    else:
-        task_base = workspace.claim_tasks(tasks + programs)
     if lag_waves is None:
         lag_waves = 2.5 if config.defer_release else 1.5
     lag = schedule.choose_lag(rounds, world, programs, lag_waves)
-    args = arguments(task_base, lag)
+    args = arguments(lag)
     raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
     compiled(programs, torch._C._cuda_getCurrentRawStream(device.index), raw)
     if not prepare:
         return None
-    return Replay(compiled, programs, args, tasks + programs, use_tma, config,
-                  ops.b_transposed, timeout_ns, device.index)
+    return Replay(compiled, programs, args, use_tma, config, ops.b_transposed, timeout_ns,
+                  device.index)
 
 
 class Replay:
     """A launch of the fused kernel prepared for repetition: the compiled launcher and every
-    argument that stays the same for calls of the same shapes, config, workspace half and
-    rank (returned by `launch`). A call fills in A, B, the output, the task base and the epoch;
-    the caller must only replay it for operands and output as 16-byte aligned as the first
-    call's (the compiled kernel assumed it) and with the same timeout.
+    argument that stays the same for calls of the same shapes, config, workspace and rank
+    (returned by `launch`). A call fills in A, B and the output (the epoch, the data half and
+    the task counter are the rank's call state on the device); the caller must only replay it
+    for operands and output as 16-byte aligned as the first call's (the compiled kernel
+    assumed it) and with the same timeout.
 
-    >>> replay = launch(ops, config, world, rank, part, out, workspace, epoch, half)
-    >>> replay(ops, out, epoch + 2, workspace.claim_tasks(replay.claim))  # next call on this half
+    >>> replay = launch(ops, config, world, rank, None, out, workspace, prepare=True)
+    >>> replay(ops, out)                         # the next call: a few microseconds of CPU
     """
     _A_DESC, _A, _B_DESC, _B, _OUT = 0, 1, 2, 3, 5
-    _TASK_BASE = 6 + 8 + 8 + 1 + 8 + 1  # after peers, data, multicast, flags and the counter
-    _EPOCH = -2
 
-    def __init__(self, compiled, grid: int, args: tuple, claim: int, use_tma: bool,
-                 config: GemmConfig, b_transposed: bool, timeout_ns: int, device_index: int):
-        self.compiled, self.grid, self.claim = compiled, grid, claim
+    def __init__(self, compiled, grid: int, args: tuple, use_tma: bool, config: GemmConfig,
+                 b_transposed: bool, timeout_ns: int, device_index: int):
+        self.compiled, self.grid = compiled, grid
         self.template = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
         self.use_tma, self.timeout_ns, self.device_index = use_tma, timeout_ns, device_index
         self.block_a = [config.block_m, config.block_k]
-        self.block_b = [config.block_n, config.block_k] if b_transposed else [config.block_k, config.block_n]
+        self.block_b = ([config.block_n, config.block_k] if b_transposed
+                        else [config.block_k, config.block_n])
 
-    def __call__(self, ops: _Operands, out: torch.Tensor, epoch: int, task_base: int) -> None:
+    def __call__(self, ops: _Operands, out: torch.Tensor) -> None:
         args = list(self.template)
         if self.use_tma:
             args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
             args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
-        args[self._A], args[self._B], args[self._OUT] = ops.a.data_ptr(), ops.b.data_ptr(), out.data_ptr()
-        args[self._TASK_BASE], args[self._EPOCH] = task_base, epoch
+        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
+        args[self._OUT] = out.data_ptr()
         self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)

@@ -8,12 +8,57 @@ and no host synchronization.
 The two reduce backends differ only in `load_reduce`: `p2p` sums unicast loads from every peer's
 buffer in fp32; `multimem` issues one `multimem.ld_reduce` on the multicast address (NVLink
 SHARP), which the switch answers with the sum.
+
+Call state lives in device memory (a few int32 words per rank, `SymmetricWorkspace.state`):
+word EPOCH holds the epoch of the last finished call, so a kernel computes its own epoch
+(`call_epoch`) and data half (epoch % 2) on the device and the last of its programs to finish
+advances it (`finish_call`). A launch captured in a CUDA graph therefore takes a new epoch on
+every replay, and no host value is baked into it.
 """
 import triton
 import triton.language as tl
 
 # Error code written into the host-visible error word when a spin-wait times out.
 ERROR_TIMEOUT = tl.constexpr(1)
+# Words of a rank's call state (int32, device memory): the epoch of the last finished call, the
+# programs of the running launch that have finished, the running launch's task counter.
+STATE_EPOCH = tl.constexpr(0)
+STATE_FINISHED = tl.constexpr(1)
+STATE_TASKS = tl.constexpr(2)
+STATE_WORDS = 4
+
+
+@triton.jit
+def call_epoch(state_ptr):
+    """This launch's epoch: one more than the last finished call's (finish_call advances it
+    after every program of the launch has read it)."""
+    return tl.load(state_ptr + STATE_EPOCH, volatile=True) + 1
+
+
+@triton.jit
+def finish_call(state_ptr, epoch):
+    """Run by every program at its end: the last one to finish stores `epoch` as the finished
+    call's and zeroes the counters for the next launch. Every program has read the old epoch
+    and claimed its last task before it counts itself finished, so the reset races with none."""
+    tl.debug_barrier()  # every thread of this program is done with the counters
+    finished = tl.atomic_add(state_ptr + STATE_FINISHED, 1, sem="acq_rel")
+    if finished == tl.num_programs(0) - 1:
+        tl.store(state_ptr + STATE_TASKS, 0)
+        tl.store(state_ptr + STATE_FINISHED, 0)
+        tl.atomic_xchg(state_ptr + STATE_EPOCH, epoch, sem="release")
+
+
+@triton.jit
+def claim_task(state_ptr):
+    """The next task id of this launch (ids 0, 1, 2, ... in claim order across its programs)."""
+    return tl.atomic_add(state_ptr + STATE_TASKS, 1)
+
+
+@triton.jit
+def shift8(p0, p1, p2, p3, p4, p5, p6, p7, offset):
+    """Eight addresses moved by `offset` bytes (the data half or barrier region of this call)."""
+    return (p0 + offset, p1 + offset, p2 + offset, p3 + offset, p4 + offset, p5 + offset,
+            p6 + offset, p7 + offset)
 
 
 @triton.jit
@@ -78,6 +123,30 @@ def bulk_stores_complete(dummy):
     tl.inline_asm_elementwise(
         "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [dummy],
         dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_proxy_async(dummy):
+    """fence.proxy.async in every thread: data this thread observed through the generic proxy
+    (a peer's stores, acquired through its flag) is visible to the TMA loads it issues next."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [dummy],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def multimem_st_16bytes(addresses, w0, w1, w2, w3, valid):
+    """multimem.st of 16 bytes (four 32-bit words) per multicast address where `valid` != 0:
+    one store that the switch writes into every rank's copy. addresses int64 [R, G]; w0..w3
+    and valid int32 [R, G]."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p_valid;
+        setp.ne.b32 %p_valid, $6, 0;
+        @%p_valid multimem.st.relaxed.sys.global.v4.f32 [$1], {$2, $3, $4, $5};
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r,r,r,r,r", [addresses, w0, w1, w2, w3, valid], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @triton.jit

@@ -145,8 +145,9 @@ def _transition(x: DTensor, dst, what: str) -> str:
         return f"{head}: (no plan: {e})"
 
 
-def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None):
-    """``x`` laid out as ``dst``; a plain tensor is first read as ``given`` (its local piece)."""
+def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None, note=None):
+    """``x`` laid out as ``dst``; a plain tensor is first read as ``given`` (its local piece);
+    ``note(x)``: a line the layer's log adds to the move's plan."""
     if not isinstance(x, torch.Tensor):
         return x
     log = _log_of(module)
@@ -160,7 +161,7 @@ def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None)
         return x
     target = _resolve(dst, x.shape, mesh)
     if log is not None and not log.seen(what):
-        log.add(what, _transition(x, target, what))
+        log.add(what, _transition(x, target, what) + (note(x) if note is not None else ""))
     return x.redistribute(target)
 
 
@@ -234,9 +235,10 @@ class _LinearLike(ParallelStyle):
         self.use_local_output = use_local_output
         self.weight_layout = weight_layout
 
-    def _hooks(self, module: nn.Module, mesh: DeviceMesh, given, desired, output, move_output: bool = True):
+    def _hooks(self, module: nn.Module, mesh: DeviceMesh, given, desired, output, move_output: bool = True,
+               note=None):
         def pre(mod, args):
-            return (_move(args[0], desired, mesh, mod, "input", given=given),) + tuple(args[1:])
+            return (_move(args[0], desired, mesh, mod, "input", given=given, note=note),) + tuple(args[1:])
 
         def post(mod, args, out):
             if move_output:
@@ -253,6 +255,10 @@ class ColwiseParallel(_LinearLike):
     Input: read as ``input_layouts`` (default Replicate), brought to Replicate; output:
     ``output_layouts`` (default ``Shard(-1)``: no communication). A ``[8, 16] -> [8, 64]``
     Linear on 4 ranks holds a ``[16, 16]`` weight slice and gives a ``[8, 16]`` local output.
+    With sequence-parallel input (``input_layouts=Shard(0)`` of sequence-first activations) the
+    move to Replicate is an all-gather of the GEMM's rows, which on CUDA the fused all-gather +
+    GEMM runs (the gather stays pending until the GEMM takes it); in backward the input's
+    gradient is a GEMM whose partial sums are reduce-scattered: the fused GEMM + reduce-scatter.
     """
 
     def apply(self, module, mesh, name, shared, src_rank=0):
@@ -261,8 +267,10 @@ class ColwiseParallel(_LinearLike):
             self._params(module, mesh, {"weight": self.weight_layout or Shard(0), "bias": Shard(0)}, shared, src_rank)
         else:
             self._params(module, mesh, {"weight": self.weight_layout or Shard(1)}, shared, src_rank)
+        note = ((lambda x: _fused_note(x, module, "all-gather") if _rows_sharded(x) else "")
+                if isinstance(module, nn.Linear) else None)
         self._hooks(module, mesh, self.input_layouts or Replicate(), self.desired_input_layouts or Replicate(),
-                    self.output_layouts or Shard(-1))
+                    self.output_layouts or Shard(-1), note=note)
 
 
 class RowwiseParallel(_LinearLike):
@@ -307,6 +315,15 @@ def _row_parallel_forward(mesh: DeviceMesh, output):
                 log.add("output", _transition(partial, (Shard(0),), "output (GEMM rows)") + _fused_note(flat, self))
             y = partial.redistribute((Shard(0),))
             y = y.view(out_shape) if len(out_shape) != 2 else y
+        elif partial.reduce_op is not None and not isinstance(target, Layout) and \
+                all(isinstance(p, Replicate) for p in target):
+            # an all-reduce of the GEMM's [rows, out] partial sums (the fused GEMM + all-reduce
+            # on CUDA at decode sizes), then the view to the output's shape
+            if log is not None and not log.seen("output"):
+                log.add("output", _transition(partial, target, "output")
+                        + _fused_note(flat, self, "all-reduce"))
+            y = partial.redistribute(target)
+            y = y.view(out_shape) if len(out_shape) != 2 else y
         else:
             y = partial.view(out_shape) if len(out_shape) != 2 else partial
             if log is not None and not log.seen("output"):
@@ -321,16 +338,29 @@ def _row_parallel_forward(mesh: DeviceMesh, output):
     return forward
 
 
-def _fused_note(flat, module) -> str:
-    """On CUDA, which GEMM + reduce-scatter implementation the planner picks for this shape."""
+def _rows_sharded(x) -> bool:
+    """Whether ``x`` (a DTensor on a 1-D mesh) is sharded on its first dim: its move to
+    Replicate is an all-gather of rows."""
+    try:
+        return isinstance(x, DTensor) and x.placements == (Shard(0),)
+    except LayoutError:
+        return False
+
+
+def _fused_note(flat, module, collective: str = "reduce-scatter") -> str:
+    """On CUDA, which fused GEMM + collective implementation the planner picks for this
+    layer's shapes: the row-parallel GEMM + reduce-scatter / all-reduce, or for a
+    column-parallel layer ("all-gather") the all-gather of its rows + GEMM."""
     if not isinstance(flat, DTensor) or flat.mesh.device_type != "cuda":
         return ""
+    from ..collectives import plan_all_gather_gemm, plan_gemm_all_reduce, plan_gemm_reduce_scatter
+    planner = {"reduce-scatter": plan_gemm_reduce_scatter, "all-reduce": plan_gemm_all_reduce,
+               "all-gather": plan_all_gather_gemm}[collective]
     try:
-        from ..collectives import plan_gemm_reduce_scatter
         a, b = flat.to_local(), module.weight.to_local().t()
-        return f"\n      {plan_gemm_reduce_scatter(a, b, flat.mesh.group())}"
-    except Exception as e:  # e.g. fp32 operands: the fused kernel takes bf16/fp16
-        return f"\n      gemm_reduce_scatter not used: {e}"
+        return f"\n      {planner(a.reshape(-1, a.shape[-1]), b, flat.mesh.group())}"
+    except Exception as e:  # e.g. fp32 operands: the fused kernels take bf16/fp16
+        return f"\n      fused GEMM + {collective} not used: {e}"
 
 
 class VocabParallelEmbedding(RowwiseParallel):

@@ -26,7 +26,8 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 
 from ..runtime import redistribute_local
-from ..runtime.deferred import OUTSTANDING, defer, flush, placeholder
+from ..runtime.deferred import (OUTSTANDING, DeferredGather, GatherView, defer, flush, fused_gather_product,
+                                placeholder)
 from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
                         op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
@@ -45,6 +46,8 @@ _grad_enabled = torch.is_grad_enabled
 _DISABLED = torch._C._disabled_torch_function_impl
 _STRIDED = torch.strided
 _HALF = (torch.bfloat16, torch.float16)
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+_GATHER_USERS = frozenset((aten.mm.default, aten.addmm.default) + _VIEWS)  # see _gathered
 _NO_RULE = object()
 _CACHE_LIMIT = 16384
 _DEFER_POLICIES = ("auto", "always", "never")
@@ -182,7 +185,14 @@ class OpDispatcher:
     def dispatch(self, func, args, kwargs):
         """Run the aten op ``func`` on DTensors (what ``__torch_dispatch__`` calls)."""
         if OUTSTANDING:
-            flush()  # no op may run while a deferred product waits on its operands
+            if func in _GATHER_USERS:
+                gathered = self._gathered(func, args, kwargs)
+                if gathered is not None:
+                    return gathered
+            # no op may run while a deferred product waits on its operands; a deferred gather
+            # waits only for ops that write (its rows must not change)
+            info = op_info(func)
+            flush(keep_gathers=not (info.inplace or info.out_names or info.written))
         fast_key = None
         if not kwargs:
             fast_key = self.cache_key(func, args)
@@ -363,6 +373,47 @@ class OpDispatcher:
             wrapped._spec = spec
             return wrapped
         return self.cls(value, spec, stride=out.stride)
+
+    def _gathered(self, func, args, kwargs):
+        """A deferred row all-gather (runtime/deferred.py) used by the op that can fuse it:
+        mm / addmm (alpha = beta = 1) with column-sharded weights run one fused all-gather +
+        GEMM that also resolves the gather; a view of it as its rows' matrix ([S, B, H] ->
+        [S * B, H], how linear reaches mm) stays pending on the same gather. None when the call
+        is not that (then the gather runs, and the op as usual)."""
+        if kwargs:
+            return None
+        cls = self.cls
+        if func is aten.mm.default and len(args) == 2:
+            (a, b), bias = args, None
+        elif func is aten.addmm.default and len(args) == 3 and type(args[0]) is cls:
+            bias, a, b = args
+        elif func in _VIEWS and len(args) == 2:
+            (a, b), bias = args, None
+        else:
+            return None
+        if type(a) is not cls or type(a._pending) not in (DeferredGather, GatherView) or a._pending.value is not None:
+            return None
+        dts, mesh, key = scan(cls, func, args, kwargs)
+        plan = self.plan(func, args, kwargs, dts, mesh, key, op_info(func))
+        if plan is None or plan.defer or plan.structure != "single" or plan.reduce_self is not None:
+            return None
+        targets = {id(d): t for d, t in zip(dts, plan.targets)}
+        out = plan.outputs[0]
+        if any(t is not None for t in plan.targets) and func in _VIEWS or targets[id(a)] is not None \
+                or out.unsqueeze:
+            return None
+        if func in _VIEWS:
+            shape = out.local_shape
+            return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
+                       pending=a._pending.view(shape)) if len(shape) == 2 else None
+        if type(b) is not cls or targets[id(b)] is not None:
+            return None
+        value = fused_gather_product(a._pending, b._local, b._spec, out.local_shape)
+        if value is None:
+            return None
+        if bias is not None:
+            value.add_(_local_of(bias, targets[id(bias)]))
+        return cls(value, out.spec, stride=out.stride)
 
     def _deferred(self, func, plan: CallPlan, local_args, local_kwargs):
         """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),

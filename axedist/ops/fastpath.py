@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..runtime.deferred import OUTSTANDING, flush
+from ..runtime.deferred import OUTSTANDING, DeferredGather, GatherView, flush
 from .call_plan import SCALAR_TYPES, op_info
 from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
 
@@ -313,6 +313,9 @@ def _handler(fast: FastPath):
         if entry is None:
             return record(func, types, args, kwargs, key, grad)
         if entry.defer is not None and entry.defer != dispatcher.defer_gemm:
+            return _disabled(func, types, args, kwargs or _EMPTY)
+        if waits and any(type(a) is DTensor and type(a._pending) in (DeferredGather, GatherView) for a in args):
+            # a deferred gather: the normal route, where an mm with column-sharded weights fuses it
             return _disabled(func, types, args, kwargs or _EMPTY)
         if OUTSTANDING:
             flush()  # as the dispatcher does: no op runs while a deferred product waits

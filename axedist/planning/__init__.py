@@ -26,6 +26,8 @@ _LAZY = {
     "Side": "repad",
     "FusedStep": "fused",
     "row_scatter_axis": "fused",
+    "all_reduce_axis": "fused",
+    "row_gather_axis": "fused",
 }
 
 __all__ = ["Plan", "Step", "Transfer", "buffer_size", *_LAZY]

@@ -111,9 +111,10 @@ class Redistribution:
         text = self._route_text()
         if self.fused is None:
             return text
+        kind = self.fused.collective
         if self.fused.fused:
-            return f"fused GEMM + reduce-scatter: {self.fused.gemm}"
-        return f"GEMM, then {text}\n(fused GEMM + reduce-scatter not used: {self.fused.reason})"
+            return f"fused GEMM + {kind}: {self.fused.gemm}"
+        return f"GEMM, then {text}\n(fused GEMM + {kind} not used: {self.fused.reason})"
 
     def _route_text(self) -> str:
         if self.repad is None and len(self.plans) == 1:

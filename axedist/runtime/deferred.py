@@ -1,11 +1,18 @@
-"""Deferred GEMMs: an mm/addmm whose output is a pending sum, kept unrun until its data is used.
+"""Deferred GEMMs and gathers: work kept unrun until its data is used, so that the next step
+can fuse it with a collective.
 
-Redistributing that pending sum to rows sharded on the summed mesh axis can then run the fused
-GEMM + reduce-scatter kernel on the operands instead of the GEMM followed by a reduce-scatter.
-Two ranks, ``x [8, 6] (Shard(1),) @ w [6, 4] (Shard(0),)``: the dispatcher defers each rank's
-``[8, 3] @ [3, 4]`` product (:func:`defer`); ``.redistribute([Shard(0)])`` asks
-:func:`fused_reduce_scatter`, which on CUDA bf16 gives each rank its ``[4, 4]`` rows from one
-kernel; any other use of the data runs :meth:`DeferredGemm.wait` (the GEMM, once).
+An mm/addmm whose output is a pending sum: redistributing it to rows sharded on the summed mesh
+axis (or to Replicate) runs the fused GEMM + reduce-scatter (or GEMM + all-reduce) kernel on the
+operands instead of the GEMM followed by the collective. Two ranks, ``x [8, 6] (Shard(1),) @
+w [6, 4] (Shard(0),)``: the dispatcher defers each rank's ``[8, 3] @ [3, 4]`` product
+(:func:`defer`); ``.redistribute([Shard(0)])`` asks :func:`fused_collective`, which on CUDA bf16
+gives each rank its ``[4, 4]`` rows from one kernel; any other use of the data runs
+:meth:`DeferredGemm.wait` (the GEMM, once).
+
+A row all-gather (``[Shard(0)] -> [Replicate()]`` of a 2-d tensor on CUDA): kept unrun
+(:func:`defer_gather`) until an mm takes it as its left operand with column-sharded weights,
+which then runs the fused all-gather + GEMM (:func:`fused_gather_product`) and receives the
+gathered rows on the way; any other use runs :meth:`DeferredGather.wait` (the all-gather).
 
 Nothing here builds a DTensor: callers wrap what these functions return.
 """
@@ -16,18 +23,22 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from ..layout import LayoutError
-from ..planning.fused import FusedStep, row_scatter_axis
-from ..spec import DTensorSpec
+from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_scatter_axis
+from ..spec import DTensorSpec, placements_of
 
-__all__ = ["DeferredGemm", "OUTSTANDING", "defer", "placeholder", "flush", "fused_gemm_stats", "fused_choice",
-           "fused_reduce_scatter"]
+__all__ = ["DeferredGemm", "DeferredGather", "GatherView", "OUTSTANDING", "defer", "defer_gather", "defer_gathers", "placeholder",
+           "flush",
+           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product"]
 
-# Products deferred, fused (gemm_reduce_scatter ran), reduce-scatters of a deferred product that
-# ran unfused (GEMM, then the planned collective), products computed on first use of their data;
-# "reason": why the last row reduce-scatter was not fused.
-_STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": ""}
+# Products deferred, fused (a fused GEMM + collective ran), collectives of a deferred product
+# that ran unfused (GEMM, then the planned collective), products computed on first use of their
+# data; "reason": why the last such collective was not fused. Gathers deferred, fused into an
+# all-gather + GEMM, and run on their own; "gather_reason": why the last was not fused.
+_STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": "",
+          "gathers_deferred": 0, "gathers_fused": 0, "gathers_materialized": 0, "gather_reason": ""}
 # Deferred products nobody has consumed yet (weak): every op dispatch computes them first
 # (:func:`flush`), so an in-place op on an operand can never reach a product still waiting for it.
 OUTSTANDING: list = []
@@ -97,13 +108,19 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return found
 
 
-def flush() -> None:
-    """Compute every outstanding deferred product (before an op that might change an operand)."""
+def flush(keep_gathers: bool = False) -> None:
+    """Compute every outstanding deferred product (before an op that might change an operand);
+    keep_gathers: leave deferred gathers pending (the op changes no tensor in place: their
+    source rows stay as they were)."""
     refs = list(OUTSTANDING)
     OUTSTANDING.clear()
     for ref in refs:
         pending = ref()
-        if pending is not None and pending.value is None and pending.compute is not None:
+        if pending is None or pending.value is not None or pending.compute is None:
+            continue
+        if keep_gathers and type(pending) is DeferredGather:
+            OUTSTANDING.append(ref)
+        else:
             pending.wait()
 
 
@@ -117,32 +134,43 @@ def _consumed(pending: DeferredGemm) -> None:
 
 
 def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> FusedStep | None:
-    """None when ``spec -> dst`` is not a row reduce-scatter (or the product already ran);
-    otherwise whether the fused kernel runs, and why not when it does not."""
-    axis = row_scatter_axis(spec, dst)
-    if axis is None or pending.a is None:
+    """None when ``spec -> dst`` is neither a row reduce-scatter nor an all-reduce of a 2-d
+    pending sum (or the product already ran); otherwise whether the fused kernel runs, and why
+    not when it does not."""
+    if pending.a is None:
+        return None
+    axis, collective = row_scatter_axis(spec, dst), "reduce-scatter"
+    if axis is None:
+        axis, collective = all_reduce_axis(spec, dst), "all-reduce"
+    if axis is None:
         return None
     a, b = pending.a, pending.b
+
+    def step(fused, reason, plan=None):
+        return FusedStep(axis, fused, reason, plan, collective)
+
     if not a.is_cuda:
-        return FusedStep(axis, False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
+        return step(False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
     if a.dtype not in (torch.bfloat16, torch.float16):
-        return FusedStep(axis, False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
+        return step(False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
     mesh = spec.mesh
     group = mesh.group(axis)
     if dist.get_rank(group) != mesh.coordinates()[axis]:
-        return FusedStep(axis, False, f"process-group order differs from mesh axis {axis}'s order")
-    from ..collectives import plan_gemm_reduce_scatter
+        return step(False, f"process-group order differs from mesh axis {axis}'s order")
+    from ..collectives import plan_gemm_all_reduce, plan_gemm_reduce_scatter
 
     try:
-        gemm = plan_gemm_reduce_scatter(a, b, group)
+        gemm = (plan_gemm_reduce_scatter(a, b, group) if collective == "reduce-scatter"
+                else plan_gemm_all_reduce(a, b, group))
     except ValueError as e:
-        return FusedStep(axis, False, str(e))
-    return FusedStep(axis, gemm.backend != "torch", gemm.reason, gemm)
+        return step(False, str(e))
+    return step(gemm.backend != "torch", gemm.reason, gemm)
 
 
-def fused_reduce_scatter(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:
-    """This rank's local tensor of ``spec -> dst`` by ``gemm_reduce_scatter``, or None (then
-    the caller takes the unfused path: the GEMM, then the planned collective)."""
+def fused_collective(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:
+    """This rank's local tensor of ``spec -> dst`` by ``gemm_reduce_scatter`` (rows) or
+    ``gemm_all_reduce``, or None (then the caller takes the unfused path: the GEMM, then the
+    planned collective)."""
     choice = fused_choice(spec, pending, dst)
     if choice is None:
         return None
@@ -150,21 +178,160 @@ def fused_reduce_scatter(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorS
         _STATS["unfused"] += 1
         _STATS["reason"] = choice.reason
         return None
-    from ..collectives import gemm_reduce_scatter
+    from ..collectives import gemm_all_reduce, gemm_reduce_scatter
 
     if pending.current_versions() != pending.versions:
         pending.wait()  # raises the clear error
     mesh = spec.mesh
-    out = gemm_reduce_scatter(pending.a, pending.b, mesh.group(choice.axis))
+    group = mesh.group(choice.axis)
+    if choice.collective == "reduce-scatter":
+        out = gemm_reduce_scatter(pending.a, pending.b, group)
+    else:
+        out = gemm_all_reduce(pending.a, pending.b, group)
     if pending.alpha != 1:
         out.mul_(pending.alpha)
     bias = pending.bias
     if bias is not None and pending.beta != 0:
-        if bias.dim() == 2 and bias.shape[0] != 1:  # a whole [M, n] bias: this rank's rows
-            rows = out.shape[0]
+        if choice.collective == "reduce-scatter" and bias.dim() == 2 and bias.shape[0] != 1:
+            rows = out.shape[0]  # a whole [M, n] bias: this rank's rows
             bias = bias.narrow(0, mesh.coordinates()[choice.axis] * rows, rows)
         out.add_(bias, alpha=pending.beta)
     _STATS["fused"] += 1
     _STATS["reason"] = ""
     _consumed(pending)
+    return out
+
+
+class DeferredGather:
+    """A row all-gather ``src -> dst`` of this rank's ``local`` rows, not yet run (the pending
+    value of the gathered DTensor). ``wait()`` runs it once, after checking that ``local`` did
+    not change in place meanwhile; a fused all-gather + GEMM sets ``value`` instead."""
+
+    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "__weakref__")
+
+    def __init__(self, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str):
+        self.local, self.src, self.dst, self.axis, self.value = local, src, dst, axis, None
+        self.version = -1 if local.is_inference() else local._version
+        self.compute = self  # (flush runs what has a compute)
+
+    def changed(self) -> bool:
+        return not self.local.is_inference() and self.local._version != self.version
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            if self.changed():
+                raise LayoutError("a deferred all-gather's rows were changed in place (outside axedist ops) "
+                                  "before the gathered tensor was used; use it first, or clone the rows")
+            from .executor import redistribute_local
+            self.value = redistribute_local(self.local, self.src, self.dst)
+            self.local = self.compute = None
+            _STATS["gathers_materialized"] += 1
+        return self.value
+
+    def view(self, shape: tuple) -> "GatherView":
+        return GatherView(self, tuple(shape))
+
+
+class GatherView:
+    """A view of a deferred gather's value (``[S, B, H]`` gathered, seen as ``[S * B, H]``):
+    the pending value of a view of the gathered DTensor. It shares its gather: whichever use
+    runs the gather (fused or not) serves every view."""
+
+    __slots__ = ("root", "shape")
+
+    def __init__(self, root: DeferredGather, shape: tuple):
+        self.root, self.shape = root, shape
+
+    @property
+    def value(self):
+        return None if self.root.value is None else self.root.value.view(self.shape)
+
+    def wait(self) -> torch.Tensor:
+        return self.root.wait().view(self.shape)
+
+    def view(self, shape: tuple) -> "GatherView":
+        return GatherView(self.root, tuple(shape))
+
+
+_GATHER_POLICY = ["auto"]
+
+
+def defer_gathers(policy: str | None = None) -> str:
+    """When row all-gathers are deferred: ``"auto"`` only where the fused kernel can consume
+    them (CUDA, bf16/fp16), ``"always"`` (tests of the deferral on CPU), ``"never"``. Returns
+    the policy in force (after setting it, when given)."""
+    if policy is not None:
+        if policy not in ("auto", "always", "never"):
+            raise ValueError(f"defer_gathers policy must be auto, always or never, got {policy!r}")
+        _GATHER_POLICY[0] = policy
+    return _GATHER_POLICY[0]
+
+
+def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredGather | None:
+    """A deferred row all-gather when ``src -> dst`` is one of a 2-d CUDA bf16/fp16 tensor (what
+    a fused all-gather + GEMM can consume), else None (the caller moves the data now)."""
+    policy = _GATHER_POLICY[0]
+    if policy == "never" or policy == "auto" and (
+            not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
+        return None
+    axis = row_gather_axis(src, dst)
+    if axis is None:
+        return None
+    pending = DeferredGather(local, src, dst, axis)
+    _STATS["gathers_deferred"] += 1
+    if len(OUTSTANDING) > _FLUSH_AT:
+        flush()
+    OUTSTANDING.append(weakref.ref(pending))
+    return pending
+
+
+def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
+                         out_shape: tuple) -> torch.Tensor | None:
+    """The local product of a deferred gather's 2-d value (``pending``: the DeferredGather or a
+    GatherView of it as rows ``[M, K]``) and ``b`` (this rank's ``[K, N_local]``, ``b_spec`` its
+    spec) by one fused all-gather + GEMM, which also fills the gather's value; None when the
+    kernel does not run (``b`` not column-sharded on the gathered axis, other local shapes, the
+    kernel plan's choice: then the caller gathers and multiplies)."""
+    root = pending.root if type(pending) is GatherView else pending
+    if root.value is not None or root.changed():
+        return None
+    mesh, axis = root.src.mesh, root.axis
+    local = root.local.reshape(-1, root.local.shape[-1])
+    world = dist.get_world_size(mesh.group(axis))
+    # the gather's local value: this rank's dim 0 times the group (no other axis splits dim 0)
+    gathered_shape = (root.local.shape[0] * world, *root.local.shape[1:])
+    rows = local.shape[0] * world
+    if type(pending) is GatherView and tuple(pending.shape) != (rows, local.shape[1]):
+        _STATS["gather_reason"] = f"a view {pending.shape} of the gathered rows is not their matrix"
+        return None
+    try:
+        placements = placements_of(b_spec)
+    except LayoutError:
+        return None
+    columns = placements[mesh.axis_names.index(axis)]
+    if (b_spec.reduce_op is not None or len(b_spec.shape) != 2
+            or not (isinstance(columns, Shard) and columns.dim % 2 == 1)
+            or any(isinstance(p, Shard) and p.dim % 2 == 0 for p in placements)):
+        _STATS["gather_reason"] = f"weights {b_spec} are not column-sharded on {axis} with whole rows"
+        return None
+    group = mesh.group(axis)
+    if tuple(out_shape) != (rows, b.shape[1]) or dist.get_rank(group) != mesh.coordinates()[axis]:
+        _STATS["gather_reason"] = "local shapes or process-group order differ from the kernel's"
+        return None
+    from ..collectives import all_gather_gemm, plan_all_gather_gemm
+
+    try:
+        plan = plan_all_gather_gemm(local, b, group)
+    except ValueError as e:
+        _STATS["gather_reason"] = str(e)
+        return None
+    if plan.backend == "torch":
+        _STATS["gather_reason"] = plan.reason
+        return None
+    gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
+    out = all_gather_gemm(local, b, group, gathered=gathered.view(rows, local.shape[1]))
+    root.value, root.local, root.compute = gathered, None, None
+    _STATS["gathers_fused"] += 1
+    _STATS["gather_reason"] = ""
+    _consumed(root)
     return out

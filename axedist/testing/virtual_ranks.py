@@ -2,9 +2,12 @@
 
 Each rank gets a workspace carved from one allocation of this GPU (symmetric.carve_workspaces:
 the region layout and peer address tables of the real path), its own stream, and the real
-call path: p2p.CallPlan for the collectives, fused.FusedCall for GEMM + reduce-scatter, with
+call path: p2p.CallPlan for the collectives, fused.FusedCall for GEMM + reduce-scatter,
+fused_tp.AllGatherGemmCall / GemmAllReduceCall for all-gather + GEMM and GEMM + all-reduce, with
 their epochs, alternating halves, flags and timeouts. Every rank's grid fills at most a W-th of
 the SMs, so all W ranks' programs are resident at once and in-kernel waits cannot deadlock.
+The epoch and half live in each rank's call state on the device, so calls can be captured in
+one CUDA graph (each rank's launches a branch of it) and replayed.
 
 No module may load while a rank's kernel spins (a module load waits for the GPU to go idle):
 every call compiles and loads the kernels of all ranks before it launches the first, and the
@@ -28,6 +31,7 @@ import torch
 
 from ..collectives.errors import CollectiveTimeoutError
 from ..collectives.fused import FusedCall, GemmReduceScatterPlan
+from ..collectives.fused_tp import AllGatherGemmCall, FusedPlan, GemmAllReduceCall
 from ..collectives.p2p import CallPlan
 from ..collectives.symmetric import carve_workspaces
 from ..kernels.launch import multiprocessors
@@ -36,11 +40,12 @@ from ..kernels.launch import multiprocessors
 class VirtualRanks:
     """W virtual ranks on one GPU with `data_bytes` per workspace half (fixed: a call that
     needs more raises). absent=(r, ...) in a call leaves those ranks out of it (a rank that
-    never arrives: the others time out and name it)."""
+    never arrives: the others time out and name it). W = 1 is one rank with the whole GPU
+    (the fused kernels' GEMM part, for the one-GPU benchmarks)."""
 
     def __init__(self, world: int, data_bytes: int = 16 << 20, device: torch.device | None = None):
-        if not 2 <= world <= 8:
-            raise ValueError(f"virtual ranks: world must be 2..8, got {world}")
+        if not 1 <= world <= 8:
+            raise ValueError(f"virtual ranks: world must be 1..8, got {world}")
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         self.world, self.device = world, device
         self.processors = multiprocessors(device.index) // world
@@ -105,10 +110,7 @@ class VirtualRanks:
                             timeout_s: float | None = None) -> list:
         """outs[r] = (sum over ranks of as_[p] @ bs[p])[rows of rank r], through the fused
         kernel (config: a gemm_rs.GemmConfig, default the tuned / heuristic one)."""
-        if len(as_) != self.world or len(bs) != self.world:
-            raise ValueError(f"gemm_reduce_scatter: {len(as_)} A and {len(bs)} B for "
-                             f"{self.world} ranks")
-        a, b = as_[0], bs[0]
+        a, b = self._pairs("gemm_reduce_scatter", as_, bs)
         m, k, n = a.shape[0], a.shape[1], b.shape[1]
         if m % self.world:
             raise ValueError(f"gemm_reduce_scatter: M = {m} is not divisible by {self.world}")
@@ -123,12 +125,68 @@ class VirtualRanks:
         if outs is None:
             outs = [torch.empty((m // self.world, n), dtype=a.dtype, device=a.device)
                     for _ in range(self.world)]
+        return self._run_calls(calls, as_, bs, outs, absent, timeout_s)
+
+    # -- fused all-gather + GEMM, GEMM + all-reduce -------------------------------------------
+    def all_gather_gemm(self, as_, bs, outs=None, config=None, absent=(),
+                        timeout_s: float | None = None, gathered=None) -> list:
+        """outs[r] = concatenation of as_ along dim 0, times bs[r], through the fused kernel
+        (config: a kernels.ag_gemm.AllGatherGemmConfig, default the heuristic one); gathered
+        (a tensor per rank): receives the concatenation too."""
+        a, b = self._pairs("all_gather_gemm", as_, bs)
+        m_local, k, n = a.shape[0], a.shape[1], b.shape[1]
+        key = ("all_gather_gemm", a.shape, a.stride(), b.shape, b.stride(), a.dtype, config)
+        calls = self._fused.get(key)
+        if calls is None:
+            plan = FusedPlan("all_gather_gemm", "p2p", self.world * m_local, n, k, self.world,
+                             str(config or ""), "virtual ranks")
+            calls = self._fused[key] = [
+                AllGatherGemmCall(plan, self.world, rank, self._workspace_for(rank), config)
+                for rank in range(self.world)]
+        if outs is None:
+            outs = [torch.empty((self.world * m_local, n), dtype=a.dtype, device=a.device)
+                    for _ in range(self.world)]
+        extras = None if gathered is None else [{"gathered": g} for g in gathered]
+        return self._run_calls(calls, as_, bs, outs, absent, timeout_s, extras)
+
+    def gemm_all_reduce(self, as_, bs, outs=None, algorithm: str = "one_shot",
+                        push: bool = True, config=None, absent=(),
+                        timeout_s: float | None = None) -> list:
+        """outs[r] = sum over ranks of as_[p] @ bs[p] on every rank, through the fused decode
+        kernel (algorithm "one_shot" or "two_shot"; push or pull; config: a
+        kernels.gemm_ar.DecodeConfig)."""
+        if algorithm not in ("one_shot", "two_shot"):
+            raise ValueError(f"algorithm must be one_shot or two_shot, got {algorithm!r}")
+        a, b = self._pairs("gemm_all_reduce", as_, bs)
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        key = ("gemm_all_reduce", a.shape, a.stride(), b.shape, b.stride(), a.dtype, algorithm,
+               push, config)
+        calls = self._fused.get(key)
+        if calls is None:
+            plan = FusedPlan("gemm_all_reduce", "p2p", m, n, k, self.world, str(config or ""),
+                             "virtual ranks", algorithm)
+            calls = self._fused[key] = [
+                GemmAllReduceCall(plan, self.world, rank, self._workspace_for(rank), push, config)
+                for rank in range(self.world)]
+        if outs is None:
+            outs = [torch.empty((m, n), dtype=a.dtype, device=a.device)
+                    for _ in range(self.world)]
+        return self._run_calls(calls, as_, bs, outs, absent, timeout_s)
+
+    def _pairs(self, op, as_, bs):
+        if len(as_) != self.world or len(bs) != self.world:
+            raise ValueError(f"{op}: {len(as_)} A and {len(bs)} B for {self.world} ranks")
+        return as_[0], bs[0]
+
+    def _run_calls(self, calls, as_, bs, outs, absent, timeout_s, extras=None) -> list:
+        """Every present rank's call (extras[r]: its further keyword arguments)."""
         present = [r for r in range(self.world) if r not in absent]
-        for rank in present:
-            calls[rank].prepare(as_[rank], bs[rank], outs[rank], timeout_s)
+        extras = extras or [{}] * self.world
+        for rank in present:  # every kernel loaded before the first rank can spin
+            calls[rank].prepare(as_[rank], bs[rank], outs[rank], timeout_s, **extras[rank])
         self.last_plans = calls
         self._launch(present, lambda rank: calls[rank].run(as_[rank], bs[rank], outs[rank],
-                                                            timeout_s))
+                                                            timeout_s, **extras[rank]))
         return outs
 
     def _workspace_for(self, rank: int):

@@ -1,0 +1,375 @@
+"""Fused all-gather + GEMM in ONE persistent Triton kernel (the column-parallel half of TP).
+
+out = all_gather(A_r) @ B   on every rank r, for A_r [M_LOCAL, K] (this rank's rows) and the
+rank's B [K, N] (or nn.Linear's weight.t()); out is [W * M_LOCAL, N], rank p's rows at
+p * M_LOCAL.
+
+Every rank claims task ids from its counter in one order (programs of a persistent grid, one per
+SM, always co-resident):
+
+    push tasks   (row block t, step s, piece c): rank r stores column range c of rows t*BM ..
+                 of its A into the gathered buffer of rank (r + s) % W (slot r; step 0 its own
+                 buffer, the others remote stores over NVLink: posted writes), then releases
+                 flag (r, t, c) in that rank's flag array. PIECES ranges per block let that many
+                 programs move one block at once. Steps are staggered, so every rank receives
+                 from one source per step. With MULTIMEM one multimem.st per 16 bytes writes
+                 every rank's copy at once (no steps).
+    local tiles  GEMM tiles over this rank's own rows (their step-0 copy lands first).
+    peer tiles   GEMM tiles over the rows of source (r - 1), (r - 2), ... (the order in which
+                 the pushes of the staggered steps land): each acquires the PIECES flags
+                 (source, t, c) in this rank's own flag array (local polling), then TMA-loads
+                 its A tile from the gathered buffer in local memory.
+
+Deadlock freedom: push tasks come first in the claim order and never wait, so every flag a
+peer tile waits for belongs to a task that a running program already holds on its rank.
+
+Gathered buffer: rows of K elements in the rank's data region, the half of the call's epoch
+starting at row `parity * half_rows` (the host makes half_rows * K * size at least a half's
+bytes), source s at row s * M_LOCAL within it. One TMA descriptor spans both halves.
+PHASES (interpreter tests only): 1 the push tasks, 2 the GEMM tasks, 3 both with their flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import gemm_tile, grouped_tile, tma_compatible
+from .gemm_rs import descriptor, prepare_operands
+from .launch import CompiledLaunch
+from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
+                         multimem_st_16bytes, peer_pointers, pick, shift8, st_release_sys,
+                         wait_flag)
+
+
+@triton.jit
+def _words(values, ELEMENT: tl.constexpr):
+    """16-bit values [R, C] as four int32 words per 16 bytes: ([R, C // 8] x 4) for multimem.st."""
+    R: tl.constexpr = values.shape[0]
+    C: tl.constexpr = values.shape[1]
+    halves = tl.reshape(values.to(tl.int16, bitcast=True), [R, C // 2, 2])
+    low, high = tl.split(halves)
+    words = (low.to(tl.int32) & 0xFFFF) | (high.to(tl.int32) << 16)
+    pairs = tl.reshape(words, [R, C // 8, 2, 2])
+    even, odd = tl.split(pairs)            # words 0, 2 and 1, 3 of each group
+    w0, w2 = tl.split(even)
+    w1, w3 = tl.split(odd)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _copy_rows(source, source_stride, target, rows_here, col_first, col_last, K,
+               multicast_target, ELEMENT: tl.constexpr, COPY_ROWS: tl.constexpr,
+               COPY_COLS: tl.constexpr, ALIGNED: tl.constexpr, MULTIMEM: tl.constexpr):
+    """Columns col_first .. col_last of rows 0 .. rows_here of `source` (a pointer to its row
+    0, row stride source_stride) into `target` (byte address of row 0 of rows of K elements,
+    in any rank's memory), COPY_ROWS x COPY_COLS elements at a time; MULTIMEM: into every
+    rank's copy through `multicast_target` instead."""
+    for sub in range(0, rows_here, COPY_ROWS):
+        rows = sub + tl.arange(0, COPY_ROWS)
+        for k0 in range(col_first, col_last, COPY_COLS):
+            cols = k0 + tl.arange(0, COPY_COLS)
+            mask = (rows[:, None] < rows_here) & (cols[None, :] < col_last)
+            values = tl.load(source + rows[:, None] * source_stride + cols[None, :], mask=mask)
+            offsets = rows[:, None] * K + cols[None, :]
+            if MULTIMEM:
+                # one 16-byte multimem.st per group; the host sets MULTIMEM only for K % 8 == 0
+                G: tl.constexpr = COPY_COLS // 8
+                group_offsets = tl.reshape(offsets, [COPY_ROWS, G, 8])
+                first = tl.min(group_offsets, axis=2).to(tl.int64)
+                group_mask = tl.max(tl.reshape(mask.to(tl.int32), [COPY_ROWS, G, 8]), axis=2) > 0
+                w0, w1, w2, w3 = _words(values, ELEMENT)
+                addresses = multicast_target + first * (ELEMENT.primitive_bitwidth // 8)
+                multimem_st_16bytes(addresses, w0, w1, w2, w3, group_mask.to(tl.int32))
+            else:
+                tl.store(peer_pointers(target, offsets, ELEMENT, ALIGNED), values, mask=mask)
+
+
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
+def all_gather_gemm_kernel(
+        a_ptr, g_desc, b_desc, b_ptr, out_ptr, gathered_address,
+        D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+        F0, F1, F2, F3, F4, F5, F6, F7,
+        state_ptr, abort_ptr, error_address, timeout_ns,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows,
+        WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+        B_TRANSPOSED: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr,
+        COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PIECES: tl.constexpr,
+        COPY_OUT: tl.constexpr, PHASES: tl.constexpr):
+    """out[p * M_LOCAL + i, :] = A_p[i, :] @ B for every rank p (see the module docstring).
+    a_ptr: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride); g_desc: this
+    rank's gathered buffer, both halves [2 * half_rows, K] (TMA only); D*: every rank's data
+    half 0; F*: flag arrays. Every GEMM tile reads A from the gathered buffer, the local rows
+    too (copied there by the step-0 push task): one tile loop, one set of pipeline buffers.
+    COPY_OUT: after the GEMM tiles, copy-out tasks (source, block, piece) also write the
+    gathered A [W * M_LOCAL, K] (row-major) at gathered_address, for later users of it."""
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    SIGNAL: tl.constexpr = PHASES == 3
+    STEPS: tl.constexpr = 1 if MULTIMEM else WORLD      # step 0: this rank's own buffer
+    epoch = call_epoch(state_ptr)
+    parity = epoch % 2
+    slot_row0 = parity * half_rows        # the call's half, in rows of the gathered buffers
+    row_bytes = K.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
+    tiles_m = tl.cdiv(M_LOCAL, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_source = tiles_m * tiles_n
+    pushes = tiles_m * STEPS * PIECES
+    gemm_end = pushes + WORLD * per_source
+    tasks = gemm_end + (WORLD * tiles_m * PIECES if COPY_OUT else 0)
+    piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
+    k_tiles = tl.cdiv(K, BK)
+    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+    gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
+    task = claim_task(state_ptr)
+    while task < tasks:
+        if task < pushes:
+            if PHASES & 1:
+                block = task // (STEPS * PIECES)
+                piece = task % PIECES
+                col_first = piece * piece_cols
+                col_last = tl.minimum(col_first + piece_cols, K)
+                row0 = block * BM
+                rows_here = tl.minimum(BM, M_LOCAL - row0)
+                push_row = (slot_row0 + rank * M_LOCAL + row0).to(tl.int64)
+                flag = ((rank * tiles_m + block) * PIECES + piece) * 4
+                if MULTIMEM:
+                    _copy_rows(a_ptr + row0 * stride_am, stride_am, 0, rows_here, col_first,
+                               col_last, K, multicast_base + push_row * row_bytes, ELEMENT,
+                               COPY_ROWS, COPY_COLS, ALIGNED, True)
+                    if SIGNAL:
+                        fence_acq_rel_sys(block)
+                        tl.debug_barrier()
+                        for step in tl.static_range(WORLD):
+                            peer = (rank + step) % WORLD
+                            st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag,
+                                           epoch)
+                else:
+                    peer = (rank + task // PIECES % STEPS) % WORLD
+                    target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
+                    _copy_rows(a_ptr + row0 * stride_am, stride_am, target, rows_here, col_first,
+                               col_last, K, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
+                    if SIGNAL:
+                        # every thread's (remote) stores ordered before thread 0's release
+                        fence_acq_rel_sys(block)
+                        tl.debug_barrier()
+                        st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag, epoch)
+        elif task >= gemm_end:
+            if PHASES & 2:
+                copy = task - gemm_end
+                piece = copy % PIECES
+                block = copy // PIECES % tiles_m
+                source = (rank - copy // (PIECES * tiles_m) + WORLD) % WORLD
+                flag = (source * tiles_m + block) * PIECES + piece
+                if SIGNAL:
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
+                              timeout_ns)
+                row0 = block * BM
+                col_first = piece * piece_cols
+                slot_row = slot_row0 + source * M_LOCAL + row0
+                _copy_rows(gathered + slot_row.to(tl.int64) * K, K,
+                           gathered_address + (source * M_LOCAL + row0).to(tl.int64) * row_bytes,
+                           tl.minimum(BM, M_LOCAL - row0), col_first,
+                           tl.minimum(col_first + piece_cols, K), K, 0, ELEMENT, COPY_ROWS,
+                           COPY_COLS, ALIGNED, False)
+        elif PHASES & 2:
+            gemm_task = task - pushes
+            step = gemm_task // per_source
+            source = (rank - step + WORLD) % WORLD
+            tile_m, tile_n = grouped_tile(gemm_task % per_source, tiles_m, tiles_n, GROUP_M)
+            local_row0 = tile_m * BM
+            col0 = tile_n * BN
+            if SIGNAL:
+                for piece in tl.static_range(PIECES):
+                    flag = (source * tiles_m + tile_m) * PIECES + piece
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
+                              flag, timeout_ns)
+                fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
+            slot_row = slot_row0 + source * M_LOCAL + local_row0
+            # rows past this source's slot are masked (pointer path) or garbage the store drops
+            accumulator = gemm_tile(g_desc, gathered, b_desc, b_ptr, slot_row, col0, 0, k_tiles,
+                                    slot_row - local_row0 + M_LOCAL, N, K, K, 1, stride_bk,
+                                    stride_bn, BM, BN, BK, STAGES, USE_TMA, B_TRANSPOSED)
+            rows = local_row0 + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BN)
+            mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
+            out_rows = source * M_LOCAL + rows
+            tl.store(out_ptr + out_rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     accumulator.to(ELEMENT), mask=mask)
+        task = claim_task(state_ptr)
+    finish_call(state_ptr, epoch)
+
+
+# An address argument's value until a call fills it in: Triton types an int argument by its
+# value (i32 below 2**31), so a placeholder 0 would compile a kernel that cannot take a real
+# 64-bit address (the launcher raised OverflowError on the first call with one).
+UNSET_ADDRESS = 1 << 40
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherGemmConfig:
+    """Tiles and pipeline of the fused all-gather + GEMM kernel (the GEMM core's tile), the
+    COPY_ROWS x COPY_COLS elements a push task moves per step, and the column ranges (pieces)
+    a row block's push is cut into (one task and one flag each)."""
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 3
+    warps: int = 8
+    copy_rows: int = 32
+    copy_cols: int = 512
+    pieces: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> "AllGatherGemmConfig":
+        """The config str() printed as `text`.
+
+        >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4)
+        """
+        try:
+            tile, g, s, w, c, p = text.split("/")
+            if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p"):
+                raise ValueError
+            block_m, block_n, block_k = (int(v) for v in tile.split("x"))
+            copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
+            return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
+                       copy_cols, int(p[1:]))
+        except ValueError:
+            raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
+                f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}")
+
+
+CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
+    "128x256x64/g8/s3/w8/c32x512/p4",
+    "128x256x64/g8/s4/w8/c32x512/p4",
+    "128x128x64/g8/s4/w8/c32x512/p4",
+    "64x256x64/g8/s4/w4/c16x512/p4",
+))
+
+
+def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
+    """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle.
+
+    >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
+    '128x128x64/g8/s4/w8/c32x512/p4'
+    """
+    if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264:
+        return CANDIDATES[0]
+    return CANDIDATES[2]
+
+
+def gathered_rows(data_bytes: int, k: int, element_size: int) -> int:
+    """Rows of K elements from the start of data half 0 to the first whole row of half 1: where
+    the gathered buffer of an odd-epoch call starts.
+
+    >>> gathered_rows(1 << 22, 5120, 2)     # 4 MB halves, 10240-byte rows
+    410
+    """
+    row_bytes = k * element_size
+    return -(-data_bytes // row_bytes)
+
+
+def workspace_bytes_needed(world: int, m_local: int, k: int, element_size: int) -> int:
+    """Bytes per data half that hold W sources' rows after the row-aligned start of half 1."""
+    return (world * m_local + 1) * k * element_size
+
+
+class AllGatherGemmLaunch:
+    """The fused kernel of one rank for one shape, config and workspace, compiled and ready:
+    a call fills in A, B and the output and launches (one kernel; the epoch, the data half and
+    the task counter are the rank's call state on the device, so the launch can be captured in
+    a CUDA graph and replayed).
+
+    >>> launch = AllGatherGemmLaunch(ops, out, config, workspace, multimem=False)
+    >>> launch(ops, out)          # out [W * M_LOCAL, N] on every rank
+    """
+
+    _A, _B_DESC, _B, _OUT, _GATHERED = 0, 2, 3, 4, 5
+
+    def __init__(self, ops, out: torch.Tensor, config: AllGatherGemmConfig,
+                 workspace, multimem: bool = False, copy_out: bool = False):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        world, rank = workspace.world_size, workspace.rank
+        element = ops.a.element_size()
+        self.config, self.world, self.device_index = config, world, ops.a.device.index
+        row_bytes = ops.k * element
+        self.half_rows = gathered_rows(workspace.data_bytes, ops.k, element)
+        needed = workspace_bytes_needed(world, ops.m, ops.k, element)
+        if needed > workspace.data_bytes:
+            raise ValueError(f"all_gather_gemm: {needed} bytes per half needed, the workspace "
+                             f"has {workspace.data_bytes}")
+        if world * triton.cdiv(ops.m, config.block_m) * config.pieces > (1 << 16):
+            raise ValueError("all_gather_gemm: more row blocks than the workspace has flags")
+        gathered = workspace.local_data(0, ops.a.dtype, 2 * workspace.data_bytes // element,
+                                        both_halves=True)
+        total_rows = 2 * workspace.data_bytes // row_bytes
+        self.use_tma = (tma_compatible(ops.a) and tma_compatible(ops.b) and row_bytes % 16 == 0
+                        and gathered.data_ptr() % 16 == 0)
+        self.block_a = [config.block_m, config.block_k]
+        self.block_b = ([config.block_n, config.block_k] if ops.b_transposed
+                        else [config.block_k, config.block_n])
+        if ops.b_transposed and not self.use_tma:
+            raise ValueError("all_gather_gemm: the pointer path takes B as row-major [K, N]")
+        g_desc = (TensorDescriptor(gathered, [total_rows, ops.k], [ops.k, 1], self.block_a)
+                  if self.use_tma else None)
+        b_desc = descriptor(ops.b, self.block_b, False) if self.use_tma else None
+        stride_bk, stride_bn = ((ops.b.stride(1), ops.b.stride(0)) if ops.b_transposed
+                                else (ops.b.stride(0), ops.b.stride(1)))
+        multimem = multimem and world > 1
+        if multimem and (ops.k % 8 or not workspace.multicast_base):
+            raise ValueError("all_gather_gemm: multimem needs K % 8 == 0 and a multicast mapping")
+        self.timeout_ns = workspace.timeout_ns()
+        constexprs = dict(WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+                          GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
+                          B_TRANSPOSED=ops.b_transposed, MULTIMEM=multimem,
+                          ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
+                          COPY_COLS=config.copy_cols, PIECES=config.pieces,
+                          COPY_OUT=copy_out, PHASES=3)
+        args = (ops.a, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
+                *workspace.data_addresses(0),
+                workspace.multicast_address(0) if multimem else 0,
+                *workspace.flag_addresses(), workspace.state, workspace.abort,
+                workspace.error_address(), self.timeout_ns,
+                ops.m, ops.n, ops.k, ops.a.stride(0), stride_bk, stride_bn, out.stride(0),
+                rank, self.half_rows)
+        kernel = all_gather_gemm_kernel.warmup(*args, **constexprs, num_warps=config.warps,
+                                               num_stages=config.stages, grid=(1,))
+        self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
+        tiles_m = triton.cdiv(ops.m, config.block_m)
+        tasks = tiles_m * (1 if multimem else world) * config.pieces \
+            + world * tiles_m * triton.cdiv(ops.n, config.block_n) \
+            + (world * tiles_m * config.pieces if copy_out else 0)
+        # one program per SM the rank may fill: all resident (a peer tile waits on pushes
+        # that other programs run)
+        self.grid = max(1, min(workspace.processors, tasks))
+        self.template = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
+        self.layout = launch_layout(ops, out)
+
+    def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:
+        """gathered: where the gathered A [W * M_LOCAL, K] goes too (a launch built with
+        copy_out; row-major, 16-byte aligned)."""
+        args = list(self.template)
+        if self.use_tma:
+            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
+        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
+        args[self._OUT] = out.data_ptr()
+        if gathered is not None:
+            args[self._GATHERED] = gathered.data_ptr()
+        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+
+
+def launch_layout(ops, out: torch.Tensor) -> tuple:
+    """What a prepared launch assumed of its operands and output (it is reused only for calls
+    that match): shapes, strides, orientation, dtype and 16-byte alignment of every pointer."""
+    return (tuple(ops.a.shape), tuple(ops.a.stride()), tuple(ops.b.shape), tuple(ops.b.stride()),
+            ops.b_transposed, ops.a.dtype, tuple(out.shape), tuple(out.stride()),
+            tuple(t.data_ptr() % 16 == 0 for t in (ops.a, ops.b, out)))

@@ -1,0 +1,308 @@
+"""Fused all-gather + GEMM vs NCCL all-gather + cuBLAS vs PyTorch's fused op, side by side.
+
+    torchrun --nproc_per_node=4 benchmarks/bench_ag_gemm.py --out benchmarks/results
+    python3 benchmarks/bench_ag_gemm.py --onegpu --out benchmarks/results   # one GPU: TP = 1
+
+Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, median of
+--reps calls, max over ranks, timed both eager and queued (device time; timing.py):
+  cublas     torch.mm of the gathered [M, K] alone    nccl_ag   NCCL all-gather of A alone
+  seq        NCCL all-gather then torch.mm            symm      torch.ops.symm_mem.fused_all_gather_matmul
+  fused      axedist.all_gather_gemm (p2p)            p2p_ag    axedist's p2p all-gather of A
+  kernel_w1  the fused kernel on one rank's whole M (its GEMM half: local copy + tiles)
+  limit      max(cublas, all-gather bytes in per GPU / 478 GB/s)
+Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
+shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
+--onegpu (no torchrun): the TP = 1 path (ax.all_gather_gemm on a one-rank group: a plain
+matmul) and the GEMM half (the fused kernel on one virtual rank with the whole GPU) against
+cuBLAS, device time. Writes ag_gemm_w{W}.json / .md / .png (ag_gemm_onegpu.* with --onegpu)
+and a history line. --tables-from writes axedist/kernels/ag_gemm_auto.json.
+Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import axedist as ax
+from axedist.collectives import p2p
+from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
+from axedist.testing import VirtualRanks
+
+LINK_BYTES_PER_S = 478e9
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def shapes(world):
+    """(label, M, N_local, K) of the column-parallel GEMMs."""
+    rows = [("design", m, n, 8192) for m in (2048, 8192, 16384) for n in (7168, 2048)]
+    rows.append(("qwen3-32b w1/w3", 8192, 25600 // world, 5120))
+    rows.append(("qwen3-32b qkv", 8192, (8192 + 2 * 1024) // world, 5120))
+    rows.append(("llama3.1-405b w1/w3", 8192, 53248 // world, 16384))
+    return rows
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _meta(world, command):
+    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
+                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
+                command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
+
+
+def _check_multicast_off():
+    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
+        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
+    for name, expected in MULTICAST_OFF.items():
+        if os.environ.get(name) != expected:
+            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
+
+
+def _relative(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_multi(args):
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group_name = dist.group.WORLD.group_name
+    import torch.distributed._symmetric_memory as symm_mem  # registers torch.ops.symm_mem
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
+    torch.manual_seed(1234 + rank)
+    one_rank = VirtualRanks(1, data_bytes=1 << 30)  # the kernel's GEMM half on this GPU
+    results = []
+    selected = [int(i) for i in args.only.split(",") if i] or None
+    for index, (label, m, n, k) in enumerate(shapes(world)):
+        if selected is not None and index not in selected:
+            continue
+        a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        b = weight.t()                                   # nn.Linear's layout
+        gathered = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        row = dict(label=label, M=m, N=n, K=k, world=world)
+
+        def seq():
+            dist.all_gather_into_tensor(gathered, a)
+            torch.mm(gathered, b, out=out)
+
+        def symm():
+            return torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)
+        try:
+            symm()
+        except Exception as error:  # keep the run going; say why in the table
+            symm = None
+            row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        row["plan"] = str(ax.plan_all_gather_gemm(a, b))
+        fused_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        w1_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
+                   "nccl_ag": lambda: dist.all_gather_into_tensor(gathered, a),
+                   "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
+                   "seq": seq, "symm": symm,
+                   "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),
+                   "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
+        columns = {name: fn for name, fn in columns.items() if fn is not None}
+        queued = row["queued"] = time_interleaved(columns, args.reps, queued=True)
+        for name, fn in columns.items():
+            row[name] = time_collective(fn, args.reps)
+        row.setdefault("symm", None)
+        queued.setdefault("symm", None)
+        row["host_us"] = {name: host_time_us(columns[name], calls=20, repeats=3)
+                          for name in ("seq", "fused") if name in columns}
+        torch.cuda.synchronize()
+        dist.barrier()
+        ax.all_gather_gemm(a, b, backend="p2p", out=fused_out, check=True)
+        seq()
+        one_rank.all_gather_gemm([gathered], [b], [w1_out])
+        one_rank.check()
+        row["fused_rel_err_vs_seq"] = _relative(fused_out, out)
+        row["kernel_w1_rel_err"] = _relative(w1_out, out)
+        ag_bytes_in = (world - 1) / world * m * k * 2
+        for times in (row, queued):
+            times["limit"] = max(times["cublas"], ag_bytes_in / LINK_BYTES_PER_S * 1e3)
+            times["speedup_vs_seq"] = times["seq"] / times["fused"]
+            times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
+            times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
+        results.append(row)
+        if rank == 0:
+            print(f"[{index}] {label} M={m} N={n} K={k}: queued cublas {queued['cublas']:.3f} "
+                  f"nccl_ag {queued['nccl_ag']:.3f} seq {queued['seq']:.3f} fused {queued['fused']:.3f} "
+                  f"kernel_w1 {queued['kernel_w1']:.3f} x{queued['speedup_vs_seq']:.2f} vs seq, "
+                  f"err {row['fused_rel_err_vs_seq']:.1e}", flush=True)
+        del a, weight, gathered, out, fused_out, w1_out
+        torch.cuda.empty_cache()
+    if rank == 0:
+        command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
+        write_outputs(results, f"ag_gemm_w{world}", _meta(world, command), args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_onegpu(args):
+    """TP = 1 and the GEMM half on one GPU (device time, one_rank = the whole GPU)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.manual_seed(1234)
+    one_rank = VirtualRanks(1, data_bytes=1 << 30)
+    results = []
+    for index, (label, m, n, k) in enumerate(shapes(args.tp_shapes)):
+        if args.only and str(index) not in args.only.split(","):
+            continue
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)).t()
+        out, tp1_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        columns = {"cublas": lambda: torch.mm(a, b, out=out),
+                   "tp1": lambda: ax.all_gather_gemm(a, b, out=tp1_out),
+                   "kernel_w1": lambda: one_rank.all_gather_gemm([a], [b], [w1_out])}
+        times = device_time(columns, calls=args.calls, batches=args.batches)
+        for column in (tp1_out, w1_out):
+            column.fill_(float("nan"))
+        for fn in columns.values():
+            fn()
+        one_rank.check()
+        row = dict(label=label, M=m, N=n, K=k, world=1, queued=times,
+                   plan=str(ax.plan_all_gather_gemm(a, b)),
+                   tp1_rel_err=_relative(tp1_out, out), kernel_w1_rel_err=_relative(w1_out, out),
+                   host_us={name: host_time_us(fn, calls=20, repeats=3) for name, fn in columns.items()})
+        times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
+        results.append(row)
+        print(f"[{index}] {label} {m}x{n}x{k}: cublas {times['cublas']:.3f} tp1 {times['tp1']:.3f} "
+              f"kernel_w1 {times['kernel_w1']:.3f} ({times['kernel_w1_vs_cublas']:.2f}x) "
+              f"err {row['kernel_w1_rel_err']:.1e}", flush=True)
+        del a, b, out, tp1_out, w1_out
+        torch.cuda.empty_cache()
+    command = "python3 benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
+    write_outputs(results, "ag_gemm_onegpu", _meta(1, command), args.out)
+    dist.destroy_process_group()
+
+
+def _table(results, times_of, multi):
+    if multi:
+        head = "| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | p2p AG | kernel W=1 | limit | vs seq | vs symm |"
+    else:
+        head = "| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | kernel W=1 / cuBLAS |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        t = times_of(r)
+        if multi:
+            symm = f"{t['symm']:.3f}" if t["symm"] else "n/a"
+            vs_symm = f"{t['speedup_vs_symm']:.2f}x" if t["speedup_vs_symm"] else "n/a"
+            lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
+                         f"{t['nccl_ag']:.3f} | {t['seq']:.3f} | {symm} | {t['fused']:.3f} | "
+                         f"{t['p2p_ag']:.3f} | {t['kernel_w1']:.3f} | {t['limit']:.3f} | "
+                         f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |")
+        else:
+            lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
+                         f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} |")
+    return lines
+
+
+def write_outputs(results, name, meta, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    multi = results and results[0]["world"] > 1
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
+        json.dump(dict(meta=meta, rows=results), handle, indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from history import append_history  # benchmarks/history.py, beside this script
+    append_history(out_dir, name, meta, dict(rows=results))
+    lines = [f"# Fused all-gather + GEMM: {name} ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`", "",
+             "## Device time (calls queued back to back behind a sleep kernel), ms", ""]
+    lines += _table(results, lambda r: r["queued"], multi) + [""]
+    if multi:
+        lines += ["## Eager (calls issued back to back by the host), ms", ""]
+        lines += _table(results, lambda r: r, multi) + [""]
+    lines += ["relative errors vs cuBLAS: " + "; ".join(
+        f"{r['M']}x{r['N']}x{r['K']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.items() if k.endswith("rel_err")
+                                                  or k.endswith("rel_err_vs_seq")) for r in results)]
+    lines += ["", "host us per call: " + "; ".join(
+        f"{r['M']}x{r['N']}x{r['K']}: " + ", ".join(f"{k} {v:.0f}" for k, v in r["host_us"].items()) for r in results)]
+    lines += ["", "plans: "] + [f"- {r['plan']}" for r in results]
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in results]
+        columns = ["seq", "symm", "fused", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1"]
+        base = "seq" if multi else "cublas"
+        figure, axis = plt.subplots(figsize=(max(8, len(labels) * 1.1), 4.5))
+        width = 0.8 / len(columns)
+        for i, column in enumerate(columns):
+            values = [r["queued"][base] / r["queued"][column] if r["queued"].get(column) else 0 for r in results]
+            axis.bar([x + i * width for x in range(len(labels))], values, width, label=column)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks([x + 0.4 for x in range(len(labels))])
+        axis.set_xticklabels(labels, rotation=35, ha="right", fontsize=7)
+        axis.set_ylabel(f"speed vs {base}, device time (higher is faster)")
+        axis.set_title(f"all-gather + GEMM, bf16 ({meta['machine']})", fontsize=9)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
+    except ImportError:
+        print("matplotlib missing: no PNG")
+
+
+def auto_table(results: list[dict]) -> dict:
+    """ag_gemm_auto.json from result files: a shape where fused was slower than NCCL + cuBLAS
+    in device time goes to "fused_loses"."""
+    loses, sources = [], []
+    for result in results:
+        meta = result["meta"]
+        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        for row in result["rows"]:
+            if row["world"] > 1 and row["queued"]["speedup_vs_seq"] < 1.0:
+                loses.append([row["M"], row["N"], row["K"], row["world"]])
+    from axedist.collectives.fused_tp import AG_AUTO
+    return dict(source=sources, fused_loses=sorted(loses), min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    parser.add_argument("--onegpu", action="store_true", help="one GPU, no torchrun: TP = 1 and the GEMM half")
+    parser.add_argument("--tp-shapes", type=int, default=4, help="--onegpu: the TP degree whose N_local to use")
+    parser.add_argument("--calls", type=int, default=10, help="--onegpu: calls per timed batch")
+    parser.add_argument("--batches", type=int, default=5, help="--onegpu: timed batches (median)")
+    parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write axedist/kernels/ag_gemm_auto.json from these result files")
+    args = parser.parse_args()
+    if args.tables_from:
+        results = [json.load(open(path)) for path in args.tables_from]
+        from axedist.collectives.fused_tp import AG_AUTO_TABLE_PATH
+        with open(AG_AUTO_TABLE_PATH, "w") as handle:
+            json.dump(auto_table(results), handle, indent=1)
+        return
+    _check_multicast_off()
+    started = time.time()
+    (run_onegpu if args.onegpu else run_multi)(args)
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,321 @@
+"""Decode steps of a Llama layer stack at batch 1..64, TP = W: ms per token of axedist (eager and
+CUDA graphs) and of torch's parallelize_module (eager and CUDA graphs); and the row-parallel
+GEMMs of the stack alone: fused GEMM + all-reduce vs cuBLAS + NCCL / + axedist's p2p all-reduce.
+
+    torchrun --nproc_per_node=4 benchmarks/bench_decode.py --out benchmarks/results
+    torchrun --nproc_per_node=1 benchmarks/bench_decode.py --out benchmarks/results   # one GPU
+
+A decode step runs the stack on one new position of each of B sequences (h [1, B, dim], no KV
+cache: the attention sees that position only), so every row-parallel linear (wo, w2) ends in an
+all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per step (median of
+--reps steps; max over ranks):
+  axedist_eager / axedist_graph   the stack parallelized with axedist's llama_tp_plan (no sequence
+                                  parallelism), run eagerly / captured once and replayed
+  torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
+GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
+  cublas, seq_nccl (cuBLAS + NCCL all-reduce), seq_p2p (cuBLAS + p2p all-reduce), fused
+  (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
+Writes decode_w{W}.json / .md / .png and a history line; --tables-from writes
+axedist/kernels/gemm_ar_auto.json (the shapes where the fused kernel lost).
+Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
+"""
+import argparse
+import copy
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import axedist as ax
+from axedist.collectives import p2p
+from axedist.collectives.timing import time_interleaved
+from axedist.nn import parallelize, to_inference
+from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
+from axedist.testing import VirtualRanks
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                 "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class LayerStack(nn.Module):
+    """The transformer blocks of a Llama (no embedding, no output head): h [S, B, dim] -> same."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        s = h.shape[0]
+        for layer in self.layers:
+            h = layer(h, self.rope_cos[:s], self.rope_sin[:s])
+        return h
+
+
+def torch_parallel(stack: LayerStack, cfg, world: int, torch_mesh) -> LayerStack:
+    """The stack as torch's tensor parallelism runs it: ColwiseParallel / RowwiseParallel with
+    local outputs between the layers, and each attention's head counts made per rank (as
+    torchtitan does; torch's plain tensors cannot view the local [.., heads / W * d] as the
+    global head count)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    plan = {}
+    for i in range(cfg.n_layers):
+        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(stack, torch_mesh, plan)
+    for layer in stack.layers:
+        layer.attention.n_heads //= world
+        layer.attention.kv_heads //= world
+    return stack
+
+
+def _timed_ms(step, reps: int) -> float:
+    """Median ms per step over `reps` steps (events around each), after 3 warm-up steps."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    value = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def _graphed(forward, static_input):
+    """(replay, output) of forward(static_input) captured in a CUDA graph after two eager runs
+    on a side stream (as torch's CUDA-graph recipe does)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward(static_input)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = forward(static_input)
+    return graph.replay, output
+
+
+def _local(x):
+    return x.to_local() if hasattr(x, "to_local") else x
+
+
+def stack_rows(args, cfg, world, rank, mesh):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+
+    torch.manual_seed(0)  # the same weights on every rank
+    base = LayerStack(cfg).to(device="cuda", dtype=torch.bfloat16)
+    base.eval()
+    ours = copy.deepcopy(base)
+    parallelize(ours, mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+                             if k.startswith("layers.")}, src_rank=None)
+    to_inference(ours)
+    theirs = torch_parallel(copy.deepcopy(base), cfg, world, init_device_mesh("cuda", (world,)))
+    rows = []
+    for batch in args.batches:
+        torch.manual_seed(10 + batch)
+        h = torch.randn(1, batch, cfg.dim, device="cuda", dtype=torch.bfloat16)
+        row = dict(batch=batch, world=world)
+        with torch.inference_mode():
+            reference = base(h)
+            ours_in = ax.DTensor.from_local(h, mesh, [Replicate()])
+            theirs_in = h                                  # torch's TP takes the local tensor
+            for name, model, x in (("axedist", ours, ours_in), ("torch", theirs, theirs_in)):
+                out = _local(model(x))
+                row[f"{name}_rel_err"] = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+                row[f"{name}_eager"] = _timed_ms(lambda: model(x), args.reps)
+                try:
+                    replay, graph_out = _graphed(model, x)
+                    row[f"{name}_graph"] = _timed_ms(replay, args.reps)
+                    replay()
+                    torch.cuda.synchronize()
+                    got = _local(graph_out)
+                    row[f"{name}_graph_rel_err"] = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+                except Exception as error:  # say why in the table, keep the run going
+                    row[f"{name}_graph"] = None
+                    row[f"{name}_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    torch.cuda.synchronize()
+        rows.append(row)
+        if rank == 0:
+            print(f"B={batch}: axedist eager {row['axedist_eager']:.3f} graph {row['axedist_graph']} | torch "
+                  f"eager {row['torch_eager']:.3f} graph {row['torch_graph']} ms/step | errors "
+                  f"{row['axedist_rel_err']:.1e} {row['torch_rel_err']:.1e}"
+                  + "".join(f" | {k}: {v}" for k, v in row.items() if k.endswith("_error")), flush=True)
+    return rows
+
+
+def gemm_rows(args, cfg, world, rank):
+    """The stack's row-parallel GEMMs alone at each batch size: fused vs the unfused pairs."""
+    one_rank = VirtualRanks(1, data_bytes=256 << 20) if world == 1 else None
+    rows = []
+    for batch in args.batches:
+        for name, k_full in (("wo", cfg.dim), ("w2", cfg.ffn_hidden)):
+            k, n = k_full // world, cfg.dim
+            a = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16)
+            b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()
+            product = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
+            reduced = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
+            fused_out = torch.empty(batch, n, device="cuda", dtype=torch.bfloat16)
+            columns = {"cublas": lambda: torch.mm(a, b, out=product)}
+            if world > 1:
+                columns["seq_nccl"] = lambda: dist.all_reduce(torch.mm(a, b, out=product))
+                columns["seq_p2p"] = lambda: p2p.all_reduce(torch.mm(a, b, out=product), out=reduced)
+                columns["fused"] = lambda: ax.gemm_all_reduce(a, b, backend="p2p", out=fused_out)
+            else:
+                columns["kernel_w1"] = lambda: one_rank.gemm_all_reduce([a], [b], [fused_out])
+            times = time_interleaved(columns, args.reps, queued=True)
+            check = fused_out.fill_(float("nan"))
+            (columns.get("fused") or columns["kernel_w1"])()
+            torch.mm(a, b, out=product)
+            if world > 1:
+                dist.all_reduce(product)
+            torch.cuda.synchronize()
+            row = dict(batch=batch, name=name, M=batch, N=n, K_local=k, world=world, queued=times,
+                       rel_err=((check.float() - product.float()).norm() / product.float().norm()).item())
+            if world > 1:
+                row["plan"] = str(ax.plan_gemm_all_reduce(a, b))
+                row["speedup_vs_seq"] = times["seq_nccl"] / times["fused"]
+            rows.append(row)
+            if rank == 0:
+                print(f"  GEMM {name} [{batch}x{k}]@[{k}x{n}]: " + " ".join(f"{c} {t:.4f}" for c, t in times.items())
+                      + f" ms, err {row['rel_err']:.1e}", flush=True)
+    return rows
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def write_outputs(stack, gemms, world, cfg, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
+                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
+                command=f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
+                config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                            ffn_hidden=cfg.ffn_hidden, dtype="bf16"),
+                env={k: os.environ.get(k) for k in MULTICAST_OFF})
+    name = f"decode_w{world}"
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
+        json.dump(dict(meta=meta, stack=stack, gemms=gemms), handle, indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from history import append_history  # benchmarks/history.py, beside this script
+    append_history(out_dir, name, meta, dict(stack=stack, gemms=gemms))
+
+    def cell(value):
+        return f"{value:.3f}" if isinstance(value, float) else "failed"
+    lines = [f"# Decode steps, TP = {world} ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`; stack {meta['config']}", "",
+             "## ms per decode step (one position of each of B sequences through the stack)", "",
+             "| B | axedist eager | axedist CUDA graph | torch eager | torch CUDA graph | rel err axedist / torch |",
+             "|---|---|---|---|---|---|"]
+    for r in stack:
+        lines.append(f"| {r['batch']} | {cell(r['axedist_eager'])} | {cell(r['axedist_graph'])} | "
+                     f"{cell(r['torch_eager'])} | {cell(r['torch_graph'])} | "
+                     f"{r['axedist_rel_err']:.1e} / {r['torch_rel_err']:.1e} |")
+    errors = [f"- B={r['batch']} {k}: {v}" for r in stack for k, v in r.items() if k.endswith("_error")]
+    lines += ([""] + errors if errors else []) + ["", "## Row-parallel GEMMs alone, device time (ms)", ""]
+    columns = list(gemms[0]["queued"]) if gemms else []
+    lines += ["| GEMM | B | K/W | N | " + " | ".join(columns) + " | rel err |",
+              "|" + "---|" * (len(columns) + 5)]
+    for r in gemms:
+        lines.append(f"| {r['name']} | {r['M']} | {r['K_local']} | {r['N']} | "
+                     + " | ".join(f"{r['queued'][c]:.4f}" for c in columns) + f" | {r['rel_err']:.1e} |")
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for column in ("axedist_eager", "axedist_graph", "torch_eager", "torch_graph"):
+            points = [(r["batch"], r[column]) for r in stack if isinstance(r.get(column), float)]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=column)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("batch (sequences decoded at once)")
+        axis.set_ylabel("ms per decode step")
+        axis.set_title(f"Llama layer stack decode, TP={world} ({meta['machine']})", fontsize=9)
+        axis.legend(fontsize=7)
+        figure.tight_layout()
+        figure.savefig(os.path.join(out_dir, f"{name}.png"), dpi=110)
+    except ImportError:
+        print("matplotlib missing: no PNG")
+
+
+def auto_table(results: list[dict]) -> dict:
+    loses, sources = [], []
+    for result in results:
+        meta = result["meta"]
+        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        for row in result["gemms"]:
+            if row["world"] > 1 and row["speedup_vs_seq"] < 1.0:
+                loses.append([row["M"], row["N"], row["K_local"], row["world"]])
+    return dict(source=sources, fused_loses=sorted(loses))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--ffn", type=int, default=14336)
+    parser.add_argument("--skip-stack", action="store_true", help="only the GEMM rows")
+    parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="no benchmark: write axedist/kernels/gemm_ar_auto.json from these result files")
+    args = parser.parse_args()
+    if args.tables_from:
+        from axedist.collectives.fused_tp import AR_AUTO_TABLE_PATH
+        with open(AR_AUTO_TABLE_PATH, "w") as handle:
+            json.dump(auto_table([json.load(open(path)) for path in args.tables_from]), handle, indent=1)
+        return
+    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
+        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
+    for name, expected in MULTICAST_OFF.items():
+        if os.environ.get(name) != expected:
+            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
+    started = time.time()
+    mesh = ax.init_mesh(device_type="cuda")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, max_seq_len=16)
+    stack = [] if args.skip_stack else stack_rows(args, cfg, world, rank, mesh)
+    gemms = gemm_rows(args, cfg, world, rank)
+    if rank == 0:
+        write_outputs(stack, gemms, world, cfg, args.out)
+        print(f"done in {time.time() - started:.0f} s", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

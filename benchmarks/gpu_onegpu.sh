@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call on ONE GPU: the virtual-rank tests of the TP kernels (fused all-gather + GEMM,
+# GEMM + all-reduce, CUDA graphs), the earlier virtual-rank tests, then the TP = 1 paths and GEMM
+# halves of bench_ag_gemm.py / bench_decode.py and infer_tp.py with CUDA graphs. Logs under $OUT.
+#   bash benchmarks/gpu_onegpu.sh [BUDGET_S] [TRAIN_DIR] [all | tp | kernels]
+#   (tp: without the earlier kernels' tests; kernels: the TP kernels' tests and benchmarks only)
+# Multicast stays off (project policy) for this shell and everything it starts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset AXEDIST_ENABLE_MULTICAST
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-10}
+export CUDA_DEVICE_MAX_CONNECTIONS=32
+export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+BUDGET=${1:-500}
+TRAIN_DIR=${2:-runs/tp1_cpu}
+OUT=${OUT:-/tmp/axedist_out}
+LOGS=$OUT/logs RESULTS=$OUT/results
+mkdir -p "$LOGS" "$RESULTS"
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+source "$(dirname "$0")/gpu_step.sh"
+{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
+head -4 "$LOGS/env.log"
+PYTEST="python3 -m pytest -q -rf -p no:cacheprovider -x"
+MODE=${3:-all}
+step tp_kernels 200 $PYTEST tests_onegpu/test_virtual_tp.py
+if [[ $MODE == all ]]; then
+  step earlier 150 $PYTEST tests_onegpu/test_virtual_collectives.py tests_onegpu/test_virtual_fused.py tests_onegpu/test_gemm_core.py -k "not every_candidate"
+fi
+if [[ $MODE != kernels ]]; then
+  step infer_graphs 60 torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --cuda-graphs --train-dir "$TRAIN_DIR"
+  step infer_eager 40 torchrun --nproc-per-node 1 launch/infer_tp.py --cuda --train-dir "$TRAIN_DIR"
+  step train_sp 80 torchrun --nproc-per-node 1 launch/train_tp.py --cuda --steps 20 --seq 256 --no-checkpoint --out /tmp/train_sp
+fi
+step bench_decode 120 torchrun --nproc-per-node 1 benchmarks/bench_decode.py --out "$RESULTS" --reps 10
+step bench_ag_gemm 100 python3 benchmarks/bench_ag_gemm.py --onegpu --out "$RESULTS" --calls 5 --batches 3
+echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
+tar czf "$OUT/results_logs.tgz" -C "$OUT" results logs && rm -rf "$OUT/results" "$OUT/logs"  # few files back

@@ -1,0 +1,272 @@
+"""The fused all-gather + GEMM and GEMM + all-reduce kernels with W = 1, 2, 4, 8 virtual ranks on
+one GPU, and every collective and fused kernel captured in a CUDA graph and replayed.
+
+The real per-rank path (fused_tp.AllGatherGemmCall / GemmAllReduceCall: workspace, compiled
+launch, device call state) against an fp32 reference: tails in every dimension, both B
+orientations (row-major [K, N] and nn.Linear's weight.t()), the TMA and the masked-pointer
+paths, one-shot / two-shot, push / pull, calls back to back, a rank that never arrives.
+Outputs are poisoned with NaN before every call; inputs are fresh random values.
+"""
+import time
+
+import pytest
+import torch
+
+from axedist.testing import VirtualRanks
+
+# rows per rank, N, K: tails everywhere on the TMA path; strides TMA cannot describe (K * 2 and
+# N * 2 bytes not multiples of 16: masked pointer loads and stores)
+AG_TAILS = (257, 1000, 520)
+AG_POINTER = (100, 300, 100)
+DECODE_ROWS = (1, 7, 64, 200, 256)
+
+
+def _operands(count, rows, n, k, transposed, dtype=torch.bfloat16):
+    as_, bs = [], []
+    for _ in range(count):
+        as_.append((torch.randn(rows, k, device="cuda") / k ** 0.25).to(dtype))
+        b = (torch.randn((n, k) if transposed else (k, n), device="cuda") / k ** 0.25).to(dtype)
+        bs.append(b.t() if transposed else b)
+    return as_, bs
+
+
+def _relative(out, ref):
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def _ag_failures(as_, bs, outs, label):
+    gathered = torch.cat([a.float() for a in as_])
+    failures = []
+    for rank, (b, out) in enumerate(zip(bs, outs)):
+        error = _relative(out, gathered @ b.float())
+        if not error <= 1e-2:
+            failures.append(f"{label} rank {rank}: rel error {error:.2e} (nan: unwritten)")
+    return failures
+
+
+def _ar_failures(as_, bs, outs, label):
+    total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
+    failures = []
+    for rank, out in enumerate(outs):
+        error = _relative(out, total)
+        if not error <= 1e-2:
+            failures.append(f"{label} rank {rank}: rel error {error:.2e} (nan: unwritten)")
+    if not failures and not all(torch.equal(outs[0], out) for out in outs):
+        failures.append(f"{label}: ranks' results differ (they must be bit-identical)")
+    return failures
+
+
+def _poison(rows, n, count, dtype=torch.bfloat16):
+    return [torch.full((rows, n), float("nan"), dtype=dtype, device="cuda") for _ in range(count)]
+
+
+def _all_gather_gemm(ranks, shape, transposed, label, dtype=torch.bfloat16):
+    world = ranks.world
+    rows, n, k = shape
+    as_, bs = _operands(world, rows, n, k, transposed, dtype)
+    outs = ranks.all_gather_gemm(as_, bs, _poison(world * rows, n, world, dtype))
+    ranks.check()
+    return _ag_failures(as_, bs, outs, label)
+
+
+def _gemm_all_reduce(ranks, m, n, k, transposed, algorithm, push, label):
+    world = ranks.world
+    as_, bs = _operands(world, m, n, k, transposed)
+    outs = ranks.gemm_all_reduce(as_, bs, _poison(m, n, world), algorithm=algorithm, push=push)
+    ranks.check()
+    return _ar_failures(as_, bs, outs, label)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_all_gather_gemm_every_world_size_both_orientations(world, seed):
+    ranks = VirtualRanks(world, 16 << 20)
+    failures = []
+    for transposed in (False, True):
+        failures += _all_gather_gemm(ranks, AG_TAILS, transposed, f"W={world} B^T={transposed} seed={seed}")
+    assert not failures, failures
+
+
+def test_all_gather_gemm_copies_the_gathered_rows_out(seed):
+    """With gathered=, the kernel also writes the gathered A (what a linear layer's backward
+    needs): exactly the concatenation, next to a right product, back to back."""
+    world = 4
+    ranks = VirtualRanks(world, 16 << 20)
+    failures = []
+    for call, transposed in enumerate((False, True, False)):
+        as_, bs = _operands(world, *AG_TAILS, transposed)
+        gathered = _poison(world * AG_TAILS[0], AG_TAILS[2], world)
+        outs = ranks.all_gather_gemm(as_, bs, _poison(world * AG_TAILS[0], AG_TAILS[1], world),
+                                     gathered=gathered)
+        ranks.check()
+        failures += _ag_failures(as_, bs, outs, f"call {call} seed={seed}")
+        failures += [f"call {call} rank {r}: gathered A differs" for r, g in enumerate(gathered)
+                     if not torch.equal(g, torch.cat(as_))]
+    assert not failures, failures
+
+
+def test_all_gather_gemm_pointer_path_fp16_and_small_tiles(seed):
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    ranks = VirtualRanks(4, 16 << 20)
+    failures = _all_gather_gemm(ranks, AG_POINTER, False, f"pointer seed={seed}")
+    failures += _all_gather_gemm(ranks, AG_TAILS, True, f"fp16 seed={seed}", torch.float16)
+    world, (rows, n, k) = 4, (64, 512, 256)
+    as_, bs = _operands(world, rows, n, k, True)
+    config = AllGatherGemmConfig.parse("64x256x64/g8/s4/w4/c16x512/p3")
+    outs = ranks.all_gather_gemm(as_, bs, _poison(world * rows, n, world), config=config)
+    ranks.check()
+    failures += _ag_failures(as_, bs, outs, f"{config} seed={seed}")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_gemm_all_reduce_every_algorithm_and_decode_size(world, seed):
+    ranks = VirtualRanks(world, 16 << 20)
+    failures = []
+    for index, m in enumerate(DECODE_ROWS):
+        for algorithm, push in (("one_shot", True), ("two_shot", True), ("one_shot", False),
+                                ("two_shot", False)):
+            if world != 4 and (index + push) % 2:   # W = 4 takes every case, the others half
+                continue
+            transposed = (index + (algorithm == "two_shot")) % 2 == 0
+            label = f"W={world} M={m} {algorithm} {'push' if push else 'pull'} B^T={transposed} seed={seed}"
+            failures += _gemm_all_reduce(ranks, m, 1000, 520, transposed, algorithm, push, label)
+    assert not failures, failures
+
+
+def test_gemm_all_reduce_pointer_path(seed):
+    ranks = VirtualRanks(2, 16 << 20)
+    failures = []
+    for algorithm in ("one_shot", "two_shot"):
+        failures += _gemm_all_reduce(ranks, 5, 300, 100, False, algorithm, True, f"pointer {algorithm} seed={seed}")
+    assert not failures, failures
+
+
+def test_back_to_back_fused_calls_without_sync(seed):
+    """Sixteen calls of both fused ops, shapes and orientations interleaved, queued with no host
+    sync: the device epoch reaches 16 on every rank, halves alternate; every result checked
+    after the last call."""
+    world = 4
+    ranks = VirtualRanks(world, 16 << 20)
+    pending = []
+    for call in range(16):
+        transposed = call % 3 == 0
+        if call % 2:
+            as_, bs = _operands(world, *((64, 512, 256) if call % 4 == 1 else AG_TAILS), transposed)
+            outs = ranks.all_gather_gemm(as_, bs, _poison(world * as_[0].shape[0], bs[0].shape[1], world))
+            pending.append((_ag_failures, as_, bs, outs, f"call {call} all_gather_gemm seed={seed}"))
+        else:
+            m = DECODE_ROWS[call // 2 % len(DECODE_ROWS)]
+            algorithm = ("one_shot", "two_shot")[call // 4 % 2]
+            as_, bs = _operands(world, m, 1000, 520, transposed)
+            outs = ranks.gemm_all_reduce(as_, bs, _poison(m, 1000, world), algorithm=algorithm)
+            pending.append((_ar_failures, as_, bs, outs, f"call {call} gemm_all_reduce {algorithm} seed={seed}"))
+    ranks.check()
+    assert [w.device_epoch() for w in ranks.workspaces] == [16] * world
+    failures = [f for check, as_, bs, outs, label in pending for f in check(as_, bs, outs, label)]
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("op", ["all_gather_gemm", "gemm_all_reduce"])
+def test_a_rank_that_never_arrives_is_named_by_the_others(op):
+    world, missing, timeout_s = 4, 1, 1.0
+    ranks = VirtualRanks(world, 16 << 20)
+    as_, bs = _operands(world, 64, 512, 256, False)
+    run = getattr(ranks, op)
+    run(as_, bs)
+    ranks.check()
+    start = time.perf_counter()
+    run(as_, bs, absent=(missing,), timeout_s=timeout_s)
+    messages = ranks.errors()
+    elapsed = time.perf_counter() - start
+    assert messages[missing] == ""
+    for rank in range(world):
+        if rank != missing:
+            assert f"of rank {missing} " in messages[rank] and "gave up" in messages[rank], messages
+    assert elapsed < timeout_s + 5.0, elapsed
+
+
+# -- CUDA graphs ------------------------------------------------------------------------------
+
+def test_every_kernel_captured_in_a_cuda_graph_and_replayed(seed):
+    """One graph holds a call of every collective and fused kernel of 4 virtual ranks (each
+    rank's launches a branch). Replayed 12 times with fresh inputs copied into the captured
+    buffers and poisoned outputs: every replay's results are right, so no replay reused an
+    epoch or a half (a stale flag would let a rank read a half that is not yet written)."""
+    from axedist.kernels.gemm_rs import GemmConfig
+    world = 4
+    ranks = VirtualRanks(world, 16 << 20)
+    cases = {
+        "gemm_all_reduce one_shot": lambda: _operands(world, 4, 1000, 520, True),
+        "gemm_all_reduce two_shot pull": lambda: _operands(world, 200, 1000, 520, False),
+        "all_gather_gemm": lambda: _operands(world, *AG_TAILS, True),
+        "gemm_reduce_scatter": lambda: _operands(world, 4 * 257, 1000, 520, True),
+    }
+    inputs = {name: make() for name, make in cases.items()}
+    xs = {op: [torch.randn(count, device="cuda").to(torch.bfloat16) for _ in range(world)]
+          for op, count in (("reduce_scatter", world * 4097), ("all_gather", 4097),
+                            ("all_reduce", 4097))}
+    outs = {}
+
+    def calls():
+        a, b = inputs["gemm_all_reduce one_shot"]
+        outs["gemm_all_reduce one_shot"] = ranks.gemm_all_reduce(a, b, outs.get("gemm_all_reduce one_shot"))
+        a, b = inputs["gemm_all_reduce two_shot pull"]
+        outs["gemm_all_reduce two_shot pull"] = ranks.gemm_all_reduce(
+            a, b, outs.get("gemm_all_reduce two_shot pull"), algorithm="two_shot", push=False)
+        a, b = inputs["all_gather_gemm"]
+        outs["all_gather_gemm"] = ranks.all_gather_gemm(a, b, outs.get("all_gather_gemm"))
+        a, b = inputs["gemm_reduce_scatter"]
+        outs["gemm_reduce_scatter"] = ranks.gemm_reduce_scatter(
+            a, b, outs.get("gemm_reduce_scatter"), config=GemmConfig(push=True, defer_release=True))
+        outs["reduce_scatter"] = ranks.reduce_scatter(xs["reduce_scatter"], outs.get("reduce_scatter"))
+        outs["all_gather"] = ranks.all_gather(xs["all_gather"], outs.get("all_gather"), variant="pull")
+        outs["all_reduce"] = ranks.all_reduce(xs["all_reduce"], outs.get("all_reduce"), algorithm="two_shot")
+
+    calls()            # eager: compiles and loads every kernel, allocates the outputs
+    ranks.check()
+    calls_per_replay = 7
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    ranks.check()
+    epochs = [w.device_epoch() for w in ranks.workspaces]
+    failures = []
+    for replay in range(12):
+        for name, make in cases.items():
+            fresh_as, fresh_bs = make()
+            for target, value in zip(inputs[name][0] + inputs[name][1], fresh_as + fresh_bs):
+                target.copy_(value)
+        for values in xs.values():
+            for x in values:
+                x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype))
+        for out_list in outs.values():
+            for out in out_list:
+                out.fill_(float("nan"))
+        graph.replay()
+        ranks.check()
+        label = f"replay {replay} seed={seed}"
+        failures += _ar_failures(*inputs["gemm_all_reduce one_shot"], outs["gemm_all_reduce one_shot"], f"{label} ar one_shot")
+        failures += _ar_failures(*inputs["gemm_all_reduce two_shot pull"], outs["gemm_all_reduce two_shot pull"], f"{label} ar two_shot")
+        failures += _ag_failures(*inputs["all_gather_gemm"], outs["all_gather_gemm"], f"{label} ag")
+        a, b = inputs["gemm_reduce_scatter"]
+        total = sum(x.float() @ y.float() for x, y in zip(a, b))
+        for rank, out in enumerate(outs["gemm_reduce_scatter"]):
+            error = _relative(out, total.chunk(world)[rank])
+            if not error <= 1e-2:
+                failures.append(f"{label} gemm_reduce_scatter rank {rank}: {error:.2e}")
+        stacked = torch.stack([x.float() for x in xs["reduce_scatter"]]).sum(0)
+        for rank, out in enumerate(outs["reduce_scatter"]):
+            if not _relative(out, stacked.chunk(world)[rank]) <= 1e-2:
+                failures.append(f"{label} reduce_scatter rank {rank}")
+        gathered = torch.cat(xs["all_gather"])
+        failures += [f"{label} all_gather rank {r}" for r, out in enumerate(outs["all_gather"])
+                     if not torch.equal(out, gathered)]
+        summed = torch.stack([x.float() for x in xs["all_reduce"]]).sum(0)
+        failures += [f"{label} all_reduce rank {r}" for r, out in enumerate(outs["all_reduce"])
+                     if not _relative(out, summed) <= 1e-2]
+        if failures:
+            break
+    assert not failures, failures[:20]
+    assert [w.device_epoch() for w in ranks.workspaces] == [e + 12 * calls_per_replay for e in epochs]
