@@ -83,35 +83,20 @@ def private_uses(path: Path, here: str):
     """Private names of other axedist modules this file reaches: ``from m import _x``, and
     ``alias._x`` where ``alias`` names an axedist module."""
     tree = ast.parse(path.read_text())
-    aliases = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith("axedist") and a.asname:
-                    aliases[a.asname] = a.name
-                elif a.name.startswith("axedist"):
-                    aliases[a.name.split(".")[0]] = "axedist"
     for line, target, names in imports(path, here):
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         if private and target != here:
             yield f"line {line}: imports private {private} from {target}"
-        if not names and target != here:  # "from package import module [as alias]"
-            pass
+    modules = _module_aliases(tree, path, here)
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            for a in node.names:
-                aliases.setdefault(a.asname or a.name, None)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.attr.startswith("_") \
-                and not node.attr.startswith("__") and node.value.id in _module_aliases(tree, path, here):
+                and not node.attr.startswith("__") and node.value.id in modules:
             yield f"line {node.lineno}: uses private {node.value.id}.{node.attr}"
 
 
 def _module_aliases(tree, path, here):
     """Local names bound to axedist modules other than this one (``import axedist.x as y``,
     ``from axedist import x`` where x is a module)."""
-    names = {}
-    for line, target, imported in imports(path, here):
-        pass
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
