@@ -19,12 +19,9 @@ and a history line. --tables-from writes axedist/kernels/ag_gemm_auto.json.
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
 import argparse
-import datetime
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -36,9 +33,10 @@ from axedist.collectives import p2p
 from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
 from axedist.testing import VirtualRanks
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
+from history import append_history, require_multicast_off, run_meta  # noqa: E402
+
 LINK_BYTES_PER_S = 478e9
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def shapes(world):
@@ -48,29 +46,6 @@ def shapes(world):
     rows.append(("qwen3-32b qkv", 8192, (8192 + 2 * 1024) // world, 5120))
     rows.append(("llama3.1-405b w1/w3", 8192, 53248 // world, 16384))
     return rows
-
-
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _meta(world, command):
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
-                command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
-
-
-def _check_multicast_off():
-    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
-        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
-    for name, expected in MULTICAST_OFF.items():
-        if os.environ.get(name) != expected:
-            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
 
 
 def _relative(out, ref):
@@ -152,7 +127,7 @@ def run_multi(args):
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
-        write_outputs(results, f"ag_gemm_w{world}", _meta(world, command), args.out)
+        write_outputs(results, f"ag_gemm_w{world}", run_meta(world, command), args.out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -192,7 +167,7 @@ def run_onegpu(args):
         del a, b, out, tp1_out, w1_out
         torch.cuda.empty_cache()
     command = "python3 benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
-    write_outputs(results, "ag_gemm_onegpu", _meta(1, command), args.out)
+    write_outputs(results, "ag_gemm_onegpu", run_meta(1, command), args.out)
     dist.destroy_process_group()
 
 
@@ -222,8 +197,6 @@ def write_outputs(results, name, meta, out_dir):
     multi = results and results[0]["world"] > 1
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=results), handle, indent=1)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, name, meta, dict(rows=results))
     lines = [f"# Fused all-gather + GEMM: {name} ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
@@ -298,7 +271,7 @@ def main():
         with open(AG_AUTO_TABLE_PATH, "w") as handle:
             json.dump(auto_table(results), handle, indent=1)
         return
-    _check_multicast_off()
+    require_multicast_off()
     started = time.time()
     (run_onegpu if args.onegpu else run_multi)(args)
     print(f"done in {time.time() - started:.0f} s", flush=True)

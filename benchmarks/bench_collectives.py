@@ -19,11 +19,8 @@ pull per size, the one-shot / two-shot all-reduce switch).
 Multicast stays off (refuses AXEDIST_ENABLE_MULTICAST=1).
 """
 import argparse
-import datetime
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -33,6 +30,9 @@ import torch.distributed as dist
 
 from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.timing import time_collective as _time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
+from history import append_history, run_meta  # noqa: E402
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 ONE_SHOT_MAX = 16 << 20
@@ -272,10 +272,9 @@ def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
     if rank != 0:
         return
     os.makedirs(out_dir, exist_ok=True)
-    meta = run_meta(world)
+    meta = run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_collectives.py " + " ".join(sys.argv[1:]))
     with open(os.path.join(out_dir, f"collectives_rounds_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows), handle, indent=1)
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"collectives_rounds_w{world}", meta, dict(rows=rows))
     names = list(rows[0]["queued"])
     lines = [f"# Pipelined reduce-scatter / all-gather (ROUNDS), W={world} ({meta['date']})", "",
@@ -364,27 +363,13 @@ def _fmt(value, scale=1e3):
     return "n/a" if value is None else f"{value * scale:.1f}"
 
 
-def run_meta(world):
-    """Date, machine, commit (AXEDIST_COMMIT, else git), torch and command of this run."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
-    return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                commit=os.environ.get("AXEDIST_COMMIT", commit or "unknown"), torch=torch.__version__,
-                command=f"torchrun --nproc_per_node={world} benchmarks/bench_collectives.py " + " ".join(sys.argv[1:]))
-
-
 def write_outputs(rows, host, world, out_dir, meta=None):
     os.makedirs(out_dir, exist_ok=True)
-    meta = meta or run_meta(world)
+    meta = meta or run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_collectives.py " + " ".join(sys.argv[1:]))
     tables = tuned_tables(rows, world, "this run")
     with open(os.path.join(out_dir, f"collectives_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=rows, host_us_per_call_64KB=host, tuned=tables), handle,
                   indent=1)
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"collectives_w{world}", meta, dict(rows=rows, host_us_per_call_64KB=host))
     lines = [f"# Collectives, W={world}, bf16 ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; NVLS/multicast off",

@@ -21,12 +21,9 @@ Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 
 """
 import argparse
 import copy
-import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -41,8 +38,8 @@ from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
 from axedist.testing import VirtualRanks
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
+from history import append_history, require_multicast_off, run_meta  # noqa: E402
 
 
 class LayerStack(nn.Module):
@@ -201,28 +198,14 @@ def gemm_rows(args, cfg, world, rank):
     return rows
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def write_outputs(stack, gemms, world, cfg, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
-                command=f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
-                config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                            ffn_hidden=cfg.ffn_hidden, dtype="bf16"),
-                env={k: os.environ.get(k) for k in MULTICAST_OFF})
+    meta = run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
+                    config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                                ffn_hidden=cfg.ffn_hidden, dtype="bf16"))
     name = f"decode_w{world}"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
         json.dump(dict(meta=meta, stack=stack, gemms=gemms), handle, indent=1)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, name, meta, dict(stack=stack, gemms=gemms))
 
     def cell(value):
@@ -298,11 +281,7 @@ def main():
         with open(AR_AUTO_TABLE_PATH, "w") as handle:
             json.dump(auto_table([json.load(open(path)) for path in args.tables_from]), handle, indent=1)
         return
-    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
-        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
-    for name, expected in MULTICAST_OFF.items():
-        if os.environ.get(name) != expected:
-            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
+    require_multicast_off()
     started = time.time()
     mesh = ax.init_mesh(device_type="cuda")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -18,12 +18,9 @@ Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 
 """
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -35,6 +32,9 @@ from axedist.collectives import p2p  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
+from history import append_history, run_meta  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -212,14 +212,6 @@ def main():
     dist.destroy_process_group()
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def auto_tables(results: list[dict]) -> tuple[dict, dict]:
     """(gemm_rs_auto.json, tuned configs) from benchmark result files: a shape where fused was
     slower than cuBLAS + NCCL in device time (the queued table; eager for runs that have none)
@@ -286,17 +278,12 @@ def _table(results, times_of):
 
 def write_outputs(results, world, out_dir, meta=None):
     os.makedirs(out_dir, exist_ok=True)
-    meta = meta or dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        machine=f"{socket.gethostname()}: {world}x {torch.cuda.get_device_name()}",
-                        commit=os.environ.get("AXEDIST_COMMIT", _commit()), torch=torch.__version__,
-                        command=f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]),
-                        env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
+    meta = meta or run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]))
     six = [r for r in results if r["label"] == "design"]
     summary = _summary(six)
     summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
     with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
         json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(out_dir, f"gemm_rs_w{world}", meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
     if gemm_rs.tuned_table():
         with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:

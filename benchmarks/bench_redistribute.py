@@ -18,13 +18,10 @@ all-gathers instead), while its CPU times are those of what it runs there.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -36,6 +33,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 import axedist as ax
 from axedist.runtime import execution_bytes, explain_execution, record
 from axedist.testing import torch_comm_bytes
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
+from history import append_history, run_meta  # noqa: E402
 
 P = {"R": Replicate(), "P": Partial(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [
@@ -104,20 +104,10 @@ def _pair(mesh, shape, src_text, dst_text, dtype):
     return ax.from_torch(torch_src), torch_src, torch_mesh, dst_pl
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)))
-        return os.environ.get("AXEDIST_COMMIT", out.stdout.strip() or "unknown")
-    except OSError:
-        return os.environ.get("AXEDIST_COMMIT", "unknown")
-
-
 def _write(rows, overhead, meta, path_stem):
     os.makedirs(os.path.dirname(path_stem) or ".", exist_ok=True)
     with open(path_stem + ".json", "w") as handle:
         json.dump(dict(meta=meta, rows=rows, cpu_overhead_us=overhead), handle, indent=1)
-    from history import append_history  # benchmarks/history.py, beside this script
     append_history(os.path.dirname(path_stem) or ".", os.path.basename(path_stem), meta,
                    dict(rows=rows, cpu_overhead_us=overhead))
     lines = [f"# Redistribute, axedist vs torch DTensor, W={meta['world']} ({meta['date']})", "",
@@ -219,12 +209,9 @@ def main():
     if dist.get_rank() == 0:
         backend = "NCCL" if args.cuda else "gloo"
         gpu = torch.cuda.get_device_name() if args.cuda else platform.processor() or platform.machine()
-        meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    machine=f"{socket.gethostname()}: {world}x {gpu}", backend=backend, world=world,
-                    commit=_commit(), torch=torch.__version__, shape=list(shape),
-                    dtype=str(dtype).replace("torch.", ""), iters=iters,
-                    timer="CUDA events" if args.cuda else "wall clock",
-                    command=f"torchrun --nproc-per-node {world} benchmarks/bench_redistribute.py " + " ".join(sys.argv[1:]))
+        meta = run_meta(world, f"torchrun --nproc-per-node {world} benchmarks/bench_redistribute.py " + " ".join(sys.argv[1:]),
+                        device=gpu, backend=backend, shape=list(shape), dtype=str(dtype).replace("torch.", ""),
+                        iters=iters, timer="CUDA events" if args.cuda else "wall clock")
         stem = os.path.join(args.out, f"redistribute_w{world}" + ("" if args.cuda else "_cpu"))
         _write(rows, overhead, meta, stem)
         print(open(stem + ".md").read(), flush=True)

@@ -5,8 +5,12 @@ earlier runs stay comparable by commit and machine without a file per version.
     append_history("benchmarks/results", "gemm_rs_w4", meta, {"rows": rows})
     # -> benchmarks/results/history/gemm_rs_w4.jsonl gains {"commit": ..., "machine": ..., ...}
 """
+import datetime
 import json
 import os
+import platform
+import socket
+import subprocess
 
 KEYS = ("commit", "machine", "date", "command")
 
@@ -24,3 +28,42 @@ def append_history(out_dir: str, name: str, meta: dict, data: dict) -> str:
     with open(path, "a") as handle:
         handle.write(json.dumps(line, separators=(",", ":")) + "\n")
     return path
+
+
+# Multicast stays off on the project's shared GPU hosts: every benchmark checks and records these.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def require_multicast_off() -> None:
+    """Exit unless the multicast switches are off and AXEDIST_ENABLE_MULTICAST is not 1."""
+    if os.environ.get("AXEDIST_ENABLE_MULTICAST") == "1":
+        raise SystemExit("refusing to benchmark with AXEDIST_ENABLE_MULTICAST=1 (policy)")
+    for name, expected in MULTICAST_OFF.items():
+        if os.environ.get(name) != expected:
+            raise SystemExit(f"set {name}={expected} (multicast must stay off)")
+
+
+def commit() -> str:
+    """AXEDIST_COMMIT if set (a device call runs a copy without .git), else git's short HEAD."""
+    if os.environ.get("AXEDIST_COMMIT"):
+        return os.environ["AXEDIST_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def run_meta(world: int, command: str, device: str | None = None, **extra) -> dict:
+    """Date, machine, commit, torch, command and multicast settings of a run, plus ``extra``:
+    ``run_meta(4, "torchrun ... bench_gemm_rs.py")["machine"] == "host: 4x NVIDIA H200"``."""
+    import torch
+
+    if device is None:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                machine=f"{socket.gethostname()}: {world}x {device}", world=world, commit=commit(), torch=torch.__version__,
+                command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
+    meta.update(extra)
+    return meta
