@@ -192,12 +192,18 @@ def fused_adamw_supported(device: str) -> bool:
     return device in _get_fused_kernels_supported_devices()
 
 
-def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5) -> list[dict]:
-    """``steps`` training steps; per step the loss, the gradient norm and every gradient after
-    clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism."""
+def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32):
+    """``steps`` training steps: the model, and per step the loss, the gradient norm and every
+    gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
+    ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's)."""
     args = ModelArgs()
     torch.manual_seed(seed)
-    model = Transformer(args)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Transformer(args)
+    finally:
+        torch.set_default_dtype(default)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
     fused = fused_adamw_supported("cpu")
@@ -210,7 +216,7 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with loss_parallel() if tp_mesh is not None else nullcontext():
             pred = model(inputs)
-            loss = F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+            loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         record.append({"loss": full(loss).detach().clone(), "norm": full(norm).detach().clone(),
@@ -218,12 +224,12 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
                        "fused": fused})
         optimizer.step()
         optimizer.zero_grad()
-    return record
+    return model, record
 
 
 def main() -> None:
     world_mesh = init_device_mesh("cpu", (1, int(os.environ["WORLD_SIZE"])), mesh_dim_names=("dp", "tp"))
-    for step, r in enumerate(train(world_mesh["tp"], seed=0)):
+    for step, r in enumerate(train(world_mesh["tp"], seed=0)[1]):
         if torch.distributed.get_rank() == 0:
             print(f"step {step}: loss {r['loss'].item():.5f}, grad norm {r['norm'].item():.5f}")
 
