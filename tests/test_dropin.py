@@ -92,6 +92,22 @@ def test_parallelize_module_takes_torch_meshes_and_keeps_torch_semantics(which):
     assert run_on_ranks(_torch_meshes, 4, args=(random.randrange(2**31), which)) == [True] * 4
 
 
+def _sub_meshes(rank, world):
+    """A 2-D sub-mesh of a 3-D torch mesh comes from its root; a 1-D one runs on torch's group."""
+    root = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("pp", "dp", "tp"))
+    two = ax.DeviceMesh.from_torch(root["dp", "tp"])
+    assert (two.axis_names, two.shape, two.ranks) == (("dp", "tp"), (2, world // 2), tuple(range(world)))
+    assert ax.DeviceMesh.from_torch(root["dp", "tp"]) is two     # made once
+    tp = ax.DeviceMesh.from_torch(root["tp"])
+    assert tp.ranks == tuple(root["tp"].mesh.tolist()) and tp.axis_names == ("tp",)
+    x = ax.distribute(torch.arange(8.0).reshape(4, 2), two, [Shard(0), Shard(1)])
+    return x.redistribute([Replicate(), Replicate()]).to_local().tolist() == torch.arange(8.0).reshape(4, 2).tolist()
+
+
+def test_torch_sub_meshes():
+    assert run_on_ranks(_sub_meshes, 4) == [True] * 4
+
+
 def _errors(fn):
     try:
         fn()
