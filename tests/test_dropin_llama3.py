@@ -94,8 +94,10 @@ def _own_styles(rank, world, seed):
 
     tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     _, reference = script()["train"](None, seed, dtype=torch.float64)
+    DTensor.dispatcher.forget_fallbacks()
     model, run = script(AXEDIST_STYLES)["train"](tp, seed, dtype=torch.float64)
     assert isinstance(model.freqs_cis, DTensor) and model.freqs_cis.is_complex()
+    assert not DTensor.dispatcher.fallback_ops(), DTensor.dispatcher.fallback_ops()  # every op had a rule
     _compare(run, reference, "axedist styles")
     return True
 

@@ -272,7 +272,8 @@ def _fingerprint(t: torch.Tensor) -> list[float]:
     flat = flat.to(torch.float64).nan_to_num(nan=1.5e300, posinf=1.7e300, neginf=-1.7e300)
     weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.618033988749895) % 1.0 + 0.5
     shape = sum((i + 1) * size for i, size in enumerate(t.shape))  # a fixed count of numbers on every rank
-    return [float(t.dim()), float(t.numel()), float(shape), float(flat.sum()), float((flat * weights).sum())]
+    sums = torch.stack([flat.sum(), (flat * weights).sum()]).nan_to_num(nan=0.0)  # overflowing sums still compare
+    return [float(t.dim()), float(t.numel()), float(shape), *sums.tolist()]
 
 
 def _agreed(mesh, facts: list[list[float]]) -> list[bool]:
