@@ -3,7 +3,8 @@
 A *style* says how one module's parameters are laid out on a 1-D tensor-parallel mesh and
 what layouts its inputs and outputs have; ``parallelize(module, mesh, plan)`` applies the
 styles of a plan (module-name patterns -> styles) and lays every other parameter and buffer
-out replicated, so axedist DTensors flow through the whole model and its backward::
+out replicated (with axedist's styles), so axedist DTensors flow through the whole model and
+its backward::
 
     >>> mesh = ax.init_mesh()                                    # 4 ranks, axis 'gpuid'
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
@@ -19,7 +20,9 @@ mesh axis), an axedist :class:`~axedist.Layout` (e.g. a block-cyclic one no plac
 express), or a function ``shape -> layout`` when the layout depends on the tensor's shape.
 torch's own ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput`` and ``PrepareModuleOutput`` objects are accepted in a plan and translated
-(their layouts and ``use_local_output``). Unlike torch, axedist's styles default to
+(their layouts and ``use_local_output``); a plan of torch's styles alone keeps torch's
+semantics (what it does not name stays as it is), and ``parallelize_module`` takes torch's
+keywords and torch meshes (docs/migration.md). Unlike torch, axedist's styles default to
 ``use_local_output=False``: outputs stay DTensors, so the model's code (e.g. its ``view`` to
 global head counts) needs no change.
 
