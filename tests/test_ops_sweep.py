@@ -10,15 +10,15 @@ tensor must not: a collective reads raw memory), and contiguity. fp64 and comple
 from 1 to 7, so uneven on both meshes.
 """
 
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
-from hypothesis import strategies as st
 
 from axedist.dtensor import DTensor
 from axedist.testing import run_on_ranks
-from tests.ops_cases import ONE_EXAMPLE, TOL, Partial, Replicate, Shard, make, mesh_of, placement_sets, rand, randint
+from tests.ops_cases import TOL, Partial, Replicate, Shard, make, mesh_of, placement_sets, rand, randint
 
 
 def _complex(g, *shape):
@@ -60,6 +60,7 @@ CASES = {
     "reshape_split": (lambda x: x.reshape(x.shape[0], -1, 2), [("ae", "f")]),
     "transpose": (lambda x: x.transpose(0, 1), [("abc", "f")]),
     "permute_contiguous": (lambda x: x.permute(2, 0, 1).contiguous(), [("abc", "f")]),
+    "channels_last": (lambda x: x.contiguous(memory_format=torch.channels_last) * 2, [("abcd", "f")]),
     "unsqueeze_expand": (lambda x: x.unsqueeze(1).expand(-1, 3, -1), [("ab", "f")]),
     "select": (lambda x: x.select(1, -1), [("abc", "f")]),
     "select_0": (lambda x: x[0], [("ab", "f")]),
@@ -104,14 +105,19 @@ def _tol(ref) -> dict:
 def _check_attributes(o, ref, what: str) -> None:
     """What the wrapper reports against its local tensor and the plain result."""
     local = o.to_local()
+    if o.reduce_op:  # a pending reduction's piece leads with its summand dim
+        local = local[0]
     assert o.dtype == ref.dtype == local.dtype, f"{what}: dtype {o.dtype} / local {local.dtype} / plain {ref.dtype}"
     assert o.requires_grad == ref.requires_grad, f"{what}: requires_grad {o.requires_grad}, plain {ref.requires_grad}"
     assert not o.is_conj() and not o.is_neg(), f"{what}: the wrapper carries a conjugate / negative bit"
     assert not local.is_conj() and not local.is_neg(), \
         f"{what}: the local tensor is marked conjugate={local.is_conj()} negative={local.is_neg()}, the wrapper is not"
-    assert o.is_contiguous() == ref.is_contiguous(), f"{what}: contiguous {o.is_contiguous()}, plain {ref.is_contiguous()}"
-    if o.is_contiguous() and local.numel():
-        assert local.is_contiguous(), f"{what}: a contiguous wrapper over a non-contiguous local {local.stride()}"
+    for form in (torch.contiguous_format, torch.channels_last) if o.dim() == 4 else (torch.contiguous_format,):
+        assert o.is_contiguous(memory_format=form) == ref.is_contiguous(memory_format=form), \
+            f"{what}: {form} {o.is_contiguous(memory_format=form)}, plain {ref.is_contiguous(memory_format=form)}"
+        if o.is_contiguous(memory_format=form) and local.numel():
+            assert local.is_contiguous(memory_format=form), \
+                f"{what}: a {form} wrapper over a local tensor with strides {local.stride()}"
 
 
 def _grad_placements(mesh, g, ref):
@@ -176,11 +182,10 @@ def _batches():
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("batch", range(2))
-@ONE_EXAMPLE
-@given(seed=st.integers(0, 2**31 - 1))
-def test_op_table_sweep(world, batch, seed):
+def test_op_table_sweep(world, batch):
+    seed = random.randrange(2**31)  # a fresh draw each run; failures name it
     ran = run_on_ranks(_sweep, world, args=(seed, _batches()[batch]), timeout_s=300)
-    assert ran[0] > 0
+    assert ran[0] > 0, seed
 
 
 def _sharded_backward_sizes(rank, world_size):
