@@ -100,6 +100,10 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False, *, stride=None, pending=None):
+        if local.is_conj() or local.is_neg():
+            # the wrapper has no conjugate / negative bit to report, and collectives read raw
+            # memory: the piece holds its values (see ops/complex.py)
+            local = local.resolve_conj().resolve_neg()
         if WRAPPER_POSITIONAL:  # (size, strides, storage_offset, memory_format, dtype, layout, device, pin, grad)
             self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device,
                                  False, requires_grad)
@@ -351,7 +355,7 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
 
 def from_torch(torch_dtensor) -> DTensor:
     """The axedist DTensor equal to a torch DTensor (same local tensors; mesh axes keep their names)."""
-    mesh = _mesh_from_torch(torch_dtensor.device_mesh)
+    mesh = DeviceMesh.from_torch(torch_dtensor.device_mesh)
     spec = spec_from_placements(torch_dtensor.shape, mesh, torch_dtensor.placements)
     local = torch_dtensor.to_local()
     if spec.reduce_op:
@@ -361,14 +365,3 @@ def from_torch(torch_dtensor) -> DTensor:
         raise LayoutError(f"from_torch: torch's local shape {tuple(local.shape)} differs from the layout's {expected} "
                           f"for {spec}")
     return DTensor(local, spec, requires_grad=torch_dtensor.requires_grad)
-
-
-_TORCH_MESHES: dict = {}
-
-
-def _mesh_from_torch(torch_mesh) -> DeviceMesh:
-    key = (torch_mesh.device_type, tuple(torch_mesh.mesh.flatten().tolist()), tuple(torch_mesh.mesh.shape),
-           torch_mesh.mesh_dim_names)
-    if key not in _TORCH_MESHES:
-        _TORCH_MESHES[key] = DeviceMesh.from_torch(torch_mesh)
-    return _TORCH_MESHES[key]

@@ -49,6 +49,8 @@ _GROUPS: dict[tuple, object] = {}
 _GROUP_TOPOLOGY: dict[int, tuple] = {}
 # The job's found topology, gathered once: (id of the world group, world size) -> Topology.
 _FOUND: dict[tuple, Topology] = {}
+# torch meshes converted: (device type, ranks, shape, axis names) -> DeviceMesh.
+_FROM_TORCH: dict[tuple, "DeviceMesh"] = {}
 # (axis, mesh ranks, topology) already warned about: each once per process.
 _WARNED: set = set()
 
@@ -400,12 +402,42 @@ class DeviceMesh:
 
     @classmethod
     def from_torch(cls, torch_mesh) -> "DeviceMesh":
-        """The equal axedist mesh (unnamed torch axes get the default names; the hosts of the mesh
-        that made its groups, if one did)."""
+        """The equal axedist mesh, made once per torch mesh (unnamed torch axes get the default
+        names; the hosts of the mesh that made its groups, if one did).
+
+        A 1-D torch mesh, whole or a named sub-mesh (``world_mesh["tp"]`` of a ``("dp", "tp")``
+        mesh), runs on torch's own process group for it: nothing is created, so ranks holding
+        different sub-meshes each convert their own. A sub-mesh of several axes is taken from
+        its root mesh, converted whole (every rank converts the root, as new groups need).
+
+            >>> DeviceMesh.from_torch(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"])
+            DeviceMesh('cpu', [2, 3], axes=('tp',))          # on ranks 2 and 3
+        """
         shape = tuple(torch_mesh.mesh.shape)
-        names = torch_mesh.mesh_dim_names or _DEFAULT_NAMES.get(len(shape))
-        known = group_topology(torch_mesh.get_group(0)) if torch_mesh.get_coordinate() is not None else None
-        return cls(torch_mesh.device_type, shape, names, torch_mesh.mesh.flatten().tolist(), _topology=known)
+        names = tuple(torch_mesh.mesh_dim_names or _DEFAULT_NAMES.get(len(shape)) or ())
+        ranks = tuple(torch_mesh.mesh.flatten().tolist())
+        key = (torch_mesh.device_type, ranks, shape, names)
+        found = _FROM_TORCH.get(key)
+        if found is not None:
+            return found
+        here = torch_mesh.get_coordinate() is not None
+        root = torch_mesh._get_root_mesh() if hasattr(torch_mesh, "_get_root_mesh") else torch_mesh
+        if len(shape) == 1 and here:
+            group = torch_mesh.get_group(0)
+            topology = group_topology(group) or job_topology()
+            found = cls(torch_mesh.device_type, shape, names, ranks, _groups={names: group}, _topology=topology)
+        elif root is not torch_mesh:
+            root_names = tuple(root.mesh_dim_names or ())
+            if not names or not set(names) <= set(root_names):
+                raise MeshError(f"torch sub-mesh {torch_mesh} has axes {names} that its root mesh {root} does not name; "
+                                f"convert the root mesh (DeviceMesh.from_torch(root)) and take the sub-mesh of it")
+            found = cls.from_torch(root)[names]
+        else:
+            known = group_topology(torch_mesh.get_group(0)) if here else None
+            found = cls(torch_mesh.device_type, shape, names, ranks, _topology=known)
+        found._torch_mesh = torch_mesh
+        _FROM_TORCH[key] = found
+        return found
 
     # -- value semantics -----------------------------------------------------------------
 

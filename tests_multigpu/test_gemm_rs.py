@@ -247,3 +247,11 @@ def test_plan_says_what_runs():
     fused, torch_plan, small = run_on_ranks(body_plan, WORLD, "nccl", timeout_s=300)[0]
     assert "p2p" in fused and "torch" in torch_plan
     assert "torch" in small and "rows per rank" in small
+
+
+def test_fused_calls_have_gradients():
+    # the CPU suite's body with the fused kernels: gemm_reduce_scatter, all_gather_gemm and
+    # gemm_all_reduce on operands that require grad, exact against the whole products
+    from tests.test_collectives_autograd import grads_body
+    names = ["gemm_reduce_scatter", "gemm_all_reduce", "all_gather_gemm"]
+    assert run_on_ranks(grads_body, WORLD, backend="nccl", args=("cuda", "p2p", WORLD)) == [names] * WORLD

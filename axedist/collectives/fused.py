@@ -252,7 +252,20 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     >>> a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
     >>> b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
     >>> gemm_reduce_scatter(a, b, group).shape     # W = 4: torch.Size([2048, 8192])
+
+    Differentiable when ``a`` or ``b`` requires grad: the reduce-scatter's adjoint is an
+    all-gather of the output's gradient ``g``, so ``grad_a = all_gather(g) @ b^T`` and
+    ``grad_b = a^T @ all_gather(g)`` (each rank's own operands; ``out=`` is refused then).
     """
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        if out is not None:
+            raise ValueError("gemm_reduce_scatter: out= takes no part in autograd; leave it out when a or b "
+                             "requires grad")
+        return GemmReduceScatterFunction.apply(a, b, group, scatter_dim, backend, timeout_s, check)
+    return _gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check)
+
+
+def _gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check) -> torch.Tensor:
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
     if plan.backend == "torch":
@@ -264,6 +277,51 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
         result = fallback.reduce_scatter(moved, group).movedim(0, dim)
         return result.contiguous() if out is None else out.copy_(result)
     return call.run(a, b, out, timeout_s, check)
+
+
+def gathered_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """``x`` of every rank of ``group`` concatenated along ``dim`` (rank order)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    from .api import all_gather
+
+    return all_gather(x.movedim(dim, 0).contiguous(), group).movedim(0, dim)
+
+
+def scattered_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of ``group``, this rank's slice of ``dim`` (rank order)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    from .api import reduce_scatter
+
+    return reduce_scatter(x.movedim(dim, 0).contiguous(), group).movedim(0, dim)
+
+
+def operand_grads(ctx, a, b, product_grad):
+    """The gradients of ``a @ b`` (``a [..., K]``, ``b [K, N]``) for a product gradient ``[..., N]``,
+    None where ``ctx`` says an input needs none."""
+    grad_a = torch.matmul(product_grad, b.t()) if ctx.needs_input_grad[0] else None
+    grad_b = None
+    if ctx.needs_input_grad[1]:
+        grad_b = a.reshape(-1, a.shape[-1]).t() @ product_grad.reshape(-1, product_grad.shape[-1])
+    return grad_a, grad_b
+
+
+class GemmReduceScatterFunction(torch.autograd.Function):
+    """``gemm_reduce_scatter`` with its gradient: the output gradient all-gathered along the
+    scattered dim is the gradient of this rank's product ``a @ b``."""
+
+    @staticmethod
+    def forward(ctx, a, b, group, scatter_dim, backend, timeout_s, check):
+        ctx.save_for_backward(a, b)
+        ctx.group, ctx.dim = group, scatter_dim % (a.dim())
+        return _gemm_reduce_scatter(a, b, group, scatter_dim, backend, None, timeout_s, check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a, grad_b = operand_grads(ctx, a, b, gathered_along(grad, ctx.group, ctx.dim))
+        return grad_a, grad_b, None, None, None, None, None
 
 
 def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,

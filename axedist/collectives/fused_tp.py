@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from . import fallback
 from .backend import TUNED, multicast_opted_in, multimem_allowed, p2p_possible
+from .fused import gathered_along, operand_grads, scattered_along
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 AG_AUTO_TABLE_PATH = os.path.join(_KERNELS, "ag_gemm_auto.json")
@@ -263,7 +264,19 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
     >>> w = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)   # column shard
     >>> all_gather_gemm(a, w.t(), group).shape
     torch.Size([8192, 7168])
+
+    Differentiable when ``a`` or ``b`` requires grad (``out=`` is refused then): ``grad_b =
+    all_gather(a)^T @ g`` and ``grad_a`` is this rank's slice of ``reduce_scatter(g @ b^T)``
+    (every rank's columns contributed to the gathered rows).
     """
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        if out is not None:
+            raise ValueError("all_gather_gemm: out= takes no part in autograd; leave it out when a or b requires grad")
+        return AllGatherGemmFunction.apply(a, b, group, gather_dim, backend, timeout_s, check, gathered)
+    return _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered)
+
+
+def _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered) -> torch.Tensor:
     def make():
         plan = plan_all_gather_gemm(a, b, group, gather_dim, backend)
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
@@ -278,6 +291,25 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
         return result if out is None else out.copy_(result.reshape(out.shape))
     flat = None if gathered is None else gathered.view(-1, a.shape[-1])
     return call.run(a, b, out, timeout_s, check, flat)
+
+
+class AllGatherGemmFunction(torch.autograd.Function):
+    """``all_gather_gemm`` with its gradient (the rows are gathered again in backward rather
+    than kept: ``W`` times ``a``'s memory saved between the passes)."""
+
+    @staticmethod
+    def forward(ctx, a, b, group, gather_dim, backend, timeout_s, check, gathered):
+        ctx.save_for_backward(a, b)
+        ctx.group, ctx.dim = group, gather_dim % a.dim()
+        return _all_gather_gemm(a, b, group, gather_dim, backend, None, timeout_s, check, gathered)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        whole = gathered_along(a, ctx.group, ctx.dim)
+        grad_whole, grad_b = operand_grads(ctx, whole, b, grad)
+        grad_a = scattered_along(grad_whole, ctx.group, ctx.dim) if grad_whole is not None else None
+        return grad_a, grad_b, None, None, None, None, None, None
 
 
 # -- gemm_all_reduce ------------------------------------------------------------------------
@@ -396,7 +428,20 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
     >>> w = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) # row shard
     >>> gemm_all_reduce(h, w.t(), group).shape
     torch.Size([4, 8192])
+
+    Differentiable when ``a`` or ``b`` requires grad (``out=`` is refused then). The result is
+    one tensor that every rank holds (a replicated DTensor's value), so its gradient must be
+    the same on every rank and is each rank's product's gradient: ``grad_a = g @ b^T``,
+    ``grad_b = a^T @ g``, no communication (Megatron's row-parallel convention).
     """
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        if out is not None:
+            raise ValueError("gemm_all_reduce: out= takes no part in autograd; leave it out when a or b requires grad")
+        return GemmAllReduceFunction.apply(a, b, group, backend, algorithm, timeout_s, check)
+    return _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check)
+
+
+def _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check) -> torch.Tensor:
     def make():
         plan = plan_gemm_all_reduce(a, b, group, backend, algorithm)
         return GemmAllReduceCall(plan, dist.get_world_size(group), dist.get_rank(group),
@@ -408,3 +453,19 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
             product = fallback.all_reduce(product, group)
         return product if out is None else out.copy_(product.reshape(out.shape))
     return call.run(a, b, out, timeout_s, check)
+
+
+class GemmAllReduceFunction(torch.autograd.Function):
+    """``gemm_all_reduce`` with its gradient (the replicated result's gradient is each rank's
+    product's gradient)."""
+
+    @staticmethod
+    def forward(ctx, a, b, group, backend, algorithm, timeout_s, check):
+        ctx.save_for_backward(a, b)
+        return _gemm_all_reduce(a, b, group, backend, algorithm, None, timeout_s, check)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a, grad_b = operand_grads(ctx, a, b, grad)
+        return grad_a, grad_b, None, None, None, None, None

@@ -1,13 +1,15 @@
 """Tensor-parallel layers on axedist DTensors (``parallel``), a small Llama (``llama``),
 and DCP checkpoints of parallelized models (``checkpoint``)."""
 
+from ..ops.variants import implicit_replication, loss_parallel
 from .checkpoint import load, save, torch_state_dict
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                       SequenceParallel, VocabParallelEmbedding, describe, from_torch_style, parallelize, replicate,
-                       to_inference, vocab_parallel_cross_entropy)
+                       SequenceParallel, VocabParallelEmbedding, as_mesh, describe, from_torch_style, parallelize,
+                       parallelize_module, replicate, to_inference, vocab_parallel_cross_entropy)
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
-    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate", "from_torch_style",
-    "vocab_parallel_cross_entropy", "to_inference", "save", "load", "torch_state_dict",
+    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
+    "replicate", "from_torch_style", "vocab_parallel_cross_entropy", "to_inference", "save", "load",
+    "torch_state_dict", "implicit_replication", "loss_parallel",
 ]

@@ -3,7 +3,8 @@
 A *style* says how one module's parameters are laid out on a 1-D tensor-parallel mesh and
 what layouts its inputs and outputs have; ``parallelize(module, mesh, plan)`` applies the
 styles of a plan (module-name patterns -> styles) and lays every other parameter and buffer
-out replicated, so axedist DTensors flow through the whole model and its backward::
+out replicated (with axedist's styles), so axedist DTensors flow through the whole model and
+its backward::
 
     >>> mesh = ax.init_mesh()                                    # 4 ranks, axis 'gpuid'
     >>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
@@ -19,7 +20,9 @@ mesh axis), an axedist :class:`~axedist.Layout` (e.g. a block-cyclic one no plac
 express), or a function ``shape -> layout`` when the layout depends on the tensor's shape.
 torch's own ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
 ``PrepareModuleInput`` and ``PrepareModuleOutput`` objects are accepted in a plan and translated
-(their layouts and ``use_local_output``). Unlike torch, axedist's styles default to
+(their layouts and ``use_local_output``); a plan of torch's styles alone keeps torch's
+semantics (what it does not name stays as it is), and ``parallelize_module`` takes torch's
+keywords and torch meshes (docs/migration.md). Unlike torch, axedist's styles default to
 ``use_local_output=False``: outputs stay DTensors, so the model's code (e.g. its ``view`` to
 global head counts) needs no change.
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import fnmatch
 import types
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -48,8 +52,8 @@ from ..mesh import DeviceMesh
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
-    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate",
-    "vocab_parallel_cross_entropy", "to_inference",
+    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
+    "replicate", "vocab_parallel_cross_entropy", "to_inference",
 ]
 
 # What a style accepts wherever it takes a layout.
@@ -530,24 +534,32 @@ def _matches(pattern: str, name: str) -> bool:
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: int | None | str = "first") -> nn.Module:
-    """Apply ``plan`` (module-name pattern -> style) to ``module`` on a 1-D mesh, in place.
+def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "first") -> nn.Module:
+    """Apply ``plan`` (module-name pattern -> style, or one style for ``module`` itself) to
+    ``module`` on a 1-D mesh, in place.
 
-    Matching modules get their style (parameters laid out, input/output hooks); every other
-    parameter and every buffer becomes a replicated DTensor. Parameter values come from
-    global rank ``src_rank`` (default ``"first"``: the mesh's first rank, as torch's
-    ``distribute_tensor``; ``None``: every rank already holds the same values, nothing is sent).
-    A pattern that matches no module is an error. Returns ``module``.
+    ``mesh``: an axedist mesh, or a torch ``DeviceMesh`` (1-D, or a named sub-mesh such as
+    ``world_mesh["tp"]``). Matching modules get their style (parameters laid out, input/output
+    hooks). With axedist's styles every other parameter and every buffer becomes a replicated
+    DTensor, so DTensors flow through the whole model; a plan of torch's styles only leaves
+    them as they are, as torch's ``parallelize_module`` does (its local outputs meet plain
+    buffers). Parameter values come from global rank ``src_rank`` (default ``"first"``: the
+    mesh's first rank, as torch's ``distribute_tensor``; ``None``: every rank already holds
+    the same values, nothing is sent). A pattern that matches no module is an error. Returns
+    ``module``.
 
         >>> parallelize(model, mesh, {"layers.*.attention.wq": ColwiseParallel(), "output": ColwiseParallel()})
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize takes an axedist DeviceMesh, got {type(mesh).__name__}")
+    mesh = as_mesh(mesh)
     if mesh.ndim != 1:
         raise ValueError(f"parallelize lays modules out on a 1-D tensor-parallel mesh; mesh {mesh} has axes "
                          f"{mesh.axis_names}: pass mesh['<tp axis>']")
     if src_rank == "first":
         src_rank = mesh.ranks[0]
+    if not isinstance(plan, dict):
+        plan = {"": plan}
+    # torch's styles alone: torch's semantics (what the plan does not name stays untouched)
+    replicate_rest = any(isinstance(style, ParallelStyle) for style in plan.values())
     styles = {pattern: from_torch_style(style) for pattern, style in plan.items()}
     used = {pattern: 0 for pattern in styles}
     shared: dict = {}
@@ -567,17 +579,50 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: dict, *, src_rank: in
     if unused:
         names = [n for n, _ in module.named_modules() if n][:12]
         raise ValueError(f"plan patterns {unused} match no module (names look like {names})")
-    for sub in module.modules():
-        for pname, param in list(sub.named_parameters(recurse=False)):
-            if not isinstance(param, DTensor):
-                sub.register_parameter(pname, _distribute_param(param, mesh, Replicate(), shared, src_rank,
-                                                                f"{type(sub).__name__}.{pname}"))
-        for bname, buffer in list(sub.named_buffers(recurse=False)):
-            if buffer is not None and not isinstance(buffer, DTensor):
-                persistent = bname not in sub._non_persistent_buffers_set
-                sub.register_buffer(bname, replicate(buffer, mesh), persistent=persistent)
+    if replicate_rest:
+        for sub in module.modules():
+            for pname, param in list(sub.named_parameters(recurse=False)):
+                if not isinstance(param, DTensor):
+                    sub.register_parameter(pname, _distribute_param(param, mesh, Replicate(), shared, src_rank,
+                                                                    f"{type(sub).__name__}.{pname}"))
+            for bname, buffer in list(sub.named_buffers(recurse=False)):
+                if buffer is not None and not isinstance(buffer, DTensor):
+                    persistent = bname not in sub._non_persistent_buffers_set
+                    sub.register_buffer(bname, replicate(buffer, mesh), persistent=persistent)
     module.__dict__["_axedist_mesh"] = mesh
     return module
+
+
+def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=None, *,
+                       src_data_rank: int | None = 0) -> nn.Module:
+    """torch's ``parallelize_module``, spelled as torch spells it (keywords ``module``,
+    ``device_mesh``, ``parallelize_plan``, ``src_data_rank``), on axedist DTensors:
+    :func:`parallelize` with the mesh's rank ``src_data_rank`` as the source of the values.
+
+        >>> parallelize_module(module=block, device_mesh=world_mesh["tp"],
+        ...                    parallelize_plan={"attention.wq": ColwiseParallel()})
+    """
+    if device_mesh is None:
+        raise ValueError("parallelize_module needs device_mesh= (a torch or axedist mesh); axedist keeps no "
+                         "current mesh")
+    if parallelize_plan is None:
+        warnings.warn("parallelize_module: no parallelize_plan given; the module is left as it is", stacklevel=2)
+        return module
+    mesh = as_mesh(device_mesh)
+    src_rank = None if src_data_rank is None else mesh.ranks[src_data_rank]
+    return parallelize(module, mesh, parallelize_plan, src_rank=src_rank)
+
+
+def as_mesh(mesh) -> DeviceMesh:
+    """``mesh`` as an axedist mesh: an axedist mesh as it is, a torch ``DeviceMesh`` converted
+    (``DeviceMesh.from_torch``: made once, sub-meshes included)."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    if isinstance(mesh, TorchMesh):
+        return DeviceMesh.from_torch(mesh)
+    raise TypeError(f"expected an axedist or torch DeviceMesh, got {type(mesh).__name__}")
 
 
 def describe(module: nn.Module) -> str:

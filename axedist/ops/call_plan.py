@@ -277,8 +277,11 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
     defer = (func in DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
              and sum(isinstance(p, Partial) for p in (placements_or_none(outputs[0].spec) or ())) == 1)
-    fast = None if reduce_self is not None else _fast_form(cls, args, kwargs, dts, info, targets, structure,
-                                                           outputs, sharding)
+    # a local result marked conjugate / negative is materialized when wrapped (DTensor's
+    # constructor), which the fast routes skip: such an op (on meta tensors too) stays off them
+    bits = any(isinstance(v, torch.Tensor) and (v.is_conj() or v.is_neg()) for v in flat) and sharding.local is None
+    fast = None if reduce_self is not None or bits else _fast_form(cls, args, kwargs, dts, info, targets, structure,
+                                                                   outputs, sharding)
     plain = None
     if fast is not None and not info.inplace and sharding.local is None and \
             all(slot.target is None and not slot.strip for slot in fast.slots):

@@ -196,7 +196,8 @@ class FastPath:
         except Exception:
             return _SLOW
         if (type(again) is not torch.Tensor or again.shape != expected.shape or again.dtype != expected.dtype
-                or again.device != expected.device or again.stride() != expected.stride()):
+                or again.device != expected.device or again.stride() != expected.stride()
+                or again.is_conj() or again.is_neg()):
             return _SLOW
         inputs = {a.untyped_storage().data_ptr() for a in local_args if isinstance(a, torch.Tensor)}
         if again.numel() and again.untyped_storage().data_ptr() in inputs:

@@ -245,13 +245,13 @@ _UNARY = ["abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10",
           "round", "trunc", "frac", "logical_not", "bitwise_not", "isnan", "isinf", "isposinf", "isneginf",
           "isfinite", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "celu",
           "selu", "softplus", "hardswish", "hardsigmoid", "hardshrink", "softshrink", "threshold", "logit",
-          "relu6", "square", "positive", "conj_physical", "digamma", "lgamma", "i0", "sinc", "deg2rad", "rad2deg",
+          "relu6", "square", "positive", "conj_physical", "angle", "digamma", "lgamma", "i0", "sinc", "deg2rad", "rad2deg",
           "bitwise_left_shift", "bitwise_right_shift", "fill", "clone", "_to_copy", "alias_copy"]
 _BINARY = ["add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow",
            "maximum", "minimum", "fmax", "fmin", "atan2", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
            "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "copysign", "hypot", "xlogy",
            "nextafter", "lerp", "addcmul", "addcdiv", "masked_fill", "heaviside", "logaddexp", "logaddexp2",
-           "float_power", "ldexp", "igamma", "igammac"]
+           "float_power", "ldexp", "igamma", "igammac", "polar", "complex"]
 _BACKWARD = ["threshold_backward", "sigmoid_backward", "tanh_backward", "gelu_backward", "silu_backward",
              "leaky_relu_backward", "elu_backward", "hardtanh_backward", "softplus_backward", "mish_backward",
              "hardswish_backward", "hardsigmoid_backward", "logit_backward"]

@@ -17,7 +17,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
-__all__ = ["spec_of", "expected_local_shape", "placements_or_none"]
+__all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -44,6 +44,16 @@ def expected_local_shape(spec, placements) -> tuple[int, ...]:
         # unpadded: every reached device holds the whole local box
         return spec.local_padded if _reaches_here(spec.layout, mesh) else (0,) * len(spec.full_shape)
     return tuple(element_table(spec).local_shapes[mesh.position()])
+
+
+def local_shape_of(shape: tuple, mesh, target) -> tuple[int, ...]:
+    """This rank's local shape of a tensor of global ``shape`` laid out as ``target``
+    (placements or a Layout), without a pending sum's summand dim: what an op that takes a
+    size (``select_backward``'s ``input_sizes``, ``expand``'s ``size``) must be given locally.
+    ``(10, 6)`` as ``(Shard(0),)`` on 4 ranks: ``(3, 6)`` on ranks 0-2, ``(1, 6)`` on rank 3."""
+    spec = spec_of(tuple(shape), mesh, target if isinstance(target, Layout) else tuple(target))
+    local = expected_local_shape(spec, None if isinstance(target, Layout) else tuple(target))
+    return tuple(local[1:] if spec.reduce_op else local)
 
 
 def _reaches_here(layout: Layout, mesh) -> bool:

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
+from .specs import local_shape_of
 
 aten = torch.ops.aten
 
@@ -250,7 +251,19 @@ def slice_backward_rule(call: OpCall) -> Sharding:
     places = placements_of(grad)
     if not is_full_range(sizes[d], start, end, step) or grad.shape[d] != sizes[d]:
         places = unshard(places, [d], grad.ndim)
-    return Sharding(inputs=[places], outputs=places)
+    return Sharding(inputs=[places], outputs=places, local=_with_local_sizes(sizes, call.mesh, places))
+
+
+def _with_local_sizes(sizes, mesh, out_places):
+    """The local function of a backward op that takes the input's global ``sizes`` as its
+    second argument: the op given this rank's sizes of its output instead (``select_backward``
+    of a ``[Shard(0)]`` grad on 4 ranks makes ``(2, 6)`` zeros, not ``(8, 6)``)."""
+    local_sizes = local_shape_of(tuple(sizes), mesh, out_places)
+
+    def local(call, grad, _global_sizes, *rest, **kwargs):
+        return call.func(grad, list(local_sizes), *rest, **kwargs)
+
+    return local
 
 
 @register(aten.select.int)
@@ -265,11 +278,13 @@ def select_rule(call: OpCall) -> Sharding:
 
 @register(aten.select_backward.default)
 def select_backward_rule(call: OpCall) -> Sharding:
+    """The gradient of ``x[:, i]``: zeros of ``x``'s size with ``grad`` in column ``i``; ``grad``'s
+    shards move to the dims they are in ``x`` (the local op gets this rank's sizes)."""
     grad, sizes, dim = call.args[0], call.args[1], call.args[2]
     d = dim % len(sizes)
     places = placements_of(grad)
     out = renumber(places, grad.ndim, lambda e: e if e < d else e + 1)
-    return Sharding(inputs=[places], outputs=out)
+    return Sharding(inputs=[places], outputs=out, local=_with_local_sizes(sizes, call.mesh, out))
 
 
 @register(aten.flip.default)

@@ -9,6 +9,7 @@ gathers ``x``, runs on the whole tensor, and lays the result out replicated, war
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -21,7 +22,7 @@ from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, Plai
 from .specs import placements_or_none, spec_of
 
 __all__ = ["FUSED_OPTIMIZERS", "NOT_HANDLED", "dispatch_out", "dispatch_foreach", "dispatch_fused_optimizer",
-           "adopt_constants", "gather_fallback"]
+           "adopt_constants", "gather_fallback", "implicit_replication", "loss_parallel", "LOSS_OPS", "MODES"]
 
 aten = torch.ops.aten
 
@@ -138,14 +139,84 @@ def dispatch_fused_optimizer(d, func, args, kwargs):
     return None
 
 
-def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
-    """``args``/``kwargs`` with each plain tensor that holds one value, the same on every rank
-    of the mesh, replaced by a replicated ``cls`` DTensor; else ``error`` is raised (on every rank).
+# Loss ops whose plain target / weight ``loss_parallel()`` takes as replicated.
+LOSS_OPS = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten.nll_loss_backward.default,
+                      aten.nll_loss2d_backward.default})
 
-    Autograd formulas make such constants next to DTensors: prod's backward concatenates
-    ``torch.ones(1, 3)`` with slices of the input (``ones`` follows only dtype and device).
-    Whether every rank holds the same value takes one small all-reduce over the mesh, which
-    every rank joins (the arguments' structure is the same on every rank), so none waits.
+
+class _Modes:
+    """How many ``implicit_replication()`` / ``loss_parallel()`` blocks are open (process-wide,
+    as torch's flags are: backward may run on autograd's own threads)."""
+
+    implicit_replication = 0
+    loss_parallel = 0
+
+
+MODES = _Modes()
+
+
+@contextlib.contextmanager
+def implicit_replication():
+    """Inside, a plain tensor among DTensor arguments is taken as replicated, as under torch's
+    ``torch.distributed.tensor.experimental.implicit_replication()`` (whose flag axedist also
+    honours). Unlike torch, axedist checks that every rank passed the same tensor (one small
+    all-reduce per such call) and raises if not, and refuses a plain tensor that requires grad
+    (its gradient would be a DTensor): distribute those.
+
+        >>> with implicit_replication():
+        ...     y = x_dtensor + torch.ones(8, 6)      # the plain ones: Replicate
+    """
+    MODES.implicit_replication += 1
+    try:
+        yield
+    finally:
+        MODES.implicit_replication -= 1
+
+
+@contextlib.contextmanager
+def loss_parallel():
+    """Inside (forward and backward), a plain target or class weight of the cross-entropy ops
+    is taken as replicated, as under torch's ``torch.distributed.tensor.parallel.loss_parallel()``
+    (which axedist also honours). The loss over class-sharded logits needs no switch in
+    axedist (``ops/loss.py``); this is what lets plain integer labels in. Each rank must pass
+    the same labels (checked, one small all-reduce per loss op).
+
+        >>> with loss_parallel():
+        ...     loss = F.cross_entropy(logits, labels)   # logits (Shard(1),), labels a plain [B] tensor
+        ...     loss.backward()
+    """
+    MODES.loss_parallel += 1
+    try:
+        yield
+    finally:
+        MODES.loss_parallel -= 1
+
+
+def _torch_implicit_replication() -> bool:
+    flag = getattr(torch._C, "_get_dtensor_allow_implicit_replication", None)
+    return bool(flag()) if flag is not None else False
+
+
+def _torch_loss_parallel() -> bool:
+    # torch's loss_parallel() installs handlers for the loss ops in its DTensor's dispatcher
+    try:
+        from torch.distributed.tensor import DTensor as TorchDTensor
+
+        return aten.nll_loss_forward.default in TorchDTensor._op_dispatcher._custom_op_handlers
+    except (ImportError, AttributeError):
+        return False
+
+
+def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
+    """``args``/``kwargs`` with plain tensors among DTensors replaced by replicated ``cls``
+    DTensors where that is what the program means; else ``error`` is raised (on every rank).
+
+    Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
+    (autograd formulas make such constants next to DTensors: prod's backward concatenates
+    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` any plain
+    tensor equal on every rank; under ``loss_parallel()`` the target and weight of the loss ops.
+    Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
+    (the arguments' structure is the same on every rank), so none waits.
     """
     mesh, plain = None, []
 
@@ -164,9 +235,21 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         visit(value)
     if mesh is None or not plain:
         raise error
-    if not _agree_constant(mesh, plain):
+    replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication()
+                     or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel())))
+    if replicate_any:
+        grads = [tuple(t.shape) for t in plain if t.requires_grad]
+        if grads:
+            raise DispatchError(f"{error} (under implicit replication: a plain tensor that requires grad, shape "
+                                f"{grads[0]}, cannot be taken as replicated, its gradient would be a DTensor; "
+                                f"distribute it)") from None
+        if not all(_agreed(mesh, [_fingerprint(t) for t in plain])):
+            raise DispatchError(f"{error} (taken as replicated, it must be the same on every rank of {mesh}: it "
+                                f"differs)") from None
+    elif not _agree_constant(mesh, plain):
         raise DispatchError(f"{error} (a plain tensor is taken as replicated only when it holds one value, the "
-                            f"same on every rank, like the ones an autograd formula makes)") from None
+                            f"same on every rank, like the ones an autograd formula makes, or inside "
+                            f"implicit_replication() / loss_parallel() for the loss's labels)") from None
     adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
                for t in plain}
 
@@ -180,23 +263,44 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
+def _fingerprint(t: torch.Tensor) -> list[float]:
+    """Numbers two ranks agree on when they hold the same tensor: shape, and two checksums of
+    the values (their sum, and a sum weighted by position)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat.resolve_conj().resolve_neg()).reshape(-1)
+    flat = flat.to(torch.float64).nan_to_num(nan=1.5e300, posinf=1.7e300, neginf=-1.7e300)
+    weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.618033988749895) % 1.0 + 0.5
+    shape = sum((i + 1) * size for i, size in enumerate(t.shape))  # a fixed count of numbers on every rank
+    sums = torch.stack([flat.sum(), (flat * weights).sum()]).nan_to_num(nan=0.0)  # overflowing sums still compare
+    return [float(t.dim()), float(t.numel()), float(shape), *sums.tolist()]
+
+
+def _agreed(mesh, facts: list[list[float]]) -> list[bool]:
+    """Per list of numbers: is it the same on every rank of the mesh? (one all-reduce of max and
+    -min; lists of different lengths on different ranks cannot happen: same arguments, same shapes)."""
+    flat = [x for f in facts for x in f]
+    both = torch.tensor(flat + [-x for x in flat], dtype=torch.float64, device=mesh.device)
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
+    n = len(flat)
+    same = (both[:n] == -both[n:]).tolist()
+    out, i = [], 0
+    for f in facts:
+        out.append(all(same[i:i + len(f)]))
+        i += len(f)
+    return out
+
+
 def _agree_constant(mesh, plain: list) -> bool:
     """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?"""
-    # per tensor: (not constant here, its value, minus its value), reduced with MAX over the mesh
     facts = []
     for t in plain:
         first = t.reshape(-1)[0] if t.numel() else None
         constant = (first is not None and not t.requires_grad and not t.is_complex()
                     and bool((t == first).all()))
-        v = float(first) if constant else 0.0
-        facts += [0.0 if constant else 1.0, v, -v]
-    agreed = torch.tensor(facts, dtype=torch.float64, device=mesh.device)
-    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
-    for i in range(len(plain)):
-        not_constant, high, minus_low = agreed[3 * i:3 * i + 3].tolist()
-        if not_constant or high != -minus_low:
-            return False
-    return True
+        facts.append([0.0 if constant else 1.0, float(first) if constant else 0.0])
+    # agreed everywhere and constant here means constant on every rank
+    return all(ok and f[0] == 0.0 for ok, f in zip(_agreed(mesh, facts), facts))
 
 
 def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):

@@ -25,7 +25,7 @@ import torch
 from ..layout import Iter, Layout, LayoutError, row_major_memory
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .specs import expected_local_shape, spec_of
+from .specs import expected_local_shape, local_shape_of, spec_of
 
 aten = torch.ops.aten
 
@@ -215,8 +215,7 @@ def expand(call: OpCall) -> Sharding:
 
     @functools.lru_cache(maxsize=None)
     def local_shape():
-        shape = expected_local_shape(spec_of(new, mesh, out), out)
-        return shape[1:] if any(isinstance(p, Partial) for p in out) else shape
+        return local_shape_of(new, mesh, out)
 
     def local(call_, x, *args, **kwargs):
         return x.expand(local_shape())

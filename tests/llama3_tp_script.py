@@ -1,0 +1,238 @@
+"""A Llama-3 training script written for PyTorch's tensor-parallel API, as torchtitan writes it.
+
+torchtitan's module names (``tok_embeddings``, ``layers.N.attention.wq/wk/wv/wo``,
+``attention_norm``, ``feed_forward.w1/w2/w3``, ``ffn_norm``, ``norm``, ``output``), RoPE on
+complex numbers (a ``freqs_cis`` buffer from ``torch.polar``, ``view_as_complex`` /
+``view_as_real``), grouped-query attention, torchtitan's TP plan (sequence parallel norms,
+``PrepareModuleInput``, column / row parallel linears with torch's ``use_local_output``), the
+loss under ``loss_parallel()`` with plain integer labels, ``clip_grad_norm_`` over the
+gradients and AdamW (``fused=True`` where this torch build has the fused kernel for the
+device, else ``foreach=True``).
+
+Only the block between the two ``# -- TP imports`` lines differs between running on torch's
+DTensor and on axedist: ``tests/test_dropin_llama3.py`` runs this file's text as it is and
+with that block replaced (``AXEDIST_IMPORTS`` there), and once with no parallelism at all.
+Standalone: ``torchrun --nproc-per-node 4 tests/llama3_tp_script.py``.
+"""
+
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+# -- TP imports (begin)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, loss_parallel, parallelize_module)
+# -- TP imports (end)
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 64
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 16
+
+
+def precompute_freqs_cis(dim: int, end: int, theta: float) -> torch.Tensor:
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)  # complex64 [end, dim / 2]
+
+
+def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    seqlen = x.shape[1]
+    freqs_cis = freqs_cis[0:seqlen]
+    shape = [d if i == 1 or i == x.ndim - 1 else 1 for i, d in enumerate(x.shape)]
+    return freqs_cis.view(*shape)
+
+
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = reshape_for_broadcast(freqs_cis, xq_)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    bs, slen, n_kv_heads, head_dim = x.shape
+    if n_rep == 1:
+        return x
+    return (torch.unsqueeze(x, dim=3).expand(bs, slen, n_kv_heads, n_rep, head_dim)
+            .reshape(bs, slen, n_kv_heads * n_rep, head_dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.n_rep = self.n_heads // self.n_kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        # -1: the number of heads this rank holds under tensor parallelism
+        xq = xq.view(bs, seqlen, -1, self.head_dim)
+        xk = xk.view(bs, seqlen, -1, self.head_dim)
+        xv = xv.view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+        keys = repeat_kv(xk, self.n_rep)
+        values = repeat_kv(xv, self.n_rep)
+        xq, xk, xv = xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        output = F.scaled_dot_product_attention(xq, xk, xv, is_causal=True)
+        output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(output)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int):
+        super().__init__()
+        hidden_dim = int(2 * hidden_dim / 3)
+        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, 4 * args.dim, args.multiple_of)
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2,
+                                                               args.rope_theta), persistent=True)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            else:
+                std = 0.02 if not name.endswith(("wo.weight", "w2.weight")) else 0.02 / math.sqrt(2 * self.args.n_layers)
+                nn.init.trunc_normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def apply_tp(model: Transformer, tp_mesh, loss_parallel_on: bool = True) -> None:
+    """torchtitan's tensor-parallel plan (sequence parallel, loss parallel)."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+                                  use_local_output=not loss_parallel_on),
+    })
+    for block in model.layers.values():
+        layer_plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        parallelize_module(module=block, device_mesh=tp_mesh, parallelize_plan=layer_plan)
+
+
+def full(t):
+    """The whole tensor of a DTensor (torch's or axedist's), or ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def fused_adamw_supported(device: str) -> bool:
+    """Does this torch build have the fused AdamW kernel for ``device``?"""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    return device in _get_fused_kernels_supported_devices()
+
+
+def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32):
+    """``steps`` training steps: the model, and per step the loss, the gradient norm and every
+    gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
+    ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's)."""
+    args = ModelArgs()
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Transformer(args)
+    finally:
+        torch.set_default_dtype(default)
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    fused = fused_adamw_supported("cpu")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None,
+                                  foreach=None if fused else True)
+    data = torch.Generator().manual_seed(seed + 1)
+    record = []
+    for _ in range(steps):
+        tokens = torch.randint(0, args.vocab_size, (batch, args.max_seq_len + 1), generator=data)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        with loss_parallel() if tp_mesh is not None else nullcontext():
+            pred = model(inputs)
+            loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+            loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        record.append({"loss": full(loss).detach().clone(), "norm": full(norm).detach().clone(),
+                       "grads": {n: full(p.grad).detach().clone() for n, p in model.named_parameters()},
+                       "fused": fused})
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, record
+
+
+def main() -> None:
+    world_mesh = init_device_mesh("cpu", (1, int(os.environ["WORLD_SIZE"])), mesh_dim_names=("dp", "tp"))
+    for step, r in enumerate(train(world_mesh["tp"], seed=0)[1]):
+        if torch.distributed.get_rank() == 0:
+            print(f"step {step}: loss {r['loss'].item():.5f}, grad norm {r['norm'].item():.5f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""Drop-in for torch's tensor-parallel API: what a torch TP script relies on, on axedist.
+
+``parallelize_module(module=, device_mesh=, parallelize_plan=)`` with a torch mesh (1-D, and
+the ``"tp"`` sub-mesh of a 2x2 ``("dp", "tp")`` mesh, whose two sub-meshes hold different
+ranks) and torch's style objects: outputs and gradients equal torch's ``parallelize_module``
+and one process; buffers and modules the plan does not name stay plain, local outputs are
+plain tensors. A plain tensor meeting DTensors is an error as in torch, except under
+``implicit_replication()`` / ``loss_parallel()`` (axedist's and torch's), where ranks that
+pass different tensors get an error instead of a silent wrong result.
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import parallel as torch_tp
+from torch.distributed.tensor.experimental import implicit_replication as torch_implicit_replication
+
+import axedist as ax
+from axedist.dtensor import DTensor
+from axedist.nn import ColwiseParallel, implicit_replication, loss_parallel, parallelize_module
+from axedist.ops import DispatchError
+from axedist.testing import run_on_ranks
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+class _Block(nn.Module):
+    """Column- then row-parallel, a position table as a buffer (torchtitan's freqs_cis is one)
+    applied to the local output in between, and a module no plan names."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(6, 12, dtype=torch.float64)
+        self.down = nn.Linear(12, 6, dtype=torch.float64)
+        self.unused = nn.Linear(2, 2, dtype=torch.float64)
+        self.register_buffer("table", torch.linspace(0.5, 2.0, 5, dtype=torch.float64)[:, None])
+
+    def forward(self, x):                       # x [B, S, 6]
+        h = F.gelu(self.up(x)) * self.table[: x.shape[1]]
+        return self.down(h)
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _torch_meshes(rank, world, seed, which):
+    torch.manual_seed(seed)
+    if which == "1d":
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))["tp"]
+    ref = _Block()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    plan = lambda: {"up": torch_tp.ColwiseParallel(), "down": torch_tp.RowwiseParallel()}  # noqa: E731
+    torch_tp.parallelize_module(theirs, mesh, plan())
+    out = parallelize_module(module=ours, device_mesh=mesh, parallelize_plan=plan())
+    assert out is ours
+    assert isinstance(ours.up.weight, DTensor) and ours.up.weight.placements == (Shard(0),)
+    assert ours.up.weight.mesh.ranks == tuple(mesh.mesh.flatten().tolist())
+    # what the plan does not name stays as it was, as torch leaves it
+    assert type(ours.table) is torch.Tensor and type(ours.unused.weight) is nn.Parameter
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    y_ref, y_ours, y_theirs = ref(x), ours(x), theirs(x)
+    assert type(y_ours) is torch.Tensor  # RowwiseParallel's local output (use_local_output=True)
+    for y in (y_ours, y_theirs):
+        torch.testing.assert_close(y, y_ref, **TOL)
+    weight = torch.randn(2, 5, 6, dtype=torch.float64)
+    for model, y in ((ref, y_ref), (ours, y_ours), (theirs, y_theirs)):
+        (y * weight).sum().backward()
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        for model in (ours, theirs):
+            got = dict(model.named_parameters())[name].grad
+            torch.testing.assert_close(_full(got), p.grad, **TOL, msg=lambda m: f"{which}: grad of {name}: {m}")
+    # axedist's own style on the same mesh: everything becomes a DTensor, buffers replicated
+    again = _Block()
+    parallelize_module(again, mesh, {"up": ColwiseParallel()})
+    assert isinstance(again.table, DTensor) and again.table.placements == (Replicate(),)
+    return True
+
+
+@pytest.mark.parametrize("which", ["1d", "tp_of_2x2"])
+def test_parallelize_module_takes_torch_meshes_and_keeps_torch_semantics(which):
+    assert run_on_ranks(_torch_meshes, 4, args=(random.randrange(2**31), which)) == [True] * 4
+
+
+def _sub_meshes(rank, world):
+    """A 2-D sub-mesh of a 3-D torch mesh comes from its root; a 1-D one runs on torch's group."""
+    root = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("pp", "dp", "tp"))
+    two = ax.DeviceMesh.from_torch(root["dp", "tp"])
+    assert (two.axis_names, two.shape, two.ranks) == (("dp", "tp"), (2, world // 2), tuple(range(world)))
+    assert ax.DeviceMesh.from_torch(root["dp", "tp"]) is two     # made once
+    tp = ax.DeviceMesh.from_torch(root["tp"])
+    assert tp.ranks == tuple(root["tp"].mesh.tolist()) and tp.axis_names == ("tp",)
+    x = ax.distribute(torch.arange(8.0).reshape(4, 2), two, [Shard(0), Shard(1)])
+    return x.redistribute([Replicate(), Replicate()]).to_local().tolist() == torch.arange(8.0).reshape(4, 2).tolist()
+
+
+def test_torch_sub_meshes():
+    assert run_on_ranks(_sub_meshes, 4) == [True] * 4
+
+
+def _errors(fn):
+    try:
+        fn()
+    except DispatchError as e:
+        return str(e)
+    return None
+
+
+def _mixed(rank, world, seed):
+    mesh = ax.DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    x, b = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g, dtype=torch.float64)
+    xd = ax.distribute(x, mesh, [Shard(0)])
+    # torch: "got mixed torch.Tensor and DTensor" unless the plain tensor is a scalar
+    theirs = distribute_tensor(x, mesh.to_torch(), [Shard(0)])
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        theirs + b
+    assert "plain torch.Tensor" in _errors(lambda: xd + b)
+    torch.testing.assert_close((xd * torch.tensor(2.0)).full_tensor(), x * 2)
+    for context in (implicit_replication, torch_implicit_replication):
+        with context():
+            torch.testing.assert_close((xd + b).full_tensor(), x + b)
+            assert (xd + b).placements == (Shard(0),)
+            # ranks that pass different tensors: an error on every rank, not a silent wrong result
+            assert "differs" in _errors(lambda: xd + (b + rank))
+            assert "requires grad" in _errors(lambda: xd + b.clone().requires_grad_())
+    assert "plain torch.Tensor" in _errors(lambda: xd + b)  # the context is closed again
+    return True
+
+
+def test_plain_tensors_meet_dtensors_as_in_torch():
+    assert run_on_ranks(_mixed, 4, args=(random.randrange(2**31),)) == [True] * 4
+
+
+def _losses(rank, world, seed):
+    mesh = ax.DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 10, generator=g, dtype=torch.float64)     # 10 classes: 3, 3, 3, 1 on 4 ranks
+    labels = torch.randint(0, 10, (6,), generator=g)
+    for reduction in ("mean", "sum"):
+        ref = logits.clone().requires_grad_()
+        loss_ref = F.cross_entropy(ref, labels, reduction=reduction)
+        loss_ref.backward()
+        for context in (loss_parallel, torch_tp.loss_parallel):
+            xd = ax.distribute(logits, mesh, [Shard(1)]).requires_grad_()
+            assert "plain torch.Tensor" in _errors(lambda: F.cross_entropy(xd, labels))
+            with context():
+                loss = F.cross_entropy(xd, labels, reduction=reduction)
+                loss.backward()
+                assert "differs" in _errors(lambda: F.cross_entropy(xd, (labels + rank) % 10))
+            torch.testing.assert_close(loss.full_tensor(), loss_ref, **TOL)
+            torch.testing.assert_close(xd.grad.full_tensor(), ref.grad, **TOL)
+            assert xd.grad.placements == (Shard(1),)
+    return True
+
+
+def test_loss_parallel_takes_plain_labels_as_replicated():
+    assert run_on_ranks(_losses, 4, args=(random.randrange(2**31),)) == [True] * 4
+
