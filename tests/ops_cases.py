@@ -14,7 +14,6 @@ import itertools
 import math
 
 import torch
-from hypothesis import Phase, settings
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import DTensor, distribute
@@ -23,10 +22,6 @@ from axedist.mesh import DeviceMesh
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 WORLD = {"2": 2, "4": 4, "2x2": 4}
 TOL = dict(rtol=1e-9, atol=1e-9)
-# Each example spawns ranks and runs many cases: one fresh example per test, or two without
-# shrinking (a shrink re-runs the ranks for every candidate).
-ONE_EXAMPLE = settings(max_examples=1, database=None, phases=[Phase.explicit, Phase.generate])
-NO_SHRINK = settings(max_examples=2, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 
 
 def mesh_of(name: str) -> DeviceMesh:
@@ -145,5 +140,5 @@ def check(fn, inputs, mesh: DeviceMesh, seed: int, g: torch.Generator, what: str
     return outs
 
 
-__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "ONE_EXAMPLE", "NO_SHRINK", "mesh_of", "placement_sets",
+__all__ = ["check", "sample_sets", "MESHES", "WORLD", "TOL", "mesh_of", "placement_sets",
            "make", "replicated", "rand", "randint", "close", "shards", "Partial", "Replicate", "Shard"]

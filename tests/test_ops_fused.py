@@ -311,7 +311,7 @@ def _colwise_sequence_parallel(rank, world, seed):
     reaches the fused decision through linear's view and mm (CPU: not fused, the reason
     named, gathered once); two layers share the gathered x (one gather); values and grads
     equal the plain Linears'; an in-place change of the rows first runs the gather."""
-    from axedist.nn import ColwiseParallel, PrepareModuleInput, parallelize
+    from axedist.nn import ColwiseParallel, parallelize
     from axedist.runtime.deferred import fused_gemm_stats as stats
 
     mesh = DeviceMesh("cpu", (world,))

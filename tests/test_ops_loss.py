@@ -12,8 +12,6 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
-from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import DTensor, distribute
@@ -21,7 +19,7 @@ from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
 fallback_ops = DTensor.dispatcher.fallback_ops
-from tests.ops_cases import MESHES, NO_SHRINK
+from tests.ops_cases import MESHES
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -77,9 +75,8 @@ def _loss_case(rank, world_size, mesh_name, seed, spatial, smoothing=0.0):
 
 @pytest.mark.parametrize("spatial", [False, True], ids=["2d", "spatial"])
 @pytest.mark.parametrize("mesh_name,world_size", [("2", 2), ("4", 4), ("2x2", 4)])
-@NO_SHRINK
-@given(seed=st.integers(0, 2**31 - 1), smoothing=st.sampled_from([0.0, 0.0, 0.1]))
-def test_cross_entropy(mesh_name, world_size, spatial, seed, smoothing):
+def test_cross_entropy(mesh_name, world_size, spatial, seed):
+    smoothing = (0.0, 0.0, 0.1)[seed % 3]
     counts = run_on_ranks(_loss_case, world_size, args=(mesh_name, seed, spatial, smoothing))
     assert counts[0] >= 9  # 3 reductions x at least 3 placements
 
