@@ -9,6 +9,8 @@ gathers ``x``, runs on the whole tensor, and lays the result out replicated, war
 
 from __future__ import annotations
 
+import math
+import struct
 import warnings
 
 import torch
@@ -181,22 +183,37 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
 
 
 def _agree_constant(mesh, plain: list) -> bool:
-    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?"""
-    # per tensor: (not constant here, its value, minus its value), reduced with MAX over the mesh
+    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?
+
+    Values are compared exactly, as int64 words: an integer as itself (2**53 and 2**53 + 1
+    differ, as they would not through float64), a float by its float64 bits."""
+    # per tensor: (not constant here, word, ~word), reduced with MAX: every rank had the same
+    # word iff max(word) == ~max(~word), i.e. the max equals the min
     facts = []
     for t in plain:
         first = t.reshape(-1)[0] if t.numel() else None
         constant = (first is not None and not t.requires_grad and not t.is_complex()
                     and bool((t == first).all()))
-        v = float(first) if constant else 0.0
-        facts += [0.0 if constant else 1.0, v, -v]
-    agreed = torch.tensor(facts, dtype=torch.float64, device=mesh.device)
+        word = _exact_word(first) if constant else 0
+        facts += [0 if constant else 1, word, ~word]
+    agreed = torch.tensor(facts, dtype=torch.int64, device=mesh.device)
     torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
     for i in range(len(plain)):
-        not_constant, high, minus_low = agreed[3 * i:3 * i + 3].tolist()
-        if not_constant or high != -minus_low:
+        not_constant, high, not_low = agreed[3 * i:3 * i + 3].tolist()
+        if not_constant or high != ~not_low:
             return False
     return True
+
+
+def _exact_word(value: torch.Tensor) -> int:
+    """A 0-dim real tensor as one int64 that equal values share: integers as themselves, floats
+    by their float64 bits (-0.0 read as 0.0, every NaN as one NaN)."""
+    if not value.is_floating_point():
+        word = int(value)
+        return word - (1 << 64) if word >= 1 << 63 else word  # uint64 above int64's range wraps
+    number = float(value)
+    number = 0.0 if number == 0 else (math.nan if math.isnan(number) else number)
+    return struct.unpack("<q", struct.pack("<d", number))[0]
 
 
 def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
