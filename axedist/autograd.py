@@ -108,7 +108,11 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
     target = _grad_spec(spec)
-    local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
+    if grad._spec == target:
+        agree_on_move(target, target, grad._value.element_size())  # a rank whose gradient needs no move is checked too
+        local = grad._local
+    else:
+        local = redistribute_local(grad._local, grad._spec, target)
     return local[0] if target.reduce_op else local
 
 
@@ -144,6 +148,7 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad):
         target = _grad_spec(ctx.src)
         if grad._spec == target:
+            agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
             return grad, None, None
         return ctx.cls(redistribute_local(grad._local, grad._spec, target), target), None, None
 

@@ -27,6 +27,7 @@ made); it carries short texts, only on first uses and failures.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -126,10 +127,12 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
         announce_failure(what, failed)
         return
     keys = [f"{prefix}{count}/{r}" for r in ranks]
+    timeout = collective_timeout_s()
     try:
-        store.wait(keys, timedelta(seconds=collective_timeout_s()))
-    except RuntimeError as error:  # DistStoreError: some rank never posted
-        raise peer_error(f"the agreement check of {what} ({text})", ranks, error) from None
+        store.wait(keys, timedelta(seconds=timeout))
+    except RuntimeError:  # DistStoreError: some rank never posted
+        raise peer_error(f"the agreement check of {what} ({text})", ranks,
+                         TimeoutError(f"no answer within {timeout:g} s")) from None
     texts = [value.decode() for value in store.multi_get(keys)]
     if len(set(texts)) > 1:
         own = f"{what}: "  # a rank at another check point shows which one
@@ -195,7 +198,9 @@ def peer_error(what: str, ranks: Sequence[int], cause: BaseException) -> PeerErr
     except Exception as error:  # the store may be gone with the peer that hosted it
         trouble = error
     missing = [r for r in others if r not in stuck]
-    cause_text = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+    # the cause's first sentence, without gloo's source-file prefix
+    cause_text = re.sub(r"^\[[^\]]*\]\s*", "", str(cause).strip().split("\n")[0])
+    cause_text = re.split(r"(?<=\.)\s", cause_text)[0].rstrip(".")[:300] or type(cause).__name__
     lines = [f"{what} did not complete on rank {me}: {cause_text}"]
     if trouble is not None:
         lines.append(f"(could not ask the job's store which ranks arrived: {str(trouble).splitlines()[0][:200]})")
@@ -204,8 +209,11 @@ def peer_error(what: str, ranks: Sequence[int], cause: BaseException) -> PeerErr
         why = "; ".join(f"rank {r} {failed[r]}" for r in missing if r in failed)
         lines.append(f"{'Ranks' if len(missing) > 1 else 'Rank'} {names} did not arrive ("
                      + (why if why else f"no report within {grace:.1f} s: stalled, busy elsewhere or exited") + ")")
+    elif all(text == what for text in stuck.values()):
+        lines.append("Every peer reported it was stuck in this call too (a connection lost mid-call?)")
     else:
-        lines.append("Every peer reported it was stuck too (a peer's connection was lost mid-call?)")
+        lines.append("Every rank reported, but not from this call: the ranks took different paths (a rank "
+                     "re-ran a checked move while another started a new one?)")
     if stuck:
         lines.append("Stuck too: " + "; ".join(f"rank {r} in {text}" for r, text in sorted(stuck.items())))
     lines.append(f"Collective timeout {timeout:g} s (init_mesh(timeout_s=...) or AXEDIST_COLLECTIVE_TIMEOUT_S)")

@@ -265,7 +265,8 @@ _FRESH: list = []  # the forkserver context: torch and axedist imported once, ea
 def _fresh_context():
     if not _FRESH:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "axedist.dtensor", "axedist.nn",
+        # torch._dynamo: the first decomposed op (addmm) imports it, 3 s on a small machine
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "axedist.dtensor", "axedist.nn",
                                     "axedist.testing.ranks"])
         _FRESH.append(ctx)
     return _FRESH[0]
