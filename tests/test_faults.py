@@ -100,6 +100,14 @@ def _case(rank, world, place, fault, path):
 
 
 def _check(outcomes, place, fault):
+    try:
+        _expect(outcomes, place, fault)
+    except AssertionError as failure:  # every rank's story, for a failure on a loaded machine
+        stories = "\n".join(f"{o}\n{o.message}" for o in outcomes)
+        raise AssertionError(f"{place}/{fault}: {failure}\n{stories}") from None
+
+
+def _expect(outcomes, place, fault):
     healthy = [o for o in outcomes if o.rank != FAULTY]
     faulty = outcomes[FAULTY]
     for o in healthy if fault != "disagree" else outcomes:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import warnings
 import zlib
 from dataclasses import dataclass, field
 
@@ -272,8 +273,8 @@ def _verify_chunks(path: str, metadata) -> list[str]:
         except (ValueError, KeyError, TypeError) as error:
             return [f"{sums_file} cannot be read ({_first_line(error)}): the file is damaged"]
     elif rank == 0:
-        problems.append(f"{sums_file} is missing: the chunks cannot be verified (a checkpoint not written by "
-                        f"axedist.nn.checkpoint.save? delete nothing; save it again to add checksums)")
+        warnings.warn(f"checkpoint {path} has no {CHECKSUMS} (not saved by axedist.nn.checkpoint.save): its chunks "
+                      f"are checked for size only", stacklevel=3)
     sizes, short = {}, {}  # short: file -> the tensors it lacks bytes for (every rank sees the same)
     for i, (file, offset, length, name, offsets) in enumerate(_chunk_list(metadata)):
         full = os.path.join(path, file)

@@ -281,9 +281,12 @@ def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, coll
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    parent = os.getppid()
     timeout = timedelta(seconds=collective_timeout_s)
     # the store lives in the caller's process, as torchrun's agent hosts it: it outlives any rank
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    # (its own timeout is generous: a rank that reports a failure must reach it on a loaded machine)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=max(collective_timeout_s, 30.0)))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     start = time.monotonic()
     try:
@@ -297,7 +300,12 @@ def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, coll
     results.put(report)
     results.close()
     results.join_thread()
-    os._exit(0)  # no teardown: a process group that lost a peer may hang in it
+    # A rank that raised stays alive, as a real one would (its peers must not learn of it from a
+    # closed connection); every rank waits here for the caller to end it (no teardown: a process
+    # group that lost a peer may hang in it).
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
 
 
 def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, collective_timeout_s: float = 3.0,
@@ -308,9 +316,10 @@ def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
 
     For fault tests: the ranks are forks of a server that imported torch once (a call costs
     well under a second plus ``fn``), their collectives and agreement checks time out after
-    ``collective_timeout_s``, and the job's store lives here, so it outlives any rank. The call
-    ends when every rank of ``wait_for`` (default: all) has reported or exited; the others are
-    then killed, as torchrun kills the rest of a failed job. No process is left running.
+    ``collective_timeout_s``, and the job's store lives here, so it outlives any rank. A rank
+    that has reported (a result or an exception) stays alive, as a rank that caught an error
+    would. The call ends when every rank of ``wait_for`` (default: all) has reported or exited;
+    then every process still there is killed, as torchrun ends a failed job. None is left running.
 
         >>> outcomes = run_fresh_ranks(stall_rank_1_in_distribute, 2)
         >>> outcomes[0].status, outcomes[0].error, outcomes[1].status
@@ -331,7 +340,7 @@ def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
              for r in range(world_size)]
     for p in procs:
         p.start()
-    outcomes: dict[int, RankOutcome] = {}
+    outcomes: dict[int, RankOutcome] = {}  # from reports; a process that ended without one is "exited"
     awaited = set(range(world_size) if wait_for is None else wait_for)
     deadline = time.monotonic() + deadline_s
     gone_since: dict[int, float] = {}
@@ -349,7 +358,7 @@ def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
                         outcomes[r] = RankOutcome(r, "exited", exitcode=p.exitcode)
     finally:
         for r, p in enumerate(procs):
-            if p.is_alive():
+            if p.is_alive():  # done (it waits to be ended), or still running: killed as torchrun would
                 p.kill()
             p.join(timeout=10)
             if r not in outcomes:
