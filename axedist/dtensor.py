@@ -97,7 +97,9 @@ def _gather_texts(mesh: DeviceMesh, text: str) -> dict[int, str]:
     return dict(zip(sorted(mesh.ranks), texts))
 
 
-_AGREED_LOCALS: set = set()  # (mesh, placements, local shape, dtype) every rank of the mesh agreed on
+# (id(mesh), placements, local shape, dtype) every rank of the mesh agreed on -> the mesh (kept
+# alive, so its id stays its own; hashing a mesh costs microseconds)
+_AGREED_LOCALS: dict = {}
 
 
 def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, failure) -> None:
@@ -105,14 +107,14 @@ def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, 
     local shape: the first time this rank sees these placements, local shape and dtype, every
     rank compares what it inferred (``peers.agree``), before any collective can meet tensors
     of mismatched sizes. Raises on every rank when they differ (or when ``failure`` happened here)."""
-    key = (mesh, tuple(placements), tuple(local.shape), local.dtype)
+    key = (id(mesh), tuple(placements), tuple(local.shape), local.dtype)
     if failure is None and key in _AGREED_LOCALS:
         return
     text = "" if failure is not None else f"local {tuple(local.shape)} {local.dtype} -> {spec.canonical_text()}"
     agree(mesh.ranks, "from_local", text, failed=failure)
     if failure is not None:
         raise failure
-    _AGREED_LOCALS.add(key)
+    _AGREED_LOCALS[key] = mesh
 
 
 def _shape_text(row) -> str:

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from .env import read as read_environment
 from .layout import LayoutError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "announce_failure", "choose_timeout",
-           "collective_timeout_s", "is_peer_failure", "peer_error", "rank_listing"]
+__all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "announce_failure",
+           "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error", "rank_listing"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable
@@ -140,6 +140,13 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
         raise RankDisagreementError(f"ranks disagree on {what}:\n" + rank_listing(dict(zip(ranks, shown))))
 
 
+def agree_in_group(group, what: str, text: str) -> None:
+    """``agree`` over the members of a process group (None: the default group); nothing to do
+    without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        agree(dist.get_process_group_ranks(group or dist.group.WORLD), what, text)
+
+
 def rank_listing(texts: dict[int, str]) -> str:
     """``  rank 0: a`` / ``  ranks 1, 2: b``: ranks with equal texts on one line."""
     by_text: dict[str, list[int]] = {}
@@ -164,6 +171,8 @@ def announce_failure(what: str, error: BaseException) -> None:
 
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` from a collective looks like a peer's failure (timeout, lost connection)."""
+    if isinstance(error, PeerError):  # named already
+        return False
     if dist.is_available() and isinstance(error, dist.DistError):
         return True
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in _PEER_SIGNS)

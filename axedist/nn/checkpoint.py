@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..dtensor import DTensor
-from ..peers import agree
+from ..peers import agree, is_peer_failure, peer_error
 
 __all__ = ["CheckpointError", "Loaded", "torch_state_dict", "save", "load", "CHECKSUMS", "EXTRA"]
 
@@ -92,6 +92,16 @@ def _ranks() -> tuple[int, ...]:
     return tuple(range(dist.get_world_size()))
 
 
+def _together(what: str, call):
+    """``call()``, a collective over the job; a peer's failure in it is a ``PeerError`` naming it."""
+    try:
+        return call()
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise peer_error(f"checkpoint {what}", _ranks(), error) from error
+
+
 def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = None) -> None:
     """Write ``module``'s state dict to the directory ``path`` (collective over the job); with
     ``optimizer``, its state too, and with either that or ``extra`` (a JSON-able dict, rank 0's)
@@ -106,7 +116,7 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
     partial = path.rstrip("/") + ".partial"
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)
-    dist.barrier()
+    _together("save (before writing)", dist.barrier)
     try:
         dcp.save(state, checkpoint_id=partial)
     except Exception as error:
@@ -118,7 +128,7 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
             with open(os.path.join(partial, EXTRA), "w") as f:
                 json.dump({"extra": extra or {}, "optimizer_param_groups": groups, "world": dist.get_world_size()},
                           f, indent=1)
-    dist.barrier()
+    _together("save (written)", dist.barrier)
     if rank == 0:  # the old checkpoint goes only once the new one is whole
         if os.path.exists(path):
             old = path.rstrip("/") + ".old"
@@ -128,7 +138,7 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
             shutil.rmtree(old)
         else:
             os.rename(partial, path)
-    dist.barrier()
+    _together("save (renamed)", dist.barrier)
 
 
 def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -> Loaded:
@@ -204,7 +214,7 @@ def _some(names: list[str], limit: int = 8) -> str:
 def _everyone(problems: list[str]) -> list[str]:
     """Every rank's problems (each rank checked its share): one all_gather_object."""
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problems)
+    _together("load (checking files)", lambda: dist.all_gather_object(gathered, problems))
     return sorted({p for rank_problems in gathered for p in rank_problems})
 
 
@@ -240,7 +250,7 @@ def _write_checksums(path: str) -> None:
             mine.append({"file": file, "offset": offset, "length": length, "tensor": name, "chunk": offsets,
                          "crc32": _crc(os.path.join(path, file), offset, length)})
     gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
+    _together("save (checksums)", lambda: dist.all_gather_object(gathered, mine))
     if rank == 0:
         chunks = sorted((c for part in gathered for c in part), key=lambda c: (c["file"], c["offset"]))
         with open(os.path.join(path, CHECKSUMS), "w") as f:

@@ -309,6 +309,7 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
 
 _AGREED: set = set()        # (src, dst, item size) of every route this rank's mesh agreed on
 _AGREED_ROUTES: dict = {}   # id(route) -> route: the fast answer for route objects seen (kept alive, ids unique)
+_STAYS: dict = {}           # id(spec) -> spec: the fast answer for "no move" (a spec to itself)
 
 
 def agree_on_move(src, dst, itemsize: int) -> None:
@@ -318,11 +319,17 @@ def agree_on_move(src, dst, itemsize: int) -> None:
     a set lookup (``redistribute_local``: a dict lookup by route). Keyed by the specs, not by a
     cached route object, so the check never repeats on one rank only (a plan cache that evicts
     differently on another rank)."""
+    if src is dst and id(src) in _STAYS:
+        return
     key = (src, dst, itemsize)
     if key not in _AGREED:
         agree(src.mesh.ranks, "redistribute",
               f"{src.canonical_text()} -> {dst.canonical_text()}, {itemsize}-byte elements")
         _AGREED.add(key)
+    if src is dst:
+        if len(_STAYS) > 4096:
+            _STAYS.clear()
+        _STAYS[id(src)] = src
 
 
 def run_route(route: Redistribution, local: torch.Tensor, async_op: bool = False):
