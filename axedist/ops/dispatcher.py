@@ -325,6 +325,8 @@ class OpDispatcher:
             try:  # a rule's local function may run collectives (softmax's row max and sum, ...)
                 result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
             except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
                 raise _failed_rule(func, plan, error) from error
         else:
             result = func(*local_args, **local_kwargs)
@@ -366,6 +368,8 @@ class OpDispatcher:
             try:
                 value = fast.local(plan.call, *local_args)
             except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
                 raise _failed_rule(func, plan, error) from error
         else:
             value = func(*local_args)
@@ -484,10 +488,8 @@ def _local_of(dt, target):
 
 
 def _failed_rule(func, plan: CallPlan, error: RuntimeError) -> RuntimeError:
-    """``error`` from a rule's local function: a ``PeerError`` naming the op when one of its
-    collectives lost a peer (timeout, closed connection), else ``error`` itself."""
-    if not is_peer_failure(error):
-        return error
+    """The ``PeerError`` for a peer's failure (timeout, closed connection) in one of the
+    collectives a rule's local function runs: it names the op."""
     return peer_error(f"{func}'s collectives ({plan.sharding})", plan.call.mesh.ranks, error)
 
 

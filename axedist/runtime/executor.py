@@ -139,10 +139,8 @@ def _program(plan: Plan, mesh) -> _Program:
 
 
 def _failed_step(program, plan: Plan, mesh, error: RuntimeError) -> RuntimeError:
-    """``error`` from a step's collective: a ``PeerError`` naming the step and the ranks that did
-    not arrive when it looks like a peer's failure (timeout, closed connection), else ``error``."""
-    if not is_peer_failure(error):
-        return error
+    """The ``PeerError`` for a peer's failure (timeout, closed connection) in a step's collective:
+    it names the step and the ranks that did not arrive."""
     ranks = getattr(program, "ranks", None) or mesh.ranks
     what = f"{program.step.kind} over {program.step.axes} ({program.how}; plan {plan.source} -> {plan.target})"
     return peer_error(what, ranks, error)
@@ -168,7 +166,7 @@ class PendingBuffer:
                     w.wait()
                 value = self._finish()
             except RuntimeError as error:
-                if self._failed is None:
+                if self._failed is None or not is_peer_failure(error):
                     raise
                 raise self._failed(error) from error
             self._value = self._rest(value)
@@ -196,6 +194,8 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
                     w.wait()
                 value = finish()
             except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
                 raise _failed_step(step, plan, mesh, error) from error
         return value
 
@@ -207,6 +207,8 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     try:
         works, finish = first.start(x, True)
     except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
         raise _failed_step(first, plan, mesh, error) from error
     works = [w for w in (works or []) if w is not None]
     return PendingBuffer(works, finish, lambda v: run_from(1, v), lambda e: _failed_step(first, plan, mesh, e))
