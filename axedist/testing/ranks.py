@@ -12,6 +12,9 @@ while a call costs milliseconds. A call that fails on any rank raises
 (a rank stuck in a collective that a failed peer never joined) kills the pool,
 raises, and the next call starts a fresh one. Nothing is left hanging.
 
+Fault tests, whose ranks raise, exit or hang on purpose, use ``run_fresh_ranks``: new processes
+for one call (forks of a server that imported torch once), every rank's outcome returned.
+
 Example::
 
     def body(rank, world_size, n):
