@@ -11,8 +11,11 @@ first use, so ``import axedist`` stays fast and never imports torch or Triton.
 
 from importlib import import_module
 
+from .env import EnvironmentVariableError, check_environment
 from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
 from .planning import Plan, Step, Transfer
+
+check_environment()  # a bad AXEDIST_* value fails here, naming the variable and what it accepts
 
 # name -> module that defines it, imported on first access
 _LAZY = {
@@ -23,6 +26,8 @@ _LAZY = {
     "Redistribution": "planning",
     "DeviceMesh": "mesh",
     "MeshError": "mesh",
+    "PeerError": "peers",
+    "RankDisagreementError": "peers",
     "init_mesh": "mesh",
     "TopologyWarning": "mesh",
     "Link": "topology",
@@ -60,7 +65,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient",
+    "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient", "EnvironmentVariableError",
     "Plan", "Step", "Transfer",
     *_LAZY,
 ]

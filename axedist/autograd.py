@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from .runtime import redistribute_local
+from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
@@ -56,12 +56,14 @@ def move(dt, dst: DTensorSpec, async_op: bool = False):
     cls = type(dt)
     pending = dt._pending
     if isinstance(pending, DeferredGemm) and pending.value is None:
+        agree_on_move(dt._spec, dst, dt._value.element_size())  # (redistribute_local does it on the unfused path)
         fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:
             return cls(fused, dst)
     if pending is None and not async_op:
         gather = defer_gather(dt._value, dt._spec, dst)
         if gather is not None:
+            agree_on_move(dt._spec, dst, dt._value.element_size())
             return cls(placeholder(dt.dtype, dt._value.device), dst, pending=gather)
     if async_op:
         pending = redistribute_local(dt._local, dt._spec, dst, async_op=True)
@@ -106,7 +108,11 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
     target = _grad_spec(spec)
-    local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
+    if grad._spec == target:
+        agree_on_move(target, target, grad._value.element_size())  # a rank whose gradient needs no move is checked too
+        local = grad._local
+    else:
+        local = redistribute_local(grad._local, grad._spec, target)
     return local[0] if target.reduce_op else local
 
 
@@ -142,6 +148,7 @@ class _Redistribute(torch.autograd.Function):
     def backward(ctx, grad):
         target = _grad_spec(ctx.src)
         if grad._spec == target:
+            agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
             return grad, None, None
         return ctx.cls(redistribute_local(grad._local, grad._spec, target), target), None, None
 

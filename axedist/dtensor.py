@@ -17,7 +17,7 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 from __future__ import annotations
 
 import dataclasses
-import os
+import hashlib
 from typing import Sequence
 
 import torch
@@ -25,11 +25,14 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Placement
 
 from . import autograd
+from .env import read as read_environment
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError
+from .peers import RankDisagreementError, agree, announce_failure, is_peer_failure, peer_error, rank_listing
 from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
+from .runtime import agree_on_move
 from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
@@ -55,19 +58,63 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_DIMS = 8
 
 
-def _describe(t: torch.Tensor, ok: bool = True) -> list[int]:
+def _check_dims(t: torch.Tensor) -> None:
     if t.dim() > _MAX_DIMS:
         raise LayoutError(f"axedist DTensors have at most {_MAX_DIMS} dims, got {t.dim()}")
+
+
+def _describe(t: torch.Tensor, ok: bool = True) -> list[int]:
+    """``[ok, dtype code, dims, *shape, 0...]``: a tensor with too many dims reads as not ok."""
+    if t.dim() > _MAX_DIMS:
+        return [0, -1, 0] + [0] * _MAX_DIMS
     code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
     return [int(ok), code, t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
 
 
-def _gather_descriptions(mesh: DeviceMesh, row: list[int]) -> dict[int, list[int]]:
+def _digest(text: str) -> int:
+    """64 bits of ``text`` as an int64: one word per rank says which target it asked for."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def _gather_descriptions(mesh: DeviceMesh, row: list[int], what: str) -> dict[int, list[int]]:
     """``{global rank: row}`` for every rank of the mesh (one small all_gather)."""
     mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
     rows = [torch.empty_like(mine) for _ in range(mesh.size)]
-    dist.all_gather(rows, mine, group=mesh.group())
+    try:
+        dist.all_gather(rows, mine, group=mesh.group())
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise peer_error(f"{what}'s check of every rank's tensor (all_gather over {mesh.axis_names})", mesh.ranks,
+                         error) from error
     return {rank: r.tolist() for rank, r in zip(sorted(mesh.ranks), rows)}
+
+
+def _gather_texts(mesh: DeviceMesh, text: str) -> dict[int, str]:
+    """``{global rank: text}`` (every rank calls it: only after rows showed a rank differs)."""
+    texts = [None] * mesh.size
+    dist.all_gather_object(texts, text, group=mesh.group())
+    return dict(zip(sorted(mesh.ranks), texts))
+
+
+# (id(mesh), placements, local shape, dtype) every rank of the mesh agreed on -> the mesh (kept
+# alive, so its id stays its own; hashing a mesh costs microseconds)
+_AGREED_LOCALS: dict = {}
+
+
+def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, failure) -> None:
+    """``from_local`` without ``run_check`` whose global shape each rank inferred from its own
+    local shape: the first time this rank sees these placements, local shape and dtype, every
+    rank compares what it inferred (``peers.agree``), before any collective can meet tensors
+    of mismatched sizes. Raises on every rank when they differ (or when ``failure`` happened here)."""
+    key = (id(mesh), tuple(placements), tuple(local.shape), local.dtype)
+    if failure is None and key in _AGREED_LOCALS:
+        return
+    text = "" if failure is not None else f"local {tuple(local.shape)} {local.dtype} -> {spec.canonical_text()}"
+    agree(mesh.ranks, "from_local", text, failed=failure)
+    if failure is not None:
+        raise failure
+    _AGREED_LOCALS[key] = mesh
 
 
 def _shape_text(row) -> str:
@@ -137,10 +184,15 @@ class DTensor(torch.Tensor):
         (a layout alone does not say where dims begin), ``padded_shape`` is what it admits
         when that differs, and ``reduce_op`` marks its leading dim as pending summands.
         ``run_check=True`` compares every rank's local shape and dtype (one all_gather)
-        and raises on every rank when any differs from the layout's.
+        and raises on every rank when any differs from the layout's. Without it, a global
+        shape inferred from each rank's local shape (placements, no ``shape``) is compared
+        once per local shape, dtype and placements (one exchange on the job's store), so ranks
+        whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
+        a collective of mismatched sizes.
         """
         mesh.position()
         failure = None
+        inferred = shape is None and is_placements(layout_or_placements)
         try:
             if is_placements(layout_or_placements):
                 if padded_shape is not None or reduce_op is not None:
@@ -157,14 +209,18 @@ class DTensor(torch.Tensor):
             if spec.reduce_op and is_placements(layout_or_placements):
                 expected = expected[1:]  # the summand dim is added below
         except LayoutError as e:
-            if not run_check:
+            if not run_check and not inferred:
+                announce_failure("from_local", e)
                 raise
             failure, spec, expected = e, None, None  # still join the check, so no peer waits forever
         ok = failure is None and tuple(local.shape) == expected
+        if inferred and not run_check:
+            _agree_on_inferred(mesh, layout_or_placements, local, spec, failure)
         if run_check:
             # each rank's local shape and dtype, and the global shape it inferred
             inferred = list(spec.shape) if spec else []
-            rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)))
+            rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)),
+                                        "from_local(run_check=True)")
             first = rows[mesh.ranks[0]]
             bad = {r: row for r, row in rows.items()
                    if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
@@ -173,11 +229,13 @@ class DTensor(torch.Tensor):
                          + (f", the layout gives it {element_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
                          for r, row in sorted(bad.items())]
                 here = f" (here: {failure})" if failure else ""
-                raise LayoutError(f"from_local({spec or layout_or_placements}): local tensors do not fit the layout"
-                                  f"{here}:\n  " + "\n  ".join(lines))
+                raise RankDisagreementError(f"from_local({spec or layout_or_placements}): local tensors do not fit "
+                                            f"the layout{here}:\n  " + "\n  ".join(lines))
         elif not ok:
-            raise LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape {tuple(local.shape)}, "
-                              f"the layout gives it {expected}")
+            error = LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape "
+                                f"{tuple(local.shape)}, the layout gives it {expected}")
+            announce_failure("from_local", error)
+            raise error
         if local.device != mesh.device:
             raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
         return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements))
@@ -226,8 +284,13 @@ class DTensor(torch.Tensor):
         communication and returns at once; the result's data is waited for on its first use
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
         """
-        dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
+        try:
+            dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
+        except (ValueError, TypeError) as error:  # told to the other ranks, which raise too where they check
+            agree(self.mesh.ranks, "redistribute", "", failed=error)
+            raise
         if dst == self._spec:
+            agree_on_move(dst, dst, self._value.element_size())  # a rank asking for no move is checked too
             return self
         return autograd.redistribute(self, dst, async_op)
 
@@ -267,7 +330,7 @@ class DTensor(torch.Tensor):
 # Torch ops reach the dispatcher (axedist.ops) through these two handlers; the class owns it.
 DTensor.dispatcher = OpDispatcher(DTensor)
 DTensor.__torch_dispatch__ = classmethod(DTensor.dispatcher.torch_dispatch)
-DTensor.dispatcher.fastpath.enable(os.environ.get("AXEDIST_FASTPATH", "1") != "0")
+DTensor.dispatcher.fastpath.enable(read_environment("AXEDIST_FASTPATH"))
 
 
 def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | None = None,
@@ -323,34 +386,52 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         tensor([6., 7.])
     """
     mesh.position()
-    rows = _gather_descriptions(mesh, _describe(tensor))
+    failure = None
+    try:
+        dst = _distribute_target(tensor, mesh, layout_or_placements, padded_shape, src_rank)
+    except (ValueError, TypeError) as error:  # LayoutError, MeshError, junk arguments: told to every rank
+        dst, failure = None, error
+    target = (f"{dst.canonical_text()} from rank {src_rank}" if failure is None
+              else f"raised {type(failure).__name__}: {failure}")
+    # one small all_gather: each rank's shape, dtype and a digest of its target
+    rows = _gather_descriptions(mesh, _describe(tensor, failure is None) + [_digest(target)], "distribute")
     first = rows[mesh.ranks[0]]
-    differ = [r for r, row in rows.items() if row[1:] != first[1:]]
-    if differ:
-        listing = ", ".join(f"rank {r}: {_shape_text(row)}" for r, row in sorted(rows.items()))
-        raise LayoutError(f"distribute needs the same shape and dtype on every rank of the mesh; got {listing}")
-    if tensor.numel() == 0:
-        raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
+    if all(row == first for row in rows.values()) and failure is not None:
+        raise failure  # the same mistake on every rank
+    if any(not row[0] or row[1:] != first[1:] for row in rows.values()):
+        texts = _gather_texts(mesh, f"{_shape_text(_describe(tensor))} -> {target}")
+        here = f" (here: {failure})" if failure is not None else ""
+        raise RankDisagreementError(f"distribute needs the same shape and dtype, and the same target, on every rank "
+                                    f"of the mesh{here}; got:\n" + rank_listing(texts))
     shape = tuple(tensor.shape)
-    if is_placements(layout_or_placements):
-        if padded_shape is not None:
-            raise LayoutError("padded_shape goes with a layout; placements imply it")
-        dst = spec_from_placements(shape, mesh, layout_or_placements)
-        if dst.reduce_op:
-            raise LayoutError("distribute to Partial placements has no single meaning; distribute, then to_partial()")
-    else:
-        dst = make_spec(mesh, layout_or_placements, shape, padded_shape)
     if src_rank is None:
         src = make_spec(mesh, replicated_layout(shape, mesh), shape)
     else:
-        if not mesh.contains(src_rank):
-            raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
         src = make_spec(mesh, Layout(row_major_iters(shape), (), mesh.coordinates(src_rank)), shape)
     if src_rank is None or dist.get_rank() == src_rank:
         local = tensor.to(mesh.device)
     else:
         local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
     return autograd.distribute(DTensor, tensor, local, src, dst)
+
+
+def _distribute_target(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, padded_shape,
+                       src_rank) -> DTensorSpec:
+    """Where ``distribute`` puts ``tensor`` (the checks that may fail on one rank only)."""
+    _check_dims(tensor)
+    if tensor.numel() == 0:
+        raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
+    if src_rank is not None and not mesh.contains(src_rank):
+        raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
+    shape = tuple(tensor.shape)
+    if not is_placements(layout_or_placements):
+        return make_spec(mesh, layout_or_placements, shape, padded_shape)
+    if padded_shape is not None:
+        raise LayoutError("padded_shape goes with a layout; placements imply it")
+    dst = spec_from_placements(shape, mesh, layout_or_placements)
+    if dst.reduce_op:
+        raise LayoutError("distribute to Partial placements has no single meaning; distribute, then to_partial()")
+    return dst
 
 
 def from_torch(torch_dtensor) -> DTensor:

@@ -37,6 +37,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .env import read as read_environment
+from .peers import DEFAULT_TIMEOUT_S, choose_timeout, collective_timeout_s
 from .topology import HOST_SIZE_ENV, INTER_NODE, INTRA_NODE, AxisLink, Link, Network, Topology
 
 __all__ = ["DeviceMesh", "MeshError", "TopologyWarning", "group_hosts", "group_topology", "init_mesh", "job_topology"]
@@ -78,7 +80,9 @@ def _process_group(device_type: str, ranks: tuple[int, ...], topology: Topology)
         if members == tuple(range(world)) and dist.get_backend() == backend and not topology.simulated:
             _GROUPS[key] = dist.group.WORLD
         else:
-            _GROUPS[key] = dist.new_group(list(members), backend=backend)
+            # the job's collective timeout (new_group's own default is 30 min on gloo)
+            _GROUPS[key] = dist.new_group(list(members), backend=backend,
+                                          timeout=timedelta(seconds=collective_timeout_s()))
         if dist.get_rank() in members:  # others hold a placeholder, not a group
             _GROUP_TOPOLOGY[id(_GROUPS[key])] = (_GROUPS[key], topology)
     return _GROUPS[key]
@@ -93,8 +97,8 @@ def job_topology() -> Topology:
     --nproc-per-node 2`` gives ``Topology((0, 0, 1, 1))``.
     """
     world = dist.get_world_size()
-    size = os.environ.get(HOST_SIZE_ENV)
-    if size:
+    size = read_environment(HOST_SIZE_ENV)
+    if size is not None:
         return _simulated(world, size)
     key = (id(dist.group.WORLD), world)
     if key not in _FOUND:
@@ -105,11 +109,9 @@ def job_topology() -> Topology:
     return _FOUND[key]
 
 
-def _simulated(world: int, host_size) -> Topology:
-    try:
-        size = int(host_size)
-    except ValueError:
-        raise MeshError(f"host size must be an int, got {host_size!r} (from {HOST_SIZE_ENV} or host_size=)") from None
+def _simulated(world: int, size) -> Topology:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise MeshError(f"host size must be an int, got {size!r} (from {HOST_SIZE_ENV} or host_size=)")
     if size <= 0 or world % size:
         raise MeshError(f"host size {size} must be positive and divide the world of {world} ranks")
     return Topology.of_host_size(world, size)
@@ -130,8 +132,9 @@ def group_hosts(group=None) -> tuple[int, ...]:
     known = group_topology(group)
     if known is not None:
         return known.hosts_of(ranks)
-    if os.environ.get(HOST_SIZE_ENV):
-        return _simulated(world, os.environ[HOST_SIZE_ENV]).hosts_of(ranks)
+    size = read_environment(HOST_SIZE_ENV)
+    if size is not None:
+        return _simulated(world, size).hosts_of(ranks)
     found = _FOUND.get((id(dist.group.WORLD), world))
     if found is not None:
         return found.hosts_of(ranks)
@@ -458,7 +461,7 @@ class DeviceMesh:
 
 
 def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str] | str | None = None,
-              device_type: str | None = None, ranks=None, timeout_s: float = 600.0, *,
+              device_type: str | None = None, ranks=None, timeout_s: float | None = None, *,
               host_size: int | None = None, links: Mapping[str, Link] | None = None,
               intra_node_axes: Sequence[str] | None = None) -> DeviceMesh:
     """A mesh for a ``torchrun`` job: joins the process group from torchrun's environment.
@@ -467,6 +470,11 @@ def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str
     on CUDA (NCCL, rank r on GPU LOCAL_RANK) when GPUs are present, else on CPU (gloo); under
     ``torchrun --nnodes 2 --nproc-per-node 4`` its ``dp`` axis is inter-node. ``host_size``,
     ``links`` and ``intra_node_axes`` as for ``DeviceMesh``.
+
+    ``timeout_s``: how long a collective (and an agreement check) waits for its peers before it
+    raises ``PeerError`` naming the ranks that did not arrive; default ``AXEDIST_COLLECTIVE_TIMEOUT_S``,
+    else 600 s. It is the process group's timeout when this call creates it, and every mesh
+    group's (a default group made elsewhere keeps its own).
     """
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -479,7 +487,11 @@ def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str
             local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group(_backend_for(device_type), timeout=timedelta(seconds=timeout_s), **kwargs)
+        timeout = choose_timeout(timeout_s if timeout_s is not None else
+                                 read_environment("AXEDIST_COLLECTIVE_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
+        dist.init_process_group(_backend_for(device_type), timeout=timedelta(seconds=timeout), **kwargs)
+    else:
+        choose_timeout(timeout_s)
     if shape is None:
         shape = (dist.get_world_size(),)
     return DeviceMesh(device_type, shape, axis_names, ranks, host_size=host_size, links=links,

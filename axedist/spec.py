@@ -127,9 +127,18 @@ class DTensorSpec:
         return hash(self) == hash(other) and self._fields() == other._fields()
 
     def __repr__(self) -> str:
+        return self._text(self.layout, rows=False)
+
+    def _text(self, layout, rows: bool = True) -> str:
         pending = f", pending {self.reduce_op} over {self.summands} summands" if self.reduce_op else ""
         padded = f" (padded {list(self.padded)})" if self.padded != self.shape else ""
-        return f"{list(self.shape)}{padded} {self.layout}{pending}"
+        true = f", true rows {list(self.true_index)}" if rows and self.true_index else ""
+        return f"{list(self.shape)}{padded} {layout}{pending}{true}"
+
+    def canonical_text(self) -> str:
+        """The spec as ranks compare it: equal specs read the same (the layout in canonical form),
+        e.g. ``[8, 6] S[(4,12):(1@gpuid,1)]`` for ``Shard(0)`` on 4 ranks."""
+        return self._text(self.layout.canonicalize())
 
 
 def make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> DTensorSpec:

@@ -53,6 +53,9 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=20)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="capture the decode step in a CUDA graph once and replay it (with --cuda)")
+    p.add_argument("--non-strict", dest="strict", action="store_false",
+                   help="load a checkpoint holding tensors the model of config.json has no place for (e.g. more "
+                        "layers): drop them and list them, instead of refusing it")
     args = p.parse_args(argv)
     if args.cuda_graphs and not args.cuda:
         p.error("--cuda-graphs needs --cuda")
@@ -66,7 +69,16 @@ def main(argv=None) -> None:
     dtype = getattr(torch, saved["dtype"])
     model = Llama(cfg).to(device=mesh.device, dtype=dtype)
     parallelize(model, mesh, llama_tp_plan(cfg, sequence_parallel=False))
-    checkpoint.load(model, os.path.join(args.train_dir, "checkpoint"))
+    try:
+        loaded = checkpoint.load(model, os.path.join(args.train_dir, "checkpoint"), strict=args.strict)
+    except checkpoint.CheckpointError as error:  # the same on every rank: say it once, exit
+        say(f"error: {error}")
+        dist.barrier()
+        dist.destroy_process_group()
+        raise SystemExit(1) from None
+    if loaded.dropped:
+        say(f"dropped {len(loaded.dropped)} checkpoint tensors the model has no place for (--non-strict): "
+            f"{', '.join(loaded.dropped)}")
     model.eval()
     to_inference(model)  # DTensors made outside inference mode cannot be viewed inside it (as torch's)
     say(f"loaded {args.train_dir}/checkpoint on {mesh} ({dtype}, TP={mesh.size})")

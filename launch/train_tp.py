@@ -16,6 +16,12 @@ Rank 0 prints each layer's layouts and the collectives inferred for it (once, at
 a progress bar and periodic loss lines; it writes ``losses.json`` and ``loss.png`` to
 ``--out`` (default ``runs/train_tp``), and every rank writes its shards of a
 ``torch.distributed.checkpoint`` to ``--out/checkpoint`` (read by ``launch/infer_tp.py``).
+
+Ctrl-C (SIGINT, or SIGTERM) stops after the step in progress: every rank finishes the same step,
+the model, the optimizer, the step, the losses and the RNG states go to ``--out/checkpoint``, and
+the run says so (or that it could not save) and exits; ``--resume`` continues from there with
+the same losses as a run never stopped (the data of step s is a function of s and ``--seed``).
+torchrun waits 30 s (``--shutdown-timeout``) for the ranks to exit after a Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -82,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="runs/train_tp", help="output directory (losses.json, loss.png, checkpoint/)")
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --out/checkpoint (saved at the end, or when stopped with Ctrl-C)")
     return p.parse_args(argv)
 
 
@@ -134,6 +143,68 @@ def write_outputs(out: str, record: dict) -> None:
     plt.close(fig)
 
 
+class Interrupt:
+    """SIGINT / SIGTERM ask for a stop after the step in progress. A rank may get the signal a
+    step later than another, so ``agreed()`` (once a step: a MAX all-reduce of one flag) tells
+    every rank the same answer. A third signal (a terminal's Ctrl-C and torchrun's copy of it
+    make two) stops at once, without the checkpoint."""
+
+    def __init__(self):
+        self.count = 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        if self.count >= 3:
+            raise KeyboardInterrupt
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([min(self.count, 1)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def save_state(args, model, optimizer, cfg, step: int, losses: list) -> str:
+    """The resumable checkpoint: model, optimizer, RNG states, and step / losses / config."""
+    path = os.path.join(args.out, "checkpoint")
+    checkpoint.save(model, path, optimizer=optimizer,
+                    extra={"step": step, "losses": losses, "seed": args.seed, "config": cfg.__dict__})
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "config.json"), "w") as f:
+            json.dump({"config": cfg.__dict__, "dtype": args.dtype or str(next(model.parameters()).dtype).replace(
+                "torch.", ""), "seed": args.seed}, f, indent=1)
+    return path
+
+
+def resume(args, model, optimizer, cfg) -> tuple[int, list]:
+    """(the first step to run, the losses so far): from ``--out/checkpoint`` with ``--resume``."""
+    if not args.resume:
+        return 1, []
+    path = os.path.join(args.out, "checkpoint")
+    extra = checkpoint.load(model, path, optimizer=optimizer).extra
+    if extra.get("seed") != args.seed or extra.get("config") != cfg.__dict__:
+        raise SystemExit(f"--resume: {path} was trained with seed {extra.get('seed')} and config "
+                         f"{extra.get('config')}; this run has seed {args.seed} and {cfg.__dict__}")
+    say(f"resumed from {path} after step {extra['step']}")
+    return extra["step"] + 1, list(extra["losses"])
+
+
+def stop_interrupted(args, model, optimizer, cfg, step: int, losses: list) -> None:
+    """After an agreed interrupt: save the resumable checkpoint, say what happened, exit."""
+    try:
+        path = save_state(args, model, optimizer, cfg, step, losses)
+        say(f"\ninterrupted after step {step}: saved a resumable checkpoint to {path} "
+            f"(continue with --resume)")
+        code = 0
+    except Exception as error:  # noqa: BLE001 -- say it, whatever it was
+        say(f"\ninterrupted after step {step}: could NOT save a checkpoint ({type(error).__name__}: {error})")
+        code = 1
+    dist.barrier()
+    dist.destroy_process_group()
+    raise SystemExit(code)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
@@ -158,9 +229,10 @@ def main(argv=None) -> None:
     say(describe(model))
     say("")
 
-    losses, started = [], time.perf_counter()
+    first, losses = resume(args, model, optimizer, cfg)
+    interrupt, started = Interrupt(), time.perf_counter()
     tty = sys.stdout.isatty()
-    for step in range(1, run["steps"] + 1):
+    for step in range(first, run["steps"] + 1):
         inputs, targets = counting_batch(step, run["batch"], run["seq"], cfg.vocab_size, args.seed)
         logits = model(inputs.to(device))
         loss = next_token_loss(logits, replicate(targets, mesh))
@@ -174,6 +246,8 @@ def main(argv=None) -> None:
         if step % args.log_every == 0 or step == run["steps"]:
             say(("\r" if tty else "") + f"step {step:4d}  loss {value:.4f}  " + progress(step, run["steps"], value,
                                                                                        started))
+        if interrupt.agreed(device):
+            stop_interrupted(args, model, optimizer, cfg, step, losses)
     seconds = time.perf_counter() - started
     say(f"\ntrained {run['steps']} steps in {seconds:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
         f"(ln(vocab) = {math.log(cfg.vocab_size):.4f})")
@@ -185,12 +259,7 @@ def main(argv=None) -> None:
         write_outputs(args.out, record)
         say(f"wrote {args.out}/losses.json and {args.out}/loss.png")
     if args.checkpoint:
-        path = os.path.join(args.out, "checkpoint")
-        checkpoint.save(model, path)
-        if dist.get_rank() == 0:
-            with open(os.path.join(args.out, "config.json"), "w") as f:
-                json.dump({"config": cfg.__dict__, "dtype": args.dtype or str(run["dtype"]).replace("torch.", ""),
-                           "seed": args.seed}, f, indent=1)
+        path = save_state(args, model, optimizer, cfg, run["steps"], losses)
         say(f"saved the parameters with torch.distributed.checkpoint to {path} (load: launch/infer_tp.py)")
     say("training finished")
     # every rank past its last collective before any tears gloo down (a rank that left early

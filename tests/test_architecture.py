@@ -15,7 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
 # (layer rank, module prefix): the longest matching prefix decides a module's layer
 LAYERS = [
     (0, "axedist.layout"),
+    (0, "axedist.env"),  # the AXEDIST_* variables, parsed and checked once (no torch)
     (1, "axedist.mesh"),
+    (1, "axedist.peers"),  # agreement checks and who did not arrive: the job's store, no mesh
     (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads
     (2, "axedist.spec"),
     (3, "axedist.planning"),

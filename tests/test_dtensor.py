@@ -193,7 +193,7 @@ def test_errors_are_clear_on_every_rank():
         assert "outside the mesh axis gpuid of size 4" in messages["outside_mesh"]
         assert "row-major" in messages["not_row_major"]
         assert "not on 'm'" in messages["replica_on_m"]
-        assert "same shape and dtype on every rank" in messages["shapes_differ"] and "rank 0: (4, 6)" in messages["shapes_differ"]
+        assert "same shape and dtype" in messages["shapes_differ"] and "rank 0: (4, 6)" in messages["shapes_differ"]
         assert "rank 2: local (3, 6)" in messages["from_local_checked"]
         assert "rank 1: local (2, 6) torch.float32" in messages["from_local_dtype"]
         assert "needs shape=" in messages["layout_needs_shape"]

@@ -3,13 +3,21 @@
 Same seed, fp64: the TP loss, every parameter's gradient and the parameters after two
 AdamW steps must match the single-process run, on 2 and 4 gloo ranks, with and without
 sequence parallelism (vocabulary 30: uneven on 4 ranks). A DCP checkpoint written at TP=4
-loads at TP=2 with the same full parameters and decodes under inference_mode. And ``launch/train_tp.py`` runs under torchrun.
+loads at TP=2 with the same full parameters and decodes under inference_mode. And ``launch/train_tp.py`` runs under torchrun,
+stops cleanly on Ctrl-C with a resumable checkpoint, and ``--resume`` continues with the same losses.
 """
 
+import contextlib
 import copy
+import io
 import json
 import os
 import random
+import re
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +28,7 @@ from axedist.mesh import DeviceMesh
 from axedist.nn import checkpoint, parallelize, replicate, to_inference
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import run_on_ranks, run_torchrun
+from axedist.testing.ranks import run_fresh_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-9, atol=1e-11)
@@ -138,3 +147,53 @@ def test_train_script_runs_under_torchrun(tmp_path):
     assert len(record["loss"]) == 6 and all(v == v for v in record["loss"])
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert (tmp_path / "checkpoint" / ".metadata").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_main(rank, world, argv):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import train_tp
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_tp.main(argv)
+    return True
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint_and_resume_gives_the_same_losses(tmp_path):
+    """SIGINT to torchrun and its ranks (a terminal's Ctrl-C) mid-run: every rank stops after the
+    same step and saves; ``--resume`` (on fresh ranks) finishes with the losses of a run never stopped."""
+    run = ["--steps", "30", "--log-every", "1", "--seq", "8", "--batch", "2", "--dim", "16", "--vocab", "32",
+           "--layers", "1", "--no-sequence-parallel"]
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    outcomes = run_fresh_ranks(_train_main, 2, args=(run + ["--out", str(full)],), collective_timeout_s=60)
+    assert [o.status for o in outcomes] == ["ok", "ok"], outcomes
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           "launch/train_tp.py", *run, "--out", str(stopped)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step    3"):
+                os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: torchrun and every rank get it
+                break
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with pytest.raises(ProcessLookupError):  # no rank left behind in the job's session
+        os.killpg(proc.pid, 0)
+    said = re.search(r"interrupted after step (\d+): saved a resumable checkpoint to (\S+)", stdout)
+    assert said, stdout[-3000:] + stderr[-3000:]
+    step = int(said.group(1))
+    assert 3 <= step < 30 and said.group(2) == str(stopped / "checkpoint")
+    outcomes = run_fresh_ranks(_train_main, 2, args=(run + ["--out", str(stopped), "--resume"],),
+                               collective_timeout_s=60)
+    assert [o.status for o in outcomes] == ["ok", "ok"], outcomes
+    expected = json.loads((full / "losses.json").read_text())["loss"]
+    resumed = json.loads((stopped / "losses.json").read_text())["loss"]
+    assert len(expected) == len(resumed) == 30 and resumed == expected, (step, expected, resumed)

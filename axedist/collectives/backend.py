@@ -21,6 +21,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..env import read as read_environment
 from ..mesh import group_hosts
 
 MULTICAST_ENV = "AXEDIST_ENABLE_MULTICAST"
@@ -73,7 +74,7 @@ def device_supports_multicast(device_index: int) -> bool:
 
 
 def multicast_opted_in() -> bool:
-    return os.environ.get(MULTICAST_ENV, "") == "1"
+    return read_environment(MULTICAST_ENV)
 
 
 def multimem_allowed(device_index: int, multicast_address: int = 1) -> tuple[bool, str]:

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..peers import agree_in_group
 from . import fallback
 from .backend import multicast_opted_in, multimem_allowed, p2p_possible
 
@@ -228,6 +229,10 @@ def _fused_call(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
         from .symmetric import get_workspace
 
         plan = plan_gemm_reduce_scatter(a, b, group, scatter_dim, backend)
+        # the first call of a shape on this rank: every rank must run the same product and kernel
+        # (K_local may differ; M, N, dtype and the choice may not), else every rank raises
+        agree_in_group(group, "gemm_reduce_scatter", f"a {list(a.shape[:-1])} x K @ b [K, {b.shape[1]}] {a.dtype}, "
+                       f"scatter_dim {scatter_dim % a.dim()}, runs {plan.backend}")
         device = a.device
         call = FusedCall(plan, dist.get_world_size(group), dist.get_rank(group),
                          lambda nbytes: get_workspace(group, nbytes, device))

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..peers import agree_in_group
 from . import fallback
 from .backend import TUNED, multicast_opted_in, multimem_allowed, p2p_possible
 from .fused import gathered_along, operand_grads, scattered_along
@@ -231,14 +232,19 @@ class AllGatherGemmCall:
 _calls: dict[tuple, object] = {}
 
 
-def _cached_call(kind, a, b, group, extra, backend, make):
+def _cached_call(kind, a, b, group, extra, backend, make, shared: str):
+    """The call of these operands (made on first use). The first use of a shape on this rank
+    also checks that every rank runs the same: ``shared`` (the shapes the ranks must share) and
+    the kernel chosen, else every rank raises ``RankDisagreementError``."""
     key = (kind, a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
            group, extra, backend, multicast_opted_in())
     call = _calls.get(key)
     if call is None:
+        call = make()
+        agree_in_group(group, kind, f"{shared} {a.dtype}, {extra}, runs {call.plan.backend}")
         if len(_calls) > 4096:  # shapes of one model are few; a shape sweep must not grow it
             _calls.clear()
-        call = _calls[key] = make()
+        _calls[key] = call
     return call
 
 
@@ -281,7 +287,7 @@ def _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, ga
         plan = plan_all_gather_gemm(a, b, group, gather_dim, backend)
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
                                  _group_workspace(group, a.device))
-    call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make)
+    call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make, f"a {list(a.shape)}")
     if call.plan.backend == "torch":
         whole = a if call.world == 1 else fallback.all_gather(
             a.movedim(gather_dim, 0), group).movedim(0, gather_dim)
@@ -446,7 +452,8 @@ def _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check) -> 
         plan = plan_gemm_all_reduce(a, b, group, backend, algorithm)
         return GemmAllReduceCall(plan, dist.get_world_size(group), dist.get_rank(group),
                                  _group_workspace(group, a.device))
-    call = _cached_call("gemm_all_reduce", a, b, group, algorithm, backend, make)
+    call = _cached_call("gemm_all_reduce", a, b, group, algorithm, backend, make,
+                        f"a {list(a.shape[:-1])} x K @ b [K, {b.shape[1]}]")
     if call.plan.backend == "torch":
         product = torch.matmul(a, b)
         if call.world > 1:

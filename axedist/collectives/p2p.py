@@ -15,11 +15,11 @@ Variants (`variant="auto"` picks by size from the measured table, backend.TUNED)
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.distributed as dist
 
+from ..env import read as read_environment
 from .backend import TUNED
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
@@ -49,9 +49,9 @@ def _rows(work: int) -> int:
     # 682 vs 664 us and two-shot all-reduce 1270 vs 1240 us at 256 MB, W=4; 16384 slower still;
     # benchmarks/results/collectives_rows_w4.md).
     # AXEDIST_P2P_ROWS forces a tile height (for the benchmark's sweeps, not for production)
-    forced = os.environ.get("AXEDIST_P2P_ROWS")
+    forced = read_environment("AXEDIST_P2P_ROWS")
     if forced:
-        return int(forced)
+        return forced
     return 4 if work >= 8192 * 132 else 2
 
 
@@ -73,9 +73,9 @@ def rounds_for(op: str, work_bytes: int, programs: int) -> int:
     """
     if op not in ("reduce_scatter", "all_gather"):
         return 1
-    forced = os.environ.get("AXEDIST_P2P_ROUNDS")
+    forced = read_environment("AXEDIST_P2P_ROUNDS")
     if forced:
-        rounds = int(forced)
+        rounds = forced
     else:
         rounds = max((count for least, count in PIPELINE if work_bytes >= least), default=1)
     if rounds < 1:

@@ -31,12 +31,12 @@ A workspace that saw an error is retired: the next call on the group allocates a
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from ..env import read as read_environment
 from ..kernels.launch import multiprocessors
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
@@ -56,7 +56,7 @@ _retired: list["SymmetricWorkspace"] = []  # kept alive: peers may still read th
 
 def default_timeout_s() -> float:
     """Spin-wait timeout of every kernel; AXEDIST_TIMEOUT_S overrides (default 30 s)."""
-    return float(os.environ.get("AXEDIST_TIMEOUT_S", "30"))
+    return read_environment("AXEDIST_TIMEOUT_S")
 
 
 def _round_up(value: int, multiple: int) -> int:

@@ -1,43 +1,377 @@
-"""Save and load a parallelized model with ``torch.distributed.checkpoint`` (DCP).
+"""Save and load a parallelized model (and its optimizer) with ``torch.distributed.checkpoint``.
 
 Parameters go through ``to_torch`` (torch DTensors with the same local tensors), so DCP
 writes each rank's shards with their global offsets and can read them back under any
 other sharding: a checkpoint saved at TP=4 loads at TP=2 (or into a plain model).
 
-    >>> save(model, "runs/train_tp/checkpoint")      # every rank of the mesh calls it
+    >>> save(model, "runs/train_tp/checkpoint")      # every rank of the job calls it
     >>> load(other_model, "runs/train_tp/checkpoint") # other_model parallelized at another TP degree
+    >>> save(model, path, optimizer=opt, extra={"step": 40})   # resumable: optimizer state, RNG, extra
+    >>> load(model, path, optimizer=opt).extra["step"]
+    40
+
+Checked, so that a damaged checkpoint is an error and not a silently wrong model:
+
+- every rank agrees on the path and the tensors before DCP runs (else every rank raises);
+- ``save`` writes a CRC-32 of every stored chunk (``axedist_checksums.json``) and replaces an
+  older checkpoint at ``path`` only once the new one is complete;
+- ``load`` reads ``.metadata`` (a truncated or foreign file is a ``CheckpointError`` naming it),
+  checks each file's size against the chunks it must hold and each chunk's checksum (the error
+  names the file and the tensor), and compares the checkpoint's tensors with the model's:
+  tensors the model lacks are an error, or with ``strict=False`` dropped and listed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import warnings
+import zlib
+from dataclasses import dataclass, field
+
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..dtensor import DTensor
+from ..peers import agree, is_peer_failure, peer_error
 
-__all__ = ["torch_state_dict", "save", "load"]
+__all__ = ["CheckpointError", "Loaded", "torch_state_dict", "save", "load", "CHECKSUMS", "EXTRA"]
+
+CHECKSUMS = "axedist_checksums.json"
+EXTRA = "axedist_extra.json"
+_OPTIMIZER = "optimizer."   # keys of optimizer state: "optimizer.<parameter name>.<state name>"
+_RNG = "axedist_rng_{}.pt"  # each rank's random number generator states
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as saved (missing, truncated, damaged, or not this
+    model's): the message names the checkpoint, the file and the tensor."""
+
+
+@dataclass
+class Loaded:
+    """What ``load`` found: ``extra`` (the dict ``save`` was given) and ``dropped`` (tensors of
+    the checkpoint the model has no place for, with ``strict=False``)."""
+
+    extra: dict = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Loaded(extra keys {sorted(self.extra)}, dropped {list(self.dropped)})"
 
 
 def torch_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every axedist DTensor as the equal torch DTensor."""
-    return {key: value.to_torch() if isinstance(value, DTensor) else value
-            for key, value in module.state_dict().items()}
+    return {key: _for_dcp(value) for key, value in module.state_dict().items()}
 
 
-def save(module: nn.Module, path: str) -> None:
-    """Write ``module``'s state dict to the directory ``path`` (collective over the job)."""
-    dcp.save(torch_state_dict(module), checkpoint_id=path)
+def _for_dcp(value):
+    return value.to_torch() if isinstance(value, DTensor) else value
 
 
-def load(module: nn.Module, path: str) -> None:
-    """Read the state dict at ``path`` into ``module``'s tensors in place, resharding as needed."""
+def _optimizer_state(module: nn.Module, optimizer) -> tuple[dict, list]:
+    """``({"optimizer.<param>.<name>": tensor}, param_groups)`` of ``optimizer``'s state, keyed by
+    parameter names rather than positions (so it loads at another TP degree)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, values in state["state"].items():
+        name = names[id(order[index])]
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{_OPTIMIZER}{name}.{key}"] = _for_dcp(value)
+    return tensors, state["param_groups"]
+
+
+def _ranks() -> tuple[int, ...]:
+    return tuple(range(dist.get_world_size()))
+
+
+def _together(what: str, call):
+    """``call()``, a collective over the job; a peer's failure in it is a ``PeerError`` naming it."""
+    try:
+        return call()
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise peer_error(f"checkpoint {what}", _ranks(), error) from error
+
+
+def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = None) -> None:
+    """Write ``module``'s state dict to the directory ``path`` (collective over the job); with
+    ``optimizer``, its state too, and with either that or ``extra`` (a JSON-able dict, rank 0's)
+    each rank's random number generator states: what ``load`` needs to resume training."""
+    state = torch_state_dict(module)
+    groups = None
+    if optimizer is not None:
+        optimizer_tensors, groups = _optimizer_state(module, optimizer)
+        state.update(optimizer_tensors)
+    agree(_ranks(), "checkpoint.save", f"{path}: {_names_digest(state)}")
+    rank = dist.get_rank()
+    partial = path.rstrip("/") + ".partial"
+    if rank == 0 and os.path.exists(partial):
+        shutil.rmtree(partial)
+    _together("save (before writing)", dist.barrier)
+    try:
+        dcp.save(state, checkpoint_id=partial)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path}: saving failed: {_first_line(error)}") from error
+    _write_checksums(partial)
+    if optimizer is not None or extra is not None:
+        torch.save(_rng_states(), os.path.join(partial, _RNG.format(rank)))
+        if rank == 0:
+            with open(os.path.join(partial, EXTRA), "w") as f:
+                json.dump({"extra": extra or {}, "optimizer_param_groups": groups, "world": dist.get_world_size()},
+                          f, indent=1)
+    _together("save (written)", dist.barrier)
+    if rank == 0:  # the old checkpoint goes only once the new one is whole
+        if os.path.exists(path):
+            old = path.rstrip("/") + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(partial, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(partial, path)
+    _together("save (renamed)", dist.barrier)
+
+
+def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -> Loaded:
+    """Read the checkpoint at ``path`` into ``module``'s tensors in place, resharding as needed
+    (collective over the job); with ``optimizer``, its state and the saved RNG states too.
+
+    Refused with a ``CheckpointError`` on every rank: a missing, truncated or damaged
+    checkpoint, a tensor whose shape differs from the model's, a model tensor the checkpoint
+    lacks, and (``strict=True``) checkpoint tensors the model lacks; ``strict=False`` drops
+    those and lists them in the result's ``dropped``.
+    """
     targets = torch_state_dict(module)
-    dcp.load(targets, checkpoint_id=path)
-    own = module.state_dict()
+    agree(_ranks(), "checkpoint.load", f"{path}: {_names_digest(targets)}, strict={strict}")
+    metadata, problems = _read_metadata(path)
+    if metadata is not None:
+        problems += _verify_chunks(path, metadata)
+    problems = _everyone(problems)
+    if problems:
+        raise CheckpointError(f"checkpoint {path}:\n  " + "\n  ".join(problems[:12])
+                              + (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else ""))
+    stored = metadata.state_dict_metadata
+    model_stored = {k for k in stored if not k.startswith(_OPTIMIZER)}
+    missing = sorted(set(targets) - model_stored)
+    unexpected = sorted(model_stored - set(targets))
+    wrong = [f"{k}: checkpoint {list(stored[k].size)}, model {list(v.shape)}" for k, v in targets.items()
+             if k in stored and hasattr(stored[k], "size") and list(stored[k].size) != list(v.shape)]
+    if missing or wrong or (unexpected and strict):
+        lines = ([f"the model's tensors {_some(missing)} are not in the checkpoint"] if missing else []) + wrong
+        if unexpected and strict:
+            lines.append(f"the checkpoint's tensors {_some(unexpected)} have no place in the model (a config with "
+                         f"fewer layers or other names?); load(..., strict=False) drops them and lists them")
+        raise CheckpointError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(lines))
+    values = {}  # optimizer state in the model's layouts, filled through DCP's targets
+    if optimizer is not None:
+        values = _optimizer_values(module, stored)
+        if not values:
+            raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without optimizer=)")
+    loading = dict(targets, **{key: _for_dcp(value) for key, value in values.items()})
+    try:
+        dcp.load(loading, checkpoint_id=path)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path}: DCP could not load it: {_first_line(error)}") from error
     with torch.no_grad():
-        for key, loaded in targets.items():
-            local = own[key].to_local() if isinstance(own[key], DTensor) else own[key]
-            piece = loaded.to_local() if hasattr(loaded, "to_local") else loaded
-            if piece.data_ptr() != local.data_ptr():  # to_torch usually shares the storage already
-                local.copy_(piece)
+        for key, value in module.state_dict().items():
+            _copy(value, loading[key])
+        for key, value in values.items():
+            _copy(value, loading[key])
+    extra = _read_extra(path) if optimizer is not None or os.path.exists(os.path.join(path, EXTRA)) else {}
+    if optimizer is not None:
+        _load_optimizer(module, optimizer, values, extra.get("optimizer_param_groups"), path)
+        _restore_rng(path, extra.get("world"))
+    return Loaded(extra.get("extra", {}), tuple(unexpected))
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+
+def _names_digest(state: dict) -> str:
+    names = "\n".join(f"{k} {list(v.shape)}" for k, v in sorted(state.items()) if isinstance(v, torch.Tensor))
+    return f"{len(state)} tensors, digest {hashlib.blake2b(names.encode(), digest_size=6).hexdigest()}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:500] if text else ''}"
+
+
+def _some(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
+
+
+def _everyone(problems: list[str]) -> list[str]:
+    """Every rank's problems (each rank checked its share): one all_gather_object."""
+    gathered = [None] * dist.get_world_size()
+    _together("load (checking files)", lambda: dist.all_gather_object(gathered, problems))
+    return sorted({p for rank_problems in gathered for p in rank_problems})
+
+
+def _read_metadata(path: str):
+    """(DCP's metadata of ``path``, problems): a missing or unreadable ``.metadata`` is a problem."""
+    file = os.path.join(path, ".metadata")
+    if not os.path.isdir(path):
+        return None, [f"there is no checkpoint directory at {path}"]
+    if not os.path.exists(file):
+        return None, [f"{file} is missing (an unfinished save, or not a DCP checkpoint)"]
+    try:
+        return dcp.FileSystemReader(path).read_metadata(), []
+    except Exception as error:  # pickle's errors: EOFError, UnpicklingError, ValueError, ...
+        return None, [f"{file} cannot be read ({_first_line(error)}): the file is truncated or not DCP metadata"]
+
+
+def _chunk_list(metadata) -> list[tuple]:
+    """``[(file, offset, length, tensor name, chunk offsets)]`` of every stored chunk, in a fixed order."""
+    chunks = []
+    for index, info in metadata.storage_data.items():
+        offsets = list(index.offset) if index.offset is not None else []
+        chunks.append((info.relative_path, info.offset, info.length, index.fqn, offsets))
+    return sorted(chunks)
+
+
+def _write_checksums(path: str) -> None:
+    """Each rank hashes its share of the stored chunks (read back from the files); rank 0 writes them."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = []
+    for i, (file, offset, length, name, offsets) in enumerate(_chunk_list(metadata)):
+        if i % world == rank:
+            mine.append({"file": file, "offset": offset, "length": length, "tensor": name, "chunk": offsets,
+                         "crc32": _crc(os.path.join(path, file), offset, length)})
+    gathered = [None] * world
+    _together("save (checksums)", lambda: dist.all_gather_object(gathered, mine))
+    if rank == 0:
+        chunks = sorted((c for part in gathered for c in part), key=lambda c: (c["file"], c["offset"]))
+        with open(os.path.join(path, CHECKSUMS), "w") as f:
+            json.dump({"format": "axedist checksums 1", "algorithm": "crc32", "chunks": chunks}, f, indent=0)
+
+
+def _crc(file: str, offset: int, length: int) -> int:
+    crc, left = 0, length
+    with open(file, "rb") as f:
+        f.seek(offset)
+        while left > 0:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+    return crc
+
+
+def _verify_chunks(path: str, metadata) -> list[str]:
+    """Problems with this rank's share of the stored chunks: missing or short files, checksums."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = []
+    sums_file = os.path.join(path, CHECKSUMS)
+    sums = {}
+    if os.path.exists(sums_file):
+        try:
+            with open(sums_file) as f:
+                sums = {(c["file"], c["offset"], c["length"]): c["crc32"] for c in json.load(f)["chunks"]}
+        except (ValueError, KeyError, TypeError) as error:
+            return [f"{sums_file} cannot be read ({_first_line(error)}): the file is damaged"]
+    elif rank == 0:
+        warnings.warn(f"checkpoint {path} has no {CHECKSUMS} (not saved by axedist.nn.checkpoint.save): its chunks "
+                      f"are checked for size only", stacklevel=3)
+    sizes, short = {}, {}  # short: file -> the tensors it lacks bytes for (every rank sees the same)
+    for i, (file, offset, length, name, offsets) in enumerate(_chunk_list(metadata)):
+        full = os.path.join(path, file)
+        if file not in sizes:
+            sizes[file] = os.path.getsize(full) if os.path.exists(full) else -1
+        if sizes[file] < offset + length:
+            short.setdefault(file, []).append((name, offset + length))
+        elif i % world == rank and (file, offset, length) in sums and _crc(full, offset, length) != sums[
+                (file, offset, length)]:
+            where = f"tensor {name!r}" + (f" (its chunk at {offsets})" if offsets else "")
+            problems.append(f"{full}: checksum mismatch in {where}: its bytes changed after the save")
+    for file, lacking in short.items():
+        names = sorted({name for name, _ in lacking})
+        what = "is missing" if sizes[file] < 0 else (f"is truncated: {sizes[file]} bytes, its chunks need "
+                                                      f"{max(end for _, end in lacking)}")
+        problems.append(f"{os.path.join(path, file)} {what} (tensors {_some(names, 4)})")
+    return problems
+
+
+def _copy(own, loaded) -> None:
+    """``loaded`` (what DCP filled) into ``own`` (the model's or the optimizer's tensor)."""
+    local = own.to_local() if isinstance(own, DTensor) else own
+    piece = loaded.to_local() if hasattr(loaded, "to_local") else loaded
+    if piece.data_ptr() != local.data_ptr():  # to_torch usually shares the storage already
+        local.copy_(piece)
+
+
+def _optimizer_values(module: nn.Module, stored: dict) -> dict:
+    """Tensors to load the checkpoint's optimizer state into: laid out like their parameter when
+    shaped like it (Adam's moments), else plain (Adam's step)."""
+    params = dict(module.named_parameters())
+    values = {}
+    for key, meta in stored.items():
+        name, _, _ = key[len(_OPTIMIZER):].rpartition(".")
+        if not key.startswith(_OPTIMIZER) or name not in params:
+            continue
+        param, size = params[name], list(getattr(meta, "size", []))
+        with torch.no_grad():
+            values[key] = (torch.zeros_like(param, dtype=meta.properties.dtype) if size == list(param.shape)
+                           else torch.zeros(size, dtype=meta.properties.dtype))
+    return values
+
+
+def _load_optimizer(module: nn.Module, optimizer, values: dict, groups, path: str) -> None:
+    """``optimizer.load_state_dict`` from the loaded ``values`` and the saved parameter groups."""
+    if groups is None:
+        raise CheckpointError(f"checkpoint {path}: {EXTRA} has no optimizer_param_groups (saved without optimizer=)")
+    params = dict(module.named_parameters())
+    order = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(order)}
+    state: dict = {}
+    for key, value in values.items():
+        name, _, entry = key[len(_OPTIMIZER):].rpartition(".")
+        state.setdefault(index[id(params[name])], {})[entry] = value
+    if len(groups) != len(optimizer.param_groups) or any(
+            len(g["params"]) != len(o["params"]) for g, o in zip(groups, optimizer.param_groups)):
+        raise CheckpointError(f"checkpoint {path}: its optimizer had {[len(g['params']) for g in groups]} parameters "
+                              f"per group, this one {[len(g['params']) for g in optimizer.param_groups]}")
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _rng_states() -> dict:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _restore_rng(path: str, world) -> None:
+    if world != dist.get_world_size():
+        return  # another world size: the per-rank streams do not map; training goes on with its own
+    file = os.path.join(path, _RNG.format(dist.get_rank()))
+    try:
+        states = torch.load(file, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path}: {file} cannot be read ({_first_line(error)})") from error
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def _read_extra(path: str) -> dict:
+    file = os.path.join(path, EXTRA)
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {file} is missing (saved without optimizer= or extra=)") from None
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint {path}: {file} cannot be read ({_first_line(error)})") from None

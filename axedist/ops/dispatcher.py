@@ -25,6 +25,7 @@ import warnings
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
+from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import (OUTSTANDING, DeferredGather, GatherView, defer, flush, fused_gather_product,
                                 placeholder)
@@ -321,7 +322,12 @@ class OpDispatcher:
             if deferred is not None:
                 return deferred
         if plan.sharding.local is not None:
-            result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
+            try:  # a rule's local function may run collectives (softmax's row max and sum, ...)
+                result = plan.sharding.local(plan.call, *local_args, **local_kwargs)
+            except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
+                raise _failed_rule(func, plan, error) from error
         else:
             result = func(*local_args, **local_kwargs)
         if info.inplace:
@@ -358,7 +364,15 @@ class OpDispatcher:
             deferred = self._deferred(func, plan, local_args, {})
             if deferred is not None:
                 return deferred
-        value = fast.local(plan.call, *local_args) if fast.local is not None else func(*local_args)
+        if fast.local is not None:
+            try:
+                value = fast.local(plan.call, *local_args)
+            except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
+                raise _failed_rule(func, plan, error) from error
+        else:
+            value = func(*local_args)
         out = fast.out
         if out is None:  # in-place
             return args[0]
@@ -471,6 +485,12 @@ def _local_of(dt, target):
         return local[0] if dt._spec.reduce_op else local
     local = redistribute_local(local, dt._spec, target)
     return local[0] if target.reduce_op else local
+
+
+def _failed_rule(func, plan: CallPlan, error: RuntimeError) -> RuntimeError:
+    """The ``PeerError`` for a peer's failure (timeout, closed connection) in one of the
+    collectives a rule's local function runs: it names the op."""
+    return peer_error(f"{func}'s collectives ({plan.sharding})", plan.call.mesh.ranks, error)
 
 
 def _wrong_shape(func, value, spec, local_shape, plan):

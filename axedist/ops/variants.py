@@ -10,7 +10,8 @@ gathers ``x``, runs on the whole tensor, and lays the result out replicated, war
 from __future__ import annotations
 
 import contextlib
-import warnings
+import math
+import struct
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
@@ -263,27 +264,30 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
 
 
-def _fingerprint(t: torch.Tensor) -> list[float]:
-    """Numbers two ranks agree on when they hold the same tensor: shape, and two checksums of
-    the values (their sum, and a sum weighted by position)."""
+def _fingerprint(t: torch.Tensor) -> list[int]:
+    """Words two ranks agree on when they hold the same tensor: its shape, and two checksums of
+    the values (their sum, and a sum weighted by position), each float by its exact bits."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat.resolve_conj().resolve_neg()).reshape(-1)
     flat = flat.to(torch.float64).nan_to_num(nan=1.5e300, posinf=1.7e300, neginf=-1.7e300)
     weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.618033988749895) % 1.0 + 0.5
-    shape = sum((i + 1) * size for i, size in enumerate(t.shape))  # a fixed count of numbers on every rank
-    sums = torch.stack([flat.sum(), (flat * weights).sum()]).nan_to_num(nan=0.0)  # overflowing sums still compare
-    return [float(t.dim()), float(t.numel()), float(shape), *sums.tolist()]
+    shape = sum((i + 1) * size for i, size in enumerate(t.shape))  # a fixed count of words on every rank
+    sums = torch.stack([flat.sum(), (flat * weights).sum()])
+    return [t.dim(), t.numel(), shape, *(_exact_word(v) for v in sums)]
 
 
-def _agreed(mesh, facts: list[list[float]]) -> list[bool]:
-    """Per list of numbers: is it the same on every rank of the mesh? (one all-reduce of max and
-    -min; lists of different lengths on different ranks cannot happen: same arguments, same shapes)."""
+def _agreed(mesh, facts: list[list[int]]) -> list[bool]:
+    """Per list of int64 words: is it the same on every rank of the mesh? One all-reduce (MAX) of
+    every word and its complement: the ranks agree on a word iff max(word) == ~max(~word), i.e.
+    its max is its min. Lists of different lengths on different ranks cannot happen: same
+    arguments, same shapes."""
     flat = [x for f in facts for x in f]
-    both = torch.tensor(flat + [-x for x in flat], dtype=torch.float64, device=mesh.device)
+    both = torch.tensor(flat + [~x for x in flat], dtype=torch.int64, device=mesh.device)
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
     n = len(flat)
-    same = (both[:n] == -both[n:]).tolist()
+    words = both.tolist()
+    same = [high == ~not_low for high, not_low in zip(words[:n], words[n:])]
     out, i = [], 0
     for f in facts:
         out.append(all(same[i:i + len(f)]))
@@ -292,15 +296,29 @@ def _agreed(mesh, facts: list[list[float]]) -> list[bool]:
 
 
 def _agree_constant(mesh, plain: list) -> bool:
-    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?"""
+    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?
+
+    Values are compared exactly, as int64 words: an integer as itself (2**53 and 2**53 + 1
+    differ, as they would not through float64), a float by its float64 bits."""
     facts = []
     for t in plain:
         first = t.reshape(-1)[0] if t.numel() else None
         constant = (first is not None and not t.requires_grad and not t.is_complex()
                     and bool((t == first).all()))
-        facts.append([0.0 if constant else 1.0, float(first) if constant else 0.0])
+        facts.append([0 if constant else 1, _exact_word(first) if constant else 0])
     # agreed everywhere and constant here means constant on every rank
-    return all(ok and f[0] == 0.0 for ok, f in zip(_agreed(mesh, facts), facts))
+    return all(ok and f[0] == 0 for ok, f in zip(_agreed(mesh, facts), facts))
+
+
+def _exact_word(value: torch.Tensor) -> int:
+    """A 0-dim real tensor as one int64 that equal values share: integers as themselves, floats
+    by their float64 bits (-0.0 read as 0.0, every NaN as one NaN)."""
+    if not value.is_floating_point():
+        word = int(value)
+        return word - (1 << 64) if word >= 1 << 63 else word  # uint64 above int64's range wraps
+    number = float(value)
+    number = 0.0 if number == 0 else (math.nan if math.isnan(number) else number)
+    return struct.unpack("<q", struct.pack("<d", number))[0]
 
 
 def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):

@@ -4,8 +4,8 @@ deferred GEMM (``deferred.py``) that a row reduce-scatter may run fused.
     y_local = redistribute_local(x_local, src_spec, dst_spec)   # plan_redistribute (cached), then run it
 """
 
-from .executor import (PendingBuffer, backend_notes, execute_plan, execution_bytes, explain_execution, record,
-                       redistribute_local, run_route)
+from .executor import (PendingBuffer, agree_on_move, backend_notes, execute_plan, execution_bytes, explain_execution,
+                       record, redistribute_local, run_route)
 
 __all__ = ["redistribute_local", "run_route", "execute_plan", "execution_bytes", "explain_execution", "backend_notes",
-           "PendingBuffer", "record"]
+           "PendingBuffer", "record", "agree_on_move"]

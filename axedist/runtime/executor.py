@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import LayoutError
+from ..peers import agree, is_peer_failure, peer_error
 from ..planning import Plan, buffer_size
 from ..planning.redistribution import Redistribution, plan_redistribute
 from ..planning.steps import Step
@@ -26,7 +27,7 @@ from .reductions import AllReduce, FusedAllReduce, Reduce, ReduceScatter
 from .steps import Collective, PointToPoint, RankContext, StepProgram, group_of
 
 __all__ = ["FORCE_P2P", "execute_plan", "explain_execution", "execution_bytes", "backend_notes", "PendingBuffer",
-           "record", "redistribute_local"]
+           "record", "redistribute_local", "agree_on_move"]
 
 # Set to True (tests do) to run every step as batched isend/irecv: the reference path.
 FORCE_P2P = False
@@ -137,23 +138,38 @@ def _program(plan: Plan, mesh) -> _Program:
     return program
 
 
+def _failed_step(program, plan: Plan, mesh, error: RuntimeError) -> RuntimeError:
+    """The ``PeerError`` for a peer's failure (timeout, closed connection) in a step's collective:
+    it names the step and the ranks that did not arrive."""
+    ranks = getattr(program, "ranks", None) or mesh.ranks
+    what = f"{program.step.kind} over {program.step.axes} ({program.how}; plan {plan.source} -> {plan.target})"
+    return peer_error(what, ranks, error)
+
+
 class PendingBuffer:
     """What ``execute_plan(..., async_op=True)`` returns: ``wait()`` gives the output buffer.
 
     The first step's collective is in flight; ``wait()`` completes it and runs the rest.
     """
 
-    def __init__(self, works, finish, rest: Callable):
+    def __init__(self, works, finish, rest: Callable, failed: Callable | None = None):
         self._works, self._finish, self._rest, self._value = works, finish, rest, None
+        self._failed = failed
 
     def is_completed(self) -> bool:
         return self._value is not None or all(w.is_completed() for w in self._works)
 
     def wait(self) -> torch.Tensor:
         if self._value is None:
-            for w in self._works:
-                w.wait()
-            self._value = self._rest(self._finish())
+            try:
+                for w in self._works:
+                    w.wait()
+                value = self._finish()
+            except RuntimeError as error:
+                if self._failed is None or not is_peer_failure(error):
+                    raise
+                raise self._failed(error) from error
+            self._value = self._rest(value)
         return self._value
 
 
@@ -172,19 +188,30 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
 
     def run_from(index: int, value: torch.Tensor) -> torch.Tensor:
         for step in program.steps[index:]:
-            works, finish = step.start(value, False)
-            for w in works:
-                w.wait()
-            value = finish()
+            try:
+                works, finish = step.start(value, False)
+                for w in works:
+                    w.wait()
+                value = finish()
+            except RuntimeError as error:
+                if not is_peer_failure(error):
+                    raise
+                raise _failed_step(step, plan, mesh, error) from error
         return value
 
     if not async_op:
         return run_from(0, x)
     if not program.steps:
         return PendingBuffer([], lambda: x, lambda v: v)
-    works, finish = program.steps[0].start(x, True)
+    first = program.steps[0]
+    try:
+        works, finish = first.start(x, True)
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise _failed_step(first, plan, mesh, error) from error
     works = [w for w in (works or []) if w is not None]
-    return PendingBuffer(works, finish, lambda v: run_from(1, v))
+    return PendingBuffer(works, finish, lambda v: run_from(1, v), lambda e: _failed_step(first, plan, mesh, e))
 
 
 def _plans(what: Plan | Redistribution) -> tuple[Plan, ...]:
@@ -272,9 +299,39 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     rank keeps the 7 true values.
     """
     route = plan_redistribute(src, dst, local.element_size())
+    if id(route) not in _AGREED_ROUTES:
+        agree_on_move(route.src, route.dst, local.element_size())
+        if len(_AGREED_ROUTES) > 4096:
+            _AGREED_ROUTES.clear()
+        _AGREED_ROUTES[id(route)] = route
     for ran in _RECORDS:
         ran.append(route)
     return run_route(route, local, async_op)
+
+
+_AGREED: set = set()        # (src, dst, item size) of every route this rank's mesh agreed on
+_AGREED_ROUTES: dict = {}   # id(route) -> route: the fast answer for route objects seen (kept alive, ids unique)
+_STAYS: dict = {}           # id(spec) -> spec: the fast answer for "no move" (a spec to itself)
+
+
+def agree_on_move(src, dst, itemsize: int) -> None:
+    """Before this rank first moves a tensor from spec ``src`` to ``dst``: every rank of the mesh
+    is about to make the same move (``peers.agree``: one exchange on the job's store), else every
+    rank raises ``RankDisagreementError`` naming each rank's source and target. Later moves pay
+    a set lookup (``redistribute_local``: a dict lookup by route). Keyed by the specs, not by a
+    cached route object, so the check never repeats on one rank only (a plan cache that evicts
+    differently on another rank)."""
+    if src is dst and id(src) in _STAYS:
+        return
+    key = (src, dst, itemsize)
+    if key not in _AGREED:
+        agree(src.mesh.ranks, "redistribute",
+              f"{src.canonical_text()} -> {dst.canonical_text()}, {itemsize}-byte elements")
+        _AGREED.add(key)
+    if src is dst:
+        if len(_STAYS) > 4096:
+            _STAYS.clear()
+        _STAYS[id(src)] = src
 
 
 def run_route(route: Redistribution, local: torch.Tensor, async_op: bool = False):

@@ -7,7 +7,6 @@ A program's ``start(x, async_op)`` issues its communication and returns ``(works
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.backend import one_host, select_backend
+from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.holdings import box_index
 from ..planning.steps import Step
@@ -25,7 +25,7 @@ __all__ = ["BACKEND", "RankContext", "StepProgram", "PointToPoint", "Collective"
 # What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
 # measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
 # A step whose group spans hosts runs on torch.distributed whatever the pin.
-BACKEND = os.environ.get("AXEDIST_PLAN_BACKEND", "auto")
+BACKEND = read_environment("AXEDIST_PLAN_BACKEND")
 
 
 @dataclass

@@ -12,6 +12,9 @@ while a call costs milliseconds. A call that fails on any rank raises
 (a rank stuck in a collective that a failed peer never joined) kills the pool,
 raises, and the next call starts a fresh one. Nothing is left hanging.
 
+Fault tests, whose ranks raise, exit or hang on purpose, use ``run_fresh_ranks``: new processes
+for one call (forks of a server that imported torch once), every rank's outcome returned.
+
 Example::
 
     def body(rank, world_size, n):
@@ -35,10 +38,11 @@ import subprocess
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["RankError", "run_on_ranks", "run_torchrun", "shutdown_pools"]
+__all__ = ["RankError", "RankOutcome", "run_fresh_ranks", "run_on_ranks", "run_torchrun", "shutdown_pools"]
 
 # Environment every rank gets: multicast stays off on shared GPU hosts (project policy).
 _SAFE_ENV = {
@@ -230,6 +234,146 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
+
+
+# -- fresh ranks: one call, whatever happens on them -----------------------------------------------
+
+
+@dataclass
+class RankOutcome:
+    """How one fresh rank ended. ``status``: ``"ok"`` (``value``), ``"raised"`` (``error``: the
+    exception's type name; ``message``: its text and traceback), ``"exited"`` (the process left
+    without a report: ``exitcode``) or ``"killed"`` (still running when the call ended).
+    ``seconds``: from the start of ``fn`` to its report."""
+
+    rank: int
+    status: str
+    value: Any = None
+    error: str | None = None
+    message: str = ""
+    seconds: float | None = None
+    exitcode: int | None = None
+
+    def __repr__(self) -> str:
+        took = f" after {self.seconds:.1f} s" if self.seconds is not None else ""
+        what = {"ok": f"returned {self.value!r}", "raised": f"raised {self.error}: {self.message.splitlines()[0][:200]}"
+                if self.message else f"raised {self.error}", "exited": f"exited with code {self.exitcode}",
+                "killed": "was killed, still running"}[self.status]
+        return f"RankOutcome(rank {self.rank} {what}{took})"
+
+
+_FRESH: list = []  # the forkserver context: torch and axedist imported once, each rank a fork of it
+
+
+def _fresh_context():
+    if not _FRESH:
+        ctx = mp.get_context("forkserver")
+        # torch._dynamo: the first decomposed op (addmm) imports it, 3 s on a small machine
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "axedist.dtensor", "axedist.nn",
+                                    "axedist.testing.ranks"])
+        _FRESH.append(ctx)
+    return _FRESH[0]
+
+
+def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, collective_timeout_s, results):
+    os.environ.update(_SAFE_ENV)
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), AXEDIST_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    parent = os.getppid()
+    timeout = timedelta(seconds=collective_timeout_s)
+    # the store lives in the caller's process, as torchrun's agent hosts it: it outlives any rank
+    # (its own timeout is generous: a rank that reports a failure must reach it on a loaded machine)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=max(collective_timeout_s, 30.0)))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    start = time.monotonic()
+    try:
+        fn = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        report = (rank, "ok", fn(rank, world_size, *args), None, "", time.monotonic() - start)
+    except BaseException as error:  # report everything, including assertion failures
+        report = (rank, "raised", None, type(error).__name__, f"{error}\n{traceback.format_exc()}",
+                  time.monotonic() - start)
+    results.put(report)
+    results.close()
+    results.join_thread()
+    # A rank that raised stays alive, as a real one would (its peers must not learn of it from a
+    # closed connection); every rank waits here for the caller to end it (no teardown: a process
+    # group that lost a peer may hang in it).
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
+
+
+def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, collective_timeout_s: float = 3.0,
+                    deadline_s: float = 60.0, wait_for: Sequence[int] | None = None,
+                    env: dict | None = None) -> list[RankOutcome]:
+    """Run module-level ``fn(rank, world_size, *args)`` once on ``world_size`` new gloo ranks and
+    return every rank's ``RankOutcome``, whatever happened (a rank may raise, exit or hang).
+
+    For fault tests: the ranks are forks of a server that imported torch once (a call costs
+    well under a second plus ``fn``), their collectives and agreement checks time out after
+    ``collective_timeout_s``, and the job's store lives here, so it outlives any rank. A rank
+    that has reported (a result or an exception) stays alive, as a rank that caught an error
+    would. The call ends when every rank of ``wait_for`` (default: all) has reported or exited;
+    then every process still there is killed, as torchrun ends a failed job. None is left running.
+
+        >>> outcomes = run_fresh_ranks(stall_rank_1_in_distribute, 2)
+        >>> outcomes[0].status, outcomes[0].error, outcomes[1].status
+        ('raised', 'PeerError', 'killed')
+    """
+    import torch.distributed as dist
+
+    module_name, qualname = fn.__module__, fn.__qualname__
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(f"run_fresh_ranks needs a module-level function, got {qualname}")
+    ctx = _fresh_context()
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=max(collective_timeout_s, 30.0)))
+    results = ctx.Queue()
+    env = dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(server.port))
+    procs = [ctx.Process(target=_fresh_worker, args=(r, world_size, server.port, module_name, qualname, tuple(args),
+                                                     env, collective_timeout_s, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcomes: dict[int, RankOutcome] = {}  # from reports; a process that ended without one is "exited"
+    awaited = set(range(world_size) if wait_for is None else wait_for)
+    deadline = time.monotonic() + deadline_s
+    gone_since: dict[int, float] = {}
+    try:
+        while not awaited <= set(outcomes) and time.monotonic() < deadline:
+            try:
+                rank, status, value, error, message, seconds = results.get(timeout=0.1)
+                outcomes[rank] = RankOutcome(rank, status, value, error, message, seconds)
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in outcomes and p.exitcode is not None:
+                    # a report may still be in the queue: give it a moment before calling the rank gone
+                    if time.monotonic() - gone_since.setdefault(r, time.monotonic()) > 1.0:
+                        outcomes[r] = RankOutcome(r, "exited", exitcode=p.exitcode)
+    finally:
+        for r, p in enumerate(procs):
+            if p.is_alive():  # done (it waits to be ended), or still running: killed as torchrun would
+                p.kill()
+            p.join(timeout=10)
+            if r not in outcomes:
+                outcomes[r] = RankOutcome(r, "killed" if p.exitcode == -signal.SIGKILL else "exited",
+                                          exitcode=p.exitcode)
+            else:
+                outcomes[r].exitcode = p.exitcode
+        results.close()
+        left = [r for r, p in enumerate(procs) if p.exitcode is None]
+        if left:
+            raise RankError(f"rank process(es) {left} could not be reaped")
+    return [outcomes[r] for r in range(world_size)]
 
 
 def run_torchrun(script_args: Sequence[str], nproc: int, cwd: str, timeout_s: float = 300,

@@ -1,0 +1,163 @@
+"""Checkpoints that are damaged or do not fit the model: a clear error on every rank, naming the
+checkpoint, the file and the tensor; resuming training from one gives the same losses.
+
+2 pooled gloo ranks save a tiny Llama; the test process damages the files; the ranks load.
+``launch/infer_tp.py`` runs on 2 fresh ranks against a config with fewer layers.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from axedist.mesh import DeviceMesh
+from axedist.nn import checkpoint, parallelize, replicate
+from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.testing import run_on_ranks
+from axedist.testing.ranks import run_fresh_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(vocab_size=30, dim=16, n_layers=layers, n_heads=4, ffn_hidden=24, max_seq_len=8)
+
+
+def _model(world: int, layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = Llama(_cfg(layers)).double()
+    return parallelize(model, DeviceMesh("cpu", (world,)), llama_tp_plan(model.cfg))
+
+
+def _train(model, optimizer, steps):
+    losses = []
+    mesh = next(model.parameters()).mesh
+    for step in steps:
+        tokens = torch.randint(0, 30, (2, 9), generator=torch.Generator().manual_seed(step))
+        loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach().full_tensor()))
+    return losses
+
+
+def _save_and_resume(rank, world, path):
+    model = _model(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    _train(model, optimizer, range(2))
+    checkpoint.save(model, path, optimizer=optimizer, extra={"step": 2})
+    torch.manual_seed(1234 + rank)  # what the RNG state holds after the save is saved too
+    expected = _train(model, optimizer, range(2, 4)), torch.rand(3).tolist()
+    other = _model(world, seed=7)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=False)
+    loaded = checkpoint.load(other, path, optimizer=other_optimizer)
+    torch.manual_seed(1234 + rank)
+    got = _train(other, other_optimizer, range(2, 4)), torch.rand(3).tolist()
+    return loaded.extra, expected, got
+
+
+def _load(rank, world, path, layers, strict):
+    try:
+        return repr(checkpoint.load(_model(world, layers, seed=5), path, strict=strict))
+    except checkpoint.CheckpointError as error:
+        return f"CheckpointError: {error}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "checkpoint")
+    results = run_on_ranks(_save_and_resume, 2, args=(path,))
+    return path, results
+
+
+def test_resume_gives_the_same_losses(saved):
+    path, results = saved
+    for extra, expected, got in results:
+        assert extra == {"step": 2} and got == expected
+    assert {"axedist_checksums.json", "axedist_extra.json", "axedist_rng_0.pt"} <= set(os.listdir(path))
+
+
+def _copy(path: str, tmp_path) -> str:
+    import shutil
+
+    target = str(tmp_path / "copy")
+    shutil.copytree(path, target)
+    return target
+
+
+def _load_everywhere(path, layers=2, strict=True) -> str:
+    messages = run_on_ranks(_load, 2, args=(path, layers, strict))
+    assert messages[0] == messages[1]  # every rank says the same
+    return messages[0]
+
+
+def test_overwritten_bytes_are_named(saved, tmp_path):
+    path = _copy(saved[0], tmp_path)
+    sums = json.loads(Path(path, checkpoint.CHECKSUMS).read_text())["chunks"]
+    chunk = next(c for c in sums if c["tensor"] == "layers.1.feed_forward.w2.weight")
+    file = Path(path, chunk["file"])
+    data = bytearray(file.read_bytes())
+    data[chunk["offset"] + chunk["length"] - 9] ^= 0x40  # a byte of the tensor's data
+    file.write_bytes(bytes(data))
+    message = _load_everywhere(path)
+    assert message.startswith(f"CheckpointError: checkpoint {path}:"), message
+    assert f"{file}: checksum mismatch in tensor 'layers.1.feed_forward.w2.weight'" in message, message
+
+
+def test_truncated_files_and_garbage_metadata_are_named(saved, tmp_path):
+    path = _copy(saved[0], tmp_path)
+    file = Path(path, "__1_0.distcp")
+    file.write_bytes(file.read_bytes()[:1000])
+    message = _load_everywhere(path)
+    assert f"checkpoint {path}:" in message and f"{file} is truncated: 1000 bytes" in message, message
+    Path(path, ".metadata").write_bytes(b"\x80\x04garbage")
+    message = _load_everywhere(path)
+    assert f"{path}/.metadata cannot be read (UnpicklingError" in message and "not DCP metadata" in message, message
+    message = _load_everywhere(str(tmp_path / "nowhere"))
+    assert "there is no checkpoint directory at" in message
+
+
+def test_a_model_with_fewer_layers_is_refused_or_told_what_is_dropped(saved):
+    path = saved[0]
+    message = _load_everywhere(path, layers=1)
+    assert "layers.1.attention.wq.weight" in message and "no place in the model" in message, message
+    assert "strict=False" in message
+    loaded = _load_everywhere(path, layers=1, strict=False)
+    assert loaded.startswith("Loaded(") and "'layers.1.feed_forward.w1.weight'" in loaded and "layers.0" not in loaded
+    message = _load_everywhere(path, layers=3)  # more layers than saved: never silently left random
+    assert "the model's tensors layers.2." in message and "are not in the checkpoint" in message, message
+
+
+def _infer(rank, world, train_dir, strict):
+    sys.path.insert(0, str(ROOT / "launch"))
+    import infer_tp
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            infer_tp.main(["--train-dir", train_dir, "--new-tokens", "2"] + ([] if strict else ["--non-strict"]))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+    return code, out.getvalue()
+
+
+def test_infer_tp_with_fewer_layers_in_its_config(saved, tmp_path):
+    train_dir = tmp_path / "run"
+    train_dir.mkdir()
+    os.symlink(saved[0], train_dir / "checkpoint")
+    (train_dir / "config.json").write_text(json.dumps({"config": _cfg(layers=1).__dict__, "dtype": "float64"}))
+    refused, dropped = (run_fresh_ranks(_infer, 2, args=(str(train_dir), strict), collective_timeout_s=30)
+                        for strict in (True, False))
+    assert [o.status for o in refused + dropped] == ["ok"] * 4, refused + dropped
+    code, text = refused[0].value
+    assert code == 1 and "error: checkpoint" in text and "layers.1.attention.wq.weight" in text, text
+    code, text = dropped[0].value
+    assert code == 0 and "dropped 9 checkpoint tensors the model has no place for" in text, text
+    assert "generated" in text

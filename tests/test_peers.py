@@ -1,0 +1,135 @@
+"""Ranks that must agree, on 4 pooled gloo ranks: every rank raises one clear error, none hangs,
+and the checks cost one exchange per new plan (none on the cached path).
+
+The faults that break a job (a rank that raises, exits or stalls) run on fresh ranks in
+tests/test_faults.py; here the job survives every error, so the pool is reused.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import axedist.runtime.executor as executor
+from axedist import peers
+from axedist.dtensor import DTensor, distribute
+from axedist.layout import Layout, LayoutError
+from axedist.mesh import DeviceMesh
+from axedist.ops.call_plan import DispatchError
+from axedist.peers import PeerError, RankDisagreementError
+from axedist.testing import run_on_ranks
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _disagreements(rank, world):
+    mesh = DeviceMesh("cpu", (world,))
+    full = torch.arange(48.0).reshape(8, 6)
+    x = distribute(full, mesh, [Shard(0)])
+    out = {}
+    # a layout invalid on rank 2 only (two elements in one slot): rank 2 raises it, the others say so
+    bad = "S[(4,2,6):(1@gpuid,6,2)]" if rank == 2 else "S[(8,6):(6,1)] + R[4:1@gpuid]"
+    out["invalid_here"] = _error(lambda: x.redistribute(Layout.parse(bad)))
+    # from_local with the default run_check=False: rank 1's local tensor has another dtype
+    local = torch.ones(2, 6, dtype=torch.float32 if rank == 1 else torch.float64)
+    out["from_local_dtype"] = _error(lambda: DTensor.from_local(local, mesh, [Shard(0)]))
+    # rank 3 asks for no move (its target is the current layout), the others for a gather
+    out["no_move_here"] = _error(lambda: x.redistribute([Shard(0)] if rank == 3 else [Replicate()]))
+    # plain integer constants that differ beyond float64's 53 bits: not adopted as one replicated value
+    ints = distribute(torch.zeros(8, 6, dtype=torch.int64), mesh, [Shard(0)])
+    constant = torch.full((8, 6), 2**53 + (rank == 1), dtype=torch.int64)
+    out["constant"] = _error(lambda: ints + constant)
+    same = torch.full((8, 6), 2**53 + 1, dtype=torch.int64)
+    out["constant_same"] = int((ints + same).full_tensor()[0, 0])
+    # the job still works after every error: the same move on every rank
+    out["after"] = float(x.redistribute([Replicate()]).to_local().sum())
+    dist.barrier()
+    return out
+
+
+def test_disagreeing_ranks_all_raise():
+    results = run_on_ranks(_disagreements, 4)
+    for rank, out in enumerate(results):
+        if rank == 2:
+            assert out["invalid_here"].startswith("LayoutError") and "two elements" in out["invalid_here"]
+        else:
+            assert out["invalid_here"].startswith("RankDisagreementError"), out["invalid_here"]
+            assert "rank 2: raised LayoutError" in out["invalid_here"] and "two elements" in out["invalid_here"]
+        assert out["from_local_dtype"].startswith("RankDisagreementError"), out["from_local_dtype"]
+        assert "rank 1: local (2, 6) torch.float32 -> [8, 6]" in out["from_local_dtype"]
+        assert "ranks 0, 2, 3: local (2, 6) torch.float64 -> [8, 6]" in out["from_local_dtype"]
+        assert out["no_move_here"].startswith("RankDisagreementError"), out["no_move_here"]
+        assert "rank 3: [8, 6] S[(4,12):(1@gpuid,1)] -> [8, 6] S[(4,12):(1@gpuid,1)]" in out["no_move_here"]
+        assert out["constant"].startswith("DispatchError") and "same on every rank" in out["constant"], out["constant"]
+        assert out["constant_same"] == 2**53 + 1
+        assert out["after"] == 48 * 47 / 2
+
+
+def _check_costs(rank, world):
+    """Agreement exchanges: one per new move, none for a move this rank already checked."""
+    mesh = DeviceMesh("cpu", (world,))
+    x = distribute(torch.arange(40.0).reshape(8, 5), mesh, [Shard(0)])
+    calls = []
+    original = executor.agree
+    executor.agree = lambda *args, **kwargs: (calls.append(args[1]), original(*args, **kwargs))[1]
+    try:
+        for _ in range(5):
+            x.redistribute([Shard(1)])
+        first = len(calls)
+        for _ in range(20):
+            x.redistribute([Shard(1)]).redistribute([Replicate()])
+    finally:
+        executor.agree = original
+    return first, len(calls)
+
+
+def test_agreement_runs_once_per_plan():
+    for first, total in run_on_ranks(_check_costs, 2):
+        assert (first, total) == (1, 2)  # S0 -> S1 once; then only the new S1 -> R, once
+
+
+def _gemm_rows(rank, world, same):
+    from axedist.collectives import gemm_reduce_scatter
+
+    rows = 8 if same or rank else 12
+    a = torch.ones(rows, 4, dtype=torch.bfloat16)
+    b = torch.ones(4, 6, dtype=torch.bfloat16)
+    return _error(lambda: gemm_reduce_scatter(a, b))
+
+
+def test_gemm_reduce_scatter_rows_must_agree():
+    for message in run_on_ranks(_gemm_rows, 2, args=(False,)):
+        assert message.startswith("RankDisagreementError"), message
+        assert "rank 0: a [12] x K @ b [K, 6] torch.bfloat16" in message and "rank 1: a [8] x K" in message
+    assert run_on_ranks(_gemm_rows, 2, args=(True,)) == [None, None]
+
+
+def test_rank_listing_groups_equal_texts():
+    assert peers.rank_listing({0: "a", 2: "b", 1: "a"}) == "  ranks 0, 1: a\n  rank 2: b"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv operation to complete", True),
+    ("Connection closed by peer [127.0.0.1]:1234", True),
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x3)", False),
+])
+def test_is_peer_failure(text, expected):
+    assert peers.is_peer_failure(RuntimeError(text)) is expected
+    assert not peers.is_peer_failure(ValueError(text))
+
+
+@pytest.mark.parametrize("seconds", [0, -5, float("inf"), float("nan"), True, "10"])
+def test_timeout_argument_is_checked(seconds):
+    with pytest.raises(ValueError, match="timeout_s must be seconds > 0"):
+        peers.choose_timeout(seconds)
+
+
+def test_error_classes():
+    assert issubclass(RankDisagreementError, LayoutError) and issubclass(PeerError, RuntimeError)
+    assert issubclass(DispatchError, RuntimeError)
