@@ -151,6 +151,12 @@ def _on_one_summand(func, lead: bool):
     return local
 
 
+def whole(spec: ArgSpec):
+    """What an output or input keeps of an argument without placement form: its whole spec (an
+    uneven layout's padding with it), or its layout where it is pending."""
+    return spec.spec if spec.spec is not None and not spec.reduce_op else spec.layout
+
+
 def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     """The elementwise rule (also used by other families for ops that act per element).
 
@@ -168,10 +174,10 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     # Same shape and same placements (or layout) everywhere, nothing pending: run as is.
     if specs and all(s.shape == out_shape for s in specs) and all(s.reduce_op is None for s in specs):
         first = specs[0]
-        if all((s.placements, s.layout) == (first.placements, first.layout) if first.placements is None
+        if all((s.placements, whole(s)) == (first.placements, whole(first)) if first.placements is None
                else s.placements == first.placements for s in specs):
             return Sharding(inputs=[None] * len(specs),
-                            outputs=first.placements if first.placements is not None else first.layout)
+                            outputs=first.placements if first.placements is not None else whole(first))
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:
         """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
@@ -214,9 +220,9 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         out.append(chosen)
     if anchor is not None and anchor.placements is None:
         # an in-place op on a tensor without placement form: everything else follows its layout
-        return Sharding(inputs=[None if s is anchor else (anchor.layout if s.shape == anchor.shape else
+        return Sharding(inputs=[None if s is anchor else (whole(anchor) if s.shape == anchor.shape else
                                                           [Replicate()] * mesh.ndim) for s in specs],
-                        outputs=anchor.layout)
+                        outputs=whole(anchor))
 
     inputs = []
     for s in specs:
@@ -290,7 +296,7 @@ def like_factory(call: OpCall) -> Sharding:
     """A new tensor shaped like its input: same sharding, nothing pending (a fresh value is whole)."""
     (spec,) = call.specs
     if spec.placements is None:
-        return Sharding(inputs=[None], outputs=spec.layout)
+        return Sharding(inputs=[None], outputs=whole(spec))
     return Sharding(inputs=[None], outputs=tuple(Replicate() if isinstance(p, Partial) else p
                                                  for p in spec.placements))
 
