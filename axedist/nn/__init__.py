@@ -1,7 +1,9 @@
-"""Tensor-parallel layers on axedist DTensors (``parallel``), a small Llama (``llama``),
-and DCP checkpoints of parallelized models (``checkpoint``)."""
+"""Tensor-parallel layers on axedist DTensors (``parallel``), fully sharded data parallel on the
+same mesh (``fsdp``), a small Llama (``llama``), and DCP checkpoints of parallelized models
+(``checkpoint``)."""
 
 from .checkpoint import load, save, torch_state_dict
+from .fsdp import FSDPUnit, MixedPrecisionPolicy, fsdp_units, fully_shard
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                        SequenceParallel, VocabParallelEmbedding, describe, from_torch_style, parallelize, replicate,
                        to_inference, vocab_parallel_cross_entropy)
@@ -10,4 +12,5 @@ __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
     "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "describe", "replicate", "from_torch_style",
     "vocab_parallel_cross_entropy", "to_inference", "save", "load", "torch_state_dict",
+    "fully_shard", "fsdp_units", "FSDPUnit", "MixedPrecisionPolicy",
 ]

@@ -569,8 +569,11 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] |
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__} "
                          f"({_unit_of(module)}); apply it once per module")
-    name = next((n for n, m in module.named_modules() if m is module), "")
-    unit = FSDPUnit(module, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, name)
+    unit = FSDPUnit(module, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, "")
+    for prefix, sub in module.named_modules():  # inner units are named from here (the root's names win)
+        inner = _unit_of(sub)
+        if inner is not None and prefix:
+            inner.name = prefix
     _shard_parameters(unit, module, mesh)
     module.__dict__["_axedist_fsdp"] = unit
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
