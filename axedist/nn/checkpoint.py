@@ -1,11 +1,14 @@
 """Save and load a parallelized model with ``torch.distributed.checkpoint`` (DCP).
 
-Parameters go through ``to_torch`` (torch DTensors with the same local tensors), so DCP
-writes each rank's shards with their global offsets and can read them back under any
-other sharding: a checkpoint saved at TP=4 loads at TP=2 (or into a plain model).
+DCP stores each rank's piece of a tensor by its box in the global tensor; an axedist DTensor
+gives DCP that box from its layout (``DTensor.__create_chunk_list__``), so a checkpoint written
+under any layouts (tensor parallel at TP=4, fully sharded over ``(dp, tp) = (2, 2)``) loads under
+any others (TP=2, ``(4, 1)``, a plain model), and checkpoints of torch's own DTensors (torch's
+``fully_shard`` + ``parallelize_module``) load here and the other way round: the files hold
+global offsets only.
 
     >>> save(model, "runs/train_tp/checkpoint")      # every rank of the mesh calls it
-    >>> load(other_model, "runs/train_tp/checkpoint") # other_model parallelized at another TP degree
+    >>> load(other_model, "runs/train_tp/checkpoint") # other_model laid out another way
 """
 
 from __future__ import annotations
@@ -27,17 +30,17 @@ def torch_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def save(module: nn.Module, path: str) -> None:
     """Write ``module``'s state dict to the directory ``path`` (collective over the job)."""
-    dcp.save(torch_state_dict(module), checkpoint_id=path)
+    dcp.save(module.state_dict(), checkpoint_id=path)
 
 
 def load(module: nn.Module, path: str) -> None:
     """Read the state dict at ``path`` into ``module``'s tensors in place, resharding as needed."""
-    targets = torch_state_dict(module)
+    targets = module.state_dict()
     dcp.load(targets, checkpoint_id=path)
     own = module.state_dict()
     with torch.no_grad():
         for key, loaded in targets.items():
             local = own[key].to_local() if isinstance(own[key], DTensor) else own[key]
-            piece = loaded.to_local() if hasattr(loaded, "to_local") else loaded
-            if piece.data_ptr() != local.data_ptr():  # to_torch usually shares the storage already
+            piece = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+            if piece.data_ptr() != local.data_ptr():  # state_dict() usually shares the storage already
                 local.copy_(piece)

@@ -337,8 +337,6 @@ class _Unshard(torch.autograd.Function):
 
 # Units whose forward is running, outermost first (the first is the root of this forward).
 _RUNNING: list = []
-# id(original parameter) -> the unit that sharded it (weakly: for the "shared across units" check).
-_OWNER: "weakref.WeakValueDictionary[int, FSDPUnit]" = weakref.WeakValueDictionary()
 
 
 @dataclass(eq=False)
@@ -593,7 +591,7 @@ def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> No
             if param is None:
                 continue
             qualified = f"{mod_name}.{pname}" if mod_name else pname
-            owner = _OWNER.get(id(param))
+            owner = _owner(param)
             if id(sub) in inner_modules:
                 if owner is None and not _is_sharded(param):
                     raise ValueError(f"fully_shard: {qualified} sits inside an inner FSDP unit that did not shard it")
@@ -616,7 +614,13 @@ def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> No
         for sub, pname in slots[key]:
             sub._parameters[pname] = new
         unit.params.append(record)
-        _OWNER[key] = unit
+        param.__dict__["_axedist_sharded_by"] = weakref.ref(unit)  # a slot still holding it is shared
+
+
+def _owner(param) -> FSDPUnit | None:
+    """The unit that sharded this (original) parameter, if one did."""
+    ref = getattr(param, "__dict__", {}).get("_axedist_sharded_by")
+    return ref() if ref is not None else None
 
 
 def _is_sharded(param) -> bool:
