@@ -566,7 +566,8 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] |
         raise MeshError("fully_shard: dp_axes is empty (give at least one mesh axis to shard the parameters over)")
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__} "
-                         f"({_unit_of(module)}); apply it once per module")
+                         f"({len(_unit_of(module).params)} parameters sharded over {_unit_of(module).shard_axes}); "
+                         f"apply it once per module")
     unit = FSDPUnit(module, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, "")
     for prefix, sub in module.named_modules():  # inner units are named from here (the root's names win)
         inner = _unit_of(sub)
@@ -597,8 +598,9 @@ def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> No
                     raise ValueError(f"fully_shard: {qualified} sits inside an inner FSDP unit that did not shard it")
                 continue
             if _is_sharded(param) or owner is not None:
-                raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit "
-                                 f"({owner or 'already sharded'}); put the modules that share a parameter in one unit")
+                other = f"the unit of {owner.name or 'a module'}" if owner is not None else "already sharded"
+                raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit ({other}); put the "
+                                 f"modules that share a parameter in one unit")
             slots.setdefault(id(param), []).append((sub, pname))
             names.setdefault(id(param), qualified)
             originals[id(param)] = param
