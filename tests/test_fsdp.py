@@ -132,8 +132,9 @@ def test_fully_sharded_training_matches_one_process(case):
     s = random.randrange(2**31)
     out = run_on_ranks(_matches_one_process, 4, args=(s, shape, names, options))
     prefetches, peak = out[0]
-    assert prefetches > 0, "no unit's gather was started ahead"
     assert peak > 0
+    if shape[0] > 1:  # one data-parallel rank gathers nothing (each gather is a local copy)
+        assert prefetches > 0, "no unit's gather was started ahead"
 
 
 def state_bytes(model, optimizer) -> int:

@@ -30,6 +30,8 @@ only the sharded parameters.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -43,11 +45,14 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..dtensor import DTensor
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
 from ..mesh import DeviceMesh, MeshError
+from ..planning import plan_redistribute
+from ..planning.holdings import true_boxes
+from ..planning.repad import side_of
 from ..runtime import redistribute_local
 from ..spec import DTensorSpec, chunk, make_spec, replicated_layout, row_major_iters
 
-__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "fully_shard", "fsdp_units", "data_parallel_specs",
-           "pending_gradient_spec"]
+__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units",
+           "data_parallel_specs", "pending_gradient_spec"]
 
 
 # ---------------------------------------------------------------------------
@@ -197,6 +202,69 @@ def pending_gradient_spec(grad: DTensorSpec | None, shape, mesh: DeviceMesh, dat
 
 
 # ---------------------------------------------------------------------------
+# A unit's parameters as one flat tensor (one collective per unit, not per parameter)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter sits in a unit's flat buffer, and the flat buffer's three specs.
+
+    Each rank's buffer holds, at ``offsets[i]``, parameter ``i``'s shard padded to its padded
+    local size. Over the mesh the buffers form a tensor of shape ``(*other axes, *shard axes,
+    length)``, one buffer per device; ``sharded`` lays it out over every axis (``S[(2,2,L):(1@tp,
+    1@dp,1)]`` on ``(dp, tp) = (2, 2)``), ``gathered`` keeps the other axes and makes the shard
+    axes local (``S[(2,2,L):(1@tp,L,1)] + R[2:1@dp]``: the all-gather over ``dp``), and
+    ``pending`` is the gradients' sum over the data axes before the reduce-scatter back to
+    ``sharded``. A parameter's gathered local tensor is its ``dp`` pieces one after the other
+    along dim 0 (``data_parallel_specs`` cuts dim 0 ``dp``-major), so no interleaving is needed.
+    """
+
+    records: tuple
+    offsets: tuple[int, ...]
+    length: int
+    sharded: DTensorSpec
+    gathered: DTensorSpec
+    pending: DTensorSpec
+
+    @property
+    def parts(self) -> int:
+        return math.prod(self.gathered.local_padded[:-1])
+
+
+def _flat_layout(unit: "FSDPUnit", records) -> FlatLayout:
+    mesh = unit.mesh
+    offsets, length = [], 0
+    for r in records:
+        offsets.append(length)
+        length += r.slot
+    others = [a for a in mesh.axis_names if a not in unit.data_axes]
+    shard = [a for a in mesh.axis_names if a in unit.shard_axes]
+    size = mesh.axis_size
+    shape = tuple(size(a) for a in others + shard) + (length,)
+    devices = [Iter(size(a), 1, a) for a in others]
+    local, inner = [], length
+    for a in reversed(shard):  # the shard axes as local dims, row-major over (shard axes, length)
+        local.insert(0, Iter(size(a), inner))
+        inner *= size(a)
+    rest = [Iter(length, 1)]
+    replicate = _replicas(mesh, unit.replicate_axes)
+    sharded = make_spec(mesh, Layout(devices + [Iter(size(a), 1, a) for a in shard] + rest, replicate), shape)
+    gathered = make_spec(mesh, Layout(devices + local + rest, replicate + _replicas(mesh, unit.shard_axes)), shape)
+    pending = make_spec(mesh, Layout(_replicas(mesh, unit.data_axes) + devices + local + rest), shape, None, "sum",
+                        unit.data_parallel_size)
+    return FlatLayout(tuple(records), tuple(offsets), length, sharded, gathered, pending)
+
+
+def _box(t: torch.Tensor, shape) -> torch.Tensor:
+    """The leading box ``shape`` of ``t`` (a true local tensor inside its padded one)."""
+    for d, n in enumerate(shape):
+        if n != t.shape[d]:
+            t = t.narrow(d, 0, n)
+    return t
+
+
+# ---------------------------------------------------------------------------
 # One parameter
 # ---------------------------------------------------------------------------
 
@@ -225,43 +293,108 @@ class ShardedParameter:
     gathered_spec: DTensorSpec
     unit: "FSDPUnit"
     gathered: torch.Tensor | None = None   # this rank's unsharded local tensor, while gathered
-    pending: object = None                 # a started (prefetched) all-gather
-    stream: object = None                  # the CUDA stream it was started on
 
     @property
     def sharded_spec(self) -> DTensorSpec:
         return self.param._spec
+
+    @property
+    def batched(self) -> bool:
+        """Sharded over the data axes: it travels in the unit's flat buffer (else it is gathered
+        and reduced alone: a scalar, or one data-parallel rank)."""
+        return self.sharded_spec != self.gathered_spec
+
+    @property
+    def slot(self) -> int:
+        return math.prod(self.sharded_spec.local_padded)
+
+    @functools.cached_property
+    def pieces(self) -> tuple[tuple[int, ...], ...]:
+        """The true local shapes of the shards of this rank's data-parallel group, in order: the
+        gathered local tensor is them one after the other along dim 0."""
+        mesh, unit = self.unit.mesh, self.unit
+        side = side_of(self.sharded_spec)
+        boxes = true_boxes(side.layout, side.full, side.rows, mesh)
+        here = mesh.coordinates()
+        shard = [a for a in mesh.axis_names if a in unit.shard_axes]
+        out = []
+        for digits in itertools.product(*(range(mesh.axis_size(a)) for a in shard)):
+            out.append(boxes[mesh.position(mesh.rank_at({**here, **dict(zip(shard, digits))}))])
+        return tuple(out)
+
+    @property
+    def index(self) -> int:
+        """This rank's place in its data-parallel group's shards."""
+        here, mesh = self.unit.mesh.coordinates(), self.unit.mesh
+        index = 0
+        for a in mesh.axis_names:
+            if a in self.unit.shard_axes:
+                index = index * mesh.axis_size(a) + here[a]
+        return index
 
     def shard_for_gather(self) -> torch.Tensor:
         local = self.param.to_local()
         dtype = self.unit.mp_policy.param_dtype
         return local.to(dtype) if dtype is not None and local.is_floating_point() else local
 
-    def start_gather(self) -> None:
-        """Start the all-gather (a prefetch): waited for when the unit runs."""
-        if self.gathered is not None or self.pending is not None:
-            return
-        with torch.no_grad():
-            self.pending = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec,
-                                              async_op=True)
+    # -- through the flat buffer ------------------------------------------------------------
 
-    def gather(self) -> torch.Tensor:
-        """This rank's unsharded local tensor (waiting for a started gather, or running one)."""
-        with torch.no_grad():
-            if self.pending is not None:
-                pending, self.pending = self.pending, None
-                if self.stream is not None:
-                    torch.cuda.current_stream().wait_stream(self.stream)
-                    self.stream = None
-                local = pending.wait()
-            else:
-                local = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec)
-            return _own(local, self.param.to_local())
+    def pack(self, row: torch.Tensor, offset: int, value: torch.Tensor) -> None:
+        """Write a true local shard into its slot of a flat buffer row."""
+        slot = row[offset:offset + self.slot].view(self.sharded_spec.local_padded)
+        _box(slot, value.shape).copy_(value)
 
-    def unshard(self, into_saved: bool) -> None:
-        """Gather into a fresh tensor (forward), or back into the freed storage that autograd saved
-        (``into_saved``: backward), without bumping its version (autograd checks saved tensors by it)."""
-        value = self.gather()
+    def unpack_gathered(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """The gathered local tensor from the gathered flat buffer ``[parts, length]``."""
+        padded = self.sharded_spec.local_padded
+        pieces = [_box(rows[d, offset:offset + self.slot].view(padded), shape) for d, shape in enumerate(self.pieces)]
+        return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
+
+    def pack_gradient(self, rows: torch.Tensor, offset: int, grad: torch.Tensor) -> None:
+        """Cut this rank's gathered-layout gradient into the shards' rows of ``rows`` ``[parts, length]``."""
+        sizes = [shape[0] for shape in self.pieces]
+        for d, piece in enumerate(torch.split(grad, sizes, dim=0)):
+            self.pack(rows[d], offset, piece)
+
+    def unpack_shard(self, row: torch.Tensor, offset: int) -> torch.Tensor:
+        slot = row[offset:offset + self.slot].view(self.sharded_spec.local_padded)
+        return _box(slot, self.pieces[self.index]).clone()
+
+    # -- alone ------------------------------------------------------------------------------
+
+    def gather_alone(self) -> torch.Tensor:
+        local = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec)
+        return _own(local, self.param.to_local())
+
+    def reduce_gradient(self, grad: torch.Tensor) -> DTensor:
+        """The sharded gradient from this rank's gradient of the module value, alone (one route
+        from the pending sum over the data axes): averaged over the data-parallel ranks (a sum of
+        ``grad / n``), in ``reduce_dtype``."""
+        unit = self.unit
+        spec, local = (grad._spec, grad._local) if isinstance(grad, DTensor) else (None, grad)
+        local = local.to(self.reduce_dtype) / unit.data_parallel_size
+        if spec is None or not spec.reduce_op:
+            local = local.unsqueeze(0)
+        pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
+        out = redistribute_local(local.contiguous(), pending, self.sharded_spec)
+        return DTensor(out.to(self.param.dtype), self.sharded_spec)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.unit.mp_policy.reduce_dtype or self.param.dtype
+
+    def in_view(self, grad: torch.Tensor) -> bool:
+        """Whether a gradient came in the layout the module saw (so it joins the flat buffer)."""
+        if self.view is None:
+            return not isinstance(grad, DTensor)
+        return isinstance(grad, DTensor) and grad._spec == self.view
+
+    # -- the gathered value -------------------------------------------------------------------
+
+    def place(self, value: torch.Tensor, into_saved: bool) -> None:
+        """Hold a gathered value: as a fresh tensor (forward), or copied back into the freed storage
+        autograd saved (``into_saved``: backward), without bumping its version (autograd checks
+        saved tensors by it)."""
         if self.gathered is None or not into_saved:
             self.gathered = value
             return
@@ -272,16 +405,13 @@ class ShardedParameter:
                 storage.resize_(target.numel() * target.element_size())
             target.copy_(value)
 
-    def free(self, drop_started: bool = True) -> int:
-        """Release the gathered storage (views of it, saved by autograd, are refilled by ``unshard``);
-        ``drop_started``: also forget a started gather."""
-        freed = 0
-        if self.gathered is not None:
-            storage = self.gathered.untyped_storage()
-            freed = storage.nbytes()
-            storage.resize_(0)
-        if drop_started:
-            self.pending, self.stream = None, None
+    def free(self) -> int:
+        """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
+        if self.gathered is None:
+            return 0
+        storage = self.gathered.untyped_storage()
+        freed = storage.nbytes()
+        storage.resize_(0)
         return freed
 
     def module_value(self) -> torch.Tensor:
@@ -289,26 +419,12 @@ class ShardedParameter:
         plain tensor) they had, differentiable back to the sharded parameter."""
         return _Unshard.apply(self.param, self)
 
-    def reduce_gradient(self, grad: torch.Tensor) -> DTensor:
-        """The sharded gradient from this rank's gradient of the module value: averaged over the
-        data-parallel ranks (a sum of ``grad / n``), in ``reduce_dtype``."""
-        unit = self.unit
-        if self.view is None:
-            if isinstance(grad, DTensor):
-                raise LayoutError(f"{self.name}: a plain parameter got a DTensor gradient ({grad._spec})")
-            spec, local = None, grad
-        else:
-            if not isinstance(grad, DTensor):
-                raise LayoutError(f"{self.name}: the gradient of a DTensor parameter must be a DTensor, got "
-                                  f"{type(grad).__name__}")
-            spec, local = grad._spec, grad._local
-        reduce_dtype = unit.mp_policy.reduce_dtype or self.param.dtype
-        local = local.to(reduce_dtype) / unit.data_parallel_size
-        if spec is None or not spec.reduce_op:
-            local = local.unsqueeze(0)
-        pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
-        out = redistribute_local(local.contiguous(), pending, self.sharded_spec)
-        return DTensor(out.to(self.param.dtype), self.sharded_spec)
+    def accumulate(self, grad: DTensor) -> None:
+        with torch.no_grad():
+            if self.param.grad is None:
+                self.param.grad = grad
+            else:
+                self.param.grad += grad
 
     def __repr__(self) -> str:
         dtype = str(self.param.dtype).replace("torch.", "")
@@ -316,8 +432,8 @@ class ShardedParameter:
 
 
 class _Unshard(torch.autograd.Function):
-    """Sharded parameter -> the gathered value as the modules see it; backward: the gradient
-    reduced (scattered) back to the sharded layout."""
+    """Sharded parameter -> the gathered value as the modules see it. Backward hands the gradient
+    to the unit, which reduce-scatters the unit's gradients together and sets ``param.grad``."""
 
     @staticmethod
     def forward(ctx, param, record: ShardedParameter):
@@ -328,7 +444,8 @@ class _Unshard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.record.reduce_gradient(grad), None
+        ctx.record.unit.gradient_arrived(ctx.record, grad)
+        return None, None
 
 
 # ---------------------------------------------------------------------------
@@ -362,6 +479,11 @@ class _Schedule:
         order = self.order or self.last_order
         return order[:1] + order[1:][::-1]  # the root's outputs first, then the blocks in reverse
 
+    def __repr__(self) -> str:
+        names = [u.name or "<root>" for u in self.order or self.last_order]
+        return (f"_Schedule(order={names}, {self.prefetches} prefetches, gathered now {self.live_bytes} B, "
+                f"peak {self.peak_bytes} B)")
+
 
 class FSDPUnit:
     """The state ``fully_shard`` attaches to a module: its sharded parameters, the mesh and axes,
@@ -377,10 +499,30 @@ class FSDPUnit:
         self.mp_policy = mp_policy
         self.params: list[ShardedParameter] = []
         self.schedule = self.own_schedule = _Schedule()
-        self.gathered_bytes = 0
+        self._flat: dict = {}          # ("gather" | "reduce", dtype) -> FlatLayout
+        self._started: dict = {}       # dtype -> (a started flat all-gather, its CUDA stream or None)
+        self._grads: dict = {}         # ShardedParameter -> its gradient (gathered layout), until the flush
+        self._reducing: list = []      # (started flat reduce-scatter, FlatLayout, records) until the end of backward
+        self._awaited = 0              # gradients still to come this step
 
     def contains(self, other: "FSDPUnit") -> bool:
         return any(m is other.module for m in self.module.modules())
+
+    def flat_layout(self, kind: str, dtype: torch.dtype) -> FlatLayout:
+        """The flat buffer of the unit's parameters that gather in (``"gather"``) or reduce in
+        (``"reduce"``, those that take gradients) ``dtype``."""
+        key = (kind, dtype)
+        if key not in self._flat:
+            if kind == "gather":
+                records = [p for p in self.params if p.batched and self._gather_dtype(p) == dtype]
+            else:
+                records = [p for p in self.params if p.batched and p.param.requires_grad and p.reduce_dtype == dtype]
+            self._flat[key] = _flat_layout(self, records)
+        return self._flat[key]
+
+    def _gather_dtype(self, p: ShardedParameter) -> torch.dtype:
+        dtype = self.mp_policy.param_dtype
+        return dtype if dtype is not None and p.param.is_floating_point() else p.param.dtype
 
     # -- gathering and freeing -------------------------------------------------------
 
@@ -388,32 +530,51 @@ class FSDPUnit:
     def is_gathered(self) -> bool:
         return any(p.gathered is not None and p.gathered.untyped_storage().nbytes() for p in self.params)
 
+    def _start_gathers(self) -> dict:
+        started = {}
+        for dtype in dict.fromkeys(self._gather_dtype(p) for p in self.params if p.batched):
+            flat = self.flat_layout("gather", dtype)
+            row = torch.zeros(flat.length, dtype=dtype, device=self.mesh.device)
+            for p, offset in zip(flat.records, flat.offsets):
+                p.pack(row, offset, p.shard_for_gather())
+            started[dtype] = redistribute_local(row.view(flat.sharded.local_padded), flat.sharded, flat.gathered,
+                                                async_op=True)
+        return started
+
     def prefetch(self) -> None:
         """Start this unit's all-gathers (on a side stream on CUDA, so they overlap compute)."""
-        if self.is_gathered or not self.params:
+        if self.is_gathered or self._started or not any(p.batched for p in self.params):
             return
         self.schedule.prefetches += 1
-        if self.mesh.device_type == "cuda":
-            stream = _side_stream()
-            stream.wait_stream(torch.cuda.current_stream())  # the shards' latest values
-            with torch.cuda.stream(stream):
-                for p in self.params:
-                    p.start_gather()
-                    p.stream = stream
-        else:
-            for p in self.params:
-                p.start_gather()
+        with torch.no_grad():
+            if self.mesh.device_type == "cuda":
+                stream = _side_stream()
+                stream.wait_stream(torch.cuda.current_stream())  # the shards' latest values
+                with torch.cuda.stream(stream):
+                    self._started = {k: (v, stream) for k, v in self._start_gathers().items()}
+            else:
+                self._started = {k: (v, None) for k, v in self._start_gathers().items()}
 
     def unshard(self, into_saved: bool = False) -> None:
         if self.is_gathered:
             return
-        for p in self.params:
-            p.unshard(into_saved)
+        with torch.no_grad():
+            started = self._started or {k: (v, None) for k, v in self._start_gathers().items()}
+            self._started = {}
+            for dtype, (pending, stream) in started.items():
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
+                flat = self.flat_layout("gather", dtype)
+                rows = pending.wait().reshape(flat.parts, flat.length)
+                for p, offset in zip(flat.records, flat.offsets):
+                    p.place(p.unpack_gathered(rows, offset), into_saved)
+            for p in self.params:
+                if not p.batched:
+                    p.place(p.gather_alone(), into_saved)
         self._count(sum(p.gathered.untyped_storage().nbytes() for p in self.params))
 
-    def reshard(self, drop_started: bool = True) -> None:
-        freed = sum(p.free(drop_started) for p in self.params)
-        self._count(-freed)
+    def reshard(self) -> None:
+        self._count(-sum(p.free() for p in self.params))
 
     def _count(self, delta: int) -> None:
         s = self.schedule
@@ -424,6 +585,44 @@ class FSDPUnit:
         for p, value in zip(self.params, values):
             for module, name in p.slots:
                 module._parameters[name] = value
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def gradient_arrived(self, record: ShardedParameter, grad: torch.Tensor) -> None:
+        """A parameter's gradient (this rank's, in the layout the module saw): kept until the unit's
+        last one arrives, then all reduce-scattered at once; one in another layout (pending over
+        the tensor-parallel axes) is reduced alone."""
+        self._awaited -= 1
+        if record.batched and record.in_view(grad):
+            local = grad._local if isinstance(grad, DTensor) else grad
+            self._grads[record] = self._grads[record] + local if record in self._grads else local
+        else:
+            record.accumulate(record.reduce_gradient(grad))
+        if self._awaited <= 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start the reduce-scatter of the gradients kept so far (one per reduce dtype)."""
+        grads, self._grads = self._grads, {}
+        for dtype in dict.fromkeys(r.reduce_dtype for r in grads):
+            flat = self.flat_layout("reduce", dtype)
+            rows = torch.zeros(flat.parts, flat.length, dtype=dtype, device=self.mesh.device)
+            for p, offset in zip(flat.records, flat.offsets):
+                if p in grads:
+                    p.pack_gradient(rows, offset, grads[p].to(dtype) / self.data_parallel_size)
+            local = rows.view(flat.pending.local_padded)
+            started = redistribute_local(local, flat.pending, flat.sharded, async_op=True)
+            self._reducing.append((started, flat, [p for p in flat.records if p in grads]))
+
+    def finish_reduce(self) -> None:
+        """Wait for the started reduce-scatters and set each parameter's sharded gradient."""
+        reducing, self._reducing = self._reducing, []
+        with torch.no_grad():
+            for started, flat, records in reducing:
+                row = started.wait().reshape(flat.length)
+                for p, offset in zip(flat.records, flat.offsets):
+                    if p in records:
+                        p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -438,9 +637,11 @@ class FSDPUnit:
                 self.schedule.last_order = self.schedule.order
             self.schedule.order = []
         _RUNNING.append(self)
-        self.reshard(drop_started=False)  # values of a step without backward are stale; a prefetch is not
+        self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
         self.unshard()
-        self._install([p.module_value() for p in self.params])
+        values = [p.module_value() for p in self.params]
+        self._awaited += sum(v.requires_grad for v in values)
+        self._install(values)
         self.schedule.order.append(self)
         following = self.schedule.next_after(self, backward=False)
         if following is not None:
@@ -463,7 +664,9 @@ class FSDPUnit:
         # the root's parameters are needed first in backward: keep them (as torch does)
         if not training or (self.reshard_after_forward and not root):
             self.reshard()
-        if training:
+        if not training:
+            self._awaited = 0
+        else:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda grad: self.pre_backward(), mode="any")
         if root and self.mp_policy.output_dtype is not None:
             output = tree_map(lambda x: _cast(x, self.mp_policy.output_dtype), output)
@@ -484,6 +687,17 @@ class FSDPUnit:
 
     # -- description ----------------------------------------------------------------------
 
+    def explain(self) -> str:
+        """The routes layout inference planned for this unit's all-gather and reduce-scatter."""
+        lines = [repr(self)]
+        for (kind, dtype), flat in sorted(self._flat.items(), key=lambda kv: kv[0][0]):
+            src, dst = (flat.sharded, flat.gathered) if kind == "gather" else (flat.pending, flat.sharded)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            lines.append(f"{kind} ({str(dtype).replace('torch.', '')}, {len(flat.records)} parameters, "
+                         f"{flat.length} elements per rank):")
+            lines.append(str(plan_redistribute(src, dst, itemsize)))
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         sharded = sum(p.param.to_local().numel() * p.param.element_size() for p in self.params)
         axes = f"shard over {self.shard_axes}" + (f", replicate over {self.replicate_axes}" if self.replicate_axes else "")
@@ -492,9 +706,14 @@ class FSDPUnit:
 
 
 def _finish_backward(schedule: _Schedule) -> None:
-    """End of backward: every unit of the step frees what it gathered; started gathers are dropped."""
+    """End of backward: every unit of the step reduces what is left, sets its gradients and frees
+    what it gathered; started gathers are dropped."""
     for unit in schedule.order or schedule.last_order:
+        unit.flush()
+        unit.finish_reduce()
+        unit._awaited = 0
         unit.reshard()
+        unit._started = {}
     schedule.callback_queued = False
 
 
