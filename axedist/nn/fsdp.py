@@ -232,13 +232,15 @@ class FlatLayout:
         return math.prod(self.gathered.local_padded[:-1])
 
 
-def _flat_layout(unit: "FSDPUnit", records) -> FlatLayout:
+def _flat_layout(unit: "FSDPUnit", records, summed: tuple = ()) -> FlatLayout:
+    """``summed``: tensor-parallel axes the gradients are also pending over (the parameters are
+    replicated there: sequence-parallel norms), reduced in the same collective."""
     mesh = unit.mesh
     offsets, length = [], 0
     for r in records:
         offsets.append(length)
         length += r.slot
-    others = [a for a in mesh.axis_names if a not in unit.data_axes]
+    others = [a for a in mesh.axis_names if a not in unit.data_axes and a not in summed]
     shard = [a for a in mesh.axis_names if a in unit.shard_axes]
     size = mesh.axis_size
     shape = tuple(size(a) for a in others + shard) + (length,)
@@ -248,11 +250,11 @@ def _flat_layout(unit: "FSDPUnit", records) -> FlatLayout:
         local.insert(0, Iter(size(a), inner))
         inner *= size(a)
     rest = [Iter(length, 1)]
-    replicate = _replicas(mesh, unit.replicate_axes)
+    replicate = _replicas(mesh, unit.replicate_axes + summed)
     sharded = make_spec(mesh, Layout(devices + [Iter(size(a), 1, a) for a in shard] + rest, replicate), shape)
     gathered = make_spec(mesh, Layout(devices + local + rest, replicate + _replicas(mesh, unit.shard_axes)), shape)
-    pending = make_spec(mesh, Layout(_replicas(mesh, unit.data_axes) + devices + local + rest), shape, None, "sum",
-                        unit.data_parallel_size)
+    pending = make_spec(mesh, Layout(_replicas(mesh, unit.data_axes + summed) + devices + local + rest), shape, None,
+                        "sum", unit.data_parallel_size * _data_size(mesh, summed))
     return FlatLayout(tuple(records), tuple(offsets), length, sharded, gathered, pending)
 
 
@@ -383,11 +385,28 @@ class ShardedParameter:
     def reduce_dtype(self) -> torch.dtype:
         return self.unit.mp_policy.reduce_dtype or self.param.dtype
 
-    def in_view(self, grad: torch.Tensor) -> bool:
-        """Whether a gradient came in the layout the module saw (so it joins the flat buffer)."""
+    def summed_axes(self, grad: torch.Tensor) -> tuple[str, ...] | None:
+        """``()`` for a gradient in the layout the module saw, the axes it is pending over for one
+        that is the pending sum of that layout over axes it replicates (a sequence-parallel norm's),
+        else None (it is reduced alone). Such gradients join the unit's flat buffer."""
         if self.view is None:
-            return not isinstance(grad, DTensor)
-        return isinstance(grad, DTensor) and grad._spec == self.view
+            return None if isinstance(grad, DTensor) else ()
+        if not isinstance(grad, DTensor):
+            return None
+        if grad._spec == self.view:
+            return ()
+        spec, view = grad._spec, self.view
+        if spec.reduce_op != "sum" or spec.mesh != view.mesh:
+            return None
+        axes = tuple(a for a in view.mesh.axis_names if any(it.axis == a for it in view.layout.replica))
+        summed = tuple(a for a in axes if any(it.axis == a for it in spec.layout.shard))
+        if not summed:
+            return None
+        layout = Layout(_replicas(view.mesh, summed) + list(view.layout.shard),
+                        [it for it in view.layout.replica if it.axis not in summed], view.layout.offset)
+        expected = make_spec(view.mesh, layout, view.shape, view.padded, "sum", _data_size(view.mesh, summed),
+                             view.true_index)
+        return summed if expected == spec else None
 
     # -- the gathered value -------------------------------------------------------------------
 
@@ -508,16 +527,14 @@ class FSDPUnit:
     def contains(self, other: "FSDPUnit") -> bool:
         return any(m is other.module for m in self.module.modules())
 
-    def flat_layout(self, kind: str, dtype: torch.dtype) -> FlatLayout:
-        """The flat buffer of the unit's parameters that gather in (``"gather"``) or reduce in
-        (``"reduce"``, those that take gradients) ``dtype``."""
-        key = (kind, dtype)
+    def flat_layout(self, kind: str, dtype: torch.dtype, records=None, summed: tuple = ()) -> FlatLayout:
+        """The flat buffer of the unit's parameters that gather in ``dtype`` (``"gather"``), or of
+        ``records``, whose gradients reduce in ``dtype``, also over ``summed`` (``"reduce"``)."""
+        key = (kind, dtype, summed, None if records is None else tuple(id(r) for r in records))
         if key not in self._flat:
             if kind == "gather":
                 records = [p for p in self.params if p.batched and self._gather_dtype(p) == dtype]
-            else:
-                records = [p for p in self.params if p.batched and p.param.requires_grad and p.reduce_dtype == dtype]
-            self._flat[key] = _flat_layout(self, records)
+            self._flat[key] = _flat_layout(self, records, summed)
         return self._flat[key]
 
     def _gather_dtype(self, p: ShardedParameter) -> torch.dtype:
@@ -593,36 +610,38 @@ class FSDPUnit:
         last one arrives, then all reduce-scattered at once; one in another layout (pending over
         the tensor-parallel axes) is reduced alone."""
         self._awaited -= 1
-        if record.batched and record.in_view(grad):
-            local = grad._local if isinstance(grad, DTensor) else grad
-            self._grads[record] = self._grads[record] + local if record in self._grads else local
-        else:
+        summed = record.summed_axes(grad) if record.batched else None
+        kept = self._grads.get(record)
+        if summed is None or (kept is not None and kept[0] != summed):
             record.accumulate(record.reduce_gradient(grad))
+        else:
+            local = grad._local if isinstance(grad, DTensor) else grad
+            local = local[0] if summed else local  # the summand this rank holds
+            self._grads[record] = (summed, local if kept is None else kept[1] + local)
         if self._awaited <= 0:
             self.flush()
 
     def flush(self) -> None:
         """Start the reduce-scatter of the gradients kept so far (one per reduce dtype)."""
         grads, self._grads = self._grads, {}
-        for dtype in dict.fromkeys(r.reduce_dtype for r in grads):
-            flat = self.flat_layout("reduce", dtype)
+        for dtype, summed in dict.fromkeys((r.reduce_dtype, kept[0]) for r, kept in grads.items()):
+            records = [p for p in self.params if p in grads and (p.reduce_dtype, grads[p][0]) == (dtype, summed)]
+            flat = self.flat_layout("reduce", dtype, records, summed)
             rows = torch.zeros(flat.parts, flat.length, dtype=dtype, device=self.mesh.device)
             for p, offset in zip(flat.records, flat.offsets):
-                if p in grads:
-                    p.pack_gradient(rows, offset, grads[p].to(dtype) / self.data_parallel_size)
+                p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.data_parallel_size)
             local = rows.view(flat.pending.local_padded)
             started = redistribute_local(local, flat.pending, flat.sharded, async_op=True)
-            self._reducing.append((started, flat, [p for p in flat.records if p in grads]))
+            self._reducing.append((started, flat))
 
     def finish_reduce(self) -> None:
         """Wait for the started reduce-scatters and set each parameter's sharded gradient."""
         reducing, self._reducing = self._reducing, []
         with torch.no_grad():
-            for started, flat, records in reducing:
+            for started, flat in reducing:
                 row = started.wait().reshape(flat.length)
                 for p, offset in zip(flat.records, flat.offsets):
-                    if p in records:
-                        p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
+                    p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -690,11 +709,12 @@ class FSDPUnit:
     def explain(self) -> str:
         """The routes layout inference planned for this unit's all-gather and reduce-scatter."""
         lines = [repr(self)]
-        for (kind, dtype), flat in sorted(self._flat.items(), key=lambda kv: kv[0][0]):
+        for (kind, dtype, summed, _), flat in sorted(self._flat.items(), key=lambda kv: kv[0][0]):
             src, dst = (flat.sharded, flat.gathered) if kind == "gather" else (flat.pending, flat.sharded)
             itemsize = torch.empty((), dtype=dtype).element_size()
+            also = f", also summed over {summed}" if summed else ""
             lines.append(f"{kind} ({str(dtype).replace('torch.', '')}, {len(flat.records)} parameters, "
-                         f"{flat.length} elements per rank):")
+                         f"{flat.length} elements per rank{also}):")
             lines.append(str(plan_redistribute(src, dst, itemsize)))
         return "\n".join(lines)
 
