@@ -655,6 +655,8 @@ class FSDPUnit:
             if self.schedule.order:
                 self.schedule.last_order = self.schedule.order
             self.schedule.order = []
+            for unit in self.schedule.last_order:  # a forward without backward left counts behind
+                unit._awaited = 0
         _RUNNING.append(self)
         self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
         self.unshard()
