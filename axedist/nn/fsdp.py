@@ -231,6 +231,10 @@ class FlatLayout:
     def parts(self) -> int:
         return math.prod(self.gathered.local_padded[:-1])
 
+    def __repr__(self) -> str:
+        return (f"FlatLayout({len(self.records)} parameters, {self.length} elements per rank: sharded "
+                f"{self.sharded.layout}, gathered {self.gathered.layout})")
+
 
 def _flat_layout(unit: "FSDPUnit", records, summed: tuple = ()) -> FlatLayout:
     """``summed``: tensor-parallel axes the gradients are also pending over (the parameters are
@@ -655,8 +659,9 @@ class FSDPUnit:
             if self.schedule.order:
                 self.schedule.last_order = self.schedule.order
             self.schedule.order = []
-            for unit in self.schedule.last_order:  # a forward without backward left counts behind
+            for unit in self.schedule.last_order:  # a forward without backward leaves these behind
                 unit._awaited = 0
+                unit._started = {}  # gathered before the optimizer step: stale
         _RUNNING.append(self)
         self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
         self.unshard()
