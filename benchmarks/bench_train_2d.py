@@ -19,7 +19,6 @@ pieces) and axedist's peak of gathered parameter bytes. Writes ``bench_train_2d_
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import json
 import os

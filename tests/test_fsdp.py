@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from axedist.dtensor import DTensor
-from axedist.layout import Layout, LayoutError
+from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh, MeshError
 from axedist.nn import checkpoint, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.fsdp import MixedPrecisionPolicy, data_parallel_specs, pending_gradient_spec

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CFG = LlamaConfig(vocab_size=100, dim=64, n_layers=2, n_heads=8, ffn_hidden=96, max_seq_len=16)
 
 
-def _sharded(model, mesh, policy=MixedPrecisionPolicy()):
+def _sharded(model, mesh, policy=None):
     parallelize(model, mesh["tp"], llama_tp_plan(CFG))
     for layer in model.layers:
-        fully_shard(layer, mesh, mp_policy=policy)
-    fully_shard(model, mesh, mp_policy=policy)
+        fully_shard(layer, mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh, mp_policy=policy or MixedPrecisionPolicy())
     return model
 
 

@@ -55,6 +55,8 @@ __all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "FlatLayout",
            "data_parallel_specs", "pending_gradient_spec"]
 
 
+NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in it too
+
 # ---------------------------------------------------------------------------
 # Layouts: unsharded (replicated over the data axes) and sharded
 # ---------------------------------------------------------------------------
@@ -117,7 +119,7 @@ def _sharded(gathered: DTensorSpec, shard_axes, replicate_axes) -> DTensorSpec:
         raise LayoutError(f"fully_shard: dim 0 of {gathered} holds its local rows in several pieces "
                           f"({[it for it in first if it.axis == MEMORY_AXIS]}); they split over {parts} data-parallel "
                           f"ranks only when the outermost piece divides by {parts}")
-    local, strides = row_major_memory(blocks)
+    _, strides = row_major_memory(blocks)
     shard = [Iter(it.extent, stride, MEMORY_AXIS) if stride is not None else it
              for block, row in zip(blocks, strides) for it, stride in zip(block, row)]
     replica = [it for it in gathered.layout.replica if it.axis not in shard_axes]
@@ -558,8 +560,7 @@ class FSDPUnit:
             row = torch.zeros(flat.length, dtype=dtype, device=self.mesh.device)
             for p, offset in zip(flat.records, flat.offsets):
                 p.pack(row, offset, p.shard_for_gather())
-            started[dtype] = redistribute_local(row.view(flat.sharded.local_padded), flat.sharded, flat.gathered,
-                                                async_op=True)
+            started[dtype] = _start(row.view(flat.sharded.local_padded), flat.sharded, flat.gathered)
         return started
 
     def prefetch(self) -> None:
@@ -569,7 +570,7 @@ class FSDPUnit:
         self.schedule.prefetches += 1
         with torch.no_grad():
             if self.mesh.device_type == "cuda":
-                stream = _side_stream()
+                stream = _side_stream("gather")
                 stream.wait_stream(torch.cuda.current_stream())  # the shards' latest values
                 with torch.cuda.stream(stream):
                     self._started = {k: (v, stream) for k, v in self._start_gathers().items()}
@@ -635,14 +636,22 @@ class FSDPUnit:
             for p, offset in zip(flat.records, flat.offsets):
                 p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.data_parallel_size)
             local = rows.view(flat.pending.local_padded)
-            started = redistribute_local(local, flat.pending, flat.sharded, async_op=True)
-            self._reducing.append((started, flat))
+            if self.mesh.device_type == "cuda":  # on its own stream: the next unit's backward overlaps it
+                stream = _side_stream("reduce")
+                stream.wait_stream(torch.cuda.current_stream())
+                rows.record_stream(stream)  # freed here, still read there
+                with torch.cuda.stream(stream):
+                    self._reducing.append((_start(local, flat.pending, flat.sharded), flat, stream))
+            else:
+                self._reducing.append((_start(local, flat.pending, flat.sharded), flat, None))
 
     def finish_reduce(self) -> None:
         """Wait for the started reduce-scatters and set each parameter's sharded gradient."""
         reducing, self._reducing = self._reducing, []
         with torch.no_grad():
-            for started, flat in reducing:
+            for started, flat, stream in reducing:
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
                 row = started.wait().reshape(flat.length)
                 for p, offset in zip(flat.records, flat.offsets):
                     p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
@@ -747,11 +756,31 @@ def _finish_backward(schedule: _Schedule) -> None:
 _SIDE_STREAMS: dict = {}
 
 
-def _side_stream():
-    device = torch.cuda.current_device()
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream()
-    return _SIDE_STREAMS[device]
+def _side_stream(kind: str):
+    """One stream per device for the gathers and one for the reduce-scatters (so a unit's backward
+    waits for its gather, never for another unit's reduce-scatter)."""
+    key = (torch.cuda.current_device(), kind)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream()
+    return _SIDE_STREAMS[key]
+
+
+class _Done:
+    """A collective already issued in stream order (CUDA): ``wait`` gives its result."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+def _start(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec):
+    """Start a flat buffer's move: on CUDA issued in stream order on the current (side) stream,
+    where the p2p symmetric-memory collectives may carry it; elsewhere asynchronously (gloo)."""
+    if local.device.type == "cuda":
+        return _Done(redistribute_local(local, src, dst))
+    return redistribute_local(local, src, dst, async_op=True)
 
 
 def _cast(x, dtype):
@@ -784,7 +813,7 @@ def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
 
 def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] | str = ("dp",),
                 replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = NO_CASTS) -> nn.Module:
     """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
 
     Apply it to each block first, then to the whole model (the root gets what the blocks did not
