@@ -227,6 +227,10 @@ def _checkpoints(rank, world, path):
         model = sharded_llama(cfg, DeviceMesh("cpu", shape, ("dp", "tp")))
         checkpoint.load(model, f"{path}/ours")
         _same_values(model, cfg, 1, f"(2, 2) -> {shape}")
+    torch.manual_seed(6)
+    again = sharded_llama(cfg, DeviceMesh("cpu", (1, 4), ("dp", "tp")))
+    again.load_state_dict(model.state_dict())  # the sharded DTensors of state_dict, in place
+    _same_values(again, cfg, 1, "state_dict at (1, 4)")
     tp_only = Llama(cfg)  # the tensor-parallel model of infer_tp.py, TP = 4
     parallelize(tp_only, DeviceMesh("cpu", (4,), ("tp",)), llama_tp_plan(cfg, sequence_parallel=False))
     checkpoint.load(tp_only, f"{path}/ours")
