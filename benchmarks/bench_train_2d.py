@@ -32,12 +32,11 @@ for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import axedist as ax
 from axedist.nn import MixedPrecisionPolicy, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from axedist.testing import torch_comm_bytes, torch_llama_loss, torch_parallelize_llama
+from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
 
 
 def say(*args) -> None:
@@ -65,11 +64,7 @@ def build(kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int):
             fully_shard(layer, mesh, mp_policy=policy)
         fully_shard(model, mesh, mp_policy=policy)
     else:
-        torch_mesh = mesh.to_torch()
-        torch_parallelize_llama(model, torch_mesh["tp"], sequence_parallel=True)
-        for layer in model.layers:
-            torch_fully_shard(layer, mesh=torch_mesh["dp"], mp_policy=policy)
-        torch_fully_shard(model, mesh=torch_mesh["dp"], mp_policy=policy)
+        torch_fully_shard_llama(model, mesh.to_torch(), policy)
     return model
 
 

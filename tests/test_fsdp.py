@@ -28,8 +28,7 @@ from axedist.nn.fsdp import MixedPrecisionPolicy, data_parallel_specs, pending_g
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.runtime import count_collectives
 from axedist.spec import spec_from_placements
-from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_llama_loss, torch_parallelize_llama
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-4, atol=1e-6)
@@ -159,10 +158,7 @@ def _against_torch(rank, world, s, mixed):
     torch.manual_seed(s)
     ours = sharded_llama(cfg, mesh, mp_policy=policy)
     torch.manual_seed(s)
-    theirs = torch_parallelize_llama(Llama(cfg), torch_mesh["tp"], sequence_parallel=True)
-    for layer in theirs.layers:
-        torch_fully_shard(layer, mesh=torch_mesh["dp"], mp_policy=policy)
-    torch_fully_shard(theirs, mesh=torch_mesh["dp"], mp_policy=policy)
+    theirs = torch_fully_shard_llama(Llama(cfg), torch_mesh, policy)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
     g = torch.Generator().manual_seed(s + 1)
@@ -202,12 +198,7 @@ def test_against_torch_fully_shard_and_parallelize_module(mixed):
 
 def _torch_llama(cfg, mesh, seed):
     torch.manual_seed(seed)
-    torch_mesh = mesh.to_torch()
-    model = torch_parallelize_llama(Llama(cfg), torch_mesh["tp"], sequence_parallel=True)
-    for layer in model.layers:
-        torch_fully_shard(layer, mesh=torch_mesh["dp"])
-    torch_fully_shard(model, mesh=torch_mesh["dp"])
-    return model
+    return torch_fully_shard_llama(Llama(cfg), mesh.to_torch())
 
 
 def _same_values(model, cfg, seed, what):

@@ -13,13 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from axedist.mesh import DeviceMesh
 from axedist.nn import fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.runtime import count_collectives
-from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_llama_loss, torch_parallelize_llama
+from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(WORLD < 2 or WORLD % 2, reason="needs an even number (>= 2) of CUDA GPUs")
@@ -77,10 +76,7 @@ def _against_torch_bf16(rank, world, s):
     torch.manual_seed(s)
     ours = _sharded(Llama(CFG).cuda(), mesh, policy)
     torch.manual_seed(s)
-    theirs = torch_parallelize_llama(Llama(CFG).cuda(), torch_mesh["tp"], sequence_parallel=True)
-    for layer in theirs.layers:
-        torch_fully_shard(layer, mesh=torch_mesh["dp"], mp_policy=policy)
-    torch_fully_shard(theirs, mesh=torch_mesh["dp"], mp_policy=policy)
+    theirs = torch_fully_shard_llama(Llama(CFG).cuda(), torch_mesh, policy)
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False)
     opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
     g = torch.Generator().manual_seed(s + 1)

@@ -12,11 +12,11 @@ from .ranks import RankError, run_on_ranks, run_torchrun, shutdown_pools
 from .virtual_ranks import VirtualRanks
 
 __all__ = ["RankError", "VirtualRanks", "run_on_ranks", "run_torchrun", "shutdown_pools", "torch_comm_bytes",
-           "torch_llama_plan", "torch_parallelize_llama", "torch_llama_loss"]
+           "torch_llama_plan", "torch_parallelize_llama", "torch_fully_shard_llama", "torch_llama_loss"]
 
 # name -> module, imported on first use (torch's CommDebugMode and TP styles are slow to import)
 _LAZY = {"torch_comm_bytes": "comm_bytes", "torch_llama_plan": "torch_llama", "torch_parallelize_llama": "torch_llama",
-         "torch_llama_loss": "torch_llama"}
+         "torch_llama_loss": "torch_llama", "torch_fully_shard_llama": "torch_llama"}
 
 
 def __getattr__(name: str):

@@ -5,7 +5,8 @@ out as local tensors and attention runs on local heads: torch DTensor has no sha
 CPU attention; everything else flows as torch DTensors), and the vocab-parallel loss::
 
     >>> torch_parallelize_llama(model, torch_mesh["tp"], sequence_parallel=True)
-    >>> loss = torch_llama_loss(model(inputs), targets, torch_mesh["tp"])   # then loss.backward()
+    >>> loss = torch_llama_loss(model(inputs), targets, torch_mesh["tp"])   # its backward ran too
+    >>> torch_fully_shard_llama(model, torch_mesh)     # FSDP2 + TP on a (dp, tp) torch mesh
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as tp
 
-__all__ = ["torch_llama_plan", "torch_parallelize_llama", "torch_llama_loss"]
+__all__ = ["torch_llama_plan", "torch_parallelize_llama", "torch_fully_shard_llama", "torch_llama_loss"]
 
 
 def torch_llama_plan(sequence_parallel: bool) -> dict:
@@ -56,6 +57,19 @@ def torch_parallelize_llama(model, tp_mesh, sequence_parallel: bool):
             if not isinstance(param, DTensor):
                 sub.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, tp_mesh, [Replicate()]),
                                                                 requires_grad=param.requires_grad))
+    return model
+
+
+def torch_fully_shard_llama(model, torch_mesh, mp_policy=None):
+    """``model`` under torch's ``parallelize_module`` on ``torch_mesh["tp"]`` (sequence parallel), then
+    torch's ``fully_shard`` of every block and the root over ``torch_mesh["dp"]``, in place (FSDP2 + TP)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = mp_policy or MixedPrecisionPolicy()
+    torch_parallelize_llama(model, torch_mesh["tp"], sequence_parallel=True)
+    for layer in model.layers:
+        fully_shard(layer, mesh=torch_mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=torch_mesh["dp"], mp_policy=policy)
     return model
 
 
