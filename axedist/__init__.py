@@ -62,6 +62,8 @@ _LAZY = {
     "PrepareModuleInput": "nn",
     "PrepareModuleOutput": "nn",
     "vocab_parallel_cross_entropy": "nn",
+    "fully_shard": "nn",
+    "count_collectives": "runtime",
 }
 
 __all__ = [

@@ -32,6 +32,7 @@ from .peers import RankDisagreementError, agree, announce_failure, is_peer_failu
 from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
+from .planning.boxes import global_box
 from .runtime import agree_on_move
 from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
@@ -321,6 +322,37 @@ class DTensor(torch.Tensor):
         local = self._local[0] if self._spec.reduce_op else self._local
         return TorchDTensor.from_local(local, self.mesh.to_torch(), placements, run_check=False,
                                        shape=torch.Size(self.shape), stride=contiguous_strides(self.shape))
+
+    # -- torch.distributed.checkpoint: each rank's piece by its box in the global tensor ------------
+
+    def _box(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        box = global_box(self._spec, self.mesh.position())
+        if box is None:
+            raise LayoutError(f"torch.distributed.checkpoint stores each rank's piece as one box of the global "
+                              f"tensor; {self._spec} is not (a pending sum, or elements spread over the tensor): "
+                              f"redistribute it first")
+        return box
+
+    def __create_write_items__(self, fqn: str, object) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        offsets, sizes = self._box()
+        if 0 in sizes:
+            return []
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(
+                              self._local), size=torch.Size(self.shape)))]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        offsets, sizes = self._box()
+        return [] if 0 in sizes else [ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))]
+
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
+        return self._local  # the load narrows into it and copies in place
 
     def __repr__(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")

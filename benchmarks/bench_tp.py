@@ -30,12 +30,11 @@ for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-from torch.distributed.tensor import parallel as tp
 
 import axedist as ax
 from axedist.nn import parallelize, replicate
-from axedist.nn.llama import Attention, Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 
 def say(*args) -> None:
@@ -43,43 +42,8 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def torch_plan(sequence_parallel: bool) -> dict:
-    """torch's styles for the same layouts as ``llama_tp_plan``. As in torch's own Llama recipe,
-    q/k/v come out as local tensors and attention runs on local heads (torch DTensor has no
-    sharding rule for CPU attention); everything else flows as torch DTensors."""
-    residual = Shard(0) if sequence_parallel else Replicate()
-    plan = {
-        "tok_embeddings": tp.RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
-                                             use_local_output=False),
-        "layers.*.attention": tp.PrepareModuleInput(input_layouts=(residual, None, None),
-                                                    desired_input_layouts=(Replicate(), None, None)),
-        "layers.*.attention.wq": tp.ColwiseParallel(),
-        "layers.*.attention.wk": tp.ColwiseParallel(),
-        "layers.*.attention.wv": tp.ColwiseParallel(),
-        "layers.*.attention.wo": tp.RowwiseParallel(output_layouts=residual, use_local_output=False),
-        "layers.*.feed_forward": tp.PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": tp.ColwiseParallel(use_local_output=False),
-        "layers.*.feed_forward.w3": tp.ColwiseParallel(use_local_output=False),
-        "layers.*.feed_forward.w2": tp.RowwiseParallel(output_layouts=residual, use_local_output=False),
-        "output": tp.ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
-    }
-    if sequence_parallel:
-        for name in ("layers.*.attention_norm", "layers.*.ffn_norm", "norm"):
-            plan[name] = tp.SequenceParallel(sequence_dim=0)
-    return plan
-
-
 def torch_parallelize(model: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool) -> Llama:
-    torch_mesh = mesh.to_torch()
-    tp.parallelize_module(model, torch_mesh, torch_plan(sequence_parallel))
-    for sub in model.modules():
-        if isinstance(sub, Attention):  # local heads
-            sub.n_heads //= mesh.size
-            sub.kv_heads //= mesh.size
-        for name, param in list(sub.named_parameters(recurse=False)):  # the rest replicated (norms without SP)
-            if not isinstance(param, torch.distributed.tensor.DTensor):
-                sub.register_parameter(name, torch.nn.Parameter(distribute_tensor(param.data, torch_mesh, [Replicate()])))
-    return model
+    return torch_parallelize_llama(model, mesh.to_torch(), sequence_parallel)
 
 
 def batches(n: int, batch: int, seq: int, vocab: int):
@@ -103,9 +67,7 @@ def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int):
             loss = next_token_loss(logits, replicate(targets, mesh))
             loss.backward()
         else:
-            with tp.loss_parallel():  # torch's vocab-parallel loss needs its backward inside too
-                loss = next_token_loss(logits, distribute_tensor(targets, mesh.to_torch(), [Replicate()]))
-                loss.backward()
+            loss = torch_llama_loss(logits, targets, mesh.to_torch())  # backward inside loss_parallel
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:

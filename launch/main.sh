@@ -3,10 +3,10 @@
 #   1. the layout algebra (one process);
 #   2. DTensors on layouts under torchrun: 4 CPU processes on gloo by default,
 #      or one process per GPU on NCCL when GPUs are present (AXEDIST_DEMO_CPU=1 forces CPU);
-#   3. the main job: a small Llama trained with tensor + sequence parallelism on the same
-#      processes (launch/train_tp.py: layouts and collectives printout, progress, loss curve,
-#      checkpoint in runs/train_tp/), then greedy decoding from that checkpoint at TP=2
-#      (launch/infer_tp.py: the checkpoint is resharded on load).
+#   3. the main job: a small Llama trained with fully sharded data parallel x tensor + sequence
+#      parallelism (dp=2 x tp=2 on 4 processes; launch/train_tp.py: each parameter's layout on the
+#      2-D mesh, the collectives of one step, progress, loss curve, checkpoint in runs/train_tp/),
+#      then greedy decoding from that checkpoint at TP=2 (launch/infer_tp.py: resharded on load).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/install.sh

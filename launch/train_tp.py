@@ -1,19 +1,25 @@
-"""Train a small Llama with tensor (and sequence) parallelism on axedist DTensors.
+"""Train a small Llama with fully sharded data parallel x tensor (and sequence) parallelism on axedist DTensors.
 
-    torchrun --nproc-per-node 4 launch/train_tp.py                 # CPU, gloo (about a minute)
-    torchrun --nproc-per-node 4 launch/train_tp.py --cuda          # GPUs, NCCL, bf16, fused GEMM + RS
+    torchrun --nproc-per-node 4 launch/train_tp.py                 # CPU, gloo, dp=2 x tp=2 (about a minute)
+    torchrun --nproc-per-node 4 launch/train_tp.py --dp 1          # tensor parallel only, TP=4 (a 1-D mesh)
+    torchrun --nproc-per-node 4 launch/train_tp.py --cuda          # GPUs, NCCL, bf16 compute, fused GEMM + RS
     torchrun --nproc-per-node 4 launch/train_tp.py --no-sequence-parallel --steps 40
 
-Every rank builds the same model from the same seed; ``parallelize`` lays it out with the
-Llama plan (``axedist.nn.llama.llama_tp_plan``): attention heads and the MLP hidden dim split,
-vocab-parallel embedding and loss, and with sequence parallelism (default) the residual stream
-sharded on the sequence, so each row-parallel output is a reduce-scatter (on CUDA the fused
-GEMM + reduce-scatter kernel). The data are synthetic and learnable: every sequence counts
+Every rank builds the same model from the same seed; ``parallelize`` lays it out on the mesh's
+``tp`` axis with the Llama plan (``axedist.nn.llama.llama_tp_plan``): attention heads and the
+MLP hidden dim split, vocab-parallel embedding and loss, and with sequence parallelism (default)
+the residual stream sharded on the sequence, so each row-parallel output is a reduce-scatter
+(on CUDA the fused GEMM + reduce-scatter kernel). With ``--dp`` > 1 (default 2 on 4 or more
+ranks) the mesh is ``(dp, tp)`` and ``fully_shard`` shards every block's parameters (and the
+rest at the root) over ``dp`` too: each parameter is one DTensor on the 2-D mesh, gathered over
+``dp`` before its block runs, its gradient reduce-scattered over ``dp``; each dp rank trains on
+its own slice of the batch. On CUDA the parameters stay fp32 (optimizer state too) and blocks
+compute in bf16 (``MixedPrecisionPolicy``). The data are synthetic and learnable: every sequence counts
 modulo the vocabulary from a random start with a random stride (1, 2, 3 or 5), so after the
 first two tokens the next one is determined and the loss falls from ln(vocab) towards zero.
 
 Rank 0 prints each layer's layouts and the collectives inferred for it (once, at the start),
-a progress bar and periodic loss lines; it writes ``losses.json`` and ``loss.png`` to
+the collectives of one training step, a progress bar and periodic loss lines; it writes ``losses.json`` and ``loss.png`` to
 ``--out`` (default ``runs/train_tp``), and every rank writes its shards of a
 ``torch.distributed.checkpoint`` to ``--out/checkpoint`` (read by ``launch/infer_tp.py``).
 
@@ -43,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 import axedist as ax
-from axedist.nn import checkpoint, describe, parallelize, replicate
+from axedist.nn import MixedPrecisionPolicy, checkpoint, describe, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 
 STRIDES = (1, 2, 3, 5)
@@ -70,6 +76,9 @@ def counting_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> tu
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true", help="GPUs and NCCL (default: CPU and gloo)")
+    p.add_argument("--dp", type=int, default=None,
+                   help="data-parallel degree: fully shard over a dp axis of a (dp, tp) mesh (default: 2 on 4 or "
+                        "more ranks, else 1); --dp 1: tensor parallel only, on a 1-D mesh")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 60 on CPU, 200 on CUDA)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: 16)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: 32 CPU, 512 CUDA)")
@@ -94,7 +103,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def config_from(args, world: int) -> tuple[LlamaConfig, dict]:
+def config_from(args, world: int, dp: int = 1) -> tuple[LlamaConfig, dict]:
     cuda = args.cuda
     pick = lambda value, cpu, gpu: value if value is not None else (gpu if cuda else cpu)  # noqa: E731
     dim = pick(args.dim, 64, 1024)
@@ -109,6 +118,8 @@ def config_from(args, world: int) -> tuple[LlamaConfig, dict]:
                          f"divisible by the {world} tensor-parallel ranks")
     if args.sequence_parallel and run["seq"] % world:
         raise SystemExit(f"sequence parallelism needs the sequence length ({run['seq']}) divisible by {world}")
+    if run["batch"] % dp:
+        raise SystemExit(f"the batch ({run['batch']}) must be divisible by the {dp} data-parallel ranks")
     return cfg, run
 
 
@@ -136,7 +147,9 @@ def write_outputs(out: str, record: dict) -> None:
     ax_.set_xlabel("step")
     ax_.set_ylabel("cross-entropy")
     sp = "TP + SP" if record["sequence_parallel"] else "TP"
-    ax_.set_title(f"axedist {sp}, {record['world']} ranks ({record['device']})")
+    grid = f"dp={record['dp']} x tp={record['world'] // record['dp']}" if record.get("dp", 1) > 1 else \
+        f"{record['world']} ranks"
+    ax_.set_title(f"axedist {'FSDP x ' if record.get('dp', 1) > 1 else ''}{sp}, {grid} ({record['device']})")
     ax_.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "loss.png"), dpi=120)
@@ -205,28 +218,55 @@ def stop_interrupted(args, model, optimizer, cfg, step: int, losses: list) -> No
     raise SystemExit(code)
 
 
+def data_and_tensor_mesh(args) -> tuple[ax.DeviceMesh, ax.DeviceMesh, int]:
+    """``(mesh, its tp axis, dp)``: a ``(dp, tp)`` mesh for ``--dp`` > 1, else one 1-D mesh."""
+    device_type = "cuda" if args.cuda else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = args.dp if args.dp is not None else (2 if world >= 4 and world % 2 == 0 else 1)
+    if dp < 1 or world % dp:
+        raise SystemExit(f"--dp {dp} must divide the {world} ranks")
+    if dp == 1:
+        mesh = ax.init_mesh(device_type=device_type)
+        return mesh, mesh, 1
+    mesh = ax.init_mesh((dp, world // dp), ("dp", "tp"), device_type=device_type)
+    return mesh, mesh["tp"], dp
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
+    mesh, tp_mesh, dp = data_and_tensor_mesh(args)
     world, device = mesh.size, mesh.device
     if not args.cuda:
         torch.set_num_threads(1)  # the ranks share the machine's cores
-    cfg, run = config_from(args, world)
-    say(f"mesh {mesh}, {run['dtype']}, {'sequence + tensor' if args.sequence_parallel else 'tensor'} parallel")
+    cfg, run = config_from(args, tp_mesh.size, dp)
+    kind = f"{'sequence + tensor' if args.sequence_parallel else 'tensor'} parallel"
+    say(f"mesh {mesh}, {run['dtype']}, {'fully sharded data x ' if dp > 1 else ''}{kind}")
     say(f"model {cfg}")
 
     torch.manual_seed(args.seed)
-    model = Llama(cfg).to(device=device, dtype=run["dtype"])
+    # fully sharded: fp32 parameters (and optimizer state), blocks compute in run["dtype"]
+    model = Llama(cfg).to(device=device, dtype=torch.float32 if dp > 1 else run["dtype"])
     n_params = sum(p.numel() for p in model.parameters())
-    parallelize(model, mesh, llama_tp_plan(cfg, sequence_parallel=args.sequence_parallel))
+    parallelize(model, tp_mesh, llama_tp_plan(cfg, sequence_parallel=args.sequence_parallel))
+    if dp > 1:
+        policy = MixedPrecisionPolicy(param_dtype=None if run["dtype"] == torch.float32 else run["dtype"])
+        for layer in model.layers:
+            fully_shard(layer, mesh, mp_policy=policy)
+        fully_shard(model, mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
+    rows = slice(mesh.coordinates()["dp"] * (run["batch"] // dp), (mesh.coordinates()["dp"] + 1) * (run["batch"] // dp)) \
+        if dp > 1 else slice(None)  # this dp rank's sequences of each batch
 
     # One forward to record the collectives each layer runs, then the printout.
     inputs, _ = counting_batch(0, run["batch"], run["seq"], cfg.vocab_size, args.seed)
     with torch.no_grad():
-        model(inputs.to(device))
-    say(f"\n{n_params:,} parameters; layers, their layouts and the collectives inferred for them:")
+        model(inputs[rows].to(device))
+    say(f"\n{n_params:,} parameters; layers, their layouts{' on the (dp, tp) mesh' if dp > 1 else ''} and the "
+        f"collectives inferred for them:")
     say(describe(model))
+    if dp > 1:
+        say("fully sharded units: " + "; ".join(f"{u.name or '<root>'} ({len(u.params)} parameters)"
+                                                for u in fsdp_units(model)))
     say("")
 
     first, losses = resume(args, model, optimizer, cfg)
@@ -234,13 +274,20 @@ def main(argv=None) -> None:
     tty = sys.stdout.isatty()
     for step in range(first, run["steps"] + 1):
         inputs, targets = counting_batch(step, run["batch"], run["seq"], cfg.vocab_size, args.seed)
-        logits = model(inputs.to(device))
-        loss = next_token_loss(logits, replicate(targets, mesh))
-        loss.backward()
+        with ax.count_collectives() as seen:
+            logits = model(inputs[rows].to(device))
+            loss = next_token_loss(logits, replicate(targets[rows].to(device), tp_mesh))
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = float(loss.detach().full_tensor().float())
+        value = loss.detach().full_tensor().float()
+        if dp > 1:  # the batch's loss: the mean of the dp ranks' (equal slices)
+            dist.all_reduce(value, group=mesh.group("dp"))
+            value = value / dp
+        value = float(value)
         losses.append(value)
+        if step == 1:
+            say(f"collectives of one training step (forward + backward, per rank):\n{seen}\n")
         if tty:
             say("\r" + progress(step, run["steps"], value, started), end="")
         if step % args.log_every == 0 or step == run["steps"]:
@@ -252,7 +299,8 @@ def main(argv=None) -> None:
     say(f"\ntrained {run['steps']} steps in {seconds:.1f} s: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
         f"(ln(vocab) = {math.log(cfg.vocab_size):.4f})")
 
-    record = {"loss": losses, "world": world, "device": mesh.device_type, "sequence_parallel": args.sequence_parallel,
+    record = {"loss": losses, "world": world, "dp": dp, "device": mesh.device_type,
+              "sequence_parallel": args.sequence_parallel,
               "seconds": seconds, "dtype": str(run["dtype"]), "batch": run["batch"], "seq": run["seq"],
               "lr": args.lr, "seed": args.seed, "config": cfg.__dict__}
     if dist.get_rank() == 0:

@@ -1,8 +1,10 @@
-"""Tensor-parallel layers on axedist DTensors (``parallel``), a small Llama (``llama``),
-and DCP checkpoints of parallelized models (``checkpoint``)."""
+"""Tensor-parallel layers on axedist DTensors (``parallel``), fully sharded data parallel on the
+same mesh (``fsdp``), a small Llama (``llama``), and DCP checkpoints of parallelized models
+(``checkpoint``)."""
 
 from ..ops.variants import implicit_replication, loss_parallel
 from .checkpoint import load, save, torch_state_dict
+from .fsdp import FSDPUnit, MixedPrecisionPolicy, fsdp_units, fully_shard
 from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
                        SequenceParallel, VocabParallelEmbedding, as_mesh, describe, from_torch_style, parallelize,
                        parallelize_module, replicate, to_inference, vocab_parallel_cross_entropy)
@@ -11,5 +13,6 @@ __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
     "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
     "replicate", "from_torch_style", "vocab_parallel_cross_entropy", "to_inference", "save", "load",
-    "torch_state_dict", "implicit_replication", "loss_parallel",
+    "torch_state_dict", "implicit_replication", "loss_parallel", "fully_shard", "fsdp_units", "FSDPUnit",
+    "MixedPrecisionPolicy",
 ]

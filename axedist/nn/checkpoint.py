@@ -1,11 +1,14 @@
 """Save and load a parallelized model (and its optimizer) with ``torch.distributed.checkpoint``.
 
-Parameters go through ``to_torch`` (torch DTensors with the same local tensors), so DCP
-writes each rank's shards with their global offsets and can read them back under any
-other sharding: a checkpoint saved at TP=4 loads at TP=2 (or into a plain model).
+DCP stores each rank's piece of a tensor by its box in the global tensor; an axedist DTensor
+gives DCP that box from its layout (``DTensor.__create_chunk_list__``), so a checkpoint written
+under any layouts (tensor parallel at TP=4, fully sharded over ``(dp, tp) = (2, 2)``) loads under
+any others (TP=2, ``(4, 1)``, a plain model), and checkpoints of torch's own DTensors (torch's
+``fully_shard`` + ``parallelize_module``) load here and the other way round: the files hold
+global offsets only.
 
     >>> save(model, "runs/train_tp/checkpoint")      # every rank of the job calls it
-    >>> load(other_model, "runs/train_tp/checkpoint") # other_model parallelized at another TP degree
+    >>> load(other_model, "runs/train_tp/checkpoint") # other_model laid out another way
     >>> save(model, path, optimizer=opt, extra={"step": 40})   # resumable: optimizer state, RNG, extra
     >>> load(model, path, optimizer=opt).extra["step"]
     40
@@ -66,11 +69,8 @@ class Loaded:
 
 def torch_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module.state_dict()`` with every axedist DTensor as the equal torch DTensor."""
-    return {key: _for_dcp(value) for key, value in module.state_dict().items()}
-
-
-def _for_dcp(value):
-    return value.to_torch() if isinstance(value, DTensor) else value
+    return {key: value.to_torch() if isinstance(value, DTensor) else value
+            for key, value in module.state_dict().items()}
 
 
 def _optimizer_state(module: nn.Module, optimizer) -> tuple[dict, list]:
@@ -84,7 +84,7 @@ def _optimizer_state(module: nn.Module, optimizer) -> tuple[dict, list]:
         name = names[id(order[index])]
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{_OPTIMIZER}{name}.{key}"] = _for_dcp(value)
+                tensors[f"{_OPTIMIZER}{name}.{key}"] = value
     return tensors, state["param_groups"]
 
 
@@ -106,7 +106,7 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
     """Write ``module``'s state dict to the directory ``path`` (collective over the job); with
     ``optimizer``, its state too, and with either that or ``extra`` (a JSON-able dict, rank 0's)
     each rank's random number generator states: what ``load`` needs to resume training."""
-    state = torch_state_dict(module)
+    state = module.state_dict()  # DCP takes axedist DTensors as they are (their boxes)
     groups = None
     if optimizer is not None:
         optimizer_tensors, groups = _optimizer_state(module, optimizer)
@@ -150,7 +150,7 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
     lacks, and (``strict=True``) checkpoint tensors the model lacks; ``strict=False`` drops
     those and lists them in the result's ``dropped``.
     """
-    targets = torch_state_dict(module)
+    targets = module.state_dict()
     agree(_ranks(), "checkpoint.load", f"{path}: {_names_digest(targets)}, strict={strict}")
     metadata, problems = _read_metadata(path)
     if metadata is not None:
@@ -176,7 +176,7 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
         values = _optimizer_values(module, stored)
         if not values:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved without optimizer=)")
-    loading = dict(targets, **{key: _for_dcp(value) for key, value in values.items()})
+    loading = dict(targets, **values)
     try:
         dcp.load(loading, checkpoint_id=path)
     except Exception as error:
@@ -308,7 +308,7 @@ def _copy(own, loaded) -> None:
     """``loaded`` (what DCP filled) into ``own`` (the model's or the optimizer's tensor)."""
     local = own.to_local() if isinstance(own, DTensor) else own
     piece = loaded.to_local() if hasattr(loaded, "to_local") else loaded
-    if piece.data_ptr() != local.data_ptr():  # to_torch usually shares the storage already
+    if piece.data_ptr() != local.data_ptr():  # DCP usually loaded into the storage already
         local.copy_(piece)
 
 

@@ -299,6 +299,8 @@ def _input_targets(func, rule, dts, specs, sharding, mesh) -> list:
         own = d._spec
         if wanted is None:
             target = own
+        elif isinstance(wanted, DTensorSpec):
+            target = wanted
         else:
             summands = None if isinstance(wanted, Layout) else own.summands
             if summands is not None and spec.placements is not None and \
@@ -308,7 +310,7 @@ def _input_targets(func, rule, dts, specs, sharding, mesh) -> list:
             if target == own:
                 target = own
         if target.reduce_op and expected_local_shape(target, spec.placements if target is own else
-                                                     (None if isinstance(wanted, Layout) else tuple(wanted)))[0] != 1:
+                                                     (None if isinstance(wanted, (Layout, DTensorSpec)) else tuple(wanted)))[0] != 1:
             raise DispatchError(f"{func}: rule {rule.__name__} keeps {spec}, a pending {target.reduce_op} with more "
                                 f"than one summand per device; ask for placements instead")
         # None, not the spec: a cached plan serves later DTensors whose equal specs are other objects

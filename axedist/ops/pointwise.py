@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
@@ -151,6 +152,25 @@ def _on_one_summand(func, lead: bool):
     return local
 
 
+def whole(spec: ArgSpec):
+    """What an output or input keeps of an argument without placement form: its whole spec (an
+    uneven layout's padding with it), or its layout where it is pending."""
+    return spec.spec if spec.spec is not None and not spec.reduce_op else spec.layout
+
+
+def _form(spec: ArgSpec):
+    """Placements this rule can reason with per axis: None for a layout without placement form
+    and for ``_StridedShard`` (a dim cut twice, e.g. a tensor- and data-parallel parameter)."""
+    p = spec.placements
+    return None if p is None or any(isinstance(q, _StridedShard) for q in p) else p
+
+
+def _replicated_scalar(spec) -> bool:
+    return not isinstance(spec, ArgSpec) or (math.prod(spec.shape) == 1 and spec.reduce_op is None
+                                             and spec.placements is not None
+                                             and all(isinstance(p, Replicate) for p in spec.placements))
+
+
 def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     """The elementwise rule (also used by other families for ops that act per element).
 
@@ -168,10 +188,17 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     # Same shape and same placements (or layout) everywhere, nothing pending: run as is.
     if specs and all(s.shape == out_shape for s in specs) and all(s.reduce_op is None for s in specs):
         first = specs[0]
-        if all((s.placements, s.layout) == (first.placements, first.layout) if first.placements is None
+        if all((_form(s), whole(s)) == (_form(first), whole(first)) if _form(first) is None
                else s.placements == first.placements for s in specs):
             return Sharding(inputs=[None] * len(specs),
-                            outputs=first.placements if first.placements is not None else first.layout)
+                            outputs=first.placements if _form(first) is not None else whole(first))
+    # A layout-only tensor with replicated scalars (an optimizer's or clip_grad_norm_'s step on a
+    # sharded parameter): each rank's elements with the scalar, the layout kept.
+    main = next((s for s in specs if s.shape == out_shape and _form(s) is None and not s.reduce_op), None)
+    if main is not None and (anchor is None or anchor is main) and all(
+            s is main or (s.shape == main.shape and whole(s) == whole(main) and not s.reduce_op)
+            or _replicated_scalar(s) for s in specs):
+        return Sharding(inputs=[None] * len(specs), outputs=whole(main))
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:
         """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
@@ -184,7 +211,7 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     if anchor is not None:
         order = [anchor] + [s for s in order if s is not anchor]
     for axis_index in range(mesh.ndim):
-        if anchor is not None and anchor.placements is not None:
+        if anchor is not None and _form(anchor) is not None:
             p = anchor.placements[axis_index]
             if isinstance(p, Shard):
                 out.append(Shard(out_dim(anchor, p.dim)))
@@ -212,11 +239,11 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
             kept = _partial_kept(call, tensors, axis_index)
             chosen = Partial(kept) if kept else Replicate()
         out.append(chosen)
-    if anchor is not None and anchor.placements is None:
+    if anchor is not None and _form(anchor) is None:
         # an in-place op on a tensor without placement form: everything else follows its layout
-        return Sharding(inputs=[None if s is anchor else (anchor.layout if s.shape == anchor.shape else
+        return Sharding(inputs=[None if s is anchor else (whole(anchor) if s.shape == anchor.shape else
                                                           [Replicate()] * mesh.ndim) for s in specs],
-                        outputs=anchor.layout)
+                        outputs=whole(anchor))
 
     inputs = []
     for s in specs:
@@ -290,7 +317,7 @@ def like_factory(call: OpCall) -> Sharding:
     """A new tensor shaped like its input: same sharding, nothing pending (a fresh value is whole)."""
     (spec,) = call.specs
     if spec.placements is None:
-        return Sharding(inputs=[None], outputs=spec.layout)
+        return Sharding(inputs=[None], outputs=whole(spec))
     return Sharding(inputs=[None], outputs=tuple(Replicate() if isinstance(p, Partial) else p
                                                  for p in spec.placements))
 

@@ -21,7 +21,7 @@ from .plans import buffer_size
 from .steps import Transfer
 
 __all__ = ["ELEMENTWISE", "Holdings", "holdings_of", "holdings_per_dim", "holdings_everywhere", "dim_placements",
-           "index_terms", "offset_and_shifts", "reached", "outer", "box_index", "true_boxes"]
+           "index_terms", "offset_and_shifts", "reached", "outer", "box_index", "true_boxes", "position_choices"]
 
 # Set to True (tests do) to answer every padding question element by element: the reference the
 # per-dim route is checked against (also the route for layouts whose memory is not per-dim).
@@ -274,7 +274,7 @@ def holdings_per_dim(layout: Layout, full, rows, mesh) -> Holdings | None:
         return None
     device0, shifts, local_padded, per_dim = placed
     terms = [sorted(set(device.tolist())) for device, _ in per_dim]
-    at = _choices(device0, shifts, terms, mesh)
+    at = position_choices(device0, shifts, terms, mesh)
     if at is None:
         return None
     real_of, box_of = [], []  # per dim: {device term: real local rows}, {device term: box extent}
@@ -295,7 +295,7 @@ def holdings_per_dim(layout: Layout, full, rows, mesh) -> Holdings | None:
     return Holdings(layout, full, rows, buffer_size(layout), tuple(boxes), local_padded, tuple(real))
 
 
-def _choices(device0: int, shifts, terms, mesh) -> dict | None:
+def position_choices(device0: int, shifts, terms, mesh) -> dict | None:
     """``{position: the device term of each dim that puts elements there}``; None where two
     choices of terms (or replica points) land on one position, or one falls off the mesh."""
     choice = {device0: ()}

@@ -6,6 +6,7 @@ deferred GEMM (``deferred.py``) that a row reduce-scatter may run fused.
 
 from .executor import (PendingBuffer, agree_on_move, backend_notes, execute_plan, execution_bytes, explain_execution,
                        record, redistribute_local, run_route)
+from .tally import CollectiveCount, count_collectives
 
 __all__ = ["redistribute_local", "run_route", "execute_plan", "execution_bytes", "explain_execution", "backend_notes",
-           "PendingBuffer", "record", "agree_on_move"]
+           "PendingBuffer", "record", "agree_on_move", "CollectiveCount", "count_collectives"]

@@ -29,6 +29,27 @@ def _size_of(group) -> int:
     return _resolve_process_group(group).size() if isinstance(group, str) else group.size()
 
 
+def _c10d_bytes(name: str, args) -> int | None:
+    """Bytes of the process-group calls torch's FSDP2 makes (``c10d::`` ops: output first, then
+    input, then the group), in the same model; None for other names."""
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    members = lambda group: torch.distributed.ProcessGroup.unbox(group).size()  # noqa: E731
+    if name == "_allgather_base_":
+        return size(args[1]) * (members(args[2]) - 1)
+    if name == "_reduce_scatter_base_":
+        g = members(args[2])
+        return size(args[1]) * (g - 1) // g
+    if name == "allgather_into_tensor_coalesced_":
+        return sum(size(t) for t in args[1]) * (members(args[2]) - 1)
+    if name == "reduce_scatter_tensor_coalesced_":
+        g = members(args[2])
+        return sum(size(t) for t in args[1]) * (g - 1) // g
+    if name == "allreduce_":
+        g = members(args[1])
+        return sum(2 * size(t) * (g - 1) // g for t in args[0])
+    return None
+
+
 def _collective_bytes(name: str, args, tensor: torch.Tensor) -> int:
     """Bytes this rank sends for one collective, in the direct model the planner uses."""
     nbytes = tensor.numel() * tensor.element_size()
@@ -61,9 +82,12 @@ class _Counting(CommDebugMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = getattr(getattr(func, "_overloadpacket", None), "__name__", "")
         tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if tensor is not None and not self.count.paused and \
-                not any(issubclass(t, torch.distributed.tensor.DTensor) for t in types):
-            self.count.sent += _collective_bytes(name, args, tensor)
+        if not self.count.paused and not any(issubclass(t, torch.distributed.tensor.DTensor) for t in types):
+            c10d = _c10d_bytes(name, args)
+            if c10d is not None:
+                self.count.sent += c10d
+            elif tensor is not None:
+                self.count.sent += _collective_bytes(name, args, tensor)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

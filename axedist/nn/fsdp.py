@@ -1,0 +1,934 @@
+"""Fully sharded data parallel (FSDP, HSDP) on the same mesh as tensor parallelism, as layouts.
+
+``fully_shard(module, mesh)`` shards every parameter of ``module`` (not already sharded by a
+``fully_shard`` of a submodule) over the mesh's data-parallel axes. A parameter stays ONE
+axedist DTensor on the whole mesh, and its layout says how both kinds of parallelism cut it.
+Mesh ``("dp", "tp") = (2, 2)``, an ``(8, 6)`` weight that ``ColwiseParallel`` split on ``tp``
+(``S[(2,4,6):(1@tp,6,1)]`` on ``mesh["tp"]``)::
+
+    >>> mesh = ax.init_mesh((2, 2), ("dp", "tp"))
+    >>> parallelize(model, mesh["tp"], llama_tp_plan(cfg))
+    >>> for block in model.layers:
+    ...     fully_shard(block, mesh)
+    >>> fully_shard(model, mesh)
+    >>> model.layers[0].attention.wq.weight.layout      # rows tp-major, then dp, then 2 local rows
+    S[(2,2,2,6):(1@tp,1@dp,6,1)]
+
+Before a unit (a module given to ``fully_shard``) runs, its parameters are all-gathered over
+``dp``: the redistribute from that layout to the one with the ``dp`` iter replaced by a replica
+(``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``), planned by layout inference like any other. The module
+computes with the gathered value as the DTensor on ``mesh["tp"]`` it had before (same local
+tensor, no copy), so the tensor-parallel styles run unchanged. After the unit the gathered
+values are freed (``reshard_after_forward``), the next unit's gather having been started
+ahead (on a side stream on CUDA); backward gathers again. A gradient arrives per dp rank (each
+saw its own batch): it is read as a pending sum over ``dp`` (a summand dim on the dp axis, the
+tensor-parallel layout inside) and moved to the sharded layout, which is a reduce-scatter over
+``dp`` (plus, for a gradient pending over ``tp``, the ``tp`` reduction; for HSDP, the
+all-reduce over the replicate axes), in ``reduce_dtype``. Optimizers, ``state_dict`` and DCP see
+only the sharded parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..dtensor import DTensor
+from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
+from ..mesh import DeviceMesh, MeshError
+from ..planning import plan_redistribute
+from ..planning.holdings import true_boxes
+from ..planning.repad import side_of
+from ..runtime import redistribute_local
+from ..spec import DTensorSpec, chunk, make_spec, replicated_layout, row_major_iters
+
+__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units",
+           "data_parallel_specs", "pending_gradient_spec"]
+
+
+NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in it too
+
+# ---------------------------------------------------------------------------
+# Layouts: unsharded (replicated over the data axes) and sharded
+# ---------------------------------------------------------------------------
+
+
+def _replicas(mesh: DeviceMesh, axes) -> list[Iter]:
+    return [Iter(mesh.axis_size(a), 1, a) for a in mesh.axis_names if a in axes]
+
+
+def _data_size(mesh: DeviceMesh, axes) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)
+
+
+def data_parallel_specs(view: DTensorSpec | None, shape, mesh: DeviceMesh, shard_axes: Sequence[str],
+                        replicate_axes: Sequence[str] = ()) -> tuple[DTensorSpec, DTensorSpec]:
+    """``(gathered, sharded)`` specs on ``mesh`` of a parameter that a module sees in spec ``view``
+    (a DTensor on a sub-mesh of the other axes; ``None``: a plain tensor of ``shape``).
+
+    ``gathered`` is ``view``'s layout replicated over every other axis of ``mesh``; ``sharded``
+    cuts each (tensor-parallel) local tensor's dim 0 over ``shard_axes`` as ``torch.chunk`` does,
+    padding where it does not divide. ``(8, 6)`` as ``S[(2,4,6):(1@tp,6,1)]`` on ``tp``, mesh
+    ``(dp, tp) = (2, 2)``: gathered ``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``, sharded
+    ``S[(2,2,2,6):(1@tp,1@dp,6,1)]``. A ``(10, 6)`` weight (5 rows per tp rank, 3 + 2 per dp rank)
+    is padded to 12 rows, the padding in the middle: ``true_index`` rows ``0..4, -, 5..9, -``.
+    """
+    if view is None:
+        gathered = make_spec(mesh, replicated_layout(tuple(shape), mesh), tuple(shape))
+    else:
+        others = [a for a in mesh.axis_names if a not in view.mesh.axis_names]
+        layout = Layout(view.layout.shard, view.layout.replica + tuple(_replicas(mesh, others)), view.layout.offset)
+        gathered = make_spec(mesh, layout, view.shape, view.padded, true_index=view.true_index)
+    return gathered, _sharded(gathered, shard_axes, replicate_axes)
+
+
+def _sharded(gathered: DTensorSpec, shard_axes, replicate_axes) -> DTensorSpec:
+    mesh = gathered.mesh
+    parts = _data_size(mesh, shard_axes)
+    if not gathered.shape or parts == 1:  # a scalar (or one shard): replicated, its gradient all-reduced
+        return gathered
+    blocks = [list(b) for b in gathered.layout.blocks(gathered.padded)]
+    first = blocks[0]
+    memory = [i for i, it in enumerate(first) if it.axis == MEMORY_AXIS]
+    if not memory:  # one local row: an m iter of extent 1 to split
+        first.append(Iter(1, 1))
+        memory = [len(first) - 1]
+    local_rows, rows_of = _local_rows(gathered, first, memory)
+    shard_iters = [Iter(mesh.axis_size(a), 1, a) for a in mesh.axis_names if a in shard_axes]
+    padded, true_index = gathered.padded, gathered.true_index
+    outer = first[memory[0]]
+    if local_rows % parts == 0 and all(n == local_rows for n in rows_of.values()) and outer.extent % parts == 0:
+        first[memory[0]:memory[0] + 1] = shard_iters + [Iter(outer.extent // parts, 1)]
+    elif len(memory) == 1:
+        size = -(-local_rows // parts)
+        dim0 = _uneven_rows(gathered, first, memory[0], parts, size, rows_of)
+        first[memory[0]:memory[0] + 1] = shard_iters + [Iter(size, 1)]
+        padded = (gathered.padded[0] // local_rows * parts * size,) + gathered.padded[1:]
+        rest = gathered.true_index[1:] if gathered.true_index else (None,) * (len(padded) - 1)
+        true_index = (dim0,) + tuple(rest)
+    else:
+        raise LayoutError(f"fully_shard: dim 0 of {gathered} holds its local rows in several pieces "
+                          f"({[it for it in first if it.axis == MEMORY_AXIS]}); they split over {parts} data-parallel "
+                          f"ranks only when the outermost piece divides by {parts}")
+    _, strides = row_major_memory(blocks)
+    shard = [Iter(it.extent, stride, MEMORY_AXIS) if stride is not None else it
+             for block, row in zip(blocks, strides) for it, stride in zip(block, row)]
+    replica = [it for it in gathered.layout.replica if it.axis not in shard_axes]
+    layout = Layout(shard, replica, gathered.layout.offset)
+    return make_spec(mesh, layout, gathered.shape, padded, true_index=true_index)
+
+
+def _digits_of(block, index: int) -> list[int]:
+    out = []
+    for it in reversed(block):
+        out.append(index % it.extent)
+        index //= it.extent
+    return out[::-1]
+
+
+def _index_of(block, digits) -> int:
+    index = 0
+    for it, d in zip(block, digits):
+        index = index * it.extent + d
+    return index
+
+
+def _true_row(spec: DTensorSpec, padded_row: int) -> int:
+    if spec.true_index and spec.true_index[0] is not None:
+        return spec.true_index[0][padded_row]
+    return padded_row if padded_row < spec.shape[0] else -1
+
+
+def _local_rows(spec: DTensorSpec, block, memory: list[int]) -> tuple[int, dict]:
+    """The padded local rows of dim 0, and the true ones per choice of its device digits (the
+    true rows are a leading range of each local tensor: DTensorSpec checks it)."""
+    extent = math.prod(block[i].extent for i in memory)
+    counts: dict[tuple, int] = {}
+    for index in range(math.prod(it.extent for it in block)):
+        digits = _digits_of(block, index)
+        key = tuple(d for i, d in enumerate(digits) if i not in memory)
+        counts[key] = counts.get(key, 0) + (_true_row(spec, index) >= 0)
+    return extent, counts
+
+
+def _uneven_rows(spec: DTensorSpec, block, at: int, parts: int, size: int, rows_of: dict):
+    """True row of each padded row of dim 0 once each local tensor's ``n`` true rows are chunked
+    ``torch.chunk``-wise into ``parts`` pieces of ``size`` slots (as torch's fully_shard does);
+    ``None`` where that is the true rows then padding at the end."""
+    new_block = block[:at] + [Iter(parts, 1, "d"), Iter(size, 1)] + block[at + 1:]
+    mapping = []
+    for index in range(math.prod(it.extent for it in new_block)):
+        digits = _digits_of(new_block, index)
+        piece, slot = digits[at], digits[at + 1]
+        rest = digits[:at] + digits[at + 2:]
+        start, count = chunk(rows_of[tuple(rest)], parts, piece)
+        if slot >= count:
+            mapping.append(-1)
+            continue
+        old = rest[:at] + [start + slot] + rest[at:]
+        mapping.append(_true_row(spec, _index_of(block, old)))
+    n = spec.shape[0]
+    if mapping[:n] == list(range(n)) and all(m < 0 for m in mapping[n:]):
+        return None
+    return tuple(mapping)
+
+
+def pending_gradient_spec(grad: DTensorSpec | None, shape, mesh: DeviceMesh, data_axes: Sequence[str]) -> DTensorSpec:
+    """A gradient each data-parallel rank computed on its own batch, read as a pending sum over
+    ``data_axes`` on ``mesh``: a leading summand dim on those axes, then ``grad``'s layout (its own
+    summands first where it is pending over tensor-parallel axes). ``grad`` ``None``: a plain
+    tensor of ``shape``. ``(8, 6)`` in ``S[(2,4,6):(1@tp,6,1)]`` on ``tp``, mesh ``(dp, tp)``:
+    ``S[(2,2,4,6):(1@dp,1@tp,6,1)]``, sum over 2 summands."""
+    lead = _replicas(mesh, data_axes)
+    parts = _data_size(mesh, data_axes)
+    if grad is None:
+        others = [a for a in mesh.axis_names if a not in data_axes]
+        layout = Layout(lead + row_major_iters(tuple(shape)), _replicas(mesh, others))
+        return make_spec(mesh, layout, tuple(shape), None, "sum", parts)
+    if grad.reduce_op not in (None, "sum"):
+        raise LayoutError(f"a gradient pending a {grad.reduce_op} cannot be summed over the data-parallel ranks")
+    others = [a for a in mesh.axis_names if a not in grad.mesh.axis_names and a not in data_axes]
+    layout = Layout(lead + list(grad.layout.shard), grad.layout.replica + tuple(_replicas(mesh, others)),
+                    grad.layout.offset)
+    summands = parts * (grad.summands if grad.reduce_op else 1)
+    return make_spec(mesh, layout, grad.shape, grad.padded, "sum", summands, grad.true_index)
+
+
+# ---------------------------------------------------------------------------
+# A unit's parameters as one flat tensor (one collective per unit, not per parameter)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter sits in a unit's flat buffer, and the flat buffer's three specs.
+
+    Each rank's buffer holds, at ``offsets[i]``, parameter ``i``'s shard padded to its padded
+    local size. Over the mesh the buffers form a tensor of shape ``(*other axes, *shard axes,
+    length)``, one buffer per device; ``sharded`` lays it out over every axis (``S[(2,2,L):(1@tp,
+    1@dp,1)]`` on ``(dp, tp) = (2, 2)``), ``gathered`` keeps the other axes and makes the shard
+    axes local (``S[(2,2,L):(1@tp,L,1)] + R[2:1@dp]``: the all-gather over ``dp``), and
+    ``pending`` is the gradients' sum over the data axes before the reduce-scatter back to
+    ``sharded``. A parameter's gathered local tensor is its ``dp`` pieces one after the other
+    along dim 0 (``data_parallel_specs`` cuts dim 0 ``dp``-major), so no interleaving is needed.
+    """
+
+    records: tuple
+    offsets: tuple[int, ...]
+    length: int
+    sharded: DTensorSpec
+    gathered: DTensorSpec
+    pending: DTensorSpec
+
+    @property
+    def parts(self) -> int:
+        return math.prod(self.gathered.local_padded[:-1])
+
+    def __repr__(self) -> str:
+        return (f"FlatLayout({len(self.records)} parameters, {self.length} elements per rank: sharded "
+                f"{self.sharded.layout}, gathered {self.gathered.layout})")
+
+
+def _flat_layout(unit: "FSDPUnit", records, summed: tuple = ()) -> FlatLayout:
+    """``summed``: tensor-parallel axes the gradients are also pending over (the parameters are
+    replicated there: sequence-parallel norms), reduced in the same collective."""
+    mesh = unit.mesh
+    offsets, length = [], 0
+    for r in records:
+        offsets.append(length)
+        length += r.slot
+    others = [a for a in mesh.axis_names if a not in unit.data_axes and a not in summed]
+    shard = [a for a in mesh.axis_names if a in unit.shard_axes]
+    size = mesh.axis_size
+    shape = tuple(size(a) for a in others + shard) + (length,)
+    devices = [Iter(size(a), 1, a) for a in others]
+    local, inner = [], length
+    for a in reversed(shard):  # the shard axes as local dims, row-major over (shard axes, length)
+        local.insert(0, Iter(size(a), inner))
+        inner *= size(a)
+    rest = [Iter(length, 1)]
+    replicate = _replicas(mesh, unit.replicate_axes + summed)
+    sharded = make_spec(mesh, Layout(devices + [Iter(size(a), 1, a) for a in shard] + rest, replicate), shape)
+    gathered = make_spec(mesh, Layout(devices + local + rest, replicate + _replicas(mesh, unit.shard_axes)), shape)
+    pending = make_spec(mesh, Layout(_replicas(mesh, unit.data_axes + summed) + devices + local + rest), shape, None,
+                        "sum", unit.data_parallel_size * _data_size(mesh, summed))
+    return FlatLayout(tuple(records), tuple(offsets), length, sharded, gathered, pending)
+
+
+def _box(t: torch.Tensor, shape) -> torch.Tensor:
+    """The leading box ``shape`` of ``t`` (a true local tensor inside its padded one)."""
+    for d, n in enumerate(shape):
+        if n != t.shape[d]:
+            t = t.narrow(d, 0, n)
+    return t
+
+
+# ---------------------------------------------------------------------------
+# One parameter
+# ---------------------------------------------------------------------------
+
+
+def _own(local: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """``local`` as a tensor that owns exactly its storage (it is freed by resizing that storage),
+    sharing nothing with ``other`` (the shard)."""
+    storage = local.untyped_storage()
+    if (local.storage_offset() == 0 and local.is_contiguous()
+            and storage.nbytes() == local.numel() * local.element_size()
+            and storage.data_ptr() != other.untyped_storage().data_ptr()):
+        return local
+    return local.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass(eq=False)
+class ShardedParameter:
+    """One parameter of an FSDP unit: ``param`` (the sharded DTensor on the whole mesh, what the
+    optimizer, ``state_dict`` and DCP see), the module slots that hold it, and the spec the
+    modules compute with (``view``: the tensor-parallel DTensor's; ``None``: a plain tensor)."""
+
+    name: str
+    param: nn.Parameter
+    slots: list
+    view: DTensorSpec | None
+    gathered_spec: DTensorSpec
+    unit: "FSDPUnit"
+    gathered: torch.Tensor | None = None   # this rank's unsharded local tensor, while gathered
+
+    @property
+    def sharded_spec(self) -> DTensorSpec:
+        return self.param._spec
+
+    @property
+    def batched(self) -> bool:
+        """Sharded over the data axes: it travels in the unit's flat buffer (else it is gathered
+        and reduced alone: a scalar, or one data-parallel rank)."""
+        return self.sharded_spec != self.gathered_spec
+
+    @property
+    def slot(self) -> int:
+        return math.prod(self.sharded_spec.local_padded)
+
+    @functools.cached_property
+    def pieces(self) -> tuple[tuple[int, ...], ...]:
+        """The true local shapes of the shards of this rank's data-parallel group, in order: the
+        gathered local tensor is them one after the other along dim 0."""
+        mesh, unit = self.unit.mesh, self.unit
+        side = side_of(self.sharded_spec)
+        boxes = true_boxes(side.layout, side.full, side.rows, mesh)
+        here = mesh.coordinates()
+        shard = [a for a in mesh.axis_names if a in unit.shard_axes]
+        out = []
+        for digits in itertools.product(*(range(mesh.axis_size(a)) for a in shard)):
+            out.append(boxes[mesh.position(mesh.rank_at({**here, **dict(zip(shard, digits))}))])
+        return tuple(out)
+
+    @property
+    def index(self) -> int:
+        """This rank's place in its data-parallel group's shards."""
+        here, mesh = self.unit.mesh.coordinates(), self.unit.mesh
+        index = 0
+        for a in mesh.axis_names:
+            if a in self.unit.shard_axes:
+                index = index * mesh.axis_size(a) + here[a]
+        return index
+
+    def shard_for_gather(self) -> torch.Tensor:
+        local = self.param.to_local()
+        dtype = self.unit.mp_policy.param_dtype
+        return local.to(dtype) if dtype is not None and local.is_floating_point() else local
+
+    # -- through the flat buffer ------------------------------------------------------------
+
+    def pack(self, row: torch.Tensor, offset: int, value: torch.Tensor) -> None:
+        """Write a true local shard into its slot of a flat buffer row."""
+        slot = row[offset:offset + self.slot].view(self.sharded_spec.local_padded)
+        _box(slot, value.shape).copy_(value)
+
+    def unpack_gathered(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
+        """The gathered local tensor from the gathered flat buffer ``[parts, length]``."""
+        padded = self.sharded_spec.local_padded
+        pieces = [_box(rows[d, offset:offset + self.slot].view(padded), shape) for d, shape in enumerate(self.pieces)]
+        return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
+
+    def pack_gradient(self, rows: torch.Tensor, offset: int, grad: torch.Tensor) -> None:
+        """Cut this rank's gathered-layout gradient into the shards' rows of ``rows`` ``[parts, length]``."""
+        sizes = [shape[0] for shape in self.pieces]
+        for d, piece in enumerate(torch.split(grad, sizes, dim=0)):
+            self.pack(rows[d], offset, piece)
+
+    def unpack_shard(self, row: torch.Tensor, offset: int) -> torch.Tensor:
+        slot = row[offset:offset + self.slot].view(self.sharded_spec.local_padded)
+        return _box(slot, self.pieces[self.index]).clone()
+
+    # -- alone ------------------------------------------------------------------------------
+
+    def gather_alone(self) -> torch.Tensor:
+        local = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec)
+        return _own(local, self.param.to_local())
+
+    def reduce_gradient(self, grad: torch.Tensor) -> DTensor:
+        """The sharded gradient from this rank's gradient of the module value, alone (one route
+        from the pending sum over the data axes): averaged over the data-parallel ranks (a sum of
+        ``grad / n``), in ``reduce_dtype``."""
+        unit = self.unit
+        spec, local = (grad._spec, grad._local) if isinstance(grad, DTensor) else (None, grad)
+        local = local.to(self.reduce_dtype) / unit.data_parallel_size
+        if spec is None or not spec.reduce_op:
+            local = local.unsqueeze(0)
+        pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
+        out = redistribute_local(local.contiguous(), pending, self.sharded_spec)
+        return DTensor(out.to(self.param.dtype), self.sharded_spec)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.unit.mp_policy.reduce_dtype or self.param.dtype
+
+    def summed_axes(self, grad: torch.Tensor) -> tuple[str, ...] | None:
+        """``()`` for a gradient in the layout the module saw, the axes it is pending over for one
+        that is the pending sum of that layout over axes it replicates (a sequence-parallel norm's),
+        else None (it is reduced alone). Such gradients join the unit's flat buffer."""
+        if self.view is None:
+            return None if isinstance(grad, DTensor) else ()
+        if not isinstance(grad, DTensor):
+            return None
+        if grad._spec == self.view:
+            return ()
+        spec, view = grad._spec, self.view
+        if spec.reduce_op != "sum" or spec.mesh != view.mesh:
+            return None
+        axes = tuple(a for a in view.mesh.axis_names if any(it.axis == a for it in view.layout.replica))
+        summed = tuple(a for a in axes if any(it.axis == a for it in spec.layout.shard))
+        if not summed:
+            return None
+        layout = Layout(_replicas(view.mesh, summed) + list(view.layout.shard),
+                        [it for it in view.layout.replica if it.axis not in summed], view.layout.offset)
+        expected = make_spec(view.mesh, layout, view.shape, view.padded, "sum", _data_size(view.mesh, summed),
+                             view.true_index)
+        return summed if expected == spec else None
+
+    # -- the gathered value -------------------------------------------------------------------
+
+    def place(self, value: torch.Tensor, into_saved: bool) -> None:
+        """Hold a gathered value: as a fresh tensor (forward), or copied back into the freed storage
+        autograd saved (``into_saved``: backward), without bumping its version (autograd checks
+        saved tensors by it)."""
+        if self.gathered is None or not into_saved:
+            self.gathered = value
+            return
+        target = self.gathered
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+            storage = target.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(target.numel() * target.element_size())
+            target.copy_(value)
+
+    def free(self) -> int:
+        """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
+        if self.gathered is None:
+            return 0
+        storage = self.gathered.untyped_storage()
+        freed = storage.nbytes()
+        storage.resize_(0)
+        return freed
+
+    def module_value(self) -> torch.Tensor:
+        """What the modules compute with: the gathered tensor as the tensor-parallel DTensor (or
+        plain tensor) they had, differentiable back to the sharded parameter."""
+        return _Unshard.apply(self.param, self)
+
+    def accumulate(self, grad: DTensor) -> None:
+        with torch.no_grad():
+            if self.param.grad is None:
+                self.param.grad = grad
+            else:
+                self.param.grad += grad
+
+    def __repr__(self) -> str:
+        dtype = str(self.param.dtype).replace("torch.", "")
+        return f"ShardedParameter({self.name}: {dtype}{self.sharded_spec})"
+
+
+class _Unshard(torch.autograd.Function):
+    """Sharded parameter -> the gathered value as the modules see it. Backward hands the gradient
+    to the unit, which reduce-scatters the unit's gradients together and sets ``param.grad``."""
+
+    @staticmethod
+    def forward(ctx, param, record: ShardedParameter):
+        ctx.record = record
+        if record.view is None:
+            return record.gathered.detach()  # an alias: freeing the storage frees it too
+        return DTensor(record.gathered, record.view)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record.unit.gradient_arrived(ctx.record, grad)
+        return None, None
+
+
+# ---------------------------------------------------------------------------
+# A unit (one fully_shard call) and the order units run in
+# ---------------------------------------------------------------------------
+
+# Units whose forward is running, outermost first (the first is the root of this forward).
+_RUNNING: list = []
+
+
+@dataclass(eq=False)
+class _Schedule:
+    """The root unit's record of one step: the order units ran forward (the next step prefetches
+    by it), whether the end-of-backward callback is queued, gathered bytes now and at the peak."""
+
+    order: list = field(default_factory=list)
+    last_order: list = field(default_factory=list)
+    callback_queued: bool = False
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    prefetches: int = 0
+
+    def next_after(self, unit: "FSDPUnit", backward: bool):
+        order = self.last_order if not backward else self._backward_order()
+        if unit not in order:
+            return None
+        i = order.index(unit)
+        return order[i + 1] if i + 1 < len(order) else None
+
+    def _backward_order(self) -> list:
+        order = self.order or self.last_order
+        return order[:1] + order[1:][::-1]  # the root's outputs first, then the blocks in reverse
+
+    def __repr__(self) -> str:
+        names = [u.name or "<root>" for u in self.order or self.last_order]
+        return (f"_Schedule(order={names}, {self.prefetches} prefetches, gathered now {self.live_bytes} B, "
+                f"peak {self.peak_bytes} B)")
+
+
+class FSDPUnit:
+    """The state ``fully_shard`` attaches to a module: its sharded parameters, the mesh and axes,
+    and the hooks that gather before the module runs and free after."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replicate_axes: tuple,
+                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, name: str):
+        self.module, self.mesh, self.name = module, mesh, name
+        self.shard_axes, self.replicate_axes = shard_axes, replicate_axes
+        self.data_axes = tuple(a for a in mesh.axis_names if a in shard_axes or a in replicate_axes)
+        self.data_parallel_size = _data_size(mesh, self.data_axes)
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.params: list[ShardedParameter] = []
+        self.schedule = self.own_schedule = _Schedule()
+        self._flat: dict = {}          # ("gather" | "reduce", dtype) -> FlatLayout
+        self._started: dict = {}       # dtype -> (a started flat all-gather, its CUDA stream or None)
+        self._grads: dict = {}         # ShardedParameter -> its gradient (gathered layout), until the flush
+        self._reducing: list = []      # (started flat reduce-scatter, FlatLayout, records) until the end of backward
+        self._awaited = 0              # gradients still to come this step
+
+    def contains(self, other: "FSDPUnit") -> bool:
+        return any(m is other.module for m in self.module.modules())
+
+    def flat_layout(self, kind: str, dtype: torch.dtype, records=None, summed: tuple = ()) -> FlatLayout:
+        """The flat buffer of the unit's parameters that gather in ``dtype`` (``"gather"``), or of
+        ``records``, whose gradients reduce in ``dtype``, also over ``summed`` (``"reduce"``)."""
+        key = (kind, dtype, summed, None if records is None else tuple(id(r) for r in records))
+        if key not in self._flat:
+            if kind == "gather":
+                records = [p for p in self.params if p.batched and self._gather_dtype(p) == dtype]
+            self._flat[key] = _flat_layout(self, records, summed)
+        return self._flat[key]
+
+    def _gather_dtype(self, p: ShardedParameter) -> torch.dtype:
+        dtype = self.mp_policy.param_dtype
+        return dtype if dtype is not None and p.param.is_floating_point() else p.param.dtype
+
+    # -- gathering and freeing -------------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return any(p.gathered is not None and p.gathered.untyped_storage().nbytes() for p in self.params)
+
+    def _start_gathers(self) -> dict:
+        started = {}
+        for dtype in dict.fromkeys(self._gather_dtype(p) for p in self.params if p.batched):
+            flat = self.flat_layout("gather", dtype)
+            row = torch.zeros(flat.length, dtype=dtype, device=self.mesh.device)
+            for p, offset in zip(flat.records, flat.offsets):
+                p.pack(row, offset, p.shard_for_gather())
+            started[dtype] = _start(row.view(flat.sharded.local_padded), flat.sharded, flat.gathered)
+        return started
+
+    def prefetch(self) -> None:
+        """Start this unit's all-gathers (on a side stream on CUDA, so they overlap compute)."""
+        if self.is_gathered or self._started or not any(p.batched for p in self.params):
+            return
+        self.schedule.prefetches += 1
+        with torch.no_grad():
+            if self.mesh.device_type == "cuda":
+                stream = _side_stream("gather")
+                stream.wait_stream(torch.cuda.current_stream())  # the shards' latest values
+                with torch.cuda.stream(stream):
+                    self._started = {k: (v, stream) for k, v in self._start_gathers().items()}
+            else:
+                self._started = {k: (v, None) for k, v in self._start_gathers().items()}
+
+    def unshard(self, into_saved: bool = False) -> None:
+        if self.is_gathered:
+            return
+        with torch.no_grad():
+            started = self._started or {k: (v, None) for k, v in self._start_gathers().items()}
+            self._started = {}
+            for dtype, (pending, stream) in started.items():
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
+                flat = self.flat_layout("gather", dtype)
+                rows = pending.wait().reshape(flat.parts, flat.length)
+                for p, offset in zip(flat.records, flat.offsets):
+                    p.place(p.unpack_gathered(rows, offset), into_saved)
+            for p in self.params:
+                if not p.batched:
+                    p.place(p.gather_alone(), into_saved)
+        self._count(sum(p.gathered.untyped_storage().nbytes() for p in self.params))
+
+    def reshard(self) -> None:
+        self._count(-sum(p.free() for p in self.params))
+
+    def _count(self, delta: int) -> None:
+        s = self.schedule
+        s.live_bytes += delta
+        s.peak_bytes = max(s.peak_bytes, s.live_bytes)
+
+    def _install(self, values) -> None:
+        for p, value in zip(self.params, values):
+            for module, name in p.slots:
+                module._parameters[name] = value
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def gradient_arrived(self, record: ShardedParameter, grad: torch.Tensor) -> None:
+        """A parameter's gradient (this rank's, in the layout the module saw): kept until the unit's
+        last one arrives, then all reduce-scattered at once; one in another layout (pending over
+        the tensor-parallel axes) is reduced alone."""
+        self._awaited -= 1
+        summed = record.summed_axes(grad) if record.batched else None
+        kept = self._grads.get(record)
+        if summed is None or (kept is not None and kept[0] != summed):
+            record.accumulate(record.reduce_gradient(grad))
+        else:
+            local = grad._local if isinstance(grad, DTensor) else grad
+            local = local[0] if summed else local  # the summand this rank holds
+            self._grads[record] = (summed, local if kept is None else kept[1] + local)
+        if self._awaited <= 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Start the reduce-scatter of the gradients kept so far (one per reduce dtype)."""
+        grads, self._grads = self._grads, {}
+        for dtype, summed in dict.fromkeys((r.reduce_dtype, kept[0]) for r, kept in grads.items()):
+            records = [p for p in self.params if p in grads and (p.reduce_dtype, grads[p][0]) == (dtype, summed)]
+            flat = self.flat_layout("reduce", dtype, records, summed)
+            rows = torch.zeros(flat.parts, flat.length, dtype=dtype, device=self.mesh.device)
+            for p, offset in zip(flat.records, flat.offsets):
+                p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.data_parallel_size)
+            local = rows.view(flat.pending.local_padded)
+            if self.mesh.device_type == "cuda":  # on its own stream: the next unit's backward overlaps it
+                stream = _side_stream("reduce")
+                stream.wait_stream(torch.cuda.current_stream())
+                rows.record_stream(stream)  # freed here, still read there
+                with torch.cuda.stream(stream):
+                    self._reducing.append((_start(local, flat.pending, flat.sharded), flat, stream))
+            else:
+                self._reducing.append((_start(local, flat.pending, flat.sharded), flat, None))
+
+    def finish_reduce(self) -> None:
+        """Wait for the started reduce-scatters and set each parameter's sharded gradient."""
+        reducing, self._reducing = self._reducing, []
+        with torch.no_grad():
+            for started, flat, stream in reducing:
+                if stream is not None:
+                    torch.cuda.current_stream().wait_stream(stream)
+                row = started.wait().reshape(flat.length)
+                for p, offset in zip(flat.records, flat.offsets):
+                    p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def pre_forward(self, module, args, kwargs):
+        if _RUNNING and not _RUNNING[0].contains(self):
+            _RUNNING.clear()  # left over from a forward that raised
+        if _RUNNING:
+            self.schedule = _RUNNING[0].schedule
+        else:  # the root of this forward: a new step
+            self.schedule = self.own_schedule
+            if self.schedule.order:
+                self.schedule.last_order = self.schedule.order
+            self.schedule.order = []
+            for unit in self.schedule.last_order:  # a forward without backward leaves these behind
+                unit._awaited = 0
+                unit._started = {}  # gathered before the optimizer step: stale
+        _RUNNING.append(self)
+        self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
+        self.unshard()
+        values = [p.module_value() for p in self.params]
+        self._awaited += sum(v.requires_grad for v in values)
+        self._install(values)
+        self.schedule.order.append(self)
+        following = self.schedule.next_after(self, backward=False)
+        if following is not None:
+            following.prefetch()
+        dtype = self.mp_policy.param_dtype
+        if dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+        if torch.is_grad_enabled():
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self.post_backward(), mode="all")
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        _RUNNING.remove(self)
+        self._install([p.param for p in self.params])
+        root = self.schedule is self.own_schedule
+        outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        training = torch.is_grad_enabled() and bool(outputs)
+        # the root's parameters are needed first in backward: keep them (as torch does)
+        if not training or (self.reshard_after_forward and not root):
+            self.reshard()
+        if not training:
+            self._awaited = 0
+        else:
+            torch.autograd.graph.register_multi_grad_hook(outputs, lambda grad: self.pre_backward(), mode="any")
+        if root and self.mp_policy.output_dtype is not None:
+            output = tree_map(lambda x: _cast(x, self.mp_policy.output_dtype), output)
+        return output
+
+    def pre_backward(self) -> None:
+        s = self.schedule
+        if not s.callback_queued:
+            s.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_backward(s))
+        self.unshard(into_saved=True)
+        following = s.next_after(self, backward=True)
+        if following is not None:
+            following.prefetch()
+
+    def post_backward(self) -> None:
+        self.reshard()
+
+    # -- description ----------------------------------------------------------------------
+
+    def explain(self) -> str:
+        """The routes layout inference planned for this unit's all-gather and reduce-scatter."""
+        lines = [repr(self)]
+        for (kind, dtype, summed, _), flat in sorted(self._flat.items(), key=lambda kv: kv[0][0]):
+            src, dst = (flat.sharded, flat.gathered) if kind == "gather" else (flat.pending, flat.sharded)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            also = f", also summed over {summed}" if summed else ""
+            lines.append(f"{kind} ({str(dtype).replace('torch.', '')}, {len(flat.records)} parameters, "
+                         f"{flat.length} elements per rank{also}):")
+            lines.append(str(plan_redistribute(src, dst, itemsize)))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        sharded = sum(p.param.to_local().numel() * p.param.element_size() for p in self.params)
+        axes = f"shard over {self.shard_axes}" + (f", replicate over {self.replicate_axes}" if self.replicate_axes else "")
+        return (f"FSDPUnit({self.name or '<root>'}: {len(self.params)} parameters, {axes} of {self.mesh.axis_names}="
+                f"{self.mesh.shape}, {sharded} B here, reshard_after_forward={self.reshard_after_forward})")
+
+
+def _finish_backward(schedule: _Schedule) -> None:
+    """End of backward: every unit of the step reduces what is left, sets its gradients and frees
+    what it gathered; started gathers are dropped."""
+    for unit in schedule.order or schedule.last_order:
+        unit.flush()
+        unit.finish_reduce()
+        unit._awaited = 0
+        unit.reshard()
+        unit._started = {}
+    schedule.callback_queued = False
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(kind: str):
+    """One stream per device for the gathers and one for the reduce-scatters (so a unit's backward
+    waits for its gather, never for another unit's reduce-scatter)."""
+    key = (torch.cuda.current_device(), kind)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream()
+    return _SIDE_STREAMS[key]
+
+
+class _Done:
+    """A collective already issued in stream order (CUDA): ``wait`` gives its result."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+def _start(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec):
+    """Start a flat buffer's move: on CUDA issued in stream order on the current (side) stream,
+    where the p2p symmetric-memory collectives may carry it; elsewhere asynchronously (gloo)."""
+    if local.device.type == "cuda":
+        return _Done(redistribute_local(local, src, dst))
+    return redistribute_local(local, src, dst, async_op=True)
+
+
+def _cast(x, dtype):
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+        return x.to(dtype)
+    return x
+
+
+# ---------------------------------------------------------------------------
+# fully_shard
+# ---------------------------------------------------------------------------
+
+
+def _unit_of(module: nn.Module) -> FSDPUnit | None:
+    return module.__dict__.get("_axedist_fsdp")
+
+
+def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
+    """The FSDP units under ``module`` (itself included), in module order."""
+    return [u for u in (_unit_of(m) for m in module.modules()) if u is not None]
+
+
+def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    for a in axes:
+        if a not in mesh.axis_names:
+            raise MeshError(f"fully_shard: {what} names axis {a!r}, which mesh {mesh.axis_names}={mesh.shape} lacks")
+    return axes
+
+
+def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] | str = ("dp",),
+                replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool = True,
+                mp_policy: MixedPrecisionPolicy = NO_CASTS) -> nn.Module:
+    """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
+
+    Apply it to each block first, then to the whole model (the root gets what the blocks did not
+    take), as with torch's ``fully_shard``; after ``parallelize`` on ``mesh["tp"]`` when the model
+    is also tensor parallel. Each parameter becomes one DTensor on ``mesh`` sharded over the
+    data-parallel and the tensor-parallel axes (``(8, 6)`` ColwiseParallel on ``("dp", "tp") =
+    (2, 2)``: ``S[(2,2,2,6):(1@tp,1@dp,6,1)]``, local ``(2, 6)``). ``replicate_axes`` (HSDP):
+    data-parallel axes the parameters are replicated over; gradients are all-reduced there.
+    Every rank passes the same values for plain parameters (as for torch's ``fully_shard``).
+
+    ``mp_policy`` (torch's ``MixedPrecisionPolicy``): modules compute in ``param_dtype`` (the
+    gathers move it), gradients are reduced in ``reduce_dtype``, default the sharded parameter's
+    own dtype (fp32 masters: fp32; torch's default is ``param_dtype``), optimizer state follows
+    the sharded fp32 parameters. ``reshard_after_forward=False`` keeps a unit's gathered
+    parameters from forward to backward (the root always keeps them, as torch does).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard takes an axedist DeviceMesh, got {type(mesh).__name__}")
+    shard_axes = _axes_arg(mesh, dp_axes, "dp_axes")
+    replicate_axes = _axes_arg(mesh, replicate_axes, "replicate_axes")
+    if set(shard_axes) & set(replicate_axes):
+        raise MeshError(f"fully_shard: axes {sorted(set(shard_axes) & set(replicate_axes))} are in both dp_axes and "
+                        f"replicate_axes")
+    if not shard_axes:
+        raise MeshError("fully_shard: dp_axes is empty (give at least one mesh axis to shard the parameters over)")
+    if _unit_of(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__} "
+                         f"({len(_unit_of(module).params)} parameters sharded over {_unit_of(module).shard_axes}); "
+                         f"apply it once per module")
+    unit = FSDPUnit(module, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, "")
+    for prefix, sub in module.named_modules():  # inner units are named from here (the root's names win)
+        inner = _unit_of(sub)
+        if inner is not None and prefix:
+            inner.name = prefix
+    _shard_parameters(unit, module, mesh)
+    module.__dict__["_axedist_fsdp"] = unit
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(unit.post_forward)
+    return module
+
+
+def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace every parameter of ``module`` that no inner unit owns by its sharded DTensor."""
+    inner = [u for u in fsdp_units(module) if u is not unit]
+    inner_modules = {id(m) for u in inner for m in u.module.modules()}
+    slots: dict[int, list] = {}
+    names: dict[int, str] = {}
+    originals: dict[int, nn.Parameter] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub._parameters.items():
+            if param is None:
+                continue
+            qualified = f"{mod_name}.{pname}" if mod_name else pname
+            owner = _owner(param)
+            if id(sub) in inner_modules:
+                if owner is None and not _is_sharded(param):
+                    raise ValueError(f"fully_shard: {qualified} sits inside an inner FSDP unit that did not shard it")
+                continue
+            if _is_sharded(param) or owner is not None:
+                other = f"the unit of {owner.name or 'a module'}" if owner is not None else "already sharded"
+                raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit ({other}); put the "
+                                 f"modules that share a parameter in one unit")
+            slots.setdefault(id(param), []).append((sub, pname))
+            names.setdefault(id(param), qualified)
+            originals[id(param)] = param
+    for key, param in originals.items():
+        view = _view_spec(param, mesh, unit, names[key])
+        gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes)
+        with torch.no_grad():
+            full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
+            local = redistribute_local(full_local, gathered, sharded).clone()
+        new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
+        new.__dict__["_axedist_sharded"] = True
+        record = ShardedParameter(names[key], new, slots[key], view, gathered, unit)
+        for sub, pname in slots[key]:
+            sub._parameters[pname] = new
+        unit.params.append(record)
+        param.__dict__["_axedist_sharded_by"] = weakref.ref(unit)  # a slot still holding it is shared
+
+
+def _owner(param) -> FSDPUnit | None:
+    """The unit that sharded this (original) parameter, if one did."""
+    ref = getattr(param, "__dict__", {}).get("_axedist_sharded_by")
+    return ref() if ref is not None else None
+
+
+def _is_sharded(param) -> bool:
+    return bool(getattr(param, "__dict__", {}).get("_axedist_sharded"))
+
+
+def _view_spec(param: nn.Parameter, mesh: DeviceMesh, unit: FSDPUnit, name: str) -> DTensorSpec | None:
+    """The spec the modules compute with: a DTensor parameter's own (on a sub-mesh of ``mesh``
+    away from the data axes), ``None`` for a plain one."""
+    if not isinstance(param, DTensor):
+        if param.device != mesh.device:
+            raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is "
+                             f"{mesh.device}; move the module first")
+        return None
+    spec = param._spec
+    sub = spec.mesh
+    if param.device != mesh.device:
+        raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is {mesh.device}")
+    if spec.reduce_op:
+        raise LayoutError(f"fully_shard: parameter {name} has a pending {spec.reduce_op} ({spec})")
+    clash = [a for a in sub.axis_names if a in unit.data_axes]
+    if clash:
+        raise MeshError(f"fully_shard: data-parallel axes {clash} are axes parameter {name} is already laid out on "
+                        f"(its mesh {sub.axis_names}, layout {spec.layout}); shard over other axes of {mesh.axis_names}")
+    missing = [a for a in sub.axis_names if a not in mesh.axis_names]
+    if missing:
+        raise MeshError(f"fully_shard: parameter {name} lives on mesh axes {sub.axis_names}, and mesh "
+                        f"{mesh.axis_names} lacks {missing}")
+    ordered = tuple(a for a in mesh.axis_names if a in sub.axis_names)
+    if ordered != sub.axis_names or mesh[ordered] != sub:
+        raise MeshError(f"fully_shard: parameter {name} lives on {sub}, which is not this rank's sub-mesh "
+                        f"{mesh[ordered] if ordered == sub.axis_names else ordered} of {mesh}")
+    return spec
+

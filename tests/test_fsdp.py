@@ -1,0 +1,320 @@
+"""Fully sharded data parallel x tensor parallel (``axedist.nn.fully_shard``) on 4 gloo ranks.
+
+Against the one-process model (fp32, rel 1e-4): the loss and every gradient over three AdamW
+steps, and the parameters after them, for ``(dp, tp)`` = (2, 2), (4, 1), (1, 4), HSDP (2
+replicate x 2 shard), uneven parameters (vocabulary 30), tied embeddings, frozen parameters,
+``reshard_after_forward=False``, ``clip_grad_norm_`` over the whole mesh and a foreach optimizer.
+Against torch's ``fully_shard`` + ``parallelize_module`` on the same model: equal losses, bytes
+sent per rank per step no more than torch's, the sharded parameter + gradient + optimizer bytes.
+Checkpoints across (dp, tp) degrees and to and from torch's; bad input; the main job under torchrun.
+"""
+
+import copy
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from axedist.dtensor import DTensor
+from axedist.layout import LayoutError
+from axedist.mesh import DeviceMesh, MeshError
+from axedist.nn import checkpoint, fsdp_units, fully_shard, parallelize, replicate
+from axedist.nn.fsdp import MixedPrecisionPolicy, data_parallel_specs, pending_gradient_spec
+from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.runtime import count_collectives
+from axedist.spec import spec_from_placements
+from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = dict(rtol=1e-4, atol=1e-6)
+STEPS = 3
+
+
+def tiny(tie: bool = False) -> LlamaConfig:
+    return LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=8, tie_embeddings=tie)
+
+
+def sharded_llama(cfg, mesh, **kwargs):
+    """The Llama tensor parallel on ``mesh["tp"]``, fully sharded per block and at the root."""
+    model = Llama(cfg)
+    parallelize(model, mesh["tp"], llama_tp_plan(cfg))
+    for layer in model.layers:
+        fully_shard(layer, mesh, **kwargs)
+    fully_shard(model, mesh, **kwargs)
+    return model
+
+
+def _matches_one_process(rank, world, s, shape, names, case):
+    mesh = DeviceMesh("cpu", shape, names)
+    cfg = tiny(tie=case.get("tie", False))
+    torch.manual_seed(s)
+    ref = Llama(cfg)
+    if case.get("frozen"):
+        ref.layers[0].attention.wq.weight.requires_grad_(False)
+        ref.norm.weight.requires_grad_(False)
+    hsdp = names == ("rep", "shard")
+    kwargs = dict(dp_axes="shard", replicate_axes="rep") if hsdp else {}
+    if case.get("keep"):
+        kwargs["reshard_after_forward"] = False
+    par = copy.deepcopy(ref)  # same values and frozen flags
+    if not hsdp:
+        parallelize(par, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=case.get("sp", True)))
+    for layer in par.layers:
+        fully_shard(layer, mesh, **kwargs)
+    fully_shard(par, mesh, **kwargs)
+    data_axes = ("rep", "shard") if hsdp else ("dp",)
+    d = sum(mesh.coordinates()[a] * (mesh.axis_size("shard") if a == "rep" else 1) for a in data_axes)
+    parts = math.prod(mesh.axis_size(a) for a in data_axes)
+    for p in par.parameters():
+        assert isinstance(p, DTensor) and p.mesh == mesh, p
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)) if case.get("foreach") else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False))
+    opt_ref = make([p for p in ref.parameters() if p.requires_grad])
+    opt_par = make([p for p in par.parameters() if p.requires_grad])
+    g = torch.Generator().manual_seed(s + 1)
+    tp_mesh = None if hsdp else mesh["tp"]
+    for step in range(STEPS):
+        tokens = torch.randint(0, cfg.vocab_size, (2 * parts, cfg.max_seq_len + 1), generator=g)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mine = slice(2 * d, 2 * d + 2)
+        loss_ref = next_token_loss(ref(inputs), targets)
+        logits = par(inputs[mine])
+        loss = next_token_loss(logits, targets[mine] if hsdp else replicate(targets[mine], tp_mesh))
+        value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
+        dist.all_reduce(value, group=mesh.group(data_axes))
+        torch.testing.assert_close(value / parts, loss_ref.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        loss_ref.backward()
+        loss.backward()
+        if case.get("clip"):
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            norm = torch.nn.utils.clip_grad_norm_(par.parameters(), 0.05)
+            torch.testing.assert_close(norm.full_tensor(), norm_ref, **TOL)
+        for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
+            if p_ref.grad is None:
+                assert p.grad is None, f"{name}: a frozen parameter got a gradient"
+                continue
+            assert p.grad._spec == p._spec, f"{name}: gradient {p.grad._spec} is not sharded like {p._spec}"
+            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL,
+                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+        opt_ref.step()
+        opt_par.step()
+        opt_ref.zero_grad()
+        opt_par.zero_grad()
+    for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
+        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"after {STEPS} steps: {name}: {m}")
+        state = opt_par.state.get(p, {})
+        for key, value in state.items():
+            if isinstance(value, DTensor) and value.dim():
+                assert value._spec == p._spec, f"{name}: optimizer state {key} is not sharded like the parameter"
+    schedule = fsdp_units(par)[0].schedule
+    return schedule.prefetches, schedule.peak_bytes
+
+
+CASES = {
+    "2x2": ((2, 2), ("dp", "tp"), {}),
+    "4x1-foreach-sgd": ((4, 1), ("dp", "tp"), {"sp": False, "foreach": True}),
+    "1x4": ((1, 4), ("dp", "tp"), {}),
+    "hsdp-2x2": ((2, 2), ("rep", "shard"), {}),
+    "2x2-tied-frozen-clip-keep": ((2, 2), ("dp", "tp"), {"tie": True, "frozen": True, "clip": True, "keep": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fully_sharded_training_matches_one_process(case):
+    shape, names, options = CASES[case]
+    s = random.randrange(2**31)
+    out = run_on_ranks(_matches_one_process, 4, args=(s, shape, names, options))
+    prefetches, peak = out[0]
+    assert peak > 0
+    if shape[0] > 1:  # one data-parallel rank gathers nothing (each gather is a local copy)
+        assert prefetches > 0, "no unit's gather was started ahead"
+
+
+def state_bytes(model, optimizer) -> int:
+    """This rank's bytes of parameters, gradients and optimizer state (the sharded pieces)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = 0
+    for p in model.parameters():
+        for t in [p, p.grad, *optimizer.state.get(p, {}).values()]:
+            if isinstance(t, torch.Tensor) and t.dim():
+                total += local(t).numel() * t.element_size()
+    return total
+
+
+def _against_torch(rank, world, s, mixed):
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    torch_mesh = mesh.to_torch()
+    cfg = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=8)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else \
+        MixedPrecisionPolicy()
+    torch.manual_seed(s)
+    ours = sharded_llama(cfg, mesh, mp_policy=policy)
+    torch.manual_seed(s)
+    theirs = torch_fully_shard_llama(Llama(cfg), torch_mesh, policy)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2, foreach=False)
+    opt_theirs = torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(s + 1)
+    d = mesh.coordinates()["dp"]
+    out = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g)[2 * d:2 * d + 2]
+        with count_collectives() as seen:
+            loss = next_token_loss(ours(tokens[:, :-1]), replicate(tokens[:, 1:], mesh["tp"]))
+            loss.backward()
+        theirs_loss, theirs_bytes = torch_comm_bytes(lambda: torch_llama_loss(theirs(tokens[:, :-1]), tokens[:, 1:],
+                                                                              torch_mesh["tp"]))
+        memory = (state_bytes(ours, opt_ours), state_bytes(theirs, opt_theirs))
+        out.append((float(loss.detach().full_tensor()), float(theirs_loss.detach().full_tensor()), seen.bytes_sent,
+                    theirs_bytes, memory))
+        for opt in (opt_ours, opt_theirs):
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-compute"])
+def test_against_torch_fully_shard_and_parallelize_module(mixed):
+    """Same model, data and (dp, tp) = (2, 2) as torch's fully_shard + parallelize_module: equal losses
+    (bf16: one bf16 step apart at most), bytes sent per rank per step (forward + backward) at most
+    torch's, and no more parameter + gradient + optimizer bytes per rank."""
+    s = random.randrange(2**31)
+    for rank_steps in run_on_ranks(_against_torch, 4, args=(s, mixed)):
+        for step, (ours, theirs, sent, theirs_sent, (memory, theirs_memory)) in enumerate(rank_steps):
+            if mixed:
+                assert abs(ours - theirs) <= 2e-2 * abs(theirs), (step, ours, theirs)
+            else:
+                assert ours == pytest.approx(theirs, rel=1e-5), (step, ours, theirs)
+            assert 0 < sent <= theirs_sent, f"step {step}: axedist sends {sent} B, torch {theirs_sent} B"
+            assert memory <= theirs_memory, f"step {step}: {memory} B of state here, torch {theirs_memory} B"
+
+
+def _torch_llama(cfg, mesh, seed):
+    torch.manual_seed(seed)
+    return torch_fully_shard_llama(Llama(cfg), mesh.to_torch())
+
+
+def _same_values(model, cfg, seed, what):
+    torch.manual_seed(seed)
+    want = Llama(cfg)
+    for (name, w), p in zip(want.named_parameters(), model.parameters()):
+        assert torch.equal(p.full_tensor(), w.detach()), f"{what}: {name}"
+
+
+def _checkpoints(rank, world, path):
+    cfg = tiny()  # vocabulary 30: uneven on tp = 4 and again on dp
+    mesh22 = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    torch.manual_seed(1)
+    checkpoint.save(sharded_llama(cfg, mesh22), f"{path}/ours")
+    for shape in ((4, 1), (1, 4)):
+        torch.manual_seed(2)
+        model = sharded_llama(cfg, DeviceMesh("cpu", shape, ("dp", "tp")))
+        checkpoint.load(model, f"{path}/ours")
+        _same_values(model, cfg, 1, f"(2, 2) -> {shape}")
+    torch.manual_seed(6)
+    again = sharded_llama(cfg, DeviceMesh("cpu", (1, 4), ("dp", "tp")))
+    again.load_state_dict(model.state_dict())  # the sharded DTensors of state_dict, in place
+    _same_values(again, cfg, 1, "state_dict at (1, 4)")
+    tp_only = Llama(cfg)  # the tensor-parallel model of infer_tp.py, TP = 4
+    parallelize(tp_only, DeviceMesh("cpu", (4,), ("tp",)), llama_tp_plan(cfg, sequence_parallel=False))
+    checkpoint.load(tp_only, f"{path}/ours")
+    _same_values(tp_only, cfg, 1, "(2, 2) -> TP=4")
+    # torch's fully_shard + parallelize_module writes, we read; we write, torch reads
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_torch_llama(cfg, mesh22, 3).state_dict(), checkpoint_id=f"{path}/torch")
+    torch.manual_seed(4)
+    model = sharded_llama(cfg, DeviceMesh("cpu", (4, 1), ("dp", "tp")))
+    checkpoint.load(model, f"{path}/torch")
+    _same_values(model, cfg, 3, "torch (2, 2) -> ours (4, 1)")
+    theirs = _torch_llama(cfg, mesh22, 5)
+    state = theirs.state_dict()
+    dcp.load(state, checkpoint_id=f"{path}/ours")
+    theirs.load_state_dict(state)
+    _same_values(theirs, cfg, 1, "ours (2, 2) -> torch (2, 2)")
+    return True
+
+
+def test_checkpoints_across_degrees_and_with_torch(tmp_path):
+    """DCP: (2, 2) -> (4, 1), (1, 4) and TP-only; torch's FSDP2 + TP checkpoint into ours and ours into torch's
+    (vocabulary 30: uneven rows on both axes)."""
+    assert run_on_ranks(_checkpoints, 4, args=(str(tmp_path),)) == [True] * 4
+
+
+def _layouts_and_errors(rank, world):
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    out = {}
+    # the layouts of DESIGN section 7: (8, 6) ColwiseParallel / RowwiseParallel on tp, FSDP over dp
+    for name, placement in (("colwise", torch.distributed.tensor.Shard(0)), ("rowwise", torch.distributed.tensor.Shard(1))):
+        view = spec_from_placements((8, 6), mesh["tp"], [placement])
+        gathered, sharded = data_parallel_specs(view, (8, 6), mesh, ("dp",))
+        out[name] = (str(gathered.layout), str(sharded.layout))
+    # uneven: 10 rows, 5 per tp rank, 3 + 2 per dp rank; torch's placements of the same split
+    view = spec_from_placements((10, 6), mesh["tp"], [torch.distributed.tensor.Shard(0)])
+    _, sharded = data_parallel_specs(view, (10, 6), mesh, ("dp",))
+    out["uneven"] = (str(sharded.layout), sharded.padded, sharded.true_index[0])
+    out["pending"] = str(pending_gradient_spec(view, (10, 6), mesh, ("dp",)).layout)
+    hsdp = DeviceMesh("cpu", (2, 2), ("rep", "shard"))
+    out["hsdp"] = str(data_parallel_specs(None, (8, 6), hsdp, ("shard",), ("rep",))[1].layout)
+
+    def error(fn):
+        try:
+            fn()
+        except (ValueError, TypeError, LayoutError, MeshError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    cfg = tiny()
+    model = Llama(cfg)
+    parallelize(model, mesh["tp"], llama_tp_plan(cfg))
+    out["no_axis"] = error(lambda: fully_shard(model.layers[0], mesh, dp_axes=("data",)))
+    out["tp_axis"] = error(lambda: fully_shard(model.layers[0], mesh, dp_axes=("tp",)))
+    out["both"] = error(lambda: fully_shard(model.layers[0], mesh, dp_axes="dp", replicate_axes="dp"))
+    fully_shard(model.layers[0], mesh)
+    out["twice"] = error(lambda: fully_shard(model.layers[0], mesh))
+    meta = torch.nn.Linear(4, 4, device="meta")
+    out["device"] = error(lambda: fully_shard(meta, mesh))
+    tied = Llama(tiny(tie=True))
+    fully_shard(tied.output, DeviceMesh("cpu", (4,), ("dp",)))
+    out["shared"] = error(lambda: fully_shard(tied, DeviceMesh("cpu", (4,), ("dp",))))
+    return out
+
+
+def test_layouts_and_bad_input():
+    out = run_on_ranks(_layouts_and_errors, 4)
+    assert all(o == out[0] for o in out), "ranks disagree"
+    o = out[0]
+    assert o["colwise"] == ("S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]", "S[(2,2,2,6):(1@tp,1@dp,6,1)]")
+    assert o["rowwise"] == ("S[(8,2,3):(3,1@tp,1)] + R[2:1@dp]", "S[(2,4,2,3):(1@dp,3,1@tp,1)]")
+    assert o["uneven"] == ("S[(2,2,3,6):(1@tp,1@dp,6,1)]", (12, 6), (0, 1, 2, 3, 4, -1, 5, 6, 7, 8, 9, -1))
+    assert o["pending"] == "S[(2,2,5,6):(1@dp,1@tp,6,1)]"
+    assert o["hsdp"] == "S[(2,4,6):(1@shard,6,1)] + R[2:1@rep]"
+    assert "MeshError" in o["no_axis"] and "'data'" in o["no_axis"]
+    assert "MeshError" in o["tp_axis"] and "already laid out on" in o["tp_axis"]
+    assert "MeshError" in o["both"] and "both" in o["both"]
+    assert "already applied" in o["twice"]
+    assert "meta" in o["device"] and "mesh's device" in o["device"]
+    assert "shared with another FSDP unit" in o["shared"]
+
+
+def test_main_job_trains_dp2_x_tp2_under_torchrun(tmp_path):
+    """launch/train_tp.py on 4 ranks: dp = 2 x tp = 2 by default, the parameters' 2-D layouts and one
+    step's collectives printed, losses and a checkpoint written."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    returncode, stdout, stderr = run_torchrun(
+        ["launch/train_tp.py", "--steps", "3", "--log-every", "3", "--seq", "8", "--batch", "4", "--dim", "16",
+         "--vocab", "30", "--layers", "1", "--out", str(tmp_path)], 4, cwd=ROOT, env=env)
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "axes=('dp', 'tp')" in stdout and "fully sharded" in stdout
+    assert "S[(2,2,4,16):(1@tp,1@dp,16,1)]" in stdout          # wq: (16, 16), ColwiseParallel + FSDP
+    assert "all_gather over dp" in stdout and "reduce_scatter over dp" in stdout
+    record = json.loads((tmp_path / "losses.json").read_text())
+    assert record["dp"] == 2 and len(record["loss"]) == 3
+    assert (tmp_path / "checkpoint" / ".metadata").exists()  # loads at other degrees: test_checkpoints_...
