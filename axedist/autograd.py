@@ -16,7 +16,7 @@ from .layout import LayoutError
 from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
-__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute"]
+__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute", "grad_spec"]
 
 
 def requires_grad(dt) -> bool:
@@ -78,7 +78,7 @@ def distribute(cls, tensor: torch.Tensor, local: torch.Tensor, src: DTensorSpec,
     return cls(redistribute_local(local, src, dst), dst)
 
 
-def _grad_spec(spec: DTensorSpec) -> DTensorSpec:
+def grad_spec(spec: DTensorSpec) -> DTensorSpec:
     """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
     reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
     if not spec.reduce_op:
@@ -105,7 +105,7 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch
         dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
-    target = _grad_spec(spec)
+    target = grad_spec(spec)
     local = grad._local if grad._spec == target else redistribute_local(grad._local, grad._spec, target)
     return local[0] if target.reduce_op else local
 
@@ -140,7 +140,7 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = _grad_spec(ctx.src)
+        target = grad_spec(ctx.src)
         if grad._spec == target:
             return grad, None, None
         return ctx.cls(redistribute_local(grad._local, grad._spec, target), target), None, None

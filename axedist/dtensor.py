@@ -17,6 +17,7 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from typing import Sequence
 
@@ -31,6 +32,7 @@ from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
 from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
+from .tracing import outside_tracing
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
@@ -82,6 +84,24 @@ def _shape_text(row) -> str:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+class _AllDims:
+    """Contains every dim index."""
+
+    def __contains__(self, dim) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "ALL_DIMS"
+
+
+ALL_DIMS = _AllDims()
+
+
+@outside_tracing
+def _first_of(local: torch.Tensor) -> torch.Tensor:
+    return local[0]
+
+
 class DTensor(torch.Tensor):
     """A global tensor whose elements sit on a mesh as an Axe layout says.
 
@@ -112,6 +132,61 @@ class DTensor(torch.Tensor):
         if pending is not None:
             self._pending = pending
         return self
+
+    # -- tracing (torch.compile) -----------------------------------------------------
+    # A traceable wrapper subclass: Dynamo and AOTAutograd see the local tensor as the data and
+    # the spec as metadata (hashable; a compiled graph is guarded on its equality), run the
+    # dispatcher's rules on fake local tensors, and rebuild DTensors from (local, spec).
+
+    # Every dim static for Dynamo (what torch.mark_static sets per tensor): specs and plans
+    # are made for concrete shapes, so a new shape recompiles rather than going symbolic.
+    _dynamo_static_indices = ALL_DIMS
+
+    def __tensor_flatten__(self):
+        return ["_traced"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        spec, requires_grad = meta
+        if tuple(outer_size) != spec.shape:
+            raise LayoutError(f"a traced DTensor of shape {tuple(outer_size)} has the spec {spec}: axedist DTensors "
+                              f"trace with static shapes (torch.compile(..., dynamic=False))")
+        local = inner["_traced"]
+        if spec.reduce_op and local.dim() == len(spec.shape):
+            local = local.unsqueeze(0)  # the summand dim _traced leaves out
+        return DTensor(local, spec, requires_grad, stride=tuple(outer_stride))
+
+    @property
+    def _traced(self) -> torch.Tensor:
+        """The local tensor as torch.compile sees it: a pending sum's without its local summand
+        dim of extent 1, so a gradient has its parameter's local rank (Dynamo fakes a
+        parameter's ``.grad`` with the parameter's shape information)."""
+        local = self._local
+        if not (self._spec.reduce_op and local.dim() > len(self._spec.shape) and local.shape[0] == 1):
+            return local
+        # a real tensor's view is made outside the trace's fake mode (Dynamo reads inputs under it)
+        return _first_of(local) if type(local) is torch.Tensor else local[0]
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key of this input in torch.compile's on-disk caches (the spec's text, its mesh's
+        ranks and axes, requires_grad): a process group cannot be pickled into one."""
+        spec, mesh = self._spec, self._spec.mesh
+        text = repr((spec, spec.padded, spec.true_index, mesh.device_type, mesh.shape, mesh.axis_names, mesh.ranks,
+                     self.dtype, self.requires_grad))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self):
+        """The tangent a compiled backward expects for this output: a pending reduction's
+        gradient is replicated on its axes (as in eager autograd)."""
+        target = autograd.grad_spec(self._spec)
+        return self if target is self._spec else autograd.move(self, target)
+
+    def __coerce_same_metadata_as_tangent__(self, meta, expected_type=None):
+        """This runtime tangent in the layout the compiled backward was traced with."""
+        if expected_type is not None:
+            return None
+        spec = meta[0]
+        return self if spec == self._spec else autograd.move(self, spec)
 
     @property
     def _local(self) -> torch.Tensor:

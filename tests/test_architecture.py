@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
 # (layer rank, module prefix): the longest matching prefix decides a module's layer
 LAYERS = [
     (0, "axedist.layout"),
+    (0, "axedist.tracing"),  # torch.compile facts and metadata work outside a trace: torch only
     (1, "axedist.mesh"),
     (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads
     (2, "axedist.spec"),

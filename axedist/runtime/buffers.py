@@ -12,11 +12,13 @@ import math
 import torch
 
 from ..planning.repad import Side
+from ..tracing import outside_tracing
 
 __all__ = ["to_buffer", "from_buffer", "position_index"]
 
 
 @functools.lru_cache(maxsize=512)
+@outside_tracing
 def position_index(side: Side, position: int, dim: int, device: torch.device) -> torch.Tensor:
     """The local rows of ``side``'s true rows along ``dim`` at mesh ``position``, as an index
     tensor on ``device``, built once: a cached redistribute must not turn thousands of Python

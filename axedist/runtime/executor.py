@@ -20,7 +20,9 @@ from ..layout import LayoutError
 from ..planning import Plan, buffer_size
 from ..planning.redistribution import Redistribution, plan_redistribute
 from ..planning.steps import Step
+from ..tracing import outside_tracing
 from .buffers import from_buffer, to_buffer
+from .carriers import IN_PLACE, current
 from .gathers import AllGather, AllToAll, Broadcast
 from .reductions import AllReduce, FusedAllReduce, Reduce, ReduceScatter
 from .steps import Collective, PointToPoint, RankContext, StepProgram, group_of
@@ -130,11 +132,17 @@ def _program(plan: Plan, mesh) -> _Program:
     if entry is not None and entry.plan is plan:
         _PROGRAMS.move_to_end(key)
         return entry
-    program = _Program(plan, _context(plan, mesh))
+    program = _new_program(plan, mesh)
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > _PROGRAM_LIMIT:
         _PROGRAMS.popitem(last=False)
     return program
+
+
+@outside_tracing
+def _new_program(plan: Plan, mesh) -> _Program:
+    """Built on real tensors (index tensors, counts) even while torch.compile traces."""
+    return _Program(plan, _context(plan, mesh))
 
 
 class PendingBuffer:
@@ -170,19 +178,21 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     if x.numel() != expected:
         raise LayoutError(f"execute_plan: buffer has {x.numel()} slots, the plan's first step reads {expected}")
 
+    carrier = current()
+
     def run_from(index: int, value: torch.Tensor) -> torch.Tensor:
         for step in program.steps[index:]:
-            works, finish = step.start(value, False)
+            works, finish = step.start(value, False, carrier)
             for w in works:
                 w.wait()
             value = finish()
         return value
 
-    if not async_op:
+    if not async_op or carrier is not IN_PLACE:  # a traced graph's collectives are functional: no handles
         return run_from(0, x)
     if not program.steps:
         return PendingBuffer([], lambda: x, lambda v: v)
-    works, finish = program.steps[0].start(x, True)
+    works, finish = program.steps[0].start(x, True, carrier)
     works = [w for w in (works or []) if w is not None]
     return PendingBuffer(works, finish, lambda v: run_from(1, v))
 

@@ -1,0 +1,54 @@
+"""torch.compile support that every layer shares: whether a compile is tracing, and metadata
+work (specs, plans, index tensors) done on real tensors while it traces.
+
+Under ``torch.compile`` the DTensor's sharding rules and plans run at trace time, while Dynamo
+and AOTAutograd hold fake (shape-only) and functional tensors on their dispatch-mode stack.
+Planning builds small real tensors (element tables, the gather/scatter indices of a plan's
+steps) and reads them back as ints, which a fake tensor cannot do; :func:`outside_tracing`
+runs such a function with the modes set aside, so what it builds is real, and becomes a
+constant of the traced graph where a traced op uses it::
+
+    >>> @outside_tracing
+    ... def slots(n):                      # a plan's index tensor: real even inside a trace
+    ...     return torch.arange(n)
+    >>> compiling()                        # True inside torch.compile's trace, else False
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["compiling", "outside_tracing", "keep_on_copy"]
+
+_modes_active = torch._C._len_torch_dispatch_stack
+
+
+def compiling() -> bool:
+    """Whether torch.compile (or export) is tracing now: Dynamo, or AOTAutograd running the
+    subclass's ``__torch_dispatch__`` on fake tensors."""
+    return torch.compiler.is_compiling()
+
+
+def outside_tracing(fn):
+    """``fn`` run with every dispatch mode (fake, functional, proxy) set aside while one is
+    active: tensors it makes are real. One C call of overhead otherwise."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not _modes_active():
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def keep_on_copy(self, memo=None):
+    """``__deepcopy__`` / ``__copy__`` of immutable records (meshes, layouts, specs): the same
+    object. Dynamo deep-copies a subclass's flatten metadata for its guard, and a mesh holds
+    process groups, which cannot be copied."""
+    return self
