@@ -14,6 +14,7 @@ from torch.distributed.tensor import Partial, Replicate
 from .runtime import redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
+from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
 __all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute", "grad_spec"]
@@ -55,6 +56,7 @@ def move(dt, dst: DTensorSpec, async_op: bool = False):
     waits on the first use of the data."""
     cls = type(dt)
     pending = dt._pending
+    async_op = async_op and not compiling()  # a traced graph's collectives are scheduled by the compiler
     if isinstance(pending, DeferredGemm) and pending.value is None:
         fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:

@@ -17,12 +17,14 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import register_opaque_type
 from torch.distributed.tensor.placement_types import Placement
 
 from . import autograd
@@ -82,6 +84,7 @@ def _shape_text(row) -> str:
 # ---------------------------------------------------------------------------
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
 class _AllDims:
@@ -102,6 +105,26 @@ def _first_of(local: torch.Tensor) -> torch.Tensor:
     return local[0]
 
 
+def one_graph_node(method):
+    """``method`` of a DTensor as ONE node of a Dynamo graph: Dynamo records the call (its
+    placements or layout a constant) instead of tracing into the planning code, and
+    AOTAutograd traces the call's body on fake tensors (collectives and all). Eager calls run
+    ``method`` itself (one check more)."""
+    def node(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    node.__name__ = node.__qualname__ = f"dtensor_{method.__name__}"
+    torch._dynamo.allow_in_graph(node)
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if _dynamo_tracing():
+            return node(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return call
+
+
 class DTensor(torch.Tensor):
     """A global tensor whose elements sit on a mesh as an Axe layout says.
 
@@ -115,6 +138,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
     _tag = None       # the dispatcher's Tag of (spec, dtype, stride), set on first use
+    _traced_as = None  # (local, the local torch.compile gave __tensor_unflatten__)
     dispatcher: OpDispatcher  # set below, once the class exists
     __torch_function__ = torch._C._disabled_torch_function_impl  # the fast path's handler when enabled
 
@@ -151,10 +175,12 @@ class DTensor(torch.Tensor):
         if tuple(outer_size) != spec.shape:
             raise LayoutError(f"a traced DTensor of shape {tuple(outer_size)} has the spec {spec}: axedist DTensors "
                               f"trace with static shapes (torch.compile(..., dynamic=False))")
-        local = inner["_traced"]
+        traced = local = inner["_traced"]
         if spec.reduce_op and local.dim() == len(spec.shape):
             local = local.unsqueeze(0)  # the summand dim _traced leaves out
-        return DTensor(local, spec, requires_grad, stride=tuple(outer_stride))
+        out = DTensor(local, spec, requires_grad, stride=tuple(outer_stride))
+        out._traced_as = (local, traced)
+        return out
 
     @property
     def _traced(self) -> torch.Tensor:
@@ -164,6 +190,9 @@ class DTensor(torch.Tensor):
         local = self._local
         if not (self._spec.reduce_op and local.dim() > len(self._spec.shape) and local.shape[0] == 1):
             return local
+        known = self._traced_as
+        if known is not None and known[0] is local:  # what __tensor_unflatten__ was given (no op to run:
+            return known[1]                            # AOTAutograd reads inputs outside its modes too)
         # a real tensor's view is made outside the trace's fake mode (Dynamo reads inputs under it)
         return _first_of(local) if type(local) is torch.Tensor else local[0]
 
@@ -255,6 +284,7 @@ class DTensor(torch.Tensor):
 
     # -- reading -------------------------------------------------------------------
 
+    @one_graph_node
     def to_local(self) -> torch.Tensor:
         """This rank's piece (with the leading summand dim for a pending reduction).
 
@@ -262,6 +292,7 @@ class DTensor(torch.Tensor):
         """
         return autograd.to_local(self)
 
+    @one_graph_node
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local()
@@ -288,6 +319,7 @@ class DTensor(torch.Tensor):
 
     # -- moving --------------------------------------------------------------------
 
+    @one_graph_node
     def redistribute(self, layout_or_placements, *, padded_shape: Sequence[int] | None = None,
                      reduce_op: str | None = None, async_op: bool = False) -> "DTensor":
         """The same global tensor in another layout (or placements) on the same mesh.
@@ -302,6 +334,7 @@ class DTensor(torch.Tensor):
             return self
         return autograd.redistribute(self, dst, async_op)
 
+    @one_graph_node
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
         """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.
 
@@ -334,6 +367,9 @@ class DTensor(torch.Tensor):
         dtype = str(self.dtype).replace("torch.", "")
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
+
+# Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.
+register_opaque_type(Layout, typ="value")
 
 # Torch ops reach the dispatcher (axedist.ops) through these two handlers; the class owns it.
 DTensor.dispatcher = OpDispatcher(DTensor)

@@ -22,15 +22,24 @@ import functools
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["compiling", "outside_tracing", "keep_on_copy"]
+__all__ = ["compiling", "may_defer", "outside_tracing", "traced_constant", "keep_on_copy"]
 
 _modes_active = torch._C._len_torch_dispatch_stack
+_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 
 
 def compiling() -> bool:
     """Whether torch.compile (or export) is tracing now: Dynamo, or AOTAutograd running the
     subclass's ``__torch_dispatch__`` on fake tensors."""
     return torch.compiler.is_compiling()
+
+
+def may_defer() -> bool:
+    """Whether work may be left pending for a later op to take (a deferred GEMM or gather that
+    a fused kernel consumes): in eager, and while AOTAutograd traces the whole graph
+    (functionalization on); not while Dynamo runs the ops one at a time on fake tensors and
+    inspects each result on its own."""
+    return not compiling() or torch._C._get_dispatch_mode(_FUNCTIONAL) is not None
 
 
 def outside_tracing(fn):
@@ -45,6 +54,15 @@ def outside_tracing(fn):
             return fn(*args, **kwargs)
 
     return run
+
+
+def traced_constant(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor built outside the trace (a plan's index tensor), as a constant of the
+    traced program when a trace is running (fake tensors refuse real operands); ``t`` itself
+    otherwise. ``torch.tensor(data)`` is how traced code makes constants."""
+    if not _modes_active():
+        return t
+    return torch.tensor(t.tolist(), dtype=t.dtype, device=t.device)
 
 
 def keep_on_copy(self, memo=None):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import fallback
-from .backend import multicast_opted_in, multimem_allowed, p2p_possible
+from .backend import as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
 # time (bf16, H200): axedist/kernels/gemm_rs_auto.json, which `launch/bench_gemm_rs.py
@@ -252,7 +252,19 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     >>> a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
     >>> b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
     >>> gemm_reduce_scatter(a, b, group).shape     # W = 4: torch.Size([2048, 8192])
+
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.gemm_reduce_scatter`` (library.py: fake shapes, gradients).
     """
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        return torch.ops.axedist.gemm_reduce_scatter(a, b, group_name(group), scatter_dim, backend)
+    return run_gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check)
+
+
+def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
+                            backend: str = "auto", out: torch.Tensor | None = None,
+                            timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+    """``gemm_reduce_scatter`` run now on these tensors (the custom op's implementation)."""
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
     if plan.backend == "torch":

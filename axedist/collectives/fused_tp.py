@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import fallback
-from .backend import TUNED, multicast_opted_in, multimem_allowed, p2p_possible
+from .backend import TUNED, as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 AG_AUTO_TABLE_PATH = os.path.join(_KERNELS, "ag_gemm_auto.json")
@@ -263,7 +263,24 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
     >>> w = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)   # column shard
     >>> all_gather_gemm(a, w.t(), group).shape
     torch.Size([8192, 7168])
+
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.all_gather_gemm`` (library.py), which returns the gathered
+    rows too (copied into ``gathered`` when given).
     """
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        result, rows = torch.ops.axedist.all_gather_gemm(a, b, group_name(group), gather_dim, backend)
+        if gathered is not None:
+            gathered.copy_(rows.reshape(gathered.shape))
+        return result
+    return run_all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered)
+
+
+def run_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: int = 0,
+                        backend: str = "auto", out: torch.Tensor | None = None,
+                        timeout_s: float | None = None, check: bool = False,
+                        gathered: torch.Tensor | None = None) -> torch.Tensor:
+    """``all_gather_gemm`` run now on these tensors (the custom op's implementation)."""
     def make():
         plan = plan_all_gather_gemm(a, b, group, gather_dim, backend)
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
@@ -396,7 +413,19 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
     >>> w = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) # row shard
     >>> gemm_all_reduce(h, w.t(), group).shape
     torch.Size([4, 8192])
+
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.gemm_all_reduce`` (library.py).
     """
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        return torch.ops.axedist.gemm_all_reduce(a, b, group_name(group), backend, algorithm)
+    return run_gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check)
+
+
+def run_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str = "auto",
+                        algorithm: str = "auto", out: torch.Tensor | None = None,
+                        timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+    """``gemm_all_reduce`` run now on these tensors (the custom op's implementation)."""
     def make():
         plan = plan_gemm_all_reduce(a, b, group, backend, algorithm)
         return GemmAllReduceCall(plan, dist.get_world_size(group), dist.get_rank(group),

@@ -23,10 +23,10 @@ import torch.distributed._functional_collectives as funcol
 from ..collectives import api
 from ..tracing import compiling
 
-__all__ = ["InPlace", "Functional", "IN_PLACE", "FUNCTIONAL", "current"]
+__all__ = ["InPlace", "Functional", "IN_PLACE", "FUNCTIONAL", "current", "all_reduce_"]
 
-_NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
-_FUNCTIONAL_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}
+_NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
+_FUNCTIONAL_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}
 
 
 def _op(reduce: str):
@@ -41,7 +41,7 @@ class InPlace:
     def all_gather(self, program, send, async_op):
         gathered = torch.empty(send.numel() * len(program.members), dtype=send.dtype, device=send.device)
         if program.through_api("all_gather", send, async_op):
-            api.all_gather(send, program.group, backend=program.ran, out=gathered)
+            api.run_all_gather(send, program.group, backend=program.ran, out=gathered)
             return gathered, []
         work = dist.all_gather_into_tensor(gathered, send, group=program.group, async_op=async_op)
         return gathered, _handles(work, async_op)
@@ -54,7 +54,7 @@ class InPlace:
             return packed[program.position * n:(program.position + 1) * n], _handles(work, async_op)
         reduced = torch.empty(n, dtype=packed.dtype, device=packed.device)
         if program.through_api("reduce_scatter", packed, async_op):
-            api.reduce_scatter(packed, program.group, backend=program.ran, out=reduced)
+            api.run_reduce_scatter(packed, program.group, backend=program.ran, out=reduced)
             return reduced, []
         work = dist.reduce_scatter_tensor(reduced, packed, op=_op(program.reduce), group=program.group,
                                           async_op=async_op)
@@ -62,7 +62,7 @@ class InPlace:
 
     def all_reduce(self, program, values, async_op):
         if program.through_api("all_reduce", values, async_op):
-            return api.all_reduce(values, program.group, backend=program.ran), []
+            return api.run_all_reduce(values, program.group, backend=program.ran), []
         work = dist.all_reduce(values, op=_op(program.reduce), group=program.group, async_op=async_op)
         return values, _handles(work, async_op)
 
@@ -168,3 +168,13 @@ FUNCTIONAL = Functional()
 def current():
     """The carrier for a step run now: functional while torch.compile traces, else in place."""
     return FUNCTIONAL if compiling() else IN_PLACE
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """``tensor`` reduced over ``group`` in place (``op``: sum, max, min, product), as a sharding
+    rule's local function needs it: ``dist.all_reduce`` in eager, a functional all-reduce copied
+    back while torch.compile traces. Two ranks holding 1 and 2: both hold 3."""
+    if compiling():
+        return tensor.copy_(funcol.all_reduce(tensor, _FUNCTIONAL_OP[op], group))
+    dist.all_reduce(tensor, op=_op(op), group=group)
+    return tensor

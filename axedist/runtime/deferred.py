@@ -14,6 +14,11 @@ A row all-gather (``[Shard(0)] -> [Replicate()]`` of a 2-d tensor on CUDA): kept
 which then runs the fused all-gather + GEMM (:func:`fused_gather_product`) and receives the
 gathered rows on the way; any other use runs :meth:`DeferredGather.wait` (the all-gather).
 
+Under torch.compile the same decisions run at trace time: a deferred product or gather that a
+fused kernel takes puts that kernel's custom op (``torch.ops.axedist.gemm_reduce_scatter``,
+``all_gather_gemm``, ``gemm_all_reduce``) in the graph; one used otherwise traces the plain
+GEMM or the gather's functional collective.
+
 Nothing here builds a DTensor: callers wrap what these functions return.
 """
 
@@ -28,6 +33,7 @@ from torch.distributed.tensor import Shard
 from ..layout import LayoutError
 from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_scatter_axis
 from ..spec import DTensorSpec, placements_of
+from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredGather", "GatherView", "OUTSTANDING", "defer", "defer_gather", "defer_gathers", "placeholder",
            "flush",
@@ -58,12 +64,13 @@ class DeferredGemm:
     so once and checks that no operand changed in place since the product was deferred.
     """
 
-    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "__weakref__")
+    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "traced", "__weakref__")
 
     def __init__(self, compute, a, b, bias, alpha, beta, shape):
         self.compute, self.a, self.b, self.bias = compute, a, b, bias
         self.alpha, self.beta, self.shape, self.value = alpha, beta, tuple(shape), None
         self.versions = self.current_versions()
+        self.traced = compiling()  # deferred while torch.compile traces: its operands are fake
 
     def current_versions(self) -> tuple:
         # inference tensors (made under torch.inference_mode) keep no version counter: an
@@ -104,8 +111,13 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (dtype, device)
     found = _PLACEHOLDERS.get(key)
     if found is None:
-        found = _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
+        found = _PLACEHOLDERS[key] = _empty(dtype, device)
     return found
+
+
+@outside_tracing  # real, also when first asked for inside a torch.compile trace (it is kept)
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def flush(keep_gathers: bool = False) -> None:
@@ -114,10 +126,13 @@ def flush(keep_gathers: bool = False) -> None:
     source rows stay as they were)."""
     refs = list(OUTSTANDING)
     OUTSTANDING.clear()
+    tracing = compiling()
     for ref in refs:
         pending = ref()
         if pending is None or pending.value is not None or pending.compute is None:
             continue
+        if pending.traced and not tracing:
+            continue  # left over from a finished torch.compile trace: its tensors were fake
         if keep_gathers and type(pending) is DeferredGather:
             OUTSTANDING.append(ref)
         else:
@@ -207,12 +222,13 @@ class DeferredGather:
     value of the gathered DTensor). ``wait()`` runs it once, after checking that ``local`` did
     not change in place meanwhile; a fused all-gather + GEMM sets ``value`` instead."""
 
-    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "__weakref__")
+    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "traced", "__weakref__")
 
     def __init__(self, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str):
         self.local, self.src, self.dst, self.axis, self.value = local, src, dst, axis, None
         self.version = -1 if local.is_inference() else local._version
         self.compute = self  # (flush runs what has a compute)
+        self.traced = compiling()
 
     def changed(self) -> bool:
         return not self.local.is_inference() and self.local._version != self.version
@@ -271,7 +287,7 @@ def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Def
     """A deferred row all-gather when ``src -> dst`` is one of a 2-d CUDA bf16/fp16 tensor (what
     a fused all-gather + GEMM can consume), else None (the caller moves the data now)."""
     policy = _GATHER_POLICY[0]
-    if policy == "never" or policy == "auto" and (
+    if policy == "never" or not may_defer() or policy == "auto" and (
             not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
         return None
     axis = row_gather_axis(src, dst)
