@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 launch/train_tp.py                 # CPU, gloo (about a minute)
     torchrun --nproc-per-node 4 launch/train_tp.py --cuda          # GPUs, NCCL, bf16, fused GEMM + RS
     torchrun --nproc-per-node 4 launch/train_tp.py --no-sequence-parallel --steps 40
+    torchrun --nproc-per-node 4 launch/train_tp.py --compile       # each block torch.compile'd (Inductor)
 
 Every rank builds the same model from the same seed; ``parallelize`` lays it out with the
 Llama plan (``axedist.nn.llama.llama_tp_plan``): attention heads and the MLP hidden dim split,
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", default="runs/train_tp", help="output directory (losses.json, loss.png, checkpoint/)")
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile each transformer block, whole (fullgraph); BACKEND: inductor (default), "
+                        "aot_eager, ...")
     return p.parse_args(argv)
 
 
@@ -157,6 +161,10 @@ def main(argv=None) -> None:
     say(f"\n{n_params:,} parameters; layers, their layouts and the collectives inferred for them:")
     say(describe(model))
     say("")
+    if args.compile:
+        for block in model.layers:  # one graph each, collectives included; the blocks share it
+            block.compile(backend=args.compile, fullgraph=True)
+        say(f"each transformer block compiled (torch.compile, backend {args.compile}, fullgraph=True)")
 
     losses, started = [], time.perf_counter()
     tty = sys.stdout.isatty()

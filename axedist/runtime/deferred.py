@@ -24,6 +24,7 @@ Nothing here builds a DTensor: callers wrap what these functions return.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -49,6 +50,10 @@ _STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": 
 # (:func:`flush`), so an in-place op on an operand can never reach a product still waiting for it.
 OUTSTANDING: list = []
 _FLUSH_AT = 64  # outstanding products kept at most; beyond, they are computed
+# What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
+# pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
+# never fuse. AXEDIST_FUSED_BACKEND sets the default.
+FUSED_BACKEND = os.environ.get("AXEDIST_FUSED_BACKEND", "auto")
 
 
 def fused_gemm_stats() -> dict:
@@ -175,8 +180,8 @@ def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> 
     from ..collectives import plan_gemm_all_reduce, plan_gemm_reduce_scatter
 
     try:
-        gemm = (plan_gemm_reduce_scatter(a, b, group) if collective == "reduce-scatter"
-                else plan_gemm_all_reduce(a, b, group))
+        gemm = (plan_gemm_reduce_scatter(a, b, group, backend=FUSED_BACKEND) if collective == "reduce-scatter"
+                else plan_gemm_all_reduce(a, b, group, backend=FUSED_BACKEND))
     except ValueError as e:
         return step(False, str(e))
     return step(gemm.backend != "torch", gemm.reason, gemm)
@@ -200,9 +205,9 @@ def fused_collective(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec)
     mesh = spec.mesh
     group = mesh.group(choice.axis)
     if choice.collective == "reduce-scatter":
-        out = gemm_reduce_scatter(pending.a, pending.b, group)
+        out = gemm_reduce_scatter(pending.a, pending.b, group, backend=FUSED_BACKEND)
     else:
-        out = gemm_all_reduce(pending.a, pending.b, group)
+        out = gemm_all_reduce(pending.a, pending.b, group, backend=FUSED_BACKEND)
     if pending.alpha != 1:
         out.mul_(pending.alpha)
     bias = pending.bias
@@ -337,7 +342,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     from ..collectives import all_gather_gemm, plan_all_gather_gemm
 
     try:
-        plan = plan_all_gather_gemm(local, b, group)
+        plan = plan_all_gather_gemm(local, b, group, backend=FUSED_BACKEND)
     except ValueError as e:
         _STATS["gather_reason"] = str(e)
         return None
@@ -345,7 +350,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
         _STATS["gather_reason"] = plan.reason
         return None
     gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
-    out = all_gather_gemm(local, b, group, gathered=gathered.view(rows, local.shape[1]))
+    out = all_gather_gemm(local, b, group, backend=FUSED_BACKEND, gathered=gathered.view(rows, local.shape[1]))
     root.value, root.local, root.compute = gathered, None, None
     _STATS["gathers_fused"] += 1
     _STATS["gather_reason"] = ""
