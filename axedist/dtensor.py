@@ -105,24 +105,16 @@ def _first_of(local: torch.Tensor) -> torch.Tensor:
     return local[0]
 
 
-def one_graph_node(method):
-    """``method`` of a DTensor as ONE node of a Dynamo graph: Dynamo records the call (its
-    placements or layout a constant) instead of tracing into the planning code, and
-    AOTAutograd traces the call's body on fake tensors (collectives and all). Eager calls run
-    ``method`` itself (one check more)."""
+def graph_node(method):
+    """``method`` of a DTensor as ONE node of a Dynamo graph: the methods call it first thing
+    while Dynamo traces, so Dynamo records the call (placements or a layout as constants)
+    instead of tracing into the planning code, and AOTAutograd then traces the method's body
+    on fake tensors, collectives and all (Dynamo is not tracing then: the body runs)."""
     def node(*args, **kwargs):
         return method(*args, **kwargs)
 
     node.__name__ = node.__qualname__ = f"dtensor_{method.__name__}"
-    torch._dynamo.allow_in_graph(node)
-
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        if _dynamo_tracing():
-            return node(*args, **kwargs)
-        return method(*args, **kwargs)
-
-    return call
+    return torch._dynamo.allow_in_graph(node)
 
 
 class DTensor(torch.Tensor):
@@ -227,6 +219,8 @@ class DTensor(torch.Tensor):
     # -- construction ----------------------------------------------------------
 
     @staticmethod
+    @torch._dynamo.disable(reason="axedist DTensor.from_local runs eagerly (a graph break): pass DTensors into "
+                                  "compiled code instead")
     def from_local(local: torch.Tensor, mesh: DeviceMesh, layout_or_placements, shape: Sequence[int] | None = None, *,
                    padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
                    run_check: bool = False) -> "DTensor":
@@ -284,17 +278,19 @@ class DTensor(torch.Tensor):
 
     # -- reading -------------------------------------------------------------------
 
-    @one_graph_node
     def to_local(self) -> torch.Tensor:
         """This rank's piece (with the leading summand dim for a pending reduction).
 
         Differentiable: the gradient of the piece comes back as a DTensor in this layout.
         """
+        if _dynamo_tracing():
+            return _NODES["to_local"](self)
         return autograd.to_local(self)
 
-    @one_graph_node
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
+        if _dynamo_tracing():
+            return _NODES["full_tensor"](self)
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local()
 
     @property
@@ -319,7 +315,6 @@ class DTensor(torch.Tensor):
 
     # -- moving --------------------------------------------------------------------
 
-    @one_graph_node
     def redistribute(self, layout_or_placements, *, padded_shape: Sequence[int] | None = None,
                      reduce_op: str | None = None, async_op: bool = False) -> "DTensor":
         """The same global tensor in another layout (or placements) on the same mesh.
@@ -329,18 +324,22 @@ class DTensor(torch.Tensor):
         communication and returns at once; the result's data is waited for on its first use
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
         """
+        if _dynamo_tracing():
+            return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
+                                          async_op=async_op)
         dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         if dst == self._spec:
             return self
         return autograd.redistribute(self, dst, async_op)
 
-    @one_graph_node
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
         """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.
 
         Fig. 8: ``x`` of shape (4,64,64) in ``S[(4,64,64):(1@gpuid,64,1)]``;
         ``x.to_partial().redistribute(S[(4,16,64):(1@gpuid,64,1)])`` is a reduce-scatter.
         """
+        if _dynamo_tracing():
+            return _NODES["to_partial"](self, reduce_op)
         spec = self._spec
         if spec.reduce_op is not None:
             raise LayoutError(f"{spec} already has a pending {spec.reduce_op}")
@@ -368,6 +367,8 @@ class DTensor(torch.Tensor):
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
 
+# The methods Dynamo records as one graph node each (see graph_node).
+_NODES = {name: graph_node(getattr(DTensor, name)) for name in ("to_local", "full_tensor", "redistribute", "to_partial")}
 # Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.
 register_opaque_type(Layout, typ="value")
 

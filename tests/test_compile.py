@@ -143,7 +143,8 @@ def traced_moves(rank, world):
     grid = DeviceMesh("cpu", (2, 2), ("x", "y"))
     torch.manual_seed(3)
     a = ax.distribute(torch.randn(8, 6, dtype=torch.float64), mesh, [Shard(0)])
-    p = ax.distribute(torch.randn(4, 8, 6, dtype=torch.float64), mesh, L("S[(4,8,6):(1@gpuid,6,1)]")).to_partial()
+    summands = ax.distribute(torch.randn(4, 8, 6, dtype=torch.float64), mesh, L("S[(4,8,6):(1@gpuid,6,1)]"))
+    p = summands.to_partial()
     d = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(0)])
     e = ax.distribute(torch.randn(4, 6, dtype=torch.float64), grid, [Shard(0), Shard(1)])
     t = torch.randn(8, 6, dtype=torch.float64)
@@ -151,7 +152,7 @@ def traced_moves(rank, world):
     u = ax.distribute(torch.randn(7, 6, dtype=torch.float64), mesh, [Shard(0)])
     on_two, cyclic = L("S[(8,6):(6,1)] + 2@gpuid"), L("S[(2,4,6):(6,1@gpuid,1)]")
 
-    def moves(a, p, d, e, one, u):
+    def moves(a, p, d, e, one, u, summands):
         return (a.redistribute([Replicate()]),          # all-gather
                 p.redistribute([Shard(0)]),              # reduce-scatter (gloo: all-reduce, own chunk)
                 p.redistribute([Replicate()]),           # all-reduce
@@ -160,14 +161,17 @@ def traced_moves(rank, world):
                 one.redistribute([Replicate()]),         # broadcast
                 p.redistribute(on_two),                  # reduce to one rank
                 a.redistribute(cyclic),                  # all-to-all-v (block-cyclic rows)
-                u.redistribute([Replicate()]))           # uneven all-gather (padded)
+                u.redistribute([Replicate()]),           # uneven all-gather (padded)
+                summands.to_partial().redistribute([Shard(0)]),
+                a.to_local() * 2, a.full_tensor())       # the DTensor methods, traced as well
 
     _fresh_dynamo()
     codes: list = []
-    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u)
-    want = moves(a, p, d, e, one, u)
+    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u, summands)
+    want = moves(a, p, d, e, one, u, summands)
     _fresh_dynamo()
-    same = [g.layout == w.layout and torch.equal(g.to_local(), w.to_local()) for g, w in zip(got, want)]
+    same = [torch.equal(g, w) if type(w) is torch.Tensor else g.layout == w.layout and torch.equal(g.to_local(), w.to_local())
+            for g, w in zip(got, want)]
     ops = sorted({line.split("_c10d_functional.")[1].split(".")[0] for line in codes[0].splitlines()
                   if "_c10d_functional." in line})
     return same, ops
