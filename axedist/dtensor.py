@@ -166,7 +166,7 @@ class DTensor(torch.Tensor):
         spec, requires_grad = meta
         if tuple(outer_size) != spec.shape:
             raise LayoutError(f"a traced DTensor of shape {tuple(outer_size)} has the spec {spec}: axedist DTensors "
-                              f"trace with static shapes (torch.compile(..., dynamic=False))")
+                              f"trace with static shapes (every dim of a DTensor is marked static)")
         traced = local = inner["_traced"]
         if spec.reduce_op and local.dim() == len(spec.shape):
             local = local.unsqueeze(0)  # the summand dim _traced leaves out
