@@ -219,8 +219,6 @@ class DTensor(torch.Tensor):
     # -- construction ----------------------------------------------------------
 
     @staticmethod
-    @torch._dynamo.disable(reason="axedist DTensor.from_local runs eagerly (a graph break): pass DTensors into "
-                                  "compiled code instead")
     def from_local(local: torch.Tensor, mesh: DeviceMesh, layout_or_placements, shape: Sequence[int] | None = None, *,
                    padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
                    run_check: bool = False) -> "DTensor":
@@ -233,6 +231,9 @@ class DTensor(torch.Tensor):
         ``run_check=True`` compares every rank's local shape and dtype (one all_gather)
         and raises on every rank when any differs from the layout's.
         """
+        if _dynamo_tracing():  # a graph break: it runs eagerly (pass DTensors into compiled code)
+            return _from_local_eagerly(local, mesh, layout_or_placements, shape, padded_shape=padded_shape,
+                                       reduce_op=reduce_op, run_check=run_check)
         mesh.position()
         failure = None
         try:
@@ -367,6 +368,8 @@ class DTensor(torch.Tensor):
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
 
+_from_local_eagerly = torch._dynamo.disable(DTensor.from_local, reason="axedist's DTensor.from_local runs eagerly "
+                                            "(a graph break): pass DTensors into compiled code instead")
 # The methods Dynamo records as one graph node each (see graph_node).
 _NODES = {name: graph_node(getattr(DTensor, name)) for name in ("to_local", "full_tensor", "redistribute", "to_partial")}
 # Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.

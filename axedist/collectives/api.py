@@ -17,23 +17,25 @@ from .backend import as_custom_op, group_name, select_backend
 
 def reduce_scatter(x: torch.Tensor, group=None, backend: str = "auto",
                    out: torch.Tensor | None = None, timeout_s: float | None = None):
-    if out is None and timeout_s is None and as_custom_op(x):
-        return torch.ops.axedist.reduce_scatter(x, group_name(group), backend)
-    return run_reduce_scatter(x, group, backend, out, timeout_s)
+    return _routed("reduce_scatter", run_reduce_scatter, x, group, backend, out, timeout_s)
 
 
 def all_gather(x: torch.Tensor, group=None, backend: str = "auto",
                out: torch.Tensor | None = None, timeout_s: float | None = None):
-    if out is None and timeout_s is None and as_custom_op(x):
-        return torch.ops.axedist.all_gather(x, group_name(group), backend)
-    return run_all_gather(x, group, backend, out, timeout_s)
+    return _routed("all_gather", run_all_gather, x, group, backend, out, timeout_s)
 
 
 def all_reduce(x: torch.Tensor, group=None, backend: str = "auto",
                out: torch.Tensor | None = None, timeout_s: float | None = None):
+    return _routed("all_reduce", run_all_reduce, x, group, backend, out, timeout_s)
+
+
+def _routed(op: str, run, x, group, backend, out, timeout_s):
+    """The custom op ``torch.ops.axedist.<op>`` while compiling or recording autograd (a call
+    without ``out`` and ``timeout_s``), else ``run`` now."""
     if out is None and timeout_s is None and as_custom_op(x):
-        return torch.ops.axedist.all_reduce(x, group_name(group), backend)
-    return run_all_reduce(x, group, backend, out, timeout_s)
+        return getattr(torch.ops.axedist, op)(x, group_name(group), backend)
+    return run(x, group, backend, out, timeout_s)
 
 
 def run_reduce_scatter(x: torch.Tensor, group=None, backend: str = "auto",
