@@ -105,6 +105,11 @@ def _first_of(local: torch.Tensor) -> torch.Tensor:
     return local[0]
 
 
+@outside_tracing
+def _resolved(dt) -> torch.Tensor:
+    return dt._local
+
+
 def graph_node(method):
     """``method`` of a DTensor as ONE node of a Dynamo graph: the methods call it first thing
     while Dynamo traces, so Dynamo records the call (placements or a layout as constants)
@@ -179,14 +184,19 @@ class DTensor(torch.Tensor):
         """The local tensor as torch.compile sees it: a pending sum's without its local summand
         dim of extent 1, so a gradient has its parameter's local rank (Dynamo fakes a
         parameter's ``.grad`` with the parameter's shape information)."""
-        local = self._local
+        pending = self._pending
+        # work left pending in eager (a deferred GEMM, an async move) runs on its real tensors,
+        # outside the fake mode Dynamo may read inputs under
+        local = _resolved(self) if pending is not None and not getattr(pending, "traced", False) else self._local
         if not (self._spec.reduce_op and local.dim() > len(self._spec.shape) and local.shape[0] == 1):
             return local
         known = self._traced_as
-        if known is not None and known[0] is local:  # what __tensor_unflatten__ was given (no op to run:
-            return known[1]                            # AOTAutograd reads inputs outside its modes too)
+        if known is not None and known[0] is local:  # one object every time (Dynamo guards inputs by
+            return known[1]                            # identity), and no op where modes are off
         # a real tensor's view is made outside the trace's fake mode (Dynamo reads inputs under it)
-        return _first_of(local) if type(local) is torch.Tensor else local[0]
+        traced = _first_of(local) if type(local) is torch.Tensor else local[0]
+        self._traced_as = (local, traced)
+        return traced
 
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches (the spec's text, its mesh's

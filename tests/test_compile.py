@@ -151,8 +151,14 @@ def traced_moves(rank, world):
     one = DTensor.from_local(t if rank == 0 else t.new_empty(0, 0), mesh, L("S[(8,6):(6,1)]"), shape=(8, 6))
     u = ax.distribute(torch.randn(7, 6, dtype=torch.float64), mesh, [Shard(0)])
     on_two, cyclic = L("S[(8,6):(6,1)] + 2@gpuid"), L("S[(2,4,6):(6,1@gpuid,1)]")
+    # inputs with work still pending from eager: a deferred product, an asynchronous move
+    policy, DTensor.dispatcher.defer_gemm = DTensor.dispatcher.defer_gemm, "always"
+    product = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(1)]) @ d
+    DTensor.dispatcher.defer_gemm = policy
+    moving = a.redistribute([Shard(1)], async_op=True)
+    assert product._pending is not None and moving._pending is not None
 
-    def moves(a, p, d, e, one, u, summands):
+    def moves(a, p, d, e, one, u, summands, product, moving):
         return (a.redistribute([Replicate()]),          # all-gather
                 p.redistribute([Shard(0)]),              # reduce-scatter (gloo: all-reduce, own chunk)
                 p.redistribute([Replicate()]),           # all-reduce
@@ -163,12 +169,13 @@ def traced_moves(rank, world):
                 a.redistribute(cyclic),                  # all-to-all-v (block-cyclic rows)
                 u.redistribute([Replicate()]),           # uneven all-gather (padded)
                 summands.to_partial().redistribute([Shard(0)]),
-                a.to_local() * 2, a.full_tensor())       # the DTensor methods, traced as well
+                a.to_local() * 2, a.full_tensor(),       # the DTensor methods, traced as well
+                product.redistribute([Shard(0)]), moving + 1)
 
     _fresh_dynamo()
     codes: list = []
-    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u, summands)
-    want = moves(a, p, d, e, one, u, summands)
+    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u, summands, product, moving)
+    want = moves(a, p, d, e, one, u, summands, product, moving)
     _fresh_dynamo()
     same = [torch.equal(g, w) if type(w) is torch.Tensor else g.layout == w.layout and torch.equal(g.to_local(), w.to_local())
             for g, w in zip(got, want)]

@@ -267,6 +267,10 @@ class GatherView:
     def value(self):
         return None if self.root.value is None else self.root.value.view(self.shape)
 
+    @property
+    def traced(self) -> bool:
+        return self.root.traced
+
     def wait(self) -> torch.Tensor:
         return self.root.wait().view(self.shape)
 
