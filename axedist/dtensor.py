@@ -17,7 +17,6 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import os
 from typing import Sequence
@@ -34,10 +33,10 @@ from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
 from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
-from .tracing import outside_tracing
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
+from .tracing import outside_tracing
 
 __all__ = [
     "DTensor",
@@ -88,7 +87,7 @@ _dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
 class _AllDims:
-    """Contains every dim index."""
+    """Contains every dim index: ``3 in ALL_DIMS`` is True."""
 
     def __contains__(self, dim) -> bool:
         return True
@@ -114,7 +113,8 @@ def graph_node(method):
     """``method`` of a DTensor as ONE node of a Dynamo graph: the methods call it first thing
     while Dynamo traces, so Dynamo records the call (placements or a layout as constants)
     instead of tracing into the planning code, and AOTAutograd then traces the method's body
-    on fake tensors, collectives and all (Dynamo is not tracing then: the body runs)."""
+    on fake tensors, collectives and all (Dynamo is not tracing then: the body runs). In the
+    Dynamo graph of ``x.redistribute([Replicate()])``: ``dtensor_redistribute(x, [Replicate()])``."""
     def node(*args, **kwargs):
         return method(*args, **kwargs)
 
@@ -135,7 +135,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
     _tag = None       # the dispatcher's Tag of (spec, dtype, stride), set on first use
-    _traced_as = None  # (local, the local torch.compile gave __tensor_unflatten__)
+    _traced_as = None  # (local, the local torch.compile sees for it): see _traced
     dispatcher: OpDispatcher  # set below, once the class exists
     __torch_function__ = torch._C._disabled_torch_function_impl  # the fast path's handler when enabled
 
@@ -164,6 +164,8 @@ class DTensor(torch.Tensor):
     _dynamo_static_indices = ALL_DIMS
 
     def __tensor_flatten__(self):
+        if not _NODES:  # Dynamo is at work: the first DTensor it meets comes through here
+            _register_graph_nodes()
         return ["_traced"], (self._spec, self.requires_grad)
 
     @staticmethod
@@ -378,10 +380,16 @@ class DTensor(torch.Tensor):
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
 
-_from_local_eagerly = torch._dynamo.disable(DTensor.from_local, reason="axedist's DTensor.from_local runs eagerly "
-                                            "(a graph break): pass DTensors into compiled code instead")
-# The methods Dynamo records as one graph node each (see graph_node).
-_NODES = {name: graph_node(getattr(DTensor, name)) for name in ("to_local", "full_tensor", "redistribute", "to_partial")}
+# from_local under Dynamo: a graph break, then this runs it eagerly (imports torch._dynamo when first called)
+_from_local_eagerly = torch._disable_dynamo(DTensor.from_local)
+# The methods Dynamo records as one graph node each (see graph_node); made when Dynamo first
+# flattens a DTensor: importing torch._dynamo as axedist loads would import Triton.
+_NODES: dict = {}
+
+
+def _register_graph_nodes() -> None:
+    for name in ("to_local", "full_tensor", "redistribute", "to_partial"):
+        _NODES[name] = graph_node(getattr(DTensor, name))
 # Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.
 register_opaque_type(Layout, typ="value")
 
