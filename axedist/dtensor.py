@@ -87,10 +87,17 @@ _dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
 class _AllDims:
-    """Contains every dim index: ``3 in ALL_DIMS`` is True."""
+    """Contains every dim index: ``3 in ALL_DIMS`` is True (what Dynamo asks of a tensor's
+    ``_dynamo_static_indices``; ``torch._dynamo.mark_static`` adds to it, a no-op here)."""
 
     def __contains__(self, dim) -> bool:
         return True
+
+    def add(self, dim) -> None:
+        pass
+
+    def issubset(self, other) -> bool:
+        return isinstance(other, _AllDims)
 
     def __repr__(self) -> str:
         return "ALL_DIMS"
