@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import axedist as ax
 from axedist.dtensor import DTensor
