@@ -7,12 +7,16 @@ break; later steps never recompile (Dynamo's guard failures are reported if they
 sequence length compiles once. Every kind of plan step traces to torch's functional
 collectives; axedist's collectives and fused kernels run as custom ops (forward, gradient,
 compiled); where the fused kernels are chosen (CUDA) the compiled graph calls them, shown here
-on CPU by forcing the choice. One small test runs Inductor's CPU backend (a C++ compile: slow).
+on CPU by forcing the choice. One small test runs Inductor's CPU backend (a C++ compile: slow);
+``launch/train_tp.py --compile`` runs under torchrun.
 """
 
 import copy
 import dataclasses
+import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +28,9 @@ from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from axedist.testing import run_on_ranks
+from axedist.testing import run_on_ranks, run_torchrun
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = dict(rtol=1e-9, atol=1e-11)
 CFG = LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=8)
 
@@ -358,3 +363,14 @@ def test_inductor_compiles_the_parallel_mlp_like_eager():
     for rank, (graphs, failures) in enumerate(run_on_ranks(inductor_mlp, 2, args=(random.randrange(2**31),),
                                                            timeout_s=600)):
         assert graphs[0] == graphs[1] and not failures, f"rank {rank}: graphs {graphs}; guard failures: {failures}"
+
+
+def test_train_script_compiles_its_blocks(tmp_path):
+    returncode, stdout, stderr = run_torchrun(
+        ["launch/train_tp.py", "--compile", "aot_eager", "--steps", "3", "--log-every", "3", "--seq", "8",
+         "--batch", "2", "--dim", "16", "--vocab", "32", "--layers", "2", "--no-checkpoint", "--out", str(tmp_path)],
+        2, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "each transformer block compiled" in stdout and "training finished" in stdout
+    losses = json.loads((tmp_path / "losses.json").read_text())["loss"]
+    assert len(losses) == 3 and all(v == v for v in losses)
