@@ -14,9 +14,10 @@ from torch.distributed.tensor import Partial, Replicate
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
+from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
-__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute"]
+__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute", "grad_spec"]
 
 
 def requires_grad(dt) -> bool:
@@ -55,6 +56,7 @@ def move(dt, dst: DTensorSpec, async_op: bool = False):
     waits on the first use of the data."""
     cls = type(dt)
     pending = dt._pending
+    async_op = async_op and not compiling()  # a traced graph's collectives are scheduled by the compiler
     if isinstance(pending, DeferredGemm) and pending.value is None:
         agree_on_move(dt._spec, dst, dt._value.element_size())  # (redistribute_local does it on the unfused path)
         fused = fused_collective(dt._spec, pending, dst)
@@ -80,7 +82,7 @@ def distribute(cls, tensor: torch.Tensor, local: torch.Tensor, src: DTensorSpec,
     return cls(redistribute_local(local, src, dst), dst)
 
 
-def _grad_spec(spec: DTensorSpec) -> DTensorSpec:
+def grad_spec(spec: DTensorSpec) -> DTensorSpec:
     """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
     reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
     if not spec.reduce_op:
@@ -107,7 +109,7 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch
         dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
-    target = _grad_spec(spec)
+    target = grad_spec(spec)
     if grad._spec == target:
         agree_on_move(target, target, grad._value.element_size())  # a rank whose gradient needs no move is checked too
         local = grad._local
@@ -146,7 +148,7 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = _grad_spec(ctx.src)
+        target = grad_spec(ctx.src)
         if grad._spec == target:
             agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
             return grad, None, None

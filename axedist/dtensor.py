@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch._library.opaque_object import register_opaque_type
 from torch.distributed.tensor.placement_types import Placement
 
 from . import autograd
@@ -38,6 +39,7 @@ from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
+from .tracing import outside_tracing
 
 __all__ = [
     "DTensor",
@@ -128,6 +130,50 @@ def _shape_text(row) -> str:
 # ---------------------------------------------------------------------------
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_dynamo_tracing = torch.compiler.is_dynamo_compiling
+
+
+class _AllDims:
+    """Contains every dim index: ``3 in ALL_DIMS`` is True (what Dynamo asks of a tensor's
+    ``_dynamo_static_indices``; ``torch._dynamo.mark_static`` adds to it, a no-op here)."""
+
+    def __contains__(self, dim) -> bool:
+        return True
+
+    def add(self, dim) -> None:
+        pass
+
+    def issubset(self, other) -> bool:
+        return isinstance(other, _AllDims)
+
+    def __repr__(self) -> str:
+        return "ALL_DIMS"
+
+
+ALL_DIMS = _AllDims()
+
+
+@outside_tracing
+def _first_of(local: torch.Tensor) -> torch.Tensor:
+    return local[0]
+
+
+@outside_tracing
+def _resolved(dt) -> torch.Tensor:
+    return dt._local
+
+
+def graph_node(method):
+    """``method`` of a DTensor as ONE node of a Dynamo graph: the methods call it first thing
+    while Dynamo traces, so Dynamo records the call (placements or a layout as constants)
+    instead of tracing into the planning code, and AOTAutograd then traces the method's body
+    on fake tensors, collectives and all (Dynamo is not tracing then: the body runs). In the
+    Dynamo graph of ``x.redistribute([Replicate()])``: ``dtensor_redistribute(x, [Replicate()])``."""
+    def node(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    node.__name__ = node.__qualname__ = f"dtensor_{method.__name__}"
+    return torch._dynamo.allow_in_graph(node)
 
 
 class DTensor(torch.Tensor):
@@ -143,6 +189,7 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     _pending = None   # an async redistribute or a deferred GEMM: waited for on first use of the data
     _tag = None       # the dispatcher's Tag of (spec, dtype, stride), set on first use
+    _traced_as = None  # (local, the local torch.compile sees for it): see _traced
     dispatcher: OpDispatcher  # set below, once the class exists
     __torch_function__ = torch._C._disabled_torch_function_impl  # the fast path's handler when enabled
 
@@ -164,6 +211,73 @@ class DTensor(torch.Tensor):
         if pending is not None:
             self._pending = pending
         return self
+
+    # -- tracing (torch.compile) -----------------------------------------------------
+    # A traceable wrapper subclass: Dynamo and AOTAutograd see the local tensor as the data and
+    # the spec as metadata (hashable; a compiled graph is guarded on its equality), run the
+    # dispatcher's rules on fake local tensors, and rebuild DTensors from (local, spec).
+
+    # Every dim static for Dynamo (what torch.mark_static sets per tensor): specs and plans
+    # are made for concrete shapes, so a new shape recompiles rather than going symbolic.
+    _dynamo_static_indices = ALL_DIMS
+
+    def __tensor_flatten__(self):
+        if not _NODES:  # Dynamo is at work: the first DTensor it meets comes through here
+            _register_graph_nodes()
+        return ["_traced"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        spec, requires_grad = meta
+        if tuple(outer_size) != spec.shape:
+            raise LayoutError(f"a traced DTensor of shape {tuple(outer_size)} has the spec {spec}: axedist DTensors "
+                              f"trace with static shapes (every dim of a DTensor is marked static)")
+        traced = local = inner["_traced"]
+        if spec.reduce_op and local.dim() == len(spec.shape):
+            local = local.unsqueeze(0)  # the summand dim _traced leaves out
+        out = DTensor(local, spec, requires_grad, stride=tuple(outer_stride))
+        out._traced_as = (local, traced)
+        return out
+
+    @property
+    def _traced(self) -> torch.Tensor:
+        """The local tensor as torch.compile sees it: a pending sum's without its local summand
+        dim of extent 1, so a gradient has its parameter's local rank (Dynamo fakes a
+        parameter's ``.grad`` with the parameter's shape information)."""
+        pending = self._pending
+        # work left pending in eager (a deferred GEMM, an async move) runs on its real tensors,
+        # outside the fake mode Dynamo may read inputs under
+        local = _resolved(self) if pending is not None and not getattr(pending, "traced", False) else self._local
+        if not (self._spec.reduce_op and local.dim() > len(self._spec.shape) and local.shape[0] == 1):
+            return local
+        known = self._traced_as
+        if known is not None and known[0] is local:  # one object every time (Dynamo guards inputs by
+            return known[1]                            # identity), and no op where modes are off
+        # a real tensor's view is made outside the trace's fake mode (Dynamo reads inputs under it)
+        traced = _first_of(local) if type(local) is torch.Tensor else local[0]
+        self._traced_as = (local, traced)
+        return traced
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key of this input in torch.compile's on-disk caches (the spec's text, its mesh's
+        ranks and axes, requires_grad): a process group cannot be pickled into one."""
+        spec, mesh = self._spec, self._spec.mesh
+        text = repr((spec, spec.padded, spec.true_index, mesh.device_type, mesh.shape, mesh.axis_names, mesh.ranks,
+                     self.dtype, self.requires_grad))
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self):
+        """The tangent a compiled backward expects for this output: a pending reduction's
+        gradient is replicated on its axes (as in eager autograd)."""
+        target = autograd.grad_spec(self._spec)
+        return self if target is self._spec else autograd.move(self, target)
+
+    def __coerce_same_metadata_as_tangent__(self, meta, expected_type=None):
+        """This runtime tangent in the layout the compiled backward was traced with."""
+        if expected_type is not None:
+            return None
+        spec = meta[0]
+        return self if spec == self._spec else autograd.move(self, spec)
 
     @property
     def _local(self) -> torch.Tensor:
@@ -191,6 +305,9 @@ class DTensor(torch.Tensor):
         whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
         a collective of mismatched sizes.
         """
+        if _dynamo_tracing():  # a graph break: it runs eagerly (pass DTensors into compiled code)
+            return _from_local_eagerly(local, mesh, layout_or_placements, shape, padded_shape=padded_shape,
+                                       reduce_op=reduce_op, run_check=run_check)
         mesh.position()
         failure = None
         inferred = shape is None and is_placements(layout_or_placements)
@@ -248,10 +365,14 @@ class DTensor(torch.Tensor):
 
         Differentiable: the gradient of the piece comes back as a DTensor in this layout.
         """
+        if _dynamo_tracing():
+            return _NODES["to_local"](self)
         return autograd.to_local(self)
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
+        if _dynamo_tracing():
+            return _NODES["full_tensor"](self)
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local()
 
     @property
@@ -285,6 +406,9 @@ class DTensor(torch.Tensor):
         communication and returns at once; the result's data is waited for on its first use
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
         """
+        if _dynamo_tracing():
+            return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
+                                          async_op=async_op)
         try:
             dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         except (ValueError, TypeError) as error:  # told to the other ranks, which raise too where they check
@@ -301,6 +425,8 @@ class DTensor(torch.Tensor):
         Fig. 8: ``x`` of shape (4,64,64) in ``S[(4,64,64):(1@gpuid,64,1)]``;
         ``x.to_partial().redistribute(S[(4,16,64):(1@gpuid,64,1)])`` is a reduce-scatter.
         """
+        if _dynamo_tracing():
+            return _NODES["to_partial"](self, reduce_op)
         spec = self._spec
         if spec.reduce_op is not None:
             raise LayoutError(f"{spec} already has a pending {spec.reduce_op}")
@@ -358,6 +484,19 @@ class DTensor(torch.Tensor):
         dtype = str(self.dtype).replace("torch.", "")
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
+
+# from_local under Dynamo: a graph break, then this runs it eagerly (imports torch._dynamo when first called)
+_from_local_eagerly = torch._disable_dynamo(DTensor.from_local)
+# The methods Dynamo records as one graph node each (see graph_node); made when Dynamo first
+# flattens a DTensor: importing torch._dynamo as axedist loads would import Triton.
+_NODES: dict = {}
+
+
+def _register_graph_nodes() -> None:
+    for name in ("to_local", "full_tensor", "redistribute", "to_partial"):
+        _NODES[name] = graph_node(getattr(DTensor, name))
+# Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.
+register_opaque_type(Layout, typ="value")
 
 # Torch ops reach the dispatcher (axedist.ops) through these two handlers; the class owns it.
 DTensor.dispatcher = OpDispatcher(DTensor)

@@ -350,6 +350,10 @@ class Layout:
     def __hash__(self) -> int:
         return hash((self._canonical.shard, self._replica_box))
 
+    def __fx_repr__(self):
+        """How a torch.compile graph writes this layout as a constant: ``Layout.parse('S[8:1]')``."""
+        return f"Layout.parse({str(self)!r})", {"Layout": Layout}
+
     def same_notation(self, other: "Layout") -> bool:
         """Structural identity (same iters in the same order, same offsets), not map equality."""
         return (self.shard, self.replica, self._offset) == (other.shard, other.replica, other._offset)

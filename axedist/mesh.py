@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .env import read as read_environment
 from .peers import DEFAULT_TIMEOUT_S, choose_timeout, collective_timeout_s
+from .tracing import keep_on_copy
 from .topology import HOST_SIZE_ENV, INTER_NODE, INTRA_NODE, AxisLink, Link, Network, Topology
 
 __all__ = ["DeviceMesh", "MeshError", "TopologyWarning", "group_hosts", "group_topology", "init_mesh", "job_topology"]
@@ -453,6 +454,8 @@ class DeviceMesh:
 
     def __hash__(self) -> int:
         return hash(self._key())
+
+    __copy__ = __deepcopy__ = keep_on_copy  # a mesh is its process groups: never copied
 
     def __repr__(self) -> str:
         grid = torch.tensor(self.ranks).reshape(self.shape).tolist()

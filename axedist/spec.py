@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
 from .mesh import DeviceMesh
+from .tracing import keep_on_copy, outside_tracing
 
 __all__ = [
     "REDUCE_OPS", "DTensorSpec", "ElementTable", "make_spec", "element_table", "chunk", "nested_chunk",
@@ -126,6 +127,8 @@ class DTensorSpec:
             return NotImplemented
         return hash(self) == hash(other) and self._fields() == other._fields()
 
+    __copy__ = __deepcopy__ = keep_on_copy  # immutable (and a mesh holds process groups)
+
     def __repr__(self) -> str:
         return self._text(self.layout, rows=False)
 
@@ -154,6 +157,7 @@ def make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true
 
 
 @lru_cache(maxsize=8192)
+@outside_tracing
 def _interned_spec(mesh, layout, shape, padded, reduce_op, summands, true_index) -> DTensorSpec:
     return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
 
@@ -240,6 +244,7 @@ class ElementTable:
 
 
 @lru_cache(maxsize=256)
+@outside_tracing
 def element_table(spec: DTensorSpec) -> ElementTable:
     """Evaluate the layout on every element at once (``shard_coordinates`` on an arange)."""
     mesh, layout, full, true = spec.mesh, spec.layout, spec.full_shape, spec.full_true
@@ -342,6 +347,7 @@ def target_spec(spec: DTensorSpec, target, padded, reduce_op) -> DTensorSpec:
 
 
 @lru_cache(maxsize=1024)
+@outside_tracing
 def _placement_target(shape, mesh, placements, summands) -> DTensorSpec:
     """Placements -> spec, cached: a redistribute call names its target anew each time."""
     return spec_from_placements(shape, mesh, placements, summands_for_partial=summands)

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 launch/train_tp.py --dp 1          # tensor parallel only, TP=4 (a 1-D mesh)
     torchrun --nproc-per-node 4 launch/train_tp.py --cuda          # GPUs, NCCL, bf16 compute, fused GEMM + RS
     torchrun --nproc-per-node 4 launch/train_tp.py --no-sequence-parallel --steps 40
+    torchrun --nproc-per-node 4 launch/train_tp.py --compile       # each block torch.compile'd (Inductor)
 
 Every rank builds the same model from the same seed; ``parallelize`` lays it out on the mesh's
 ``tp`` axis with the Llama plan (``axedist.nn.llama.llama_tp_plan``): attention heads and the
@@ -100,6 +101,9 @@ def parse_args(argv=None):
     p.add_argument("--no-checkpoint", dest="checkpoint", action="store_false")
     p.add_argument("--resume", action="store_true",
                    help="continue from --out/checkpoint (saved at the end, or when stopped with Ctrl-C)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="torch.compile each transformer block, whole (fullgraph); BACKEND: inductor (default), "
+                        "aot_eager, ...")
     return p.parse_args(argv)
 
 
@@ -268,6 +272,10 @@ def main(argv=None) -> None:
         say("fully sharded units: " + "; ".join(f"{u.name or '<root>'} ({len(u.params)} parameters)"
                                                 for u in fsdp_units(model)))
     say("")
+    if args.compile:
+        for block in model.layers:  # one graph each, collectives included; the blocks share it
+            block.compile(backend=args.compile, fullgraph=True)
+        say(f"each transformer block compiled (torch.compile, backend {args.compile}, fullgraph=True)")
 
     first, losses = resume(args, model, optimizer, cfg)
     interrupt, started = Interrupt(), time.perf_counter()

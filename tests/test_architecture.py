@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
 LAYERS = [
     (0, "axedist.layout"),
     (0, "axedist.env"),  # the AXEDIST_* variables, parsed and checked once (no torch)
+    (0, "axedist.tracing"),  # torch.compile facts and metadata work outside a trace: torch only
     (1, "axedist.mesh"),
     (1, "axedist.peers"),  # agreement checks and who did not arrive: the job's store, no mesh
     (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads

@@ -21,8 +21,11 @@ import os
 import torch
 import torch.distributed as dist
 
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+
 from ..env import read as read_environment
 from ..mesh import group_hosts
+from ..tracing import compiling
 
 MULTICAST_ENV = "AXEDIST_ENABLE_MULTICAST"
 BACKENDS = ("auto", "p2p", "multimem", "torch")
@@ -86,6 +89,26 @@ def multimem_allowed(device_index: int, multicast_address: int = 1) -> tuple[boo
     if not multicast_address:
         return False, "the symmetric workspace has no multicast mapping"
     return True, "multicast supported and opted in"
+
+
+def group_name(group) -> str:
+    """The name torch gives a process group (the default group for None): what our custom ops take."""
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name
+
+
+def resolve_group(name: str):
+    """The process group of ``group_name``."""
+    return resolve_process_group(name)
+
+
+def as_custom_op(*tensors) -> bool:
+    """Whether a collective call goes through its ``torch.ops.axedist`` custom op (``library.py``):
+    while torch.compile traces, or when autograd must record it; otherwise it runs directly
+    (no dispatcher round trip: the eager host time stays what the benchmarks measured)."""
+    if compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def measured_choice(op: str, nbytes: int) -> str:

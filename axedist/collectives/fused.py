@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..peers import agree_in_group
 from . import fallback
-from .backend import multicast_opted_in, multimem_allowed, p2p_possible
+from .backend import as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
 # time (bf16, H200): axedist/kernels/gemm_rs_auto.json, which `launch/bench_gemm_rs.py
@@ -258,19 +258,25 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     >>> b = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
     >>> gemm_reduce_scatter(a, b, group).shape     # W = 4: torch.Size([2048, 8192])
 
-    Differentiable when ``a`` or ``b`` requires grad: the reduce-scatter's adjoint is an
-    all-gather of the output's gradient ``g``, so ``grad_a = all_gather(g) @ b^T`` and
-    ``grad_b = a^T @ all_gather(g)`` (each rank's own operands; ``out=`` is refused then).
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.gemm_reduce_scatter`` (library.py: fake shapes, gradients).
+    Differentiable: the reduce-scatter's adjoint is an all-gather of the output's gradient ``g``,
+    so ``grad_a = all_gather(g) @ b^T`` (the fused all-gather + GEMM) and ``grad_b = a^T @
+    all_gather(g)``; ``out=``, ``timeout_s=`` and ``check=`` are refused then.
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        if out is not None:
-            raise ValueError("gemm_reduce_scatter: out= takes no part in autograd; leave it out when a or b "
-                             "requires grad")
-        return GemmReduceScatterFunction.apply(a, b, group, scatter_dim, backend, timeout_s, check)
-    return _gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
+            out is not None or timeout_s is not None or check):
+        raise ValueError("gemm_reduce_scatter: out=, timeout_s= and check= take no part in autograd; leave them out "
+                         "when a or b requires grad")
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        return torch.ops.axedist.gemm_reduce_scatter(a, b, group_name(group), scatter_dim, backend)
+    return run_gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check)
 
 
-def _gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check) -> torch.Tensor:
+def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_dim: int = 0,
+                            backend: str = "auto", out: torch.Tensor | None = None,
+                            timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+    """``gemm_reduce_scatter`` run now on these tensors (the custom op's implementation)."""
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
     if plan.backend == "torch":
@@ -282,51 +288,6 @@ def _gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, chec
         result = fallback.reduce_scatter(moved, group).movedim(0, dim)
         return result.contiguous() if out is None else out.copy_(result)
     return call.run(a, b, out, timeout_s, check)
-
-
-def gathered_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """``x`` of every rank of ``group`` concatenated along ``dim`` (rank order)."""
-    if dist.get_world_size(group) == 1:
-        return x
-    from .api import all_gather
-
-    return all_gather(x.movedim(dim, 0).contiguous(), group).movedim(0, dim)
-
-
-def scattered_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """The sum of ``x`` over the ranks of ``group``, this rank's slice of ``dim`` (rank order)."""
-    if dist.get_world_size(group) == 1:
-        return x
-    from .api import reduce_scatter
-
-    return reduce_scatter(x.movedim(dim, 0).contiguous(), group).movedim(0, dim)
-
-
-def operand_grads(ctx, a, b, product_grad):
-    """The gradients of ``a @ b`` (``a [..., K]``, ``b [K, N]``) for a product gradient ``[..., N]``,
-    None where ``ctx`` says an input needs none."""
-    grad_a = torch.matmul(product_grad, b.t()) if ctx.needs_input_grad[0] else None
-    grad_b = None
-    if ctx.needs_input_grad[1]:
-        grad_b = a.reshape(-1, a.shape[-1]).t() @ product_grad.reshape(-1, product_grad.shape[-1])
-    return grad_a, grad_b
-
-
-class GemmReduceScatterFunction(torch.autograd.Function):
-    """``gemm_reduce_scatter`` with its gradient: the output gradient all-gathered along the
-    scattered dim is the gradient of this rank's product ``a @ b``."""
-
-    @staticmethod
-    def forward(ctx, a, b, group, scatter_dim, backend, timeout_s, check):
-        ctx.save_for_backward(a, b)
-        ctx.group, ctx.dim = group, scatter_dim % (a.dim())
-        return _gemm_reduce_scatter(a, b, group, scatter_dim, backend, None, timeout_s, check)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a, grad_b = operand_grads(ctx, a, b, gathered_along(grad, ctx.group, ctx.dim))
-        return grad_a, grad_b, None, None, None, None, None
 
 
 def gemm_only(a: torch.Tensor, b: torch.Tensor, world: int, config=None,

@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from ..peers import agree_in_group
 from . import fallback
-from .backend import TUNED, multicast_opted_in, multimem_allowed, p2p_possible
-from .fused import gathered_along, operand_grads, scattered_along
+from .backend import TUNED, as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 AG_AUTO_TABLE_PATH = os.path.join(_KERNELS, "ag_gemm_auto.json")
@@ -271,18 +270,29 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
     >>> all_gather_gemm(a, w.t(), group).shape
     torch.Size([8192, 7168])
 
-    Differentiable when ``a`` or ``b`` requires grad (``out=`` is refused then): ``grad_b =
-    all_gather(a)^T @ g`` and ``grad_a`` is this rank's slice of ``reduce_scatter(g @ b^T)``
-    (every rank's columns contributed to the gathered rows).
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.all_gather_gemm`` (library.py), which returns the gathered
+    rows too (copied into ``gathered`` when given). Differentiable: ``grad_b = all_gather(a)^T @
+    g`` and ``grad_a`` is this rank's slice of ``reduce_scatter(g @ b^T)`` (the fused GEMM +
+    reduce-scatter); ``out=``, ``timeout_s=`` and ``check=`` are refused then.
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        if out is not None:
-            raise ValueError("all_gather_gemm: out= takes no part in autograd; leave it out when a or b requires grad")
-        return AllGatherGemmFunction.apply(a, b, group, gather_dim, backend, timeout_s, check, gathered)
-    return _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
+            out is not None or timeout_s is not None or check):
+        raise ValueError("all_gather_gemm: out=, timeout_s= and check= take no part in autograd; leave them out "
+                         "when a or b requires grad")
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        result, rows = torch.ops.axedist.all_gather_gemm(a, b, group_name(group), gather_dim, backend)
+        if gathered is not None:
+            gathered.copy_(rows.reshape(gathered.shape))
+        return result
+    return run_all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered)
 
 
-def _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, gathered) -> torch.Tensor:
+def run_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: int = 0,
+                        backend: str = "auto", out: torch.Tensor | None = None,
+                        timeout_s: float | None = None, check: bool = False,
+                        gathered: torch.Tensor | None = None) -> torch.Tensor:
+    """``all_gather_gemm`` run now on these tensors (the custom op's implementation)."""
     def make():
         plan = plan_all_gather_gemm(a, b, group, gather_dim, backend)
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
@@ -297,25 +307,6 @@ def _all_gather_gemm(a, b, group, gather_dim, backend, out, timeout_s, check, ga
         return result if out is None else out.copy_(result.reshape(out.shape))
     flat = None if gathered is None else gathered.view(-1, a.shape[-1])
     return call.run(a, b, out, timeout_s, check, flat)
-
-
-class AllGatherGemmFunction(torch.autograd.Function):
-    """``all_gather_gemm`` with its gradient (the rows are gathered again in backward rather
-    than kept: ``W`` times ``a``'s memory saved between the passes)."""
-
-    @staticmethod
-    def forward(ctx, a, b, group, gather_dim, backend, timeout_s, check, gathered):
-        ctx.save_for_backward(a, b)
-        ctx.group, ctx.dim = group, gather_dim % a.dim()
-        return _all_gather_gemm(a, b, group, gather_dim, backend, None, timeout_s, check, gathered)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        whole = gathered_along(a, ctx.group, ctx.dim)
-        grad_whole, grad_b = operand_grads(ctx, whole, b, grad)
-        grad_a = scattered_along(grad_whole, ctx.group, ctx.dim) if grad_whole is not None else None
-        return grad_a, grad_b, None, None, None, None, None, None
 
 
 # -- gemm_all_reduce ------------------------------------------------------------------------
@@ -435,19 +426,25 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
     >>> gemm_all_reduce(h, w.t(), group).shape
     torch.Size([4, 8192])
 
-    Differentiable when ``a`` or ``b`` requires grad (``out=`` is refused then). The result is
-    one tensor that every rank holds (a replicated DTensor's value), so its gradient must be
-    the same on every rank and is each rank's product's gradient: ``grad_a = g @ b^T``,
-    ``grad_b = a^T @ g``, no communication (Megatron's row-parallel convention).
+    While torch.compile traces, or with operands that require grad, the call goes through the
+    custom op ``torch.ops.axedist.gemm_all_reduce`` (library.py). Differentiable: the result is
+    one tensor every rank holds (a replicated DTensor's value), so its gradient is the same on
+    every rank and is each rank's product's: ``grad_a = g @ b^T``, ``grad_b = a^T @ g``, no
+    communication (Megatron's row-parallel convention).
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        if out is not None:
-            raise ValueError("gemm_all_reduce: out= takes no part in autograd; leave it out when a or b requires grad")
-        return GemmAllReduceFunction.apply(a, b, group, backend, algorithm, timeout_s, check)
-    return _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
+            out is not None or timeout_s is not None or check):
+        raise ValueError("gemm_all_reduce: out=, timeout_s= and check= take no part in autograd; leave them out "
+                         "when a or b requires grad")
+    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+        return torch.ops.axedist.gemm_all_reduce(a, b, group_name(group), backend, algorithm)
+    return run_gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check)
 
 
-def _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check) -> torch.Tensor:
+def run_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str = "auto",
+                        algorithm: str = "auto", out: torch.Tensor | None = None,
+                        timeout_s: float | None = None, check: bool = False) -> torch.Tensor:
+    """``gemm_all_reduce`` run now on these tensors (the custom op's implementation)."""
     def make():
         plan = plan_gemm_all_reduce(a, b, group, backend, algorithm)
         return GemmAllReduceCall(plan, dist.get_world_size(group), dist.get_rank(group),
@@ -460,19 +457,3 @@ def _gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check) -> 
             product = fallback.all_reduce(product, group)
         return product if out is None else out.copy_(product.reshape(out.shape))
     return call.run(a, b, out, timeout_s, check)
-
-
-class GemmAllReduceFunction(torch.autograd.Function):
-    """``gemm_all_reduce`` with its gradient (the replicated result's gradient is each rank's
-    product's gradient)."""
-
-    @staticmethod
-    def forward(ctx, a, b, group, backend, algorithm, timeout_s, check):
-        ctx.save_for_backward(a, b)
-        return _gemm_all_reduce(a, b, group, backend, algorithm, None, timeout_s, check)
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        grad_a, grad_b = operand_grads(ctx, a, b, grad)
-        return grad_a, grad_b, None, None, None, None, None

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..env import read as read_environment
 from ..kernels.launch import multiprocessors
+from .backend import group_name
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
 STATE_WORDS = 4  # int32 words of a rank's call state (kernels/primitives.py names them)
@@ -69,11 +70,6 @@ def _data_class(nbytes: int) -> int:
     while size < nbytes:
         size *= 2
     return size
-
-
-def group_name(group) -> str:
-    group = group if group is not None else dist.group.WORLD
-    return group.group_name
 
 
 def workspace_bytes(data_bytes: int) -> int:

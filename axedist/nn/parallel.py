@@ -49,6 +49,7 @@ from ..dtensor import DTensor, distribute
 from ..layout import Layout, LayoutError
 from ..planning import plan_layouts
 from ..mesh import DeviceMesh
+from ..tracing import compiling
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
@@ -132,6 +133,11 @@ def _log_of(module: nn.Module) -> _Log | None:
     return module.__dict__.get("_axedist_log")
 
 
+def _forward_log(module: nn.Module) -> _Log | None:
+    """The log a forward adds to; none while torch.compile traces (eager runs record the moves)."""
+    return None if compiling() else _log_of(module)
+
+
 def _transition(x: DTensor, dst, what: str) -> str:
     """``output [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent per rank``:
     the plan that layout inference makes for this move (planning only; nothing moves here)."""
@@ -154,7 +160,7 @@ def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None,
     ``note(x)``: a line the layer's log adds to the move's plan."""
     if not isinstance(x, torch.Tensor):
         return x
-    log = _log_of(module)
+    log = _forward_log(module)
     if not isinstance(x, DTensor):
         src = _resolve(given if given is not None else dst, x.shape, mesh)
         if isinstance(src, Layout):
@@ -309,7 +315,7 @@ def _row_parallel_forward(mesh: DeviceMesh, output):
         partial = F.linear(flat, self.weight)          # [rows, out]: a partial sum over the K shards
         out_shape = lead + (partial.shape[-1],)
         target = _resolve(output, out_shape, mesh)
-        log = _log_of(self)
+        log = _forward_log(self)
         rows_sharded = (target == (Shard(0),) and partial.reduce_op is not None and len(lead) >= 1
                         and lead[0] % mesh.size == 0)
         if rows_sharded:

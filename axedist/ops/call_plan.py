@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..layout import Layout
 from ..spec import DTensorSpec
+from ..tracing import outside_tracing
 from .registry import ArgSpec, OpCall, Sharding, rule_for
 from .specs import expected_local_shape, placements_or_none, spec_of
 
@@ -246,6 +247,7 @@ class CallPlan:
 DEFERRABLE = (aten.mm.default, aten.addmm.default)
 
 
+@outside_tracing  # rules and meta shapes on real metadata, also while torch.compile traces
 def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) -> CallPlan | None:
     """The plan of ``func(*args, **kwargs)`` (``dts`` its DTensors, ``specs`` their ArgSpecs),
     or None when no rule answers; ``tag_for(spec, dtype, stride)`` tags the plainest route's output."""

@@ -29,6 +29,7 @@ from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import (OUTSTANDING, DeferredGather, GatherView, defer, flush, fused_gather_product,
                                 placeholder)
+from ..tracing import may_defer
 from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
                         op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
@@ -439,7 +440,7 @@ class OpDispatcher:
             bias, a, b = local_args[:3]
             beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
         policy = self._defer_gemm
-        if policy != "always" and (policy == "never" or not a.is_cuda or a.dtype not in _HALF):
+        if policy != "always" and (policy == "never" or not a.is_cuda or a.dtype not in _HALF) or not may_defer():
             return None
 
         def compute():

@@ -27,8 +27,8 @@ logits stay partial (the loss is linear in them). ``ignore_index`` and per-class
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..runtime.carriers import all_reduce_
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import dim_range, inputs_by_name
 
@@ -120,7 +120,7 @@ def _nll_forward(classes: int, class_dim: int, score_placements, batch_axes):
         if reduction == _SUM:
             return losses.sum(), total
         if batch_axes:
-            dist.all_reduce(total, group=call.mesh.group(list(batch_axes)))
+            all_reduce_(total, group=call.mesh.group(list(batch_axes)))
         return losses.sum() / total, total
 
     return local

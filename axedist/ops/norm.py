@@ -22,9 +22,9 @@ backward has no CPU kernel, so on CPU its local step is computed from the formul
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
+from ..runtime.carriers import all_reduce_
 from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
@@ -78,10 +78,10 @@ def softmax_rule(call: OpCall) -> Sharding:
             shape = list(work.shape)
             shape[d] = 1
             top = torch.full(shape, float("-inf"), dtype=work.dtype, device=work.device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(top, "max", group=group)
         shifted = work - top
         total = shifted.exp().sum(d, keepdim=True)
-        dist.all_reduce(total, group=group)
+        all_reduce_(total, group=group)
         out = shifted - total.log() if log else shifted.exp() / total
         return out.to(out_dtype)
 
@@ -109,11 +109,11 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
         g, y = g.to(acc), y.to(acc)
         if log:
             total = g.sum(d, keepdim=True)
-            dist.all_reduce(total, group=group)
+            all_reduce_(total, group=group)
             value = g - y.exp() * total
         else:
             total = (g * y).sum(d, keepdim=True)
-            dist.all_reduce(total, group=group)
+            all_reduce_(total, group=group)
             value = y * (g - total)
         return value.to(input_dtype)
 

@@ -29,6 +29,7 @@ import math
 import torch
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
@@ -355,22 +356,20 @@ def foreach_norm(call: OpCall) -> Sharding:
     mesh = call.mesh
 
     def local(call_, tensors, *rest, **kwargs):
-        import torch.distributed as dist
-
         (x,) = tensors
         if ord_ == float("inf") or ord_ == float("-inf"):
             value = x.abs().amax() if ord_ > 0 else x.abs().amin()
             if x.numel() == 0:
                 value = torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=x.dtype, device=x.device)
-            op = dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN
-            dist.all_reduce(value, op=op, group=mesh.group(axes))
+            op = "max" if ord_ > 0 else "min"
+            all_reduce_(value, op, group=mesh.group(axes))
             return [value]
         if ord_ == 0:
             value = (x != 0).sum().to(x.dtype)
-            dist.all_reduce(value, group=mesh.group(axes))
+            all_reduce_(value, group=mesh.group(axes))
             return [value]
         value = x.abs().pow(ord_).sum()
-        dist.all_reduce(value, group=mesh.group(axes))
+        all_reduce_(value, group=mesh.group(axes))
         return [value.pow(1.0 / ord_)]
 
     return Sharding(inputs=[want], outputs=[(Replicate(),) * call.mesh.ndim], local=local)

@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate
 
+from ..runtime.carriers import all_reduce_
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
@@ -213,12 +213,12 @@ def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, x: Arg
     else:
         value, index = (torch.max if kind == "max" else torch.min)(t, d, keepdim=True)
     best = value.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX if kind == "max" else dist.ReduceOp.MIN, group=group)
+    all_reduce_(best, kind, group=group)
     holds = value == best
     if t.dtype.is_floating_point or t.dtype.is_complex:
         nan_here = torch.isnan(value)
         any_nan = nan_here.to(torch.uint8)
-        dist.all_reduce(any_nan, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(any_nan, "max", group=group)
         any_nan = any_nan.bool()
         best = torch.where(any_nan, torch.full_like(best, float("nan")), best)
         holds = torch.where(any_nan, nan_here, holds)
@@ -226,7 +226,7 @@ def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, x: Arg
         holds = torch.zeros_like(holds)
     never = torch.iinfo(torch.int64).max
     candidate = torch.where(holds, index + start, torch.full_like(index, never))
-    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=group)
+    all_reduce_(candidate, "min", group=group)
     return best, candidate
 
 
@@ -281,9 +281,9 @@ def argmax_rule(call: OpCall) -> Sharding:
 def _all_reduce(value: torch.Tensor, op, group) -> torch.Tensor:
     if value.dtype == torch.bool:  # collectives do not take bool: reduce as bytes
         as_bytes = value.to(torch.uint8)
-        dist.all_reduce(as_bytes, op=op, group=group)
+        all_reduce_(as_bytes, op, group=group)
         return as_bytes.bool()
-    dist.all_reduce(value, op=op, group=group)
+    all_reduce_(value, op, group=group)
     return value
 
 
@@ -311,7 +311,7 @@ def prod_rule(call: OpCall) -> Sharding:
             value = t.to(torch.int64)  # torch's prod promotes integers to int64
         for d in sorted(dims, reverse=True):
             value = value.prod(d, keepdim=keepdim)
-        return _all_reduce(value, dist.ReduceOp.PRODUCT, group) if group is not None else value
+        return _all_reduce(value, "product", group) if group is not None else value
 
     return _combined_rule(call, x, dims, keepdim, compute)
 
@@ -334,7 +334,7 @@ def any_all_rule(call: OpCall) -> Sharding:
             value = (value.any if kind == "any" else value.all)(d, keepdim=keepdim)
         if group is None:
             return value
-        return _all_reduce(value, dist.ReduceOp.MAX if kind == "any" else dist.ReduceOp.MIN, group)
+        return _all_reduce(value, "max" if kind == "any" else "min", group)
 
     if not dims:
         places = without_partial(placements_of(x))
@@ -372,10 +372,10 @@ def var_rule(call: OpCall) -> Sharding:
         real = t.real.dtype if t.is_complex() else t.dtype
         work = t.to(accumulation_dtype(t.dtype))
         total = work.sum(dims, keepdim=True)
-        dist.all_reduce(total, group=group)
+        all_reduce_(total, group=group)
         mean = total / count
         squares = (work - mean).abs().pow(2).sum(dims, keepdim=True)
-        dist.all_reduce(squares, group=group)
+        all_reduce_(squares, group=group)
         value = squares / max(count - correction, 0)
         if is_std:
             value = value.sqrt()
@@ -404,10 +404,10 @@ def logsumexp_rule(call: OpCall) -> Sharding:
         else:
             top = torch.full(_reduced_shape(t.shape, dims, True), float("-inf"), dtype=work.dtype,
                              device=t.device)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(top, "max", group=group)
         top = torch.where(torch.isinf(top), torch.zeros_like(top), top)  # all -inf (or an inf): no shift
         total = (work - top).exp().sum(dims, keepdim=True)
-        dist.all_reduce(total, group=group)
+        all_reduce_(total, group=group)
         value = top + total.log()
         if not keepdim and dims:
             value = value.squeeze(dims)
@@ -452,7 +452,7 @@ def vector_norm_rule(call: OpCall) -> Sharding:
             return magnitude.sum(dims, keepdim=keepdim)
         acc = accumulation_dtype(real)
         total = magnitude.to(acc).pow(ord_).sum(dims, keepdim=keepdim)
-        dist.all_reduce(total, group=_group(call_, axes))
+        all_reduce_(total, group=_group(call_, axes))
         return total.pow(1.0 / ord_).to(real)
 
     return Sharding(inputs=[target], outputs=plan.out, local=local)

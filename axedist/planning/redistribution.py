@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..layout import LayoutError
 from ..spec import DTensorSpec
+from ..tracing import outside_tracing
 from . import holdings
 from .alternatives import clear_alternatives_cache
 from .cost import pick, route_cost, steps_time_us
@@ -162,6 +163,7 @@ def clear_plan_cache() -> None:
 
 
 @functools.lru_cache(maxsize=512)
+@outside_tracing
 def _route(src: DTensorSpec, dst: DTensorSpec, itemsize: int, elementwise: bool) -> Redistribution:
     if src.mesh != dst.mesh or src.shape != dst.shape:
         raise LayoutError(f"redistribute keeps the mesh and shape: {src} -> {dst}")

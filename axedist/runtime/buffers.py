@@ -12,11 +12,13 @@ import math
 import torch
 
 from ..planning.repad import Side
+from ..tracing import outside_tracing, traced_constant
 
 __all__ = ["to_buffer", "from_buffer", "position_index"]
 
 
 @functools.lru_cache(maxsize=512)
+@outside_tracing
 def position_index(side: Side, position: int, dim: int, device: torch.device) -> torch.Tensor:
     """The local rows of ``side``'s true rows along ``dim`` at mesh ``position``, as an index
     tensor on ``device``, built once: a cached redistribute must not turn thousands of Python
@@ -40,7 +42,7 @@ def to_buffer(local: torch.Tensor, side: Side, position: int, box, size: int) ->
             grown = list(t.shape)
             grown[d] = padded[d]
             t = torch.zeros(grown, dtype=t.dtype, device=t.device).index_copy_(
-                d, position_index(side, position, d, t.device), t)
+                d, traced_constant(position_index(side, position, d, t.device)), t)
     out[tuple(slice(0, n) for n in t.shape)] = t
     return out.reshape(-1)
 
@@ -52,5 +54,5 @@ def from_buffer(buffer: torch.Tensor, side: Side, position: int, box) -> torch.T
     t = buffer.reshape(side.local_padded)
     for d, rows in enumerate(side.positions_at(position)):
         if rows is not None:
-            t = t.index_select(d, position_index(side, position, d, t.device))
+            t = t.index_select(d, traced_constant(position_index(side, position, d, t.device)))
     return t[tuple(slice(0, n) for n in box)].contiguous()

@@ -14,11 +14,17 @@ A row all-gather (``[Shard(0)] -> [Replicate()]`` of a 2-d tensor on CUDA): kept
 which then runs the fused all-gather + GEMM (:func:`fused_gather_product`) and receives the
 gathered rows on the way; any other use runs :meth:`DeferredGather.wait` (the all-gather).
 
+Under torch.compile the same decisions run at trace time: a deferred product or gather that a
+fused kernel takes puts that kernel's custom op (``torch.ops.axedist.gemm_reduce_scatter``,
+``all_gather_gemm``, ``gemm_all_reduce``) in the graph; one used otherwise traces the plain
+GEMM or the gather's functional collective.
+
 Nothing here builds a DTensor: callers wrap what these functions return.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -28,6 +34,7 @@ from torch.distributed.tensor import Shard
 from ..layout import LayoutError
 from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_scatter_axis
 from ..spec import DTensorSpec, placements_of
+from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredGather", "GatherView", "OUTSTANDING", "defer", "defer_gather", "defer_gathers", "placeholder",
            "flush",
@@ -43,6 +50,10 @@ _STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": 
 # (:func:`flush`), so an in-place op on an operand can never reach a product still waiting for it.
 OUTSTANDING: list = []
 _FLUSH_AT = 64  # outstanding products kept at most; beyond, they are computed
+# What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
+# pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
+# never fuse. AXEDIST_FUSED_BACKEND sets the default.
+FUSED_BACKEND = os.environ.get("AXEDIST_FUSED_BACKEND", "auto")
 
 
 def fused_gemm_stats() -> dict:
@@ -58,12 +69,13 @@ class DeferredGemm:
     so once and checks that no operand changed in place since the product was deferred.
     """
 
-    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "__weakref__")
+    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "traced", "__weakref__")
 
     def __init__(self, compute, a, b, bias, alpha, beta, shape):
         self.compute, self.a, self.b, self.bias = compute, a, b, bias
         self.alpha, self.beta, self.shape, self.value = alpha, beta, tuple(shape), None
         self.versions = self.current_versions()
+        self.traced = compiling()  # deferred while torch.compile traces: its operands are fake
 
     def current_versions(self) -> tuple:
         # inference tensors (made under torch.inference_mode) keep no version counter: an
@@ -104,8 +116,13 @@ def placeholder(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     key = (dtype, device)
     found = _PLACEHOLDERS.get(key)
     if found is None:
-        found = _PLACEHOLDERS[key] = torch.empty(0, dtype=dtype, device=device)
+        found = _PLACEHOLDERS[key] = _empty(dtype, device)
     return found
+
+
+@outside_tracing  # real, also when first asked for inside a torch.compile trace (it is kept)
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=device)
 
 
 def flush(keep_gathers: bool = False) -> None:
@@ -114,10 +131,13 @@ def flush(keep_gathers: bool = False) -> None:
     source rows stay as they were)."""
     refs = list(OUTSTANDING)
     OUTSTANDING.clear()
+    tracing = compiling()
     for ref in refs:
         pending = ref()
         if pending is None or pending.value is not None or pending.compute is None:
             continue
+        if pending.traced and not tracing:
+            continue  # left over from a finished torch.compile trace: its tensors were fake
         if keep_gathers and type(pending) is DeferredGather:
             OUTSTANDING.append(ref)
         else:
@@ -160,8 +180,8 @@ def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> 
     from ..collectives import plan_gemm_all_reduce, plan_gemm_reduce_scatter
 
     try:
-        gemm = (plan_gemm_reduce_scatter(a, b, group) if collective == "reduce-scatter"
-                else plan_gemm_all_reduce(a, b, group))
+        gemm = (plan_gemm_reduce_scatter(a, b, group, backend=FUSED_BACKEND) if collective == "reduce-scatter"
+                else plan_gemm_all_reduce(a, b, group, backend=FUSED_BACKEND))
     except ValueError as e:
         return step(False, str(e))
     return step(gemm.backend != "torch", gemm.reason, gemm)
@@ -185,9 +205,9 @@ def fused_collective(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec)
     mesh = spec.mesh
     group = mesh.group(choice.axis)
     if choice.collective == "reduce-scatter":
-        out = gemm_reduce_scatter(pending.a, pending.b, group)
+        out = gemm_reduce_scatter(pending.a, pending.b, group, backend=FUSED_BACKEND)
     else:
-        out = gemm_all_reduce(pending.a, pending.b, group)
+        out = gemm_all_reduce(pending.a, pending.b, group, backend=FUSED_BACKEND)
     if pending.alpha != 1:
         out.mul_(pending.alpha)
     bias = pending.bias
@@ -207,12 +227,13 @@ class DeferredGather:
     value of the gathered DTensor). ``wait()`` runs it once, after checking that ``local`` did
     not change in place meanwhile; a fused all-gather + GEMM sets ``value`` instead."""
 
-    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "__weakref__")
+    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "traced", "__weakref__")
 
     def __init__(self, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str):
         self.local, self.src, self.dst, self.axis, self.value = local, src, dst, axis, None
         self.version = -1 if local.is_inference() else local._version
         self.compute = self  # (flush runs what has a compute)
+        self.traced = compiling()
 
     def changed(self) -> bool:
         return not self.local.is_inference() and self.local._version != self.version
@@ -246,6 +267,10 @@ class GatherView:
     def value(self):
         return None if self.root.value is None else self.root.value.view(self.shape)
 
+    @property
+    def traced(self) -> bool:
+        return self.root.traced
+
     def wait(self) -> torch.Tensor:
         return self.root.wait().view(self.shape)
 
@@ -271,7 +296,7 @@ def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Def
     """A deferred row all-gather when ``src -> dst`` is one of a 2-d CUDA bf16/fp16 tensor (what
     a fused all-gather + GEMM can consume), else None (the caller moves the data now)."""
     policy = _GATHER_POLICY[0]
-    if policy == "never" or policy == "auto" and (
+    if policy == "never" or not may_defer() or policy == "auto" and (
             not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
         return None
     axis = row_gather_axis(src, dst)
@@ -321,7 +346,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     from ..collectives import all_gather_gemm, plan_all_gather_gemm
 
     try:
-        plan = plan_all_gather_gemm(local, b, group)
+        plan = plan_all_gather_gemm(local, b, group, backend=FUSED_BACKEND)
     except ValueError as e:
         _STATS["gather_reason"] = str(e)
         return None
@@ -329,7 +354,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
         _STATS["gather_reason"] = plan.reason
         return None
     gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
-    out = all_gather_gemm(local, b, group, gathered=gathered.view(rows, local.shape[1]))
+    out = all_gather_gemm(local, b, group, backend=FUSED_BACKEND, gathered=gathered.view(rows, local.shape[1]))
     root.value, root.local, root.compute = gathered, None, None
     _STATS["gathers_fused"] += 1
     _STATS["gather_reason"] = ""

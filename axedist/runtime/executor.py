@@ -21,7 +21,9 @@ from ..peers import agree, is_peer_failure, peer_error
 from ..planning import Plan, buffer_size
 from ..planning.redistribution import Redistribution, plan_redistribute
 from ..planning.steps import Step
+from ..tracing import outside_tracing
 from .buffers import from_buffer, to_buffer
+from .carriers import IN_PLACE, current
 from .gathers import AllGather, AllToAll, Broadcast
 from .reductions import AllReduce, FusedAllReduce, Reduce, ReduceScatter
 from .steps import Collective, PointToPoint, RankContext, StepProgram, group_of
@@ -131,7 +133,7 @@ def _program(plan: Plan, mesh) -> _Program:
     if entry is not None and entry.plan is plan:
         _PROGRAMS.move_to_end(key)
         return entry
-    program = _Program(plan, _context(plan, mesh))
+    program = _new_program(plan, mesh)
     _PROGRAMS[key] = program
     while len(_PROGRAMS) > _PROGRAM_LIMIT:
         _PROGRAMS.popitem(last=False)
@@ -144,6 +146,12 @@ def _failed_step(program, plan: Plan, mesh, error: RuntimeError) -> RuntimeError
     ranks = getattr(program, "ranks", None) or mesh.ranks
     what = f"{program.step.kind} over {program.step.axes} ({program.how}; plan {plan.source} -> {plan.target})"
     return peer_error(what, ranks, error)
+
+
+@outside_tracing
+def _new_program(plan: Plan, mesh) -> _Program:
+    """Built on real tensors (index tensors, counts) even while torch.compile traces."""
+    return _Program(plan, _context(plan, mesh))
 
 
 class PendingBuffer:
@@ -186,10 +194,12 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     if x.numel() != expected:
         raise LayoutError(f"execute_plan: buffer has {x.numel()} slots, the plan's first step reads {expected}")
 
+    carrier = current()
+
     def run_from(index: int, value: torch.Tensor) -> torch.Tensor:
         for step in program.steps[index:]:
             try:
-                works, finish = step.start(value, False)
+                works, finish = step.start(value, False, carrier)
                 for w in works:
                     w.wait()
                 value = finish()
@@ -199,13 +209,13 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
                 raise _failed_step(step, plan, mesh, error) from error
         return value
 
-    if not async_op:
+    if not async_op or carrier is not IN_PLACE:  # a traced graph's collectives are functional: no handles
         return run_from(0, x)
     if not program.steps:
         return PendingBuffer([], lambda: x, lambda v: v)
     first = program.steps[0]
     try:
-        works, finish = first.start(x, True)
+        works, finish = first.start(x, True, carrier)
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise

@@ -8,9 +8,7 @@ padded to the largest while that adds at most ``PAD_LIMIT`` to the bytes.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..collectives import api
 from ..planning.steps import Step
 from .indices import Index, reduce_into
 from .steps import Collective
@@ -69,23 +67,17 @@ class AllGather(Collective):
         """The padded piece to every other member."""
         return self.n * self.step.itemsize * (len(self.members) - 1)
 
-    def start(self, x, async_op):
-        gathered = torch.empty(self.n * len(self.members), dtype=x.dtype, device=x.device)
+    def start(self, x, async_op, carrier):
         send = self.send.take(x)
         if send.numel() != self.n:
             send = torch.cat([send, send.new_zeros(self.n - send.numel())])
-        send = send.contiguous()
-        work = None
-        if self.through_api("all_gather", send, async_op):
-            api.all_gather(send, self.group, backend=self.ran, out=gathered)
-        else:
-            work = dist.all_gather_into_tensor(gathered, send, group=self.group, async_op=async_op)
+        gathered, works = carrier.all_gather(self, send.contiguous(), async_op)
 
         def finish():
             out = self.local_out(x)
             self.slots.put(out, self.chunk.take(gathered))
             return out
-        return [work] if async_op and work is not None else [], finish
+        return works, finish
 
 
 class Broadcast(Collective):
@@ -102,19 +94,19 @@ class Broadcast(Collective):
         if me != self.root:
             self.land = Index(self.message_target(self.root, me), ctx.device)
 
-    def start(self, x, async_op):
+    def start(self, x, async_op, carrier):
         if self.ctx.me == self.root:
             values = self.send.fresh(x)
         else:
             values = torch.empty(self.n, dtype=x.dtype, device=x.device)
-        work = dist.broadcast(values, src=self.root_rank, group=self.group, async_op=async_op)
+        values, works = carrier.broadcast(self, values, self.root_rank, async_op)
 
         def finish():
             out = self.local_out(x)
             if self.ctx.me != self.root:
                 self.land.put(out, values)
             return out
-        return [work] if async_op else [], finish
+        return works, finish
 
 
 class AllToAll(Collective):
@@ -140,11 +132,9 @@ class AllToAll(Collective):
         if self.reduce is not None:
             self.slots = torch.cat([self.local_dst_raw, received]).to(ctx.device)
 
-    def start(self, x, async_op):
+    def start(self, x, async_op, carrier):
         values = self.send.take(x).contiguous()
-        incoming = torch.empty(sum(self.out_splits), dtype=x.dtype, device=x.device)
-        work = dist.all_to_all_single(incoming, values, self.out_splits, self.in_splits, group=self.group,
-                                      async_op=async_op)
+        incoming, works = carrier.all_to_all(self, values, self.out_splits, self.in_splits, async_op)
 
         def finish():
             if self.reduce is None:
@@ -153,4 +143,4 @@ class AllToAll(Collective):
                 return out
             every = torch.cat([self.local_src.take(x), incoming])
             return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
-        return [work] if async_op else [], finish
+        return works, finish

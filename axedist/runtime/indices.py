@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..tracing import traced_constant
+
 __all__ = ["Index", "inverse", "reduce_into", "finish_avg", "identity"]
 
 _SCATTER_OP = {"max": "amax", "min": "amin"}
@@ -29,17 +31,19 @@ class Index:
             self.tensor = index.to(device)
 
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[self.start:self.stop] if self.tensor is None else buffer.index_select(0, self.tensor)
+        return buffer[self.start:self.stop] if self.tensor is None else buffer.index_select(0, traced_constant(self.tensor))
 
     def fresh(self, buffer: torch.Tensor) -> torch.Tensor:
         """A new tensor (never a view of ``buffer``): collectives write into it in place."""
-        return buffer[self.start:self.stop].clone() if self.tensor is None else buffer.index_select(0, self.tensor)
+        if self.tensor is None:
+            return buffer[self.start:self.stop].clone()
+        return buffer.index_select(0, traced_constant(self.tensor))
 
     def put(self, out: torch.Tensor, values: torch.Tensor) -> None:
         if self.tensor is None:
             out[self.start:self.stop] = values
         else:
-            out.index_copy_(0, self.tensor, values)
+            out.index_copy_(0, traced_constant(self.tensor), values)
 
 
 def inverse(index: torch.Tensor, size: int) -> torch.Tensor | None:
@@ -54,6 +58,8 @@ def inverse(index: torch.Tensor, size: int) -> torch.Tensor | None:
 def reduce_into(out_size: int, values: torch.Tensor, slots: torch.Tensor, op: str, count: torch.Tensor | None,
                 like: torch.Tensor) -> torch.Tensor:
     """Each slot = ``op`` over the values sent to it (``avg``: their sum / ``count``)."""
+    slots = traced_constant(slots)
+    count = None if count is None else traced_constant(count)
     if op in ("sum", "avg"):
         out = torch.zeros(out_size, dtype=like.dtype, device=like.device)
         out.index_add_(0, slots, values)

@@ -8,21 +8,13 @@ On gloo a reduce-scatter runs as an ``all_reduce`` of the packed input, then thi
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..collectives import api
 from ..planning.holdings import box_index
 from ..planning.steps import Step
 from .indices import Index, finish_avg, identity, inverse, reduce_into
 from .steps import Collective, StepProgram
 
 __all__ = ["ReduceScatter", "FusedAllReduce", "AllReduce", "Reduce"]
-
-_NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
-
-
-def _op(reduce: str):
-    return getattr(dist.ReduceOp, _NATIVE_OP[reduce])
 
 
 class ReduceScatter(Collective):
@@ -39,6 +31,8 @@ class ReduceScatter(Collective):
         self.land = self.local_dst_raw.to(ctx.device)
         self.land_index = Index(self.local_dst_raw, ctx.device)
         self.unique = inverse(self.local_dst_raw, step.out_size) is not None
+        if not self.unique:  # slots that several reduced values land in
+            self.land_count = torch.bincount(self.local_dst_raw, minlength=step.out_size).clamp_(min=1).to(ctx.device)
         if ctx.backend == "gloo":
             self.how = "all_reduce + own chunk (gloo)"
 
@@ -55,27 +49,13 @@ class ReduceScatter(Collective):
             out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
             self.land_index.put(out, reduced)
             return out
-        op = "avg" if self.reduce == "avg" else self.reduce
-        count = torch.bincount(self.land.cpu(), minlength=self.step.out_size).clamp_(min=1).to(x.device)
-        return reduce_into(self.step.out_size, reduced, self.land, op, count, x)
+        return reduce_into(self.step.out_size, reduced, self.land, self.reduce, self.land_count, x)
 
-    def start(self, x, async_op):
-        if self.ctx.backend == "gloo":
-            self.ran = "torch"
-            packed = self.pack.fresh(x)
-            work = dist.all_reduce(packed, op=_op(self.reduce), group=self.group, async_op=async_op)
-            mine = lambda: packed[self.position * self.n:(self.position + 1) * self.n]
-        else:
-            reduced = torch.empty(self.n, dtype=x.dtype, device=x.device)
-            packed = self.pack.take(x).contiguous()
-            if self.through_api("reduce_scatter", packed, async_op):
-                api.reduce_scatter(packed, self.group, backend=self.ran, out=reduced)
-                work = None
-            else:
-                work = dist.reduce_scatter_tensor(reduced, packed, op=_op(self.reduce), group=self.group,
-                                                  async_op=async_op)
-            mine = lambda: reduced
-        return [work] if async_op and work is not None else [], (lambda: self._land(mine(), x))
+    def start(self, x, async_op, carrier):
+        # gloo reduces the packed buffer in place (its all_reduce substitute): a fresh copy of x
+        packed = self.pack.fresh(x) if self.ctx.backend == "gloo" else self.pack.take(x).contiguous()
+        mine, works = carrier.reduce_scatter(self, packed, async_op)
+        return works, (lambda: self._land(mine, x))
 
 
 class FusedAllReduce(ReduceScatter):
@@ -119,20 +99,15 @@ class FusedAllReduce(ReduceScatter):
         """The plan's direct count over both steps it runs."""
         return sum(s.bytes_sent.get(self.ctx.me, 0) for s in (self.step, self.gather_step))
 
-    def start(self, x, async_op):
-        packed = self.pack.fresh(x)
-        work = None
-        if self.through_api("all_reduce", packed, async_op):
-            packed = api.all_reduce(packed, self.group, backend=self.ran)
-        else:
-            work = dist.all_reduce(packed, op=_op(self.reduce), group=self.group, async_op=async_op)
+    def start(self, x, async_op, carrier):
+        packed, works = carrier.all_reduce(self, self.pack.fresh(x), async_op)
 
         def finish():
             reduced = finish_avg(packed, len(self.members)) if self.reduce == "avg" else packed
             out = torch.empty(self.gather_step.out_size, dtype=x.dtype, device=x.device)
             self.slots.put(out, self.select.take(reduced))
             return out
-        return [work] if async_op and work is not None else [], finish
+        return works, finish
 
 
 class AllReduce(Collective):
@@ -165,20 +140,15 @@ class AllReduce(Collective):
         g = len(self.members)  # a ring all-reduce: 2 (g-1)/g of the buffer, not (g-1) direct copies
         return 2 * (g - 1) * self.send.count * self.step.itemsize // g
 
-    def start(self, x, async_op):
-        values = self.send.fresh(x)
-        work = None
-        if self.through_api("all_reduce", values, async_op):
-            values = api.all_reduce(values, self.group, backend=self.ran)
-        else:
-            work = dist.all_reduce(values, op=_op(self.reduce), group=self.group, async_op=async_op)
+    def start(self, x, async_op, carrier):
+        values, works = carrier.all_reduce(self, self.send.fresh(x), async_op)
 
         def finish():
             reduced = finish_avg(values, len(self.members)) if self.reduce == "avg" else values
             out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
             self.land.put(out, reduced)
             return out
-        return [work] if async_op and work is not None else [], finish
+        return works, finish
 
 
 class Reduce(Collective):
@@ -199,18 +169,18 @@ class Reduce(Collective):
             landing = self.message_target(sender, self.root)
             self.slots = torch.cat([landing, self.local_dst_raw]).to(ctx.device)
 
-    def start(self, x, async_op):
+    def start(self, x, async_op, carrier):
         if self.ctx.me != self.root:
             values = self.send.fresh(x)
         else:
             values = torch.full((self.n,), identity(self.reduce, x.dtype), dtype=x.dtype, device=x.device)
-        work = dist.reduce(values, dst=self.root_rank, op=_op(self.reduce), group=self.group, async_op=async_op)
+        values, works = carrier.reduce(self, values, self.root_rank, async_op)
 
         def finish():
             if self.ctx.me != self.root:
-                return StepProgram.start(self, x, False)[1]()
+                return StepProgram.start(self, x, False, carrier)[1]()
             every = torch.cat([values, self.local_src.take(x)])
             if self.reduce in ("max", "min"):
                 return reduce_into(self.step.out_size, every, self.slots, self.reduce, None, x)
             return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
-        return [work] if async_op else [], finish
+        return works, finish

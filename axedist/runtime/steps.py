@@ -1,8 +1,10 @@
 """A plan's step compiled for one rank: the base programs (local copies, batched send/recv) and
 the set-up every collective shares.
 
-A program's ``start(x, async_op)`` issues its communication and returns ``(works, finish)``;
-``finish()`` gives this rank's output buffer. Index tensors are built once, when the program is.
+A program's ``start(x, async_op, carrier)`` issues its communication through ``carrier``
+(``runtime/carriers.py``: in-place torch.distributed calls in eager, functional collectives
+while torch.compile traces) and returns ``(works, finish)``; ``finish()`` gives this rank's
+output buffer. Index tensors are built once, when the program is.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..collectives.backend import one_host, select_backend
 from ..env import read as read_environment
@@ -40,7 +41,7 @@ class RankContext:
 
 
 class StepProgram:
-    """One step, for one rank: ``start(x) -> works, finish``; ``finish() -> output buffer``."""
+    """One step, for one rank: ``start(x, async_op, carrier) -> works, finish``; ``finish() -> output buffer``."""
 
     how = "local copies"
     covers = 1  # plan steps this program runs
@@ -67,7 +68,7 @@ class StepProgram:
         self.local_dst.put(out, self.local_src.take(x))
         return out
 
-    def start(self, x: torch.Tensor, async_op: bool):
+    def start(self, x: torch.Tensor, async_op: bool, carrier=None):
         if self.reduce is None:
             return [], (lambda: self.local_out(x))
         slots = self.local_dst_raw.to(x.device)
@@ -91,37 +92,19 @@ class PointToPoint(StepProgram):
             self.slots = torch.cat([self.local_dst_raw] + [s for _, s in receives]).to(ctx.device)
         self.group = ctx.mesh.group()
 
-    def start(self, x: torch.Tensor, async_op: bool):
-        _warm(self.group, self.ctx.backend)
-        ops, landing = [], []
-        for rank, index in self.sends:
-            ops.append(dist.P2POp(dist.isend, index.take(x).contiguous(), rank, self.group))
-        for rank, index in self.receives:
-            incoming = torch.empty(index.count, dtype=x.dtype, device=x.device)
-            ops.append(dist.P2POp(dist.irecv, incoming, rank, self.group))
-            landing.append((index, incoming))
-        works = dist.batch_isend_irecv(ops) if ops else []
+    def start(self, x: torch.Tensor, async_op: bool, carrier):
+        sends = [(rank, index.take(x)) for rank, index in self.sends]
+        landing, works = carrier.exchange(self, sends, [(rank, index.count) for rank, index in self.receives], x)
 
         def finish():
             if self.reduce is None:
                 out = self.local_out(x)
-                for index, incoming in landing:
+                for (_, index), incoming in zip(self.receives, landing):
                     index.put(out, incoming)
                 return out
-            values = torch.cat([self.local_src.take(x)] + [incoming for _, incoming in landing])
+            values = torch.cat([self.local_src.take(x)] + landing)
             return reduce_into(self.step.out_size, values, self.slots, self.reduce, self.count, x)
         return works, finish
-
-
-_WARM: set = set()
-
-
-def _warm(group, backend: str) -> None:
-    """NCCL: the first call on a group must include every member; p2p may not, so make it a collective."""
-    if backend != "nccl" or id(group) in _WARM:
-        return
-    _WARM.add(id(group))
-    dist.barrier(group=group)
 
 
 def group_of(step: Step, me):

@@ -1,0 +1,72 @@
+"""torch.compile support that every layer shares: whether a compile is tracing, and metadata
+work (specs, plans, index tensors) done on real tensors while it traces.
+
+Under ``torch.compile`` the DTensor's sharding rules and plans run at trace time, while Dynamo
+and AOTAutograd hold fake (shape-only) and functional tensors on their dispatch-mode stack.
+Planning builds small real tensors (element tables, the gather/scatter indices of a plan's
+steps) and reads them back as ints, which a fake tensor cannot do; :func:`outside_tracing`
+runs such a function with the modes set aside, so what it builds is real, and becomes a
+constant of the traced graph where a traced op uses it::
+
+    >>> @outside_tracing
+    ... def slots(n):                      # a plan's index tensor: real even inside a trace
+    ...     return torch.arange(n)
+    >>> compiling()                        # True inside torch.compile's trace, else False
+    False
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["compiling", "may_defer", "outside_tracing", "traced_constant", "keep_on_copy"]
+
+_modes_active = torch._C._len_torch_dispatch_stack
+_FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
+
+
+def compiling() -> bool:
+    """Whether torch.compile (or export) is tracing now: Dynamo, or AOTAutograd running the
+    subclass's ``__torch_dispatch__`` on fake tensors."""
+    return torch.compiler.is_compiling()
+
+
+def may_defer() -> bool:
+    """Whether work may be left pending for a later op to take (a deferred GEMM or gather that
+    a fused kernel consumes): in eager, and while AOTAutograd traces the whole graph
+    (functionalization on); not while Dynamo runs the ops one at a time on fake tensors and
+    inspects each result on its own."""
+    return not compiling() or torch._C._get_dispatch_mode(_FUNCTIONAL) is not None
+
+
+def outside_tracing(fn):
+    """``fn`` run with every dispatch mode (fake, functional, proxy) set aside while one is
+    active: tensors it makes are real. One C call of overhead otherwise."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not _modes_active():
+            return fn(*args, **kwargs)
+        with _disable_current_modes():
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def traced_constant(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor built outside the trace (a plan's index tensor), as a constant of the
+    traced program when a trace is running (fake tensors refuse real operands); ``t`` itself
+    otherwise. ``torch.tensor(data)`` is how traced code makes constants."""
+    if not _modes_active():
+        return t
+    return torch.tensor(t.tolist(), dtype=t.dtype, device=t.device)
+
+
+def keep_on_copy(self, memo=None):
+    """``__deepcopy__`` / ``__copy__`` of immutable records (meshes, layouts, specs): the same
+    object. Dynamo deep-copies a subclass's flatten metadata for its guard, and a mesh holds
+    process groups, which cannot be copied."""
+    return self

@@ -1,0 +1,376 @@
+"""torch.compile over axedist DTensors: traced whole (no graph break), the same numbers as eager.
+
+The TP Llama (tests/test_train_tp.py's model) with every transformer block compiled
+(``fullgraph=True``) trains for three steps next to the same model in eager, on 2 and 4 gloo
+ranks: losses, every gradient and the parameters after AdamW match; ``explain`` finds no graph
+break; later steps never recompile (Dynamo's guard failures are reported if they do) and a new
+sequence length compiles once. Every kind of plan step traces to torch's functional
+collectives; axedist's collectives and fused kernels run as custom ops (forward, gradient,
+compiled); where the fused kernels are chosen (CUDA) the compiled graph calls them, shown here
+on CPU by forcing the choice. One small test runs Inductor's CPU backend (a C++ compile: slow);
+``launch/train_tp.py --compile`` runs under torchrun.
+"""
+
+import copy
+import dataclasses
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import axedist as ax
+from axedist.dtensor import DTensor
+from axedist.mesh import DeviceMesh
+from axedist.nn import parallelize, replicate
+from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.testing import run_on_ranks, run_torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = dict(rtol=1e-9, atol=1e-11)
+CFG = LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=8)
+
+
+def capture(codes: list):
+    """An aot_eager backend that keeps the code of every forward and backward graph it compiles."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(gm, example_inputs):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.guard_failures.clear()
+
+
+def _relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative error in the Frobenius norm (bf16 results against fp32 references)."""
+    return ((x.float() - reference).norm() / reference.norm()).item()
+
+
+def _guard_failures() -> list[str]:
+    return [reason for reasons in torch._dynamo.utils.guard_failures.values() for reason in reasons]
+
+
+# -- the TP Llama, compiled block by block, against eager ----------------------------------------
+
+def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_breaks):
+    torch.manual_seed(seed)
+    base = Llama(CFG).double()
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    mesh = DeviceMesh("cpu", (world,))
+    for model in (eager, compiled):
+        parallelize(model, mesh, llama_tp_plan(CFG, sequence_parallel=sequence_parallel))
+    _fresh_dynamo()
+    codes: list = []
+    backend = capture(codes)  # one backend for every block: the blocks share their graph
+    for block in compiled.layers:
+        block.compile(backend=backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled)]
+    g = torch.Generator().manual_seed(seed + 1)
+    report = {"graphs": [], "failures": []}
+    for step in range(steps):
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
+        losses = []
+        for model in (eager, compiled):
+            loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
+            loss.backward()
+            losses.append(loss.full_tensor())
+        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
+                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL, msg=lambda m: f"after step {step}: {name}")
+        report["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        report["failures"].append(_guard_failures())
+    # the block's graphs hold the plan's collectives as functional collectives, nothing in place
+    report["functional"] = any("_c10d_functional" in code for code in codes)
+    report["in_place"] = [line for code in codes for line in code.splitlines() if "c10d." in line and "functional" not in line]
+    if not shapes_and_breaks:
+        _fresh_dynamo()
+        return report
+    # another sequence length: one new graph, and the first one serves the old length again
+    x = compiled.tok_embeddings(tokens[:, :4].t())
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled.layers[0](x, compiled.rope_cos[:4], compiled.rope_sin[:4])
+    compiled.layers[0](compiled.tok_embeddings(tokens[:, :-1].t()), compiled.rope_cos[:8], compiled.rope_sin[:8])
+    report["new_shape_graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    report["new_shape_failures"] = _guard_failures()
+    # no graph break anywhere in a block
+    block = eager.layers[0]
+    explained = torch._dynamo.explain(block)(eager.tok_embeddings(tokens[:, :-1].t()), eager.rope_cos[:8],
+                                              eager.rope_sin[:8])
+    report["breaks"] = (explained.graph_break_count, [str(r) for r in explained.break_reasons])
+    _fresh_dynamo()
+    return report
+
+
+@pytest.mark.parametrize("world,sequence_parallel,steps,shapes_and_breaks", [(2, True, 3, True), (4, False, 2, False)])
+def test_compiled_tp_llama_trains_like_eager(world, sequence_parallel, steps, shapes_and_breaks):
+    seed = random.randrange(2**31)
+    reports = run_on_ranks(compiled_training, world, args=(seed, sequence_parallel, steps, shapes_and_breaks),
+                           timeout_s=300)
+    for rank, report in enumerate(reports):
+        graphs, failures = report["graphs"], report["failures"]
+        # one graph serves both blocks and every step
+        assert graphs == [1] * steps and not failures[-1], (
+            f"rank {rank} (seed {seed}): graphs after each step {graphs}; guard failures: {failures[-1]}")
+        assert report["functional"] and not report["in_place"], report["in_place"]
+        if not shapes_and_breaks:
+            continue
+        assert report["breaks"] == (0, []), f"rank {rank}: graph breaks in the block: {report['breaks']}"
+        assert report["new_shape_graphs"] == 1, (
+            f"rank {rank}: a new sequence length made {report['new_shape_graphs']} graphs; "
+            f"guard failures: {report['new_shape_failures']}")
+        assert any("___check_metadata" in f or "metadata" in f for f in report["new_shape_failures"]), \
+            report["new_shape_failures"]
+
+
+# -- every kind of plan step, traced ------------------------------------------------------------
+
+def traced_moves(rank, world):
+    L = ax.Layout.parse
+    mesh = DeviceMesh("cpu", (world,))
+    grid = DeviceMesh("cpu", (2, 2), ("x", "y"))
+    torch.manual_seed(3)
+    a = ax.distribute(torch.randn(8, 6, dtype=torch.float64), mesh, [Shard(0)])
+    summands = ax.distribute(torch.randn(4, 8, 6, dtype=torch.float64), mesh, L("S[(4,8,6):(1@gpuid,6,1)]"))
+    p = summands.to_partial()
+    d = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(0)])
+    e = ax.distribute(torch.randn(4, 6, dtype=torch.float64), grid, [Shard(0), Shard(1)])
+    t = torch.randn(8, 6, dtype=torch.float64)
+    one = DTensor.from_local(t if rank == 0 else t.new_empty(0, 0), mesh, L("S[(8,6):(6,1)]"), shape=(8, 6))
+    u = ax.distribute(torch.randn(7, 6, dtype=torch.float64), mesh, [Shard(0)])
+    on_two, cyclic = L("S[(8,6):(6,1)] + 2@gpuid"), L("S[(2,4,6):(6,1@gpuid,1)]")
+    # inputs with work still pending from eager: a deferred product, an asynchronous move
+    policy, DTensor.dispatcher.defer_gemm = DTensor.dispatcher.defer_gemm, "always"
+    product = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(1)]) @ d
+    DTensor.dispatcher.defer_gemm = policy
+    moving = a.redistribute([Shard(1)], async_op=True)
+    assert product._pending is not None and moving._pending is not None
+
+    def moves(a, p, d, e, one, u, summands, product, moving):
+        return (a.redistribute([Replicate()]),          # all-gather
+                p.redistribute([Shard(0)]),              # reduce-scatter (gloo: all-reduce, own chunk)
+                p.redistribute([Replicate()]),           # all-reduce
+                d.redistribute([Shard(1)]),              # all-to-all
+                e.redistribute([Shard(1), Shard(0)]),    # send/recv exchange
+                one.redistribute([Replicate()]),         # broadcast
+                p.redistribute(on_two),                  # reduce to one rank
+                a.redistribute(cyclic),                  # all-to-all-v (block-cyclic rows)
+                u.redistribute([Replicate()]),           # uneven all-gather (padded)
+                summands.to_partial().redistribute([Shard(0)]),
+                a.to_local() * 2, a.full_tensor(),       # the DTensor methods, traced as well
+                product.redistribute([Shard(0)]), moving + 1)
+
+    _fresh_dynamo()
+    codes: list = []
+    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u, summands, product, moving)
+    want = moves(a, p, d, e, one, u, summands, product, moving)
+    _fresh_dynamo()
+    same = [torch.equal(g, w) if type(w) is torch.Tensor else g.layout == w.layout and torch.equal(g.to_local(), w.to_local())
+            for g, w in zip(got, want)]
+    ops = sorted({line.split("_c10d_functional.")[1].split(".")[0] for line in codes[0].splitlines()
+                  if "_c10d_functional." in line})
+    return same, ops
+
+
+def test_every_plan_step_kind_traces_to_functional_collectives():
+    results = run_on_ranks(traced_moves, 4, timeout_s=180)
+    for rank, (same, ops) in enumerate(results):
+        assert all(same), f"rank {rank}: compiled moves that differ from eager: {same}"
+        assert {"all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast"} <= set(ops), ops
+
+
+# -- axedist's collectives and fused kernels as custom ops ---------------------------------------
+
+def custom_ops(rank, world, seed):
+    from axedist import collectives as C
+    group = dist.group.WORLD
+    torch.manual_seed(seed + rank)
+    checks = {}
+
+    def gathered(t):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.detach().contiguous())
+        return torch.cat(parts)
+
+    # collectives, fp64: forward against torch.distributed, gradients against their rules
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 3, dtype=torch.float64)  # a different weight per rank: gradients differ per rank
+    rs, ag, ar = C.reduce_scatter(x, group), C.all_gather(x, group), C.all_reduce(x, group)
+    total = x.detach().clone()
+    dist.all_reduce(total)
+    checks["collectives forward"] = (torch.allclose(rs, total.chunk(world)[rank]) and torch.equal(ag, gathered(x))
+                                     and torch.allclose(ar, total))
+    ((rs * w[:rs.shape[0], :]).sum() + (ag * ag).sum() + (ar * x.detach()).sum()).backward()
+    expected = gathered(w[:rs.shape[0], :]) + 2 * x.detach() * world + x.detach()
+    checks["collectives grad"] = torch.allclose(x.grad, expected)
+
+    # fused ops, bf16 operands; references in fp32 with torch's differentiable functional collectives
+    import torch.distributed._functional_collectives as fc
+    a = torch.randn(8, 4, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(4, 6, dtype=torch.bfloat16, requires_grad=True)
+    outs = [C.gemm_reduce_scatter(a, b, group), C.all_gather_gemm(a[:4], b, group), C.gemm_all_reduce(a, b, group)]
+    sum(o.float().square().sum() for o in outs).backward()
+    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    product = a32 @ b32
+    refs = [fc.reduce_scatter_tensor_autograd(product, "sum", 0, group),
+            fc.all_gather_tensor_autograd(a32[:4], 0, group) @ b32,
+            product + fc.all_reduce(product.detach(), "sum", group) - product.detach()]  # grad passes through
+    sum(r.square().sum() for r in refs).backward()
+    checks["fused forward"] = [_relative(o, r) for o, r in zip(outs, refs) if not _relative(o, r) < 1e-2]
+    checks["fused grad"] = [e for e in (_relative(a.grad, a32.grad), _relative(b.grad, b32.grad)) if not e < 1e-2]
+
+    # the same calls compiled: one graph of custom ops, the same values
+    def f(x, a, b):
+        return (C.reduce_scatter(x, group).sum() + C.all_gather(x, group).sum() + C.all_reduce(x, group).sum(),
+                C.gemm_reduce_scatter(a, b, group), C.all_gather_gemm(a, b, group), C.gemm_all_reduce(a, b, group))
+
+    _fresh_dynamo()
+    codes: list = []
+    with torch.no_grad():
+        got = torch.compile(f, backend=capture(codes), fullgraph=True)(x, a, b)
+        want = f(x, a, b)
+    _fresh_dynamo()
+    checks["compiled"] = all(torch.equal(g, h) for g, h in zip(got, want))
+    names = ("reduce_scatter", "all_gather", "all_reduce", "gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce")
+    checks["in graph"] = [n for n in names if f"torch.ops.axedist.{n}.default" not in codes[0]]
+    # schema, fake tensor, autograd registration and tracing checks of torch.library
+    for op, args in ((torch.ops.axedist.gemm_reduce_scatter, (a, b, group.group_name, 0, "auto")),
+                     (torch.ops.axedist.all_gather, (x, group.group_name, "auto"))):
+        torch.library.opcheck(op, args)
+    return checks
+
+
+def test_collectives_and_fused_kernels_are_custom_ops():
+    seed = random.randrange(2**31)
+    for rank, checks in enumerate(run_on_ranks(custom_ops, 2, args=(seed,), timeout_s=180)):
+        failed = [k for k, v in checks.items() if v is not True and v != []]
+        assert not failed, f"rank {rank} (seed {seed}): {failed}: {checks}"
+
+
+# -- the fused kernels, chosen layout-driven, appear in the compiled graph -------------------------
+
+def forced_fused_block(rank, world, seed):
+    """The CUDA decisions forced on CPU (the custom ops then run torch's implementations): the
+    deferred row-parallel product goes to gemm_reduce_scatter, the deferred sequence gather to
+    all_gather_gemm, exactly as eager decides them on CUDA."""
+    from axedist import collectives
+    from axedist.runtime import deferred
+
+    torch.manual_seed(seed)
+    model = Llama(CFG).to(torch.bfloat16)
+    mesh = DeviceMesh("cpu", (world,))
+    parallelize(model, mesh, llama_tp_plan(CFG))
+    block = model.layers[0]
+    x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim, dtype=torch.bfloat16), mesh, [Shard(0)])
+    cos, sin = model.rope_cos[:8].to(torch.bfloat16), model.rope_sin[:8].to(torch.bfloat16)
+
+    def run(fn):
+        y = fn(x, cos, sin)
+        (y.float() ** 2).sum().backward()
+        grads = {n: p.grad.full_tensor() for n, p in block.named_parameters()}
+        block.zero_grad()
+        return y.full_tensor(), grads
+
+    want = run(block)  # eager, nothing forced
+    choice, plan_ag = deferred.fused_choice, collectives.plan_all_gather_gemm
+
+    def fused(spec, pending, dst):
+        step = choice(spec, pending, dst)
+        return None if step is None else dataclasses.replace(step, fused=True)
+
+    def gather_plan(*args, **kwargs):
+        return dataclasses.replace(plan_ag(*args, **kwargs), backend="p2p")
+
+    policies = (DTensor.dispatcher.defer_gemm, deferred.defer_gathers())
+    deferred.fused_choice, collectives.plan_all_gather_gemm = fused, gather_plan
+    DTensor.dispatcher.defer_gemm = "always"
+    deferred.defer_gathers("always")
+    _fresh_dynamo()
+    codes: list = []
+    try:
+        got = run(torch.compile(block, backend=capture(codes), fullgraph=True))
+    finally:
+        deferred.fused_choice, collectives.plan_all_gather_gemm = choice, plan_ag
+        DTensor.dispatcher.defer_gemm = policies[0]
+        deferred.defer_gathers(policies[1])
+        _fresh_dynamo()
+    same = _relative(got[0], want[0].float()) < 2e-2 and all(
+        _relative(got[1][n], want[1][n].float()) < 2e-2 for n in want[1])
+    return same, [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"axedist.{op}" not in codes[0]]
+
+
+def test_fused_kernels_chosen_by_layout_are_custom_ops_in_the_graph():
+    seed = random.randrange(2**31)
+    for rank, (same, missing) in enumerate(run_on_ranks(forced_fused_block, 2, args=(seed,))):
+        assert same, f"rank {rank} (seed {seed}): compiled block with the fused ops differs from eager"
+        assert not missing, f"rank {rank}: the forward graph lacks {missing}"
+
+
+# -- Inductor (C++ on CPU): one small module ---------------------------------------------------------
+
+def inductor_mlp(rank, world, seed):
+    torch.manual_seed(seed)
+    base = Llama(CFG).double()
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    mesh = DeviceMesh("cpu", (world,))
+    for model in (eager, compiled):
+        parallelize(model, mesh, llama_tp_plan(CFG))
+    mlps = eager.layers[0].feed_forward, compiled.layers[0].feed_forward
+    _fresh_dynamo()
+    mlps[1].compile(backend="inductor", fullgraph=True)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in mlps]
+    graphs = []
+    for step in range(2):
+        x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim, dtype=torch.float64), mesh, [Shard(0)])
+        outs = []
+        for mlp in mlps:
+            y = mlp(x)
+            (y * y).sum().backward()
+            outs.append(y.full_tensor())
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-10)
+        for (name, p), q in zip(mlps[0].named_parameters(), mlps[1].parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), rtol=1e-9, atol=1e-10,
+                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    failures = _guard_failures()
+    _fresh_dynamo()
+    return graphs, failures
+
+
+def test_inductor_compiles_the_parallel_mlp_like_eager():
+    # two graphs: module.compile() compiles the module's input hook (the sequence all-gather) and
+    # its forward as two frames; the second step compiles nothing
+    for rank, (graphs, failures) in enumerate(run_on_ranks(inductor_mlp, 2, args=(random.randrange(2**31),),
+                                                           timeout_s=600)):
+        assert graphs[0] == graphs[1] and not failures, f"rank {rank}: graphs {graphs}; guard failures: {failures}"
+
+
+def test_train_script_compiles_its_blocks(tmp_path):
+    returncode, stdout, stderr = run_torchrun(
+        ["launch/train_tp.py", "--compile", "aot_eager", "--steps", "3", "--log-every", "3", "--seq", "8",
+         "--batch", "2", "--dim", "16", "--vocab", "32", "--layers", "2", "--no-checkpoint", "--out", str(tmp_path)],
+        2, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "each transformer block compiled" in stdout and "training finished" in stdout
+    losses = json.loads((tmp_path / "losses.json").read_text())["loss"]
+    assert len(losses) == 3 and all(v == v for v in losses)
