@@ -73,11 +73,13 @@ def grads_body(rank, world, device="cpu", backend="auto", seed=0):
     torch.testing.assert_close(ga.float(), x_ref.grad[rows], rtol=0, atol=0)
     torch.testing.assert_close(gb.float(), w_ref.grad[:, cols], rtol=0, atol=0)
 
-    # out= does not take part in autograd: refused rather than left without a gradient
+    # out=, timeout_s= and check= do not take part in autograd: refused rather than left without a gradient
     a = a_all[rank].clone().requires_grad_()
-    with pytest.raises(ValueError, match="out= takes no part in autograd"):
+    with pytest.raises(ValueError, match="out=, timeout_s= and check= take no part in autograd"):
         gemm_reduce_scatter(a, b_all[rank], None, backend=backend, out=torch.empty(m // world, n, device=device,
                                                                                      dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="take no part in autograd"):
+        all_gather_gemm(a, w[:, cols], None, backend=backend, check=True)
     return checked
 
 

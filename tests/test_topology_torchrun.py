@@ -70,12 +70,14 @@ def test_two_torchrun_nodes_run_the_demo_and_the_training_job(tmp_path):
         assert "   " + plan.replace("\n", "\n   ") in text, plan
     assert text.count("ok: full_tensor() on every rank equals the global tensor ([") == 3
 
-    # the tensor-parallel training job on the 4 processes of both agents
+    # the training job on the 4 processes of both agents: fully sharded over dp across the two
+    # nodes, tensor parallel over tp inside each
     runs = launch_nodes(["launch/train_tp.py", "--steps", "4", "--log-every", "2", "--seq", "8", "--batch", "2",
                          "--dim", "16", "--vocab", "32", "--layers", "1", "--out", str(tmp_path / "train"),
                          "--no-checkpoint"])
     text = "\n".join(out for _, out in runs)
     assert [code for code, _ in runs] == [0, 0], text[-4000:]
-    assert "mesh DeviceMesh('cpu', [0, 1, 2, 3], axes=('gpuid',), gpuid=4 (inter-node), 2 hosts of 2 rank(s))" in text
+    assert ("mesh DeviceMesh('cpu', [[0, 1], [2, 3]], axes=('dp', 'tp'), dp=2 (inter-node) x tp=2 (intra-node), "
+            "2 hosts of 2 rank(s))") in text
     assert "step    4" in text and "training finished" in text
     assert (tmp_path / "train" / "losses.json").exists()
