@@ -273,8 +273,11 @@ def main(argv=None) -> None:
                                                 for u in fsdp_units(model)))
     say("")
     if args.compile:
-        for block in model.layers:  # one graph each, collectives included; the blocks share it
-            block.compile(backend=args.compile, fullgraph=True)
+        # each block's forward is one graph, its TP collectives included (the blocks share it);
+        # the hooks fully_shard puts on the block (gather before, free and reduce-scatter after)
+        # stay outside it, as torch's FSDP2 hooks stay outside a compiled block
+        for block in model.layers:
+            block.forward = torch.compile(block.forward, backend=args.compile, fullgraph=True)
         say(f"each transformer block compiled (torch.compile, backend {args.compile}, fullgraph=True)")
 
     first, losses = resume(args, model, optimizer, cfg)

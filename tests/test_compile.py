@@ -366,11 +366,17 @@ def test_inductor_compiles_the_parallel_mlp_like_eager():
 
 
 def test_train_script_compiles_its_blocks(tmp_path):
-    returncode, stdout, stderr = run_torchrun(
-        ["launch/train_tp.py", "--compile", "aot_eager", "--steps", "3", "--log-every", "3", "--seq", "8",
-         "--batch", "2", "--dim", "16", "--vocab", "32", "--layers", "2", "--no-checkpoint", "--out", str(tmp_path)],
-        2, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "each transformer block compiled" in stdout and "training finished" in stdout
-    losses = json.loads((tmp_path / "losses.json").read_text())["loss"]
-    assert len(losses) == 3 and all(v == v for v in losses)
+    """launch/train_tp.py --compile on 4 ranks, dp=2 x tp=2 (fully sharded hooks around the
+    compiled blocks): the same losses as the eager run."""
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "aot_eager"])):
+        returncode, stdout, stderr = run_torchrun(
+            ["launch/train_tp.py", *extra, "--steps", "3", "--log-every", "3", "--seq", "8", "--batch", "4",
+             "--dim", "16", "--vocab", "32", "--layers", "2", "--no-checkpoint", "--out", str(tmp_path / name)],
+            4, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert "fully sharded data x" in stdout and "training finished" in stdout
+        assert ("each transformer block compiled" in stdout) == bool(extra)
+        losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["loss"]
+    assert len(losses["compiled"]) == 3
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5), losses
