@@ -33,6 +33,7 @@ _LAZY = {
     "Link": "topology",
     "DTensor": "dtensor",
     "distribute": "dtensor",
+    "distribute_tensor": "dtensor",
     "from_torch": "dtensor",
     "layout_from_placements": "spec",
     "placements_from_layout": "spec",

@@ -22,13 +22,12 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch._library.opaque_object import register_opaque_type
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import autograd
 from .env import read as read_environment
 from .layout import Layout, LayoutError
-from .mesh import DeviceMesh, MeshError
+from .mesh import DeviceMesh, MeshError, as_mesh
 from .peers import RankDisagreementError, agree, announce_failure, is_peer_failure, peer_error, rank_listing
 from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
@@ -45,6 +44,7 @@ __all__ = [
     "DTensor",
     "plan",
     "distribute",
+    "distribute_tensor",
     "from_torch",
     "fused_gemm_stats",
     "layout_from_placements",
@@ -123,6 +123,27 @@ def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, 
 def _shape_text(row) -> str:
     dtype = _DTYPES[row[1]] if row[1] >= 0 else "an unsupported dtype"
     return f"{tuple(row[3:3 + row[2]])} {dtype}"
+
+
+def _is_torch_mesh(value) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    return isinstance(value, TorchMesh)
+
+
+def _torch_spelling(what: str, mesh, device_mesh, target, placements) -> tuple[DeviceMesh, object]:
+    """``(mesh, target)`` from axedist's arguments or torch's keywords (``device_mesh=``,
+    ``placements=``): a torch mesh converted, no placements meaning Replicate on every axis."""
+    if mesh is not None and device_mesh is not None:
+        raise TypeError(f"{what}: the mesh given twice (mesh and device_mesh=)")
+    if target is not None and placements is not None:
+        raise TypeError(f"{what}: the target given twice (a layout or placements, and placements=)")
+    mesh = mesh if mesh is not None else device_mesh
+    if mesh is None:
+        raise TypeError(f"{what} needs a mesh (axedist keeps no current mesh): pass an axedist or torch DeviceMesh")
+    mesh = as_mesh(mesh)
+    target = target if target is not None else placements
+    return mesh, (target if target is not None else (Replicate(),) * mesh.ndim)
 
 
 # ---------------------------------------------------------------------------
@@ -289,10 +310,15 @@ class DTensor(torch.Tensor):
     # -- construction ----------------------------------------------------------
 
     @staticmethod
-    def from_local(local: torch.Tensor, mesh: DeviceMesh, layout_or_placements, shape: Sequence[int] | None = None, *,
-                   padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
-                   run_check: bool = False) -> "DTensor":
+    def from_local(local: torch.Tensor, mesh: DeviceMesh | None = None, layout_or_placements=None,
+                   shape: Sequence[int] | None = None, *, padded_shape: Sequence[int] | None = None,
+                   reduce_op: str | None = None, run_check: bool = False, device_mesh=None, placements=None,
+                   stride: Sequence[int] | None = None) -> "DTensor":
         """This rank's piece of a global tensor (no data moves).
+
+        torch's spelling works too: ``DTensor.from_local(local, device_mesh=mesh, placements=[Shard(0)],
+        shape=..., stride=...)`` with a torch or axedist mesh; no placements means Replicate on
+        every axis (as torch); ``stride`` must be the global shape's contiguous strides.
 
         With placements, ``local`` follows torch's convention (``shape`` for uneven dims;
         default: every shard as large as this one). With a layout, ``shape`` is required
@@ -305,6 +331,8 @@ class DTensor(torch.Tensor):
         whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
         a collective of mismatched sizes.
         """
+        mesh, layout_or_placements = _torch_spelling("from_local", mesh, device_mesh, layout_or_placements,
+                                                     placements)
         if _dynamo_tracing():  # a graph break: it runs eagerly (pass DTensors into compiled code)
             return _from_local_eagerly(local, mesh, layout_or_placements, shape, padded_shape=padded_shape,
                                        reduce_op=reduce_op, run_check=run_check)
@@ -356,6 +384,10 @@ class DTensor(torch.Tensor):
             raise error
         if local.device != mesh.device:
             raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
+        if stride is not None and tuple(stride) != tuple(contiguous_strides(spec.shape)):
+            raise LayoutError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
+                              f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
+                              f"axedist DTensors are row-major in their global shape")
         return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements))
 
     # -- reading -------------------------------------------------------------------
@@ -384,6 +416,11 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """torch's name for ``mesh``."""
+        return self._spec.mesh
+
+    @property
     def padded_shape(self) -> tuple[int, ...]:
         return self._spec.padded
 
@@ -397,15 +434,32 @@ class DTensor(torch.Tensor):
 
     # -- moving --------------------------------------------------------------------
 
-    def redistribute(self, layout_or_placements, *, padded_shape: Sequence[int] | None = None,
-                     reduce_op: str | None = None, async_op: bool = False) -> "DTensor":
+    def redistribute(self, layout_or_placements=None, placements=None, *, device_mesh=None,
+                     padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
+                     async_op: bool = False) -> "DTensor":
         """The same global tensor in another layout (or placements) on the same mesh.
 
         Differentiable: the gradient goes back to this tensor's layout (a pending reduction's
         gradient is replicated on its axes, as in torch). ``async_op=True`` starts the
         communication and returns at once; the result's data is waited for on its first use
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
+        torch's spelling works too: ``x.redistribute(x.device_mesh, [Replicate()])`` or
+        ``x.redistribute(device_mesh=mesh, placements=[Shard(1)])`` (the mesh must be this
+        tensor's; no placements: no move).
         """
+        if isinstance(layout_or_placements, DeviceMesh) or _is_torch_mesh(layout_or_placements):
+            if device_mesh is not None:
+                raise TypeError("redistribute: the mesh given twice (positionally and as device_mesh=)")
+            device_mesh, layout_or_placements = layout_or_placements, None
+        if device_mesh is not None and as_mesh(device_mesh) != self.mesh:
+            raise MeshError(f"redistribute moves a tensor within its mesh {self.mesh}; device_mesh= names "
+                            f"{as_mesh(device_mesh)}")
+        if layout_or_placements is not None and placements is not None:
+            raise TypeError("redistribute: the target given twice (a layout or placements, and placements=)")
+        layout_or_placements = layout_or_placements if layout_or_placements is not None else placements
+        if layout_or_placements is None:  # torch: no placements, no move
+            agree_on_move(self._spec, self._spec, self._value.element_size())
+            return self
         if _dynamo_tracing():
             return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
                                           async_op=async_op)
@@ -495,8 +549,27 @@ _NODES: dict = {}
 def _register_graph_nodes() -> None:
     for name in ("to_local", "full_tensor", "redistribute", "to_partial"):
         _NODES[name] = graph_node(getattr(DTensor, name))
-# Layouts are constants of a traced graph (guarded by ==, the same map): redistribute(layout) traces.
-register_opaque_type(Layout, typ="value")
+
+
+def _layouts_as_graph_constants() -> bool:
+    """Layouts are constants of a traced graph (guarded by ==, the same map), so
+    ``redistribute(layout)`` traces. torch's registration of such value types is private and
+    has changed between releases: where this torch has none that fits, compiled code cannot
+    take a layout argument (placements still work) and eager is unaffected."""
+    try:
+        from torch._library.opaque_object import register_opaque_type
+    except ImportError:
+        return False
+    for spelling in ({"typ": "value"}, {"value_type": True}):
+        try:
+            register_opaque_type(Layout, **spelling)
+            return True
+        except TypeError:
+            continue
+    return False
+
+
+LAYOUTS_TRACE = _layouts_as_graph_constants()
 
 # Torch ops reach the dispatcher (axedist.ops) through these two handlers; the class owns it.
 DTensor.dispatcher = OpDispatcher(DTensor)
@@ -584,6 +657,20 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
     else:
         local = tensor.new_empty((0,) * len(shape), device=mesh.device)  # other ranks' data is never read
     return autograd.distribute(DTensor, tensor, local, src, dst)
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *, src_data_rank: int | None = 0) -> DTensor:
+    """torch's ``distribute_tensor``, spelled as torch spells it: a torch or axedist mesh, no
+    placements meaning Replicate on every axis, the values from the rank at index
+    ``src_data_rank`` of every mesh axis (0: the mesh's first rank; None: every rank keeps its
+    own values, nothing is sent).
+
+        >>> distribute_tensor(torch.arange(8.), init_device_mesh("cpu", (4,)), [Shard(0)]).to_local()  # rank 3
+        tensor([6., 7.])
+    """
+    mesh, placements = _torch_spelling("distribute_tensor", None, device_mesh, None, placements)
+    src = None if src_data_rank is None else mesh.rank_at({axis: src_data_rank for axis in mesh.axis_names})
+    return distribute(tensor, mesh, placements, src_rank=src)
 
 
 def _distribute_target(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, padded_shape,

@@ -42,7 +42,8 @@ from .peers import DEFAULT_TIMEOUT_S, choose_timeout, collective_timeout_s
 from .tracing import keep_on_copy
 from .topology import HOST_SIZE_ENV, INTER_NODE, INTRA_NODE, AxisLink, Link, Network, Topology
 
-__all__ = ["DeviceMesh", "MeshError", "TopologyWarning", "group_hosts", "group_topology", "init_mesh", "job_topology"]
+__all__ = ["DeviceMesh", "MeshError", "TopologyWarning", "as_mesh", "group_hosts", "group_topology", "init_mesh",
+           "job_topology"]
 
 _DEFAULT_NAMES = {1: ("gpuid",), 2: ("gpuid_x", "gpuid_y"), 3: ("gpuid_x", "gpuid_y", "gpuid_z")}
 # Process groups by (backend, sorted ranks, simulated hosts or None); new_group is collective,
@@ -499,3 +500,15 @@ def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str
         shape = (dist.get_world_size(),)
     return DeviceMesh(device_type, shape, axis_names, ranks, host_size=host_size, links=links,
                       intra_node_axes=intra_node_axes)
+
+
+def as_mesh(mesh) -> DeviceMesh:
+    """``mesh`` as an axedist mesh: an axedist mesh as it is, a torch ``DeviceMesh`` converted
+    (``DeviceMesh.from_torch``: made once, sub-meshes included)."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    if isinstance(mesh, TorchMesh):
+        return DeviceMesh.from_torch(mesh)
+    raise TypeError(f"expected an axedist or torch DeviceMesh, got {type(mesh).__name__}")

@@ -167,3 +167,54 @@ def _losses(rank, world, seed):
 def test_loss_parallel_takes_plain_labels_as_replicated():
     assert run_on_ranks(_losses, 4, args=(random.randrange(2**31),)) == [True] * 4
 
+
+
+def _dtensor_calls(api, mesh, seed):
+    """A torch DTensor script's calls, written once; ``api`` supplies ``distribute_tensor`` and
+    ``DTensor`` (torch's or axedist's). Returns every tensor it reads back."""
+    Sh, R = Shard, Replicate
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    x = api.distribute_tensor(full, mesh, [Sh(0)])
+    out = [x.to_local(), x.full_tensor()]
+    assert x.device_mesh is not None and tuple(x.placements) == (Sh(0),)
+    y = x.redistribute(x.device_mesh, [Sh(1)])                  # positional mesh, placements
+    out += [y.to_local(), y.redistribute(device_mesh=mesh, placements=[R()]).to_local()]
+    local = torch.randn(2, 6, generator=g, dtype=torch.float64)  # every rank draws the same
+    z = api.DTensor.from_local(local, device_mesh=mesh, placements=[Sh(0)], shape=(8, 6), stride=(6, 1))
+    out += [z.full_tensor(), z.redistribute(placements=[R()]).to_local()]
+    w = api.DTensor.from_local(local, mesh)                     # no placements: Replicate
+    out += [w.to_local(), torch.tensor([p == R() for p in w.placements])]
+    v = api.distribute_tensor(full, mesh)                        # no placements: Replicate
+    out += [v.to_local()]
+    return out
+
+
+def _torch_dtensor_api(rank, world, seed):
+    import types
+
+    import torch.distributed.tensor as torch_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    want = _dtensor_calls(torch_dtensor, mesh, seed)
+    got = _dtensor_calls(types.SimpleNamespace(distribute_tensor=ax.distribute_tensor, DTensor=DTensor), mesh, seed)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # what axedist refuses where torch would differ or guess
+    x = ax.distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)])
+    for call, text in ((lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Shard(0)], shape=(8, 6), stride=(1, 8)),
+                        "contiguous stride"),
+                       (lambda: x.redistribute(ax.DeviceMesh("cpu", (world,), ("other",)), [Replicate()]), "within its mesh"),
+                       (lambda: x.redistribute([Replicate()], placements=[Replicate()]), "given twice"),
+                       (lambda: DTensor.from_local(torch.zeros(2, 6), None, [Shard(0)]), "needs a mesh")):
+        with pytest.raises((TypeError, ValueError), match=text):
+            call()
+    return True
+
+
+def test_torch_dtensor_api_spelled_as_torch():
+    """distribute_tensor, DTensor.from_local(device_mesh=, placements=, shape=, stride=),
+    redistribute(mesh, placements) / (device_mesh=, placements=), .device_mesh: the same values
+    as torch's DTensor for the same calls on a torch mesh."""
+    assert run_on_ranks(_torch_dtensor_api, 4, args=(random.randrange(2**31),)) == [True] * 4

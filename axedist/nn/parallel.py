@@ -48,7 +48,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..dtensor import DTensor, distribute
 from ..layout import Layout, LayoutError
 from ..planning import plan_layouts
-from ..mesh import DeviceMesh
+from ..mesh import DeviceMesh, as_mesh
 from ..tracing import compiling
 
 __all__ = [
@@ -617,18 +617,6 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
     mesh = as_mesh(device_mesh)
     src_rank = None if src_data_rank is None else mesh.ranks[src_data_rank]
     return parallelize(module, mesh, parallelize_plan, src_rank=src_rank)
-
-
-def as_mesh(mesh) -> DeviceMesh:
-    """``mesh`` as an axedist mesh: an axedist mesh as it is, a torch ``DeviceMesh`` converted
-    (``DeviceMesh.from_torch``: made once, sub-meshes included)."""
-    if isinstance(mesh, DeviceMesh):
-        return mesh
-    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-    if isinstance(mesh, TorchMesh):
-        return DeviceMesh.from_torch(mesh)
-    raise TypeError(f"expected an axedist or torch DeviceMesh, got {type(mesh).__name__}")
 
 
 def describe(module: nn.Module) -> str:
