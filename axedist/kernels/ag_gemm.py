@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from .gemm import gemm_tile, grouped_tile, tma_compatible
-from .gemm_rs import descriptor, prepare_operands
+from .gemm_rs import descriptor
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
-                         multimem_st_16bytes, peer_pointers, pick, shift8, st_release_sys,
+                         multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
 
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .gemm import gemm_tile, tma_compatible
-from .gemm_rs import descriptor, prepare_operands
+from .gemm_rs import descriptor
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, fence_acq_rel_sys, finish_call, load_reduce, peer_pointers,
                          pick, shift8, st_release_sys, wait_flag)

@@ -18,7 +18,6 @@ with an even split) moves to the new dim index; anything else is replicated firs
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -74,7 +73,7 @@ def _reshape_placements(spec: ArgSpec, new: tuple, mesh) -> tuple:
     for a, b in _groups(old, new):
         for k, d in enumerate(a):
             where[d] = (a, b, k)
-    out, keep = [], []
+    out = []
     for axis_index, (k, p) in enumerate(zip(mesh.shape, spec.placements)):
         if isinstance(p, Shard):
             a, b, pos = where[p.dim]
