@@ -512,6 +512,14 @@ def _views_and_sums(rank, world, seed):
     twice = c[2] + c[2]
     assert plan(twice, [Shard(0)]).fused.products == 2
     assert torch.allclose(twice.redistribute([Shard(0)]).full_tensor(), 2 * refs[2])
+    # a sum inside a sum used on its own first: the outer one says so and adds the value
+    c = products()
+    inner = c[0] + c[1]
+    outer = inner + c[2]
+    assert repr(outer._pending) == f"DeferredSum({[1, s * b, n]}: 3 products, unrun)"
+    inner.to_local()
+    assert "already ran" in plan(outer, [Shard(0)]).fused.reason
+    assert torch.allclose(outer.redistribute([Shard(0)]).full_tensor(), sum(refs))
     return True
 
 

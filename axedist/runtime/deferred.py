@@ -120,6 +120,11 @@ class DeferredGemm:
     def view(self, shape: tuple) -> "DeferredView":
         return DeferredView(self, tuple(shape))
 
+    def __repr__(self) -> str:
+        if self.value is not None:
+            return f"DeferredGemm({list(self.shape)}: computed)"
+        return f"DeferredGemm({list(self.a.shape)} @ {list(self.b.shape)} -> {list(self.shape)}: unrun)"
+
 
 class DeferredSum:
     """``left + right`` of two pending products (or sums) of one local shape, not yet run: a
@@ -127,7 +132,9 @@ class DeferredSum:
 
     ``wait()`` adds the two values as the add would have; a fused reduce-scatter instead runs
     once on the terms' operands concatenated along K (``sum_i a_i @ b_i = [a_1 .. a_n] @
-    [b_1; ..; b_n]``).
+    [b_1; ..; b_n]``). Two ranks, the input gradient of wq [8 -> 16] and wk [8 -> 4] on 12
+    rows: each rank's terms are ``[12, 8] @ [8, 8]`` and ``[12, 2] @ [2, 8]``; fused, one
+    ``[12, 10] @ [10, 8]`` GEMM + reduce-scatter gives each rank its ``[6, 8]`` rows.
     """
 
     __slots__ = ("left", "right", "shape", "value", "traced", "__weakref__")
@@ -143,7 +150,8 @@ class DeferredSum:
         return self.value
 
     def terms(self) -> tuple:
-        return self.left.terms() + self.right.terms()
+        """The products it sums (itself, once computed: a term that already ran)."""
+        return (self,) if self.value is not None else self.left.terms() + self.right.terms()
 
     def plain(self) -> bool:
         return self.value is None and self.left.plain() and self.right.plain()
@@ -154,12 +162,18 @@ class DeferredSum:
                    for part in (self.left, self.right))
 
     def nodes(self) -> tuple:
-        """This sum and every sum and product under it."""
+        """This sum and every sum and product under it (not yet computed)."""
+        if self.value is not None:
+            return (self,)
         return (self,) + tuple(n for part in (self.left, self.right)
                                for n in (part.nodes() if type(part) is DeferredSum else (part,)))
 
     def view(self, shape: tuple) -> "DeferredView":
         return DeferredView(self, tuple(shape))
+
+    def __repr__(self) -> str:
+        state = "computed" if self.value is not None else f"{len(self.terms())} products, unrun"
+        return f"DeferredSum({list(self.shape)}: {state})"
 
 
 def _reads(tensors, storages: set) -> bool:
@@ -387,6 +401,10 @@ class DeferredGather:
 
     def reads(self, storages: set) -> bool:
         return _reads((self.local,), storages)
+
+    def __repr__(self) -> str:
+        state = "computed" if self.value is not None else "unrun"
+        return f"DeferredGather({self.src} -> {self.dst} over {self.axis}: {state})"
 
     def view(self, shape: tuple) -> "DeferredView":
         return DeferredView(self, tuple(shape))
