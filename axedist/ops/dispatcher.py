@@ -426,9 +426,9 @@ class OpDispatcher:
             return None
         targets = {id(d): t for d, t in zip(dts, plan.targets)}
         out = plan.outputs[0]
-        if targets[id(a)] is not None or func not in (aten.mm.default, aten.addmm.default) and any(
-                t is not None for t in plan.targets):
-            return None
+        if targets[id(a)] is not None or (func not in (aten.mm.default, aten.addmm.default)
+                                          and any(t is not None for t in plan.targets)):
+            return None  # a view or an add that moves data first is not the op on the pending value
         if func is aten.add.Tensor:
             # the add itself, on the local values as they stand (nothing moves, no rule's own code)
             if plan.sharding.local is not None or out.spec != a._spec \
