@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
-from .runtime.deferred import DeferredGemm, defer_gather, fused_collective, placeholder
+from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
 from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
@@ -50,14 +50,15 @@ def redistribute(dt, dst: DTensorSpec, async_op: bool = False):
 
 
 def move(dt, dst: DTensorSpec, async_op: bool = False):
-    """``dt`` moved to ``dst``, outside autograd: a deferred product's row reduce-scatter or
-    all-reduce runs fused where it can; a row all-gather of a CUDA bf16/fp16 matrix is deferred
-    (an mm with column-sharded weights then runs it fused); ``async_op`` returns at once and
-    waits on the first use of the data."""
+    """``dt`` moved to ``dst``, outside autograd: a deferred product's (or a sum or view of
+    deferred products') row reduce-scatter or all-reduce runs fused where it can; a row
+    all-gather of a CUDA bf16/fp16 matrix is deferred (an mm with column-sharded weights then
+    runs it fused); ``async_op`` returns at once and waits on the first use of the data.
+    Gradients move through here too (``redistribute``'s backward)."""
     cls = type(dt)
     pending = dt._pending
     async_op = async_op and not compiling()  # a traced graph's collectives are scheduled by the compiler
-    if isinstance(pending, DeferredGemm) and pending.value is None:
+    if pending is not None and pending_product(pending) is not None:
         agree_on_move(dt._spec, dst, dt._value.element_size())  # (redistribute_local does it on the unfused path)
         fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:
@@ -149,10 +150,14 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         target = grad_spec(ctx.src)
+        if not isinstance(grad, ctx.cls):
+            raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
         if grad._spec == target:
             agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
             return grad, None, None
-        return ctx.cls(redistribute_local(grad._local, grad._spec, target), target), None, None
+        # through move: a gradient that is a deferred product (a column-parallel linear's input
+        # gradient, reduce-scattered back to sequence shards) reaches the fused GEMM + RS
+        return move(grad, target), None, None
 
 
 class _Distribute(torch.autograd.Function):

@@ -34,7 +34,7 @@ from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
 from .runtime import agree_on_move
-from .runtime.deferred import DeferredGemm, fused_choice, fused_gemm_stats
+from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
@@ -588,10 +588,10 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
         plan S[(4,2,6):(1@gpuid,6,1)] -> S[(8,6):(6,1)] + R[4:1@gpuid], ...
           1. all-gather over gpuid (1 group of 4): each member sends 144 B, receives 144 B
 
-    ``src`` the pending sum of a deferred ``mm``/``addmm`` (``runtime/deferred.py``) and ``dst``
-    its rows sharded on the summed axis: the route's ``fused`` step says whether the fused GEMM +
-    reduce-scatter runs; its text is ``fused GEMM + reduce-scatter: ...``, or the GEMM, the
-    route, and why not fused.
+    ``src`` the pending sum of a deferred ``mm``/``addmm`` (``runtime/deferred.py``; also a view
+    of one, or a sum of several) and ``dst`` its rows sharded on the summed axis: the route's
+    ``fused`` step says whether the fused GEMM + reduce-scatter runs; its text is ``fused GEMM +
+    reduce-scatter: ...``, or the GEMM, the route, and why not fused.
     """
     if isinstance(src, DTensor):
         src_spec, mesh, itemsize = src._spec, src.mesh, itemsize or src.element_size()
@@ -606,7 +606,7 @@ def plan(src, dst, *, mesh: DeviceMesh | None = None, shape: Sequence[int] | Non
         dst_spec = target_spec(src_spec, dst, None, None)
     itemsize = itemsize or 4
     route = plan_redistribute(src_spec, dst_spec, itemsize)
-    if isinstance(src, DTensor) and isinstance(src._pending, DeferredGemm) and src._pending.value is None:
+    if isinstance(src, DTensor) and src._pending is not None and pending_product(src._pending) is not None:
         step = fused_choice(src_spec, src._pending, dst_spec)
         if step is not None:
             return dataclasses.replace(route, fused=step)

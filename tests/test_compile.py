@@ -313,14 +313,18 @@ def forced_fused_block(rank, world, seed):
         _fresh_dynamo()
     same = _relative(got[0], want[0].float()) < 2e-2 and all(
         _relative(got[1][n], want[1][n].float()) < 2e-2 for n in want[1])
-    return same, [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"axedist.{op}" not in codes[0]]
+    missing = [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"axedist.{op}" not in codes[0]]
+    # backward: the summed input gradients of wq/wk/wv and w1/w3, reduce-scattered back to sequence shards
+    backward = codes[1].count("axedist.gemm_reduce_scatter") if len(codes) > 1 else 0
+    return same, missing, backward
 
 
 def test_fused_kernels_chosen_by_layout_are_custom_ops_in_the_graph():
     seed = random.randrange(2**31)
-    for rank, (same, missing) in enumerate(run_on_ranks(forced_fused_block, 2, args=(seed,))):
+    for rank, (same, missing, backward) in enumerate(run_on_ranks(forced_fused_block, 2, args=(seed,))):
         assert same, f"rank {rank} (seed {seed}): compiled block with the fused ops differs from eager"
         assert not missing, f"rank {rank}: the forward graph lacks {missing}"
+        assert backward >= 2, f"rank {rank}: the backward graph has {backward} fused GEMM + reduce-scatters"
 
 
 # -- Inductor (C++ on CPU): one small module ---------------------------------------------------------

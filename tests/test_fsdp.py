@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from axedist.dtensor import DTensor
+from axedist.dtensor import DTensor, fused_gemm_stats
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh, MeshError
 from axedist.nn import checkpoint, fsdp_units, fully_shard, parallelize, replicate
@@ -65,6 +65,10 @@ def _matches_one_process(rank, world, s, shape, names, case):
     if not hsdp:
         parallelize(par, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=case.get("sp", True)))
     for layer in par.layers:
+        if case.get("linear_units"):  # each projection its own unit: freed as soon as its input's gradient is in
+            for name, sub in layer.named_modules():
+                if isinstance(sub, torch.nn.Linear):
+                    fully_shard(sub, mesh, **kwargs)
         fully_shard(layer, mesh, **kwargs)
     fully_shard(par, mesh, **kwargs)
     data_axes = ("rep", "shard") if hsdp else ("dp",)
@@ -122,14 +126,35 @@ CASES = {
     "1x4": ((1, 4), ("dp", "tp"), {}),
     "hsdp-2x2": ((2, 2), ("rep", "shard"), {}),
     "2x2-tied-frozen-clip-keep": ((2, 2), ("dp", "tp"), {"tie": True, "frozen": True, "clip": True, "keep": True}),
+    "2x2-deferred-linear-units": ((2, 2), ("dp", "tp"), {"deferred": True, "linear_units": True}),
 }
+
+
+def _deferred_matches_one_process(rank, world, s, shape, names, case):
+    """The same run with every product and row all-gather deferred as on CUDA (the fused
+    kernels' CPU stand-ins): the input gradients stay pending until their reduce-scatter."""
+    from axedist.runtime.deferred import defer_gathers
+    policies = DTensor.dispatcher.defer_gemm, defer_gathers()
+    DTensor.dispatcher.defer_gemm = "always"
+    defer_gathers("always")
+    before = fused_gemm_stats()
+    try:
+        out = _matches_one_process(rank, world, s, shape, names, case)
+    finally:
+        DTensor.dispatcher.defer_gemm = policies[0]
+        defer_gathers(policies[1])
+    after = fused_gemm_stats()
+    # the summed input gradients (wq/wk/wv, w1/w3) and the head's reached the fused decision
+    assert after["summed"] > before["summed"] and after["unfused"] > before["unfused"], (before, after)
+    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_fully_sharded_training_matches_one_process(case):
     shape, names, options = CASES[case]
     s = random.randrange(2**31)
-    out = run_on_ranks(_matches_one_process, 4, args=(s, shape, names, options))
+    body = _deferred_matches_one_process if options.get("deferred") else _matches_one_process
+    out = run_on_ranks(body, 4, args=(s, shape, names, options))
     prefetches, peak = out[0]
     assert peak > 0
     if shape[0] > 1:  # one data-parallel rank gathers nothing (each gather is a local copy)

@@ -6,6 +6,8 @@ decision (here: GEMM, then the planned collective, with the reason), every other
 it exactly once, and values and gradients equal torch on the full tensors.
 """
 
+import copy
+import dataclasses
 import random
 
 import pytest
@@ -383,3 +385,206 @@ def _moves_recognized(rank, world):
 
 def test_gather_and_all_reduce_moves_are_recognized():
     run_on_ranks(_moves_recognized, 4)
+
+
+# -- backward: the input gradient of column-parallel linears reaches the fused GEMM + RS ------------
+
+def _stats_delta(before, after):
+    return {k: after[k] - before[k] for k in ("deferred", "summed", "fused", "unfused", "materialized")}
+
+
+@_deferring
+@_gathering
+def _input_gradient(rank, world, seed):
+    """Column-parallel linears fed by a row all-gather of [S, B, K]: in backward the input
+    gradient is the product grad[S*B, N_local] @ W_local seen as [S, B, K], a pending sum that
+    goes back to Shard(0). One consumer (an output head): that product reaches the fused GEMM +
+    reduce-scatter decision (CPU: not fused, reason named); three consumers of one gathered
+    input (wq, wk, wv): autograd's sum of their products stays pending and reaches it once,
+    as 3 GEMMs (the printed plan says so). Values and gradients equal plain torch."""
+    from axedist.nn import ColwiseParallel, parallelize
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    s, b, k, n = 2 * world, 3, 5, 2 * world
+    x = torch.randn(s, b, k, dtype=torch.float64, requires_grad=True)
+    # one consumer: the input gathered by the style itself, as the Llama's output head does
+    head = torch.nn.Linear(k, n, dtype=torch.float64)
+    ref_head = copy.deepcopy(head)
+    parallelize(head, mesh, ColwiseParallel(input_layouts=Shard(0)))
+    y = head(distribute(x, mesh, [Shard(0)]))
+    up = torch.randn(y.shape, dtype=torch.float64)
+    before = fused_gemm_stats()
+    (y.full_tensor() * up).sum().backward()
+    d = _stats_delta(before, fused_gemm_stats())
+    assert d == {"deferred": 1, "summed": 0, "fused": 0, "unfused": 1, "materialized": 1}, d
+    assert "CUDA-only" in fused_gemm_stats()["reason"]
+    x_ref = x.detach().clone().requires_grad_()
+    want = ref_head(x_ref)
+    (want * up).sum().backward()
+    assert torch.allclose(y.full_tensor(), want)
+    assert torch.allclose(x.grad, x_ref.grad)
+    assert torch.allclose(head.weight.grad.full_tensor(), ref_head.weight.grad)
+    assert torch.allclose(head.bias.grad.full_tensor(), ref_head.bias.grad)
+    # three consumers of one gathered input
+    x.grad = x_ref.grad = None
+    qkv = torch.nn.ModuleDict({name: torch.nn.Linear(k, n, bias=name == "q", dtype=torch.float64) for name in "qkv"})
+    ref = copy.deepcopy(qkv)
+    parallelize(qkv, mesh, {name: ColwiseParallel() for name in "qkv"})
+    gathered = distribute(x, mesh, [Shard(0)]).redistribute([R])   # what PrepareModuleInput does
+    seen = []
+    gathered.register_hook(lambda grad: seen.append(plan(grad, [Shard(0)])))   # the summed gradient, unrun
+    ys = [qkv[name](gathered) for name in "qkv"]
+    ups = [torch.randn(t.shape, dtype=torch.float64) for t in ys]
+    before = fused_gemm_stats()
+    sum((t.full_tensor() * u).sum() for t, u in zip(ys, ups)).backward()
+    d = _stats_delta(before, fused_gemm_stats())
+    assert d == {"deferred": 3, "summed": 2, "fused": 0, "unfused": 1, "materialized": 3}, d
+    (route,) = seen
+    assert route.fused.products == 3 and not route.fused.fused and "CUDA-only" in route.fused.reason
+    assert str(route).startswith("3 GEMMs, summed, then ") and "reduce_scatter" in route.kinds
+    wants = [ref[name](x_ref) for name in "qkv"]
+    sum((w * u).sum() for w, u in zip(wants, ups)).backward()
+    for t, w in zip(ys, wants):
+        assert torch.allclose(t.full_tensor(), w)
+    assert torch.allclose(x.grad, x_ref.grad)
+    for name in "qkv":
+        assert torch.allclose(qkv[name].weight.grad.full_tensor(), ref[name].weight.grad)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_input_gradient_of_column_parallel_reaches_fused_rs(world):
+    run_on_ranks(_input_gradient, world, args=(random.randrange(10**6),))
+
+
+@_deferring
+def _views_and_sums(rank, world, seed):
+    """Views of a pending product and sums of pending products stay pending (nothing computed),
+    plan and move as the product would (Shard(0) of [S, B, N] is the product's rows), and
+    every other use computes them right: uneven rows, a product already used, x + x, an
+    in-place change of an operand after the sum."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    s, b, n = 2 * world, 3, 4
+    ks = (world, 2 * world, 3 * world)
+    a = [torch.randn(s * b, k, generator=g, dtype=torch.float64) for k in ks]
+    w = [torch.randn(k, n, generator=g, dtype=torch.float64) for k in ks]
+    refs = [x @ y for x, y in zip(a, w)]
+    da = [distribute(x, mesh, [Shard(1)]) for x in a]
+    dw = [distribute(y, mesh, [Shard(0)]) for y in w]
+
+    def products():
+        return [torch.mm(x, y) for x, y in zip(da, dw)]
+    before = fused_gemm_stats()
+    c = products()
+    v = c[0].view(s, b, n)
+    assert v.placements == (P,) and v._pending.value is None
+    route = plan(v, [Shard(0)])
+    assert route.fused.products == 1 and "CUDA-only" in route.fused.reason and str(route).startswith("GEMM, then")
+    assert torch.allclose(v.redistribute([Shard(0)]).full_tensor(), refs[0].view(s, b, n))
+    before = fused_gemm_stats()
+    c = products()
+    total = (c[0] + c[1] + c[2]).view(s, b, n)
+    d = _stats_delta(before, fused_gemm_stats())
+    assert d == {"deferred": 3, "summed": 2, "fused": 0, "unfused": 0, "materialized": 0}, d
+    route = plan(total, [Shard(0)])
+    assert route.fused.products == 3 and str(route).startswith("3 GEMMs, summed, then")
+    assert torch.allclose(total.redistribute([Shard(0)]).full_tensor(), sum(refs).view(s, b, n))
+    d = _stats_delta(before, fused_gemm_stats())
+    assert d == {"deferred": 3, "summed": 2, "fused": 0, "unfused": 1, "materialized": 3}, d
+    # dim 0 of the view not divisible by the ranks: no fused choice, the ordinary (uneven) route
+    odd = products()[0].view(3, s * b // 3, n)
+    assert plan(odd, [Shard(0)]).fused is None
+    assert torch.allclose(odd.redistribute([Shard(0)]).full_tensor(), refs[0].view(3, s * b // 3, n))
+    # an operand written in place after the sum: the sum is computed first (old values)
+    c = products()
+    total = c[0] + c[1]
+    da[1].add_(1.0)
+    assert torch.allclose(total.full_tensor(), refs[0] + refs[1])
+    da[1] = distribute(a[1], mesh, [Shard(1)])
+    # a product already used on its own is added as a value; x + x is twice x
+    c = products()
+    c[0].to_local()
+    before = fused_gemm_stats()
+    assert torch.allclose((c[0] + c[1]).redistribute([Shard(0)]).full_tensor(), refs[0] + refs[1])
+    assert _stats_delta(before, fused_gemm_stats())["summed"] == 0
+    twice = c[2] + c[2]
+    assert plan(twice, [Shard(0)]).fused.products == 2
+    assert torch.allclose(twice.redistribute([Shard(0)]).full_tensor(), 2 * refs[2])
+    # a sum inside a sum used on its own first: the outer one says so and adds the value
+    c = products()
+    inner = c[0] + c[1]
+    outer = inner + c[2]
+    assert repr(outer._pending) == f"DeferredSum({[1, s * b, n]}: 3 products, unrun)"
+    inner.to_local()
+    assert "already ran" in plan(outer, [Shard(0)]).fused.reason
+    assert torch.allclose(outer.redistribute([Shard(0)]).full_tensor(), sum(refs))
+    return True
+
+
+def test_views_and_sums_of_deferred_products():
+    run_on_ranks(_views_and_sums, 2, args=(random.randrange(10**6),))
+
+
+def _forced_fused_backward(rank, world, seed):
+    """The CUDA decision forced on CPU (fused_choice says fused; gemm_reduce_scatter then runs
+    torch's matmul + reduce-scatter of the very operands the kernel would take, the summed
+    products' concatenated along K): bf16 values and gradients equal the unforced run's and
+    fp64 torch's to bf16 precision, and backward ran fused twice (the head, the qkv sum)."""
+    from axedist.nn import ColwiseParallel, parallelize
+    from axedist.runtime import deferred
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    s, b, k, n = 4 * world, 3, 16, 8 * world
+    model = torch.nn.ModuleDict({name: torch.nn.Linear(k, n, bias=name in "qo", dtype=torch.bfloat16)
+                                 for name in "qkvo"})
+    ref = copy.deepcopy(model).double()
+    parallelize(model, mesh, {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+                              "o": ColwiseParallel(input_layouts=Shard(0))})
+    x64 = torch.randn(s, b, k, dtype=torch.float64)
+    ups = [torch.randn(s, b, n, dtype=torch.float64) for _ in range(4)]
+
+    def run():
+        x = x64.to(torch.bfloat16).requires_grad_()
+        gathered = distribute(x, mesh, [Shard(0)]).redistribute([R])
+        ys = [model[name](gathered) for name in "qkv"] + [model["o"](distribute(x, mesh, [Shard(0)]))]
+        before = fused_gemm_stats()
+        sum((t.full_tensor().double() * u).sum() for t, u in zip(ys, ups)).backward()
+        grads = [x.grad.double()] + [p.grad.full_tensor().double() for p in model.parameters()]
+        model.zero_grad()
+        return [t.full_tensor().double() for t in ys], grads, _stats_delta(before, fused_gemm_stats())
+
+    policies = (DTensor.dispatcher.defer_gemm, deferred.defer_gathers())
+    DTensor.dispatcher.defer_gemm = "always"
+    deferred.defer_gathers("always")
+    choice = deferred.fused_choice
+
+    def fused(spec, pending, dst):
+        step = choice(spec, pending, dst)
+        return None if step is None else dataclasses.replace(step, fused=True)
+    try:
+        unforced = run()
+        deferred.fused_choice = fused
+        forced = run()
+    finally:
+        deferred.fused_choice = choice
+        DTensor.dispatcher.defer_gemm = policies[0]
+        deferred.defer_gathers(policies[1])
+    x_ref = x64.to(torch.bfloat16).double().requires_grad_()
+    wants = [ref[name](x_ref) for name in "qkvo"]
+    sum((t * u).sum() for t, u in zip(wants, ups)).backward()
+    want_grads = [x_ref.grad] + [p.grad for p in ref.parameters()]
+
+    def close(got, want):
+        return all(((g - h).norm() / h.norm()).item() < 2e-2 for g, h in zip(got, want))
+    return {"unforced fused": unforced[2]["fused"], "forced": forced[2],
+            "values": close(forced[0], unforced[0]) and close(forced[0], wants),
+            "grads": close(forced[1], unforced[1]) and close(forced[1], want_grads)}
+
+
+def test_forced_fused_decision_in_backward_gives_the_same_values():
+    for rank, out in enumerate(run_on_ranks(_forced_fused_backward, 2, args=(random.randrange(10**6),))):
+        assert out["unforced fused"] == 0 and out["values"] and out["grads"], (rank, out)
+        assert out["forced"] == {"deferred": 4, "summed": 2, "fused": 2, "unfused": 0, "materialized": 0}, (rank, out)

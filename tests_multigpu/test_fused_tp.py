@@ -74,8 +74,9 @@ def body_gemm_all_reduce(rank, world):
 def body_colwise_sequence_parallel(rank, world):
     """ColwiseParallel(input_layouts=Shard(0)) on [S, B, K] bf16: the row all-gather fuses into
     the GEMM (counted), a second layer on the same gathered input gathers nothing more, and in
-    backward the input's gradient runs the fused GEMM + reduce-scatter; values and gradients
-    against an fp32 reference."""
+    backward the input's gradient (q's and v's products, summed unrun) runs ONE fused GEMM +
+    reduce-scatter of ``[g_q g_v] @ [W_q; W_v]``; an output head with its own gather (one
+    consumer) runs one more; values and gradients against an fp32 reference."""
     from axedist.dtensor import distribute, fused_gemm_stats
     from axedist.mesh import DeviceMesh
     from axedist.nn import ColwiseParallel, parallelize
@@ -83,27 +84,33 @@ def body_colwise_sequence_parallel(rank, world):
     mesh = DeviceMesh("cuda", (world,))
     s, b, k, n = 256 * world, 2, 1024, 256 * world
     torch.manual_seed(0)
-    pair = torch.nn.ModuleDict({"q": torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16),
-                                "v": torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)})
-    ref = {name: layer.weight.detach().float().clone() for name, layer in pair.items()}
-    parallelize(pair, mesh, {"q": ColwiseParallel(), "v": ColwiseParallel()}, src_rank=None)
+    layers = torch.nn.ModuleDict({name: torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+                                  for name in ("q", "v", "head")})
+    ref = {name: layer.weight.detach().float().clone() for name, layer in layers.items()}
+    parallelize(layers, mesh, {"q": ColwiseParallel(), "v": ColwiseParallel(),
+                               "head": ColwiseParallel(input_layouts=Shard(0))}, src_rank=None)
     x32 = _full((s, b, k), 7)
     x = distribute(x32.to(torch.bfloat16), mesh, [Shard(0)]).requires_grad_()
     before = fused_gemm_stats()
     gathered = x.redistribute([Replicate()])
-    yq, yv = pair["q"](gathered), pair["v"](gathered)
+    yq, yv = layers["q"](gathered), layers["v"](gathered)
     after = fused_gemm_stats()
     assert after["gathers_fused"] - before["gathers_fused"] == 1, after
     assert after["gathers_materialized"] == before["gathers_materialized"], after
+    yh = layers["head"](x)
     up = _full((s, b, n), 8)
     local = slice(rank * (n // world), (rank + 1) * (n // world))
-    loss = (yq.to_local().float() * up[..., local]).sum() + (yv.to_local().float() * up[..., local]).sum()
+    loss = sum((y.to_local().float() * up[..., local]).sum() for y in (yq, yv, yh))
+    forward = fused_gemm_stats()
     loss.backward()
-    assert fused_gemm_stats()["fused"] > after["fused"], fused_gemm_stats()   # the input gradient
+    end = fused_gemm_stats()
+    counts = {key: end[key] - forward[key] for key in ("summed", "fused", "unfused")}
+    assert counts == {"summed": 1, "fused": 2, "unfused": 0}, (counts, end["reason"])   # the input gradient
     xr = x32.to(torch.bfloat16).float().requires_grad_()
-    want_q, want_v = xr @ ref["q"].t(), xr @ ref["v"].t()
-    ((want_q * up).sum() + (want_v * up).sum()).backward()
-    assert _rel(yq.full_tensor(), want_q.detach()) < 1e-2 and _rel(yv.full_tensor(), want_v.detach()) < 1e-2
+    wants = {name: xr @ ref[name].t() for name in ("q", "v", "head")}
+    sum((want * up).sum() for want in wants.values()).backward()
+    for name, y in (("q", yq), ("v", yv), ("head", yh)):
+        assert _rel(y.full_tensor(), wants[name].detach()) < 1e-2, name
     assert _rel(x.grad.full_tensor(), xr.grad) < 2e-2
     return True
 

@@ -49,6 +49,7 @@ from ..planning import plan_redistribute
 from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
 from ..runtime import redistribute_local
+from ..runtime.deferred import flush
 from ..spec import DTensorSpec, chunk, make_spec, replicated_layout, row_major_iters
 
 __all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units",
@@ -434,6 +435,7 @@ class ShardedParameter:
         """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
         if self.gathered is None:
             return 0
+        flush([self.gathered])  # deferred work that reads the gathered values runs before they go
         storage = self.gathered.untyped_storage()
         freed = storage.nbytes()
         storage.resize_(0)

@@ -267,8 +267,12 @@ class ColwiseParallel(_LinearLike):
     Linear on 4 ranks holds a ``[16, 16]`` weight slice and gives a ``[8, 16]`` local output.
     With sequence-parallel input (``input_layouts=Shard(0)`` of sequence-first activations) the
     move to Replicate is an all-gather of the GEMM's rows, which on CUDA the fused all-gather +
-    GEMM runs (the gather stays pending until the GEMM takes it); in backward the input's
-    gradient is a GEMM whose partial sums are reduce-scattered: the fused GEMM + reduce-scatter.
+    GEMM runs (the gather stays pending until the GEMM takes it). In backward the input's
+    gradient ``grad[S*B, N_local] @ W_local``, seen as ``[S, B, H]``, is reduce-scattered back
+    to ``Shard(0)``: on CUDA the fused GEMM + reduce-scatter. One consumer of the gathered input
+    (the output head) fuses its product; several (wq/wk/wv, w1/w3 on one gathered input) have
+    their gradients summed unrun and fuse once, on the operands concatenated along K
+    (docs/gpu_notes.md, "Backward of the column-parallel half").
     """
 
     def apply(self, module, mesh, name, shared, src_rank=0):

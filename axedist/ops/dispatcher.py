@@ -27,11 +27,11 @@ from torch._prims_common import make_contiguous_strides_for
 
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
-from ..runtime.deferred import (OUTSTANDING, DeferredGather, GatherView, defer, flush, fused_gather_product,
-                                placeholder)
+from ..runtime.deferred import (OUTSTANDING, defer, defer_sum, flush, fused_gather_product, pending_gather,
+                                pending_product, placeholder)
 from ..tracing import may_defer
 from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
-                        op_info, plan_call, replace_dtensors, scan)
+                        op_info, plan_call, replace_dtensors, scan, written)
 from .fastpath import FastPath
 from .registry import ArgSpec
 from .specs import placements_or_none
@@ -49,7 +49,7 @@ _DISABLED = torch._C._disabled_torch_function_impl
 _STRIDED = torch.strided
 _HALF = (torch.bfloat16, torch.float16)
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
-_GATHER_USERS = frozenset((aten.mm.default, aten.addmm.default) + _VIEWS)  # see _gathered
+_PENDING_USERS = frozenset((aten.mm.default, aten.addmm.default, aten.add.Tensor) + _VIEWS)  # see _kept_pending
 _NO_RULE = object()
 _CACHE_LIMIT = 16384
 _DEFER_POLICIES = ("auto", "always", "never")
@@ -187,14 +187,14 @@ class OpDispatcher:
     def dispatch(self, func, args, kwargs):
         """Run the aten op ``func`` on DTensors (what ``__torch_dispatch__`` calls)."""
         if OUTSTANDING:
-            if func in _GATHER_USERS:
-                gathered = self._gathered(func, args, kwargs)
-                if gathered is not None:
-                    return gathered
-            # no op may run while a deferred product waits on its operands; a deferred gather
-            # waits only for ops that write (its rows must not change)
+            if func in _PENDING_USERS:
+                kept = self._kept_pending(func, args, kwargs)
+                if kept is not None:
+                    return kept
             info = op_info(func)
-            flush(keep_gathers=not (info.inplace or info.out_names or info.written))
+            if info.inplace or info.out_names or info.written:
+                # deferred work that reads what this op writes runs first (it must see the old values)
+                flush(self._written_locals(args, kwargs, info))
         fast_key = None
         if not kwargs:
             fast_key = self.cache_key(func, args)
@@ -389,12 +389,15 @@ class OpDispatcher:
             return wrapped
         return self.cls(value, spec, stride=out.stride)
 
-    def _gathered(self, func, args, kwargs):
-        """A deferred row all-gather (runtime/deferred.py) used by the op that can fuse it:
-        mm / addmm (alpha = beta = 1) with column-sharded weights run one fused all-gather +
-        GEMM that also resolves the gather; a view of it as its rows' matrix ([S, B, H] ->
-        [S * B, H], how linear reaches mm) stays pending on the same gather. None when the call
-        is not that (then the gather runs, and the op as usual)."""
+    def _kept_pending(self, func, args, kwargs):
+        """Deferred work (runtime/deferred.py) taken by an op that keeps it pending or fuses it:
+        a view of a deferred row all-gather as its rows' matrix ([S, B, H] -> [S * B, H], how
+        linear reaches mm), or any view of a deferred product (the input gradient [S * B, H]
+        that linear's backward views as [S, B, H]), stays pending on the same work; the sum of
+        two pending products of one spec (the gradients autograd adds up) stays pending as a
+        DeferredSum; mm / addmm (alpha = beta = 1) of a deferred gather with column-sharded
+        weights run one fused all-gather + GEMM that also resolves the gather. None when the
+        call is not that (then the op runs as usual, on the computed values)."""
         if kwargs:
             return None
         cls = self.cls
@@ -404,9 +407,18 @@ class OpDispatcher:
             bias, a, b = args
         elif func in _VIEWS and len(args) == 2:
             (a, b), bias = args, None
+        elif func is aten.add.Tensor and len(args) == 2:
+            (a, b), bias = args, None
         else:
             return None
-        if type(a) is not cls or type(a._pending) not in (DeferredGather, GatherView) or a._pending.value is not None:
+        if type(a) is not cls or a._pending is None:
+            return None
+        gather = pending_gather(a._pending)
+        if func is aten.add.Tensor:
+            if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
+                    or a._spec != b._spec or a.dtype != b.dtype:
+                return None
+        elif gather is None and (func not in _VIEWS or pending_product(a._pending) is None):
             return None
         dts, mesh, key = scan(cls, func, args, kwargs)
         plan = self.plan(func, args, kwargs, dts, mesh, key, op_info(func))
@@ -414,14 +426,24 @@ class OpDispatcher:
             return None
         targets = {id(d): t for d, t in zip(dts, plan.targets)}
         out = plan.outputs[0]
-        if any(t is not None for t in plan.targets) and func in _VIEWS or targets[id(a)] is not None \
-                or out.unsqueeze:
-            return None
+        if targets[id(a)] is not None or (func not in (aten.mm.default, aten.addmm.default)
+                                          and any(t is not None for t in plan.targets)):
+            return None  # a view or an add that moves data first is not the op on the pending value
+        if func is aten.add.Tensor:
+            # the add itself, on the local values as they stand (nothing moves, no rule's own code)
+            if plan.sharding.local is not None or out.spec != a._spec \
+                    or tuple(out.local_shape) != tuple(a._pending.shape):
+                return None
+            pending = defer_sum(a._pending, b._pending)
+            return None if pending is None else cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
+                                                    pending=pending)
         if func in _VIEWS:
-            shape = out.local_shape
+            # a gather's view serves the fused all-gather + GEMM only as the rows' matrix
+            if gather is not None and (out.unsqueeze or len(out.local_shape) != 2):
+                return None
             return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
-                       pending=a._pending.view(shape)) if len(shape) == 2 else None
-        if type(b) is not cls or targets[id(b)] is not None:
+                       pending=a._pending.view(out.local_shape))
+        if out.unsqueeze or type(b) is not cls or targets[id(b)] is not None:
             return None
         value = fused_gather_product(a._pending, b._local, b._spec, out.local_shape)
         if value is None:
@@ -429,6 +451,19 @@ class OpDispatcher:
         if bias is not None:
             value.add_(_local_of(bias, targets[id(bias)]))
         return cls(value, out.spec, stride=out.stride)
+
+    def _written_locals(self, args, kwargs, info: OpInfo) -> list:
+        """The local tensors (computed, if pending) that an op with ``info`` writes."""
+        cls = self.cls
+        tensors = list(written(args, kwargs, info))
+        if info.inplace:
+            first = args[0]
+            tensors.extend(first if isinstance(first, (list, tuple)) else [first])
+        tensors.extend(kwargs[name] for name in info.out_names if name in kwargs)
+        flat = []
+        for t in tensors:
+            flat.extend(t if isinstance(t, (list, tuple)) else [t])
+        return [t._local if type(t) is cls else t for t in flat if isinstance(t, torch.Tensor)]
 
     def _deferred(self, func, plan: CallPlan, local_args, local_kwargs):
         """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),

@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..runtime.deferred import OUTSTANDING, DeferredGather, GatherView, flush
+from ..runtime.deferred import pending_gather, pending_product
 from .call_plan import SCALAR_TYPES, op_info
 from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
 
@@ -315,11 +315,11 @@ def _handler(fast: FastPath):
             return record(func, types, args, kwargs, key, grad)
         if entry.defer is not None and entry.defer != dispatcher.defer_gemm:
             return _disabled(func, types, args, kwargs or _EMPTY)
-        if waits and any(type(a) is DTensor and type(a._pending) in (DeferredGather, GatherView) for a in args):
-            # a deferred gather: the normal route, where an mm with column-sharded weights fuses it
+        if waits and any(type(a) is DTensor and (pending_gather(a._pending) or pending_product(a._pending))
+                         for a in args):
+            # deferred work: the normal route, where an mm with column-sharded weights fuses a
+            # gather, and a view or a sum of products keeps them pending
             return _disabled(func, types, args, kwargs or _EMPTY)
-        if OUTSTANDING:
-            flush()  # as the dispatcher does: no op runs while a deferred product waits
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
             local_args = [a._local if type(a) is DTensor else a for a in args]
         value = func(*local_args, **kwargs) if kwargs else func(*local_args)

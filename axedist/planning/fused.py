@@ -32,17 +32,21 @@ class FusedStep:
     reason: str             # why not fused (or the kernel plan's reason)
     gemm: object = None     # collectives.GemmReduceScatterPlan / FusedPlan, or None
     collective: str = "reduce-scatter"  # or "all-reduce"
+    products: int = 1       # products summed (several: one GEMM over their operands concatenated along K)
 
 
 @functools.lru_cache(maxsize=1024)
 def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
-    """The mesh axis when ``src -> dst`` is a reduce-scatter of a 2-d pending sum's rows over
-    one mesh axis (every other axis kept, rows even), the move a fused GEMM + RS can do.
+    """The mesh axis when ``src -> dst`` reduce-scatters dim 0 of a pending sum of 2 or more
+    dims over one mesh axis (every other axis kept, none of them splitting dim 0, dim 0 even):
+    for a product ``[S * B, N]`` seen as ``[S, B, N]`` that is the rows of the product, the move
+    a fused GEMM + RS can do.
 
-    ``(8, 4)`` as ``[Partial()]`` to ``[Shard(0)]`` on a 4-rank ``gpuid`` mesh -> ``"gpuid"``;
-    to ``[Shard(1)]`` -> None (columns), and ``(7, 4)`` -> None (uneven rows).
+    ``(8, 4)`` as ``[Partial()]`` to ``[Shard(0)]`` on a 4-rank ``gpuid`` mesh -> ``"gpuid"``, and
+    ``(8, 3, 4)`` too; to ``[Shard(1)]`` -> None (columns), and ``(7, 4)`` -> None (uneven rows).
     """
-    if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
+    ndim = len(src.shape)
+    if src.reduce_op != "sum" or ndim < 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
         return None
     try:
         ps, pd = placements_of(src), placements_of(dst)
@@ -52,10 +56,10 @@ def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     if len(partial) != 1:
         return None
     (i,) = partial
-    if not (type(pd[i]) is Shard and pd[i].dim % 2 == 0):
+    if not (type(pd[i]) is Shard and pd[i].dim % ndim == 0):
         return None
     for j, (p, q) in enumerate(zip(ps, pd)):
-        if j != i and (p != q or isinstance(p, (Shard, _StridedShard)) and p.dim % 2 == 0):
+        if j != i and (p != q or isinstance(p, (Shard, _StridedShard)) and p.dim % ndim == 0):
             return None  # another axis changes, or also splits the rows (then the row blocks differ)
     if src.shape[0] % src.mesh.shape[i]:
         return None      # uneven rows: torch.chunk pieces, not the equal row blocks of the kernel
@@ -64,13 +68,13 @@ def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
 
 @functools.lru_cache(maxsize=1024)
 def all_reduce_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
-    """The mesh axis when ``src -> dst`` all-reduces a 2-d pending sum over one mesh axis
-    (every other axis kept), the move a fused GEMM + all-reduce can do.
+    """The mesh axis when ``src -> dst`` all-reduces a pending sum of 2 or more dims over one
+    mesh axis (every other axis kept), the move a fused GEMM + all-reduce can do.
 
     ``(4, 8)`` as ``[Partial()]`` to ``[Replicate()]`` on a 4-rank ``gpuid`` mesh -> ``"gpuid"``;
     to ``[Shard(0)]`` -> None (that is row_scatter_axis's reduce-scatter).
     """
-    if src.reduce_op != "sum" or len(src.shape) != 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
+    if src.reduce_op != "sum" or len(src.shape) < 2 or dst.reduce_op is not None or dst.mesh != src.mesh:
         return None
     try:
         ps, pd = placements_of(src), placements_of(dst)

@@ -112,10 +112,12 @@ class Redistribution:
         text = self._route_text()
         if self.fused is None:
             return text
-        kind = self.fused.collective
+        kind, products = self.fused.collective, self.fused.products
         if self.fused.fused:
-            return f"fused GEMM + {kind}: {self.fused.gemm}"
-        return f"GEMM, then {text}\n(fused GEMM + {kind} not used: {self.fused.reason})"
+            summed = "" if products == 1 else f" of {products} summed products (operands concatenated along K)"
+            return f"fused GEMM + {kind}{summed}: {self.fused.gemm}"
+        gemm = "GEMM" if products == 1 else f"{products} GEMMs, summed"
+        return f"{gemm}, then {text}\n(fused GEMM + {kind} not used: {self.fused.reason})"
 
     def _route_text(self) -> str:
         if self.repad is None and len(self.plans) == 1:

@@ -7,7 +7,11 @@ operands instead of the GEMM followed by the collective. Two ranks, ``x [8, 6] (
 w [6, 4] (Shard(0),)``: the dispatcher defers each rank's ``[8, 3] @ [3, 4]`` product
 (:func:`defer`); ``.redistribute([Shard(0)])`` asks :func:`fused_collective`, which on CUDA bf16
 gives each rank its ``[4, 4]`` rows from one kernel; any other use of the data runs
-:meth:`DeferredGemm.wait` (the GEMM, once).
+:meth:`DeferredGemm.wait` (the GEMM, once). A view of a pending product stays pending
+(:class:`DeferredView`: the ``[S * B, H]`` input gradient of a column-parallel linear seen as
+``[S, B, H]``), and so does the sum of two pending products of one shape (:class:`DeferredSum`:
+the input gradients of wq, wk and wv, which share their input); the fused kernel then runs once
+on their operands concatenated along K (``g_q W_q + g_k W_k = [g_q g_k] @ [W_q; W_k]``).
 
 A row all-gather (``[Shard(0)] -> [Replicate()]`` of a 2-d tensor on CUDA): kept unrun
 (:func:`defer_gather`) until an mm takes it as its left operand with column-sharded weights,
@@ -18,6 +22,9 @@ Under torch.compile the same decisions run at trace time: a deferred product or 
 fused kernel takes puts that kernel's custom op (``torch.ops.axedist.gemm_reduce_scatter``,
 ``all_gather_gemm``, ``gemm_all_reduce``) in the graph; one used otherwise traces the plain
 GEMM or the gather's functional collective.
+
+Deferred work is computed before anything writes what it reads (:func:`flush`, given the
+tensors an op is about to change), or on first use of its data.
 
 Nothing here builds a DTensor: callers wrap what these functions return.
 """
@@ -36,20 +43,21 @@ from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_sc
 from ..spec import DTensorSpec, placements_of
 from ..tracing import compiling, may_defer, outside_tracing
 
-__all__ = ["DeferredGemm", "DeferredGather", "GatherView", "OUTSTANDING", "defer", "defer_gather", "defer_gathers", "placeholder",
-           "flush",
+__all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "OUTSTANDING", "defer", "defer_gather",
+           "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
            "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product"]
 
-# Products deferred, fused (a fused GEMM + collective ran), collectives of a deferred product
-# that ran unfused (GEMM, then the planned collective), products computed on first use of their
-# data; "reason": why the last such collective was not fused. Gathers deferred, fused into an
-# all-gather + GEMM, and run on their own; "gather_reason": why the last was not fused.
-_STATS = {"deferred": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": "",
+# Products deferred, pairs of pending products summed unrun, fused (a fused GEMM + collective
+# ran), collectives of a deferred product that ran unfused (GEMM, then the planned collective),
+# products computed on first use of their data; "reason": why the last such collective was not
+# fused. Gathers deferred, fused into an all-gather + GEMM, and run on their own;
+# "gather_reason": why the last was not fused.
+_STATS = {"deferred": 0, "summed": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": "",
           "gathers_deferred": 0, "gathers_fused": 0, "gathers_materialized": 0, "gather_reason": ""}
-# Deferred products nobody has consumed yet (weak): every op dispatch computes them first
-# (:func:`flush`), so an in-place op on an operand can never reach a product still waiting for it.
+# Deferred work nobody has consumed yet (weak): an op about to write a tensor computes what
+# reads it first (:func:`flush`), so an in-place change never reaches work still waiting for it.
 OUTSTANDING: list = []
-_FLUSH_AT = 64  # outstanding products kept at most; beyond, they are computed
+_FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
@@ -57,8 +65,9 @@ FUSED_BACKEND = os.environ.get("AXEDIST_FUSED_BACKEND", "auto")
 
 
 def fused_gemm_stats() -> dict:
-    """How deferred products ran in this process: ``{"deferred", "fused", "unfused",
-    "materialized", "reason"}`` (reason: why the last row reduce-scatter was not fused)."""
+    """How deferred products ran in this process: ``{"deferred", "summed", "fused", "unfused",
+    "materialized", "reason", ...}`` (reason: why the last row reduce-scatter was not fused;
+    the ``gather`` keys count deferred row all-gathers)."""
     return dict(_STATS)
 
 
@@ -97,15 +106,100 @@ class DeferredGemm:
             _STATS["materialized"] += 1
         return self.value
 
+    def terms(self) -> tuple:
+        """The products this pending value sums: itself."""
+        return (self,)
+
+    def plain(self) -> bool:
+        """Unrun, ``a @ b`` alone (alpha 1, no bias): a term a sum can concatenate."""
+        return self.value is None and self.alpha == 1 and (self.bias is None or self.beta == 0)
+
+    def reads(self, storages: set) -> bool:
+        return _reads((self.a, self.b, self.bias), storages)
+
+    def view(self, shape: tuple) -> "DeferredView":
+        return DeferredView(self, tuple(shape))
+
+    def __repr__(self) -> str:
+        if self.value is not None:
+            return f"DeferredGemm({list(self.shape)}: computed)"
+        return f"DeferredGemm({list(self.a.shape)} @ {list(self.b.shape)} -> {list(self.shape)}: unrun)"
+
+
+class DeferredSum:
+    """``left + right`` of two pending products (or sums) of one local shape, not yet run: a
+    gradient that autograd adds up from several uses of one tensor (``x`` into wq, wk and wv).
+
+    ``wait()`` adds the two values as the add would have; a fused reduce-scatter instead runs
+    once on the terms' operands concatenated along K (``sum_i a_i @ b_i = [a_1 .. a_n] @
+    [b_1; ..; b_n]``). Two ranks, the input gradient of wq [8 -> 16] and wk [8 -> 4] on 12
+    rows: each rank's terms are ``[12, 8] @ [8, 8]`` and ``[12, 2] @ [2, 8]``; fused, one
+    ``[12, 10] @ [10, 8]`` GEMM + reduce-scatter gives each rank its ``[6, 8]`` rows.
+    """
+
+    __slots__ = ("left", "right", "shape", "value", "traced", "__weakref__")
+
+    def __init__(self, left, right):
+        self.left, self.right, self.shape, self.value = left, right, left.shape, None
+        self.traced = left.traced or right.traced
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            self.value = self.left.wait() + self.right.wait()
+            self.left = self.right = None
+        return self.value
+
+    def terms(self) -> tuple:
+        """The products it sums (itself, once computed: a term that already ran)."""
+        return (self,) if self.value is not None else self.left.terms() + self.right.terms()
+
+    def plain(self) -> bool:
+        return self.value is None and self.left.plain() and self.right.plain()
+
+    def reads(self, storages: set) -> bool:
+        # a part already computed is read as its value (an in-place op on it must not reach the sum)
+        return any(_reads((part.value,), storages) if part.value is not None else part.reads(storages)
+                   for part in (self.left, self.right))
+
+    def nodes(self) -> tuple:
+        """This sum and every sum and product under it (not yet computed)."""
+        if self.value is not None:
+            return (self,)
+        return (self,) + tuple(n for part in (self.left, self.right)
+                               for n in (part.nodes() if type(part) is DeferredSum else (part,)))
+
+    def view(self, shape: tuple) -> "DeferredView":
+        return DeferredView(self, tuple(shape))
+
+    def __repr__(self) -> str:
+        state = "computed" if self.value is not None else f"{len(self.terms())} products, unrun"
+        return f"DeferredSum({list(self.shape)}: {state})"
+
+
+def _reads(tensors, storages: set) -> bool:
+    """Whether one of ``tensors`` lives in one of ``storages`` (data pointers)."""
+    return any(t is not None and _storage(t) in storages for t in tensors)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
 
 def defer(compute, a, b, bias, alpha, beta, local_shape) -> DeferredGemm:
     """A product kept unrun (counted as outstanding until used); the caller wraps it."""
     pending = DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
     _STATS["deferred"] += 1
-    if len(OUTSTANDING) > _FLUSH_AT:
-        flush()
-    OUTSTANDING.append(weakref.ref(pending))
+    _track(pending)
     return pending
+
+
+def _track(pending) -> None:
+    """Count ``pending`` as outstanding; past _FLUSH_AT live entries, compute them all."""
+    if len(OUTSTANDING) > _FLUSH_AT:
+        OUTSTANDING[:] = [ref for ref in OUTSTANDING if ref() is not None and ref().value is None]
+        if len(OUTSTANDING) > _FLUSH_AT:
+            flush()
+    OUTSTANDING.append(weakref.ref(pending))
 
 
 _PLACEHOLDERS: dict = {}
@@ -125,50 +219,86 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def flush(keep_gathers: bool = False) -> None:
-    """Compute every outstanding deferred product (before an op that might change an operand);
-    keep_gathers: leave deferred gathers pending (the op changes no tensor in place: their
-    source rows stay as they were)."""
+def defer_sum(left, right):
+    """The pending ``left + right`` of two pending products, sums or views of them (what an add
+    of two such DTensors of one spec gives), or None when it cannot stay pending (a product
+    already ran, has a bias or alpha, or the two differ in local shape; then the add runs)."""
+    roots = [_product_root(p) for p in (left, right)]
+    if any(r is None or not r.plain() for r in roots) or roots[0].shape != roots[1].shape \
+            or left.shape != right.shape:
+        return None
+    total = DeferredSum(*roots)
+    _STATS["summed"] += 1
+    _track(total)
+    return total if tuple(left.shape) == total.shape else total.view(left.shape)
+
+
+def _product_root(pending):
+    """The product or sum a pending value is (or is a view of); None for anything else."""
+    root = pending.root if type(pending) is DeferredView else pending
+    return root if type(root) in (DeferredGemm, DeferredSum) else None
+
+
+def pending_product(pending):
+    """The unrun product or sum (:class:`DeferredGemm`, :class:`DeferredSum`) that a DTensor's
+    pending value is or views, else None (a gather, an async move, work already run)."""
+    root = _product_root(pending) if pending is not None else None
+    return root if root is not None and root.value is None else None
+
+
+def pending_gather(pending) -> "DeferredGather | None":
+    """The unrun row all-gather that a DTensor's pending value is or views, else None."""
+    root = pending.root if type(pending) is DeferredView else pending
+    return root if type(root) is DeferredGather and root.value is None else None
+
+
+def flush(written=None) -> None:
+    """Compute outstanding deferred work: all of it, or (``written``: the tensors an op is
+    about to change in place) what reads one of them. In a torch.compile trace (fake tensors
+    have no storage to compare) a write computes everything outstanding."""
     refs = list(OUTSTANDING)
     OUTSTANDING.clear()
     tracing = compiling()
+    storages = None if written is None or tracing else {_storage(t) for t in written} - {0}
     for ref in refs:
         pending = ref()
-        if pending is None or pending.value is not None or pending.compute is None:
+        if pending is None or pending.value is not None:
             continue
         if pending.traced and not tracing:
             continue  # left over from a finished torch.compile trace: its tensors were fake
-        if keep_gathers and type(pending) is DeferredGather:
+        if storages is not None and not pending.reads(storages):
             OUTSTANDING.append(ref)
         else:
             pending.wait()
 
 
-def _consumed(pending: DeferredGemm) -> None:
-    """A fused reduce-scatter used the product: no eager flush for it any more (later uses of
-    the pending sum itself still compute it, checking its operands did not change)."""
-    for i, ref in enumerate(OUTSTANDING):
-        if ref() is pending:
-            del OUTSTANDING[i]
-            return
+def _consumed(pending) -> None:
+    """A fused kernel used the product (or sum): no flush for it any more (later uses of the
+    pending value itself still compute it, checking its operands did not change)."""
+    done = pending.nodes() if type(pending) is DeferredSum else (pending,)
+    OUTSTANDING[:] = [ref for ref in OUTSTANDING if not any(ref() is node for node in done)]
 
 
-def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> FusedStep | None:
-    """None when ``spec -> dst`` is neither a row reduce-scatter nor an all-reduce of a 2-d
-    pending sum (or the product already ran); otherwise whether the fused kernel runs, and why
-    not when it does not."""
-    if pending.a is None:
+def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | None:
+    """None when ``spec -> dst`` is neither a row reduce-scatter nor an all-reduce of a pending
+    product, sum or view of one (or it already ran); otherwise whether the fused kernel runs,
+    and why not when it does not."""
+    root = pending_product(pending)
+    if root is None:
         return None
     axis, collective = row_scatter_axis(spec, dst), "reduce-scatter"
     if axis is None:
         axis, collective = all_reduce_axis(spec, dst), "all-reduce"
     if axis is None:
         return None
-    a, b = pending.a, pending.b
+    terms = root.terms()
 
     def step(fused, reason, plan=None):
-        return FusedStep(axis, fused, reason, plan, collective)
+        return FusedStep(axis, fused, reason, plan, collective, len(terms))
 
+    if any(t.value is not None for t in terms):
+        return step(False, "a summed product already ran (it was used on its own)")
+    a, b = _operands(terms, concatenated=False)
     if not a.is_cuda:
         return step(False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
     if a.dtype not in (torch.bfloat16, torch.float16):
@@ -187,10 +317,24 @@ def fused_choice(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> 
     return step(gemm.backend != "torch", gemm.reason, gemm)
 
 
-def fused_collective(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec) -> torch.Tensor | None:
+def _operands(terms: tuple, concatenated: bool) -> tuple:
+    """``(a, b)`` whose product is the sum of ``terms``' products: a term's own operands, or
+    the terms' operands concatenated along K (``concatenated``; else shape-only stand-ins of
+    them, for planning: no copy)."""
+    if len(terms) == 1:
+        return terms[0].a, terms[0].b
+    first, k = terms[0], sum(t.a.shape[-1] for t in terms)
+    if concatenated:
+        return torch.cat([t.a for t in terms], dim=-1), torch.cat([t.b for t in terms], dim=0)
+    one = torch.empty((), dtype=first.a.dtype, device=first.a.device)
+    return one.expand(*first.a.shape[:-1], k), one.expand(k, first.b.shape[-1])
+
+
+def fused_collective(spec: DTensorSpec, pending, dst: DTensorSpec) -> torch.Tensor | None:
     """This rank's local tensor of ``spec -> dst`` by ``gemm_reduce_scatter`` (rows) or
     ``gemm_all_reduce``, or None (then the caller takes the unfused path: the GEMM, then the
-    planned collective)."""
+    planned collective). ``pending``: a product, a sum of products, or a view of either (the
+    result is viewed as ``dst``'s local shape)."""
     choice = fused_choice(spec, pending, dst)
     if choice is None:
         return None
@@ -200,26 +344,33 @@ def fused_collective(spec: DTensorSpec, pending: DeferredGemm, dst: DTensorSpec)
         return None
     from ..collectives import gemm_all_reduce, gemm_reduce_scatter
 
-    if pending.current_versions() != pending.versions:
-        pending.wait()  # raises the clear error
+    root = pending_product(pending)
+    terms = root.terms()
+    if any(t.current_versions() != t.versions for t in terms):
+        root.wait()  # raises the clear error
     mesh = spec.mesh
     group = mesh.group(choice.axis)
+    a, b = _operands(terms, concatenated=True)
     if choice.collective == "reduce-scatter":
-        out = gemm_reduce_scatter(pending.a, pending.b, group, backend=FUSED_BACKEND)
+        out = gemm_reduce_scatter(a, b, group, backend=FUSED_BACKEND)
     else:
-        out = gemm_all_reduce(pending.a, pending.b, group, backend=FUSED_BACKEND)
-    if pending.alpha != 1:
-        out.mul_(pending.alpha)
-    bias = pending.bias
-    if bias is not None and pending.beta != 0:
+        out = gemm_all_reduce(a, b, group, backend=FUSED_BACKEND)
+    term = terms[0]
+    if len(terms) == 1 and term.alpha != 1:
+        out.mul_(term.alpha)
+    bias = term.bias if len(terms) == 1 else None
+    if bias is not None and term.beta != 0:
         if choice.collective == "reduce-scatter" and bias.dim() == 2 and bias.shape[0] != 1:
             rows = out.shape[0]  # a whole [M, n] bias: this rank's rows
             bias = bias.narrow(0, mesh.coordinates()[choice.axis] * rows, rows)
-        out.add_(bias, alpha=pending.beta)
+        out.add_(bias, alpha=term.beta)
+    shape = pending.shape[1:]  # the pending value's local shape, without its summand dim
+    if choice.collective == "reduce-scatter":
+        shape = (shape[0] // dist.get_world_size(group),) + tuple(shape[1:])
     _STATS["fused"] += 1
     _STATS["reason"] = ""
-    _consumed(pending)
-    return out
+    _consumed(root)
+    return out if tuple(out.shape) == shape else out.view(shape)
 
 
 class DeferredGather:
@@ -227,12 +378,11 @@ class DeferredGather:
     value of the gathered DTensor). ``wait()`` runs it once, after checking that ``local`` did
     not change in place meanwhile; a fused all-gather + GEMM sets ``value`` instead."""
 
-    __slots__ = ("local", "src", "dst", "axis", "version", "value", "compute", "traced", "__weakref__")
+    __slots__ = ("local", "src", "dst", "axis", "version", "value", "traced", "__weakref__")
 
     def __init__(self, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str):
         self.local, self.src, self.dst, self.axis, self.value = local, src, dst, axis, None
         self.version = -1 if local.is_inference() else local._version
-        self.compute = self  # (flush runs what has a compute)
         self.traced = compiling()
 
     def changed(self) -> bool:
@@ -245,22 +395,30 @@ class DeferredGather:
                                   "before the gathered tensor was used; use it first, or clone the rows")
             from .executor import redistribute_local
             self.value = redistribute_local(self.local, self.src, self.dst)
-            self.local = self.compute = None
+            self.local = None
             _STATS["gathers_materialized"] += 1
         return self.value
 
-    def view(self, shape: tuple) -> "GatherView":
-        return GatherView(self, tuple(shape))
+    def reads(self, storages: set) -> bool:
+        return _reads((self.local,), storages)
+
+    def __repr__(self) -> str:
+        state = "computed" if self.value is not None else "unrun"
+        return f"DeferredGather({self.src} -> {self.dst} over {self.axis}: {state})"
+
+    def view(self, shape: tuple) -> "DeferredView":
+        return DeferredView(self, tuple(shape))
 
 
-class GatherView:
-    """A view of a deferred gather's value (``[S, B, H]`` gathered, seen as ``[S * B, H]``):
-    the pending value of a view of the gathered DTensor. It shares its gather: whichever use
-    runs the gather (fused or not) serves every view."""
+class DeferredView:
+    """A view of deferred work's value: a gather's ``[S, B, H]`` seen as ``[S * B, H]`` (what
+    linear hands mm), or a product's ``[S * B, H]`` seen as ``[S, B, H]`` (the input gradient
+    that linear's backward hands back). It shares its ``root``: whichever use runs the root
+    (fused or not) serves every view. ``shape``: the view's local shape."""
 
     __slots__ = ("root", "shape")
 
-    def __init__(self, root: DeferredGather, shape: tuple):
+    def __init__(self, root, shape: tuple):
         self.root, self.shape = root, shape
 
     @property
@@ -274,8 +432,11 @@ class GatherView:
     def wait(self) -> torch.Tensor:
         return self.root.wait().view(self.shape)
 
-    def view(self, shape: tuple) -> "GatherView":
-        return GatherView(self.root, tuple(shape))
+    def view(self, shape: tuple) -> "DeferredView":
+        return DeferredView(self.root, tuple(shape))
+
+    def __repr__(self) -> str:
+        return f"DeferredView({type(self.root).__name__} as {list(self.shape)})"
 
 
 _GATHER_POLICY = ["auto"]
@@ -304,20 +465,18 @@ def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Def
         return None
     pending = DeferredGather(local, src, dst, axis)
     _STATS["gathers_deferred"] += 1
-    if len(OUTSTANDING) > _FLUSH_AT:
-        flush()
-    OUTSTANDING.append(weakref.ref(pending))
+    _track(pending)
     return pending
 
 
 def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
                          out_shape: tuple) -> torch.Tensor | None:
     """The local product of a deferred gather's 2-d value (``pending``: the DeferredGather or a
-    GatherView of it as rows ``[M, K]``) and ``b`` (this rank's ``[K, N_local]``, ``b_spec`` its
+    DeferredView of it as rows ``[M, K]``) and ``b`` (this rank's ``[K, N_local]``, ``b_spec`` its
     spec) by one fused all-gather + GEMM, which also fills the gather's value; None when the
     kernel does not run (``b`` not column-sharded on the gathered axis, other local shapes, the
     kernel plan's choice: then the caller gathers and multiplies)."""
-    root = pending.root if type(pending) is GatherView else pending
+    root = pending.root if type(pending) is DeferredView else pending
     if root.value is not None or root.changed():
         return None
     mesh, axis = root.src.mesh, root.axis
@@ -326,7 +485,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     # the gather's local value: this rank's dim 0 times the group (no other axis splits dim 0)
     gathered_shape = (root.local.shape[0] * world, *root.local.shape[1:])
     rows = local.shape[0] * world
-    if type(pending) is GatherView and tuple(pending.shape) != (rows, local.shape[1]):
+    if type(pending) is DeferredView and tuple(pending.shape) != (rows, local.shape[1]):
         _STATS["gather_reason"] = f"a view {pending.shape} of the gathered rows is not their matrix"
         return None
     try:
@@ -355,7 +514,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
         return None
     gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
     out = all_gather_gemm(local, b, group, backend=FUSED_BACKEND, gathered=gathered.view(rows, local.shape[1]))
-    root.value, root.local, root.compute = gathered, None, None
+    root.value, root.local = gathered, None
     _STATS["gathers_fused"] += 1
     _STATS["gather_reason"] = ""
     _consumed(root)
