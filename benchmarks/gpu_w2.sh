@@ -4,7 +4,7 @@
 # fits is skipped and says so):
 #   1. tests_multigpu at W=2 (the TP kernels, FSDP x TP, torch.compile, fused-call gradients on NCCL)
 #   2. fused all-gather + GEMM and the decode stack at TP=2 (first multi-GPU measurements)
-#   3. the TP training step eager and compiled vs torch's (--compile: with torch's async-TP pass)
+#   3. the TP training step, eager and compiled, vs torch's (compiled: with and without its async-TP pass)
 #   4. the one-GPU compile tests (GPU 0) and the fused GEMM + reduce-scatter at W=2
 #   bash benchmarks/gpu_w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 # Multicast stays off (project policy) for this shell and everything it starts.
@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-BUDGET=${1:-470}
+BUDGET=${1:-490}
 OUT=${OUT:-/tmp/axedist_out}
 LOGS=$OUT/logs RESULTS=$OUT/results
 mkdir -p "$LOGS" "$RESULTS"
@@ -30,8 +30,7 @@ if (( GPUS >= 2 )); then
   CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 210 $PYTEST tests_multigpu
   CUDA_VISIBLE_DEVICES=0,1 step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
   CUDA_VISIBLE_DEVICES=0,1 step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_tp_w2 45 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_tp_compile_w2 70 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --compile --out "$RESULTS"
+  CUDA_VISIBLE_DEVICES=0,1 step bench_tp_w2 110 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --compile --out "$RESULTS"
 fi
 CUDA_VISIBLE_DEVICES=0 step onegpu_compile 60 $PYTEST tests_onegpu -k compile
 if (( GPUS >= 2 )); then

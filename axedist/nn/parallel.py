@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..dtensor import DTensor, distribute

@@ -30,7 +30,7 @@ from ..runtime import redistribute_local
 from ..runtime.deferred import (OUTSTANDING, defer, defer_sum, flush, fused_gather_product, pending_gather,
                                 pending_product, placeholder)
 from ..tracing import may_defer
-from .call_plan import (DEFERRABLE, SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
+from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
                         op_info, plan_call, replace_dtensors, scan, written)
 from .fastpath import FastPath
 from .registry import ArgSpec
