@@ -176,3 +176,55 @@ def test_no_import_cycles():
         if node not in seen:
             visit(node)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def _module_bindings(path: Path, here: str) -> dict[str, str]:
+    """``{local name: axedist module}`` for names this file binds to axedist modules, function
+    bodies included (``from ..kernels import ag_gemm``, ``import axedist.mesh as m``)."""
+    tree = ast.parse(path.read_text())
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("axedist.") and a.asname:
+                    out[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if (PACKAGE.parent / (full.replace(".", "/") + ".py")).exists():
+                    out[a.asname or a.name] = full
+    return out
+
+
+@pytest.mark.parametrize("path", MODULES + USERS, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_module_attributes_exist(path):
+    """``module.name`` for an axedist module bound in this file names something that module
+    defines: code that runs only on GPUs (``ag_gemm.prepare_operands`` once lost its import) is
+    checked here too."""
+    import importlib
+
+    here = module_name(path) if path.is_relative_to(PACKAGE) else f"{path.parent.name}.{path.stem}"
+    bindings = _module_bindings(path, here)
+    missing = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bindings \
+                and isinstance(node.ctx, ast.Load):
+            module = importlib.import_module(bindings[node.value.id])
+            if not hasattr(module, node.attr):
+                missing.append(f"line {node.lineno}: {node.value.id}.{node.attr} ({bindings[node.value.id]} has no "
+                               f"{node.attr!r})")
+    for line, target, names in imports(path, here):  # "from m import name", function bodies included
+        if not names or not (PACKAGE.parent / target.replace(".", "/")).with_suffix(".py").exists() and \
+                not (PACKAGE.parent / target.replace(".", "/") / "__init__.py").exists():
+            continue
+        module = importlib.import_module(target)
+        for name in names:
+            if name != "*" and not hasattr(module, name) and \
+                    not (PACKAGE.parent / f"{target.replace('.', '/')}/{name}.py").exists():
+                missing.append(f"line {line}: from {target} import {name} ({target} has no {name!r})")
+    assert not missing, "\n".join(missing)

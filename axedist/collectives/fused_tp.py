@@ -175,9 +175,9 @@ class AllGatherGemmCall:
 
     def _setup(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
                timeout_s: float | None, gathered: torch.Tensor | None = None):
-        from ..kernels import ag_gemm
+        from ..kernels import ag_gemm, gemm_rs
 
-        ops = ag_gemm.prepare_operands(a.reshape(-1, a.shape[-1]), b)
+        ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
         if self.world * ops.m * max(ops.n, ops.k) >= (1 << 31):
             raise ValueError("all_gather_gemm: the gathered product exceeds int32 indexing")
         workspace = self.workspace
@@ -371,9 +371,9 @@ class GemmAllReduceCall:
     launches: dict = dataclasses.field(default_factory=dict)
 
     def _setup(self, a, b, out, timeout_s):
-        from ..kernels import gemm_ar
+        from ..kernels import gemm_ar, gemm_rs
 
-        ops = gemm_ar.prepare_operands(a.reshape(-1, a.shape[-1]), b)
+        ops = gemm_rs.prepare_operands(a.reshape(-1, a.shape[-1]), b)
         workspace = self.workspace
         needed = gemm_ar.workspace_bytes_needed(self.world, ops.m, ops.n, a.element_size())
         if workspace is None or workspace.retired or workspace.data_bytes < needed:
