@@ -26,12 +26,16 @@ __all__ = ["compiling", "may_defer", "outside_tracing", "traced_constant", "keep
 
 _modes_active = torch._C._len_torch_dispatch_stack
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
 def compiling() -> bool:
     """Whether torch.compile (or export) is tracing now: Dynamo, or AOTAutograd running the
-    subclass's ``__torch_dispatch__`` on fake tensors."""
-    return torch.compiler.is_compiling()
+    subclass's ``__torch_dispatch__`` on fake tensors. A fake-tensor mode on the dispatch stack
+    counts too: Dynamo runs a graph node (``allow_in_graph``) on fake tensors to learn its
+    outputs, where torch 2.11's ``is_compiling()`` is still False (two-GPU run: a planned
+    all-gather took the eager carrier there and read a fake tensor's data pointer)."""
+    return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_FAKE) is not None
 
 
 def may_defer() -> bool:

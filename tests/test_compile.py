@@ -384,3 +384,16 @@ def test_train_script_compiles_its_blocks(tmp_path):
         losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["loss"]
     assert len(losses["compiled"]) == 3
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5), losses
+
+
+def test_fake_tensor_mode_counts_as_tracing():
+    """Dynamo runs a graph node on fake tensors to learn its outputs; some torch releases do not
+    report is_compiling() there, so a fake mode on the stack alone selects the traceable carrier."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from axedist.runtime.carriers import FUNCTIONAL, IN_PLACE, current
+    from axedist.tracing import compiling
+
+    assert not compiling() and current() is IN_PLACE
+    with FakeTensorMode():
+        assert compiling() and current() is FUNCTIONAL
