@@ -111,6 +111,17 @@ def as_custom_op(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def through_custom_op(op: str, a: torch.Tensor, b: torch.Tensor, out, timeout_s, check) -> bool:
+    """Whether a fused call goes through its custom op (``as_custom_op``); ``out=``,
+    ``timeout_s=`` and ``check=`` take no part in autograd, so with operands that require grad
+    they are refused rather than left without a gradient."""
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
+            out is not None or timeout_s is not None or check):
+        raise ValueError(f"{op}: out=, timeout_s= and check= take no part in autograd; leave them out when a or b "
+                         f"requires grad")
+    return out is None and timeout_s is None and not check and as_custom_op(a, b)
+
+
 def measured_choice(op: str, nbytes: int) -> str:
     for limit, backend in MEASURED_CHOICE[op]:
         if nbytes <= limit:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..peers import agree_in_group
 from . import fallback
-from .backend import as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
+from .backend import group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
 # time (bf16, H200): axedist/kernels/gemm_rs_auto.json, which `launch/bench_gemm_rs.py
@@ -264,11 +264,7 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
     so ``grad_a = all_gather(g) @ b^T`` (the fused all-gather + GEMM) and ``grad_b = a^T @
     all_gather(g)``; ``out=``, ``timeout_s=`` and ``check=`` are refused then.
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
-            out is not None or timeout_s is not None or check):
-        raise ValueError("gemm_reduce_scatter: out=, timeout_s= and check= take no part in autograd; leave them out "
-                         "when a or b requires grad")
-    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+    if through_custom_op("gemm_reduce_scatter", a, b, out, timeout_s, check):
         return torch.ops.axedist.gemm_reduce_scatter(a, b, group_name(group), scatter_dim, backend)
     return run_gemm_reduce_scatter(a, b, group, scatter_dim, backend, out, timeout_s, check)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..peers import agree_in_group
 from . import fallback
-from .backend import TUNED, as_custom_op, group_name, multicast_opted_in, multimem_allowed, p2p_possible
+from .backend import TUNED, group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 AG_AUTO_TABLE_PATH = os.path.join(_KERNELS, "ag_gemm_auto.json")
@@ -276,11 +276,7 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
     g`` and ``grad_a`` is this rank's slice of ``reduce_scatter(g @ b^T)`` (the fused GEMM +
     reduce-scatter); ``out=``, ``timeout_s=`` and ``check=`` are refused then.
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
-            out is not None or timeout_s is not None or check):
-        raise ValueError("all_gather_gemm: out=, timeout_s= and check= take no part in autograd; leave them out "
-                         "when a or b requires grad")
-    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+    if through_custom_op("all_gather_gemm", a, b, out, timeout_s, check):
         result, rows = torch.ops.axedist.all_gather_gemm(a, b, group_name(group), gather_dim, backend)
         if gathered is not None:
             gathered.copy_(rows.reshape(gathered.shape))
@@ -432,11 +428,7 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
     every rank and is each rank's product's: ``grad_a = g @ b^T``, ``grad_b = a^T @ g``, no
     communication (Megatron's row-parallel convention).
     """
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) and (
-            out is not None or timeout_s is not None or check):
-        raise ValueError("gemm_all_reduce: out=, timeout_s= and check= take no part in autograd; leave them out "
-                         "when a or b requires grad")
-    if out is None and timeout_s is None and not check and as_custom_op(a, b):
+    if through_custom_op("gemm_all_reduce", a, b, out, timeout_s, check):
         return torch.ops.axedist.gemm_all_reduce(a, b, group_name(group), backend, algorithm)
     return run_gemm_all_reduce(a, b, group, backend, algorithm, out, timeout_s, check)
 
