@@ -34,9 +34,8 @@ def _views(rank, world, seed):
         cases = {
             "t": (dy.transpose(0, 2), y.transpose(0, 2)), "permute": (dy.permute(2, 0, 1), y.permute(2, 0, 1)),
             "unsqueeze": (dy.unsqueeze(1).squeeze(1), y), "flatten": (dy.flatten(1), y.flatten(1)),
-            "reshape": (dy.reshape(15, 7), y.reshape(15, 7)), "expand": (dy[:1].expand(4, 3, 7) if False else
-                                                                          dy.unsqueeze(0).expand(2, 5, 3, 7),
-                                                                          y.unsqueeze(0).expand(2, 5, 3, 7)),
+            "reshape": (dy.reshape(15, 7), y.reshape(15, 7)), "expand": (dy.unsqueeze(0).expand(2, 5, 3, 7), y.unsqueeze(0).expand(2, 5, 3, 7)),
+            "expand-row": (dy[:1].expand(4, 3, 7), y[:1].expand(4, 3, 7)),
             "unflatten": (dy.flatten(1).unflatten(1, (3, 7)), y),
         }
         for name, (got, want) in cases.items():
