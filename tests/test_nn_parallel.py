@@ -24,6 +24,7 @@ from axedist.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput
                         VocabParallelEmbedding, describe, from_torch_style, parallelize,
                         vocab_parallel_cross_entropy)
 from axedist.nn.llama import RMSNorm
+from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
 
 WORLDS = (2, 4)
@@ -346,6 +347,23 @@ def _errors(rank, world):
     report = describe(par)
     assert "0  ColwiseParallel" in report and "weight  float32[8, 4]  (Shard(dim=0),)" in report
     assert "output [3, 4] (Partial(sum),) -> (Replicate(),): " in report, report
+    assert "forward ran: no collectives" in report and "all_gather over gpuid: 1 call" in report, report
+    # every collective of a layer's first forward is listed, the ops' own included: here a weight
+    # whose rows are dealt round-robin (no placement says that) makes the output move
+    torch.manual_seed(5)   # the same values on every rank (model's differ: parallelize sends rank 0's)
+    ref = nn.Linear(4, 8)
+    cyclic = nn.Sequential(copy.deepcopy(ref))
+    parallelize(cyclic, mesh, {"0": ColwiseParallel(
+        weight_layout=Layout.parse(f"S[({8 // world},{world},4):(4,1@gpuid,1)]"), output_layouts=Replicate())})
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(7))
+    with count_collectives() as seen:
+        y = cyclic(x)
+    torch.testing.assert_close(y.full_tensor(), ref(x))
+    line = f"forward ran: {'; '.join(str(seen).splitlines())}"
+    assert seen.calls >= 2 and line in describe(cyclic), (line, describe(cyclic))
+    assert "moves parameter weight on every forward" in describe(cyclic) and "moves parameter" not in report
+    cyclic(x)
+    assert describe(cyclic).count("forward ran") == 1   # the first forward's, once
     return True
 
 

@@ -467,3 +467,24 @@ def test_partial_reduced_on_some_axes_matches_torch(mesh_shape, data):
         assert all(r[0] and r[1] and r[2] for r in per_rank), (case, [r[:3] for r in per_rank], per_rank[0][5])
         ours, theirs = [r[3] for r in per_rank], [r[4] for r in per_rank]
         assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][5])
+
+
+def _nested_records(rank, world):
+    from torch.distributed.tensor import Replicate, Shard
+    from axedist.runtime import count_collectives
+    mesh = DeviceMesh("cpu", (world,))
+    x = ax.distribute(torch.arange(8.0), mesh, [Shard(0)])
+    with record() as outer, count_collectives() as counted:
+        with record() as inner:   # closes while equal to outer (both empty)
+            pass
+        x.redistribute([Replicate()])
+        with record() as late:    # opened after a route: equal to neither
+            x.redistribute([Replicate()])
+    after = x.redistribute([Replicate()])   # every record is closed: none grows
+    return len(outer), len(inner), len(late), counted.calls, float(after.full_tensor().sum())
+
+
+def test_nested_records_each_see_their_own_block():
+    """Records close by identity: an inner record equal to its enclosing one (no route yet) must
+    not close the enclosing one, which would then miss routes and the inner keep growing."""
+    assert run_on_ranks(_nested_records, 2) == [(2, 0, 1, 2, 28.0)] * 2

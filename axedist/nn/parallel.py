@@ -34,6 +34,7 @@ With sequence-first activations ``[S, B, H]``, sharding the GEMM's rows is shard
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import types
 import warnings
@@ -47,8 +48,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..dtensor import DTensor, distribute
 from ..layout import Layout, LayoutError
-from ..planning import plan_layouts
+from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
+from ..runtime import count_collectives, execution_bytes
 from ..tracing import compiling
 
 __all__ = [
@@ -121,6 +123,7 @@ class _Log:
     def __init__(self, name: str, style: "ParallelStyle"):
         self.name, self.style = name, style
         self.lines: dict[str, str] = {}
+        self.watching: contextlib.ExitStack | None = None  # open during the first forward
 
     def seen(self, what: str) -> bool:
         return what in self.lines
@@ -139,20 +142,59 @@ def _forward_log(module: nn.Module) -> _Log | None:
 
 
 def _transition(x: DTensor, dst, what: str) -> str:
-    """``output [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent per rank``:
+    """``output [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent by this rank``:
     the plan that layout inference makes for this move (planning only; nothing moves here)."""
     head = f"{what} {list(x.shape)} {_where_now(x)} -> {_text(dst)}"
     try:
         spec = _spec_of(x, dst)
         if spec == x._spec:
             return f"{head}: nothing to move"
-        plan = plan_layouts(x._spec.layout, spec.layout, x.mesh, x._spec.padded, x.element_size(),
-                            partial=x._spec.reduce_op)
-        sent = max(plan.bytes_sent.values(), default=0)
-        kinds = ", ".join(plan.kinds) or "local copy"
-        return f"{head}: {kinds}, {sent} B sent per rank"
+        route = plan_redistribute(x._spec, spec, x.element_size())
+        kinds = ", ".join(k for k in route.kinds if k != "local") or "local copy"
+        return f"{head}: {kinds}, {execution_bytes(route, x.mesh)} B sent by this rank"
     except Exception as e:  # the description must never break a forward
         return f"{head}: (no plan: {e})"
+
+
+def _watch(module: nn.Module) -> None:
+    """Count the collectives of the module's first eager forward, all of them: its hooks' moves
+    and the ops' own (e.g. a weight whose layout its product cannot take, moved on every call),
+    for ``describe``'s ``forward ran:`` line."""
+    def pre(mod, args):
+        log = _forward_log(mod)
+        if log is None:
+            return
+        if log.watching is not None:  # the last forward raised before its end: count this one instead
+            log.watching.close()
+        log.watching = contextlib.ExitStack()
+        log.counted = log.watching.enter_context(count_collectives())
+
+    def post(mod, args, out):
+        log = _log_of(mod)
+        if log is None or log.watching is None:
+            return
+        log.watching.close()
+        log.watching = None
+        log.add("ran", f"forward ran: {_ran_text(mod, log.counted)}")
+        for handle in handles:  # once: later forwards (and torch.compile) see no hook of ours
+            handle.remove()
+
+    handles = [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post)]
+
+
+def _ran_text(module: nn.Module, counted) -> str:
+    """``all_gather over gpuid: 1 call, 288 B sent; ...``, and which parameters moved: a
+    parameter whose layout the ops cannot take is moved again on every forward."""
+    text = "; ".join(str(counted).splitlines())
+    def views(p):  # the parameter and, for a Linear's weight, the transpose its product reads
+        return (p._spec, p.detach().t()._spec) if p.dim() == 2 else (p._spec,)
+
+    moved = [pname for pname, p in module.named_parameters(recurse=False)
+             if isinstance(p, DTensor) and any(r.src in views(p) for r in counted.routes)]
+    if moved:
+        text += (f" (moves parameter{'s' if len(moved) > 1 else ''} {', '.join(moved)} on every forward: "
+                 f"its layout is not one the ops take)")
+    return text
 
 
 def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None, note=None):
@@ -585,6 +627,8 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
             else:
                 _log_of(sub).style = f"{_log_of(sub).style} + {style}"
             style.apply(sub, mesh, name, shared, src_rank)
+    for log in logs:
+        _watch(module.get_submodule(log.name))
     unused = [p for p, n in used.items() if n == 0]
     if unused:
         names = [n for n, _ in module.named_modules() if n][:12]
@@ -624,12 +668,14 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
 
 
 def describe(module: nn.Module) -> str:
-    """Each parallelized layer's style, parameter layouts and (after a forward) the collectives
-    its inputs and outputs ran::
+    """Each parallelized layer's style, parameter layouts and (after a forward) the moves of its
+    inputs and outputs, and every collective its first eager forward ran (the ops' own too: a
+    parameter moved on every forward is named)::
 
         layers.0.attention.wo  RowwiseParallel(output_layouts=Shard(dim=0), ...)
           weight  f32[64, 64]  (Shard(dim=1),)  S[(64,4,16):(16,1@gpuid,1)]
-          output (GEMM rows) [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent per rank
+          output (GEMM rows) [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent by this rank
+          forward ran: reduce_scatter over gpuid: 1 call, 49,152 B sent
     """
     lines = []
     for name, sub in module.named_modules():

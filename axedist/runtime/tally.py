@@ -27,6 +27,7 @@ class CollectiveCount:
     """Routes run by this rank, grouped by what they do: ``{"all_gather over dp": [calls, bytes]}``."""
 
     by_kind: dict[str, list[int]] = field(default_factory=dict)
+    routes: list = field(default_factory=list)  # the routes that sent something, in the order they ran
 
     @property
     def bytes_sent(self) -> int:
@@ -40,13 +41,14 @@ class CollectiveCount:
         steps = [s for s in route.steps if s.kind != "local" and s.messages]
         if not steps:
             return
+        self.routes.append(route)
         kinds = " + ".join(dict.fromkeys(f"{s.kind} over {','.join(s.axes)}" for s in steps))
         entry = self.by_kind.setdefault(kinds, [0, 0])
         entry[0] += 1
         entry[1] += execution_bytes(route, route.src.mesh)
 
     def __str__(self) -> str:
-        lines = [f"{kind}: {calls} calls, {sent:,} B sent" for kind, (calls, sent) in sorted(self.by_kind.items())]
+        lines = [f"{kind}: {calls} call{'s' if calls != 1 else ''}, {sent:,} B sent" for kind, (calls, sent) in sorted(self.by_kind.items())]
         return "\n".join(lines) if lines else "no collectives"
 
     def __repr__(self) -> str:
