@@ -362,6 +362,7 @@ def _errors(rank, world):
     line = f"forward ran: {'; '.join(str(seen).splitlines())}"
     assert seen.calls >= 2 and line in describe(cyclic), (line, describe(cyclic))
     assert "moves parameter weight on every forward" in describe(cyclic) and "moves parameter" not in report
+    assert "not counted" not in report + describe(cyclic)
     cyclic(x)
     assert describe(cyclic).count("forward ran") == 1   # the first forward's, once
     return True

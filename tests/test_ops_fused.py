@@ -224,7 +224,7 @@ def _rowwise_module(rank, world, seed):
 def _rowwise_module_inference(rank, world, seed):
     """The same layer under torch.inference_mode (what infer_tp.py runs): the deferred product's
     operands are inference tensors, which keep no version counter."""
-    from axedist.nn import RowwiseParallel, parallelize
+    from axedist.nn import RowwiseParallel, describe, parallelize
 
     mesh = DeviceMesh("cpu", (world,))
     torch.manual_seed(seed)
@@ -238,12 +238,13 @@ def _rowwise_module_inference(rank, world, seed):
         y = lin(distribute(x, mesh, [Shard(2)]))
         assert _delta(before, fused_gemm_stats())["deferred"] == 1
         assert y.placements == (Shard(0),) and torch.allclose(y.full_tensor(), ref(x))
-    return True
+    return describe(lin)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_rowwise_parallel_under_inference_mode(world):
-    run_on_ranks(_rowwise_module_inference, world, args=(random.randrange(10**6),))
+    text = run_on_ranks(_rowwise_module_inference, world, args=(random.randrange(10**6),))[0]
+    assert "forward ran: reduce_scatter over gpuid: 1 call" in text, text   # counted under inference_mode too
 
 
 def _auto_on_cpu(rank, world, seed):

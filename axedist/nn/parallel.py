@@ -175,7 +175,11 @@ def _watch(module: nn.Module) -> None:
             return
         log.watching.close()
         log.watching = None
-        log.add("ran", f"forward ran: {_ran_text(mod, log.counted)}")
+        try:
+            text = _ran_text(mod, log.counted)
+        except Exception as e:  # the description must never break a forward
+            text = f"(not counted: {e})"
+        log.add("ran", f"forward ran: {text}")
         for handle in handles:  # once: later forwards (and torch.compile) see no hook of ours
             handle.remove()
 
@@ -187,7 +191,12 @@ def _ran_text(module: nn.Module, counted) -> str:
     parameter whose layout the ops cannot take is moved again on every forward."""
     text = "; ".join(str(counted).splitlines())
     def views(p):  # the parameter and, for a Linear's weight, the transpose its product reads
-        return (p._spec, p.detach().t()._spec) if p.dim() == 2 else (p._spec,)
+        if p.dim() != 2:
+            return (p._spec,)
+        # a view's spec only; outside inference mode, where a view of a parameter made before
+        # it is allowed (torch refuses one inside: "Cannot set version_counter")
+        with torch.inference_mode(False), torch.no_grad():
+            return (p._spec, p.t()._spec)
 
     moved = [pname for pname, p in module.named_parameters(recurse=False)
              if isinstance(p, DTensor) and any(r.src in views(p) for r in counted.routes)]
