@@ -35,18 +35,22 @@ def from_local(cls, local: torch.Tensor, spec: DTensorSpec, unsqueeze: bool):
     return cls(local.unsqueeze(0) if unsqueeze else local, spec)
 
 
-def to_local(dt) -> torch.Tensor:
-    """``dt``'s local tensor; its gradient comes back as a DTensor in ``dt``'s layout."""
+def to_local(dt, grad: DTensorSpec | None = None) -> torch.Tensor:
+    """``dt``'s local tensor; its gradient comes back as a DTensor in ``dt``'s layout, or in
+    ``grad`` (same global shape and piece shape here; a placements ``Partial`` gets its summand dim)."""
     if torch.is_grad_enabled() and requires_grad(dt):
-        return _ToLocal.apply(dt)
+        return _ToLocal.apply(dt, grad)
     return dt._local
 
 
-def redistribute(dt, dst: DTensorSpec, async_op: bool = False):
-    """``dt`` moved to ``dst`` (differentiable: the gradient goes back to ``dt``'s layout)."""
+def redistribute(dt, dst: DTensorSpec, async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                 backward_dtype: torch.dtype | None = None):
+    """``dt`` moved to ``dst``, cast to ``forward_dtype`` first when given (differentiable: the
+    gradient goes back to ``dt``'s layout, moved in ``backward_dtype``, or ``dt``'s dtype, and
+    comes back in ``dt``'s dtype)."""
     if torch.is_grad_enabled() and requires_grad(dt):
-        return _Redistribute.apply(dt, dst, async_op)
-    return move(dt, dst, async_op)
+        return _Redistribute.apply(dt, dst, async_op, forward_dtype, backward_dtype)
+    return move(dt if forward_dtype is None else dt.to(forward_dtype), dst, async_op)
 
 
 def move(dt, dst: DTensorSpec, async_op: bool = False):
@@ -132,20 +136,23 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt):
-        ctx.cls, ctx.spec = type(dt), dt._spec
+    def forward(ctx, dt, grad_spec):
+        ctx.cls, ctx.spec = type(dt), dt._spec if grad_spec is None else grad_spec
+        ctx.unsqueeze = grad_spec is not None and grad_spec.reduce_op is not None
         return dt._local.view_as(dt._local)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.cls(grad.contiguous(), ctx.spec)
+        grad = grad.contiguous()
+        return ctx.cls(grad.unsqueeze(0) if ctx.unsqueeze else grad, ctx.spec), None
 
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, dst, async_op):
-        ctx.cls, ctx.src = type(dt), dt._spec
-        return move(dt, dst, async_op)
+    def forward(ctx, dt, dst, async_op, forward_dtype, backward_dtype):
+        ctx.cls, ctx.src, ctx.dtype = type(dt), dt._spec, dt.dtype
+        ctx.backward_dtype = backward_dtype or dt.dtype
+        return move(dt if forward_dtype is None else dt.to(forward_dtype), dst, async_op)
 
     @staticmethod
     def backward(ctx, grad):
@@ -154,10 +161,16 @@ class _Redistribute(torch.autograd.Function):
             raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
         if grad._spec == target:
             agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
-            return grad, None, None
+            return _cast(grad, ctx.dtype), None, None, None, None
+        if grad.dtype != ctx.backward_dtype:  # torch's backward_dtype: the gradient moves in it
+            return _cast(move(grad.to(ctx.backward_dtype), target), ctx.dtype), None, None, None, None
         # through move: a gradient that is a deferred product (a column-parallel linear's input
         # gradient, reduce-scattered back to sequence shards) reaches the fused GEMM + RS
-        return move(grad, target), None, None
+        return _cast(move(grad, target), ctx.dtype), None, None, None, None
+
+
+def _cast(grad, dtype: torch.dtype):
+    return grad if grad.dtype == dtype else grad.to(dtype)
 
 
 class _Distribute(torch.autograd.Function):

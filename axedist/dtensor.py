@@ -392,14 +392,42 @@ class DTensor(torch.Tensor):
 
     # -- reading -------------------------------------------------------------------
 
-    def to_local(self) -> torch.Tensor:
+    def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """This rank's piece (with the leading summand dim for a pending reduction).
 
-        Differentiable: the gradient of the piece comes back as a DTensor in this layout.
+        Differentiable: the gradient of the piece comes back as a DTensor in this layout, or,
+        as torch's keyword says, in ``grad_placements`` (e.g. ``[Partial()]`` when the ranks'
+        pieces of a replicated tensor get different gradients). A layout whose piece here has
+        another shape than this one is refused, as is ``grad_placements`` on a pending reduction.
+
+            >>> w.to_local(grad_placements=[Partial()])   # w Replicate: each rank's grad a summand
         """
+        grad = None if grad_placements is None else self._grad_spec(tuple(grad_placements))
+        if grad is None:
+            if _dynamo_tracing():
+                return _NODES["to_local"](self)
+            return autograd.to_local(self)
         if _dynamo_tracing():
-            return _NODES["to_local"](self)
-        return autograd.to_local(self)
+            raise LayoutError("to_local(grad_placements=) other than the tensor's own placements is not traced by "
+                              "torch.compile here: call it outside the compiled function")
+        return autograd.to_local(self, grad)
+
+    def _grad_spec(self, placements: tuple) -> DTensorSpec | None:
+        """The spec a gradient of this piece in ``placements`` has (None: this tensor's own); its
+        piece here must have this one's shape."""
+        spec = spec_from_placements(self._spec.shape, self.mesh, placements)
+        if spec == self._spec:
+            return None
+        if self._spec.reduce_op is not None:
+            raise LayoutError(f"to_local(grad_placements={list(placements)}) of a pending reduction "
+                              f"({self._spec}): reduce it first (redistribute) or leave grad_placements out")
+        here = element_table(spec).local_shapes[self.mesh.position()]
+        here = here[1:] if spec.reduce_op else here
+        if tuple(here) != tuple(self._local.shape):
+            raise LayoutError(f"to_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
+                              f"shape {tuple(here)} on this rank, this tensor's piece is {tuple(self._local.shape)} "
+                              f"({self._spec})")
+        return spec
 
     def full_tensor(self) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied)."""
@@ -436,7 +464,8 @@ class DTensor(torch.Tensor):
 
     def redistribute(self, layout_or_placements=None, placements=None, *, device_mesh=None,
                      padded_shape: Sequence[int] | None = None, reduce_op: str | None = None,
-                     async_op: bool = False) -> "DTensor":
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> "DTensor":
         """The same global tensor in another layout (or placements) on the same mesh.
 
         Differentiable: the gradient goes back to this tensor's layout (a pending reduction's
@@ -445,7 +474,9 @@ class DTensor(torch.Tensor):
         (any op, ``to_local``, ``full_tensor``), so independent work can overlap it.
         torch's spelling works too: ``x.redistribute(x.device_mesh, [Replicate()])`` or
         ``x.redistribute(device_mesh=mesh, placements=[Shard(1)])`` (the mesh must be this
-        tensor's; no placements: no move).
+        tensor's; no placements: no move). As torch's: ``forward_dtype`` casts before the move
+        (the result has that dtype), ``backward_dtype`` is the dtype the gradient moves in (it
+        comes back in this tensor's dtype).
         """
         if isinstance(layout_or_placements, DeviceMesh) or _is_torch_mesh(layout_or_placements):
             if device_mesh is not None:
@@ -457,10 +488,15 @@ class DTensor(torch.Tensor):
         if layout_or_placements is not None and placements is not None:
             raise TypeError("redistribute: the target given twice (a layout or placements, and placements=)")
         layout_or_placements = layout_or_placements if layout_or_placements is not None else placements
+        dtypes = (None if forward_dtype in (None, self.dtype) else forward_dtype,
+                  None if backward_dtype in (None, self.dtype) else backward_dtype)
         if layout_or_placements is None:  # torch: no placements, no move
             agree_on_move(self._spec, self._spec, self._value.element_size())
-            return self
+            return self if dtypes[0] is None else self.to(dtypes[0])
         if _dynamo_tracing():
+            if dtypes != (None, None):
+                raise LayoutError("redistribute(forward_dtype=, backward_dtype=) is not traced by torch.compile "
+                                  "here: cast before the call, or call it outside the compiled function")
             return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
                                           async_op=async_op)
         try:
@@ -470,8 +506,8 @@ class DTensor(torch.Tensor):
             raise
         if dst == self._spec:
             agree_on_move(dst, dst, self._value.element_size())  # a rank asking for no move is checked too
-            return self
-        return autograd.redistribute(self, dst, async_op)
+            return self if dtypes[0] is None else self.to(dtypes[0])
+        return autograd.redistribute(self, dst, async_op, *dtypes)
 
     def to_partial(self, reduce_op: str = "sum") -> "DTensor":
         """Read the leading dim as pending summands (no data moves): shape ``(k, *s)`` -> ``s``.

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor import parallel as torch_tp
 from torch.distributed.tensor.experimental import implicit_replication as torch_implicit_replication
 
@@ -190,6 +190,40 @@ def _dtensor_calls(api, mesh, seed):
     return out
 
 
+def _grad_placements_calls(api, mesh, seed, rank):
+    """``to_local(grad_placements=)``: gradients of local pieces read back in other placements."""
+    Sh, R = Shard, Replicate
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    weights = torch.randn(mesh.size(), 8, 6, generator=g, dtype=torch.float64)   # one per rank
+    x = api.distribute_tensor(full, mesh, [R()]).requires_grad_()
+    (x.to_local(grad_placements=[Partial()]) * weights[rank]).sum().backward()   # each rank's a summand
+    y = api.distribute_tensor(full, mesh, [Sh(0)]).requires_grad_()
+    (y.to_local(grad_placements=[Sh(0)]) * 2).sum().backward()                   # its own placements
+    z = api.distribute_tensor(full, mesh, [Sh(0)]).requires_grad_()
+    r = z.redistribute(mesh, [R()])                                               # through a move back
+    (r.to_local(grad_placements=[Partial()]) * weights[rank]).sum().backward()
+    return [x.grad.full_tensor(), y.grad.full_tensor(), z.grad.full_tensor(), z.grad.to_local()]
+
+
+def _dtype_calls(api, mesh, seed, rank):
+    """``redistribute(forward_dtype=, backward_dtype=)``: the move in one dtype, the gradient's in another."""
+    Sh, R = Shard, Replicate
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(8, 6, generator=g)
+    w = torch.randn(8, 6, generator=g)                                # the same on every rank
+    weights = torch.randn(mesh.size(), 8, 6, generator=g)             # one per rank
+    x = api.distribute_tensor(full, mesh, [Sh(0)]).requires_grad_()
+    y = x.redistribute(mesh, [R()], forward_dtype=torch.bfloat16, backward_dtype=torch.bfloat16)
+    (y.to_local().float() * w).sum().backward()
+    z = api.distribute_tensor(full, mesh, [Sh(1)]).requires_grad_()
+    r = z.redistribute(mesh, [R()], backward_dtype=torch.bfloat16)   # the summed gradient moves in bf16
+    (r.to_local(grad_placements=[Partial()]) * weights[rank]).sum().backward()
+    dtypes = torch.tensor([y.dtype == torch.bfloat16, x.grad.dtype == torch.float32, r.dtype == torch.float32,
+                           z.grad.dtype == torch.float32])
+    return [y.to_local(), x.grad.to_local(), dtypes], z.grad.to_local(), weights.sum(0)
+
+
 def _torch_dtensor_api(rank, world, seed):
     import types
 
@@ -201,13 +235,36 @@ def _torch_dtensor_api(rank, world, seed):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    want = _grad_placements_calls(torch_dtensor, mesh, seed, rank)
+    got = _grad_placements_calls(types.SimpleNamespace(distribute_tensor=ax.distribute_tensor), mesh, seed, rank)
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(8, 6, generator=g, dtype=torch.float64)
+    summed = torch.randn(world, 8, 6, generator=g, dtype=torch.float64).sum(0)
+    for a, b, brute in zip(got, want, [summed, torch.full((8, 6), 2.0, dtype=torch.float64), summed]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, brute, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+    (want, want_summed, _), (got, got_summed, brute) = (
+        _dtype_calls(torch_dtensor, mesh, seed, rank),
+        _dtype_calls(types.SimpleNamespace(distribute_tensor=ax.distribute_tensor), mesh, seed, rank))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert bool(got[2].all())
+    # summed in bf16 (each value a bf16 number), where torch's gloo order may round differently
+    assert torch.equal(got_summed, got_summed.bfloat16().float()) and torch.equal(want_summed, want_summed.bfloat16().float())
+    torch.testing.assert_close(got_summed, want_summed, rtol=2e-2, atol=2e-2)
+    pieces = brute.chunk(world, 1)   # torch's Shard(1): 6 columns on 4 ranks are 2, 2, 2, 0
+    torch.testing.assert_close(got_summed, pieces[rank] if rank < len(pieces) else brute[:, :0], rtol=2e-2, atol=2e-2)
     # what axedist refuses where torch would differ or guess
     x = ax.distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)])
     for call, text in ((lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Shard(0)], shape=(8, 6), stride=(1, 8)),
                         "contiguous stride"),
                        (lambda: x.redistribute(ax.DeviceMesh("cpu", (world,), ("other",)), [Replicate()]), "within its mesh"),
                        (lambda: x.redistribute([Replicate()], placements=[Replicate()]), "given twice"),
-                       (lambda: DTensor.from_local(torch.zeros(2, 6), None, [Shard(0)]), "needs a mesh")):
+                       (lambda: DTensor.from_local(torch.zeros(2, 6), None, [Shard(0)]), "needs a mesh"),
+                       (lambda: x.to_local(grad_placements=[Replicate()]), "piece of shape \\(8, 6\\)"),
+                       (lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Partial()]).to_local(
+                           grad_placements=[Replicate()]), "pending reduction")):
         with pytest.raises((TypeError, ValueError), match=text):
             call()
     return True
