@@ -7,7 +7,8 @@ break; later steps never recompile (Dynamo's guard failures are reported if they
 sequence length compiles once. Every kind of plan step traces to torch's functional
 collectives; axedist's collectives and fused kernels run as custom ops (forward, gradient,
 compiled); where the fused kernels are chosen (CUDA) the compiled graph calls them, shown here
-on CPU by forcing the choice. One small test runs Inductor's CPU backend (a C++ compile: slow);
+on CPU by forcing the choice. The whole model compiled at once (it breaks the graph) gives
+eager's numbers too. One small test runs Inductor's CPU backend (a C++ compile: slow);
 ``launch/train_tp.py --compile`` runs under torchrun.
 """
 
@@ -117,6 +118,38 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
     report["breaks"] = (explained.graph_break_count, [str(r) for r in explained.break_reasons])
     _fresh_dynamo()
     return report
+
+
+def whole_model(rank, world, seed):
+    """``model.compile()`` of the whole TP Llama (graph breaks allowed): eager's numbers."""
+    torch.manual_seed(seed)
+    base = Llama(CFG).double()
+    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
+    mesh = DeviceMesh("cpu", (world,))
+    for model in (eager, compiled):
+        parallelize(model, mesh, llama_tp_plan(CFG, sequence_parallel=True))
+    _fresh_dynamo()
+    compiled.compile(backend=capture([]))
+    g = torch.Generator().manual_seed(seed + 1)
+    for step in range(2):
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
+        losses = []
+        for model in (eager, compiled):
+            loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
+            loss.backward()
+            losses.append(loss.full_tensor())
+        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
+                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    _fresh_dynamo()
+    return graphs
+
+
+def test_whole_model_compiled_matches_eager():
+    """The whole model compiled (not block by block): graphs are made, and the numbers are eager's."""
+    assert all(graphs > 0 for graphs in run_on_ranks(whole_model, 2, args=(random.randrange(2**31),), timeout_s=300))
 
 
 @pytest.mark.parametrize("world,sequence_parallel,steps,shapes_and_breaks", [(2, True, 3, True), (4, False, 2, False)])
