@@ -45,6 +45,7 @@ __all__ = [
     "plan",
     "distribute",
     "distribute_tensor",
+    "zeros", "ones", "empty", "full", "rand", "randn",
     "from_torch",
     "fused_gemm_stats",
     "layout_from_placements",
@@ -707,6 +708,86 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh=None, placements=None, *
     mesh, placements = _torch_spelling("distribute_tensor", None, device_mesh, None, placements)
     src = None if src_data_rank is None else mesh.rank_at({axis: src_data_rank for axis in mesh.axis_names})
     return distribute(tensor, mesh, placements, src_rank=src)
+
+
+# -- torch's DTensor factories ---------------------------------------------------------------
+
+
+def zeros(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout=torch.strided,
+          device_mesh=None, placements=None) -> DTensor:
+    """torch's ``zeros`` for DTensors: each rank allocates its own piece (nothing is sent).
+    ``placements``: torch placements or an axedist Layout; none: Replicate on every axis.
+
+        >>> zeros(8, 6, device_mesh=mesh, placements=[Shard(0)]).to_local().shape   # 4 ranks
+        torch.Size([2, 6])
+    """
+    return _filled("zeros", size, 0, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def ones(*size, dtype: torch.dtype | None = None, layout=torch.strided, requires_grad: bool = False,
+         device_mesh=None, placements=None) -> DTensor:
+    """torch's ``ones`` for DTensors (see ``zeros``)."""
+    return _filled("ones", size, 1, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def empty(*size, dtype: torch.dtype | None = None, layout=torch.strided, requires_grad: bool = False,
+          device_mesh=None, placements=None) -> DTensor:
+    """torch's ``empty`` for DTensors: each piece uninitialized (see ``zeros``)."""
+    return _filled("empty", size, None, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def full(size, fill_value, *, dtype: torch.dtype | None = None, layout=torch.strided, requires_grad: bool = False,
+         device_mesh=None, placements=None) -> DTensor:
+    """torch's ``full`` for DTensors (see ``zeros``); the dtype defaults as ``torch.full``'s does."""
+    if dtype is None:
+        dtype = torch.full((), fill_value).dtype
+    return _filled("full", (size,), fill_value, dtype, layout, requires_grad, device_mesh, placements)
+
+
+def rand(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout=torch.strided,
+         device_mesh=None, placements=None) -> DTensor:
+    """torch's ``rand`` for DTensors: the global tensor is ``torch.rand(size)`` drawn from the
+    generator of the mesh's device, which every rank must have seeded alike (``torch.manual_seed``);
+    each rank draws it whole and keeps its piece, so the generators stay in step and nothing is
+    sent (torch's values differ: its pieces come from an offset-based generator on CUDA)."""
+    return _drawn("rand", torch.rand, size, requires_grad, dtype, layout, device_mesh, placements)
+
+
+def randn(*size, requires_grad: bool = False, dtype: torch.dtype | None = None, layout=torch.strided,
+          device_mesh=None, placements=None) -> DTensor:
+    """torch's ``randn`` for DTensors (see ``rand``): the global tensor is ``torch.randn(size)``."""
+    return _drawn("randn", torch.randn, size, requires_grad, dtype, layout, device_mesh, placements)
+
+
+def _factory_spec(what: str, size, layout, device_mesh, placements) -> tuple[DTensorSpec, object]:
+    """The new tensor's spec, and its placements (or layout) as given."""
+    if layout is not torch.strided:
+        raise LayoutError(f"{what}: only torch.strided tensors are distributed, got layout={layout}")
+    shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else tuple(size)
+    if not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise TypeError(f"{what}: the size must be non-negative ints, got {size}")
+    mesh, target = _torch_spelling(what, None, device_mesh, None, placements)
+    spec = spec_from_placements(shape, mesh, target) if is_placements(target) else make_spec(mesh, target, shape)
+    if spec.reduce_op:
+        raise LayoutError(f"{what}: Partial placements have no single meaning for a new tensor; make it, then "
+                          f"to_partial()")
+    return spec, target
+
+
+def _filled(what, size, value, dtype, layout, requires_grad, device_mesh, placements) -> DTensor:
+    spec, _ = _factory_spec(what, size, layout, device_mesh, placements)
+    here = element_table(spec).local_shapes[spec.mesh.position()]
+    dtype = dtype or torch.get_default_dtype()
+    local = torch.empty(here, dtype=dtype, device=spec.mesh.device)
+    if value is not None:
+        local.fill_(value)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _drawn(what, draw, size, requires_grad, dtype, layout, device_mesh, placements) -> DTensor:
+    spec, target = _factory_spec(what, size, layout, device_mesh, placements)
+    whole = draw(spec.shape, dtype=dtype or torch.get_default_dtype(), device=spec.mesh.device)
+    return distribute(whole, spec.mesh, target, src_rank=None).requires_grad_(requires_grad)
 
 
 def _distribute_target(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, padded_shape,

@@ -17,6 +17,7 @@ LAYERS = [
     (0, "axedist.layout"),
     (0, "axedist.env"),  # the AXEDIST_* variables, parsed and checked once (no torch)
     (0, "axedist.tracing"),  # torch.compile facts and metadata work outside a trace: torch only
+    (0, "axedist.placements"),  # torch's placement classes, re-exported
     (1, "axedist.mesh"),
     (1, "axedist.peers"),  # agreement checks and who did not arrive: the job's store, no mesh
     (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads

@@ -275,3 +275,94 @@ def test_torch_dtensor_api_spelled_as_torch():
     redistribute(mesh, placements) / (device_mesh=, placements=), .device_mesh: the same values
     as torch's DTensor for the same calls on a torch mesh."""
     assert run_on_ranks(_torch_dtensor_api, 4, args=(random.randrange(2**31),)) == [True] * 4
+
+
+class _Scaled(nn.Module):
+    """Linear -> ReLU -> Linear, times a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 6))
+        self.register_buffer("scale", torch.randn(6))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+def _distributed_module(api, mesh, seed, rank):
+    """torch's distribute_module recipe: shard the first Linear's weight, replicate the rest,
+    inputs made replicated DTensors, outputs read back whole."""
+    torch.manual_seed(seed + rank)   # every rank starts from other values: the first rank's win
+    model = _Scaled().double()
+
+    def partition(name, sub, device_mesh):
+        if name == "net.0":
+            sub.register_parameter("weight", nn.Parameter(api.distribute_tensor(sub.weight, device_mesh, [Shard(0)])))
+
+    api.distribute_module(model, mesh, partition,
+                          input_fn=lambda mod, inputs, device_mesh: tuple(
+                              api.DTensor.from_local(x, device_mesh, [Replicate()]) for x in inputs),
+                          output_fn=lambda mod, outputs, device_mesh: outputs.full_tensor())
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    y = model(x)
+    y.sum().backward()
+    return y.detach(), model.net[0].weight.grad.full_tensor(), tuple(model.net[0].weight.placements), \
+        tuple(model.net[2].weight.placements)
+
+
+def _factories(rank, world, seed):
+    import types
+
+    import torch.distributed.tensor as torch_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    for m, size, placements in [(mesh, (8, 6), [Shard(0)]), (mesh, (5, 3), [Shard(1)]), (mesh, (7,), [Replicate()]),
+                                (mesh, (6, 4), None), (grid, (5, 7), [Shard(0), Shard(1)]),
+                                (grid, (4, 3), [Replicate(), Shard(0)])]:
+        for name in ("zeros", "ones", "empty", "full"):
+            args = (size, 2.5) if name == "full" else size
+            ours = getattr(ax, name)(*args, dtype=torch.float64, device_mesh=m, placements=placements)
+            theirs = getattr(torch_dtensor, name)(*args, dtype=torch.float64, device_mesh=m, placements=placements)
+            what = (name, size, placements)
+            assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, what
+            assert ours.placements == tuple(theirs.placements) and ours.to_local().shape == theirs.to_local().shape, what
+            if name != "empty":
+                assert torch.equal(ours.to_local(), theirs.to_local()), what
+        # random: the global tensor is torch's draw of the whole, and the generator moves as it would
+        for name in ("rand", "randn"):
+            torch.manual_seed(seed)
+            ours = getattr(ax, name)(*size, dtype=torch.float64, device_mesh=m, placements=placements)
+            after = torch.rand(2)
+            torch.manual_seed(seed)
+            want = getattr(torch, name)(*size, dtype=torch.float64)
+            assert torch.equal(ours.full_tensor(), want) and torch.equal(after, torch.rand(2)), (name, size)
+    assert ax.full((2, 3), 7, device_mesh=mesh).dtype == torch.int64
+    leaf = ax.zeros(4, 6, requires_grad=True, device_mesh=mesh, placements=[Shard(0)])
+    (leaf * 3).sum().backward()
+    assert leaf.is_leaf and torch.equal(leaf.grad.full_tensor(), torch.full((4, 6), 3.0))
+    for call, error, text in [(lambda: ax.zeros(4, device_mesh=mesh, placements=[Partial()]), ax.LayoutError, "Partial"),
+                              (lambda: ax.ones(4, 2), TypeError, "needs a mesh"),
+                              (lambda: ax.zeros(-1, device_mesh=mesh), TypeError, "non-negative")]:
+        with pytest.raises(error, match=text):
+            call()
+    # distribute_module
+    want = _distributed_module(torch_dtensor, mesh, seed, rank)
+    got = _distributed_module(types.SimpleNamespace(distribute_tensor=ax.distribute_tensor, DTensor=DTensor,
+                                                    distribute_module=ax.distribute_module), mesh, seed, rank)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-12, atol=1e-12)
+    assert got[2:] == want[2:] == ((Shard(0),), (Replicate(),)), (got[2:], want[2:])
+    torch.manual_seed(seed)
+    first = _Scaled().double()   # rank 0's values
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    torch.testing.assert_close(got[0], first(x).detach(), rtol=1e-12, atol=1e-12)
+    return True
+
+
+def test_torch_factories_placements_and_distribute_module():
+    """zeros/ones/empty/full/rand/randn(..., device_mesh=, placements=), the placements imported
+    from axedist, and distribute_module (partition_fn, input_fn, output_fn): as torch's on the same
+    calls (random factories: torch's draw of the whole tensor), on 1-D and 2-D meshes."""
+    assert ax.Shard is Shard and ax.Replicate is Replicate and ax.Partial is Partial
+    assert run_on_ranks(_factories, 4, args=(random.randrange(2**31),)) == [True] * 4

@@ -56,7 +56,7 @@ from ..tracing import compiling
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
     "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
-    "replicate", "vocab_parallel_cross_entropy", "to_inference",
+    "replicate", "vocab_parallel_cross_entropy", "to_inference", "distribute_module",
 ]
 
 # What a style accepts wherever it takes a layout.
@@ -644,15 +644,53 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
         raise ValueError(f"plan patterns {unused} match no module (names look like {names})")
     if replicate_rest:
         for sub in module.modules():
-            for pname, param in list(sub.named_parameters(recurse=False)):
-                if not isinstance(param, DTensor):
-                    sub.register_parameter(pname, _distribute_param(param, mesh, Replicate(), shared, src_rank,
-                                                                    f"{type(sub).__name__}.{pname}"))
-            for bname, buffer in list(sub.named_buffers(recurse=False)):
-                if buffer is not None and not isinstance(buffer, DTensor):
-                    persistent = bname not in sub._non_persistent_buffers_set
-                    sub.register_buffer(bname, replicate(buffer, mesh), persistent=persistent)
+            _replicate_own(sub, mesh, shared, src_rank, send_buffers=False)
     module.__dict__["_axedist_mesh"] = mesh
+    return module
+
+
+def _replicate_own(sub: nn.Module, mesh: DeviceMesh, shared: dict, src_rank, *, send_buffers: bool) -> None:
+    """``sub``'s own parameters and buffers that are not DTensors yet, replicated: parameters
+    (and buffers if ``send_buffers``) with global rank ``src_rank``'s values, other buffers
+    with each rank's own (they are taken to be equal already)."""
+    for pname, param in list(sub.named_parameters(recurse=False)):
+        if not isinstance(param, DTensor):
+            sub.register_parameter(pname, _distribute_param(param, mesh, Replicate(), shared, src_rank,
+                                                            f"{type(sub).__name__}.{pname}"))
+    for bname, buffer in list(sub.named_buffers(recurse=False)):
+        if buffer is not None and not isinstance(buffer, DTensor):
+            persistent = bname not in sub._non_persistent_buffers_set
+            value = (distribute(buffer.to(mesh.device), mesh, [Replicate()] * mesh.ndim, src_rank=src_rank)
+                     if send_buffers else replicate(buffer, mesh))
+            sub.register_buffer(bname, value, persistent=persistent)
+
+
+def distribute_module(module: nn.Module, device_mesh=None, partition_fn=None, input_fn=None,
+                      output_fn=None) -> nn.Module:
+    """torch's ``distribute_module`` on axedist DTensors: ``partition_fn(name, submodule,
+    device_mesh)`` runs on every submodule (it registers DTensor parameters, e.g. with
+    ``axedist.distribute_tensor``); then every parameter and buffer that is not a DTensor yet is
+    replicated with the mesh's first rank's values (as torch's). ``input_fn(module, inputs,
+    device_mesh)`` runs before each forward (its return, if any, replaces the inputs) and
+    ``output_fn(module, outputs, device_mesh)`` after (its return, if any, replaces the outputs).
+    The mesh may be torch's or axedist's; the functions get it as it was given.
+
+        >>> distribute_module(model, mesh, shard_linears, input_fn=lambda m, inputs, mesh:
+        ...     tuple(distribute_tensor(x, mesh, [Replicate()]) for x in inputs))
+    """
+    if device_mesh is None:
+        raise TypeError("distribute_module needs device_mesh= (a torch or axedist mesh); axedist keeps no "
+                        "current mesh")
+    mesh = as_mesh(device_mesh)
+    shared: dict = {}
+    for name, sub in list(module.named_modules()):
+        if partition_fn is not None:
+            partition_fn(name, sub, device_mesh)
+        _replicate_own(sub, mesh, shared, mesh.ranks[0], send_buffers=True)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
 
 
