@@ -403,14 +403,12 @@ class DTensor(torch.Tensor):
 
             >>> w.to_local(grad_placements=[Partial()])   # w Replicate: each rank's grad a summand
         """
-        grad = None if grad_placements is None else self._grad_spec(tuple(grad_placements))
-        if grad is None:
-            if _dynamo_tracing():
-                return _NODES["to_local"](self)
-            return autograd.to_local(self)
         if _dynamo_tracing():
-            raise LayoutError("to_local(grad_placements=) other than the tensor's own placements is not traced by "
-                              "torch.compile here: call it outside the compiled function")
+            if grad_placements is not None:
+                raise LayoutError("to_local(grad_placements=) is not traced by torch.compile here: call it outside "
+                                  "the compiled function")
+            return _NODES["to_local"](self)
+        grad = None if grad_placements is None else self._grad_spec(tuple(grad_placements))
         return autograd.to_local(self, grad)
 
     def _grad_spec(self, placements: tuple) -> DTensorSpec | None:
@@ -425,9 +423,11 @@ class DTensor(torch.Tensor):
         here = element_table(spec).local_shapes[self.mesh.position()]
         here = here[1:] if spec.reduce_op else here
         if tuple(here) != tuple(self._local.shape):
-            raise LayoutError(f"to_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
-                              f"shape {tuple(here)} on this rank, this tensor's piece is {tuple(self._local.shape)} "
-                              f"({self._spec})")
+            error = LayoutError(f"to_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
+                                f"shape {tuple(here)} on this rank, this tensor's piece is {tuple(self._local.shape)} "
+                                f"({self._spec})")
+            announce_failure("to_local", error)  # a peer left waiting on this rank then says why
+            raise error
         return spec
 
     def full_tensor(self) -> torch.Tensor:

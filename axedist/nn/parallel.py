@@ -124,6 +124,7 @@ class _Log:
         self.name, self.style = name, style
         self.lines: dict[str, str] = {}
         self.watching: contextlib.ExitStack | None = None  # open during the first forward
+        self.counted = None  # what it counted (a CollectiveCount)
 
     def seen(self, what: str) -> bool:
         return what in self.lines
@@ -190,6 +191,7 @@ def _ran_text(module: nn.Module, counted) -> str:
     """``all_gather over gpuid: 1 call, 288 B sent; ...``, and which parameters moved: a
     parameter whose layout the ops cannot take is moved again on every forward."""
     text = "; ".join(str(counted).splitlines())
+
     def views(p):  # the parameter and, for a Linear's weight, the transpose its product reads
         if p.dim() != 2:
             return (p._spec,)
