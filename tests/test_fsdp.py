@@ -4,7 +4,8 @@ Against the one-process model (float64, rel 1e-9, so fp32 rounding through AdamW
 a bug or fail a correct run): the loss and every gradient over three AdamW
 steps, and the parameters after them, for ``(dp, tp)`` = (2, 2), (4, 1), (1, 4), HSDP (2
 replicate x 2 shard), uneven parameters (vocabulary 30), tied embeddings, frozen parameters,
-``reshard_after_forward=False``, ``clip_grad_norm_`` over the whole mesh and a foreach optimizer.
+``reshard_after_forward=False``, ``clip_grad_norm_`` over the whole mesh and a foreach optimizer,
+and torch's spelling (``fully_shard(block, mesh=world_mesh["dp"])``, a 2-D HSDP mesh, no mesh).
 Against torch's ``fully_shard`` + ``parallelize_module`` on the same model: equal losses, bytes
 sent per rank per step no more than torch's, the sharded parameter + gradient + optimizer bytes.
 Checkpoints across (dp, tp) degrees and to and from torch's; bad input; the main job under torchrun.
@@ -59,19 +60,28 @@ def _matches_one_process(rank, world, s, shape, names, case):
         ref.layers[0].attention.wq.weight.requires_grad_(False)
         ref.norm.weight.requires_grad_(False)
     hsdp = names == ("rep", "shard")
+    tp = "tp" in names
     kwargs = dict(dp_axes="shard", replicate_axes="rep") if hsdp else {}
+    where = mesh
+    spelling = case.get("torch")  # torch's: fully_shard(module, mesh=<the data-parallel torch mesh> or none)
+    if spelling:
+        from torch.distributed.device_mesh import init_device_mesh
+        torch_world = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        kwargs = {}
+        where = None if spelling == "none" else torch_world if hsdp else torch_world["dp"]
     if case.get("keep"):
         kwargs["reshard_after_forward"] = False
     par = copy.deepcopy(ref)  # same values and frozen flags
-    if not hsdp:
-        parallelize(par, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=case.get("sp", True)))
+    if tp:
+        parallelize(par, torch_world["tp"] if spelling else mesh["tp"],
+                    llama_tp_plan(cfg, sequence_parallel=case.get("sp", True)))
     for layer in par.layers:
         if case.get("linear_units"):  # each projection its own unit: freed as soon as its input's gradient is in
             for name, sub in layer.named_modules():
                 if isinstance(sub, torch.nn.Linear):
-                    fully_shard(sub, mesh, **kwargs)
-        fully_shard(layer, mesh, **kwargs)
-    fully_shard(par, mesh, **kwargs)
+                    fully_shard(sub, mesh=where, **kwargs)
+        fully_shard(layer, mesh=where, **kwargs)
+    fully_shard(par, mesh=where, **kwargs)
     data_axes = ("rep", "shard") if hsdp else ("dp",)
     d = sum(mesh.coordinates()[a] * (mesh.axis_size("shard") if a == "rep" else 1) for a in data_axes)
     parts = math.prod(mesh.axis_size(a) for a in data_axes)
@@ -82,14 +92,14 @@ def _matches_one_process(rank, world, s, shape, names, case):
     opt_ref = make([p for p in ref.parameters() if p.requires_grad])
     opt_par = make([p for p in par.parameters() if p.requires_grad])
     g = torch.Generator().manual_seed(s + 1)
-    tp_mesh = None if hsdp else mesh["tp"]
+    tp_mesh = mesh["tp"] if tp else None
     for step in range(STEPS):
         tokens = torch.randint(0, cfg.vocab_size, (2 * parts, cfg.max_seq_len + 1), generator=g)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         mine = slice(2 * d, 2 * d + 2)
         loss_ref = next_token_loss(ref(inputs), targets)
         logits = par(inputs[mine])
-        loss = next_token_loss(logits, targets[mine] if hsdp else replicate(targets[mine], tp_mesh))
+        loss = next_token_loss(logits, replicate(targets[mine], tp_mesh) if tp else targets[mine])
         value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
         dist.all_reduce(value, group=mesh.group(data_axes))
         torch.testing.assert_close(value / parts, loss_ref.detach(), **TOL64, msg=lambda m: f"step {step} loss: {m}")
@@ -128,6 +138,10 @@ CASES = {
     "hsdp-2x2": ((2, 2), ("rep", "shard"), {}),
     "2x2-tied-frozen-clip-keep": ((2, 2), ("dp", "tp"), {"tie": True, "frozen": True, "clip": True, "keep": True}),
     "2x2-deferred-linear-units": ((2, 2), ("dp", "tp"), {"deferred": True, "linear_units": True}),
+    # torch's spelling: fully_shard(module, mesh=world_mesh["dp"]), HSDP as a 2-D mesh, no mesh at all
+    "2x2-torch-spelling": ((2, 2), ("dp", "tp"), {"torch": "sub"}),
+    "hsdp-2x2-torch-spelling": ((2, 2), ("rep", "shard"), {"torch": "sub", "keep": True}),
+    "4-torch-spelling-no-mesh": ((4,), ("dp",), {"torch": "none"}),
 }
 
 
@@ -293,7 +307,7 @@ def _layouts_and_errors(rank, world):
     def error(fn):
         try:
             fn()
-        except (ValueError, TypeError, LayoutError, MeshError) as e:
+        except (ValueError, TypeError, LayoutError, MeshError, NotImplementedError) as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
 
@@ -310,6 +324,16 @@ def _layouts_and_errors(rank, world):
     tied = Llama(tiny(tie=True))
     fully_shard(tied.output, DeviceMesh("cpu", (4,), ("dp",)))
     out["shared"] = error(lambda: fully_shard(tied, DeviceMesh("cpu", (4,), ("dp",))))
+    # torch's spelling: what it does not support, and an axedist sub-mesh that lacks the model's tp axis
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    block = model.layers[1]
+    out["offload"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], offload_policy=CPUOffloadPolicy()))
+    out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: None))
+    out["ignored"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], ignored_params={block.attention.wq.weight}))
+    out["sub_mesh"] = error(lambda: fully_shard(block, mesh=mesh["dp"]))
+    out["dp_axes_torch"] = error(lambda: fully_shard(block, torch_mesh, dp_axes="dp"))
     return out
 
 
@@ -328,6 +352,10 @@ def test_layouts_and_bad_input():
     assert "already applied" in o["twice"]
     assert "meta" in o["device"] and "mesh's device" in o["device"]
     assert "shared with another FSDP unit" in o["shared"]
+    assert "NotImplementedError" in o["offload"] and "offload" in o["offload"]
+    assert "shard_placement_fn" in o["placement_fn"] and "ignored_params" in o["ignored"]
+    assert "MeshError" in o["sub_mesh"] and "lacks ['tp']" in o["sub_mesh"], o["sub_mesh"]
+    assert "TypeError" in o["dp_axes_torch"] and "whole axedist DeviceMesh" in o["dp_axes_torch"]
 
 
 def test_main_job_trains_dp2_x_tp2_under_torchrun(tmp_path):

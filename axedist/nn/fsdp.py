@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..dtensor import DTensor
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
-from ..mesh import DeviceMesh, MeshError
+from ..mesh import DeviceMesh, MeshError, as_mesh
 from ..planning import plan_redistribute
 from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
@@ -813,10 +813,19 @@ def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
     return axes
 
 
-def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] | str = ("dp",),
+def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | None = None,
                 replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool = True,
-                mp_policy: MixedPrecisionPolicy = NO_CASTS) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = NO_CASTS, offload_policy=None, shard_placement_fn=None,
+                ignored_params=None) -> nn.Module:
     """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
+
+    Two spellings. axedist's: ``mesh`` the whole (dp, tp) mesh, ``dp_axes`` (default ``"dp"``)
+    and ``replicate_axes`` name its data-parallel axes. torch's: ``fully_shard(block,
+    mesh=world_mesh["dp"])`` with the torch (or axedist) mesh of the data-parallel axes only,
+    a sub-mesh of the job's mesh when the model is also tensor parallel (its root mesh is used),
+    two axes meaning HSDP (replicate over the first, shard over the second), no mesh meaning
+    every rank on one axis; ``offload_policy``, ``shard_placement_fn`` and ``ignored_params``
+    are refused unless left at torch's defaults.
 
     Apply it to each block first, then to the whole model (the root gets what the blocks did not
     take), as with torch's ``fully_shard``; after ``parallelize`` on ``mesh["tp"]`` when the model
@@ -832,8 +841,15 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] |
     the sharded fp32 parameters. ``reshard_after_forward=False`` keeps a unit's gathered
     parameters from forward to backward (the root always keeps them, as torch does).
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard takes an axedist DeviceMesh, got {type(mesh).__name__}")
+    _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params)
+    if dp_axes is None:
+        if isinstance(mesh, DeviceMesh) and "dp" in mesh.axis_names and mesh.ndim > 1:
+            dp_axes = ("dp",)  # axedist's spelling: the whole mesh, its "dp" axis
+        else:
+            mesh, replicate_axes, dp_axes = _torch_fsdp_mesh(mesh, replicate_axes)
+    elif not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(dp_axes=...) takes the whole axedist DeviceMesh, got {type(mesh).__name__}; "
+                        f"with torch's spelling pass only mesh= (the data-parallel mesh)")
     shard_axes = _axes_arg(mesh, dp_axes, "dp_axes")
     replicate_axes = _axes_arg(mesh, replicate_axes, "replicate_axes")
     if set(shard_axes) & set(replicate_axes):
@@ -855,6 +871,43 @@ def fully_shard(module: nn.Module, mesh: DeviceMesh, *, dp_axes: Sequence[str] |
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
+
+
+def _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params) -> None:
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("fully_shard: CPU offload is not supported; leave offload_policy out")
+    if shard_placement_fn is not None:
+        raise NotImplementedError("fully_shard: shard_placement_fn is not supported (parameters are sharded on "
+                                  "dim 0, as torch's default)")
+    if ignored_params:
+        raise NotImplementedError("fully_shard: ignored_params is not supported; freeze them (requires_grad_(False)) "
+                                  "or keep them out of the module")
+
+
+def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
+    """torch's spelling -> axedist's: ``(whole mesh, replicate axes, shard axes)`` from the
+    data-parallel mesh torch's ``fully_shard`` takes (1-D: shard; 2-D: replicate x shard)."""
+    if replicate_axes:
+        raise TypeError("fully_shard: replicate_axes goes with dp_axes (axedist's spelling); with torch's, pass a "
+                        "2-D mesh (replicate, shard)")
+    if mesh is None:
+        import torch.distributed as dist
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        whole = DeviceMesh(device, (dist.get_world_size(),), ("dp",))
+        return whole, (), ("dp",)
+    data = as_mesh(mesh)
+    whole = data
+    if not isinstance(mesh, DeviceMesh):  # a torch sub-mesh: its root holds the other (tensor-parallel) axes
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        whole = DeviceMesh.from_torch(root) if root is not mesh else data
+    if data.ndim == 1:
+        return whole, (), data.axis_names
+    if data.ndim == 2:
+        return whole, data.axis_names[:1], data.axis_names[1:]
+    raise MeshError(f"fully_shard: a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard), got {data}")
 
 
 def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> None:
