@@ -9,7 +9,8 @@ loss under ``loss_parallel()`` with plain integer labels, ``clip_grad_norm_`` ov
 gradients and AdamW (``fused=True`` where this torch build has the fused kernel for the
 device, else ``foreach=True``).
 
-Only the block between the two ``# -- TP imports`` lines differs between running on torch's
+``apply_fsdp`` adds torchtitan's FSDP2 (``fully_shard(block, mesh=world_mesh["dp"])``) on a
+dp x tp mesh. Only the block between the two ``# -- TP imports`` lines differs between running on torch's
 DTensor and on axedist: ``tests/test_dropin_llama3.py`` runs this file's text as it is and
 with that block replaced (``AXEDIST_IMPORTS`` there), and once with no parallelism at all.
 Standalone: ``torchrun --nproc-per-node 4 tests/llama3_tp_script.py``.
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 # -- TP imports (begin)
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 # -- TP imports (end)
@@ -181,6 +183,13 @@ def apply_tp(model: Transformer, tp_mesh, loss_parallel_on: bool = True) -> None
         parallelize_module(module=block, device_mesh=tp_mesh, parallelize_plan=layer_plan)
 
 
+def apply_fsdp(model: Transformer, dp_mesh) -> None:
+    """torchtitan's FSDP2: each block a unit, then the root (after tensor parallelism)."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh)
+
+
 def full(t):
     """The whole tensor of a DTensor (torch's or axedist's), or ``t``."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -192,10 +201,13 @@ def fused_adamw_supported(device: str) -> bool:
     return device in _get_fused_kernels_supported_devices()
 
 
-def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32):
+def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
+          dp_mesh=None):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
-    ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's)."""
+    ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
+    ``dp_mesh``: also fully sharded over it, each dp rank training on its ``batch`` rows of the
+    ``batch * dp`` drawn per step (the loss recorded is their mean over dp)."""
     args = ModelArgs()
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -206,20 +218,28 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         torch.set_default_dtype(default)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh)
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     fused = fused_adamw_supported("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None,
                                   foreach=None if fused else True)
     data = torch.Generator().manual_seed(seed + 1)
     record = []
     for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (batch, args.max_seq_len + 1), generator=data)
+        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
+        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with loss_parallel() if tp_mesh is not None else nullcontext():
             pred = model(inputs)
             loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        record.append({"loss": full(loss).detach().clone(), "norm": full(norm).detach().clone(),
+        loss_value = full(loss).detach().clone()
+        if dp_mesh is not None:
+            torch.distributed.all_reduce(loss_value, group=dp_mesh.get_group())
+            loss_value /= dp_size
+        record.append({"loss": loss_value, "norm": full(norm).detach().clone(),
                        "grads": {n: full(p.grad).detach().clone() for n, p in model.named_parameters()},
                        "fused": fused})
         optimizer.step()
@@ -228,8 +248,10 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
 
 
 def main() -> None:
-    world_mesh = init_device_mesh("cpu", (1, int(os.environ["WORLD_SIZE"])), mesh_dim_names=("dp", "tp"))
-    for step, r in enumerate(train(world_mesh["tp"], seed=0)[1]):
+    world = int(os.environ["WORLD_SIZE"])
+    dp = 2 if world % 2 == 0 and world > 2 else 1
+    world_mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    for step, r in enumerate(train(world_mesh["tp"], seed=0, dp_mesh=world_mesh["dp"] if dp > 1 else None)[1]):
         if torch.distributed.get_rank() == 0:
             print(f"step {step}: loss {r['loss'].item():.5f}, grad norm {r['norm'].item():.5f}")
 

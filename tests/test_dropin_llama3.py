@@ -14,7 +14,10 @@ torch's own TP as much as for axedist's):
   every parameter's gradient (after clipping) equal the one-process run's per step
   (relative error 1e-4 in norm);
 * the same with axedist's own styles imported too (DTensors flow through the whole model,
-  RoPE included: the complex ``freqs_cis`` buffer a replicated DTensor).
+  RoPE included: the complex ``freqs_cis`` buffer a replicated DTensor);
+* dp = 2 x tp = 2 with torchtitan's FSDP2 (``fully_shard(block, mesh=world_mesh["dp"])``)
+  on top, under torch and under axedist with ``fully_shard`` imported from ``axedist.nn``,
+  against one process on the whole batch.
 """
 
 import random
@@ -30,11 +33,11 @@ SCRIPT = Path(__file__).with_name("llama3_tp_script.py")
 IMPORTS = re.compile(r"# -- TP imports \(begin\)\n.*?# -- TP imports \(end\)\n", re.S)
 AXEDIST_IMPORTS = """\
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from axedist.nn import loss_parallel, parallelize_module
+from axedist.nn import fully_shard, loss_parallel, parallelize_module
 """
 AXEDIST_STYLES = """\
-from axedist.nn import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel,
-                        parallelize_module)
+from axedist.nn import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, fully_shard,
+                        loss_parallel, parallelize_module)
 """
 RTOL = 1e-4
 
@@ -102,9 +105,30 @@ def _own_styles(rank, world, seed):
     return True
 
 
-@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles"])
+def _fsdp_tp(rank, world, seed):
+    """dp = 2 x tp = 2: torchtitan's FSDP2 over dp on top of its TP plan, under torch and under
+    axedist (imports changed, fully_shard included), against one process on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    from axedist.dtensor import DTensor
+
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = world_mesh["tp"], world_mesh["dp"]
+    _, reference = script()["train"](None, seed, batch=4, dtype=torch.float64)
+    model, on_torch = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
+    assert isinstance(model.layers["0"].attention.wq.weight, TorchDTensor)
+    model, on_axedist = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
+    weight = model.layers["0"].attention.wq.weight
+    assert isinstance(weight, DTensor) and weight.mesh.axis_names == ("dp", "tp"), weight   # one DTensor on dp x tp
+    _compare(on_torch, reference, "torch FSDP2 + TP")
+    _compare(on_axedist, reference, "axedist fully_shard + TP, imports changed")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp"])
 def test_llama3_script_on_torch_and_axedist(kind):
-    body = _three_ways if kind == "three_ways" else _own_styles
+    body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp}[kind]
     seed = random.randrange(2**31)
     results = run_on_ranks(body, 4, args=(seed,), timeout_s=300)
     assert len(set(results)) == 1, seed
