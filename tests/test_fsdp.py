@@ -337,6 +337,57 @@ def _layouts_and_errors(rank, world):
     return out
 
 
+def _micro_batches(rank, world, s):
+    """Gradient accumulation as torch's FSDP2 scripts write it: three micro-batches, gradient sync
+    off for the first two; unshard() / reshard() called by hand around a forward."""
+    import warnings
+
+    from axedist.nn import FSDPModule
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    cfg = tiny()
+    torch.manual_seed(s)
+    ref = Llama(cfg).double()
+    par = copy.deepcopy(ref)
+    parallelize(par, mesh["tp"], llama_tp_plan(cfg))
+    for layer in par.layers:
+        fully_shard(layer, mesh)
+    fully_shard(par, mesh)
+    assert isinstance(par, FSDPModule) and type(par).__name__ == "FSDPLlama" and isinstance(par, Llama)
+    d = mesh.coordinates()["dp"]
+    g = torch.Generator().manual_seed(s + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for micro in range(3):
+            par.set_requires_gradient_sync(micro == 2)
+            par.set_is_last_backward(micro == 2)
+            tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g)
+            inputs, targets = tokens[:, :-1], tokens[:, 1:]
+            next_token_loss(ref(inputs), targets).backward()
+            mine = slice(2 * d, 2 * d + 2)
+            next_token_loss(par(inputs[mine]), replicate(targets[mine], mesh["tp"])).backward()
+    assert any("no communication is saved" in str(w.message) for w in caught)
+    for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL64, msg=lambda m: f"accumulated {name}: {m}")
+    # by hand: gathered before the forward (the forward then gathers nothing), freed after
+    block = par.layers[0]
+    block.reshard()
+    block.unshard()
+    unit = fsdp_units(block)[0]
+    assert unit.is_gathered
+    with torch.no_grad():
+        tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g)[:, :-1]
+        torch.testing.assert_close(par(tokens[2 * d:2 * d + 2]).full_tensor(), ref(tokens)[:, 2 * d:2 * d + 2], **TOL64)
+    block.reshard()
+    assert not unit.is_gathered
+    par.set_reshard_after_forward(False)
+    assert all(not u.reshard_after_forward for u in fsdp_units(par))
+    return True
+
+
+def test_gradient_accumulation_and_fsdp_module_calls():
+    assert run_on_ranks(_micro_batches, 4, args=(random.randrange(2**31),)) == [True] * 4
+
+
 def test_layouts_and_bad_input():
     out = run_on_ranks(_layouts_and_errors, 4)
     assert all(o == out[0] for o in out), "ranks disagree"

@@ -52,8 +52,8 @@ from ..runtime import redistribute_local
 from ..runtime.deferred import flush
 from ..spec import DTensorSpec, chunk, make_spec, replicated_layout, row_major_iters
 
-__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units",
-           "data_parallel_specs", "pending_gradient_spec"]
+__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "ShardedParameter", "FlatLayout", "fully_shard",
+           "fsdp_units", "data_parallel_specs", "pending_gradient_spec"]
 
 
 NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in it too
@@ -800,6 +800,50 @@ def _unit_of(module: nn.Module) -> FSDPUnit | None:
     return module.__dict__.get("_axedist_fsdp")
 
 
+class FSDPModule:
+    """What ``fully_shard`` adds to a module's class, as torch's ``fully_shard`` does
+    (``Block`` becomes ``FSDPBlock``): the calls torch's FSDP2 scripts make on it. Gradients are
+    reduce-scattered on every backward here, so turning gradient sync off for a micro-batch
+    changes no result, only saves nothing (it warns once)."""
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather this unit's parameters now (the next forward then finds them gathered)."""
+        _unit_of(self).unshard()
+
+    def reshard(self) -> None:
+        """Free this unit's gathered parameters (only the shards stay)."""
+        _unit_of(self).reshard()
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for unit in fsdp_units(self) if recurse else [_unit_of(self)]:
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        if not requires_gradient_sync:
+            _warn_once("set_requires_gradient_sync(False): axedist reduce-scatters gradients on every backward; "
+                       "the accumulated gradients are the same, no communication is saved")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        if not requires_all_reduce:
+            _warn_once("set_requires_all_reduce(False): axedist all-reduces HSDP gradients on every backward; "
+                       "the accumulated gradients are the same, no communication is saved")
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted: every backward here ends with its gradients reduced."""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(text: str) -> None:
+    import warnings
+    warnings.warn(text, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: ``cls`` with ``FSDPModule``'s calls, made once per class (as torch's)."""
+    return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+
+
 def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
     """The FSDP units under ``module`` (itself included), in module order."""
     return [u for u in (_unit_of(m) for m in module.modules()) if u is not None]
@@ -868,6 +912,8 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
             inner.name = prefix
     _shard_parameters(unit, module, mesh)
     module.__dict__["_axedist_fsdp"] = unit
+    if not isinstance(module, FSDPModule):
+        module.__class__ = _fsdp_class(type(module))
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
