@@ -65,7 +65,8 @@ def _guard_failures() -> list[str]:
 
 # -- the TP Llama, compiled block by block, against eager ----------------------------------------
 
-def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_breaks):
+def _twins(world: int, seed: int, sequence_parallel: bool):
+    """Two equal TP Llamas on a fresh 1-D mesh (one to run eagerly, one to compile), and the mesh."""
     torch.manual_seed(seed)
     base = Llama(CFG).double()
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
@@ -73,6 +74,24 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
     for model in (eager, compiled):
         parallelize(model, mesh, llama_tp_plan(CFG, sequence_parallel=sequence_parallel))
     _fresh_dynamo()
+    return eager, compiled, mesh
+
+
+def _same_step(eager, compiled, tokens, mesh, step: int) -> None:
+    """Forward and backward of both models on ``tokens``: equal losses and gradients."""
+    losses = []
+    for model in (eager, compiled):
+        loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
+        loss.backward()
+        losses.append(loss.full_tensor())
+    torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
+                                   msg=lambda m: f"step {step}: grad of {name}: {m}")
+
+
+def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_breaks):
+    eager, compiled, mesh = _twins(world, seed, sequence_parallel)
     codes: list = []
     backend = capture(codes)  # one backend for every block: the blocks share their graph
     for block in compiled.layers:
@@ -82,15 +101,7 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
     report = {"graphs": [], "failures": []}
     for step in range(steps):
         tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
-        losses = []
-        for model in (eager, compiled):
-            loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
-            loss.backward()
-            losses.append(loss.full_tensor())
-        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
-        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
-                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+        _same_step(eager, compiled, tokens, mesh, step)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
@@ -122,26 +133,11 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
 
 def whole_model(rank, world, seed):
     """``model.compile()`` of the whole TP Llama (graph breaks allowed): eager's numbers."""
-    torch.manual_seed(seed)
-    base = Llama(CFG).double()
-    eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
-    mesh = DeviceMesh("cpu", (world,))
-    for model in (eager, compiled):
-        parallelize(model, mesh, llama_tp_plan(CFG, sequence_parallel=True))
-    _fresh_dynamo()
+    eager, compiled, mesh = _twins(world, seed, sequence_parallel=True)
     compiled.compile(backend=capture([]))
     g = torch.Generator().manual_seed(seed + 1)
     for step in range(2):
-        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
-        losses = []
-        for model in (eager, compiled):
-            loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
-            loss.backward()
-            losses.append(loss.full_tensor())
-        torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
-        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
-                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
+        _same_step(eager, compiled, torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g), mesh, step)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     _fresh_dynamo()
     return graphs
