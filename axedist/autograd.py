@@ -27,11 +27,12 @@ def requires_grad(dt) -> bool:
         return dt.requires_grad
 
 
-def from_local(cls, local: torch.Tensor, spec: DTensorSpec, unsqueeze: bool):
+def from_local(cls, local: torch.Tensor, spec: DTensorSpec, unsqueeze: bool, grad: DTensorSpec | None = None):
     """A ``cls`` DTensor in ``spec`` holding ``local`` (``unsqueeze``: add the summand dim of a
-    placements ``Partial``); the gradient of ``local`` is the DTensor gradient's piece."""
+    placements ``Partial``); the gradient of ``local`` is the DTensor gradient's piece, the
+    gradient first brought to ``grad`` when given."""
     if local.requires_grad and torch.is_grad_enabled():
-        return _FromLocal.apply(cls, local, spec, unsqueeze)
+        return _FromLocal.apply(cls, local, spec, unsqueeze, grad)
     return cls(local.unsqueeze(0) if unsqueeze else local, spec)
 
 
@@ -100,10 +101,16 @@ def grad_spec(spec: DTensorSpec) -> DTensorSpec:
                                 [Replicate() if isinstance(p, Partial) else p for p in placements])
 
 
-def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch.Tensor:
-    """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient."""
+def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool, target: DTensorSpec | None = None):
+    """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient (moved
+    to ``target`` first when given)."""
     if not isinstance(grad, cls):
         raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
+    if target is not None:
+        if grad._spec != target:
+            return redistribute_local(grad._local, grad._spec, target)
+        agree_on_move(target, target, grad._value.element_size())
+        return grad._local
     if spec.reduce_op and not placements_partial:
         # a layout with summands held locally: every summand's gradient is the whole gradient
         full_spec = make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
@@ -125,13 +132,13 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool) -> torch
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, cls, local, spec, unsqueeze):
-        ctx.cls, ctx.spec, ctx.unsqueeze = cls, spec, unsqueeze
+    def forward(ctx, cls, local, spec, unsqueeze, grad_target):
+        ctx.cls, ctx.spec, ctx.unsqueeze, ctx.grad_target = cls, spec, unsqueeze, grad_target
         return cls(local.unsqueeze(0) if unsqueeze else local.view_as(local), spec)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, _grad_local(ctx.cls, grad, ctx.spec, ctx.unsqueeze), None, None
+        return None, _grad_local(ctx.cls, grad, ctx.spec, ctx.unsqueeze, ctx.grad_target), None, None, None
 
 
 class _ToLocal(torch.autograd.Function):

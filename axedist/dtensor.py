@@ -314,7 +314,7 @@ class DTensor(torch.Tensor):
     def from_local(local: torch.Tensor, mesh: DeviceMesh | None = None, layout_or_placements=None,
                    shape: Sequence[int] | None = None, *, padded_shape: Sequence[int] | None = None,
                    reduce_op: str | None = None, run_check: bool = False, device_mesh=None, placements=None,
-                   stride: Sequence[int] | None = None) -> "DTensor":
+                   stride: Sequence[int] | None = None, grad_placements=None) -> "DTensor":
         """This rank's piece of a global tensor (no data moves).
 
         torch's spelling works too: ``DTensor.from_local(local, device_mesh=mesh, placements=[Shard(0)],
@@ -330,13 +330,15 @@ class DTensor(torch.Tensor):
         shape inferred from each rank's local shape (placements, no ``shape``) is compared
         once per local shape, dtype and placements (one exchange on the job's store), so ranks
         whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
-        a collective of mismatched sizes.
+        a collective of mismatched sizes. ``grad_placements`` (torch's): the placements the
+        DTensor's gradient is brought to before its piece becomes ``local``'s gradient (default:
+        this tensor's own, a pending sum's axes replicated); its piece here must be ``local``'s shape.
         """
         mesh, layout_or_placements = _torch_spelling("from_local", mesh, device_mesh, layout_or_placements,
                                                      placements)
         if _dynamo_tracing():  # a graph break: it runs eagerly (pass DTensors into compiled code)
             return _from_local_eagerly(local, mesh, layout_or_placements, shape, padded_shape=padded_shape,
-                                       reduce_op=reduce_op, run_check=run_check)
+                                       reduce_op=reduce_op, run_check=run_check, grad_placements=grad_placements)
         mesh.position()
         failure = None
         inferred = shape is None and is_placements(layout_or_placements)
@@ -389,7 +391,9 @@ class DTensor(torch.Tensor):
             raise LayoutError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
                               f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
                               f"axedist DTensors are row-major in their global shape")
-        return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements))
+        grad = None if grad_placements is None else _local_gradient_spec(spec, tuple(grad_placements), local)
+        return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements),
+                                   grad)
 
     # -- reading -------------------------------------------------------------------
 
@@ -430,11 +434,14 @@ class DTensor(torch.Tensor):
             raise error
         return spec
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole global tensor on every rank of the mesh (pending reductions applied)."""
-        if _dynamo_tracing():
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank of the mesh (pending reductions applied).
+        ``grad_placements`` as for ``to_local``: e.g. ``[Partial()]`` when each rank's use of the
+        whole tensor gives it a different gradient (default: the same on every rank)."""
+        if _dynamo_tracing() and grad_placements is None:
             return _NODES["full_tensor"](self)
-        return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local()
+        return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local(
+            grad_placements=grad_placements)
 
     @property
     def layout(self) -> Layout:  # shadows torch.Tensor.layout (torch.strided): an Axe layout is the point here
@@ -772,6 +779,23 @@ def _factory_spec(what: str, size, layout, device_mesh, placements) -> tuple[DTe
         raise LayoutError(f"{what}: Partial placements have no single meaning for a new tensor; make it, then "
                           f"to_partial()")
     return spec, target
+
+
+def _local_gradient_spec(spec: DTensorSpec, placements: tuple, local: torch.Tensor) -> DTensorSpec | None:
+    """from_local's ``grad_placements`` as a spec (None: the default); its piece here must be ``local``'s shape."""
+    target = spec_from_placements(spec.shape, spec.mesh, placements)
+    if target == autograd.grad_spec(spec):
+        return None
+    if target.reduce_op:
+        raise LayoutError(f"from_local(grad_placements={list(placements)}): a gradient cannot be brought to a pending "
+                          f"reduction; give placements without Partial")
+    here = element_table(target).local_shapes[spec.mesh.position()]
+    if tuple(here) != tuple(local.shape):
+        error = LayoutError(f"from_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
+                            f"shape {tuple(here)} on this rank, the local tensor is {tuple(local.shape)}")
+        announce_failure("from_local", error)
+        raise error
+    return target
 
 
 def _filled(what, size, value, dtype, layout, requires_grad, device_mesh, placements) -> DTensor:

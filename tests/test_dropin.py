@@ -206,6 +206,24 @@ def _grad_placements_calls(api, mesh, seed, rank):
     return [x.grad.full_tensor(), y.grad.full_tensor(), z.grad.full_tensor(), z.grad.to_local()]
 
 
+def _gradient_placement_calls(api, seed):
+    """``from_local(grad_placements=)`` (a gradient brought to other placements whose pieces have
+    the local tensor's shape) and ``full_tensor(grad_placements=)`` on a 2x2 mesh."""
+    Sh, R = Shard, Replicate
+    mesh = init_device_mesh("cpu", (2, 2))
+    row, col = mesh.get_coordinate()
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    weights = torch.randn(4, 4, 8, generator=g, dtype=torch.float64)   # one per rank
+    local = full[2 * row:2 * row + 2].clone().requires_grad_()
+    d = api.DTensor.from_local(local, mesh, [Sh(0), R()], grad_placements=[R(), Sh(0)])
+    (d.full_tensor() * w).sum().backward()          # the piece of w at rows 2*col.. (the [R, S0] piece)
+    x = api.distribute_tensor(full, mesh, [Sh(0), Sh(1)]).requires_grad_()
+    (x.full_tensor(grad_placements=[Partial(), Partial()]) * weights[2 * row + col]).sum().backward()
+    return [local.grad, x.grad.full_tensor()], (w[2 * col:2 * col + 2], weights.sum(0))
+
+
 def _dtype_calls(api, mesh, seed, rank):
     """``redistribute(forward_dtype=, backward_dtype=)``: the move in one dtype, the gradient's in another."""
     Sh, R = Shard, Replicate
@@ -244,6 +262,11 @@ def _torch_dtensor_api(rank, world, seed):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(a, brute, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got[3], want[3], rtol=1e-12, atol=1e-12)
+    (want, _), (got, brute) = (_gradient_placement_calls(torch_dtensor, seed), _gradient_placement_calls(
+        types.SimpleNamespace(distribute_tensor=ax.distribute_tensor, DTensor=DTensor), seed))
+    for a, b, c in zip(got, want, brute):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
     (want, want_summed, _), (got, got_summed, brute) = (
         _dtype_calls(torch_dtensor, mesh, seed, rank),
         _dtype_calls(types.SimpleNamespace(distribute_tensor=ax.distribute_tensor), mesh, seed, rank))
@@ -264,7 +287,11 @@ def _torch_dtensor_api(rank, world, seed):
                        (lambda: DTensor.from_local(torch.zeros(2, 6), None, [Shard(0)]), "needs a mesh"),
                        (lambda: x.to_local(grad_placements=[Replicate()]), "piece of shape \\(8, 6\\)"),
                        (lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Partial()]).to_local(
-                           grad_placements=[Replicate()]), "pending reduction")):
+                           grad_placements=[Replicate()]), "pending reduction"),
+                       (lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Shard(0)], grad_placements=[Replicate()]),
+                        "piece of shape \\(8, 6\\)"),
+                       (lambda: DTensor.from_local(torch.zeros(8, 6), mesh, [Replicate()], grad_placements=[Partial()]),
+                        "without Partial")):
         with pytest.raises((TypeError, ValueError), match=text):
             call()
     return True
