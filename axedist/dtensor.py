@@ -391,7 +391,8 @@ class DTensor(torch.Tensor):
             raise LayoutError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
                               f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
                               f"axedist DTensors are row-major in their global shape")
-        grad = None if grad_placements is None else _local_gradient_spec(spec, tuple(grad_placements), local)
+        grad = None if grad_placements is None else _gradient_target(
+            "from_local", spec, tuple(grad_placements), tuple(local.shape), default=autograd.grad_spec(spec))
         return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements),
                                    grad)
 
@@ -412,27 +413,9 @@ class DTensor(torch.Tensor):
                 raise LayoutError("to_local(grad_placements=) is not traced by torch.compile here: call it outside "
                                   "the compiled function")
             return _NODES["to_local"](self)
-        grad = None if grad_placements is None else self._grad_spec(tuple(grad_placements))
+        grad = None if grad_placements is None else _gradient_target(
+            "to_local", self._spec, tuple(grad_placements), tuple(self._local.shape), default=self._spec)
         return autograd.to_local(self, grad)
-
-    def _grad_spec(self, placements: tuple) -> DTensorSpec | None:
-        """The spec a gradient of this piece in ``placements`` has (None: this tensor's own); its
-        piece here must have this one's shape."""
-        spec = spec_from_placements(self._spec.shape, self.mesh, placements)
-        if spec == self._spec:
-            return None
-        if self._spec.reduce_op is not None:
-            raise LayoutError(f"to_local(grad_placements={list(placements)}) of a pending reduction "
-                              f"({self._spec}): reduce it first (redistribute) or leave grad_placements out")
-        here = element_table(spec).local_shapes[self.mesh.position()]
-        here = here[1:] if spec.reduce_op else here
-        if tuple(here) != tuple(self._local.shape):
-            error = LayoutError(f"to_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
-                                f"shape {tuple(here)} on this rank, this tensor's piece is {tuple(self._local.shape)} "
-                                f"({self._spec})")
-            announce_failure("to_local", error)  # a peer left waiting on this rank then says why
-            raise error
-        return spec
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied).
@@ -781,19 +764,27 @@ def _factory_spec(what: str, size, layout, device_mesh, placements) -> tuple[DTe
     return spec, target
 
 
-def _local_gradient_spec(spec: DTensorSpec, placements: tuple, local: torch.Tensor) -> DTensorSpec | None:
-    """from_local's ``grad_placements`` as a spec (None: the default); its piece here must be ``local``'s shape."""
+def _gradient_target(what: str, spec: DTensorSpec, placements: tuple, local_shape: tuple, *,
+                     default: DTensorSpec) -> DTensorSpec | None:
+    """``grad_placements`` of ``to_local`` / ``from_local`` as the spec of the gradient of the
+    local tensor (None: ``default``, what the gradient gets anyway). Its piece here must have
+    ``local_shape``; ``to_local`` of a pending reduction and ``from_local`` to a pending one are
+    refused (a summand dim would appear or vanish)."""
     target = spec_from_placements(spec.shape, spec.mesh, placements)
-    if target == autograd.grad_spec(spec):
+    if target == default:
         return None
-    if target.reduce_op:
+    if what == "to_local" and spec.reduce_op:
+        raise LayoutError(f"to_local(grad_placements={list(placements)}) of a pending reduction ({spec}): reduce it "
+                          f"first (redistribute) or leave grad_placements out")
+    if what == "from_local" and target.reduce_op:
         raise LayoutError(f"from_local(grad_placements={list(placements)}): a gradient cannot be brought to a pending "
                           f"reduction; give placements without Partial")
     here = element_table(target).local_shapes[spec.mesh.position()]
-    if tuple(here) != tuple(local.shape):
-        error = LayoutError(f"from_local(grad_placements={list(placements)}): a gradient so placed has a piece of "
-                            f"shape {tuple(here)} on this rank, the local tensor is {tuple(local.shape)}")
-        announce_failure("from_local", error)
+    here = here[1:] if target.reduce_op else here  # a placements Partial's summand dim is added to the piece
+    if tuple(here) != local_shape:
+        error = LayoutError(f"{what}(grad_placements={list(placements)}): a gradient so placed has a piece of shape "
+                            f"{tuple(here)} on this rank, the local tensor is {local_shape} ({spec})")
+        announce_failure(what, error)  # a peer left waiting on this rank then says why
         raise error
     return target
 

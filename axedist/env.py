@@ -22,7 +22,19 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["EnvironmentVariableError", "Variable", "VARIABLES", "read", "check_environment"]
+__all__ = ["EnvironmentVariableError", "Variable", "VARIABLES", "read", "check_environment", "MULTICAST_OFF",
+           "keep_multicast_off"]
+
+# NVLink multicast stays off on the project's shared GPU hosts (policy): the switches of NCCL,
+# torch's symmetric memory and NVSHMEM, set in every process (tests' ranks, launchers, benchmarks).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def keep_multicast_off() -> None:
+    """Set each ``MULTICAST_OFF`` switch this process has not set; call it before importing torch
+    (the libraries read them when they start), e.g. first thing in a launcher."""
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

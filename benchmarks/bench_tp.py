@@ -29,11 +29,10 @@ import json
 import os
 import statistics
 import subprocess
-import time
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from axedist.env import keep_multicast_off
+
+keep_multicast_off()  # before torch: NCCL and symmetric memory read the switches when they start
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,8 @@ import axedist as ax
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import torch_llama_loss, torch_parallelize_llama
+
+from history import timed_step  # benchmarks/history.py, beside this script
 
 
 def say(*args) -> None:
@@ -79,25 +80,22 @@ def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int):
     for i, tokens in enumerate(data):
         tokens = tokens.to(mesh.device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        begin = time.perf_counter()
-        logits = model(inputs)
-        if kind == "axedist":
-            loss = next_token_loss(logits, replicate(targets, mesh))
-            loss.backward()
-        else:
-            loss = torch_llama_loss(logits, targets, mesh.to_torch())  # backward inside loss_parallel
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=mesh.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+
+        def step():
+            logits = model(inputs)
+            if kind == "axedist":
+                loss = next_token_loss(logits, replicate(targets, mesh))
+                loss.backward()
+            else:
+                loss = torch_llama_loss(logits, targets, mesh.to_torch())  # backward inside loss_parallel
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        loss, ms = timed_step(step, mesh.device, cuda)
         losses.append(float(loss.detach().full_tensor().float()))
         if i >= warmup:
-            times.append(float(elapsed) * 1e3)
+            times.append(ms)
     return statistics.median(times), losses
 
 

@@ -24,11 +24,10 @@ import json
 import os
 import statistics
 import subprocess
-import time
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from axedist.env import keep_multicast_off
+
+keep_multicast_off()  # before torch: NCCL and symmetric memory read the switches when they start
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,8 @@ import axedist as ax
 from axedist.nn import MixedPrecisionPolicy, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
+
+from history import timed_step  # benchmarks/history.py, beside this script
 
 
 def say(*args) -> None:
@@ -87,22 +88,19 @@ def run(kind: str, cfg, mesh, policy, data, warmup: int, seed: int) -> dict:
     times, losses = [], []
     for i, tokens in enumerate(data):
         tokens = tokens[rows].to(mesh.device)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        begin = time.perf_counter()
-        loss = forward_backward(kind, model, mesh, tokens[:, :-1], tokens[:, 1:])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=mesh.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+
+        def step():
+            loss = forward_backward(kind, model, mesh, tokens[:, :-1], tokens[:, 1:])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        loss, ms = timed_step(step, mesh.device, cuda)
         value = loss.detach().full_tensor().float()
         dist.all_reduce(value, group=mesh.group("dp"))
         losses.append(float(value) / dp)
         if i >= warmup:
-            times.append(float(elapsed) * 1e3)
+            times.append(ms)
     # one counted step: bytes sent by this rank, then the sharded state after it
     tokens = data[0][rows].to(mesh.device)
     if kind == "axedist":

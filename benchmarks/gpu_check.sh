@@ -4,19 +4,9 @@
 #   bash benchmarks/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
 #   bash benchmarks/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
 #   bash benchmarks/gpu_check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
-# Multicast stays off (project policy) for this shell and everything it starts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-20}
-export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 MODE=${1:-first}
 BUDGET=${2:-560}
-OUT=${OUT:-/tmp/axedist_out}
-LOGS=$OUT/logs RESULTS=$OUT/results
-mkdir -p "$LOGS" "$RESULTS"
-START=$(date +%s)
-SUMMARY=$OUT/summary.txt
-
 source "$(dirname "$0")/gpu_step.sh"
 
 if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton_cache/cache.tgz -C ~/.triton; fi

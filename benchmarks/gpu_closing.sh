@@ -6,21 +6,12 @@
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
-# Multicast stays off (project policy) for this shell and everything it starts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 OMP_NUM_THREADS=4
 MODE=${1:-tests}
 BUDGET=${BUDGET:-560}
-OUT=${OUT:-/tmp/axedist_out}
-LOGS=$OUT/logs RESULTS=$OUT/results
-mkdir -p "$LOGS" "$RESULTS"
-START=$(date +%s)
-SUMMARY=$OUT/summary.txt
+source "$(dirname "$0")/gpu_step.sh"
 { date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
-
-source "$(dirname "$0")/gpu_step.sh"
 
 PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
 if [[ $MODE == tests ]]; then

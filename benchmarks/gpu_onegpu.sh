@@ -4,20 +4,11 @@
 # halves of bench_ag_gemm.py / bench_decode.py and infer_tp.py with CUDA graphs. Logs under $OUT.
 #   bash benchmarks/gpu_onegpu.sh [BUDGET_S] [TRAIN_DIR] [all | tp | kernels]
 #   (tp: without the earlier kernels' tests; kernels: the TP kernels' tests and benchmarks only)
-# Multicast stays off (project policy) for this shell and everything it starts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-10}
 export CUDA_DEVICE_MAX_CONNECTIONS=32
-export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUDGET=${1:-500}
-TRAIN_DIR=${2:-runs/tp1_cpu}
-OUT=${OUT:-/tmp/axedist_out}
-LOGS=$OUT/logs RESULTS=$OUT/results
-mkdir -p "$LOGS" "$RESULTS"
-START=$(date +%s)
-SUMMARY=$OUT/summary.txt
 source "$(dirname "$0")/gpu_step.sh"
+TRAIN_DIR=${2:-runs/tp1_cpu}
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
 head -4 "$LOGS/env.log"

@@ -1,5 +1,16 @@
-# Sourced by benchmarks/gpu_check.sh and benchmarks/gpu_closing.sh: one timed, logged step of a device call.
-# Needs BUDGET, START, LOGS, SUMMARY set by the caller.
+# Sourced first by every benchmarks/gpu_*.sh device call: multicast off (project policy) for the
+# shell and everything it starts, the commit and output folders every call records, and `step`.
+# The caller sets BUDGET (seconds) and may set OUT before sourcing.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset AXEDIST_ENABLE_MULTICAST
+export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:-/tmp/axedist_out}
+LOGS=$OUT/logs RESULTS=$OUT/results
+mkdir -p "$LOGS" "$RESULTS"
+START=$(date +%s)
+SUMMARY=$OUT/summary.txt
+
+# One timed, logged step of the device call.
 step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))

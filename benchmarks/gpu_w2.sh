@@ -7,17 +7,8 @@
 #   3. the TP training step, eager and compiled, vs torch's (compiled: with and without its async-TP pass)
 #   4. the one-GPU compile tests (GPU 0) and the fused GEMM + reduce-scatter at W=2
 #   bash benchmarks/gpu_w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
-# Multicast stays off (project policy) for this shell and everything it starts.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
-export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 BUDGET=${1:-490}
-OUT=${OUT:-/tmp/axedist_out}
-LOGS=$OUT/logs RESULTS=$OUT/results
-mkdir -p "$LOGS" "$RESULTS"
-START=$(date +%s)
-SUMMARY=$OUT/summary.txt
 source "$(dirname "$0")/gpu_step.sh"
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";

@@ -1,15 +1,8 @@
 #!/usr/bin/env bash
 # A short two-GPU device call: the multi-GPU tests of the TP kernels and the NCCL training paths,
 # one name per line (-v) so a cut-off run still says what passed.   bash benchmarks/gpu_w2_tests.sh [BUDGET_S]
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-unset AXEDIST_ENABLE_MULTICAST
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-210}
-OUT=${OUT:-/tmp/axedist_out}
-LOGS=$OUT/logs RESULTS=$OUT/results
-mkdir -p "$LOGS" "$RESULTS"
-START=$(date +%s)
-SUMMARY=$OUT/summary.txt
 source "$(dirname "$0")/gpu_step.sh"
 PYTEST="python3 -m pytest -v -rfE -p no:cacheprovider"
 step precompile 20 python3 benchmarks/precompile_collectives.py --worlds 2 --jobs 32

@@ -12,6 +12,8 @@ import platform
 import socket
 import subprocess
 
+from axedist.env import MULTICAST_OFF  # checked and recorded by every benchmark
+
 KEYS = ("commit", "machine", "date", "command")
 
 
@@ -29,9 +31,6 @@ def append_history(out_dir: str, name: str, meta: dict, data: dict) -> str:
         handle.write(json.dumps(line, separators=(",", ":")) + "\n")
     return path
 
-
-# Multicast stays off on the project's shared GPU hosts: every benchmark checks and records these.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def require_multicast_off() -> None:
@@ -67,3 +66,23 @@ def run_meta(world: int, command: str, device: str | None = None, **extra) -> di
                 command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
     meta.update(extra)
     return meta
+
+
+def timed_step(step, device, cuda: bool):
+    """``step()`` run between synchronised starts (all ranks, the device): its result and the
+    slowest rank's wall milliseconds, the time a training step takes the job."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    begin = time.perf_counter()
+    out = step()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return out, float(elapsed) * 1e3

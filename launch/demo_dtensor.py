@@ -23,9 +23,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import axedist as ax
 
-# Multicast stays off on shared GPU hosts (project policy), also for processes we start.
-for key, value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(key, value)
+from axedist.env import keep_multicast_off
+
+keep_multicast_off()  # before torch: NCCL and symmetric memory read the switches when they start
 
 
 def say(*args) -> None:

@@ -26,9 +26,9 @@ import os
 import statistics
 import time
 
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from axedist.env import keep_multicast_off
+
+keep_multicast_off()  # before torch: NCCL and symmetric memory read the switches when they start
 
 import torch
 import torch.distributed as dist

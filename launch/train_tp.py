@@ -41,10 +41,9 @@ import signal
 import sys
 import time
 
-# Multicast stays off on shared GPU hosts (project policy), also for processes we start.
-for _key, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                     "NVSHMEM_DISABLE_NVLS": "1"}.items():
-    os.environ.setdefault(_key, _value)
+from axedist.env import keep_multicast_off
+
+keep_multicast_off()  # before torch: NCCL and symmetric memory read the switches when they start
 
 import torch
 import torch.distributed as dist

@@ -54,9 +54,21 @@ def _fresh_dynamo():
     torch._dynamo.utils.guard_failures.clear()
 
 
-def _relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     """Relative error in the Frobenius norm (bf16 results against fp32 references)."""
-    return ((x.float() - reference).norm() / reference.norm()).item()
+    reference = reference.float()
+    return ((x.float() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def block_step(fn, block, *inputs):
+    """``fn(*inputs)`` (a block or its compiled twin) and a squared-sum backward: the whole output
+    and every parameter's whole gradient; the block's gradients are zeroed after. Shared with the
+    GPU compile tests."""
+    y = fn(*inputs)
+    (y.float() ** 2).sum().backward()
+    grads = {n: p.grad.full_tensor() for n, p in block.named_parameters()}
+    block.zero_grad()
+    return y.full_tensor(), grads
 
 
 def _guard_failures() -> list[str]:
@@ -262,8 +274,8 @@ def custom_ops(rank, world, seed):
             fc.all_gather_tensor_autograd(a32[:4], 0, group) @ b32,
             product + fc.all_reduce(product.detach(), "sum", group) - product.detach()]  # grad passes through
     sum(r.square().sum() for r in refs).backward()
-    checks["fused forward"] = [_relative(o, r) for o, r in zip(outs, refs) if not _relative(o, r) < 1e-2]
-    checks["fused grad"] = [e for e in (_relative(a.grad, a32.grad), _relative(b.grad, b32.grad)) if not e < 1e-2]
+    checks["fused forward"] = [relative_error(o, r) for o, r in zip(outs, refs) if not relative_error(o, r) < 1e-2]
+    checks["fused grad"] = [e for e in (relative_error(a.grad, a32.grad), relative_error(b.grad, b32.grad)) if not e < 1e-2]
 
     # the same calls compiled: one graph of custom ops, the same values
     def f(x, a, b):
@@ -311,11 +323,7 @@ def forced_fused_block(rank, world, seed):
     cos, sin = model.rope_cos[:8].to(torch.bfloat16), model.rope_sin[:8].to(torch.bfloat16)
 
     def run(fn):
-        y = fn(x, cos, sin)
-        (y.float() ** 2).sum().backward()
-        grads = {n: p.grad.full_tensor() for n, p in block.named_parameters()}
-        block.zero_grad()
-        return y.full_tensor(), grads
+        return block_step(fn, block, x, cos, sin)
 
     want = run(block)  # eager, nothing forced
     choice, plan_ag = deferred.fused_choice, collectives.plan_all_gather_gemm
@@ -340,8 +348,8 @@ def forced_fused_block(rank, world, seed):
         DTensor.dispatcher.defer_gemm = policies[0]
         deferred.defer_gathers(policies[1])
         _fresh_dynamo()
-    same = _relative(got[0], want[0].float()) < 2e-2 and all(
-        _relative(got[1][n], want[1][n].float()) < 2e-2 for n in want[1])
+    same = relative_error(got[0], want[0].float()) < 2e-2 and all(
+        relative_error(got[1][n], want[1][n].float()) < 2e-2 for n in want[1])
     missing = [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"axedist.{op}" not in codes[0]]
     # backward: the summed input gradients of wq/wk/wv and w1/w3, reduce-scattered back to sequence shards
     backward = codes[1].count("axedist.gemm_reduce_scatter") if len(codes) > 1 else 0

@@ -9,13 +9,10 @@ import torch
 from torch.distributed.tensor import Shard
 
 from axedist.testing import run_on_ranks
+from tests.test_compile import block_step, relative_error
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(WORLD < 2, reason="needs >= 2 CUDA GPUs")
-
-
-def _rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
 def body_compiled_block(rank, world):
@@ -53,11 +50,7 @@ def compiled_block(rank, world):
     cos, sin = model.rope_cos.to(torch.bfloat16), model.rope_sin.to(torch.bfloat16)
 
     def step(fn):
-        y = fn(x, cos, sin)
-        (y.float() ** 2).sum().backward()
-        grads = {n: p.grad.full_tensor() for n, p in block.named_parameters()}
-        block.zero_grad()
-        return y.full_tensor(), grads
+        return block_step(fn, block, x, cos, sin)
 
     want = step(block)
     torch._dynamo.reset()
@@ -65,8 +58,9 @@ def compiled_block(rank, world):
     got, codes = run_and_get_code(lambda: step(compiled))
     missing = [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"torch.ops.axedist.{op}" not in codes[0]]
     assert not missing, f"rank {rank}: the generated forward does not call {missing}"
-    assert _rel(got[0], want[0]) < 2e-2, _rel(got[0], want[0])
-    bad = {n: _rel(got[1][n], want[1][n]) for n in want[1] if not _rel(got[1][n], want[1][n]) < 5e-2}
+    assert relative_error(got[0], want[0]) < 2e-2, relative_error(got[0], want[0])
+    errors = {n: relative_error(got[1][n], want[1][n]) for n in want[1]}
+    bad = {n: e for n, e in errors.items() if not e < 5e-2}
     assert not bad, bad
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     step(compiled)

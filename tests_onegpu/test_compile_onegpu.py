@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from tests.test_compile import block_step, relative_error
+
 SIX = ("reduce_scatter", "all_gather", "all_reduce", "gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce")
 
 
@@ -28,10 +30,6 @@ def group():
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
-
-
-def _relative(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def test_compiled_tp1_block_matches_eager(group, seed):
@@ -52,11 +50,7 @@ def test_compiled_tp1_block_matches_eager(group, seed):
     cos, sin = model.rope_cos.to(torch.bfloat16), model.rope_sin.to(torch.bfloat16)
 
     def step(fn):
-        y = fn(x, cos, sin)
-        (y.float() ** 2).sum().backward()
-        grads = {n: p.grad.full_tensor() for n, p in block.named_parameters()}
-        block.zero_grad()
-        return y.full_tensor(), grads
+        return block_step(fn, block, x, cos, sin)
 
     want = step(block)
     explained = torch._dynamo.explain(block)(x, cos, sin)
@@ -65,9 +59,9 @@ def test_compiled_tp1_block_matches_eager(group, seed):
     compiled = torch.compile(block, backend="inductor", fullgraph=True)
     got, codes = run_and_get_code(lambda: step(compiled))
     assert any("triton" in code for code in codes), "Inductor generated no Triton kernel"
-    assert _relative(got[0], want[0]) < 2e-2, f"seed {seed}"
+    assert relative_error(got[0], want[0]) < 2e-2, f"seed {seed}"
     for name in want[1]:
-        assert _relative(got[1][name], want[1][name]) < 5e-2, f"grad of {name}, seed {seed}"
+        assert relative_error(got[1][name], want[1][name]) < 5e-2, f"grad of {name}, seed {seed}"
 
 
 def test_compiled_code_calls_the_custom_ops(group, seed):
@@ -97,10 +91,10 @@ def test_compiled_code_calls_the_custom_ops(group, seed):
     assert not missing, f"the generated code does not call {missing}"
     product = a.detach().float() @ b.detach().float()
     for name, out, ref in zip(SIX, outs, (x, x, x, product, product, product[:64])):
-        assert _relative(out, ref) < 1e-2, f"{name}, seed {seed}"
+        assert relative_error(out, ref) < 1e-2, f"{name}, seed {seed}"
     # gradients through the compiled fused ops (W = 1: those of a @ b)
     (outs[3].float().sum() + outs[4].float().sum() + outs[5].float().sum()).backward()
     a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
     ((a32 @ b32).sum() * 2 + (a32[:64] @ b32).sum()).backward()
-    assert _relative(a.grad, a32.grad) < 2e-2 and _relative(b.grad, b32.grad) < 2e-2, f"seed {seed}"
+    assert relative_error(a.grad, a32.grad) < 2e-2 and relative_error(b.grad, b32.grad) < 2e-2, f"seed {seed}"
     C.check(group)

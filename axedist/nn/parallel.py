@@ -200,8 +200,9 @@ def _ran_text(module: nn.Module, counted) -> str:
         with torch.inference_mode(False), torch.no_grad():
             return (p._spec, p.t()._spec)
 
+    sources = {r.src for r in counted.routes}
     moved = [pname for pname, p in module.named_parameters(recurse=False)
-             if isinstance(p, DTensor) and any(r.src in views(p) for r in counted.routes)]
+             if isinstance(p, DTensor) and not sources.isdisjoint(views(p))]
     if moved:
         text += (f" (moves parameter{'s' if len(moved) > 1 else ''} {', '.join(moved)} on every forward: "
                  f"its layout is not one the ops take)")

@@ -42,14 +42,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-__all__ = ["RankError", "RankOutcome", "run_fresh_ranks", "run_on_ranks", "run_torchrun", "shutdown_pools"]
+from ..env import MULTICAST_OFF  # every rank gets it: multicast stays off on shared GPU hosts
 
-# Environment every rank gets: multicast stays off on shared GPU hosts (project policy).
-_SAFE_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+__all__ = ["RankError", "RankOutcome", "run_fresh_ranks", "run_on_ranks", "run_torchrun", "shutdown_pools"]
 
 
 class RankError(RuntimeError):
@@ -64,7 +59,7 @@ def _free_port() -> int:
 
 def _worker(rank, world_size, backend, port, sys_path, tasks, results, collective_timeout_s):
     sys.path[:] = sys_path
-    os.environ.update(_SAFE_ENV)
+    os.environ.update(MULTICAST_OFF)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -276,7 +271,7 @@ def _fresh_context():
 
 
 def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, collective_timeout_s, results):
-    os.environ.update(_SAFE_ENV)
+    os.environ.update(MULTICAST_OFF)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), AXEDIST_COLLECTIVE_TIMEOUT_S=str(collective_timeout_s))
