@@ -2,10 +2,10 @@
 # One device call on TWO GPUs (nvidia-h100-x2 / nvidia-h200-x2): the W=2 half of the multi-GPU runs.
 # In priority order, each step bounded by what is left of BUDGET seconds (a step that no longer
 # fits is skipped and says so):
-#   1. tests_multigpu at W=2 (the TP kernels, FSDP x TP, torch.compile, fused-call gradients on NCCL)
-#   2. fused all-gather + GEMM and the decode stack at TP=2 (first multi-GPU measurements)
-#   3. the TP training step, eager and compiled, vs torch's (compiled: with and without its async-TP pass)
-#   4. the one-GPU compile tests (GPU 0) and the fused GEMM + reduce-scatter at W=2
+#   1. torch.compile: the one-GPU compile test (GPU 0), then its NCCL test at W=2
+#   2. the TP training step, eager and compiled, vs torch's (compiled: with and without its async-TP pass)
+#   3. the multi-GPU tests not yet run at W=2, then fused all-gather + GEMM and the decode stack at TP=2
+#   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2
 #   bash benchmarks/gpu_w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-490}
@@ -14,18 +14,20 @@ source "$(dirname "$0")/gpu_step.sh"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
   env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
 head -12 "$LOGS/env.log"
-PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"
+PYTEST="python3 -m pytest -v -rfE -p no:cacheprovider"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step precompile 45 python3 benchmarks/precompile_collectives.py --worlds 2 --jobs 32
+CUDA_VISIBLE_DEVICES=0 step onegpu_compile 90 $PYTEST tests_onegpu/test_compile_onegpu.py
 if (( GPUS >= 2 )); then
-  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 210 $PYTEST tests_multigpu
-  CUDA_VISIBLE_DEVICES=0,1 step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
-  CUDA_VISIBLE_DEVICES=0,1 step bench_tp_w2 110 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --compile --out "$RESULTS"
-fi
-CUDA_VISIBLE_DEVICES=0 step onegpu_compile 60 $PYTEST tests_onegpu -k compile
-if (( GPUS >= 2 )); then
-  CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 60 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default --out "$RESULTS"
+  export CUDA_VISIBLE_DEVICES=0,1
+  step compile_w2 90 $PYTEST tests_multigpu/test_compile_nccl.py
+  step bench_tp_w2 120 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --compile --out "$RESULTS"
+  step pytest_w2_unrun 120 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_ops_nn_nccl.py
+  step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
+  step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
+  step pytest_w2_rest 210 $PYTEST tests_multigpu --ignore tests_multigpu/test_compile_nccl.py \
+    --ignore tests_multigpu/test_gemm_rs.py --ignore tests_multigpu/test_ops_nn_nccl.py
+  step bench_gemm_rs_w2 60 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default --out "$RESULTS"
 fi
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
 for f in "$LOGS"/*.log; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|geomean|ms/token|x faster|slower|step time|rc=" "$f" | tail -8; done
