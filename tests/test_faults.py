@@ -164,3 +164,23 @@ def test_disagreement_on_checked_plans_is_not_caught_early():
         assert o.status == "raised" and o.error == "PeerError" and o.seconds < BOUND_S, o
         assert "the ranks took different paths" in o.message, o.message
     assert "rank 1 in the agreement check of from_local (local (5, 8)" in outcomes[0].message, outcomes[0].message
+
+
+# -- the test harness: a rank that hangs says where ------------------------------------------------
+
+def _waits_in_a_named_place(rank, world):
+    if rank == world - 1:
+        time.sleep(120)
+    return rank
+
+
+def test_a_rank_still_running_at_the_timeout_prints_its_stack(capfd):
+    """``run_on_ranks`` asks a rank still running when the call times out for every thread's
+    stack before it kills the pool: the hang's place is in the test's output."""
+    from axedist.testing.ranks import RankError, run_on_ranks, shutdown_pools
+
+    shutdown_pools()  # ranks started inside this test write to its captured stderr
+    with pytest.raises(RankError, match=r"ranks still running: \[1\]"):
+        run_on_ranks(_waits_in_a_named_place, 2, timeout_s=8.0)
+    err = capfd.readouterr().err
+    assert "_waits_in_a_named_place" in err and "Thread" in err, err[-2000:]

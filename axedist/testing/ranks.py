@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
@@ -45,6 +46,8 @@ from typing import Any, Callable, Sequence
 from ..env import MULTICAST_OFF  # every rank gets it: multicast stays off on shared GPU hosts
 
 __all__ = ["RankError", "RankOutcome", "run_fresh_ranks", "run_on_ranks", "run_torchrun", "shutdown_pools"]
+
+_DUMP_STACKS = signal.SIGUSR1  # a rank that gets it prints every thread's stack
 
 
 class RankError(RuntimeError):
@@ -67,6 +70,7 @@ def _worker(rank, world_size, backend, port, sys_path, tasks, results, collectiv
     import torch
     import torch.distributed as dist
 
+    faulthandler.register(_DUMP_STACKS, all_threads=True)  # the pool asks a stuck rank where it is
     torch.set_num_threads(1)  # W ranks share a few cores
     kwargs = {}
     if backend == "nccl":
@@ -155,6 +159,7 @@ class _RankPool:
             try:
                 rank, kind, (cid, payload) = self._get(deadline, f"{qualname} on {self.world_size} ranks")
             except RankError as e:
+                self._dump_stacks(self._missing(outputs, errors))
                 if errors:
                     raise RankError(_format_errors(qualname, errors, missing=self._missing(outputs, errors))) from None
                 raise RankError(f"{e}; ranks still running: {self._missing(outputs, errors)}") from None
@@ -164,6 +169,15 @@ class _RankPool:
         if errors:
             raise RankError(_format_errors(qualname, errors, missing=[]))
         return [outputs[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self, ranks: list[int]) -> None:
+        """Every thread's Python stack of each rank still running, on its stderr (a hang shows
+        where it waits): asked before the pool kills them."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, _DUMP_STACKS)
+        if ranks:
+            time.sleep(1.0)
 
     def _missing(self, outputs, errors) -> list[int]:
         return [r for r in range(self.world_size) if r not in outputs and r not in errors]
