@@ -459,7 +459,9 @@ class DeviceMesh:
     __copy__ = __deepcopy__ = keep_on_copy  # a mesh is its process groups: never copied
 
     def __repr__(self) -> str:
-        grid = torch.tensor(self.ranks).reshape(self.shape).tolist()
+        grid = list(self.ranks)  # nested by hand: a repr may run inside a trace, where a tensor is fake
+        for n in reversed(self.shape[1:]):
+            grid = [grid[i:i + n] for i in range(0, len(grid), n)]
         hosts = "" if self.network is None else f", {self.describe()}, {self.topology}"
         return f"DeviceMesh({self.device_type!r}, {grid}, axes={self.axis_names}{hosts})"
 

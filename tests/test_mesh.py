@@ -3,7 +3,11 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Replicate, Shard
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh, MeshError
 from axedist.testing import run_on_ranks
 
@@ -26,6 +30,13 @@ def coordinates_and_groups(rank, world_size, device_type="cpu"):
     assert tp.coordinates() == {"tp": coords["tp"]}
     again = DeviceMesh(device_type, (2, world_size // 2), ("dp", "tp"), ranks=list(reversed(range(world_size))))
     assert again == mesh and hash(again) == hash(mesh) and again.group("tp") is mesh.group("tp")
+    # torch logs a traced graph's inputs by repr while its fake mode is on: no tensor work there
+    # (torch 2.11 turned a fake .tolist() into unbacked symbols, which broke Inductor's compile)
+    x = distribute(torch.randn(4, 2), mesh, [Shard(0), Replicate()])
+    shapes = ShapeEnv()
+    with FakeTensorMode(shape_env=shapes):
+        traced = repr(mesh), repr(x)
+    assert traced == (repr(mesh), repr(x)) and not shapes.pending_fresh_unbacked_symbols, shapes
     return coords, tp.ranks, dp.ranks, repr(mesh)
 
 
@@ -38,7 +49,8 @@ def test_coordinates_groups_submeshes(world_size):
         assert coords == {"dp": position // half, "tp": position % half}
         assert tp_ranks == tuple(world_size - 1 - (coords["dp"] * half + j) for j in range(half))
         assert dp_ranks == tuple(world_size - 1 - (i * half + coords["tp"]) for i in range(2))
-        assert text.startswith("DeviceMesh('cpu', [[")
+        grid = [list(range(world_size - 1 - i * half, world_size - 1 - (i + 1) * half, -1)) for i in range(2)]
+        assert text == f"DeviceMesh('cpu', {grid}, axes=('dp', 'tp'))", text
 
 
 def _errors(rank, world_size):

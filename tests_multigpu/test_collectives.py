@@ -179,6 +179,37 @@ def body_back_to_back(rank, world, calls):
     return failures
 
 
+def body_two_streams(rank, world, calls):
+    """FSDP's pattern: calls on one group issued in turn from two side streams, no host sync,
+    one stream held back on rank 0 only (a long sleep kernel before each of its calls). Every
+    rank must still run the calls in the order it issued them: each result against NCCL."""
+    from axedist.collectives import p2p
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    inputs, outputs = [], []
+    for call in range(calls):
+        x = _inputs(rank, (world * 4096,), torch.bfloat16, seed=900 + call)
+        inputs.append(x)
+        stream = streams[call % 2]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            if rank == 0 and call % 2 == 0:
+                torch.cuda._sleep(20_000_000)  # ~10 ms: without ordering the other stream overtakes
+            outputs.append(p2p.reduce_scatter(x) if call % 2 == 0 else p2p.all_gather(x[:4096]))
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    failures = []
+    for call, (x, out) in enumerate(zip(inputs, outputs)):
+        if call % 2 == 0:
+            error = _rel_error(out, _reference_sum(x, world)[rank * 4096:(rank + 1) * 4096])
+        else:
+            ref = torch.empty(world * 4096, dtype=x.dtype, device="cuda")
+            dist.all_gather_into_tensor(ref, x[:4096].contiguous())
+            error = 0.0 if torch.equal(out, ref) else 1.0
+        if not error <= 5e-3:
+            failures.append(f"call {call} ({'reduce_scatter' if call % 2 == 0 else 'all_gather'}): error {error:.2e}")
+    return failures
+
+
 def body_view_inside_workspace(rank, world):
     """An input that lies inside the call's workspace half but is not the symmetric_input
     tensor (an offset view) must still give the right sum: the call copies it out first."""
@@ -289,6 +320,11 @@ def test_all_reduce_matches_reference(algorithm, variant):
 
 def test_back_to_back_calls_without_resets():
     results = run_on_ranks(body_back_to_back, WORLD, "nccl", args=(60,), timeout_s=600)
+    assert results == [[]] * WORLD, results
+
+
+def test_calls_from_two_streams_run_in_issue_order():
+    results = run_on_ranks(body_two_streams, WORLD, "nccl", args=(12,), timeout_s=300)
     assert results == [[]] * WORLD, results
 
 

@@ -112,6 +112,8 @@ class SymmetricWorkspace:
         self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
+        # the stream of the previous call (raw handle and object) and whether it was captured
+        self._stream, self._previous, self._previous_captured = None, None, False
         self.state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=self.device)
         self.abort = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.error = torch.zeros(1, dtype=torch.int64, pin_memory=self.device.type == "cuda")
@@ -132,10 +134,31 @@ class SymmetricWorkspace:
         self.epoch += 1
         if self.epoch >= (1 << 31) - 2:  # int32 epochs: a fresh workspace starts again at 1
             raise RuntimeError("workspace epoch exhausted; call collectives.reset(group)")
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.captured = True
+        if self.device.type == "cuda":
+            self._after_previous_call()
         self.last_op = op
         self.set_timeout(timeout_s)
+
+    def _after_previous_call(self) -> None:
+        """Calls on a workspace run in the order they were issued, also from several streams
+        (FSDP issues its gathers and its reduce-scatters on two side streams): the epochs need
+        call e-1 finished before call e starts, and two calls running at once would take the
+        same epoch and data half. A call from another stream than the previous call's first
+        waits for what that stream has queued (one event, only when the stream changes). Inside
+        a CUDA graph capture no such wait is added: torch.cuda.graph synchronizes before it
+        captures, and a graph's calls are issued on its capture stream."""
+        stream = torch._C._cuda_getCurrentRawStream(self.device.index)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self.captured = True  # graph replays advance `state`
+        if stream != self._stream:
+            current = torch.cuda.current_stream(self.device)
+            if not capturing and self._previous is not None and not self._previous_captured:
+                queued = torch.cuda.Event()
+                queued.record(self._previous)
+                current.wait_event(queued)
+            self._stream, self._previous = stream, current
+        self._previous_captured = capturing
 
     def set_timeout(self, timeout_s: float | None) -> None:
         """The spin-wait timeout of the coming call (None: default_timeout_s())."""
