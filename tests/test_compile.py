@@ -27,7 +27,7 @@ from torch.distributed.tensor import Replicate, Shard
 import axedist as ax
 from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
-from axedist.nn import parallelize, replicate
+from axedist.nn import describe, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import run_on_ranks, run_torchrun
 
@@ -158,6 +158,34 @@ def whole_model(rank, world, seed):
 def test_whole_model_compiled_matches_eager():
     """The whole model compiled (not block by block): graphs are made, and the numbers are eager's."""
     assert all(graphs > 0 for graphs in run_on_ranks(whole_model, 2, args=(random.randrange(2**31),), timeout_s=300))
+
+
+def first_forward_compiled(rank, world, seed):
+    """A freshly parallelized block whose first forward is compiled: describe's counting hooks
+    are not traced (nothing counted, the hooks left in place); the first eager forward counts."""
+    torch.manual_seed(seed)
+    model = Llama(CFG)
+    mesh = DeviceMesh("cpu", (world,))
+    parallelize(model, mesh, llama_tp_plan(CFG))
+    block = model.layers[0]
+
+    def hooks():
+        return {n: (list(m._forward_pre_hooks), list(m._forward_hooks)) for n, m in block.named_modules()}
+
+    before = hooks()
+    x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim), mesh, [Shard(0)])
+    _fresh_dynamo()
+    torch.compile(block, backend=capture([]), fullgraph=True)(x, model.rope_cos, model.rope_sin)
+    traced = hooks(), "forward ran" in describe(block)
+    _fresh_dynamo()
+    block(x, model.rope_cos, model.rope_sin)
+    return before, traced, "forward ran" in describe(block)
+
+
+def test_a_compiled_first_forward_leaves_describe_hooks_alone():
+    for before, (after, counted), counted_eager in run_on_ranks(first_forward_compiled, 2,
+                                                                args=(random.randrange(2**31),)):
+        assert after == before and not counted and counted_eager
 
 
 @pytest.mark.parametrize("world,sequence_parallel,steps,shapes_and_breaks", [(2, True, 3, True), (4, False, 2, False)])

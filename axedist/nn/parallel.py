@@ -160,8 +160,12 @@ def _transition(x: DTensor, dst, what: str) -> str:
 def _watch(module: nn.Module) -> None:
     """Count the collectives of the module's first eager forward, all of them: its hooks' moves
     and the ops' own (e.g. a weight whose layout its product cannot take, moved on every call),
-    for ``describe``'s ``forward ran:`` line."""
+    for ``describe``'s ``forward ran:`` line. A forward that torch.compile traces is not
+    counted and leaves the hooks in place (torch 2.11 built the compiled block's guards from the
+    hook dicts as the trace had changed them, and failed)."""
     def pre(mod, args):
+        if compiling():
+            return
         log = _forward_log(mod)
         if log is None:
             return
@@ -171,6 +175,8 @@ def _watch(module: nn.Module) -> None:
         log.counted = log.watching.enter_context(count_collectives())
 
     def post(mod, args, out):
+        if compiling():
+            return
         log = _log_of(mod)
         if log is None or log.watching is None:
             return
