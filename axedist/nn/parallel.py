@@ -157,12 +157,14 @@ def _transition(x: DTensor, dst, what: str) -> str:
         return f"{head}: (no plan: {e})"
 
 
-def _watch(module: nn.Module) -> None:
+def _watch(module: nn.Module):
     """Count the collectives of the module's first eager forward, all of them: its hooks' moves
     and the ops' own (e.g. a weight whose layout its product cannot take, moved on every call),
-    for ``describe``'s ``forward ran:`` line. A forward that torch.compile traces is not
-    counted and leaves the hooks in place (torch 2.11 built the compiled block's guards from the
-    hook dicts as the trace had changed them, and failed)."""
+    for ``describe``'s ``forward ran:`` line. Registers the counting pre-hook now, before the
+    style's hooks (so it runs first; not through ``prepend=True``, whose reordered hook dict
+    torch 2.11's Dynamo indexes wrongly when it builds a compiled module's guards), and returns
+    the function that registers the closing hook, to be called after the style's. A forward
+    that torch.compile traces is not counted and leaves the hooks in place."""
     def pre(mod, args):
         if compiling():
             return
@@ -190,7 +192,8 @@ def _watch(module: nn.Module) -> None:
         for handle in handles:  # once: later forwards (and torch.compile) see no hook of ours
             handle.remove()
 
-    handles = [module.register_forward_pre_hook(pre, prepend=True), module.register_forward_hook(post)]
+    handles = [module.register_forward_pre_hook(pre)]
+    return lambda: handles.append(module.register_forward_hook(post))
 
 
 def _ran_text(module: nn.Module, counted) -> str:
@@ -633,7 +636,7 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
     styles = {pattern: from_torch_style(style) for pattern, style in plan.items()}
     used = {pattern: 0 for pattern in styles}
     shared: dict = {}
-    logs = []
+    closers = []  # each watched module's closing hook, registered after its styles' hooks
     for name, sub in list(module.named_modules()):
         for pattern, style in styles.items():
             if not _matches(pattern, name):
@@ -641,12 +644,12 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
             used[pattern] += 1
             if _log_of(sub) is None:
                 sub.__dict__["_axedist_log"] = _Log(name, style)
-                logs.append(sub.__dict__["_axedist_log"])
+                closers.append(_watch(sub))
             else:
                 _log_of(sub).style = f"{_log_of(sub).style} + {style}"
             style.apply(sub, mesh, name, shared, src_rank)
-    for log in logs:
-        _watch(module.get_submodule(log.name))
+    for close in closers:
+        close()
     unused = [p for p, n in used.items() if n == 0]
     if unused:
         names = [n for n, _ in module.named_modules() if n][:12]
