@@ -92,3 +92,50 @@ def _rows_layout_way(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mm_keeps_a_row_layout_without_placements(world):
     run_on_ranks(_rows_layout_way, world, args=(random.randrange(10**6),))
+
+
+def _columns_layout_way(rank, world, seed):
+    """A replicated input times the transpose of a weight whose rows (output features) go
+    round-robin in pairs to the ranks (no placement form): the product keeps the weight's column
+    map and adds a bias laid out the same way, with no data moved; values and grads as torch.
+    A bias laid out otherwise (Shard(0)) falls back to moving operands, with the same values."""
+    from axedist.layout import Layout, LayoutError
+    from axedist.runtime import record
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    m, k, n = 3, 5, 4 * world
+    x = torch.randn(m, k, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(n, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(m, n, generator=g, dtype=torch.float64)
+    dealt = Layout.parse(f"S[(2,{world},2,{k}):({2 * k},1@gpuid,{k},1)]")
+    dx, dw = distribute(x, mesh, [R]), distribute(w, mesh, dealt)
+    with pytest.raises(LayoutError):
+        dw.t().placements  # the columns have no placement form
+    for bias_where, moves in ((Layout.parse(f"S[(2,{world},2):(2,1@gpuid,1)]"), False), ([Shard(0)], True)):
+        dbias = distribute(bias, mesh, bias_where)
+        with record() as ran:
+            product = torch.mm(dx, dw.t())
+            out = torch.addmm(dbias, dx, dw.t())
+        assert bool(ran) == moves, ran
+        assert torch.allclose(product.full_tensor(), x @ w.t())
+        if not moves:
+            assert product.layout == out.layout and product.layout.replica == dw.layout.replica
+        (out.full_tensor() * up).sum().backward()
+        got = [t.grad.clone() for t in (x, w, bias)]
+        for t in (x, w, bias):
+            t.grad = None
+        want_out = torch.addmm(bias, x, w.t())
+        (want_out * up).sum().backward()
+        assert torch.allclose(out.full_tensor(), want_out)
+        for name, a, b in zip("x w bias".split(), got, (x.grad, w.grad, bias.grad)):
+            assert torch.allclose(a, b), name
+        for t in (x, w, bias):
+            t.grad = None
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mm_keeps_a_column_layout_without_placements(world):
+    run_on_ranks(_columns_layout_way, world, args=(random.randrange(10**6),))

@@ -47,7 +47,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..dtensor import DTensor, distribute
-from ..layout import Layout, LayoutError
+from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
 from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
@@ -198,7 +198,9 @@ def _watch(module: nn.Module):
 
 def _ran_text(module: nn.Module, counted) -> str:
     """``all_gather over gpuid: 1 call, 288 B sent; ...``, and which parameters moved: a
-    parameter whose layout the ops cannot take is moved again on every forward."""
+    parameter whose layout the ops cannot take is moved again on every forward. (Moves are
+    matched by spec: another tensor of the same shape and layout as a parameter, or as a
+    weight's transpose, moved in the forward is reported as that parameter.)"""
     text = "; ".join(str(counted).splitlines())
 
     def views(p):  # the parameter and, for a Linear's weight, the transpose its product reads
@@ -213,8 +215,9 @@ def _ran_text(module: nn.Module, counted) -> str:
     moved = [pname for pname, p in module.named_parameters(recurse=False)
              if isinstance(p, DTensor) and not sources.isdisjoint(views(p))]
     if moved:
-        text += (f" (moves parameter{'s' if len(moved) > 1 else ''} {', '.join(moved)} on every forward: "
-                 f"its layout is not one the ops take)")
+        many = len(moved) > 1
+        text += (f" (moves parameter{'s' if many else ''} {', '.join(moved)} on every forward: "
+                 f"{'their layouts are not ones' if many else 'its layout is not one'} the ops take)")
     return text
 
 
@@ -341,13 +344,33 @@ class ColwiseParallel(_LinearLike):
     def apply(self, module, mesh, name, shared, src_rank=0):
         _check_type(self, module, (nn.Linear, nn.Embedding))
         if isinstance(module, nn.Linear):
-            self._params(module, mesh, {"weight": self.weight_layout or Shard(0), "bias": Shard(0)}, shared, src_rank)
+            self._params(module, mesh, {"weight": self.weight_layout or Shard(0)}, shared, src_rank)
+            bias = Shard(0) if self.weight_layout is None else _rows_of(module.weight)
+            self._params(module, mesh, {"bias": bias}, shared, src_rank)
         else:
             self._params(module, mesh, {"weight": self.weight_layout or Shard(1)}, shared, src_rank)
         note = ((lambda x: _fused_note(x, module, "all-gather") if _rows_sharded(x) else "")
                 if isinstance(module, nn.Linear) else None)
         self._hooks(module, mesh, self.input_layouts or Replicate(), self.desired_input_layouts or Replicate(),
                     self.output_layouts or Shard(-1), note=note)
+
+
+def _rows_of(weight: DTensor):
+    """How a column-parallel bias is laid out: as its weight's rows (the output features), so
+    the product and the bias add where they are. ``Shard(0)`` when the rows have no layout of
+    their own (the weight's input features split over devices, padding)."""
+    spec = weight._spec
+    try:
+        rows, cols = spec.layout.blocks(spec.shape)
+    except LayoutError:
+        return Shard(0)
+    k = spec.shape[1]
+    if (spec.padded != spec.shape or len(cols) != 1 or cols[0].axis != MEMORY_AXIS or cols[0].stride != 1
+            or cols[0].extent != k or any(it.axis == MEMORY_AXIS and it.stride % k for it in rows)):
+        return Shard(0)
+    # a local [N_local, K] weight's row r is local element r of the [N_local] bias
+    return Layout([Iter(it.extent, it.stride // k if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in rows],
+                  spec.layout.replica, spec.layout.offset)
 
 
 class RowwiseParallel(_LinearLike):

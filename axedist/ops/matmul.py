@@ -16,9 +16,12 @@ pending sum (``[Partial()]``); ``w`` in ``[Replicate()]`` instead is sliced loca
 ``[Shard(0)]`` (free) for the same result. ``addmm``'s bias is added on one rank of each
 partial group only, so the pending sum counts it once.
 
-Layout way: ``a`` whose rows have no placement form (the rows of ``h.view(B*S, H)`` for ``h``
+Layout ways: ``a`` whose rows have no placement form (the rows of ``h.view(B*S, H)`` for ``h``
 ``[B, S, H]`` in ``[Shard(1)]``: ``S[(B,4,S/4,H):(..,1@gpuid,..,1)]``) times a replicated ``b``
-keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements.
+keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements; a replicated
+``a`` times ``b`` whose columns have no placement form (the transposed weight of a
+``ColwiseParallel(weight_layout=...)`` that deals output features round-robin) keeps ``b``'s
+column map, and ``addmm``'s bias is added where it is laid out as those columns.
 """
 
 from __future__ import annotations
@@ -108,6 +111,34 @@ def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
     return Layout(shard + [Iter(n, 1)], a.layout.replica, a.layout.offset)
 
 
+def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
+    """The output layout of ``a @ b`` when ``a`` is replicated and ``b``'s columns have a layout
+    with no placement form (e.g. ``S[(6,2,2,2):(4,2,1@gpuid,1)]``, the transpose of a [8, 6]
+    weight whose rows go round-robin in pairs to 2 ranks): each device multiplies by its own
+    columns, so the output keeps ``b``'s column map and its rows are local and whole. None when
+    that does not hold (``b``'s rows split over devices or not outermost locally, padding, a
+    pending sum): then the placement strategies (which move ``b``) apply."""
+    spec = b.spec
+    if (b.placements is not None or not a.is_replicated() or b.reduce_op or spec is None
+            or spec.padded != spec.shape or spec.true_index or (a.spec is not None and a.spec.padded != a.spec.shape)):
+        return None
+    try:
+        rows, cols = b.layout.blocks(spec.shape)
+    except LayoutError:
+        return None
+    local_n = math.prod(it.extent for it in cols if it.axis == MEMORY_AXIS)
+    if (len(rows) != 1 or rows[0].axis != MEMORY_AXIS or rows[0].extent != spec.shape[0]
+            or rows[0].stride != local_n):
+        return None  # the contraction dim is not whole and outermost in every local tensor
+    return Layout([Iter(m, local_n), *cols], b.layout.replica, b.layout.offset)
+
+
+def _columns_only(layout: Layout) -> Layout:
+    """The column map of a ``[M, N]`` output of ``_columns_layout_way``: how a ``[N]`` bias
+    must be laid out to add locally."""
+    return Layout(list(layout.shard[1:]), layout.replica, layout.offset)
+
+
 @register(aten.mm.default, aten.bmm.default)
 def mm(call: OpCall) -> Sharding:
     a, b = call.specs
@@ -115,6 +146,9 @@ def mm(call: OpCall) -> Sharding:
         rows = _rows_layout_way(a, b, b.shape[1])
         if rows is not None:
             return Sharding(inputs=[None, None], outputs=rows)
+        columns = _columns_layout_way(a, b, a.shape[0])
+        if columns is not None:
+            return Sharding(inputs=[None, None], outputs=columns)
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
     return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=wo)
 
@@ -136,6 +170,10 @@ def addmm(call: OpCall) -> Sharding:
     """``beta * bias + alpha * (a @ b)``: the product's sharding; the bias added once per partial group."""
     bias, a, b = call.specs
     batched = call.func is aten.baddbmm.default
+    columns = None if batched else _columns_layout_way(a, b, a.shape[0])
+    if (columns is not None and bias.ndim == 1 and not bias.reduce_op and bias.spec is not None
+            and bias.spec.padded == bias.spec.shape and bias.layout == _columns_only(columns)):
+        return Sharding(inputs=[None, None, None], outputs=columns)
     wa, wb, wo = _product_strategy(a, b, call.mesh, batched)
     out_ndim = 3 if batched else 2
     want_bias = _bias_placements(bias, wo, out_ndim)
