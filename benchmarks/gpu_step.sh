@@ -3,6 +3,8 @@
 # The caller sets BUDGET (seconds) and may set OUT before sourcing.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
+# The device copy's git can be stale (on 2026-11-25 it named the session's first commit in every
+# call): give the commit in the call, `AXEDIST_COMMIT=<hash> bash benchmarks/gpu_w2.sh ...`.
 export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/axedist_out}
 LOGS=$OUT/logs RESULTS=$OUT/results
