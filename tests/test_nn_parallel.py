@@ -102,8 +102,9 @@ def test_colwise_linear(world, kind):
 
 def _colwise_dealt(rank, world, s):
     """Output features dealt round-robin in pairs (``weight_layout``), output kept dealt the same
-    way: the bias follows the weight's rows, the forward moves nothing, values and gradients
-    equal the one-process Linear's."""
+    way: the bias follows the weight's rows, the forward moves nothing; backward from a gradient
+    in that layout never moves the weight and leaves its gradient in the weight's layout; values
+    and gradients equal the one-process Linear's."""
     torch.manual_seed(s)
     mesh = DeviceMesh("cpu", (world,))
     n = 4 * world
@@ -120,9 +121,17 @@ def _colwise_dealt(rank, world, s):
     assert y.layout == out_layout, y.layout
     up = torch.randn(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(s + 2))
     torch.testing.assert_close(y.full_tensor(), ref(x), **TOL)
-    (y.full_tensor() * up).sum().backward()
-    (ref(x) * up).sum().backward()
+    x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    y, dup = par(x_par), distribute(up, mesh, out_layout)
+    with count_collectives() as seen:
+        y.backward(dup)
+    with torch.no_grad():
+        weight_views = {par.weight._spec, par.weight.t()._spec}
+    assert weight_views.isdisjoint(r.src for r in seen.routes), str(seen)  # the weight never moved
+    assert par.weight.grad.layout == par.weight.layout, par.weight.grad.layout
+    ref(x_ref).backward(up)
     check_grads(ref, par, "colwise dealt")
+    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
     return True
 
 

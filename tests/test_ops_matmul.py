@@ -139,3 +139,42 @@ def _columns_layout_way(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mm_keeps_a_column_layout_without_placements(world):
     run_on_ranks(_columns_layout_way, world, args=(random.randrange(10**6),))
+
+
+def _contraction_layout_way(rank, world, seed):
+    """``g [M, N] @ w [N, K]`` with N dealt round-robin in pairs (no placement form) in both (the
+    input gradient of a dealt column-parallel weight), or dealt in one and replicated in the
+    other: a pending sum with no collective (a replicated operand is sliced locally); values and
+    grads as torch. Dealt differently in the two operands, the product moves them, same values."""
+    from axedist.layout import Layout
+    from axedist.runtime import count_collectives
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    m, n, k = 3, 4 * world, 5
+    a = torch.randn(m, n, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(n, k, generator=g, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(m, k, generator=g, dtype=torch.float64)
+    cols = Layout.parse(f"S[({m},2,{world},2):(4,2,1@gpuid,1)]")
+    rows = Layout.parse(f"S[(2,{world},2,{k}):({2 * k},1@gpuid,{k},1)]")
+    blocks = Layout.parse(f"S[({world},2,2,{k}):(1@gpuid,{2 * k},{k},1)]")  # Shard(0): dealt otherwise
+    for where_a, where_w, moves in ((cols, rows, False), ([R], rows, False), (cols, [R], False), (cols, blocks, True)):
+        da, dw = distribute(a, mesh, where_a), distribute(w, mesh, where_w)
+        with count_collectives() as seen:
+            out = torch.mm(da, dw)
+        assert bool(seen.calls) == moves, (where_a, where_w, str(seen))
+        if not moves:
+            assert out.placements == (P,), out.placements
+        assert torch.allclose(out.full_tensor(), a @ w)
+        (out.full_tensor() * up).sum().backward()
+        got = a.grad.clone(), w.grad.clone()
+        a.grad = w.grad = None
+        ((a @ w) * up).sum().backward()
+        assert torch.allclose(got[0], a.grad) and torch.allclose(got[1], w.grad), (where_a, where_w)
+        a.grad = w.grad = None
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mm_over_a_contraction_dealt_alike_is_a_pending_sum(world):
+    run_on_ranks(_contraction_layout_way, world, args=(random.randrange(10**6),))

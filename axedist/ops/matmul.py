@@ -21,7 +21,8 @@ Layout ways: ``a`` whose rows have no placement form (the rows of ``h.view(B*S, 
 keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements; a replicated
 ``a`` times ``b`` whose columns have no placement form (the transposed weight of a
 ``ColwiseParallel(weight_layout=...)`` that deals output features round-robin) keeps ``b``'s
-column map, and ``addmm``'s bias is added where it is laid out as those columns.
+column map, and ``addmm``'s bias is added where it is laid out as those columns; a contraction
+dim dealt the same way in both operands (that weight's input gradient) gives a pending sum.
 """
 
 from __future__ import annotations
@@ -133,6 +134,63 @@ def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
     return Layout([Iter(m, local_n), *cols], b.layout.replica, b.layout.offset)
 
 
+def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
+    """``a @ b`` when the contraction dim is dealt over the devices with no placement form, the
+    same way in ``a``'s columns and ``b``'s rows (the input gradient of a dealt column-parallel
+    weight: ``grad_out [M, N] @ w [N, K]``), or dealt in one and replicated in the other (then the
+    replicated one is sliced to match, locally): each device multiplies its own slice, and the
+    output is a pending sum over the mesh. None when the dealings differ, a device holds no
+    distinct slice, or an operand has padding, replicas or a pending sum."""
+    if a.placements is not None and b.placements is not None:
+        return None  # the placement strategies cover it
+    (m, _), n = a.shape, b.shape[1]
+    dealt_a = None if a.is_replicated() else _dealt_dim(a, 1, mesh)
+    dealt_b = None if b.is_replicated() else _dealt_dim(b, 0, mesh)
+    if dealt_a is None and dealt_b is None:
+        return None
+    if dealt_a is None:  # a replicated: its columns sliced as b's rows are dealt
+        if not a.is_replicated() or _padded(a):
+            return None
+        local_k = math.prod(it.extent for it in dealt_b if it.axis == MEMORY_AXIS)
+        cols = [Iter(it.extent, it.stride // n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in dealt_b]
+        return Sharding(inputs=[Layout([Iter(m, local_k), *cols]), None], outputs=(Partial("sum"),) * mesh.ndim)
+    if dealt_b is None:  # b replicated: its rows sliced as a's columns are dealt
+        if not b.is_replicated() or _padded(b):
+            return None
+        rows = [Iter(it.extent, it.stride * n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in dealt_a]
+        return Sharding(inputs=[None, Layout([*rows, Iter(n, 1)])], outputs=(Partial("sum"),) * mesh.ndim)
+    same = len(dealt_a) == len(dealt_b) and all(
+        x.extent == y.extent and x.axis == y.axis and y.stride == (x.stride * n if x.axis == MEMORY_AXIS else x.stride)
+        for x, y in zip(dealt_a, dealt_b))
+    return Sharding(inputs=[None, None], outputs=(Partial("sum"),) * mesh.ndim) if same else None
+
+
+def _padded(arg: ArgSpec) -> bool:
+    return arg.spec is None or arg.spec.padded != arg.spec.shape or bool(arg.spec.true_index)
+
+
+def _dealt_dim(arg: ArgSpec, dim: int, mesh):
+    """The iters of dim ``dim`` of a 2-D operand when only that dim is split over the devices,
+    every mesh axis once over its whole extent (each device a distinct slice), and the other
+    dim is whole and local in row-major order; None otherwise."""
+    if arg.reduce_op or _padded(arg) or arg.layout.replica or arg.layout.offset:
+        return None
+    try:
+        blocks = arg.layout.blocks(arg.shape)
+    except LayoutError:
+        return None
+    other = blocks[1 - dim]
+    local = math.prod(it.extent for it in blocks[dim] if it.axis == MEMORY_AXIS)
+    whole = arg.shape[1 - dim]
+    if len(other) != 1 or other[0].axis != MEMORY_AXIS or other[0].extent != whole or other[0].stride != (
+            local if dim == 1 else 1):
+        return None
+    axes = sorted((it.axis, it.stride, it.extent) for it in blocks[dim] if it.axis != MEMORY_AXIS)
+    if axes != sorted((axis, 1, size) for axis, size in zip(mesh.axis_names, mesh.shape)):
+        return None
+    return blocks[dim]
+
+
 def _columns_only(layout: Layout) -> Layout:
     """The column map of a ``[M, N]`` output of ``_columns_layout_way``: how a ``[N]`` bias
     must be laid out to add locally."""
@@ -149,6 +207,9 @@ def mm(call: OpCall) -> Sharding:
         columns = _columns_layout_way(a, b, a.shape[0])
         if columns is not None:
             return Sharding(inputs=[None, None], outputs=columns)
+        summed = _contraction_layout_way(a, b, call.mesh)
+        if summed is not None:
+            return summed
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
     return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=wo)
 
