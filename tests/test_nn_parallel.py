@@ -403,6 +403,12 @@ def _errors(rank, world):
     line = f"forward ran: {'; '.join(str(seen).splitlines())}"
     assert seen.calls == 1 and line in describe(cyclic), (line, describe(cyclic))
     assert "moves parameter" not in report + describe(cyclic), describe(cyclic)
+    # an output of the same shape and layout as the weight's transpose (M = K) is not the weight
+    square = nn.Sequential(copy.deepcopy(ref))
+    parallelize(square, mesh, {"0": ColwiseParallel(weight_layout=dealt, output_layouts=Replicate())})
+    square(torch.randn(4, 4))
+    assert "forward ran: all_gather" in describe(square) and "moves parameter" not in describe(square), \
+        describe(square)
     # with rows-sharded input its product cannot take that weight: it moves on every forward
     rows_in = nn.Sequential(copy.deepcopy(ref))
     parallelize(rows_in, mesh, {"0": ColwiseParallel(weight_layout=dealt, input_layouts=Shard(0),

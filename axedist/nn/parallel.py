@@ -197,23 +197,16 @@ def _watch(module: nn.Module):
 
 
 def _ran_text(module: nn.Module, counted) -> str:
-    """``all_gather over gpuid: 1 call, 288 B sent; ...``, and which parameters moved: a
-    parameter whose layout the ops cannot take is moved again on every forward. (Moves are
-    matched by spec: another tensor of the same shape and layout as a parameter, or as a
-    weight's transpose, moved in the forward is reported as that parameter.)"""
+    """``all_gather over gpuid: 1 call, 288 B sent; ...``, and which parameters moved (a route
+    whose source is the parameter's storage, the parameter or a view such as a Linear weight's
+    transpose): a parameter whose layout the ops cannot take is moved again on every forward."""
     text = "; ".join(str(counted).splitlines())
-
-    def views(p):  # the parameter and, for a Linear's weight, the transpose its product reads
-        if p.dim() != 2:
-            return (p._spec,)
-        # a view's spec only; outside inference mode, where a view of a parameter made before
-        # it is allowed (torch refuses one inside: "Cannot set version_counter")
-        with torch.inference_mode(False), torch.no_grad():
-            return (p._spec, p.t()._spec)
-
-    sources = {r.src for r in counted.routes}
-    moved = [pname for pname, p in module.named_parameters(recurse=False)
-             if isinstance(p, DTensor) and not sources.isdisjoint(views(p))]
+    sources = {address for address in counted.storages if address}  # (0: an empty local tensor)
+    # outside inference mode, where a view of a parameter made before it is allowed (torch
+    # refuses one inside: "Cannot set version_counter")
+    with torch.inference_mode(False), torch.no_grad():
+        moved = [pname for pname, p in module.named_parameters(recurse=False)
+                 if isinstance(p, DTensor) and p.to_local().untyped_storage().data_ptr() in sources]
     if moved:
         many = len(moved) > 1
         text += (f" (moves parameter{'s' if many else ''} {', '.join(moved)} on every forward: "

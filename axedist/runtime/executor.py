@@ -270,6 +270,23 @@ def _carrier(program, backend: str, mesh) -> str:
 _RECORDS: list = []
 
 
+class Ran(list):
+    """The routes a ``record()`` block ran, in order. ``storages[i]``: the storage address of
+    route i's source local tensor (a parameter and its transpose share one), None where it has
+    none to read (a fake tensor while torch.compile traces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: list[int | None] = []
+
+
+def _storage_address(local: torch.Tensor) -> int | None:
+    try:
+        return local.untyped_storage().data_ptr()
+    except Exception:  # a fake or functional tensor of a trace: no storage to name (a record must not fail a move)
+        return None
+
+
 @contextlib.contextmanager
 def record():
     """Collect the ``Redistribution`` of every ``redistribute_local`` this rank runs inside the block.
@@ -278,7 +295,7 @@ def record():
         ...     y = x.redistribute([Replicate()])
         >>> execution_bytes(ran[0], x.mesh), ran[0].kinds      # e.g. (144, ('all_gather',))
     """
-    ran: list = []
+    ran = Ran()
     _RECORDS.append(ran)
     try:
         yield ran
@@ -314,8 +331,11 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
         if len(_AGREED_ROUTES) > 4096:
             _AGREED_ROUTES.clear()
         _AGREED_ROUTES[id(route)] = route
-    for ran in _RECORDS:
-        ran.append(route)
+    if _RECORDS:
+        storage = _storage_address(local)
+        for ran in _RECORDS:
+            ran.append(route)
+            ran.storages.append(storage)
     return run_route(route, local, async_op)
 
 

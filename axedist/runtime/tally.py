@@ -28,6 +28,7 @@ class CollectiveCount:
 
     by_kind: dict[str, list[int]] = field(default_factory=dict)
     routes: list = field(default_factory=list)  # the routes that sent something, in the order they ran
+    storages: list = field(default_factory=list)  # each route's source storage address (``Ran.storages``)
 
     @property
     def bytes_sent(self) -> int:
@@ -37,11 +38,12 @@ class CollectiveCount:
     def calls(self) -> int:
         return sum(c for c, _ in self.by_kind.values())
 
-    def add(self, route) -> None:
+    def add(self, route, storage: int | None = None) -> None:
         steps = [s for s in route.steps if s.kind != "local" and s.messages]
         if not steps:
             return
         self.routes.append(route)
+        self.storages.append(storage)
         kinds = " + ".join(dict.fromkeys(f"{s.kind} over {','.join(s.axes)}" for s in steps))
         entry = self.by_kind.setdefault(kinds, [0, 0])
         entry[0] += 1
@@ -61,5 +63,5 @@ def count_collectives():
     count = CollectiveCount()
     with record() as ran:
         yield count
-    for route in ran:
-        count.add(route)
+    for route, storage in zip(ran, ran.storages):
+        count.add(route, storage)
