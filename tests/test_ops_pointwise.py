@@ -193,3 +193,37 @@ def _inplace_on_pending_view(rank, world):
 
 def test_nonaffine_inplace_on_a_view_of_a_pending_sum_is_a_clear_error():
     assert run_on_ranks(_inplace_on_pending_view, 2) == [True, True]
+
+
+def _layout_with_replicated(rank, world, seed):
+    """A tensor dealt round-robin (no placement form) with a replicated tensor of its shape: the
+    replicated one is sliced to the layout (no collective), the output keeps the layout; values
+    and gradients as torch on full tensors."""
+    from axedist.layout import Layout
+    from axedist.runtime import count_collectives
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 4 * world, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(3, 4 * world, generator=g, dtype=torch.float64, requires_grad=True)
+    dealt = Layout.parse(f"S[(3,2,{world},2):(4,2,1@gpuid,1)]")
+    for op in (torch.add, torch.mul, lambda a, b: torch.where(a > b, a, b * 2)):
+        for swap in (False, True):
+            dx, dy = distribute(x, mesh, dealt), distribute(y, mesh, [Replicate()])
+            with count_collectives() as seen:
+                out = op(dy, dx) if swap else op(dx, dy)
+            assert seen.calls == 0 and out.layout == dealt, (str(seen), out.layout)
+            want = op(y, x) if swap else op(x, y)
+            assert torch.allclose(out.full_tensor(), want)
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (out.full_tensor() * up).sum().backward()
+            got = x.grad.clone(), y.grad.clone()
+            x.grad = y.grad = None
+            (want * up).sum().backward()
+            assert torch.allclose(got[0], x.grad) and torch.allclose(got[1], y.grad)
+            x.grad = y.grad = None
+    return True
+
+
+def test_a_replicated_operand_is_sliced_to_a_layout_without_placements():
+    run_on_ranks(_layout_with_replicated, 2, args=(random.randrange(10**6),))

@@ -194,12 +194,17 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
             return Sharding(inputs=[None] * len(specs),
                             outputs=first.placements if _form(first) is not None else whole(first))
     # A layout-only tensor with replicated scalars (an optimizer's or clip_grad_norm_'s step on a
-    # sharded parameter): each rank's elements with the scalar, the layout kept.
+    # sharded parameter) or replicated tensors of its shape (sliced to its layout: no data moves):
+    # each rank's elements, the layout kept.
     main = next((s for s in specs if s.shape == out_shape and _form(s) is None and not s.reduce_op), None)
+
+    def sliced(s) -> bool:  # a replicated full-shape operand, taken as the main's layout locally
+        return s is not main and s.shape == main.shape and s.is_replicated() and not _replicated_scalar(s)
+
     if main is not None and (anchor is None or anchor is main) and all(
             s is main or (s.shape == main.shape and whole(s) == whole(main) and not s.reduce_op)
-            or _replicated_scalar(s) for s in specs):
-        return Sharding(inputs=[None] * len(specs), outputs=whole(main))
+            or _replicated_scalar(s) or sliced(s) for s in specs):
+        return Sharding(inputs=[whole(main) if sliced(s) else None for s in specs], outputs=whole(main))
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:
         """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
