@@ -43,6 +43,7 @@ __all__ = [
     "tile_quotient",
     "direct_sum",
     "row_major_memory",
+    "one_dim_iters",
 ]
 
 MEMORY_AXIS = "m"
@@ -624,6 +625,27 @@ def _interleave(a: Layout, b: Layout, a_shape, b_shape) -> tuple[tuple[int, ...]
     for outer, inner in zip(a.blocks(a_shape), b.blocks(b_shape)):
         shard += outer + inner
     return tuple(x * y for x, y in zip(a_shape, b_shape)), shard
+
+
+def one_dim_iters(layout: Layout, shape: Sequence[int], dim: int) -> tuple[Iter, ...] | None:
+    """Dim ``dim`` (0 or 1) of a 2-D tensor of ``shape`` as the 1-D tensor of that dim alone
+    would be laid out: its iters, memory strides counted in that dim's local elements. None
+    unless the other dim is whole and local in every piece, in row-major order (one memory iter
+    over all of it). ``S[(2,2,2,6):(12,1@gpuid,6,1)]`` over ``(8, 6)``, dim 0: ``(2:2, 2:1@gpuid,
+    2:1)``, rows dealt round-robin in pairs to 2 devices; its transpose ``S[(6,2,2,2):(4,2,1@gpuid,1)]``
+    over ``(6, 8)``, dim 1: the same."""
+    try:
+        blocks = layout.blocks(shape)
+    except LayoutError:
+        return None
+    mine, other = blocks[dim], blocks[1 - dim]
+    local = math.prod(it.extent for it in mine if it.axis == MEMORY_AXIS)
+    # row-major: a dim-0 element is a whole row apart from the next; dim 1 is innermost
+    unit, other_stride = (shape[1], 1) if dim == 0 else (1, local)
+    if (len(other) != 1 or other[0].axis != MEMORY_AXIS or other[0].extent != shape[1 - dim]
+            or other[0].stride != other_stride or any(it.axis == MEMORY_AXIS and it.stride % unit for it in mine)):
+        return None
+    return tuple(Iter(it.extent, it.stride // unit, it.axis) if it.axis == MEMORY_AXIS else it for it in mine)
 
 
 def row_major_memory(blocks: Sequence[Sequence[Iter]]) -> tuple[tuple[int, ...], list[list[int | None]]]:

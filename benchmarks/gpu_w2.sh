@@ -4,7 +4,7 @@
 # fits is skipped and says so):
 #   1. torch.compile: the one-GPU compile test (GPU 0), then its NCCL test at W=2
 #   2. the TP training step, eager and compiled, vs torch's (compiled: with and without its async-TP pass)
-#   3. the multi-GPU tests not yet run at W=2, then fused all-gather + GEMM and the decode stack at TP=2
+#   3. fused all-gather + GEMM and the decode stack at TP=2
 #   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2
 #   bash benchmarks/gpu_w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
@@ -22,11 +22,9 @@ if (( GPUS >= 2 )); then
   export CUDA_VISIBLE_DEVICES=0,1
   step compile_w2 90 $PYTEST tests_multigpu/test_compile_nccl.py
   step bench_tp_w2 120 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --steps 8 --compile --out "$RESULTS"
-  step pytest_w2_unrun 120 $PYTEST tests_multigpu/test_gemm_rs.py tests_multigpu/test_ops_nn_nccl.py
   step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
   step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
-  step pytest_w2_rest 210 $PYTEST tests_multigpu --ignore tests_multigpu/test_compile_nccl.py \
-    --ignore tests_multigpu/test_gemm_rs.py --ignore tests_multigpu/test_ops_nn_nccl.py
+  step pytest_w2 300 $PYTEST tests_multigpu --ignore tests_multigpu/test_compile_nccl.py
   step bench_gemm_rs_w2 60 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default --out "$RESULTS"
 fi
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"

@@ -42,6 +42,20 @@ def _reference_sum(x, world):
     return gathered.float().sum(0)
 
 
+def _error_of(op, x, out, rank, world):
+    """Relative error of a p2p ``op`` call's ``out`` on input ``x``: reduce-scatter and all-reduce
+    against the fp32 sum over ranks, all-gather exact against NCCL's (0 or 1)."""
+    if op == "all_gather":
+        ref = torch.empty(world * x.numel(), dtype=x.dtype, device="cuda")
+        dist.all_gather_into_tensor(ref, x.contiguous())
+        return 0.0 if torch.equal(out, ref) else 1.0
+    total = _reference_sum(x, world)
+    if op == "reduce_scatter":
+        chunk = x.numel() // world
+        total = total[rank * chunk:(rank + 1) * chunk]
+    return _rel_error(out, total)
+
+
 def body_reduce_scatter(rank, world, sizes, dtypes, repeats, variant):
     from axedist.collectives import p2p
     failures = []
@@ -163,17 +177,8 @@ def body_back_to_back(rank, world, calls):
             outputs.append(p2p.all_gather(x, variant="push" if variant == "push" else "pull"))
     failures = []
     for call, (x, out) in enumerate(zip(inputs, outputs)):
-        chunk = x.numel() // world
         kind = call % 3
-        if kind == 0:
-            ref = _reference_sum(x, world)[rank * chunk:(rank + 1) * chunk]
-            error = _rel_error(out, ref)
-        elif kind == 1:
-            error = _rel_error(out, _reference_sum(x, world))
-        else:
-            ref = torch.empty(world * x.numel(), dtype=x.dtype, device="cuda")
-            dist.all_gather_into_tensor(ref, x)
-            error = 0.0 if torch.equal(out, ref) else 1.0
+        error = _error_of(("reduce_scatter", "all_reduce", "all_gather")[kind], x, out, rank, world)
         if error > 5e-3:
             failures.append(f"call {call} kind {kind}: error {error:.2e}")
     return failures
@@ -199,14 +204,10 @@ def body_two_streams(rank, world, calls):
         torch.cuda.current_stream().wait_stream(stream)
     failures = []
     for call, (x, out) in enumerate(zip(inputs, outputs)):
-        if call % 2 == 0:
-            error = _rel_error(out, _reference_sum(x, world)[rank * 4096:(rank + 1) * 4096])
-        else:
-            ref = torch.empty(world * 4096, dtype=x.dtype, device="cuda")
-            dist.all_gather_into_tensor(ref, x[:4096].contiguous())
-            error = 0.0 if torch.equal(out, ref) else 1.0
+        op = ("reduce_scatter", "all_gather")[call % 2]
+        error = _error_of(op, x if op == "reduce_scatter" else x[:4096], out, rank, world)
         if not error <= 5e-3:
-            failures.append(f"call {call} ({'reduce_scatter' if call % 2 == 0 else 'all_gather'}): error {error:.2e}")
+            failures.append(f"call {call} ({op}): error {error:.2e}")
     return failures
 
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..dtensor import DTensor
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
-from ..mesh import DeviceMesh, MeshError, as_mesh
+from ..mesh import DeviceMesh, MeshError, as_mesh, init_mesh
 from ..planning import plan_redistribute
 from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
@@ -938,12 +938,8 @@ def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
     if replicate_axes:
         raise TypeError("fully_shard: replicate_axes goes with dp_axes (axedist's spelling); with torch's, pass a "
                         "2-D mesh (replicate, shard)")
-    if mesh is None:
-        import torch.distributed as dist
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        whole = DeviceMesh(device, (dist.get_world_size(),), ("dp",))
-        return whole, (), ("dp",)
+    if mesh is None:  # every rank on one axis, as torch's default mesh
+        return init_mesh(axis_names="dp"), (), ("dp",)
     data = as_mesh(mesh)
     whole = data
     if not isinstance(mesh, DeviceMesh):  # a torch sub-mesh: its root holds the other (tensor-parallel) axes

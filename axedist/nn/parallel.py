@@ -47,7 +47,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..dtensor import DTensor, distribute
-from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
+from ..layout import Layout, LayoutError, one_dim_iters
 from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
@@ -353,17 +353,8 @@ def _rows_of(weight: DTensor):
     the product and the bias add where they are. ``Shard(0)`` when the rows have no layout of
     their own (the weight's input features split over devices, padding)."""
     spec = weight._spec
-    try:
-        rows, cols = spec.layout.blocks(spec.shape)
-    except LayoutError:
-        return Shard(0)
-    k = spec.shape[1]
-    if (spec.padded != spec.shape or len(cols) != 1 or cols[0].axis != MEMORY_AXIS or cols[0].stride != 1
-            or cols[0].extent != k or any(it.axis == MEMORY_AXIS and it.stride % k for it in rows)):
-        return Shard(0)
-    # a local [N_local, K] weight's row r is local element r of the [N_local] bias
-    return Layout([Iter(it.extent, it.stride // k if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in rows],
-                  spec.layout.replica, spec.layout.offset)
+    rows = None if spec.padded != spec.shape else one_dim_iters(spec.layout, spec.shape, 0)
+    return Shard(0) if rows is None else Layout(rows, spec.layout.replica, spec.layout.offset)
 
 
 class RowwiseParallel(_LinearLike):

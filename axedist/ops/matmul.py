@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
+from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
 aten = torch.ops.aten
@@ -99,17 +99,16 @@ def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
     if (a.placements is not None or b.placements is None or not b.is_replicated() or a.reduce_op
             or spec is None or spec.padded != spec.shape or spec.true_index):
         return None
-    try:
-        rows, cols = a.layout.blocks(spec.shape)
-    except LayoutError:
-        return None
-    k = spec.shape[1]
-    if any(it.axis != MEMORY_AXIS for it in cols) or len(cols) != 1 or cols[0].stride != 1 or cols[0].extent != k:
+    rows = one_dim_iters(a.layout, spec.shape, 0)
+    if rows is None:
         return None  # the contraction dim is not whole and innermost in every local tensor
-    shard = [Iter(it.extent, it.stride // k * n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in rows]
-    if any(it.axis == MEMORY_AXIS and it.stride % k for it in rows):
-        return None
-    return Layout(shard + [Iter(n, 1)], a.layout.replica, a.layout.offset)
+    return Layout([*_memory_times(rows, n), Iter(n, 1)], a.layout.replica, a.layout.offset)
+
+
+def _memory_times(iters, factor: int) -> list[Iter]:
+    """``iters`` with their memory strides times ``factor`` (a dim's iters placed as the rows
+    of a row-major 2-D tensor ``factor`` wide)."""
+    return [Iter(it.extent, it.stride * factor, it.axis) if it.axis == MEMORY_AXIS else it for it in iters]
 
 
 def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
@@ -123,14 +122,10 @@ def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
     if (b.placements is not None or not a.is_replicated() or b.reduce_op or spec is None
             or spec.padded != spec.shape or spec.true_index or (a.spec is not None and a.spec.padded != a.spec.shape)):
         return None
-    try:
-        rows, cols = b.layout.blocks(spec.shape)
-    except LayoutError:
-        return None
-    local_n = math.prod(it.extent for it in cols if it.axis == MEMORY_AXIS)
-    if (len(rows) != 1 or rows[0].axis != MEMORY_AXIS or rows[0].extent != spec.shape[0]
-            or rows[0].stride != local_n):
+    cols = one_dim_iters(b.layout, spec.shape, 1)
+    if cols is None:
         return None  # the contraction dim is not whole and outermost in every local tensor
+    local_n = math.prod(it.extent for it in cols if it.axis == MEMORY_AXIS)
     return Layout([Iter(m, local_n), *cols], b.layout.replica, b.layout.offset)
 
 
@@ -148,21 +143,17 @@ def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
     dealt_b = None if b.is_replicated() else _dealt_dim(b, 0, mesh)
     if dealt_a is None and dealt_b is None:
         return None
+    summed = (Partial("sum"),) * mesh.ndim
     if dealt_a is None:  # a replicated: its columns sliced as b's rows are dealt
         if not a.is_replicated() or _padded(a):
             return None
         local_k = math.prod(it.extent for it in dealt_b if it.axis == MEMORY_AXIS)
-        cols = [Iter(it.extent, it.stride // n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in dealt_b]
-        return Sharding(inputs=[Layout([Iter(m, local_k), *cols]), None], outputs=(Partial("sum"),) * mesh.ndim)
+        return Sharding(inputs=[Layout([Iter(m, local_k), *dealt_b]), None], outputs=summed)
     if dealt_b is None:  # b replicated: its rows sliced as a's columns are dealt
         if not b.is_replicated() or _padded(b):
             return None
-        rows = [Iter(it.extent, it.stride * n if it.axis == MEMORY_AXIS else it.stride, it.axis) for it in dealt_a]
-        return Sharding(inputs=[None, Layout([*rows, Iter(n, 1)])], outputs=(Partial("sum"),) * mesh.ndim)
-    same = len(dealt_a) == len(dealt_b) and all(
-        x.extent == y.extent and x.axis == y.axis and y.stride == (x.stride * n if x.axis == MEMORY_AXIS else x.stride)
-        for x, y in zip(dealt_a, dealt_b))
-    return Sharding(inputs=[None, None], outputs=(Partial("sum"),) * mesh.ndim) if same else None
+        return Sharding(inputs=[None, Layout([*_memory_times(dealt_a, n), Iter(n, 1)])], outputs=summed)
+    return Sharding(inputs=[None, None], outputs=summed) if dealt_a == dealt_b else None
 
 
 def _padded(arg: ArgSpec) -> bool:
@@ -170,25 +161,18 @@ def _padded(arg: ArgSpec) -> bool:
 
 
 def _dealt_dim(arg: ArgSpec, dim: int, mesh):
-    """The iters of dim ``dim`` of a 2-D operand when only that dim is split over the devices,
-    every mesh axis once over its whole extent (each device a distinct slice), and the other
-    dim is whole and local in row-major order; None otherwise."""
+    """``one_dim_iters`` of dim ``dim`` of a 2-D operand when only that dim is split over the
+    devices, every mesh axis once over its whole extent (each device a distinct slice); None
+    otherwise."""
     if arg.reduce_op or _padded(arg) or arg.layout.replica or arg.layout.offset:
         return None
-    try:
-        blocks = arg.layout.blocks(arg.shape)
-    except LayoutError:
+    iters = one_dim_iters(arg.layout, arg.shape, dim)
+    if iters is None:
         return None
-    other = blocks[1 - dim]
-    local = math.prod(it.extent for it in blocks[dim] if it.axis == MEMORY_AXIS)
-    whole = arg.shape[1 - dim]
-    if len(other) != 1 or other[0].axis != MEMORY_AXIS or other[0].extent != whole or other[0].stride != (
-            local if dim == 1 else 1):
-        return None
-    axes = sorted((it.axis, it.stride, it.extent) for it in blocks[dim] if it.axis != MEMORY_AXIS)
+    axes = sorted((it.axis, it.stride, it.extent) for it in iters if it.axis != MEMORY_AXIS)
     if axes != sorted((axis, 1, size) for axis, size in zip(mesh.axis_names, mesh.shape)):
         return None
-    return blocks[dim]
+    return iters
 
 
 def _columns_only(layout: Layout) -> Layout:
