@@ -809,8 +809,6 @@ def _distribute_target(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placeme
                        src_rank) -> DTensorSpec:
     """Where ``distribute`` puts ``tensor`` (the checks that may fail on one rank only)."""
     _check_dims(tensor)
-    if tensor.numel() == 0:
-        raise LayoutError(f"distribute: shape {tuple(tensor.shape)} is empty")
     if src_rank is not None and not mesh.contains(src_rank):
         raise MeshError(f"distribute: src_rank {src_rank} is not in mesh {mesh}")
     shape = tuple(tensor.shape)

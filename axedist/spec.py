@@ -164,13 +164,14 @@ def _interned_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
 
 def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true_index=None) -> DTensorSpec:
     shape = tuple(int(s) for s in shape)
-    padded = shape if padded is None else tuple(int(s) for s in padded)
+    padded = tuple(max(s, 1) for s in shape) if padded is None else tuple(int(s) for s in padded)
     if not isinstance(layout, Layout):
         raise LayoutError(f"expected an axedist Layout or a list of placements, got {layout!r}")
-    if any(s <= 0 for s in shape):
-        raise LayoutError(f"shape {shape} has an empty dim; axedist DTensors need every dim >= 1")
-    if len(padded) != len(shape) or any(p < s for p, s in zip(padded, shape)):
-        raise LayoutError(f"padded shape {padded} must have the rank of {shape} and be >= it in every dim")
+    if any(s < 0 for s in shape):
+        raise LayoutError(f"shape {shape} has a negative dim")
+    if len(padded) != len(shape) or any(p < max(s, 1) for p, s in zip(padded, shape)):
+        raise LayoutError(f"padded shape {padded} must have the rank of {shape} and be >= it (and >= 1) in every dim "
+                          f"(an empty dim is padded: a layout has no extent 0)")
     if reduce_op is not None and reduce_op not in REDUCE_OPS:
         raise LayoutError(f"reduce op must be one of {REDUCE_OPS}, got {reduce_op!r}")
     if true_index is not None:
@@ -300,16 +301,17 @@ def element_table(spec: DTensorSpec) -> ElementTable:
 
 
 def contiguous_strides(shape) -> tuple[int, ...]:
+    """torch's strides of a contiguous tensor of ``shape`` (an empty dim counts as 1, as torch's do)."""
     strides, step = [], 1
     for s in reversed(shape):
         strides.append(step)
-        step *= s
+        step *= max(s, 1)
     return tuple(reversed(strides))
 
 
 def row_major_iters(shape) -> list[Iter]:
-    """``S[(8,6):(6,1)]``: the whole tensor in one local tensor."""
-    return [Iter(s, st) for s, st in zip(shape, contiguous_strides(shape))]
+    """``S[(8,6):(6,1)]``: the whole tensor in one local tensor (an empty dim padded to one row)."""
+    return [Iter(max(s, 1), st) for s, st in zip(shape, contiguous_strides(shape))]
 
 
 def replicated_layout(shape, mesh: DeviceMesh) -> Layout:
@@ -325,7 +327,7 @@ def spec_for_layout(mesh, layout, shape, padded, reduce_op, dims_include_summand
     """A spec from a user's layout. With ``reduce_op``, ``shape`` (and ``padded``) include the
     leading summand dim when ``dims_include_summands``."""
     shape = tuple(shape)
-    padded = shape if padded is None else tuple(padded)
+    padded = tuple(max(s, 1) for s in shape) if padded is None else tuple(padded)
     if reduce_op is None:
         return make_spec(mesh, layout, shape, padded)
     if dims_include_summands:
@@ -419,8 +421,8 @@ def _placement_blocks(shape, mesh: DeviceMesh, placements, nested, what: str):
     """Per dim, its pieces ``(axis or 'm', extent)`` outer to inner after every Shard (dims that
     nested uneven chunking splits are left for ``_nested_block``); the padded shape; the replica
     and partial iters; the pending reduce op."""
-    blocks = [[(MEMORY_AXIS, n)] for n in shape]
-    padded = list(shape)
+    blocks = [[(MEMORY_AXIS, max(n, 1))] for n in shape]  # an empty dim is one padding row
+    padded = [max(n, 1) for n in shape]
     sharded: set[int] = set()
     replica, partial, op = [], [], None
     for axis, k, p in zip(mesh.axis_names, mesh.shape, placements):
@@ -458,7 +460,7 @@ def _nested_block(n: int, axes: list[tuple[str, int]]):
     true rows ``(0, 1, 2, -1, 3, -1, 4, -1)``."""
     ks = [k for _, k in axes]
     ranges = chunk_ranges(n, ks)
-    largest = max(size for _, size in ranges.values())
+    largest = max(max(size for _, size in ranges.values()), 1)  # an empty dim: one padding row per chunk
     padded = math.prod(ks) * largest
     mapping = [-1] * padded
     for coords, (start, size) in ranges.items():
@@ -508,8 +510,8 @@ def _nested_uneven_dims(shape, mesh: DeviceMesh, placements) -> dict[int, list[t
         if isinstance(p, (Shard, _StridedShard)):
             by_dim.setdefault(_dim_of(p, len(shape), what), []).append((axis, k, p))
     return {d: [(axis, k) for axis, k, _ in shards] for d, shards in by_dim.items()
-            if len(shards) > 1 and shape[d] % math.prod(k for _, k, _ in shards)
-            and not any(isinstance(p, _StridedShard) for _, _, p in shards)}
+            if shape[d] == 0 or (len(shards) > 1 and shape[d] % math.prod(k for _, k, _ in shards)
+                                 and not any(isinstance(p, _StridedShard) for _, _, p in shards))}
 
 
 def layout_from_placements(shape: Sequence[int], mesh: DeviceMesh, placements) -> Layout:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import distribute
+from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 from tests.ops_cases import MESHES
@@ -162,3 +162,109 @@ def test_cuda_attention_rules():
     assert got["cudnn"] == ((heads, heads, heads), (heads, heads, whole, whole, None, None, whole, whole, None))
     # dropout inside attention: every rank runs the whole kernel with the same random state
     assert got["dropout"] == ((whole, whole, whole), (whole, whole, whole, whole))
+
+
+# -- the CUDA attention kernels, run on CPU through the dispatcher ---------------------------------
+# F.scaled_dot_product_attention on CUDA reaches DTensors as _efficient_attention / _flash_attention /
+# _cudnn_attention. Those aten ops have no CPU kernel; the cases below register a plain fp64 one (the
+# math of attention, with the CUDA kernels' output shapes: efficient attention's logsumexp is
+# (B, H, 0) when not asked for, as in inference, and padded to 32 rows otherwise) and call the ops on
+# DTensors, so the rules, the output specs and the dispatcher's plumbing run as they do on CUDA.
+
+_CPU_KERNELS = []
+
+
+def _probabilities(q, k, bias, causal, scale):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias
+    if causal:  # top-left aligned, as the CUDA kernels (query row i sees keys 0..i)
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.softmax(scores, -1), torch.logsumexp(scores, -1), scale
+
+
+def _efficient(q, k, v, bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    p, lse, _ = _probabilities(q, k, bias, is_causal, scale)
+    rows = -(-q.shape[-2] // 32) * 32 if compute_log_sumexp else 0
+    padded = lse.new_zeros(*lse.shape[:-1], rows)
+    if rows:
+        padded[..., :q.shape[-2]] = lse
+    return p @ v, padded.float(), torch.tensor(0), torch.tensor(0)
+
+
+def _efficient_backward(grad, q, k, v, bias, out, lse, seed, offset, dropout_p, mask, is_causal=False, *, scale=None):
+    # runs below autograd: softmax's gradient written out (dS = P * (dP - rowsum(dP * P)))
+    p, _, scale = _probabilities(q, k, bias, is_causal, scale)
+    dp = grad @ v.transpose(-2, -1)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ grad, q.new_empty(0)
+
+
+def _flash(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    p, lse, _ = _probabilities(q, k, None, is_causal, scale)
+    # cum_seq_q / cum_seq_k are undefined tensors (None) outside the varlen kernel, as on CUDA
+    return (p @ v, lse.float(), None, None, q.shape[-2], k.shape[-2], torch.zeros(2, dtype=torch.int64),
+            torch.tensor(0), q.new_empty(0))
+
+
+def _flash_backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
+                    scale=None):
+    return _efficient_backward(grad, q, k, v, None, out, lse, seed, offset, dropout_p, None, is_causal,
+                               scale=scale)[:3]
+
+
+def _register_cuda_attention_on_cpu() -> None:
+    if _CPU_KERNELS:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_efficient_attention", _efficient, "CPU")
+    library.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward, "CPU")
+    library.impl("_scaled_dot_product_flash_attention", _flash, "CPU")
+    library.impl("_scaled_dot_product_flash_attention_backward", _flash_backward, "CPU")
+    _CPU_KERNELS.append(library)
+
+
+def _cuda_kernels_case(rank, world_size, seed):
+    """Decode (one query row, batch 1, no grad: efficient attention's logsumexp is (1, H, 0)) and
+    training shapes, heads and batch sharded, through the CUDA attention ops: outputs and
+    gradients equal the kernels on the whole tensors."""
+    _register_cuda_attention_on_cpu()
+    mesh = DeviceMesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(seed)
+    checked = []
+    for batch, heads, length, source, grad in [(1, 4, 1, 5, False), (1, 8, 1, 7, False), (2, 4, 5, 5, True),
+                                              (3, 4, 6, 6, True)]:
+        q = torch.randn(batch, heads, length, 8, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(batch, heads, source, 8, dtype=torch.float64, generator=g) for _ in range(2))
+        causal = bool(grad)
+        for name, placements in (("heads", [Shard(1)]), ("batch", [Shard(0)]), ("whole", [Replicate()])):
+            for op in ("efficient", "flash"):
+                what = f"seed {seed}, {op}, {name}, q {tuple(q.shape)}, k {tuple(k.shape)}, grad {grad}"
+                plain = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+                dts = [distribute(t, mesh, placements).requires_grad_(grad) for t in (q, k, v)]
+                with torch.set_grad_enabled(grad):
+                    if op == "efficient":
+                        want = aten._scaled_dot_product_efficient_attention(*plain, None, grad, 0.0, causal)
+                        got = aten._scaled_dot_product_efficient_attention(*dts, None, grad, 0.0, causal)
+                    else:
+                        want = aten._scaled_dot_product_flash_attention(*plain, 0.0, causal)
+                        got = aten._scaled_dot_product_flash_attention(*dts, 0.0, causal)
+                torch.testing.assert_close(got[0].full_tensor(), want[0], msg=what)
+                lse = got[1].full_tensor() if isinstance(got[1], DTensor) else got[1]
+                assert lse.shape == want[1].shape, f"{what}: logsumexp {tuple(lse.shape)}"
+                torch.testing.assert_close(lse[..., :length], want[1][..., :length], msg=what)
+                if grad:
+                    dout = torch.randn(want[0].shape, dtype=torch.float64, generator=g)
+                    want[0].backward(dout)
+                    got[0].backward(distribute(dout, mesh, list(got[0].placements)))
+                    for d, p, label in zip(dts, plain, "qkv"):
+                        torch.testing.assert_close(d.grad.full_tensor(), p.grad, msg=f"{what}: grad of {label}")
+                checked.append(what)
+    return len(checked)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cuda_attention_kernels_through_the_dispatcher(world_size, seed):
+    assert run_on_ranks(_cuda_kernels_case, world_size, args=(seed,)) == [24] * world_size

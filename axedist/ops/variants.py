@@ -346,11 +346,8 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
 
     def wrap(value):
         if isinstance(value, torch.Tensor):
-            if value.numel() > 0:
-                spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
-                return cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
-            raise DispatchError(f"{func} (run through the gather fallback) returned an empty tensor of shape "
-                                f"{tuple(value.shape)}; axedist DTensors need every dim >= 1")
+            spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
+            return cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
         if isinstance(value, (list, tuple)):
             return type(value)(wrap(v) for v in value)
         return value

@@ -141,6 +141,9 @@ def reshape(call: OpCall) -> Sharding:
     others = [None] * (len(call.specs) - 1)   # view_as's other argument: only its shape matters
     new = _out_shape(call)
     mesh = call.mesh
+    if 0 in spec.shape:  # no elements: replicated costs nothing, and torch's view groups have no runs to pair
+        full = (Replicate(),) * mesh.ndim
+        return Sharding(inputs=[full] + others, outputs=full, local=_local_reshape(full, new, mesh))
     if spec.placements is not None:
         kept = _reshape_placements(spec, new, mesh)
         if all(p is not None for p in kept):
