@@ -12,8 +12,10 @@ eager's numbers too. One small test runs Inductor's CPU backend (a C++ compile: 
 ``launch/train_tp.py --compile`` runs under torchrun.
 """
 
+import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -36,13 +38,16 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 CFG = LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_hidden=24, max_seq_len=8)
 
 
-def capture(codes: list):
-    """An aot_eager backend that keeps the code of every forward and backward graph it compiles."""
+def capture(codes: list, outlines: list | None = None):
+    """An aot_eager backend that keeps the code of every forward and backward graph it compiles
+    (and, given ``outlines``, each graph's ``graph_outline``)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def keep(gm, example_inputs):
         codes.append(gm.code)
+        if outlines is not None:
+            outlines.append(graph_outline(gm))
         return make_boxed_func(gm.forward)
 
     return aot_autograd(fw_compiler=keep, bw_compiler=keep)
@@ -251,22 +256,25 @@ def traced_moves(rank, world):
                 product.redistribute([Shard(0)]), moving + 1)
 
     _fresh_dynamo()
-    codes: list = []
-    got = torch.compile(moves, backend=capture(codes), fullgraph=True)(a, p, d, e, one, u, summands, product, moving)
+    codes, outlines = [], []
+    got = torch.compile(moves, backend=capture(codes, outlines), fullgraph=True)(a, p, d, e, one, u, summands, product,
+                                                                                moving)
     want = moves(a, p, d, e, one, u, summands, product, moving)
     _fresh_dynamo()
     same = [torch.equal(g, w) if type(w) is torch.Tensor else g.layout == w.layout and torch.equal(g.to_local(), w.to_local())
             for g, w in zip(got, want)]
     ops = sorted({line.split("_c10d_functional.")[1].split(".")[0] for line in codes[0].splitlines()
                   if "_c10d_functional." in line})
-    return same, ops
+    return same, ops, [row for row in outlines[0] if len(row) > 1]
 
 
 def test_every_plan_step_kind_traces_to_functional_collectives():
     results = run_on_ranks(traced_moves, 4, timeout_s=180)
-    for rank, (same, ops) in enumerate(results):
+    for rank, (same, ops, collectives) in enumerate(results):
         assert all(same), f"rank {rank}: compiled moves that differ from eager: {same}"
         assert {"all_gather_into_tensor", "all_reduce", "all_to_all_single", "broadcast"} <= set(ops), ops
+        # every rank issues the same collectives in the same order, with the same groups and sizes
+        assert collectives == results[0][2], f"rank {rank}: {collectives} vs rank 0: {results[0][2]}"
 
 
 # -- axedist's collectives and fused kernels as custom ops ---------------------------------------
@@ -339,25 +347,14 @@ def test_collectives_and_fused_kernels_are_custom_ops():
 
 # -- the fused kernels, chosen layout-driven, appear in the compiled graph -------------------------
 
-def forced_fused_block(rank, world, seed):
+@contextlib.contextmanager
+def forced_fused():
     """The CUDA decisions forced on CPU (the custom ops then run torch's implementations): the
     deferred row-parallel product goes to gemm_reduce_scatter, the deferred sequence gather to
     all_gather_gemm, exactly as eager decides them on CUDA."""
     from axedist import collectives
     from axedist.runtime import deferred
 
-    torch.manual_seed(seed)
-    model = Llama(CFG).to(torch.bfloat16)
-    mesh = DeviceMesh("cpu", (world,))
-    parallelize(model, mesh, llama_tp_plan(CFG))
-    block = model.layers[0]
-    x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim, dtype=torch.bfloat16), mesh, [Shard(0)])
-    cos, sin = model.rope_cos[:8].to(torch.bfloat16), model.rope_sin[:8].to(torch.bfloat16)
-
-    def run(fn):
-        return block_step(fn, block, x, cos, sin)
-
-    want = run(block)  # eager, nothing forced
     choice, plan_ag = deferred.fused_choice, collectives.plan_all_gather_gemm
 
     def fused(spec, pending, dst):
@@ -372,14 +369,32 @@ def forced_fused_block(rank, world, seed):
     DTensor.dispatcher.defer_gemm = "always"
     deferred.defer_gathers("always")
     _fresh_dynamo()
-    codes: list = []
     try:
-        got = run(torch.compile(block, backend=capture(codes), fullgraph=True))
+        yield
     finally:
         deferred.fused_choice, collectives.plan_all_gather_gemm = choice, plan_ag
         DTensor.dispatcher.defer_gemm = policies[0]
         deferred.defer_gathers(policies[1])
         _fresh_dynamo()
+
+
+def _tp_block(world, seed, cfg=None):
+    cfg = cfg or CFG
+    torch.manual_seed(seed)
+    model = Llama(cfg).to(torch.bfloat16)
+    mesh = DeviceMesh("cpu", (world,))
+    parallelize(model, mesh, llama_tp_plan(cfg))
+    x = ax.distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, dtype=torch.bfloat16), mesh, [Shard(0)])
+    cos, sin = model.rope_cos[:cfg.max_seq_len].to(torch.bfloat16), model.rope_sin[:cfg.max_seq_len].to(torch.bfloat16)
+    return model.layers[0], (x, cos, sin)
+
+
+def forced_fused_block(rank, world, seed):
+    block, inputs = _tp_block(world, seed)
+    want = block_step(block, block, *inputs)  # eager, nothing forced
+    codes: list = []
+    with forced_fused():
+        got = block_step(torch.compile(block, backend=capture(codes), fullgraph=True), block, *inputs)
     same = relative_error(got[0], want[0].float()) < 2e-2 and all(
         relative_error(got[1][n], want[1][n].float()) < 2e-2 for n in want[1])
     missing = [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"axedist.{op}" not in codes[0]]
@@ -394,6 +409,54 @@ def test_fused_kernels_chosen_by_layout_are_custom_ops_in_the_graph():
         assert same, f"rank {rank} (seed {seed}): compiled block with the fused ops differs from eager"
         assert not missing, f"rank {rank}: the forward graph lacks {missing}"
         assert backward >= 2, f"rank {rank}: the backward graph has {backward} fused GEMM + reduce-scatters"
+
+
+def graph_outline(gm: torch.fx.GraphModule) -> list[tuple]:
+    """A traced graph as its ranks must agree on it: every node's op, in order, and the
+    non-tensor arguments of every collective and fused kernel (group, dims, backend). Index
+    constants and slice offsets (which differ by rank, as torch's DTensor's do) are left out."""
+    rows = []
+    for node in gm.graph.nodes:
+        name = str(node.target) if node.op == "call_function" else node.op
+        if "axedist" in name or "c10d" in name:
+            rows.append((name, tuple(a for a in node.args if not isinstance(a, (torch.fx.Node, list, tuple)))))
+        else:
+            rows.append((name,))
+    return rows
+
+
+def graph_outlines(rank, world, seed):
+    """The forward and backward graphs of the compiled sequence-parallel block with the fused
+    kernels chosen (as on CUDA), on this rank."""
+    block, inputs = _tp_block(world, seed, LlamaConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, ffn_hidden=64,
+                                                       max_seq_len=16))
+    outlines: list = []
+
+    def keep(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        outlines.append(graph_outline(gm))
+        return make_boxed_func(gm.forward)
+
+    from torch._dynamo.backends.common import aot_autograd
+    with forced_fused():
+        block_step(torch.compile(block, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True),
+                   block, *inputs)
+    return outlines
+
+
+def test_every_rank_compiles_the_same_graph():
+    """Four ranks of a compiled TP + SP block: the same graphs, op for op, with the same collectives
+    and fused kernels in the same order and the same backend (a rank in the middle of its group
+    once traced other copies than the ranks at its ends: different graphs compile at different
+    speeds, and a rank still compiling left its peers' fused kernels spinning into their timeout)."""
+    outlines = run_on_ranks(graph_outlines, 4, args=(random.randrange(2**31),), timeout_s=600)
+    assert len(outlines[0]) == 2, "expected a forward and a backward graph"
+    comms = [row for graph in outlines[0] for row in graph if len(row) > 1]
+    assert any("all_gather_gemm" in row[0] for row in comms) and any("gemm_reduce_scatter" in row[0] for row in comms)
+    for rank, graphs in enumerate(outlines[1:], start=1):
+        for which, mine, first in zip(("forward", "backward"), graphs, outlines[0]):
+            assert mine == first, f"rank {rank}'s {which} graph differs from rank 0's:\n" + "\n".join(
+                f"  {a} | {b}" for a, b in itertools.zip_longest(first, mine) if a != b)
 
 
 # -- Inductor (C++ on CPU): one small module ---------------------------------------------------------

@@ -36,14 +36,21 @@ class AllGather(Collective):
     """One ``all_gather_into_tensor`` (or the p2p kernels). Pieces of different sizes are padded
     to the largest (each member sends the largest piece's size; the padding is never read), as
     long as that adds at most PAD_LIMIT to the bytes (a (31, 6) ``Shard(0) -> Replicate()`` on 4
-    ranks: pieces of 8, 8, 8, 7 rows sent as 8, instead of point-to-point sends)."""
+    ranks: pieces of 8, 8, 8, 7 rows sent as 8, instead of point-to-point sends).
+
+    The output is read off the gathered buffer alone, this rank's own piece included, with one
+    index that is the same on every member: the program each rank runs (and the graph
+    torch.compile traces on each rank) does not depend on where the rank sits in its group. In
+    the common case (an even ``Shard -> Replicate``) that index is the identity and the gathered
+    buffer is the output, with no copy."""
 
     how = "all_gather_into_tensor"
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
-        self.send = Index(self.message_source(me, self.any_peer(me)), ctx.device)
+        source = self.message_source(me, self.any_peer(me))
+        self.send = Index(source, ctx.device)
         counts = _piece_counts(step, self.members)
         self.n = max(counts)
         if min(counts) != self.n:
@@ -53,8 +60,30 @@ class AllGather(Collective):
             if d != me:
                 chunks.append(torch.arange(j * self.n, j * self.n + counts[j]))
                 slots.append(self.message_target(d, me))
-        self.chunk = Index(torch.cat(chunks), ctx.device)
-        self.slots = Index(torch.cat(slots), ctx.device)
+        own = self._own_slots(source, counts[self.position])
+        # the own piece read back from the gathered buffer like the peers' ones (rank-independent
+        # code), where it is exactly what this rank keeps; else copied from x first
+        self.keep_local = own is None
+        if own is not None:
+            chunks.insert(self.position, torch.arange(self.position * self.n, self.position * self.n + counts[self.position]))
+            slots.insert(self.position, own)
+        chunk, slot = torch.cat(chunks), torch.cat(slots)
+        identity = torch.arange(step.out_size)
+        self.whole = (not self.keep_local and step.out_size == self.n * len(self.members)
+                      and torch.equal(chunk, identity) and torch.equal(slot, identity))
+        self.chunk = Index(chunk, ctx.device)
+        self.slots = Index(slot, ctx.device)
+
+    def _own_slots(self, source: torch.Tensor, count: int) -> torch.Tensor | None:
+        """Where each element of this rank's sent piece lands in its own output (from the step's
+        local copies), or None when the local copies are not exactly that piece."""
+        if self.local_src_raw.numel() != count or count != source.numel():
+            return None
+        size = int(torch.cat([source, self.local_src_raw]).max()) + 1 if count else 0
+        target = torch.full((size,), -1, dtype=torch.int64)
+        target[self.local_src_raw] = self.local_dst_raw
+        own = target[source]
+        return None if bool((own < 0).any()) else own
 
     @staticmethod
     def fits(step: Step, group) -> bool:
@@ -74,7 +103,10 @@ class AllGather(Collective):
         gathered, works = carrier.all_gather(self, send.contiguous(), async_op)
 
         def finish():
-            out = self.local_out(x)
+            if self.whole:
+                return gathered
+            out = self.local_out(x) if self.keep_local else torch.empty(self.step.out_size, dtype=x.dtype,
+                                                                        device=x.device)
             self.slots.put(out, self.chunk.take(gathered))
             return out
         return works, finish

@@ -49,9 +49,10 @@ class StepProgram:
     def __init__(self, step: Step, ctx: RankContext):
         self.step, self.ctx = step, ctx
         local = step.local(ctx.me)
-        self.local_src = Index(box_index(local, "source"), ctx.device)
-        self.local_dst = Index(box_index(local, "target"), ctx.device)
+        self.local_src_raw = box_index(local, "source")
         self.local_dst_raw = box_index(local, "target")
+        self.local_src = Index(self.local_src_raw, ctx.device)
+        self.local_dst = Index(self.local_dst_raw, ctx.device)
         self.reduce = step.reduce
         self.count = None
         if step.reduce == "avg":
