@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import axedist as ax
-from axedist.collectives import p2p
+from axedist.collectives import all_gather_into, p2p
 from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
 from axedist.testing import VirtualRanks
 
@@ -76,7 +76,7 @@ def run_multi(args):
         row = dict(label=label, M=m, N=n, K=k, world=world)
 
         def seq():
-            dist.all_gather_into_tensor(gathered, a)
+            all_gather_into(gathered, a)
             torch.mm(gathered, b, out=out)
 
         def symm():
@@ -90,7 +90,7 @@ def run_multi(args):
         fused_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         w1_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
-                   "nccl_ag": lambda: dist.all_gather_into_tensor(gathered, a),
+                   "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
                    "seq": seq, "symm": symm,
                    "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 
-from axedist.collectives import p2p  # noqa: E402
+from axedist.collectives import all_gather_into, p2p, reduce_scatter_into  # noqa: E402
 from axedist.collectives.timing import time_collective as _time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
@@ -76,8 +76,8 @@ def measure_size(size, world, rank, reps, group_name, symm_mem):
     # reduce-scatter
     out = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
     ref = torch.empty_like(out)
-    dist.reduce_scatter_tensor(ref, x)
-    row["rs_nccl"] = time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps, "rs_nccl")
+    reduce_scatter_into(ref, x)
+    row["rs_nccl"] = time_collective(lambda: reduce_scatter_into(out, x), reps, "rs_nccl")
     for variant in ("push", "pull"):
         row[f"rs_{variant}"] = time_collective(
             lambda: p2p.reduce_scatter(x, out=out, variant=variant), reps, f"rs_{variant}")
@@ -91,8 +91,8 @@ def measure_size(size, world, rank, reps, group_name, symm_mem):
     piece = x[:numel // world]
     gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
     ag_ref = torch.empty_like(gathered)
-    dist.all_gather_into_tensor(ag_ref, piece)
-    row["ag_nccl"] = time_collective(lambda: dist.all_gather_into_tensor(gathered, piece), reps, "ag_nccl")
+    all_gather_into(ag_ref, piece)
+    row["ag_nccl"] = time_collective(lambda: all_gather_into(gathered, piece), reps, "ag_nccl")
     for variant in ("push", "pull"):
         row[f"ag_{variant}"] = time_collective(
             lambda: p2p.all_gather(piece, out=gathered, variant=variant), reps, f"ag_{variant}")
@@ -141,7 +141,7 @@ def host_overhead(world, calls=300):
     out = torch.empty(32768 // world, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
     cases = {
-        "rs_nccl": lambda: dist.reduce_scatter_tensor(out, x),
+        "rs_nccl": lambda: reduce_scatter_into(out, x),
         "rs_push": lambda: p2p.reduce_scatter(x, out=out, variant="push"),
         "rs_push_alloc": lambda: p2p.reduce_scatter(x, variant="push"),
         "ag_push": lambda: p2p.all_gather(out, out=x, variant="push"),
@@ -244,8 +244,8 @@ def sweep_rounds(sizes, rounds_list, reps, world, rank, out_dir):
         piece = x[:numel // world]
         scattered = torch.empty(numel // world, device="cuda", dtype=torch.bfloat16)
         gathered = torch.empty(numel, device="cuda", dtype=torch.bfloat16)
-        cases = {"reduce_scatter": (x, scattered, lambda: dist.reduce_scatter_tensor(scattered, x)),
-                 "all_gather": (piece, gathered, lambda: dist.all_gather_into_tensor(gathered, piece))}
+        cases = {"reduce_scatter": (x, scattered, lambda: reduce_scatter_into(scattered, x)),
+                 "all_gather": (piece, gathered, lambda: all_gather_into(gathered, piece))}
         for op, (source, target, nccl) in cases.items():
             nccl()
             reference = target.clone()

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 
-from axedist.collectives import p2p  # noqa: E402
+from axedist.collectives import p2p, reduce_scatter_into  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
@@ -106,7 +106,7 @@ def main():
 
         def seq():
             torch.mm(a, b, out=partial)
-            dist.reduce_scatter_tensor(rs_out, partial)
+            reduce_scatter_into(rs_out, partial)
 
         def symm():
             return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)
@@ -143,7 +143,7 @@ def main():
         row["fused_by_config_queued"] = tried
         only_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         columns = {"cublas": lambda: torch.mm(a, b, out=partial),
-                   "nccl_rs": lambda: dist.reduce_scatter_tensor(rs_out, partial),
+                   "nccl_rs": lambda: reduce_scatter_into(rs_out, partial),
                    "p2p_rs": lambda: p2p.reduce_scatter(partial, out=rs_out),
                    "seq": seq, "symm": symm,
                    "fused": lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out),

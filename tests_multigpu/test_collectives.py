@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from axedist.collectives import all_gather_into, reduce_scatter_into
 from axedist.testing import run_on_ranks
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -38,7 +39,7 @@ def _inputs(rank, shape, dtype, seed):
 def _reference_sum(x, world):
     """fp32 sum over ranks of x (gathered through NCCL)."""
     gathered = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered, x.contiguous())
+    all_gather_into(gathered, x.contiguous())
     return gathered.float().sum(0)
 
 
@@ -47,7 +48,7 @@ def _error_of(op, x, out, rank, world):
     against the fp32 sum over ranks, all-gather exact against NCCL's (0 or 1)."""
     if op == "all_gather":
         ref = torch.empty(world * x.numel(), dtype=x.dtype, device="cuda")
-        dist.all_gather_into_tensor(ref, x.contiguous())
+        all_gather_into(ref, x.contiguous())
         return 0.0 if torch.equal(out, ref) else 1.0
     total = _reference_sum(x, world)
     if op == "reduce_scatter":
@@ -75,7 +76,7 @@ def body_reduce_scatter(rank, world, sizes, dtypes, repeats, variant):
                     p2p.reduce_scatter(x, out=out, variant=variant)
                 ref = _reference_sum(x, world)[rank * chunk:(rank + 1) * chunk]
                 nccl = torch.empty(chunk, dtype=dtype, device="cuda")
-                dist.reduce_scatter_tensor(nccl, x)
+                reduce_scatter_into(nccl, x)
                 if torch.isnan(out).any():
                     failures.append(f"{dtype} chunk {chunk} repeat {repeat}: NaN left (unwritten)")
                 error = _rel_error(out, ref)
@@ -109,7 +110,7 @@ def body_all_gather(rank, world, sizes, dtypes, variant):
             else:
                 p2p.all_gather(x, out=out, variant=variant)
             ref = torch.empty(world * chunk, dtype=dtype, device="cuda")
-            dist.all_gather_into_tensor(ref, x)
+            all_gather_into(ref, x)
             if not torch.equal(out, ref):
                 failures.append(f"{variant} {dtype} chunk {chunk}: all_gather differs from NCCL "
                                 f"(NaN left: {bool(torch.isnan(out).any())})")
@@ -139,7 +140,7 @@ def body_all_reduce(rank, world, sizes, dtypes, algorithm, variant):
             # every rank must hold bit-identical results (two-shot gathers one reduced copy)
             if algorithm == "two_shot":
                 gathered = torch.empty((world, numel), dtype=dtype, device="cuda")
-                dist.all_gather_into_tensor(gathered, out)
+                all_gather_into(gathered, out)
                 if not all(torch.equal(gathered[0], gathered[r]) for r in range(world)):
                     failures.append(f"two_shot {variant} {dtype} n {numel}: ranks disagree")
     torch.cuda.synchronize()

@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the one-tensor collectives (the old names warn on every call); 2.11 has only
+# the old ones. One spelling for the whole package, the current one where it exists.
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def reduce_scatter(x: torch.Tensor, group=None, out: torch.Tensor | None = None) -> torch.Tensor:
     world = dist.get_world_size(group)
@@ -14,7 +19,7 @@ def reduce_scatter(x: torch.Tensor, group=None, out: torch.Tensor | None = None)
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] // world, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    reduce_scatter_into(out, x, group=group)
     return out
 
 
@@ -25,7 +30,7 @@ def all_gather(x: torch.Tensor, group=None, out: torch.Tensor | None = None) -> 
         x = x.reshape(1)
     if out is None:
         out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_into(out, x, group=group)
     return out
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..collectives import api
+from ..collectives.fallback import all_gather_into, reduce_scatter_into
 from ..tracing import compiling
 
 __all__ = ["InPlace", "Functional", "IN_PLACE", "FUNCTIONAL", "current", "all_reduce_"]
@@ -43,7 +44,7 @@ class InPlace:
         if program.through_api("all_gather", send, async_op):
             api.run_all_gather(send, program.group, backend=program.ran, out=gathered)
             return gathered, []
-        work = dist.all_gather_into_tensor(gathered, send, group=program.group, async_op=async_op)
+        work = all_gather_into(gathered, send, group=program.group, async_op=async_op)
         return gathered, _handles(work, async_op)
 
     def reduce_scatter(self, program, packed, async_op):
@@ -56,7 +57,7 @@ class InPlace:
         if program.through_api("reduce_scatter", packed, async_op):
             api.run_reduce_scatter(packed, program.group, backend=program.ran, out=reduced)
             return reduced, []
-        work = dist.reduce_scatter_tensor(reduced, packed, op=_op(program.reduce), group=program.group,
+        work = reduce_scatter_into(reduced, packed, op=_op(program.reduce), group=program.group,
                                           async_op=async_op)
         return reduced, _handles(work, async_op)
 
