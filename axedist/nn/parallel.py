@@ -52,6 +52,7 @@ from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
 from ..tracing import compiling
+from .grads import reduce_pending_grads
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
@@ -665,7 +666,7 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
         for sub in module.modules():
             _replicate_own(sub, mesh, shared, src_rank, send_buffers=False)
     module.__dict__["_axedist_mesh"] = mesh
-    return module
+    return reduce_pending_grads(module)
 
 
 def _replicate_own(sub: nn.Module, mesh: DeviceMesh, shared: dict, src_rank, *, send_buffers: bool) -> None:
