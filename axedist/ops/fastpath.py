@@ -202,11 +202,16 @@ class FastPath:
         inputs = {a.untyped_storage().data_ptr() for a in local_args if isinstance(a, torch.Tensor)}
         if again.numel() and again.untyped_storage().data_ptr() in inputs:
             return _SLOW
-        same = again == expected
-        if again.is_floating_point() or again.is_complex():
-            same |= again.isnan() & expected.isnan()
-        if not bool(same.all()):
-            return _SLOW
+        # Values: compared where that costs no device sync (CPU, where the test suite proves every
+        # rule's entries). On a GPU a new scalar (AdamW's bias correction changes every step) would
+        # otherwise stop the host once per call for a check the metadata above already implies:
+        # every step ran the op on the local tensors with nothing moved and no local function.
+        if expected.device.type == "cpu":
+            same = again == expected
+            if again.is_floating_point() or again.is_complex():
+                same |= again.isnan() & expected.isnan()
+            if not bool(same.all()):
+                return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
         return Entry(out.spec, expected.dtype, expected.device, out.stride, out.unsqueeze, defer, tag)
 
