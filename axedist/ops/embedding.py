@@ -111,11 +111,16 @@ def _masked_backward(num_weights: int, out_placements):
     """This rank's vocab rows of the weight grad: only the indices that fall in its rows count."""
 
     def local(call, grad, indices, _num_weights, padding_idx, scale_grad_by_freq):
+        # Indices of other ranks' rows go to one spill row past this rank's, dropped after: no
+        # boolean-mask selection (a device sync and a copy of the selected rows on a GPU). The
+        # spill row's count never reaches the kept rows' (scale_grad_by_freq counts per row).
         start, size = dim_range(num_weights, 0, call.mesh, out_placements, 2)
-        inside = ((indices >= start) & (indices < start + size)).reshape(-1)
-        rows = grad.reshape(-1, grad.shape[-1])[inside]
+        flat = indices.reshape(-1)
+        inside = (flat >= start) & (flat < start + size)
+        spill = torch.where(inside, flat - start, torch.full_like(flat, size))
         local_padding = padding_idx - start if start <= padding_idx < start + size else -1
-        return aten.embedding_dense_backward(rows, indices.reshape(-1)[inside] - start, size, local_padding,
+        rows = aten.embedding_dense_backward(grad.reshape(-1, grad.shape[-1]), spill, size + 1, local_padding,
                                              scale_grad_by_freq)
+        return rows[:size]
 
     return local
