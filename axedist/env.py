@@ -106,6 +106,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "allow the multimem (NVLink SHARP) backend where the device supports multicast"),
     Variable("AXEDIST_PLAN_BACKEND", _choice("auto", "torch", "p2p", "multimem"), "auto, torch, p2p or multimem",
              "auto", "the collectives backend that planned CUDA steps ask for"),
+    Variable("AXEDIST_FUSED_BACKEND", _choice("auto", "torch", "p2p", "multimem"), "auto, torch, p2p or multimem",
+             "auto", "what the layout-driven fused GEMM kernels ask for: the measured tables (auto), the fused "
+             "kernels pinned (p2p), never fused (torch)"),
     Variable("AXEDIST_P2P_ROWS", _positive_int, "an int > 0", None,
              "forces the p2p collectives' tile height (benchmark sweeps)"),
     Variable("AXEDIST_P2P_ROUNDS", _positive_int, "an int > 0", None,

@@ -31,13 +31,13 @@ Nothing here builds a DTensor: callers wrap what these functions return.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
+from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_scatter_axis
 from ..spec import DTensorSpec, placements_of
@@ -61,7 +61,7 @@ _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
-FUSED_BACKEND = os.environ.get("AXEDIST_FUSED_BACKEND", "auto")
+FUSED_BACKEND = read_environment("AXEDIST_FUSED_BACKEND")
 
 
 def fused_gemm_stats() -> dict:
