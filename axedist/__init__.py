@@ -11,6 +11,7 @@ first use, so ``import axedist`` stays fast and never imports torch or Triton.
 
 from importlib import import_module
 
+from .caches import reset
 from .env import EnvironmentVariableError, check_environment
 from .layout import Iter, Layout, LayoutError, direct_sum, tile, tile_quotient
 from .planning import Plan, Step, Transfer
@@ -79,7 +80,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient", "EnvironmentVariableError",
+    "Iter", "Layout", "LayoutError", "direct_sum", "tile", "tile_quotient", "EnvironmentVariableError", "reset",
     "Plan", "Step", "Transfer",
     *_LAZY,
 ]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from . import autograd
+from .caches import memo
 from .env import read as read_environment
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError, as_mesh
@@ -103,7 +104,7 @@ def _gather_texts(mesh: DeviceMesh, text: str) -> dict[int, str]:
 
 # (id(mesh), placements, local shape, dtype) every rank of the mesh agreed on -> the mesh (kept
 # alive, so its id stays its own; hashing a mesh costs microseconds)
-_AGREED_LOCALS: dict = {}
+_AGREED_LOCALS: dict = memo("dtensor agreed local shapes")
 
 
 def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, failure) -> None:

@@ -22,6 +22,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from .caches import memo
+
 __all__ = ["EnvironmentVariableError", "Variable", "VARIABLES", "read", "check_environment", "MULTICAST_OFF",
            "keep_multicast_off"]
 
@@ -120,7 +122,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "tests: skip (visibly) the Triton tests when Triton is missing"),
 )}
 
-_PARSED: dict[tuple[str, str], object] = {}  # (name, text) -> value: a reader on a hot path parses once
+# (name, text) -> value: a reader on a hot path parses once
+_PARSED: dict[tuple[str, str], object] = memo("env parsed values")
 
 
 def read(name: str):

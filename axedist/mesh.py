@@ -37,6 +37,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .caches import memo
 from .env import read as read_environment
 from .peers import DEFAULT_TIMEOUT_S, choose_timeout, collective_timeout_s
 from .tracing import keep_on_copy
@@ -54,7 +55,7 @@ _GROUP_TOPOLOGY: dict[int, tuple] = {}
 # The job's found topology, gathered once: (id of the world group, world size) -> Topology.
 _FOUND: dict[tuple, Topology] = {}
 # torch meshes converted: (device type, ranks, shape, axis names) -> DeviceMesh.
-_FROM_TORCH: dict[tuple, "DeviceMesh"] = {}
+_FROM_TORCH: dict[tuple, "DeviceMesh"] = memo("mesh from torch")
 # (axis, mesh ranks, topology) already warned about: each once per process.
 _WARNED: set = set()
 

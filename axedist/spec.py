@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .caches import cached
 from .layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
 from .mesh import DeviceMesh
 from .tracing import keep_on_copy, outside_tracing
@@ -156,7 +156,7 @@ def make_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true
         return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
 
 
-@lru_cache(maxsize=8192)
+@cached(maxsize=8192)
 @outside_tracing
 def _interned_spec(mesh, layout, shape, padded, reduce_op, summands, true_index) -> DTensorSpec:
     return _new_spec(mesh, layout, shape, padded, reduce_op, summands, true_index)
@@ -244,7 +244,7 @@ class ElementTable:
     local_shapes: tuple[tuple[int, ...], ...]
 
 
-@lru_cache(maxsize=256)
+@cached(maxsize=256)
 @outside_tracing
 def element_table(spec: DTensorSpec) -> ElementTable:
     """Evaluate the layout on every element at once (``shard_coordinates`` on an arange)."""
@@ -348,7 +348,7 @@ def target_spec(spec: DTensorSpec, target, padded, reduce_op) -> DTensorSpec:
     return spec_for_layout(spec.mesh, target, spec.shape, padded, reduce_op, dims_include_summands=False)
 
 
-@lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 @outside_tracing
 def _placement_target(shape, mesh, placements, summands) -> DTensorSpec:
     """Placements -> spec, cached: a redistribute call names its target anew each time."""

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "axedist"
 LAYERS = [
     (0, "axedist.layout"),
     (0, "axedist.env"),  # the AXEDIST_* variables, parsed and checked once (no torch)
+    (0, "axedist.caches"),  # the registry of every memo: axedist.reset() clears them all
     (0, "axedist.tracing"),  # torch.compile facts and metadata work outside a trace: torch only
     (0, "axedist.placements"),  # torch's placement classes, re-exported
     (1, "axedist.mesh"),
@@ -23,6 +24,7 @@ LAYERS = [
     (1, "axedist.topology"),  # hosts and links: pure records the mesh builds and planning reads
     (2, "axedist.spec"),
     (3, "axedist.planning"),
+    (3, "axedist.layout_inference"),  # the front door of planning, by the design's name
     (4, "axedist.kernels"),
     (5, "axedist.collectives"),
     (6, "axedist.runtime"),
@@ -229,3 +231,98 @@ def test_module_attributes_exist(path):
                     not (PACKAGE.parent / f"{target.replace('.', '/')}/{name}.py").exists():
                 missing.append(f"line {line}: from {target} import {name} ({target} has no {name!r})")
     assert not missing, "\n".join(missing)
+
+
+# Module-level mutable containers that are state, not memos (reset() must not clear them), each
+# with the reason; every other module-level dict/list/set is made through axedist.caches.
+STATE = {
+    "axedist.caches": {"_CLEARERS": "the registry itself"},
+    "axedist.runtime.carriers": {"_WARM": "groups whose NCCL communicator was warmed by a barrier"},
+    "axedist.runtime.deferred": {"OUTSTANDING": "deferred work not yet consumed",
+                                 "_PLACEHOLDERS": "placeholders of deferred results, by storage",
+                                 "_STATS": "counts of what the deferred GEMMs did (fused_gemm_stats)",
+                                 "_GATHER_POLICY": "the deferred-gather policy (defer_gathers)"},
+    "axedist.runtime.executor": {"_RECORDS": "the stack of open record() blocks"},
+    "axedist.ops.fastpath": {"_EMPTY": "an empty kwargs dict, never written"},
+    "axedist.ops.state": {"RECORDING": "the stack of fast-path recorders"},
+    "axedist.ops.registry": {"RULES": "the sharding rules' registry"},
+    "axedist.nn.fsdp": {"_RUNNING": "the FSDP schedules of the running backward"},
+    "axedist.collectives.symmetric": {"_workspaces": "symmetric memory, freed collectively (collectives.reset)",
+                                      "_retired": "retired workspaces peers may still read"},
+    "axedist.mesh": {"_GROUPS": "process groups, created collectively", "_GROUP_TOPOLOGY": "hosts found collectively",
+                     "_FOUND": "topologies found collectively", "_WARNED": "warn-once state"},
+    "axedist.dtensor": {"_NODES": "the traced graph nodes of to_local / from_local"},
+    "axedist.peers": {"_CHOSEN": "the timeout init_mesh was given", "_FAILURES": "failures this rank reported",
+                      "_SEQUENCE": "agreement counters, in step on every rank"},
+    "axedist.testing.ranks": {"_POOLS": "running rank pools", "_FRESH": "the forkserver context"},
+}
+_MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary",
+                  "WeakSet", "deque"}
+_MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "insert", "remove",
+             "discard", "__setitem__"}
+
+
+def _written(tree: ast.Module) -> set[str]:
+    """Names the module writes into (``x[k] = v``, ``x.append(...)``, ``del x[k]``, ...) anywhere."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) \
+                and isinstance(node.value, ast.Name):
+            names.add(node.value.id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name):
+            names.add(node.func.value.id)
+    return names
+
+
+def _module_level_memos(tree: ast.Module):
+    """Module-level mutable containers the module writes into, and module-level lru_cache uses."""
+    written = _written(tree)
+    registered = {ast.unparse(node.value.args[1]).removesuffix(".clear") for node in tree.body
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+                  and ast.unparse(node.value.func).endswith("register") and len(node.value.args) == 2}
+    written -= registered  # caches.register(name, X.clear): registered by hand
+    for node in tree.body:
+        targets, value = [], None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        if value is not None:
+            call = value.func.attr if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) else (
+                value.func.id if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) else None)
+            if isinstance(value, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) \
+                    or call in _MUTABLE_CALLS:
+                for target in targets:
+                    if isinstance(target, ast.Name) and target.id in written:
+                        yield "container", target.id, node.lineno
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for decorator in node.decorator_list:
+                text = ast.unparse(decorator)
+                if "lru_cache" in text or text in ("functools.cache", "cache"):
+                    yield "lru_cache", node.name, node.lineno
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_memos_are_registered(path):
+    """No module-level memo outside the registry that axedist.reset() clears (axedist/caches.py):
+    lru_caches are ``caches.cached``, dict caches ``caches.memo``; what stays is named state."""
+    here = module_name(path)
+    allowed = STATE.get(here, {})
+    bad = [f"line {line}: {kind} {name}" for kind, name, line in _module_level_memos(ast.parse(path.read_text()))
+           if not (kind == "container" and name in allowed)]
+    assert not bad, f"{here}: module-level memos outside axedist.caches (make them caches.cached / caches.memo, " \
+                    f"or name them as state in STATE with the reason): {bad}"
+
+
+def test_reset_clears_every_registered_memo():
+    """axedist.reset() empties the planning and spec memos and the dispatcher's caches."""
+    import axedist
+    from axedist import caches
+    from axedist.dtensor import DTensor
+
+    assert "ops.dispatcher of DTensor" in caches.names() and "axedist.spec._interned_spec" in caches.names()
+    DTensor.dispatcher.plans["probe"] = None
+    DTensor.dispatcher.fastpath.cache["probe"] = None
+    axedist.reset()
+    assert "probe" not in DTensor.dispatcher.plans and "probe" not in DTensor.dispatcher.fastpath.cache

@@ -14,7 +14,6 @@ Without a measurement that beats NCCL, "auto" keeps torch (NCCL).
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 
+from ..caches import cached, memo
 from ..env import read as read_environment
 from ..mesh import group_hosts
 from ..tracing import compiling
@@ -71,7 +71,7 @@ def query_multicast_attribute(device_index: int) -> bool:
     return int(error) == 0 and int(value) == 1
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def device_supports_multicast(device_index: int) -> bool:
     return query_multicast_attribute(device_index)
 
@@ -129,7 +129,7 @@ def measured_choice(op: str, nbytes: int) -> str:
     return MEASURED_CHOICE[op][-1][1]
 
 
-_possible: dict[tuple, tuple[bool, str]] = {}
+_possible: dict[tuple, tuple[bool, str]] = memo("collectives.backend p2p possible")
 
 
 def p2p_possible(tensor: torch.Tensor, group) -> tuple[bool, str]:

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
 from .backend import group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
@@ -217,7 +218,7 @@ class FusedCall:
         return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out
 
 
-_calls: dict[tuple, FusedCall] = {}
+_calls: dict[tuple, FusedCall] = memo("collectives.fused calls")
 
 
 def _fused_call(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,

@@ -22,6 +22,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
 from .backend import TUNED, group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
@@ -228,7 +229,7 @@ class AllGatherGemmCall:
         return out.view(self.world * lead[0], *lead[1:], ops.n) if len(lead) > 1 else out
 
 
-_calls: dict[tuple, object] = {}
+_calls: dict[tuple, object] = memo("collectives.fused_tp calls")
 
 
 def _cached_call(kind, a, b, group, extra, backend, make, shared: str):

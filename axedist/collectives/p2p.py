@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..caches import memo
 from ..env import read as read_environment
 from .backend import TUNED
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
@@ -303,7 +304,7 @@ class CallPlan:
                                        int(timeout * 1e9), *static))
 
 
-_plans: dict[tuple, CallPlan] = {}
+_plans: dict[tuple, CallPlan] = memo("collectives.p2p plans")
 
 
 def cached_plans() -> dict[tuple, CallPlan]:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..caches import memo
 from .launch import CompiledLaunch, multiprocessors
 
 
@@ -378,7 +379,7 @@ class CoreLaunch:
                                      [self.sum_static[0], c.data_ptr(), *self.sum_static[1:]])
 
 
-_launches: dict[tuple, CoreLaunch] = {}
+_launches: dict[tuple, CoreLaunch] = memo("kernels.gemm launches")
 
 
 def cached_launches() -> int:

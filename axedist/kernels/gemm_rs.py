@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import schedule
+from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
 from .launch import CompiledLaunch, multiprocessors
 from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
@@ -417,7 +418,7 @@ def prepare_operands(a: torch.Tensor, b: torch.Tensor) -> _Operands:
     return _Operands(a, b, False, m, n, k)
 
 
-_descriptor_cache: dict[tuple, object] = {}
+_descriptor_cache: dict[tuple, object] = memo("kernels.gemm_rs descriptors")
 
 
 def descriptor(t: torch.Tensor, block: list[int], cached: bool):
@@ -454,7 +455,7 @@ def operand_strides(ops: _Operands) -> tuple[int, int, int, int]:
     return ops.a.stride(0), ops.a.stride(1), ops.b.stride(0), ops.b.stride(1)
 
 
-_gemm_only_states: dict[int, torch.Tensor] = {}
+_gemm_only_states: dict[int, torch.Tensor] = memo("kernels.gemm_rs gemm-only states")
 
 
 def gemm_only_state(device: torch.device) -> torch.Tensor:
@@ -469,8 +470,8 @@ def gemm_only_state(device: torch.device) -> torch.Tensor:
 
 # compiled kernel per specialization (see specialization_key): after the first call of a shape,
 # launches go straight to Triton's C launcher, skipping its per-call argument binding
-_launches: dict[tuple, object] = {}
-_push_descriptor_cache: dict[tuple, tuple] = {}
+_launches: dict[tuple, object] = memo("kernels.gemm_rs launches")
+_push_descriptor_cache: dict[tuple, tuple] = memo("kernels.gemm_rs push descriptors")
 
 
 def cached_launches() -> int:

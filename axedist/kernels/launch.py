@@ -23,13 +23,14 @@ launcher.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
 
+from ..caches import cached
 
-@functools.lru_cache(maxsize=None)
+
+@cached(maxsize=None)
 def multiprocessors(device_index: int) -> int:
     """SMs of a CUDA device (the persistent kernels' grid bound), asked once per device."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count

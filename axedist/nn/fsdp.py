@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..caches import cached, memo
 from ..dtensor import DTensor
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
 from ..mesh import DeviceMesh, MeshError, as_mesh, init_mesh
@@ -755,7 +756,7 @@ def _finish_backward(schedule: _Schedule) -> None:
     schedule.callback_queued = False
 
 
-_SIDE_STREAMS: dict = {}
+_SIDE_STREAMS: dict = memo("nn.fsdp side streams")
 
 
 def _side_stream(kind: str):
@@ -832,13 +833,13 @@ class FSDPModule:
         """Accepted: every backward here ends with its gradients reduced."""
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def _warn_once(text: str) -> None:
     import warnings
     warnings.warn(text, stacklevel=3)
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def _fsdp_class(cls: type) -> type:
     """``FSDP<cls>``: ``cls`` with ``FSDPModule``'s calls, made once per class (as torch's)."""
     return type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})

@@ -10,11 +10,11 @@ shapes gives the global output shape), and the routes the dispatcher may take on
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
+from ..caches import cached
 from ..layout import Layout
 from ..spec import DTensorSpec
 from ..tracing import outside_tracing
@@ -53,7 +53,7 @@ class OpInfo:
         self.foreach = foreach
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def op_info(func) -> OpInfo:
     schema = func._schema
     written_at = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
@@ -68,7 +68,7 @@ FOREACH_INFO = OpInfo(False, (), (), True)
 FOREACH_WRITE = OpInfo(False, (), (0,), True)
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def functional_of(func):
     """The overload of ``func``'s packet with the same non-out arguments and no writes
     (``add.out`` -> ``add.Tensor``), or None."""
@@ -85,12 +85,12 @@ def functional_of(func):
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def decomposable(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-@functools.lru_cache(maxsize=None)
+@cached(maxsize=None)
 def writes_first(func) -> bool:
     a = func._schema.arguments[0]
     return a.alias_info is not None and a.alias_info.is_write

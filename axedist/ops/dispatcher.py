@@ -18,13 +18,13 @@ gather fallback of ops with no rule.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import warnings
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
 
+from ..caches import cached, register
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import (OUTSTANDING, defer, defer_sum, flush, fused_gather_product, pending_gather,
@@ -68,7 +68,7 @@ class Tag:
         return f"Tag({self.number}: {self.spec})"
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(maxsize=4096)
 def _contiguous(shape) -> tuple:
     return tuple(make_contiguous_strides_for(shape)) if shape else ()
 
@@ -93,6 +93,7 @@ class OpDispatcher:
         self._defer_gemm = "auto"
         self.fastpath = FastPath(self)
         self.torch_dispatch = _torch_dispatch_handler(self.dispatch)
+        register(f"ops.dispatcher of {cls.__name__}", self.clear_caches)
 
     # -- public controls -----------------------------------------------------------
 
@@ -110,10 +111,11 @@ class OpDispatcher:
         self._defer_gemm = value
 
     def clear_caches(self) -> None:
-        """Forget cached plans (rules are re-run on next use)."""
+        """Forget cached plans and fast-path entries (rules are re-run on next use)."""
         self.plans.clear()
         self.fast_plans.clear()
         self.arg_specs.clear()
+        self.fastpath.clear()
 
     def cache_info(self) -> dict:
         """Counts of cached-plan hits and misses and of fallback runs (for tests and benchmarks)."""

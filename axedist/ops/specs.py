@@ -7,20 +7,20 @@ shape, and this rank's local shape under a spec.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
 __all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none"]
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(maxsize=4096)
 def spec_of(shape: tuple, mesh, target, summands: int | None = None):
     """The spec of placements (a tuple) or of a Layout for a global shape."""
     if isinstance(target, Layout):
@@ -28,7 +28,7 @@ def spec_of(shape: tuple, mesh, target, summands: int | None = None):
     return spec_from_placements(shape, mesh, tuple(target), summands_for_partial=summands)
 
 
-@functools.lru_cache(maxsize=4096)
+@cached(maxsize=4096)
 def expected_local_shape(spec, placements) -> tuple[int, ...]:
     """This rank's local shape under ``spec`` (placements, when known, avoid the element table)."""
     mesh = spec.mesh

@@ -6,11 +6,11 @@ shapes) a chain can balance what each device sends, so the caller picks by its o
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import Sequence
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
 from .classify import Context, mark_all_reduce, replace_step
 from .derive import plan_layouts, staged_reduction
@@ -76,7 +76,7 @@ def _replicas_on(layout: Layout, axis: str) -> list:
     return sorted((it.extent, it.stride) for it in layout.canonicalize().replica if it.axis == axis)
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _axis_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -> tuple[Plan, ...]:
     """One plan per order of the mesh axes the copy changes, one step per axis (as torch's
     DTensor goes placement by placement).
@@ -143,7 +143,7 @@ def _valid(layout: Layout, mesh: Mesh, size: int) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _gather_orders(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int) -> tuple[Plan, ...]:
     """One plan per order of the mesh axes the copy gathers from, one all-gather per axis."""
     canon_src, canon_dst = src.canonicalize(), dst.canonicalize()

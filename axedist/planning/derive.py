@@ -14,10 +14,10 @@ element-level fallback.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Sequence
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError
 from ..spec import REDUCE_OPS
 from .classify import Context, mark_all_reduce
@@ -72,7 +72,7 @@ def staged_reduction(src: Layout, dst: Layout, mesh, shape: Sequence[int], items
                           tuple(inter_node))
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def _plan_cached(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int, partial) -> Plan:
     size = math.prod(shape)
     if partial is not None and (size == 0 or src.size % size):
@@ -136,7 +136,7 @@ def _reduce_steps(summand_digits, digits, src: Layout, dst: Layout, context: Con
     return steps
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _staged_cached(src: Layout, dst: Layout, mesh: Mesh, shape, itemsize: int, partial, inter_node) -> Plan | None:
     size = math.prod(shape)
     canon_src, canon_dst = src.canonicalize(), dst.canonicalize()

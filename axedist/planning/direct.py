@@ -6,11 +6,11 @@ from its nearest holder straight into place; padding is never planned, so never 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from typing import NamedTuple, Sequence
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from .classify import Context, make_step, mark_all_reduce, replace_step
 from .derive import check_options
@@ -71,7 +71,7 @@ class TermRun(NamedTuple):
     length: int
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def _plan_direct_cached(src, src_shape, src_rows, dst, dst_shape, dst_rows, mesh: Mesh, itemsize, partial) -> Plan:
     lead = 1 if partial is not None else 0
     _check_rows(src_shape, src_rows, dst_shape, dst_rows, lead)

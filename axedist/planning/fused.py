@@ -9,12 +9,12 @@ the operands are known.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..caches import cached
 from ..layout import LayoutError
 from ..spec import DTensorSpec, placements_of
 
@@ -35,7 +35,7 @@ class FusedStep:
     products: int = 1       # products summed (several: one GEMM over their operands concatenated along K)
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     """The mesh axis when ``src -> dst`` reduce-scatters dim 0 of a pending sum of 2 or more
     dims over one mesh axis (every other axis kept, none of them splitting dim 0, dim 0 even):
@@ -66,7 +66,7 @@ def row_scatter_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     return src.mesh.axis_names[i]
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def all_reduce_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     """The mesh axis when ``src -> dst`` all-reduces a pending sum of 2 or more dims over one
     mesh axis (every other axis kept), the move a fused GEMM + all-reduce can do.
@@ -88,7 +88,7 @@ def all_reduce_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     return src.mesh.axis_names[partial[0]]
 
 
-@functools.lru_cache(maxsize=1024)
+@cached(maxsize=1024)
 def row_gather_axis(src: DTensorSpec, dst: DTensorSpec) -> str | None:
     """The mesh axis when ``src -> dst`` all-gathers dim 0 of a tensor of 2 or more dims over
     one mesh axis (every other axis kept, none of them splitting dim 0, dim 0 even): for a

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from .plans import buffer_size
 from .steps import Transfer
@@ -261,7 +262,7 @@ def dim_placements(layout: Layout, full, mesh):
     return device0, shifts, local_padded, per_dim
 
 
-@functools.lru_cache(maxsize=32)
+@cached(maxsize=32)
 def holdings_per_dim(layout: Layout, full, rows, mesh) -> Holdings | None:
     """``Holdings`` from each dim's own indices, or None where a position is not one product of
     per-dim index sets (two choices of per-dim device terms, or of replica points, land on it)
@@ -320,7 +321,7 @@ def _spread(terms, ndim: int) -> torch.Tensor:
     return total.reshape(-1)
 
 
-@functools.lru_cache(maxsize=4)  # O(elements) each: few
+@cached(maxsize=4)  # O(elements) each: few
 def holdings_everywhere(layout: Layout, full, rows, mesh) -> Holdings:
     """``Holdings`` from every element: each dim's iters give it a device term and an ``m`` term;
     the real elements' slots are their sums over a grid of the real rows (O(elements))."""

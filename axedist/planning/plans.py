@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from ..topology import Network
 from .classify import Context, make_step, mark_all_reduce, replace_step
@@ -28,7 +29,7 @@ from .steps import Device, Mesh, Step, Transfer
 __all__ = ["Plan", "buffer_size", "devices", "step_cost", "sent_per_device"]
 
 
-@functools.lru_cache(maxsize=256)
+@cached(maxsize=256)
 def devices(mesh: Mesh) -> tuple[Device, ...]:
     """Every device of ``mesh``, row-major: ``devices((("x", 2), ("y", 2)))`` -> ``((0,0),(0,1),(1,0),(1,1))``."""
     return tuple(itertools.product(*(range(n) for _, n in mesh)))

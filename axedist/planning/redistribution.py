@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from ..caches import cached
 from ..layout import LayoutError
 from ..spec import DTensorSpec
 from ..tracing import outside_tracing
@@ -164,7 +165,7 @@ def clear_plan_cache() -> None:
     _route.cache_clear()
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512)
 @outside_tracing
 def _route(src: DTensorSpec, dst: DTensorSpec, itemsize: int, elementwise: bool) -> Redistribution:
     if src.mesh != dst.mesh or src.shape != dst.shape:

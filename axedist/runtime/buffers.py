@@ -6,18 +6,18 @@ the buffer ``[6., 0.]``; the slot after it is padding, never sent and never read
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
+from ..caches import cached
 from ..planning.repad import Side
 from ..tracing import outside_tracing, traced_constant
 
 __all__ = ["to_buffer", "from_buffer", "position_index"]
 
 
-@functools.lru_cache(maxsize=512)
+@cached(maxsize=512)
 @outside_tracing
 def position_index(side: Side, position: int, dim: int, device: torch.device) -> torch.Tensor:
     """The local rows of ``side``'s true rows along ``dim`` at mesh ``position``, as an index

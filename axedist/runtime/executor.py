@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..caches import memo, register
 from ..layout import LayoutError
 from ..peers import agree, is_peer_failure, peer_error
 from ..planning import Plan, buffer_size
@@ -113,8 +114,9 @@ class _Program:
             i += program.covers
 
 
-_PROGRAMS: OrderedDict = OrderedDict()
+_PROGRAMS: OrderedDict = OrderedDict()  # plan -> this rank's compiled programs, least recently used first
 _PROGRAM_LIMIT = 512
+register("runtime.executor programs", _PROGRAMS.clear)
 
 
 def _context(plan: Plan, mesh) -> RankContext:
@@ -339,9 +341,9 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     return run_route(route, local, async_op)
 
 
-_AGREED: set = set()        # (src, dst, item size) of every route this rank's mesh agreed on
-_AGREED_ROUTES: dict = {}   # id(route) -> route: the fast answer for route objects seen (kept alive, ids unique)
-_STAYS: dict = {}           # id(spec) -> spec: the fast answer for "no move" (a spec to itself)
+_AGREED: dict = memo("runtime.executor agreed moves")  # (src, dst, item size) -> True: moves this rank's mesh agreed on
+_AGREED_ROUTES: dict = memo("runtime.executor agreed routes")   # id(route) -> route: the fast answer for route objects seen (kept alive, ids unique)
+_STAYS: dict = memo("runtime.executor stays")           # id(spec) -> spec: the fast answer for "no move" (a spec to itself)
 
 
 def agree_on_move(src, dst, itemsize: int) -> None:
@@ -357,7 +359,7 @@ def agree_on_move(src, dst, itemsize: int) -> None:
     if key not in _AGREED:
         agree(src.mesh.ranks, "redistribute",
               f"{src.canonical_text()} -> {dst.canonical_text()}, {itemsize}-byte elements")
-        _AGREED.add(key)
+        _AGREED[key] = True
     if src is dst:
         if len(_STAYS) > 4096:
             _STAYS.clear()
