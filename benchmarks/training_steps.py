@@ -123,9 +123,10 @@ def memory_estimate(cfg: LlamaConfig, batch: int, tp: int, shards: int = 1, para
     logits and loss per token = vocab / tp x (compute_bytes + 3 x 4) (logits, fp32 log-softmax,
     its gradient, a temporary); backward working set per token = dim + dim / tp + 2 x ffn / tp
     (the gradients alive at once in an MLP's backward: of its gathered input, of its input
-    shard, of w1's and w3's outputs); with FSDP two blocks' gathered parameters. Against issue
-    27's anchor (torch, TP=4, dim 4096, 2 layers, 16 x 4096 tokens): 12.2 GiB estimated, 12.2 GiB
-    measured."""
+    shard, of w1's and w3's outputs); with FSDP two blocks' gathered parameters. Issue 27's
+    anchor (torch, TP=4, dim 4096, 2 layers, 16 x 4096 tokens): 12.3 GiB estimated, 12.2 GiB
+    measured; it is the one measurement so far, and the working-set term was written after
+    seeing it (counting a whole layer there gave 14.5 GiB), so treat the estimate as +-20%."""
     params = matmul_params(cfg) + cfg.vocab_size * cfg.dim + (2 * cfg.n_layers + 1) * cfg.dim
     state = params * 4 * param_bytes / (tp * shards)
     tokens = batch * cfg.max_seq_len
