@@ -52,8 +52,8 @@ from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config, goals,
-                            markdown_tables, memory_estimate, describe_estimate, model_flops, peak_flops,
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
+                            describe_estimate, goals, markdown_tables, memory_estimate, model_flops, peak_flops,
                             preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check, side_stats,
                             write_results)
 
@@ -199,7 +199,7 @@ def main(argv=None) -> None:
         "interleaved timed steps")
     failed = {}
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
-    profile = profile_sides(sides, data[-1], cuda) if args.profile else None
+    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
 
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     ratio_rows(stats, lambda name: "axedist compiled" if "compiled" in name else "axedist")

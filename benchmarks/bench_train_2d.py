@@ -49,7 +49,7 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 # beside this script
 from history import run_meta
 from training_steps import (FLOPS_FORMULA, PRESETS, Side, check_config, describe_estimate, goals, markdown_tables,
-                            measured_step, memory_estimate, model_flops, peak_flops, preset_config, profile_sides,
+                            memory_estimate, model_flops, peak_flops, preset_config, profile_sides,
                             ratio_rows, run_interleaved, run_loss_check, side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
@@ -206,7 +206,7 @@ def main(argv=None) -> None:
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
     sides, order = run_interleaved(make_sides(cfg, mesh, policy), data, args.warmup, args.steps, cuda, say, failed)
-    profile = profile_sides(sides, data[-1], cuda) if args.profile else None
+    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))

@@ -197,6 +197,7 @@ class Side:
     warmup_ms: list = dataclasses.field(default_factory=list)
     times_ms: list = dataclasses.field(default_factory=list)
     peaks: list = dataclasses.field(default_factory=list)      # resident + the step's peak, max over ranks
+    raw_peaks: list = dataclasses.field(default_factory=list)  # max_memory_allocated as read, max over ranks
     losses: list = dataclasses.field(default_factory=list)
     graphs_after_warmup: int | None = None
 
@@ -207,8 +208,9 @@ def allocated(cuda: bool) -> int:
 
 def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0):
     """``step(tokens)`` between synchronised starts (all ranks, the device): its result, the
-    slowest rank's wall milliseconds, and the largest ``resident`` + peak allocated bytes during
-    the step over the bytes allocated before it, over ranks (None on CPU)."""
+    slowest rank's wall milliseconds, and two peaks, max over ranks (None on CPU): the side's
+    own, ``resident`` + the rise of allocated bytes during the step over those before it, and
+    the process's ``torch.cuda.max_memory_allocated`` as read (every resident side's bytes)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -219,11 +221,13 @@ def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0):
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - begin
-    peak = resident + torch.cuda.max_memory_allocated() - before if cuda else 0
-    both = torch.tensor([elapsed, float(peak)], dtype=torch.float64,
-                        device="cuda" if cuda else "cpu")
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return out, float(both[0]) * 1e3, (int(both[1]) if cuda else None)
+    raw = torch.cuda.max_memory_allocated() if cuda else 0
+    measured = torch.tensor([elapsed, float(resident + raw - before), float(raw)], dtype=torch.float64,
+                            device="cuda" if cuda else "cpu")
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    if not cuda:
+        return out, float(measured[0]) * 1e3, None, None
+    return out, float(measured[0]) * 1e3, int(measured[1]), int(measured[2])
 
 
 def agree(ok: bool, cuda: bool) -> bool:
@@ -277,7 +281,7 @@ def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, fai
         error = ""
         try:
             for i in range(warmup):
-                loss, ms, _ = measured_step(side.step, data[i], cuda, side.resident_bytes)
+                loss, ms, _, _ = measured_step(side.step, data[i], cuda, side.resident_bytes)
                 side.losses.append(side.loss_value(loss))
                 side.warmup_ms.append(ms)
                 say(f"  warm-up {side.name} {i + 1}/{warmup}: {ms:.1f} ms" +
@@ -305,10 +309,11 @@ def run_interleaved(sides: list[Side], data, warmup: int, steps: int, cuda: bool
     order = []
     for i in range(steps):
         for side in sides:
-            loss, ms, peak = measured_step(side.step, data[warmup + i], cuda, side.resident_bytes)
+            loss, ms, peak, raw = measured_step(side.step, data[warmup + i], cuda, side.resident_bytes)
             side.losses.append(side.loss_value(loss))
             side.times_ms.append(ms)
             side.peaks.append(peak)
+            side.raw_peaks.append(raw)
             order.append([i, side.name])
         if (i + 1) % 5 == 0 or i + 1 == steps:
             say(f"  timed step {i + 1}/{steps}: medians so far " +
@@ -337,6 +342,7 @@ def side_stats(side: Side, flops_per_step: float, world: int, peak: float | None
             "p10_ms": percentile(side.times_ms, 10), "p90_ms": percentile(side.times_ms, 90),
             "times_ms": side.times_ms, "warmup_ms": side.warmup_ms, "mfu": mfu,
             "peak_bytes": max(peaks) if peaks else None, "resident_bytes": side.resident_bytes if peaks else None,
+            "process_peak_bytes": max(side.raw_peaks) if peaks else None,
             "losses": side.losses,
             "graphs_compiled": side.compiler.graphs if side.compiler else None,
             "recompiles_in_timed_steps": (side.compiler.graphs - side.graphs_after_warmup) if side.compiler else None}
@@ -363,7 +369,7 @@ def run_loss_check(sides: list[Side], data, steps: int, cuda: bool, tol: float, 
     A side that fails (on any rank) fails the check and is recorded with its error."""
     losses, errors = {}, {}
     for side in sides:
-        error = ""
+        error, begin = "", time.perf_counter()
         try:
             step = side.make()
             values = [side.loss_value(step(data[i])) for i in range(steps)]
@@ -373,6 +379,7 @@ def run_loss_check(sides: list[Side], data, steps: int, cuda: bool, tol: float, 
         gc.collect()
         if agree(not error, cuda):
             losses[side.name] = values
+            say(f"  fp32 check {side.name}: {steps} steps in {time.perf_counter() - begin:.1f} s")
         else:
             errors[side.name] = error or "failed on another rank"
             say(f"  fp32 check of {side.name} FAILED: {errors[side.name][:400]}")
@@ -392,7 +399,7 @@ def run_loss_check(sides: list[Side], data, steps: int, cuda: bool, tol: float, 
     return result
 
 
-def profile_sides(sides: list[Side], tokens, cuda: bool, top: int = 15) -> dict:
+def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int = 15) -> dict:
     """One more step of every side under ``torch.profiler`` (CUDA activity on CUDA); rank 0's
     summary per side: total device busy time (the union of kernel intervals over all streams),
     the sum of kernel times (above busy time where kernels overlap, e.g. NCCL beside GEMMs), and
@@ -406,9 +413,10 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, top: int = 15) -> dict:
         error = ""
         try:
             with profile(activities=activities) as prof:
-                _, ms, _ = measured_step(side.step, tokens, cuda)
+                _, ms, _, _ = measured_step(side.step, tokens, cuda)
             if dist.get_rank() == 0:
                 out[side.name] = dict(profile_summary(prof.events(), cuda, top), step_ms=ms)
+                say(f"  profiled {side.name}: step {ms:.1f} ms, busy {out[side.name]['busy_ms']:.1f} ms")
             del prof
         except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timings
             error = f"{type(e).__name__}: {e}"
@@ -499,7 +507,8 @@ def markdown_tables(record: dict) -> str:
              + (f"{record['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s bf16 dense per GPU" if record["peak_flops_per_gpu"]
                 else "unknown for this device (n/a)") + ". Peak GiB: the side's resident bytes (its parameters, "
              "gradients, optimizer state and caches, measured when it was built and warmed up) plus the largest "
-             "rise of `torch.cuda.max_memory_allocated` over one step, max over steps and ranks; symmetric-memory "
+             "rise of `torch.cuda.max_memory_allocated` over one step, max over steps and ranks (the JSON's "
+             "`process_peak_bytes`: the value as read, with every side's resident bytes); symmetric-memory "
              "workspaces are outside the caching allocator and not counted. time / axedist's: the side's median "
              "over axedist's of the same mode (above 1: axedist is faster).\n\n")
     for name, error in (record.get("failed") or {}).items():
