@@ -562,6 +562,7 @@ def plot(path: str, record: dict, title: str) -> bool:
                     (bar.get_x() + bar.get_width() / 2, record["sides"][n]["max_ms"]), ha="center", va="bottom",
                     fontsize=8, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(names)), [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+    ax.margins(y=0.15)  # room for the labels above the tallest bar
     ax.set_ylabel("step time (ms), median; bars: min - max")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
