@@ -1,34 +1,42 @@
 """Training-step time: the axedist-parallelized Llama vs the same model under torch's TP.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py                            # CPU, gloo
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --out benchmarks/results   # 4 GPUs, NCCL, bf16
-    torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --compile   # + both sides torch.compile'd
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --steps 3 --warmup 1          # CPU, gloo, small
+    torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile \\
+        --out benchmarks/results                                 # the GPU-bound run of issue 27 (~4 min)
 
 Both sides build the same ``Llama`` from the same seed and train on the same batches with
 AdamW: axedist with ``parallelize(model, mesh, llama_tp_plan(cfg))`` (axedist DTensors, fused
 GEMM + reduce-scatter on CUDA), torch with ``parallelize_module`` and the equal plan of torch
-styles (torch DTensors, ``loss_parallel``). Both use sequence parallelism unless
-``--no-sequence-parallel``. A step is forward + backward + optimizer step; the time of a step
-is the slowest rank's; the table gives the median of ``--steps`` steps after ``--warmup``. The
-first losses of both sides are printed side by side (they must agree: same model, same data).
-With ``--compile`` (backend Inductor by default) the same models also run with every
-transformer block ``torch.compile``'d: axedist's (whole graphs: functional collectives, its
-fused kernels as custom ops), torch's, and on CUDA torch's with its async-TP pass
-(``torch._inductor.config._micro_pipeline_tp``: its fused all-gather / reduce-scatter matmuls).
-Compilation happens in the warm-up steps. Writes ``bench_tp_<device>_w<W>[_compiled].json``
-and ``.md`` to ``--out``.
+styles (torch DTensors, ``loss_parallel``). TP + SP unless ``--no-sequence-parallel``; bf16 on
+CUDA, fp32 on CPU. A step is forward + backward + optimizer step; its time is the slowest rank's.
+
+Sizes: ``--preset default`` (CUDA: dim 2048, 4 layers, 8 x 1024 tokens, host-bound on H100/H200)
+or ``--preset llama8b`` (Llama-3-8B layers: dim 4096, 32 heads, 8 KV heads, FFN 14336; 4 layers,
+vocab 16384, 8 x 4096 tokens; GPU-bound; its memory estimate is in ``training_steps.py``);
+``--dim/--layers/--seq/--batch/--vocab/--ffn`` override either.
+
+With ``--compile`` (Inductor by default) three more sides run every transformer block
+``torch.compile``'d: axedist (whole graphs), torch, and on CUDA torch with its async-TP pass
+(``_micro_pipeline_tp``, symmetric memory on the TP group). Each compiled side has its own
+backend object, so each compiles under its own settings and keeps its graphs (no
+``torch._dynamo.reset()``); a recompile during the timed steps is reported.
+
+Every side is built first, warmed up alone (``--warmup`` steps; compiles happen there), then
+timed round-robin, step i of every side before step i + 1 of any (``--steps``, default 20):
+median, min - max, p10 - p90, MFU against the card's bf16 peak, peak memory (max over steps and
+ranks). Before that an fp32 loss check: every side trains ``--check-steps`` steps of a small
+model of the same structure from the same init on the same data; losses must agree with torch
+eager's within ``--check-tol`` (relative). ``--profile``: one more step per side under
+torch.profiler, its top kernels and device busy time in the results (no trace files).
+Writes ``bench_tp_<device>_w<W>[_<preset>].json``, ``.md``, ``.png`` to ``--out`` and a line
+to ``history/``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import datetime
-import json
-import os
-import statistics
-import subprocess
+import sys
 
 from axedist.env import keep_multicast_off
 
@@ -42,7 +50,18 @@ from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
-from history import timed_step  # benchmarks/history.py, beside this script
+# beside this script
+from history import run_meta
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
+                            describe_estimate, goals, markdown_tables, memory_estimate, model_flops, peak_flops,
+                            preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check, side_stats,
+                            write_results)
+
+DEFAULT_SIZES = {  # --preset default, per device
+    "cpu": dict(vocab_size=512, dim=128, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64, batch=8),
+    "cuda": dict(vocab_size=8192, dim=2048, n_layers=4, n_heads=16, ffn_hidden=8192, max_seq_len=1024, batch=8),
+}
+CHECK_BATCH = 4
 
 
 def say(*args) -> None:
@@ -50,22 +69,67 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def torch_parallelize(model: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool) -> Llama:
-    return torch_parallelize_llama(model, mesh.to_torch(), sequence_parallel)
-
-
-def compile_blocks(model: Llama, backend: str, fullgraph: bool) -> Llama:
+def compile_blocks(model: Llama, backend: GraphCounter, fullgraph: bool) -> Llama:
     for block in model.layers:
-        block.compile(backend=backend, fullgraph=fullgraph)
+        block.compile(backend=backend, fullgraph=fullgraph, dynamic=False)
     return model
 
 
-def async_tp(mesh: ax.DeviceMesh):
-    """torch's async TP for the next compiles: its micro-pipeline pass on, symmetric memory on the group."""
+def enable_async_tp(mesh: ax.DeviceMesh) -> None:
+    """Symmetric memory on the TP group, which torch's async-TP pass needs when it compiles."""
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     enable_symm_mem_for_group(mesh.to_torch().get_group().group_name)
-    return torch._inductor.config.patch(_micro_pipeline_tp=True)
+
+
+def trainer(kind: str, model: Llama, mesh: ax.DeviceMesh):
+    """``step(tokens) -> loss``: forward, backward, AdamW step of ``model`` on ``tokens`` [B, S + 1]."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def step(tokens):
+        tokens = tokens.to(mesh.device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = model(inputs)
+        if kind == "axedist":
+            loss = next_token_loss(logits, replicate(targets, mesh))
+            loss.backward()
+        else:
+            loss = torch_llama_loss(logits, targets, mesh.to_torch())  # backward inside loss_parallel
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def make_sides(base: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool, compile_backend: str | None) -> list[Side]:
+    """The sides of a run, each training its own deep copy of ``base``: axedist, torch, and with
+    ``compile_backend`` their compiled blocks (plus torch's async-TP pass with Inductor on CUDA)."""
+    cfg = base.cfg
+
+    def ours():
+        return parallelize(copy.deepcopy(base), mesh, llama_tp_plan(cfg, sequence_parallel=sequence_parallel))
+
+    def theirs():
+        return torch_parallelize_llama(copy.deepcopy(base), mesh.to_torch(), sequence_parallel)
+
+    def compiled(kind, build, counter, fullgraph, before=None):
+        def make():
+            if before:
+                before(mesh)
+            return trainer(kind, compile_blocks(build(), counter, fullgraph), mesh)
+        return Side(f"{kind} compiled" + (" async-TP" if counter.config_patches else ""), make, counter)
+
+    sides = [Side("axedist", lambda: trainer("axedist", ours(), mesh)),
+             Side("torch", lambda: trainer("torch", theirs(), mesh))]
+    if compile_backend:
+        allow_compiled_sides()
+        sides += [compiled("axedist", ours, GraphCounter(compile_backend), fullgraph=True),
+                  compiled("torch", theirs, GraphCounter(compile_backend), fullgraph=False)]
+        if mesh.device_type == "cuda" and compile_backend == "inductor":
+            sides.append(compiled("torch", theirs, GraphCounter("inductor", {"_micro_pipeline_tp": True}),
+                                  fullgraph=False, before=enable_async_tp))
+    return sides
 
 
 def batches(n: int, batch: int, seq: int, vocab: int):
@@ -73,127 +137,102 @@ def batches(n: int, batch: int, seq: int, vocab: int):
     return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(n)]
 
 
-def run(kind: str, model: Llama, mesh: ax.DeviceMesh, data, warmup: int):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    cuda = mesh.device_type == "cuda"
-    times, losses = [], []
-    for i, tokens in enumerate(data):
-        tokens = tokens.to(mesh.device)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-
-        def step():
-            logits = model(inputs)
-            if kind == "axedist":
-                loss = next_token_loss(logits, replicate(targets, mesh))
-                loss.backward()
-            else:
-                loss = torch_llama_loss(logits, targets, mesh.to_torch())  # backward inside loss_parallel
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-
-        loss, ms = timed_step(step, mesh.device, cuda)
-        losses.append(float(loss.detach().full_tensor().float()))
-        if i >= warmup:
-            times.append(ms)
-    return statistics.median(times), losses
+def base_model(cfg: LlamaConfig, mesh: ax.DeviceMesh, dtype) -> Llama:
+    torch.manual_seed(0)
+    with torch.device(mesh.device):  # initialised where it runs: 1e9 parameters initialise slowly on a CPU
+        return Llama(cfg).to(dtype=dtype)
 
 
-def main(argv=None) -> None:
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=None, help="default: 8 CPU, 8 CUDA")
-    p.add_argument("--seq", type=int, default=None, help="default: 64 CPU, 1024 CUDA")
-    p.add_argument("--dim", type=int, default=None, help="default: 128 CPU, 2048 CUDA")
-    p.add_argument("--layers", type=int, default=None, help="default: 2 CPU, 4 CUDA")
+    p.add_argument("--preset", choices=PRESETS, default="default")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per side (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per side first, alone (compiles here)")
+    for name in ("batch", "seq", "dim", "layers", "vocab", "ffn"):
+        p.add_argument(f"--{name}", type=int, default=None, help="override the preset's")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
     p.add_argument("--out", default="runs/bench_tp")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-                   help="also time both sides with each block torch.compile'd (default backend inductor)")
-    args = p.parse_args(argv)
+                   help="also time every side with each block torch.compile'd (default backend inductor)")
+    p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
+    return p.parse_args(argv)
 
-    mesh = ax.init_mesh(device_type="cuda" if args.cuda else "cpu")
-    cuda, world = args.cuda, mesh.size
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    cuda = args.cuda
+    mesh = ax.init_mesh(device_type="cuda" if cuda else "cpu")
+    world = mesh.size
     if not cuda:
         torch.set_num_threads(1)
-    pick = lambda v, cpu, gpu: v if v is not None else (gpu if cuda else cpu)  # noqa: E731
-    dim = pick(args.dim, 128, 2048)
-    cfg = LlamaConfig(vocab_size=pick(None, 512, 8192), dim=dim, n_layers=pick(args.layers, 2, 4),
-                      n_heads=pick(None, 8, 16), ffn_hidden=pick(None, 4 * dim, 4 * dim),
-                      max_seq_len=pick(args.seq, 64, 1024))
-    batch = pick(args.batch, 8, 8)
+    cfg, batch = preset_config(args.preset, DEFAULT_SIZES["cuda" if cuda else "cpu"],
+                               {k: getattr(args, k) for k in ("batch", "seq", "dim", "layers", "vocab", "ffn")})
     dtype = torch.bfloat16 if cuda else torch.float32
-    torch.manual_seed(0)
-    base = Llama(cfg).to(device=mesh.device, dtype=dtype)
-    data = batches(args.warmup + args.steps, batch, cfg.max_seq_len, cfg.vocab_size)
-    say(f"{world} ranks on {mesh.device_type}, {dtype}, batch {batch} x seq {cfg.max_seq_len}, {cfg}")
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    flops = model_flops(cfg, batch, cfg.max_seq_len)
+    peak = peak_flops(device, args.peak_tflops) if cuda else None
+    n_sides = 2 + (0 if not args.compile else 3 if args.compile == "inductor" else 2)
+    estimate = memory_estimate(cfg, batch, world, sides=n_sides) if cuda else None
+    say(f"{world} ranks on {device}, {dtype}, preset {args.preset}: batch {batch} x seq {cfg.max_seq_len}, {cfg}")
+    say(f"model FLOPs per step {flops:.3e}" + (f", {flops / world / peak * 1e3:.1f} ms per GPU at peak" if peak else ""))
+    if estimate:
+        say(describe_estimate(estimate))
 
-    def ours():
-        return parallelize(copy.deepcopy(base), mesh, llama_tp_plan(cfg, sequence_parallel=args.sequence_parallel))
+    check = None
+    if args.check_steps:
+        small = check_config(cfg, world)
+        say(f"fp32 loss check: {args.check_steps} steps of every side, {small}, batch {CHECK_BATCH}")
+        check = run_loss_check(make_sides(base_model(small, mesh, torch.float32), mesh, args.sequence_parallel,
+                                          args.compile),
+                               batches(args.check_steps, CHECK_BATCH, small.max_seq_len, small.vocab_size),
+                               args.check_steps, cuda, args.check_tol, "torch", say)
+        check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH)
 
-    def theirs():
-        return torch_parallelize(copy.deepcopy(base), mesh, args.sequence_parallel)
+    sides = make_sides(base_model(cfg, mesh, dtype), mesh, args.sequence_parallel, args.compile)
+    data = batches(args.warmup + args.steps + 1, batch, cfg.max_seq_len, cfg.vocab_size)
+    say(f"sides: {', '.join(s.name for s in sides)}; {args.warmup} warm-up steps each, then {args.steps} "
+        "interleaved timed steps")
+    failed = {}
+    sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
+    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
 
-    variants = [("axedist", ours, None), ("torch", theirs, None)]
-    if args.compile:
-        backend = args.compile
-        variants += [("axedist compiled", lambda: compile_blocks(ours(), backend, True), None),
-                     ("torch compiled", lambda: compile_blocks(theirs(), backend, False), None)]
-        if cuda and backend == "inductor":
-            variants.append(("torch compiled async-TP", lambda: compile_blocks(theirs(), backend, False), async_tp))
-    results = {}
-    for kind, make, context in variants:
-        torch._dynamo.reset()  # each variant compiles its own graphs
-        with context(mesh) if context else contextlib.nullcontext():
-            median, losses = run(kind.split()[0], make(), mesh, data, args.warmup)
-        results[kind] = {"median_ms": median, "losses": losses}
-        say(f"{kind:24s} median step {median:9.2f} ms   first losses {[round(v, 4) for v in losses[:3]]}")
-    ratio = results["torch"]["median_ms"] / results["axedist"]["median_ms"]
-    say(f"speed-up of axedist over torch (torch step time / axedist step time): {ratio:.2f}x")
-    ratios = {"torch_over_axedist": ratio}
-    for kind in ("torch compiled", "torch compiled async-TP"):
-        if kind in results:
-            ratios[f"{kind} over axedist compiled"] = results[kind]["median_ms"] / results["axedist compiled"]["median_ms"]
-            say(f"speed-up of compiled axedist over {kind}: {ratios[kind + ' over axedist compiled']:.2f}x")
+    stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
+    ratio_rows(stats, lambda name: "axedist compiled" if "compiled" in name else "axedist")
+    for name, s in stats.items():
+        say(f"{name:24s} median {s['median_ms']:9.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  MFU "
+            + (f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a") + "  peak "
+            + (f"{s['peak_bytes'] / 2**30:.2f} GiB" if s["peak_bytes"] is not None else "n/a")
+            + f"  losses first {s['losses'][0]:.4f} last {s['losses'][-1]:.4f}")
+    met = goals(stats)
+    for g in met:
+        say(f"goal {g['goal']}: {g['value']:.2f} (target {g['target']}) {'met' if g['met'] else 'NOT met'}")
 
     if dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        # a device call runs a tree without git history: the caller names the commit
-        commit = os.environ.get("AXEDIST_COMMIT", "")
-        if not commit:
-            try:
-                commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
-            except OSError:
-                commit = ""
-        device = torch.cuda.get_device_name() if cuda else "cpu"
-        record = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device, "world": world,
-                  "dtype": str(dtype), "batch": batch, "seq": cfg.max_seq_len, "config": cfg.__dict__,
-                  "sequence_parallel": args.sequence_parallel, "warmup": args.warmup, "steps": args.steps,
-                  "command": f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py" + (" --cuda" if cuda else "")
-                  + (f" --compile {args.compile}" if args.compile else ""),
-                  "results": results, **ratios}
-        stem = os.path.join(args.out, f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}" + ("_compiled" if args.compile else ""))
-        with open(stem + ".json", "w") as f:
-            json.dump(record, f, indent=1)
-        meta = dict(record, machine=f"{world}x {device}", command=record["command"])
-        from history import append_history  # benchmarks/history.py, beside this script
-        append_history(args.out, os.path.basename(stem), meta, dict(results=results, **ratios))
-        names = {"axedist": "axedist", "torch": "torch parallelize_module"}
-        rows = "".join(f"| {names.get(kind, kind)} | {r['median_ms']:.2f} | {r['losses'][0]:.4f} |\n"
-                       for kind, r in results.items())
-        speedups = "".join(f"- {name.replace('_', ' ')}: {value:.2f}x\n" for name, value in ratios.items())
-        with open(stem + ".md", "w") as f:
-            f.write(f"# TP training step: axedist vs torch parallelize_module\n\n"
-                    f"{record['date']}, commit {commit}, {device} x {world}, {dtype}, batch {batch} x seq "
-                    f"{cfg.max_seq_len}, dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, "
-                    f"{'TP + SP' if args.sequence_parallel else 'TP'}; median of {args.steps} steps after "
-                    f"{args.warmup} warm-up, slowest rank. `{record['command']}`\n\n"
-                    f"| implementation | median step (ms) | first loss |\n|---|---|---|\n{rows}\n"
-                    f"speed-ups (step time of the other / step time of axedist):\n\n{speedups}")
-        say(f"wrote {stem}.json and {stem}.md")
+        command = f"torchrun --nproc-per-node {world} benchmarks/bench_tp.py " + " ".join(argv)
+        meta = run_meta(world, command, device=device)
+        record = {"meta": meta, **{k: meta[k] for k in ("date", "commit", "machine", "command")},
+                  "preset": args.preset, "dtype": str(dtype), "world": world, "batch": batch, "seq": cfg.max_seq_len,
+                  "config": cfg.__dict__, "sequence_parallel": args.sequence_parallel, "warmup": args.warmup,
+                  "steps": args.steps, "compile": args.compile, "model_flops_per_step": flops,
+                  "flops_formula": FLOPS_FORMULA, "peak_flops_per_gpu": peak, "memory_estimate": estimate,
+                  "order": order, "sides": stats, "failed": failed, "goals": met, "loss_check": check, "profile": profile}
+        stem = f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}" + ("" if args.preset == "default" else f"_{args.preset}")
+        title = (f"TP={world} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "
+                 f"{batch} x {cfg.max_seq_len} tokens, {'TP + SP' if args.sequence_parallel else 'TP'}")
+        header = (f"# TP training step: axedist vs torch parallelize_module\n\n{meta['date']}, commit "
+                  f"{meta['commit']}, {meta['machine']}, torch {meta['torch']}, {dtype}, preset {args.preset}: batch "
+                  f"{batch} x seq {cfg.max_seq_len}, dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, "
+                  f"{cfg.kv_heads} KV heads, FFN {cfg.ffn_hidden}, vocab {cfg.vocab_size}, "
+                  f"{'TP + SP' if args.sequence_parallel else 'TP'}, AdamW. Every side built, warmed up alone "
+                  f"({args.warmup} steps), then {args.steps} steps interleaved (step i of every side before step "
+                  f"i + 1); a step's time is the slowest rank's.\n\n`{command}`\n\n")
+        write_results(args.out, stem, record, header + markdown_tables(record), title, say)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,29 +1,38 @@
 """2-D training step: axedist fully_shard x parallelize vs torch's fully_shard x parallelize_module.
 
-    torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --out benchmarks/results          # CPU, gloo
-    torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --out benchmarks/results   # 4 GPUs, NCCL
+    torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --steps 3 --warmup 1        # CPU, gloo, small
+    torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile \\
+        --out benchmarks/results                                 # the GPU-bound run of issue 27 (~1.5 min)
 
 Both sides build the same ``Llama`` from the same seed on the mesh ``(dp, tp)`` (default
 ``(2, 2)``): tensor + sequence parallel on ``tp`` (axedist: ``llama_tp_plan``; torch: the equal
 plan of torch styles), every block and then the root fully sharded over ``dp``, AdamW, each dp
 rank training on its slice of the same batches. On CUDA parameters are fp32 and blocks compute
 in bf16 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on both sides).
-A step is forward + backward + optimizer step; its time is the slowest rank's; the table gives
-the median of ``--steps`` steps after ``--warmup``. One more step per side counts the bytes each
-rank sends (axedist: its routes' ``count_collectives``; torch: ``CommDebugMode``) and the
-collective calls. Also: each side's parameter + gradient + optimizer bytes per rank (the sharded
-pieces) and axedist's peak of gathered parameter bytes. Writes ``bench_train_2d_<device>_w<W>``
-``.json`` and ``.md`` to ``--out`` and a line to its history.
+A step is forward + backward + optimizer step; its time is the slowest rank's.
+
+Sizes: ``--preset default`` (CUDA: dim 2048, 4 layers, 8 x 1024 tokens over the dp ranks) or
+``--preset llama8b`` (Llama-3-8B layers, 4 of them, vocab 16384, 8 x 4096 tokens per dp rank:
+``training_steps.py``); ``--dim/--layers/--seq/--batch/--vocab/--ffn`` override either
+(``--batch``: sequences per step over all dp ranks).
+
+Both sides are built, warmed up alone, then timed interleaved (step i of both before step
+i + 1; ``--steps``, default 20): median, spread, MFU against the card's bf16 peak, peak memory.
+Before that an fp32 loss check (a small model of the same structure, fp32 parameters and
+compute, ``--check-steps`` steps, losses within ``--check-tol`` of torch's). After it one more
+step per side counts the bytes each rank sends (axedist: its routes' ``count_collectives``;
+torch: ``CommDebugMode``) and the collective calls, and each side's parameter + gradient +
+optimizer bytes per rank (the sharded pieces) and axedist's peak of gathered parameter bytes;
+``--profile``: one step per side under torch.profiler. No compiled sides here (bench_tp has
+them). Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
+``--out`` and a line to its history.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
-import subprocess
+import sys
 
 from axedist.env import keep_multicast_off
 
@@ -37,7 +46,19 @@ from axedist.nn import MixedPrecisionPolicy, fsdp_units, fully_shard, paralleliz
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
 
-from history import timed_step  # benchmarks/history.py, beside this script
+# beside this script
+from history import run_meta
+from training_steps import (FLOPS_FORMULA, PRESETS, Side, check_config, describe_estimate, goals, markdown_tables,
+                            memory_estimate, model_flops, peak_flops, preset_config, profile_sides,
+                            ratio_rows, run_interleaved, run_loss_check, side_stats, write_results)
+
+DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
+    "cpu": dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_hidden=64 * -(-8 * 128 // 3 // 64),
+                max_seq_len=64, batch=8),
+    "cuda": dict(vocab_size=8192, dim=2048, n_layers=4, n_heads=16, ffn_hidden=64 * -(-8 * 2048 // 3 // 64),
+                 max_seq_len=1024, batch=8),
+}
+CHECK_BATCH = 4  # per dp rank
 
 
 def say(*args) -> None:
@@ -56,141 +77,183 @@ def state_bytes(model, optimizer) -> int:
     return total
 
 
-def build(kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int):
-    torch.manual_seed(seed)
-    model = Llama(cfg).to(mesh.device)
-    if kind == "axedist":
-        parallelize(model, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=True))
-        for layer in model.layers:
-            fully_shard(layer, mesh, mp_policy=policy)
-        fully_shard(model, mesh, mp_policy=policy)
-    else:
-        torch_fully_shard_llama(model, mesh.to_torch(), policy)
-    return model
+class Trainer:
+    """One side's model (built from ``seed``, then parallelized and fully sharded) and AdamW;
+    ``trainer(tokens) -> loss`` is a training step on this dp rank's rows of ``tokens``."""
 
+    def __init__(self, kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int):
+        self.kind, self.mesh = kind, mesh
+        torch.manual_seed(seed)
+        with torch.device(mesh.device):  # initialised where it runs: fast for large models
+            model = Llama(cfg)
+        if kind == "axedist":
+            parallelize(model, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=True))
+            for layer in model.layers:
+                fully_shard(layer, mesh, mp_policy=policy)
+            fully_shard(model, mesh, mp_policy=policy)
+        else:
+            torch_fully_shard_llama(model, mesh.to_torch(), policy)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
-def forward_backward(kind: str, model, mesh: ax.DeviceMesh, inputs, targets):
-    logits = model(inputs)
-    if kind == "axedist":
-        loss = next_token_loss(logits, replicate(targets, mesh["tp"]))
-        loss.backward()
-        return loss
-    return torch_llama_loss(logits, targets, mesh.to_torch()["tp"])  # backward inside loss_parallel
+    def rows(self, tokens):
+        dp, at = self.mesh.axis_size("dp"), self.mesh.coordinates()["dp"]
+        per = tokens.shape[0] // dp
+        return tokens[at * per:(at + 1) * per].to(self.mesh.device)
 
-
-def run(kind: str, cfg, mesh, policy, data, warmup: int, seed: int) -> dict:
-    model = build(kind, cfg, mesh, policy, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    cuda = mesh.device_type == "cuda"
-    dp = mesh.axis_size("dp")
-    rows = slice(mesh.coordinates()["dp"] * (data[0].shape[0] // dp), (mesh.coordinates()["dp"] + 1) *
-                 (data[0].shape[0] // dp))
-    times, losses = [], []
-    for i, tokens in enumerate(data):
-        tokens = tokens[rows].to(mesh.device)
-
-        def step():
-            loss = forward_backward(kind, model, mesh, tokens[:, :-1], tokens[:, 1:])
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    def forward_backward(self, tokens):
+        tokens = self.rows(tokens)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        logits = self.model(inputs)
+        if self.kind == "axedist":
+            loss = next_token_loss(logits, replicate(targets, self.mesh["tp"]))
+            loss.backward()
             return loss
+        return torch_llama_loss(logits, targets, self.mesh.to_torch()["tp"])  # backward inside loss_parallel
 
-        loss, ms = timed_step(step, mesh.device, cuda)
+    def __call__(self, tokens):
+        loss = self.forward_backward(tokens)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def loss_value(self, loss) -> float:
+        """The step's loss over the whole batch (the mean of the dp ranks' losses)."""
         value = loss.detach().full_tensor().float()
-        dist.all_reduce(value, group=mesh.group("dp"))
-        losses.append(float(value) / dp)
-        if i >= warmup:
-            times.append(ms)
-    # one counted step: bytes sent by this rank, then the sharded state after it
-    tokens = data[0][rows].to(mesh.device)
-    if kind == "axedist":
-        with ax.count_collectives() as seen:
-            forward_backward(kind, model, mesh, tokens[:, :-1], tokens[:, 1:])
-        sent, calls = seen.bytes_sent, seen.calls
-        peak = max(u.schedule.peak_bytes for u in fsdp_units(model))
-    else:
-        _, sent = torch_comm_bytes(lambda: forward_backward(kind, model, mesh, tokens[:, :-1], tokens[:, 1:]))
-        calls, peak = None, None
-    memory = state_bytes(model, optimizer)
-    return {"median_ms": statistics.median(times), "losses": losses, "bytes_per_step": sent, "calls": calls,
-            "state_bytes": memory, "peak_gathered_bytes": peak}
+        dist.all_reduce(value, group=self.mesh.group("dp"))
+        return float(value) / self.mesh.axis_size("dp")
+
+    def communication(self, tokens) -> dict:
+        """One forward + backward counted: bytes this rank sends, collective calls (axedist),
+        then the sharded state's bytes and axedist's peak of gathered parameters."""
+        if self.kind == "axedist":
+            with ax.count_collectives() as seen:
+                self.forward_backward(tokens)
+            sent, calls = seen.bytes_sent, seen.calls
+            peak = max(u.schedule.peak_bytes for u in fsdp_units(self.model))
+        else:
+            _, sent = torch_comm_bytes(lambda: self.forward_backward(tokens))
+            calls, peak = None, None
+        memory = state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"bytes_per_step": sent, "calls": calls, "state_bytes": memory, "peak_gathered_bytes": peak}
+
+
+def make_sides(cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int = 0) -> list[Side]:
+    def side(kind):
+        made = {}
+
+        def make():
+            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed)
+            return made["trainer"]
+
+        # the loss of the whole batch: the dp ranks' mean (the trainer exists once a step ran)
+        return Side(kind, make, loss_value=lambda loss: made["trainer"].loss_value(loss))
+    return [side("axedist"), side("torch")]
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cuda", action="store_true")
+    p.add_argument("--preset", choices=PRESETS, default="default")
     p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per side (default 20)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step over all dp ranks (default: 8)")
-    p.add_argument("--seq", type=int, default=None, help="default: 64 CPU, 1024 CUDA")
-    p.add_argument("--dim", type=int, default=None, help="default: 128 CPU, 2048 CUDA")
-    p.add_argument("--layers", type=int, default=None, help="default: 2 CPU, 4 CUDA")
-    p.add_argument("--vocab", type=int, default=None, help="default: 256 CPU, 8192 CUDA")
-    p.add_argument("--out", default=None, help="write bench_train_2d_<device>_w<W>.json/.md here")
+    for name in ("batch", "seq", "dim", "layers", "vocab", "ffn"):
+        p.add_argument(f"--{name}", type=int, default=None, help="override the preset's")
+    p.add_argument("--out", default=None, help="write bench_train_2d_<device>_w<W>[_<preset>].json/.md/.png here")
+    p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
+    p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
     args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    mesh = ax.init_mesh((args.dp, world // args.dp), ("dp", "tp"), device_type="cuda" if cuda else "cpu")
+    tp = world // args.dp
+    mesh = ax.init_mesh((args.dp, tp), ("dp", "tp"), device_type="cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)
-    pick = lambda value, cpu, gpu: value if value is not None else (gpu if cuda else cpu)  # noqa: E731
-    dim = pick(args.dim, 128, 2048)
-    cfg = LlamaConfig(vocab_size=pick(args.vocab, 256, 8192), dim=dim, n_layers=pick(args.layers, 2, 4),
-                      n_heads=pick(None, 4, 16), ffn_hidden=64 * -(-8 * dim // 3 // 64),
-                      max_seq_len=pick(args.seq, 64, 1024))
-    batch = args.batch or 8
+    cfg, batch = preset_config(args.preset, DEFAULT_SIZES["cuda" if cuda else "cpu"],
+                               {k: getattr(args, k) for k in ("batch", "seq", "dim", "layers", "vocab", "ffn")})
+    if args.preset == "llama8b" and args.batch is None:
+        batch *= args.dp  # the preset's batch is per TP group, i.e. per dp rank
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else \
         MixedPrecisionPolicy()
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    flops = model_flops(cfg, batch, cfg.max_seq_len)
+    peak = peak_flops(device, args.peak_tflops) if cuda else None
+    estimate = memory_estimate(cfg, batch // args.dp, tp, shards=args.dp, param_bytes=4, sides=2) if cuda else None
+    say(f"mesh {mesh}; preset {args.preset}: {cfg}; batch {batch} x seq {cfg.max_seq_len}; "
+        f"{'bf16 compute, fp32 parameters' if cuda else 'fp32'}")
+    say(f"model FLOPs per step {flops:.3e}" + (f", {flops / world / peak * 1e3:.1f} ms per GPU at peak" if peak else ""))
+    if estimate:
+        say(describe_estimate(estimate))
+
+    check = None
+    if args.check_steps:
+        small = check_config(cfg, tp)
+        g = torch.Generator().manual_seed(99)
+        check_data = [torch.randint(0, small.vocab_size, (CHECK_BATCH * args.dp, small.max_seq_len + 1), generator=g)
+                      for _ in range(args.check_steps)]
+        say(f"fp32 loss check: {args.check_steps} steps of both sides, {small}, batch {CHECK_BATCH * args.dp}")
+        check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy()), check_data, args.check_steps, cuda,
+                               args.check_tol, "torch", say)
+        check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH * args.dp)
+
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
-            for _ in range(args.warmup + args.steps)]
-    say(f"mesh {mesh}; {cfg}; batch {batch} x seq {cfg.max_seq_len}; "
-        f"{'bf16 compute, fp32 parameters' if cuda else 'fp32'}")
-    results = {}
-    for kind in ("axedist", "torch"):
-        results[kind] = run(kind, cfg, mesh, policy, data, args.warmup, seed=0)
-        r = results[kind]
-        say(f"{kind:8s} median step {r['median_ms']:8.2f} ms  bytes/step {r['bytes_per_step']:>12,}  "
-            f"state {r['state_bytes']:>12,} B  first losses {[round(v, 4) for v in r['losses'][:3]]}")
-    ratio = results["torch"]["median_ms"] / results["axedist"]["median_ms"]
-    bytes_ratio = results["axedist"]["bytes_per_step"] / results["torch"]["bytes_per_step"]
-    say(f"torch / axedist step time: {ratio:.2f}x; axedist / torch bytes: {bytes_ratio:.3f}")
+            for _ in range(args.warmup + args.steps + 1)]
+    failed = {}
+    sides, order = run_interleaved(make_sides(cfg, mesh, policy), data, args.warmup, args.steps, cuda, say, failed)
+    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
+    stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
+    for s in sides:  # one counted step each, after the timing
+        stats[s.name].update(s.step.communication(data[0]))
+    ratio_rows(stats, lambda name: "axedist")
+    for name, s in stats.items():
+        say(f"{name:8s} median {s['median_ms']:8.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  MFU "
+            + (f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a") + "  peak "
+            + (f"{s['peak_bytes'] / 2**30:.2f} GiB" if s["peak_bytes"] is not None else "n/a")
+            + f"  bytes/step {s['bytes_per_step']:>12,}  state {s['state_bytes']:>12,} B  first losses "
+            f"{[round(v, 4) for v in s['losses'][:3]]}")
+    met = goals(stats)
+    for g_ in met:
+        say(f"goal {g_['goal']}: {g_['value']:.2f} (target {g_['target']}) {'met' if g_['met'] else 'NOT met'}")
+    bytes_ratio = None
+    if "axedist" in stats and "torch" in stats:
+        bytes_ratio = stats["axedist"]["bytes_per_step"] / stats["torch"]["bytes_per_step"]
+        say(f"axedist / torch bytes: {bytes_ratio:.3f}")
+
     if args.out and dist.get_rank() == 0:
-        os.makedirs(args.out, exist_ok=True)
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = ""
-        device = torch.cuda.get_device_name() if cuda else "cpu"
-        command = f"torchrun --nproc-per-node {world} benchmarks/bench_train_2d.py" + (" --cuda" if cuda else "")
-        record = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device, "world": world,
-                  "mesh": {"dp": args.dp, "tp": world // args.dp}, "batch": batch, "config": cfg.__dict__,
-                  "mixed_precision": cuda, "warmup": args.warmup, "steps": args.steps, "command": command,
-                  "results": results, "torch_over_axedist_time": ratio, "axedist_over_torch_bytes": bytes_ratio}
-        stem = os.path.join(args.out, f"bench_train_2d_{'cuda' if cuda else 'cpu'}_w{world}")
-        with open(stem + ".json", "w") as f:
-            json.dump(record, f, indent=1)
-        from history import append_history  # benchmarks/history.py, beside this script
-        append_history(args.out, os.path.basename(stem), dict(record, machine=f"{world}x {device}"),
-                       dict(results=results, torch_over_axedist_time=ratio, axedist_over_torch_bytes=bytes_ratio))
-        a, t = results["axedist"], results["torch"]
-        with open(stem + ".md", "w") as f:
-            f.write(f"# 2-D training step (FSDP x TP): axedist vs torch fully_shard + parallelize_module\n\n"
-                    f"{record['date']}, commit {commit}, {device} x {world}, mesh (dp, tp) = ({args.dp}, "
-                    f"{world // args.dp}), {'bf16 compute / fp32 parameters' if cuda else 'fp32'}, batch {batch} x "
-                    f"seq {cfg.max_seq_len}, dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, TP + SP; "
-                    f"median of {args.steps} steps after {args.warmup} warm-up, slowest rank. `{command}`\n\n"
-                    f"| implementation | median step (ms) | bytes sent per rank per step | collective calls | "
-                    f"param + grad + optimizer B per rank | first loss |\n|---|---|---|---|---|---|\n"
-                    f"| axedist | {a['median_ms']:.2f} | {a['bytes_per_step']:,} | {a['calls']} | "
-                    f"{a['state_bytes']:,} | {a['losses'][0]:.4f} |\n"
-                    f"| torch | {t['median_ms']:.2f} | {t['bytes_per_step']:,} | - | {t['state_bytes']:,} | "
-                    f"{t['losses'][0]:.4f} |\n\n"
-                    f"torch / axedist step time: {ratio:.2f}x; axedist / torch bytes: {bytes_ratio:.3f}; axedist's "
-                    f"peak of gathered parameters: {a['peak_gathered_bytes']:,} B per rank.\n")
-        say(f"wrote {stem}.json and {stem}.md")
+        command = f"torchrun --nproc-per-node {world} benchmarks/bench_train_2d.py " + " ".join(argv)
+        meta = run_meta(world, command, device=device)
+        record = {"meta": meta, **{k: meta[k] for k in ("date", "commit", "machine", "command")},
+                  "preset": args.preset, "world": world, "mesh": {"dp": args.dp, "tp": tp}, "batch": batch,
+                  "seq": cfg.max_seq_len, "config": cfg.__dict__, "mixed_precision": cuda, "warmup": args.warmup,
+                  "steps": args.steps, "model_flops_per_step": flops, "flops_formula": FLOPS_FORMULA,
+                  "peak_flops_per_gpu": peak, "memory_estimate": estimate, "order": order, "sides": stats,
+                  "failed": failed, "goals": met, "axedist_over_torch_bytes": bytes_ratio, "loss_check": check,
+                  "profile": profile}
+        stem = f"bench_train_2d_{'cuda' if cuda else 'cpu'}_w{world}" + \
+            ("" if args.preset == "default" else f"_{args.preset}")
+        title = (f"dp{args.dp} x tp{tp} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "
+                 f"{batch} x {cfg.max_seq_len} tokens")
+        comm = "".join(f"| {n} | {s['bytes_per_step']:,} | {s['calls'] if s['calls'] is not None else '-'} | "
+                       f"{s['state_bytes']:,} | {s['peak_gathered_bytes'] or '-'} |\n" for n, s in stats.items())
+        markdown = (f"# 2-D training step (FSDP x TP): axedist vs torch fully_shard + parallelize_module\n\n"
+                    f"{meta['date']}, commit {meta['commit']}, {meta['machine']}, torch {meta['torch']}, mesh (dp, tp) "
+                    f"= ({args.dp}, {tp}), {'bf16 compute / fp32 parameters' if cuda else 'fp32'}, preset "
+                    f"{args.preset}: batch {batch} x seq {cfg.max_seq_len} over the dp ranks, dim {cfg.dim}, "
+                    f"{cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.kv_heads} KV heads, FFN {cfg.ffn_hidden}, "
+                    f"vocab {cfg.vocab_size}, TP + SP, AdamW. Both sides built, warmed up alone ({args.warmup} "
+                    f"steps), then {args.steps} steps interleaved; a step's time is the slowest rank's.\n\n"
+                    f"`{command}`\n\n" + markdown_tables(record) +
+                    "One forward + backward counted per side, after the timing:\n\n| side | bytes sent per rank | "
+                    "collective calls | param + grad + optimizer B per rank | peak gathered parameter B |\n"
+                    f"|---|---|---|---|---|\n{comm}\n" +
+                    (f"axedist / torch bytes: {bytes_ratio:.3f}\n" if bytes_ratio else ""))
+        write_results(args.out, stem, record, markdown, title, say)
     dist.barrier()
     dist.destroy_process_group()
 

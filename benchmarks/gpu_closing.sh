@@ -2,7 +2,7 @@
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
 #   bash benchmarks/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
 #   bash benchmarks/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
-#                                       # TP training step, main job on NCCL (BENCHES narrows them;
+#                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
@@ -31,13 +31,15 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
-    tp) step bench_tp 150 torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --out "$RESULTS" ;;
+    tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
+      step bench_tp 380 torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+      step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
       step bench_collectives_w8 240 torchrun --nproc-per-node 8 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"
-      step bench_tp_w8 200 torchrun --nproc-per-node 8 benchmarks/bench_tp.py --cuda --out "$RESULTS" ;;
+      step bench_tp_w8 200 torchrun --nproc-per-node 8 benchmarks/bench_tp.py --cuda --preset llama8b --steps 10 --out "$RESULTS" ;;
   esac; done
   for f in "$LOGS"/*.log; do echo "== $f"; grep -E "^\[|geomean|min_|rc=|Error|ms/token|loss|x faster|slower" "$f" | tail -12; done
 fi

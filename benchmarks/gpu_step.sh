@@ -12,15 +12,21 @@ mkdir -p "$LOGS" "$RESULTS"
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 
-# One timed, logged step of the device call.
+# One timed, logged step of the device call (STEP_TEE=1: its output also on stdout, as progress).
 step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))
   (( left < limit )) && limit=$left
   if (( limit < 20 )); then echo "$name SKIPPED (no time left)" | tee -a "$SUMMARY"; return; fi
-  local t0=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-  local rc=$?
+  local t0=$(date +%s) rc
+  if [[ ${STEP_TEE:-0} == 1 ]]; then  # progress on stdout as it happens (warnings only in the log)
+    echo "== $name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep --line-buffered -vE "USDT|Warning|warnings.warn|^ *$"
+    rc=${PIPESTATUS[0]}
+  else
+    timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    rc=$?
+  fi
   echo "$name rc=$rc ${limit}s-limit took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
   grep -E "[0-9]+ (passed|failed)|error" "$LOGS/$name.log" | tail -3 | sed 's/^/    /' | tee -a "$SUMMARY"
 }

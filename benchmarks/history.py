@@ -66,23 +66,3 @@ def run_meta(world: int, command: str, device: str | None = None, **extra) -> di
                 command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
     meta.update(extra)
     return meta
-
-
-def timed_step(step, device, cuda: bool):
-    """``step()`` run between synchronised starts (all ranks, the device): its result and the
-    slowest rank's wall milliseconds, the time a training step takes the job."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    begin = time.perf_counter()
-    out = step()
-    if cuda:
-        torch.cuda.synchronize()
-    elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64, device=device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return out, float(elapsed) * 1e3
