@@ -30,7 +30,7 @@ from .reductions import AllReduce, FusedAllReduce, Reduce, ReduceScatter
 from .steps import Collective, PointToPoint, RankContext, StepProgram, group_of
 
 __all__ = ["FORCE_P2P", "execute_plan", "explain_execution", "execution_bytes", "backend_notes", "PendingBuffer",
-           "record", "redistribute_local", "agree_on_move"]
+           "record", "redistribute_local", "agree_on_move", "programs"]
 
 # Set to True (tests do) to run every step as batched isend/irecv: the reference path.
 FORCE_P2P = False
@@ -117,6 +117,12 @@ class _Program:
 _PROGRAMS: OrderedDict = OrderedDict()  # plan -> this rank's compiled programs, least recently used first
 _PROGRAM_LIMIT = 512
 register("runtime.executor programs", _PROGRAMS.clear)
+
+
+def programs() -> list:
+    """The step programs this rank compiled and still keeps (most recently used last): what a
+    test or a memory audit inspects (each program's ``steps`` and their indices)."""
+    return list(_PROGRAMS.values())
 
 
 def _context(plan: Plan, mesh) -> RankContext:

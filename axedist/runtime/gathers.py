@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..planning.holdings import box_index
 from ..planning.steps import Step
 from .indices import Index, reduce_into
 from .steps import Collective
@@ -18,6 +19,13 @@ __all__ = ["PAD_LIMIT", "AllGather", "Broadcast", "AllToAll"]
 # an all-gather of pieces of different sizes (an uneven dim) pads them to the largest and runs
 # as one collective while that adds at most this fraction to the bytes; above it, send/recv
 PAD_LIMIT = 0.125
+
+
+def _same_sources(local, sent) -> bool:
+    """Whether this rank's local copies read exactly its sent piece, box for box, in order."""
+    return len(local) == len(sent) and all(
+        (a.source_offset, a.extents, a.source_strides) == (b.source_offset, b.extents, b.source_strides)
+        for a, b in zip(local, sent))
 
 
 def _piece_counts(step: Step, members) -> list[int] | None:
@@ -49,41 +57,24 @@ class AllGather(Collective):
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
-        source = self.message_source(me, self.any_peer(me))
-        self.send = Index(source, ctx.device)
+        sent = self.message(me, self.any_peer(me))
+        self.send = Index.of(sent, "source", ctx.device)
         counts = _piece_counts(step, self.members)
         self.n = max(counts)
         if min(counts) != self.n:
             self.how = "all_gather_into_tensor (pieces padded to the largest)"
-        chunks, slots = [], []
-        for j, d in enumerate(self.members):
-            if d != me:
-                chunks.append(torch.arange(j * self.n, j * self.n + counts[j]))
-                slots.append(self.message_target(d, me))
-        own = self._own_slots(source, counts[self.position])
         # the own piece read back from the gathered buffer like the peers' ones (rank-independent
-        # code), where it is exactly what this rank keeps; else copied from x first
+        # code), where this rank's local copies are exactly its sent piece; else copied from x first
+        own = list(self.local) if _same_sources(self.local, sent) else None
         self.keep_local = own is None
-        if own is not None:
-            chunks.insert(self.position, torch.arange(self.position * self.n, self.position * self.n + counts[self.position]))
-            slots.insert(self.position, own)
-        chunk, slot = torch.cat(chunks), torch.cat(slots)
-        identity = torch.arange(step.out_size)
+        self.pieces = []  # (start in the gathered buffer, count, where it lands here)
+        for j, d in enumerate(self.members):
+            boxes = (own if d == me else self.message(d, me))
+            if boxes is not None:
+                self.pieces.append((j * self.n, counts[j], Index.of(boxes, "target", ctx.device)))
         self.whole = (not self.keep_local and step.out_size == self.n * len(self.members)
-                      and torch.equal(chunk, identity) and torch.equal(slot, identity))
-        self.chunk = Index(chunk, ctx.device)
-        self.slots = Index(slot, ctx.device)
-
-    def _own_slots(self, source: torch.Tensor, count: int) -> torch.Tensor | None:
-        """Where each element of this rank's sent piece lands in its own output (from the step's
-        local copies), or None when the local copies are not exactly that piece."""
-        if self.local_src_raw.numel() != count or count != source.numel():
-            return None
-        size = int(torch.cat([source, self.local_src_raw]).max()) + 1 if count else 0
-        target = torch.full((size,), -1, dtype=torch.int64)
-        target[self.local_src_raw] = self.local_dst_raw
-        own = target[source]
-        return None if bool((own < 0).any()) else own
+                      and all(index.start == start and index.stop == start + count == start + self.n
+                              for start, count, index in self.pieces))
 
     @staticmethod
     def fits(step: Step, group) -> bool:
@@ -107,7 +98,8 @@ class AllGather(Collective):
                 return gathered
             out = self.local_out(x) if self.keep_local else torch.empty(self.step.out_size, dtype=x.dtype,
                                                                         device=x.device)
-            self.slots.put(out, self.chunk.take(gathered))
+            for start, count, index in self.pieces:
+                index.put(out, gathered[start:start + count])
             return out
         return works, finish
 
@@ -121,10 +113,10 @@ class Broadcast(Collective):
         (self.root,) = {a for (a, _) in step.messages if a in self.members}
         receiver = next(d for d in self.members if d != self.root)
         self.root_rank = ctx.rank_of(self.root)
-        self.send = Index(self.message_source(self.root, receiver), ctx.device)
+        self.send = Index.of(self.message(self.root, receiver), "source", ctx.device)
         self.n = self.send.count
         if me != self.root:
-            self.land = Index(self.message_target(self.root, me), ctx.device)
+            self.land = Index.of(self.message(self.root, me), "target", ctx.device)
 
     def start(self, x, async_op, carrier):
         if self.ctx.me == self.root:
@@ -149,20 +141,18 @@ class AllToAll(Collective):
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
-        empty = torch.empty(0, dtype=torch.int64)
         sends, receives, self.in_splits, self.out_splits = [], [], [], []
         for d in self.members:
-            out_index = self.message_source(me, d) if (me, d) in step.messages else empty
-            in_slots = self.message_target(d, me) if (d, me) in step.messages else empty
-            sends.append(out_index)
-            receives.append(in_slots)
-            self.in_splits.append(out_index.numel())
-            self.out_splits.append(in_slots.numel())
-        self.send = Index(torch.cat(sends), ctx.device)
-        received = torch.cat(receives)
-        self.land = Index(received, ctx.device)
+            out_boxes = self.message(me, d) if (me, d) in step.messages else ()
+            in_boxes = self.message(d, me) if (d, me) in step.messages else ()
+            sends.extend(out_boxes)
+            receives.extend(in_boxes)
+            self.in_splits.append(sum(t.count for t in out_boxes))
+            self.out_splits.append(sum(t.count for t in in_boxes))
+        self.send = Index.of(sends, "source", ctx.device)
+        self.land = Index.of(receives, "target", ctx.device)
         if self.reduce is not None:
-            self.slots = torch.cat([self.local_dst_raw, received]).to(ctx.device)
+            self.slots = torch.cat([box_index(self.local, "target"), box_index(receives, "target")]).to(ctx.device)
 
     def start(self, x, async_op, carrier):
         values = self.send.take(x).contiguous()

@@ -25,14 +25,15 @@ class ReduceScatter(Collective):
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
-        self.pack = Index(torch.cat([box_index(step.local(me), "source") if d == me else self.message_source(me, d)
-                                     for d in self.members]), ctx.device)
+        self.pack = Index.of([t for d in self.members for t in (self.local if d == me else self.message(me, d))],
+                             "source", ctx.device)
         self.n = self.pack.count // len(self.members)
-        self.land = self.local_dst_raw.to(ctx.device)
-        self.land_index = Index(self.local_dst_raw, ctx.device)
-        self.unique = inverse(self.local_dst_raw, step.out_size) is not None
+        self.land_index = self.local_dst
+        landing = self.local_dst_raw
+        self.unique = inverse(landing, step.out_size) is not None
         if not self.unique:  # slots that several reduced values land in
-            self.land_count = torch.bincount(self.local_dst_raw, minlength=step.out_size).clamp_(min=1).to(ctx.device)
+            self.land = landing.to(ctx.device)
+            self.land_count = torch.bincount(landing, minlength=step.out_size).clamp_(min=1).to(ctx.device)
         if ctx.backend == "gloo":
             self.how = "all_reduce + own chunk (gloo)"
 
@@ -118,8 +119,8 @@ class AllReduce(Collective):
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
-        self.send = Index(self.message_source(me, self.any_peer(me)), ctx.device)
-        self.land = Index(self.message_target(self.any_peer(me), me), ctx.device)
+        self.send = Index.of(self.message(me, self.any_peer(me)), "source", ctx.device)
+        self.land = Index.of(self.message(self.any_peer(me), me), "target", ctx.device)
 
     @staticmethod
     def fits(step: Step, group) -> bool:
@@ -164,7 +165,7 @@ class Reduce(Collective):
         sender = next(d for d in self.members if d != self.root)
         self.n = sum(t.count for t in step.messages[(sender, self.root)])
         if me != self.root:
-            self.send = Index(self.message_source(me, self.root), ctx.device)
+            self.send = Index.of(self.message(me, self.root), "source", ctx.device)
         else:
             landing = self.message_target(sender, self.root)
             self.slots = torch.cat([landing, self.local_dst_raw]).to(ctx.device)

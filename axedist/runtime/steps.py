@@ -48,12 +48,11 @@ class StepProgram:
 
     def __init__(self, step: Step, ctx: RankContext):
         self.step, self.ctx = step, ctx
-        local = step.local(ctx.me)
-        self.local_src_raw = box_index(local, "source")
-        self.local_dst_raw = box_index(local, "target")
-        self.local_src = Index(self.local_src_raw, ctx.device)
-        self.local_dst = Index(self.local_dst_raw, ctx.device)
+        self.local = step.local(ctx.me)
+        self.local_src = Index.of(self.local, "source", ctx.device)
+        self.local_dst = Index.of(self.local, "target", ctx.device)
         self.reduce = step.reduce
+        self.local_slots = None if step.reduce is None else box_index(self.local, "target").to(ctx.device)
         self.count = None
         if step.reduce == "avg":
             incoming = box_index([t for t in step.transfers if t.target == ctx.me], "target")
@@ -69,11 +68,21 @@ class StepProgram:
         self.local_dst.put(out, self.local_src.take(x))
         return out
 
+    @property
+    def local_src_raw(self) -> torch.Tensor:
+        """This rank's local copies' source slots, one per element (for reductions, which scatter)."""
+        return box_index(self.local, "source")
+
+    @property
+    def local_dst_raw(self) -> torch.Tensor:
+        """Their target slots, one per element."""
+        return box_index(self.local, "target")
+
     def start(self, x: torch.Tensor, async_op: bool, carrier=None):
         if self.reduce is None:
             return [], (lambda: self.local_out(x))
-        slots = self.local_dst_raw.to(x.device)
-        return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), slots, self.reduce, self.count, x))
+        return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), self.local_slots, self.reduce,
+                                        self.count, x))
 
 
 class PointToPoint(StepProgram):
@@ -86,11 +95,11 @@ class PointToPoint(StepProgram):
         me = ctx.me
         peers = sorted({b for (a, b) in step.messages if a == me})
         senders = sorted({a for (a, b) in step.messages if b == me})
-        self.sends = [(ctx.rank_of(p), Index(box_index(step.messages[(me, p)], "source"), ctx.device)) for p in peers]
-        receives = [(ctx.rank_of(p), box_index(step.messages[(p, me)], "target")) for p in senders]
-        self.receives = [(rank, Index(slots, ctx.device)) for rank, slots in receives]
+        self.sends = [(ctx.rank_of(p), Index.of(step.messages[(me, p)], "source", ctx.device)) for p in peers]
+        self.receives = [(ctx.rank_of(p), Index.of(step.messages[(p, me)], "target", ctx.device)) for p in senders]
         if self.reduce is not None:
-            self.slots = torch.cat([self.local_dst_raw] + [s for _, s in receives]).to(ctx.device)
+            self.slots = torch.cat([self.local_dst_raw] + [box_index(step.messages[(p, me)], "target")
+                                                           for p in senders]).to(ctx.device)
         self.group = ctx.mesh.group()
 
     def start(self, x: torch.Tensor, async_op: bool, carrier):
@@ -143,6 +152,10 @@ class Collective(StepProgram):
     def one_host(self) -> bool:
         """Whether this step's group sits on one host (only then may the p2p kernels carry it)."""
         return one_host(self.group)[0]
+
+    def message(self, sender, receiver) -> tuple:
+        """The transfers (boxes) ``sender`` sends ``receiver`` in this step."""
+        return self.step.messages[(sender, receiver)]
 
     def message_source(self, sender, receiver) -> torch.Tensor:
         return box_index(self.step.messages[(sender, receiver)], "source")
