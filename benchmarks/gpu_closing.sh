@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
-#   bash benchmarks/gpu_closing.sh tests    # multi-GPU tests at W=4 and W=2 (TESTS narrows them)
+#   bash benchmarks/gpu_closing.sh tests    # tests_onegpu on GPU 0, tests_multigpu at W=4 (4 GPUs) and W=2
+#                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite)
 #   bash benchmarks/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
@@ -15,11 +16,18 @@ source "$(dirname "$0")/gpu_step.sh"
 
 PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
 if [[ $MODE == tests ]]; then
+  # the one-GPU suite on GPU 0, then tests_multigpu on every GPU (W=4 where there are 4) and on two;
+  # -v names every test (a cut-off run still says what passed), --durations times them, and a
+  # test that hangs fails alone after TEST_TIMEOUT seconds where pytest-timeout is installed
   TESTS=${TESTS:-tests_multigpu}
+  PYTEST="python3 -m pytest -v -rfEx -p no:cacheprovider --durations=15"
+  python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout ${TEST_TIMEOUT:-240}"
+  GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
   [[ -f benchmarks/precompile_collectives.py ]] && step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
-  step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
-  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-200} $PYTEST $TESTS
-  grep -hE "^(FAILED|ERROR)|Error:" "$LOGS"/pytest_w*.log | head -20
+  [[ ${ONEGPU:-1} == 1 ]] && CUDA_VISIBLE_DEVICES=0 step pytest_onegpu ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu
+  (( GPUS >= 4 )) && CUDA_VISIBLE_DEVICES=0,1,2,3 step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
+  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS
+  for f in "$LOGS"/pytest_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -12; done
 elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp main_job demo"}
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -34,7 +42,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
       step bench_tp 380 torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
       step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
-    main_job) step main_job 150 bash -c "torchrun --nproc-per-node 4 launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
+    main_job) step main_job 150 bash -c "torchrun --nproc-per-node $(python3 -c 'import torch; print(min(4, torch.cuda.device_count()))') launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
