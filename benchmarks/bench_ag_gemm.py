@@ -39,8 +39,18 @@ from history import append_history, require_multicast_off, run_meta  # noqa: E40
 LINK_BYTES_PER_S = 478e9
 
 
-def shapes(world):
+def model_shapes(world):
+    """The fused all-gather + GEMM calls of one step of bench_tp.py --preset llama8b at TP = world (8 x 4096
+    gathered rows): wq (whose gathered input wk / wv reuse), w1 (w3 likewise), the output layer."""
+    rows, dim, ffn, vocab = 8 * 4096, 4096, 14336, 16384
+    return [("llama8b wq", rows, dim // world, dim), ("llama8b w1", rows, ffn // world, dim),
+            ("llama8b output", rows, vocab // world, dim)]
+
+
+def shapes(world, which: str = "design"):
     """(label, M, N_local, K) of the column-parallel GEMMs."""
+    if which == "llama8b":
+        return model_shapes(world)
     rows = [("design", m, n, 8192) for m in (2048, 8192, 16384) for n in (7168, 2048)]
     rows.append(("qwen3-32b w1/w3", 8192, 25600 // world, 5120))
     rows.append(("qwen3-32b qkv", 8192, (8192 + 2 * 1024) // world, 5120))
@@ -65,7 +75,7 @@ def run_multi(args):
     one_rank = VirtualRanks(1, data_bytes=1 << 30)  # the kernel's GEMM half on this GPU
     results = []
     selected = [int(i) for i in args.only.split(",") if i] or None
-    for index, (label, m, n, k) in enumerate(shapes(world)):
+    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes)):
         if selected is not None and index not in selected:
             continue
         a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
@@ -127,7 +137,8 @@ def run_multi(args):
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
-        write_outputs(results, f"ag_gemm_w{world}", run_meta(world, command), args.out)
+        name = f"ag_gemm_w{world}" + ("_llama8b" if args.shapes == "llama8b" else "")
+        write_outputs(results, name, run_meta(world, command), args.out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -249,7 +260,13 @@ def auto_table(results: list[dict]) -> dict:
         for row in result["rows"]:
             if row["world"] > 1 and row["queued"]["speedup_vs_seq"] < 1.0:
                 loses.append([row["M"], row["N"], row["K"], row["world"]])
-    from axedist.collectives.fused_tp import AG_AUTO
+    from axedist.collectives.fused_tp import AG_AUTO, AG_AUTO_TABLE_PATH
+    # shapes these results did not measure keep what earlier runs found
+    measured = {(row["M"], row["N"], row["K"], row["world"]) for result in results for row in result["rows"]}
+    with open(AG_AUTO_TABLE_PATH) as handle:
+        earlier = json.load(handle)
+    loses += [shape for shape in earlier["fused_loses"] if tuple(shape) not in measured]
+    sources = [source for source in earlier["source"] if source not in sources] + sources
     return dict(source=sources, fused_loses=sorted(loses), min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
 
 
@@ -258,6 +275,9 @@ def main():
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    parser.add_argument("--shapes", default="design", choices=["design", "llama8b"],
+                        help="design: the design and model rows; llama8b: the calls of bench_tp.py --preset "
+                             "llama8b at this world size")
     parser.add_argument("--onegpu", action="store_true", help="one GPU, no torchrun: TP = 1 and the GEMM half")
     parser.add_argument("--tp-shapes", type=int, default=4, help="--onegpu: the TP degree whose N_local to use")
     parser.add_argument("--calls", type=int, default=10, help="--onegpu: calls per timed batch")

@@ -39,7 +39,18 @@ from history import append_history, run_meta  # noqa: E402
 LINK_BYTES_PER_S = 478e9
 
 
-def shapes(world):
+def model_shapes(world):
+    """The GEMM + reduce-scatter calls of one step of bench_tp's --preset llama8b at TP = world (Llama-3-8B
+    layers, 8 x 4096 rows): wo and w2 forward, the q/k/v and w1/w3 input gradients, the output layer's."""
+    rows, dim, kv, ffn, vocab = 8 * 4096, 4096, 8 * 128, 14336, 16384
+    return [("llama8b wo", rows, dim, dim // world), ("llama8b w2", rows, dim, ffn // world),
+            ("llama8b qkv grad", rows, dim, (dim + 2 * kv) // world),
+            ("llama8b w1w3 grad", rows, dim, 2 * ffn // world), ("llama8b output grad", rows, dim, vocab // world)]
+
+
+def shapes(world, which: str = "design"):
+    if which == "llama8b":
+        return model_shapes(world)
     rows = []
     for m in (2048, 8192, 16384):
         for k in (7168, 2048):
@@ -57,6 +68,9 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tune", default="all", help="'all' candidate configs, or 'default'")
     parser.add_argument("--only", default="", help="comma list of shape indices to run")
+    parser.add_argument("--shapes", default="design", choices=["design", "llama8b"],
+                        help="design: the six design shapes and model/inference rows; llama8b: the calls of "
+                             "bench_tp.py --preset llama8b at this world size")
     parser.add_argument("--configs", default="",
                         help="comma list of gemm_rs.CANDIDATES indices or config strings such as "
                              "128x128x64/g8/s3/w4/r64/defer/push/c2 (with --tune all)")
@@ -94,7 +108,7 @@ def main():
     torch.manual_seed(1234 + rank)
     results = []
     selected = [int(i) for i in args.only.split(",") if i] or None
-    for index, (label, m, n, k) in enumerate(shapes(world)):
+    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes)):
         if selected is not None and index not in selected:
             continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -236,16 +250,21 @@ def write_tables(paths: list[str]) -> None:
             results.append(json.load(handle))
     auto, configs = auto_tables(results)
     from axedist.collectives.fused import AUTO_TABLE_PATH
+    # shapes these results did not measure keep what earlier runs found
+    measured = {(row["M"], row["N"], row["K_local"], row["world"]) for result in results for row in result["rows"]}
+    with open(AUTO_TABLE_PATH) as handle:
+        earlier = json.load(handle)
+    auto["fused_loses"] = sorted(auto["fused_loses"] + [shape for shape in earlier["fused_loses"]
+                                                        if tuple(shape) not in measured])
+    auto["source"] = [source for source in earlier["source"] if source not in auto["source"]] + auto["source"]
     with open(AUTO_TABLE_PATH, "w") as handle:
         shapes = ",\n  ".join(json.dumps(shape) for shape in auto["fused_loses"])
         handle.write(f'{{"source": {json.dumps(auto["source"], indent=1)},\n'
                      f' "fused_loses": [\n  {shapes}\n ]}}\n')
     tuned_path = os.path.join(os.path.dirname(gemm_rs.__file__), "gemm_rs_tuned.json")
-    worlds = {f"/w{row['world']}/" for result in results for row in result["rows"]}
     with open(tuned_path) as handle:
-        tuned = {key: value for key, value in json.load(handle).items()
-                 if not any(world in key for world in worlds)}   # these world sizes are re-measured
-    tuned.update(configs)
+        tuned = json.load(handle)
+    tuned.update(configs)  # the shapes these results measured get their new configs; the rest stay
     with open(tuned_path, "w") as handle:
         json.dump(dict(sorted(tuned.items())), handle, indent=1)
         handle.write("\n")
@@ -278,13 +297,14 @@ def _table(results, times_of):
 
 def write_outputs(results, world, out_dir, meta=None):
     os.makedirs(out_dir, exist_ok=True)
+    stem = f"gemm_rs_w{world}" + ("_llama8b" if all(r["label"].startswith("llama8b") for r in results) else "")
     meta = meta or run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]))
-    six = [r for r in results if r["label"] == "design"]
+    six = [r for r in results if r["label"] == "design"] or results  # the model rows summarise themselves
     summary = _summary(six)
     summary_queued = _summary([r["queued"] for r in six]) if all("queued" in r for r in results) else {}
-    with open(os.path.join(out_dir, f"gemm_rs_w{world}.json"), "w") as handle:
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as handle:
         json.dump(dict(meta=meta, summary=summary, summary_queued=summary_queued, rows=results), handle, indent=1)
-    append_history(out_dir, f"gemm_rs_w{world}", meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
+    append_history(out_dir, stem, meta, dict(summary=summary, summary_queued=summary_queued, rows=results))
     if gemm_rs.tuned_table():
         with open(os.path.join(out_dir, f"gemm_rs_tuned_w{world}.json"), "w") as handle:
             json.dump({key: value for key, value in gemm_rs.tuned_table().items() if f"/w{world}/" in key}, handle, indent=1)
@@ -306,7 +326,7 @@ def write_outputs(results, world, out_dir, meta=None):
                   + "; ".join(f"{r['M']}x{r['N']}x{r['K_local']}: fused {r['host_us']['fused']:.0f}, "
                               f"seq {r['host_us']['seq']:.0f}, symm "
                               f"{r['host_us'].get('symm') or float('nan'):.0f}" for r in results)]
-    with open(os.path.join(out_dir, f"gemm_rs_w{world}.md"), "w") as handle:
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     try:
@@ -328,7 +348,7 @@ def write_outputs(results, world, out_dir, meta=None):
         axis.set_title(f"GEMM + reduce-scatter, bf16, W={world} ({meta['machine']})", fontsize=9)
         axis.legend(fontsize=7)
         figure.tight_layout()
-        figure.savefig(os.path.join(out_dir, f"gemm_rs_w{world}.png"), dpi=110)
+        figure.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
     except ImportError:
         print("matplotlib missing: no PNG")
 

@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_closing.sh tests    # tests_onegpu on GPU 0, tests_multigpu at W=4 (4 GPUs) and W=2
 #                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite)
 #   bash benchmarks/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
+#                                       # model_tables (the fused kernels at bench_tp's llama8b calls -> 'auto'),
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
@@ -32,7 +33,15 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp main_job demo"}
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
+  W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
   for name in $BENCHES; do case $name in
+    model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
+      # 'auto' then reads the measured winners (the tables are rewritten here and come back in the bundle)
+      step gemm_rs_llama8b 150 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --shapes llama8b --tune default --reps 10 --out "$RESULTS"
+      step ag_gemm_llama8b 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --shapes llama8b --reps 10 --out "$RESULTS"
+      [[ -f $RESULTS/gemm_rs_w${W}_llama8b.json ]] && python3 benchmarks/bench_gemm_rs.py --tables-from "$RESULTS/gemm_rs_w${W}_llama8b.json" > "$LOGS/tables.log" 2>&1
+      [[ -f $RESULTS/ag_gemm_w${W}_llama8b.json ]] && python3 benchmarks/bench_ag_gemm.py --tables-from "$RESULTS/ag_gemm_w${W}_llama8b.json" >> "$LOGS/tables.log" 2>&1
+      mkdir -p "$RESULTS/tables" && cp axedist/kernels/*_auto.json axedist/kernels/gemm_rs_tuned.json "$RESULTS/tables/" ;;
     gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
@@ -40,9 +49,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
-      step bench_tp 380 torchrun --nproc-per-node 4 benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
-      step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
-    main_job) step main_job 150 bash -c "torchrun --nproc-per-node $(python3 -c 'import torch; print(min(4, torch.cuda.device_count()))') launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
+      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+      (( W >= 4 )) && step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
+    main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
