@@ -20,6 +20,7 @@ from ..runtime import redistribute_local
 from ..spec import make_spec, replicated_layout
 from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
                         replace_dtensors, scan, writes_first, written)
+from .reshape_inplace import rebind
 from .specs import placements_or_none, spec_of
 
 __all__ = ["FUSED_OPTIMIZERS", "NOT_HANDLED", "dispatch_out", "dispatch_foreach", "dispatch_fused_optimizer",
@@ -338,6 +339,10 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     for target in targets:
         if isinstance(target, cls):
             dt, replicated, value = full[id(target)]
+            if tuple(value.shape) != tuple(dt.shape):
+                # an in-place op that changed its tensor's shape: the DTensor takes the new shape
+                rebind(dt, cls(value, make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)))
+                continue
             dt._local.copy_(_laid_out(func, value, replicated, dt._spec))
     if not func._schema.returns:  # torch wants None from an op that returns nothing (_fused_adamw_)
         return None
