@@ -215,8 +215,9 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
 
     Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
     (autograd formulas make such constants next to DTensors: prod's backward concatenates
-    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` any plain
-    tensor equal on every rank; under ``loss_parallel()`` the target and weight of the loss ops.
+    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` and in a
+    backward pass (autograd's formulas build index tensors) any plain tensor equal on every
+    rank; under ``loss_parallel()`` the target and weight of the loss ops.
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
     (the arguments' structure is the same on every rank), so none waits.
     """
@@ -237,7 +238,7 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         visit(value)
     if mesh is None or not plain:
         raise error
-    replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication()
+    replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication() or _in_backward()
                      or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel())))
     if replicate_any:
         grads = [tuple(t.shape) for t in plain if t.requires_grad]
@@ -263,6 +264,13 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         return value
 
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _in_backward() -> bool:
+    """Is autograd running a backward pass? Its formulas make plain tensors of their own (as_strided's
+    backward index_adds an index it builds from the sizes), the same on every rank: taken as
+    replicated once checked, as under ``implicit_replication()``."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _fingerprint(t: torch.Tensor) -> list[int]:
@@ -322,6 +330,15 @@ def _exact_word(value: torch.Tensor) -> int:
     return struct.unpack("<q", struct.pack("<d", number))[0]
 
 
+# ops that read their input's storage (offsets and strides into it), not its elements
+_READS_STORAGE = frozenset(getattr(aten, name).default for name in ("as_strided", "as_strided_copy",
+                                                                    "as_strided_scatter") if hasattr(aten, name))
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     """Gather every DTensor, run the op on the whole tensors, lay the result out replicated."""
     cls = d.cls
@@ -330,7 +347,11 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     for dt in dts:
         if id(dt) not in full:
             replicated = make_spec(mesh, replicated_layout(dt.shape, mesh), dt.shape)
-            full[id(dt)] = (dt, replicated, redistribute_local(dt._local, dt._spec, replicated))
+            whole = redistribute_local(dt._local, dt._spec, replicated)
+            if func in _READS_STORAGE and not _owns_storage(whole):
+                # a DTensor is its values, its own storage: as_strided reads that, not a gather buffer's
+                whole = whole.clone(memory_format=torch.contiguous_format)
+            full[id(dt)] = (dt, replicated, whole)
     local_args, local_kwargs = replace_dtensors(cls, args, kwargs, lambda dt: full[id(dt)][2])
     result = func(*local_args, **local_kwargs)
     # written arguments: lay the whole result back out in their own layout
