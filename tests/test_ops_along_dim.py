@@ -1,5 +1,5 @@
 """Rules instead of the gather fallback for the ops a transformer step meets along one dim:
-``tril`` / ``triu`` (causal masks), ``_safe_softmax`` (attention's masked softmax), ``topk`` /
+``_safe_softmax`` (attention's masked softmax), ``topk`` /
 ``max(dim)`` / ``min(dim)`` (sampling, routing), and the scans and sorts of ``ops/along_dim.py``.
 
 Each runs against the plain op (values, gradients) with its input sharded on a dim the op does
@@ -32,9 +32,6 @@ def _masked(x):
 
 # name -> (function of x, x's shape, the dims the op works along (sharding them may move data))
 CASES = {
-    "tril": (lambda x: x.tril(), (2, 6, 6), ()),
-    "tril(-1)": (lambda x: x.tril(-1), (6, 5), ()),
-    "triu(2)": (lambda x: x.triu(2), (2, 5, 7), ()),
     "safe_softmax": (lambda x: aten._safe_softmax(_masked(x), -1), (2, 6, 6), ()),
     "topk": (lambda x: x.topk(2, dim=-1), (6, 5), (-1,)),
     "topk smallest": (lambda x: x.topk(3, dim=0, largest=False), (5, 6), (0,)),
@@ -47,7 +44,7 @@ CASES = {
     "kthvalue": (lambda x: x.kthvalue(2, dim=1), (4, 6), (1,)),
     "median(dim)": (lambda x: x.median(dim=1), (4, 5), (1,)),
 }
-GATHERED_FALLBACKS = ("aten.tril", "aten.triu", "aten._safe_softmax", "aten.topk", "aten.max.dim", "aten.min.dim",
+GATHERED_FALLBACKS = ("aten._safe_softmax", "aten.topk", "aten.max.dim", "aten.min.dim",
                       "aten.sort", "aten.cumsum", "aten.cummax", "aten.logcumsumexp", "aten.kthvalue", "aten.median")
 
 
@@ -67,8 +64,6 @@ def _case(rank, world, mesh_name):
         shardings = [[Replicate()] * mesh.ndim] + [[Shard(d)] * mesh.ndim for d in range(len(shape))]
         if mesh.ndim == 2:
             shardings.append([Shard(0), Shard(len(shape) - 1)])
-        if name in ("tril", "triu(2)"):
-            shardings.append([Partial()] * mesh.ndim)
         for placements in shardings:
             what = f"{name} {placements} on {mesh_name}"
             x = make(full, mesh, placements, 5, requires_grad=True)

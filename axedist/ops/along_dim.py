@@ -1,29 +1,27 @@
 """Sharding rules of ops that work along one dim, each position of the other dims on its own:
 scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``), sorts and selections
 (``sort``, ``topk``, ``kthvalue``, ``median`` / ``nanmedian`` / ``mode`` over a dim), ``renorm``,
-the triangles ``tril`` / ``triu``, the FFTs (over a list of dims) and ``constant_pad_nd`` (over the
-dims it pads).
+the FFTs (over a list of dims) and ``constant_pad_nd`` (over the dims it pads). (``tril`` / ``triu``
+stay with the gather fallback: a rule that kept their shards gave a wrong gradient inside
+``linalg.householder_product``'s backward, not yet understood.)
 
 The op's dim must be whole on each device; every other dim keeps its shards, so no whole
 tensor moves when the op's dim is not the sharded one. 4 ranks, ``x`` (8, 10) in
 ``[Shard(0)]``: ``x.topk(3, dim=1)`` runs on each rank's (2, 10) rows and gives values and
 indices (8, 3) in ``[Shard(0)]``; ``x.topk(3, dim=0)`` first gathers dim 0.
 
-A pending reduction is applied first (none of these is linear), except by ``cumsum`` (linear:
-a pending sum or mean stays pending) and ``tril`` / ``triu``, which keep any pending reduction (they
-zero the same elements of every summand, and a sum, mean, max or min of zeros is zero).
-``tril`` / ``triu`` keep shards of their two matrix dims as well: a rank whose block starts at
-row ``r0`` and column ``c0`` keeps ``j - i <= k + r0 - c0`` of its local indices.
+A pending reduction is applied first (none of these is linear), except by ``cumsum`` and the
+FFTs (linear: a pending sum or mean stays pending).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial
 
 from .registry import LINEAR_REDUCE_OPS, OpCall, Sharding, register
-from .shard_ranges import dim_range, without_partial
-from .tensor_ops import is_plain_shard, placements_of, renumber, shard_dim, unshard
+from .shard_ranges import without_partial
+from .tensor_ops import placements_of, renumber, unshard
 
 aten = torch.ops.aten
 
@@ -84,32 +82,6 @@ def select_along_rule(call: OpCall) -> Sharding:
     d = _dim_of(call)
     out = target if keepdim or not x.ndim else renumber(target, x.ndim, lambda e: e if e < d else e - 1)
     return Sharding(inputs=[target], outputs=(out, out))
-
-
-@register(aten.tril.default, aten.triu.default)
-def triangle_rule(call: OpCall) -> Sharding:
-    """``x.tril(k)`` keeps every plain shard and pending reduction; each rank shifts ``k`` by where
-    its block starts: ``(8, 8)`` in ``[Shard(1)]`` on 2 ranks, rank 1 (columns 4..7) runs
-    ``tril(k - 4)`` on its (8, 4) block."""
-    x = call.args[0]
-    diagonal = call.arg(1, "diagonal", 0)
-    rows, cols = x.ndim - 2, x.ndim - 1
-    places = placements_of(x)
-    # a strided shard's block is not one contiguous range of rows or columns: gathered first
-    target = tuple(Replicate() if shard_dim(p, x.ndim) in (rows, cols) and not is_plain_shard(p) else p
-                   for p in places)
-    if not any(shard_dim(p, x.ndim) in (rows, cols) for p in target):
-        return Sharding(inputs=[target], outputs=target)
-    mesh = call.mesh
-    real = without_partial(target)
-    row0 = dim_range(x.shape[rows], rows, mesh, real, x.ndim)[0]
-    col0 = dim_range(x.shape[cols], cols, mesh, real, x.ndim)[0]
-    shifted = diagonal + row0 - col0
-
-    def local(call_, t, *args, **kwargs):
-        return call_.func(t, shifted)
-
-    return Sharding(inputs=[target], outputs=target, local=local)
 
 
 @register(aten._fft_r2c.default, aten._fft_c2c.default)  # (c2r: gathered, not yet checked)
