@@ -294,7 +294,7 @@ def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"
     samples = runs = turn = 0
     for dtype_name, limit in zip(dtypes, max_samples):
         dtype = getattr(torch, dtype_name)
-        if dtype not in op.supported_dtypes("cpu"):
+        if not limit or dtype not in op.supported_dtypes("cpu"):
             continue
         torch.manual_seed(1234)
         try:

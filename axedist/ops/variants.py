@@ -3,7 +3,7 @@ optimizer steps, plain constants among DTensors, and ops with no rule (the gathe
 
 Each function takes the dispatcher (``d``: its tensor class ``d.cls``, ``d.dispatch`` for the
 functional op, its caches and counts). ``torch.add(x, y, out=o)`` runs ``add.Tensor`` through the
-dispatcher, then copies the result into ``o`` in ``o``'s layout; ``torch.cummin(x, 1)`` (no rule)
+dispatcher, then copies the result into ``o`` in ``o``'s layout; ``torch.aminmax(x, dim=1)`` (no rule)
 gathers ``x``, runs on the whole tensor, and lays the result out replicated, warning once.
 """
 
