@@ -428,7 +428,10 @@ class DTensor(torch.Tensor):
             grad_placements=grad_placements)
 
     @property
-    def layout(self) -> Layout:  # shadows torch.Tensor.layout (torch.strided): an Axe layout is the point here
+    def axe_layout(self) -> Layout:
+        """The Axe layout of this tensor over its global shape: ``S[(4,2,6):(1@gpuid,6,1)]`` for an
+        ``(8, 6)`` tensor in ``[Shard(0)]`` on 4 ranks. (``layout`` keeps torch's meaning,
+        ``torch.strided``: torch's own code, ``torch.masked`` among it, reads it.)"""
         return self._spec.layout
 
     @property

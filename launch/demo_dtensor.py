@@ -46,8 +46,8 @@ def check(dt: "ax.DTensor", reference: torch.Tensor, what: str) -> None:
 def show_move(dt: "ax.DTensor", target, shape, mesh_spec, itemsize, title: str) -> "ax.DTensor":
     moved = dt.redistribute(target)
     say(f"\n-- {title}")
-    say(f"   from {dt.layout}\n   to   {moved.layout}")
-    plan = ax.plan_layouts(dt.layout, moved.layout, mesh_spec, shape, itemsize, partial=dt.reduce_op)
+    say(f"   from {dt.axe_layout}\n   to   {moved.axe_layout}")
+    plan = ax.plan_layouts(dt.axe_layout, moved.axe_layout, mesh_spec, shape, itemsize, partial=dt.reduce_op)
     # The plan redistribute just ran (cached: asking again costs microseconds).
     say("   " + str(plan).replace("\n", "\n   "))
     return moved
@@ -96,7 +96,7 @@ def main() -> None:
     say(f"mesh: {mesh}; global tensor {tuple(shape)} {reference.dtype} on {device_type}")
 
     rows = ax.distribute(reference, mesh, [Shard(0)])
-    say(f"\n-- Shard(0) is the layout {rows.layout}; this rank holds local {tuple(rows.to_local().shape)}")
+    say(f"\n-- Shard(0) is the layout {rows.axe_layout}; this rank holds local {tuple(rows.to_local().shape)}")
     check(rows, reference, "Shard(0)")
     if dist.get_rank() == 0:
         os.makedirs(os.path.dirname(args.png) or ".", exist_ok=True)
@@ -122,7 +122,7 @@ def main() -> None:
     a_cols = ax.distribute(a, mesh, [Shard(1)])
     b_rows = ax.distribute(b, mesh, [Shard(0)])
     partial = ax.DTensor.from_local(a_cols.to_local() @ b_rows.to_local(), mesh, [Partial()], shape=shape)
-    say(f"\n-- A[:, k-shard] @ B[k-shard, :] is a partial sum: {partial.layout} (pending {partial.reduce_op})")
+    say(f"\n-- A[:, k-shard] @ B[k-shard, :] is a partial sum: {partial.axe_layout} (pending {partial.reduce_op})")
     out = show_move(partial, [Shard(0)], shape, mesh_spec, itemsize, "Partial() -> Shard(0): reduce-scatter")
     torch.testing.assert_close(out.full_tensor(), a @ b, rtol=1e-4, atol=1e-4)
     say("   ok: equals A @ B")

@@ -261,7 +261,7 @@ def traced_moves(rank, world):
                                                                                 moving)
     want = moves(a, p, d, e, one, u, summands, product, moving)
     _fresh_dynamo()
-    same = [torch.equal(g, w) if type(w) is torch.Tensor else g.layout == w.layout and torch.equal(g.to_local(), w.to_local())
+    same = [torch.equal(g, w) if type(w) is torch.Tensor else g.axe_layout == w.axe_layout and torch.equal(g.to_local(), w.to_local())
             for g, w in zip(got, want)]
     ops = sorted({line.split("_c10d_functional.")[1].split(".")[0] for line in codes[0].splitlines()
                   if "_c10d_functional." in line})

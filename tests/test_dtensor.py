@@ -79,7 +79,7 @@ def roundtrip(rank, world_size, name, src_rank, device_type="cpu"):
     dt = distribute(sent.to(mesh.device), mesh, layout, src_rank=src_rank)
     want = expected_local(layout, mesh, full, rank)
     assert torch.equal(dt.to_local().cpu(), want), (dt.to_local(), want)
-    assert dt.shape == torch.Size(shape) and dt.dtype == torch.float64 and dt.layout == layout
+    assert dt.shape == torch.Size(shape) and dt.dtype == torch.float64 and dt.axe_layout == layout
     assert dt.device == mesh.device and dt.to_local().device == mesh.device
     assert torch.equal(dt.full_tensor().cpu(), full)
     # from_local on the same pieces, checked across ranks
@@ -118,7 +118,7 @@ def figure_8(rank, world_size, device_type="cpu"):
     assert torch.equal(x.to_local().cpu(), full[rank:rank + 1])
     out = Layout.parse(f"S[({w},{rows},64):(1@gpuid,64,1)]")
     y = x.to_partial("sum").redistribute(out)
-    assert y.shape == (64, 64) and y.layout == out and y.reduce_op is None
+    assert y.shape == (64, 64) and y.axe_layout == out and y.reduce_op is None
     assert torch.equal(y.to_local().cpu(), full.sum(0)[rows * rank:rows * (rank + 1)])
     # the same pending sum built from local pieces; and max/min/avg reduce the same way
     partial = DTensor.from_local(full[rank:rank + 1].to(mesh.device), mesh, summands, (w, 64, 64), reduce_op="sum")

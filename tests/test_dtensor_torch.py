@@ -97,15 +97,15 @@ def differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed, 
     # placements <-> layouts, both directions
     assert ours.placements == tuple(src), (ours.placements, src)
     if spec_from_placements(shape, mesh, src).true_index is None:
-        assert ours.layout == layout_from_placements(shape, mesh, src)
+        assert ours.axe_layout == layout_from_placements(shape, mesh, src)
     else:  # one uneven dim chunked on two axes: padded inside the dim, which no layout says
         with pytest.raises(LayoutError, match="chunk dim"):
             layout_from_placements(shape, mesh, src)
     if ours.padded_shape == tuple(shape):
-        assert placements_from_layout(ours.layout, mesh, shape, reduce_op=op) == tuple(src)
+        assert placements_from_layout(ours.axe_layout, mesh, shape, reduce_op=op) == tuple(src)
     # interop: torch -> ours -> torch keeps every local tensor
     converted = from_torch(theirs)
-    assert converted.layout == ours.layout and torch.equal(converted.to_local(), ours.to_local())
+    assert converted.axe_layout == ours.axe_layout and torch.equal(converted.to_local(), ours.to_local())
     back = ours.to_torch()
     assert tuple(back.placements) == tuple(src) and torch.equal(back.to_local(), theirs.to_local())
     # from_local on torch's local pieces (torch's convention: no summand dim)

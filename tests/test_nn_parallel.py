@@ -113,12 +113,12 @@ def _colwise_dealt(rank, world, s):
     dealt = Layout.parse(f"S[(2,{world},2,6):(12,1@gpuid,6,1)]")
     out_layout = Layout.parse(f"S[(3,2,{world},2):(4,2,1@gpuid,1)]")
     parallelize(par, mesh, {"": ColwiseParallel(weight_layout=dealt, output_layouts=out_layout)})
-    assert par.bias.layout == Layout.parse(f"S[(2,{world},2):(2,1@gpuid,1)]"), par.bias.layout
+    assert par.bias.axe_layout == Layout.parse(f"S[(2,{world},2):(2,1@gpuid,1)]"), par.bias.axe_layout
     x = torch.randn(3, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(s + 1))
     with count_collectives() as seen:
         y = par(x)
     assert seen.calls == 0, str(seen)
-    assert y.layout == out_layout, y.layout
+    assert y.axe_layout == out_layout, y.axe_layout
     up = torch.randn(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(s + 2))
     torch.testing.assert_close(y.full_tensor(), ref(x), **TOL)
     x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
@@ -128,7 +128,7 @@ def _colwise_dealt(rank, world, s):
     with torch.no_grad():
         weight_views = {par.weight._spec, par.weight.t()._spec}
     assert weight_views.isdisjoint(r.src for r in seen.routes), str(seen)  # the weight never moved
-    assert par.weight.grad.layout == par.weight.layout, par.weight.grad.layout
+    assert par.weight.grad.axe_layout == par.weight.axe_layout, par.weight.grad.axe_layout
     ref(x_ref).backward(up)
     check_grads(ref, par, "colwise dealt")
     torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
@@ -161,7 +161,7 @@ def _rowwise(rank, world, s, output, seq, kind):
     x.requires_grad_(True)
     y = run_and_compare(ref, par, x, x_local, weight, f"rowwise {output} S={seq}")
     if isinstance(out_layout, Layout):
-        assert y.layout == out_layout, y
+        assert y.axe_layout == out_layout, y
     else:
         assert y.placements == (out_layout,), y
     torch.testing.assert_close(x_local.grad, piece(x.grad, world, 2, rank), **TOL)
@@ -315,7 +315,7 @@ def _prepare(rank, world, s):
     y_ref, _ = ref(x, scale, shift=shift)
     y, x_seen = par(piece(x, world, 0, rank), scale, shift=shift)
     assert isinstance(x_seen, DTensor) and x_seen.placements == (Replicate(),)
-    assert y.layout == cyclic
+    assert y.axe_layout == cyclic
     torch.testing.assert_close(y.full_tensor(), y_ref, **TOL)
     # PrepareModuleOutput: a Replicate DTensor output brought to Shard(1), then handed out as local
     out_par = nn.Sequential(copy.deepcopy(ref.proj))

@@ -76,7 +76,7 @@ def _rows_layout_way(rank, world, seed):
     from axedist.layout import LayoutError
     with pytest.raises(LayoutError):
         flat.placements  # the flattened rows have no placement form
-    assert out.layout.replica == flat.layout.replica
+    assert out.axe_layout.replica == flat.axe_layout.replica
     assert torch.allclose(out.full_tensor(), x.reshape(-1, h) @ w)
     back = out.view(bsz, seq, n)
     assert back.placements == (Shard(1),)  # the row map is the sequence sharding again
@@ -121,7 +121,7 @@ def _columns_layout_way(rank, world, seed):
         assert bool(ran) == moves, ran
         assert torch.allclose(product.full_tensor(), x @ w.t())
         if not moves:
-            assert product.layout == out.layout and product.layout.replica == dw.layout.replica
+            assert product.axe_layout == out.axe_layout and product.axe_layout.replica == dw.axe_layout.replica
         (out.full_tensor() * up).sum().backward()
         got = [t.grad.clone() for t in (x, w, bias)]
         for t in (x, w, bias):

@@ -212,7 +212,7 @@ def _layout_with_replicated(rank, world, seed):
             dx, dy = distribute(x, mesh, dealt), distribute(y, mesh, [Replicate()])
             with count_collectives() as seen:
                 out = op(dy, dx) if swap else op(dx, dy)
-            assert seen.calls == 0 and out.layout == dealt, (str(seen), out.layout)
+            assert seen.calls == 0 and out.axe_layout == dealt, (str(seen), out.axe_layout)
             want = op(y, x) if swap else op(x, y)
             assert torch.allclose(out.full_tensor(), want)
             up = torch.randn(want.shape, generator=g, dtype=torch.float64)

@@ -93,7 +93,7 @@ def _special_layouts_case(rank, world_size, seed):
     want, after = _same_seed(seed, lambda: torch.empty(24, 5, dtype=torch.float64).uniform_())
     x = distribute(torch.zeros(24, 5, dtype=torch.float64), mesh, cyclic)
     got, after_here = _same_seed(seed, lambda: x.uniform_())
-    assert got.layout == cyclic
+    assert got.axe_layout == cyclic
     assert torch.equal(got.full_tensor(), want) and torch.equal(after_here, after), "block-cyclic"
 
     generator = torch.Generator().manual_seed(seed + 1)

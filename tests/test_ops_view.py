@@ -18,9 +18,9 @@ def _views(rank, world, seed):
     dx = distribute(x, mesh, [Shard(1)])
     flat = dx.view(-1, 6)                 # (B*S, 6) of a sequence-sharded tensor: a layout, no data moved
     assert flat.to_local().data_ptr() == dx.to_local().data_ptr() and flat.to_local().shape == (8, 6)
-    assert str(flat.layout) == f"S[(2,{world},4,6):(24,1@gpuid,6,1)]", flat.layout
+    assert str(flat.axe_layout) == f"S[(2,{world},4,6):(24,1@gpuid,6,1)]", flat.axe_layout
     moved = torch.tanh(flat) * 2          # elementwise keeps the layout
-    assert moved.layout == flat.layout
+    assert moved.axe_layout == flat.axe_layout
     back = moved.view(2, 4 * world, 6)
     assert back.placements == (Shard(1),)
     assert torch.allclose(back.full_tensor(), torch.tanh(x) * 2)

@@ -11,7 +11,7 @@ Mesh ``("dp", "tp") = (2, 2)``, an ``(8, 6)`` weight that ``ColwiseParallel`` sp
     >>> for block in model.layers:
     ...     fully_shard(block, mesh)
     >>> fully_shard(model, mesh)
-    >>> model.layers[0].attention.wq.weight.layout      # rows tp-major, then dp, then 2 local rows
+    >>> model.layers[0].attention.wq.weight.axe_layout      # rows tp-major, then dp, then 2 local rows
     S[(2,2,2,6):(1@tp,1@dp,6,1)]
 
 Before a unit (a module given to ``fully_shard``) runs, its parameters are all-gathered over

@@ -114,7 +114,7 @@ def _where_now(x: DTensor) -> str:
     try:
         placements = x.placements
     except LayoutError:
-        return str(x.layout)
+        return str(x.axe_layout)
     return str(tuple(placements))
 
 
@@ -753,7 +753,7 @@ def describe(module: nn.Module) -> str:
         for pname, p in sub.named_parameters(recurse=False):
             if isinstance(p, DTensor):
                 dtype = str(p.dtype).replace("torch.", "")
-                lines.append(f"  {pname}  {dtype}{list(p.shape)}  {_where_now(p)}  {p.layout}")
+                lines.append(f"  {pname}  {dtype}{list(p.shape)}  {_where_now(p)}  {p.axe_layout}")
         for text in log.lines.values():
             lines.append(f"  {text}")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTens
                         op_info, plan_call, replace_dtensors, scan, written)
 from .fastpath import FastPath
 from .registry import ArgSpec
+from .reshape_inplace import RESHAPING_INPLACE, dispatch_reshaping_inplace
 from .specs import placements_or_none
 from .state import READY, RECORDING, WRAPPER_POSITIONAL
 from .variants import (FUSED_OPTIMIZERS, NOT_HANDLED, adopt_constants, dispatch_foreach, dispatch_fused_optimizer,
@@ -252,6 +253,8 @@ class OpDispatcher:
                 return result
         if info.out_names:
             return dispatch_out(self, func, args, kwargs, info)
+        if func in RESHAPING_INPLACE:  # the tensor itself changes shape: rebound to its new spec
+            return dispatch_reshaping_inplace(self, func, args, kwargs)
         try:
             dts, mesh, key = scan(self.cls, func, args, kwargs)
         except PlainTensorError as error:

@@ -1,4 +1,4 @@
-"""Sharding rules of softmax, log_softmax, layer norm and RMS norm, forward and backward.
+"""Sharding rules of softmax, log_softmax (and attention's ``_safe_softmax``), layer norm and RMS norm, forward and backward.
 
 Softmax over a dim no mesh axis shards runs locally and keeps every shard. Over a
 sharded dim it still keeps the shards: each rank all-reduces its rows' maxima, then
@@ -56,36 +56,48 @@ def _grad_target(grad_places, data_places) -> tuple:
 # ---------------------------------------------------------------------------
 
 
-@register(aten._softmax.default, aten._log_softmax.default)
+@register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def softmax_rule(call: OpCall) -> Sharding:
     """``x.softmax(1)`` of ``[Shard(0)]``: local. Of ``[Shard(1)]``: stays ``[Shard(1)]``, with
-    the row max and the row sum all-reduced over the axes that shard dim 1."""
-    x, dim, half_to_float = call.args[0], call.args[1], call.args[2]
+    the row max and the row sum all-reduced over the axes that shard dim 1. ``_safe_softmax``
+    (attention's masked softmax) is softmax with rows that are all ``-inf`` set to 0."""
+    x, dim = call.args[0], call.args[1]
     d = dim % max(x.ndim, 1)
     target = without_partial(placements_of(x))  # softmax is not linear: pending sums first
     axes = _axes_sharding(x.mesh, target, d, x.ndim)
     if not axes:
         return Sharding(inputs=[target], outputs=target)
     log = call.func is aten._log_softmax.default
+    safe = call.func is aten._safe_softmax.default
+    half_to_float = not safe and call.args[2]
+    dtype = call.arg(2, "dtype") if safe else None
 
     def local(call_, t, *args, **kwargs):
-        group = call_.mesh.group(axes)
-        out_dtype = torch.float32 if half_to_float else t.dtype
-        work = t.to(accumulation_dtype(out_dtype))
-        if work.shape[d]:
-            top = work.amax(d, keepdim=True)
-        else:
-            shape = list(work.shape)
-            shape[d] = 1
-            top = torch.full(shape, float("-inf"), dtype=work.dtype, device=work.device)
-        all_reduce_(top, "max", group=group)
-        shifted = work - top
-        total = shifted.exp().sum(d, keepdim=True)
-        all_reduce_(total, group=group)
-        out = shifted - total.log() if log else shifted.exp() / total
-        return out.to(out_dtype)
+        out_dtype = dtype or (torch.float32 if half_to_float else t.dtype)
+        return _sharded_softmax(t, d, call_.mesh.group(axes), log, safe).to(out_dtype)
 
     return Sharding(inputs=[target], outputs=target, local=local)
+
+
+def _sharded_softmax(t: torch.Tensor, d: int, group, log: bool, safe: bool) -> torch.Tensor:
+    """(log-)softmax along ``d`` of a tensor whose dim ``d`` is split over ``group``: the row
+    max and the row sum of ``exp(x - max)`` all-reduced (``safe``: rows whose max is ``-inf``,
+    all masked, give 0)."""
+    work = t.to(accumulation_dtype(t.dtype))
+    if work.shape[d]:
+        top = work.amax(d, keepdim=True)
+    else:
+        shape = list(work.shape)
+        shape[d] = 1
+        top = torch.full(shape, float("-inf"), dtype=work.dtype, device=work.device)
+    all_reduce_(top, "max", group=group)
+    shifted = work - top
+    total = shifted.exp().sum(d, keepdim=True)
+    all_reduce_(total, group=group)
+    out = shifted - total.log() if log else shifted.exp() / total
+    if safe:
+        out = out.masked_fill(top == float("-inf"), 0.0)
+    return out
 
 
 @register(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)

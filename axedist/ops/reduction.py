@@ -1,5 +1,5 @@
 """Sharding rules of reductions: sum, mean, amax/amin, max/min, argmax/argmin, prod,
-var/std, linalg_vector_norm, logsumexp, any/all, and the scans cumsum/cumprod.
+var/std, linalg_vector_norm, logsumexp, any/all (the scans cumsum/cumprod: ``along_dim.py``).
 
 A reduction over dims that no mesh axis shards runs locally and keeps the other dims'
 sharding. Over a sharded dim, each rank reduces its piece and the pieces combine:
@@ -29,9 +29,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from ..runtime.carriers import all_reduce_
-from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
+from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
-from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, unshard, without_partial
+from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, without_partial
 
 aten = torch.ops.aten
 
@@ -456,25 +456,6 @@ def vector_norm_rule(call: OpCall) -> Sharding:
         return total.pow(1.0 / ord_).to(real)
 
     return Sharding(inputs=[target], outputs=plan.out, local=local)
-
-
-# ---------------------------------------------------------------------------
-# Scans: cumsum, cumprod (the scanned dim must be whole)
-# ---------------------------------------------------------------------------
-
-
-@register(aten.cumsum.default, aten.cumprod.default)
-def scan_rule(call: OpCall) -> Sharding:
-    """``x.cumsum(1)``: dim 1 whole on each device (gathered if sharded), the others kept;
-    a pending sum stays pending for cumsum (it is linear)."""
-    x, dim = call.args[0], call.arg(1, "dim")
-    places = unshard(placements_of(x), [dim], x.ndim)
-    if call.func is aten.cumprod.default:
-        places = without_partial(places)
-    else:
-        places = tuple(p if not isinstance(p, Partial) or p.reduce_op in LINEAR_REDUCE_OPS else Replicate()
-                       for p in places)
-    return Sharding(inputs=[places], outputs=places)
 
 
 __all__ = ["reduced_dims", "accumulation_dtype"]

@@ -114,8 +114,8 @@ def _same_dim_choice(specs: list[ArgSpec], axis_index: int, allowed) -> Placemen
     votes: dict[int, int] = {}
     for s in specs:
         p = placements_of(s)[axis_index]
-        if is_plain_shard(p) and allowed(p.dim % s.ndim):
-            votes[p.dim % s.ndim] = votes.get(p.dim % s.ndim, 0) + s_numel(s)
+        if is_plain_shard(p) and allowed(p.dim % max(s.ndim, 1)):
+            votes[p.dim % max(s.ndim, 1)] = votes.get(p.dim % max(s.ndim, 1), 0) + s_numel(s)
     if not votes:
         return Replicate()
     return Shard(max(votes, key=lambda d: (votes[d], -d)))
@@ -165,7 +165,7 @@ def cat_rule(call: OpCall) -> Sharding:
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
     specs = tensor_specs(tensors)
     ndim = specs[0].ndim
-    d = dim % ndim
+    d = dim % max(ndim, 1)
     target = joint_placements(specs, allowed=lambda e: e != d)
     return Sharding(inputs=[target] * len(specs), outputs=target)
 
@@ -197,7 +197,7 @@ def split_rule(call: OpCall) -> Sharding:
     """``x.split(2, dim=1)`` keeps every dim's sharding but dim 1's (replicated first)."""
     x, split_size = call.args[0], call.args[1]
     dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     target = unshard(placements_of(x), [d], x.ndim)
     n = _split_count(x.shape[d], split_size)
     return Sharding(inputs=[target], outputs=tuple([target] * n))
@@ -216,7 +216,7 @@ def unbind_rule(call: OpCall) -> Sharding:
     """``x.unbind(0)`` of ``[Shard(1)]`` (shape (3, 8)) -> three ``[Shard(0)]`` rows."""
     x = call.args[0]
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     target = unshard(placements_of(x), [d], x.ndim)
     out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
     return Sharding(inputs=[target], outputs=tuple([out] * x.shape[d]))
@@ -234,7 +234,7 @@ def slice_rule(call: OpCall) -> Sharding:
     x = call.args[0]
     dim, start, end, step = (call.arg(1, "dim", 0), call.arg(2, "start"), call.arg(3, "end"),
                              call.arg(4, "step", 1))
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     places = placements_of(x)
     if not is_full_range(x.shape[d], start, end, step):
         places = unshard(places, [d], x.ndim)
@@ -247,7 +247,7 @@ def slice_backward_rule(call: OpCall) -> Sharding:
     range; ``grad``'s other dims keep their sharding, and a pending sum stays pending (zeros
     add up to zeros)."""
     grad, sizes, dim, start, end, step = call.args[:6]
-    d = dim % grad.ndim
+    d = dim % max(grad.ndim, 1)
     places = placements_of(grad)
     if not is_full_range(sizes[d], start, end, step) or grad.shape[d] != sizes[d]:
         places = unshard(places, [d], grad.ndim)
@@ -270,7 +270,7 @@ def _with_local_sizes(sizes, mesh, out_places):
 def select_rule(call: OpCall) -> Sharding:
     """``x[:, 2]`` of ``[Shard(0)]`` -> ``[Shard(0)]``; ``x[2]`` of ``[Shard(1)]`` -> ``[Shard(0)]``."""
     x, dim = call.args[0], call.args[1]
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     target = unshard(placements_of(x), [d], x.ndim)
     out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
     return Sharding(inputs=[target], outputs=out)
@@ -303,7 +303,7 @@ def index_select_rule(call: OpCall) -> Sharding:
     ``x: (4, 10) [Shard(0)]``, ``idx: (3,) [Replicate()]`` -> ``(4, 3) [Shard(0)]``.
     """
     x, dim, index = call.args[0], call.args[1], call.args[2]
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     xp = list(unshard(placements_of(x), [d], x.ndim))
     has_index = isinstance(index, ArgSpec)
     ip = list(without_partial(placements_of(index))) if has_index else []
@@ -311,7 +311,7 @@ def index_select_rule(call: OpCall) -> Sharding:
     for i in range(len(xp)):
         if not has_index:
             continue
-        if is_plain_shard(ip[i]) and isinstance(xp[i], Replicate):
+        if is_plain_shard(ip[i]) and isinstance(xp[i], Replicate) and x.ndim:  # (a 0-dim result has no dim to shard)
             out[i] = Shard(d)
         else:
             ip[i] = Replicate()
@@ -325,7 +325,7 @@ def index_add_rule(call: OpCall) -> Sharding:
     shards off ``dim``, ``dim`` is whole, the index replicated; pending sums in both ``x``
     and ``src`` stay pending (the op is linear in them together)."""
     x, dim, index, src = call.args[:4]
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     specs = [s for s in (x, src) if isinstance(s, ArgSpec)]
     target = joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e])
     target = tuple(p if not isinstance(p, Partial) or p.reduce_op == "sum" else Replicate() for p in target)
@@ -360,17 +360,24 @@ def gather_rule(call: OpCall) -> Sharding:
     ``x: (6, 5) [Shard(0)]``, ``idx: (6, 2) [Shard(0)]``, dim 1 -> out ``(6, 2) [Shard(0)]``.
     """
     x, dim, index = call.args[0], call.args[1], call.args[2]
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     xt, it, out = [], [], []
-    for xp, ip in zip(placements_of(x), without_partial(placements_of(index))):
+    for xp, ip in zip(_placements_or_scalar(x, call.mesh), without_partial(_placements_or_scalar(index, call.mesh))):
         if isinstance(xp, Partial):
             xt.append(xp), it.append(Replicate()), out.append(xp)
-        elif is_plain_shard(ip) and ip.dim % x.ndim == d:
+        elif is_plain_shard(ip) and ip.dim % max(x.ndim, 1) == d:
             xt.append(Replicate()), it.append(ip), out.append(ip)
         else:
             (a, b), o = _index_axis(d, [x.shape, index.shape], [xp, ip])
             xt.append(a), it.append(b), out.append(o)
-    return Sharding(inputs=[tuple(xt), tuple(it)], outputs=tuple(out))
+    inputs = [tuple(p) for p, v in ((xt, x), (it, index)) if isinstance(v, ArgSpec)]
+    return Sharding(inputs=inputs, outputs=tuple(out))
+
+
+def _placements_or_scalar(value, mesh) -> tuple:
+    """A DTensor argument's placements; a plain 0-dim tensor (a scalar: autograd's index of a
+    0-dim input) reads as replicated."""
+    return placements_of(value) if isinstance(value, ArgSpec) else (Replicate(),) * mesh.ndim
 
 
 @register(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
@@ -381,9 +388,9 @@ def scatter_rule(call: OpCall) -> Sharding:
     them together: every rank writes the same positions)."""
     x, dim, index = call.args[0], call.args[1], call.args[2]
     src = call.args[3] if len(call.args) > 3 else call.kwargs.get("src", call.kwargs.get("value"))
-    d = dim % x.ndim
+    d = dim % max(x.ndim, 1)
     tensors = [x, index] + ([src] if isinstance(src, ArgSpec) else [])
-    places = [placements_of(t) for t in tensors]
+    places = [_placements_or_scalar(t, call.mesh) for t in tensors]
     targets = [[] for _ in tensors]
     out = []
     # pending sums stay pending when x and src are pending on exactly the same axes
@@ -392,7 +399,7 @@ def scatter_rule(call: OpCall) -> Sharding:
                                                  for ps in data}) == 1 and \
         not any(isinstance(p, Partial) for p in places[1]) and \
         all(not isinstance(p, Partial) or p.reduce_op == "sum" for p in places[0])
-    for axis in range(x.mesh.ndim):
+    for axis in range(call.mesh.ndim):
         ps = [p[axis] for p in places]
         if linear and isinstance(ps[0], Partial):
             chosen, o = [ps[0], Replicate()] + ps[2:], ps[0]
@@ -401,4 +408,4 @@ def scatter_rule(call: OpCall) -> Sharding:
         for t, c in zip(targets, chosen):
             t.append(c)
         out.append(o)
-    return Sharding(inputs=[tuple(t) for t in targets], outputs=tuple(out))
+    return Sharding(inputs=[tuple(t) for t, v in zip(targets, tensors) if isinstance(v, ArgSpec)], outputs=tuple(out))

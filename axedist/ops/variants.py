@@ -3,7 +3,7 @@ optimizer steps, plain constants among DTensors, and ops with no rule (the gathe
 
 Each function takes the dispatcher (``d``: its tensor class ``d.cls``, ``d.dispatch`` for the
 functional op, its caches and counts). ``torch.add(x, y, out=o)`` runs ``add.Tensor`` through the
-dispatcher, then copies the result into ``o`` in ``o``'s layout; ``torch.cummin(x, 1)`` (no rule)
+dispatcher, then copies the result into ``o`` in ``o``'s layout; ``torch.aminmax(x, dim=1)`` (no rule)
 gathers ``x``, runs on the whole tensor, and lays the result out replicated, warning once.
 """
 
@@ -20,6 +20,7 @@ from ..runtime import redistribute_local
 from ..spec import make_spec, replicated_layout
 from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
                         replace_dtensors, scan, writes_first, written)
+from .reshape_inplace import rebind
 from .specs import placements_or_none, spec_of
 
 __all__ = ["FUSED_OPTIMIZERS", "NOT_HANDLED", "dispatch_out", "dispatch_foreach", "dispatch_fused_optimizer",
@@ -214,8 +215,9 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
 
     Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
     (autograd formulas make such constants next to DTensors: prod's backward concatenates
-    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` any plain
-    tensor equal on every rank; under ``loss_parallel()`` the target and weight of the loss ops.
+    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` and in a
+    backward pass (autograd's formulas build index tensors) any plain tensor equal on every
+    rank; under ``loss_parallel()`` the target and weight of the loss ops.
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
     (the arguments' structure is the same on every rank), so none waits.
     """
@@ -236,7 +238,7 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         visit(value)
     if mesh is None or not plain:
         raise error
-    replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication()
+    replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication() or _in_backward()
                      or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel())))
     if replicate_any:
         grads = [tuple(t.shape) for t in plain if t.requires_grad]
@@ -262,6 +264,13 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         return value
 
     return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+
+
+def _in_backward() -> bool:
+    """Is autograd running a backward pass? Its formulas make plain tensors of their own (as_strided's
+    backward index_adds an index it builds from the sizes), the same on every rank: taken as
+    replicated once checked, as under ``implicit_replication()``."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _fingerprint(t: torch.Tensor) -> list[int]:
@@ -321,6 +330,15 @@ def _exact_word(value: torch.Tensor) -> int:
     return struct.unpack("<q", struct.pack("<d", number))[0]
 
 
+# ops that read their input's storage (offsets and strides into it), not its elements
+_READS_STORAGE = frozenset(getattr(aten, name).default for name in ("as_strided", "as_strided_copy",
+                                                                    "as_strided_scatter") if hasattr(aten, name))
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     """Gather every DTensor, run the op on the whole tensors, lay the result out replicated."""
     cls = d.cls
@@ -329,7 +347,11 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     for dt in dts:
         if id(dt) not in full:
             replicated = make_spec(mesh, replicated_layout(dt.shape, mesh), dt.shape)
-            full[id(dt)] = (dt, replicated, redistribute_local(dt._local, dt._spec, replicated))
+            whole = redistribute_local(dt._local, dt._spec, replicated)
+            if func in _READS_STORAGE and not _owns_storage(whole):
+                # a DTensor is its values, its own storage: as_strided reads that, not a gather buffer's
+                whole = whole.clone(memory_format=torch.contiguous_format)
+            full[id(dt)] = (dt, replicated, whole)
     local_args, local_kwargs = replace_dtensors(cls, args, kwargs, lambda dt: full[id(dt)][2])
     result = func(*local_args, **local_kwargs)
     # written arguments: lay the whole result back out in their own layout
@@ -338,6 +360,10 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     for target in targets:
         if isinstance(target, cls):
             dt, replicated, value = full[id(target)]
+            if tuple(value.shape) != tuple(dt.shape):
+                # an in-place op that changed its tensor's shape: the DTensor takes the new shape
+                rebind(dt, cls(value, make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)))
+                continue
             dt._local.copy_(_laid_out(func, value, replicated, dt._spec))
     if not func._schema.returns:  # torch wants None from an op that returns nothing (_fused_adamw_)
         return None

@@ -167,12 +167,14 @@ def _permutation(call: OpCall) -> tuple[int, ...]:
     if func is aten.t.default:
         return (1, 0) if ndim == 2 else tuple(range(ndim))
     if func in (aten.transpose.int,):
-        d0, d1 = (call.args[1] % max(ndim, 1), call.args[2] % max(ndim, 1))
+        if ndim == 0:  # torch transposes a 0-dim tensor's dims 0 / -1 into itself
+            return ()
+        d0, d1 = (call.args[1] % ndim, call.args[2] % ndim)
         perm = list(range(ndim))
         perm[d0], perm[d1] = perm[d1], perm[d0]
         return tuple(perm)
     dims = call.args[1]
-    return tuple(d % ndim for d in dims)
+    return tuple(d % max(ndim, 1) for d in dims)[:ndim]
 
 
 @register(aten.t.default, aten.transpose.int, aten.permute.default)

@@ -1,0 +1,111 @@
+"""Sharding rules of ops that work along one dim, each position of the other dims on its own:
+scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``), sorts and selections
+(``sort``, ``topk``, ``kthvalue``, ``median`` / ``nanmedian`` / ``mode`` over a dim), ``renorm``,
+the FFTs (over a list of dims) and ``constant_pad_nd`` (over the dims it pads). (``tril`` / ``triu``
+stay with the gather fallback: a rule that kept their shards gave a wrong gradient inside
+``linalg.householder_product``'s backward, not yet understood.)
+
+The op's dim must be whole on each device; every other dim keeps its shards, so no whole
+tensor moves when the op's dim is not the sharded one. 4 ranks, ``x`` (8, 10) in
+``[Shard(0)]``: ``x.topk(3, dim=1)`` runs on each rank's (2, 10) rows and gives values and
+indices (8, 3) in ``[Shard(0)]``; ``x.topk(3, dim=0)`` first gathers dim 0.
+
+A pending reduction is applied first (none of these is linear), except by ``cumsum`` and the
+FFTs (linear: a pending sum or mean stays pending).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial
+
+from .registry import LINEAR_REDUCE_OPS, OpCall, Sharding, register
+from .shard_ranges import without_partial
+from .tensor_ops import placements_of, renumber, unshard
+
+aten = torch.ops.aten
+
+# op -> does it keep a pending sum (linear in its input)?
+_SAME_SHAPE = {aten.cumsum.default: True, aten.cumprod.default: False, aten.logcumsumexp.default: False,
+               aten._logcumsumexp.default: False, aten.cummax.default: False, aten.cummin.default: False,
+               aten.sort.default: False, aten.sort.stable: False}
+_REDUCING = (aten.kthvalue.default, aten.median.dim, aten.nanmedian.dim, aten.mode.default)
+
+
+def _dim_of(call: OpCall) -> int:
+    """The op's dim, as a non-negative index (a 0-dim input's dims 0 / -1 are its only one)."""
+    func, x = call.func, call.args[0]
+    if func is aten.sort.stable:
+        dim = call.kwargs.get("dim", -1)
+    elif func in (aten.topk.default, aten.kthvalue.default):
+        dim = call.arg(2, "dim", -1)
+    elif func is aten.renorm.default:
+        dim = call.arg(2, "dim")
+    else:
+        dim = call.arg(1, "dim", -1)
+    return dim % max(x.ndim, 1)
+
+
+def _whole_along(call: OpCall, keeps_sum: bool) -> tuple:
+    """The input's placements with the op's dim whole and, unless the op keeps a pending sum,
+    nothing pending."""
+    x = call.args[0]
+    places = placements_of(x)
+    pending = [p for p in places if isinstance(p, Partial)]
+    if not (keeps_sum and pending and all(p.reduce_op in LINEAR_REDUCE_OPS for p in pending)):
+        places = without_partial(places)
+    return unshard(places, [_dim_of(call)], x.ndim) if x.ndim else places
+
+
+@register(*_SAME_SHAPE)
+def scan_rule(call: OpCall) -> Sharding:
+    """``x.cumsum(1)`` of ``[Shard(0)]``: local, ``[Shard(0)]``; of ``[Shard(1)]``: dim 1 gathered first."""
+    target = _whole_along(call, _SAME_SHAPE[call.func])
+    two = call.func in (aten.cummax.default, aten.cummin.default, aten.sort.default, aten.sort.stable)
+    return Sharding(inputs=[target], outputs=(target, target) if two else target)
+
+
+@register(aten.topk.default, aten.renorm.default)
+def topk_rule(call: OpCall) -> Sharding:
+    """``x.topk(k, 1)`` of (8, 10) ``[Shard(0)]``: values and indices (8, k) ``[Shard(0)]``, local;
+    ``renorm`` (each slice along its dim scaled to a norm at most ``maxnorm``) likewise."""
+    target = _whole_along(call, False)
+    return Sharding(inputs=[target], outputs=(target, target) if call.func is aten.topk.default else target)
+
+
+@register(*_REDUCING)
+def select_along_rule(call: OpCall) -> Sharding:
+    """``x.median(1)`` of (8, 10) ``[Shard(0)]``: values and indices (8,) ``[Shard(0)]``, local."""
+    x = call.args[0]
+    keepdim = call.arg(3 if call.func is aten.kthvalue.default else 2, "keepdim", False)
+    target = _whole_along(call, False)
+    d = _dim_of(call)
+    out = target if keepdim or not x.ndim else renumber(target, x.ndim, lambda e: e if e < d else e - 1)
+    return Sharding(inputs=[target], outputs=(out, out))
+
+
+@register(aten._fft_r2c.default, aten._fft_c2c.default)  # (c2r: gathered, not yet checked)
+def fft_rule(call: OpCall) -> Sharding:
+    """An FFT over ``dim`` (a list): those dims whole, the others keep their shards; linear, so a
+    pending sum (or mean) stays pending. ``torch.fft.rfft(x)`` of (8, 16) ``[Shard(0)]``: (8, 9)
+    ``[Shard(0)]``, local."""
+    x, dims = call.args[0], call.args[1]
+    places = placements_of(x)
+    if not all(isinstance(p, Partial) and p.reduce_op in LINEAR_REDUCE_OPS for p in places if isinstance(p, Partial)):
+        places = without_partial(places)
+    target = unshard(places, list(dims), x.ndim)
+    return Sharding(inputs=[target], outputs=target)
+
+
+@register(aten.constant_pad_nd.default)
+def pad_rule(call: OpCall) -> Sharding:
+    """``F.pad(x, (1, 2))`` pads (or, negative, crops) the last dim: that dim whole, the others
+    keep their shards; a zero fill keeps any pending reduction (every summand gets zeros)."""
+    x, pad = call.args[0], call.args[1]
+    value = call.arg(2, "value", 0)
+    padded = [x.ndim - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
+    places = placements_of(x)
+    if value:
+        places = without_partial(places)
+    target = unshard(places, padded, x.ndim)
+    return Sharding(inputs=[target], outputs=target)

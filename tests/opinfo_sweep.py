@@ -1,0 +1,337 @@
+"""torch's OpInfo database through axedist DTensors: each op's sample inputs with every tensor
+argument laid out Replicate, Shard(0), Shard(-1) and mixes, forward values and gradients against
+the plain op.
+
+One op on every rank of a mesh (``sweep_op``, run by ``run_on_ranks``) ends in one outcome:
+
+* ``pass``: every sample's outputs (shape, dtype, values) and input gradients match the plain op;
+* ``clear error``: a sample raised axedist's own error (``DispatchError`` / ``LayoutError``:
+  it names the op and what is unsupported), and none went wrong;
+* ``other error``: a sample raised anything else (an internal ``ZeroDivisionError``, torch's
+  kernel refusing the local tensors a rule made, ...): a bug to fix or to turn into a clear error;
+* ``silent wrong``: some output or gradient differs from the plain op's (value, shape, dtype):
+  the one outcome that must never happen.
+
+Samples on which the plain op itself raises are skipped. A random op (one that draws from torch's
+generator: its RNG state moves) and the ``empty`` family (uninitialized values) are compared by
+shape and dtype only. ``fallback`` counts the aten
+calls that went through the gather fallback (``DTensor.dispatcher.cache_info()["fallbacks"]``),
+and ``fallback_ops`` names them. ``tests/test_ops_opinfo.py`` runs ``FAST_OPS`` in the CPU suite;
+``benchmarks/sweep_opinfo.py`` runs the whole database and writes the table.
+
+    >>> run_on_ranks(sweep_op, 2, args=("2", "cat"))[0]
+    {'op': 'cat', 'outcome': 'pass', 'samples': 12, 'runs': 36, 'fallback': 0, ...}
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+import axedist as ax
+from axedist.dtensor import DTensor
+from axedist.layout import LayoutError
+from axedist.mesh import DeviceMesh
+from axedist.ops import DispatchError
+from axedist.placements import Replicate, Shard
+
+__all__ = ["FAST_OPS", "op_entries", "op_key", "sweep_op", "sweep_ops", "summarize", "OUTCOMES", "UNINITIALIZED"]
+
+OUTCOMES = ("pass", "clear error", "other error", "silent wrong")
+# ops whose values are uninitialized memory: compared by shape and dtype only
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"})
+MESHES = {"2": ((2,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
+CLEAR_ERRORS = (DispatchError, LayoutError)
+
+# Representative ops for the CPU suite: pointwise, reductions, norms, matmuls, views, joins,
+# indexing, the in-place shape changers torch's kernels call, attention, losses, masked ops.
+FAST_OPS = (
+    "add", "mul", "div.no_rounding_mode", "pow", "exp", "tanh", "sigmoid", "nn.functional.gelu",
+    "nn.functional.silu", "where", "masked_fill", "clamp", "sum", "mean", "amax", "var", "softmax",
+    "log_softmax", "nn.functional.layer_norm", "nn.functional.rms_norm", "mm", "bmm", "addmm", "matmul",
+    "nn.functional.linear", "einsum", "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze",
+    "flatten", "expand", "cat", "stack", "index_select", "gather", "topk", "max.reduction_with_dim",
+    "tril", "triu", "cumsum", "nn.functional.embedding", "nn.functional.cross_entropy",
+    "nn.functional.dropout", "quantile", "stft", "resize_", "masked.sum", "masked.softmax",
+    "nn.functional.scaled_dot_product_attention", "linalg.vector_norm", "nn.functional.group_norm",
+)
+
+
+def op_key(op) -> str:
+    """``name`` or ``name.variant``: ``max.reduction_with_dim``."""
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def op_entries() -> dict:
+    """``{key: OpInfo}`` of torch's op database, the ops with a float32 or float64 CPU kernel."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    out = {}
+    for op in op_db:
+        dtypes = op.supported_dtypes("cpu")
+        if torch.float32 in dtypes or torch.float64 in dtypes:
+            out[op_key(op)] = op
+    return out
+
+
+# -- placements of a sample's tensors -----------------------------------------------------------
+
+def _plans(mesh: DeviceMesh) -> list:
+    """Per plan, the placements of tensor ``i`` of ``n`` (a 0-dim tensor is always replicated)."""
+    R, S0, S1 = Replicate(), Shard(0), Shard(-1)
+    if mesh.ndim == 1:
+        return [lambda i, n: (R,), lambda i, n: (S0,), lambda i, n: (S1,),
+                lambda i, n: (S0,) if i == 0 else (R,), lambda i, n: (R,) if i == 0 else (S1,),
+                lambda i, n: (S0,) if i % 2 == 0 else (S1,)]
+    return [lambda i, n: (R, R), lambda i, n: (S0, S1), lambda i, n: (S1, S0), lambda i, n: (S0, S0),
+            lambda i, n: (S0, R) if i == 0 else (R, S1), lambda i, n: (R, S0) if i % 2 == 0 else (S1, R)]
+
+
+def _tensors(value, found: list) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, found)
+
+
+def _swap(value, table: dict):
+    if isinstance(value, torch.Tensor):
+        return table.get(id(value), value)
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_swap(v, table) for v in value)
+    if isinstance(value, dict):
+        return {k: _swap(v, table) for k, v in value.items()}
+    return value
+
+
+def _flat(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def _placed(t: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    if t.dim() == 0:
+        placements = (Replicate(),) * mesh.ndim
+    dt = ax.distribute(t.detach(), mesh, list(placements), src_rank=None)
+    return dt.requires_grad_(t.requires_grad)
+
+
+# -- comparing -----------------------------------------------------------------------------------
+
+def _tolerance(dtype) -> dict:
+    if dtype in (torch.float64, torch.complex128):
+        return dict(rtol=1e-7, atol=1e-7)
+    return dict(rtol=1e-4, atol=1e-4)
+
+
+def _whole(value):
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    return value
+
+
+def _compare(got, want, what: str, values: bool) -> str | None:
+    """None when ``got`` (from DTensors) is ``want`` (plain), else what differs."""
+    if isinstance(want, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{what}: {type(got).__name__} where the plain op gives a tensor"
+        if tuple(got.shape) != tuple(want.shape):
+            return f"{what}: shape {tuple(got.shape)}, plain {tuple(want.shape)}"
+        if got.dtype != want.dtype:
+            return f"{what}: dtype {got.dtype}, plain {want.dtype}"
+        if not values:
+            return None
+        whole = _whole(got).detach()
+        try:
+            torch.testing.assert_close(whole, want.detach(), equal_nan=True, check_stride=False,
+                                       **_tolerance(want.dtype))
+        except AssertionError as error:
+            return f"{what}: values differ: {str(error).splitlines()[-3:]}"
+        return None
+    if isinstance(got, torch.Tensor) and not isinstance(want, torch.Tensor):
+        got = _whole(got)
+        if got.dim() == 0 and isinstance(want, (int, float, bool, complex)):
+            got = got.item()
+    if values and got != want and not (isinstance(want, float) and want != want and got != got):
+        return f"{what}: {got!r}, plain {want!r}"
+    return None
+
+
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a leaf copy of its values with a storage of its own when ``t`` is a view."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)
+
+
+def _swap_sample(sample, table: dict):
+    """The sample with its tensors replaced per ``table`` (``id -> tensor``)."""
+    return type(sample)(_swap(sample.input, table), args=_swap(sample.args, table), kwargs=_swap(sample.kwargs, table))
+
+
+def _is_random(op, sample) -> bool:
+    """Does the plain op draw from torch's generator (its state moves)?"""
+    state = torch.get_rng_state()
+    try:
+        op(sample.input, *sample.args, **sample.kwargs)
+    except Exception:
+        return False
+    return not torch.equal(state, torch.get_rng_state())
+
+
+# -- one sample, one op ---------------------------------------------------------------------------
+
+def _run_sample(op, sample, mesh, placements_of, dtype) -> tuple[str, str]:
+    """``(kind, detail)``: kind ``pass``, ``skip`` (the plain op raised), ``wrong``, ``clear`` or ``other``."""
+    found: list = []
+    _tensors([sample.input, sample.args, sample.kwargs], found)
+    found = list({id(t): t for t in found}.values())
+    if any(t.layout is not torch.strided for t in found):
+        return "skip", "a sparse input"
+    # A DTensor holds its values, not a storage: a plain input that is a view into a larger
+    # storage (as_strided's partial views) is compared as the tensor of its values it stands for
+    owned = {id(t): _owning(t) for t in found}
+    sample = _swap_sample(sample, owned)
+    found = [owned[id(t)] for t in found]
+    random = op.name in UNINITIALIZED or _is_random(op, sample)
+    torch.manual_seed(0)
+    try:
+        want = op(sample.input, *sample.args, **sample.kwargs)
+    except Exception as error:
+        return "skip", f"plain op raised {type(error).__name__}"
+    placements = [placements_of(i, len(found)) for i in range(len(found))]
+    table = {}
+    try:
+        for t, p in zip(found, placements):
+            table[id(t)] = _placed(t, mesh, p)
+    except CLEAR_ERRORS as error:
+        return "clear", f"distribute: {type(error).__name__}: {error}"
+    where = " ".join(f"{tuple(t.shape)}{list(p) if t.dim() else ''}" for t, p in zip(found, placements))
+    args = _swap(sample.args, table)
+    kwargs = _swap(sample.kwargs, table)
+    torch.manual_seed(0)
+    try:
+        got = op(_swap(sample.input, table), *args, **kwargs)
+        wants, gots = _flat(want), _flat(got)
+        if len(wants) != len(gots):
+            return "wrong", f"{where}: {len(gots)} outputs, plain {len(wants)}"
+        for k, (g, w) in enumerate(zip(gots, wants)):
+            problem = _compare(g, w, f"{where}: output {k}", values=not random)
+            if problem:
+                return "wrong", problem
+        if random or not op.supports_autograd:
+            return "pass", ""
+        return _compare_gradients(found, table, wants, gots, where)
+    except CLEAR_ERRORS as error:
+        return "clear", f"{where}: {type(error).__name__}: {_first_line(error)}"
+    except Exception as error:  # noqa: BLE001 - every other failure is reported, not raised
+        return "other", f"{where}: {type(error).__name__}: {_first_line(error)}"
+
+
+def _first_line(error) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _compare_gradients(found, table, wants, gots, where) -> tuple[str, str]:
+    leaves = [t for t in found if t.requires_grad]
+    pairs = [(w, g) for w, g in zip(wants, gots)
+             if isinstance(w, torch.Tensor) and w.requires_grad and (w.is_floating_point() or w.is_complex())]
+    if not leaves or not pairs:
+        return "pass", ""
+    g = torch.Generator().manual_seed(7)
+    ups = [torch.randn(w.shape, dtype=w.dtype, generator=g) for w, _ in pairs]
+    want_grads = torch.autograd.grad([w for w, _ in pairs], leaves, ups, allow_unused=True)
+    mesh = next(iter(table.values())).mesh
+    up_dts = [ax.distribute(u, mesh, [Replicate()] * mesh.ndim, src_rank=None) for u in ups]
+    outs = [gt for _, gt in pairs]
+    if not all(isinstance(o, DTensor) and o.requires_grad for o in outs):
+        return "wrong", f"{where}: an output does not require grad"
+    got_grads = torch.autograd.grad(outs, [table[id(t)] for t in leaves], up_dts, allow_unused=True)
+    for i, (gw, gg) in enumerate(zip(want_grads, got_grads)):
+        if gw is None or gg is None:
+            if (gw is None) != (gg is None) and not (gw is not None and not gw.any()):
+                return "wrong", f"{where}: gradient {i} is {'None' if gg is None else 'a tensor'}, plain " \
+                                f"{'None' if gw is None else 'a tensor'}"
+            continue
+        problem = _compare(gg, gw, f"{where}: gradient of input {i}", values=True)
+        if problem:
+            return "wrong", problem
+    return "pass", ""
+
+
+def _spread(samples: list, limit: int) -> list:
+    """``limit`` samples spread over the list (the first ones are often the smallest)."""
+    if len(samples) <= limit:
+        return samples
+    step = len(samples) / limit
+    return [samples[int(i * step)] for i in range(limit)]
+
+
+def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"), max_samples=(8, 3),
+             plans_per_sample: int = 3, budget_s: float = 60.0) -> dict:
+    """One op of the database on this rank's mesh: its outcome and counts (the same on every rank).
+
+    Per dtype, up to ``max_samples`` samples (spread over the op's list); each sample under
+    ``plans_per_sample`` placement plans: all replicated, then the others in turn (so the op's
+    samples together meet every plan). Stops starting new samples after ``budget_s`` seconds."""
+    warnings.simplefilter("ignore")
+    op = op_entries()[key]
+    mesh = DeviceMesh("cpu", *MESHES[mesh_name])
+    plans = _plans(mesh)
+    fallbacks = DTensor.dispatcher.cache_info()["fallbacks"]
+    DTensor.dispatcher.forget_fallbacks()
+    start = time.monotonic()
+    kinds: dict = {}
+    details: dict = {}
+    samples = runs = turn = 0
+    for dtype_name, limit in zip(dtypes, max_samples):
+        dtype = getattr(torch, dtype_name)
+        if not limit or dtype not in op.supported_dtypes("cpu"):
+            continue
+        torch.manual_seed(1234)
+        try:
+            listed = list(op.sample_inputs("cpu", dtype, requires_grad=op.supports_autograd))
+        except Exception as error:  # noqa: BLE001
+            details.setdefault("skip", f"sample_inputs raised {type(error).__name__}")
+            continue
+        for sample in _spread(listed, limit):
+            if time.monotonic() - start > budget_s:
+                break
+            samples += 1
+            chosen = [plans[0]] + [plans[1 + (turn + j) % (len(plans) - 1)] for j in range(plans_per_sample - 1)]
+            turn += plans_per_sample - 1
+            for plan in chosen:
+                kind, detail = _run_sample(op, sample, mesh, plan, dtype)
+                runs += kind != "skip"
+                kinds[kind] = kinds.get(kind, 0) + 1
+                if kind != "pass":
+                    details.setdefault(kind, f"{dtype_name} {detail}")
+    fell_back = DTensor.dispatcher.cache_info()["fallbacks"] - fallbacks
+    outcome = ("silent wrong" if kinds.get("wrong") else "other error" if kinds.get("other")
+               else "clear error" if kinds.get("clear") else "pass" if kinds.get("pass") else "skipped")
+    return {"op": key, "outcome": outcome, "samples": samples, "runs": runs, "kinds": kinds,
+            "fallback": fell_back, "fallback_ops": sorted(str(f) for f in DTensor.dispatcher.fallback_ops()),
+            "details": details, "seconds": round(time.monotonic() - start, 2)}
+
+
+def sweep_ops(rank, world, mesh_name: str, keys, dtypes=("float64", "float32"), max_samples=(8, 3)) -> list:
+    """``sweep_op`` of each key in turn, on the same ranks (the CPU suite's subset in one call)."""
+    return [sweep_op(rank, world, mesh_name, key, dtypes, max_samples) for key in keys]
+
+
+def summarize(results: list) -> dict:
+    """Counts per outcome, and of passing ops that went through the gather fallback."""
+    counts = {name: 0 for name in OUTCOMES + ("skipped", "hang or crash")}
+    for r in results:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    counts["pass through the fallback"] = sum(1 for r in results if r["outcome"] == "pass" and r["fallback"])
+    counts["ops"] = len(results)
+    return counts
