@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import axedist as ax
-from axedist.collectives import all_gather_into, p2p
+from axedist.collectives import all_gather_into, p2p, plan_all_gather_gemm
 from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
 from axedist.testing import VirtualRanks
 
@@ -96,7 +96,7 @@ def run_multi(args):
         except Exception as error:  # keep the run going; say why in the table
             symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        row["plan"] = str(ax.plan_all_gather_gemm(a, b))
+        row["plan"] = str(plan_all_gather_gemm(a, b))
         fused_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         w1_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
@@ -167,7 +167,7 @@ def run_onegpu(args):
             fn()
         one_rank.check()
         row = dict(label=label, M=m, N=n, K=k, world=1, queued=times,
-                   plan=str(ax.plan_all_gather_gemm(a, b)),
+                   plan=str(plan_all_gather_gemm(a, b)),
                    tp1_rel_err=_relative(tp1_out, out), kernel_w1_rel_err=_relative(w1_out, out),
                    host_us={name: host_time_us(fn, calls=20, repeats=3) for name, fn in columns.items()})
         times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 import axedist as ax
+from axedist.dtensor import distribute
 
 P = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
 TRANSITIONS = [((2, 2), "S1 S1", "S1 S0"), ((2, 2), "S1 S1", "R S0"), ((4,), "S0", "S1"), ((4,), "S1", "R")]
@@ -68,7 +69,7 @@ def main():
             mesh = mesh4 if mesh_shape == (4,) else mesh22
             full = torch.randn(shape)
             dist.broadcast(full, src=0)
-            x = ax.distribute(full, mesh, [P[p] for p in src.split()])
+            x = distribute(full, mesh, [P[p] for p in src.split()])
             target = [P[p] for p in dst.split()]
             dist.barrier()
             profile = cProfile.Profile() if args.profile and rank == 0 else None

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import axedist as ax
 from axedist.nn import MixedPrecisionPolicy, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.runtime import count_collectives
 from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
 
 # beside this script
@@ -127,7 +128,7 @@ class Trainer:
         """One forward + backward counted: bytes this rank sends, collective calls (axedist),
         then the sharded state's bytes and axedist's peak of gathered parameters."""
         if self.kind == "axedist":
-            with ax.count_collectives() as seen:
+            with count_collectives() as seen:
                 self.forward_backward(tokens)
             sent, calls = seen.bytes_sent, seen.calls
             peak = max(u.schedule.peak_bytes for u in fsdp_units(self.model))

@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import axedist as ax
+from axedist.dtensor import distribute
+from axedist.layout_inference import plan_layouts
 
 from axedist.env import keep_multicast_off
 
@@ -47,7 +49,7 @@ def show_move(dt: "ax.DTensor", target, shape, mesh_spec, itemsize, title: str) 
     moved = dt.redistribute(target)
     say(f"\n-- {title}")
     say(f"   from {dt.axe_layout}\n   to   {moved.axe_layout}")
-    plan = ax.plan_layouts(dt.axe_layout, moved.axe_layout, mesh_spec, shape, itemsize, partial=dt.reduce_op)
+    plan = plan_layouts(dt.axe_layout, moved.axe_layout, mesh_spec, shape, itemsize, partial=dt.reduce_op)
     # The plan redistribute just ran (cached: asking again costs microseconds).
     say("   " + str(plan).replace("\n", "\n   "))
     return moved
@@ -70,7 +72,7 @@ def two_axes(shape_text: str, device_type: str) -> None:
         say(f"\n-- [Partial(), Partial()] -> {target}: {title}")
         say("   " + str(ax.plan(partial, target)).replace("\n", "\n   "))
         check(partial.redistribute(target), total, f"{target}")
-    rows = ax.distribute(reference, mesh, [Shard(0), Shard(0)])
+    rows = distribute(reference, mesh, [Shard(0), Shard(0)])
     say("\n-- [Shard(0), Shard(0)] -> [Replicate(), Replicate()]: all-gather across nodes first (the smaller piece)")
     say("   " + str(ax.plan(rows, [Replicate(), Replicate()])).replace("\n", "\n   "))
     check(rows.redistribute([Replicate(), Replicate()]), reference, "[Replicate(), Replicate()]")
@@ -95,7 +97,7 @@ def main() -> None:
     itemsize = reference.element_size()
     say(f"mesh: {mesh}; global tensor {tuple(shape)} {reference.dtype} on {device_type}")
 
-    rows = ax.distribute(reference, mesh, [Shard(0)])
+    rows = distribute(reference, mesh, [Shard(0)])
     say(f"\n-- Shard(0) is the layout {rows.axe_layout}; this rank holds local {tuple(rows.to_local().shape)}")
     check(rows, reference, "Shard(0)")
     if dist.get_rank() == 0:
@@ -119,8 +121,8 @@ def main() -> None:
     k = 8 * world
     a = torch.randn(shape[0], k, device=device)
     b = torch.randn(k, shape[1], device=device)
-    a_cols = ax.distribute(a, mesh, [Shard(1)])
-    b_rows = ax.distribute(b, mesh, [Shard(0)])
+    a_cols = distribute(a, mesh, [Shard(1)])
+    b_rows = distribute(b, mesh, [Shard(0)])
     partial = ax.DTensor.from_local(a_cols.to_local() @ b_rows.to_local(), mesh, [Partial()], shape=shape)
     say(f"\n-- A[:, k-shard] @ B[k-shard, :] is a partial sum: {partial.axe_layout} (pending {partial.reduce_op})")
     out = show_move(partial, [Shard(0)], shape, mesh_spec, itemsize, "Partial() -> Shard(0): reduce-scatter")

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import axedist as ax
 from axedist.nn import MixedPrecisionPolicy, checkpoint, describe, fsdp_units, fully_shard, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.runtime import count_collectives
 
 STRIDES = (1, 2, 3, 5)
 
@@ -284,7 +285,7 @@ def main(argv=None) -> None:
     tty = sys.stdout.isatty()
     for step in range(first, run["steps"] + 1):
         inputs, targets = counting_batch(step, run["batch"], run["seq"], cfg.vocab_size, args.seed)
-        with ax.count_collectives() as seen:
+        with count_collectives() as seen:
             logits = model(inputs[rows].to(device))
             loss = next_token_loss(logits, replicate(targets[rows].to(device), tp_mesh))
             loss.backward()

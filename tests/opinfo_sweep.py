@@ -31,7 +31,7 @@ import warnings
 import torch
 
 import axedist as ax
-from axedist.dtensor import DTensor
+from axedist.dtensor import distribute, DTensor
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.ops import DispatchError
@@ -119,7 +119,7 @@ def _flat(value) -> list:
 def _placed(t: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     if t.dim() == 0:
         placements = (Replicate(),) * mesh.ndim
-    dt = ax.distribute(t.detach(), mesh, list(placements), src_rank=None)
+    dt = distribute(t.detach(), mesh, list(placements), src_rank=None)
     return dt.requires_grad_(t.requires_grad)
 
 
@@ -250,7 +250,7 @@ def _compare_gradients(found, table, wants, gots, where) -> tuple[str, str]:
     ups = [torch.randn(w.shape, dtype=w.dtype, generator=g) for w, _ in pairs]
     want_grads = torch.autograd.grad([w for w, _ in pairs], leaves, ups, allow_unused=True)
     mesh = next(iter(table.values())).mesh
-    up_dts = [ax.distribute(u, mesh, [Replicate()] * mesh.ndim, src_rank=None) for u in ups]
+    up_dts = [distribute(u, mesh, [Replicate()] * mesh.ndim, src_rank=None) for u in ups]
     outs = [gt for _, gt in pairs]
     if not all(isinstance(o, DTensor) and o.requires_grad for o in outs):
         return "wrong", f"{where}: an output does not require grad"

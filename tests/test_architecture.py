@@ -326,3 +326,22 @@ def test_reset_clears_every_registered_memo():
     DTensor.dispatcher.fastpath.cache["probe"] = None
     axedist.reset()
     assert "probe" not in DTensor.dispatcher.plans and "probe" not in DTensor.dispatcher.fastpath.cache
+
+
+def test_top_level_is_small_and_moved_names_warn():
+    """The top level a user learns in one sitting (torch's names, the layout algebra, plan, the
+    fused ops, the errors: at most 40); a name that moved to its subpackage still resolves,
+    with a DeprecationWarning naming its home."""
+    import warnings
+
+    import axedist
+
+    assert len(axedist.__all__) <= 40, sorted(axedist.__all__)
+    for name in ("DTensor", "distribute_tensor", "Shard", "Layout", "plan", "gemm_reduce_scatter", "reset"):
+        assert name in axedist.__all__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from axedist.testing import run_on_ranks
+        assert axedist.run_on_ranks is run_on_ranks
+    assert any(issubclass(w.category, DeprecationWarning) and "axedist.testing.run_on_ranks" in str(w.message)
+               for w in caught)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
 import axedist as ax
-from axedist.dtensor import DTensor
+from axedist.dtensor import distribute, DTensor
 from axedist.mesh import DeviceMesh
 from axedist.nn import describe, parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
@@ -182,7 +182,7 @@ def first_forward_compiled(rank, world, seed):
     # plain dict's order when it builds the guards of a compiled module
     in_order = all(list(dict.keys(h)) == list(h)
                    for m in block.modules() for h in (m._forward_pre_hooks, m._forward_hooks))
-    x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim), mesh, [Shard(0)])
+    x = distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim), mesh, [Shard(0)])
     _fresh_dynamo()
     torch.compile(block, backend=capture([]), fullgraph=True)(x, model.rope_cos, model.rope_sin)
     traced = hooks(), "forward ran" in describe(block)
@@ -225,18 +225,18 @@ def traced_moves(rank, world):
     mesh = DeviceMesh("cpu", (world,))
     grid = DeviceMesh("cpu", (2, 2), ("x", "y"))
     torch.manual_seed(3)
-    a = ax.distribute(torch.randn(8, 6, dtype=torch.float64), mesh, [Shard(0)])
-    summands = ax.distribute(torch.randn(4, 8, 6, dtype=torch.float64), mesh, L("S[(4,8,6):(1@gpuid,6,1)]"))
+    a = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, [Shard(0)])
+    summands = distribute(torch.randn(4, 8, 6, dtype=torch.float64), mesh, L("S[(4,8,6):(1@gpuid,6,1)]"))
     p = summands.to_partial()
-    d = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(0)])
-    e = ax.distribute(torch.randn(4, 6, dtype=torch.float64), grid, [Shard(0), Shard(1)])
+    d = distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(0)])
+    e = distribute(torch.randn(4, 6, dtype=torch.float64), grid, [Shard(0), Shard(1)])
     t = torch.randn(8, 6, dtype=torch.float64)
     one = DTensor.from_local(t if rank == 0 else t.new_empty(0, 0), mesh, L("S[(8,6):(6,1)]"), shape=(8, 6))
-    u = ax.distribute(torch.randn(7, 6, dtype=torch.float64), mesh, [Shard(0)])
+    u = distribute(torch.randn(7, 6, dtype=torch.float64), mesh, [Shard(0)])
     on_two, cyclic = L("S[(8,6):(6,1)] + 2@gpuid"), L("S[(2,4,6):(6,1@gpuid,1)]")
     # inputs with work still pending from eager: a deferred product, an asynchronous move
     policy, DTensor.dispatcher.defer_gemm = DTensor.dispatcher.defer_gemm, "always"
-    product = ax.distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(1)]) @ d
+    product = distribute(torch.randn(8, 8, dtype=torch.float64), mesh, [Shard(1)]) @ d
     DTensor.dispatcher.defer_gemm = policy
     moving = a.redistribute([Shard(1)], async_op=True)
     assert product._pending is not None and moving._pending is not None
@@ -384,7 +384,7 @@ def _tp_block(world, seed, cfg=None):
     model = Llama(cfg).to(torch.bfloat16)
     mesh = DeviceMesh("cpu", (world,))
     parallelize(model, mesh, llama_tp_plan(cfg))
-    x = ax.distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, dtype=torch.bfloat16), mesh, [Shard(0)])
+    x = distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, dtype=torch.bfloat16), mesh, [Shard(0)])
     cos, sin = model.rope_cos[:cfg.max_seq_len].to(torch.bfloat16), model.rope_sin[:cfg.max_seq_len].to(torch.bfloat16)
     return model.layers[0], (x, cos, sin)
 
@@ -474,7 +474,7 @@ def inductor_mlp(rank, world, seed):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in mlps]
     graphs = []
     for step in range(2):
-        x = ax.distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim, dtype=torch.float64), mesh, [Shard(0)])
+        x = distribute(torch.randn(CFG.max_seq_len, 2, CFG.dim, dtype=torch.float64), mesh, [Shard(0)])
         outs = []
         for mlp in mlps:
             y = mlp(x)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import parallel as torch_tp
 from torch.distributed.tensor.experimental import implicit_replication as torch_implicit_replication
 
 import axedist as ax
-from axedist.dtensor import DTensor
+from axedist.dtensor import distribute, DTensor
 from axedist.nn import ColwiseParallel, implicit_replication, loss_parallel, parallelize_module
 from axedist.ops import DispatchError
 from axedist.testing import run_on_ranks
@@ -100,7 +100,7 @@ def _sub_meshes(rank, world):
     assert ax.DeviceMesh.from_torch(root["dp", "tp"]) is two     # made once
     tp = ax.DeviceMesh.from_torch(root["tp"])
     assert tp.ranks == tuple(root["tp"].mesh.tolist()) and tp.axis_names == ("tp",)
-    x = ax.distribute(torch.arange(8.0).reshape(4, 2), two, [Shard(0), Shard(1)])
+    x = distribute(torch.arange(8.0).reshape(4, 2), two, [Shard(0), Shard(1)])
     return x.redistribute([Replicate(), Replicate()]).to_local().tolist() == torch.arange(8.0).reshape(4, 2).tolist()
 
 
@@ -120,7 +120,7 @@ def _mixed(rank, world, seed):
     mesh = ax.DeviceMesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)
     x, b = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 6, generator=g, dtype=torch.float64)
-    xd = ax.distribute(x, mesh, [Shard(0)])
+    xd = distribute(x, mesh, [Shard(0)])
     # torch: "got mixed torch.Tensor and DTensor" unless the plain tensor is a scalar
     theirs = distribute_tensor(x, mesh.to_torch(), [Shard(0)])
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
@@ -152,7 +152,7 @@ def _losses(rank, world, seed):
         loss_ref = F.cross_entropy(ref, labels, reduction=reduction)
         loss_ref.backward()
         for context in (loss_parallel, torch_tp.loss_parallel):
-            xd = ax.distribute(logits, mesh, [Shard(1)]).requires_grad_()
+            xd = distribute(logits, mesh, [Shard(1)]).requires_grad_()
             assert "plain torch.Tensor" in _errors(lambda: F.cross_entropy(xd, labels))
             with context():
                 loss = F.cross_entropy(xd, labels, reduction=reduction)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import axedist as ax
-from axedist.dtensor import DTensor
+from axedist.dtensor import distribute, DTensor
 from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
 from tests.ops_cases import Partial, Replicate, Shard, make, mesh_of
@@ -26,7 +26,7 @@ def _masked(x):
     mask = torch.ones(x.shape[-2], x.shape[-1], dtype=torch.bool).tril()
     mask[0] = False
     if isinstance(x, DTensor):
-        mask = ax.distribute(mask, x.mesh, [Replicate()] * x.mesh.ndim, src_rank=None)
+        mask = distribute(mask, x.mesh, [Replicate()] * x.mesh.ndim, src_rank=None)
     return x.masked_fill(~mask, float("-inf"))
 
 
@@ -81,7 +81,7 @@ def _case(rank, world, mesh_name):
             values, wanted = _outputs(got)[0], _outputs(want)[0]
             up = torch.randn(wanted.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
             (wanted * up).sum().backward()
-            (values * ax.distribute(up, mesh, [Replicate()] * mesh.ndim)).sum().backward()
+            (values * distribute(up, mesh, [Replicate()] * mesh.ndim)).sum().backward()
             torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-9, atol=1e-9,
                                        msg=lambda m: f"{what}: gradient: {m}")
             ran += 1

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import axedist as ax
-from axedist.dtensor import DTensor
+from axedist.dtensor import distribute, DTensor
 from axedist.ops.specs import expected_local_shape
 from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
@@ -77,7 +77,7 @@ def _options(shape) -> list:
 
 def _run(fn, fulls, placements, mesh, grad, what):
     refs = [t.clone().requires_grad_(grad) for t in fulls]
-    dts = [ax.distribute(t, mesh, list(p)).requires_grad_(grad) for t, p in zip(fulls, placements)]
+    dts = [distribute(t, mesh, list(p)).requires_grad_(grad) for t, p in zip(fulls, placements)]
     want, got = fn(*refs), fn(*dts)
     assert isinstance(got, DTensor), f"{what}: got {type(got)}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, plain {tuple(want.shape)}"
@@ -91,7 +91,7 @@ def _run(fn, fulls, placements, mesh, grad, what):
     if grad:
         up = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(5))
         (want * up).sum().backward()
-        (got * ax.distribute(up, mesh, [R] * mesh.ndim)).sum().backward()
+        (got * distribute(up, mesh, [R] * mesh.ndim)).sum().backward()
         for i, (d, r) in enumerate(zip(dts, refs)):
             if r.grad is None:  # an input the result does not depend on (quantile's q)
                 assert d.grad is None, f"{what}: gradient {i}"
@@ -131,7 +131,7 @@ def test_inplace_shape_changes_match_the_plain_ops(mesh_name):
 
 def _keeps_shards(rank, world):
     mesh = mesh_of("2")
-    x = ax.distribute(torch.randn(4, 1, 6, dtype=torch.float64), mesh, [S0])
+    x = distribute(torch.randn(4, 1, 6, dtype=torch.float64), mesh, [S0])
     y = x * 1.0
     before = y.to_local().data_ptr()
     with count_collectives() as seen:
@@ -153,7 +153,7 @@ def test_inplace_views_keep_shards_and_move_nothing():
 
 def _clear_errors(rank, world):
     mesh = mesh_of("2")
-    x = ax.distribute(torch.randn(4, 6), mesh, [S0]).t()  # strides (1, 6): not its storage order
+    x = distribute(torch.randn(4, 6), mesh, [S0]).t()  # strides (1, 6): not its storage order
     messages = []
     for call in (lambda: x.as_strided_((6, 4), (4, 1)), lambda: x.resize_(24)):
         with pytest.raises(RuntimeError) as error:
@@ -172,8 +172,8 @@ def _torch_layout(rank, world):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 6, dtype=torch.float64, generator=g)
     mask = torch.rand(4, 6, generator=g) > 0.3
-    dx = ax.distribute(x, mesh, [S0])
-    dmask = ax.distribute(mask, mesh, [S0])
+    dx = distribute(x, mesh, [S0])
+    dmask = distribute(mask, mesh, [S0])
     assert dx.layout is torch.strided
     assert dx.axe_layout == dx.axe_layout.parse("S[(2,2,6):(1@gpuid,6,1)]"), dx.axe_layout
     ops = {

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import axedist as ax
+from axedist.dtensor import distribute
 from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.planning import FusedStep, Redistribution, plan_redistribute, row_scatter_axis
@@ -159,7 +160,7 @@ def test_row_scatter_axis():
 
 def _entry_points(rank, world):
     mesh = DeviceMesh("cpu", (4,))
-    x = ax.distribute(torch.arange(35.0).reshape(7, 5), mesh, [Shard(0)])
+    x = distribute(torch.arange(35.0).reshape(7, 5), mesh, [Shard(0)])
     shown = ax.plan(x, [Replicate()])
     route = plan_redistribute(x._spec, _spec(mesh, (7, 5), "R"), x.element_size())
     try:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 
 import axedist as ax
+from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.planning import plan_layouts, simulate
 from axedist.runtime import execute_plan, execution_bytes, explain_execution, executor, record
@@ -473,7 +474,7 @@ def _nested_records(rank, world):
     from torch.distributed.tensor import Replicate, Shard
     from axedist.runtime import count_collectives
     mesh = DeviceMesh("cpu", (world,))
-    x = ax.distribute(torch.arange(8.0), mesh, [Shard(0)])
+    x = distribute(torch.arange(8.0), mesh, [Shard(0)])
     with record() as outer, count_collectives() as counted:
         with record() as inner:   # closes while equal to outer (both empty)
             pass
@@ -501,7 +502,7 @@ def _box_gather_case(rank, world):
     mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
     torch.manual_seed(0)
     whole = torch.randn(8, 64, 1000)
-    logits = ax.distribute(whole, mesh, [Replicate(), Shard(2)], src_rank=None)
+    logits = distribute(whole, mesh, [Replicate(), Shard(2)], src_rank=None)
     ax.reset()
     gathered = logits.redistribute(mesh, [Replicate(), Replicate()])
     torch.testing.assert_close(gathered.to_local(), whole, rtol=0, atol=0)

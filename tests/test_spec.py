@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Shard
 
 import axedist as ax
+from axedist.dtensor import distribute
 from axedist.spec import chunk, chunk_ranges, nested_chunk, spec_from_placements
 from axedist.testing import run_on_ranks
 
@@ -34,15 +35,15 @@ def _nested_uneven(rank, world_size):
     with pytest.raises(ax.LayoutError, match="chunk dim"):
         ax.layout_from_placements((5,), mesh, [Shard(0), Shard(0)])
     expected = {0: [0.0, 1.0], 1: [2.0], 2: [3.0], 3: [4.0]}[rank]   # torch.chunk: 3 + 2, then 2 + 1, 1 + 1
-    assert ax.distribute(full, mesh, [Shard(0), Shard(0)]).to_local().tolist() == expected
+    assert distribute(full, mesh, [Shard(0), Shard(0)]).to_local().tolist() == expected
     # an even split of the same dim still has its layout; a padded layout asks for its padded shape
     assert str(ax.layout_from_placements((8,), mesh, [Shard(0), Shard(0)])) == "S[(2,2,2):(1@x,1@y,1)]"
     line = ax.DeviceMesh("cpu", (4,))
     layout = ax.layout_from_placements((5,), line, [Shard(0)])
     with pytest.raises(ax.LayoutError, match=r"pass padded_shape=, the shape the layout admits \(here \(8,\)\)"):
-        ax.distribute(full, line, layout)
-    assert ax.distribute(full, line, layout, padded_shape=(8,)).to_local().tolist() == \
-        ax.distribute(full, line, [Shard(0)]).to_local().tolist()
+        distribute(full, line, layout)
+    assert distribute(full, line, layout, padded_shape=(8,)).to_local().tolist() == \
+        distribute(full, line, [Shard(0)]).to_local().tolist()
     return spec_from_placements((5,), mesh, [Shard(0), Shard(0)]).true_index  # carries where real rows are
 
 

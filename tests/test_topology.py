@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import axedist as ax
+from axedist.collectives import plan_gemm_reduce_scatter
 from axedist.collectives.backend import one_host, p2p_possible, select_backend
 from axedist.mesh import DeviceMesh, MeshError, TopologyWarning, group_hosts, init_mesh, job_topology
 from axedist.planning import plan_alternatives, plan_layouts, plan_redistribute
@@ -201,7 +202,7 @@ def _backends(rank, world):
             out["outside_simulated"] = (group_hosts(middle), one_host(middle)[0])
         finally:
             del os.environ["AXEDIST_HOST_SIZE"]
-    out["fused"] = ax.plan_gemm_reduce_scatter(torch.ones(4, 2, dtype=torch.bfloat16),
+    out["fused"] = plan_gemm_reduce_scatter(torch.ones(4, 2, dtype=torch.bfloat16),
                                                   torch.ones(2, 3, dtype=torch.bfloat16), mesh.group("dp")).reason
     src = spec_from_placements((8, 6), mesh, [Partial(), Partial()])
     route = plan_redistribute(src, spec_from_placements((8, 6), mesh, [Replicate(), Replicate()]))

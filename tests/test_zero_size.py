@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
 import axedist as ax
+from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
@@ -27,7 +28,7 @@ def _moves_case(rank, world_size):
     for shape in [(0, 6), (4, 0), (0, 0), (3, 0)]:
         whole = torch.randn(shape)
         for placements in itertools.product(PLACEMENTS, PLACEMENTS):
-            ours = ax.distribute(whole, mesh, list(placements))
+            ours = distribute(whole, mesh, list(placements))
             torch_dt = distribute_tensor(whole, theirs, list(placements))
             what = f"{shape} {placements}"
             assert ours.to_local().shape == torch_dt.to_local().shape, what
@@ -69,14 +70,14 @@ def _ops_case(rank, world_size, seed):
     ]
     for what, op, inputs in cases:
         plain = [t.clone().requires_grad_() for t, _ in inputs]
-        dts = [ax.distribute(t, mesh, list(p)).requires_grad_() for t, p in inputs]
+        dts = [distribute(t, mesh, list(p)).requires_grad_() for t, p in inputs]
         want, got = op(*plain), op(*dts)
         assert got.shape == want.shape, f"{what}: {tuple(got.shape)} vs {tuple(want.shape)}"
         torch.testing.assert_close(got.full_tensor(), want, msg=what)
         if want.numel():
             grad = randn(*want.shape)
             (want * grad).sum().backward()
-            (got * ax.distribute(grad, mesh, [r, r])).sum().backward()
+            (got * distribute(grad, mesh, [r, r])).sum().backward()
             for d, p in zip(dts, plain):
                 assert d.grad.shape == p.grad.shape, what
                 torch.testing.assert_close(d.grad.full_tensor(), p.grad, msg=f"{what}: grad")

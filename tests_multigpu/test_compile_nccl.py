@@ -33,7 +33,7 @@ def body_compiled_block(rank, world):
 def compiled_block(rank, world):
     from torch._inductor.utils import run_and_get_code
 
-    import axedist as ax
+    from axedist.dtensor import distribute
     from axedist.mesh import DeviceMesh
     from axedist.nn import parallelize
     from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan
@@ -45,7 +45,7 @@ def compiled_block(rank, world):
     parallelize(model, mesh, llama_tp_plan(cfg))
     block = model.layers[0]
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = ax.distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, device="cuda", dtype=torch.bfloat16, generator=g),
+    x = distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, device="cuda", dtype=torch.bfloat16, generator=g),
                       mesh, [Shard(0)])
     cos, sin = model.rope_cos.to(torch.bfloat16), model.rope_sin.to(torch.bfloat16)
 

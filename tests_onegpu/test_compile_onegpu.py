@@ -35,7 +35,7 @@ def group():
 def test_compiled_tp1_block_matches_eager(group, seed):
     from torch._inductor.utils import run_and_get_code
 
-    import axedist as ax
+    from axedist.dtensor import distribute
     from axedist.mesh import DeviceMesh
     from axedist.nn import parallelize
     from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan
@@ -45,7 +45,7 @@ def test_compiled_tp1_block_matches_eager(group, seed):
     model = Llama(cfg).to(device="cuda", dtype=torch.bfloat16)
     parallelize(model, mesh, llama_tp_plan(cfg))
     block = model.layers[0]
-    x = ax.distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, device="cuda", dtype=torch.bfloat16), mesh,
+    x = distribute(torch.randn(cfg.max_seq_len, 2, cfg.dim, device="cuda", dtype=torch.bfloat16), mesh,
                       [Shard(0)])
     cos, sin = model.rope_cos.to(torch.bfloat16), model.rope_sin.to(torch.bfloat16)
 
@@ -67,12 +67,11 @@ def test_compiled_tp1_block_matches_eager(group, seed):
 def test_compiled_code_calls_the_custom_ops(group, seed):
     from torch._inductor.utils import run_and_get_code
 
-    import axedist as ax
     from axedist import collectives as C
 
     for op in ("gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce"):
         a = torch.empty(256, 512, device="cuda", dtype=torch.bfloat16)
-        planner = getattr(ax, f"plan_{op}")
+        planner = getattr(C, f"plan_{op}")
         assert planner(a, torch.empty(512, 1024, device="cuda", dtype=torch.bfloat16), group,
                        backend="p2p").backend == "p2p"
 
