@@ -39,7 +39,7 @@ from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
-from .tracing import outside_tracing
+from .tracing import compiling, outside_tracing
 
 __all__ = [
     "DTensor",
@@ -120,6 +120,34 @@ def _agree_on_inferred(mesh: DeviceMesh, placements, local: torch.Tensor, spec, 
     if failure is not None:
         raise failure
     _AGREED_LOCALS[key] = mesh
+
+
+def _check_every_local(mesh: DeviceMesh, local: torch.Tensor, target, spec, ok: bool, failure) -> None:
+    """``from_local(run_check=True)``: every rank's local shape fits ``spec`` and every rank has
+    the same dtype and global shape, else ``RankDisagreementError`` on every rank. In eager one
+    small all_gather of each rank's description; while torch.compile traces, the same question
+    once at trace time through the job's store (``peers.agree``), outside the graph: a compiled
+    graph then holds no check, as torch's DTensor traces none for shapes that agree."""
+    if compiling():
+        fits = "" if ok else f": local {tuple(local.shape)} does not fit" + (
+            f" (the layout gives it {element_table(spec).local_shapes[mesh.position()]})" if spec else "")
+        text = f"{local.dtype} {spec.canonical_text()}{fits}" if spec else ""
+        agree(mesh.ranks, f"from_local({spec or target}, run_check=True)", text, failed=failure)
+        return
+    # each rank's local shape and dtype, and the global shape it inferred
+    inferred = list(spec.shape) if spec else []
+    rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)),
+                                "from_local(run_check=True)")
+    first = rows[mesh.ranks[0]]
+    bad = {r: row for r, row in rows.items()
+           if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
+    if bad:
+        lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)})"
+                 + (f", the layout gives it {element_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
+                 for r, row in sorted(bad.items())]
+        here = f" (here: {failure})" if failure else ""
+        raise RankDisagreementError(f"from_local({spec or target}): local tensors do not fit "
+                                    f"the layout{here}:\n  " + "\n  ".join(lines))
 
 
 def _shape_text(row) -> str:
@@ -337,9 +365,11 @@ class DTensor(torch.Tensor):
         """
         mesh, layout_or_placements = _torch_spelling("from_local", mesh, device_mesh, layout_or_placements,
                                                      placements)
-        if _dynamo_tracing():  # a graph break: it runs eagerly (pass DTensors into compiled code)
-            return _from_local_eagerly(local, mesh, layout_or_placements, shape, padded_shape=padded_shape,
-                                       reduce_op=reduce_op, run_check=run_check, grad_placements=grad_placements)
+        if _dynamo_tracing():  # one graph node; the mesh by its number (a graph takes no process groups)
+            _make_graph_nodes()
+            return _NODES["from_local"](local, mesh.number, layout_or_placements, shape, padded_shape=padded_shape,
+                                        reduce_op=reduce_op, run_check=run_check, stride=stride,
+                                        grad_placements=grad_placements)
         mesh.position()
         failure = None
         inferred = shape is None and is_placements(layout_or_placements)
@@ -367,20 +397,7 @@ class DTensor(torch.Tensor):
         if inferred and not run_check:
             _agree_on_inferred(mesh, layout_or_placements, local, spec, failure)
         if run_check:
-            # each rank's local shape and dtype, and the global shape it inferred
-            inferred = list(spec.shape) if spec else []
-            rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)),
-                                        "from_local(run_check=True)")
-            first = rows[mesh.ranks[0]]
-            bad = {r: row for r, row in rows.items()
-                   if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
-            if bad:
-                lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)})"
-                         + (f", the layout gives it {element_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
-                         for r, row in sorted(bad.items())]
-                here = f" (here: {failure})" if failure else ""
-                raise RankDisagreementError(f"from_local({spec or layout_or_placements}): local tensors do not fit "
-                                            f"the layout{here}:\n  " + "\n  ".join(lines))
+            _check_every_local(mesh, local, layout_or_placements, spec, ok, failure)
         elif not ok:
             error = LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape "
                                 f"{tuple(local.shape)}, the layout gives it {expected}")
@@ -410,10 +427,7 @@ class DTensor(torch.Tensor):
             >>> w.to_local(grad_placements=[Partial()])   # w Replicate: each rank's grad a summand
         """
         if _dynamo_tracing():
-            if grad_placements is not None:
-                raise LayoutError("to_local(grad_placements=) is not traced by torch.compile here: call it outside "
-                                  "the compiled function")
-            return _NODES["to_local"](self)
+            return _NODES["to_local"](self, grad_placements=grad_placements)
         grad = None if grad_placements is None else _gradient_target(
             "to_local", self._spec, tuple(grad_placements), tuple(self._local.shape), default=self._spec)
         return autograd.to_local(self, grad)
@@ -422,8 +436,8 @@ class DTensor(torch.Tensor):
         """The whole global tensor on every rank of the mesh (pending reductions applied).
         ``grad_placements`` as for ``to_local``: e.g. ``[Partial()]`` when each rank's use of the
         whole tensor gives it a different gradient (default: the same on every rank)."""
-        if _dynamo_tracing() and grad_placements is None:
-            return _NODES["full_tensor"](self)
+        if _dynamo_tracing():
+            return _NODES["full_tensor"](self, grad_placements=grad_placements)
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local(
             grad_placements=grad_placements)
 
@@ -489,11 +503,9 @@ class DTensor(torch.Tensor):
             agree_on_move(self._spec, self._spec, self._value.element_size())
             return self if dtypes[0] is None else self.to(dtypes[0])
         if _dynamo_tracing():
-            if dtypes != (None, None):
-                raise LayoutError("redistribute(forward_dtype=, backward_dtype=) is not traced by torch.compile "
-                                  "here: cast before the call, or call it outside the compiled function")
             return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
-                                          async_op=async_op)
+                                          async_op=async_op, forward_dtype=forward_dtype,
+                                          backward_dtype=backward_dtype)
         try:
             dst = target_spec(self._spec, layout_or_placements, padded_shape, reduce_op)
         except (ValueError, TypeError) as error:  # told to the other ranks, which raise too where they check
@@ -570,16 +582,36 @@ class DTensor(torch.Tensor):
         return f"DTensor({dtype}{self._spec}, mesh={self.mesh})"
 
 
-# from_local under Dynamo: a graph break, then this runs it eagerly (imports torch._dynamo when first called)
-_from_local_eagerly = torch._disable_dynamo(DTensor.from_local)
 # The methods Dynamo records as one graph node each (see graph_node); made when Dynamo first
-# flattens a DTensor: importing torch._dynamo as axedist loads would import Triton.
+# meets a DTensor or a from_local: importing torch._dynamo as axedist loads would import Triton.
 _NODES: dict = {}
 
 
 def _register_graph_nodes() -> None:
     for name in ("to_local", "full_tensor", "redistribute", "to_partial"):
         _NODES[name] = graph_node(getattr(DTensor, name))
+    _NODES["from_local"] = graph_node(_from_numbered_mesh)
+
+
+def _from_numbered_mesh(local, mesh_number: int, layout_or_placements, shape, **kwargs):
+    """``DTensor.from_local`` with the mesh given by its number (``DeviceMesh.numbered``)."""
+    return DTensor.from_local(local, DeviceMesh.numbered(mesh_number), layout_or_placements, shape, **kwargs)
+
+
+_from_numbered_mesh.__name__ = "from_local"
+
+
+def _make_graph_nodes() -> None:
+    """Make the graph nodes (see graph_node) if Dynamo has not met a DTensor yet: a compiled
+    function whose first DTensor is the one its ``from_local`` makes. Dynamo calls this function
+    for real while it traces (not symbolically) and takes its result as a constant: what torch's
+    ``assume_constant_result`` marks, set here by its attribute, since importing torch._dynamo
+    to decorate would import Triton with axedist. Code that calls it then reads ``_NODES``."""
+    if not _NODES:
+        _register_graph_nodes()
+
+
+_make_graph_nodes._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result's mark
 
 
 def _layouts_as_graph_constants() -> bool:

@@ -31,6 +31,7 @@ import math
 import os
 import socket
 import warnings
+import weakref
 from datetime import timedelta
 from typing import Mapping, Sequence
 
@@ -58,6 +59,9 @@ _FOUND: dict[tuple, Topology] = {}
 _FROM_TORCH: dict[tuple, "DeviceMesh"] = memo("mesh from torch")
 # (axis, mesh ranks, topology) already warned about: each once per process.
 _WARNED: set = set()
+# Every live mesh by its number (see DeviceMesh.number).
+_NUMBERED: "weakref.WeakValueDictionary[int, DeviceMesh]" = weakref.WeakValueDictionary()
+_NEXT_NUMBER = itertools.count()
 
 
 class MeshError(ValueError):
@@ -208,6 +212,8 @@ class DeviceMesh:
         self.inter_node_axes = tuple(a for a in axis_names if self._spans_hosts(a))
         self._groups = self._create_groups() if _groups is None else _groups
         self._torch_mesh = None
+        self.number = next(_NEXT_NUMBER)
+        _NUMBERED[self.number] = self
         self._warn_spanning(intra_node_axes)
 
     # -- geometry ---------------------------------------------------------------
@@ -443,6 +449,20 @@ class DeviceMesh:
             found = cls(torch_mesh.device_type, shape, names, ranks, _topology=known)
         found._torch_mesh = torch_mesh
         _FROM_TORCH[key] = found
+        return found
+
+    # -- naming a mesh inside compiled code --------------------------------------------
+
+    @staticmethod
+    def numbered(number: int) -> "DeviceMesh":
+        """The live mesh whose ``number`` this is. A mesh's number (0, 1, 2, ... in the order this
+        process made its meshes) is how a torch.compile graph names it: a graph node's arguments
+        must be constants or tensors, and a mesh (process groups) is neither. Example: the Dynamo
+        graph of ``DTensor.from_local(x, mesh, [Shard(0)])`` records
+        ``dtensor_from_local(x, 3, [Shard(dim=0)], None)`` where ``mesh.number == 3``."""
+        found = _NUMBERED.get(number)
+        if found is None:
+            raise MeshError(f"no live mesh has number {number} (the mesh a compiled graph named was freed)")
         return found
 
     # -- value semantics -----------------------------------------------------------------

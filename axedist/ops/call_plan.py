@@ -227,16 +227,17 @@ class CallPlan:
     """What the dispatcher does for calls with this key: move each DTensor to its ``targets``
     entry (None: keep it), run the op (or ``sharding.local``), wrap per ``outputs``."""
 
-    __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain")
+    __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain", "even")
 
     def __init__(self, call: OpCall, sharding: Sharding, targets: list, outputs: list, structure: str,
-                 defer: bool, fast: FastForm | None, reduce_self, plain: PlainRoute | None):
+                 defer: bool, fast: FastForm | None, reduce_self, plain: PlainRoute | None, even: bool = False):
         self.call, self.sharding, self.targets, self.outputs = call, sharding, targets, outputs
         self.structure = structure      # "single", "tuple", "list", "none"
         self.defer = defer              # mm/addmm giving a pending sum: the local GEMM may wait
         self.fast = fast
         self.reduce_self = reduce_self  # in-place op on a pending value it cannot keep: self's spec reduced
         self.plain = plain
+        self.even = even                # a deferred GEMM's operands alike on every rank (_evenly_split)
 
     def __repr__(self) -> str:
         return f"CallPlan({self.call.func}: {self.sharding})"
@@ -279,6 +280,7 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
                                 f"{entries[0]}; an in-place op cannot change its tensor's layout")
     defer = (func in DEFERRABLE and structure == "single" and outputs[0].spec.reduce_op == "sum"
              and sum(isinstance(p, Partial) for p in (placements_or_none(outputs[0].spec) or ())) == 1)
+    even = defer and _evenly_split([t if t is not None else s.spec for s, t in zip(specs, targets)] + [outputs[0].spec])
     # a local result marked conjugate / negative is materialized when wrapped (DTensor's
     # constructor), which the fast routes skip: such an op (on meta tensors too) stays off them
     bits = any(isinstance(v, torch.Tensor) and (v.is_conj() or v.is_neg()) for v in flat) and sharding.local is None
@@ -291,7 +293,15 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
         out = fast.out
         plain = PlainRoute(tuple(slot.position for slot in fast.slots), func._op, out, dtype,
                            tag_for(out.spec, dtype, out.stride), defer)
-    return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain)
+    return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even)
+
+
+def _evenly_split(specs) -> bool:
+    """No spec pads a dim: every rank's local shapes are the same. A deferred GEMM may become a
+    fused kernel, chosen by its local shapes (the measured tables, the first-use check of a
+    shape): with uneven operands (a contraction dim of 9 over 4 ranks: 3, 2, 2, 2) ranks would
+    choose apart, and one rank's kernel or check would wait for peers that never come."""
+    return all(spec.padded == spec.shape for spec in specs)
 
 
 def _input_targets(func, rule, dts, specs, sharding, mesh) -> list:

@@ -488,7 +488,7 @@ class OpDispatcher:
             return value.unsqueeze(0)
 
         out = plan.outputs[0]
-        pending = defer(compute, a, b, bias, alpha, beta, out.local_shape)
+        pending = defer(compute, a, b, bias, alpha, beta, out.local_shape, even=plan.even)
         return self.cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=pending)
 
     def _reduce_in_place(self, func, dt, target) -> None:

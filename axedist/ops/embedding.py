@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import dim_range
 
@@ -71,9 +72,7 @@ def _masked_lookup(vocab: int, weight_placements):
     """The local lookup of a vocab-sharded weight: rows this rank lacks give zeros."""
 
     def local(call, weight, indices, *rest, **kwargs):
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= vocab):
-            bad = indices[(indices < 0) | (indices >= vocab)][0]
-            raise IndexError(f"embedding: index {int(bad)} is out of range for a vocabulary of {vocab} rows")
+        _check_in_range(indices, vocab)
         start, size = dim_range(vocab, 0, call.mesh, weight_placements, 2)
         inside = (indices >= start) & (indices < start + size)
         if size == 0:  # an uneven vocab leaves this rank no rows
@@ -82,6 +81,20 @@ def _masked_lookup(vocab: int, weight_placements):
         return rows.masked_fill(~inside.unsqueeze(-1), 0)  # masked_fill: an inf row times 0 would be nan
 
     return local
+
+
+def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
+    """Every index names a row of the vocabulary (each rank masks the rows it lacks, so an index
+    past the end would silently read zeros). Eager: ``IndexError`` naming the index (reading it
+    syncs with the device). While torch.compile traces: a device-side assert, as torch's CUDA
+    embedding has, so the graph holds no host sync and is the same on every rank."""
+    if compiling():
+        inside = ((indices >= 0) & (indices < vocab)).all()
+        torch._assert_async(inside, f"embedding: an index is out of range for a vocabulary of {vocab} rows")
+        return
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= vocab):
+        bad = indices[(indices < 0) | (indices >= vocab)][0]
+        raise IndexError(f"embedding: index {int(bad)} is out of range for a vocabulary of {vocab} rows")
 
 
 @register(aten.embedding_dense_backward.default)
@@ -108,19 +121,15 @@ def embedding_backward_rule(call: OpCall) -> Sharding:
 
 
 def _masked_backward(num_weights: int, out_placements):
-    """This rank's vocab rows of the weight grad: only the indices that fall in its rows count."""
+    """This rank's vocab rows of the weight grad: only the indices that fall in its rows count.
+    The others (and the padding index) are sent to one extra row that is the padding row of the
+    local backward, then dropped: no data-dependent shape (traceable), and the same ops on every
+    rank whatever its rows (a compiled graph must be; only ``start`` and ``size`` differ)."""
 
     def local(call, grad, indices, _num_weights, padding_idx, scale_grad_by_freq):
-        # Indices of other ranks' rows go to one spill row past this rank's, dropped after: no
-        # boolean-mask selection (a device sync and a copy of the selected rows on a GPU). The
-        # spill row's count never reaches the kept rows' (scale_grad_by_freq counts per row).
         start, size = dim_range(num_weights, 0, call.mesh, out_placements, 2)
-        flat = indices.reshape(-1)
-        inside = (flat >= start) & (flat < start + size)
-        spill = torch.where(inside, flat - start, torch.full_like(flat, size))
-        local_padding = padding_idx - start if start <= padding_idx < start + size else -1
-        rows = aten.embedding_dense_backward(grad.reshape(-1, grad.shape[-1]), spill, size + 1, local_padding,
-                                             scale_grad_by_freq)
-        return rows[:size]
+        counted = (indices >= start) & (indices < start + size) & (indices != padding_idx)
+        rows = torch.where(counted, indices - start, torch.full_like(indices, size))
+        return aten.embedding_dense_backward(grad, rows, size + 1, size, scale_grad_by_freq)[:size]
 
     return local

@@ -78,11 +78,13 @@ class DeferredGemm:
     so once and checks that no operand changed in place since the product was deferred.
     """
 
-    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "traced", "__weakref__")
+    __slots__ = ("compute", "a", "b", "bias", "alpha", "beta", "shape", "versions", "value", "traced", "even",
+                 "__weakref__")
 
-    def __init__(self, compute, a, b, bias, alpha, beta, shape):
+    def __init__(self, compute, a, b, bias, alpha, beta, shape, even: bool = True):
         self.compute, self.a, self.b, self.bias = compute, a, b, bias
         self.alpha, self.beta, self.shape, self.value = alpha, beta, tuple(shape), None
+        self.even = even  # the operands' local shapes are the same on every rank (fused_choice)
         self.versions = self.current_versions()
         self.traced = compiling()  # deferred while torch.compile traces: its operands are fake
 
@@ -185,9 +187,10 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def defer(compute, a, b, bias, alpha, beta, local_shape) -> DeferredGemm:
-    """A product kept unrun (counted as outstanding until used); the caller wraps it."""
-    pending = DeferredGemm(compute, a, b, bias, alpha, beta, local_shape)
+def defer(compute, a, b, bias, alpha, beta, local_shape, even: bool = True) -> DeferredGemm:
+    """A product kept unrun (counted as outstanding until used); the caller wraps it. ``even``:
+    its operands' local shapes are the same on every rank (else it never runs fused)."""
+    pending = DeferredGemm(compute, a, b, bias, alpha, beta, local_shape, even)
     _STATS["deferred"] += 1
     _track(pending)
     return pending
@@ -303,6 +306,9 @@ def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | No
         return step(False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
     if a.dtype not in (torch.bfloat16, torch.float16):
         return step(False, f"dtype {a.dtype} (the fused kernel takes bf16/fp16)")
+    if not all(t.even for t in terms):
+        # each rank's kernel choice follows its local shapes: ranks would choose apart
+        return step(False, "uneven operands (their local shapes differ by rank)")
     mesh = spec.mesh
     group = mesh.group(axis)
     if dist.get_rank(group) != mesh.coordinates()[axis]:
@@ -493,10 +499,11 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     except LayoutError:
         return None
     columns = placements[mesh.axis_names.index(axis)]
-    if (b_spec.reduce_op is not None or len(b_spec.shape) != 2
+    if (b_spec.reduce_op is not None or len(b_spec.shape) != 2 or b_spec.padded != b_spec.shape
             or not (isinstance(columns, Shard) and columns.dim % 2 == 1)
             or any(isinstance(p, Shard) and p.dim % 2 == 0 for p in placements)):
-        _STATS["gather_reason"] = f"weights {b_spec} are not column-sharded on {axis} with whole rows"
+        # (uneven columns: each rank's N differs, so would its choice of kernel)
+        _STATS["gather_reason"] = f"weights {b_spec} are not evenly column-sharded on {axis} with whole rows"
         return None
     group = mesh.group(axis)
     if tuple(out_shape) != (rows, b.shape[1]) or dist.get_rank(group) != mesh.coordinates()[axis]:
