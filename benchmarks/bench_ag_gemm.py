@@ -288,8 +288,9 @@ def main():
     if args.tables_from:
         results = [json.load(open(path)) for path in args.tables_from]
         from axedist.collectives.fused_tp import AG_AUTO_TABLE_PATH
+        table = auto_table(results)  # reads the earlier table: before the file is opened for writing
         with open(AG_AUTO_TABLE_PATH, "w") as handle:
-            json.dump(auto_table(results), handle, indent=1)
+            json.dump(table, handle, indent=1)
         return
     require_multicast_off()
     started = time.time()

@@ -52,7 +52,7 @@ class StepProgram:
         self.local_src = Index.of(self.local, "source", ctx.device)
         self.local_dst = Index.of(self.local, "target", ctx.device)
         self.reduce = step.reduce
-        self.local_slots = None if step.reduce is None else box_index(self.local, "target").to(ctx.device)
+        self._local_slots = None  # a local reduction's per-element slots, built on its first run only
         self.count = None
         if step.reduce == "avg":
             incoming = box_index([t for t in step.transfers if t.target == ctx.me], "target")
@@ -81,7 +81,9 @@ class StepProgram:
     def start(self, x: torch.Tensor, async_op: bool, carrier=None):
         if self.reduce is None:
             return [], (lambda: self.local_out(x))
-        return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), self.local_slots, self.reduce,
+        if self._local_slots is None:
+            self._local_slots = box_index(self.local, "target").to(self.ctx.device)
+        return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), self._local_slots, self.reduce,
                                         self.count, x))
 
 
