@@ -39,7 +39,7 @@ from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
                    row_major_iters, spec_for_layout, spec_from_placements, target_spec)
-from .tracing import compiling, outside_tracing
+from .tracing import ALL_DIMS, compiling, outside_tracing, static_sizes, unusable_here
 
 __all__ = [
     "DTensor",
@@ -184,26 +184,6 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
-class _AllDims:
-    """Contains every dim index: ``3 in ALL_DIMS`` is True (what Dynamo asks of a tensor's
-    ``_dynamo_static_indices``; ``torch._dynamo.mark_static`` adds to it, a no-op here)."""
-
-    def __contains__(self, dim) -> bool:
-        return True
-
-    def add(self, dim) -> None:
-        pass
-
-    def issubset(self, other) -> bool:
-        return isinstance(other, _AllDims)
-
-    def __repr__(self) -> str:
-        return "ALL_DIMS"
-
-
-ALL_DIMS = _AllDims()
-
-
 @outside_tracing
 def _first_of(local: torch.Tensor) -> torch.Tensor:
     return local[0]
@@ -300,13 +280,15 @@ class DTensor(torch.Tensor):
         # outside the fake mode Dynamo may read inputs under
         local = _resolved(self) if pending is not None and not getattr(pending, "traced", False) else self._local
         if not (self._spec.reduce_op and local.dim() > len(self._spec.shape) and local.shape[0] == 1):
-            return local
+            return static_sizes(local)
         known = self._traced_as
         if known is not None and known[0] is local:  # one object every time (Dynamo guards inputs by
             return known[1]                            # identity), and no op where modes are off
+        if unusable_here(local):  # as it is: __tensor_unflatten__ takes a pending sum's local either way
+            return local
         # a real tensor's view is made outside the trace's fake mode (Dynamo reads inputs under it)
         traced = _first_of(local) if type(local) is torch.Tensor else local[0]
-        self._traced_as = (local, traced)
+        self._traced_as = (local, static_sizes(traced))
         return traced
 
     def _stable_hash_for_caching(self) -> str:
@@ -594,7 +576,12 @@ def _register_graph_nodes() -> None:
 
 
 def _from_numbered_mesh(local, mesh_number: int, layout_or_placements, shape, **kwargs):
-    """``DTensor.from_local`` with the mesh given by its number (``DeviceMesh.numbered``)."""
+    """``DTensor.from_local`` with the mesh given by its number (``DeviceMesh.numbered``). A
+    local tensor whose sizes Dynamo made symbolic (a plain input it saw with two shapes, after
+    a graph break) is first viewed with its sizes as constants (a guard each): specs and plans
+    are for concrete shapes, as a DTensor's own dims are static."""
+    if any(isinstance(n, torch.SymInt) for n in local.shape):
+        local = local.view(tuple(int(n) for n in local.shape))
     return DTensor.from_local(local, DeviceMesh.numbered(mesh_number), layout_or_placements, shape, **kwargs)
 
 

@@ -37,8 +37,9 @@ import torch.distributed as dist
 from .env import read as read_environment
 from .layout import LayoutError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "announce_failure",
-           "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error", "rank_listing"]
+__all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "agreements_made",
+           "announce_failure", "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error",
+           "rank_listing"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable
@@ -138,6 +139,13 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
         own = f"{what}: "  # a rank at another check point shows which one
         shown = [t[len(own):] if t.startswith(own) else f"(at another check) {t}" for t in texts]
         raise RankDisagreementError(f"ranks disagree on {what}:\n" + rank_listing(dict(zip(ranks, shown))))
+
+
+def agreements_made() -> int:
+    """How many agreement checks this rank has joined so far, over every rank set: the same
+    count on every rank of a job whose ranks ran the same program (checks are collective), and
+    unchanged while a compiled graph runs (its checks ran once, when it was traced)."""
+    return sum(_SEQUENCE.values())
 
 
 def agree_in_group(group, what: str, text: str) -> None:

@@ -22,11 +22,43 @@ import functools
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["compiling", "may_defer", "outside_tracing", "traced_constant", "keep_on_copy"]
+__all__ = ["ALL_DIMS", "compiling", "may_defer", "outside_tracing", "static_sizes", "traced_constant", "keep_on_copy",
+           "unusable_here"]
 
 _modes_active = torch._C._len_torch_dispatch_stack
 _FUNCTIONAL = torch._C._TorchDispatchModeKey.FUNCTIONAL
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+class _AllDims:
+    """Contains every dim index: ``3 in ALL_DIMS`` is True (what Dynamo asks of a tensor's
+    ``_dynamo_static_indices``; ``torch._dynamo.mark_static`` adds to it, a no-op here)."""
+
+    def __contains__(self, dim) -> bool:
+        return True
+
+    def add(self, dim) -> None:
+        pass
+
+    def issubset(self, other) -> bool:
+        return isinstance(other, _AllDims)
+
+    def __repr__(self) -> str:
+        return "ALL_DIMS"
+
+
+ALL_DIMS = _AllDims()
+
+
+def static_sizes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (and the tensor it views) marked static in every dim for Dynamo, as
+    ``torch._dynamo.mark_static`` would: a DTensor's local tensor, which Dynamo fakes on its own
+    and would otherwise make symbolic when a compiled frame sees a second size (specs and plans
+    are for concrete shapes; a DTensor's own dims are static already)."""
+    for one in (t, t._base):
+        if one is not None and getattr(one, "_dynamo_static_indices", None) is not ALL_DIMS:
+            one._dynamo_static_indices = ALL_DIMS
+    return t
 
 
 def compiling() -> bool:
@@ -44,6 +76,14 @@ def may_defer() -> bool:
     (functionalization on); not while Dynamo runs the ops one at a time on fake tensors and
     inspects each result on its own."""
     return not compiling() or torch._C._get_dispatch_mode(_FUNCTIONAL) is not None
+
+
+def unusable_here(t: torch.Tensor) -> bool:
+    """Whether no op can run on ``t`` now: a functional tensor read after its mode has left the
+    stack (AOTAutograd reads a traced graph's outputs that way when it converts them back)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None
 
 
 def outside_tracing(fn):

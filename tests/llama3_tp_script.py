@@ -202,12 +202,13 @@ def fused_adamw_supported(device: str) -> bool:
 
 
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
-          dp_mesh=None):
+          dp_mesh=None, compile_backend=None, fullgraph=True):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
     ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
     ``dp_mesh``: also fully sharded over it, each dp rank training on its ``batch`` rows of the
-    ``batch * dp`` drawn per step (the loss recorded is their mean over dp)."""
+    ``batch * dp`` drawn per step (the loss recorded is their mean over dp). ``compile_backend``:
+    the whole model compiled with it (``torch.compile(model, fullgraph=fullgraph)``)."""
     args = ModelArgs()
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
@@ -220,6 +221,8 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         apply_tp(model, tp_mesh)
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh)
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
+                                                                      fullgraph=fullgraph)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     fused = fused_adamw_supported("cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None,
@@ -231,7 +234,7 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with loss_parallel() if tp_mesh is not None else nullcontext():
-            pred = model(inputs)
+            pred = forward(inputs)
             loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)

@@ -7,9 +7,11 @@ break; later steps never recompile (Dynamo's guard failures are reported if they
 sequence length compiles once. Every kind of plan step traces to torch's functional
 collectives; axedist's collectives and fused kernels run as custom ops (forward, gradient,
 compiled); where the fused kernels are chosen (CUDA) the compiled graph calls them, shown here
-on CPU by forcing the choice. The whole model compiled at once (it breaks the graph) gives
-eager's numbers too. One small test runs Inductor's CPU backend (a C++ compile: slow);
-``launch/train_tp.py --compile`` runs under torchrun.
+on CPU by forcing the choice. The whole model compiled at once (``fullgraph=True``, token ids
+in) is one graph with eager's numbers, the same graph on every rank; so is a toy model from
+plain inputs, with axedist's or torch's styles, and ``from_local`` / ``to_local`` /
+``redistribute`` inside a compiled function. Two small tests run Inductor's CPU backend (a C++
+compile: slow); ``launch/train_tp.py --compile`` runs under torchrun.
 """
 
 import contextlib
@@ -94,14 +96,16 @@ def _twins(world: int, seed: int, sequence_parallel: bool):
     return eager, compiled, mesh
 
 
-def _same_step(eager, compiled, tokens, mesh, step: int) -> None:
-    """Forward and backward of both models on ``tokens``: equal losses and gradients."""
+def _same_step(forwards, models, tokens, mesh, step: int) -> None:
+    """Forward and backward of both models on ``tokens`` (``forwards``: the models, or a model's
+    compiled twin): equal losses and gradients."""
     losses = []
-    for model in (eager, compiled):
-        loss = next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
+    for forward in forwards:
+        loss = next_token_loss(forward(tokens[:, :-1]), replicate(tokens[:, 1:], mesh))
         loss.backward()
         losses.append(loss.full_tensor())
     torch.testing.assert_close(losses[1], losses[0], **TOL, msg=lambda m: f"step {step}: loss: {m}")
+    eager, compiled = models
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL,
                                    msg=lambda m: f"step {step}: grad of {name}: {m}")
@@ -118,12 +122,13 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
     report = {"graphs": [], "failures": []}
     for step in range(steps):
         tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
-        _same_step(eager, compiled, tokens, mesh, step)
+        _same_step((eager, compiled), (eager, compiled), tokens, mesh, step)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL, msg=lambda m: f"after step {step}: {name}")
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
+                                       msg=lambda m: f"after step {step}: {name}")
         report["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         report["failures"].append(_guard_failures())
     # the block's graphs hold the plan's collectives as functional collectives, nothing in place
@@ -148,21 +153,172 @@ def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_br
     return report
 
 
-def whole_model(rank, world, seed):
-    """``model.compile()`` of the whole TP Llama (graph breaks allowed): eager's numbers."""
-    eager, compiled, mesh = _twins(world, seed, sequence_parallel=True)
-    compiled.compile(backend=capture([]))
+def whole_model_training(rank, world, seed, sequence_parallel, steps=3):
+    """``torch.compile(model, fullgraph=True)`` of the whole TP Llama (token ids in as a plain
+    tensor, the vocab-parallel embedding, every block, the output head) next to eager: losses,
+    gradients and parameters after AdamW per step; graphs made after each step; Dynamo's guard
+    failures; agreement checks joined while tracing and while the compiled steps ran; ``explain``."""
+    from axedist.peers import agreements_made
+
+    eager, compiled, mesh = _twins(world, seed, sequence_parallel)
+    forward = torch.compile(compiled, backend=capture([]), fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled)]
     g = torch.Generator().manual_seed(seed + 1)
-    for step in range(2):
-        _same_step(eager, compiled, torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g), mesh, step)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    report = {"graphs": [], "agreements": []}
+    for step in range(steps):
+        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
+        _same_step((eager, forward), (eager, compiled), tokens, mesh, step)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
+                                       msg=lambda m: f"after step {step}: {name}")
+        report["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        report["agreements"].append(agreements_made())
+    report["failures"] = _guard_failures()
     _fresh_dynamo()
-    return graphs
+    explained = torch._dynamo.explain(eager)(tokens[:, :-1])
+    report["breaks"] = (explained.graph_break_count, [str(r.reason)[:300] for r in explained.break_reasons])
+    _fresh_dynamo()
+    return report
 
 
-def test_whole_model_compiled_matches_eager():
-    """The whole model compiled (not block by block): graphs are made, and the numbers are eager's."""
-    assert all(graphs > 0 for graphs in run_on_ranks(whole_model, 2, args=(random.randrange(2**31),), timeout_s=300))
+@pytest.mark.parametrize("world,sequence_parallel", [(2, True), (4, False)])
+def test_whole_tp_llama_compiles_as_one_graph(world, sequence_parallel):
+    """The whole TP (+ SP) Llama compiled with fullgraph=True: no graph break, one graph for
+    three steps (no recompile), eager's fp64 losses, gradients and parameters; the rank-agreement
+    checks run while tracing, as many on every rank, and none while the compiled steps run."""
+    seed = random.randrange(2**31)
+    reports = run_on_ranks(whole_model_training, world, args=(seed, sequence_parallel), timeout_s=400)
+    for rank, report in enumerate(reports):
+        assert report["breaks"] == (0, []), f"rank {rank}: graph breaks: {report['breaks']}"
+        assert report["graphs"] == [1, 1, 1] and not report["failures"], (
+            f"rank {rank} (seed {seed}): graphs after each step {report['graphs']}; "
+            f"guard failures: {report['failures']}")
+        agreed = report["agreements"]
+        assert agreed[1] == agreed[2], f"rank {rank}: agreement checks ran in compiled steps: {agreed}"
+        assert agreed == reports[0]["agreements"], f"rank {rank} joined {agreed}, rank 0 {reports[0]['agreements']}"
+
+
+def _toy_model(torch_styles: bool):
+    """``nn.Sequential(Linear, ReLU, Linear)`` parallelized on a fresh 1-D mesh: axedist's styles
+    (the issue's script), or torch's styles through ``axedist.nn.parallelize_module`` on a torch
+    mesh (pytorch/examples' tensor-parallel example: in_proj column-, out_proj row-parallel, plain
+    outputs)."""
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 5)).double()
+    if not torch_styles:
+        from axedist.nn import ColwiseParallel, RowwiseParallel
+        return parallelize(model, DeviceMesh("cpu", (dist.get_world_size(),)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from axedist.nn import parallelize_module
+    return parallelize_module(model, init_device_mesh("cpu", (dist.get_world_size(),)),
+                              {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def toy_training(rank, world, seed, torch_styles, backend):
+    """Three AdamW steps of the toy model compiled whole (fullgraph) next to eager, on plain
+    inputs: outputs, gradients, parameters; graphs per step, guard failures, explain's breaks."""
+    torch.manual_seed(seed)
+    eager = _toy_model(torch_styles)
+    torch.manual_seed(seed)
+    compiled = _toy_model(torch_styles)
+    _fresh_dynamo()
+    forward = torch.compile(compiled, backend=backend, fullgraph=True)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in (eager, compiled)]
+    graphs = []
+    for step in range(3):
+        torch.manual_seed(seed + step)
+        x = torch.rand(20, 10, dtype=torch.float64)
+        outs = []
+        for fn in (eager, forward):
+            y = fn(x)
+            y.sum().backward()
+            kind = type(y).__name__
+            outs.append(y.full_tensor() if isinstance(y, DTensor) else y)
+        torch.testing.assert_close(outs[1], outs[0], **TOL)
+        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL, msg=lambda m: f"{name}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    failures = _guard_failures()
+    _fresh_dynamo()
+    explained = torch._dynamo.explain(eager)(x)
+    _fresh_dynamo()
+    return graphs, failures, explained.graph_break_count, kind
+
+
+@pytest.mark.parametrize("torch_styles,backend", [(False, "aot_eager"), (False, "inductor"), (True, "aot_eager")],
+                         ids=["axedist_styles", "axedist_styles_inductor", "torch_styles"])
+def test_parallelized_toy_model_compiles_whole(torch_styles, backend):
+    """The issue's script: ``torch.compile(parallelize(nn.Sequential(Linear, ReLU, Linear), mesh,
+    {"0": ColwiseParallel(), "2": RowwiseParallel()}), fullgraph=True)`` on a plain input (its
+    input hook's ``from_local`` once ran as a disabled twin: ``Unsupported``), under aot_eager and
+    Inductor; and pytorch/examples' TP example written with torch's styles: one graph, no
+    recompile over three steps, eager's values and gradients (fp64)."""
+    seed = random.randrange(2**31)
+    for rank, (graphs, failures, breaks, out) in enumerate(
+            run_on_ranks(toy_training, 2, args=(seed, torch_styles, backend), timeout_s=600)):
+        assert graphs == [1, 1, 1] and not failures and breaks == 0, (rank, seed, graphs, failures, breaks)
+        assert out == ("Tensor" if torch_styles else "DTensor")  # torch's RowwiseParallel: a local output
+
+
+def traced_api(rank, world, seed):
+    """from_local (shape inferred, with a layout, run_check=True, grad_placements), to_local and
+    full_tensor with grad_placements, redistribute with forward/backward dtypes, inside one
+    compiled function (fullgraph) on plain tensors: eager's values and gradients."""
+    from torch.distributed.tensor import Partial
+
+    mesh = DeviceMesh("cpu", (world,))
+    layout = ax.Layout.parse(f"S[({world},2,3):(1@gpuid,3,1)]")
+
+    def f(x, w):
+        a = DTensor.from_local(x, mesh, [Shard(0)])
+        b = DTensor.from_local(x, device_mesh=mesh, placements=[Shard(0)], run_check=True)
+        c = DTensor.from_local(x, mesh, layout, shape=(2 * world, 3))
+        d = DTensor.from_local(w, mesh, [Replicate()], grad_placements=[Replicate()])
+        e = (a * b + c).redistribute([Replicate()])
+        g = e.redistribute([Shard(1)], forward_dtype=torch.float32, backward_dtype=torch.float64)
+        return ((e.to_local() * d.to_local(grad_placements=[Partial()])).sum() + g.full_tensor().double().sum()
+                + (a.full_tensor(grad_placements=[Partial()]) ** 2).sum())
+
+    torch.manual_seed(seed + rank)
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2 * world, 3, dtype=torch.float64, requires_grad=True)
+    want = f(x, w)
+    want.backward()
+    grads = x.grad, w.grad
+    x.grad = w.grad = None
+    _fresh_dynamo()
+    got = torch.compile(f, backend=capture([]), fullgraph=True)(x, w)
+    got.backward()
+    _fresh_dynamo()
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close((x.grad, w.grad), grads, **TOL)
+    # a rank whose local tensor does not fit: run_check's agreement (at trace time) fails on every rank
+    misfit = torch.randn(3 if rank == 1 else 2, 3, dtype=torch.float64)
+    try:
+        torch.compile(lambda t: DTensor.from_local(t, mesh, layout, shape=(2 * world, 3), run_check=True).to_local(),
+                      backend=capture([]), fullgraph=True)(misfit)
+    except Exception as error:  # Dynamo wraps what the node raised
+        return f"{type(error).__name__}: {error}"
+    finally:
+        _fresh_dynamo()
+    return "no error"
+
+
+def test_from_local_to_local_redistribute_trace():
+    """The DTensor API inside compiled code, no graph break, eager's numbers; run_check's check
+    of every rank's local tensor runs once, at trace time, and raises on every rank."""
+    for rank, outcome in enumerate(run_on_ranks(traced_api, 2, args=(random.randrange(2**31),), timeout_s=300)):
+        assert "RankDisagreementError" in outcome and "does not fit" in outcome, (rank, outcome)
 
 
 def first_forward_compiled(rank, world, seed):
@@ -425,11 +581,12 @@ def graph_outline(gm: torch.fx.GraphModule) -> list[tuple]:
     return rows
 
 
-def graph_outlines(rank, world, seed):
-    """The forward and backward graphs of the compiled sequence-parallel block with the fused
-    kernels chosen (as on CUDA), on this rank."""
-    block, inputs = _tp_block(world, seed, LlamaConfig(vocab_size=32, dim=32, n_layers=1, n_heads=8, ffn_hidden=64,
-                                                       max_seq_len=16))
+def graph_outlines(rank, world, seed, whole_model=False):
+    """The forward and backward graphs of the compiled sequence-parallel block (or of the whole
+    model, token ids to logits, its vocabulary of 30 uneven over 4 ranks) with the fused kernels
+    chosen (as on CUDA), on this rank."""
+    cfg = LlamaConfig(vocab_size=30 if whole_model else 32, dim=32, n_layers=1, n_heads=8, ffn_hidden=64,
+                      max_seq_len=16)
     outlines: list = []
 
     def keep(gm, example_inputs):
@@ -438,18 +595,31 @@ def graph_outlines(rank, world, seed):
         return make_boxed_func(gm.forward)
 
     from torch._dynamo.backends.common import aot_autograd
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
     with forced_fused():
-        block_step(torch.compile(block, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True),
-                   block, *inputs)
+        if not whole_model:
+            block, inputs = _tp_block(world, seed, cfg)
+            block_step(torch.compile(block, backend=backend, fullgraph=True), block, *inputs)
+            return outlines
+        torch.manual_seed(seed)
+        model, mesh = Llama(cfg).to(torch.bfloat16), DeviceMesh("cpu", (world,))
+        parallelize(model, mesh, llama_tp_plan(cfg))
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len + 1), generator=g)
+        logits = torch.compile(model, backend=backend, fullgraph=True)(tokens[:, :-1])
+        next_token_loss(logits.float(), replicate(tokens[:, 1:], mesh)).backward()
     return outlines
 
 
-def test_every_rank_compiles_the_same_graph():
-    """Four ranks of a compiled TP + SP block: the same graphs, op for op, with the same collectives
-    and fused kernels in the same order and the same backend (a rank in the middle of its group
-    once traced other copies than the ranks at its ends: different graphs compile at different
-    speeds, and a rank still compiling left its peers' fused kernels spinning into their timeout)."""
-    outlines = run_on_ranks(graph_outlines, 4, args=(random.randrange(2**31),), timeout_s=600)
+@pytest.mark.parametrize("whole_model", [False, True], ids=["block", "whole_model"])
+def test_every_rank_compiles_the_same_graph(whole_model):
+    """Four ranks of a compiled TP + SP block, and of the whole model: the same graphs, op for op,
+    with the same collectives and fused kernels in the same order and the same backend (a rank
+    in the middle of its group once traced other copies than the ranks at its ends: different
+    graphs compile at different speeds, and a rank still compiling left its peers' fused kernels
+    spinning into their timeout; an uneven vocabulary once left one rank choosing another kernel
+    than its peers for the output head)."""
+    outlines = run_on_ranks(graph_outlines, 4, args=(random.randrange(2**31), whole_model), timeout_s=600)
     assert len(outlines[0]) == 2, "expected a forward and a backward graph"
     comms = [row for graph in outlines[0] for row in graph if len(row) > 1]
     assert any("all_gather_gemm" in row[0] for row in comms) and any("gemm_reduce_scatter" in row[0] for row in comms)

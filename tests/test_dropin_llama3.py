@@ -126,6 +126,70 @@ def _fsdp_tp(rank, world, seed):
     return True
 
 
+def _graphs_and_failures() -> tuple[int, list[str]]:
+    counters = torch._dynamo.utils
+    failures = [str(r) for reasons in counters.guard_failures.values() for r in reasons]
+    return counters.counters["stats"]["unique_graphs"], failures
+
+
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.guard_failures.clear()
+
+
+def _compiled(rank, world, seed, imports):
+    """tp = 4, the whole model compiled with fullgraph=True (the script's ``compile_backend``):
+    the one-process run's losses, norms and gradients, one graph for the 5 steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
+    _, reference = script()["train"](None, seed, dtype=torch.float64)
+    _fresh_dynamo()
+    _, run = script(imports)["train"](tp, seed, dtype=torch.float64, compile_backend="aot_eager")
+    graphs = _graphs_and_failures()
+    _fresh_dynamo()
+    _compare(run, reference, "compiled whole")
+    return graphs
+
+
+def _fsdp_tp_compiled(rank, world, seed):
+    """dp = 2 x tp = 2, axedist's fully_shard, the whole model compiled without fullgraph: the
+    graph breaks at each unit's hooks (run eagerly, as torch's FSDP2 hooks are); the one-process
+    run's numbers; graphs made in the first step only (a 1-step run makes as many as 5 steps)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = world_mesh["tp"], world_mesh["dp"]
+    _, reference = script()["train"](None, seed, batch=4, dtype=torch.float64)
+    counts = []
+    for steps in (1, 5):
+        _fresh_dynamo()
+        _, run = script(AXEDIST_IMPORTS)["train"](tp, seed, steps=steps, dtype=torch.float64, dp_mesh=dp,
+                                                  compile_backend="aot_eager", fullgraph=False)
+        counts.append(_graphs_and_failures()[0])
+    _fresh_dynamo()
+    _compare(run, reference, "fully_shard + TP, compiled whole")
+    return counts
+
+
+@pytest.mark.parametrize("imports", ["imports_changed", "axedist_styles"])
+def test_llama3_script_compiled_whole(imports):
+    """The script's model compiled whole (``torch.compile(model, fullgraph=True)``) on axedist:
+    torch's styles with the imports changed, and axedist's own styles."""
+    seed = random.randrange(2**31)
+    chosen = AXEDIST_IMPORTS if imports == "imports_changed" else AXEDIST_STYLES
+    for rank, (graphs, failures) in enumerate(run_on_ranks(_compiled, 4, args=(seed, chosen), timeout_s=600)):
+        assert graphs == 1 and not failures, (rank, seed, graphs, failures)
+
+
+def test_llama3_script_fsdp_tp_compiled_whole():
+    """dp x tp: what compiles (README: FSDP's hooks are graph breaks)."""
+    seed = random.randrange(2**31)
+    for rank, (one_step, five_steps) in enumerate(run_on_ranks(_fsdp_tp_compiled, 4, args=(seed,), timeout_s=900)):
+        assert one_step == five_steps > 1, (rank, seed, one_step, five_steps)
+
+
 @pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp"])
 def test_llama3_script_on_torch_and_axedist(kind):
     body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp}[kind]

@@ -915,9 +915,20 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
     module.__dict__["_axedist_fsdp"] = unit
     if not isinstance(module, FSDPModule):
         module.__class__ = _fsdp_class(type(module))
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward)
+    # torch.compile runs the hooks eagerly around what it compiles (a graph break at each unit's
+    # edges, as torch's FSDP2 hooks): they resize storages, register autograd hooks and keep the
+    # step's schedule, none of which a graph can hold (README, torch.compile)
+    module.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
+    module.register_forward_hook(_eager(unit.post_forward))
     return module
+
+
+def _eager(hook):
+    """``hook`` as a function torch.compile does not trace (a graph break: it runs eagerly)."""
+    def run(*args, **kwargs):
+        return hook(*args, **kwargs)
+
+    return torch._disable_dynamo(run)
 
 
 def _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params) -> None:

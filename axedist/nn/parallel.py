@@ -84,9 +84,16 @@ def _resolve(where, shape: Sequence[int], mesh: DeviceMesh):
         if isinstance(p, Shard):
             if not -len(shape) <= p.dim < len(shape):
                 raise LayoutError(f"{p} names a dim that a tensor of shape {tuple(shape)} does not have")
-            p = Shard(p.dim % len(shape))
+            p = Shard(_constant_dim(p.dim, len(shape)))
         out.append(p)
     return tuple(out)
+
+
+def _constant_dim(dim, ndim: int) -> int:
+    """``dim % ndim`` as a plain int, also where torch.compile reads ``dim`` as a symbol (a hook's
+    code compiled again for a module whose placement differs: Dynamo then makes the int dynamic,
+    and a placement takes constants only). ``_constant_dim(-1, 3) == 2``."""
+    return [d for d in range(ndim) if d == dim % ndim][0]
 
 
 def _text(where) -> str:
