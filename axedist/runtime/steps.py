@@ -19,6 +19,7 @@ from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.holdings import box_index
 from ..planning.steps import Step
+from ..tracing import outside_tracing
 from .indices import Index, reduce_into
 
 __all__ = ["BACKEND", "RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
@@ -38,6 +39,11 @@ class RankContext:
     me: tuple
     rank_of: Callable
     backend: str
+
+
+@outside_tracing
+def _real_slots(transfers, device) -> torch.Tensor:
+    return box_index(transfers, "target").to(device)
 
 
 class StepProgram:
@@ -81,8 +87,8 @@ class StepProgram:
     def start(self, x: torch.Tensor, async_op: bool, carrier=None):
         if self.reduce is None:
             return [], (lambda: self.local_out(x))
-        if self._local_slots is None:
-            self._local_slots = box_index(self.local, "target").to(self.ctx.device)
+        if self._local_slots is None:  # real, also when first run inside a trace (the trace takes a constant)
+            self._local_slots = _real_slots(self.local, self.ctx.device)
         return [], (lambda: reduce_into(self.step.out_size, self.local_src.take(x), self._local_slots, self.reduce,
                                         self.count, x))
 
