@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 from . import autograd
 from .caches import memo
@@ -201,10 +201,47 @@ def graph_node(method):
     on fake tensors, collectives and all (Dynamo is not tracing then: the body runs). In the
     Dynamo graph of ``x.redistribute([Replicate()])``: ``dtensor_redistribute(x, [Replicate()])``."""
     def node(*args, **kwargs):
-        return method(*args, **kwargs)
+        return method(*(_placements_from_text(a) for a in args),
+                      **{k: _placements_from_text(v) for k, v in kwargs.items()})
 
     node.__name__ = node.__qualname__ = f"dtensor_{method.__name__}"
-    return torch._dynamo.allow_in_graph(node)
+    recorded = torch._dynamo.allow_in_graph(node)
+
+    def call(*args, **kwargs):
+        # placements reach the node as text: Dynamo proxies strings on every torch release, while
+        # torch 2.11 has no proxy for a placement argument (the whole-model compile failed there)
+        return recorded(*(_placements_as_text(a) for a in args),
+                        **{k: _placements_as_text(v) for k, v in kwargs.items()})
+
+    return call
+
+
+_PLACEMENT_TEXT = "axedist-placements"  # marks a tuple of placements written as text
+
+
+def _placements_as_text(value):
+    """``[Shard(0), Partial("sum")]`` -> ``("axedist-placements", ("S", 0), ("P", "sum"))``; anything else as it is."""
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(p, Placement) for p in value):
+        return value
+    words = []
+    for p in value:
+        if isinstance(p, _StridedShard):
+            words.append(("T", p.dim, p.split_factor))
+        elif isinstance(p, Shard):
+            words.append(("S", p.dim))
+        elif isinstance(p, Partial):
+            words.append(("P", p.reduce_op))
+        else:
+            words.append(("R",))
+    return (_PLACEMENT_TEXT, *words)
+
+
+def _placements_from_text(value):
+    if not (isinstance(value, tuple) and value and value[0] == _PLACEMENT_TEXT):
+        return value
+    made = {"S": lambda d: Shard(d), "T": lambda d, f: _StridedShard(d, split_factor=f), "P": lambda op: Partial(op),
+            "R": lambda: Replicate()}
+    return tuple(made[word[0]](*word[1:]) for word in value[1:])
 
 
 class DTensor(torch.Tensor):
