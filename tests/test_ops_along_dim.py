@@ -43,9 +43,12 @@ CASES = {
     "logcumsumexp": (lambda x: x.logcumsumexp(0), (5, 4), (0,)),
     "kthvalue": (lambda x: x.kthvalue(2, dim=1), (4, 6), (1,)),
     "median(dim)": (lambda x: x.median(dim=1), (4, 5), (1,)),
+    # renorm's norm runs over every dim but its own: those are the ones that move
+    "renorm dim 0": (lambda x: x.renorm(2, 0, 1.0), (5, 6, 4), (1, 2)),
+    "renorm dim 1": (lambda x: x.renorm(1, 1, 0.5), (4, 6), (0,)),
 }
 GATHERED_FALLBACKS = ("aten._safe_softmax", "aten.topk", "aten.max.dim", "aten.min.dim",
-                      "aten.sort", "aten.cumsum", "aten.cummax", "aten.logcumsumexp", "aten.kthvalue", "aten.median")
+                      "aten.sort", "aten.cumsum", "aten.cummax", "aten.logcumsumexp", "aten.kthvalue", "aten.median", "aten.renorm")
 
 
 def _outputs(value) -> list:

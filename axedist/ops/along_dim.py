@@ -65,12 +65,23 @@ def scan_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[target], outputs=(target, target) if two else target)
 
 
-@register(aten.topk.default, aten.renorm.default)
+@register(aten.topk.default)
 def topk_rule(call: OpCall) -> Sharding:
-    """``x.topk(k, 1)`` of (8, 10) ``[Shard(0)]``: values and indices (8, k) ``[Shard(0)]``, local;
-    ``renorm`` (each slice along its dim scaled to a norm at most ``maxnorm``) likewise."""
+    """``x.topk(k, 1)`` of (8, 10) ``[Shard(0)]``: values and indices (8, k) ``[Shard(0)]``, local."""
     target = _whole_along(call, False)
-    return Sharding(inputs=[target], outputs=(target, target) if call.func is aten.topk.default else target)
+    return Sharding(inputs=[target], outputs=(target, target))
+
+
+@register(aten.renorm.default)
+def renorm_rule(call: OpCall) -> Sharding:
+    """``x.renorm(p, 0, maxnorm)`` scales each slice ``x[i]`` to a norm at most ``maxnorm``: the norm
+    runs over every dim BUT ``dim``, so those are made whole and ``dim`` may stay sharded. (8, 10)
+    ``[Shard(0)]``, dim 0: local, ``[Shard(0)]``; dim 1: dim 0 gathered first."""
+    x = call.args[0]
+    d = _dim_of(call)
+    places = without_partial(placements_of(x))
+    target = unshard(places, [e for e in range(x.ndim) if e != d], x.ndim) if x.ndim else places
+    return Sharding(inputs=[target], outputs=target)
 
 
 @register(*_REDUCING)
