@@ -75,13 +75,8 @@ class StepProgram:
         return out
 
     @property
-    def local_src_raw(self) -> torch.Tensor:
-        """This rank's local copies' source slots, one per element (for reductions, which scatter)."""
-        return box_index(self.local, "source")
-
-    @property
     def local_dst_raw(self) -> torch.Tensor:
-        """Their target slots, one per element."""
+        """This rank's local copies' target slots, one per element (for reductions, which scatter)."""
         return box_index(self.local, "target")
 
     def start(self, x: torch.Tensor, async_op: bool, carrier=None):
@@ -164,9 +159,6 @@ class Collective(StepProgram):
     def message(self, sender, receiver) -> tuple:
         """The transfers (boxes) ``sender`` sends ``receiver`` in this step."""
         return self.step.messages[(sender, receiver)]
-
-    def message_source(self, sender, receiver) -> torch.Tensor:
-        return box_index(self.step.messages[(sender, receiver)], "source")
 
     def message_target(self, sender, receiver) -> torch.Tensor:
         return box_index(self.step.messages[(sender, receiver)], "target")
