@@ -25,9 +25,19 @@ if [[ $MODE == tests ]]; then
   python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout ${TEST_TIMEOUT:-240}"
   GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
   [[ -f benchmarks/precompile_collectives.py ]] && step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
-  [[ ${ONEGPU:-1} == 1 ]] && CUDA_VISIBLE_DEVICES=0 step pytest_onegpu ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu
-  (( GPUS >= 4 )) && CUDA_VISIBLE_DEVICES=0,1,2,3 step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
-  CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS
+  if (( GPUS >= 4 )); then
+    # W=4 on all four; then W=2 on GPUs 0,1 while the one-GPU suite runs in two halves on GPUs 2 and 3
+    CUDA_VISIBLE_DEVICES=0,1,2,3 step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
+    CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS &
+    if [[ ${ONEGPU:-1} == 1 ]]; then
+      CUDA_VISIBLE_DEVICES=2 step pytest_onegpu_a ${LIMIT_ONEGPU:-300} $PYTEST tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py &
+      CUDA_VISIBLE_DEVICES=3 step pytest_onegpu_b ${LIMIT_ONEGPU:-300} $PYTEST tests_onegpu/test_virtual_fused.py tests_onegpu/test_virtual_collectives.py tests_onegpu/test_gemm_core.py &
+    fi
+    wait
+  else
+    [[ ${ONEGPU:-1} == 1 ]] && CUDA_VISIBLE_DEVICES=0 step pytest_onegpu ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu
+    CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS
+  fi
   for f in "$LOGS"/pytest_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -12; done
 elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp main_job demo"}
@@ -51,6 +61,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
       step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
       (( W >= 4 )) && step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
+    main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
