@@ -17,6 +17,7 @@ Imported beside the scripts (``from training_steps import ...``), like ``history
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -206,20 +207,23 @@ def allocated(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else 0
 
 
-def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0):
+def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0, around=contextlib.nullcontext):
     """``step(tokens)`` between synchronised starts (all ranks, the device): its result, the
     slowest rank's wall milliseconds, and two peaks, max over ranks (None on CPU): the side's
     own, ``resident`` + the rise of allocated bytes during the step over those before it, and
-    the process's ``torch.cuda.max_memory_allocated`` as read (every resident side's bytes)."""
+    the process's ``torch.cuda.max_memory_allocated`` as read (every resident side's bytes).
+    ``around()``: a context entered around the step alone (a profiler: the all-reduce of the
+    measurements, which waits for the slowest rank, stays out of what it sees)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = allocated(cuda)
     dist.barrier()
     begin = time.perf_counter()
-    out = step(tokens)
-    if cuda:
-        torch.cuda.synchronize()
+    with around():
+        out = step(tokens)
+        if cuda:
+            torch.cuda.synchronize()
     elapsed = time.perf_counter() - begin
     raw = torch.cuda.max_memory_allocated() if cuda else 0
     measured = torch.tensor([elapsed, float(resident + raw - before), float(raw)], dtype=torch.float64,
@@ -412,8 +416,8 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int
     for side in sides:
         error = ""
         try:
-            with profile(activities=activities) as prof:
-                _, ms, _, _ = measured_step(side.step, tokens, cuda)
+            prof = profile(activities=activities)
+            _, ms, _, _ = measured_step(side.step, tokens, cuda, around=lambda: prof)
             if dist.get_rank() == 0:
                 out[side.name] = dict(profile_summary(prof.events(), cuda, top), step_ms=ms)
                 say(f"  profiled {side.name}: step {ms:.1f} ms, busy {out[side.name]['busy_ms']:.1f} ms")
