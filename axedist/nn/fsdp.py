@@ -26,6 +26,11 @@ tensor-parallel layout inside) and moved to the sharded layout, which is a reduc
 ``dp`` (plus, for a gradient pending over ``tp``, the ``tp`` reduction; for HSDP, the
 all-reduce over the replicate axes), in ``reduce_dtype``. Optimizers, ``state_dict`` and DCP see
 only the sharded parameters.
+
+``fully_shard(model, mesh, traced=True)`` shards the same way with no hooks: each parameter's
+gather and its gradient's reduce-scatter are a ``redistribute`` inside the forward of the module
+that uses it (``GatheredView``), so ``torch.compile(model, fullgraph=True)`` compiles dp x tp as
+one graph and the compiler schedules the gathers.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -51,10 +57,10 @@ from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
 from ..runtime import redistribute_local
 from ..runtime.deferred import flush
-from ..spec import DTensorSpec, chunk, make_spec, replicated_layout, row_major_iters
+from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters
 
 __all__ = ["MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "ShardedParameter", "FlatLayout", "fully_shard",
-           "fsdp_units", "data_parallel_specs", "pending_gradient_spec"]
+           "fsdp_units", "data_parallel_specs", "pending_gradient_spec", "GatheredView", "shard_traced"]
 
 
 NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in it too
@@ -861,7 +867,7 @@ def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
 def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | None = None,
                 replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool = True,
                 mp_policy: MixedPrecisionPolicy = NO_CASTS, offload_policy=None, shard_placement_fn=None,
-                ignored_params=None) -> nn.Module:
+                ignored_params=None, traced: bool = False) -> nn.Module:
     """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
 
     Two spellings. axedist's: ``mesh`` the whole (dp, tp) mesh, ``dp_axes`` (default ``"dp"``)
@@ -885,6 +891,12 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
     own dtype (fp32 masters: fp32; torch's default is ``param_dtype``), optimizer state follows
     the sharded fp32 parameters. ``reshard_after_forward=False`` keeps a unit's gathered
     parameters from forward to backward (the root always keeps them, as torch does).
+
+    ``traced=True`` (for ``torch.compile(model, fullgraph=True)`` of dp x tp): no hooks; each
+    parameter's gather is a ``redistribute`` inside the forward of the module that uses it and its
+    gradient's reduce-scatter that redistribute's backward, so the whole model traces as one
+    graph and the compiler schedules (and frees) the gathers. Apply it once, to the whole model;
+    see ``shard_traced``.
     """
     _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params)
     if dp_axes is None:
@@ -902,6 +914,8 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
                         f"replicate_axes")
     if not shard_axes:
         raise MeshError("fully_shard: dp_axes is empty (give at least one mesh axis to shard the parameters over)")
+    if traced:
+        return shard_traced(module, mesh, shard_axes, replicate_axes, mp_policy)
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__} "
                          f"({len(_unit_of(module).params)} parameters sharded over {_unit_of(module).shard_axes}); "
@@ -989,7 +1003,7 @@ def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> No
             names.setdefault(id(param), qualified)
             originals[id(param)] = param
     for key, param in originals.items():
-        view = _view_spec(param, mesh, unit, names[key])
+        view = _view_spec(param, mesh, unit.data_axes, names[key])
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes)
         with torch.no_grad():
             full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
@@ -1013,7 +1027,7 @@ def _is_sharded(param) -> bool:
     return bool(getattr(param, "__dict__", {}).get("_axedist_sharded"))
 
 
-def _view_spec(param: nn.Parameter, mesh: DeviceMesh, unit: FSDPUnit, name: str) -> DTensorSpec | None:
+def _view_spec(param: nn.Parameter, mesh: DeviceMesh, data_axes: tuple, name: str) -> DTensorSpec | None:
     """The spec the modules compute with: a DTensor parameter's own (on a sub-mesh of ``mesh``
     away from the data axes), ``None`` for a plain one."""
     if not isinstance(param, DTensor):
@@ -1027,7 +1041,7 @@ def _view_spec(param: nn.Parameter, mesh: DeviceMesh, unit: FSDPUnit, name: str)
         raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is {mesh.device}")
     if spec.reduce_op:
         raise LayoutError(f"fully_shard: parameter {name} has a pending {spec.reduce_op} ({spec})")
-    clash = [a for a in sub.axis_names if a in unit.data_axes]
+    clash = [a for a in sub.axis_names if a in data_axes]
     if clash:
         raise MeshError(f"fully_shard: data-parallel axes {clash} are axes parameter {name} is already laid out on "
                         f"(its mesh {sub.axis_names}, layout {spec.layout}); shard over other axes of {mesh.axis_names}")
@@ -1041,3 +1055,132 @@ def _view_spec(param: nn.Parameter, mesh: DeviceMesh, unit: FSDPUnit, name: str)
                         f"{mesh[ordered] if ordered == sub.axis_names else ordered} of {mesh}")
     return spec
 
+
+
+# ---------------------------------------------------------------------------
+# Traced mode: the gathers as redistributes inside the graph (torch.compile fullgraph of dp x tp)
+# ---------------------------------------------------------------------------
+
+
+class GatheredView(nn.Module):
+    """The parametrization ``fully_shard(..., traced=True)`` puts on a parameter: from the sharded
+    parameter (a DTensor on the whole mesh) to what the module computes with (the DTensor on the
+    tensor-parallel sub-mesh it had, or a plain tensor), in three traceable steps: a cast to
+    ``param_dtype`` (on the shard, so the gather moves that dtype), the ``redistribute`` to the
+    layout replicated over the data axes (an all-gather over ``dp``), and ``to_local`` whose
+    gradient is read as a pending mean over ``dp``: the redistribute's backward is then the
+    reduce-scatter of the mean gradient onto the shard (FSDP's gradient; a one-process run's
+    gradient when each dp rank's loss is the mean over its equal share of the batch)."""
+
+    def __init__(self, gathered: DTensorSpec, view: DTensorSpec | None, grad_placements: tuple,
+                 param_dtype: torch.dtype | None):
+        super().__init__()
+        self.gathered, self.view, self.grad_placements, self.param_dtype = gathered, view, grad_placements, param_dtype
+
+    def forward(self, sharded: DTensor):
+        if self.param_dtype is not None and sharded.dtype != self.param_dtype:
+            sharded = sharded.to(self.param_dtype)
+        whole = sharded.redistribute(self.gathered.layout)
+        local = whole.to_local(grad_placements=self.grad_placements)
+        if self.view is None:
+            return local
+        return DTensor.from_local(local, self.view.mesh, self.view.layout, self.view.shape)
+
+    def extra_repr(self) -> str:
+        return f"gathered {self.gathered}" + (f", computes in {self.param_dtype}" if self.param_dtype else "")
+
+
+def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replicate_axes: tuple,
+                 mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    """``fully_shard(module, mesh, traced=True)``: every parameter of ``module`` becomes its
+    sharded DTensor (the layout of the hooked mode: ``S[(2,2,2,6):(1@tp,1@dp,6,1)]`` for a
+    ColwiseParallel ``(8, 6)`` on ``(dp, tp) = (2, 2)``) under a ``GatheredView``
+    parametrization. Optimizers and ``state_dict`` see the sharded parameters under their own
+    names (``wq.weight``, not ``wq.parametrizations.weight.original``).
+
+    Without torch.compile it runs too, each gathered parameter then kept by autograd until
+    backward (as ``reshard_after_forward=False``); with it the compiler decides. Not in this mode:
+    HSDP (``replicate_axes``), a ``reduce_dtype`` other than the compute dtype, parameters shared
+    by several modules, and mixing with hooked units in one model."""
+    from torch.nn.utils import parametrize
+
+    if replicate_axes:
+        raise NotImplementedError(f"fully_shard(traced=True): HSDP (replicate_axes {replicate_axes}) is not supported "
+                                  f"in traced mode; use the hooked mode (traced=False)")
+    compute = mp_policy.param_dtype
+    if mp_policy.reduce_dtype is not None and mp_policy.reduce_dtype != compute:
+        raise NotImplementedError(f"fully_shard(traced=True): gradients are reduced in the compute dtype "
+                                  f"({compute or 'the parameters own'}); reduce_dtype {mp_policy.reduce_dtype} "
+                                  f"is not supported in traced mode")
+    if fsdp_units(module):
+        raise ValueError("fully_shard(traced=True): this model already has hooked FSDP units; use one mode per model")
+    seen: dict[int, str] = {}
+    for mod_name, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub._parameters.items():
+            if param is None:
+                continue
+            qualified = f"{mod_name}.{pname}" if mod_name else pname
+            if id(param) in seen or _is_sharded(param):
+                raise ValueError(f"fully_shard(traced=True): {qualified} is shared with "
+                                 f"{seen.get(id(param), 'another sharded module')} or already sharded; traced mode "
+                                 f"shards each parameter once (untie it, or use the hooked mode)")
+            seen[id(param)] = qualified
+    for qualified, (sub, pname) in [(q, _split(module, q)) for q in seen.values()]:
+        param = sub._parameters[pname]
+        view = _view_spec(param, mesh, shard_axes, qualified)
+        gathered, sharded = data_parallel_specs(view, param.shape, mesh, shard_axes)
+        with torch.no_grad():
+            full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
+            local = redistribute_local(full_local, gathered, sharded).clone()
+        new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
+        new.__dict__["_axedist_sharded"] = True
+        sub._parameters[pname] = new
+        gather = GatheredView(gathered, view, _mean_over(mesh, shard_axes, view, qualified), compute)
+        parametrize.register_parametrization(sub, pname, gather, unsafe=True)
+    module._register_state_dict_hook(_plain_names)
+    module._register_load_state_dict_pre_hook(_parametrized_names, with_module=True)
+    return module
+
+
+def _split(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
+    owner, _, name = qualified.rpartition(".")
+    return (module.get_submodule(owner) if owner else module), name
+
+
+def _mean_over(mesh: DeviceMesh, axes: tuple, view: DTensorSpec | None, name: str) -> tuple:
+    """The placements on ``mesh`` of a gathered parameter's gradient: a pending mean over ``axes``
+    and the view's own placements on the other axes (Replicate where the view has none)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    own = {}
+    if view is not None:
+        try:
+            own = dict(zip(view.mesh.axis_names, placements_of(view)))
+        except LayoutError as error:
+            raise LayoutError(f"fully_shard(traced=True): parameter {name}'s layout {view.layout} has no placements "
+                              f"form, which traced mode needs for its gradient; use the hooked mode") from error
+    return tuple(Partial("avg") if a in axes else own.get(a, Replicate()) for a in mesh.axis_names)
+
+
+_PARAMETRIZED = re.compile(r"(^|\.)parametrizations\.([^.]+)\.original$")
+
+
+def _plain_names(module, state_dict, prefix, local_metadata):
+    """state_dict hook: ``x.parametrizations.weight.original`` -> ``x.weight`` (the sharded value)."""
+    for key in [k for k in state_dict if _PARAMETRIZED.search(k)]:
+        state_dict[_PARAMETRIZED.sub(r"\1\2", key)] = state_dict.pop(key)
+    return state_dict
+
+
+def _parametrized_names(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """load_state_dict pre-hook: the plain names back to the parametrizations' ``original``."""
+    from torch.nn.utils import parametrize
+
+    for name, sub in module.named_modules():
+        if not parametrize.is_parametrized(sub):
+            continue
+        for pname in sub.parametrizations:
+            plain = f"{prefix}{name + '.' if name else ''}{pname}"
+            if plain in state_dict:
+                state_dict[f"{prefix}{name + '.' if name else ''}parametrizations.{pname}.original"] = \
+                    state_dict.pop(plain)
