@@ -29,6 +29,7 @@ import time
 import warnings
 
 import torch
+import torch.distributed as dist
 
 import axedist as ax
 from axedist.dtensor import distribute, DTensor
@@ -37,7 +38,8 @@ from axedist.mesh import DeviceMesh
 from axedist.ops import DispatchError
 from axedist.placements import Replicate, Shard
 
-__all__ = ["FAST_OPS", "op_entries", "op_key", "sweep_op", "sweep_ops", "summarize", "OUTCOMES", "UNINITIALIZED"]
+__all__ = ["FAST_OPS", "op_entries", "op_key", "same_samples", "sweep_op", "sweep_ops", "summarize", "OUTCOMES",
+           "UNINITIALIZED"]
 
 OUTCOMES = ("pass", "clear error", "other error", "silent wrong")
 # ops whose values are uninitialized memory: compared by shape and dtype only
@@ -74,6 +76,78 @@ def op_entries() -> dict:
         if torch.float32 in dtypes or torch.float64 in dtypes:
             out[op_key(op)] = op
     return out
+
+
+# -- the same samples on every rank ---------------------------------------------------------------
+
+# Non-tensor arguments shown by value in a sample's description; anything else by its type name
+# (a function's or an object's repr carries its address, which differs per rank).
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format, torch.Size)
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"T{tuple(value.shape)}:{value.stride()}:{value.dtype}:{value.requires_grad}"
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return f"{type(value).__name__}({', '.join(_describe_value(v) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, slice):
+        return repr(value)
+    return repr(value) if isinstance(value, _PLAIN) else type(value).__name__
+
+
+def _describe(sample) -> str:
+    """A sample's structure, the same text on every rank for the same sample: its tensors'
+    shapes, strides and dtypes, its other arguments' values (not the tensors' values)."""
+    return _describe_value([sample.input, sample.args, sample.kwargs])
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a.eq(b) | (a.ne(a) & b.ne(b))).all())
+
+
+def same_samples(samples: list, limit: int) -> list:
+    """Up to ``limit`` of ``samples`` (this rank's list from ``op.sample_inputs``), spread over
+    the list as rank 0 listed it: the same samples in the same order on every rank, their
+    tensors holding rank 0's values.
+
+    torch's sample functions may iterate a set (``sample_inputs_meshgrid``: ``{'xy', 'ij'}``),
+    whose order follows the string hash seed, which differs per process: rank 0 may list
+    ``(3,) () indexing='ij'`` where rank 1 lists ``indexing='xy'``, with the random values drawn
+    in each rank's order. Every rank then runs another op and the ranks disagree or hang. Raises
+    ``RuntimeError`` (on every rank) when the ranks' samples are not the same set, or hold other
+    values that cannot be overwritten."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _spread(samples, limit)
+    descriptions = [_describe(s) for s in samples]
+    listed = [None] * dist.get_world_size()
+    dist.all_gather_object(listed, descriptions)
+    first = listed[0]
+    if any(sorted(other) != sorted(first) for other in listed):
+        raise RuntimeError("the ranks' sample_inputs differ beyond their order")
+    by_description: dict = {}
+    for description, sample in zip(descriptions, samples):
+        by_description.setdefault(description, []).append(sample)
+    chosen = _spread([by_description[d].pop(0) for d in first], limit)
+    found: list = []
+    _tensors([[s.input, s.args, s.kwargs] for s in chosen], found)
+    values = [t.detach() for t in found] if dist.get_rank() == 0 else None
+    sent = [values]
+    dist.broadcast_object_list(sent, src=0)
+    failed = torch.zeros((), dtype=torch.int32)
+    with torch.no_grad():
+        for mine, theirs in zip(found, sent[0]):
+            if not _same_values(mine, theirs):
+                try:
+                    mine.copy_(theirs)
+                except RuntimeError:  # an expanded tensor (elements sharing memory) takes no copy
+                    failed.fill_(1)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # so that every rank raises, or none
+    if failed.item():
+        raise RuntimeError("the ranks' sample_inputs hold other values and cannot take rank 0's")
+    return chosen
 
 
 # -- placements of a sample's tensors -----------------------------------------------------------
@@ -275,6 +349,15 @@ def _spread(samples: list, limit: int) -> list:
     return [samples[int(i * step)] for i in range(limit)]
 
 
+def _over_budget(start: float, budget_s: float) -> bool:
+    """Has any rank spent ``budget_s`` since ``start``? The same answer on every rank (each rank's
+    own clock would let one rank start a sample the others skip)."""
+    over = torch.tensor([time.monotonic() - start > budget_s], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return bool(over.item())
+
+
 def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"), max_samples=(8, 3),
              plans_per_sample: int = 3, budget_s: float = 60.0) -> dict:
     """One op of the database on this rank's mesh: its outcome and counts (the same on every rank).
@@ -301,9 +384,14 @@ def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"
             listed = list(op.sample_inputs("cpu", dtype, requires_grad=op.supports_autograd))
         except Exception as error:  # noqa: BLE001
             details.setdefault("skip", f"sample_inputs raised {type(error).__name__}")
+            listed = []
+        try:  # collective: every rank calls it, also where sample_inputs raised
+            listed = same_samples(listed, limit)
+        except RuntimeError as error:
+            details.setdefault("skip", f"{dtype_name} {error}")
             continue
-        for sample in _spread(listed, limit):
-            if time.monotonic() - start > budget_s:
+        for sample in listed:
+            if _over_budget(start, budget_s):
                 break
             samples += 1
             chosen = [plans[0]] + [plans[1 + (turn + j) % (len(plans) - 1)] for j in range(plans_per_sample - 1)]

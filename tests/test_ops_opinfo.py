@@ -31,3 +31,53 @@ def test_fast_opinfo_subset_passes(mesh_name):
     assert not failed, "\n".join(failed)
     assert all(r["runs"] > 0 for r in mine), [r["op"] for r in mine if not r["runs"]]
     assert [r["outcome"] for r in results[1]] == [r["outcome"] for r in mine]
+
+
+def _meshgrid_in_rank_order(rank, world, key):
+    """``sweep_op`` of a meshgrid variant whose samples each rank lists in its own order, as two
+    string hash seeds do (torch's ``sample_inputs_meshgrid`` iterates the set ``{'xy', 'ij'}``):
+    rank 0 lists ``indexing='ij'`` first in each pair, rank 1 ``'xy'``. Then the samples the
+    harness agreed on, through ``torch.meshgrid`` on DTensors and on plain tensors."""
+    import torch
+
+    from axedist.dtensor import distribute
+    from axedist.mesh import DeviceMesh
+    from axedist.placements import Replicate
+    from tests.opinfo_sweep import op_entries, same_samples, sweep_op
+
+    op = op_entries()[key]
+    listed = op.sample_inputs_func
+
+    def in_rank_order(*args, **kwargs):
+        for i, sample in enumerate(listed(*args, **kwargs)):
+            sample.kwargs["indexing"] = ("ij", "xy")[(i + rank) % 2]
+            yield sample
+
+    op.sample_inputs_func = in_rank_order
+    try:
+        result = sweep_op(rank, world, "2", key, ("float64",), (10, 0))
+        mesh = DeviceMesh("cpu", (2,), ("gpuid",))
+        samples = same_samples(list(op.sample_inputs("cpu", torch.float64)), 10)
+    finally:
+        op.sample_inputs_func = listed
+    differences = []
+    for sample in samples:
+        tensors = (list(sample.input) if isinstance(sample.input, (list, tuple)) else [sample.input]) + \
+            list(sample.args)
+        plain = torch.meshgrid(*tensors, **sample.kwargs)
+        placed = [distribute(t, mesh, [Replicate()], src_rank=None) for t in tensors]
+        got = torch.meshgrid(*placed, **sample.kwargs)
+        differences += [(tuple(p.shape), sample.kwargs["indexing"]) for p, g in zip(plain, got)
+                        if not torch.equal(g.full_tensor(), p)]
+    return result["outcome"], result["details"], [s.kwargs["indexing"] for s in samples], differences
+
+
+@pytest.mark.parametrize("key", ["meshgrid.variadic_tensors", "meshgrid.list_of_tensors"])
+def test_samples_listed_in_another_order_per_rank_run_the_same_on_every_rank(key):
+    """A rank disagreement on redistribute (variadic) and a hang (list) in the full sweep: each
+    rank ran the samples in its own hash order, so the ranks ran different meshgrids."""
+    results = run_on_ranks(_meshgrid_in_rank_order, 2, args=(key,), timeout_s=120)
+    for outcome, details, indexing, differences in results:
+        assert outcome == "pass", details
+        assert indexing == results[0][2]
+        assert not differences
