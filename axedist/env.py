@@ -108,9 +108,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "allow the multimem (NVLink SHARP) backend where the device supports multicast"),
     Variable("AXEDIST_PLAN_BACKEND", _choice("auto", "torch", "p2p", "multimem"), "auto, torch, p2p or multimem",
              "auto", "the collectives backend that planned CUDA steps ask for"),
-    Variable("AXEDIST_FUSED_BACKEND", _choice("auto", "torch", "p2p", "multimem"), "auto, torch, p2p or multimem",
+    Variable("AXEDIST_FUSED_BACKEND", _choice("auto", "torch", "p2p", "multimem", "symm"),
+             "auto, torch, p2p, multimem or symm",
              "auto", "what the layout-driven fused GEMM kernels ask for: the measured tables (auto), the fused "
-             "kernels pinned (p2p), never fused (torch)"),
+             "kernels pinned (p2p), torch's symmetric-memory ops pinned (symm), never fused (torch)"),
     Variable("AXEDIST_P2P_ROWS", _positive_int, "an int > 0", None,
              "forces the p2p collectives' tile height (benchmark sweeps)"),
     Variable("AXEDIST_P2P_ROUNDS", _positive_int, "an int > 0", None,

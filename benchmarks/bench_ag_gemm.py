@@ -251,23 +251,30 @@ def write_outputs(results, name, meta, out_dir):
 
 
 def auto_table(results: list[dict]) -> dict:
-    """ag_gemm_auto.json from result files: a shape where fused was slower than NCCL + cuBLAS
-    in device time goes to "fused_loses"."""
-    loses, sources = [], []
+    """ag_gemm_auto.json from result files: a shape where torch's symmetric-memory op was the
+    fastest in device time and eagerly goes to "symm_wins", else one where fused was slower than
+    NCCL + cuBLAS in device time to "fused_loses"."""
+    loses, wins, sources = [], [], []
     for result in results:
         meta = result["meta"]
         sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
         for row in result["rows"]:
-            if row["world"] > 1 and row["queued"]["speedup_vs_seq"] < 1.0:
-                loses.append([row["M"], row["N"], row["K"], row["world"]])
+            shape = [row["M"], row["N"], row["K"], row["world"]]
+            if row["world"] > 1 and all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"])
+                                        for t in (row["queued"], row)):
+                wins.append(shape)  # torch's symmetric-memory op the fastest, device time and eager
+            elif row["world"] > 1 and row["queued"]["speedup_vs_seq"] < 1.0:
+                loses.append(shape)
     from axedist.collectives.fused_tp import AG_AUTO, AG_AUTO_TABLE_PATH
     # shapes these results did not measure keep what earlier runs found
     measured = {(row["M"], row["N"], row["K"], row["world"]) for result in results for row in result["rows"]}
     with open(AG_AUTO_TABLE_PATH) as handle:
         earlier = json.load(handle)
     loses += [shape for shape in earlier["fused_loses"] if tuple(shape) not in measured]
+    wins += [shape for shape in earlier.get("symm_wins", []) if tuple(shape) not in measured]
     sources = [source for source in earlier["source"] if source not in sources] + sources
-    return dict(source=sources, fused_loses=sorted(loses), min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
+    return dict(source=sources, fused_loses=sorted(loses), symm_wins=sorted(wins),
+                min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
 
 
 def main():

@@ -230,17 +230,27 @@ def auto_tables(results: list[dict]) -> tuple[dict, dict]:
     """(gemm_rs_auto.json, tuned configs) from benchmark result files: a shape where fused was
     slower than cuBLAS + NCCL in device time (the queued table; eager for runs that have none)
     goes to "fused_loses"; every shape's chosen config to the tuned table."""
-    loses, configs, sources = [], {}, []
+    loses, wins, configs, sources = [], [], {}, []
     for result in results:
         meta = result["meta"]
         sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
         for row in result["rows"]:
             times = row.get("queued", row)
-            if times["speedup_vs_seq"] < 1.0:
-                loses.append([row["M"], row["N"], row["K_local"], row["world"]])
+            shape = [row["M"], row["N"], row["K_local"], row["world"]]
+            if symm_fastest(row):
+                wins.append(shape)
+            elif times["speedup_vs_seq"] < 1.0:
+                loses.append(shape)
             key = gemm_rs.shape_key(row["M"], row["N"], row["K_local"], row["world"], torch.bfloat16)
             configs[key] = dataclasses.asdict(gemm_rs.GemmConfig.parse(row["config"]))
-    return dict(source=sources, fused_loses=sorted(loses)), configs
+    return dict(source=sources, fused_loses=sorted(loses), symm_wins=sorted(wins)), configs
+
+
+def symm_fastest(row: dict) -> bool:
+    """torch's symmetric-memory op faster than both the fused kernel and the unfused pair, in
+    device time and (where the run timed it) issued eagerly: "auto" then runs it."""
+    timings = [row["queued"], row] if "queued" in row else [row]
+    return all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"]) for t in timings)
 
 
 def write_tables(paths: list[str]) -> None:
@@ -254,13 +264,14 @@ def write_tables(paths: list[str]) -> None:
     measured = {(row["M"], row["N"], row["K_local"], row["world"]) for result in results for row in result["rows"]}
     with open(AUTO_TABLE_PATH) as handle:
         earlier = json.load(handle)
-    auto["fused_loses"] = sorted(auto["fused_loses"] + [shape for shape in earlier["fused_loses"]
-                                                        if tuple(shape) not in measured])
+    for key in ("fused_loses", "symm_wins"):
+        auto[key] = sorted(auto[key] + [shape for shape in earlier.get(key, []) if tuple(shape) not in measured])
     auto["source"] = [source for source in earlier["source"] if source not in auto["source"]] + auto["source"]
     with open(AUTO_TABLE_PATH, "w") as handle:
-        shapes = ",\n  ".join(json.dumps(shape) for shape in auto["fused_loses"])
+        shapes = {key: ",\n  ".join(json.dumps(shape) for shape in auto[key]) for key in ("fused_loses", "symm_wins")}
         handle.write(f'{{"source": {json.dumps(auto["source"], indent=1)},\n'
-                     f' "fused_loses": [\n  {shapes}\n ]}}\n')
+                     f' "fused_loses": [\n  {shapes["fused_loses"]}\n ],\n'
+                     f' "symm_wins": [\n  {shapes["symm_wins"]}\n ]}}\n')
     tuned_path = os.path.join(os.path.dirname(gemm_rs.__file__), "gemm_rs_tuned.json")
     with open(tuned_path) as handle:
         tuned = json.load(handle)

@@ -656,7 +656,7 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = []
-    for name in ("gemm_rs_w4", "gemm_rs_w2", "gemm_rs_w2_llama8b"):  # the runs the table's sources name, in order
+    for name in ("gemm_rs_w4", "gemm_rs_w2", "gemm_rs_w2_llama8b", "gemm_rs_w4_llama8b"):  # the table's sources, in order
         with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as handle:
             results.append(json.load(handle))
     auto, configs = bench.auto_tables(results)
@@ -664,6 +664,7 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
         shipped = json.load(handle)
     assert shipped == auto
     assert fused.FUSED_LOSES == {tuple(shape) for shape in auto["fused_loses"]}
+    assert fused.SYMM_WINS == {tuple(shape) for shape in auto["symm_wins"]}
     tuned = gemm_rs.tuned_table()
     for key, fields in configs.items():
         assert tuned[key] == fields, key
@@ -1071,3 +1072,80 @@ def test_fused_tp_plans_validation_and_torch_path_on_cpu_ranks():
         assert "backend must be one of" in results["backend"]
         assert "cannot run" in results["p2p_on_cpu"] and "not on a CUDA device" in results["p2p_on_cpu"]
         assert "cannot run" in results["rows"]
+
+
+def _symm_body(rank, world):
+    """gloo ranks with the CUDA decisions forced (p2p possible, torch's symmetric-memory ops
+    present) and torch's ops emulated by collectives + matmul: "auto" picks the "symm" backend
+    exactly for the shapes the tables name, says so, and the symm path returns the right values
+    and shapes (leading dims, ``out=``, the gathered rows)."""
+    from axedist.collectives import fallback, fused, fused_tp, symm
+    from axedist.mesh import DeviceMesh
+
+    group = DeviceMesh("cpu", (world,)).group()
+    forced = {"p2p_possible": lambda a, g: (True, "ok"), "symm_ops_available": lambda: (True, "ok")}
+    saved = [(module, name, getattr(module, name)) for module in (fused, fused_tp) for name in forced]
+    saved += [(symm, "matmul_reduce_scatter", symm.matmul_reduce_scatter), (symm, "all_gather_matmul", symm.all_gather_matmul),
+              (fused, "SYMM_WINS", fused.SYMM_WINS)]
+    symm_wins = fused_tp.AG_AUTO["symm_wins"]
+    try:
+        for module in (fused, fused_tp):
+            for name, fn in forced.items():
+                setattr(module, name, fn)
+        symm.matmul_reduce_scatter = lambda a, b, g, dim: fallback.reduce_scatter(a @ b, g)
+        symm.all_gather_matmul = lambda a, b, g, dim: (fallback.all_gather(a, g) @ b, fallback.all_gather(a, g))
+        rows_here = 256  # a [256, 2, 16] on each rank: 512 rows, above both tables' row minimums
+        fused.SYMM_WINS = {(2 * rows_here, 8, 16, world)}                      # (M, N, K_local, W)
+        fused_tp.AG_AUTO["symm_wins"] = {(2 * rows_here * world, 12, 16, world)}  # (gathered M, N, K, W)
+        torch.manual_seed(rank)
+        a, b = torch.randn(rows_here, 2, 16, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+        w = torch.randn(12, 16, dtype=torch.bfloat16)
+        plans = [fused.plan_gemm_reduce_scatter(a, b, group),
+                 fused.plan_gemm_reduce_scatter(a, torch.randn(16, 24, dtype=torch.bfloat16), group),
+                 fused_tp.plan_all_gather_gemm(a, w.t(), group),
+                 fused_tp.plan_all_gather_gemm(a, torch.randn(16, 20, dtype=torch.bfloat16), group)]
+        want = fallback.reduce_scatter((a @ b).reshape(-1, 8), group).view(rows_here // world, 2, 8)
+        got = fused.run_gemm_reduce_scatter(a, b, group)
+        rows = torch.empty(rows_here * world, 2, 16, dtype=torch.bfloat16)
+        product = fused_tp.run_all_gather_gemm(a, w.t(), group, gathered=rows)
+        whole = fallback.all_gather(a, group)
+        errors = []
+        for call in (lambda: fused_tp.plan_gemm_all_reduce(a[0], b, group, backend="symm"),
+                     lambda: fused.plan_gemm_reduce_scatter(a, b, group, backend="symm")):
+            fused.symm_ops_available = lambda: (False, "this torch has no torch.ops.symm_mem ops")
+            try:
+                call()
+                errors.append(None)
+            except ValueError as error:
+                errors.append(str(error))
+        return ([(p.backend, p.reason) for p in plans], torch.equal(got, want), got.shape,
+                torch.equal(product, whole @ w.t()), torch.equal(rows, whole), errors)
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+        fused_tp.AG_AUTO["symm_wins"] = symm_wins
+
+
+def test_auto_runs_torchs_symmetric_memory_ops_where_the_tables_say():
+    _need_triton()
+    from axedist.testing import run_on_ranks
+
+    for plans, rs_ok, rs_shape, ag_ok, rows_ok, errors in run_on_ranks(_symm_body, 2):
+        assert [backend for backend, _ in plans] == ["symm", "p2p", "symm", "p2p"], plans
+        assert "measured" in plans[0][1] and "symmetric-memory" in plans[0][1], plans
+        assert rs_ok and rs_shape == (128, 2, 8) and ag_ok and rows_ok
+        assert errors[0] and "symm" in errors[0], errors        # no torch op for gemm_all_reduce
+        assert errors[1] and "'symm' cannot run: this torch has no" in errors[1], errors
+
+
+def test_symm_wins_derived_from_both_timings():
+    """A shape enters "symm_wins" only where torch's op beat both others in device time AND eagerly."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "benchmarks", "bench_gemm_rs.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fast = dict(symm=1.0, fused=1.1, seq=1.2)
+    assert bench.symm_fastest(dict(fast, queued=dict(fast)))
+    assert not bench.symm_fastest(dict(fast, queued=dict(fast, symm=1.15)))   # device time: fused faster
+    assert not bench.symm_fastest(dict(fast, symm=None, queued=dict(fast)))   # not timed eagerly

@@ -27,8 +27,9 @@ def _rel(out, ref):
     return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def body_all_gather_gemm(rank, world):
-    """Direct calls, p2p: tails, both B orientations, back to back, the gathered rows copied out."""
+def body_all_gather_gemm(rank, world, backend="p2p"):
+    """Direct calls (p2p, or torch's symmetric-memory op: "symm"): tails, both B orientations,
+    back to back, the gathered rows copied out."""
     import axedist as ax
     failures = []
     for call, (rows, n, k, transposed) in enumerate([(257, 1000, 520, False), (257, 1000, 520, True),
@@ -38,7 +39,7 @@ def body_all_gather_gemm(rank, world):
         mine = a[rank * rows:(rank + 1) * rows].to(torch.bfloat16)
         b = w.to(torch.bfloat16).t() if transposed else w.t().contiguous().to(torch.bfloat16)
         gathered = torch.full((world * rows, k), float("nan"), device="cuda", dtype=torch.bfloat16)
-        out = ax.all_gather_gemm(mine, b, backend="p2p", gathered=gathered)
+        out = ax.all_gather_gemm(mine, b, backend=backend, gathered=gathered)
         ref = a.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().t()
         if not _rel(out, ref) < 1e-2:
             failures.append(f"call {call}: {_rel(out, ref):.2e}")
@@ -154,6 +155,10 @@ def body_decode_graph(rank, world):
 
 def test_all_gather_gemm_direct():
     assert run_on_ranks(body_all_gather_gemm, WORLD, "nccl", timeout_s=600) == [[]] * WORLD
+
+
+def test_all_gather_gemm_through_torchs_symmetric_memory_op():
+    assert run_on_ranks(body_all_gather_gemm, WORLD, "nccl", args=("symm",), timeout_s=600) == [[]] * WORLD
 
 
 def test_gemm_all_reduce_direct():

@@ -210,6 +210,12 @@ def test_torch_backend_matches_reference():
     assert results == [[]] * WORLD, results
 
 
+def test_symm_backend_matches_reference():
+    """backend="symm": torch's fused_matmul_reduce_scatter, which "auto" runs where the table says."""
+    results = run_on_ranks(body_shapes, WORLD, "nccl", args=(SHAPES[:3], (torch.bfloat16,), "symm"), timeout_s=600)
+    assert results == [[]] * WORLD, results
+
+
 def test_every_candidate_config_and_gemm_only_mode():
     results = run_on_ranks(body_configs, WORLD, "nccl", timeout_s=900)
     assert results == [[]] * WORLD, results

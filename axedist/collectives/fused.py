@@ -21,7 +21,9 @@ import torch.distributed as dist
 from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
+from . import symm
 from .backend import group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
+from .symm import symm_ops_available
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
 # time (bf16, H200): axedist/kernels/gemm_rs_auto.json, which `launch/bench_gemm_rs.py
@@ -31,12 +33,16 @@ AUTO_TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                                "kernels", "gemm_rs_auto.json")
 
 
-def load_auto_table(path: str = AUTO_TABLE_PATH) -> set[tuple[int, int, int, int]]:
+def load_auto_table(path: str = AUTO_TABLE_PATH, key: str = "fused_loses") -> set[tuple[int, int, int, int]]:
+    """The shapes ``(M, N, K_local, W)`` under ``key`` of the shipped table: "fused_loses" (cuBLAS +
+    NCCL measured faster than the fused kernel) or "symm_wins" (torch's symmetric-memory op
+    measured fastest of the three, collectives/symm.py)."""
     with open(path) as handle:
-        return {tuple(int(v) for v in shape) for shape in json.load(handle)["fused_loses"]}
+        return {tuple(int(v) for v in shape) for shape in json.load(handle).get(key, [])}
 
 
 FUSED_LOSES: set[tuple[int, int, int, int]] = load_auto_table()
+SYMM_WINS: set[tuple[int, int, int, int]] = load_auto_table(key="symm_wins")
 # Below this many rows per rank "auto" does not fuse: at M / W = 32 the fused kernel is slower in
 # device time (no split-K), and at 128 it is faster in device time but its host side (tens of
 # us per call) makes it slower for a program that issues calls one by one (eager table).
@@ -96,8 +102,8 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
     world = dist.get_world_size(group)
     m = a.numel() // a.shape[-1]
     n, k = b.shape[1], b.shape[0]
-    if backend not in ("auto", "p2p", "multimem", "torch"):
-        raise ValueError(f"backend must be auto, p2p, multimem or torch, got {backend!r}")
+    if backend not in ("auto", "p2p", "multimem", "torch", "symm"):
+        raise ValueError(f"backend must be auto, p2p, multimem, torch or symm, got {backend!r}")
 
     def plan(chosen, reason, config=""):
         return GemmReduceScatterPlan(chosen, m, n, k, world, config, reason)
@@ -109,10 +115,15 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
         possible, why = False, f"scatter_dim {scatter_dim} of a {a.dim()}-d input"
     if possible and scatter_dim == a.dim() - 1 and scatter_dim != 0:
         possible, why = False, "scatter on the column dim runs as cuBLAS + reduce-scatter"
-    if backend in ("p2p", "multimem") and not possible:
+    if backend in ("p2p", "multimem", "symm") and not possible:
         raise ValueError(f"gemm_reduce_scatter backend {backend!r} cannot run: {why}")
     if not possible:
         return plan("torch", f"fused kernel unavailable: {why}")
+    if backend == "symm":
+        available, why = symm_ops_available()
+        if not available:
+            raise ValueError(f"gemm_reduce_scatter backend 'symm' cannot run: {why}")
+        return plan("symm", "requested: torch's symmetric-memory op")
     from ..kernels.gemm_rs import default_config  # imports triton (p2p_possible checked it)
 
     config = str(default_config(m, n, k, world, a.dtype))
@@ -127,6 +138,8 @@ def plan_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None,
         return plan("torch", "single rank: a plain matmul")
     if multimem_allowed(a.device.index)[0]:
         return plan("multimem", "multicast supported and opted in", config)
+    if (m, n, k, world) in SYMM_WINS and symm_ops_available()[0]:
+        return plan("symm", "measured: torch's symmetric-memory op is the fastest for this shape")
     if (m, n, k, world) in FUSED_LOSES:
         return plan("torch", "measured: cuBLAS + NCCL is faster for this shape")
     if m // world < MIN_ROWS_PER_RANK:
@@ -276,6 +289,10 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     """``gemm_reduce_scatter`` run now on these tensors (the custom op's implementation)."""
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
+    if plan.backend == "symm":  # rows of a flattened: the scatter runs over dim 0 (planned so)
+        rows = symm.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group, 0)
+        result = rows.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
+        return result if out is None else out.copy_(result)
     if plan.backend == "torch":
         product = torch.matmul(a, b)
         if plan.world == 1:

@@ -25,22 +25,26 @@ import torch.distributed as dist
 from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
+from . import symm
 from .backend import TUNED, group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
+from .symm import symm_ops_available
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
 AG_AUTO_TABLE_PATH = os.path.join(_KERNELS, "ag_gemm_auto.json")
 AR_AUTO_TABLE_PATH = os.path.join(_KERNELS, "gemm_ar_auto.json")
-BACKENDS = ("auto", "p2p", "multimem", "torch")
+BACKENDS = ("auto", "p2p", "multimem", "torch", "symm")  # symm: all_gather_gemm only (collectives/symm.py)
 # the decode kernel's row range: beyond it the GEMM is no longer small and two kernels win
 MAX_DECODE_ROWS = 256
 
 
 def load_auto_table(path: str) -> dict:
-    """{"fused_loses": {(M, N, K, W), ...}, "min_rows_per_rank": int, "source": [...]}:
-    the shapes where the fused kernel measured slower than the unfused pair (device time)."""
+    """{"fused_loses": {(M, N, K, W), ...}, "symm_wins": {...}, "min_rows_per_rank": int, "source": [...]}:
+    the shapes where the fused kernel measured slower than the unfused pair, and those where
+    torch's symmetric-memory op measured the fastest of the three (device time)."""
     with open(path) as handle:
         table = json.load(handle)
-    table["fused_loses"] = {tuple(int(v) for v in shape) for shape in table["fused_loses"]}
+    for key in ("fused_loses", "symm_wins"):
+        table[key] = {tuple(int(v) for v in shape) for shape in table.get(key, [])}
     return table
 
 
@@ -87,8 +91,9 @@ def _validate(op: str, a: torch.Tensor, b: torch.Tensor, backend: str) -> None:
 
 
 def _choose(op: str, a: torch.Tensor, group, backend: str, fusable: tuple[bool, str],
-            loses: bool, config, plan) -> FusedPlan:
-    """The backend decision shared by both ops: requested ones checked, then "auto"."""
+            loses: bool, config, plan, symm_wins: bool = False) -> FusedPlan:
+    """The backend decision shared by both ops: requested ones checked, then "auto" (torch's
+    symmetric-memory op where ``symm_wins``: all_gather_gemm's table named the shape)."""
     if backend == "torch":
         return plan("torch", "requested: the collective through torch.distributed and cuBLAS")
     possible, why = p2p_possible(a, group)
@@ -96,10 +101,15 @@ def _choose(op: str, a: torch.Tensor, group, backend: str, fusable: tuple[bool, 
         possible, why = False, f"dtype {a.dtype} (the fused kernels take bf16/fp16)"
     if possible:
         possible, why = fusable
-    if backend in ("p2p", "multimem") and not possible:
+    if backend in ("p2p", "multimem", "symm") and not possible:
         raise ValueError(f"{op} backend {backend!r} cannot run: {why}")
     if not possible:
         return plan("torch", f"fused kernel unavailable: {why}")
+    if backend == "symm":
+        available, why = symm_ops_available() if op == "all_gather_gemm" else (False, "torch has no such op for it")
+        if not available:
+            raise ValueError(f"{op} backend 'symm' cannot run: {why}")
+        return plan("symm", "requested: torch's symmetric-memory op")
     if backend == "multimem":
         allowed, why = multimem_allowed(a.device.index)
         if not allowed:
@@ -111,6 +121,8 @@ def _choose(op: str, a: torch.Tensor, group, backend: str, fusable: tuple[bool, 
         return plan("torch", "single rank: a plain matmul")
     if multimem_allowed(a.device.index)[0]:
         return plan("multimem", "multicast supported and opted in", str(config()))
+    if symm_wins and symm_ops_available()[0]:
+        return plan("symm", "measured: torch's symmetric-memory op is the fastest for this shape")
     if loses:
         return plan("torch", "measured: the unfused pair is faster for this shape")
     return plan("p2p", "fused kernel (measured faster or shape not in the table)", str(config()))
@@ -148,12 +160,13 @@ def plan_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_di
         return default_config(m_local, n, k, world)
 
     loses = (world * m_local, n, k, world) in AG_AUTO["fused_loses"]
+    wins = (world * m_local, n, k, world) in AG_AUTO["symm_wins"]
     if (backend == "auto" and fusable[0] and world > 1
             and m_local < AG_AUTO["min_rows_per_rank"]):
         fusable = (False, f"{m_local} rows per rank < {AG_AUTO['min_rows_per_rank']} (the "
                           f"fused GEMM + reduce-scatter's measured break-even; this kernel's "
                           f"own table has no such rows yet)")
-    return _choose("all_gather_gemm", a, group, backend, fusable, loses, config, plan)
+    return _choose("all_gather_gemm", a, group, backend, fusable, loses, config, plan, wins)
 
 
 @dataclasses.dataclass
@@ -295,6 +308,12 @@ def run_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
                                  _group_workspace(group, a.device))
     call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make, f"a {list(a.shape)}")
+    if call.plan.backend == "symm":  # gather_dim 0 (planned so): a's rows flattened, gathered in rank order
+        product, rows = symm.all_gather_matmul(a.reshape(-1, a.shape[-1]), b, group, 0)
+        if gathered is not None:
+            gathered.copy_(rows.reshape(gathered.shape))
+        result = product.view(call.world * a.shape[0], *a.shape[1:-1], b.shape[1])
+        return result if out is None else out.copy_(result.reshape(out.shape))
     if call.plan.backend == "torch":
         whole = a if call.world == 1 else fallback.all_gather(
             a.movedim(gather_dim, 0), group).movedim(0, gather_dim)

@@ -160,7 +160,8 @@ def _ag_gemm_grad(ctx, grad_out, grad_rows):
                                                        ctx.backend)
     else:
         partial = (grad_out @ b.t() + grad_rows).movedim(ctx.gather_dim, 0).contiguous()
-        grad_a = torch.ops.axedist.reduce_scatter(partial, ctx.group, ctx.backend).movedim(0, ctx.gather_dim)
+        collective = "auto" if ctx.backend == "symm" else ctx.backend  # (the fused ops' backend only)
+        grad_a = torch.ops.axedist.reduce_scatter(partial, ctx.group, collective).movedim(0, ctx.gather_dim)
     return grad_a, grad_b, None, None, None
 
 
