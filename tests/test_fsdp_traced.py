@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
-from axedist.nn import fully_shard, parallelize, replicate
+from axedist.nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize, replicate
 from axedist.nn.fsdp import data_parallel_specs
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.planning.redistribution import plan_redistribute
@@ -133,6 +133,31 @@ def test_traced_fsdp_x_tp_trains_like_one_process(compiled, sequence_parallel):
                 f"{report['reductions']} reductions")
         else:
             assert report["reloaded"], f"rank {rank}: load_state_dict did not restore the parameters"
+
+
+def uneven_mlp(rank, world):
+    """Linear(16, 31) column-parallel then Linear(31, 16) row-parallel on (dp, tp) = (2, 2): 31 rows
+    split 16 + 15 over tp and again over dp (padded), compiled whole; gradients as one process's."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 31), nn.ReLU(), nn.Linear(31, 16)).double()
+    mesh = DeviceMesh("cpu", (2, world // 2), ("dp", "tp"))
+    model = parallelize(copy.deepcopy(reference), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh, traced=True)
+    _fresh_dynamo()
+    forward = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    d = mesh.coordinates()["dp"]
+    reference(x).square().mean().backward()
+    forward(x[4 * d:4 * d + 4]).full_tensor().square().mean().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, **TOL)
+    _fresh_dynamo()
+    return [tuple(p.to_local().shape) for p in model.parameters()]
+
+
+def test_traced_fsdp_uneven_rows():
+    shapes = run_on_ranks(uneven_mlp, 4)
+    assert shapes[3] == [(7, 16), (7,), (8, 15), (8,)], shapes  # tp rank 1's 15 rows: 8 + 7 over dp
 
 
 def refused(rank, world):

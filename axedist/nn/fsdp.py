@@ -57,7 +57,7 @@ from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
 from ..runtime import redistribute_local
 from ..runtime.deferred import flush
-from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters
+from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters, target_spec
 
 __all__ = ["MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "ShardedParameter", "FlatLayout", "fully_shard",
            "fsdp_units", "data_parallel_specs", "pending_gradient_spec", "GatheredView", "shard_traced"]
@@ -1080,11 +1080,12 @@ class GatheredView(nn.Module):
     def forward(self, sharded: DTensor):
         if self.param_dtype is not None and sharded.dtype != self.param_dtype:
             sharded = sharded.to(self.param_dtype)
-        whole = sharded.redistribute(self.gathered.layout)
+        whole = sharded.redistribute(self.gathered.layout, padded_shape=self.gathered.padded)
         local = whole.to_local(grad_placements=self.grad_placements)
         if self.view is None:
             return local
-        return DTensor.from_local(local, self.view.mesh, self.view.layout, self.view.shape)
+        return DTensor.from_local(local, self.view.mesh, self.view.layout, self.view.shape,
+                                  padded_shape=self.view.padded)
 
     def extra_repr(self) -> str:
         return f"gathered {self.gathered}" + (f", computes in {self.param_dtype}" if self.param_dtype else "")
@@ -1129,6 +1130,10 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
         param = sub._parameters[pname]
         view = _view_spec(param, mesh, shard_axes, qualified)
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, shard_axes)
+        if target_spec(sharded, gathered.layout, gathered.padded, None) != gathered:
+            raise LayoutError(f"fully_shard(traced=True): parameter {qualified}'s gathered layout {gathered.layout} "
+                              f"pads inside a dim (rows {gathered.true_index}), which a redistribute to a layout "
+                              f"cannot name; use the hooked mode")
         with torch.no_grad():
             full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
             local = redistribute_local(full_local, gathered, sharded).clone()
