@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .gemm import gemm_tile, grouped_tile, tma_compatible
-from .gemm_rs import descriptor
+from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          multimem_st_16bytes, peer_pointers, pick, st_release_sys,
@@ -350,7 +350,7 @@ class AllGatherGemmLaunch:
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))
-        self.template = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        self.template = launch_template(args, (self._B_DESC,) if self.use_tma else ())
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
         self.layout = launch_layout(ops, out)
 

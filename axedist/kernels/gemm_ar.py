@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .gemm import gemm_tile, tma_compatible
-from .gemm_rs import descriptor
+from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, fence_acq_rel_sys, finish_call, load_reduce, peer_pointers,
                          pick, shift8, st_release_sys, wait_flag)
@@ -279,7 +279,7 @@ class GemmAllReduceLaunch:
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         # one program per SM the rank may fill at most: every program resident
         self.grid = max(1, min(workspace.processors, tiles))
-        self.template = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if self.use_tma else ())
         self.layout = launch_layout(ops, out)
 
     def __call__(self, ops, out: torch.Tensor) -> None:
