@@ -161,8 +161,8 @@ def test_traced_fsdp_uneven_rows():
 
 
 def refused(rank, world):
-    """dp-only (plain parameters) trains like one process, also computing in bf16; each refused
-    input raises here."""
+    """dp-only (plain parameters) trains like one process, also computing in bf16 (reducing in fp32
+    or bf16); each refused input raises here."""
     mesh = DeviceMesh("cpu", (world,), ("dp",))
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)).double()
@@ -173,15 +173,18 @@ def refused(rank, world):
     grads = [p.grad.full_tensor() for p in model.parameters()]
     torch.testing.assert_close(grads, [p.grad for p in reference.parameters()], **TOL)
     # param_dtype: the shard is cast before its gather, the module computes in bf16, the sharded
-    # parameter and its gradient stay in the parameter's dtype
-    half = fully_shard(copy.deepcopy(reference).float(), mesh, traced=True,
-                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    out = half(x[2 * rank:2 * rank + 2].float().bfloat16())
-    out.float().square().mean().backward()
-    assert out.dtype == torch.bfloat16
-    for p, q in zip(half.parameters(), reference.parameters()):
-        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
-        torch.testing.assert_close(p.grad.full_tensor().double(), q.grad, rtol=5e-2, atol=2e-2)
+    # parameter and its gradient stay in the parameter's dtype; the gradient reduced in fp32 (the
+    # parameter's dtype, the default), or in bf16 as asked
+    for reduce in (None, torch.bfloat16):
+        half = fully_shard(copy.deepcopy(reference).float(), mesh, traced=True,
+                           mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce))
+        out = half(x[2 * rank:2 * rank + 2].float().bfloat16())
+        out.float().square().mean().backward()
+        assert out.dtype == torch.bfloat16
+        assert "reduces in torch.bfloat16" in repr(half) if reduce else "reduces" not in repr(half)
+        for p, q in zip(half.parameters(), reference.parameters()):
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad.full_tensor().double(), q.grad, rtol=5e-2, atol=2e-2)
     errors = []
 
     def expect(error, fn):
@@ -200,8 +203,6 @@ def refused(rank, world):
     hooked = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(hooked[0], mesh)
     expect(ValueError, lambda: fully_shard(hooked, mesh, traced=True))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    expect(NotImplementedError, lambda: fully_shard(nn.Linear(4, 4), mesh, mp_policy=policy, traced=True))
     assert isinstance(next(model.parameters()), DTensor)
     return errors
 
@@ -209,4 +210,4 @@ def refused(rank, world):
 def test_traced_fsdp_plain_parameters_and_refused_inputs():
     for rank, errors in enumerate(run_on_ranks(refused, 2)):
         assert all(errors), f"rank {rank}: an input was not refused: {errors}"
-        assert "HSDP" in errors[0] and "shared" in errors[1] and "hooked" in errors[2] and "reduce_dtype" in errors[3], errors
+        assert "HSDP" in errors[0] and "shared" in errors[1] and "hooked" in errors[2], errors

@@ -144,7 +144,8 @@ def body_traced_fsdp(rank, world):
     torch.manual_seed(0)
     reference = Llama(cfg).cuda()
     model = parallelize(copy.deepcopy(reference), mesh["tp"], llama_tp_plan(cfg))
-    fully_shard(model, mesh, traced=True, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    fully_shard(model, mesh, traced=True,
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     torch._dynamo.reset()
     forward = torch.compile(model, backend="inductor", fullgraph=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=False) for m in (reference, model)]

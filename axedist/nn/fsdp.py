@@ -1065,22 +1065,22 @@ def _view_spec(param: nn.Parameter, mesh: DeviceMesh, data_axes: tuple, name: st
 class GatheredView(nn.Module):
     """The parametrization ``fully_shard(..., traced=True)`` puts on a parameter: from the sharded
     parameter (a DTensor on the whole mesh) to what the module computes with (the DTensor on the
-    tensor-parallel sub-mesh it had, or a plain tensor), in three traceable steps: a cast to
-    ``param_dtype`` (on the shard, so the gather moves that dtype), the ``redistribute`` to the
-    layout replicated over the data axes (an all-gather over ``dp``), and ``to_local`` whose
-    gradient is read as a pending mean over ``dp``: the redistribute's backward is then the
+    tensor-parallel sub-mesh it had, or a plain tensor), in two traceable steps: the
+    ``redistribute`` to the layout replicated over the data axes (an all-gather over ``dp``, of
+    the shard cast to ``param_dtype``; its gradient moves in ``reduce_dtype``), and ``to_local``
+    whose gradient is read as a pending mean over ``dp``: the redistribute's backward is then the
     reduce-scatter of the mean gradient onto the shard (FSDP's gradient; a one-process run's
     gradient when each dp rank's loss is the mean over its equal share of the batch)."""
 
     def __init__(self, gathered: DTensorSpec, view: DTensorSpec | None, grad_placements: tuple,
-                 param_dtype: torch.dtype | None):
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None):
         super().__init__()
-        self.gathered, self.view, self.grad_placements, self.param_dtype = gathered, view, grad_placements, param_dtype
+        self.gathered, self.view, self.grad_placements = gathered, view, grad_placements
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def forward(self, sharded: DTensor):
-        if self.param_dtype is not None and sharded.dtype != self.param_dtype:
-            sharded = sharded.to(self.param_dtype)
-        whole = sharded.redistribute(self.gathered.layout, padded_shape=self.gathered.padded)
+        whole = sharded.redistribute(self.gathered.layout, padded_shape=self.gathered.padded,
+                                     forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype)
         local = whole.to_local(grad_placements=self.grad_placements)
         if self.view is None:
             return local
@@ -1088,7 +1088,8 @@ class GatheredView(nn.Module):
                                   padded_shape=self.view.padded)
 
     def extra_repr(self) -> str:
-        return f"gathered {self.gathered}" + (f", computes in {self.param_dtype}" if self.param_dtype else "")
+        return (f"gathered {self.gathered}" + (f", computes in {self.param_dtype}" if self.param_dtype else "")
+                + (f", reduces in {self.reduce_dtype}" if self.reduce_dtype else ""))
 
 
 def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replicate_axes: tuple,
@@ -1100,19 +1101,15 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
     names (``wq.weight``, not ``wq.parametrizations.weight.original``).
 
     Without torch.compile it runs too, each gathered parameter then kept by autograd until
-    backward (as ``reshard_after_forward=False``); with it the compiler decides. Not in this mode:
-    HSDP (``replicate_axes``), a ``reduce_dtype`` other than the compute dtype, parameters shared
-    by several modules, and mixing with hooked units in one model."""
+    backward (as ``reshard_after_forward=False``); with it the compiler decides. ``mp_policy`` as
+    in the hooked mode: compute (and gather) in ``param_dtype``, reduce in ``reduce_dtype``, by
+    default the parameter's own dtype. Not in this mode: HSDP (``replicate_axes``), parameters
+    shared by several modules, and mixing with hooked units in one model."""
     from torch.nn.utils import parametrize
 
     if replicate_axes:
         raise NotImplementedError(f"fully_shard(traced=True): HSDP (replicate_axes {replicate_axes}) is not supported "
                                   f"in traced mode; use the hooked mode (traced=False)")
-    compute = mp_policy.param_dtype
-    if mp_policy.reduce_dtype is not None and mp_policy.reduce_dtype != compute:
-        raise NotImplementedError(f"fully_shard(traced=True): gradients are reduced in the compute dtype "
-                                  f"({compute or 'the parameters own'}); reduce_dtype {mp_policy.reduce_dtype} "
-                                  f"is not supported in traced mode")
     if fsdp_units(module):
         raise ValueError("fully_shard(traced=True): this model already has hooked FSDP units; use one mode per model")
     seen: dict[int, str] = {}
@@ -1140,7 +1137,8 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
         new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
         new.__dict__["_axedist_sharded"] = True
         sub._parameters[pname] = new
-        gather = GatheredView(gathered, view, _mean_over(mesh, shard_axes, view, qualified), compute)
+        gather = GatheredView(gathered, view, _mean_over(mesh, shard_axes, view, qualified),
+                              mp_policy.param_dtype, mp_policy.reduce_dtype)
         parametrize.register_parametrization(sub, pname, gather, unsafe=True)
     module._register_state_dict_hook(_plain_names)
     module._register_load_state_dict_pre_hook(_parametrized_names, with_module=True)
