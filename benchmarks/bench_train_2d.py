@@ -23,8 +23,11 @@ compute, ``--check-steps`` steps, losses within ``--check-tol`` of torch's). Aft
 step per side counts the bytes each rank sends (axedist: its routes' ``count_collectives``;
 torch: ``CommDebugMode``) and the collective calls, and each side's parameter + gradient +
 optimizer bytes per rank (the sharded pieces) and axedist's peak of gathered parameter bytes;
-``--profile``: one step per side under torch.profiler. No compiled sides here (bench_tp has
-them). Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
+``--profile``: one step per side under torch.profiler. ``--compile [BACKEND]`` (default
+Inductor) adds two compiled sides: axedist's model under ``fully_shard(traced=True)`` compiled
+whole with ``fullgraph=True`` (one graph: gathers and reduce-scatters inside it), and torch's
+``fully_shard`` + ``parallelize_module`` model with each block compiled (torchtitan's way; FSDP2's
+hooks run eagerly around the blocks). Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
 ``--out`` and a line to its history.
 """
 
@@ -49,9 +52,10 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, Side, check_config, describe_estimate, goals, markdown_tables,
-                            memory_estimate, model_flops, peak_flops, preset_config, profile_sides,
-                            ratio_rows, run_interleaved, run_loss_check, side_stats, write_results)
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
+                            describe_estimate, goals, markdown_tables, memory_estimate, model_flops, peak_flops,
+                            preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check, side_stats,
+                            write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
     "cpu": dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_hidden=64 * -(-8 * 128 // 3 // 64),
@@ -82,18 +86,27 @@ class Trainer:
     """One side's model (built from ``seed``, then parallelized and fully sharded) and AdamW;
     ``trainer(tokens) -> loss`` is a training step on this dp rank's rows of ``tokens``."""
 
-    def __init__(self, kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int):
-        self.kind, self.mesh = kind, mesh
+    def __init__(self, kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int,
+                 backend: GraphCounter | None = None):
+        self.kind, self.mesh, self.compiled = kind, mesh, backend is not None
         torch.manual_seed(seed)
         with torch.device(mesh.device):  # initialised where it runs: fast for large models
             model = Llama(cfg)
+        self.forward = model
         if kind == "axedist":
             parallelize(model, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=True))
-            for layer in model.layers:
-                fully_shard(layer, mesh, mp_policy=policy)
-            fully_shard(model, mesh, mp_policy=policy)
+            if backend is not None:  # one graph: the model whole, its gathers redistributes inside it
+                fully_shard(model, mesh, mp_policy=policy, traced=True)
+                self.forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+            else:
+                for layer in model.layers:
+                    fully_shard(layer, mesh, mp_policy=policy)
+                fully_shard(model, mesh, mp_policy=policy)
         else:
             torch_fully_shard_llama(model, mesh.to_torch(), policy)
+            if backend is not None:  # torchtitan's way: each block compiled, FSDP2's hooks around them
+                for layer in model.layers:
+                    layer.compile(backend=backend, dynamic=False)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
@@ -105,7 +118,7 @@ class Trainer:
     def forward_backward(self, tokens):
         tokens = self.rows(tokens)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        logits = self.model(inputs)
+        logits = self.forward(inputs)
         if self.kind == "axedist":
             loss = next_token_loss(logits, replicate(targets, self.mesh["tp"]))
             loss.backward()
@@ -127,11 +140,14 @@ class Trainer:
     def communication(self, tokens) -> dict:
         """One forward + backward counted: bytes this rank sends, collective calls (axedist),
         then the sharded state's bytes and axedist's peak of gathered parameters."""
-        if self.kind == "axedist":
+        if self.kind == "axedist" and not self.compiled:
             with count_collectives() as seen:
                 self.forward_backward(tokens)
             sent, calls = seen.bytes_sent, seen.calls
             peak = max(u.schedule.peak_bytes for u in fsdp_units(self.model))
+        elif self.compiled:  # the collectives run inside compiled graphs, which neither count sees
+            self.forward_backward(tokens)
+            sent, calls, peak = None, None, None
         else:
             _, sent = torch_comm_bytes(lambda: self.forward_backward(tokens))
             calls, peak = None, None
@@ -140,17 +156,28 @@ class Trainer:
         return {"bytes_per_step": sent, "calls": calls, "state_bytes": memory, "peak_gathered_bytes": peak}
 
 
-def make_sides(cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int = 0) -> list[Side]:
-    def side(kind):
+def _count(value) -> str:
+    """A byte count with thousands separators, "-" where none was counted (compiled sides)."""
+    return "-" if value is None else f"{value:,}"
+
+
+def make_sides(cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int = 0,
+               compile_backend: str | None = None) -> list[Side]:
+    def side(kind, backend=None):
         made = {}
 
         def make():
-            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed)
+            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed, backend)
             return made["trainer"]
 
         # the loss of the whole batch: the dp ranks' mean (the trainer exists once a step ran)
-        return Side(kind, make, loss_value=lambda loss: made["trainer"].loss_value(loss))
-    return [side("axedist"), side("torch")]
+        name = kind + (" compiled" if backend is not None else "")
+        return Side(name, make, backend, loss_value=lambda loss: made["trainer"].loss_value(loss))
+    sides = [side("axedist"), side("torch")]
+    if compile_backend:
+        allow_compiled_sides()
+        sides += [side("axedist", GraphCounter(compile_backend)), side("torch", GraphCounter(compile_backend))]
+    return sides
 
 
 def main(argv=None) -> None:
@@ -167,6 +194,8 @@ def main(argv=None) -> None:
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="add the compiled sides (default backend: inductor)")
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda
@@ -198,25 +227,26 @@ def main(argv=None) -> None:
         check_data = [torch.randint(0, small.vocab_size, (CHECK_BATCH * args.dp, small.max_seq_len + 1), generator=g)
                       for _ in range(args.check_steps)]
         say(f"fp32 loss check: {args.check_steps} steps of both sides, {small}, batch {CHECK_BATCH * args.dp}")
-        check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy()), check_data, args.check_steps, cuda,
-                               args.check_tol, "torch", say)
+        check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy(), compile_backend=args.compile),
+                               check_data, args.check_steps, cuda, args.check_tol, "torch", say)
         check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH * args.dp)
 
     g = torch.Generator().manual_seed(1234)
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
-    sides, order = run_interleaved(make_sides(cfg, mesh, policy), data, args.warmup, args.steps, cuda, say, failed)
+    sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile), data, args.warmup,
+                                   args.steps, cuda, say, failed)
     profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))
-    ratio_rows(stats, lambda name: "axedist")
+    ratio_rows(stats, lambda name: "axedist compiled" if name.endswith("compiled") else "axedist")
     for name, s in stats.items():
         say(f"{name:8s} median {s['median_ms']:8.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  MFU "
             + (f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a") + "  peak "
             + (f"{s['peak_bytes'] / 2**30:.2f} GiB" if s["peak_bytes"] is not None else "n/a")
-            + f"  bytes/step {s['bytes_per_step']:>12,}  state {s['state_bytes']:>12,} B  first losses "
+            + f"  bytes/step {_count(s['bytes_per_step']):>12}  state {s['state_bytes']:>12,} B  first losses "
             f"{[round(v, 4) for v in s['losses'][:3]]}")
     met = goals(stats)
     for g_ in met:
@@ -240,7 +270,7 @@ def main(argv=None) -> None:
             ("" if args.preset == "default" else f"_{args.preset}")
         title = (f"dp{args.dp} x tp{tp} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "
                  f"{batch} x {cfg.max_seq_len} tokens")
-        comm = "".join(f"| {n} | {s['bytes_per_step']:,} | {s['calls'] if s['calls'] is not None else '-'} | "
+        comm = "".join(f"| {n} | {_count(s['bytes_per_step'])} | {s['calls'] if s['calls'] is not None else '-'} | "
                        f"{s['state_bytes']:,} | {s['peak_gathered_bytes'] or '-'} |\n" for n, s in stats.items())
         markdown = (f"# 2-D training step (FSDP x TP): axedist vs torch fully_shard + parallelize_module\n\n"
                     f"{meta['date']}, commit {meta['commit']}, {meta['machine']}, torch {meta['torch']}, mesh (dp, tp) "

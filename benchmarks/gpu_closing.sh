@@ -60,7 +60,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
       step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
-      (( W >= 4 )) && step bench_train_2d 150 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile --out "$RESULTS" ;;
+      (( W >= 4 )) && step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS" ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
