@@ -34,7 +34,7 @@ from axedist.collectives.timing import device_time, host_time_us, time_collectiv
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, require_multicast_off, run_meta  # noqa: E402
+from history import append_history, require_multicast_off, run_meta, symm_fastest  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -260,9 +260,8 @@ def auto_table(results: list[dict]) -> dict:
         sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
         for row in result["rows"]:
             shape = [row["M"], row["N"], row["K"], row["world"]]
-            if row["world"] > 1 and all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"])
-                                        for t in (row["queued"], row)):
-                wins.append(shape)  # torch's symmetric-memory op the fastest, device time and eager
+            if row["world"] > 1 and symm_fastest(row):
+                wins.append(shape)
             elif row["world"] > 1 and row["queued"]["speedup_vs_seq"] < 1.0:
                 loses.append(shape)
     from axedist.collectives.fused_tp import AG_AUTO, AG_AUTO_TABLE_PATH

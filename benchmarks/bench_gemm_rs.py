@@ -34,7 +34,7 @@ from axedist.collectives.timing import time_collective, time_interleaved  # noqa
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, run_meta  # noqa: E402
+from history import append_history, run_meta, symm_fastest  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -244,13 +244,6 @@ def auto_tables(results: list[dict]) -> tuple[dict, dict]:
             key = gemm_rs.shape_key(row["M"], row["N"], row["K_local"], row["world"], torch.bfloat16)
             configs[key] = dataclasses.asdict(gemm_rs.GemmConfig.parse(row["config"]))
     return dict(source=sources, fused_loses=sorted(loses), symm_wins=sorted(wins)), configs
-
-
-def symm_fastest(row: dict) -> bool:
-    """torch's symmetric-memory op faster than both the fused kernel and the unfused pair, in
-    device time and (where the run timed it) issued eagerly: "auto" then runs it."""
-    timings = [row["queued"], row] if "queued" in row else [row]
-    return all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"]) for t in timings)
 
 
 def write_tables(paths: list[str]) -> None:

@@ -66,3 +66,12 @@ def run_meta(world: int, command: str, device: str | None = None, **extra) -> di
                 command=command, env={k: os.environ.get(k) for k in MULTICAST_OFF})
     meta.update(extra)
     return meta
+
+
+def symm_fastest(row: dict) -> bool:
+    """A fused-op benchmark row (``bench_gemm_rs``, ``bench_ag_gemm``) where torch's symmetric-memory
+    op was faster than both our fused kernel and the unfused pair, in device time (``queued``) and
+    (where the run timed it) issued eagerly: ``--tables-from`` lists the shape in "symm_wins",
+    where "auto" runs torch's op."""
+    timings = [row["queued"], row] if "queued" in row else [row]
+    return all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"]) for t in timings)

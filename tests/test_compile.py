@@ -111,26 +111,50 @@ def _same_step(forwards, models, tokens, mesh, step: int) -> None:
                                    msg=lambda m: f"step {step}: grad of {name}: {m}")
 
 
-def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_breaks):
-    eager, compiled, mesh = _twins(world, seed, sequence_parallel)
-    codes: list = []
-    backend = capture(codes)  # one backend for every block: the blocks share their graph
-    for block in compiled.layers:
-        block.compile(backend=backend, fullgraph=True)
+def _train_twins(forward, eager, compiled, mesh, seed: int, steps: int, after_step) -> torch.Tensor:
+    """``steps`` AdamW steps of ``eager`` and its twin ``compiled`` (called through ``forward``) on
+    the same tokens: equal losses, gradients and parameters after each step; ``after_step(step)``
+    then. Returns the last step's tokens."""
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled)]
     g = torch.Generator().manual_seed(seed + 1)
-    report = {"graphs": [], "failures": []}
     for step in range(steps):
         tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
-        _same_step((eager, compiled), (eager, compiled), tokens, mesh, step)
+        _same_step((eager, forward), (eager, compiled), tokens, mesh, step)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
         for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
             torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
                                        msg=lambda m: f"after step {step}: {name}")
+        after_step(step)
+    return tokens
+
+
+def _same_grads_then_step(eager, compiled, optimizers, graphs: list, tol: dict, label: str) -> None:
+    """The compiled twin's gradients equal to eager's, then each optimizer's step, then the
+    number of graphs Dynamo has made so far appended to ``graphs``."""
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **tol,
+                                   msg=lambda m: f"{label}grad of {name}: {m}")
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+    graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def compiled_training(rank, world, seed, sequence_parallel, steps, shapes_and_breaks):
+    eager, compiled, mesh = _twins(world, seed, sequence_parallel)
+    codes: list = []
+    backend = capture(codes)  # one backend for every block: the blocks share their graph
+    for block in compiled.layers:
+        block.compile(backend=backend, fullgraph=True)
+    report = {"graphs": [], "failures": []}
+
+    def after_step(step):
         report["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         report["failures"].append(_guard_failures())
+
+    tokens = _train_twins(compiled, eager, compiled, mesh, seed, steps, after_step)
     # the block's graphs hold the plan's collectives as functional collectives, nothing in place
     report["functional"] = any("_c10d_functional" in code for code in codes)
     report["in_place"] = [line for code in codes for line in code.splitlines() if "c10d." in line and "functional" not in line]
@@ -162,20 +186,13 @@ def whole_model_training(rank, world, seed, sequence_parallel, steps=3):
 
     eager, compiled, mesh = _twins(world, seed, sequence_parallel)
     forward = torch.compile(compiled, backend=capture([]), fullgraph=True)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (eager, compiled)]
-    g = torch.Generator().manual_seed(seed + 1)
     report = {"graphs": [], "agreements": []}
-    for step in range(steps):
-        tokens = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len + 1), generator=g)
-        _same_step((eager, forward), (eager, compiled), tokens, mesh, step)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.full_tensor(), p.full_tensor(), **TOL,
-                                       msg=lambda m: f"after step {step}: {name}")
+
+    def after_step(step):
         report["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         report["agreements"].append(agreements_made())
+
+    tokens = _train_twins(forward, eager, compiled, mesh, seed, steps, after_step)
     report["failures"] = _guard_failures()
     _fresh_dynamo()
     explained = torch._dynamo.explain(eager)(tokens[:, :-1])
@@ -242,12 +259,7 @@ def toy_training(rank, world, seed, torch_styles, backend):
             kind = type(y).__name__
             outs.append(y.full_tensor() if isinstance(y, DTensor) else y)
         torch.testing.assert_close(outs[1], outs[0], **TOL)
-        for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), **TOL, msg=lambda m: f"{name}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        _same_grads_then_step(eager, compiled, optimizers, graphs, TOL, "")
     failures = _guard_failures()
     _fresh_dynamo()
     explained = torch._dynamo.explain(eager)(x)
@@ -651,13 +663,7 @@ def inductor_mlp(rank, world, seed):
             (y * y).sum().backward()
             outs.append(y.full_tensor())
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-10)
-        for (name, p), q in zip(mlps[0].named_parameters(), mlps[1].parameters()):
-            torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), rtol=1e-9, atol=1e-10,
-                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
-        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        _same_grads_then_step(mlps[0], mlps[1], optimizers, graphs, dict(rtol=1e-9, atol=1e-10), f"step {step}: ")
     failures = _guard_failures()
     _fresh_dynamo()
     return graphs, failures

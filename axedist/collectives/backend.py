@@ -46,6 +46,18 @@ def load_tuned(path: str = TUNED_PATH) -> dict:
 
 
 TUNED = load_tuned()
+
+
+def load_auto_table(path: str) -> dict:
+    """A fused op's shipped ``auto`` table (``kernels/*_auto.json``), its shape lists as sets:
+    {"fused_loses": {(M, N, K, W), ...} (the unfused pair measured faster than the fused kernel),
+    "symm_wins": {...} (torch's symmetric-memory op measured the fastest of the three, both in
+    device time), "source": [...], and the op's own fields (e.g. "min_rows_per_rank")}."""
+    with open(path) as handle:
+        table = json.load(handle)
+    for key in ("fused_loses", "symm_wins"):
+        table[key] = {tuple(int(v) for v in shape) for shape in table.get(key, [])}
+    return table
 # op -> list of (max bytes of the full input, backend) in increasing size; the last entry also
 # covers everything larger.
 MEASURED_CHOICE: dict[str, list[tuple[int, str]]] = TUNED["backend"]

@@ -12,7 +12,6 @@ This module imports Triton only when a kernel is launched.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -22,7 +21,8 @@ from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
 from . import symm
-from .backend import group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
+from .backend import (group_name, load_auto_table, multicast_opted_in, multimem_allowed, p2p_possible,
+                      through_custom_op)
 from .symm import symm_ops_available
 
 # Shapes (M, N, K_local, W) where the fused kernel measured slower than cuBLAS + NCCL in device
@@ -33,16 +33,11 @@ AUTO_TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
                                "kernels", "gemm_rs_auto.json")
 
 
-def load_auto_table(path: str = AUTO_TABLE_PATH, key: str = "fused_loses") -> set[tuple[int, int, int, int]]:
-    """The shapes ``(M, N, K_local, W)`` under ``key`` of the shipped table: "fused_loses" (cuBLAS +
-    NCCL measured faster than the fused kernel) or "symm_wins" (torch's symmetric-memory op
-    measured fastest of the three, collectives/symm.py)."""
-    with open(path) as handle:
-        return {tuple(int(v) for v in shape) for shape in json.load(handle).get(key, [])}
-
-
-FUSED_LOSES: set[tuple[int, int, int, int]] = load_auto_table()
-SYMM_WINS: set[tuple[int, int, int, int]] = load_auto_table(key="symm_wins")
+_AUTO = load_auto_table(AUTO_TABLE_PATH)
+# (M, N, K_local, W) where cuBLAS + NCCL measured faster, and where torch's symmetric-memory op
+# measured the fastest of the three (collectives/symm.py)
+FUSED_LOSES: set[tuple[int, int, int, int]] = _AUTO["fused_loses"]
+SYMM_WINS: set[tuple[int, int, int, int]] = _AUTO["symm_wins"]
 # Below this many rows per rank "auto" does not fuse: at M / W = 32 the fused kernel is slower in
 # device time (no split-K), and at 128 it is faster in device time but its host side (tens of
 # us per call) makes it slower for a program that issues calls one by one (eager table).

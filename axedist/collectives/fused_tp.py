@@ -16,7 +16,6 @@ This module imports Triton only when a kernel is launched.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -26,7 +25,8 @@ from ..caches import memo
 from ..peers import agree_in_group
 from . import fallback
 from . import symm
-from .backend import TUNED, group_name, multicast_opted_in, multimem_allowed, p2p_possible, through_custom_op
+from .backend import (TUNED, group_name, load_auto_table, multicast_opted_in, multimem_allowed, p2p_possible,
+                      through_custom_op)
 from .symm import symm_ops_available
 
 _KERNELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
@@ -35,17 +35,6 @@ AR_AUTO_TABLE_PATH = os.path.join(_KERNELS, "gemm_ar_auto.json")
 BACKENDS = ("auto", "p2p", "multimem", "torch", "symm")  # symm: all_gather_gemm only (collectives/symm.py)
 # the decode kernel's row range: beyond it the GEMM is no longer small and two kernels win
 MAX_DECODE_ROWS = 256
-
-
-def load_auto_table(path: str) -> dict:
-    """{"fused_loses": {(M, N, K, W), ...}, "symm_wins": {...}, "min_rows_per_rank": int, "source": [...]}:
-    the shapes where the fused kernel measured slower than the unfused pair, and those where
-    torch's symmetric-memory op measured the fastest of the three (device time)."""
-    with open(path) as handle:
-        table = json.load(handle)
-    for key in ("fused_loses", "symm_wins"):
-        table[key] = {tuple(int(v) for v in shape) for shape in table.get(key, [])}
-    return table
 
 
 AG_AUTO = load_auto_table(AG_AUTO_TABLE_PATH)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..caches import memo
+from ..caches import cached, memo
 from .backend import group_name
 
 __all__ = ["symm_ops_available", "matmul_reduce_scatter", "all_gather_matmul"]
@@ -24,8 +24,9 @@ __all__ = ["symm_ops_available", "matmul_reduce_scatter", "all_gather_matmul"]
 _ENABLED: dict = memo("collectives.symm enabled groups")  # group name -> True once torch was told
 
 
+@cached(maxsize=1)
 def symm_ops_available() -> tuple[bool, str]:
-    """Whether this torch has the two fused symmetric-memory ops."""
+    """Whether this torch has the two fused symmetric-memory ops (asked once)."""
     try:
         import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
     except ImportError as error:

@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Partial, Replicate
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..caches import cached, memo
@@ -1005,16 +1006,23 @@ def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> No
     for key, param in originals.items():
         view = _view_spec(param, mesh, unit.data_axes, names[key])
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes)
-        with torch.no_grad():
-            full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
-            local = redistribute_local(full_local, gathered, sharded).clone()
-        new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
-        new.__dict__["_axedist_sharded"] = True
+        new = _sharded_parameter(param, gathered, sharded)
         record = ShardedParameter(names[key], new, slots[key], view, gathered, unit)
         for sub, pname in slots[key]:
             sub._parameters[pname] = new
         unit.params.append(record)
         param.__dict__["_axedist_sharded_by"] = weakref.ref(unit)  # a slot still holding it is shared
+
+
+def _sharded_parameter(param: nn.Parameter, gathered: DTensorSpec, sharded: DTensorSpec) -> nn.Parameter:
+    """The parameter that replaces ``param`` (its value in ``gathered``): this rank's piece under
+    ``sharded``, a new leaf marked as sharded."""
+    with torch.no_grad():
+        full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
+        local = redistribute_local(full_local, gathered, sharded).clone()
+    new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
+    new.__dict__["_axedist_sharded"] = True
+    return new
 
 
 def _owner(param) -> FSDPUnit | None:
@@ -1113,6 +1121,7 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
     if fsdp_units(module):
         raise ValueError("fully_shard(traced=True): this model already has hooked FSDP units; use one mode per model")
     seen: dict[int, str] = {}
+    slots = []
     for mod_name, sub in module.named_modules(remove_duplicate=False):
         for pname, param in sub._parameters.items():
             if param is None:
@@ -1123,20 +1132,15 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
                                  f"{seen.get(id(param), 'another sharded module')} or already sharded; traced mode "
                                  f"shards each parameter once (untie it, or use the hooked mode)")
             seen[id(param)] = qualified
-    for qualified, (sub, pname) in [(q, _split(module, q)) for q in seen.values()]:
-        param = sub._parameters[pname]
+            slots.append((sub, pname, param, qualified))
+    for sub, pname, param, qualified in slots:
         view = _view_spec(param, mesh, shard_axes, qualified)
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, shard_axes)
         if target_spec(sharded, gathered.layout, gathered.padded, None) != gathered:
             raise LayoutError(f"fully_shard(traced=True): parameter {qualified}'s gathered layout {gathered.layout} "
                               f"pads inside a dim (rows {gathered.true_index}), which a redistribute to a layout "
                               f"cannot name; use the hooked mode")
-        with torch.no_grad():
-            full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
-            local = redistribute_local(full_local, gathered, sharded).clone()
-        new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
-        new.__dict__["_axedist_sharded"] = True
-        sub._parameters[pname] = new
+        sub._parameters[pname] = _sharded_parameter(param, gathered, sharded)
         gather = GatheredView(gathered, view, _mean_over(mesh, shard_axes, view, qualified),
                               mp_policy.param_dtype, mp_policy.reduce_dtype)
         parametrize.register_parametrization(sub, pname, gather, unsafe=True)
@@ -1145,16 +1149,9 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
     return module
 
 
-def _split(module: nn.Module, qualified: str) -> tuple[nn.Module, str]:
-    owner, _, name = qualified.rpartition(".")
-    return (module.get_submodule(owner) if owner else module), name
-
-
 def _mean_over(mesh: DeviceMesh, axes: tuple, view: DTensorSpec | None, name: str) -> tuple:
     """The placements on ``mesh`` of a gathered parameter's gradient: a pending mean over ``axes``
     and the view's own placements on the other axes (Replicate where the view has none)."""
-    from torch.distributed.tensor import Partial, Replicate
-
     own = {}
     if view is not None:
         try:
