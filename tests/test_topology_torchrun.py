@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_nodes(script_args, nnodes: int = 2, nproc: int = 2, timeout_s: float = 120) -> list[tuple[int, str]]:
+def launch_nodes(script_args, nnodes: int = 2, nproc: int = 2, timeout_s: float = 300) -> list[tuple[int, str]]:
     """``nnodes`` torchrun agents of ``nproc`` processes each, meeting through c10d on localhost:
     (returncode, stdout + stderr) per agent. A timeout kills every agent and its ranks, then raises."""
     endpoint = f"127.0.0.1:{_free_port()}"
