@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A short two-GPU device call: the multi-GPU tests of the TP kernels and the NCCL training paths,
-# one name per line (-v) so a cut-off run still says what passed.   bash benchmarks/gpu_w2_tests.sh [BUDGET_S]
+# one name per line (-v) so a cut-off run still says what passed.   bash benchmarks/device/w2_tests.sh [BUDGET_S]
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-210}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 PYTEST="python3 -m pytest -v -rfE -p no:cacheprovider"
 step precompile 20 python3 benchmarks/precompile_collectives.py --worlds 2 --jobs 32
 step tp_kernels 100 $PYTEST tests_multigpu/test_fused_tp.py tests_multigpu/test_compile_nccl.py

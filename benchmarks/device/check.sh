@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call: multi-GPU tests and benchmarks of the communication layer, logs under $OUT.
-#   bash benchmarks/gpu_check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
-#   bash benchmarks/gpu_check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
-#   bash benchmarks/gpu_check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
-#   bash benchmarks/gpu_check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
+#   bash benchmarks/device/check.sh first   # smoke tests at W=4, benchmarks at W=4, remaining tests
+#   bash benchmarks/device/check.sh final   # whole tests_multigpu at W=2 and W=4, W=2 + W=4 benchmarks
+#   bash benchmarks/device/check.sh collectives   # collectives only: precompile, tests + bench W=4, W=2
+#   bash benchmarks/device/check.sh perf    # fused GEMM+RS smoke tests, both benchmarks at W=4
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-20}
 MODE=${1:-first}
 BUDGET=${2:-560}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 
 if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton_cache/cache.tgz -C ~/.triton; fi
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;

@@ -2,12 +2,12 @@
 # One device call on ONE GPU: the virtual-rank tests of the TP kernels (fused all-gather + GEMM,
 # GEMM + all-reduce, CUDA graphs), the earlier virtual-rank tests, then the TP = 1 paths and GEMM
 # halves of bench_ag_gemm.py / bench_decode.py and infer_tp.py with CUDA graphs. Logs under $OUT.
-#   bash benchmarks/gpu_onegpu.sh [BUDGET_S] [TRAIN_DIR] [all | tp | kernels]
+#   bash benchmarks/device/onegpu.sh [BUDGET_S] [TRAIN_DIR] [all | tp | kernels]
 #   (tp: without the earlier kernels' tests; kernels: the TP kernels' tests and benchmarks only)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=${AXEDIST_TIMEOUT_S:-10}
 export CUDA_DEVICE_MAX_CONNECTIONS=32
 BUDGET=${1:-500}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 TRAIN_DIR=${2:-runs/tp1_cpu}
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1

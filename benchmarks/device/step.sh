@@ -1,10 +1,10 @@
-# Sourced first by every benchmarks/gpu_*.sh device call: multicast off (project policy) for the
+# Sourced first by every benchmarks/device/*.sh device call: multicast off (project policy) for the
 # shell and everything it starts, the commit and output folders every call records, and `step`.
 # The caller sets BUDGET (seconds) and may set OUT before sourcing.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset AXEDIST_ENABLE_MULTICAST
 # The device copy's git can be stale (on 2026-11-25 it named the session's first commit in every
-# call): give the commit in the call, `AXEDIST_COMMIT=<hash> bash benchmarks/gpu_w2.sh ...`.
+# call): give the commit in the call, `AXEDIST_COMMIT=<hash> bash benchmarks/device/w2.sh ...`.
 export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-/tmp/axedist_out}
 LOGS=$OUT/logs RESULTS=$OUT/results

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
-#   bash benchmarks/gpu_closing.sh tests    # tests_onegpu on GPU 0, tests_multigpu at W=4 (4 GPUs) and W=2
+#   bash benchmarks/device/closing.sh tests    # tests_onegpu on GPU 0, tests_multigpu at W=4 (4 GPUs) and W=2
 #                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite)
-#   bash benchmarks/gpu_closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
+#   bash benchmarks/device/closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # model_tables (the fused kernels at bench_tp's llama8b calls -> 'auto'),
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
@@ -11,7 +11,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 OMP_NUM_THREADS=4
 MODE=${1:-tests}
 BUDGET=${BUDGET:-560}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 { date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
 

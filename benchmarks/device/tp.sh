@@ -2,7 +2,7 @@
 # One device call: issue 27's GPU-bound training steps on every GPU of the machine (W = its GPU
 # count), Llama-3-8B layers (--preset llama8b: dim 4096, 32 heads, 8 KV heads, FFN 14336, 4 layers,
 # vocab 16384, 8 x 4096 tokens per TP group), progress on stdout as it runs:
-#   AXEDIST_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_tp.sh [BUDGET_S]   # default 560
+#   AXEDIST_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/device/tp.sh [BUDGET_S]   # default 560
 # W=2 (nvidia-h100-x2 / nvidia-h200-x2), about 4-5 min:
 #   precompile (<= 45 s); bench_tp at TP=2: fp32 loss check of 5 sides, then axedist, torch, axedist
 #   compiled, torch compiled, torch compiled + async-TP, 3 warm-up + 20 interleaved steps each, one
@@ -14,7 +14,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 export STEP_TEE=1
 BUDGET=${1:-560}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
   env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1

@@ -3,13 +3,13 @@
 # In priority order, each step bounded by what is left of BUDGET seconds (a step that no longer
 # fits is skipped and says so):
 #   1. torch.compile: the one-GPU compile test (GPU 0), then its NCCL test at W=2
-#   2. the TP training step at the GPU-bound size (--preset llama8b), eager, vs torch's (compiled: gpu_tp.sh)
+#   2. the TP training step at the GPU-bound size (--preset llama8b), eager, vs torch's (compiled: benchmarks/device/tp.sh)
 #   3. fused all-gather + GEMM and the decode stack at TP=2
 #   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2
-#   bash benchmarks/gpu_w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
+#   bash benchmarks/device/w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-490}
-source "$(dirname "$0")/gpu_step.sh"
+source "$(dirname "$0")/step.sh"
 { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
   env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
@@ -21,7 +21,7 @@ CUDA_VISIBLE_DEVICES=0 step onegpu_compile 90 $PYTEST tests_onegpu/test_compile_
 if (( GPUS >= 2 )); then
   export CUDA_VISIBLE_DEVICES=0,1
   step compile_w2 90 $PYTEST tests_multigpu/test_compile_nccl.py
-  # eager sides of the GPU-bound size (~45 s); the compiled sides and the profile: benchmarks/gpu_tp.sh
+  # eager sides of the GPU-bound size (~45 s); the compiled sides and the profile: benchmarks/device/tp.sh
   step bench_tp_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --preset llama8b --steps 10 --out "$RESULTS"
   step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
   step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
