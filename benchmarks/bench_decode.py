@@ -12,6 +12,9 @@ all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per st
   axedist_eager / axedist_graph   the stack parallelized with axedist's llama_tp_plan (no sequence
                                   parallelism), run eagerly / captured once and replayed
   torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
+Layer-tail rows (device time, W > 1): per batch, h = residual + all_reduce(x), y = rms_norm(h) on
+[B, dim]: seq_nccl (NCCL all-reduce, add, rms_norm), seq_p2p (p2p all-reduce, add, rms_norm) and
+fused (collectives/layer_tail.py: one kernel).
 GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
   cublas, seq_nccl (cuBLAS + NCCL all-reduce), seq_p2p (cuBLAS + p2p all-reduce), fused
   (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
@@ -33,6 +36,7 @@ from torch import nn
 
 import axedist as ax
 from axedist.collectives import p2p, plan_gemm_all_reduce
+from axedist.collectives.layer_tail import all_reduce_rms_norm
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
@@ -198,15 +202,50 @@ def gemm_rows(args, cfg, world, rank):
     return rows
 
 
-def write_outputs(stack, gemms, world, cfg, out_dir):
+def tail_rows(args, cfg, world, rank):
+    """The layer tail alone at each batch size: the fused kernel vs the unfused sequences."""
+    rows = []
+    if world == 1:
+        return rows
+    hidden, eps = cfg.dim, cfg.norm_eps
+    for batch in args.batches:
+        x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+        residual = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
+        weight = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+        reduced = torch.empty_like(x)
+
+        def seq(all_reduce):
+            h = residual + all_reduce(x)
+            return h, torch.nn.functional.rms_norm(h, (hidden,), weight, eps)
+
+        columns = {"seq_nccl": lambda: seq(lambda t: (reduced.copy_(t), dist.all_reduce(reduced))[0]),
+                   "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced)),
+                   "fused": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p")}
+        times = time_interleaved(columns, args.reps, queued=True)
+        h, y = columns["fused"]()
+        h_ref, y_ref = columns["seq_nccl"]()
+        torch.cuda.synchronize()
+        row = dict(batch=batch, hidden=hidden, world=world, queued=times,
+                   rel_err=max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                               for a, b in ((h, h_ref), (y, y_ref))),
+                   speedup_vs_seq_p2p=times["seq_p2p"] / times["fused"],
+                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused"])
+        rows.append(row)
+        if rank == 0:
+            print(f"  tail [{batch}x{hidden}]: " + " ".join(f"{c} {t:.4f}" for c, t in times.items())
+                  + f" ms, err {row['rel_err']:.1e}", flush=True)
+    return rows
+
+
+def write_outputs(stack, gemms, world, cfg, out_dir, tails=()):
     os.makedirs(out_dir, exist_ok=True)
     meta = run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
                     config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 ffn_hidden=cfg.ffn_hidden, dtype="bf16"))
     name = f"decode_w{world}"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
-        json.dump(dict(meta=meta, stack=stack, gemms=gemms), handle, indent=1)
-    append_history(out_dir, name, meta, dict(stack=stack, gemms=gemms))
+        json.dump(dict(meta=meta, stack=stack, gemms=gemms, tails=list(tails)), handle, indent=1)
+    append_history(out_dir, name, meta, dict(stack=stack, gemms=gemms, tails=list(tails)))
 
     def cell(value):
         return f"{value:.3f}" if isinstance(value, float) else "failed"
@@ -228,6 +267,13 @@ def write_outputs(stack, gemms, world, cfg, out_dir):
     for r in gemms:
         lines.append(f"| {r['name']} | {r['M']} | {r['K_local']} | {r['N']} | "
                      + " | ".join(f"{r['queued'][c]:.4f}" for c in columns) + f" | {r['rel_err']:.1e} |")
+    if tails:
+        lines += ["", "## Layer tail alone (all-reduce + residual add + RMSNorm), device time (ms)", "",
+                  "| B | hidden | seq_nccl | seq_p2p | fused | fused vs seq_p2p | rel err |", "|---|---|---|---|---|---|---|"]
+        for r in tails:
+            q = r["queued"]
+            lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | {q['fused']:.4f} "
+                         f"| {r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
     with open(os.path.join(out_dir, f"{name}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -289,8 +335,9 @@ def main():
                       n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, max_seq_len=16)
     stack = [] if args.skip_stack else stack_rows(args, cfg, world, rank, mesh)
     gemms = gemm_rows(args, cfg, world, rank)
+    tails = tail_rows(args, cfg, world, rank)
     if rank == 0:
-        write_outputs(stack, gemms, world, cfg, args.out)
+        write_outputs(stack, gemms, world, cfg, args.out, tails)
         print(f"done in {time.time() - started:.0f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -32,7 +32,7 @@ def _patch_with_item(tensor, scope):
 
 
 interpreter._patch_lang_tensor = _patch_with_item
-from axedist.kernels import collective_kernels
+from axedist.kernels import collective_kernels, layer_tail
 
 ROWS, COLS = 1, 64
 PHASES = {"reduce_scatter": (1, 2), "all_gather": (1, 2), "all_reduce_one_shot": (1, 2),
@@ -111,9 +111,73 @@ def run_case(op, world, count, dtype, variant, programs, seed):
     return failures
 
 
+def run_tail_case(world, rows, hidden, dtype, variant, programs, seed):
+    """The fused layer tail (all-reduce + residual add + RMSNorm) against float64: h and y per
+    rank, the same bits on every rank, nothing written outside the call's half."""
+    generator = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, hidden, generator=generator).to(dtype) for _ in range(world)]
+    residual = torch.randn(rows, hidden, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
+    eps = 1e-5
+    numel = rows * hidden
+    stride = (numel + 15) // 16 * 16
+    geometry = dict(numel=numel, chunk=numel, stride=stride)
+    data_bytes = (world * stride * dtype.itemsize + 4095) // 4096 * 4096
+    workspaces = fake_workspaces(world, data_bytes, dtype)
+    half = seed % 2
+    push = variant == "push"
+    inputs = xs
+    if variant == "zero_copy":
+        inputs = [w.local_data(half, dtype, numel).view(rows, hidden) for w in workspaces]
+        for staged, x in zip(inputs, xs):
+            staged.copy_(x)
+    hs = [torch.full((rows, hidden), float("nan"), dtype=dtype) for _ in range(world)]
+    ys = [torch.full((rows, hidden), float("nan"), dtype=dtype) for _ in range(world)]
+    epoch = 2 - half
+    failures = []
+    name = f"all_reduce_rms_norm {variant} W={world} rows={rows} hidden={hidden} {dtype}"
+    block = max(16, 1 << (hidden - 1).bit_length())
+    for phase in (1, 2):
+        for rank in range(world):
+            statics = static_arguments("all_reduce_one_shot", workspaces[rank], geometry, rank, False)
+            state = workspaces[rank].state
+            state[0] = epoch - 1
+            layer_tail.all_reduce_rms_norm_kernel[(programs,)](
+                inputs[rank], hs[rank], state, 0, *statics, residual, weight, ys[rank], rows, hidden, eps,
+                WORLD=world, BLOCK_H=block, PUSH=push, COPY_IN=variant != "zero_copy", ALIGNED=False, PHASES=phase)
+            if state.tolist()[:3] != [epoch, 0, 0]:
+                failures.append(f"{name} rank {rank}: call state {state.tolist()} after the launch")
+    h_ref = residual.double() + torch.stack([x.double() for x in xs]).sum(0)
+    h_rounded = h_ref.to(dtype).double()
+    y_ref = h_rounded * torch.rsqrt(h_rounded.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for rank in range(world):
+        for label, got, ref in (("h", hs[rank], h_ref), ("y", ys[rank], y_ref)):
+            got = got.double()
+            if torch.isnan(got).any():
+                failures.append(f"{name} rank {rank}: NaN left in {label}")
+                continue
+            error = (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+            if error > tolerance:
+                failures.append(f"{name} rank {rank}: {label} error {error:.2e}")
+        start = workspaces[rank].data_offset(1 - half)
+        if not torch.isnan(workspaces[rank].tensor[start:start + data_bytes].view(dtype)).all():
+            failures.append(f"{name} rank {rank}: wrote into the other data half")
+        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+            failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
+    if not failures and not all(torch.equal(hs[0], h) and torch.equal(ys[0], y) for h, y in zip(hs, ys)):
+        failures.append(f"{name}: ranks differ")
+    return failures
+
+
 def main():
     start = time.time()
     failures, cases = [], 0
+    for index, (world, rows, hidden, variant) in enumerate(itertools.product(
+            (2, 3, 4), (1, 5), (40, 64), ("push", "pull", "zero_copy"))):
+        dtype = (torch.float32, torch.bfloat16)[index % 2]
+        failures += run_tail_case(world, rows, hidden, dtype, variant, programs=2, seed=index)
+        cases += 1
     grid = list(itertools.product(PHASES, (2, 4), (1, 37, 200), ("push", "pull", "zero_copy")))
     grid += itertools.product(PHASES, (3,), (37,), ("push", "pull", "zero_copy"))
     for index, (op, world, count, variant) in enumerate(grid):

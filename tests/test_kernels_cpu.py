@@ -230,8 +230,23 @@ def test_unaligned_sizes_compile_too():
         assert "ld.acquire.sys" in _compile_collective(op, "fp16", world=8, rows=2, chunk=1001).asm["ptx"]
 
 
+@pytest.mark.parametrize("push", [False, True])
+def test_layer_tail_kernel_compiles_with_one_barrier_and_vector_loads(push):
+    """The fused all-reduce + residual add + RMSNorm (collectives/layer_tail.py) for sm_90a at
+    Llama-8B's hidden 4096, W = 4: one program barrier (a fence, a relaxed store to each of the
+    3 peers, bounded waits), 16-byte loads and stores where the host says rows are aligned."""
+    _need_triton()
+    from axedist.collectives.layer_tail import compile_tail
+    ptx = compile_tail(4096, torch.bfloat16, 4, push, aligned=True).asm["ptx"]
+    assert ptx.count("fence.acq_rel.sys") == 1
+    assert ptx.count("st.relaxed.sys.global.b32") == 3
+    assert ptx.count("%globaltimer") >= 3
+    assert ptx.count("ld.global.v4") >= 1 and "st.global.v4" in ptx
+    assert "rsqrt" in ptx
+
+
 def test_collective_phases_match_a_float64_reference_under_the_interpreter():
-    """Every op, push / pull / zero-copy, W = 2, 3, 4, odd sizes and tails, run phase by phase
+    """Every op and the fused layer tail, push / pull / zero-copy, W = 2, 3, 4, odd sizes and tails, run phase by phase
     rank by rank (tests/collectives_interpreter.py): indexing and workspace layout on CPU."""
     _need_triton()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)

@@ -353,3 +353,55 @@ def test_bad_input_raises_clear_errors():
     assert messages[3] and "backend must be one of" in messages[3]
     assert messages[4] and "variant must be one of" in messages[4]
     assert messages[5] and "out must be" in messages[5]
+
+
+def body_layer_tail(rank, world, shapes, dtypes, variant, graph):
+    """The fused all-reduce + residual add + RMSNorm against the unfused sequence on NCCL (fp32
+    reference), bit-identical across ranks; eager, or captured once in a CUDA graph and replayed
+    on fresh inputs (the kernel takes its epoch from device memory)."""
+    from axedist.collectives.layer_tail import all_reduce_rms_norm
+    failures = []
+    for dtype in dtypes:
+        for rows, hidden in shapes:
+            x = _inputs(rank, (rows, hidden), dtype, seed=rows * 7 + hidden)
+            residual = _inputs(0, (rows, hidden), dtype, seed=hidden)      # replicated: same on every rank
+            weight = 1 + 0.1 * _inputs(0, (hidden,), dtype, seed=hidden + 1)
+            if graph:
+                static_x = x.clone()
+                for _ in range(2):
+                    all_reduce_rms_norm(static_x, residual, weight, 1e-5, variant=variant)  # warm up, compile
+                torch.cuda.synchronize()
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    h, y = all_reduce_rms_norm(static_x, residual, weight, 1e-5, variant=variant)
+                runs = []
+                for step in range(3):
+                    fresh = _inputs(rank, (rows, hidden), dtype, seed=step * 13 + hidden)
+                    static_x.copy_(fresh)
+                    captured.replay()
+                    runs.append((fresh, h.clone(), y.clone()))
+            else:
+                runs = [(x, *all_reduce_rms_norm(x, residual, weight, 1e-5, variant=variant))]
+            for inp, h, y in runs:
+                total = _reference_sum(inp, world)
+                h_ref = residual.float() + total
+                y_ref = torch.nn.functional.rms_norm(h_ref.to(dtype).float(), (hidden,), weight.float(), 1e-5)
+                name = f"{variant} graph={graph} {dtype} ({rows}, {hidden})"
+                for label, got, ref in (("h", h, h_ref), ("y", y, y_ref)):
+                    error = _rel_error(got, ref)
+                    if torch.isnan(got).any() or error > _tolerance(dtype, world) / 4:
+                        failures.append(f"{name} {label}: rel error {error:.2e}")
+                gathered = torch.empty((world, 2, rows, hidden), dtype=dtype, device="cuda")
+                all_gather_into(gathered, torch.stack([h, y]))
+                if not all(torch.equal(gathered[0], gathered[r]) for r in range(world)):
+                    failures.append(f"{name}: ranks disagree")
+    torch.cuda.synchronize()
+    return failures
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("variant", ["push", "pull"])
+def test_layer_tail_matches_the_unfused_sequence(variant, graph):
+    shapes = ((1, 4096), (8, 4096), (64, 8192), (5, 1000), (3, 16384))
+    results = run_on_ranks(body_layer_tail, WORLD, "nccl", args=(shapes, DTYPES, variant, graph), timeout_s=300)
+    assert results == [[]] * WORLD, results

@@ -152,3 +152,29 @@ def test_a_rank_that_never_arrives_is_named_by_the_others(variant):
         if rank != missing:
             assert f"of rank {missing} " in messages[rank] and "gave up" in messages[rank], messages
     assert elapsed < timeout_s + 5.0, elapsed
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("world", [2, 4])
+def test_layer_tail_matches_float64_on_virtual_ranks(world, variant):
+    """The fused decode tail (all-reduce + residual add + RMSNorm) against float64, the same bits
+    on every rank, five calls back to back without a host sync (epochs and halves alternate)."""
+    ranks = VirtualRanks(world, data_bytes=8 << 20)
+    seed = int(time.time()) % 10_000
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for call, (rows, hidden) in enumerate([(1, 4096), (8, 4096), (64, 8192), (5, 1000), (3, 16384)]):
+        dtype = torch.bfloat16 if call % 2 == 0 else torch.float32
+        xs = [torch.randn(rows, hidden, device="cuda", generator=generator).to(dtype) for _ in range(world)]
+        residual = torch.randn(rows, hidden, device="cuda", generator=generator).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=generator)).to(dtype)
+        outs = ranks.all_reduce_rms_norm(xs, residual, weight, 1e-5, variant=variant)
+        h_ref = residual.double() + torch.stack([x.double() for x in xs]).sum(0)
+        hr = h_ref.to(dtype).double()
+        y_ref = hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        for rank, (h, y) in enumerate(outs):
+            for label, got, ref in (("h", h, h_ref), ("y", y, y_ref)):
+                error = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                assert error <= tolerance, f"seed {seed} call {call} rank {rank} {label}: error {error:.2e}"
+            assert torch.equal(h, outs[0][0]) and torch.equal(y, outs[0][1]), f"seed {seed}: ranks differ"
+    ranks.check()

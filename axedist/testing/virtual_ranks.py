@@ -105,6 +105,28 @@ class VirtualRanks:
         self._launch(present, lambda rank: plans[rank].run(xs[rank], outs[rank], timeout_s))
         return outs
 
+    def all_reduce_rms_norm(self, xs, residual, weight, eps: float, variant: str = "push", absent=(),
+                            timeout_s: float | None = None) -> list:
+        """[(h_r, y_r)]: h = residual + sum over ranks of xs, y = rms_norm(h) * weight, on every
+        rank (the fused decode layer tail, collectives/layer_tail.py)."""
+        from ..collectives.layer_tail import TailPlan
+        if len(xs) != self.world:
+            raise ValueError(f"all_reduce_rms_norm: {len(xs)} inputs for {self.world} ranks")
+        rows, hidden = xs[0].shape
+        aligned = hidden % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (*xs, residual, weight))
+        key = ("all_reduce_rms_norm", rows, hidden, xs[0].dtype, variant, aligned)
+        plans = self._plans.get(key)
+        if plans is None:
+            plans = self._plans[key] = [TailPlan(rows, hidden, xs[0].dtype, None, self.device.index, variant,
+                                                 aligned, workspace=workspace) for workspace in self.workspaces]
+        outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(self.world)]
+        present = [r for r in range(self.world) if r not in absent]
+        for rank in present:  # every kernel loaded before the first rank can spin
+            plans[rank].launch()
+        self.last_plans = plans
+        self._launch(present, lambda rank: plans[rank].run(xs[rank], residual, weight, *outs[rank], eps, timeout_s))
+        return outs
+
     # -- fused GEMM + reduce-scatter --------------------------------------------------------
     def gemm_reduce_scatter(self, as_, bs, outs=None, config=None, absent=(),
                             timeout_s: float | None = None) -> list:

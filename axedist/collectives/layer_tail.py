@@ -1,0 +1,172 @@
+"""The decode layer tail as one call: ``h = residual + all_reduce(x)``, ``y = rms_norm(h) * weight``.
+
+A row-parallel linear leaves a partial sum on every rank; the layer then adds its residual and
+normalizes for the next half. On CUDA with the p2p kernels this is one launch
+(kernels/layer_tail.py) over the group's symmetric workspace, graph-capturable like the other
+p2p calls; anywhere else (CPU, gloo, NCCL) it is the unfused sequence the kernel replaces, which
+is also the reference it is tested against:
+
+    >>> h, y = all_reduce_rms_norm(x, residual, weight, 1e-5, group)   # x, residual: [B, H]
+    >>> # h == residual + sum of x over the group; y == F.rms_norm(h, (H,), weight, 1e-5)
+
+Every rank sums the ranks' rows in the same order (rank 0 first), so h and y are bit-identical
+on every rank, as a replicated value must be.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..caches import memo
+from .p2p import choose_variant, static_arguments
+from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
+
+__all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail"]
+
+_OP = "all_reduce_rms_norm"
+_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# rows of at most this many elements (Llama-3-405B's 16384); one row is one program's tile
+MAX_HIDDEN = 16384
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequence the fused call replaces: all-reduce (torch.distributed), add, rms_norm."""
+    total = x.clone()
+    dist.all_reduce(total, group=group)
+    h = residual + total
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def kernel_arguments(hidden: int, dtype: torch.dtype, world: int, push: bool, copy_in: bool,
+                     aligned: bool, phases: int = 3) -> tuple[dict, dict, list[str]]:
+    """(Triton signature of the runtime arguments, constexprs, arguments divisible by 16) of the
+    fused kernel for one call shape class: what the GPU compiles and the CPU tests inspect."""
+    element = _TRITON_DTYPE[dtype]
+    signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", state_ptr="*i32", timeout_ns="i64")
+    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
+        signature[name] = "i64"
+    signature.update(numel="i32", chunk_stride="i32", rank="i32", abort_ptr="*i32", error_address="i64",
+                     half_bytes="i64", barrier_bytes="i64", residual_ptr=f"*{element}", weight_ptr=f"*{element}",
+                     y_ptr=f"*{element}", n_rows="i32", hidden="i32", eps="fp32")
+    constexprs = dict(WORLD=world, BLOCK_H=max(16, 1 << (hidden - 1).bit_length()), PUSH=push, COPY_IN=copy_in,
+                      ALIGNED=aligned, PHASES=phases)
+    divisible = ["state_ptr", "abort_ptr", "chunk_stride"]
+    if aligned:
+        divisible += ["x_ptr", "out_ptr", "residual_ptr", "weight_ptr", "y_ptr", "hidden"]
+    return signature, constexprs, divisible
+
+
+def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligned: bool, capability: int = 90):
+    """The fused kernel compiled for one call shape class and CUDA ``capability`` (Triton caches
+    it on disk; a process without a GPU can compile it, as the CPU tests do)."""
+    from ..kernels.compile_check import compile_for_target
+    from ..kernels.layer_tail import all_reduce_rms_norm_kernel
+    signature, constexprs, divisible = kernel_arguments(hidden, dtype, world, push, True, aligned)
+    warps = 8 if constexprs["BLOCK_H"] >= 4096 else 4
+    return compile_for_target(all_reduce_rms_norm_kernel, signature, constexprs, divisible, capability=capability,
+                              num_warps=warps)
+
+
+class TailPlan:
+    """What a fused layer-tail call of one (rows, hidden, dtype, group) needs between calls:
+    the workspace, the variant, the grid, the compiled kernel and its static arguments."""
+
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, group, device_index: int, variant: str,
+                 aligned: bool, workspace=None):
+        """workspace: the rank's workspace to run on (default: the group's; virtual ranks pass their own)."""
+        self.rows, self.hidden, self.dtype, self.aligned = rows, hidden, dtype, aligned
+        numel = rows * hidden
+        stride = _round_up(numel, 16)
+        world = dist.get_world_size(group) if workspace is None else workspace.world_size
+        self.geometry = dict(numel=numel, chunk=numel, stride=stride, elements=world * stride)
+        if workspace is None:
+            workspace = get_workspace(group, world * stride * dtype.itemsize, torch.device("cuda", device_index))
+        elif world * stride * dtype.itemsize > workspace.data_bytes:
+            raise ValueError(f"{_OP}: {world * stride} elements of {dtype} do not fit the workspace half of "
+                             f"{workspace.data_bytes} bytes")
+        self.workspace = workspace
+        self.world, self.rank = workspace.world_size, workspace.rank
+        self.push = choose_variant("all_reduce_one_shot", numel * dtype.itemsize, variant) == "push"
+        self.programs = max(1, min(rows, self.workspace.processors, MAX_BARRIER_PROGRAMS))
+        self.device_index = device_index
+        self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half) for half in (0, 1)]
+        self._launch = None
+
+    def __repr__(self) -> str:
+        return (f"TailPlan({'push' if self.push else 'pull'}, {_TRITON_DTYPE[self.dtype]} "
+                f"({self.rows}, {self.hidden}) W={self.world}: {self.programs} programs)")
+
+    def launch(self):
+        """(CompiledLaunch, static arguments), built on the first call."""
+        if self._launch is None:
+            from ..kernels.launch import CompiledLaunch
+            major, minor = torch.cuda.get_device_capability(self.device_index)
+            compiled = compile_tail(self.hidden, self.dtype, self.world, self.push, self.aligned, major * 10 + minor)
+            _, constexprs, _ = kernel_arguments(self.hidden, self.dtype, self.world, self.push, True, self.aligned)
+            static = static_arguments("all_reduce_one_shot", self.workspace, self.geometry, self.rank, False)
+            self._launch = (CompiledLaunch(compiled, tuple(constexprs.values())), static)
+        return self._launch
+
+    def run(self, x, residual, weight, out, y, eps: float, timeout_s: float | None) -> None:
+        address = x.data_ptr()
+        if self.halves[0] <= address < self.halves[1] + self.workspace.data_bytes:
+            x = x.clone()  # an input inside the workspace would be overwritten by the copy-in
+        workspace = self.workspace
+        workspace.begin_call(_OP, timeout_s)
+        launch, static = self.launch()
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), workspace.state_address(),
+                                       int(workspace.timeout_s * 1e9), *static, residual.data_ptr(),
+                                       weight.data_ptr(), y.data_ptr(), self.rows, self.hidden, float(eps)))
+
+
+_plans: dict[tuple, TailPlan] = memo("collectives.layer_tail plans")
+
+
+def _check(x, residual, weight) -> None:
+    if x.dim() != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
+        raise ValueError(f"{_OP}: x and residual must be [rows, hidden] of one shape and weight [hidden]; got x "
+                         f"{tuple(x.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    if not x.dtype == residual.dtype == weight.dtype:
+        raise ValueError(f"{_OP}: x, residual and weight must share one dtype; got {x.dtype}, {residual.dtype}, "
+                         f"{weight.dtype}")
+
+
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group=None,
+                        backend: str = "auto", timeout_s: float | None = None,
+                        variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, y)``: ``h = residual + sum of x over the group``, ``y = rms_norm(h) * weight``.
+
+    x, residual: ``[rows, hidden]``; weight: ``[hidden]``. backend ``"p2p"``: the fused kernel
+    (CUDA, the group within one NVLink node); ``"torch"``: torch.distributed's all-reduce, then the
+    add and ``F.rms_norm``; ``"auto"``: p2p on CUDA, torch elsewhere. Every rank passes the same
+    shapes, dtype and backend.
+    """
+    if backend not in ("auto", "p2p", "torch"):
+        raise ValueError(f"{_OP}: backend must be auto, p2p or torch, got {backend!r}")
+    _check(x, residual, weight)
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return unfused_all_reduce_rms_norm(x, residual, weight, eps, group)
+    if not (x.is_cuda and residual.is_cuda and weight.is_cuda):
+        raise ValueError(f"{_OP}: backend p2p needs CUDA tensors, got {x.device}")
+    if x.dtype not in _TRITON_DTYPE:
+        raise ValueError(f"{_OP}: backend p2p takes bf16, fp16 or fp32, got {x.dtype}")
+    if x.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"{_OP}: rows of {x.shape[1]} elements exceed the p2p kernel's {MAX_HIDDEN}")
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    rows, hidden = x.shape
+    out, y = torch.empty_like(x), torch.empty_like(x)
+    aligned = hidden % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (x, residual, weight, out, y))
+    key = (group, rows, hidden, x.dtype, x.get_device(), variant, aligned)
+    plan = _plans.get(key)
+    if plan is None or plan.workspace.retired:
+        plan = _plans[key] = TailPlan(rows, hidden, x.dtype, group, x.get_device(), variant, aligned)
+    if rows:
+        plan.run(x, residual, weight, out, y, eps, timeout_s)
+    return out, y
