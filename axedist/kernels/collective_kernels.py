@@ -77,6 +77,24 @@ def block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, slot, epoch, rank, abort_ptr, 
 
 
 @triton.jit
+def place_whole(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, index, mask, rank, chunk_stride,
+                WORLD: tl.constexpr, FIRST: tl.constexpr, PUSH: tl.constexpr, ALIGNED: tl.constexpr):
+    """The place phase of a call every rank combines whole (one-shot all-reduce, the layer tail):
+    x[index] goes into slot `rank` of the workspaces of ranks rank + FIRST, ..., rank + WORLD - 1
+    (PUSH; FIRST = 1 leaves out this rank's own), or into this rank's own workspace (pull)."""
+    ELEMENT: tl.constexpr = x_ptr.dtype.element_ty
+    values = tl.load(x_ptr + index, mask=mask)
+    if PUSH:
+        for step in tl.static_range(FIRST, WORLD):
+            peer = (rank + step) % WORLD
+            target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
+                                   rank * chunk_stride + index, ELEMENT, ALIGNED)
+            tl.store(target, values, mask=mask)
+    else:
+        tl.store(peer_pointers(own, index, ELEMENT, ALIGNED), values, mask=mask)
+
+
+@triton.jit
 def _tile(start, ROWS: tl.constexpr, COLS: tl.constexpr):
     # a [ROWS, COLS] tile of consecutive element indices beginning at `start`
     return start + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
@@ -316,15 +334,8 @@ def all_reduce_one_shot_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
         for start in range(pid * BLOCK, numel, programs * BLOCK):
             index = _tile(start, ROWS, COLS)
             mask = index < numel
-            values = tl.load(x_ptr + index, mask=mask)
-            if PUSH:
-                for step in tl.static_range(1, WORLD):
-                    peer = (rank + step) % WORLD
-                    target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
-                                           rank * chunk_stride + index, ELEMENT, True)
-                    tl.store(target, values, mask=mask)
-            else:
-                tl.store(peer_pointers(own, index, ELEMENT, True), values, mask=mask)
+            place_whole(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, index, mask, rank, chunk_stride,
+                        WORLD, 1, PUSH, True)
     if (PHASES & 3) == 3:
         block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
                       error_address, timeout_ns, WORLD)

@@ -23,7 +23,7 @@ the synchronization needed. One row is one tile of BLOCK_H >= hidden columns.
 import triton
 import triton.language as tl
 
-from .collective_kernels import block_barrier
+from .collective_kernels import block_barrier, place_whole
 from .primitives import call_epoch, finish_call, peer_pointers, pick, shift8
 
 
@@ -50,15 +50,9 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
     in_row = columns < hidden
     if (PHASES & 1) and (COPY_IN or PUSH):
         for row in range(pid, n_rows, programs):
-            index = row * hidden + columns
-            values = tl.load(x_ptr + index, mask=in_row)
-            if PUSH:
-                for q in tl.static_range(WORLD):  # every rank's slot `rank`, this rank's included
-                    target = peer_pointers(pick(q, D0, D1, D2, D3, D4, D5, D6, D7),
-                                           rank * chunk_stride + index, ELEMENT, ALIGNED)
-                    tl.store(target, values, mask=in_row)
-            else:
-                tl.store(peer_pointers(own, index, ELEMENT, ALIGNED), values, mask=in_row)
+            # push: every rank's slot `rank`, this rank's own included (the combine reads them all)
+            place_whole(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, row * hidden + columns, in_row, rank,
+                        chunk_stride, WORLD, 0, PUSH, ALIGNED)
     if (PHASES & 3) == 3:
         block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
                       error_address, timeout_ns, WORLD)

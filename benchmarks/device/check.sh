@@ -10,10 +10,7 @@ BUDGET=${2:-560}
 source "$(dirname "$0")/step.sh"
 
 if [[ -f .triton_cache/cache.tgz ]]; then mkdir -p ~/.triton && tar -xzf .triton_cache/cache.tgz -C ~/.triton; fi
-{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
-  env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
-grep -E "torch|GPU0|NV" "$LOGS/env.log" | head -8
+env_log 8
 
 PYTEST="python3 -m pytest -q -rf -p no:cacheprovider"
 if [[ $MODE == collectives ]]; then  # issue 6 speed work: tests + benchmarks, W=4 then W=2

@@ -12,8 +12,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 OMP_NUM_THREADS=4
 MODE=${1:-tests}
 BUDGET=${BUDGET:-560}
 source "$(dirname "$0")/step.sh"
-{ date -u; nvidia-smi --query-gpu=index,name --format=csv,noheader;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
+env_log 8
 
 PYTEST="python3 -m pytest -q -rfx -x -p no:cacheprovider"
 if [[ $MODE == tests ]]; then

@@ -9,9 +9,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32
 BUDGET=${1:-500}
 source "$(dirname "$0")/step.sh"
 TRAIN_DIR=${2:-runs/tp1_cpu}
-{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$LOGS/env.log" 2>&1
-head -4 "$LOGS/env.log"
+env_log 4
 PYTEST="python3 -m pytest -q -rf -p no:cacheprovider -x"
 MODE=${3:-all}
 step tp_kernels 200 $PYTEST tests_onegpu/test_virtual_tp.py

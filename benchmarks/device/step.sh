@@ -30,3 +30,11 @@ step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, r
   echo "$name rc=$rc ${limit}s-limit took $(( $(date +%s) - t0 ))s: $*" | tee -a "$SUMMARY"
   grep -E "[0-9]+ (passed|failed)|error" "$LOGS/$name.log" | tail -3 | sed 's/^/    /' | tee -a "$SUMMARY"
 }
+
+# The machine, versions and multicast settings of the call, into $LOGS/env.log (the first N lines shown).
+env_log() {  # env_log [N]
+  { date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
+    env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
+  head -"${1:-6}" "$LOGS/env.log"
+}

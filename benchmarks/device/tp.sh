@@ -15,10 +15,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIV
 export STEP_TEE=1
 BUDGET=${1:-560}
 source "$(dirname "$0")/step.sh"
-{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
-  env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
-head -6 "$LOGS/env.log"
+env_log 6
 W=$(python3 -c "import torch; print(torch.cuda.device_count())")
 echo "W=$W, budget ${BUDGET}s, commit $AXEDIST_COMMIT"
 step precompile 45 python3 benchmarks/precompile_collectives.py --worlds $W --jobs 32

@@ -10,10 +10,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-490}
 source "$(dirname "$0")/step.sh"
-{ date -u; nvidia-smi --query-gpu=index,name,memory.used,clocks.sm --format=csv; nvidia-smi topo -m;
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())";
-  env | grep -E "NCCL_NVLS|MULTICAST|NVLS|AXEDIST" ; } > "$LOGS/env.log" 2>&1
-head -12 "$LOGS/env.log"
+env_log 12
 PYTEST="python3 -m pytest -v -rfE -p no:cacheprovider"
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 step precompile 45 python3 benchmarks/precompile_collectives.py --worlds 2 --jobs 32
