@@ -34,7 +34,7 @@ from axedist.collectives.timing import device_time, host_time_us, time_collectiv
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, require_multicast_off, run_meta, symm_fastest  # noqa: E402
+from history import append_history, auto_cell, auto_vs_best, require_multicast_off, run_meta, symm_fastest  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -104,6 +104,7 @@ def run_multi(args):
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
                    "seq": seq, "symm": symm,
                    "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),
+                   "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
         queued = row["queued"] = time_interleaved(columns, args.reps, queued=True)
@@ -127,6 +128,7 @@ def run_multi(args):
             times["speedup_vs_seq"] = times["seq"] / times["fused"]
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
+            times["auto_vs_best"] = auto_vs_best(times)
         results.append(row)
         if rank == 0:
             print(f"[{index}] {label} M={m} N={n} K={k}: queued cublas {queued['cublas']:.3f} "
@@ -184,7 +186,8 @@ def run_onegpu(args):
 
 def _table(results, times_of, multi):
     if multi:
-        head = "| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | p2p AG | kernel W=1 | limit | vs seq | vs symm |"
+        head = ("| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | auto | best / auto | p2p AG | kernel W=1 | "
+                "limit | vs seq | vs symm |")
     else:
         head = "| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | kernel W=1 / cuBLAS |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -194,7 +197,7 @@ def _table(results, times_of, multi):
             symm = f"{t['symm']:.3f}" if t["symm"] else "n/a"
             vs_symm = f"{t['speedup_vs_symm']:.2f}x" if t["speedup_vs_symm"] else "n/a"
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
-                         f"{t['nccl_ag']:.3f} | {t['seq']:.3f} | {symm} | {t['fused']:.3f} | "
+                         f"{t['nccl_ag']:.3f} | {t['seq']:.3f} | {symm} | {t['fused']:.3f} | {auto_cell(t)} | "
                          f"{t['p2p_ag']:.3f} | {t['kernel_w1']:.3f} | {t['limit']:.3f} | "
                          f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |")
         else:

@@ -28,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 
-from axedist.collectives import p2p, reduce_scatter_into  # noqa: E402
+from axedist.collectives import p2p, plan_gemm_reduce_scatter, reduce_scatter_into  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
 from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, run_meta, symm_fastest  # noqa: E402
+from history import append_history, auto_cell, auto_vs_best, run_meta, symm_fastest  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -161,6 +161,7 @@ def main():
                    "p2p_rs": lambda: p2p.reduce_scatter(partial, out=rs_out),
                    "seq": seq, "symm": symm,
                    "fused": lambda: gemm_reduce_scatter(a, b, None, backend="p2p", out=rs_out),
+                   "auto": lambda: gemm_reduce_scatter(a, b, None),  # what a user's call runs (the shipped tables)
                    "gemm_only": lambda: gemm_only(a, b, world, best, out=only_out)}
         # where the fused time goes: the same kernel with flag releases but no reduce tasks,
         # with stores, flags and reduce but no GEMM math, and other reduce lags
@@ -181,6 +182,7 @@ def main():
             row[name] = time_collective(fn, args.reps)
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
+        row["auto_backend"] = plan_gemm_reduce_scatter(a, b, None).backend
         host = row["host_us"] = {}
         for name in ("seq", "symm", "fused", "gemm_only"):
             if name in columns:
@@ -206,6 +208,7 @@ def main():
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["gemm_only_vs_cublas"] = times["cublas"] / times["gemm_only"]
             times["fused_over_limit"] = times["fused"] / times["limit"]
+            times["auto_vs_best"] = auto_vs_best(times)
         results.append(row)
         if rank == 0 and args.variants:
             print(f"    variants (queued): signal_only {queued['signal_only']:.3f} no_math {queued['no_math']:.3f} "
@@ -287,14 +290,14 @@ def _summary(six):
 
 
 def _table(results, times_of):
-    lines = ["| shape | M | N | K_local | cuBLAS | NCCL RS | seq | symm | fused | GEMM-only | p2p RS | limit | vs seq | vs symm | GEMM-only/cuBLAS | config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | M | N | K_local | cuBLAS | NCCL RS | seq | symm | fused | auto | best / auto | GEMM-only | p2p RS | limit | vs seq | vs symm | GEMM-only/cuBLAS | config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = times_of(r)
         symm = f"{t['symm']:.3f}" if t["symm"] else "n/a"
         vs_symm = f"{t['speedup_vs_symm']:.2f}x" if t["speedup_vs_symm"] else "n/a"
         lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['nccl_rs']:.3f} | "
-                     f"{t['seq']:.3f} | {symm} | {t['fused']:.3f} | {t['gemm_only']:.3f} | {t['p2p_rs']:.3f} | "
+                     f"{t['seq']:.3f} | {symm} | {t['fused']:.3f} | {auto_cell(t)} | {t['gemm_only']:.3f} | {t['p2p_rs']:.3f} | "
                      f"{t['limit']:.3f} | {t['speedup_vs_seq']:.2f}x | {vs_symm} | {t['gemm_only_vs_cublas']:.2f} | {r['config']} |")
     return lines
 

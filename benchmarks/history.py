@@ -75,3 +75,20 @@ def symm_fastest(row: dict) -> bool:
     where "auto" runs torch's op."""
     timings = [row["queued"], row] if "queued" in row else [row]
     return all(t.get("symm") and t["symm"] < min(t["fused"], t["seq"]) for t in timings)
+
+
+def auto_vs_best(times: dict) -> float | None:
+    """How the "auto" backend's time compares with the fastest of what it chooses among (our fused
+    kernel, torch's symmetric-memory op, the unfused pair): best / auto, so 1.00 means auto ran the
+    fastest, below 1.00 that it was slower than the best alternative (issue 28's first goal: never).
+    None where the row has no auto column (results written before it existed)."""
+    if not times.get("auto"):
+        return None
+    return min(t for t in (times.get("fused"), times.get("symm"), times.get("seq")) if t) / times["auto"]
+
+
+def auto_cell(times: dict) -> str:
+    """The table cells ``auto ms | best / auto`` of a row (n/a where it has no auto column)."""
+    ratio = auto_vs_best(times)
+    return "n/a | n/a" if ratio is None else f"{times['auto']:.3f} | {ratio:.2f}"
+

@@ -1194,3 +1194,27 @@ def test_symm_wins_derived_from_both_timings():
     assert bench.symm_fastest(dict(fast, queued=dict(fast)))
     assert not bench.symm_fastest(dict(fast, queued=dict(fast, symm=1.15)))   # device time: fused faster
     assert not bench.symm_fastest(dict(fast, symm=None, queued=dict(fast)))   # not timed eagerly
+
+
+def test_benchmark_tables_show_auto_against_the_best_alternative():
+    """bench_gemm_rs / bench_ag_gemm time "auto" beside our fused kernel, torch's op and the unfused
+    pair; the table's "best / auto" cell is the fastest of those three over auto (below 1: auto
+    picked a slower one), and rows recorded before the column existed read n/a."""
+    import importlib.util
+
+    benches = {}
+    for name in ("bench_gemm_rs", "bench_ag_gemm"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+        benches[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(benches[name])
+    times = dict(cublas=0.5, nccl_rs=0.4, nccl_ag=0.4, seq=1.2, symm=0.9, fused=1.0, auto=1.0, gemm_only=0.6,
+                 p2p_rs=0.4, p2p_ag=0.4, kernel_w1=0.7, limit=0.5, speedup_vs_seq=1.2, speedup_vs_symm=0.9,
+                 gemm_only_vs_cublas=0.8)
+    times["auto_vs_best"] = benches["bench_gemm_rs"].auto_vs_best(times)
+    assert times["auto_vs_best"] == pytest.approx(0.9)          # auto ran ours; torch's op was faster
+    old = {k: v for k, v in times.items() if not k.startswith("auto")}
+    rs = benches["bench_gemm_rs"]._table([dict(times, label="new", M=1, N=2, K_local=3, config="c"),
+                                          dict(old, label="old", M=1, N=2, K_local=3, config="c")], lambda r: r)
+    assert "| 1.200 | 0.900 | 1.000 | 1.000 | 0.90 |" in rs[2] and "| 1.000 | n/a | n/a |" in rs[3], rs
+    ag = benches["bench_ag_gemm"]._table([dict(times, label="new", M=1, N=2, K=3)], lambda r: r, True)
+    assert ag[0].count("|") == ag[2].count("|") and "| 1.000 | 0.90 |" in ag[2], ag
