@@ -75,8 +75,8 @@ class PendingWork:
     collective), products computed on first use of their data; "reason": why the last such
     collective was not fused. Gathers deferred, fused into an all-gather + GEMM, and run on their
     own; "gather_reason": why the last was not fused. ``gather_policy``: see :func:`defer_gathers`.
-    ``choices``: the last fused choice per collective ("reduce-scatter", "all-reduce",
-    "all-gather"), as made (:meth:`choice`).
+    ``choices``: per collective ("reduce-scatter", "all-reduce", "all-gather"), the text of the
+    last fused choice made for it, kept when the choice is made (:meth:`take_choice`).
     """
 
     __slots__ = ("outstanding", "counts", "gather_policy", "choices")
@@ -122,14 +122,15 @@ class PendingWork:
         done = pending.nodes() if type(pending) is DeferredSum else (pending,)
         self.outstanding[:] = [ref for ref in self.outstanding if not any(ref() is node for node in done)]
 
-    def choose(self, collective: str, text: str) -> None:
-        """Record the fused choice just made for ``collective``: ``text`` is the kernel plan's
-        description, or ``"fused GEMM + reduce-scatter not used: <why>"``."""
-        self.choices[collective] = text
+    def record_choice(self, collective: str, plan, reason: str) -> None:
+        """Keep the fused choice just made for ``collective``: the fused kernels' plan (its text
+        says which kernel and why), or, without one, why the fused kernel was not used."""
+        self.choices[collective] = str(plan) if plan is not None else f"fused GEMM + {collective} not used: {reason}"
 
-    def choice(self, collective: str) -> str | None:
-        """The last fused choice recorded for ``collective`` (None: none made in this process)."""
-        return self.choices.get(collective)
+    def take_choice(self, collective: str) -> str | None:
+        """The fused choice recorded for ``collective`` since the last take (None: none made):
+        ``"fused GEMM + reduce-scatter not used: dtype torch.float32 (the fused kernel takes bf16/fp16)"``."""
+        return self.choices.pop(collective, None)
 
     def __repr__(self) -> str:
         live = sum(1 for ref in self.outstanding if ref() is not None and ref().value is None)
@@ -389,6 +390,7 @@ def fused_collective(spec: DTensorSpec, pending, dst: DTensorSpec) -> torch.Tens
     choice = fused_choice(spec, pending, dst)
     if choice is None:
         return None
+    PENDING.record_choice(choice.collective, choice.gemm, choice.reason)
     if not choice.fused:
         PENDING.counts["unfused"] += 1
         PENDING.counts["reason"] = choice.reason
@@ -534,8 +536,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     gathered_shape = (root.local.shape[0] * world, *root.local.shape[1:])
     rows = local.shape[0] * world
     if type(pending) is DeferredView and tuple(pending.shape) != (rows, local.shape[1]):
-        PENDING.counts["gather_reason"] = f"a view {pending.shape} of the gathered rows is not their matrix"
-        return None
+        return _unfused_gather(f"a view {pending.shape} of the gathered rows is not their matrix")
     try:
         placements = placements_of(b_spec)
     except LayoutError:
@@ -545,19 +546,17 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
             or not (isinstance(columns, Shard) and columns.dim % 2 == 1)
             or any(isinstance(p, Shard) and p.dim % 2 == 0 for p in placements)):
         # (uneven columns: each rank's N differs, so would its choice of kernel)
-        PENDING.counts["gather_reason"] = f"weights {b_spec} are not evenly column-sharded on {axis} with whole rows"
-        return None
+        return _unfused_gather(f"weights {b_spec} are not evenly column-sharded on {axis} with whole rows")
     group = mesh.group(axis)
     if tuple(out_shape) != (rows, b.shape[1]) or dist.get_rank(group) != mesh.coordinates()[axis]:
-        PENDING.counts["gather_reason"] = "local shapes or process-group order differ from the kernel's"
-        return None
+        return _unfused_gather("local shapes or process-group order differ from the kernel's")
     from ..collectives import all_gather_gemm, plan_all_gather_gemm
 
     try:
         plan = plan_all_gather_gemm(local, b, group, backend=FUSED_BACKEND)
     except ValueError as e:
-        PENDING.counts["gather_reason"] = str(e)
-        return None
+        return _unfused_gather(str(e))
+    PENDING.record_choice("all-gather", plan, plan.reason)
     if plan.backend == "torch":
         PENDING.counts["gather_reason"] = plan.reason
         return None
@@ -568,3 +567,9 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     PENDING.counts["gather_reason"] = ""
     PENDING.consumed(root)
     return out
+
+
+def _unfused_gather(reason: str) -> None:
+    """None, after keeping why a deferred gather does not run fused (its count and its choice)."""
+    PENDING.counts["gather_reason"] = reason
+    PENDING.record_choice("all-gather", None, reason)
