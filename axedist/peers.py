@@ -44,8 +44,8 @@ from .env import read as read_environment
 from .layout import LayoutError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "agreements_made",
-           "announce_failure", "MAX_DIMS", "TensorReport", "compare_tensors", "gather_texts", "tensor_report", "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error",
-           "rank_listing"]
+           "announce_failure", "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error",
+           "rank_listing", "MAX_DIMS", "TensorReport", "compare_tensors", "gather_texts", "tensor_report"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable

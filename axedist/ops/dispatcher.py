@@ -12,9 +12,9 @@ Also handled, for every family: in-place ops (the result is ``self``, whose layo
 change; a pending ``self`` the op cannot keep pending is reduced in its own buffer first),
 plain 0-dim tensors (scalars), pending reductions (the local summand dim of extent 1 is removed
 before the op and added back to outputs that stay pending), deferred GEMMs and deferred work
-that an op takes as it stands (two hooks into ``ops/fusion.py``, the home of eager fusion), and, through
-``ops/variants.py``, ``out=``, ``_foreach_*``, fused optimizer steps, plain constants and the
-gather fallback of ops with no rule.
+that an op takes as it stands (two hooks into ``ops/fusion.py``, the home of eager fusion),
+and, through ``ops/variants.py``, ``out=``, ``_foreach_*``, fused optimizer steps, plain
+constants and the gather fallback of ops with no rule.
 """
 
 from __future__ import annotations
