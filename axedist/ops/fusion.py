@@ -101,7 +101,7 @@ def view_of_pending(dispatcher, func, args):
     gather = pending_gather(a._pending)
     if gather is None and pending_product(a._pending) is None:
         return None
-    plan, targets = planned_as_is(dispatcher, func, args)
+    plan, _ = planned_as_is(dispatcher, func, args)
     if plan is None or any(t is not None for t in plan.targets):
         return None  # a view that moves data first is not the op on the pending value
     out = plan.outputs[0]
@@ -123,7 +123,7 @@ def sum_of_pending(dispatcher, func, args):
     if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
             or a._spec != b._spec or a.dtype != b.dtype:
         return None
-    plan, targets = planned_as_is(dispatcher, func, args)
+    plan, _ = planned_as_is(dispatcher, func, args)
     if plan is None or any(t is not None for t in plan.targets):
         return None  # an add that moves data first is not the op on the pending values
     out = plan.outputs[0]
