@@ -29,7 +29,8 @@ from .caches import memo
 from .env import read as read_environment
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError, as_mesh
-from .peers import RankDisagreementError, agree, announce_failure, is_peer_failure, peer_error, rank_listing
+from .peers import (MAX_DIMS, RankDisagreementError, TensorReport, agree, announce_failure, compare_tensors,
+                    gather_texts, rank_listing, tensor_report)
 from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
@@ -58,48 +59,16 @@ __all__ = [
 # Agreement across ranks (so a mistake on one rank is an error on all)
 # ---------------------------------------------------------------------------
 
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
-_MAX_DIMS = 8
-
 
 def _check_dims(t: torch.Tensor) -> None:
-    if t.dim() > _MAX_DIMS:
-        raise LayoutError(f"axedist DTensors have at most {_MAX_DIMS} dims, got {t.dim()}")
+    if t.dim() > MAX_DIMS:
+        raise LayoutError(f"axedist DTensors have at most {MAX_DIMS} dims, got {t.dim()}")
 
 
-def _describe(t: torch.Tensor, ok: bool = True) -> list[int]:
-    """``[ok, dtype code, dims, *shape, 0...]``: a tensor with too many dims reads as not ok."""
-    if t.dim() > _MAX_DIMS:
-        return [0, -1, 0] + [0] * _MAX_DIMS
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-    return [int(ok), code, t.dim(), *t.shape, *([0] * (_MAX_DIMS - t.dim()))]
-
-
-def _digest(text: str) -> int:
-    """64 bits of ``text`` as an int64: one word per rank says which target it asked for."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def _gather_descriptions(mesh: DeviceMesh, row: list[int], what: str) -> dict[int, list[int]]:
-    """``{global rank: row}`` for every rank of the mesh (one small all_gather)."""
-    mine = torch.tensor(row, dtype=torch.int64, device=mesh.device)
-    rows = [torch.empty_like(mine) for _ in range(mesh.size)]
-    try:
-        dist.all_gather(rows, mine, group=mesh.group())
-    except RuntimeError as error:
-        if not is_peer_failure(error):
-            raise
-        raise peer_error(f"{what}'s check of every rank's tensor (all_gather over {mesh.axis_names})", mesh.ranks,
-                         error) from error
-    return {rank: r.tolist() for rank, r in zip(sorted(mesh.ranks), rows)}
-
-
-def _gather_texts(mesh: DeviceMesh, text: str) -> dict[int, str]:
-    """``{global rank: text}`` (every rank calls it: only after rows showed a rank differs)."""
-    texts = [None] * mesh.size
-    dist.all_gather_object(texts, text, group=mesh.group())
-    return dict(zip(sorted(mesh.ranks), texts))
+def _compare_on_mesh(mesh: DeviceMesh, report: TensorReport, what: str) -> dict[int, TensorReport]:
+    """Every rank's report of its tensor (``peers.compare_tensors`` over the whole mesh)."""
+    return compare_tensors(report, group=mesh.group(), ranks=mesh.ranks, device=mesh.device,
+                           what=f"{what}'s check of every rank's tensor (all_gather over {mesh.axis_names})")
 
 
 # (id(mesh), placements, local shape, dtype) every rank of the mesh agreed on -> the mesh (kept
@@ -135,24 +104,19 @@ def _check_every_local(mesh: DeviceMesh, local: torch.Tensor, target, spec, ok: 
         agree(mesh.ranks, f"from_local({spec or target}, run_check=True)", text, failed=failure)
         return
     # each rank's local shape and dtype, and the global shape it inferred
-    inferred = list(spec.shape) if spec else []
-    rows = _gather_descriptions(mesh, _describe(local, ok) + inferred + [0] * (_MAX_DIMS - len(inferred)),
-                                "from_local(run_check=True)")
-    first = rows[mesh.ranks[0]]
-    bad = {r: row for r, row in rows.items()
-           if not row[0] or row[1] != first[1] or row[1] < 0 or row[-_MAX_DIMS:] != first[-_MAX_DIMS:]}
+    reports = _compare_on_mesh(mesh, tensor_report(local, ok, spec.shape if spec else ()),
+                               "from_local(run_check=True)")
+    first = reports[mesh.ranks[0]]
+    bad = {r: report for r, report in reports.items()
+           if not report.ok or report.dtype != first.dtype or report.dtype is None
+           or report.inferred != first.inferred}
     if bad:
-        lines = [f"rank {r}: local {_shape_text(row)} (global {tuple(v for v in row[-_MAX_DIMS:] if v)})"
+        lines = [f"rank {r}: local {report.local_text()} (global {report.inferred})"
                  + (f", the layout gives it {element_table(spec).local_shapes[mesh.position(r)]}" if spec else "")
-                 for r, row in sorted(bad.items())]
+                 for r, report in sorted(bad.items())]
         here = f" (here: {failure})" if failure else ""
         raise RankDisagreementError(f"from_local({spec or target}): local tensors do not fit "
                                     f"the layout{here}:\n  " + "\n  ".join(lines))
-
-
-def _shape_text(row) -> str:
-    dtype = _DTYPES[row[1]] if row[1] >= 0 else "an unsupported dtype"
-    return f"{tuple(row[3:3 + row[2]])} {dtype}"
 
 
 def _is_torch_mesh(value) -> bool:
@@ -725,12 +689,12 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
     target = (f"{dst.canonical_text()} from rank {src_rank}" if failure is None
               else f"raised {type(failure).__name__}: {failure}")
     # one small all_gather: each rank's shape, dtype and a digest of its target
-    rows = _gather_descriptions(mesh, _describe(tensor, failure is None) + [_digest(target)], "distribute")
-    first = rows[mesh.ranks[0]]
-    if all(row == first for row in rows.values()) and failure is not None:
+    reports = _compare_on_mesh(mesh, tensor_report(tensor, failure is None, text=target), "distribute")
+    first = reports[mesh.ranks[0]]
+    if all(report == first for report in reports.values()) and failure is not None:
         raise failure  # the same mistake on every rank
-    if any(not row[0] or row[1:] != first[1:] for row in rows.values()):
-        texts = _gather_texts(mesh, f"{_shape_text(_describe(tensor))} -> {target}")
+    if any(not report.ok or dataclasses.replace(report, ok=first.ok) != first for report in reports.values()):
+        texts = gather_texts(mesh.group(), mesh.ranks, f"{tensor_report(tensor).local_text()} -> {target}")
         here = f" (here: {failure})" if failure is not None else ""
         raise RankDisagreementError(f"distribute needs the same shape and dtype, and the same target, on every rank "
                                     f"of the mesh{here}; got:\n" + rank_listing(texts))

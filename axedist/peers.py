@@ -22,6 +22,10 @@ names the collective and the ranks that did not arrive (with what a rank that ra
 
 The store is torch.distributed's default one (torchrun's, or the one ``init_process_group``
 made); it carries short texts, only on first uses and failures.
+
+Tensors that must match. ``compare_tensors`` gathers every rank's :class:`TensorReport` (dtype,
+local shape, the global shape it inferred, a digest of its target) in one small all_gather, so
+that ``distribute`` and ``from_local(run_check=True)`` see at once which rank differs.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from .env import read as read_environment
@@ -39,7 +45,7 @@ from .layout import LayoutError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "agreements_made",
            "announce_failure", "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error",
-           "rank_listing"]
+           "rank_listing", "MAX_DIMS", "TensorReport", "compare_tensors", "gather_texts", "tensor_report"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable
@@ -172,6 +178,81 @@ def announce_failure(what: str, error: BaseException) -> None:
         store.set(f"axedist/failed/{dist.get_rank()}", f"raised {type(error).__name__} in {what}: {error}"[:2000])
     except RuntimeError:
         pass  # the store is gone too: nothing to tell
+
+
+# -- tensors every rank describes ----------------------------------------------------------------
+
+MAX_DIMS = 8  # dims a report carries (the most a DTensor has)
+# a report's dtype code is the index here (-1: a dtype not listed)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """What one rank says of its tensor: ``TensorReport(True, torch.float32, (2, 3), (4, 3), 0)``
+    is a rank whose ``(2, 3)`` float32 local tensor it could use, whose global shape it inferred
+    as ``(4, 3)``, with no target text. ``dtype`` None: a dtype the exchange has no code for (or
+    more than ``MAX_DIMS`` dims, which also reads as not ``ok``)."""
+
+    ok: bool
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    inferred: tuple[int, ...] = ()  # the global shape this rank inferred (padded: zeros dropped)
+    digest: int = 0  # 64 bits of the rank's target text
+
+    def local_text(self) -> str:
+        """``(2, 3) torch.float32``."""
+        return f"{self.shape} {self.dtype if self.dtype is not None else 'an unsupported dtype'}"
+
+    def words(self) -> list[int]:
+        """``[ok, dtype code, dims, *shape, 0..., *inferred, 0..., digest]``: what is sent."""
+        code = _DTYPES.index(self.dtype) if self.dtype is not None else -1
+        return [int(self.ok), code, len(self.shape), *_padded(self.shape), *_padded(self.inferred), self.digest]
+
+    @staticmethod
+    def from_words(words: list[int]) -> "TensorReport":
+        dims = words[2]
+        inferred = tuple(v for v in words[3 + MAX_DIMS:3 + 2 * MAX_DIMS] if v)
+        return TensorReport(bool(words[0]), _DTYPES[words[1]] if words[1] >= 0 else None,
+                            tuple(words[3:3 + dims]), inferred, words[-1])
+
+
+def _padded(shape) -> list[int]:
+    return [*shape, *([0] * (MAX_DIMS - len(shape)))]
+
+
+def tensor_report(tensor: torch.Tensor, ok: bool = True, inferred: Sequence[int] = (),
+                  text: str | None = None) -> TensorReport:
+    """This rank's report of ``tensor`` (``text``: its target, sent as a 64-bit digest)."""
+    digest = 0 if text is None else int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little",
+                                                   signed=True)
+    if tensor.dim() > MAX_DIMS:
+        return TensorReport(False, None, (), tuple(inferred), digest)
+    dtype = tensor.dtype if tensor.dtype in _DTYPES else None
+    return TensorReport(bool(ok), dtype, tuple(tensor.shape), tuple(inferred), digest)
+
+
+def compare_tensors(report: TensorReport, *, group, ranks: Sequence[int], device, what: str) -> dict[int, TensorReport]:
+    """``{global rank: its report}`` for every rank of ``group`` (global ``ranks``), by one small
+    all_gather on ``device``; every rank calls it. A peer that does not take part makes it raise
+    ``PeerError`` naming ``what`` (the collective: "distribute's check of every rank's tensor ...")."""
+    mine = torch.tensor(report.words(), dtype=torch.int64, device=device)
+    rows = [torch.empty_like(mine) for _ in ranks]
+    try:
+        dist.all_gather(rows, mine, group=group)
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise peer_error(what, ranks, error) from error
+    return {rank: TensorReport.from_words(r.tolist()) for rank, r in zip(sorted(ranks), rows)}
+
+
+def gather_texts(group, ranks: Sequence[int], text: str) -> dict[int, str]:
+    """``{global rank: text}`` (every rank calls it: only after reports showed a rank differs)."""
+    texts = [None] * len(ranks)
+    dist.all_gather_object(texts, text, group=group)
+    return dict(zip(sorted(ranks), texts))
 
 
 # -- peers that did not arrive -------------------------------------------------------------------

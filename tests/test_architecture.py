@@ -238,10 +238,9 @@ def test_module_attributes_exist(path):
 STATE = {
     "axedist.caches": {"_CLEARERS": "the registry itself"},
     "axedist.runtime.carriers": {"_WARM": "groups whose NCCL communicator was warmed by a barrier"},
-    "axedist.runtime.deferred": {"OUTSTANDING": "deferred work not yet consumed",
-                                 "_PLACEHOLDERS": "placeholders of deferred results, by storage",
-                                 "_STATS": "counts of what the deferred GEMMs did (fused_gemm_stats)",
-                                 "_GATHER_POLICY": "the deferred-gather policy (defer_gathers)"},
+    "axedist.runtime.deferred": {"_PLACEHOLDERS": "placeholders of deferred results, by storage",
+                                 "PENDING": "deferred work not yet consumed, what it did, the gather policy"},
+    "axedist.ops.fusion": {"PENDING_USERS": "the registry of ops that take deferred work as it stands"},
     "axedist.runtime.executor": {"_RECORDS": "the stack of open record() blocks"},
     "axedist.ops.fastpath": {"_EMPTY": "an empty kwargs dict, never written"},
     "axedist.ops.state": {"RECORDING": "the stack of fast-path recorders"},

@@ -133,6 +133,7 @@ class _Log:
         self.lines: dict[str, str] = {}
         self.watching: contextlib.ExitStack | None = None  # open during the first forward
         self.counted = None  # what it counted (a CollectiveCount)
+        self.noting = None  # (what, note, x): a line that ``note(x)`` completes after the forward
 
     def seen(self, what: str) -> bool:
         return what in self.lines
@@ -224,7 +225,8 @@ def _ran_text(module: nn.Module, counted) -> str:
 
 def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None, note=None):
     """``x`` laid out as ``dst``; a plain tensor is first read as ``given`` (its local piece);
-    ``note(x)``: a line the layer's log adds to the move's plan."""
+    ``note(x)``: a line the layer's log adds to the move's plan after the forward (the fused
+    choice the forward made, read from its record)."""
     if not isinstance(x, torch.Tensor):
         return x
     log = _forward_log(module)
@@ -238,7 +240,10 @@ def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None,
         return x
     target = _resolve(dst, x.shape, mesh)
     if log is not None and not log.seen(what):
-        log.add(what, _transition(x, target, what) + (note(x) if note is not None else ""))
+        log.add(what, _transition(x, target, what))
+        if note is not None:
+            note(x)  # (drops an older record of the choice)
+            log.noting = (what, note, x)
     return x.redistribute(target)
 
 
@@ -318,6 +323,11 @@ class _LinearLike(ParallelStyle):
             return (_move(args[0], desired, mesh, mod, "input", given=given, note=note),) + tuple(args[1:])
 
         def post(mod, args, out):
+            log = _log_of(mod)
+            if log is not None and log.noting is not None:
+                what, noted, x = log.noting
+                log.noting = None
+                log.lines[what] += noted(x)
             if move_output:
                 out = _move(out, output, mesh, mod, "output")
             return _local(out, self.use_local_output)
@@ -350,7 +360,7 @@ class ColwiseParallel(_LinearLike):
             self._params(module, mesh, {"bias": bias}, shared, src_rank)
         else:
             self._params(module, mesh, {"weight": self.weight_layout or Shard(1)}, shared, src_rank)
-        note = ((lambda x: _fused_note(x, module, "all-gather") if _rows_sharded(x) else "")
+        note = ((lambda x: _fused_note(x, "all-gather") if _rows_sharded(x) else "")
                 if isinstance(module, nn.Linear) else None)
         self._hooks(module, mesh, self.input_layouts or Replicate(), self.desired_input_layouts or Replicate(),
                     self.output_layouts or Shard(-1), note=note)
@@ -403,18 +413,25 @@ def _row_parallel_forward(mesh: DeviceMesh, output):
         if rows_sharded:
             # Shard(0) of [S, B, out] is Shard(0) of the GEMM's [S*B, out] rows when S divides:
             # the partial GEMM result is reduce-scattered on its rows (the fused kernel on CUDA).
-            if log is not None and not log.seen("output"):
-                log.add("output", _transition(partial, (Shard(0),), "output (GEMM rows)") + _fused_note(flat, self))
+            noting = log is not None and not log.seen("output")
+            if noting:
+                line = _transition(partial, (Shard(0),), "output (GEMM rows)")
+                _fused_choice(flat, "reduce-scatter")  # (drops an older record)
             y = partial.redistribute((Shard(0),))
+            if noting:
+                log.add("output", line + _fused_note(flat, "reduce-scatter"))
             y = y.view(out_shape) if len(out_shape) != 2 else y
         elif partial.reduce_op is not None and not isinstance(target, Layout) and \
                 all(isinstance(p, Replicate) for p in target):
             # an all-reduce of the GEMM's [rows, out] partial sums (the fused GEMM + all-reduce
             # on CUDA at decode sizes), then the view to the output's shape
-            if log is not None and not log.seen("output"):
-                log.add("output", _transition(partial, target, "output")
-                        + _fused_note(flat, self, "all-reduce"))
+            noting = log is not None and not log.seen("output")
+            if noting:
+                line = _transition(partial, target, "output")
+                _fused_choice(flat, "all-reduce")
             y = partial.redistribute(target)
+            if noting:
+                log.add("output", line + _fused_note(flat, "all-reduce"))
             y = y.view(out_shape) if len(out_shape) != 2 else y
         else:
             y = partial.view(out_shape) if len(out_shape) != 2 else partial
@@ -439,20 +456,23 @@ def _rows_sharded(x) -> bool:
         return False
 
 
-def _fused_note(flat, module, collective: str = "reduce-scatter") -> str:
-    """On CUDA, which fused GEMM + collective implementation the planner picks for this
-    layer's shapes: the row-parallel GEMM + reduce-scatter / all-reduce, or for a
-    column-parallel layer ("all-gather") the all-gather of its rows + GEMM."""
-    if not isinstance(flat, DTensor) or flat.mesh.device_type != "cuda":
+def _fused_choice(x, collective: str) -> str | None:
+    """The fused choice for ``collective`` recorded since the last ask (``PendingWork.take_choice``)."""
+    return DTensor.dispatcher.pending.take_choice(collective) if isinstance(x, DTensor) else None
+
+
+def _fused_note(x, collective: str) -> str:
+    """On CUDA, the fused GEMM + collective choice just made for this layer (read from its record,
+    kept when the choice was made: runtime/deferred.py): the row-parallel GEMM + reduce-scatter /
+    all-reduce, or for a column-parallel layer ("all-gather") the all-gather of its rows + GEMM.
+    Without a record the work was not deferred (``defer_gemm`` / ``defer_gathers``: "auto"
+    defers CUDA bf16/fp16 only), so no fused kernel was asked."""
+    if not isinstance(x, DTensor) or x.mesh.device_type != "cuda":
         return ""
-    from ..collectives import plan_all_gather_gemm, plan_gemm_all_reduce, plan_gemm_reduce_scatter
-    planner = {"reduce-scatter": plan_gemm_reduce_scatter, "all-reduce": plan_gemm_all_reduce,
-               "all-gather": plan_all_gather_gemm}[collective]
-    try:
-        a, b = flat.to_local(), module.weight.to_local().t()
-        return f"\n      {planner(a.reshape(-1, a.shape[-1]), b, flat.mesh.group())}"
-    except Exception as e:  # e.g. fp32 operands: the fused kernels take bf16/fp16
-        return f"\n      fused GEMM + {collective} not used: {e}"
+    text = _fused_choice(x, collective)
+    if text is None:
+        text = f"fused GEMM + {collective} not used: not deferred (dtype {x.dtype}, or a policy that does not defer)"
+    return f"\n      {text}"
 
 
 class VocabParallelEmbedding(RowwiseParallel):

@@ -17,13 +17,14 @@ from torch.distributed.tensor import Partial, Replicate
 from ..caches import cached
 from ..layout import Layout
 from ..spec import DTensorSpec
+from ..runtime import redistribute_local
 from ..tracing import outside_tracing
 from .registry import ArgSpec, OpCall, Sharding, rule_for
 from .specs import expected_local_shape, placements_or_none, spec_of
 
 __all__ = ["DispatchError", "PlainTensorError", "OpInfo", "op_info", "functional_of", "decomposable",
            "writes_first", "FOREACH_INFO", "FOREACH_WRITE", "written", "SCALAR_TYPES", "scan", "replace_dtensors",
-           "OutSpec", "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
+           "local_of", "OutSpec", "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
 
 aten = torch.ops.aten
 
@@ -168,6 +169,15 @@ def _replace(cls, value, convert):
 def replace_dtensors(cls, args, kwargs, convert):
     """``args``, ``kwargs`` with every ``cls`` DTensor (also inside lists) replaced by ``convert(dtensor)``."""
     return (tuple(_replace(cls, a, convert) for a in args), {k: _replace(cls, v, convert) for k, v in kwargs.items()})
+
+
+def local_of(dt, target):
+    """``dt``'s local tensor moved to ``target`` (None: kept), without a pending sum's summand dim."""
+    local = dt._local
+    if target is None:
+        return local[0] if dt._spec.reduce_op else local
+    local = redistribute_local(local, dt._spec, target)
+    return local[0] if target.reduce_op else local
 
 
 # ---------------------------------------------------------------------------

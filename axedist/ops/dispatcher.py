@@ -11,9 +11,10 @@ tensors, and the result is wrapped as an ``(8, 6)`` DTensor in ``[Shard(0)]``.
 Also handled, for every family: in-place ops (the result is ``self``, whose layout must not
 change; a pending ``self`` the op cannot keep pending is reduced in its own buffer first),
 plain 0-dim tensors (scalars), pending reductions (the local summand dim of extent 1 is removed
-before the op and added back to outputs that stay pending), deferred GEMMs, and, through
-``ops/variants.py``, ``out=``, ``_foreach_*``, fused optimizer steps, plain constants and the
-gather fallback of ops with no rule.
+before the op and added back to outputs that stay pending), deferred GEMMs and deferred work
+that an op takes as it stands (two hooks into ``ops/fusion.py``, the home of eager fusion),
+and, through ``ops/variants.py``, ``out=``, ``_foreach_*``, fused optimizer steps, plain
+constants and the gather fallback of ops with no rule.
 """
 
 from __future__ import annotations
@@ -27,12 +28,11 @@ from torch._prims_common import make_contiguous_strides_for
 from ..caches import cached, register
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
-from ..runtime.deferred import (OUTSTANDING, defer, defer_sum, flush, fused_gather_product, pending_gather,
-                                pending_product, placeholder)
-from ..tracing import may_defer
-from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable,
-                        op_info, plan_call, replace_dtensors, scan, written)
+from ..runtime.deferred import PENDING
+from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, local_of,
+                        op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
+from .fusion import DEFER_POLICIES, defer_product, take_pending
 from .registry import ArgSpec
 from .reshape_inplace import RESHAPING_INPLACE, dispatch_reshaping_inplace
 from .specs import placements_or_none
@@ -48,12 +48,8 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _grad_enabled = torch.is_grad_enabled
 _DISABLED = torch._C._disabled_torch_function_impl
 _STRIDED = torch.strided
-_HALF = (torch.bfloat16, torch.float16)
-_VIEWS = (aten.view.default, aten._unsafe_view.default)
-_PENDING_USERS = frozenset((aten.mm.default, aten.addmm.default, aten.add.Tensor) + _VIEWS)  # see _kept_pending
 _NO_RULE = object()
 _CACHE_LIMIT = 16384
-_DEFER_POLICIES = ("auto", "always", "never")
 
 
 class Tag:
@@ -77,8 +73,9 @@ def _contiguous(shape) -> tuple:
 class OpDispatcher:
     """Runs aten ops on DTensors of ``cls``; owns the plan caches, the tags and the counts.
 
-    ``cache_info()``, ``fallback_ops()``, ``clear_caches()``, ``defer_gemm`` and ``fastpath``
-    (``enable``/``enabled``/``clear``/``stats``) are its public controls, reached as
+    ``cache_info()``, ``fallback_ops()``, ``clear_caches()``, ``defer_gemm``, ``pending`` (the
+    deferred work, ops/fusion.py) and ``fastpath`` (``enable``/``enabled``/``clear``/``stats``)
+    are its public controls, reached as
     ``DTensor.dispatcher``: ``DTensor.dispatcher.cache_info()`` -> ``{"hits": 12, "misses": 3, ...}``.
     """
 
@@ -92,6 +89,9 @@ class OpDispatcher:
         self._tags: dict = {}        # (spec, dtype, stride or None) -> Tag
         self._next_tag = itertools.count(1)  # tag numbers are never reused, even after _tags is cleared
         self._defer_gemm = "auto"
+        # the process's deferred work (one for every thread: autograd's backward thread defers
+        # products that the main thread's writes must compute first; runtime/deferred.PendingWork)
+        self.pending = PENDING
         self.fastpath = FastPath(self)
         self.torch_dispatch = _torch_dispatch_handler(self.dispatch)
         register(f"ops.dispatcher of {cls.__name__}", self.clear_caches)
@@ -107,8 +107,8 @@ class OpDispatcher:
 
     @defer_gemm.setter
     def defer_gemm(self, value: str) -> None:
-        if value not in _DEFER_POLICIES:
-            raise ValueError(f"defer_gemm must be one of {_DEFER_POLICIES}, got {value!r}")
+        if value not in DEFER_POLICIES:
+            raise ValueError(f"defer_gemm must be one of {DEFER_POLICIES}, got {value!r}")
         self._defer_gemm = value
 
     def clear_caches(self) -> None:
@@ -189,15 +189,10 @@ class OpDispatcher:
 
     def dispatch(self, func, args, kwargs):
         """Run the aten op ``func`` on DTensors (what ``__torch_dispatch__`` calls)."""
-        if OUTSTANDING:
-            if func in _PENDING_USERS:
-                kept = self._kept_pending(func, args, kwargs)
-                if kept is not None:
-                    return kept
-            info = op_info(func)
-            if info.inplace or info.out_names or info.written:
-                # deferred work that reads what this op writes runs first (it must see the old values)
-                flush(self._written_locals(args, kwargs, info))
+        if self.pending.outstanding:  # eager fusion (ops/fusion.py): an op may take deferred work as it stands
+            kept = take_pending(self, func, args, kwargs)
+            if kept is not None:
+                return kept
         fast_key = None
         if not kwargs:
             fast_key = self.cache_key(func, args)
@@ -213,7 +208,7 @@ class OpDispatcher:
                     if route.defer:
                         policy = self._defer_gemm
                         if policy == "always" or (policy == "auto" and args[positions[0]]._value.is_cuda):
-                            return self._run_fast(func, args, plan)  # the GEMM may wait (see _deferred)
+                            return self._run_fast(func, args, plan)  # the GEMM may wait (fusion.defer_product)
                     local_args = list(args)
                     for i in positions:
                         d = args[i]
@@ -321,10 +316,10 @@ class OpDispatcher:
         """Move the inputs to the plan's targets, run the op on the local tensors, wrap the outputs."""
         if plan.reduce_self is not None:
             self._reduce_in_place(func, args[0], plan.reduce_self)
-        locals_ = {id(d): _local_of(d, t) for d, t in zip(dts, plan.targets)}
+        locals_ = {id(d): local_of(d, t) for d, t in zip(dts, plan.targets)}
         local_args, local_kwargs = replace_dtensors(self.cls, args, kwargs, lambda d: locals_[id(d)])
         if plan.defer:
-            deferred = self._deferred(func, plan, local_args, local_kwargs)
+            deferred = defer_product(self, func, plan, local_args, local_kwargs)
             if deferred is not None:
                 return deferred
         if plan.sharding.local is not None:
@@ -365,9 +360,9 @@ class OpDispatcher:
             if target is None and d._pending is None:
                 local_args[i] = d._value[0] if slot.strip else d._value
             else:
-                local_args[i] = _local_of(d, target)
+                local_args[i] = local_of(d, target)
         if plan.defer:
-            deferred = self._deferred(func, plan, local_args, {})
+            deferred = defer_product(self, func, plan, local_args, {})
             if deferred is not None:
                 return deferred
         if fast.local is not None:
@@ -393,103 +388,6 @@ class OpDispatcher:
             wrapped._spec = spec
             return wrapped
         return self.cls(value, spec, stride=out.stride)
-
-    def _kept_pending(self, func, args, kwargs):
-        """Deferred work (runtime/deferred.py) taken by an op that keeps it pending or fuses it:
-        a view of a deferred row all-gather as its rows' matrix ([S, B, H] -> [S * B, H], how
-        linear reaches mm), or any view of a deferred product (the input gradient [S * B, H]
-        that linear's backward views as [S, B, H]), stays pending on the same work; the sum of
-        two pending products of one spec (the gradients autograd adds up) stays pending as a
-        DeferredSum; mm / addmm (alpha = beta = 1) of a deferred gather with column-sharded
-        weights run one fused all-gather + GEMM that also resolves the gather. None when the
-        call is not that (then the op runs as usual, on the computed values)."""
-        if kwargs:
-            return None
-        cls = self.cls
-        if func is aten.mm.default and len(args) == 2:
-            (a, b), bias = args, None
-        elif func is aten.addmm.default and len(args) == 3 and type(args[0]) is cls:
-            bias, a, b = args
-        elif func in _VIEWS and len(args) == 2:
-            (a, b), bias = args, None
-        elif func is aten.add.Tensor and len(args) == 2:
-            (a, b), bias = args, None
-        else:
-            return None
-        if type(a) is not cls or a._pending is None:
-            return None
-        gather = pending_gather(a._pending)
-        if func is aten.add.Tensor:
-            if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
-                    or a._spec != b._spec or a.dtype != b.dtype:
-                return None
-        elif gather is None and (func not in _VIEWS or pending_product(a._pending) is None):
-            return None
-        dts, mesh, key = scan(cls, func, args, kwargs)
-        plan = self.plan(func, args, kwargs, dts, mesh, key, op_info(func))
-        if plan is None or plan.defer or plan.structure != "single" or plan.reduce_self is not None:
-            return None
-        targets = {id(d): t for d, t in zip(dts, plan.targets)}
-        out = plan.outputs[0]
-        if targets[id(a)] is not None or (func not in (aten.mm.default, aten.addmm.default)
-                                          and any(t is not None for t in plan.targets)):
-            return None  # a view or an add that moves data first is not the op on the pending value
-        if func is aten.add.Tensor:
-            # the add itself, on the local values as they stand (nothing moves, no rule's own code)
-            if plan.sharding.local is not None or out.spec != a._spec \
-                    or tuple(out.local_shape) != tuple(a._pending.shape):
-                return None
-            pending = defer_sum(a._pending, b._pending)
-            return None if pending is None else cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
-                                                    pending=pending)
-        if func in _VIEWS:
-            # a gather's view serves the fused all-gather + GEMM only as the rows' matrix
-            if gather is not None and (out.unsqueeze or len(out.local_shape) != 2):
-                return None
-            return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
-                       pending=a._pending.view(out.local_shape))
-        if out.unsqueeze or type(b) is not cls or targets[id(b)] is not None:
-            return None
-        value = fused_gather_product(a._pending, b._local, b._spec, out.local_shape)
-        if value is None:
-            return None
-        if bias is not None:
-            value.add_(_local_of(bias, targets[id(bias)]))
-        return cls(value, out.spec, stride=out.stride)
-
-    def _written_locals(self, args, kwargs, info: OpInfo) -> list:
-        """The local tensors (computed, if pending) that an op with ``info`` writes."""
-        cls = self.cls
-        tensors = list(written(args, kwargs, info))
-        if info.inplace:
-            first = args[0]
-            tensors.extend(first if isinstance(first, (list, tuple)) else [first])
-        tensors.extend(kwargs[name] for name in info.out_names if name in kwargs)
-        flat = []
-        for t in tensors:
-            flat.extend(t if isinstance(t, (list, tuple)) else [t])
-        return [t._local if type(t) is cls else t for t in flat if isinstance(t, torch.Tensor)]
-
-    def _deferred(self, func, plan: CallPlan, local_args, local_kwargs):
-        """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),
-        or None when ``defer_gemm`` says to run it now."""
-        local, call = plan.sharding.local, plan.call
-        if func is aten.mm.default:
-            (a, b), bias, alpha, beta = local_args[:2], None, 1, 1
-        else:
-            bias, a, b = local_args[:3]
-            beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
-        policy = self._defer_gemm
-        if policy != "always" and (policy == "never" or not a.is_cuda or a.dtype not in _HALF) or not may_defer():
-            return None
-
-        def compute():
-            value = local(call, *local_args, **local_kwargs) if local is not None else func(*local_args, **local_kwargs)
-            return value.unsqueeze(0)
-
-        out = plan.outputs[0]
-        pending = defer(compute, a, b, bias, alpha, beta, out.local_shape, even=plan.even)
-        return self.cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=pending)
 
     def _reduce_in_place(self, func, dt, target) -> None:
         """Apply ``dt``'s pending reduction in its own local buffer and give it ``target``'s spec.
@@ -517,15 +415,6 @@ class OpDispatcher:
             buffer.copy_(value)
         dt._value = buffer
         dt._spec = target
-
-
-def _local_of(dt, target):
-    """``dt``'s local tensor moved to ``target`` (None: kept), without a pending sum's summand dim."""
-    local = dt._local
-    if target is None:
-        return local[0] if dt._spec.reduce_op else local
-    local = redistribute_local(local, dt._spec, target)
-    return local[0] if target.reduce_op else local
 
 
 def _failed_rule(func, plan: CallPlan, error: RuntimeError) -> RuntimeError:

@@ -23,6 +23,9 @@ keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements
 ``ColwiseParallel(weight_layout=...)`` that deals output features round-robin) keeps ``b``'s
 column map, and ``addmm``'s bias is added where it is laid out as those columns; a contraction
 dim dealt the same way in both operands (that weight's input gradient) gives a pending sum.
+
+Eager fusion: mm/addmm of a deferred row all-gather runs the fused all-gather + GEMM
+(``gathered_product``, a handler of ops/fusion.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import math
 import torch
 
 from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
+from ..runtime.deferred import fused_gather_product, pending_gather
+from .call_plan import local_of
+from .fusion import pending_user, planned_as_is
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 
 aten = torch.ops.aten
@@ -236,3 +242,32 @@ def addmm(call: OpCall) -> Sharding:
         return func(bias_local, a_local, b_local, **{**kwargs, "beta": 0})
 
     return Sharding(inputs=inputs, outputs=wo, local=local)
+
+
+@pending_user(aten.mm.default, aten.addmm.default)
+def gathered_product(dispatcher, func, args):
+    """mm / addmm (alpha = beta = 1) of a deferred row all-gather (its left operand, or a view
+    of it as the rows' matrix) with column-sharded weights: one fused all-gather + GEMM that
+    also resolves the gather (ops/fusion.py). None when the call is not that, or the kernel
+    does not run (then mm gathers and multiplies as usual)."""
+    cls = dispatcher.cls
+    if func is aten.mm.default and len(args) == 2:
+        (a, b), bias = args, None
+    elif func is aten.addmm.default and len(args) == 3 and type(args[0]) is cls:
+        bias, a, b = args
+    else:
+        return None
+    if type(a) is not cls or a._pending is None or pending_gather(a._pending) is None:
+        return None
+    plan, targets = planned_as_is(dispatcher, func, args)
+    if plan is None or targets[id(a)] is not None:
+        return None
+    out = plan.outputs[0]
+    if out.unsqueeze or type(b) is not cls or targets[id(b)] is not None:
+        return None
+    value = fused_gather_product(a._pending, b._local, b._spec, out.local_shape)
+    if value is None:
+        return None
+    if bias is not None:
+        value.add_(local_of(bias, targets[id(bias)]))
+    return cls(value, out.spec, stride=out.stride)

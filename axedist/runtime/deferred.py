@@ -24,7 +24,8 @@ fused kernel takes puts that kernel's custom op (``torch.ops.axedist.gemm_reduce
 GEMM or the gather's functional collective.
 
 Deferred work is computed before anything writes what it reads (:func:`flush`, given the
-tensors an op is about to change), or on first use of its data.
+tensors an op is about to change), or on first use of its data. What is outstanding, what the
+deferred work did and the gather policy are one object, :data:`PENDING` (:class:`PendingWork`).
 
 Nothing here builds a DTensor: callers wrap what these functions return.
 """
@@ -43,32 +44,107 @@ from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_sc
 from ..spec import DTensorSpec, placements_of
 from ..tracing import compiling, may_defer, outside_tracing
 
-__all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "OUTSTANDING", "defer", "defer_gather",
-           "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
+__all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "PendingWork", "PENDING", "defer",
+           "defer_gather", "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
            "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product"]
 
-# Products deferred, pairs of pending products summed unrun, fused (a fused GEMM + collective
-# ran), collectives of a deferred product that ran unfused (GEMM, then the planned collective),
-# products computed on first use of their data; "reason": why the last such collective was not
-# fused. Gathers deferred, fused into an all-gather + GEMM, and run on their own;
-# "gather_reason": why the last was not fused.
-_STATS = {"deferred": 0, "summed": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": "",
-          "gathers_deferred": 0, "gathers_fused": 0, "gathers_materialized": 0, "gather_reason": ""}
-# Deferred work nobody has consumed yet (weak): an op about to write a tensor computes what
-# reads it first (:func:`flush`), so an in-place change never reaches work still waiting for it.
-OUTSTANDING: list = []
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
 FUSED_BACKEND = read_environment("AXEDIST_FUSED_BACKEND")
+_GATHER_POLICIES = ("auto", "always", "never")
+
+
+class PendingWork:
+    """This process's deferred work not yet consumed, what deferred work did, and the gather policy.
+
+    One object for the whole process (``PENDING``), shared by every thread, unlike the fast
+    path's per-thread ``READY`` (ops/state.py), which is one call's output handed from the fast
+    path to the ``__torch_dispatch__`` of that same call on the same thread. Deferred work outlives
+    the call and the thread that made it: the backward thread (CUDA autograd) defers the input
+    gradient ``g @ W``, and the main thread's optimizer then writes ``W`` in place; the write
+    must find that product here to compute it first (:meth:`flush`), or its version check raises.
+    The threads take turns (the main thread waits inside ``backward()``), so plain list updates
+    suffice.
+
+    ``outstanding``: weak references to work not yet run (an op about to write a tensor computes
+    what reads it first, so an in-place change never reaches work still waiting for it).
+    ``counts``: products deferred, pairs of pending products summed unrun, fused (a fused GEMM +
+    collective ran), collectives of a deferred product that ran unfused (GEMM, then the planned
+    collective), products computed on first use of their data; "reason": why the last such
+    collective was not fused. Gathers deferred, fused into an all-gather + GEMM, and run on their
+    own; "gather_reason": why the last was not fused. ``gather_policy``: see :func:`defer_gathers`.
+    ``choices``: per collective ("reduce-scatter", "all-reduce", "all-gather"), the text of the
+    last fused choice made for it, kept when the choice is made (:meth:`take_choice`).
+    """
+
+    __slots__ = ("outstanding", "counts", "gather_policy", "choices")
+
+    def __init__(self):
+        self.outstanding: list = []
+        self.counts = {"deferred": 0, "summed": 0, "fused": 0, "unfused": 0, "materialized": 0, "reason": "",
+                       "gathers_deferred": 0, "gathers_fused": 0, "gathers_materialized": 0, "gather_reason": ""}
+        self.gather_policy = "auto"
+        self.choices: dict = {}
+
+    def track(self, pending) -> None:
+        """Count ``pending`` as outstanding; past _FLUSH_AT live entries, compute them all."""
+        outstanding = self.outstanding
+        if len(outstanding) > _FLUSH_AT:
+            outstanding[:] = [ref for ref in outstanding if ref() is not None and ref().value is None]
+            if len(outstanding) > _FLUSH_AT:
+                self.flush()
+        outstanding.append(weakref.ref(pending))
+
+    def flush(self, written=None) -> None:
+        """Compute outstanding deferred work: all of it, or (``written``: the tensors an op is
+        about to change in place) what reads one of them. In a torch.compile trace (fake tensors
+        have no storage to compare) a write computes everything outstanding."""
+        refs = list(self.outstanding)
+        self.outstanding.clear()
+        tracing = compiling()
+        storages = None if written is None or tracing else {_storage(t) for t in written} - {0}
+        for ref in refs:
+            pending = ref()
+            if pending is None or pending.value is not None:
+                continue
+            if pending.traced and not tracing:
+                continue  # left over from a finished torch.compile trace: its tensors were fake
+            if storages is not None and not pending.reads(storages):
+                self.outstanding.append(ref)
+            else:
+                pending.wait()
+
+    def consumed(self, pending) -> None:
+        """A fused kernel used the product (or sum, or gather): no flush for it any more (later
+        uses of the pending value itself still compute it, checking its operands did not change)."""
+        done = pending.nodes() if type(pending) is DeferredSum else (pending,)
+        self.outstanding[:] = [ref for ref in self.outstanding if not any(ref() is node for node in done)]
+
+    def record_choice(self, collective: str, plan, reason: str) -> None:
+        """Keep the fused choice just made for ``collective``: the fused kernels' plan (its text
+        says which kernel and why), or, without one, why the fused kernel was not used."""
+        self.choices[collective] = str(plan) if plan is not None else f"fused GEMM + {collective} not used: {reason}"
+
+    def take_choice(self, collective: str) -> str | None:
+        """The fused choice recorded for ``collective`` since the last take (None: none made):
+        ``"fused GEMM + reduce-scatter not used: dtype torch.float32 (the fused kernel takes bf16/fp16)"``."""
+        return self.choices.pop(collective, None)
+
+    def __repr__(self) -> str:
+        live = sum(1 for ref in self.outstanding if ref() is not None and ref().value is None)
+        return f"PendingWork({live} outstanding, gathers {self.gather_policy})"
+
+
+PENDING = PendingWork()
 
 
 def fused_gemm_stats() -> dict:
     """How deferred products ran in this process: ``{"deferred", "summed", "fused", "unfused",
     "materialized", "reason", ...}`` (reason: why the last row reduce-scatter was not fused;
     the ``gather`` keys count deferred row all-gathers)."""
-    return dict(_STATS)
+    return dict(PENDING.counts)
 
 
 class DeferredGemm:
@@ -105,7 +181,7 @@ class DeferredGemm:
                 raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
             self.value = value
             self.compute = self.a = self.b = self.bias = None
-            _STATS["materialized"] += 1
+            PENDING.counts["materialized"] += 1
         return self.value
 
     def terms(self) -> tuple:
@@ -191,18 +267,9 @@ def defer(compute, a, b, bias, alpha, beta, local_shape, even: bool = True) -> D
     """A product kept unrun (counted as outstanding until used); the caller wraps it. ``even``:
     its operands' local shapes are the same on every rank (else it never runs fused)."""
     pending = DeferredGemm(compute, a, b, bias, alpha, beta, local_shape, even)
-    _STATS["deferred"] += 1
-    _track(pending)
+    PENDING.counts["deferred"] += 1
+    PENDING.track(pending)
     return pending
-
-
-def _track(pending) -> None:
-    """Count ``pending`` as outstanding; past _FLUSH_AT live entries, compute them all."""
-    if len(OUTSTANDING) > _FLUSH_AT:
-        OUTSTANDING[:] = [ref for ref in OUTSTANDING if ref() is not None and ref().value is None]
-        if len(OUTSTANDING) > _FLUSH_AT:
-            flush()
-    OUTSTANDING.append(weakref.ref(pending))
 
 
 _PLACEHOLDERS: dict = {}
@@ -231,8 +298,8 @@ def defer_sum(left, right):
             or left.shape != right.shape:
         return None
     total = DeferredSum(*roots)
-    _STATS["summed"] += 1
-    _track(total)
+    PENDING.counts["summed"] += 1
+    PENDING.track(total)
     return total if tuple(left.shape) == total.shape else total.view(left.shape)
 
 
@@ -256,30 +323,9 @@ def pending_gather(pending) -> "DeferredGather | None":
 
 
 def flush(written=None) -> None:
-    """Compute outstanding deferred work: all of it, or (``written``: the tensors an op is
-    about to change in place) what reads one of them. In a torch.compile trace (fake tensors
-    have no storage to compare) a write computes everything outstanding."""
-    refs = list(OUTSTANDING)
-    OUTSTANDING.clear()
-    tracing = compiling()
-    storages = None if written is None or tracing else {_storage(t) for t in written} - {0}
-    for ref in refs:
-        pending = ref()
-        if pending is None or pending.value is not None:
-            continue
-        if pending.traced and not tracing:
-            continue  # left over from a finished torch.compile trace: its tensors were fake
-        if storages is not None and not pending.reads(storages):
-            OUTSTANDING.append(ref)
-        else:
-            pending.wait()
-
-
-def _consumed(pending) -> None:
-    """A fused kernel used the product (or sum): no flush for it any more (later uses of the
-    pending value itself still compute it, checking its operands did not change)."""
-    done = pending.nodes() if type(pending) is DeferredSum else (pending,)
-    OUTSTANDING[:] = [ref for ref in OUTSTANDING if not any(ref() is node for node in done)]
+    """Compute outstanding deferred work: all of it, or what reads one of ``written`` (the
+    tensors an op is about to change in place): :meth:`PendingWork.flush` of ``PENDING``."""
+    PENDING.flush(written)
 
 
 def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | None:
@@ -344,9 +390,10 @@ def fused_collective(spec: DTensorSpec, pending, dst: DTensorSpec) -> torch.Tens
     choice = fused_choice(spec, pending, dst)
     if choice is None:
         return None
+    PENDING.record_choice(choice.collective, choice.gemm, choice.reason)
     if not choice.fused:
-        _STATS["unfused"] += 1
-        _STATS["reason"] = choice.reason
+        PENDING.counts["unfused"] += 1
+        PENDING.counts["reason"] = choice.reason
         return None
     from ..collectives import gemm_all_reduce, gemm_reduce_scatter
 
@@ -373,9 +420,9 @@ def fused_collective(spec: DTensorSpec, pending, dst: DTensorSpec) -> torch.Tens
     shape = pending.shape[1:]  # the pending value's local shape, without its summand dim
     if choice.collective == "reduce-scatter":
         shape = (shape[0] // dist.get_world_size(group),) + tuple(shape[1:])
-    _STATS["fused"] += 1
-    _STATS["reason"] = ""
-    _consumed(root)
+    PENDING.counts["fused"] += 1
+    PENDING.counts["reason"] = ""
+    PENDING.consumed(root)
     return out if tuple(out.shape) == shape else out.view(shape)
 
 
@@ -402,7 +449,7 @@ class DeferredGather:
             from .executor import redistribute_local
             self.value = redistribute_local(self.local, self.src, self.dst)
             self.local = None
-            _STATS["gathers_materialized"] += 1
+            PENDING.counts["gathers_materialized"] += 1
         return self.value
 
     def reads(self, storages: set) -> bool:
@@ -445,24 +492,21 @@ class DeferredView:
         return f"DeferredView({type(self.root).__name__} as {list(self.shape)})"
 
 
-_GATHER_POLICY = ["auto"]
-
-
 def defer_gathers(policy: str | None = None) -> str:
     """When row all-gathers are deferred: ``"auto"`` only where the fused kernel can consume
     them (CUDA, bf16/fp16), ``"always"`` (tests of the deferral on CPU), ``"never"``. Returns
     the policy in force (after setting it, when given)."""
     if policy is not None:
-        if policy not in ("auto", "always", "never"):
+        if policy not in _GATHER_POLICIES:
             raise ValueError(f"defer_gathers policy must be auto, always or never, got {policy!r}")
-        _GATHER_POLICY[0] = policy
-    return _GATHER_POLICY[0]
+        PENDING.gather_policy = policy
+    return PENDING.gather_policy
 
 
 def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredGather | None:
     """A deferred row all-gather when ``src -> dst`` is one of a 2-d CUDA bf16/fp16 tensor (what
     a fused all-gather + GEMM can consume), else None (the caller moves the data now)."""
-    policy = _GATHER_POLICY[0]
+    policy = PENDING.gather_policy
     if policy == "never" or not may_defer() or policy == "auto" and (
             not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
         return None
@@ -470,8 +514,8 @@ def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> Def
     if axis is None:
         return None
     pending = DeferredGather(local, src, dst, axis)
-    _STATS["gathers_deferred"] += 1
-    _track(pending)
+    PENDING.counts["gathers_deferred"] += 1
+    PENDING.track(pending)
     return pending
 
 
@@ -492,8 +536,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
     gathered_shape = (root.local.shape[0] * world, *root.local.shape[1:])
     rows = local.shape[0] * world
     if type(pending) is DeferredView and tuple(pending.shape) != (rows, local.shape[1]):
-        _STATS["gather_reason"] = f"a view {pending.shape} of the gathered rows is not their matrix"
-        return None
+        return _unfused_gather(f"a view {pending.shape} of the gathered rows is not their matrix")
     try:
         placements = placements_of(b_spec)
     except LayoutError:
@@ -503,26 +546,30 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
             or not (isinstance(columns, Shard) and columns.dim % 2 == 1)
             or any(isinstance(p, Shard) and p.dim % 2 == 0 for p in placements)):
         # (uneven columns: each rank's N differs, so would its choice of kernel)
-        _STATS["gather_reason"] = f"weights {b_spec} are not evenly column-sharded on {axis} with whole rows"
-        return None
+        return _unfused_gather(f"weights {b_spec} are not evenly column-sharded on {axis} with whole rows")
     group = mesh.group(axis)
     if tuple(out_shape) != (rows, b.shape[1]) or dist.get_rank(group) != mesh.coordinates()[axis]:
-        _STATS["gather_reason"] = "local shapes or process-group order differ from the kernel's"
-        return None
+        return _unfused_gather("local shapes or process-group order differ from the kernel's")
     from ..collectives import all_gather_gemm, plan_all_gather_gemm
 
     try:
         plan = plan_all_gather_gemm(local, b, group, backend=FUSED_BACKEND)
     except ValueError as e:
-        _STATS["gather_reason"] = str(e)
-        return None
+        return _unfused_gather(str(e))
+    PENDING.record_choice("all-gather", plan, plan.reason)
     if plan.backend == "torch":
-        _STATS["gather_reason"] = plan.reason
+        PENDING.counts["gather_reason"] = plan.reason
         return None
     gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
     out = all_gather_gemm(local, b, group, backend=FUSED_BACKEND, gathered=gathered.view(rows, local.shape[1]))
     root.value, root.local = gathered, None
-    _STATS["gathers_fused"] += 1
-    _STATS["gather_reason"] = ""
-    _consumed(root)
+    PENDING.counts["gathers_fused"] += 1
+    PENDING.counts["gather_reason"] = ""
+    PENDING.consumed(root)
     return out
+
+
+def _unfused_gather(reason: str) -> None:
+    """None, after keeping why a deferred gather does not run fused (its count and its choice)."""
+    PENDING.counts["gather_reason"] = reason
+    PENDING.record_choice("all-gather", None, reason)

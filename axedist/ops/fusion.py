@@ -1,0 +1,158 @@
+"""Eager fusion: the dispatcher's one home for deferred work (runtime/deferred.py).
+
+Three things happen here, each asked for by one hook of the dispatcher:
+
+* :func:`defer_product` (a plan with ``defer``): an mm/addmm whose output is a pending sum keeps
+  its local GEMM unrun, so that the reduce-scatter or all-reduce that follows can run it fused.
+* :func:`take_pending` (any op while work is outstanding, ``PENDING.outstanding``): an op with a
+  handler in :data:`PENDING_USERS` may take the deferred work as it stands (keep it pending, or
+  run it fused); an op that writes a tensor first computes the deferred work that reads it.
+* the handlers themselves, registered per op with :func:`pending_user` by the module that owns
+  the op's math: mm/addmm of a deferred row all-gather (ops/matmul.py), and here the add of two
+  pending products and the views of pending work.
+
+Two ranks, a sequence-parallel ``x [8, 4]`` in ``[Shard(0)]`` (CUDA bf16) moved to
+``[Replicate()]``: the all-gather is deferred; ``x @ w`` with ``w [4, 6]`` in ``[Shard(1)]``
+reaches the mm handler, which runs one fused all-gather + GEMM giving each rank its ``[8, 3]``
+columns and the gathered ``[8, 4]`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime.deferred import PENDING, defer, defer_sum, pending_gather, pending_product, placeholder
+from ..tracing import may_defer
+from .call_plan import CallPlan, op_info, scan, written
+
+__all__ = ["PENDING_USERS", "pending_user", "take_pending", "planned_as_is", "defer_product", "DEFER_POLICIES"]
+
+aten = torch.ops.aten
+_HALF = (torch.bfloat16, torch.float16)
+DEFER_POLICIES = ("auto", "always", "never")
+
+# aten op -> handler(dispatcher, func, args): the op's output taking the deferred work of its
+# arguments as it stands (a DTensor), or None (then the op runs as usual, on computed values)
+PENDING_USERS: dict = {}
+
+
+def pending_user(*ops):
+    """Register the decorated handler for ``ops``: ``@pending_user(aten.mm.default)``."""
+
+    def add(handler):
+        for op in ops:
+            if op in PENDING_USERS:
+                raise ValueError(f"{op} already has a pending-work handler ({PENDING_USERS[op].__name__})")
+            PENDING_USERS[op] = handler
+        return handler
+
+    return add
+
+
+def take_pending(dispatcher, func, args, kwargs):
+    """While deferred work is outstanding: ``func``'s output from its handler (it took the work as
+    it stands), else None, after computing the deferred work that reads what ``func`` writes (it
+    must see the old values)."""
+    if not kwargs:
+        handler = PENDING_USERS.get(func)
+        if handler is not None:
+            kept = handler(dispatcher, func, args)
+            if kept is not None:
+                return kept
+    info = op_info(func)
+    if info.inplace or info.out_names or info.written:
+        PENDING.flush(_written_locals(dispatcher.cls, args, kwargs, info))
+    return None
+
+
+def _written_locals(cls, args, kwargs, info) -> list:
+    """The local tensors (computed, if pending) that an op with ``info`` writes."""
+    tensors = list(written(args, kwargs, info))
+    if info.inplace:
+        first = args[0]
+        tensors.extend(first if isinstance(first, (list, tuple)) else [first])
+    tensors.extend(kwargs[name] for name in info.out_names if name in kwargs)
+    flat = []
+    for t in tensors:
+        flat.extend(t if isinstance(t, (list, tuple)) else [t])
+    return [t._local if type(t) is cls else t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def planned_as_is(dispatcher, func, args) -> tuple[CallPlan, dict] | tuple[None, None]:
+    """The plan of a call that a handler may run on pending work (one output, no deferral, no
+    in-place reduction) and its targets by DTensor id; ``(None, None)`` otherwise."""
+    dts, mesh, key = scan(dispatcher.cls, func, args, {})
+    plan = dispatcher.plan(func, args, {}, dts, mesh, key, op_info(func))
+    if plan is None or plan.defer or plan.structure != "single" or plan.reduce_self is not None:
+        return None, None
+    return plan, {id(d): t for d, t in zip(dts, plan.targets)}
+
+
+@pending_user(aten.view.default, aten._unsafe_view.default)
+def view_of_pending(dispatcher, func, args):
+    """A view of a deferred row all-gather as its rows' matrix ([S, B, H] -> [S * B, H], how
+    linear reaches mm), or any view of a deferred product (the input gradient [S * B, H] that
+    linear's backward views as [S, B, H]): it stays pending on the same work."""
+    if len(args) != 2:
+        return None
+    a, cls = args[0], dispatcher.cls
+    if type(a) is not cls or a._pending is None:
+        return None
+    gather = pending_gather(a._pending)
+    if gather is None and pending_product(a._pending) is None:
+        return None
+    plan, _ = planned_as_is(dispatcher, func, args)
+    if plan is None or any(t is not None for t in plan.targets):
+        return None  # a view that moves data first is not the op on the pending value
+    out = plan.outputs[0]
+    # a gather's view serves the fused all-gather + GEMM only as the rows' matrix
+    if gather is not None and (out.unsqueeze or len(out.local_shape) != 2):
+        return None
+    return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=a._pending.view(out.local_shape))
+
+
+@pending_user(aten.add.Tensor)
+def sum_of_pending(dispatcher, func, args):
+    """The sum of two pending products of one spec (the gradients autograd adds up) stays
+    pending, as a DeferredSum: the add itself, on the local values as they stand."""
+    if len(args) != 2:
+        return None
+    (a, b), cls = args, dispatcher.cls
+    if type(a) is not cls or a._pending is None:
+        return None
+    if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
+            or a._spec != b._spec or a.dtype != b.dtype:
+        return None
+    plan, _ = planned_as_is(dispatcher, func, args)
+    if plan is None or any(t is not None for t in plan.targets):
+        return None  # an add that moves data first is not the op on the pending values
+    out = plan.outputs[0]
+    # nothing moves, no rule's own code
+    if plan.sharding.local is not None or out.spec != a._spec or tuple(out.local_shape) != tuple(a._pending.shape):
+        return None
+    pending = defer_sum(a._pending, b._pending)
+    return None if pending is None else cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
+                                            pending=pending)
+
+
+def defer_product(dispatcher, func, plan: CallPlan, local_args, local_kwargs):
+    """The pending-sum output of mm/addmm with its local GEMM deferred (runtime/deferred.py),
+    or None when ``dispatcher.defer_gemm`` says to run it now: ``"auto"`` defers only where the
+    fused kernel can run (CUDA, bf16/fp16 operands)."""
+    local, call = plan.sharding.local, plan.call
+    if func is aten.mm.default:
+        (a, b), bias, alpha, beta = local_args[:2], None, 1, 1
+    else:
+        bias, a, b = local_args[:3]
+        beta, alpha = local_kwargs.get("beta", 1), local_kwargs.get("alpha", 1)
+    policy = dispatcher.defer_gemm
+    if policy != "always" and (policy == "never" or not a.is_cuda or a.dtype not in _HALF) or not may_defer():
+        return None
+
+    def compute():
+        value = local(call, *local_args, **local_kwargs) if local is not None else func(*local_args, **local_kwargs)
+        return value.unsqueeze(0)
+
+    out = plan.outputs[0]
+    pending = defer(compute, a, b, bias, alpha, beta, out.local_shape, even=plan.even)
+    return dispatcher.cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=pending)
