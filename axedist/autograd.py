@@ -13,7 +13,7 @@ from torch.distributed.tensor import Partial, Replicate
 
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
-from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
+from .runtime.deferred import defer_gather, defer_tail, fused_collective, pending_product, placeholder
 from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
@@ -68,6 +68,13 @@ def move(dt, dst: DTensorSpec, async_op: bool = False):
         fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:
             return cls(fused, dst)
+    if not async_op and dt._spec.reduce_op == "sum" and torch.is_inference_mode_enabled():
+        # at decode: the all-reduce ending a row-parallel layer waits for the residual add and
+        # RMSNorm that follow (ops/fusion.py runs the three as one kernel)
+        tail = defer_tail(dt._local, dt._spec, dst)
+        if tail is not None:
+            agree_on_move(dt._spec, dst, dt._value.element_size())
+            return cls(placeholder(dt.dtype, tail.local.device), dst, pending=tail)
     if pending is None and not async_op:
         gather = defer_gather(dt._value, dt._spec, dst)
         if gather is not None:

@@ -10,7 +10,9 @@ cache: the attention sees that position only), so every row-parallel linear (wo,
 all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per step (median of
 --reps steps; max over ranks):
   axedist_eager / axedist_graph   the stack parallelized with axedist's llama_tp_plan (no sequence
-                                  parallelism), run eagerly / captured once and replayed
+                                  parallelism), run eagerly / captured once and replayed; each
+                                  layer's all-reduce + residual add + RMSNorm fused into one kernel
+                                  (defer_tails("auto"); --no-fused-tail: unfused)
   torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
 Layer-tail rows (device time, W > 1): per batch, h = residual + all_reduce(x), y = rms_norm(h) on
 [B, dim]: seq_nccl (NCCL all-reduce, add, rms_norm), seq_p2p (p2p all-reduce, add, rms_norm) and
@@ -37,6 +39,7 @@ from torch import nn
 import axedist as ax
 from axedist.collectives import p2p, plan_gemm_all_reduce
 from axedist.collectives.layer_tail import all_reduce_rms_norm
+from axedist.runtime.deferred import defer_tails
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
@@ -241,7 +244,7 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=()):
     os.makedirs(out_dir, exist_ok=True)
     meta = run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
                     config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
-                                ffn_hidden=cfg.ffn_hidden, dtype="bf16"))
+                                ffn_hidden=cfg.ffn_hidden, dtype="bf16", decode_tails=defer_tails()))
     name = f"decode_w{world}"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
         json.dump(dict(meta=meta, stack=stack, gemms=gemms, tails=list(tails)), handle, indent=1)
@@ -319,6 +322,8 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--skip-stack", action="store_true", help="only the GEMM rows")
+    parser.add_argument("--no-fused-tail", action="store_true",
+                        help="the stack without deferred decode tails (defer_tails stays 'never', the default)")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write axedist/kernels/gemm_ar_auto.json from these result files")
     args = parser.parse_args()
@@ -328,6 +333,8 @@ def main():
             json.dump(auto_table([json.load(open(path)) for path in args.tables_from]), handle, indent=1)
         return
     require_multicast_off()
+    if not args.no_fused_tail:  # the layers' all-reduce + residual add + RMSNorm as one kernel
+        defer_tails("auto")
     started = time.time()
     mesh = ax.init_mesh(device_type="cuda")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -45,5 +45,74 @@ def test_layer_tail_off_cuda_is_the_unfused_sequence(world, rows, hidden):
         torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
         assert "backend must be auto, p2p or torch, got 'nccl'" in errors[0]
-        assert "backend p2p needs CUDA tensors" in errors[1]
+        assert "backend p2p cannot run: it needs CUDA tensors" in errors[1]
         assert "x and residual must be [rows, hidden] of one shape" in errors[2]
+
+
+class _Stack(torch.nn.Module):
+    """Llama blocks without embedding and head (bench_decode's stack): h [S, B, dim] -> same."""
+
+    def __init__(self, cfg):
+        from axedist.nn.llama import TransformerBlock, rope_tables
+        super().__init__()
+        self.layers = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h, self.cos[:h.shape[0]], self.sin[:h.shape[0]])
+        return h
+
+
+def _decode_body(rank, world, layers, seed):
+    import copy
+
+    from torch.distributed.tensor import Replicate
+
+    from axedist import DTensor
+    from axedist.mesh import DeviceMesh
+    from axedist.nn import parallelize, to_inference
+    from axedist.nn.llama import LlamaConfig, llama_tp_plan
+    from axedist.runtime import deferred
+
+    cfg = LlamaConfig(vocab_size=16, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=4)
+    torch.manual_seed(seed)
+    base = _Stack(cfg).double()
+    h = torch.randn(1, 3, cfg.dim, dtype=torch.float64)
+    mesh = DeviceMesh("cpu", (world,))
+    model = parallelize(copy.deepcopy(base), mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+                                                    if k.startswith("layers.")})
+    to_inference(model)
+    outs, counts = {}, {}
+    policy = deferred.defer_tails()
+    try:
+        for mode in ("never", "always"):
+            deferred.defer_tails(mode)
+            before = dict(deferred.fused_gemm_stats())
+            with torch.inference_mode():
+                out = model(DTensor.from_local(h, mesh, [Replicate()]))
+                assert out._pending is None  # the model's output carries no deferred tail
+                outs[mode] = out.to_local().clone()
+            after = deferred.fused_gemm_stats()
+            counts[mode] = {k: after[k] - before[k] for k in ("tails_deferred", "tails_fused", "tails_materialized")}
+    finally:
+        deferred.defer_tails(policy)
+    with torch.inference_mode():
+        reference = base(h)
+    return outs, counts, reference, DTensor.dispatcher.fallback_ops()
+
+
+@pytest.mark.parametrize("world,layers", [(2, 2), (4, 3)])
+def test_decode_tails_run_fused_in_a_parallelized_llama_stack(world, layers):
+    """At decode (inference mode) every row-parallel all-reduce but the last waits for the residual
+    add and the RMSNorm after it and runs with them as one call (on CPU: the unfused sequence of
+    all_reduce_rms_norm); outputs equal the undeferred stack's and the one-process model's."""
+    seed = torch.randint(0, 1 << 30, ()).item()
+    for outs, counts, reference, fallbacks in run_on_ranks(_decode_body, world, args=(layers, seed)):
+        torch.testing.assert_close(outs["always"], reference, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(outs["always"], outs["never"], rtol=1e-12, atol=1e-12)
+        assert counts["never"] == {"tails_deferred": 0, "tails_fused": 0, "tails_materialized": 0}
+        # two tails per block; each but the model's last is taken by the next RMSNorm
+        assert counts["always"] == {"tails_deferred": 2 * layers, "tails_fused": 2 * layers - 1,
+                                    "tails_materialized": 1}, counts
+        assert not fallbacks

@@ -405,3 +405,77 @@ def test_layer_tail_matches_the_unfused_sequence(variant, graph):
     shapes = ((1, 4096), (8, 4096), (64, 8192), (5, 1000), (3, 16384))
     results = run_on_ranks(body_layer_tail, WORLD, "nccl", args=(shapes, DTYPES, variant, graph), timeout_s=300)
     assert results == [[]] * WORLD, results
+
+
+def body_decode_tails(rank, world, batches):
+    """The TP Llama stack at decode with the layers' all-reduce + residual add + RMSNorm fused
+    (defer_tails("auto")) against the same stack unfused and against one GPU, bf16, eager and in a
+    CUDA graph (the model's output tail runs inside the capture)."""
+    import copy
+
+    from torch.distributed.tensor import Replicate
+
+    from axedist import DTensor
+    from axedist.mesh import DeviceMesh
+    from axedist.nn import parallelize, to_inference
+    from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
+    from axedist.runtime import deferred
+
+    class Stack(torch.nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+
+        def forward(self, h):
+            for layer in self.layers:
+                h = layer(h, self.cos[:h.shape[0]], self.sin[:h.shape[0]])
+            return h
+
+    cfg = LlamaConfig(vocab_size=16, dim=4096, n_layers=2, n_heads=32, n_kv_heads=8, ffn_hidden=8192, max_seq_len=4)
+    torch.manual_seed(0)
+    base = Stack(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    mesh = DeviceMesh("cuda", (world,))
+    model = parallelize(copy.deepcopy(base), mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+                                                    if k.startswith("layers.")}, src_rank=None)
+    to_inference(model)
+    failures = []
+    for batch in batches:
+        h = torch.randn(1, batch, cfg.dim, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(batch))
+        with torch.inference_mode():
+            reference = base(h).float()
+            outs = {}
+            for policy in ("never", "auto"):
+                deferred.defer_tails(policy)
+                before = deferred.fused_gemm_stats()["tails_fused"]
+                outs[policy] = model(DTensor.from_local(h, mesh, [Replicate()])).to_local().float()
+                fused = deferred.fused_gemm_stats()["tails_fused"] - before
+                if (policy == "auto") != (fused == 2 * cfg.n_layers - 1):
+                    failures.append(f"B={batch} {policy}: {fused} tails fused")
+                static = DTensor.from_local(h.clone(), mesh, [Replicate()])
+                model(static)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    graph_out = model(static)
+                fresh = torch.randn_like(h)
+                static.to_local().copy_(fresh)
+                graph.replay()
+                torch.cuda.synchronize()
+                expected = base(fresh).float()
+                error = _rel_error(graph_out.to_local(), expected)
+                if error > 3e-2:
+                    failures.append(f"B={batch} {policy} CUDA graph: rel error {error:.2e}")
+            deferred.defer_tails("never")
+        for policy, out in outs.items():
+            error = _rel_error(out, reference)
+            if error > 3e-2:
+                failures.append(f"B={batch} {policy}: rel error {error:.2e} vs one GPU")
+    return failures
+
+
+def test_decode_tails_fused_in_the_tp_stack():
+    results = run_on_ranks(body_decode_tails, WORLD, "nccl", args=((1, 8, 64),), timeout_s=300)
+    assert results == [[]] * WORLD, results

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..caches import memo
+from .backend import p2p_possible
 from .p2p import choose_variant, static_arguments
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
@@ -138,6 +139,18 @@ def _check(x, residual, weight) -> None:
                          f"{weight.dtype}")
 
 
+def _p2p_refusal(x, residual, weight, group) -> str:
+    """Why the fused kernel cannot run this call ("" where it can): what every rank sees alike."""
+    if not (x.is_cuda and residual.is_cuda and weight.is_cuda):
+        return f"it needs CUDA tensors, got {x.device}"
+    if x.dtype not in _TRITON_DTYPE:
+        return f"it takes bf16, fp16 or fp32, got {x.dtype}"
+    if x.shape[1] > MAX_HIDDEN:
+        return f"rows of {x.shape[1]} elements exceed the kernel's {MAX_HIDDEN}"
+    possible, why = p2p_possible(x, group)
+    return "" if possible else why
+
+
 def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group=None,
                         backend: str = "auto", timeout_s: float | None = None,
                         variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,20 +158,19 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
     x, residual: ``[rows, hidden]``; weight: ``[hidden]``. backend ``"p2p"``: the fused kernel
     (CUDA, the group within one NVLink node); ``"torch"``: torch.distributed's all-reduce, then the
-    add and ``F.rms_norm``; ``"auto"``: p2p on CUDA, torch elsewhere. Every rank passes the same
-    shapes, dtype and backend.
+    add and ``F.rms_norm``; ``"auto"``: p2p where it can run, torch elsewhere. Every rank passes
+    the same shapes, dtype and backend.
     """
     if backend not in ("auto", "p2p", "torch"):
         raise ValueError(f"{_OP}: backend must be auto, p2p or torch, got {backend!r}")
     _check(x, residual, weight)
-    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+    if backend == "torch":
         return unfused_all_reduce_rms_norm(x, residual, weight, eps, group)
-    if not (x.is_cuda and residual.is_cuda and weight.is_cuda):
-        raise ValueError(f"{_OP}: backend p2p needs CUDA tensors, got {x.device}")
-    if x.dtype not in _TRITON_DTYPE:
-        raise ValueError(f"{_OP}: backend p2p takes bf16, fp16 or fp32, got {x.dtype}")
-    if x.shape[1] > MAX_HIDDEN:
-        raise ValueError(f"{_OP}: rows of {x.shape[1]} elements exceed the p2p kernel's {MAX_HIDDEN}")
+    reason = _p2p_refusal(x, residual, weight, group)
+    if reason and backend == "auto":
+        return unfused_all_reduce_rms_norm(x, residual, weight, eps, group)
+    if reason:
+        raise ValueError(f"{_OP}: backend p2p cannot run: {reason}")
     x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
     rows, hidden = x.shape
     out, y = torch.empty_like(x), torch.empty_like(x)

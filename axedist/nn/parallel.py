@@ -51,6 +51,7 @@ from ..layout import Layout, LayoutError, one_dim_iters
 from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
+from ..runtime.deferred import pending_tail
 from ..tracing import compiling
 from .grads import reduce_pending_grads
 
@@ -693,7 +694,19 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
         for sub in module.modules():
             _replicate_own(sub, mesh, shared, src_rank, send_buffers=False)
     module.__dict__["_axedist_mesh"] = mesh
+    if "_axedist_outputs_hook" not in module.__dict__:
+        module.__dict__["_axedist_outputs_hook"] = module.register_forward_hook(_outputs_computed)
     return reduce_pending_grads(module)
+
+
+def _outputs_computed(module, args, output) -> None:
+    """The parallelized model's outputs carry no deferred decode all-reduce (ops/fusion.py): at
+    decode the last block's ``h + ffn(h)`` waits for an RMSNorm that never comes inside the model;
+    it runs here, before the forward returns, so that a CUDA graph captured around the model
+    records it (a deferred tail run after the capture would not be replayed)."""
+    for leaf in torch.utils._pytree.tree_leaves(output):
+        if type(leaf) is DTensor and pending_tail(leaf._pending) is not None:
+            leaf.to_local()
 
 
 def _replicate_own(sub: nn.Module, mesh: DeviceMesh, shared: dict, src_rank, *, send_buffers: bool) -> None:

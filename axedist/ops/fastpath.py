@@ -23,7 +23,7 @@ import threading
 
 import torch
 
-from ..runtime.deferred import pending_gather, pending_product
+from ..runtime.deferred import pending_gather, pending_product, pending_tail
 from .call_plan import SCALAR_TYPES, op_info
 from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
 
@@ -304,6 +304,10 @@ def _handler(fast: FastPath):
         if kwargs and not _add_kwargs(key, kwargs):
             return _disabled(func, types, args, kwargs)
         if not found:
+            return _disabled(func, types, args, kwargs or _EMPTY)
+        if waits and any(type(a) is DTensor and pending_tail(a._pending) for a in args):
+            # a deferred decode all-reduce: the normal route, where the residual add keeps it
+            # pending and an RMSNorm runs it fused (ops/fusion.py); never recorded here
             return _disabled(func, types, args, kwargs or _EMPTY)
         if grad:
             # which inputs require grad is part of the key: a composite function may take another

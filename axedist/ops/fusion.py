@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.deferred import PENDING, defer, defer_sum, pending_gather, pending_product, placeholder
+from ..runtime.deferred import (PENDING, defer, defer_sum, fused_tail_norm, pending_gather, pending_product,
+                                pending_tail, placeholder)
 from ..tracing import may_defer
 from .call_plan import CallPlan, op_info, scan, written
 
@@ -92,14 +93,15 @@ def planned_as_is(dispatcher, func, args) -> tuple[CallPlan, dict] | tuple[None,
 def view_of_pending(dispatcher, func, args):
     """A view of a deferred row all-gather as its rows' matrix ([S, B, H] -> [S * B, H], how
     linear reaches mm), or any view of a deferred product (the input gradient [S * B, H] that
-    linear's backward views as [S, B, H]): it stays pending on the same work."""
+    linear's backward views as [S, B, H]) or of a deferred decode all-reduce (the row-parallel
+    output [S * B, H] seen as [S, B, H]): it stays pending on the same work."""
     if len(args) != 2:
         return None
     a, cls = args[0], dispatcher.cls
     if type(a) is not cls or a._pending is None:
         return None
-    gather = pending_gather(a._pending)
-    if gather is None and pending_product(a._pending) is None:
+    gather, tail = pending_gather(a._pending), pending_tail(a._pending)
+    if gather is None and tail is None and pending_product(a._pending) is None:
         return None
     plan, _ = planned_as_is(dispatcher, func, args)
     if plan is None or any(t is not None for t in plan.targets):
@@ -114,10 +116,13 @@ def view_of_pending(dispatcher, func, args):
 @pending_user(aten.add.Tensor)
 def sum_of_pending(dispatcher, func, args):
     """The sum of two pending products of one spec (the gradients autograd adds up) stays
-    pending, as a DeferredSum: the add itself, on the local values as they stand."""
+    pending, as a DeferredSum: the add itself, on the local values as they stand. A residual plus
+    a deferred decode all-reduce stays pending too (:func:`residual_of_tail`)."""
     if len(args) != 2:
         return None
     (a, b), cls = args, dispatcher.cls
+    if (type(b) is cls and pending_tail(b._pending) is not None) or (type(a) is cls and pending_tail(a._pending)):
+        return residual_of_tail(dispatcher, func, args)
     if type(a) is not cls or a._pending is None:
         return None
     if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
@@ -133,6 +138,58 @@ def sum_of_pending(dispatcher, func, args):
     pending = defer_sum(a._pending, b._pending)
     return None if pending is None else cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride,
                                             pending=pending)
+
+
+def _computed(dt) -> bool:
+    """Whether ``dt``'s value exists: no pending work, or work already run (a fused tail fills
+    the residual stream's value before the DTensor holding it is read)."""
+    return dt._pending is None or getattr(dt._pending, "value", None) is not None
+
+
+def residual_of_tail(dispatcher, func, args):
+    """``x + t`` (or ``t + x``) where ``t`` is a deferred decode all-reduce and ``x`` a computed
+    tensor of the same spec, shape and dtype (the block's residual stream): stays pending as
+    ``residual + all_reduce(...)``, for an RMSNorm to run fused (:func:`norm_of_tail`)."""
+    (a, b), cls = args, dispatcher.cls
+    tail, residual = (b._pending, a) if type(b) is cls and pending_tail(b._pending) is not None else (a._pending, b)
+    if type(residual) is not cls or not _computed(residual) or tail.kind == "residual":
+        return None
+    root = tail.root()
+    if residual.dtype != root.local.dtype or residual._spec != (a if residual is b else b)._spec:
+        return None
+    plan, _ = planned_as_is(dispatcher, func, args)
+    if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
+        return None  # an add that moves data or broadcasts is not the residual add
+    out = plan.outputs[0]
+    if out.spec != residual._spec or out.unsqueeze or tuple(out.local_shape) != tail.shape \
+            or tuple(residual._local.shape) != tail.shape:
+        return None
+    return cls(placeholder(residual.dtype, residual._local.device), out.spec, stride=out.stride,
+               pending=tail.with_residual(residual._local))
+
+
+@pending_user(aten.rms_norm.default)
+def norm_of_tail(dispatcher, func, args):
+    """``rms_norm(residual + all_reduce(x), [hidden], weight, eps)`` of a deferred decode tail:
+    one all-reduce + residual add + RMSNorm (the residual stream's new value fills the tail)."""
+    cls = dispatcher.cls
+    if not 2 <= len(args) <= 4 or type(args[0]) is not cls:
+        return None
+    tail = pending_tail(args[0]._pending)
+    if tail is None or tail.kind != "residual":
+        return None
+    normalized, weight = list(args[1]), args[2] if len(args) > 2 else None
+    eps = args[3] if len(args) > 3 else None
+    dtype = tail.residual.dtype
+    if normalized != [tail.shape[-1]] or type(weight) is not cls or not _computed(weight) \
+            or weight.dtype != dtype or not dispatcher.arg_spec(weight).is_replicated():
+        return None
+    spec = args[0]._spec
+    if spec.shape[-1] != tail.shape[-1] or spec.reduce_op:
+        return None  # the normalized dim split over devices: each rank would norm part of a row
+    # (rms_norm is decomposed, not planned: its output is laid out as its input, rows whole)
+    eps = torch.finfo(dtype).eps if eps is None else eps
+    return cls(fused_tail_norm(tail, weight._local, eps), spec)
 
 
 def defer_product(dispatcher, func, plan: CallPlan, local_args, local_kwargs):
