@@ -703,7 +703,10 @@ def _outputs_computed(module, args, output) -> None:
     """The parallelized model's outputs carry no deferred decode all-reduce (ops/fusion.py): at
     decode the last block's ``h + ffn(h)`` waits for an RMSNorm that never comes inside the model;
     it runs here, before the forward returns, so that a CUDA graph captured around the model
-    records it (a deferred tail run after the capture would not be replayed)."""
+    records it (a deferred tail run after the capture would not be replayed). Nothing is deferred
+    while compiling (the compiler schedules the collectives), so a traced forward skips this."""
+    if compiling():
+        return
     for leaf in torch.utils._pytree.tree_leaves(output):
         if type(leaf) is DTensor and pending_tail(leaf._pending) is not None:
             leaf.to_local()
