@@ -13,7 +13,8 @@ from torch.distributed.tensor import Partial, Replicate
 
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
-from .runtime.deferred import defer_gather, defer_tail, fused_collective, pending_product, placeholder
+from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
+from .runtime.tails import defer_tail
 from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 

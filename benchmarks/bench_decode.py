@@ -39,7 +39,7 @@ from torch import nn
 import axedist as ax
 from axedist.collectives import p2p, plan_gemm_all_reduce
 from axedist.collectives.layer_tail import all_reduce_rms_norm
-from axedist.runtime.deferred import defer_tails
+from axedist.runtime.tails import defer_tails
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables

@@ -73,7 +73,7 @@ def _decode_body(rank, world, layers, seed):
     from axedist.mesh import DeviceMesh
     from axedist.nn import parallelize, to_inference
     from axedist.nn.llama import LlamaConfig, llama_tp_plan
-    from axedist.runtime import deferred
+    from axedist.runtime import deferred, tails
 
     cfg = LlamaConfig(vocab_size=16, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=4)
     torch.manual_seed(seed)
@@ -84,10 +84,10 @@ def _decode_body(rank, world, layers, seed):
                                                     if k.startswith("layers.")})
     to_inference(model)
     outs, counts = {}, {}
-    policy = deferred.defer_tails()
+    policy = tails.defer_tails()
     try:
         for mode in ("never", "always"):
-            deferred.defer_tails(mode)
+            tails.defer_tails(mode)
             before = dict(deferred.fused_gemm_stats())
             with torch.inference_mode():
                 out = model(DTensor.from_local(h, mesh, [Replicate()]))
@@ -96,7 +96,7 @@ def _decode_body(rank, world, layers, seed):
             after = deferred.fused_gemm_stats()
             counts[mode] = {k: after[k] - before[k] for k in ("tails_deferred", "tails_fused", "tails_materialized")}
     finally:
-        deferred.defer_tails(policy)
+        tails.defer_tails(policy)
     with torch.inference_mode():
         reference = base(h)
     return outs, counts, reference, DTensor.dispatcher.fallback_ops()

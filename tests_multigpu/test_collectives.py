@@ -419,7 +419,7 @@ def body_decode_tails(rank, world, batches):
     from axedist.mesh import DeviceMesh
     from axedist.nn import parallelize, to_inference
     from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
-    from axedist.runtime import deferred
+    from axedist.runtime import deferred, tails
 
     class Stack(torch.nn.Module):
         def __init__(self, cfg):
@@ -448,7 +448,7 @@ def body_decode_tails(rank, world, batches):
             reference = base(h).float()
             outs = {}
             for policy in ("never", "auto"):
-                deferred.defer_tails(policy)
+                tails.defer_tails(policy)
                 before = deferred.fused_gemm_stats()["tails_fused"]
                 outs[policy] = model(DTensor.from_local(h, mesh, [Replicate()])).to_local().float()
                 fused = deferred.fused_gemm_stats()["tails_fused"] - before
@@ -468,7 +468,7 @@ def body_decode_tails(rank, world, batches):
                 error = _rel_error(graph_out.to_local(), expected)
                 if error > 3e-2:
                     failures.append(f"B={batch} {policy} CUDA graph: rel error {error:.2e}")
-            deferred.defer_tails("never")
+            tails.defer_tails("never")
         for policy, out in outs.items():
             error = _rel_error(out, reference)
             if error > 3e-2:

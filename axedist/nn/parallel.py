@@ -51,7 +51,7 @@ from ..layout import Layout, LayoutError, one_dim_iters
 from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
-from ..runtime.deferred import pending_tail
+from ..runtime.tails import pending_tail
 from ..tracing import compiling
 from .grads import reduce_pending_grads
 

@@ -23,7 +23,8 @@ import threading
 
 import torch
 
-from ..runtime.deferred import pending_gather, pending_product, pending_tail
+from ..runtime.deferred import pending_gather, pending_product
+from ..runtime.tails import pending_tail
 from .call_plan import SCALAR_TYPES, op_info
 from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
 

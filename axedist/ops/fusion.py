@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.deferred import (PENDING, defer, defer_sum, fused_tail_norm, pending_gather, pending_product,
-                                pending_tail, placeholder)
+from ..runtime.deferred import PENDING, defer, defer_sum, pending_gather, pending_product, placeholder
+from ..runtime.tails import fused_tail_norm, pending_tail
 from ..tracing import may_defer
 from .call_plan import CallPlan, op_info, scan, written
 

@@ -32,7 +32,6 @@ Nothing here builds a DTensor: callers wrap what these functions return.
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -47,8 +46,7 @@ from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "PendingWork", "PENDING", "defer",
            "defer_gather", "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
-           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "DeferredTail",
-           "defer_tail", "defer_tails", "pending_tail", "fused_tail_norm"]
+           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "reads_any"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
@@ -77,8 +75,8 @@ class PendingWork:
     collective), products computed on first use of their data; "reason": why the last such
     collective was not fused. Gathers deferred, fused into an all-gather + GEMM, and run on their
     own; "gather_reason": why the last was not fused. ``gather_policy``: see :func:`defer_gathers`.
-    Decode tails (all-reduces of a row-parallel output, :class:`DeferredTail`) deferred, fused into
-    all-reduce + residual add + RMSNorm, and run on their own; ``tail_policy``: see :func:`defer_tails`.
+    Decode tails (all-reduces of a row-parallel output, runtime/tails.py) deferred, fused into
+    all-reduce + residual add + RMSNorm, and run on their own; ``tail_policy``: see ``tails.defer_tails``.
     ``choices``: per collective ("reduce-scatter", "all-reduce", "all-gather"), the text of the
     last fused choice made for it, kept when the choice is made (:meth:`take_choice`).
     """
@@ -199,7 +197,7 @@ class DeferredGemm:
         return self.value is None and self.alpha == 1 and (self.bias is None or self.beta == 0)
 
     def reads(self, storages: set) -> bool:
-        return _reads((self.a, self.b, self.bias), storages)
+        return reads_any((self.a, self.b, self.bias), storages)
 
     def view(self, shape: tuple) -> "DeferredView":
         return DeferredView(self, tuple(shape))
@@ -242,7 +240,7 @@ class DeferredSum:
 
     def reads(self, storages: set) -> bool:
         # a part already computed is read as its value (an in-place op on it must not reach the sum)
-        return any(_reads((part.value,), storages) if part.value is not None else part.reads(storages)
+        return any(reads_any((part.value,), storages) if part.value is not None else part.reads(storages)
                    for part in (self.left, self.right))
 
     def nodes(self) -> tuple:
@@ -260,7 +258,7 @@ class DeferredSum:
         return f"DeferredSum({list(self.shape)}: {state})"
 
 
-def _reads(tensors, storages: set) -> bool:
+def reads_any(tensors, storages: set) -> bool:
     """Whether one of ``tensors`` lives in one of ``storages`` (data pointers)."""
     return any(t is not None and _storage(t) in storages for t in tensors)
 
@@ -320,12 +318,6 @@ def pending_product(pending):
     pending value is or views, else None (a gather, an async move, work already run)."""
     root = _product_root(pending) if pending is not None else None
     return root if root is not None and root.value is None else None
-
-
-def pending_tail(pending) -> "DeferredTail | None":
-    """The unrun decode tail (an all-reduce, a view of it, or it plus a residual) a DTensor's
-    pending value is, else None."""
-    return pending if type(pending) is DeferredTail and pending.value is None else None
 
 
 def pending_gather(pending) -> "DeferredGather | None":
@@ -465,7 +457,7 @@ class DeferredGather:
         return self.value
 
     def reads(self, storages: set) -> bool:
-        return _reads((self.local,), storages)
+        return reads_any((self.local,), storages)
 
     def __repr__(self) -> str:
         state = "computed" if self.value is not None else "unrun"
@@ -585,142 +577,3 @@ def _unfused_gather(reason: str) -> None:
     """None, after keeping why a deferred gather does not run fused (its count and its choice)."""
     PENDING.counts["gather_reason"] = reason
     PENDING.record_choice("all-gather", None, reason)
-
-
-# the decode sizes a deferred tail is for: rows of the [rows, hidden] matrix, and the fused kernel's widest row
-_TAIL_MAX_ROWS = 64
-_TAIL_MAX_HIDDEN = 16384
-_TAIL_POLICIES = ("auto", "always", "never")
-
-
-class DeferredTail:
-    """The all-reduce that ends a row-parallel layer at decode, not yet run, as a chain of three
-    kinds of link (``kind``):
-
-    * ``"reduce"``: ``value = all_reduce(local)`` (``local``: this rank's partial sum with its
-      summand dim, as the redistribute ``src -> dst`` would move it, over mesh axis ``axis``);
-    * ``"view"``: ``value = base.value.view(shape)`` (the row-parallel linear's ``[S * B, H]``
-      output seen as ``[S, B, H]``);
-    * ``"residual"``: ``value = residual + base.value`` (the block's residual add).
-
-    An RMSNorm of a ``"residual"`` link runs the whole chain in one kernel
-    (``collectives.all_reduce_rms_norm``, ops/fusion.py), which fills its ``value`` (the residual
-    stream's next value); any other use runs the chain as planned (the all-reduce, the view, the
-    add). ``shape``: the value's local shape."""
-
-    __slots__ = ("kind", "local", "src", "dst", "axis", "residual", "base", "shape", "versions", "value",
-                 "traced", "__weakref__")
-
-    def __init__(self, kind: str, shape: tuple, local: torch.Tensor | None = None, src: DTensorSpec | None = None,
-                 dst: DTensorSpec | None = None, axis: str | None = None, residual: torch.Tensor | None = None,
-                 base: "DeferredTail | None" = None):
-        self.kind, self.shape, self.local, self.src, self.dst, self.axis = kind, tuple(shape), local, src, dst, axis
-        self.residual, self.base, self.value, self.traced = residual, base, None, False
-        self.versions = self._versions()
-
-    def _versions(self) -> tuple:
-        return tuple(-1 if t is None or t.is_inference() else t._version for t in (self.local, self.residual))
-
-    def changed(self) -> bool:
-        return self._versions() != self.versions or (self.base is not None and self.base.changed())
-
-    def root(self) -> "DeferredTail":
-        """The chain's ``"reduce"`` link."""
-        link = self
-        while link.base is not None:
-            link = link.base
-        return link
-
-    def view(self, shape: tuple) -> "DeferredTail":
-        return DeferredTail("view", shape, base=self)
-
-    def with_residual(self, residual: torch.Tensor) -> "DeferredTail":
-        """``residual + self`` still unrun (the add of a block's residual stream)."""
-        tail = DeferredTail("residual", self.shape, residual=residual, base=self)
-        PENDING.track(tail)
-        return tail
-
-    def wait(self) -> torch.Tensor:
-        if self.value is None:
-            if self.changed():
-                raise LayoutError("a deferred all-reduce's partial sum or residual was changed in place (outside "
-                                  "axedist ops) before the reduced tensor was used; use it first, or clone it")
-            if self.kind == "residual":
-                self.value = torch.add(self.residual, self.base.wait())
-            elif self.kind == "view":
-                self.value = self.base.wait().view(self.shape)
-            else:
-                from .executor import redistribute_local
-                self.value = redistribute_local(self.local, self.src, self.dst)
-                PENDING.counts["tails_materialized"] += 1
-            self.local = self.residual = None
-        return self.value
-
-    def reads(self, storages: set) -> bool:
-        return _reads(tuple(t for t in (self.local, self.residual) if t is not None), storages) or (
-            self.base is not None and self.base.value is None and self.base.reads(storages))
-
-    def __repr__(self) -> str:
-        state = "computed" if self.value is not None else "unrun"
-        if self.kind == "reduce":
-            return f"DeferredTail(all-reduce {self.src} -> {self.dst} over {self.axis}: {state})"
-        what = "residual + " if self.kind == "residual" else f"view as {list(self.shape)} of "
-        return f"DeferredTail({what}{self.base!r}: {state})"
-
-
-def defer_tails(policy: str | None = None) -> str:
-    """When the all-reduce ending a row-parallel layer is deferred (so that the residual add and
-    RMSNorm after it run fused with it): ``"auto"`` at decode sizes where the fused kernel runs
-    (CUDA, bf16/fp16, under ``torch.inference_mode``, at most 64 rows of at most 16384), ``"always"``
-    (tests on CPU: still under inference mode only), ``"never"`` (the default until the fused
-    kernel has run on GPUs: opt in with ``defer_tails("auto")``). Returns the policy in force."""
-    if policy is not None:
-        if policy not in _TAIL_POLICIES:
-            raise ValueError(f"defer_tails policy must be auto, always or never, got {policy!r}")
-        PENDING.tail_policy = policy
-    return PENDING.tail_policy
-
-
-def defer_tail(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredTail | None:
-    """A deferred all-reduce when ``src -> dst`` is one (a pending sum over one mesh axis made
-    replicated) at decode sizes, in inference mode, else None (the caller moves the data now)."""
-    policy = PENDING.tail_policy
-    if policy == "never" or not may_defer() or not torch.is_inference_mode_enabled():
-        return None
-    if policy == "auto" and (not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
-        return None
-    shape = tuple(local.shape[1:])
-    if len(shape) < 2 or shape[-1] > _TAIL_MAX_HIDDEN or math.prod(shape[:-1]) > _TAIL_MAX_ROWS:
-        return None
-    axis = all_reduce_axis(src, dst)
-    if axis is None:
-        return None
-    group = src.mesh.group(axis)
-    if dist.get_rank(group) != src.mesh.coordinates()[axis]:
-        return None
-    tail = DeferredTail("reduce", shape, local, src, dst, axis)
-    PENDING.counts["tails_deferred"] += 1
-    PENDING.track(tail)
-    return tail
-
-
-def fused_tail_norm(tail: DeferredTail, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``rms_norm(tail's value) * weight`` by one all-reduce + residual add + RMSNorm (the p2p
-    kernel on CUDA, the unfused sequence elsewhere), filling the tail's value with the residual
-    stream's new value; returns the normalized local tensor."""
-    from ..collectives import all_reduce_rms_norm
-
-    if tail.changed():
-        tail.wait()  # raises the clear error
-    root, shape, hidden = tail.root(), tail.shape, tail.shape[-1]
-    x = root.local[0].reshape(-1, hidden)
-    residual = tail.residual.reshape(-1, hidden)
-    h, y = all_reduce_rms_norm(x, residual, weight, eps, root.src.mesh.group(root.axis))
-    tail.value = h.view(shape)
-    tail.residual = None
-    PENDING.counts["tails_fused"] += 1
-    PENDING.consumed(tail)
-    PENDING.consumed(root)  # its all-reduce alone is no longer wanted: only a use of it runs it
-    tail.base = None
-    return y.view(shape)
-
