@@ -95,7 +95,7 @@ def select_along_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[target], outputs=(out, out))
 
 
-@register(aten._fft_r2c.default, aten._fft_c2c.default)  # (c2r: gathered, not yet checked)
+@register(aten._fft_r2c.default, aten._fft_c2c.default, aten._fft_c2r.default)
 def fft_rule(call: OpCall) -> Sharding:
     """An FFT over ``dim`` (a list): those dims whole, the others keep their shards; linear, so a
     pending sum (or mean) stays pending. ``torch.fft.rfft(x)`` of (8, 16) ``[Shard(0)]``: (8, 9)
