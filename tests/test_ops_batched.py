@@ -29,7 +29,7 @@ def _spd(g, *shape):
 
 
 def _well(g, *shape):
-    return torch.randn(*shape, dtype=torch.float64, generator=g) + 4 * torch.eye(shape[-1], dtype=torch.float64)
+    return torch.randn(*shape, dtype=torch.float64, generator=g) + 4 * torch.eye(*shape[-2:], dtype=torch.float64)
 
 
 def _randn(g, *shape):

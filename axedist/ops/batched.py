@@ -31,6 +31,8 @@ aten = torch.ops.aten
 def _meta(value):
     if isinstance(value, ArgSpec):
         return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):  # a plain 0-dim tensor (pinverse's rcond)
+        return torch.empty_like(value, device="meta")
     if isinstance(value, (list, tuple)):
         return type(value)(_meta(v) for v in value)
     return value
@@ -122,10 +124,10 @@ _MATRIX_OPS = {
     "linalg_inv_ex.default": (2,), "_linalg_svd.default": (2,), "_linalg_eigh.default": (2,),
     "linalg_qr.default": (2,), "_linalg_slogdet.default": (2,), "_linalg_det.default": (2,),
     "linalg_matrix_exp.default": (2,), "cholesky.default": (2,), "cholesky_inverse.default": (2,),
-    "geqrf.default": (2,), "linalg_solve_triangular.default": (2, 2), "cholesky_solve.default": (2, 2),
+    "linalg_solve_triangular.default": (2, 2), "cholesky_solve.default": (2, 2),
     "triangular_solve.default": (2, 2), "linalg_lu_solve.default": (2, 1, 2), "lu_unpack.default": (2, 1),
     "linalg_ldl_solve.default": (2, 1, 2), "linalg_householder_product.default": (2, 1),
-    "ormqr.default": (2, 1, 2), "linalg_pinv.atol_rtol_tensor": (2, 0, 0), "linalg_lu.default": (2,),
+    "ormqr.default": (2, 1, 2), "linalg_eig.default": (2,), "linalg_pinv.atol_rtol_tensor": (2, 0, 0), "linalg_lu.default": (2,),
 }
 # the same with a ``check_errors`` flag: it raises where a matrix fails, which must be every rank or none
 _CHECKED = {"linalg_lu_factor_ex.default": (2,), "linalg_ldl_factor_ex.default": (2,)}
