@@ -21,6 +21,7 @@ from torch.distributed.tensor import Partial
 
 from .registry import LINEAR_REDUCE_OPS, OpCall, Sharding, register
 from .shard_ranges import without_partial
+from .specs import local_shape_of
 from .tensor_ops import placements_of, renumber, unshard
 
 aten = torch.ops.aten
@@ -120,3 +121,44 @@ def pad_rule(call: OpCall) -> Sharding:
         places = without_partial(places)
     target = unshard(places, padded, x.ndim)
     return Sharding(inputs=[target], outputs=target)
+
+
+@register(aten.glu.default, aten.glu_backward.default)
+def glu_rule(call: OpCall) -> Sharding:
+    """``F.glu(x, dim)`` multiplies the two halves of ``dim``: that dim whole, the others keep
+    their shards (the backward's gradient and input alike); pending values applied first."""
+    x = call.args[0] if call.func is aten.glu.default else call.args[1]
+    dim = call.arg(1, "dim", -1) if call.func is aten.glu.default else call.args[2]
+    target = without_partial(unshard(placements_of(x), [dim], x.ndim))
+    return Sharding(inputs=[target] * len(call.specs), outputs=target)
+
+
+@register(aten.unfold.default, aten.unfold_copy.default)
+def unfold_rule(call: OpCall) -> Sharding:
+    """``x.unfold(1, 3, 2)`` of (4, 9) ``[Shard(0)]``: windows of dim 1 (whole) as a new last dim,
+    (4, 4, 3) ``[Shard(0)]``; a pending sum stays (windows only select)."""
+    x, dimension = call.args[0], call.args[1]
+    target = unshard(placements_of(x), [dimension], x.ndim) if x.ndim else placements_of(x)
+    local = None
+    if call.func is aten.unfold_copy.default:
+        def local(call_, t, *args, **kwargs):
+            return aten.unfold_copy.default(t, *args, **kwargs)
+    return Sharding(inputs=[target], outputs=target, local=local)
+
+
+@register(aten.unfold_backward.default)
+def unfold_backward_rule(call: OpCall) -> Sharding:
+    """The gradient of ``x.unfold(d, size, step)``: the windows' gradients summed back into ``x``'s
+    size. ``d`` and the window dim whole; the other dims keep their shards (the local op gets
+    this rank's sizes); linear, so a pending sum stays."""
+    grad, sizes, dim = call.args[0], call.args[1], call.args[2]
+    ndim = len(sizes)
+    d = dim % max(ndim, 1)
+    target = unshard(placements_of(grad), [d, grad.ndim - 1], grad.ndim)
+    out = renumber(target, grad.ndim, lambda e: e if e < ndim else None)
+    local_sizes = local_shape_of(tuple(sizes), call.mesh, out)
+
+    def local(call_, g, _sizes, *args, **kwargs):
+        return aten.unfold_backward.default(g, list(local_sizes), *args, **kwargs)
+
+    return Sharding(inputs=[target], outputs=out, local=local)

@@ -145,6 +145,15 @@ def nansum_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[plan.target], outputs=plan.out)
 
 
+@register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def count_nonzero_rule(call: OpCall) -> Sharding:
+    """``x.count_nonzero(0)`` of ``[Shard(0)]``: each rank counts its rows, ``[Partial("sum")]``;
+    a pending input applied first (summands' zeros are not the value's)."""
+    x = call.args[0]
+    plan = _Plan(x, reduced_dims(x.ndim, call.arg(1, "dim")), False, "sum", keeps=())
+    return Sharding(inputs=[plan.target], outputs=plan.out)
+
+
 @register(aten.mean.default, aten.mean.dim)
 def mean_rule(call: OpCall) -> Sharding:
     """``x.mean(0)`` of (10, 6) ``[Shard(0)]`` on 4 ranks: local sums / 10, ``[Partial("sum")]``."""

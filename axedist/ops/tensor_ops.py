@@ -506,3 +506,24 @@ def repeat_rule(call: OpCall) -> Sharding:
     places = placements_of(x)
     target = unshard(places, [e for e in range(x.ndim) if repeats[lead + e] != 1], x.ndim)
     return Sharding(inputs=[target], outputs=renumber(target, x.ndim, lambda e: e + lead))
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def slice_scatter_rule(call: OpCall) -> Sharding | None:
+    """``x.slice_scatter(src, dim, 1, 3)`` / ``x.select_scatter(src, dim, i)``: ``dim`` whole in
+    ``x`` (and ``src``); the other dims sharded alike in both where their sizes agree; pending
+    values applied first."""
+    x, src, dim = call.args[0], call.args[1], call.arg(2, "dim", 0)
+    if not (isinstance(x, ArgSpec) and isinstance(src, ArgSpec)) or not x.ndim:
+        return None
+    d = dim % x.ndim
+    select = call.func is aten.select_scatter.default
+    src_dim = (lambda e: e if e < d else e - 1) if select else (lambda e: e)
+    xt, st = [], []
+    for p in without_partial(placements_of(x)):
+        e = p.dim % x.ndim if is_plain_shard(p) else None
+        if e is not None and e != d and src.shape[src_dim(e)] == x.shape[e]:
+            xt.append(p), st.append(Shard(src_dim(e)))
+        else:
+            xt.append(Replicate()), st.append(Replicate())
+    return Sharding(inputs=[tuple(xt), tuple(st)], outputs=tuple(xt))
