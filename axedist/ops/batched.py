@@ -286,21 +286,17 @@ def diagonal_scatter_rule(call: OpCall) -> Sharding | None:
 # ---------------------------------------------------------------------------
 
 # op -> its spatial dims (the core of every tensor argument)
-_SPATIAL = {}
-for _k, _names in ((1, ("reflection_pad1d", "replication_pad1d", "upsample_nearest1d", "upsample_linear1d",
-                        "_upsample_nearest_exact1d")),
-                   (2, ("avg_pool2d", "max_pool2d_with_indices", "_adaptive_avg_pool2d", "adaptive_max_pool2d",
-                        "max_unpool2d", "reflection_pad2d", "replication_pad2d", "upsample_nearest2d",
-                        "upsample_bilinear2d", "upsample_bicubic2d", "_upsample_nearest_exact2d",
-                        "_upsample_bilinear2d_aa")),
-                   (3, ("avg_pool3d", "max_pool3d_with_indices", "_adaptive_avg_pool3d", "adaptive_max_pool3d",
-                        "max_unpool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
-                        "upsample_trilinear3d", "_upsample_nearest_exact3d"))):
-    for _name in _names:
-        for _suffix in ("", "_backward"):
-            _op = _overload(f"{_name}{_suffix}.default")
-            if _op is not None:
-                _SPATIAL[_op] = _k
+_SPATIAL_NAMES = {1: ("reflection_pad1d", "replication_pad1d", "upsample_nearest1d", "upsample_linear1d",
+                      "_upsample_nearest_exact1d"),
+                  2: ("avg_pool2d", "max_pool2d_with_indices", "_adaptive_avg_pool2d", "adaptive_max_pool2d",
+                      "max_unpool2d", "reflection_pad2d", "replication_pad2d", "upsample_nearest2d",
+                      "upsample_bilinear2d", "upsample_bicubic2d", "_upsample_nearest_exact2d",
+                      "_upsample_bilinear2d_aa"),
+                  3: ("avg_pool3d", "max_pool3d_with_indices", "_adaptive_avg_pool3d", "adaptive_max_pool3d",
+                      "max_unpool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
+                      "upsample_trilinear3d", "_upsample_nearest_exact3d")}
+_SPATIAL = {op: k for k, names in _SPATIAL_NAMES.items() for name in names for suffix in ("", "_backward")
+            if (op := _overload(f"{name}{suffix}.default")) is not None}
 
 
 def _is_upsample_backward(func) -> bool:

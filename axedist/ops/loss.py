@@ -212,7 +212,7 @@ def elementwise_loss_rule(call: OpCall) -> Sharding | None:
     position = _ELEMENTWISE_LOSSES[call.func]
     reduction = call.arg(position, "reduction", _MEAN)
     backward = call.func._schema.name.endswith("_backward")
-    data = [s for s in call.specs if s.ndim or not backward]  # (a mean's or sum's grad_output is 0-dim)
+    data = call.specs[1:] if backward and isinstance(call.args[0], ArgSpec) else call.specs  # (not grad_output)
     if len({tuple(s.shape) for s in data}) != 1:
         return None  # broadcast operands: torch's mean divides by another count in forward and backward
     elem = pointwise_sharding(call)
