@@ -1,9 +1,8 @@
 """Sharding rules of ops that work along one dim, each position of the other dims on its own:
 scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``), sorts and selections
 (``sort``, ``topk``, ``kthvalue``, ``median`` / ``nanmedian`` / ``mode`` over a dim), ``renorm``,
-the FFTs (over a list of dims) and ``constant_pad_nd`` (over the dims it pads). (``tril`` / ``triu``
-stay with the gather fallback: a rule that kept their shards gave a wrong gradient inside
-``linalg.householder_product``'s backward, not yet understood.)
+the FFTs (over a list of dims), ``constant_pad_nd`` (over the dims it pads), ``glu`` and ``unfold``.
+(``tril`` / ``triu`` are ``batched.py``'s: their last 2 dims whole, the batch dims keep their shards.)
 
 The op's dim must be whole on each device; every other dim keeps its shards, so no whole
 tensor moves when the op's dim is not the sharded one. 4 ranks, ``x`` (8, 10) in
@@ -154,7 +153,10 @@ def unfold_backward_rule(call: OpCall) -> Sharding:
     grad, sizes, dim = call.args[0], call.args[1], call.args[2]
     ndim = len(sizes)
     d = dim % max(ndim, 1)
-    target = unshard(placements_of(grad), [d, grad.ndim - 1], grad.ndim)
+    places = placements_of(grad)
+    if not all(p.reduce_op in LINEAR_REDUCE_OPS for p in places if isinstance(p, Partial)):
+        places = without_partial(places)  # overlapping windows add up: a pending max is applied first
+    target = unshard(places, [d, grad.ndim - 1], grad.ndim)
     out = renumber(target, grad.ndim, lambda e: e if e < ndim else None)
     local_sizes = local_shape_of(tuple(sizes), call.mesh, out)
 

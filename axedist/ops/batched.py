@@ -120,17 +120,18 @@ def _inplace(sharding: Sharding | None) -> Sharding | None:
 # op -> core dims of each tensor argument (schema order); 2 = a matrix, 1 = a vector per matrix
 # (pivots, tau), 0 = one number per matrix
 _MATRIX_OPS = {
-    "tril.default": (2,), "triu.default": (2,), "linalg_cholesky_ex.default": (2,),
-    "linalg_inv_ex.default": (2,), "_linalg_svd.default": (2,), "_linalg_eigh.default": (2,),
+    "tril.default": (2,), "triu.default": (2,), "_linalg_svd.default": (2,), "_linalg_eigh.default": (2,),
     "linalg_qr.default": (2,), "_linalg_slogdet.default": (2,), "_linalg_det.default": (2,),
-    "linalg_matrix_exp.default": (2,), "cholesky.default": (2,), "cholesky_inverse.default": (2,),
+    "linalg_matrix_exp.default": (2,), "cholesky_inverse.default": (2,),
     "linalg_solve_triangular.default": (2, 2), "cholesky_solve.default": (2, 2),
     "triangular_solve.default": (2, 2), "linalg_lu_solve.default": (2, 1, 2), "lu_unpack.default": (2, 1),
     "linalg_ldl_solve.default": (2, 1, 2), "linalg_householder_product.default": (2, 1),
     "ormqr.default": (2, 1, 2), "linalg_eig.default": (2,), "linalg_pinv.atol_rtol_tensor": (2, 0, 0), "linalg_lu.default": (2,),
 }
 # the same with a ``check_errors`` flag: it raises where a matrix fails, which must be every rank or none
-_CHECKED = {"linalg_lu_factor_ex.default": (2,), "linalg_ldl_factor_ex.default": (2,)}
+# (``torch.cholesky``, which always raises for a matrix that is not positive definite, stays gathered)
+_CHECKED = {"linalg_lu_factor_ex.default": (2,), "linalg_ldl_factor_ex.default": (2,),
+            "linalg_cholesky_ex.default": (2,), "linalg_inv_ex.default": (2,)}
 
 
 def _overload(name: str):
@@ -249,10 +250,8 @@ def diag_embed_rule(call: OpCall) -> Sharding | None:
     x = call.args[0]
     if x.ndim < 1:
         return None
-    offset = call.arg(1, "offset", 0)
     ndim = x.ndim + 1
     d1, d2 = _dims(ndim, call.arg(2, "dim1", -2), call.arg(3, "dim2", -1))
-    del offset
     target = without_partial(unshard(placements_of(x), [x.ndim - 1], x.ndim))
     rest = [e for e in range(ndim) if e not in (d1, d2)]
     out = renumber(target, x.ndim, lambda e: rest[e] if e < len(rest) else None)
