@@ -59,6 +59,7 @@ FAST_OPS = (
     "tril", "triu", "cumsum", "nn.functional.embedding", "nn.functional.cross_entropy",
     "nn.functional.dropout", "quantile", "stft", "resize_", "masked.sum", "masked.softmax",
     "nn.functional.scaled_dot_product_attention", "linalg.vector_norm", "nn.functional.group_norm",
+    "tensor_split", "short",
 )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..spec import chunk_ranges
 from .registry import ArgSpec, OpCall, Sharding, register
 from .specs import local_shape_of
 from .tensor_ops import is_plain_shard, placements_of, renumber, unshard, without_partial
@@ -81,6 +82,10 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
             d = None if chosen is None else chosen - (nb - len(b))
             t.append(Shard(d) if d is not None and d >= 0 and b[d] == batch[chosen] else Replicate())
         out.append(Replicate() if chosen is None else Shard(chosen))
+    dropped = _emptied(out, batch, mesh)
+    if dropped:
+        targets = [[Replicate() if axis in dropped else p for axis, p in enumerate(t)] for t in targets]
+        out = [Replicate() if axis in dropped else p for axis, p in enumerate(out)]
     out = tuple(out)
     entries = []
     if any(isinstance(p, Shard) for p in out):
@@ -104,6 +109,19 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
         outputs = out if len(flat) == 1 else tuple(None if not isinstance(v, torch.Tensor) else out for v in flat)
     inputs = [None if s.placements == tuple(t) else tuple(t) for s, t in zip(specs, targets)]
     return Sharding(inputs=inputs, outputs=outputs, local=local)
+
+
+def _emptied(out, shape, mesh) -> set[int]:
+    """The mesh axes (indices) of ``out``'s shards that would leave some rank an empty piece of a
+    dim (5 over 2x2: 2, 1, 1, 1 is fine; 2 over 2x2 leaves two ranks none): kernels of pools,
+    padding and upsampling refuse an empty channel dim, so such a dim is not kept sharded."""
+    dropped: set[int] = set()
+    for dim in {p.dim for p in out if isinstance(p, Shard)}:
+        axes = [i for i, p in enumerate(out) if isinstance(p, Shard) and p.dim == dim]
+        sizes = [mesh.shape[i] for i in axes]
+        if any(size == 0 for _, size in chunk_ranges(shape[dim], sizes).values()):
+            dropped.update(axes)
+    return dropped
 
 
 def _inplace(sharding: Sharding | None) -> Sharding | None:
@@ -355,9 +373,12 @@ def per_image_rule(call: OpCall) -> Sharding | None:
 
 
 def _batch_axes(x: ArgSpec) -> tuple:
-    """Per mesh axis: ``Shard(0)`` where ``x`` is sharded on its batch dim, else Replicate."""
-    return tuple(Shard(0) if is_plain_shard(p) and p.dim % x.ndim == 0 and x.shape[0] > 1 else Replicate()
-                 for p in placements_of(x))
+    """Per mesh axis: ``Shard(0)`` where ``x`` is sharded on its batch dim (and every rank holds
+    some of it), else Replicate."""
+    out = [Shard(0) if is_plain_shard(p) and p.dim % x.ndim == 0 and x.shape[0] > 1 else Replicate()
+           for p in placements_of(x)]
+    dropped = _emptied(out, x.shape, x.mesh)
+    return tuple(Replicate() if axis in dropped else p for axis, p in enumerate(out))
 
 
 def _keep(spec, want):
