@@ -9,7 +9,8 @@ Each case runs forward and backward against the plain op on fresh random fp64 in
 tensor argument sharded on its first dim (a batch dim: kept), its last dim (a core dim: gathered
 on that axis only) or replicated, on 2 ranks and on a 2x2 mesh, uneven batches included; the aten
 ops each case names must not have run through the gather fallback, and where only batch dims
-are sharded the forward of a local case moves no data.
+are sharded the forward of a local case moves no data (batches of 5: on 2x2 every rank holds some;
+a batch that would leave a rank none is gathered instead).
 """
 
 import warnings
@@ -51,7 +52,7 @@ def _first(value):
 #          forward local when only dim 0 is sharded, differentiable)
 CASES = {
     "tril": (lambda x: x.tril(1), [(_randn, (5, 4, 4))], ("aten.tril",), True, True),
-    "triu": (lambda x: x.triu(-1), [(_randn, (3, 4, 5))], ("aten.triu",), True, True),
+    "triu": (lambda x: x.triu(-1), [(_randn, (5, 4, 5))], ("aten.triu",), True, True),
     "inv": (torch.linalg.inv, [(_well, (5, 3, 3))], ("aten.linalg_inv_ex",), False, True),
     "solve": (torch.linalg.solve, [(_well, (5, 3, 3)), (_randn, (5, 3, 2))],
               ("aten._linalg_solve_ex", "aten.linalg_lu_solve"), False, True),
@@ -60,17 +61,17 @@ CASES = {
     "cholesky": (torch.linalg.cholesky, [(_spd, (5, 3, 3))],
                  ("aten.linalg_cholesky_ex", "aten.linalg_solve_triangular", "aten.tril"), False, True),
     "solve_triangular": (lambda a, b: torch.linalg.solve_triangular(a.triu(), b, upper=True),
-                         [(_well, (3, 4, 4)), (_randn, (3, 4, 2))], ("aten.linalg_solve_triangular", "aten.triu"),
+                         [(_well, (5, 4, 4)), (_randn, (5, 4, 2))], ("aten.linalg_solve_triangular", "aten.triu"),
                          True, True),
     "svdvals": (torch.linalg.svdvals, [(_randn, (5, 4, 3))], ("aten._linalg_svd",), True, True),
-    "eigvalsh": (torch.linalg.eigvalsh, [(_spd, (3, 4, 4))], ("aten._linalg_eigh",), True, True),
+    "eigvalsh": (torch.linalg.eigvalsh, [(_spd, (5, 4, 4))], ("aten._linalg_eigh",), True, True),
     "qr": (torch.linalg.qr, [(_well, (5, 4, 3))], ("aten.linalg_qr",), True, True),
     "slogdet": (lambda a: torch.linalg.slogdet(a)[1], [(_well, (5, 3, 3))], ("aten._linalg_slogdet",), True, True),
-    "det": (torch.linalg.det, [(_well, (3, 3, 3))], ("aten._linalg_det",), True, True),
+    "det": (torch.linalg.det, [(_well, (5, 3, 3))], ("aten._linalg_det",), True, True),
     "lu_factor + lu_solve": (lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a), b),
                              [(_well, (5, 3, 3)), (_randn, (5, 3, 2))],
                              ("aten.linalg_lu_factor_ex", "aten.linalg_lu_solve", "aten.lu_unpack"), False, True),
-    "pinv": (torch.linalg.pinv, [(_well, (3, 4, 3))], ("aten.linalg_pinv",), True, True),
+    "pinv": (torch.linalg.pinv, [(_well, (5, 4, 3))], ("aten.linalg_pinv",), True, True),
     "diagonal": (lambda x: x.diagonal(1, 1, 2), [(_randn, (5, 4, 6))], ("aten.diagonal",), True, True),
     "diagonal dims 0 2": (lambda x: torch.diagonal(x, -1, 0, 2), [(_randn, (4, 5, 4))], ("aten.diagonal",),
                           False, True),
@@ -78,16 +79,19 @@ CASES = {
     "diagonal_scatter": (lambda x, s: x.diagonal_scatter(s, 0, 1, 2), [(_randn, (5, 3, 3)), (_randn, (5, 3))],
                          ("aten.diagonal_scatter",), True, True),
     "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), [(_randn, (5, 2, 4, 4))], ("aten.avg_pool2d",), True, True),
-    "max_pool2d": (lambda x: F.max_pool2d(x, 2), [(_randn, (3, 2, 4, 6))], ("aten.max_pool2d_with_indices",),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 2), [(_randn, (5, 2, 4, 6))], ("aten.max_pool2d_with_indices",),
                    True, True),
     "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, 3), [(_randn, (5, 2, 5, 4))],
                             ("aten._adaptive_avg_pool2d",), True, True),
     "interpolate nearest": (lambda x: F.interpolate(x, scale_factor=2), [(_randn, (5, 2, 3, 3))],
                             ("aten.upsample_nearest2d",), True, True),
-    "interpolate bilinear": (lambda x: F.interpolate(x, size=(5, 4), mode="bilinear"), [(_randn, (3, 2, 3, 3))],
+    "interpolate bilinear": (lambda x: F.interpolate(x, size=(5, 4), mode="bilinear"), [(_randn, (5, 2, 3, 3))],
                              ("aten.upsample_bilinear2d",), True, True),
     "pad reflect": (lambda x: F.pad(x, (2, 1), mode="reflect"), [(_randn, (5, 3, 6))],
                     ("aten.reflection_pad1d",), True, True),
+    # 2 channels over 2x2 leave two ranks none, which reflection_pad1d refuses: gathered on that dim
+    "pad reflect 2 channels": (lambda x: F.pad(x, (2, 1), mode="reflect"), [(_randn, (2, 6))],
+                            ("aten.reflection_pad1d",), False, True),
     "conv2d": (lambda x, w, b: F.conv2d(x, w, b, padding=1), [(_randn, (5, 3, 5, 5)), (_randn, (4, 3, 3, 3)),
                                                                (_randn, (4,))],
                ("aten.convolution",), False, True),
