@@ -105,7 +105,8 @@ def main() -> None:
         done = {r["op"]: r for r in json.loads(out.with_suffix(".json").read_text())["results"]}
     started = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M")
     start = time.monotonic()
-    results = [done[k] for k in keys if k in done]
+    # every op already there is kept (also those --ops does not list: a resumed subset adds to the table)
+    results = [r for k, r in done.items() if k not in keys] + [done[k] for k in keys if k in done]
     for i, key in enumerate(k for k in keys if k not in done):
         result = _run_one(key, args)
         results.append(result)

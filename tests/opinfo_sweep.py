@@ -12,7 +12,8 @@ One op on every rank of a mesh (``sweep_op``, run by ``run_on_ranks``) ends in o
 * ``silent wrong``: some output or gradient differs from the plain op's (value, shape, dtype):
   the one outcome that must never happen.
 
-Samples on which the plain op itself raises are skipped. A random op (one that draws from torch's
+Samples on which the plain op itself raises are skipped; a sample whose plain backward raises
+(``linalg.eig``: a loss that depends on the eigenvectors' phase is ill-defined) is compared forward only. A random op (one that draws from torch's
 generator: its RNG state moves) and the ``empty`` family (uninitialized values) are compared by
 shape and dtype only. ``fallback`` counts the aten
 calls that went through the gather fallback (``DTensor.dispatcher.cache_info()["fallbacks"]``),
@@ -58,6 +59,7 @@ FAST_OPS = (
     "tril", "triu", "cumsum", "nn.functional.embedding", "nn.functional.cross_entropy",
     "nn.functional.dropout", "quantile", "stft", "resize_", "masked.sum", "masked.softmax",
     "nn.functional.scaled_dot_product_attention", "linalg.vector_norm", "nn.functional.group_norm",
+    "tensor_split", "short",
 )
 
 
@@ -322,7 +324,10 @@ def _compare_gradients(found, table, wants, gots, where) -> tuple[str, str]:
         return "pass", ""
     g = torch.Generator().manual_seed(7)
     ups = [torch.randn(w.shape, dtype=w.dtype, generator=g) for w, _ in pairs]
-    want_grads = torch.autograd.grad([w for w, _ in pairs], leaves, ups, allow_unused=True)
+    try:
+        want_grads = torch.autograd.grad([w for w, _ in pairs], leaves, ups, allow_unused=True)
+    except RuntimeError:
+        return "pass", ""  # the plain backward raises (linalg.eig's phase-dependent loss): compared forward only
     mesh = next(iter(table.values())).mesh
     up_dts = [distribute(u, mesh, [Replicate()] * mesh.ndim, src_rank=None) for u in ups]
     outs = [gt for _, gt in pairs]

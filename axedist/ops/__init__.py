@@ -12,7 +12,7 @@ from .registry import RULES, ArgSpec, OpCall, Sharding, register, rule_for
 
 # One module per op family (rules registered per family, not one switch).
 FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm",
-            "embedding", "loss", "attention", "random", "complex", "along_dim")
+            "embedding", "loss", "attention", "random", "complex", "along_dim", "batched", "vector_products")
 
 for _family in FAMILIES:
     import_module(f".{_family}", __name__)

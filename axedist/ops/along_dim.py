@@ -1,9 +1,8 @@
 """Sharding rules of ops that work along one dim, each position of the other dims on its own:
 scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``), sorts and selections
 (``sort``, ``topk``, ``kthvalue``, ``median`` / ``nanmedian`` / ``mode`` over a dim), ``renorm``,
-the FFTs (over a list of dims) and ``constant_pad_nd`` (over the dims it pads). (``tril`` / ``triu``
-stay with the gather fallback: a rule that kept their shards gave a wrong gradient inside
-``linalg.householder_product``'s backward, not yet understood.)
+the FFTs (over a list of dims), ``constant_pad_nd`` (over the dims it pads), ``glu`` and ``unfold``.
+(``tril`` / ``triu`` are ``batched.py``'s: their last 2 dims whole, the batch dims keep their shards.)
 
 The op's dim must be whole on each device; every other dim keeps its shards, so no whole
 tensor moves when the op's dim is not the sharded one. 4 ranks, ``x`` (8, 10) in
@@ -21,6 +20,7 @@ from torch.distributed.tensor import Partial
 
 from .registry import LINEAR_REDUCE_OPS, OpCall, Sharding, register
 from .shard_ranges import without_partial
+from .specs import local_shape_of
 from .tensor_ops import placements_of, renumber, unshard
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def select_along_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[target], outputs=(out, out))
 
 
-@register(aten._fft_r2c.default, aten._fft_c2c.default)  # (c2r: gathered, not yet checked)
+@register(aten._fft_r2c.default, aten._fft_c2c.default, aten._fft_c2r.default)
 def fft_rule(call: OpCall) -> Sharding:
     """An FFT over ``dim`` (a list): those dims whole, the others keep their shards; linear, so a
     pending sum (or mean) stays pending. ``torch.fft.rfft(x)`` of (8, 16) ``[Shard(0)]``: (8, 9)
@@ -120,3 +120,47 @@ def pad_rule(call: OpCall) -> Sharding:
         places = without_partial(places)
     target = unshard(places, padded, x.ndim)
     return Sharding(inputs=[target], outputs=target)
+
+
+@register(aten.glu.default, aten.glu_backward.default)
+def glu_rule(call: OpCall) -> Sharding:
+    """``F.glu(x, dim)`` multiplies the two halves of ``dim``: that dim whole, the others keep
+    their shards (the backward's gradient and input alike); pending values applied first."""
+    x = call.args[0] if call.func is aten.glu.default else call.args[1]
+    dim = call.arg(1, "dim", -1) if call.func is aten.glu.default else call.args[2]
+    target = without_partial(unshard(placements_of(x), [dim], x.ndim))
+    return Sharding(inputs=[target] * len(call.specs), outputs=target)
+
+
+@register(aten.unfold.default, aten.unfold_copy.default)
+def unfold_rule(call: OpCall) -> Sharding:
+    """``x.unfold(1, 3, 2)`` of (4, 9) ``[Shard(0)]``: windows of dim 1 (whole) as a new last dim,
+    (4, 4, 3) ``[Shard(0)]``; a pending sum stays (windows only select)."""
+    x, dimension = call.args[0], call.args[1]
+    target = unshard(placements_of(x), [dimension], x.ndim) if x.ndim else placements_of(x)
+    local = None
+    if call.func is aten.unfold_copy.default:
+        def local(call_, t, *args, **kwargs):
+            return aten.unfold_copy.default(t, *args, **kwargs)
+    return Sharding(inputs=[target], outputs=target, local=local)
+
+
+@register(aten.unfold_backward.default)
+def unfold_backward_rule(call: OpCall) -> Sharding:
+    """The gradient of ``x.unfold(d, size, step)``: the windows' gradients summed back into ``x``'s
+    size. ``d`` and the window dim whole; the other dims keep their shards (the local op gets
+    this rank's sizes); linear, so a pending sum stays."""
+    grad, sizes, dim = call.args[0], call.args[1], call.args[2]
+    ndim = len(sizes)
+    d = dim % max(ndim, 1)
+    places = placements_of(grad)
+    if not all(p.reduce_op in LINEAR_REDUCE_OPS for p in places if isinstance(p, Partial)):
+        places = without_partial(places)  # overlapping windows add up: a pending max is applied first
+    target = unshard(places, [d, grad.ndim - 1], grad.ndim)
+    out = renumber(target, grad.ndim, lambda e: e if e < ndim else None)
+    local_sizes = local_shape_of(tuple(sizes), call.mesh, out)
+
+    def local(call_, g, _sizes, *args, **kwargs):
+        return aten.unfold_backward.default(g, list(local_sizes), *args, **kwargs)
+
+    return Sharding(inputs=[target], outputs=out, local=local)

@@ -243,6 +243,19 @@ class _Recorder:
         return out
 
 
+# torch functions whose C++ reads an index tensor's data directly (no dispatch), which a DTensor
+# (a wrapper with no storage of its own) cannot serve
+_READS_INDEX_DATA = frozenset({torch.tensor_split, torch.Tensor.tensor_split})
+
+
+def _with_index_values(func, types, args, kwargs, cls):
+    """``torch.tensor_split(x, idx)`` with a DTensor ``idx``: its values (a few ints, the same
+    on every rank) gathered into a list first, the op then split by those indices."""
+    args = tuple(a.full_tensor().tolist() if i > 0 and type(a) is cls else a for i, a in enumerate(args))
+    kwargs = {k: (v.full_tensor().tolist() if type(v) is cls else v) for k, v in (kwargs or _EMPTY).items()}
+    return _disabled(func, types, args, kwargs)
+
+
 def _add_kwargs(key: list, kwargs: dict) -> bool:
     """Extend a call's key by its keyword arguments; False when one is not a scalar or a list of ints."""
     key.append(_KWARGS)
@@ -322,6 +335,8 @@ def _handler(fast: FastPath):
         if _dispatch_modes() or _any_autocast():
             return _disabled(func, types, args, kwargs or _EMPTY)
         if entry is None:
+            if func in _READS_INDEX_DATA:
+                return _with_index_values(func, types, args, kwargs, DTensor)
             return record(func, types, args, kwargs, key, grad)
         if entry.defer is not None and entry.defer != dispatcher.defer_gemm:
             return _disabled(func, types, args, kwargs or _EMPTY)

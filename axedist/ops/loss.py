@@ -26,9 +26,12 @@ logits stay partial (the loss is linear in them). ``ignore_index`` and per-class
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..runtime.carriers import all_reduce_
+from .pointwise import pointwise_sharding
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import dim_range, inputs_by_name
 
@@ -171,3 +174,56 @@ def _nll_backward(classes: int, class_dim: int, score_placements):
         return result
 
     return local
+
+
+# ---------------------------------------------------------------------------
+# Elementwise losses (mse, huber, smooth_l1, soft_margin, binary_cross_entropy) and their backward
+# ---------------------------------------------------------------------------
+
+# op -> position of its ``reduction`` argument
+_ELEMENTWISE_LOSSES = {aten.mse_loss.default: 2, aten.huber_loss.default: 2, aten.smooth_l1_loss.default: 2,
+                       aten.soft_margin_loss.default: 2, aten.binary_cross_entropy.default: 3,
+                       aten.mse_loss_backward.default: 3, aten.huber_loss_backward.default: 3,
+                       aten.smooth_l1_loss_backward.default: 3, aten.soft_margin_loss_backward.default: 3,
+                       aten.binary_cross_entropy_backward.default: 4}
+
+
+def _with_sum(func, position: int, scale: float):
+    """The local function: the op with ``reduction="sum"`` on this rank's elements, times ``scale``
+    (``1 / global count`` for a mean: exact for uneven shards)."""
+    def local(call, *args, **kwargs):
+        args = list(args)
+        if position < len(args):
+            args[position] = _SUM
+        else:
+            kwargs["reduction"] = _SUM
+        value = func(*args, **kwargs)
+        return value * scale if scale != 1 else value
+
+    return local
+
+
+@register(*_ELEMENTWISE_LOSSES)
+def elementwise_loss_rule(call: OpCall) -> Sharding | None:
+    """``F.mse_loss(x, y)`` with ``x``, ``y`` (8, 6) in ``[Shard(0)]``: each rank's squared errors.
+    ``reduction="none"``: ``[Shard(0)]``; ``"sum"``: the local sums, ``[Partial("sum")]``;
+    ``"mean"``: the local sums over the global count (48), ``[Partial("sum")]``. The backward
+    (input gradient laid out as ``x``) takes a mean's ``1/48`` the same way."""
+    position = _ELEMENTWISE_LOSSES[call.func]
+    reduction = call.arg(position, "reduction", _MEAN)
+    backward = call.func._schema.name.endswith("_backward")
+    data = call.specs[1:] if backward and isinstance(call.args[0], ArgSpec) else call.specs  # (not grad_output)
+    if len({tuple(s.shape) for s in data}) != 1:
+        return None  # broadcast operands: torch's mean divides by another count in forward and backward
+    elem = pointwise_sharding(call)
+    if not isinstance(elem.outputs, tuple) or any(isinstance(p, Partial) for p in elem.outputs):
+        return None
+    if reduction == _NONE:
+        return Sharding(inputs=elem.inputs, outputs=elem.outputs)
+    count = math.prod(data[0].shape)
+    scale = 1.0 / count if reduction == _MEAN else 1.0
+    if backward:
+        return Sharding(inputs=elem.inputs, outputs=elem.outputs, local=_with_sum(call.func, position, scale)
+                        if reduction == _MEAN else None)
+    out = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in elem.outputs)
+    return Sharding(inputs=elem.inputs, outputs=out, local=_with_sum(call.func, position, scale))

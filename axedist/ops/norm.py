@@ -22,7 +22,7 @@ backward has no CPU kernel, so on CPU its local step is computed from the formul
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..runtime.carriers import all_reduce_
 from .reduction import accumulation_dtype
@@ -223,3 +223,48 @@ def fused_rms_norm_backward_rule(call: OpCall) -> Sharding:
     xt, gt, param = _backward_placements(grad, x, len(normalized_shape))
     inputs = _specs_inputs([grad, x, rstd, weight], [gt, xt, xt, _replicated(weight)])
     return Sharding(inputs=inputs, outputs=(gt, param), local=_fused_rms_norm_backward_local)
+
+
+# ---------------------------------------------------------------------------
+# group norm: by batch (each image's groups normalized on their own)
+# ---------------------------------------------------------------------------
+
+
+def _by_batch(x: ArgSpec) -> tuple:
+    """Per mesh axis: ``Shard(0)`` where ``x``'s batch dim is sharded (plainly), else Replicate."""
+    return tuple(Shard(0) if type(p) is Shard and p.dim % x.ndim == 0 else Replicate() for p in placements_of(x))
+
+
+@register(aten.native_group_norm.default)
+def group_norm_rule(call: OpCall) -> Sharding:
+    """``native_group_norm(x (N, C, *), w, b, N, C, HxW, G, eps)``, ``x`` in ``[Shard(0)]``: each
+    rank's images (the op told this rank's N); out, mean and rstd (N, G) ``[Shard(0)]``."""
+    x, weight, bias = call.args[:3]
+    batch = _by_batch(x)
+    inputs = _specs_inputs([x, weight, bias], [batch, _replicated(weight), _replicated(bias)])
+
+    def local(call_, t, w, b, _n, c, hxw, group, eps):
+        if t.shape[0] == 0:  # an empty piece of an uneven batch
+            stats = t.new_empty((0, group))
+            return t.clone(), stats, stats.clone()
+        return aten.native_group_norm.default(t, w, b, t.shape[0], c, hxw, group, eps)
+
+    return Sharding(inputs=inputs, outputs=(batch, batch, batch), local=local)
+
+
+@register(aten.native_group_norm_backward.default)
+def group_norm_backward_rule(call: OpCall) -> Sharding:
+    """By batch, as the forward: grad_input ``[Shard(0)]``; grad_weight and grad_bias sum over the
+    images, ``[Partial("sum")]`` on the batch's axes."""
+    grad, x, mean, rstd, weight = call.args[:5]
+    batch = _by_batch(x)
+    summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in batch)
+    inputs = _specs_inputs([grad, x, mean, rstd, weight], [batch, batch, batch, batch, _replicated(weight)])
+
+    def local(call_, g, t, m, r, w, _n, c, hxw, group, mask):
+        if t.shape[0] == 0:  # an empty piece of an uneven batch: no images, nothing summed
+            zeros = t.new_zeros((c,)) if w is None else torch.zeros_like(w)
+            return (g.clone() if mask[0] else None, zeros if mask[1] else None, zeros.clone() if mask[2] else None)
+        return aten.native_group_norm_backward.default(g, t, m, r, w, t.shape[0], c, hxw, group, mask)
+
+    return Sharding(inputs=inputs, outputs=(batch, summed, summed), local=local)

@@ -279,15 +279,26 @@ _UNARY = ["abs", "neg", "exp", "exp2", "expm1", "log", "log1p", "log2", "log10",
           "isfinite", "nan_to_num", "clamp", "clamp_min", "clamp_max", "hardtanh", "leaky_relu", "elu", "celu",
           "selu", "softplus", "hardswish", "hardsigmoid", "hardshrink", "softshrink", "threshold", "logit",
           "relu6", "square", "positive", "conj_physical", "angle", "digamma", "lgamma", "i0", "sinc", "deg2rad", "rad2deg",
-          "bitwise_left_shift", "bitwise_right_shift", "fill", "clone", "_to_copy", "alias_copy"]
+          "bitwise_left_shift", "bitwise_right_shift", "fill", "clone", "_to_copy", "alias_copy",
+          "_conj_physical", "polygamma", "mvlgamma", "special_i0e", "special_i1", "special_i1e", "special_entr",
+          "special_erfcx", "special_log_ndtr", "special_ndtri", "special_airy_ai", "special_bessel_j0",
+          "special_bessel_j1", "special_bessel_y0", "special_bessel_y1", "special_modified_bessel_i0",
+          "special_modified_bessel_i1", "special_modified_bessel_k0", "special_modified_bessel_k1",
+          "special_scaled_modified_bessel_k0", "special_scaled_modified_bessel_k1", "special_spherical_bessel_j0"]
 _BINARY = ["add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow",
            "maximum", "minimum", "fmax", "fmin", "atan2", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
            "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "copysign", "hypot", "xlogy",
            "nextafter", "lerp", "addcmul", "addcdiv", "masked_fill", "heaviside", "logaddexp", "logaddexp2",
-           "float_power", "ldexp", "igamma", "igammac", "polar", "complex"]
+           "float_power", "ldexp", "igamma", "igammac", "polar", "complex", "special_xlog1py", "special_zeta",
+           "special_chebyshev_polynomial_t", "special_chebyshev_polynomial_u", "special_chebyshev_polynomial_v",
+           "special_chebyshev_polynomial_w", "special_shifted_chebyshev_polynomial_t",
+           "special_shifted_chebyshev_polynomial_u", "special_shifted_chebyshev_polynomial_v",
+           "special_shifted_chebyshev_polynomial_w", "special_hermite_polynomial_h", "special_hermite_polynomial_he",
+           "special_laguerre_polynomial_l", "special_legendre_polynomial_p"]
 _BACKWARD = ["threshold_backward", "sigmoid_backward", "tanh_backward", "gelu_backward", "silu_backward",
              "leaky_relu_backward", "elu_backward", "hardtanh_backward", "softplus_backward", "mish_backward",
-             "hardswish_backward", "hardsigmoid_backward", "logit_backward"]
+             "hardswish_backward", "hardsigmoid_backward", "logit_backward", "hardshrink_backward",
+             "softshrink_backward", "log_sigmoid_backward"]
 _FOREACH = ["add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "neg", "abs", "exp", "log",
             "maximum", "minimum", "clamp_min", "clamp_max", "reciprocal", "sign", "pow", "sigmoid", "tanh",
             "zero", "copy", "rsqrt", "sin", "cos", "floor", "ceil", "round", "trunc", "frac", "erf", "expm1",
@@ -316,6 +327,23 @@ _ELEMENTWISE += [p for p in _packets([f"_foreach_{n}" for n in _FOREACH]) if p n
 @register(*_ELEMENTWISE)
 def elementwise(call: OpCall) -> Sharding:
     return pointwise_sharding(call)
+
+
+@register(aten.frexp.Tensor, aten.log_sigmoid_forward.default)
+def elementwise_two_outputs(call: OpCall) -> Sharding:
+    """``torch.frexp(x)`` (mantissa, exponent), ``log_sigmoid_forward(x)`` (output, buffer): two
+    outputs of ``x``'s shape, each element from the same element of ``x``, laid out alike."""
+    one = pointwise_sharding(call)
+    if not isinstance(one.outputs, tuple) or any(isinstance(p, Partial) for p in one.outputs):
+        return None  # (a layout without placement form, or a pending output: gathered)
+    local = _log_sigmoid_forward_local if call.func is aten.log_sigmoid_forward.default else None
+    return Sharding(inputs=one.inputs, outputs=(one.outputs, one.outputs), local=local)
+
+
+def _log_sigmoid_forward_local(call, x, *args, **kwargs):
+    # CUDA's kernel returns an empty buffer (its backward does not read it): laid out as x's
+    out, buffer = aten.log_sigmoid_forward.default(x, *args, **kwargs)
+    return out, (buffer if buffer.shape == out.shape else torch.zeros_like(out))
 
 
 @register(aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like)

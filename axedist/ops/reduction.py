@@ -135,6 +135,25 @@ def sum_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[plan.target], outputs=plan.out)
 
 
+@register(aten.nansum.default)
+def nansum_rule(call: OpCall) -> Sharding:
+    """``x.nansum(0)`` of ``[Shard(0)]`` -> ``[Partial("sum")]``, as ``sum``; a pending sum of the
+    input is applied first (a NaN in one summand is a NaN of the value, which nansum skips whole)."""
+    x = call.args[0]
+    dims, keepdim = reduced_dims(x.ndim, call.arg(1, "dim")), call.arg(2, "keepdim", False)
+    plan = _Plan(x, dims, keepdim, "sum", keeps=())
+    return Sharding(inputs=[plan.target], outputs=plan.out)
+
+
+@register(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
+def count_nonzero_rule(call: OpCall) -> Sharding:
+    """``x.count_nonzero(0)`` of ``[Shard(0)]``: each rank counts its rows, ``[Partial("sum")]``;
+    a pending input applied first (summands' zeros are not the value's)."""
+    x = call.args[0]
+    plan = _Plan(x, reduced_dims(x.ndim, call.arg(1, "dim")), False, "sum", keeps=())
+    return Sharding(inputs=[plan.target], outputs=plan.out)
+
+
 @register(aten.mean.default, aten.mean.dim)
 def mean_rule(call: OpCall) -> Sharding:
     """``x.mean(0)`` of (10, 6) ``[Shard(0)]`` on 4 ranks: local sums / 10, ``[Partial("sum")]``."""
@@ -456,6 +475,15 @@ def vector_norm_rule(call: OpCall) -> Sharding:
         return total.pow(1.0 / ord_).to(real)
 
     return Sharding(inputs=[target], outputs=plan.out, local=local)
+
+
+@register(aten.norm.ScalarOpt_dim)
+def norm_rule(call: OpCall) -> Sharding:
+    """``torch.norm(x, p, dim, keepdim)``: ``linalg_vector_norm``'s rule (``p`` None is 2)."""
+    x, p = call.args[0], call.arg(1, "p")
+    dim, keepdim = call.arg(2, "dim"), call.arg(3, "keepdim", False)
+    vector = OpCall(aten.linalg_vector_norm.default, (x, 2 if p is None else p, dim, keepdim), {}, call.mesh)
+    return vector_norm_rule(vector)
 
 
 __all__ = ["reduced_dims", "accumulation_dtype"]

@@ -409,3 +409,121 @@ def scatter_rule(call: OpCall) -> Sharding:
             t.append(c)
         out.append(o)
     return Sharding(inputs=[tuple(t) for t, v in zip(targets, tensors) if isinstance(v, ArgSpec)], outputs=tuple(out))
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce_rule(call: OpCall) -> Sharding:
+    """``x.scatter_reduce(dim, idx, src, "amax")``: as ``scatter`` (dims off ``dim`` of equal size
+    in all three stay sharded alike), with every pending value applied first (not linear)."""
+    x, dim, index, src = call.args[:4]
+    d = dim % max(x.ndim, 1)
+    tensors = [t for t in (x, index, src) if isinstance(t, ArgSpec)]
+    if len(tensors) != 3:
+        return None
+    places = [without_partial(placements_of(t)) for t in tensors]
+    targets, out = [[], [], []], []
+    for axis in range(call.mesh.ndim):
+        chosen, o = _index_axis(d, [t.shape for t in tensors], [p[axis] for p in places])
+        for t, c in zip(targets, chosen):
+            t.append(c)
+        out.append(o)
+    return Sharding(inputs=[tuple(t) for t in targets], outputs=tuple(out))
+
+
+def _self_stays(sharding: Sharding | None, self: ArgSpec) -> Sharding | None:
+    """An in-place op's sharding when it neither moves ``self`` nor keeps a pending value, else
+    None (the gather fallback writes the whole result back into ``self``'s layout)."""
+    if sharding is None or sharding.inputs[0] is not None or self.reduce_op:
+        return None
+    if tuple(sharding.outputs) != tuple(placements_of(self)) or self.placements is None:
+        return None
+    return sharding
+
+
+@register(aten.scatter_.value, aten.scatter_.src, aten.scatter_add_.default)
+def scatter_inplace_rule(call: OpCall) -> Sharding | None:
+    """``x.scatter_(dim, idx, v)``: ``scatter``'s rule where ``x`` keeps its layout."""
+    x = call.args[0]
+    inner = scatter_rule(call)
+    if tuple(inner.inputs[0]) == x.placements:
+        inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
+    return _self_stays(inner, x)
+
+
+@register(aten.index_add_.default)
+def index_add_inplace_rule(call: OpCall) -> Sharding | None:
+    """``x.index_add_(dim, idx, src)``: ``index_add``'s rule where ``x`` keeps its layout."""
+    x = call.args[0]
+    inner = index_add_rule(call)
+    if tuple(inner.inputs[0]) == x.placements:
+        inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
+    return _self_stays(inner, x)
+
+
+@register(aten.index_reduce.default, aten.index_copy.default)
+def index_reduce_rule(call: OpCall) -> Sharding:
+    """``x.index_reduce(dim, idx, src, "prod")`` / ``index_copy``: ``x`` and ``src`` share their
+    shards off ``dim``, ``dim`` whole, the index replicated; pending values applied first."""
+    x, dim, index, src = call.args[:4]
+    d = dim % max(x.ndim, 1)
+    specs = [s for s in (x, src) if isinstance(s, ArgSpec)]
+    target = without_partial(joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e],
+                                              linear=False))
+    inputs = []
+    for value in (x, index, src):
+        if isinstance(value, ArgSpec):
+            inputs.append(target if value is not index else (Replicate(),) * x.mesh.ndim)
+    return Sharding(inputs=inputs, outputs=target)
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill_rule(call: OpCall) -> Sharding:
+    """``x.index_fill(1, idx, v)``: dim 1 whole, ``x``'s other shards kept, the index (and a
+    tensor ``v``) replicated; a pending ``x`` applied first (the fill is no summand)."""
+    x, dim = call.args[0], call.args[1]
+    d = dim % max(x.ndim, 1)
+    target = without_partial(unshard(placements_of(x), [d], x.ndim))
+    full = (Replicate(),) * call.mesh.ndim
+    return Sharding(inputs=[target] + [full] * (len(call.specs) - 1), outputs=target)
+
+
+@register(aten.roll.default)
+def roll_rule(call: OpCall) -> Sharding:
+    """``x.roll(2, 1)``: rolled dims whole, the others keep their shards (a pending sum too:
+    rolling only moves elements); with no dims (the flattened tensor) everything whole."""
+    x, dims = call.args[0], call.arg(2, "dims", [])
+    places = placements_of(x)
+    target = unshard(places, list(dims), x.ndim) if dims else tuple(Replicate() for _ in places)
+    return Sharding(inputs=[target], outputs=target)
+
+
+@register(aten.repeat.default)
+def repeat_rule(call: OpCall) -> Sharding:
+    """``x.repeat(1, 3)`` of (4, 5) ``[Shard(0)]``: (4, 15) ``[Shard(0)]``, local. A dim repeated
+    more than once is whole (its tiles interleave the shards); new leading dims shift the rest."""
+    x, repeats = call.args[0], list(call.args[1])
+    lead = len(repeats) - x.ndim
+    places = placements_of(x)
+    target = unshard(places, [e for e in range(x.ndim) if repeats[lead + e] != 1], x.ndim)
+    return Sharding(inputs=[target], outputs=renumber(target, x.ndim, lambda e: e + lead))
+
+
+@register(aten.slice_scatter.default, aten.select_scatter.default)
+def slice_scatter_rule(call: OpCall) -> Sharding | None:
+    """``x.slice_scatter(src, dim, 1, 3)`` / ``x.select_scatter(src, dim, i)``: ``dim`` whole in
+    ``x`` (and ``src``); the other dims sharded alike in both where their sizes agree; pending
+    values applied first."""
+    x, src, dim = call.args[0], call.args[1], call.arg(2, "dim", 0)
+    if not (isinstance(x, ArgSpec) and isinstance(src, ArgSpec)) or not x.ndim:
+        return None
+    d = dim % x.ndim
+    select = call.func is aten.select_scatter.default
+    src_dim = (lambda e: e if e < d else e - 1) if select else (lambda e: e)
+    xt, st = [], []
+    for p in without_partial(placements_of(x)):
+        e = p.dim % x.ndim if is_plain_shard(p) else None
+        if e is not None and e != d and src.shape[src_dim(e)] == x.shape[e]:
+            xt.append(p), st.append(Shard(src_dim(e)))
+        else:
+            xt.append(Replicate()), st.append(Replicate())
+    return Sharding(inputs=[tuple(xt), tuple(st)], outputs=tuple(xt))

@@ -371,6 +371,9 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
         return args[0]
 
     def wrap(value):
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise DispatchError(f"{func} returns a {value.layout} tensor; axedist DTensors hold dense (strided) "
+                                f"tensors only: convert the result of to_local() or full_tensor() instead")
         if isinstance(value, torch.Tensor):
             spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
             return cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)

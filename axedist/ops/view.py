@@ -23,7 +23,7 @@ import torch
 
 from ..layout import Iter, Layout, LayoutError, row_major_memory
 from ..spec import DTensorSpec, make_spec
-from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register, rule_for
 from .specs import expected_local_shape, local_shape_of, spec_of
 
 aten = torch.ops.aten
@@ -231,3 +231,50 @@ def expand(call: OpCall) -> Sharding:
 def alias(call: OpCall) -> Sharding:
     """Same data, same spec."""
     return Sharding(inputs=[None], outputs=call.specs[0])
+
+
+# ---------------------------------------------------------------------------
+# The ``*_copy`` variants: the view's rule, its local result copied (no aliasing)
+# ---------------------------------------------------------------------------
+
+_COPIES = {name: view for name, view in (
+    ("view_copy.default", "view.default"), ("t_copy.default", "t.default"),
+    ("transpose_copy.int", "transpose.int"), ("permute_copy.default", "permute.default"),
+    ("unsqueeze_copy.default", "unsqueeze.default"), ("squeeze_copy.default", "squeeze.default"),
+    ("squeeze_copy.dim", "squeeze.dim"), ("squeeze_copy.dims", "squeeze.dims"),
+    ("expand_copy.default", "expand.default"), ("unbind_copy.int", "unbind.int"),
+    ("split_with_sizes_copy.default", "split_with_sizes.default"), ("split_copy.Tensor", "split.Tensor"))}
+
+
+def _overload(name: str):
+    packet, overload = name.split(".")
+    return getattr(getattr(aten, packet), overload, None) if hasattr(aten, packet) else None
+
+
+_COPY_OF = {_overload(copy): _overload(view) for copy, view in _COPIES.items()
+            if _overload(copy) is not None and _overload(view) is not None}
+
+
+@register(*_COPY_OF)
+def view_copy(call: OpCall) -> Sharding | None:
+    """``x.t_copy()`` is ``x.t()`` with its own memory: the view's rule (``view.py`` or
+    ``tensor_ops.py``), then each local result copied contiguous. ``(8, 6)`` ``[Shard(0)]``:
+    ``t_copy`` gives ``(6, 8)`` ``[Shard(1)]``, no data moved."""
+    view = _COPY_OF[call.func]
+    rule = rule_for(view)  # whichever family registered it
+    if rule is None:
+        return None
+    inner = rule(OpCall(view, call.args, call.kwargs, call.mesh))
+    if inner is None:
+        return None
+    base = inner.local
+
+    def local(call_, *args, **kwargs):
+        result = base(OpCall(view, call_.args, call_.kwargs, call_.mesh), *args, **kwargs) if base is not None \
+            else view(*args, **kwargs)
+        if isinstance(result, (list, tuple)):
+            return type(result)(r.clone(memory_format=torch.contiguous_format) for r in result)
+        return result.clone(memory_format=torch.contiguous_format)
+
+    return Sharding(inputs=inner.inputs, outputs=inner.outputs, local=local, out_shape=inner.out_shape,
+                    note=inner.note)

@@ -26,6 +26,9 @@ from ..tracing import compiling
 
 __all__ = ["InPlace", "Functional", "IN_PLACE", "FUNCTIONAL", "current", "all_reduce_"]
 
+# dtypes gloo's collectives refuse ("Invalid scalar type"); data that only moves goes as bytes
+_GLOO_LACKS = frozenset(getattr(torch, name) for name in ("int16", "uint16", "uint32", "uint64")
+                        if hasattr(torch, name))
 _NATIVE_OP = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PRODUCT"}
 _FUNCTIONAL_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}
 
@@ -40,6 +43,13 @@ class InPlace:
     name = "torch.distributed (in place)"
 
     def all_gather(self, program, send, async_op):
+        if program.ctx.backend == "gloo" and send.dtype in _GLOO_LACKS:
+            # gloo has no such dtype: gathering moves bytes, so gather them as bytes
+            program.ran = "torch"
+            raw = send.contiguous().view(torch.uint8)
+            gathered = torch.empty(raw.numel() * len(program.members), dtype=torch.uint8, device=send.device)
+            work = all_gather_into(gathered, raw, group=program.group, async_op=async_op)
+            return gathered.view(send.dtype), _handles(work, async_op)
         gathered = torch.empty(send.numel() * len(program.members), dtype=send.dtype, device=send.device)
         if program.through_api("all_gather", send, async_op):
             api.run_all_gather(send, program.group, backend=program.ran, out=gathered)

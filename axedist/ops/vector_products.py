@@ -1,0 +1,131 @@
+"""Products with vectors: ``dot``, ``vdot``, ``mv``, ``addmv``, ``addr`` (the matrix products,
+``mm``/``bmm``/``addmm``, are ``matmul.py``'s).
+
+Per mesh axis, as for matrices: a contraction dim sharded in either operand is sharded alike in
+both (a replicated operand is sliced locally: free), and the local products are a pending sum;
+``mv``'s rows sharded with the vector replicated give rows of the output; ``addr``'s outer
+product keeps either vector's shard as the output's rows or columns. 2 ranks, ``a``, ``b`` (5,)
+in ``[Shard(0)]``: ``a.dot(b)`` is each rank's 3- or 2-element dot, ``[Partial("sum")]``.
+
+Pending inputs are applied first (a pending output is made only by a sharded contraction), and
+``addmv``'s ``self`` is added on one rank of each pending group, so the sum counts it once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .registry import ArgSpec, OpCall, Sharding, register
+from .tensor_ops import is_plain_shard, placements_of
+
+aten = torch.ops.aten
+
+
+def _sharded(spec: ArgSpec, axis: int, dim: int) -> bool:
+    p = placements_of(spec)[axis]
+    return is_plain_shard(p) and p.dim % spec.ndim == dim and spec.shape[dim] > 1
+
+
+def _keep(spec: ArgSpec, want: list):
+    return None if spec.placements == tuple(want) else tuple(want)
+
+
+@register(aten.dot.default, aten.vdot.default)
+def dot_rule(call: OpCall) -> Sharding | None:
+    """``a.dot(b)``: a shard of either vector (the other sliced alike) gives a pending sum."""
+    a, b = call.args[0], call.args[1]
+    if not (isinstance(a, ArgSpec) and isinstance(b, ArgSpec)) or a.ndim != 1 or b.ndim != 1:
+        return None
+    wa, wb, out = [], [], []
+    for axis in range(call.mesh.ndim):
+        if _sharded(a, axis, 0) or _sharded(b, axis, 0):
+            wa.append(Shard(0)), wb.append(Shard(0)), out.append(Partial("sum"))
+        else:
+            wa.append(Replicate()), wb.append(Replicate()), out.append(Replicate())
+    return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=tuple(out))
+
+
+def _mv_placements(mat: ArgSpec, vec: ArgSpec, mesh):
+    """Per axis: rows (mat Shard(0), vec Replicate -> out Shard(0)), contraction (mat Shard(1),
+    vec Shard(0) -> out Partial), or nothing sharded."""
+    wm, wv, out = [], [], []
+    for axis in range(mesh.ndim):
+        if _sharded(mat, axis, 0):
+            wm.append(Shard(0)), wv.append(Replicate()), out.append(Shard(0))
+        elif _sharded(mat, axis, 1) or _sharded(vec, axis, 0):
+            wm.append(Shard(1)), wv.append(Shard(0)), out.append(Partial("sum"))
+        else:
+            wm.append(Replicate()), wv.append(Replicate()), out.append(Replicate())
+    return wm, wv, tuple(out)
+
+
+@register(aten.mv.default)
+def mv_rule(call: OpCall) -> Sharding | None:
+    """``A.mv(x)``, ``A`` (6, 4) ``[Shard(0)]``: each rank's rows, output ``[Shard(0)]``; ``A`` in
+    ``[Shard(1)]`` (or ``x`` in ``[Shard(0)]``): local products of the pieces, ``[Partial("sum")]``."""
+    mat, vec = call.args[0], call.args[1]
+    if not (isinstance(mat, ArgSpec) and isinstance(vec, ArgSpec)) or mat.ndim != 2 or vec.ndim != 1:
+        return None
+    wm, wv, out = _mv_placements(mat, vec, call.mesh)
+    return Sharding(inputs=[_keep(mat, wm), _keep(vec, wv)], outputs=out)
+
+
+def _added_once(call: OpCall, out: tuple):
+    """The local function of ``addmv``/``addr`` with a pending output: ``self`` (times ``beta``)
+    added on the rank at coordinate 0 of every pending axis, ``beta = 0`` elsewhere."""
+    partial_axes = [name for name, p in zip(call.mesh.axis_names, out) if isinstance(p, Partial)]
+    if not partial_axes:
+        return None
+    mesh, func = call.mesh, call.func
+
+    def local(call_, *args, **kwargs):
+        coords = mesh.coordinates()
+        if all(coords[axis] == 0 for axis in partial_axes):
+            return func(*args, **kwargs)
+        return func(*args, **{**kwargs, "beta": 0})
+
+    return local
+
+
+def _self_like(self: ArgSpec, out: tuple, out_shape: tuple) -> list:
+    """``self`` (broadcast against the output) sharded like the output where it has that dim
+    at full extent, else replicated."""
+    lead = len(out_shape) - self.ndim
+    want = []
+    for p in out:
+        d = p.dim - lead if isinstance(p, Shard) else -1
+        want.append(Shard(d) if d >= 0 and self.shape[d] == out_shape[p.dim] else Replicate())
+    return want
+
+
+@register(aten.addmv.default)
+def addmv_rule(call: OpCall) -> Sharding | None:
+    """``beta * self + alpha * A.mv(x)``: ``mv``'s sharding; ``self`` added once per pending group."""
+    self, mat, vec = call.args[:3]
+    if not all(isinstance(s, ArgSpec) for s in (self, mat, vec)) or mat.ndim != 2 or vec.ndim != 1:
+        return None
+    wm, wv, out = _mv_placements(mat, vec, call.mesh)
+    ws = _self_like(self, out, (mat.shape[0],))
+    return Sharding(inputs=[_keep(self, ws), _keep(mat, wm), _keep(vec, wv)], outputs=out,
+                    local=_added_once(call, out))
+
+
+@register(aten.addr.default)
+def addr_rule(call: OpCall) -> Sharding | None:
+    """``beta * self + alpha * outer(u, v)``: ``u``'s shard gives the output's rows, ``v``'s its
+    columns (per mesh axis, ``u`` first); no pending sum."""
+    self, u, v = call.args[:3]
+    if not all(isinstance(s, ArgSpec) for s in (self, u, v)) or u.ndim != 1 or v.ndim != 1:
+        return None
+    wu, wv, out = [], [], []
+    for axis in range(call.mesh.ndim):
+        if _sharded(u, axis, 0):
+            wu.append(Shard(0)), wv.append(Replicate()), out.append(Shard(0))
+        elif _sharded(v, axis, 0):
+            wu.append(Replicate()), wv.append(Shard(0)), out.append(Shard(1))
+        else:
+            wu.append(Replicate()), wv.append(Replicate()), out.append(Replicate())
+    out = tuple(out)
+    ws = _self_like(self, out, (u.shape[0], v.shape[0]))
+    return Sharding(inputs=[_keep(self, ws), _keep(u, wu), _keep(v, wv)], outputs=out)
