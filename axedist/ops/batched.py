@@ -61,13 +61,11 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
     if len(cores) != len(specs) or any(c > s.ndim for c, s in zip(cores, specs)):
         return None
     batches = [tuple(s.shape[:s.ndim - c]) for s, c in zip(specs, cores)]
-    nb = max((len(b) for b in batches), default=0)
-    batch = [1] * nb
-    for b in batches:
-        for i, n in enumerate(b):
-            j = nb - len(b) + i
-            if n != 1:
-                batch[j] = n
+    try:
+        batch = list(torch.broadcast_shapes(*batches))
+    except RuntimeError:
+        return None  # batch dims that do not broadcast: the op itself refuses them
+    nb = len(batch)
     targets = [[] for _ in specs]
     out = []
     for axis in range(mesh.ndim):

@@ -53,7 +53,7 @@ _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
 FUSED_BACKEND = read_environment("AXEDIST_FUSED_BACKEND")
-_GATHER_POLICIES = ("auto", "always", "never")
+_POLICIES = ("auto", "always", "never")
 
 
 class PendingWork:
@@ -125,6 +125,15 @@ class PendingWork:
         uses of the pending value itself still compute it, checking its operands did not change)."""
         done = pending.nodes() if type(pending) is DeferredSum else (pending,)
         self.outstanding[:] = [ref for ref in self.outstanding if not any(ref() is node for node in done)]
+
+    def policy(self, name: str, value: str | None, caller: str) -> str:
+        """Set the policy attribute ``name`` to ``value`` (one of auto / always / never; None keeps
+        it) for ``caller`` (``defer_gathers``, ``tails.defer_tails``); returns the policy in force."""
+        if value is not None:
+            if value not in _POLICIES:
+                raise ValueError(f"{caller} policy must be auto, always or never, got {value!r}")
+            setattr(self, name, value)
+        return getattr(self, name)
 
     def record_choice(self, collective: str, plan, reason: str) -> None:
         """Keep the fused choice just made for ``collective``: the fused kernels' plan (its text
@@ -500,11 +509,7 @@ def defer_gathers(policy: str | None = None) -> str:
     """When row all-gathers are deferred: ``"auto"`` only where the fused kernel can consume
     them (CUDA, bf16/fp16), ``"always"`` (tests of the deferral on CPU), ``"never"``. Returns
     the policy in force (after setting it, when given)."""
-    if policy is not None:
-        if policy not in _GATHER_POLICIES:
-            raise ValueError(f"defer_gathers policy must be auto, always or never, got {policy!r}")
-        PENDING.gather_policy = policy
-    return PENDING.gather_policy
+    return PENDING.policy("gather_policy", policy, "defer_gathers")
 
 
 def defer_gather(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredGather | None:

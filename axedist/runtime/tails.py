@@ -35,7 +35,6 @@ def pending_tail(pending) -> "DeferredTail | None":
 # the decode sizes a deferred tail is for: rows of the [rows, hidden] matrix, and the fused kernel's widest row
 _TAIL_MAX_ROWS = 64
 _TAIL_MAX_HIDDEN = 16384
-_TAIL_POLICIES = ("auto", "always", "never")
 
 
 class DeferredTail:
@@ -119,11 +118,7 @@ def defer_tails(policy: str | None = None) -> str:
     (CUDA, bf16/fp16, under ``torch.inference_mode``, at most 64 rows of at most 16384), ``"always"``
     (tests on CPU: still under inference mode only), ``"never"`` (the default until the fused
     kernel has run on GPUs: opt in with ``defer_tails("auto")``). Returns the policy in force."""
-    if policy is not None:
-        if policy not in _TAIL_POLICIES:
-            raise ValueError(f"defer_tails policy must be auto, always or never, got {policy!r}")
-        PENDING.tail_policy = policy
-    return PENDING.tail_policy
+    return PENDING.policy("tail_policy", policy, "defer_tails")
 
 
 def defer_tail(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredTail | None:
