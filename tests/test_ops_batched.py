@@ -221,3 +221,40 @@ def test_batched_ops_match_the_plain_ops_without_the_fallback(mesh_name, half):
     names = _HALVES[half]
     counts = run_on_ranks(_case, 2 if mesh_name == "2" else 4, args=(mesh_name, names))
     assert counts == [3 * len(names)] * len(counts)
+
+
+def _non_finite(rank, world, op, seed):
+    mesh = mesh_of("2")
+    generator = torch.Generator().manual_seed(seed)
+    full = torch.randn(4, 3, 3, dtype=torch.float64, generator=generator)
+    full = full + full.transpose(-1, -2)          # symmetric: eigh's input too
+    full[3, 1, 1] = float("nan")                  # a matrix of rank 1's batch half
+    x = DTensor.from_local(full.chunk(world)[rank], mesh, [Shard(0)])
+    fn = {"svd": torch.linalg.svd, "eigh": torch.linalg.eigh, "eig": torch.linalg.eig}[op]
+    try:
+        fn(x)
+    except Exception as error:  # noqa: BLE001 - every rank reports what it raised
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("op", ["svd", "eigh", "eig"])
+def test_a_matrix_that_does_not_converge_raises_on_every_rank(op):
+    """Sharded by batch, only rank 1 holds the matrix with a NaN; torch raises for it there. Every
+    rank raises a clear error naming rank 1 (not: rank 1 alone, the others going on)."""
+    if op != "svd" and not _raises_on_nan(op):
+        pytest.skip(f"this torch's {op} does not raise for a NaN matrix")
+    outcomes = run_on_ranks(_non_finite, 2, args=(op, torch.randint(0, 1 << 30, ()).item()))
+    for outcome in outcomes:
+        assert outcome is not None and outcome[0] == "DispatchError", outcomes
+        assert "mesh rank(s) [1]" in outcome[1], outcomes
+    assert "here:" in outcomes[1][1] and "not here" in outcomes[0][1], outcomes
+
+
+def _raises_on_nan(op) -> bool:
+    nan = torch.full((3, 3), float("nan"), dtype=torch.float64)
+    try:
+        {"eigh": torch.linalg.eigh, "eig": torch.linalg.eig}[op](nan)
+    except RuntimeError:
+        return True
+    return False

@@ -21,7 +21,12 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import torch.distributed as dist
+
+from ..runtime.carriers import all_reduce_
 from ..spec import chunk_ranges
+from ..tracing import compiling
+from .call_plan import DispatchError
 from .registry import ArgSpec, OpCall, Sharding, register
 from .specs import local_shape_of
 from .tensor_ops import is_plain_shard, placements_of, renumber, unshard, without_partial
@@ -167,10 +172,44 @@ _MATRIX_RULES = {op: cores for op, cores in ((_overload(n), c) for n, c in _MATR
 _CHECKED_RULES = {op: cores for op, cores in ((_overload(n), c) for n, c in _CHECKED.items()) if op is not None}
 
 
+# ops that raise for a matrix whose iteration fails to converge (NaN or inf input): sharded by
+# batch, only the rank holding it would raise; the others would go on to their next collective
+_MAY_NOT_CONVERGE = {op for op in (_overload("_linalg_svd.default"), _overload("_linalg_eigh.default"),
+                                   _overload("linalg_eig.default")) if op is not None}
+
+
+def raising_together(call_, *args, **kwargs):
+    """``call_.func`` on this rank's matrices; where it raises on any rank of the mesh, every rank
+    raises a ``DispatchError`` naming the ranks that failed (one small all-reduce per call)."""
+    failure, out = None, None
+    try:
+        out = call_.func(*args, **kwargs)
+    except RuntimeError as error:
+        failure = error
+    if compiling():  # a traced graph has no per-rank failure to agree on here
+        if failure is not None:
+            raise failure
+        return out
+    group = call_.mesh.group()
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    failed = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+    failed[dist.get_rank(group)] = failure is not None
+    all_reduce_(failed, "sum", group=group)
+    ranks = [r for r, bad in enumerate(failed.tolist()) if bad]
+    if ranks:
+        what = f"here: {failure}" if failure is not None else "not here"
+        raise DispatchError(f"{call_.func} failed on the matrices of mesh rank(s) {ranks} of {call_.mesh} "
+                            f"(each rank computes its own batch; {what})") from failure
+    return out
+
+
 @register(*_MATRIX_RULES)
 def matrix_rule(call: OpCall) -> Sharding | None:
-    """``torch.linalg.inv(A)`` of (6, 4, 4) ``[Shard(0)]``: each rank's matrices, ``[Shard(0)]``."""
-    return batch_sharding(call, _cores_by_schema(call, _MATRIX_RULES[call.func]))
+    """``torch.linalg.inv(A)`` of (6, 4, 4) ``[Shard(0)]``: each rank's matrices, ``[Shard(0)]``.
+    svd / eigh / eig, which raise where a matrix does not converge, raise on every rank or none
+    (:func:`raising_together`)."""
+    local = raising_together if call.func in _MAY_NOT_CONVERGE else None
+    return batch_sharding(call, _cores_by_schema(call, _MATRIX_RULES[call.func]), local=local)
 
 
 @register(*_CHECKED_RULES)
