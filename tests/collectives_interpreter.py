@@ -120,9 +120,8 @@ def run_tail_case(world, rows, hidden, dtype, variant, programs, seed):
     weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(dtype)
     eps = 1e-5
     numel = rows * hidden
-    stride = (numel + 15) // 16 * 16
-    geometry = dict(numel=numel, chunk=numel, stride=stride)
-    data_bytes = (world * stride * dtype.itemsize + 4095) // 4096 * 4096
+    geometry = call_geometry("all_reduce_one_shot", (rows, hidden), world)  # the layout TailPlan uses
+    data_bytes = (geometry["elements"] * dtype.itemsize + 4095) // 4096 * 4096
     workspaces = fake_workspaces(world, data_bytes, dtype)
     half = seed % 2
     push = variant == "push"

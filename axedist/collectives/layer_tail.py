@@ -20,19 +20,14 @@ import torch.nn.functional as F
 
 from ..caches import memo
 from .backend import p2p_possible
-from .p2p import choose_variant, static_arguments
+from .p2p import TRITON_DTYPE, call_geometry, choose_variant, kernel_signature, static_arguments
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
 __all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail"]
 
 _OP = "all_reduce_rms_norm"
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # rows of at most this many elements (Llama-3-405B's 16384); one row is one program's tile
 MAX_HIDDEN = 16384
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return (value + multiple - 1) // multiple * multiple
 
 
 def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -48,13 +43,11 @@ def kernel_arguments(hidden: int, dtype: torch.dtype, world: int, push: bool, co
                      aligned: bool, phases: int = 3) -> tuple[dict, dict, list[str]]:
     """(Triton signature of the runtime arguments, constexprs, arguments divisible by 16) of the
     fused kernel for one call shape class: what the GPU compiles and the CPU tests inspect."""
-    element = _TRITON_DTYPE[dtype]
-    signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", state_ptr="*i32", timeout_ns="i64")
-    for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
-        signature[name] = "i64"
-    signature.update(numel="i32", chunk_stride="i32", rank="i32", abort_ptr="*i32", error_address="i64",
-                     half_bytes="i64", barrier_bytes="i64", residual_ptr=f"*{element}", weight_ptr=f"*{element}",
-                     y_ptr=f"*{element}", n_rows="i32", hidden="i32", eps="fp32")
+    element = TRITON_DTYPE[dtype]
+    # the one-shot all-reduce's arguments (same workspace, epochs and barrier), then the tail's own
+    signature = kernel_signature("all_reduce_one_shot", dtype)
+    signature.update(residual_ptr=f"*{element}", weight_ptr=f"*{element}", y_ptr=f"*{element}", n_rows="i32",
+                     hidden="i32", eps="fp32")
     constexprs = dict(WORLD=world, BLOCK_H=max(16, 1 << (hidden - 1).bit_length()), PUSH=push, COPY_IN=copy_in,
                       ALIGNED=aligned, PHASES=phases)
     divisible = ["state_ptr", "abort_ptr", "chunk_stride"]
@@ -82,25 +75,25 @@ class TailPlan:
                  aligned: bool, workspace=None):
         """workspace: the rank's workspace to run on (default: the group's; virtual ranks pass their own)."""
         self.rows, self.hidden, self.dtype, self.aligned = rows, hidden, dtype, aligned
-        numel = rows * hidden
-        stride = _round_up(numel, 16)
         world = dist.get_world_size(group) if workspace is None else workspace.world_size
-        self.geometry = dict(numel=numel, chunk=numel, stride=stride, elements=world * stride)
+        # the one-shot all-reduce's layout: push slots of the rows rounded up to 16 elements
+        self.geometry = call_geometry("all_reduce_one_shot", (rows, hidden), world)
+        nbytes = self.geometry["elements"] * dtype.itemsize
         if workspace is None:
-            workspace = get_workspace(group, world * stride * dtype.itemsize, torch.device("cuda", device_index))
-        elif world * stride * dtype.itemsize > workspace.data_bytes:
-            raise ValueError(f"{_OP}: {world * stride} elements of {dtype} do not fit the workspace half of "
-                             f"{workspace.data_bytes} bytes")
+            workspace = get_workspace(group, nbytes, torch.device("cuda", device_index))
+        elif nbytes > workspace.data_bytes:
+            raise ValueError(f"{_OP}: {self.geometry['elements']} elements of {dtype} do not fit the workspace "
+                             f"half of {workspace.data_bytes} bytes")
         self.workspace = workspace
         self.world, self.rank = workspace.world_size, workspace.rank
-        self.push = choose_variant("all_reduce_one_shot", numel * dtype.itemsize, variant) == "push"
+        self.push = choose_variant("all_reduce_one_shot", rows * hidden * dtype.itemsize, variant) == "push"
         self.programs = max(1, min(rows, self.workspace.processors, MAX_BARRIER_PROGRAMS))
         self.device_index = device_index
         self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half) for half in (0, 1)]
         self._launch = None
 
     def __repr__(self) -> str:
-        return (f"TailPlan({'push' if self.push else 'pull'}, {_TRITON_DTYPE[self.dtype]} "
+        return (f"TailPlan({'push' if self.push else 'pull'}, {TRITON_DTYPE[self.dtype]} "
                 f"({self.rows}, {self.hidden}) W={self.world}: {self.programs} programs)")
 
     def launch(self):
@@ -143,7 +136,7 @@ def _p2p_refusal(x, residual, weight, group) -> str:
     """Why the fused kernel cannot run this call ("" where it can): what every rank sees alike."""
     if not (x.is_cuda and residual.is_cuda and weight.is_cuda):
         return f"it needs CUDA tensors, got {x.device}"
-    if x.dtype not in _TRITON_DTYPE:
+    if x.dtype not in TRITON_DTYPE:
         return f"it takes bf16, fp16 or fp32, got {x.dtype}"
     if x.shape[1] > MAX_HIDDEN:
         return f"rows of {x.shape[1]} elements exceed the kernel's {MAX_HIDDEN}"

@@ -126,12 +126,12 @@ def _kernel(op: str):
     return getattr(collective_kernels, f"{op}_kernel")
 
 
-_TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def kernel_signature(op: str, dtype: torch.dtype) -> dict:
     """Triton types of the runtime arguments of `op`'s kernel, in order."""
-    element = _TRITON_DTYPE[dtype]
+    element = TRITON_DTYPE[dtype]
     signature = dict(x_ptr=f"*{element}", out_ptr=f"*{element}", state_ptr="*i32",
                      timeout_ns="i64")
     for name in [f"D{i}" for i in range(8)] + ["multicast_base"] + [f"F{i}" for i in range(8)]:
@@ -237,7 +237,7 @@ class CallPlan:
 
     def __repr__(self) -> str:
         return (f"CallPlan({self.op} {self.variant}{' multimem' if self.multimem else ''}, "
-                f"{_TRITON_DTYPE[self.dtype]} {self.shape} W={self.world}: "
+                f"{TRITON_DTYPE[self.dtype]} {self.shape} W={self.world}: "
                 f"{self.programs} programs x {self.rows * COLS}"
                 f"{f', {self.rounds} rounds' if self.rounds > 1 else ''})")
 

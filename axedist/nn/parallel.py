@@ -51,7 +51,7 @@ from ..layout import Layout, LayoutError, one_dim_iters
 from ..planning import plan_redistribute
 from ..mesh import DeviceMesh, as_mesh
 from ..runtime import count_collectives, execution_bytes
-from ..runtime.tails import pending_tail
+from ..runtime.tails import defer_tails, pending_tail
 from ..tracing import compiling
 from .grads import reduce_pending_grads
 
@@ -705,7 +705,7 @@ def _outputs_computed(module, args, output) -> None:
     it runs here, before the forward returns, so that a CUDA graph captured around the model
     records it (a deferred tail run after the capture would not be replayed). Nothing is deferred
     while compiling (the compiler schedules the collectives), so a traced forward skips this."""
-    if compiling():
+    if compiling() or defer_tails() == "never":  # (the default: nothing to look for on the hot path)
         return
     for leaf in torch.utils._pytree.tree_leaves(output):
         if type(leaf) is DTensor and pending_tail(leaf._pending) is not None:

@@ -138,11 +138,7 @@ def unfold_rule(call: OpCall) -> Sharding:
     (4, 4, 3) ``[Shard(0)]``; a pending sum stays (windows only select)."""
     x, dimension = call.args[0], call.args[1]
     target = unshard(placements_of(x), [dimension], x.ndim) if x.ndim else placements_of(x)
-    local = None
-    if call.func is aten.unfold_copy.default:
-        def local(call_, t, *args, **kwargs):
-            return aten.unfold_copy.default(t, *args, **kwargs)
-    return Sharding(inputs=[target], outputs=target, local=local)
+    return Sharding(inputs=[target], outputs=target)
 
 
 @register(aten.unfold_backward.default)

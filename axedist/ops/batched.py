@@ -27,9 +27,9 @@ from ..runtime.carriers import all_reduce_
 from ..spec import chunk_ranges
 from ..tracing import compiling
 from .call_plan import DispatchError
-from .registry import ArgSpec, OpCall, Sharding, register
+from .registry import ArgSpec, OpCall, Sharding, moved_to, overload_named, register
 from .specs import local_shape_of
-from .tensor_ops import is_plain_shard, placements_of, renumber, unshard, without_partial
+from .tensor_ops import is_plain_shard, placements_of, renumber, self_stays, unshard, without_partial
 
 aten = torch.ops.aten
 
@@ -127,13 +127,6 @@ def _emptied(out, shape, mesh) -> set[int]:
     return dropped
 
 
-def _inplace(sharding: Sharding | None) -> Sharding | None:
-    """An in-place op's sharding, or None (gathered) when it would move ``self``."""
-    if sharding is None or sharding.inputs[0] is not None:
-        return None
-    return sharding
-
-
 # ---------------------------------------------------------------------------
 # torch.linalg and friends: matrices in the last 2 dims
 # ---------------------------------------------------------------------------
@@ -155,11 +148,6 @@ _CHECKED = {"linalg_lu_factor_ex.default": (2,), "linalg_ldl_factor_ex.default":
             "linalg_cholesky_ex.default": (2,), "linalg_inv_ex.default": (2,)}
 
 
-def _overload(name: str):
-    packet, overload = name.split(".")
-    return getattr(getattr(aten, packet, None), overload, None)
-
-
 def _cores_by_schema(call: OpCall, per_argument: tuple) -> list[int]:
     """``per_argument`` (one per tensor argument of the schema) for the ArgSpecs present."""
     schema = call.func._schema.arguments
@@ -168,14 +156,14 @@ def _cores_by_schema(call: OpCall, per_argument: tuple) -> list[int]:
     return [core for value, core in zip(tensors, per_argument) if isinstance(value, ArgSpec)]
 
 
-_MATRIX_RULES = {op: cores for op, cores in ((_overload(n), c) for n, c in _MATRIX_OPS.items()) if op is not None}
-_CHECKED_RULES = {op: cores for op, cores in ((_overload(n), c) for n, c in _CHECKED.items()) if op is not None}
+_MATRIX_RULES = {op: cores for op, cores in ((overload_named(n), c) for n, c in _MATRIX_OPS.items()) if op is not None}
+_CHECKED_RULES = {op: cores for op, cores in ((overload_named(n), c) for n, c in _CHECKED.items()) if op is not None}
 
 
 # ops that raise for a matrix whose iteration fails to converge (NaN or inf input): sharded by
 # batch, only the rank holding it would raise; the others would go on to their next collective
-_MAY_NOT_CONVERGE = {op for op in (_overload("_linalg_svd.default"), _overload("_linalg_eigh.default"),
-                                   _overload("linalg_eig.default")) if op is not None}
+_MAY_NOT_CONVERGE = {op for op in (overload_named("_linalg_svd.default"), overload_named("_linalg_eigh.default"),
+                                   overload_named("linalg_eig.default")) if op is not None}
 
 
 def raising_together(call_, *args, **kwargs):
@@ -223,7 +211,7 @@ def checked_matrix_rule(call: OpCall) -> Sharding | None:
 @register(aten.tril_.default, aten.triu_.default)
 def tril_inplace_rule(call: OpCall) -> Sharding | None:
     """``A.tril_()``: in place where the last 2 dims are whole (``self`` cannot move)."""
-    return _inplace(batch_sharding(call, [2]))
+    return self_stays(batch_sharding(call, [2]), call.args[0])
 
 
 def _solve_cores(call: OpCall) -> list[int]:
@@ -272,11 +260,7 @@ def diagonal_rule(call: OpCall) -> Sharding | None:
     target = unshard(placements_of(x), [d1, d2], x.ndim)
     rest = [e for e in range(x.ndim) if e not in (d1, d2)]
     out = renumber(target, x.ndim, lambda e: rest.index(e) if e in rest else None)
-    local = None
-    if call.func is aten.diagonal_copy.default:
-        def local(call_, t, *args, **kwargs):
-            return aten.diagonal_copy.default(t, *args, **kwargs)
-    return Sharding(inputs=[target], outputs=out, local=local)
+    return Sharding(inputs=[target], outputs=out)
 
 
 @register(aten.diagonal_backward.default)
@@ -350,7 +334,7 @@ _SPATIAL_NAMES = {1: ("reflection_pad1d", "replication_pad1d", "upsample_nearest
                       "max_unpool3d", "reflection_pad3d", "replication_pad3d", "upsample_nearest3d",
                       "upsample_trilinear3d", "_upsample_nearest_exact3d")}
 _SPATIAL = {op: k for k, names in _SPATIAL_NAMES.items() for name in names for suffix in ("", "_backward")
-            if (op := _overload(f"{name}{suffix}.default")) is not None}
+            if (op := overload_named(f"{name}{suffix}.default")) is not None}
 
 
 def _is_upsample_backward(func) -> bool:
@@ -418,10 +402,6 @@ def _batch_axes(x: ArgSpec) -> tuple:
     return tuple(Replicate() if axis in dropped else p for axis, p in enumerate(out))
 
 
-def _keep(spec, want):
-    return None if spec is None or spec.placements == tuple(want) else tuple(want)
-
-
 @register(aten.convolution.default)
 def convolution_rule(call: OpCall) -> Sharding | None:
     """``F.conv2d(x, w, b)``, ``x`` (N, C, H, W) ``[Shard(0)]``: each rank's images with the
@@ -432,7 +412,7 @@ def convolution_rule(call: OpCall) -> Sharding | None:
         return None
     batch = _batch_axes(x)
     full = (Replicate(),) * call.mesh.ndim
-    inputs = [_keep(x, batch), _keep(w, full)] + ([_keep(bias, full)] if isinstance(bias, ArgSpec) else [])
+    inputs = [moved_to(x, batch), moved_to(w, full)] + ([moved_to(bias, full)] if isinstance(bias, ArgSpec) else [])
     return Sharding(inputs=inputs, outputs=batch)
 
 
@@ -446,5 +426,5 @@ def convolution_backward_rule(call: OpCall) -> Sharding | None:
     batch = _batch_axes(x)
     full = (Replicate(),) * call.mesh.ndim
     summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in batch)
-    inputs = [_keep(grad, batch), _keep(x, batch), _keep(w, full)]
+    inputs = [moved_to(grad, batch), moved_to(x, batch), moved_to(w, full)]
     return Sharding(inputs=inputs, outputs=(batch, summed, summed))

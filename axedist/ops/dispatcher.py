@@ -28,11 +28,11 @@ from torch._prims_common import make_contiguous_strides_for
 from ..caches import cached, register
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
-from ..runtime.deferred import PENDING
+from ..runtime.deferred import PENDING, POLICIES
 from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, local_of,
                         op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
-from .fusion import DEFER_POLICIES, defer_product, take_pending
+from .fusion import defer_product, take_pending
 from .registry import ArgSpec
 from .reshape_inplace import RESHAPING_INPLACE, dispatch_reshaping_inplace
 from .specs import placements_or_none
@@ -107,8 +107,8 @@ class OpDispatcher:
 
     @defer_gemm.setter
     def defer_gemm(self, value: str) -> None:
-        if value not in DEFER_POLICIES:
-            raise ValueError(f"defer_gemm must be one of {DEFER_POLICIES}, got {value!r}")
+        if value not in POLICIES:
+            raise ValueError(f"defer_gemm must be one of {POLICIES}, got {value!r}")
         self._defer_gemm = value
 
     def clear_caches(self) -> None:

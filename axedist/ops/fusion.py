@@ -22,15 +22,14 @@ from __future__ import annotations
 import torch
 
 from ..runtime.deferred import PENDING, defer, defer_sum, pending_gather, pending_product, placeholder
-from ..runtime.tails import fused_tail_norm, pending_tail
+from ..runtime.tails import DeferredTail, fused_tail_norm, pending_tail, with_residual
 from ..tracing import may_defer
 from .call_plan import CallPlan, op_info, scan, written
 
-__all__ = ["PENDING_USERS", "pending_user", "take_pending", "planned_as_is", "defer_product", "DEFER_POLICIES"]
+__all__ = ["PENDING_USERS", "pending_user", "take_pending", "planned_as_is", "defer_product"]
 
 aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
-DEFER_POLICIES = ("auto", "always", "never")
 
 # aten op -> handler(dispatcher, func, args): the op's output taking the deferred work of its
 # arguments as it stands (a DTensor), or None (then the op runs as usual, on computed values)
@@ -121,7 +120,8 @@ def sum_of_pending(dispatcher, func, args):
     if len(args) != 2:
         return None
     (a, b), cls = args, dispatcher.cls
-    if (type(b) is cls and pending_tail(b._pending) is not None) or (type(a) is cls and pending_tail(a._pending)):
+    if (type(b) is cls and pending_tail(b._pending) is not None) or \
+            (type(a) is cls and pending_tail(a._pending) is not None):
         return residual_of_tail(dispatcher, func, args)
     if type(a) is not cls or a._pending is None:
         return None
@@ -151,21 +151,20 @@ def residual_of_tail(dispatcher, func, args):
     tensor of the same spec, shape and dtype (the block's residual stream): stays pending as
     ``residual + all_reduce(...)``, for an RMSNorm to run fused (:func:`norm_of_tail`)."""
     (a, b), cls = args, dispatcher.cls
-    tail, residual = (b._pending, a) if type(b) is cls and pending_tail(b._pending) is not None else (a._pending, b)
-    if type(residual) is not cls or not _computed(residual) or tail.kind == "residual":
-        return None
-    root = tail.root()
-    if residual.dtype != root.local.dtype or residual._spec != (a if residual is b else b)._spec:
+    holder, residual = (b, a) if type(b) is cls and pending_tail(b._pending) is not None else (a, b)
+    tail = holder._pending
+    if type(residual) is not cls or not _computed(residual) or residual.dtype != holder.dtype \
+            or residual._spec != holder._spec:
         return None
     plan, _ = planned_as_is(dispatcher, func, args)
     if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
         return None  # an add that moves data or broadcasts is not the residual add
     out = plan.outputs[0]
-    if out.spec != residual._spec or out.unsqueeze or tuple(out.local_shape) != tail.shape \
-            or tuple(residual._local.shape) != tail.shape:
+    if out.spec != holder._spec or out.unsqueeze or tuple(out.local_shape) != tail.shape:
         return None
-    return cls(placeholder(residual.dtype, residual._local.device), out.spec, stride=out.stride,
-               pending=tail.with_residual(residual._local))
+    pending = with_residual(tail, residual._local)
+    return None if pending is None else cls(placeholder(residual.dtype, residual._local.device), out.spec,
+                                            stride=out.stride, pending=pending)
 
 
 @pending_user(aten.rms_norm.default)
@@ -176,7 +175,7 @@ def norm_of_tail(dispatcher, func, args):
     if not 2 <= len(args) <= 4 or type(args[0]) is not cls:
         return None
     tail = pending_tail(args[0]._pending)
-    if tail is None or tail.kind != "residual":
+    if type(tail) is not DeferredTail or tail.kind != "residual":
         return None
     normalized, weight = list(args[1]), args[2] if len(args) > 2 else None
     eps = args[3] if len(args) > 3 else None

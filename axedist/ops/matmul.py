@@ -38,7 +38,7 @@ from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
 from ..runtime.deferred import fused_gather_product, pending_gather
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is
-from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
 
 aten = torch.ops.aten
 
@@ -89,10 +89,6 @@ def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
         wb.append(best[1])
         wo.append(best[2])
     return tuple(wa), tuple(wb), tuple(wo)
-
-
-def _keep(spec: ArgSpec, wanted: tuple):
-    return None if spec.placements == wanted else wanted
 
 
 def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
@@ -201,7 +197,7 @@ def mm(call: OpCall) -> Sharding:
         if summed is not None:
             return summed
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
-    return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=wo)
+    return Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=wo)
 
 
 def _bias_placements(bias: ArgSpec, out: tuple, out_ndim: int) -> tuple:
@@ -229,7 +225,7 @@ def addmm(call: OpCall) -> Sharding:
     out_ndim = 3 if batched else 2
     want_bias = _bias_placements(bias, wo, out_ndim)
     partial_axes = [name for name, p in zip(call.mesh.axis_names, wo) if isinstance(p, Partial)]
-    inputs = [_keep(bias, want_bias), _keep(a, wa), _keep(b, wb)]
+    inputs = [moved_to(bias, want_bias), moved_to(a, wa), moved_to(b, wb)]
     if not partial_axes:
         return Sharding(inputs=inputs, outputs=wo)
     mesh, func = call.mesh, call.func

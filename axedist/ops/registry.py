@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..layout import Layout
 from ..mesh import DeviceMesh
 
-__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "RULES", "LINEAR_REDUCE_OPS",
+__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "overload_named", "moved_to", "RULES", "LINEAR_REDUCE_OPS",
            "Partial", "Replicate", "Shard"]
 
 Placements = tuple[Placement, ...]
@@ -157,3 +157,16 @@ def register(*ops: torch._ops.OpOverload):
 
 def rule_for(func: torch._ops.OpOverload) -> Callable[[OpCall], Sharding] | None:
     return RULES.get(func)
+
+
+def moved_to(spec: ArgSpec | None, want) -> tuple | None:
+    """A rule's input target for ``spec``: the placements ``want``, or None where the argument
+    already is there (or is no DTensor): nothing to move."""
+    return None if spec is None or spec.placements == tuple(want) else tuple(want)
+
+
+def overload_named(name: str) -> torch._ops.OpOverload | None:
+    """``aten.<packet>.<overload>`` from ``"packet.overload"``, or None where this torch lacks it
+    (rule tables name ops that only some torch versions have)."""
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet, None), overload, None)

@@ -430,7 +430,7 @@ def scatter_reduce_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[tuple(t) for t in targets], outputs=tuple(out))
 
 
-def _self_stays(sharding: Sharding | None, self: ArgSpec) -> Sharding | None:
+def self_stays(sharding: Sharding | None, self: ArgSpec) -> Sharding | None:
     """An in-place op's sharding when it neither moves ``self`` nor keeps a pending value, else
     None (the gather fallback writes the whole result back into ``self``'s layout)."""
     if sharding is None or sharding.inputs[0] is not None or self.reduce_op:
@@ -440,24 +440,25 @@ def _self_stays(sharding: Sharding | None, self: ArgSpec) -> Sharding | None:
     return sharding
 
 
+def _in_place(call: OpCall, rule) -> Sharding | None:
+    """The out-of-place ``rule``'s sharding for the in-place form, where ``x`` keeps its layout."""
+    x = call.args[0]
+    inner = rule(call)
+    if tuple(inner.inputs[0]) == x.placements:
+        inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
+    return self_stays(inner, x)
+
+
 @register(aten.scatter_.value, aten.scatter_.src, aten.scatter_add_.default)
 def scatter_inplace_rule(call: OpCall) -> Sharding | None:
     """``x.scatter_(dim, idx, v)``: ``scatter``'s rule where ``x`` keeps its layout."""
-    x = call.args[0]
-    inner = scatter_rule(call)
-    if tuple(inner.inputs[0]) == x.placements:
-        inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
-    return _self_stays(inner, x)
+    return _in_place(call, scatter_rule)
 
 
 @register(aten.index_add_.default)
 def index_add_inplace_rule(call: OpCall) -> Sharding | None:
     """``x.index_add_(dim, idx, src)``: ``index_add``'s rule where ``x`` keeps its layout."""
-    x = call.args[0]
-    inner = index_add_rule(call)
-    if tuple(inner.inputs[0]) == x.placements:
-        inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
-    return _self_stays(inner, x)
+    return _in_place(call, index_add_rule)
 
 
 @register(aten.index_reduce.default, aten.index_copy.default)

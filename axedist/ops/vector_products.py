@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from .registry import ArgSpec, OpCall, Sharding, register
+from .registry import ArgSpec, OpCall, Sharding, moved_to, register
 from .tensor_ops import is_plain_shard, placements_of
 
 aten = torch.ops.aten
@@ -25,10 +25,6 @@ aten = torch.ops.aten
 def _sharded(spec: ArgSpec, axis: int, dim: int) -> bool:
     p = placements_of(spec)[axis]
     return is_plain_shard(p) and p.dim % spec.ndim == dim and spec.shape[dim] > 1
-
-
-def _keep(spec: ArgSpec, want: list):
-    return None if spec.placements == tuple(want) else tuple(want)
 
 
 @register(aten.dot.default, aten.vdot.default)
@@ -43,7 +39,7 @@ def dot_rule(call: OpCall) -> Sharding | None:
             wa.append(Shard(0)), wb.append(Shard(0)), out.append(Partial("sum"))
         else:
             wa.append(Replicate()), wb.append(Replicate()), out.append(Replicate())
-    return Sharding(inputs=[_keep(a, wa), _keep(b, wb)], outputs=tuple(out))
+    return Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=tuple(out))
 
 
 def _mv_placements(mat: ArgSpec, vec: ArgSpec, mesh):
@@ -68,7 +64,7 @@ def mv_rule(call: OpCall) -> Sharding | None:
     if not (isinstance(mat, ArgSpec) and isinstance(vec, ArgSpec)) or mat.ndim != 2 or vec.ndim != 1:
         return None
     wm, wv, out = _mv_placements(mat, vec, call.mesh)
-    return Sharding(inputs=[_keep(mat, wm), _keep(vec, wv)], outputs=out)
+    return Sharding(inputs=[moved_to(mat, wm), moved_to(vec, wv)], outputs=out)
 
 
 def _added_once(call: OpCall, out: tuple):
@@ -107,7 +103,7 @@ def addmv_rule(call: OpCall) -> Sharding | None:
         return None
     wm, wv, out = _mv_placements(mat, vec, call.mesh)
     ws = _self_like(self, out, (mat.shape[0],))
-    return Sharding(inputs=[_keep(self, ws), _keep(mat, wm), _keep(vec, wv)], outputs=out,
+    return Sharding(inputs=[moved_to(self, ws), moved_to(mat, wm), moved_to(vec, wv)], outputs=out,
                     local=_added_once(call, out))
 
 
@@ -128,4 +124,4 @@ def addr_rule(call: OpCall) -> Sharding | None:
             wu.append(Replicate()), wv.append(Replicate()), out.append(Replicate())
     out = tuple(out)
     ws = _self_like(self, out, (u.shape[0], v.shape[0]))
-    return Sharding(inputs=[_keep(self, ws), _keep(u, wu), _keep(v, wv)], outputs=out)
+    return Sharding(inputs=[moved_to(self, ws), moved_to(u, wu), moved_to(v, wv)], outputs=out)

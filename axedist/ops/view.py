@@ -23,7 +23,7 @@ import torch
 
 from ..layout import Iter, Layout, LayoutError, row_major_memory
 from ..spec import DTensorSpec, make_spec
-from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register, rule_for
+from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
 from .specs import expected_local_shape, local_shape_of, spec_of
 
 aten = torch.ops.aten
@@ -246,13 +246,8 @@ _COPIES = {name: view for name, view in (
     ("split_with_sizes_copy.default", "split_with_sizes.default"), ("split_copy.Tensor", "split.Tensor"))}
 
 
-def _overload(name: str):
-    packet, overload = name.split(".")
-    return getattr(getattr(aten, packet), overload, None) if hasattr(aten, packet) else None
-
-
-_COPY_OF = {_overload(copy): _overload(view) for copy, view in _COPIES.items()
-            if _overload(copy) is not None and _overload(view) is not None}
+_COPY_OF = {overload_named(copy): overload_named(view) for copy, view in _COPIES.items()
+            if overload_named(copy) is not None and overload_named(view) is not None}
 
 
 @register(*_COPY_OF)

@@ -46,14 +46,14 @@ from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "PendingWork", "PENDING", "defer",
            "defer_gather", "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
-           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "reads_any"]
+           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "reads_any", "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
 FUSED_BACKEND = read_environment("AXEDIST_FUSED_BACKEND")
-_POLICIES = ("auto", "always", "never")
+POLICIES = ("auto", "always", "never")  # of every kind of deferral: gathers, GEMMs (the dispatcher), tails
 
 
 class PendingWork:
@@ -130,7 +130,7 @@ class PendingWork:
         """Set the policy attribute ``name`` to ``value`` (one of auto / always / never; None keeps
         it) for ``caller`` (``defer_gathers``, ``tails.defer_tails``); returns the policy in force."""
         if value is not None:
-            if value not in _POLICIES:
+            if value not in POLICIES:
                 raise ValueError(f"{caller} policy must be auto, always or never, got {value!r}")
             setattr(self, name, value)
         return getattr(self, name)

@@ -21,15 +21,20 @@ from ..layout import LayoutError
 from ..planning.fused import all_reduce_axis
 from ..spec import DTensorSpec
 from ..tracing import may_defer
-from .deferred import PENDING, reads_any
+from .deferred import PENDING, DeferredView, reads_any
 
-__all__ = ["DeferredTail", "defer_tails", "defer_tail", "pending_tail", "fused_tail_norm"]
+__all__ = ["DeferredTail", "defer_tails", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
 
 
-def pending_tail(pending) -> "DeferredTail | None":
-    """The unrun decode tail (an all-reduce, a view of it, or it plus a residual) a DTensor's
+def _link(pending):
+    """The tail a pending value is, seen through a view (``DeferredView``) of it."""
+    return pending.root if type(pending) is DeferredView else pending
+
+
+def pending_tail(pending) -> "DeferredTail | DeferredView | None":
+    """The unrun decode tail (an all-reduce, it plus a residual, or a view of either) a DTensor's
     pending value is, else None."""
-    return pending if type(pending) is DeferredTail and pending.value is None else None
+    return pending if type(_link(pending)) is DeferredTail and pending.value is None else None
 
 
 # the decode sizes a deferred tail is for: rows of the [rows, hidden] matrix, and the fused kernel's widest row
@@ -38,16 +43,15 @@ _TAIL_MAX_HIDDEN = 16384
 
 
 class DeferredTail:
-    """The all-reduce that ends a row-parallel layer at decode, not yet run, as a chain of three
-    kinds of link (``kind``):
+    """The all-reduce that ends a row-parallel layer at decode, not yet run (``kind``):
 
     * ``"reduce"``: ``value = all_reduce(local)`` (``local``: this rank's partial sum with its
       summand dim, as the redistribute ``src -> dst`` would move it, over mesh axis ``axis``);
-    * ``"view"``: ``value = base.value.view(shape)`` (the row-parallel linear's ``[S * B, H]``
-      output seen as ``[S, B, H]``);
-    * ``"residual"``: ``value = residual + base.value`` (the block's residual add).
+    * ``"residual"``: ``value = residual + base.value``, ``base`` the ``"reduce"`` tail or a view
+      of it (the row-parallel linear's ``[S * B, H]`` output seen as ``[S, B, H]``: a
+      ``DeferredView``, as for the other deferred work).
 
-    An RMSNorm of a ``"residual"`` link runs the whole chain in one kernel
+    An RMSNorm of a ``"residual"`` tail runs the whole chain in one kernel
     (``collectives.all_reduce_rms_norm``, ops/fusion.py), which fills its ``value`` (the residual
     stream's next value); any other use runs the chain as planned (the all-reduce, the view, the
     add). ``shape``: the value's local shape."""
@@ -57,7 +61,7 @@ class DeferredTail:
 
     def __init__(self, kind: str, shape: tuple, local: torch.Tensor | None = None, src: DTensorSpec | None = None,
                  dst: DTensorSpec | None = None, axis: str | None = None, residual: torch.Tensor | None = None,
-                 base: "DeferredTail | None" = None):
+                 base=None):
         self.kind, self.shape, self.local, self.src, self.dst, self.axis = kind, tuple(shape), local, src, dst, axis
         self.residual, self.base, self.value, self.traced = residual, base, None, False
         self.versions = self._versions()
@@ -66,23 +70,14 @@ class DeferredTail:
         return tuple(-1 if t is None or t.is_inference() else t._version for t in (self.local, self.residual))
 
     def changed(self) -> bool:
-        return self._versions() != self.versions or (self.base is not None and self.base.changed())
+        return self._versions() != self.versions or (self.base is not None and self.root().changed())
 
     def root(self) -> "DeferredTail":
-        """The chain's ``"reduce"`` link."""
-        link = self
-        while link.base is not None:
-            link = link.base
-        return link
+        """The ``"reduce"`` tail under this one."""
+        return self if self.base is None else _link(self.base)
 
-    def view(self, shape: tuple) -> "DeferredTail":
-        return DeferredTail("view", shape, base=self)
-
-    def with_residual(self, residual: torch.Tensor) -> "DeferredTail":
-        """``residual + self`` still unrun (the add of a block's residual stream)."""
-        tail = DeferredTail("residual", self.shape, residual=residual, base=self)
-        PENDING.track(tail)
-        return tail
+    def view(self, shape: tuple) -> DeferredView:
+        return DeferredView(self, tuple(shape))
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
@@ -91,8 +86,6 @@ class DeferredTail:
                                   "axedist ops) before the reduced tensor was used; use it first, or clone it")
             if self.kind == "residual":
                 self.value = torch.add(self.residual, self.base.wait())
-            elif self.kind == "view":
-                self.value = self.base.wait().view(self.shape)
             else:
                 from .executor import redistribute_local
                 self.value = redistribute_local(self.local, self.src, self.dst)
@@ -101,15 +94,25 @@ class DeferredTail:
         return self.value
 
     def reads(self, storages: set) -> bool:
+        root = self.root()
         return reads_any(tuple(t for t in (self.local, self.residual) if t is not None), storages) or (
-            self.base is not None and self.base.value is None and self.base.reads(storages))
+            root is not self and root.value is None and root.reads(storages))
 
     def __repr__(self) -> str:
         state = "computed" if self.value is not None else "unrun"
         if self.kind == "reduce":
             return f"DeferredTail(all-reduce {self.src} -> {self.dst} over {self.axis}: {state})"
-        what = "residual + " if self.kind == "residual" else f"view as {list(self.shape)} of "
-        return f"DeferredTail({what}{self.base!r}: {state})"
+        return f"DeferredTail(residual + {self.base!r}: {state})"
+
+
+def with_residual(pending, residual: torch.Tensor) -> DeferredTail | None:
+    """``residual + pending`` still unrun (the add of a block's residual stream), where ``pending``
+    is a ``"reduce"`` tail or a view of one; None for anything else (a residual already added)."""
+    if _link(pending).kind != "reduce":
+        return None
+    tail = DeferredTail("residual", pending.shape, residual=residual, base=pending)
+    PENDING.track(tail)
+    return tail
 
 
 def defer_tails(policy: str | None = None) -> str:
