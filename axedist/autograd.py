@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
-from .runtime.tails import defer_tail
+from .runtime.tails import defer_tail, tail_axis
 from .tracing import compiling
 from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
 
@@ -64,18 +64,23 @@ def move(dt, dst: DTensorSpec, async_op: bool = False):
     cls = type(dt)
     pending = dt._pending
     async_op = async_op and not compiling()  # a traced graph's collectives are scheduled by the compiler
-    if pending is not None and pending_product(pending) is not None:
+    product = pending_product(pending) if pending is not None else None
+    if not async_op and dt._spec.reduce_op == "sum" and torch.is_inference_mode_enabled():
+        # at decode: the all-reduce ending a row-parallel layer waits for the residual add and
+        # RMSNorm that follow (ops/fusion.py runs the three as one kernel). A product still
+        # pending runs unfused first: cuBLAS, then the fused tail, beats the fused GEMM +
+        # all-reduce, then the add and the norm (benchmarks/results/decode_w4.md)
+        shape = pending.shape if product is not None else dt._local.shape
+        axis = tail_axis(dt._spec, dst, tuple(shape), dt.dtype, dt.device)
+        if axis is not None:
+            agree_on_move(dt._spec, dst, dt._value.element_size())
+            tail = defer_tail(dt._local, dt._spec, dst, axis)
+            return cls(placeholder(dt.dtype, tail.local.device), dst, pending=tail)
+    if product is not None:
         agree_on_move(dt._spec, dst, dt._value.element_size())  # (redistribute_local does it on the unfused path)
         fused = fused_collective(dt._spec, pending, dst)
         if fused is not None:
             return cls(fused, dst)
-    if not async_op and dt._spec.reduce_op == "sum" and torch.is_inference_mode_enabled():
-        # at decode: the all-reduce ending a row-parallel layer waits for the residual add and
-        # RMSNorm that follow (ops/fusion.py runs the three as one kernel)
-        tail = defer_tail(dt._local, dt._spec, dst)
-        if tail is not None:
-            agree_on_move(dt._spec, dst, dt._value.element_size())
-            return cls(placeholder(dt.dtype, tail.local.device), dst, pending=tail)
     if pending is None and not async_op:
         gather = defer_gather(dt._value, dt._spec, dst)
         if gather is not None:

@@ -323,7 +323,7 @@ def main():
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--skip-stack", action="store_true", help="only the GEMM rows")
     parser.add_argument("--no-fused-tail", action="store_true",
-                        help="the stack without deferred decode tails (defer_tails stays 'never', the default)")
+                        help="the stack without deferred decode tails (defer_tails('never'))")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write axedist/kernels/gemm_ar_auto.json from these result files")
     args = parser.parse_args()
@@ -333,8 +333,8 @@ def main():
             json.dump(auto_table([json.load(open(path)) for path in args.tables_from]), handle, indent=1)
         return
     require_multicast_off()
-    if not args.no_fused_tail:  # the layers' all-reduce + residual add + RMSNorm as one kernel
-        defer_tails("auto")
+    # the layers' all-reduce + residual add + RMSNorm as one kernel (the default), or not
+    defer_tails("never" if args.no_fused_tail else "auto")
     started = time.time()
     mesh = ax.init_mesh(device_type="cuda")
     world, rank = dist.get_world_size(), dist.get_rank()

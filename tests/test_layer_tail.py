@@ -64,7 +64,7 @@ class _Stack(torch.nn.Module):
         return h
 
 
-def _decode_body(rank, world, layers, seed):
+def _decode_body(rank, world, layers, seed, deferred_gemms):
     import copy
 
     from torch.distributed.tensor import Replicate
@@ -84,7 +84,9 @@ def _decode_body(rank, world, layers, seed):
                                                     if k.startswith("layers.")})
     to_inference(model)
     outs, counts = {}, {}
-    policy = tails.defer_tails()
+    policy, gemm_policy = tails.defer_tails(), DTensor.dispatcher.defer_gemm
+    # deferred_gemms: the row-parallel GEMMs' outputs pending, as on CUDA (a tail runs its GEMM first)
+    DTensor.dispatcher.defer_gemm = "always" if deferred_gemms else "never"
     try:
         for mode in ("never", "always"):
             tails.defer_tails(mode)
@@ -95,22 +97,31 @@ def _decode_body(rank, world, layers, seed):
                 outs[mode] = out.to_local().clone()
             after = deferred.fused_gemm_stats()
             counts[mode] = {k: after[k] - before[k] for k in ("tails_deferred", "tails_fused", "tails_materialized")}
+            counts[mode + " products offered to the fused kernel"] = after["fused"] + after["unfused"] - (
+                before["fused"] + before["unfused"])
     finally:
         tails.defer_tails(policy)
+        DTensor.dispatcher.defer_gemm = gemm_policy
     with torch.inference_mode():
         reference = base(h)
     return outs, counts, reference, DTensor.dispatcher.fallback_ops()
 
 
-@pytest.mark.parametrize("world,layers", [(2, 2), (4, 3)])
-def test_decode_tails_run_fused_in_a_parallelized_llama_stack(world, layers):
+@pytest.mark.parametrize("world,layers,deferred_gemms", [(2, 2, False), (4, 3, False), (2, 2, True)])
+def test_decode_tails_run_fused_in_a_parallelized_llama_stack(world, layers, deferred_gemms):
     """At decode (inference mode) every row-parallel all-reduce but the last waits for the residual
     add and the RMSNorm after it and runs with them as one call (on CPU: the unfused sequence of
-    all_reduce_rms_norm); outputs equal the undeferred stack's and the one-process model's."""
+    all_reduce_rms_norm); outputs equal the undeferred stack's and the one-process model's. With
+    the GEMMs deferred (as on CUDA, where a product would otherwise run as the fused GEMM +
+    all-reduce), the tail takes precedence: the GEMM runs alone, the all-reduce waits."""
     seed = torch.randint(0, 1 << 30, ()).item()
-    for outs, counts, reference, fallbacks in run_on_ranks(_decode_body, world, args=(layers, seed)):
+    for outs, counts, reference, fallbacks in run_on_ranks(_decode_body, world, args=(layers, seed, deferred_gemms)):
         torch.testing.assert_close(outs["always"], reference, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(outs["always"], outs["never"], rtol=1e-12, atol=1e-12)
+        offered = counts.pop("never products offered to the fused kernel"), counts.pop("always products offered to the fused kernel")
+        # deferred GEMMs: without tails each row-parallel product reaches the fused GEMM + all-reduce's
+        # choice (declined on CPU); with tails none does
+        assert offered == ((2 * layers, 0) if deferred_gemms else (0, 0)), offered
         assert counts["never"] == {"tails_deferred": 0, "tails_fused": 0, "tails_materialized": 0}
         # two tails per block; each but the model's last is taken by the next RMSNorm
         assert counts["always"] == {"tails_deferred": 2 * layers, "tails_fused": 2 * layers - 1,

@@ -118,38 +118,45 @@ def body_colwise_sequence_parallel(rank, world):
 
 def body_decode_graph(rank, world):
     """RowwiseParallel without sequence parallelism at decode sizes: the fused GEMM + all-reduce
-    runs (counted); the layer pair captured in a CUDA graph and replayed with fresh inputs."""
+    runs (counted); the layer pair captured in a CUDA graph and replayed with fresh inputs. (Decode
+    tails off: with them, the GEMM runs alone and its all-reduce waits for an RMSNorm.)"""
     from axedist.dtensor import DTensor, fused_gemm_stats
     from axedist.mesh import DeviceMesh
     from axedist.nn import ColwiseParallel, RowwiseParallel, parallelize, to_inference
+    from axedist.runtime.tails import defer_tails
 
-    mesh = DeviceMesh("cuda", (world,))
-    torch.manual_seed(0)
-    mlp = torch.nn.Sequential(torch.nn.Linear(1024, 512 * world, bias=False), torch.nn.ReLU(),
-                              torch.nn.Linear(512 * world, 1024, bias=False)).to("cuda", torch.bfloat16)
-    w1, w2 = (layer.weight.detach().float().clone() for layer in (mlp[0], mlp[2]))
-    parallelize(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_rank=None)
-    to_inference(mlp)
-    static = torch.zeros(4, 1024, device="cuda", dtype=torch.bfloat16)
-    with torch.inference_mode():
-        before = fused_gemm_stats()
-        out = mlp(DTensor.from_local(static, mesh, [Replicate()]))
-        assert fused_gemm_stats()["fused"] - before["fused"] == 1, fused_gemm_stats()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            mlp(DTensor.from_local(static, mesh, [Replicate()]))
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    policy = defer_tails()  # (pooled rank processes: restored after)
+    defer_tails("never")
+    try:
+        mesh = DeviceMesh("cuda", (world,))
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(1024, 512 * world, bias=False), torch.nn.ReLU(),
+                                  torch.nn.Linear(512 * world, 1024, bias=False)).to("cuda", torch.bfloat16)
+        w1, w2 = (layer.weight.detach().float().clone() for layer in (mlp[0], mlp[2]))
+        parallelize(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_rank=None)
+        to_inference(mlp)
+        static = torch.zeros(4, 1024, device="cuda", dtype=torch.bfloat16)
+        with torch.inference_mode():
+            before = fused_gemm_stats()
             out = mlp(DTensor.from_local(static, mesh, [Replicate()]))
-        for step in range(10):
-            h = _full((4, 1024), 100 + step)
-            static.copy_(h.to(torch.bfloat16))
-            graph.replay()
-            got = out.to_local() if isinstance(out, DTensor) else out
-            ref = torch.relu(h.to(torch.bfloat16).float() @ w1.t()) @ w2.t()
-            assert _rel(got, ref) < 2e-2, (step, _rel(got, ref))
+            assert fused_gemm_stats()["fused"] - before["fused"] == 1, fused_gemm_stats()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                mlp(DTensor.from_local(static, mesh, [Replicate()]))
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = mlp(DTensor.from_local(static, mesh, [Replicate()]))
+            for step in range(10):
+                h = _full((4, 1024), 100 + step)
+                static.copy_(h.to(torch.bfloat16))
+                graph.replay()
+                got = out.to_local() if isinstance(out, DTensor) else out
+                ref = torch.relu(h.to(torch.bfloat16).float() @ w1.t()) @ w2.t()
+                assert _rel(got, ref) < 2e-2, (step, _rel(got, ref))
+    finally:
+        defer_tails(policy)
     return True
 
 

@@ -705,7 +705,7 @@ def _outputs_computed(module, args, output) -> None:
     it runs here, before the forward returns, so that a CUDA graph captured around the model
     records it (a deferred tail run after the capture would not be replayed). Nothing is deferred
     while compiling (the compiler schedules the collectives), so a traced forward skips this."""
-    if compiling() or defer_tails() == "never":  # (the default: nothing to look for on the hot path)
+    if compiling() or defer_tails() == "never":  # (nothing can be left to run)
         return
     for leaf in torch.utils._pytree.tree_leaves(output):
         if type(leaf) is DTensor and pending_tail(leaf._pending) is not None:

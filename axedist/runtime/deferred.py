@@ -89,7 +89,7 @@ class PendingWork:
                        "gathers_deferred": 0, "gathers_fused": 0, "gathers_materialized": 0, "gather_reason": "",
                        "tails_deferred": 0, "tails_fused": 0, "tails_materialized": 0}
         self.gather_policy = "auto"
-        self.tail_policy = "never"  # until the fused tail has run on GPUs: defer_tails("auto") opts in
+        self.tail_policy = "auto"  # see tails.defer_tails
         self.choices: dict = {}
 
     def track(self, pending) -> None:

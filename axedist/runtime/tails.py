@@ -23,7 +23,7 @@ from ..spec import DTensorSpec
 from ..tracing import may_defer
 from .deferred import PENDING, DeferredView, reads_any
 
-__all__ = ["DeferredTail", "defer_tails", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
+__all__ = ["DeferredTail", "defer_tails", "tail_axis", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
 
 
 def _link(pending):
@@ -117,31 +117,38 @@ def with_residual(pending, residual: torch.Tensor) -> DeferredTail | None:
 
 def defer_tails(policy: str | None = None) -> str:
     """When the all-reduce ending a row-parallel layer is deferred (so that the residual add and
-    RMSNorm after it run fused with it): ``"auto"`` at decode sizes where the fused kernel runs
-    (CUDA, bf16/fp16, under ``torch.inference_mode``, at most 64 rows of at most 16384), ``"always"``
-    (tests on CPU: still under inference mode only), ``"never"`` (the default until the fused
-    kernel has run on GPUs: opt in with ``defer_tails("auto")``). Returns the policy in force."""
+    RMSNorm after it run fused with it): ``"auto"`` (the default) at decode sizes where the fused
+    kernel runs (CUDA, bf16/fp16, under ``torch.inference_mode``, at most 64 rows of at most
+    16384), ``"always"`` (tests on CPU: still under inference mode only), ``"never"``. A
+    row-parallel GEMM whose output a tail defers runs on its own (cuBLAS), not as the fused GEMM +
+    all-reduce. Returns the policy in force."""
     return PENDING.policy("tail_policy", policy, "defer_tails")
 
 
-def defer_tail(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> DeferredTail | None:
-    """A deferred all-reduce when ``src -> dst`` is one (a pending sum over one mesh axis made
-    replicated) at decode sizes, in inference mode, else None (the caller moves the data now)."""
+def tail_axis(src: DTensorSpec, dst: DTensorSpec, local_shape: tuple, dtype: torch.dtype,
+              device: torch.device) -> str | None:
+    """The mesh axis of the all-reduce ``src -> dst`` when it is one to defer as a decode tail (a
+    pending sum over one mesh axis made replicated, at decode sizes, in inference mode, under the
+    policy in force; ``local_shape``: this rank's local shape with its summand dim first), else
+    None (the caller moves the data now). Decided from shapes alone: nothing runs."""
     policy = PENDING.tail_policy
-    if policy == "never" or not may_defer() or not torch.is_inference_mode_enabled():
+    if policy == "never" or src.reduce_op != "sum" or not may_defer() or not torch.is_inference_mode_enabled():
         return None
-    if policy == "auto" and (not local.is_cuda or local.dtype not in (torch.bfloat16, torch.float16)):
+    if policy == "auto" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
         return None
-    shape = tuple(local.shape[1:])
+    shape = tuple(local_shape[1:])
     if len(shape) < 2 or shape[-1] > _TAIL_MAX_HIDDEN or math.prod(shape[:-1]) > _TAIL_MAX_ROWS:
         return None
     axis = all_reduce_axis(src, dst)
-    if axis is None:
+    if axis is None or dist.get_rank(src.mesh.group(axis)) != src.mesh.coordinates()[axis]:
         return None
-    group = src.mesh.group(axis)
-    if dist.get_rank(group) != src.mesh.coordinates()[axis]:
-        return None
-    tail = DeferredTail("reduce", shape, local, src, dst, axis)
+    return axis
+
+
+def defer_tail(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str) -> DeferredTail:
+    """The all-reduce of ``local`` (``src -> dst`` over ``axis``, as :func:`tail_axis` found it),
+    deferred."""
+    tail = DeferredTail("reduce", tuple(local.shape[1:]), local, src, dst, axis)
     PENDING.counts["tails_deferred"] += 1
     PENDING.track(tail)
     return tail
