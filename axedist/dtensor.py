@@ -181,10 +181,16 @@ def graph_node(method):
 
 
 _PLACEMENT_TEXT = "axedist-placements"  # marks a tuple of placements written as text
+_LAYOUT_TEXT = "axedist-layout"  # marks a layout written in its notation
+_REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 
 
 def _placements_as_text(value):
-    """``[Shard(0), Partial("sum")]`` -> ``("axedist-placements", ("S", 0), ("P", "sum"))``; anything else as it is."""
+    """``[Shard(0), Partial("sum")]`` -> ``("axedist-placements", ("S", 0), ("P", "sum"))``; a layout
+    -> ``("axedist-layout", "S[(4, 8):(1@gpuid, 1)]")`` (torch 2.11 has no proxy for it either);
+    anything else as it is."""
+    if isinstance(value, Layout):
+        return (_LAYOUT_TEXT, str(value))
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(p, Placement) for p in value):
         return value
     words = []
@@ -194,13 +200,17 @@ def _placements_as_text(value):
         elif isinstance(p, Shard):
             words.append(("S", p.dim))
         elif isinstance(p, Partial):
-            words.append(("P", p.reduce_op))
+            # is_partial(op), not p.reduce_op: torch 2.11's dynamo folds the method to a constant,
+            # the attribute to an access that a graph node's argument cannot hold
+            words.append(("P", next((op for op in _REDUCE_OPS if p.is_partial(op)), p.reduce_op)))
         else:
             words.append(("R",))
     return (_PLACEMENT_TEXT, *words)
 
 
 def _placements_from_text(value):
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == _LAYOUT_TEXT:
+        return Layout.parse(value[1])
     if not (isinstance(value, tuple) and value and value[0] == _PLACEMENT_TEXT):
         return value
     made = {"S": lambda d: Shard(d), "T": lambda d, f: _StridedShard(d, split_factor=f), "P": lambda op: Partial(op),

@@ -28,6 +28,9 @@ ranks). Before that an fp32 loss check: every side trains ``--check-steps`` step
 model of the same structure from the same init on the same data; losses must agree with torch
 eager's within ``--check-tol`` (relative). ``--profile``: one more step per side under
 torch.profiler, its top kernels and device busy time in the results (no trace files).
+``--eager-backends p2p torch``: more eager axedist sides with the fused calls pinned (``axedist
+p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused), against the
+``auto`` choice of the plain ``axedist`` side, in the same interleaved run.
 Writes ``bench_tp_<device>_w<W>[_<preset>].json``, ``.md``, ``.png`` to ``--out`` and a line
 to ``history/``.
 """
@@ -48,6 +51,7 @@ import torch.distributed as dist
 import axedist as ax
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
+from axedist.runtime.deferred import fused_backend
 from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 # beside this script
@@ -102,9 +106,24 @@ def trainer(kind: str, model: Llama, mesh: ax.DeviceMesh):
     return step
 
 
-def make_sides(base: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool, compile_backend: str | None) -> list[Side]:
+def pinned(backend: str, step):
+    """``step`` with the fused calls' backend pinned to ``backend`` while it runs."""
+    def run(tokens):
+        previous = fused_backend()
+        fused_backend(backend)
+        try:
+            return step(tokens)
+        finally:
+            fused_backend(previous)
+    return run
+
+
+def make_sides(base: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool, compile_backend: str | None,
+               backends: tuple = ()) -> list[Side]:
     """The sides of a run, each training its own deep copy of ``base``: axedist, torch, and with
-    ``compile_backend`` their compiled blocks (plus torch's async-TP pass with Inductor on CUDA)."""
+    ``compile_backend`` their compiled blocks (plus torch's async-TP pass with Inductor on CUDA);
+    per name in ``backends``, axedist eager with its fused calls pinned to that backend
+    (``axedist p2p``: the fused kernels, ``axedist torch``: cuBLAS + NCCL, never fused)."""
     cfg = base.cfg
 
     def ours():
@@ -122,6 +141,7 @@ def make_sides(base: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool, compil
 
     sides = [Side("axedist", lambda: trainer("axedist", ours(), mesh)),
              Side("torch", lambda: trainer("torch", theirs(), mesh))]
+    sides += [Side(f"axedist {b}", lambda b=b: pinned(b, trainer("axedist", ours(), mesh))) for b in backends]
     if compile_backend:
         allow_compiled_sides()
         sides += [compiled("axedist", ours, GraphCounter(compile_backend), fullgraph=True),
@@ -156,6 +176,8 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
     p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--eager-backends", nargs="+", default=(), choices=("p2p", "symm", "torch"), metavar="BACKEND",
+                   help="also axedist eager with its fused calls pinned to each (p2p, symm, torch: never fused)")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
@@ -176,7 +198,7 @@ def main(argv=None) -> None:
     device = torch.cuda.get_device_name() if cuda else "cpu"
     flops = model_flops(cfg, batch, cfg.max_seq_len)
     peak = peak_flops(device, args.peak_tflops) if cuda else None
-    n_sides = 2 + (0 if not args.compile else 3 if args.compile == "inductor" else 2)
+    n_sides = 2 + len(args.eager_backends) + (0 if not args.compile else 3 if args.compile == "inductor" else 2)
     estimate = memory_estimate(cfg, batch, world, sides=n_sides) if cuda else None
     say(f"{world} ranks on {device}, {dtype}, preset {args.preset}: batch {batch} x seq {cfg.max_seq_len}, {cfg}")
     say(f"model FLOPs per step {flops:.3e}" + (f", {flops / world / peak * 1e3:.1f} ms per GPU at peak" if peak else ""))
@@ -188,12 +210,13 @@ def main(argv=None) -> None:
         small = check_config(cfg, world)
         say(f"fp32 loss check: {args.check_steps} steps of every side, {small}, batch {CHECK_BATCH}")
         check = run_loss_check(make_sides(base_model(small, mesh, torch.float32), mesh, args.sequence_parallel,
-                                          args.compile),
+                                          args.compile, tuple(args.eager_backends)),
                                batches(args.check_steps, CHECK_BATCH, small.max_seq_len, small.vocab_size),
                                args.check_steps, cuda, args.check_tol, "torch", say)
         check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH)
 
-    sides = make_sides(base_model(cfg, mesh, dtype), mesh, args.sequence_parallel, args.compile)
+    sides = make_sides(base_model(cfg, mesh, dtype), mesh, args.sequence_parallel, args.compile,
+                       tuple(args.eager_backends))
     data = batches(args.warmup + args.steps + 1, batch, cfg.max_seq_len, cfg.vocab_size)
     say(f"sides: {', '.join(s.name for s in sides)}; {args.warmup} warm-up steps each, then {args.steps} "
         "interleaved timed steps")

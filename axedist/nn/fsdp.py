@@ -1087,9 +1087,11 @@ class GatheredView(nn.Module):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
 
     def forward(self, sharded: DTensor):
-        whole = sharded.redistribute(self.gathered.layout, padded_shape=self.gathered.padded,
+        # called through the class: torch 2.11's dynamo takes ``x.redistribute(...)`` on any tensor
+        # subclass as torch DTensor's and needs constant arguments, which a Layout is not
+        whole = DTensor.redistribute(sharded, self.gathered.layout, padded_shape=self.gathered.padded,
                                      forward_dtype=self.param_dtype, backward_dtype=self.reduce_dtype)
-        local = whole.to_local(grad_placements=self.grad_placements)
+        local = DTensor.to_local(whole, grad_placements=self.grad_placements)
         if self.view is None:
             return local
         return DTensor.from_local(local, self.view.mesh, self.view.layout, self.view.shape,

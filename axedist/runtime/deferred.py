@@ -46,7 +46,7 @@ from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "PendingWork", "PENDING", "defer",
            "defer_gather", "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
-           "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "reads_any", "POLICIES"]
+           "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any", "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
@@ -503,6 +503,20 @@ class DeferredView:
 
     def __repr__(self) -> str:
         return f"DeferredView({type(self.root).__name__} as {list(self.shape)})"
+
+
+def fused_backend(backend: str | None = None) -> str:
+    """The backend the layout-driven fused calls ask for (``AXEDIST_FUSED_BACKEND`` its default):
+    ``"auto"`` (the measured tables), ``"p2p"`` / ``"symm"`` / ``"multimem"`` to pin one, ``"torch"``
+    to never fuse (cuBLAS + NCCL). Sets it when given (every rank alike: the choice must match
+    across ranks); returns the backend in force."""
+    global FUSED_BACKEND
+    if backend is not None:
+        choices = ("auto", "torch", "p2p", "multimem", "symm")
+        if backend not in choices:
+            raise ValueError(f"fused_backend must be one of {choices}, got {backend!r}")
+        FUSED_BACKEND = backend
+    return FUSED_BACKEND
 
 
 def defer_gathers(policy: str | None = None) -> str:

@@ -57,9 +57,13 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
-    tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~4 min); then FSDP x TP (~70 s)
-      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+    tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H100); then FSDP x TP
+      # (~2 min); TP_ARGS adds bench_tp arguments (--eager-backends p2p torch)
+      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS"
       (( W >= 4 )) && step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS" ;;
+    tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
+      step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
+    train_2d) step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS" ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
