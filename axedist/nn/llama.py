@@ -93,10 +93,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[S, B, heads, d]`` by the tables ``[S, d]`` (broadcast over B and heads)."""
+    """Rotate ``x`` ``[S, B, heads, d]`` by the tables ``[S, d]`` (broadcast over B and heads), in
+    ``x``'s dtype: under autocast the fp32 tables would otherwise leave q and k in fp32 beside a
+    bf16 v, which eager SDPA's autocast casts back but a compiled graph's fake run refuses."""
     cos = cos[:, None, None, :]
     sin = sin[:, None, None, :]
-    return x * cos + _rotate_half(x) * sin
+    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
