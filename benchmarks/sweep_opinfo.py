@@ -6,6 +6,7 @@ that is stopped keeps what it finished (``--resume`` carries on from them).
 
     python benchmarks/sweep_opinfo.py                       # 2 ranks, every op: results/opinfo_sweep.{md,json}
     python benchmarks/sweep_opinfo.py --mesh 2x2 --ops add,cat,matmul
+    python benchmarks/sweep_opinfo.py --torch               # also each run on torch's DTensor, side by side
     nohup python benchmarks/sweep_opinfo.py --resume > /tmp/sweep.log 2>&1 &
 """
 
@@ -40,12 +41,13 @@ def _run_one(key: str, args) -> dict:
     start = time.monotonic()
     try:
         results = run_on_ranks(sweep_op, world, args=(args.mesh, key, tuple(args.dtypes.split(",")),
-                                                      tuple(args.samples), args.plans, args.budget),
+                                                      tuple(args.samples), args.plans, args.budget, args.torch),
                                timeout_s=args.timeout)
     except RankError as error:
         shutdown_pools()
         lines = [line for line in str(error).splitlines() if line.strip()]
-        return {"op": key, "outcome": "hang or crash", "samples": 0, "runs": 0, "kinds": {}, "fallback": 0,
+        return {"op": key, "outcome": "hang or crash", "torch_outcome": "unknown" if args.torch else None,
+                "torch_detail": "", "samples": 0, "runs": 0, "kinds": {}, "fallback": 0,
                 "fallback_ops": [], "details": {"crash": lines[-1][:300] if lines else ""},
                 "seconds": round(time.monotonic() - start, 2)}
     first = results[0]
@@ -65,7 +67,9 @@ def _table(results: list, args, started: str, seconds: float) -> str:
         f"{seconds / 60:.0f} minutes on this project's shared 2-core machine (gloo). Per op: up to "
         f"{args.samples[0]} float64 and {args.samples[1]} float32 samples, each with every tensor argument "
         f"Replicate and under {args.plans - 1} more placement plans (Shard(0), Shard(-1), mixes; "
-        f"tests/opinfo_sweep.py); forward values and gradients against the plain op.",
+        f"tests/opinfo_sweep.py); forward values and gradients against the plain op."
+        + (" Every run also on torch's DTensor (same placements, same checks): its outcome per op in the "
+           "'torch' column (pass, or fail with its first problem)." if args.torch else ""),
         "",
         "| outcome | ops |",
         "|---|---|",
@@ -74,13 +78,22 @@ def _table(results: list, args, started: str, seconds: float) -> str:
         lines.append(f"| {name} | {counts.get(name, 0)} |")
     lines.append(f"| pass, through the gather fallback | {counts['pass through the fallback']} |")
     lines.append(f"| ops tried | {counts['ops']} |")
-    lines += ["", "## Per op", "", "| op | outcome | samples | runs | fallback calls | fallback ops | first problem |",
-              "|---|---|---|---|---|---|---|"]
+    torch_names = ("torch's DTensor passes", "torch passes, axedist does not", "axedist passes, torch does not")
+    for name in torch_names:
+        if name in counts:
+            lines.append(f"| {name} | {counts[name]} |")
+    if "torch passes, axedist does not" in counts:
+        behind = sorted(r["op"] for r in results if r.get("torch_outcome") == "pass" and r["outcome"] != "pass")
+        lines += ["", "Ops torch's DTensor passes and axedist does not: " + (", ".join(behind) or "none") + "."]
+    lines += ["", "## Per op", "", "| op | outcome | " + ("torch | " if args.torch else "")
+              + "samples | runs | fallback calls | fallback ops | first problem |",
+              "|---|---|" + ("---|" if args.torch else "") + "---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["outcome"] == "pass", r["op"])):
         problem = next(iter(r["details"].values()), "") if r["outcome"] != "pass" else ""
         problem = problem.replace("|", "/").replace("\n", " ")[:200]
         fell = ", ".join(f.replace("aten.", "") for f in r["fallback_ops"])
-        lines.append(f"| {r['op']} | {r['outcome']} | {r['samples']} | {r['runs']} | {r['fallback']} | {fell} | "
+        theirs = f"{r.get('torch_outcome') or '-'} | " if args.torch else ""
+        lines.append(f"| {r['op']} | {r['outcome']} | {theirs}{r['samples']} | {r['runs']} | {r['fallback']} | {fell} | "
                      f"{problem} |")
     return "\n".join(lines) + "\n"
 
@@ -96,6 +109,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per op before its ranks are killed")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "opinfo_sweep"))
     parser.add_argument("--resume", action="store_true", help="keep the ops already in OUT.json")
+    parser.add_argument("--torch", action="store_true",
+                        help="also run every sample on torch's DTensor (same placements) and compare the outcomes")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     keys = args.ops.split(",") if args.ops else sorted(op_entries())

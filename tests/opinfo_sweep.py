@@ -192,11 +192,45 @@ def _flat(value) -> list:
     return [value]
 
 
-def _placed(t: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
-    if t.dim() == 0:
-        placements = (Replicate(),) * mesh.ndim
-    dt = distribute(t.detach(), mesh, list(placements), src_rank=None)
-    return dt.requires_grad_(t.requires_grad)
+class _Side:
+    """Whose DTensors a sample runs on: axedist's (``torch_side=False``) or torch's DTensor, the
+    same placements on a mesh of the same shape (torch's side is the reference the issue's
+    goal names: axedist passes every op torch's DTensor passes)."""
+
+    def __init__(self, mesh: DeviceMesh, torch_side: bool):
+        self.mesh, self.torch_side = mesh, torch_side
+        self.clear_errors = () if torch_side else CLEAR_ERRORS
+        if torch_side:
+            from torch.distributed.tensor import DTensor as TorchDTensor
+            self.dtensor_type, self.torch_mesh = TorchDTensor, mesh.to_torch()
+        else:
+            self.dtensor_type = DTensor
+
+    def place(self, t: torch.Tensor, placements):
+        if t.dim() == 0:
+            placements = (Replicate(),) * self.mesh.ndim
+        if self.torch_side:
+            from torch.distributed.tensor import distribute_tensor
+            placements = [Shard(p.dim % t.dim()) if isinstance(p, Shard) else p for p in placements]
+            dt = distribute_tensor(t.detach(), self.torch_mesh, placements)
+        else:
+            dt = distribute(t.detach(), self.mesh, list(placements), src_rank=None)
+        return dt.requires_grad_(t.requires_grad)
+
+    def replicated(self, t: torch.Tensor):
+        """``t`` (the same on every rank) replicated, without communication."""
+        if self.torch_side:
+            return self.dtensor_type.from_local(t, self.torch_mesh, [Replicate()] * self.mesh.ndim, run_check=False)
+        return self.place(t, (Replicate(),) * self.mesh.ndim)
+
+    def agree(self, ok: bool) -> bool:
+        """Did every rank get here with ``ok``? axedist raises its errors on every rank alike; torch's
+        DTensor may raise on one rank only, whose peers would then wait in the next collective."""
+        if not self.torch_side:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
 
 # -- comparing -----------------------------------------------------------------------------------
@@ -208,7 +242,7 @@ def _tolerance(dtype) -> dict:
 
 
 def _whole(value):
-    if isinstance(value, DTensor):
+    if type(value) is not torch.Tensor and hasattr(value, "full_tensor"):  # axedist's or torch's DTensor
         return value.full_tensor()
     return value
 
@@ -264,7 +298,7 @@ def _is_random(op, sample) -> bool:
 
 # -- one sample, one op ---------------------------------------------------------------------------
 
-def _run_sample(op, sample, mesh, placements_of, dtype) -> tuple[str, str]:
+def _run_sample(op, sample, side: _Side, placements_of, dtype) -> tuple[str, str]:
     """``(kind, detail)``: kind ``pass``, ``skip`` (the plain op raised), ``wrong``, ``clear`` or ``other``."""
     found: list = []
     _tensors([sample.input, sample.args, sample.kwargs], found)
@@ -286,15 +320,26 @@ def _run_sample(op, sample, mesh, placements_of, dtype) -> tuple[str, str]:
     table = {}
     try:
         for t, p in zip(found, placements):
-            table[id(t)] = _placed(t, mesh, p)
-    except CLEAR_ERRORS as error:
+            table[id(t)] = side.place(t, p)
+    except side.clear_errors as error:
         return "clear", f"distribute: {type(error).__name__}: {error}"
+    except Exception as error:  # noqa: BLE001 - torch's side: its distribute refusing a placement
+        return "other", f"distribute: {type(error).__name__}: {_first_line(error)}"
     where = " ".join(f"{tuple(t.shape)}{list(p) if t.dim() else ''}" for t, p in zip(found, placements))
     args = _swap(sample.args, table)
     kwargs = _swap(sample.kwargs, table)
     torch.manual_seed(0)
     try:
         got = op(_swap(sample.input, table), *args, **kwargs)
+    except side.clear_errors as error:
+        got, failed = None, ("clear", f"{where}: {type(error).__name__}: {_first_line(error)}")
+    except Exception as error:  # noqa: BLE001 - every other failure is reported, not raised
+        got, failed = None, ("other", f"{where}: {type(error).__name__}: {_first_line(error)}")
+    else:
+        failed = None
+    if not side.agree(failed is None):
+        return failed or ("other", f"{where}: the op raised on another rank")
+    try:
         wants, gots = _flat(want), _flat(got)
         if len(wants) != len(gots):
             return "wrong", f"{where}: {len(gots)} outputs, plain {len(wants)}"
@@ -304,8 +349,8 @@ def _run_sample(op, sample, mesh, placements_of, dtype) -> tuple[str, str]:
                 return "wrong", problem
         if random or not op.supports_autograd:
             return "pass", ""
-        return _compare_gradients(found, table, wants, gots, where)
-    except CLEAR_ERRORS as error:
+        return _compare_gradients(found, table, wants, gots, where, side)
+    except side.clear_errors as error:
         return "clear", f"{where}: {type(error).__name__}: {_first_line(error)}"
     except Exception as error:  # noqa: BLE001 - every other failure is reported, not raised
         return "other", f"{where}: {type(error).__name__}: {_first_line(error)}"
@@ -316,7 +361,7 @@ def _first_line(error) -> str:
     return text[0][:300] if text else ""
 
 
-def _compare_gradients(found, table, wants, gots, where) -> tuple[str, str]:
+def _compare_gradients(found, table, wants, gots, where, side: _Side) -> tuple[str, str]:
     leaves = [t for t in found if t.requires_grad]
     pairs = [(w, g) for w, g in zip(wants, gots)
              if isinstance(w, torch.Tensor) and w.requires_grad and (w.is_floating_point() or w.is_complex())]
@@ -327,13 +372,22 @@ def _compare_gradients(found, table, wants, gots, where) -> tuple[str, str]:
     try:
         want_grads = torch.autograd.grad([w for w, _ in pairs], leaves, ups, allow_unused=True)
     except RuntimeError:
-        return "pass", ""  # the plain backward raises (linalg.eig's phase-dependent loss): compared forward only
-    mesh = next(iter(table.values())).mesh
-    up_dts = [distribute(u, mesh, [Replicate()] * mesh.ndim, src_rank=None) for u in ups]
+        want_grads = None  # the plain backward raises (linalg.eig's phase-dependent loss): compared forward only
+    if not side.agree(want_grads is not None):
+        return "pass", ""
+    up_dts = [side.replicated(u) for u in ups]
     outs = [gt for _, gt in pairs]
-    if not all(isinstance(o, DTensor) and o.requires_grad for o in outs):
+    if not all(isinstance(o, side.dtensor_type) and o.requires_grad for o in outs):
         return "wrong", f"{where}: an output does not require grad"
-    got_grads = torch.autograd.grad(outs, [table[id(t)] for t in leaves], up_dts, allow_unused=True)
+    error = None
+    try:
+        got_grads = torch.autograd.grad(outs, [table[id(t)] for t in leaves], up_dts, allow_unused=True)
+    except Exception as raised:  # noqa: BLE001 - raised again below (the caller reports it)
+        error = raised
+    if not side.agree(error is None):
+        if error is not None:
+            raise error
+        return "other", f"{where}: the backward raised on another rank"
     for i, (gw, gg) in enumerate(zip(want_grads, got_grads)):
         if gw is None or gg is None:
             if (gw is None) != (gg is None) and not (gw is not None and not gw.any()):
@@ -364,16 +418,21 @@ def _over_budget(start: float, budget_s: float) -> bool:
 
 
 def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"), max_samples=(8, 3),
-             plans_per_sample: int = 3, budget_s: float = 60.0) -> dict:
+             plans_per_sample: int = 3, budget_s: float = 60.0, torch_side: bool = False) -> dict:
     """One op of the database on this rank's mesh: its outcome and counts (the same on every rank).
 
     Per dtype, up to ``max_samples`` samples (spread over the op's list); each sample under
     ``plans_per_sample`` placement plans: all replicated, then the others in turn (so the op's
-    samples together meet every plan). Stops starting new samples after ``budget_s`` seconds."""
+    samples together meet every plan). Stops starting new samples after ``budget_s`` seconds.
+    ``torch_side``: each run again on torch's DTensor (``torch_outcome``: pass, or fail with its
+    first problem in ``torch_detail``)."""
     warnings.simplefilter("ignore")
     op = op_entries()[key]
     mesh = DeviceMesh("cpu", *MESHES[mesh_name])
     plans = _plans(mesh)
+    ours, theirs = _Side(mesh, False), (_Side(mesh, True) if torch_side else None)
+    torch_kinds: dict = {}
+    torch_detail = ""
     fallbacks = DTensor.dispatcher.cache_info()["fallbacks"]
     DTensor.dispatcher.forget_fallbacks()
     start = time.monotonic()
@@ -402,22 +461,34 @@ def sweep_op(rank, world, mesh_name: str, key: str, dtypes=("float64", "float32"
             chosen = [plans[0]] + [plans[1 + (turn + j) % (len(plans) - 1)] for j in range(plans_per_sample - 1)]
             turn += plans_per_sample - 1
             for plan in chosen:
-                kind, detail = _run_sample(op, sample, mesh, plan, dtype)
+                kind, detail = _run_sample(op, sample, ours, plan, dtype)
                 runs += kind != "skip"
                 kinds[kind] = kinds.get(kind, 0) + 1
                 if kind != "pass":
                     details.setdefault(kind, f"{dtype_name} {detail}")
+                if theirs is not None and kind != "skip":
+                    fallen = DTensor.dispatcher.cache_info()["fallbacks"]  # (torch's side adds none of ours)
+                    their_kind, their_detail = _run_sample(op, sample, theirs, plan, dtype)
+                    assert DTensor.dispatcher.cache_info()["fallbacks"] == fallen
+                    torch_kinds[their_kind] = torch_kinds.get(their_kind, 0) + 1
+                    if their_kind != "pass" and not torch_detail:
+                        torch_detail = f"{dtype_name} {their_kind}: {their_detail}"
     fell_back = DTensor.dispatcher.cache_info()["fallbacks"] - fallbacks
     outcome = ("silent wrong" if kinds.get("wrong") else "other error" if kinds.get("other")
                else "clear error" if kinds.get("clear") else "pass" if kinds.get("pass") else "skipped")
+    torch_outcome = None if theirs is None else (
+        "pass" if torch_kinds and set(torch_kinds) <= {"pass", "skip"} and torch_kinds.get("pass") else
+        "fail" if torch_kinds else "skipped")
     return {"op": key, "outcome": outcome, "samples": samples, "runs": runs, "kinds": kinds,
+            "torch_outcome": torch_outcome, "torch_detail": torch_detail,
             "fallback": fell_back, "fallback_ops": sorted(str(f) for f in DTensor.dispatcher.fallback_ops()),
             "details": details, "seconds": round(time.monotonic() - start, 2)}
 
 
-def sweep_ops(rank, world, mesh_name: str, keys, dtypes=("float64", "float32"), max_samples=(8, 3)) -> list:
+def sweep_ops(rank, world, mesh_name: str, keys, dtypes=("float64", "float32"), max_samples=(8, 3),
+              torch_side: bool = False) -> list:
     """``sweep_op`` of each key in turn, on the same ranks (the CPU suite's subset in one call)."""
-    return [sweep_op(rank, world, mesh_name, key, dtypes, max_samples) for key in keys]
+    return [sweep_op(rank, world, mesh_name, key, dtypes, max_samples, torch_side=torch_side) for key in keys]
 
 
 def summarize(results: list) -> dict:
@@ -427,4 +498,10 @@ def summarize(results: list) -> dict:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     counts["pass through the fallback"] = sum(1 for r in results if r["outcome"] == "pass" and r["fallback"])
     counts["ops"] = len(results)
+    if any(r.get("torch_outcome") for r in results):
+        counts["torch's DTensor passes"] = sum(1 for r in results if r.get("torch_outcome") == "pass")
+        counts["torch passes, axedist does not"] = sum(1 for r in results if r.get("torch_outcome") == "pass"
+                                                       and r["outcome"] != "pass")
+        counts["axedist passes, torch does not"] = sum(1 for r in results if r["outcome"] == "pass"
+                                                       and r.get("torch_outcome") == "fail")
     return counts

@@ -81,3 +81,19 @@ def test_samples_listed_in_another_order_per_rank_run_the_same_on_every_rank(key
         assert outcome == "pass", details
         assert indexing == results[0][2]
         assert not differences
+
+
+# ops a TP step uses, through torch's DTensor beside axedist's (the sweep's --torch, in small)
+SIDE_BY_SIDE = ("add", "mul", "sum", "softmax", "mm", "nn.functional.linear", "cat", "tril", "topk",
+                "nn.functional.embedding", "transpose", "reshape")
+
+
+def test_axedist_passes_every_op_torchs_dtensor_passes():
+    """The same samples and placements on torch's DTensor and on axedist's: every op torch's
+    passes, axedist's passes too (the whole database: ``sweep_opinfo.py --torch``)."""
+    results = run_on_ranks(sweep_ops, 2, timeout_s=600, args=("2", SIDE_BY_SIDE, ("float64",), (2, 0), True))[0]
+    behind = [f"{r['op']}: {r['outcome']}: {r['details']}" for r in results
+              if r["torch_outcome"] == "pass" and r["outcome"] != "pass"]
+    assert not behind, "\n".join(behind)
+    # torch's side ran (an op it cannot run counts as its fail, so its passes are a floor)
+    assert sum(r["torch_outcome"] == "pass" for r in results) >= len(SIDE_BY_SIDE) - 3, results
