@@ -46,10 +46,15 @@ def _run_one(key: str, args) -> dict:
     except RankError as error:
         shutdown_pools()
         lines = [line for line in str(error).splitlines() if line.strip()]
+        crash = lines[-1][:300] if lines else ""
+        if args.torch:  # whose hang? axedist's side again alone: torch's DTensor hangs on some ops itself
+            ours = _run_one(key, argparse.Namespace(**dict(vars(args), torch=False)))
+            if ours["outcome"] != "hang or crash":
+                return dict(ours, torch_outcome="fail", torch_detail=f"hang or crash: {crash}",
+                            seconds=round(time.monotonic() - start, 2))
         return {"op": key, "outcome": "hang or crash", "torch_outcome": "unknown" if args.torch else None,
                 "torch_detail": "", "samples": 0, "runs": 0, "kinds": {}, "fallback": 0,
-                "fallback_ops": [], "details": {"crash": lines[-1][:300] if lines else ""},
-                "seconds": round(time.monotonic() - start, 2)}
+                "fallback_ops": [], "details": {"crash": crash}, "seconds": round(time.monotonic() - start, 2)}
     first = results[0]
     if any(r["outcome"] != first["outcome"] for r in results[1:]):
         shutdown_pools()  # ranks that parted ways may have left a collective half-run
