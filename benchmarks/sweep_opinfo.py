@@ -68,7 +68,8 @@ def _table(results: list, args, started: str, seconds: float) -> str:
     lines = [
         "# torch's OpInfo database through axedist DTensors",
         "",
-        f"`python benchmarks/sweep_opinfo.py --mesh {args.mesh}` at commit {_commit()}, {started} UTC, "
+        f"`python benchmarks/sweep_opinfo.py --mesh {args.mesh}{' --torch' if args.torch else ''}"
+        f"{' --ops <' + str(len(args.ops.split(','))) + ' ops>' if args.ops else ''}` at commit {_commit()}, {started} UTC, "
         f"{seconds / 60:.0f} minutes on this project's shared 2-core machine (gloo). Per op: up to "
         f"{args.samples[0]} float64 and {args.samples[1]} float32 samples, each with every tensor argument "
         f"Replicate and under {args.plans - 1} more placement plans (Shard(0), Shard(-1), mixes; "
