@@ -201,8 +201,8 @@ class _Side:
         self.mesh, self.torch_side = mesh, torch_side
         self.clear_errors = () if torch_side else CLEAR_ERRORS
         if torch_side:
-            from torch.distributed.tensor import DTensor as TorchDTensor
-            self.dtensor_type, self.torch_mesh = TorchDTensor, mesh.to_torch()
+            from torch.distributed.tensor import DTensor as TorchDTensor, distribute_tensor
+            self.dtensor_type, self.torch_mesh, self.distribute = TorchDTensor, mesh.to_torch(), distribute_tensor
         else:
             self.dtensor_type = DTensor
 
@@ -210,9 +210,8 @@ class _Side:
         if t.dim() == 0:
             placements = (Replicate(),) * self.mesh.ndim
         if self.torch_side:
-            from torch.distributed.tensor import distribute_tensor
             placements = [Shard(p.dim % t.dim()) if isinstance(p, Shard) else p for p in placements]
-            dt = distribute_tensor(t.detach(), self.torch_mesh, placements)
+            dt = self.distribute(t.detach(), self.torch_mesh, placements)
         else:
             dt = distribute(t.detach(), self.mesh, list(placements), src_rank=None)
         return dt.requires_grad_(t.requires_grad)

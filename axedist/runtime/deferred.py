@@ -512,9 +512,10 @@ def fused_backend(backend: str | None = None) -> str:
     across ranks); returns the backend in force."""
     global FUSED_BACKEND
     if backend is not None:
-        choices = ("auto", "torch", "p2p", "multimem", "symm")
-        if backend not in choices:
-            raise ValueError(f"fused_backend must be one of {choices}, got {backend!r}")
+        from ..collectives.fused_tp import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"fused_backend must be one of {BACKENDS}, got {backend!r}")
         FUSED_BACKEND = backend
     return FUSED_BACKEND
 

@@ -132,7 +132,7 @@ def tail_axis(src: DTensorSpec, dst: DTensorSpec, local_shape: tuple, dtype: tor
     policy in force; ``local_shape``: this rank's local shape with its summand dim first), else
     None (the caller moves the data now). Decided from shapes alone: nothing runs."""
     policy = PENDING.tail_policy
-    if policy == "never" or src.reduce_op != "sum" or not may_defer() or not torch.is_inference_mode_enabled():
+    if policy == "never" or not may_defer() or not torch.is_inference_mode_enabled():
         return None
     if policy == "auto" and (device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16)):
         return None

@@ -43,6 +43,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
+  train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled
+    step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+  }
   for name in $BENCHES; do case $name in
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
       # 'auto' then reads the measured winners (the tables are rewritten here and come back in the bundle)
@@ -60,10 +63,10 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H100); then FSDP x TP
       # (~2 min); TP_ARGS adds bench_tp arguments (--eager-backends p2p torch)
       step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS"
-      (( W >= 4 )) && step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS" ;;
+      (( W >= 4 )) && train_2d ;;
     tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
       step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
-    train_2d) step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS" ;;
+    train_2d) train_2d ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
