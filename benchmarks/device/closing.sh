@@ -20,7 +20,7 @@ if [[ $MODE == tests ]]; then
   # -v names every test (a cut-off run still says what passed), --durations times them, and a
   # test that hangs fails alone after TEST_TIMEOUT seconds where pytest-timeout is installed
   TESTS=${TESTS:-tests_multigpu}
-  PYTEST="python3 -m pytest -v -rfEx -p no:cacheprovider --durations=15"
+  PYTEST="python3 -m pytest -v -rfEx -p no:cacheprovider --durations=${DURATIONS:-40}"
   python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout ${TEST_TIMEOUT:-240}"
   GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
   [[ -f benchmarks/precompile_collectives.py ]] && step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
