@@ -124,6 +124,21 @@ def test_str_lists_every_step_with_bytes():
     assert results[0][("S0 R", "R R")]["text"].startswith("plan S[")  # one plan: printed as the plan
 
 
+def _huge_flat(rank, world):
+    # an FSDP gradient: a flat buffer summed over dp, scattered over both axes; 2**40 elements,
+    # so anything built per element (a tuple of rows, an index of landing slots) fails at once
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    n = 2 ** 40
+    route = plan_redistribute(_spec(mesh, (n,), "P S0"), _spec(mesh, (n,), "S0 S0"), 4)
+    return route.kinds, route.dst_boxes[0], explain_execution(route, mesh)
+
+
+def test_planning_and_programs_of_a_flat_buffer_are_not_per_element():
+    kinds, box, text = run_on_ranks(_huge_flat, 4, timeout_s=60)[0]
+    assert kinds[0] == "reduce_scatter" and box == (2 ** 38,)
+    assert "1. reduce_scatter" in text
+
+
 def _fused(rank, world):
     mesh = DeviceMesh("cpu", (4,))
     src, dst = _spec(mesh, (8, 4), "P"), _spec(mesh, (8, 4), "S0")

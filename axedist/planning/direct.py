@@ -14,6 +14,7 @@ from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError
 from .classify import Context, make_step, mark_all_reduce, replace_step
 from .derive import check_options
+from .holdings import true_rows
 from .plans import Plan, buffer_size
 from .points import as_mesh, nearest, replica_digits, replica_points, validate
 from .steps import Device, Mesh, Transfer
@@ -49,8 +50,8 @@ def plan_direct(src: Layout, src_shape: Sequence[int], src_rows: Sequence[Sequen
     """
     mesh = as_mesh(mesh)
     src_shape, dst_shape = tuple(int(n) for n in src_shape), tuple(int(n) for n in dst_shape)
-    src_rows = tuple(tuple(int(i) for i in r) for r in src_rows)
-    dst_rows = tuple(tuple(int(i) for i in r) for r in dst_rows)
+    src_rows = tuple(true_rows(r) for r in src_rows)
+    dst_rows = tuple(true_rows(r) for r in dst_rows)
     check_options(partial, itemsize)
     return _plan_direct_cached(src, src_shape, src_rows, dst, dst_shape, dst_rows, mesh, itemsize, partial)
 
@@ -97,9 +98,9 @@ def _check_rows(src_shape, src_rows, dst_shape, dst_rows, lead: int) -> None:
                           + (" (the source leads with a summand dim)" if lead else ""))
     for what, shape, rows in (("source", src_shape, src_rows), ("target", dst_shape, dst_rows)):
         for d, (n, r) in enumerate(zip(shape, rows)):
-            if len(set(r)) != len(r) or any(not 0 <= i < n for i in r):
+            if len(r) > n if isinstance(r, range) else len(set(r)) != len(r) or any(not 0 <= i < n for i in r):
                 raise LayoutError(f"plan_direct: {what} rows of dim {d} must be distinct indices below {n}, got {r}")
-    if lead and src_rows[0] != tuple(range(src_shape[0])):
+    if lead and src_rows[0] != range(src_shape[0]):
         raise LayoutError(f"plan_direct: the summand dim is never padded, got rows {src_rows[0]}")
     for d, (a, b) in enumerate(zip(src_rows[lead:], dst_rows)):
         if len(a) != len(b):

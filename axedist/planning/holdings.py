@@ -21,12 +21,22 @@ from ..layout import MEMORY_AXIS, Layout, LayoutError
 from .plans import buffer_size
 from .steps import Transfer
 
-__all__ = ["ELEMENTWISE", "Holdings", "holdings_of", "holdings_per_dim", "holdings_everywhere", "dim_placements",
+__all__ = ["ELEMENTWISE", "true_rows", "Holdings", "holdings_of", "holdings_per_dim", "holdings_everywhere", "dim_placements",
            "index_terms", "offset_and_shifts", "reached", "outer", "box_index", "true_boxes", "position_choices"]
 
 # Set to True (tests do) to answer every padding question element by element: the reference the
 # per-dim route is checked against (also the route for layouts whose memory is not per-dim).
 ELEMENTWISE = False
+
+
+def true_rows(rows) -> Sequence[int]:
+    """One dim's true rows (the padded index of each true row) in one form: ``range(n)`` where the
+    ``n`` true rows lead the dim in order (O(1) to hash and compare however long), else a tuple.
+    A flat FSDP buffer's rows run to millions: as tuples they made a first step plan for a minute."""
+    if isinstance(rows, range) and rows.start == 0 and rows.step == 1:
+        return rows
+    rows = tuple(int(i) for i in rows)
+    return range(len(rows)) if rows == tuple(range(len(rows))) else rows
 
 
 def box_index(transfers: Sequence[Transfer], side: str) -> torch.Tensor:
@@ -189,7 +199,7 @@ def holdings_of(layout: Layout, full, rows, mesh, everywhere: bool = False) -> H
     """What each position holds of the true rows (``rows[d]``: the padded indices of dim ``d``
     holding true rows): per dim where it factors (``holdings_per_dim``), else element by element.
     Cached: a spec pair's first plan asks about each side several times."""
-    full, rows = tuple(full), tuple(tuple(r) for r in rows)  # the cache's key
+    full, rows = tuple(full), tuple(true_rows(r) for r in rows)  # the cache's key
     held = None if everywhere else holdings_per_dim(layout, full, rows, mesh)
     return held if held is not None else holdings_everywhere(layout, full, rows, mesh)
 
@@ -280,7 +290,7 @@ def holdings_per_dim(layout: Layout, full, rows, mesh) -> Holdings | None:
         return None
     real_of, box_of = [], []  # per dim: {device term: real local rows}, {device term: box extent}
     for d, (device, local) in enumerate(per_dim):
-        true = torch.tensor(sorted(rows[d]), dtype=torch.int64)
+        true = torch.arange(len(rows[d])) if isinstance(rows[d], range) else torch.tensor(sorted(rows[d]))
         true_device, true_local = device[true], local[true]
         reals, boxes = {}, {}
         for t in terms[d]:
@@ -350,7 +360,8 @@ def holdings_everywhere(layout: Layout, full, rows, mesh) -> Holdings:
 def true_boxes(layout: Layout, full, rows, mesh) -> tuple[tuple[int, ...], ...]:
     """Each mesh position's true (unpadded) local shape under ``layout`` over the padded ``full``
     shape whose true rows are ``rows``: ``(7,)`` as ``Shard(0)`` on 4 (padded 8) -> ``((2,), (2,), (2,), (1,))``."""
-    if all(tuple(r) == tuple(range(f)) for r, f in zip(rows, full)):
+    rows = tuple(true_rows(r) for r in rows)
+    if all(r == range(f) for r, f in zip(rows, full)):
         # nothing padded: the padded local tensor where the layout reaches a device, else empty
         local = tuple(math.prod(it.extent for it in block if it.axis == MEMORY_AXIS) for block in layout.blocks(full))
         there = reached(layout, mesh)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from ..layout import MEMORY_AXIS, Iter, Layout, LayoutError, row_major_memory
 from .held_rows import held_rows
+from .holdings import true_rows
 from .padding import cheapest, real_slots
 from .plans import Plan
 
@@ -58,10 +59,10 @@ def side_of(spec) -> Side:
     rows = []
     for n, mapping in zip(spec.full_true, spec.full_true_index):
         if mapping is None:
-            rows.append(tuple(range(n)))
+            rows.append(range(n))
         else:
             where = {t: p for p, t in enumerate(mapping) if t >= 0}
-            rows.append(tuple(where[t] for t in range(n)))
+            rows.append(true_rows(where[t] for t in range(n)))
     return Side(spec.layout, tuple(spec.full_shape), tuple(rows))
 
 
@@ -78,7 +79,7 @@ class RepadRoute(NamedTuple):
 
 def _leading(rows) -> Positions:
     """Positions for a side holding whole dims: the true rows' padded indices where not leading."""
-    return tuple(None if r == tuple(range(len(r))) else r for r in rows)
+    return tuple(None if isinstance(true_rows(r), range) else r for r in rows)
 
 
 def _free_dims(layout: Layout, full) -> set[int]:
@@ -286,4 +287,4 @@ def split_summands(src: Side, dst: Side) -> Side:
         reduced, kept = list(outer), list(inner)
     layout = Layout(reduced + kept + rest, src.layout.replica, src.layout.offset)
     lead = (total // keep, keep)
-    return Side(layout, lead + src.full[1:], (tuple(range(lead[0])), tuple(range(lead[1]))) + src.rows[1:])
+    return Side(layout, lead + src.full[1:], (range(lead[0]), range(lead[1])) + src.rows[1:])

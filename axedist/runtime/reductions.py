@@ -29,8 +29,11 @@ class ReduceScatter(Collective):
                              "source", ctx.device)
         self.n = self.pack.count // len(self.members)
         self.land_index = self.local_dst
-        landing = self.local_dst_raw
-        self.unique = inverse(landing, step.out_size) is not None
+        # one contiguous run of slots lands each value once: no per-element index of a flat FSDP
+        # buffer (millions of slots, seconds of a first step) to prove it
+        run = self.land_index.tensor is None and self.land_index.boxes is None
+        landing = None if run else self.local_dst_raw
+        self.unique = run or inverse(landing, step.out_size) is not None
         if not self.unique:  # slots that several reduced values land in
             self.land = landing.to(ctx.device)
             self.land_count = torch.bincount(landing, minlength=step.out_size).clamp_(min=1).to(ctx.device)
