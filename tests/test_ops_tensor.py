@@ -126,6 +126,31 @@ def _selections(rank, world_size, mesh_name, seed):
         mask = torch.rand(b, c, generator=g) > 0.5
         check(lambda x, m: x.masked_fill(m, -3.0), [(X, xp), (mask, [Replicate()] * mesh.ndim)], mesh, seed, g,
               f"masked_fill {what}")
+        # advanced indexing with plain lists / index tensors (taken as replicated: the same on every
+        # rank), indices repeating; un-indexed dims keep their shards (index_put in the backward)
+        cols = torch.randint(0, b, (randint(g, 1, 5),), generator=g).tolist()
+        check(lambda x: x[:, cols], [(X, xp)], mesh, seed, g, f"x[:, {cols}] {what}",
+              _expect(_kept_shards(xp, {1}, lambda d: d), f"x[:, list] {what}"))
+        grid = torch.randint(-b, b, (2, randint(g, 1, 4)), generator=g)
+        check(lambda x: x[:, grid], [(X, xp)], mesh, seed, g, f"x[:, 2-d index] {what}",
+              _expect(_kept_shards(xp, {1}, lambda d: d if d < 1 else d + 1), f"x[:, 2-d index] {what}"))
+        rows, last = torch.randint(0, a, (3,), generator=g), torch.randint(0, c, (3,), generator=g)
+        check(lambda x: x[rows, :, last], [(X, xp)], mesh, seed, g, f"x[rows, :, last] {what}",
+              _expect(_kept_shards(xp, {0, 2}, lambda d: 1), f"x[rows, :, last] {what}"))
+        check(lambda x: x[torch.arange(a) % 2 == 0], [(X, xp)], mesh, seed, g, f"x[bool mask] {what}")
+        picked = torch.randint(0, a, (randint(g, 1, 5),), generator=g)
+        check(lambda x, v: x.index_put((picked,), v, accumulate=True), [(X, xp), (rand(g, len(picked), b, c), yp)],
+              mesh, seed, g, f"index_put accumulate {what}",
+              _expect(_kept_shards([Replicate() if isinstance(p, Partial) else p for p in xp], {0}, lambda d: d),
+                      f"index_put {what}"))
+        distinct = torch.randperm(b, generator=g)[:randint(g, 1, b + 1)].tolist()  # no repeats: exact
+        values = rand(g, a, len(distinct), c)
+
+        def assign(x, v):
+            y = x * 2.0
+            y[:, distinct] = v
+            return y
+        check(assign, [(X, xp), (values, yp)], mesh, seed, g, f"y[:, {distinct}] = v {what}")
     return True
 
 
@@ -161,8 +186,28 @@ def _no_needless_gather(rank, world_size):
     idx = make(torch.tensor([4, 0, 0, 5, 1]), mesh, [Shard(0)], 0)
     R = make(rand(g, 10, 6), mesh, [Replicate()], 0)
     assert R.index_select(1, idx).placements == (Shard(1),)
+    assert X[:, [1, 3, 3]].placements == (Shard(0),)  # a plain list: no gather of X
+    assert X[:, torch.tensor([[0, 5], [2, 2]])].placements == (Shard(0),)
+    assert X[[1, 3]].placements == (Replicate(),)     # the sharded dim indexed: gathered first
+    assert P[:, [0, 2]].placements == (Partial(),)
     return True
 
 
 def test_no_needless_gather():
     assert run_on_ranks(_no_needless_gather, 4) == [True] * 4
+
+
+def _index_differs(rank, world_size):
+    from axedist.ops import DispatchError
+
+    mesh = mesh_of("4")
+    X = make(torch.arange(24.0).reshape(4, 6), mesh, [Shard(0)], 0)
+    try:
+        X[:, [rank % 2]]
+    except DispatchError as e:
+        return "same on every rank" in str(e) and "differs" in str(e)
+    return False
+
+
+def test_a_plain_index_that_differs_across_ranks_is_refused_on_every_rank():
+    assert run_on_ranks(_index_differs, 4) == [True] * 4

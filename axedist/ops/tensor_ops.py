@@ -319,6 +319,71 @@ def index_select_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=inputs, outputs=tuple(out))
 
 
+def _advanced_index(x: ArgSpec, indices):
+    """Where ``x[indices]`` (advanced indexing, ``indices[d]`` None where dim ``d`` is taken whole)
+    puts ``x``'s dims: ``(indexed dims, new_dim, result ndim)`` with ``new_dim(e)`` the result dim
+    of an un-indexed dim ``e``. The indices' broadcast dims stand in place of the indexed dims where
+    those are adjacent, else first (torch's rule); None for bool masks (a result size only their
+    values give) and for an index with no tensor."""
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    if not indexed or any(indices[d].dtype in (torch.bool, torch.uint8) for d in indexed):
+        return None
+    nb = len(torch.broadcast_shapes(*(tuple(indices[d].shape) for d in indexed)))
+    kept = [e for e in range(x.ndim) if e not in indexed]
+    if indexed == list(range(indexed[0], indexed[-1] + 1)):
+        def new_dim(e):
+            return e if e < indexed[0] else e - len(indexed) + nb
+    else:
+        def new_dim(e):
+            return nb + kept.index(e)
+    return indexed, new_dim, nb + len(kept)
+
+
+@register(aten.index.Tensor)
+def index_rule(call: OpCall) -> Sharding | None:
+    """``x[:, idx]``: the indexed dims whole on every device, the indices replicated; ``x``'s other
+    shards stay with their dims (``_advanced_index``); a pending value stays pending (indexing only
+    selects). Bool masks go through the gather fallback.
+    ``x: (4, 6) [Shard(0)]``, ``x[:, [1, 3]]`` -> ``(4, 2) [Shard(0)]``; ``x: (4, 6, 8) [Shard(2)]``,
+    ``x[idx0, :, idx2]`` with ``idx: (5,)`` -> ``(5, 6)`` replicated on that axis (dim 2 indexed)."""
+    x, indices = call.args[0], call.args[1]
+    where = _advanced_index(x, indices)
+    if where is None:
+        return None
+    indexed, new_dim, _ = where
+    target = unshard(placements_of(x), indexed, x.ndim)
+    index_specs = [i for i in indices if isinstance(i, ArgSpec)]
+    return Sharding(inputs=[target] + [(Replicate(),) * call.mesh.ndim] * len(index_specs),
+                    outputs=renumber(target, x.ndim, new_dim))
+
+
+@register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
+def index_put_rule(call: OpCall) -> Sharding | None:
+    """``x[:, idx] = values`` (``accumulate``: ``+=``; index's backward): the indexed dims of ``x``
+    whole, the indices replicated, ``values`` sharded as ``x[:, idx]`` would be where it has that
+    dim's full size (a broadcast dim of size 1 replicated); pending values reduced first. An
+    in-place call whose ``x`` would have to move goes through the gather fallback.
+    ``x: (4, 6) [Shard(0)]``, ``values: (4, 2)``, ``x[:, [1, 3]] = values`` -> values ``[Shard(0)]``."""
+    x, indices, values = call.args[0], call.args[1], call.args[2]
+    where = _advanced_index(x, indices)
+    if where is None:
+        return None
+    indexed, new_dim, result_ndim = where
+    target = tuple(Replicate() if isinstance(p, Partial) else p for p in unshard(placements_of(x), indexed, x.ndim))
+    if call.func != aten.index_put.default and x.placements != target:
+        return None
+    inputs = [target] + [(Replicate(),) * call.mesh.ndim] * sum(isinstance(i, ArgSpec) for i in indices)
+    if isinstance(values, ArgSpec):
+        lead = result_ndim - values.ndim
+        wanted = []
+        for p in target:
+            d = shard_dim(p, x.ndim)
+            j = None if d is None else new_dim(d) - lead
+            wanted.append(moved(p, j) if j is not None and j >= 0 and values.shape[j] != 1 else Replicate())
+        inputs.append(tuple(wanted))
+    return Sharding(inputs=inputs, outputs=target)
+
+
 @register(aten.index_add.default)
 def index_add_rule(call: OpCall) -> Sharding:
     """``x.index_add(dim, idx, src)`` (index_select's backward): ``x`` and ``src`` share their

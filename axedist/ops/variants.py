@@ -145,6 +145,18 @@ def dispatch_fused_optimizer(d, func, args, kwargs):
 LOSS_OPS = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, aten.nll_loss_backward.default,
                       aten.nll_loss2d_backward.default})
 
+# Ops whose integer / bool tensor arguments say where (indices, masks): ``x[[0, 2]]``, ``x[mask]``,
+# ``x.gather(1, idx)`` with a plain index next to a DTensor take the index as replicated once every
+# rank is seen to hold the same one (torch's DTensor refuses them all).
+INDEX_OPS = frozenset({
+    aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+    aten.index_select.default, aten.index_add.default, aten.index_add_.default, aten.index_copy.default,
+    aten.index_copy_.default, aten.index_fill.int_Scalar, aten.index_fill_.int_Scalar, aten.gather.default,
+    aten.scatter.src, aten.scatter.value, aten.scatter_.src, aten.scatter_.value, aten.scatter_add.default,
+    aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.take.default,
+    aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_select.default, aten.masked_scatter.default,
+    aten.masked_scatter_.default, aten.embedding.default})
+
 
 class _Modes:
     """How many ``implicit_replication()`` / ``loss_parallel()`` blocks are open (process-wide,
@@ -215,9 +227,11 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
 
     Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
     (autograd formulas make such constants next to DTensors: prod's backward concatenates
-    ``torch.ones(1, 3)`` with slices of the input). Under ``implicit_replication()`` and in a
-    backward pass (autograd's formulas build index tensors) any plain tensor equal on every
-    rank; under ``loss_parallel()`` the target and weight of the loss ops.
+    ``torch.ones(1, 3)`` with slices of the input); the integer / bool indices and masks of the
+    indexing ops (``INDEX_OPS``: ``x[[0, 2]]``, ``x[:, idx]``, ``x.gather(1, idx)``) equal on every
+    rank. Under ``implicit_replication()`` and in a backward pass (autograd's formulas build index
+    tensors) any plain tensor equal on every rank; under ``loss_parallel()`` the target and weight
+    of the loss ops.
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
     (the arguments' structure is the same on every rank), so none waits.
     """
@@ -239,7 +253,8 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     if mesh is None or not plain:
         raise error
     replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication() or _in_backward()
-                     or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel())))
+                     or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel()))
+                     or (func in INDEX_OPS and all(not (t.is_floating_point() or t.is_complex()) for t in plain)))
     if replicate_any:
         grads = [tuple(t.shape) for t in plain if t.requires_grad]
         if grads:
