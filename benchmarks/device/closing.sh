@@ -44,7 +44,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
   train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled
-    step bench_train_2d 250 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+    step bench_train_2d ${TRAIN_2D_LIMIT:-250} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
   }
   for name in $BENCHES; do case $name in
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
