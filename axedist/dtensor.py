@@ -620,14 +620,21 @@ def _layouts_as_graph_constants() -> bool:
     try:
         from torch._library.opaque_object import register_opaque_type
     except ImportError:
-        return False
-    for spelling in ({"typ": "value"}, {"value_type": True}):
+        register_opaque_type = None
+    for spelling in ({"typ": "value"}, {"value_type": True}) if register_opaque_type else ():
         try:
             register_opaque_type(Layout, **spelling)
             return True
         except TypeError:
             continue
-    return False
+    # torch 2.11 takes only classes of its own metaclass as opaque values; there a pytree constant
+    # (a layout made before the compiled region, guarded by ==) is what its Dynamo folds
+    # x.redistribute(layout) with
+    register_constant = getattr(torch.utils._pytree, "register_constant", None)
+    if register_constant is None:
+        return False
+    register_constant(Layout)
+    return True
 
 
 LAYOUTS_TRACE = _layouts_as_graph_constants()
