@@ -139,6 +139,26 @@ def test_planning_and_programs_of_a_flat_buffer_are_not_per_element():
     assert "1. reduce_scatter" in text
 
 
+def _move_costs(rank, world):
+    from axedist.planning.cost import placement_move_elements
+
+    mesh = DeviceMesh("cpu", (world,))
+    out = []
+    for s in ("R", "S0", "S1", "P"):
+        for d in ("R", "S0", "S1"):
+            route = plan_redistribute(_spec(mesh, (8, 12), s), _spec(mesh, (8, 12), d), 4)
+            sent = max(route.bytes_sent.values(), default=0) / 4
+            out.append((s, d, sent, placement_move_elements(P[s], P[d], 96, world)))
+    return out
+
+
+def test_the_rules_move_cost_is_what_the_planned_route_sends():
+    """planning.cost.placement_move_elements (what a rule weighs before any plan exists) against
+    the elements a device sends on the planned route, every pair of placements on 4 ranks."""
+    for s, d, sent, estimate in run_on_ranks(_move_costs, 4, timeout_s=60)[0]:
+        assert sent == estimate, (s, d, sent, estimate)
+
+
 def _fused(rank, world):
     mesh = DeviceMesh("cpu", (4,))
     src, dst = _spec(mesh, (8, 4), "P"), _spec(mesh, (8, 4), "S0")

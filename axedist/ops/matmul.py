@@ -1,7 +1,8 @@
 """Matrix products: mm, bmm, addmm, baddbmm.
 
 Per mesh axis the rule picks one of the product's shardings and moves the operands
-there as cheaply as possible (bytes moved; slicing a replicated operand is free):
+there as cheaply as possible (the elements a device sends, ``planning.cost.placement_move_elements``;
+slicing a replicated operand is free):
 
 * rows:     ``a`` Shard(rows), ``b`` Replicate      -> output Shard(rows)
 * columns:  ``a`` Replicate,  ``b`` Shard(cols)     -> output Shard(cols)
@@ -35,27 +36,13 @@ import math
 import torch
 
 from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
+from ..planning.cost import placement_move_elements
 from ..runtime.deferred import fused_gather_product, pending_gather
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
 
 aten = torch.ops.aten
-
-
-def _cost(current, wanted, numel: int) -> float:
-    """Bytes-like cost of moving one operand on one mesh axis (per rank, relative)."""
-    if current == wanted:
-        return 0.0
-    if current is None:
-        return float(numel)
-    if isinstance(current, Replicate) and isinstance(wanted, Shard):
-        return 0.0                     # a local slice
-    if isinstance(wanted, Partial):
-        return float("inf")            # partial sums are made by products, not by moving data
-    if isinstance(current, Partial):
-        return float(numel) * (2.0 if isinstance(wanted, Replicate) else 1.0)
-    return float(numel)                # all-gather or all-to-all
 
 
 def _candidates(batched: bool):
@@ -83,7 +70,9 @@ def _product_strategy(a: ArgSpec, b: ArgSpec, mesh, batched: bool):
             if isinstance(p, Partial) and p.reduce_op in LINEAR_REDUCE_OPS:
                 options.append((p, Replicate(), p) if other_first else (Replicate(), p, p))
         # cheapest first; among equals, the one that changes fewest operands (R x R stays R)
-        best = min(options, key=lambda c: (_cost(pa, c[0], math.prod(a.shape)) + _cost(pb, c[1], math.prod(b.shape)),
+        n = mesh.shape[axis]
+        best = min(options, key=lambda c: (placement_move_elements(pa, c[0], math.prod(a.shape), n)
+                                           + placement_move_elements(pb, c[1], math.prod(b.shape), n),
                                            (pa != c[0]) + (pb != c[1])))
         wa.append(best[0])
         wb.append(best[1])

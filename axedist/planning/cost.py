@@ -15,12 +15,13 @@ device, 2 x 2 x 48 B of it across hosts; reduce-scattering over ``tp`` first, al
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 from ..topology import Network
 from .steps import Step
 
-__all__ = ["route_cost", "step_sends", "step_time_us", "steps_time_us", "sent_per_axis", "pick"]
+__all__ = ["route_cost", "step_sends", "step_time_us", "steps_time_us", "sent_per_axis", "pick", "placement_move_elements"]
 
 
 def route_cost(plans) -> tuple:
@@ -95,3 +96,29 @@ def pick(candidates: Sequence, network: Network | None, plans_of: Callable = lam
         return sum(steps_time_us(plan.steps, network) for plan in plans_of(candidates[i]))
 
     return candidates[min(eligible, key=lambda i: (seconds(i), costs[i]))]
+
+
+def placement_move_elements(current, wanted, numel: int, size: int) -> float:
+    """Elements one device sends when one mesh axis of ``size`` devices takes a tensor of ``numel``
+    elements from placement ``current`` to ``wanted`` (None: a layout with no placement form,
+    priced as sending it whole), what the planner's route for that move sends: an all-gather
+    ``numel (size-1)/size``, a reduce-scatter as much, an all-reduce twice that, an all-to-all
+    ``numel (size-1)/size**2``, a slice of a replicated tensor nothing; a pending sum is made by
+    products, never by moving data (infinite). What a sharding rule weighs its candidates with
+    before any plan exists (the matrix products' strategies); ``test_planning_cost`` checks it
+    against ``plan_redistribute`` on every pair of placements.
+
+    ``(8, 6)`` on 4 devices, ``Shard(0) -> Replicate``: 48 x 3/4 = 36 elements a device."""
+    if current == wanted:
+        return 0.0
+    kind = type(wanted).__name__
+    if current is None:
+        return float(numel)
+    if kind == "Partial":
+        return math.inf
+    gathered = numel * (size - 1) / size
+    if type(current).__name__ == "Partial":
+        return gathered * (2.0 if kind == "Replicate" else 1.0)
+    if type(current).__name__ == "Replicate":
+        return 0.0  # a local slice
+    return gathered if kind == "Replicate" else gathered / size
