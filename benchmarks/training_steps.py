@@ -501,11 +501,13 @@ def markdown_tables(record: dict) -> str:
     for name, s in record["sides"].items():
         ratio = f"{s['time_over_axedist']:.2f}x" if s.get("time_over_axedist") else "-"
         recompiles = "" if s["recompiles_in_timed_steps"] in (None, 0) else f" ({s['recompiles_in_timed_steps']} recompiles!)"
+        first = f"{s['warmup_ms'][0] / 1000:.1f}" if s.get("warmup_ms") else "-"
         rows.append(f"| {name} | {s['median_ms']:.2f}{recompiles} | {s['min_ms']:.2f} - {s['max_ms']:.2f} | "
                     f"{s['p10_ms']:.2f} - {s['p90_ms']:.2f} | {pct(s['mfu'])} | {gib(s['peak_bytes'])} | "
-                    f"{gib(s['resident_bytes'])} | {ratio} | {s['losses'][0]:.4f} |")
+                    f"{gib(s['resident_bytes'])} | {ratio} | {first} | {s['losses'][0]:.4f} |")
     text = ("| side | median step (ms) | min - max | p10 - p90 | MFU | peak GiB | resident GiB | "
-            "time / axedist's | first loss |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n")
+            "time / axedist's | first step (s) | first loss |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(rows) + "\n\n")
     text += (f"Model FLOPs per step {record['model_flops_per_step']:.3e} ({record['flops_formula']}); MFU = model "
              f"FLOPs / (median step x {record['world']} GPUs x peak), peak "
              + (f"{record['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s bf16 dense per GPU" if record["peak_flops_per_gpu"]
@@ -514,7 +516,8 @@ def markdown_tables(record: dict) -> str:
              "rise of `torch.cuda.max_memory_allocated` over one step, max over steps and ranks (the JSON's "
              "`process_peak_bytes`: the value as read, with every side's resident bytes); symmetric-memory "
              "workspaces are outside the caching allocator and not counted. time / axedist's: the side's median "
-             "over axedist's of the same mode (above 1: axedist is faster).\n\n")
+             "over axedist's of the same mode (above 1: axedist is faster). First step: the side's first warm-up "
+             "step (its planning, Triton's compiling of the kernels it launches, torch.compile's tracing).\n\n")
     for name, error in (record.get("failed") or {}).items():
         text += f"**{name} failed and is not in the table**: {error[:600]}\n\n"
     if record.get("goals"):
