@@ -166,6 +166,50 @@ def test_selections(mesh_name, seed):
     assert run_on_ranks(_selections, world, args=(mesh_name, seed)) == [True] * world
 
 
+def _lookups_and_rotations(rank, world_size, mesh_name, seed):
+    """narrow_copy, rot90, linalg.cross, prelu, bucketize / searchsorted / isin against the plain op
+    (forward and backward), each by its rule: no gather fallback."""
+    import torch.nn.functional as F
+
+    from axedist.dtensor import DTensor
+
+    fallbacks = DTensor.dispatcher.cache_info()["fallbacks"]
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    a, b, c = randint(g, 1, 7), 3, randint(g, 1, 6)
+    X, Y = rand(g, a, b, c), rand(g, a, b, c)
+    R = [Replicate()] * mesh.ndim
+    for xp in sample_sets(mesh, [Shard(0), Shard(1), Shard(2), Replicate(), Partial()], g):
+        what = f"seed {seed}, mesh {mesh_name}, shape {(a, b, c)}, x {xp}"
+        start = randint(g, 0, c)
+        length = randint(g, 0, c - start + 1)
+        check(lambda x: x.narrow_copy(2, start, length), [(X, xp)], mesh, seed, g, f"narrow_copy {what}")
+        check(lambda x: x.narrow_copy(0, 0, a), [(X, xp)], mesh, seed, g, f"narrow_copy whole {what}",
+              _expect(_kept_shards(xp, set(), lambda d: d), f"narrow_copy whole {what}"))
+        k = randint(g, -3, 5)
+        check(lambda x: x.rot90(k, [0, 2]), [(X, xp)], mesh, seed, g, f"rot90 {k} {what}",
+              _expect(_kept_shards(xp, {0, 2} if k % 4 else set(), lambda d: d), f"rot90 {what}"))
+        check(lambda x, y: torch.linalg.cross(x, y, dim=1), [(X, xp), (Y, xp)], mesh, seed, g, f"cross {what}")
+        for w in (rand(g, b), rand(g, 1)):
+            check(lambda x, s: F.prelu(x, s), [(X, xp), (w, R)], mesh, seed, g, f"prelu {tuple(w.shape)} {what}")
+        edges = torch.sort(rand(g, randint(g, 1, 8)))[0]
+        check(lambda x, e: torch.bucketize(x, e, right=True), [(X, xp), (edges, R)], mesh, seed, g,
+              f"bucketize {what}", backward=False)
+        check(lambda e, x: torch.searchsorted(e, x), [(edges, R), (X, xp)], mesh, seed, g,
+              f"searchsorted {what}", backward=False)
+        ints = torch.randint(0, 5, (a, b, c), generator=g).double()
+        check(lambda x, t: torch.isin(x, t), [(ints, xp), (torch.tensor([1.0, 3.0]), R)], mesh, seed, g,
+              f"isin {what}", backward=False)
+    assert DTensor.dispatcher.cache_info()["fallbacks"] == fallbacks, DTensor.dispatcher.fallback_ops()
+    return True
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_lookups_and_rotations(mesh_name, seed):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_lookups_and_rotations, world, args=(mesh_name, seed)) == [True] * world
+
+
 def _no_needless_gather(rank, world_size):
     """Exact placements of the common cases (4 ranks, uneven shapes)."""
     mesh = mesh_of("4")

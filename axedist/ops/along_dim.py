@@ -1,7 +1,8 @@
 """Sharding rules of ops that work along one dim, each position of the other dims on its own:
 scans (``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax``, ``cummin``), sorts and selections
 (``sort``, ``topk``, ``kthvalue``, ``median`` / ``nanmedian`` / ``mode`` over a dim), ``renorm``,
-the FFTs (over a list of dims), ``constant_pad_nd`` (over the dims it pads), ``glu`` and ``unfold``.
+the FFTs (over a list of dims), ``constant_pad_nd`` (over the dims it pads), ``glu``, ``unfold``,
+``linalg_cross`` (over its dim, two operands alike) and ``rot90`` (over its two dims).
 (``tril`` / ``triu`` are ``batched.py``'s: their last 2 dims whole, the batch dims keep their shards.)
 
 The op's dim must be whole on each device; every other dim keeps its shards, so no whole
@@ -18,10 +19,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial
 
-from .registry import LINEAR_REDUCE_OPS, OpCall, Sharding, register
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
 from .specs import local_shape_of
-from .tensor_ops import placements_of, renumber, unshard
+from .tensor_ops import joint_placements, placements_of, renumber, unshard
 
 aten = torch.ops.aten
 
@@ -160,3 +161,28 @@ def unfold_backward_rule(call: OpCall) -> Sharding:
         return aten.unfold_backward.default(g, list(local_sizes), *args, **kwargs)
 
     return Sharding(inputs=[target], outputs=out, local=local)
+
+
+@register(aten.linalg_cross.default)
+def cross_rule(call: OpCall) -> Sharding | None:
+    """``torch.linalg.cross(a, b, dim=1)`` of two (8, 3, 5) tensors in ``[Shard(0)]``: local, ``[Shard(0)]``;
+    the cross dim whole, both operands sharded alike, nothing pending (the product is bilinear).
+    Operands of different shapes (broadcasting) go through the gather fallback."""
+    a, b = call.args[0], call.args[1]
+    if not isinstance(a, ArgSpec) or not isinstance(b, ArgSpec) or a.shape != b.shape:
+        return None
+    d = call.arg(2, "dim", -1) % max(a.ndim, 1)
+    target = joint_placements([a, b], allowed=lambda e: e != d, linear=False)
+    return Sharding(inputs=[target, target], outputs=target)
+
+
+@register(aten.rot90.default)
+def rot90_rule(call: OpCall) -> Sharding:
+    """``x.rot90(1, [1, 2])``: the two rotated dims whole (a transpose and a flip of them), every
+    other dim keeps its shards and a pending value stays pending (a rotation only moves elements);
+    ``k`` a multiple of 4 is the identity: nothing moves."""
+    x = call.args[0]
+    k, dims = call.arg(1, "k", 1), call.arg(2, "dims", [0, 1])
+    places = placements_of(x)
+    target = places if k % 4 == 0 else unshard(places, list(dims), x.ndim)
+    return Sharding(inputs=[target], outputs=target)

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .tensor_ops import placements_of, unshard, without_partial
 
 aten = torch.ops.aten
 
@@ -406,3 +407,18 @@ def foreach_norm(call: OpCall) -> Sharding:
         return [value.pow(1.0 / ord_)]
 
     return Sharding(inputs=[want], outputs=[(Replicate(),) * call.mesh.ndim], local=local)
+
+
+@register(aten._prelu_kernel.default, aten._prelu_kernel_backward.default)
+def prelu_rule(call: OpCall) -> Sharding:
+    """``F.prelu(x, w)``: elementwise, with ``w``'s one slope per channel (dim 1 of ``x``) or one
+    for all: the channel dim whole where ``w`` has several, ``w`` replicated, nothing pending;
+    every other dim keeps its shards. The backward (grad, x, w) gives the input's and the
+    per-element slope gradient, both sharded as ``x``."""
+    backward = call.func is aten._prelu_kernel_backward.default
+    x, w = (call.args[1], call.args[2]) if backward else (call.args[0], call.args[1])
+    places = without_partial(placements_of(x))
+    if isinstance(w, ArgSpec) and math.prod(w.shape) > 1 and x.ndim > 1:
+        places = unshard(places, [1], x.ndim)
+    inputs = [(Replicate(),) * call.mesh.ndim if spec is w else places for spec in call.specs]
+    return Sharding(inputs=inputs, outputs=(places, places) if backward else places)

@@ -266,6 +266,18 @@ def _with_local_sizes(sizes, mesh, out_places):
     return local
 
 
+@register(aten.narrow_copy.default)
+def narrow_copy_rule(call: OpCall) -> Sharding:
+    """``x.narrow_copy(1, 2, 3)``: as ``x[:, 2:5]`` (a slice), a new tensor."""
+    x, dim, start, length = call.args[:4]
+    d = dim % max(x.ndim, 1)
+    places = placements_of(x)
+    if not is_full_range(x.shape[d], start, start + length, 1):
+        return Sharding(inputs=[unshard(places, [d], x.ndim)], outputs=unshard(places, [d], x.ndim))
+    # the whole dim: each rank copies its own rows (the global start and length do not fit them)
+    return Sharding(inputs=[places], outputs=places, local=lambda call, local, *rest: local.clone(memory_format=torch.contiguous_format))
+
+
 @register(aten.select.int)
 def select_rule(call: OpCall) -> Sharding:
     """``x[:, 2]`` of ``[Shard(0)]`` -> ``[Shard(0)]``; ``x[2]`` of ``[Shard(1)]`` -> ``[Shard(0)]``."""
@@ -317,6 +329,40 @@ def index_select_rule(call: OpCall) -> Sharding:
             ip[i] = Replicate()
     inputs = [tuple(xp)] + ([tuple(ip)] if has_index else [])
     return Sharding(inputs=inputs, outputs=tuple(out))
+
+
+# Searching: each element of one tensor looked up in another, whole on every rank
+# ---------------------------------------------------------------------------
+
+
+@register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.bucketize.Tensor)
+def lookup_rule(call: OpCall) -> Sharding | None:
+    """``torch.isin(x, test)`` / ``torch.bucketize(x, boundaries)``: each element of ``x`` on its own,
+    against the whole second tensor: the output sharded as ``x`` (nothing pending), the second
+    tensor replicated. ``x`` (8, 6) in ``[Shard(0)]``: local, ``[Shard(0)]``."""
+    x = call.args[0]
+    if not isinstance(x, ArgSpec):
+        return None
+    target = without_partial(placements_of(x))
+    others = [(Replicate(),) * call.mesh.ndim] * (len(call.specs) - 1)
+    return Sharding(inputs=[target] + others, outputs=target)
+
+
+@register(aten.searchsorted.Tensor)
+def searchsorted_rule(call: OpCall) -> Sharding | None:
+    """``torch.searchsorted(sorted, x)`` with a 1-D ``sorted``: as ``bucketize`` (each element of ``x``
+    looked up in the whole sequence); an N-D sequence or a ``sorter`` goes through the gather fallback."""
+    sequence, x = call.args[0], call.args[1]
+    if not isinstance(x, ArgSpec) or not isinstance(sequence, ArgSpec) or sequence.ndim != 1 \
+            or call.kwargs.get("sorter") is not None or len(call.specs) != 2:
+        return None
+    target = without_partial(placements_of(x))
+    return Sharding(inputs=[(Replicate(),) * call.mesh.ndim, target], outputs=target)
+
+
+# ---------------------------------------------------------------------------
+# Advanced indexing (plain index tensors and lists arrive replicated: ops/variants.py)
+# ---------------------------------------------------------------------------
 
 
 def _advanced_index(x: ArgSpec, indices):
