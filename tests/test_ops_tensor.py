@@ -200,6 +200,11 @@ def _lookups_and_rotations(rank, world_size, mesh_name, seed):
         ints = torch.randint(0, 5, (a, b, c), generator=g).double()
         check(lambda x, t: torch.isin(x, t), [(ints, xp), (torch.tensor([1.0, 3.0]), R)], mesh, seed, g,
               f"isin {what}", backward=False)
+        # plain tables (the same on every rank) next to a DTensor, as a user writes them
+        check(lambda x: torch.isin(x, torch.tensor([1.0, 3.0])), [(ints, xp)], mesh, seed, g,
+              f"isin plain {what}", backward=False)
+        check(lambda x: torch.bucketize(x, edges), [(X, xp)], mesh, seed, g, f"bucketize plain {what}",
+              backward=False)
     assert DTensor.dispatcher.cache_info()["fallbacks"] == fallbacks, DTensor.dispatcher.fallback_ops()
     return True
 

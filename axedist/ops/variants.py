@@ -156,6 +156,10 @@ INDEX_OPS = frozenset({
     aten.scatter_add_.default, aten.scatter_reduce.two, aten.scatter_reduce_.two, aten.take.default,
     aten.masked_fill.Scalar, aten.masked_fill_.Scalar, aten.masked_select.default, aten.masked_scatter.default,
     aten.masked_scatter_.default, aten.embedding.default})
+# Ops that look each element up in a whole second tensor (``torch.isin(ids, special_ids)``,
+# ``torch.bucketize(x, edges)``): a plain table of any dtype is taken as replicated, once every
+# rank is seen to hold the same one.
+LOOKUP_OPS = frozenset({aten.isin.Tensor_Tensor, aten.bucketize.Tensor, aten.searchsorted.Tensor})
 
 
 class _Modes:
@@ -228,8 +232,8 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
     (autograd formulas make such constants next to DTensors: prod's backward concatenates
     ``torch.ones(1, 3)`` with slices of the input); the integer / bool indices and masks of the
-    indexing ops (``INDEX_OPS``: ``x[[0, 2]]``, ``x[:, idx]``, ``x.gather(1, idx)``) equal on every
-    rank. Under ``implicit_replication()`` and in a backward pass (autograd's formulas build index
+    indexing ops (``INDEX_OPS``: ``x[[0, 2]]``, ``x[:, idx]``, ``x.gather(1, idx)``) and the tables of
+    the lookup ops (``LOOKUP_OPS``: ``torch.isin(ids, special)``) equal on every rank. Under ``implicit_replication()`` and in a backward pass (autograd's formulas build index
     tensors) any plain tensor equal on every rank; under ``loss_parallel()`` the target and weight
     of the loss ops.
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
@@ -254,7 +258,8 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
         raise error
     replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication() or _in_backward()
                      or (func in LOSS_OPS and (MODES.loss_parallel > 0 or _torch_loss_parallel()))
-                     or (func in INDEX_OPS and all(not (t.is_floating_point() or t.is_complex()) for t in plain)))
+                     or (func in INDEX_OPS and all(not (t.is_floating_point() or t.is_complex()) for t in plain))
+                     or func in LOOKUP_OPS)
     if replicate_any:
         grads = [tuple(t.shape) for t in plain if t.requires_grad]
         if grads:
