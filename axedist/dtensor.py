@@ -614,27 +614,26 @@ _make_graph_nodes._dynamo_marked_constant = True  # torch._dynamo.assume_constan
 
 def _layouts_as_graph_constants() -> bool:
     """Layouts are constants of a traced graph (guarded by ==, the same map), so
-    ``redistribute(layout)`` traces. torch's registration of such value types is private and
-    has changed between releases: where this torch has none that fits, compiled code cannot
-    take a layout argument (placements still work) and eager is unaffected."""
+    ``redistribute(layout)`` traces: an opaque value type where this torch takes one, else (torch
+    2.11 takes only classes of its own metaclass) a pytree constant, which 2.11's Dynamo folds
+    ``x.redistribute(layout)``'s arguments with (a layout made before the compiled region). Where
+    this torch has neither, compiled code cannot take a layout argument (placements still work)
+    and eager is unaffected."""
     try:
         from torch._library.opaque_object import register_opaque_type
     except ImportError:
         register_opaque_type = None
-    for spelling in ({"typ": "value"}, {"value_type": True}) if register_opaque_type else ():
-        try:
-            register_opaque_type(Layout, **spelling)
-            return True
-        except TypeError:
-            continue
-    # torch 2.11 takes only classes of its own metaclass as opaque values; there a pytree constant
-    # (a layout made before the compiled region, guarded by ==) is what its Dynamo folds
-    # x.redistribute(layout) with
+    if register_opaque_type is not None:
+        for spelling in ({"typ": "value"}, {"value_type": True}):
+            try:
+                register_opaque_type(Layout, **spelling)
+                return True
+            except TypeError:
+                continue
     register_constant = getattr(torch.utils._pytree, "register_constant", None)
-    if register_constant is None:
-        return False
-    register_constant(Layout)
-    return True
+    if register_constant is not None:
+        register_constant(Layout)
+    return register_constant is not None
 
 
 LAYOUTS_TRACE = _layouts_as_graph_constants()

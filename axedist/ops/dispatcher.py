@@ -289,8 +289,13 @@ class OpDispatcher:
         return None if plan is _NO_RULE else plan
 
     def cached_plan(self, func, args, kwargs):
-        """The plan cached for this call (None: none yet, or no rule) and the call's DTensors."""
-        dts, _, key = scan(self.cls, func, args, kwargs)
+        """The plan cached for this call (None: none yet, or no rule) and the call's DTensors. A call
+        with a plain tensor among its DTensors has none: the tensor is adopted per call, once the
+        ranks are seen to agree (``adopt_constants``)."""
+        try:
+            dts, _, key = scan(self.cls, func, args, kwargs)
+        except PlainTensorError:
+            return None, []
         plan = self.plans.get(key)
         if plan is None and not kwargs:
             fast_key = self.cache_key(func, args)

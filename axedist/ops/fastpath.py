@@ -25,7 +25,7 @@ import torch
 
 from ..runtime.deferred import pending_gather, pending_product
 from ..runtime.tails import pending_tail
-from .call_plan import SCALAR_TYPES, PlainTensorError, op_info
+from .call_plan import SCALAR_TYPES, op_info
 from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
 
 __all__ = ["FastPath", "Entry"]
@@ -159,10 +159,7 @@ class FastPath:
         """The plan of this aten call if the dispatcher ran it as "the op on the local tensors,
         wrapped" (no input moved, no rule-specific local function, no pending-sum input, one
         output, nothing written, nothing random), else None."""
-        try:
-            plan, inputs = self.dispatcher.cached_plan(op, args, kwargs)
-        except PlainTensorError:  # a plain tensor taken as replicated: every call checks the ranks agree
-            return None
+        plan, inputs = self.dispatcher.cached_plan(op, args, kwargs)
         info = op_info(op)
         if plan is None or type(out) is not self.dispatcher.cls or out._pending is not None:
             return None

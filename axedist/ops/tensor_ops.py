@@ -273,9 +273,14 @@ def narrow_copy_rule(call: OpCall) -> Sharding:
     d = dim % max(x.ndim, 1)
     places = placements_of(x)
     if not is_full_range(x.shape[d], start, start + length, 1):
-        return Sharding(inputs=[unshard(places, [d], x.ndim)], outputs=unshard(places, [d], x.ndim))
+        places = unshard(places, [d], x.ndim)
+        return Sharding(inputs=[places], outputs=places)
     # the whole dim: each rank copies its own rows (the global start and length do not fit them)
-    return Sharding(inputs=[places], outputs=places, local=lambda call, local, *rest: local.clone(memory_format=torch.contiguous_format))
+    return Sharding(inputs=[places], outputs=places, local=_copy_of_local)
+
+
+def _copy_of_local(call, local, *rest):
+    return local.clone(memory_format=torch.contiguous_format)
 
 
 @register(aten.select.int)
@@ -415,7 +420,7 @@ def index_put_rule(call: OpCall) -> Sharding | None:
     if where is None:
         return None
     indexed, new_dim, result_ndim = where
-    target = tuple(Replicate() if isinstance(p, Partial) else p for p in unshard(placements_of(x), indexed, x.ndim))
+    target = without_partial(unshard(placements_of(x), indexed, x.ndim))
     if call.func != aten.index_put.default and x.placements != target:
         return None
     inputs = [target] + [(Replicate(),) * call.mesh.ndim] * sum(isinstance(i, ArgSpec) for i in indices)

@@ -232,10 +232,11 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     Always adopted: a plain tensor that holds one value, the same on every rank of the mesh
     (autograd formulas make such constants next to DTensors: prod's backward concatenates
     ``torch.ones(1, 3)`` with slices of the input); the integer / bool indices and masks of the
-    indexing ops (``INDEX_OPS``: ``x[[0, 2]]``, ``x[:, idx]``, ``x.gather(1, idx)``) and the tables of
-    the lookup ops (``LOOKUP_OPS``: ``torch.isin(ids, special)``) equal on every rank. Under ``implicit_replication()`` and in a backward pass (autograd's formulas build index
-    tensors) any plain tensor equal on every rank; under ``loss_parallel()`` the target and weight
-    of the loss ops.
+    indexing ops (``INDEX_OPS``: ``x[[0, 2]]``, ``x[:, idx]``, ``x.gather(1, idx)``) and the tables
+    of the lookup ops (``LOOKUP_OPS``: ``torch.isin(ids, special)``) equal on every rank. Under
+    ``implicit_replication()`` and in a backward pass (autograd's formulas build index tensors)
+    any plain tensor equal on every rank; under ``loss_parallel()`` the target and weight of the
+    loss ops.
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
     (the arguments' structure is the same on every rank), so none waits.
     """

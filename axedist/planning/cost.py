@@ -105,20 +105,22 @@ def placement_move_elements(current, wanted, numel: int, size: int) -> float:
     ``numel (size-1)/size``, a reduce-scatter as much, an all-reduce twice that, an all-to-all
     ``numel (size-1)/size**2``, a slice of a replicated tensor nothing; a pending sum is made by
     products, never by moving data (infinite). What a sharding rule weighs its candidates with
-    before any plan exists (the matrix products' strategies); ``test_planning_cost`` checks it
-    against ``plan_redistribute`` on every pair of placements.
+    before any plan exists (the matrix products' strategies);
+    ``test_the_rules_move_cost_is_what_the_planned_route_sends`` checks it against
+    ``plan_redistribute`` on every pair of placements.
 
     ``(8, 6)`` on 4 devices, ``Shard(0) -> Replicate``: 48 x 3/4 = 36 elements a device."""
     if current == wanted:
         return 0.0
-    kind = type(wanted).__name__
     if current is None:
         return float(numel)
-    if kind == "Partial":
+    # by class name: planning imports no torch (placements are torch's classes)
+    have, want = type(current).__name__, type(wanted).__name__
+    if want == "Partial":
         return math.inf
     gathered = numel * (size - 1) / size
-    if type(current).__name__ == "Partial":
-        return gathered * (2.0 if kind == "Replicate" else 1.0)
-    if type(current).__name__ == "Replicate":
+    if have == "Partial":
+        return gathered * (2.0 if want == "Replicate" else 1.0)
+    if have == "Replicate":
         return 0.0  # a local slice
-    return gathered if kind == "Replicate" else gathered / size
+    return gathered if want == "Replicate" else gathered / size

@@ -98,7 +98,9 @@ def _check_rows(src_shape, src_rows, dst_shape, dst_rows, lead: int) -> None:
                           + (" (the source leads with a summand dim)" if lead else ""))
     for what, shape, rows in (("source", src_shape, src_rows), ("target", dst_shape, dst_rows)):
         for d, (n, r) in enumerate(zip(shape, rows)):
-            if len(r) > n if isinstance(r, range) else len(set(r)) != len(r) or any(not 0 <= i < n for i in r):
+            distinct_below_n = len(r) <= n if isinstance(r, range) else \
+                len(set(r)) == len(r) and all(0 <= i < n for i in r)
+            if not distinct_below_n:
                 raise LayoutError(f"plan_direct: {what} rows of dim {d} must be distinct indices below {n}, got {r}")
     if lead and src_rows[0] != range(src_shape[0]):
         raise LayoutError(f"plan_direct: the summand dim is never padded, got rows {src_rows[0]}")
