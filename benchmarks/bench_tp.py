@@ -27,7 +27,8 @@ median, min - max, p10 - p90, MFU against the card's bf16 peak, peak memory (max
 ranks). Before that an fp32 loss check: every side trains ``--check-steps`` steps of a small
 model of the same structure from the same init on the same data; losses must agree with torch
 eager's within ``--check-tol`` (relative). ``--profile``: one more step per side under
-torch.profiler, its top kernels and device busy time in the results (no trace files).
+torch.profiler, its top kernels and device busy time in the results (``--trace``: every rank's
+Chrome trace of it under OUT/traces/).
 ``--eager-backends p2p torch``: more eager axedist sides with the fused calls pinned (``axedist
 p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused), against the
 ``auto`` choice of the plain ``axedist`` side, in the same interleaved run.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import sys
 
 from axedist.env import keep_multicast_off
@@ -176,6 +178,8 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
     p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     p.add_argument("--eager-backends", nargs="+", default=(), choices=("p2p", "symm", "torch"), metavar="BACKEND",
                    help="also axedist eager with its fused calls pinned to each (p2p, symm, torch: never fused)")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
@@ -222,12 +226,14 @@ def main(argv=None) -> None:
         "interleaved timed steps")
     failed = {}
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
-    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
+    traces = os.path.join(args.out, "traces") if args.trace else None
+    profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
 
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     ratio_rows(stats, lambda name: "axedist compiled" if "compiled" in name else "axedist")
     for name, s in stats.items():
-        say(f"{name:24s} median {s['median_ms']:9.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  MFU "
+        say(f"{name:24s} median {s['median_ms']:9.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  host "
+            f"{s['host_median_ms']:.1f} ms  MFU "
             + (f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a") + "  peak "
             + (f"{s['peak_bytes'] / 2**30:.2f} GiB" if s["peak_bytes"] is not None else "n/a")
             + f"  losses first {s['losses'][0]:.4f} last {s['losses'][-1]:.4f}")

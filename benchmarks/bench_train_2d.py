@@ -191,6 +191,8 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's")
     p.add_argument("--out", default=None, help="write bench_train_2d_<device>_w<W>[_<preset>].json/.md/.png here")
     p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--trace", action="store_true",
+                   help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
@@ -237,13 +239,15 @@ def main(argv=None) -> None:
     failed = {}
     sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile), data, args.warmup,
                                    args.steps, cuda, say, failed)
-    profile = profile_sides(sides, data[-1], cuda, say) if args.profile else None
+    traces = os.path.join(args.out, "traces") if args.trace else None
+    profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))
     ratio_rows(stats, lambda name: "axedist compiled" if name.endswith("compiled") else "axedist")
     for name, s in stats.items():
-        say(f"{name:8s} median {s['median_ms']:8.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  MFU "
+        say(f"{name:8s} median {s['median_ms']:8.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  host "
+            f"{s['host_median_ms']:.1f} ms  MFU "
             + (f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a") + "  peak "
             + (f"{s['peak_bytes'] / 2**30:.2f} GiB" if s["peak_bytes"] is not None else "n/a")
             + f"  bytes/step {_count(s['bytes_per_step']):>12}  state {s['state_bytes']:>12,} B  first losses "

@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import statistics
 import time
 from typing import Callable
@@ -197,6 +198,7 @@ class Side:
     resident_bytes: int = 0             # this rank's bytes that stay between steps (state, caches)
     warmup_ms: list = dataclasses.field(default_factory=list)
     times_ms: list = dataclasses.field(default_factory=list)
+    host_ms: list = dataclasses.field(default_factory=list)    # until step() returned, max over ranks
     peaks: list = dataclasses.field(default_factory=list)      # resident + the step's peak, max over ranks
     raw_peaks: list = dataclasses.field(default_factory=list)  # max_memory_allocated as read, max over ranks
     losses: list = dataclasses.field(default_factory=list)
@@ -207,13 +209,25 @@ def allocated(cuda: bool) -> int:
     return torch.cuda.memory_allocated() if cuda else 0
 
 
-def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0, around=contextlib.nullcontext):
-    """``step(tokens)`` between synchronised starts (all ranks, the device): its result, the
-    slowest rank's wall milliseconds, and two peaks, max over ranks (None on CPU): the side's
-    own, ``resident`` + the rise of allocated bytes during the step over those before it, and
-    the process's ``torch.cuda.max_memory_allocated`` as read (every resident side's bytes).
-    ``around()``: a context entered around the step alone (a profiler: the all-reduce of the
-    measurements, which waits for the slowest rank, stays out of what it sees)."""
+@dataclasses.dataclass
+class Measured:
+    """One measured step: its result, the slowest rank's wall milliseconds, the slowest rank's
+    host milliseconds (until ``step`` returned, before waiting for the device: near ``ms``, the
+    step is bound by its host code, not the GPU), and two peaks, max over ranks (None on CPU)."""
+
+    out: object
+    ms: float
+    host_ms: float
+    peak: int | None
+    raw_peak: int | None
+
+
+def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0, around=contextlib.nullcontext) -> Measured:
+    """``step(tokens)`` between synchronised starts (all ranks, the device), measured. The peaks:
+    the side's own, ``resident`` + the rise of allocated bytes during the step over those before
+    it, and the process's ``torch.cuda.max_memory_allocated`` as read (every resident side's
+    bytes). ``around()``: a context entered around the step alone (a profiler: the all-reduce of
+    the measurements, which waits for the slowest rank, stays out of what it sees)."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -222,16 +236,18 @@ def measured_step(step: Callable, tokens, cuda: bool, resident: int = 0, around=
     begin = time.perf_counter()
     with around():
         out = step(tokens)
+        host = time.perf_counter() - begin
         if cuda:
             torch.cuda.synchronize()
     elapsed = time.perf_counter() - begin
     raw = torch.cuda.max_memory_allocated() if cuda else 0
-    measured = torch.tensor([elapsed, float(resident + raw - before), float(raw)], dtype=torch.float64,
+    measured = torch.tensor([elapsed, host, float(resident + raw - before), float(raw)], dtype=torch.float64,
                             device="cuda" if cuda else "cpu")
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    ms, host_ms = float(measured[0]) * 1e3, float(measured[1]) * 1e3
     if not cuda:
-        return out, float(measured[0]) * 1e3, None, None
-    return out, float(measured[0]) * 1e3, int(measured[1]), int(measured[2])
+        return Measured(out, ms, host_ms, None, None)
+    return Measured(out, ms, host_ms, int(measured[2]), int(measured[3]))
 
 
 def agree(ok: bool, cuda: bool) -> bool:
@@ -285,10 +301,10 @@ def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, fai
         error = ""
         try:
             for i in range(warmup):
-                loss, ms, _, _ = measured_step(side.step, data[i], cuda, side.resident_bytes)
-                side.losses.append(side.loss_value(loss))
-                side.warmup_ms.append(ms)
-                say(f"  warm-up {side.name} {i + 1}/{warmup}: {ms:.1f} ms" +
+                m = measured_step(side.step, data[i], cuda, side.resident_bytes)
+                side.losses.append(side.loss_value(m.out))
+                side.warmup_ms.append(m.ms)
+                say(f"  warm-up {side.name} {i + 1}/{warmup}: {m.ms:.1f} ms" +
                     (f", {side.compiler.graphs} graphs compiled" if side.compiler else ""))
         except Exception as e:  # noqa: BLE001 - e.g. a compile error or out of memory on every rank
             error = f"warming up: {type(e).__name__}: {e}"
@@ -313,11 +329,12 @@ def run_interleaved(sides: list[Side], data, warmup: int, steps: int, cuda: bool
     order = []
     for i in range(steps):
         for side in sides:
-            loss, ms, peak, raw = measured_step(side.step, data[warmup + i], cuda, side.resident_bytes)
-            side.losses.append(side.loss_value(loss))
-            side.times_ms.append(ms)
-            side.peaks.append(peak)
-            side.raw_peaks.append(raw)
+            m = measured_step(side.step, data[warmup + i], cuda, side.resident_bytes)
+            side.losses.append(side.loss_value(m.out))
+            side.times_ms.append(m.ms)
+            side.host_ms.append(m.host_ms)
+            side.peaks.append(m.peak)
+            side.raw_peaks.append(m.raw_peak)
             order.append([i, side.name])
         if (i + 1) % 5 == 0 or i + 1 == steps:
             say(f"  timed step {i + 1}/{steps}: medians so far " +
@@ -345,6 +362,7 @@ def side_stats(side: Side, flops_per_step: float, world: int, peak: float | None
     return {"median_ms": median, "min_ms": min(side.times_ms), "max_ms": max(side.times_ms),
             "p10_ms": percentile(side.times_ms, 10), "p90_ms": percentile(side.times_ms, 90),
             "times_ms": side.times_ms, "warmup_ms": side.warmup_ms, "mfu": mfu,
+            "host_median_ms": statistics.median(side.host_ms), "host_ms": side.host_ms,
             "peak_bytes": max(peaks) if peaks else None, "resident_bytes": side.resident_bytes if peaks else None,
             "process_peak_bytes": max(side.raw_peaks) if peaks else None,
             "losses": side.losses,
@@ -403,12 +421,15 @@ def run_loss_check(sides: list[Side], data, steps: int, cuda: bool, tol: float, 
     return result
 
 
-def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int = 15) -> dict:
+def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int = 15,
+                  trace_dir: str | None = None) -> dict:
     """One more step of every side under ``torch.profiler`` (CUDA activity on CUDA); rank 0's
     summary per side: total device busy time (the union of kernel intervals over all streams),
     the sum of kernel times (above busy time where kernels overlap, e.g. NCCL beside GEMMs), and
     the top kernels by time. On CPU: the operators' self times and the busy time of the top-level
-    operators. No trace file is written."""
+    operators. With ``trace_dir`` every rank also writes its Chrome trace there,
+    ``trace_<side>_rank<r>.json.gz`` (for a timeline: where a side's GPU waits on its host or on
+    another rank)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -417,7 +438,11 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int
         error = ""
         try:
             prof = profile(activities=activities)
-            _, ms, _, _ = measured_step(side.step, tokens, cuda, around=lambda: prof)
+            ms = measured_step(side.step, tokens, cuda, around=lambda: prof).ms
+            if trace_dir:
+                os.makedirs(trace_dir, exist_ok=True)
+                prof.export_chrome_trace(os.path.join(
+                    trace_dir, f"trace_{side.name.replace(' ', '_')}_rank{dist.get_rank()}.json.gz"))
             if dist.get_rank() == 0:
                 out[side.name] = dict(profile_summary(prof.events(), cuda, top), step_ms=ms)
                 say(f"  profiled {side.name}: step {ms:.1f} ms, busy {out[side.name]['busy_ms']:.1f} ms")
@@ -502,11 +527,12 @@ def markdown_tables(record: dict) -> str:
         ratio = f"{s['time_over_axedist']:.2f}x" if s.get("time_over_axedist") else "-"
         recompiles = "" if s["recompiles_in_timed_steps"] in (None, 0) else f" ({s['recompiles_in_timed_steps']} recompiles!)"
         first = f"{s['warmup_ms'][0] / 1000:.1f}" if s.get("warmup_ms") else "-"
+        host = f"{s['host_median_ms']:.1f}" if s.get("host_median_ms") is not None else "-"
         rows.append(f"| {name} | {s['median_ms']:.2f}{recompiles} | {s['min_ms']:.2f} - {s['max_ms']:.2f} | "
-                    f"{s['p10_ms']:.2f} - {s['p90_ms']:.2f} | {pct(s['mfu'])} | {gib(s['peak_bytes'])} | "
+                    f"{s['p10_ms']:.2f} - {s['p90_ms']:.2f} | {host} | {pct(s['mfu'])} | {gib(s['peak_bytes'])} | "
                     f"{gib(s['resident_bytes'])} | {ratio} | {first} | {s['losses'][0]:.4f} |")
-    text = ("| side | median step (ms) | min - max | p10 - p90 | MFU | peak GiB | resident GiB | "
-            "time / axedist's | first step (s) | first loss |\n|---|---|---|---|---|---|---|---|---|---|\n"
+    text = ("| side | median step (ms) | min - max | p10 - p90 | host (ms) | MFU | peak GiB | resident GiB | "
+            "time / axedist's | first step (s) | first loss |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows) + "\n\n")
     text += (f"Model FLOPs per step {record['model_flops_per_step']:.3e} ({record['flops_formula']}); MFU = model "
              f"FLOPs / (median step x {record['world']} GPUs x peak), peak "
@@ -517,7 +543,9 @@ def markdown_tables(record: dict) -> str:
              "`process_peak_bytes`: the value as read, with every side's resident bytes); symmetric-memory "
              "workspaces are outside the caching allocator and not counted. time / axedist's: the side's median "
              "over axedist's of the same mode (above 1: axedist is faster). First step: the side's first warm-up "
-             "step (its planning, Triton's compiling of the kernels it launches, torch.compile's tracing).\n\n")
+             "step (its planning, Triton's compiling of the kernels it launches, torch.compile's tracing). Host: "
+             "the median over steps of the slowest rank's time until the step's Python returned, before waiting "
+             "for the GPU; near the step's time, the host, not the GPU, bounds the step.\n\n")
     for name, error in (record.get("failed") or {}).items():
         text += f"**{name} failed and is not in the table**: {error[:600]}\n\n"
     if record.get("goals"):

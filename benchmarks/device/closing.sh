@@ -44,7 +44,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
   train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled
-    step bench_train_2d ${TRAIN_2D_LIMIT:-250} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --out "$RESULTS"
+    step bench_train_2d ${TRAIN_2D_LIMIT:-250} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
   }
   for name in $BENCHES; do case $name in
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
@@ -66,6 +66,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
       (( W >= 4 )) && train_2d ;;
     tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
       step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
+    tp_eager) # eager only, where the eager step's time goes: axedist (auto), cuBLAS + NCCL pinned, torch;
+      # one profiled step per side with every rank's Chrome trace (results/eager/traces/)
+      step bench_tp_eager 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --trace --eager-backends torch --out "$RESULTS/eager" ;;
     train_2d) train_2d ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
