@@ -79,9 +79,10 @@ def test_preset_overrides():
 def test_percentile_and_stats():
     side = ts.Side("a", None)
     side.times_ms, side.peaks, side.losses = [10.0, 30.0, 20.0, 40.0, 50.0], [5, 7, 6, 5, 5], [1.0] * 5
-    side.raw_peaks = [9, 9, 12, 9, 9]
+    side.raw_peaks, side.host_ms = [9, 9, 12, 9, 9], [3.0, 1.0, 2.0, 5.0, 4.0]
     stats = ts.side_stats(side, flops_per_step=1e12, world=2, peak=1e14)
     assert (stats["median_ms"], stats["min_ms"], stats["max_ms"]) == (30.0, 10.0, 50.0)
+    assert stats["host_median_ms"] == 3.0
     assert stats["p10_ms"] == pytest.approx(14.0) and stats["p90_ms"] == pytest.approx(46.0)
     assert stats["mfu"] == pytest.approx(1e12 / (0.030 * 2 * 1e14))
     assert stats["peak_bytes"] == 7 and stats["process_peak_bytes"] == 12
