@@ -442,7 +442,8 @@ def _input_gradient(rank, world, seed):
     d = _stats_delta(before, fused_gemm_stats())
     assert d == {"deferred": 3, "summed": 2, "fused": 0, "unfused": 1, "materialized": 3}, d
     (route,) = seen
-    assert route.fused.products == 3 and not route.fused.fused and "CUDA-only" in route.fused.reason
+    # K of the three concatenated (3 x 2 local columns) outgrows the product's 5: never concatenated
+    assert route.fused.products == 3 and not route.fused.fused and "would outgrow" in route.fused.reason
     assert str(route).startswith("3 GEMMs, summed, then ") and "reduce_scatter" in route.kinds
     wants = [ref[name](x_ref) for name in "qkv"]
     sum((w * u).sum() for w, u in zip(wants, ups)).backward()
@@ -494,6 +495,16 @@ def _views_and_sums(rank, world, seed):
     assert torch.allclose(total.redistribute([Shard(0)]).full_tensor(), sum(refs).view(s, b, n))
     d = _stats_delta(before, fused_gemm_stats())
     assert d == {"deferred": 3, "summed": 2, "fused": 0, "unfused": 1, "materialized": 3}, d
+    # a sum's value is accumulated in one buffer; its products, used alone afterwards, are still
+    # their own (nothing accumulated into one of them); local K: 1, 2 and 3 of 4 columns
+    c = products()
+    wide, narrow = c[1] + c[2], c[0] + c[1]
+    assert "would outgrow" in plan(wide, [Shard(0)]).fused.reason     # K 2 + 3 against 4 columns
+    assert "CUDA-only" in plan(narrow, [Shard(0)]).fused.reason        # K 1 + 2: concatenated on CUDA
+    assert torch.allclose(wide.full_tensor(), refs[1] + refs[2])
+    assert torch.allclose(narrow.full_tensor(), refs[0] + refs[1])
+    for product, ref in zip(c, refs):
+        assert torch.allclose(product.full_tensor(), ref)
     # dim 0 of the view not divisible by the ranks: no fused choice, the ordinary (uneven) route
     odd = products()[0].view(3, s * b // 3, n)
     assert plan(odd, [Shard(0)]).fused is None

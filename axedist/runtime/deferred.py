@@ -183,12 +183,16 @@ class DeferredGemm:
         return tuple(-1 if t.is_inference() else t._version
                      for t in (self.a, self.b, self.bias) if t is not None)
 
+    def check_unchanged(self) -> None:
+        """Raises the clear error when an operand was changed in place since the product was deferred."""
+        if self.current_versions() != self.versions:
+            raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
+                              "e.g. through to_local()) before the product was used; use the product first, "
+                              "or clone the operand's local tensor before changing it")
+
     def wait(self) -> torch.Tensor:
         if self.value is None:
-            if self.current_versions() != self.versions:
-                raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
-                                  "e.g. through to_local()) before the product was used; use the product first, "
-                                  "or clone the operand's local tensor before changing it")
+            self.check_unchanged()
             value = self.compute()
             if tuple(value.shape) != self.shape:
                 raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
@@ -221,11 +225,14 @@ class DeferredSum:
     """``left + right`` of two pending products (or sums) of one local shape, not yet run: a
     gradient that autograd adds up from several uses of one tensor (``x`` into wq, wk and wv).
 
-    ``wait()`` adds the two values as the add would have; a fused reduce-scatter instead runs
+    ``wait()`` computes the sum in one buffer: the first product, then each next one added in
+    place by its own GEMM (``addmm_``: no product's temporary, no add kernel), or, when a part
+    already ran, adds the two values as the add would have. A fused reduce-scatter instead runs
     once on the terms' operands concatenated along K (``sum_i a_i @ b_i = [a_1 .. a_n] @
-    [b_1; ..; b_n]``). Two ranks, the input gradient of wq [8 -> 16] and wk [8 -> 4] on 12
-    rows: each rank's terms are ``[12, 8] @ [8, 8]`` and ``[12, 2] @ [2, 8]``; fused, one
-    ``[12, 10] @ [10, 8]`` GEMM + reduce-scatter gives each rank its ``[6, 8]`` rows.
+    [b_1; ..; b_n]``), where that concatenation is no larger than the product (``fused_choice``).
+    Two ranks, the input gradient of wq [8 -> 16] and wk [8 -> 4] on 12 rows: each rank's terms
+    are ``[12, 8] @ [8, 8]`` and ``[12, 2] @ [2, 8]``; fused, one ``[12, 10] @ [10, 8]`` GEMM +
+    reduce-scatter gives each rank its ``[6, 8]`` rows.
     """
 
     __slots__ = ("left", "right", "shape", "value", "traced", "__weakref__")
@@ -236,7 +243,11 @@ class DeferredSum:
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
-            self.value = self.left.wait() + self.right.wait()
+            terms = self.terms()
+            if all(type(t) is DeferredGemm and t.plain() for t in terms):
+                self.value = _accumulated(terms)
+            else:
+                self.value = self.left.wait() + self.right.wait()
             self.left = self.right = None
         return self.value
 
@@ -265,6 +276,20 @@ class DeferredSum:
     def __repr__(self) -> str:
         state = "computed" if self.value is not None else f"{len(self.terms())} products, unrun"
         return f"DeferredSum({list(self.shape)}: {state})"
+
+
+def _accumulated(terms: tuple) -> torch.Tensor:
+    """``sum_i a_i @ b_i`` of unrun plain products (their 2-d local operands) with the leading
+    summand dim, as their ``compute()`` gives it: one new buffer, the first product, then each
+    next one's GEMM adds into it (beta 1). The terms stay unrun: one may still be used alone."""
+    for term in terms:
+        term.check_unchanged()
+    first = terms[0]
+    total = torch.mm(first.a, first.b)
+    for term in terms[1:]:
+        total.addmm_(term.a, term.b)
+    PENDING.counts["materialized"] += len(terms)
+    return total.unsqueeze(0)
 
 
 def reads_any(tensors, storages: set) -> bool:
@@ -361,6 +386,11 @@ def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | No
     if any(t.value is not None for t in terms):
         return step(False, "a summed product already ran (it was used on its own)")
     a, b = _operands(terms, concatenated=False)
+    if len(terms) > 1 and a.shape[-1] > b.shape[-1]:
+        # (a Llama MLP's input gradient: [M, 2 x FFN / TP] against [M, dim])
+        return step(False, f"{len(terms)} summed products whose operands concatenated along K ({a.shape[-1]}) "
+                           f"would outgrow their product ({b.shape[-1]} columns): their GEMMs accumulate in one "
+                           "buffer, then the collective runs once")
     if not a.is_cuda:
         return step(False, f"operands on {a.device.type} (the fused kernel is CUDA-only)")
     if a.dtype not in (torch.bfloat16, torch.float16):
