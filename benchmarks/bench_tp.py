@@ -59,9 +59,9 @@ from axedist.testing import torch_llama_loss, torch_parallelize_llama
 # beside this script
 from history import run_meta
 from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
-                            describe_estimate, goals, markdown_tables, memory_estimate, model_flops, peak_flops,
-                            preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check, side_stats,
-                            write_results)
+                            describe_estimate, goals, markdown_tables, memory_estimate, memory_peaks, model_flops,
+                            peak_flops, preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check,
+                            side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device
     "cpu": dict(vocab_size=512, dim=128, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64, batch=8),
@@ -178,6 +178,8 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
     p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--memory", action="store_true",
+                   help="CUDA: one more step per side with the allocator's history: what is live at its peak")
     p.add_argument("--trace", action="store_true",
                    help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     p.add_argument("--eager-backends", nargs="+", default=(), choices=("p2p", "symm", "torch"), metavar="BACKEND",
@@ -228,6 +230,7 @@ def main(argv=None) -> None:
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
     traces = os.path.join(args.out, "traces") if args.trace else None
     profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
+    memory = memory_peaks(sides, data[-1], say) if args.memory and cuda else None
 
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     ratio_rows(stats, lambda name: "axedist compiled" if "compiled" in name else "axedist")
@@ -249,7 +252,8 @@ def main(argv=None) -> None:
                   "config": cfg.__dict__, "sequence_parallel": args.sequence_parallel, "warmup": args.warmup,
                   "steps": args.steps, "compile": args.compile, "model_flops_per_step": flops,
                   "flops_formula": FLOPS_FORMULA, "peak_flops_per_gpu": peak, "memory_estimate": estimate,
-                  "order": order, "sides": stats, "failed": failed, "goals": met, "loss_check": check, "profile": profile}
+                  "order": order, "sides": stats, "failed": failed, "goals": met, "loss_check": check, "profile": profile,
+                  "memory": memory}
         stem = f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}" + ("" if args.preset == "default" else f"_{args.preset}")
         title = (f"TP={world} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "
                  f"{batch} x {cfg.max_seq_len} tokens, {'TP + SP' if args.sequence_parallel else 'TP'}")

@@ -53,9 +53,9 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 # beside this script
 from history import run_meta
 from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
-                            describe_estimate, goals, markdown_tables, memory_estimate, model_flops, peak_flops,
-                            preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check, side_stats,
-                            write_results)
+                            describe_estimate, goals, markdown_tables, memory_estimate, memory_peaks, model_flops,
+                            peak_flops, preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check,
+                            side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
     "cpu": dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_hidden=64 * -(-8 * 128 // 3 // 64),
@@ -191,6 +191,8 @@ def main(argv=None) -> None:
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's")
     p.add_argument("--out", default=None, help="write bench_train_2d_<device>_w<W>[_<preset>].json/.md/.png here")
     p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    p.add_argument("--memory", action="store_true",
+                   help="CUDA: one more step per side with the allocator's history: what is live at its peak")
     p.add_argument("--trace", action="store_true",
                    help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
@@ -241,6 +243,7 @@ def main(argv=None) -> None:
                                    args.steps, cuda, say, failed)
     traces = os.path.join(args.out, "traces") if args.trace else None
     profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
+    memory = memory_peaks(sides, data[-1], say) if args.memory and cuda else None
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))
@@ -269,7 +272,7 @@ def main(argv=None) -> None:
                   "steps": args.steps, "model_flops_per_step": flops, "flops_formula": FLOPS_FORMULA,
                   "peak_flops_per_gpu": peak, "memory_estimate": estimate, "order": order, "sides": stats,
                   "failed": failed, "goals": met, "axedist_over_torch_bytes": bytes_ratio, "loss_check": check,
-                  "profile": profile}
+                  "profile": profile, "memory": memory}
         stem = f"bench_train_2d_{'cuda' if cuda else 'cpu'}_w{world}" + \
             ("" if args.preset == "default" else f"_{args.preset}")
         title = (f"dp{args.dp} x tp{tp} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "

@@ -455,6 +455,69 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int
     return out
 
 
+def memory_peaks(sides: list[Side], tokens, say: Callable, top: int = 12) -> dict:
+    """One more step of every side (CUDA) with the caching allocator's history recorded (Python
+    frames): rank 0's live blocks allocated during the step at the moment their sum peaked,
+    grouped by where they were allocated (the innermost frame outside torch's own files, and
+    the innermost frame), largest first. Blocks from before the step (parameters, optimizer
+    state) are not in it: the peak here is the step's own rise."""
+    out = {}
+    for side in sides:
+        error = ""
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            measured_step(side.step, tokens, True)
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            if dist.get_rank() == 0:
+                out[side.name] = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], top)
+                say(f"  memory of {side.name}: step peak rise {out[side.name]['peak_bytes'] / GIB:.2f} GiB, "
+                    f"{out[side.name]['blocks']} blocks live")
+            del snapshot
+        except Exception as e:  # noqa: BLE001 - a failure here must not lose the timings
+            error = f"{type(e).__name__}: {e}"
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if not agree(not error, True):
+            out.pop(side.name, None)
+            out[side.name + " (failed)"] = {"error": error or "failed on another rank"}
+    return out
+
+
+def live_at_peak(trace: list, top: int = 12) -> dict:
+    """Replays an allocator trace (``alloc`` / ``free_completed`` events): the bytes live at the
+    peak of their sum, grouped by allocation site, ``top`` sites largest first."""
+    live, current, peak, at_peak = {}, 0, 0, {}
+    for event in trace:
+        action = event["action"]
+        if action == "alloc":
+            live[event["addr"]] = event
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif action == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])["size"]
+    sites: dict[str, list] = {}
+    for event in at_peak.values():
+        entry = sites.setdefault(allocation_site(event.get("frames") or []), [0, 0])
+        entry[0] += event["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"peak_bytes": peak, "blocks": len(at_peak),
+            "top": [{"site": site, "bytes": size, "blocks": n} for site, (size, n) in ranked]}
+
+
+def allocation_site(frames: list) -> str:
+    """Where a block was allocated, from its Python frames (innermost first): the innermost
+    frame outside torch's files, then the innermost one."""
+    def place(f):
+        return f"{'/'.join(f['filename'].split('/')[-2:])}:{f['line']} {f['name']}"
+    if not frames:
+        return "(no Python frame)"
+    own = next((f for f in frames if "/torch/" not in f["filename"]), None)
+    return place(own) + ("" if own is frames[0] else f" < {place(frames[0])}") if own else place(frames[0])
+
+
 def profile_summary(events, cuda: bool, top: int = 15) -> dict:
     """Busy time, summed time and the ``top`` names by time (microseconds in, milliseconds out)
     of profiler events: kernels on CUDA, operators (self time) on CPU."""
@@ -564,6 +627,14 @@ def markdown_tables(record: dict) -> str:
                          f"| {n} | {', '.join(f'{v:.6f}' for v in vs)} | (reference) |\n"
                          for n, vs in check["losses"].items()) +
                  "".join(f"| {n} | failed: {e[:300]} | - |\n" for n, e in check.get("errors", {}).items()) + "\n")
+    for name, m in (record.get("memory") or {}).items():
+        if "error" in m:
+            text += f"Memory of {name}: {m['error'][:400]}\n\n"
+            continue
+        text += (f"Memory of one step, {name} (rank 0): the step's allocations peaked at {m['peak_bytes'] / GIB:.2f} "
+                 f"GiB over what it started with, {m['blocks']} blocks live then; by where they were allocated:\n\n"
+                 "| site | GiB | blocks |\n|---|---|---|\n"
+                 + "".join(f"| `{t['site'][:120]}` | {t['bytes'] / GIB:.3f} | {t['blocks']} |\n" for t in m["top"]) + "\n")
     for name, p in (record.get("profile") or {}).items():
         if "error" in p:
             text += f"Profile of {name}: {p['error'][:400]}\n\n"

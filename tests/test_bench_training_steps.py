@@ -292,3 +292,22 @@ def test_bench_train_2d_under_torchrun(tmp_path):
         assert record["sides"][name]["bytes_per_step"] > 0
     assert all(s["state_bytes"] > 0 for s in record["sides"].values())
     assert 0.9 < record["axedist_over_torch_bytes"] < 1.1  # (_check_record: the compiled sides' fp32 losses match too)
+
+
+def test_live_at_peak_replays_the_allocator_trace():
+    mine = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 9, "name": "linear"},
+            {"filename": "/work/axedist/nn/llama.py", "line": 42, "name": "forward"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": mine},
+             {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 100},
+             {"action": "free_completed", "addr": 1, "size": 100},
+             {"action": "alloc", "addr": 3, "size": 60, "frames": mine[1:]},
+             {"action": "alloc", "addr": 4, "size": 70, "frames": mine},   # peak: 50 + 60 + 70 = 180
+             {"action": "free_completed", "addr": 4, "size": 70},
+             {"action": "alloc", "addr": 5, "size": 10, "frames": []}]
+    got = ts.live_at_peak(trace, top=5)
+    assert got["peak_bytes"] == 180 and got["blocks"] == 3
+    sites = {t["site"]: (t["bytes"], t["blocks"]) for t in got["top"]}
+    assert sites == {"nn/llama.py:42 forward < nn/functional.py:9 linear": (70, 1),
+                     "nn/llama.py:42 forward": (60, 1), "(no Python frame)": (50, 1)}
+    assert [t["bytes"] for t in got["top"]] == [70, 60, 50]

@@ -67,8 +67,8 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
       step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
     tp_eager) # eager only, where the eager step's time goes: axedist (auto), cuBLAS + NCCL pinned, torch;
-      # one profiled step per side with every rank's Chrome trace (results/eager/traces/)
-      step bench_tp_eager 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --trace --eager-backends torch --out "$RESULTS/eager" ;;
+      # one profiled step per side with every rank's Chrome trace (results/eager/traces/), one with the allocator history
+      step bench_tp_eager 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --trace --memory --eager-backends torch --out "$RESULTS/eager" ;;
     train_2d) train_2d ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
