@@ -36,7 +36,10 @@ def _same_shards(xp, what, normalized=()):
     return run
 
 
-def _softmax(rank, world_size, mesh_name, seed):
+def _softmax(rank, world_size, mesh_name, seed, piece_elements=None):
+    if piece_elements:   # the sharded (log-)softmax and its backward then run piece by piece
+        from axedist.ops import norm
+        norm.PIECE_ELEMENTS = piece_elements
     mesh = mesh_of(mesh_name)
     g = torch.Generator().manual_seed(seed)
     shape = tuple(randint(g, 1, 7) for _ in range(3))
@@ -195,6 +198,13 @@ def _layer_norm_backward_pending_grad(rank, world_size):
 def test_softmax(mesh_name, seed):
     world = WORLD[mesh_name]
     assert run_on_ranks(_softmax, world, args=(mesh_name, seed)) == [True] * world
+
+
+@pytest.mark.parametrize("mesh_name", ["2", "2x2"])
+def test_softmax_in_pieces(mesh_name, seed):
+    """The sharded softmax's temporaries made piece by piece (3 elements a piece: every row its own)."""
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_softmax, world, args=(mesh_name, seed, 3)) == [True] * world
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))

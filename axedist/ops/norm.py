@@ -21,6 +21,8 @@ backward has no CPU kernel, so on CPU its local step is computed from the formul
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -74,29 +76,55 @@ def softmax_rule(call: OpCall) -> Sharding:
 
     def local(call_, t, *args, **kwargs):
         out_dtype = dtype or (torch.float32 if half_to_float else t.dtype)
-        return _sharded_softmax(t, d, call_.mesh.group(axes), log, safe).to(out_dtype)
+        return _sharded_softmax(t, d, call_.mesh.group(axes), log, safe, out_dtype)
 
     return Sharding(inputs=[target], outputs=target, local=local)
 
 
-def _sharded_softmax(t: torch.Tensor, d: int, group, log: bool, safe: bool) -> torch.Tensor:
-    """(log-)softmax along ``d`` of a tensor whose dim ``d`` is split over ``group``: the row
-    max and the row sum of ``exp(x - max)`` all-reduced (``safe``: rows whose max is ``-inf``,
-    all masked, give 0)."""
-    work = t.to(accumulation_dtype(t.dtype))
-    if work.shape[d]:
-        top = work.amax(d, keepdim=True)
+# Temporaries of the sharded (log-)softmax and its backward are made piece by piece, at most
+# this many elements each: a vocab-parallel loss's fp32 copies of [tokens, vocab / TP] logits
+# are GiBs (Llama-3-8B layers at TP=2, 32768 tokens: 1 GiB each), made at the step's peak.
+PIECE_ELEMENTS = 1 << 25
+
+
+def _pieces(shape, d: int) -> list:
+    """Indices that split a tensor of ``shape`` into pieces of at most ``PIECE_ELEMENTS``
+    elements along its largest dim other than ``d`` (rows stay whole along ``d``); one piece,
+    the whole, when it is small or has no other dim."""
+    numel = math.prod(shape)
+    others = [i for i in range(len(shape)) if i != d and shape[i] > 1]
+    if numel <= PIECE_ELEMENTS or not others:
+        return [(...,)]
+    along = max(others, key=lambda i: shape[i])
+    step = max(1, shape[along] * PIECE_ELEMENTS // numel)
+    return [(slice(None),) * along + (slice(start, start + step),) for start in range(0, shape[along], step)]
+
+
+def _sharded_softmax(t: torch.Tensor, d: int, group, log: bool, safe: bool, out_dtype) -> torch.Tensor:
+    """(log-)softmax along ``d`` of a tensor whose dim ``d`` is split over ``group``, in
+    ``out_dtype``: the row max and the row sum of ``exp(x - max)`` all-reduced (``safe``: rows
+    whose max is ``-inf``, all masked, give 0). Computed in the accumulation dtype piece by
+    piece (``_pieces``), so no whole-tensor temporary is made beside the result."""
+    acc = accumulation_dtype(t.dtype)
+    if t.shape[d]:
+        top = t.amax(d, keepdim=True).to(acc)   # (a max is exact in any float dtype)
     else:
-        shape = list(work.shape)
+        shape = list(t.shape)
         shape[d] = 1
-        top = torch.full(shape, float("-inf"), dtype=work.dtype, device=work.device)
+        top = torch.full(shape, float("-inf"), dtype=acc, device=t.device)
     all_reduce_(top, "max", group=group)
-    shifted = work - top
-    total = shifted.exp().sum(d, keepdim=True)
+    pieces = _pieces(t.shape, d)
+    total = torch.empty_like(top)
+    for at in pieces:
+        torch.sum((t[at].to(acc) - top[at]).exp_(), d, keepdim=True, out=total[at])
     all_reduce_(total, group=group)
-    out = shifted - total.log() if log else shifted.exp() / total
-    if safe:
-        out = out.masked_fill(top == float("-inf"), 0.0)
+    out = torch.empty(t.shape, dtype=out_dtype, device=t.device)
+    for at in pieces:
+        shifted = t[at].to(acc) - top[at]
+        value = shifted.sub_(total[at].log()) if log else shifted.exp_().div_(total[at])
+        if safe:
+            value.masked_fill_(top[at] == float("-inf"), 0.0)
+        out[at] = value
     return out
 
 
@@ -116,18 +144,23 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
     log = call.func is aten._log_softmax_backward_data.default
 
     def local(call_, g, y, *args, **kwargs):
-        group = call_.mesh.group(axes)
+        # in the accumulation dtype, piece by piece (as the forward)
         acc = accumulation_dtype(input_dtype)
-        g, y = g.to(acc), y.to(acc)
+        pieces = _pieces(g.shape, d)
         if log:
-            total = g.sum(d, keepdim=True)
-            all_reduce_(total, group=group)
-            value = g - y.exp() * total
+            total = g.sum(d, keepdim=True, dtype=acc)
         else:
-            total = (g * y).sum(d, keepdim=True)
-            all_reduce_(total, group=group)
-            value = y * (g - total)
-        return value.to(input_dtype)
+            total = torch.empty((*g.shape[:d], 1, *g.shape[d + 1:]), dtype=acc, device=g.device)
+            for at in pieces:
+                torch.sum(g[at].to(acc) * y[at].to(acc), d, keepdim=True, out=total[at])
+        all_reduce_(total, group=call_.mesh.group(axes))
+        out = torch.empty(g.shape, dtype=input_dtype, device=g.device)
+        for at in pieces:
+            if log:   # g - exp(y) * total
+                out[at] = y[at].to(acc).exp().mul_(total[at]).neg_().add_(g[at])
+            else:     # y * (g - total)
+                out[at] = (g[at].to(acc) - total[at]).mul_(y[at])
+        return out
 
     return Sharding(inputs=[grad_target, out_target], outputs=result, local=local)
 
