@@ -116,11 +116,11 @@ def _sharded_softmax(t: torch.Tensor, d: int, group, log: bool, safe: bool, out_
     pieces = _pieces(t.shape, d)
     total = torch.empty_like(top)
     for at in pieces:
-        torch.sum((t[at].to(acc) - top[at]).exp_(), d, keepdim=True, out=total[at])
+        torch.sum(torch.sub(t[at], top[at]).exp_(), d, keepdim=True, out=total[at])   # (t promoted to acc)
     all_reduce_(total, group=group)
     out = torch.empty(t.shape, dtype=out_dtype, device=t.device)
     for at in pieces:
-        shifted = t[at].to(acc) - top[at]
+        shifted = torch.sub(t[at], top[at])
         value = shifted.sub_(total[at].log()) if log else shifted.exp_().div_(total[at])
         if safe:
             value.masked_fill_(top[at] == float("-inf"), 0.0)
@@ -159,7 +159,7 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
             if log:   # g - exp(y) * total
                 out[at] = y[at].to(acc).exp().mul_(total[at]).neg_().add_(g[at])
             else:     # y * (g - total)
-                out[at] = (g[at].to(acc) - total[at]).mul_(y[at])
+                out[at] = torch.sub(g[at], total[at]).mul_(y[at])
         return out
 
     return Sharding(inputs=[grad_target, out_target], outputs=result, local=local)

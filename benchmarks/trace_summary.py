@@ -1,0 +1,99 @@
+"""Where a training step's GPU time goes, per side, from the Chrome traces ``--trace`` writes.
+
+    python benchmarks/trace_summary.py runs/bench_tp/traces            # every side, rank 0
+    python benchmarks/trace_summary.py DIR --rank 1 --markdown >> notes.md
+
+Each kernel (and memcpy / memset) of the profiled step is put in one category: cuBLAS GEMMs,
+fused GEMM + collective kernels (ours and torch's symmetric-memory ops), collectives (NCCL and
+ours), attention, copies (cat, copy, memcpy) and the other elementwise / reduction kernels.
+Per side: each category's summed milliseconds, the step's kernel span (first kernel start to
+last kernel end), the busy time (union of kernel intervals, all streams) and the idle time
+inside the span (the GPU waiting on its host or on a peer). Side names come from the file
+names ``trace_<side>_rank<r>.json.gz``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+
+CATEGORIES = (  # (name, pattern on the kernel name), first match wins
+    ("fused GEMM + collective", r"gemm_reduce_scatter_kernel|all_gather_gemm_kernel|gemm_all_reduce|"
+                                r"fused_matmul_reduce_scatter|fused_all_gather_matmul"),
+    ("GEMM (cuBLAS)", r"nvjet|cutlass|gemm|sm90_xmma|ampere_.*gemm"),
+    ("collective", r"nccl|all_gather_kernel|reduce_scatter_kernel|all_reduce|barrier_kernel|one_shot|two_shot"),
+    ("attention", r"sdpa|flash|fmha|attention"),
+    ("copy", r"CatArrayBatchedCopy|copy_kernel|Memcpy|Memset"),
+    ("elementwise / reduction", r""),
+)
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return label
+    return CATEGORIES[-1][0]
+
+
+def summarize(path: str) -> dict:
+    """Milliseconds per category, span, busy and idle of one trace file."""
+    with gzip.open(path) if path.endswith(".gz") else open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise ValueError(f"{path}: no GPU kernels in the trace")
+    by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
+    for e in kernels:
+        by_category[category(e["name"])] += e["dur"] / 1e3
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
+    return {"ms": by_category, "span_ms": span, "busy_ms": busy / 1e3, "idle_ms": span - busy / 1e3,
+            "kernels": len(kernels)}
+
+
+def sides_in(folder: str, rank: int) -> dict[str, str]:
+    found = {}
+    for name in sorted(os.listdir(folder)):
+        match = re.fullmatch(rf"trace_(.+)_rank{rank}\.json(\.gz)?", name)
+        if match:
+            found[match.group(1).replace("_", " ")] = os.path.join(folder, name)
+    return found
+
+
+def markdown(summaries: dict) -> str:
+    names = list(summaries)
+    rows = [f"| {label} | " + " | ".join(f"{summaries[n]['ms'][label]:.1f}" for n in names) + " |"
+            for label, _ in CATEGORIES]
+    for key, label in (("span_ms", "kernel span"), ("busy_ms", "busy (any stream)"), ("idle_ms", "idle in span")):
+        rows.append(f"| **{label}** | " + " | ".join(f"{summaries[n][key]:.1f}" for n in names) + " |")
+    return ("| ms | " + " | ".join(names) + " |\n|---|" + "---|" * len(names) + "\n" + "\n".join(rows) + "\n")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folder", help="the traces/ folder a --trace run wrote")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--markdown", action="store_true", help="one markdown table (else plain text)")
+    args = p.parse_args(argv)
+    summaries = {side: summarize(path) for side, path in sides_in(args.folder, args.rank).items()}
+    if not summaries:
+        raise SystemExit(f"no trace_<side>_rank{args.rank}.json(.gz) in {args.folder}")
+    if args.markdown:
+        print(markdown(summaries))
+        return
+    for side, s in summaries.items():
+        print(f"{side}: span {s['span_ms']:.1f} ms, busy {s['busy_ms']:.1f}, idle {s['idle_ms']:.1f}, "
+              f"{s['kernels']} kernels")
+        for label, ms in s["ms"].items():
+            print(f"  {label:26s} {ms:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
