@@ -34,7 +34,7 @@ from axedist.collectives.timing import time_collective, time_interleaved  # noqa
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, auto_cell, auto_vs_best, run_meta, symm_fastest  # noqa: E402
+from history import append_history, auto_cell, auto_vs_best, run_meta, symm_fastest, unfused_time  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -231,8 +231,9 @@ def main():
 
 def auto_tables(results: list[dict]) -> tuple[dict, dict]:
     """(gemm_rs_auto.json, tuned configs) from benchmark result files: a shape where fused was
-    slower than cuBLAS + NCCL in device time (the queued table; eager for runs that have none)
-    goes to "fused_loses"; every shape's chosen config to the tuned table."""
+    slower than the unfused pair (cuBLAS + the faster of NCCL's and our reduce-scatter,
+    ``unfused_time``) in device time (the queued table; eager for runs that have none) goes to
+    "fused_loses"; every shape's chosen config to the tuned table."""
     loses, wins, configs, sources = [], [], {}, []
     for result in results:
         meta = result["meta"]
@@ -242,7 +243,7 @@ def auto_tables(results: list[dict]) -> tuple[dict, dict]:
             shape = [row["M"], row["N"], row["K_local"], row["world"]]
             if symm_fastest(row):
                 wins.append(shape)
-            elif times["speedup_vs_seq"] < 1.0:
+            elif times["fused"] > unfused_time(times):
                 loses.append(shape)
             key = gemm_rs.shape_key(row["M"], row["N"], row["K_local"], row["world"], torch.bfloat16)
             configs[key] = dataclasses.asdict(gemm_rs.GemmConfig.parse(row["config"]))
