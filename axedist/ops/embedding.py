@@ -86,13 +86,16 @@ def _masked_lookup(vocab: int, weight_placements):
 def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
     """Every index names a row of the vocabulary (each rank masks the rows it lacks, so an index
     past the end would silently read zeros). Eager: ``IndexError`` naming the index (reading it
-    syncs with the device). While torch.compile traces: a device-side assert, as torch's CUDA
+    syncs with the device, once). While torch.compile traces: a device-side assert, as torch's CUDA
     embedding has, so the graph holds no host sync and is the same on every rank."""
     if compiling():
         inside = ((indices >= 0) & (indices < vocab)).all()
         torch._assert_async(inside, f"embedding: an index is out of range for a vocabulary of {vocab} rows")
         return
-    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= vocab):
+    if not indices.numel():
+        return
+    low, high = torch.stack(torch.aminmax(indices)).tolist()   # one read-back, not two
+    if low < 0 or high >= vocab:
         bad = indices[(indices < 0) | (indices >= vocab)][0]
         raise IndexError(f"embedding: index {int(bad)} is out of range for a vocabulary of {vocab} rows")
 
