@@ -627,23 +627,31 @@ def markdown_tables(record: dict) -> str:
                          f"| {n} | {', '.join(f'{v:.6f}' for v in vs)} | (reference) |\n"
                          for n, vs in check["losses"].items()) +
                  "".join(f"| {n} | failed: {e[:300]} | - |\n" for n, e in check.get("errors", {}).items()) + "\n")
-    for name, m in (record.get("memory") or {}).items():
-        if "error" in m:
-            text += f"Memory of {name}: {m['error'][:400]}\n\n"
-            continue
-        text += (f"Memory of one step, {name} (rank 0): the step's allocations peaked at {m['peak_bytes'] / GIB:.2f} "
-                 f"GiB over what it started with, {m['blocks']} blocks live then; by where they were allocated:\n\n"
-                 "| site | GiB | blocks |\n|---|---|---|\n"
-                 + "".join(f"| `{t['site'][:120]}` | {t['bytes'] / GIB:.3f} | {t['blocks']} |\n" for t in m["top"]) + "\n")
-    for name, p in (record.get("profile") or {}).items():
-        if "error" in p:
-            text += f"Profile of {name}: {p['error'][:400]}\n\n"
-            continue
-        text += (f"Profile of one step, {name} (rank 0, {p['what']}): busy {p['busy_ms']:.2f} ms, summed "
-                 f"{p['summed_ms']:.2f} ms, step {p['step_ms']:.2f} ms\n\n| name | ms | calls | share |\n|---|---|---|---|\n"
-                 + "".join(f"| `{t['name'][:90]}` | {t['ms']:.3f} | {t['calls']} | {100 * t['share_of_summed']:.1f}% |\n"
-                           for t in p["top"]) + "\n")
+    for kind, render in (("Memory", _memory_section), ("Profile", _profile_section)):
+        for name, found in (record.get(kind.lower()) or {}).items():
+            text += f"{kind} of {name}: {found['error'][:400]}\n\n" if "error" in found else render(name, found)
     return text
+
+
+def _memory_section(name: str, m: dict) -> str:
+    return (f"Memory of one step, {name} (rank 0): the step's allocations peaked at {m['peak_bytes'] / GIB:.2f} GiB "
+            f"over what it started with, {m['blocks']} blocks live then; by where they were allocated:\n\n"
+            + _table(("site", "GiB", "blocks"),
+                     [(f"`{t['site'][:120]}`", f"{t['bytes'] / GIB:.3f}", t["blocks"]) for t in m["top"]]))
+
+
+def _profile_section(name: str, p: dict) -> str:
+    return (f"Profile of one step, {name} (rank 0, {p['what']}): busy {p['busy_ms']:.2f} ms, summed "
+            f"{p['summed_ms']:.2f} ms, step {p['step_ms']:.2f} ms\n\n"
+            + _table(("name", "ms", "calls", "share"),
+                     [(f"`{t['name'][:90]}`", f"{t['ms']:.3f}", t["calls"], f"{100 * t['share_of_summed']:.1f}%")
+                      for t in p["top"]]))
+
+
+def _table(columns: tuple, rows: list) -> str:
+    """A markdown table of ``rows`` (cells as they print) under ``columns``, then a blank line."""
+    return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
+            + "".join("| " + " | ".join(str(cell) for cell in row) + " |\n" for row in rows) + "\n")
 
 
 def plot(path: str, record: dict, title: str) -> bool:
