@@ -28,7 +28,8 @@ ranks). Before that an fp32 loss check: every side trains ``--check-steps`` step
 model of the same structure from the same init on the same data; losses must agree with torch
 eager's within ``--check-tol`` (relative). ``--profile``: one more step per side under
 torch.profiler, its top kernels and device busy time in the results (``--trace``: every rank's
-Chrome trace of it under OUT/traces/).
+Chrome trace of it under OUT/traces/, summed per category by ``trace_summary.py``). ``--memory``
+(CUDA): one more step per side with the allocator's history, what is live at its peak.
 ``--eager-backends p2p torch``: more eager axedist sides with the fused calls pinned (``axedist
 p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused), against the
 ``auto`` choice of the plain ``axedist`` side, in the same interleaved run.
