@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from torch.distributed import TCPStore
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.mesh import init_mesh
@@ -30,10 +31,15 @@ def _free_port() -> int:
 
 def launch_nodes(script_args, nnodes: int = 2, nproc: int = 2, timeout_s: float = 300) -> list[tuple[int, str]]:
     """``nnodes`` torchrun agents of ``nproc`` processes each, meeting through c10d on localhost:
-    (returncode, stdout + stderr) per agent. A timeout kills every agent and its ranks, then raises."""
-    endpoint = f"127.0.0.1:{_free_port()}"
+    (returncode, stdout + stderr) per agent. A timeout kills every agent and its ranks, then raises.
+    The rendezvous store lives in this process, not in an agent: an agent hosting it would close
+    it on finishing while a slower agent still polls it (seen once in CI on a loaded machine:
+    ``RendezvousConnectionError`` in ``num_nodes_waiting``)."""
+    port = _free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, wait_for_workers=False)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", f"nodes-{os.getpid()}", *script_args]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "is_host=false",
+           "--rdzv-id", f"nodes-{os.getpid()}-{port}", *script_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     agents = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True) for _ in range(nnodes)]
@@ -45,6 +51,8 @@ def launch_nodes(script_args, nnodes: int = 2, nproc: int = 2, timeout_s: float 
                 os.killpg(agent.pid, signal.SIGKILL)
         tails = "\n".join((agent.communicate()[0] or "")[-2000:] for agent in agents)
         raise RankError(f"{' '.join(script_args)} on {nnodes} torchrun agents timed out after {timeout_s} s\n{tails}")
+    finally:
+        del store  # only once every agent has ended
     return [(agent.returncode, out) for agent, out in zip(agents, outputs)]
 
 
