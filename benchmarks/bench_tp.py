@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 
 from axedist.env import keep_multicast_off
@@ -59,10 +58,10 @@ from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
-                            describe_estimate, goals, markdown_tables, memory_estimate, memory_peaks, model_flops,
-                            peak_flops, preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check,
-                            side_stats, write_results)
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+                            allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
+                            memory_estimate, model_flops, peak_flops, preset_config, ratio_rows, run_interleaved,
+                            run_loss_check, side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device
     "cpu": dict(vocab_size=512, dim=128, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64, batch=8),
@@ -178,11 +177,7 @@ def parse_args(argv):
     p.add_argument("--out", default="runs/bench_tp")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
-    p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
-    p.add_argument("--memory", action="store_true",
-                   help="CUDA: one more step per side with the allocator's history: what is live at its peak")
-    p.add_argument("--trace", action="store_true",
-                   help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
+    add_diagnosis_arguments(p)
     p.add_argument("--eager-backends", nargs="+", default=(), choices=("p2p", "symm", "torch"), metavar="BACKEND",
                    help="also axedist eager with its fused calls pinned to each (p2p, symm, torch: never fused)")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
@@ -229,9 +224,7 @@ def main(argv=None) -> None:
         "interleaved timed steps")
     failed = {}
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
-    traces = os.path.join(args.out, "traces") if args.trace else None
-    profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
-    memory = memory_peaks(sides, data[-1], say) if args.memory and cuda else None
+    profile, memory = diagnose(args, sides, data[-1], cuda, say)
 
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     ratio_rows(stats, lambda name: "axedist compiled" if "compiled" in name else "axedist")

@@ -52,10 +52,10 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, allow_compiled_sides, check_config,
-                            describe_estimate, goals, markdown_tables, memory_estimate, memory_peaks, model_flops,
-                            peak_flops, preset_config, profile_sides, ratio_rows, run_interleaved, run_loss_check,
-                            side_stats, write_results)
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+                            allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
+                            memory_estimate, model_flops, peak_flops, preset_config, ratio_rows, run_interleaved,
+                            run_loss_check, side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
     "cpu": dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_hidden=64 * -(-8 * 128 // 3 // 64),
@@ -190,11 +190,7 @@ def main(argv=None) -> None:
     for name in ("batch", "seq", "dim", "layers", "vocab", "ffn"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset's")
     p.add_argument("--out", default=None, help="write bench_train_2d_<device>_w<W>[_<preset>].json/.md/.png here")
-    p.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
-    p.add_argument("--memory", action="store_true",
-                   help="CUDA: one more step per side with the allocator's history: what is live at its peak")
-    p.add_argument("--trace", action="store_true",
-                   help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
+    add_diagnosis_arguments(p)
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
@@ -241,9 +237,7 @@ def main(argv=None) -> None:
     failed = {}
     sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile), data, args.warmup,
                                    args.steps, cuda, say, failed)
-    traces = os.path.join(args.out, "traces") if args.trace else None
-    profile = profile_sides(sides, data[-1], cuda, say, trace_dir=traces) if args.profile else None
-    memory = memory_peaks(sides, data[-1], say) if args.memory and cuda else None
+    profile, memory = diagnose(args, sides, data[-1], cuda, say)
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))

@@ -20,6 +20,8 @@ import json
 import os
 import re
 
+from training_steps import covered  # beside this script
+
 CATEGORIES = (  # (name, pattern on the kernel name), first match wins
     ("fused GEMM + collective", r"gemm_reduce_scatter_kernel|all_gather_gemm_kernel|gemm_all_reduce|"
                                 r"fused_matmul_reduce_scatter|fused_all_gather_matmul"),
@@ -48,11 +50,7 @@ def summarize(path: str) -> dict:
     by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
     for e in kernels:
         by_category[category(e["name"])] += e["dur"] / 1e3
-    busy, end = 0.0, float("-inf")
-    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels):
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = covered((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
     return {"ms": by_category, "span_ms": span, "busy_ms": busy / 1e3, "idle_ms": span - busy / 1e3,
             "kernels": len(kernels)}

@@ -421,6 +421,24 @@ def run_loss_check(sides: list[Side], data, steps: int, cuda: bool, tol: float, 
     return result
 
 
+def add_diagnosis_arguments(parser) -> None:
+    """The training benchmarks' ``--profile``, ``--trace`` and ``--memory`` (:func:`diagnose`)."""
+    parser.add_argument("--profile", action="store_true", help="one more step per side under torch.profiler")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
+    parser.add_argument("--memory", action="store_true",
+                        help="CUDA: one more step per side with the allocator's history: what is live at its peak")
+
+
+def diagnose(args, sides: list[Side], tokens, cuda: bool, say: Callable) -> tuple[dict | None, dict | None]:
+    """``(profile, memory)`` of the timed sides as ``args`` asks (:func:`add_diagnosis_arguments`),
+    None where not asked."""
+    traces = os.path.join(args.out, "traces") if args.trace else None
+    profile = profile_sides(sides, tokens, cuda, say, trace_dir=traces) if args.profile else None
+    memory = memory_peaks(sides, tokens, say) if args.memory and cuda else None
+    return profile, memory
+
+
 def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int = 15,
                   trace_dir: str | None = None) -> dict:
     """One more step of every side under ``torch.profiler`` (CUDA activity on CUDA); rank 0's
@@ -433,26 +451,21 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    out = {}
-    for side in sides:
-        error = ""
-        try:
-            prof = profile(activities=activities)
-            ms = measured_step(side.step, tokens, cuda, around=lambda: prof).ms
-            if trace_dir:
-                os.makedirs(trace_dir, exist_ok=True)
-                prof.export_chrome_trace(os.path.join(
-                    trace_dir, f"trace_{side.name.replace(' ', '_')}_rank{dist.get_rank()}.json.gz"))
-            if dist.get_rank() == 0:
-                out[side.name] = dict(profile_summary(prof.events(), cuda, top), step_ms=ms)
-                say(f"  profiled {side.name}: step {ms:.1f} ms, busy {out[side.name]['busy_ms']:.1f} ms")
-            del prof
-        except Exception as e:  # noqa: BLE001 - a profiler failure must not lose the timings
-            error = f"{type(e).__name__}: {e}"
-        if not agree(not error, cuda):
-            out.pop(side.name, None)
-            out[side.name + " (failed)"] = {"error": error or "failed on another rank"}
-    return out
+
+    def one(side):
+        prof = profile(activities=activities)
+        ms = measured_step(side.step, tokens, cuda, around=lambda: prof).ms
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(
+                trace_dir, f"trace_{side.name.replace(' ', '_')}_rank{dist.get_rank()}.json.gz"))
+        if dist.get_rank() != 0:
+            return None
+        found = dict(profile_summary(prof.events(), cuda, top), step_ms=ms)
+        say(f"  profiled {side.name}: step {ms:.1f} ms, busy {found['busy_ms']:.1f} ms")
+        return found
+
+    return each_side(sides, cuda, one)
 
 
 def memory_peaks(sides: list[Side], tokens, say: Callable, top: int = 12) -> dict:
@@ -461,24 +474,37 @@ def memory_peaks(sides: list[Side], tokens, say: Callable, top: int = 12) -> dic
     grouped by where they were allocated (the innermost frame outside torch's own files, and
     the innermost frame), largest first. Blocks from before the step (parameters, optimizer
     state) are not in it: the peak here is the step's own rise."""
+    def one(side):
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+        try:
+            measured_step(side.step, tokens, True)
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if dist.get_rank() != 0:
+            return None
+        found = live_at_peak(trace, top)
+        say(f"  memory of {side.name}: step peak rise {found['peak_bytes'] / GIB:.2f} GiB, {found['blocks']} blocks live")
+        return found
+
+    return each_side(sides, True, one)
+
+
+def each_side(sides: list[Side], cuda: bool, one: Callable) -> dict:
+    """``{side name: one(side)}`` for the sides where ``one`` returned something (rank 0's
+    summaries); a side that failed on some rank is ``"<name> (failed)": {"error": ...}`` on every
+    rank, and the others go on."""
     out = {}
     for side in sides:
         error = ""
         try:
-            torch.cuda.synchronize()
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-            measured_step(side.step, tokens, True)
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            if dist.get_rank() == 0:
-                out[side.name] = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], top)
-                say(f"  memory of {side.name}: step peak rise {out[side.name]['peak_bytes'] / GIB:.2f} GiB, "
-                    f"{out[side.name]['blocks']} blocks live")
-            del snapshot
-        except Exception as e:  # noqa: BLE001 - a failure here must not lose the timings
+            found = one(side)
+            if found is not None:
+                out[side.name] = found
+        except Exception as e:  # noqa: BLE001 - a diagnosis failing must not lose the timings
             error = f"{type(e).__name__}: {e}"
-            torch.cuda.memory._record_memory_history(enabled=None)
-        if not agree(not error, True):
+        if not agree(not error, cuda):
             out.pop(side.name, None)
             out[side.name + " (failed)"] = {"error": error or "failed on another rank"}
     return out
@@ -518,6 +544,17 @@ def allocation_site(frames: list) -> str:
     return place(own) + ("" if own is frames[0] else f" < {place(frames[0])}") if own else place(frames[0])
 
 
+def covered(spans) -> float:
+    """The length of the union of ``(start, stop)`` intervals: a device's busy time from its
+    kernels' intervals, overlapping ones (several streams) counted once."""
+    busy, end = 0.0, -math.inf
+    for start, stop in sorted(spans):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
 def profile_summary(events, cuda: bool, top: int = 15) -> dict:
     """Busy time, summed time and the ``top`` names by time (microseconds in, milliseconds out)
     of profiler events: kernels on CUDA, operators (self time) on CPU."""
@@ -536,11 +573,7 @@ def profile_summary(events, cuda: bool, top: int = 15) -> dict:
         entry = by_name.setdefault(e.name, [0.0, 0])
         entry[0] += own[id(e)]
         entry[1] += 1
-    busy, end = 0.0, -math.inf
-    for start, stop in sorted(spans):  # union of intervals
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = covered(spans)
     total = sum(v[0] for v in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     return {"what": "CUDA kernels" if cuda else "CPU operators (self time)", "busy_ms": busy / 1e3,

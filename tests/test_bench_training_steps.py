@@ -311,3 +311,17 @@ def test_live_at_peak_replays_the_allocator_trace():
     assert sites == {"nn/llama.py:42 forward < nn/functional.py:9 linear": (70, 1),
                      "nn/llama.py:42 forward": (60, 1), "(no Python frame)": (50, 1)}
     assert [t["bytes"] for t in got["top"]] == [70, 60, 50]
+
+
+def _each_side(rank, world):
+    def one(side):
+        if side.name == "b" and rank == 1:
+            raise RuntimeError("out of memory")
+        return {"rank": rank} if rank == 0 else None
+    return ts.each_side([ts.Side("a", None), ts.Side("b", None), ts.Side("c", None)], False, one)
+
+
+def test_each_side_records_a_side_that_failed_on_one_rank_on_every_rank():
+    first, second = run_on_ranks(_each_side, 2)
+    assert first == {"a": {"rank": 0}, "b (failed)": {"error": "failed on another rank"}, "c": {"rank": 0}}
+    assert second == {"b (failed)": {"error": "RuntimeError: out of memory"}}
