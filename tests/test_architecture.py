@@ -242,6 +242,8 @@ STATE = {
                                  "PENDING": "deferred work not yet consumed, what it did, the gather policy"},
     "axedist.ops.fusion": {"PENDING_USERS": "the registry of ops that take deferred work as it stands"},
     "axedist.runtime.executor": {"_RECORDS": "the stack of open record() blocks"},
+    "axedist.runtime.checks": {"PENDING": "value checks made and not yet settled (raised or passed)",
+                               "_QUEUED_FOR": "the backward whose final callback settles them"},
     "axedist.ops.fastpath": {"_EMPTY": "an empty kwargs dict, never written"},
     "axedist.ops.state": {"RECORDING": "the stack of fast-path recorders"},
     "axedist.ops.registry": {"RULES": "the sharding rules' registry"},

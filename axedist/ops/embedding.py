@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import checks
 from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import dim_range
@@ -85,19 +86,24 @@ def _masked_lookup(vocab: int, weight_placements):
 
 def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
     """Every index names a row of the vocabulary (each rank masks the rows it lacks, so an index
-    past the end would silently read zeros). Eager: ``IndexError`` naming the index (reading it
-    syncs with the device, once). While torch.compile traces: a device-side assert, as torch's CUDA
-    embedding has, so the graph holds no host sync and is the same on every rank."""
+    past the end would silently read zeros): ``IndexError`` naming the index, raised at once, or,
+    on a GPU while autograd records, when the check settles (``runtime/checks.py``: at the end of
+    the backward, or when a value is read) so that the host does not wait for the device here.
+    While torch.compile traces: a device-side assert, as torch's CUDA embedding has, so the graph
+    holds no host sync and is the same on every rank."""
     if compiling():
         inside = ((indices >= 0) & (indices < vocab)).all()
         torch._assert_async(inside, f"embedding: an index is out of range for a vocabulary of {vocab} rows")
         return
-    if not indices.numel():
-        return
-    low, high = torch.stack(torch.aminmax(indices)).tolist()   # one read-back, not two
-    if low < 0 or high >= vocab:
-        bad = indices[(indices < 0) | (indices >= vocab)][0]
-        raise IndexError(f"embedding: index {int(bad)} is out of range for a vocabulary of {vocab} rows")
+    if indices.numel():
+        checks.check(torch.stack(torch.aminmax(indices)), lambda bounds: _out_of_range(bounds, vocab))
+
+
+def _out_of_range(bounds: list, vocab: int) -> IndexError | None:
+    low, high = bounds
+    if low >= 0 and high < vocab:
+        return None
+    return IndexError(f"embedding: index {low if low < 0 else high} is out of range for a vocabulary of {vocab} rows")
 
 
 @register(aten.embedding_dense_backward.default)
@@ -130,6 +136,7 @@ def _masked_backward(num_weights: int, out_placements):
     rank whatever its rows (a compiled graph must be; only ``start`` and ``size`` differ)."""
 
     def local(call, grad, indices, _num_weights, padding_idx, scale_grad_by_freq):
+        checks.settle_after_backward()  # the forward's index check, if it waits
         start, size = dim_range(num_weights, 0, call.mesh, out_placements, 2)
         counted = (indices >= start) & (indices < start + size) & (indices != padding_idx)
         rows = torch.where(counted, indices - start, torch.full_like(indices, size))

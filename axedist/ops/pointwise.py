@@ -29,6 +29,7 @@ import math
 import torch
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
@@ -365,8 +366,15 @@ def new_factory(call: OpCall) -> Sharding:
 
 @register(aten._local_scalar_dense, aten.equal, aten.is_nonzero)
 def to_python(call: OpCall) -> Sharding:
-    """``x.item()``, ``torch.equal``: the whole value on every rank, a Python result."""
-    return Sharding(inputs=[(Replicate(),) * call.mesh.ndim] * len(call.specs), outputs=None)
+    """``x.item()``, ``torch.equal``: the whole value on every rank, a Python result, read after
+    every pending value check (``runtime/checks.py``) is settled, so no value built on bad input
+    reaches the host without its error."""
+    return Sharding(inputs=[(Replicate(),) * call.mesh.ndim] * len(call.specs), outputs=None, local=_read)
+
+
+def _read(call: OpCall, *args, **kwargs):
+    checks.settle()
+    return call.func(*args, **kwargs)
 
 
 @register(aten._foreach_norm)
