@@ -30,6 +30,8 @@ eager's within ``--check-tol`` (relative). ``--profile``: one more step per side
 torch.profiler, its top kernels and device busy time in the results (``--trace``: every rank's
 Chrome trace of it under OUT/traces/, summed per category by ``trace_summary.py``). ``--memory``
 (CUDA): one more step per side with the allocator's history, what is live at its peak.
+``--first-step``: every eager side's first warm-up step under cProfile on rank 0 (where its
+seconds go: planning, Triton loading kernels, symmetric-memory rendezvous, NCCL setup).
 ``--eager-backends p2p torch``: more eager axedist sides with the fused calls pinned (``axedist
 p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused), against the
 ``auto`` choice of the plain ``axedist`` side, in the same interleaved run.
@@ -223,7 +225,8 @@ def main(argv=None) -> None:
     say(f"sides: {', '.join(s.name for s in sides)}; {args.warmup} warm-up steps each, then {args.steps} "
         "interleaved timed steps")
     failed = {}
-    sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed)
+    sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed,
+                                   first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)
 
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}

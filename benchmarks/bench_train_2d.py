@@ -236,7 +236,7 @@ def main(argv=None) -> None:
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
     sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile), data, args.warmup,
-                                   args.steps, cuda, say, failed)
+                                   args.steps, cuda, say, failed, first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing

@@ -18,11 +18,13 @@ Imported beside the scripts (``from training_steps import ...``), like ``history
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
 import gc
 import json
 import math
 import os
+import pstats
 import statistics
 import time
 from typing import Callable
@@ -203,6 +205,7 @@ class Side:
     raw_peaks: list = dataclasses.field(default_factory=list)  # max_memory_allocated as read, max over ranks
     losses: list = dataclasses.field(default_factory=list)
     graphs_after_warmup: int | None = None
+    first_step: dict | None = None      # rank 0's cProfile of the first warm-up step (first_step_profile)
 
 
 def allocated(cuda: bool) -> int:
@@ -290,10 +293,12 @@ def build_sides(sides: list[Side], cuda: bool, say: Callable, failed: dict) -> l
     return built
 
 
-def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, failed: dict) -> list[Side]:
+def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, failed: dict,
+            first_step_profile: bool = False) -> list[Side]:
     """Each side alone for ``warmup`` steps (compiled sides compile in their first): optimizer
     state is created, caches filled; what stays allocated counts as the side's resident bytes.
-    The sides that warmed up on every rank."""
+    With ``first_step_profile``, every eager side's first step runs under cProfile on rank 0
+    (``Side.first_step``: where its seconds go). The sides that warmed up on every rank."""
     warm = []
     for side in sides:
         gc.collect()
@@ -301,7 +306,12 @@ def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, fai
         error = ""
         try:
             for i in range(warmup):
-                m = measured_step(side.step, data[i], cuda, side.resident_bytes)
+                profiler = cProfile.Profile() if (first_step_profile and i == 0 and side.compiler is None
+                                                  and dist.get_rank() == 0) else None
+                m = measured_step(side.step, data[i], cuda, side.resident_bytes,
+                                  around=(lambda: profiler) if profiler else contextlib.nullcontext)
+                if profiler:
+                    side.first_step = functions_by_time(profiler)
                 side.losses.append(side.loss_value(m.out))
                 side.warmup_ms.append(m.ms)
                 say(f"  warm-up {side.name} {i + 1}/{warmup}: {m.ms:.1f} ms" +
@@ -319,13 +329,13 @@ def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, fai
 
 
 def run_interleaved(sides: list[Side], data, warmup: int, steps: int, cuda: bool, say: Callable,
-                    failed: dict | None = None) -> tuple[list[Side], list]:
-    """Build, warm up, then time round-robin: step i of every side, then step i + 1 of every
-    side, on batch ``data[warmup + i]`` for all of them. Returns the sides timed (a side that
-    failed to build or warm up is left out, its error in ``failed``) and the order the steps ran
-    in, ``[[0, "axedist"], [0, "torch"], [1, "axedist"], ...]``."""
+                    failed: dict | None = None, first_step_profile: bool = False) -> tuple[list[Side], list]:
+    """Build, warm up (:func:`warm_up`), then time round-robin: step i of every side, then step
+    i + 1 of every side, on batch ``data[warmup + i]`` for all of them. Returns the sides timed (a
+    side that failed to build or warm up is left out, its error in ``failed``) and the order the
+    steps ran in, ``[[0, "axedist"], [0, "torch"], [1, "axedist"], ...]``."""
     failed = {} if failed is None else failed
-    sides = warm_up(build_sides(sides, cuda, say, failed), data, warmup, cuda, say, failed)
+    sides = warm_up(build_sides(sides, cuda, say, failed), data, warmup, cuda, say, failed, first_step_profile)
     order = []
     for i in range(steps):
         for side in sides:
@@ -367,7 +377,27 @@ def side_stats(side: Side, flops_per_step: float, world: int, peak: float | None
             "process_peak_bytes": max(side.raw_peaks) if peaks else None,
             "losses": side.losses,
             "graphs_compiled": side.compiler.graphs if side.compiler else None,
-            "recompiles_in_timed_steps": (side.compiler.graphs - side.graphs_after_warmup) if side.compiler else None}
+            "recompiles_in_timed_steps": (side.compiler.graphs - side.graphs_after_warmup) if side.compiler else None,
+            "first_step_profile": side.first_step}
+
+
+def functions_by_time(profiler: cProfile.Profile, top: int = 25) -> dict:
+    """A cProfile run's functions with the most own time, and with the most time under them
+    (cumulative; the step's own frames left out), in seconds."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive calls, own, cumulative, callers)}
+    total = sum(own for _, _, own, _, _ in stats.values())
+
+    def name(key):
+        file, line, function = key
+        parts = file.replace("\\", "/").split("/")
+        where = "/".join(parts[-2:]) if file not in ("~", "") else ""
+        return f"{where}:{line} {function}" if where else function
+
+    def rows(order):
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][order])
+        return [{"function": name(k), "calls": v[1], "own_s": v[2], "cumulative_s": v[3]} for k, v in ranked[:top]]
+
+    return {"profiled_s": total, "by_own_time": rows(2), "by_cumulative_time": rows(3)}
 
 
 def compare_losses(losses: dict, reference: str, tol: float) -> dict:
@@ -428,6 +458,8 @@ def add_diagnosis_arguments(parser) -> None:
                         help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     parser.add_argument("--memory", action="store_true",
                         help="CUDA: one more step per side with the allocator's history: what is live at its peak")
+    parser.add_argument("--first-step", action="store_true",
+                        help="every eager side's first step under cProfile on rank 0: where its seconds go")
 
 
 def diagnose(args, sides: list[Side], tokens, cuda: bool, say: Callable) -> tuple[dict | None, dict | None]:
@@ -660,6 +692,9 @@ def markdown_tables(record: dict) -> str:
                          f"| {n} | {', '.join(f'{v:.6f}' for v in vs)} | (reference) |\n"
                          for n, vs in check["losses"].items()) +
                  "".join(f"| {n} | failed: {e[:300]} | - |\n" for n, e in check.get("errors", {}).items()) + "\n")
+    for name, s in record["sides"].items():
+        if s.get("first_step_profile"):
+            text += _first_step_section(name, s["first_step_profile"])
     for kind, render in (("Memory", _memory_section), ("Profile", _profile_section)):
         for name, found in (record.get(kind.lower()) or {}).items():
             text += f"{kind} of {name}: {found['error'][:400]}\n\n" if "error" in found else render(name, found)
@@ -671,6 +706,15 @@ def _memory_section(name: str, m: dict) -> str:
             f"over what it started with, {m['blocks']} blocks live then; by where they were allocated:\n\n"
             + _table(("site", "GiB", "blocks"),
                      [(f"`{t['site'][:120]}`", f"{t['bytes'] / GIB:.3f}", t["blocks"]) for t in m["top"]]))
+
+
+def _first_step_section(name: str, p: dict) -> str:
+    cells = lambda r: (f"`{r['function'][:100]}`", r["calls"], f"{r['own_s']:.3f}", f"{r['cumulative_s']:.3f}")  # noqa: E731
+    return (f"First step of {name} under cProfile (rank 0; {p['profiled_s']:.2f} s of Python and the C calls "
+            f"it made), by own time:\n\n" + _table(("function", "calls", "own s", "cumulative s"),
+                                                 [cells(r) for r in p["by_own_time"][:15]])
+            + "by cumulative time:\n\n" + _table(("function", "calls", "own s", "cumulative s"),
+                                                  [cells(r) for r in p["by_cumulative_time"]]))
 
 
 def _profile_section(name: str, p: dict) -> str:
