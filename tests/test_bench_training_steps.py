@@ -325,3 +325,27 @@ def test_each_side_records_a_side_that_failed_on_one_rank_on_every_rank():
     first, second = run_on_ranks(_each_side, 2)
     assert first == {"a": {"rank": 0}, "b (failed)": {"error": "failed on another rank"}, "c": {"rank": 0}}
     assert second == {"b (failed)": {"error": "RuntimeError: out of memory"}}
+
+
+def _slow_part():
+    return sum(math.sqrt(i) for i in range(200_000))
+
+
+def test_first_step_profile_names_where_the_time_went():
+    import cProfile
+    profiler = cProfile.Profile()
+    with profiler:
+        _slow_part()
+        sum(range(10))
+    found = ts.functions_by_time(profiler, top=5)
+    assert found["profiled_s"] > 0
+    cumulative = [r["function"] for r in found["by_cumulative_time"]]
+    assert any(name.endswith("_slow_part") for name in cumulative), cumulative
+    own = found["by_own_time"]
+    assert own == sorted(own, key=lambda r: -r["own_s"]) and len(own) <= 5
+    text = ts.markdown_tables({"sides": {"axedist": {
+        "time_over_axedist": None, "recompiles_in_timed_steps": None, "warmup_ms": [1.0], "host_median_ms": 1.0,
+        "median_ms": 1.0, "min_ms": 1.0, "max_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0, "mfu": None,
+        "peak_bytes": None, "resident_bytes": None, "losses": [1.0], "first_step_profile": found}},
+        "model_flops_per_step": 1.0, "flops_formula": "-", "world": 1, "peak_flops_per_gpu": None})
+    assert "First step of axedist under cProfile" in text and "_slow_part" in text
