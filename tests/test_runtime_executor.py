@@ -516,3 +516,45 @@ def _box_gather_case(rank, world):
 def test_strided_gather_keeps_no_element_index():
     for count, elements in run_on_ranks(_box_gather_case, 4):
         assert count >= 3 and elements == 0, (count, elements)
+
+
+def test_equal_boxes_at_a_constant_step_read_as_one():
+    """Index.of merges a run of equal boxes at a constant offset step into one strided box (one
+    copy kernel); on random boxes, take and put give the slots of an element index."""
+    from types import SimpleNamespace
+
+    from axedist.planning.holdings import box_index
+    from axedist.runtime.indices import Index
+
+    def box(offset, extents, strides):
+        return SimpleNamespace(source_offset=offset, source_strides=strides, target_offset=offset,
+                               target_strides=strides, extents=extents)
+
+    columns = [box(1024 * r, (64, 1024), (4096, 1)) for r in (1, 2, 3)]   # S(0) -> S(1), W=4: three blocks sent
+    assert len(Index.of(columns, "source", torch.device("cpu")).boxes) == 1
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))
+    for _ in range(200):
+        extents = tuple(int(e) for e in torch.randint(1, 4, (int(torch.randint(1, 3, (1,), generator=gen)),), generator=gen))
+        strides, size = [], 1
+        for e in reversed(extents):
+            strides.insert(0, size * int(torch.randint(1, 3, (1,), generator=gen)))
+            size = strides[0] * e
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        step = size + int(torch.randint(0, 3, (1,), generator=gen))
+        start = int(torch.randint(0, 3, (1,), generator=gen))
+        offsets = [start + i * step for i in range(n)]
+        broken = bool(torch.rand(1, generator=gen) < 0.3) and n > 2
+        if broken:   # the last box off the step
+            offsets[-1] += 1
+        boxes = [box(o, extents, tuple(strides)) for o in offsets]
+        index = Index.of(boxes, "source", torch.device("cpu"))
+        slots = box_index(boxes, "source")
+        buffer = torch.randn(offsets[-1] + size + 4)
+        torch.testing.assert_close(index.take(buffer), buffer[slots], rtol=0, atol=0)
+        out, want = torch.zeros_like(buffer), torch.zeros_like(buffer)
+        values = torch.randn(len(slots))
+        index.put(out, values)
+        want[slots] = values
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        if index.boxes is not None:   # (None: one contiguous run, a slice)
+            assert len(index.boxes) == (2 if broken else 1), (offsets, extents, strides, index.boxes)

@@ -3,7 +3,9 @@
 ``Index.of(transfers, side, device)`` reads a step's boxes (``Transfer``: offset, extents,
 strides) as cheaply as they allow: one contiguous run is a slice (``4:7``, no index tensor); a
 few strided boxes are strided copies, one kernel a box (a vocabulary-sharded ``(8, 256, 32000)``
-logits gathered on 2 ranks: two boxes, no index tensor of 65 M entries); anything else is an
+logits gathered on 2 ranks: two boxes, no index tensor of 65 M entries), and boxes of one shape
+at a constant offset step are one box with a leading dim (``S(0) -> S(1)``'s all-to-all on W
+ranks sends W - 1 column blocks: one copy kernel, not W - 1); anything else is an
 ``index_select`` / ``index_copy_`` index on ``device``. ``Index(torch.tensor([4, 5, 6]), device)``
 takes element slots directly.
 """
@@ -32,6 +34,21 @@ def _boxes(transfers, side: str) -> list[tuple[int, tuple[int, ...], tuple[int, 
         if math.prod(t.extents):
             out.append((offset, tuple(e for e, _ in kept), tuple(s for _, s in kept)))
     return out
+
+
+def _merged(boxes: list) -> list:
+    """Consecutive boxes of one shape and strides at a constant positive offset step, as one box
+    with a leading dim of that step: the same slots in the same order."""
+    out = []   # [offset, count, step, extents, strides]
+    for offset, extents, strides in boxes:
+        last = out[-1] if out else None
+        if last is not None and last[3] == extents and last[4] == strides:
+            step = offset - last[0] if last[1] == 1 else last[2]
+            if step > 0 and offset == last[0] + last[1] * step:
+                last[1], last[2] = last[1] + 1, step
+                continue
+        out.append([offset, 1, 0, extents, strides])
+    return [(o, e, s) if n == 1 else (o, (n,) + e, (step,) + s) for o, n, step, e, s in out]
 
 
 def _run(boxes) -> tuple[int, int] | None:
@@ -67,7 +84,7 @@ class Index:
     @classmethod
     def of(cls, transfers, side: str, device: torch.device) -> "Index":
         """The slots of ``transfers``' boxes on ``side`` ("source" / "target"), in order."""
-        boxes = _boxes(transfers, side)
+        boxes = _merged(_boxes(transfers, side))
         run = _run(boxes)
         if run is None and (len(boxes) > MAX_BOXES or any(s < 0 for _, _, strides in boxes for s in strides)):
             return cls(box_index(transfers, side), device)
