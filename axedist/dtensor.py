@@ -35,7 +35,7 @@ from .ops.dispatcher import OpDispatcher
 from .ops.state import WRAPPER_POSITIONAL
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
-from .runtime import agree_on_move
+from .runtime import agree_on_move, checks
 from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
@@ -428,9 +428,13 @@ class DTensor(torch.Tensor):
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole global tensor on every rank of the mesh (pending reductions applied).
         ``grad_placements`` as for ``to_local``: e.g. ``[Partial()]`` when each rank's use of the
-        whole tensor gives it a different gradient (default: the same on every rank)."""
+        whole tensor gives it a different gradient (default: the same on every rank). Value
+        checks still pending (``runtime/checks.py``) are settled first: no value built on bad input
+        leaves as a whole tensor without its error."""
         if _dynamo_tracing():
             return _NODES["full_tensor"](self, grad_placements=grad_placements)
+        if checks.PENDING:
+            checks.settle()
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local(
             grad_placements=grad_placements)
 

@@ -121,6 +121,8 @@ def _deferred_loss_case(rank, world_size, bad_target: bool, bad_index: bool, rea
             assert checks.pending() == 2   # the index and the forward's targets, not read yet
         if read == "item":
             return loss.item(), None, None
+        if read == "full_tensor":
+            return loss.full_tensor(), None, None
         loss.backward()
         return loss.full_tensor(), x.grad.full_tensor(), w.grad.full_tensor()
 
@@ -140,7 +142,7 @@ def _deferred_loss_case(rank, world_size, bad_target: bool, bad_index: bool, rea
     return "same", checks.pending()
 
 
-@pytest.mark.parametrize("read", ["backward", "item"])
+@pytest.mark.parametrize("read", ["backward", "item", "full_tensor"])
 def test_deferred_range_checks_raise_on_every_rank(read):
     out = run_on_ranks(_deferred_loss_case, 2, args=(True, False, read))
     assert out == [("nll_loss: target 7 is out of bounds for 7 classes", 0)] * 2, out

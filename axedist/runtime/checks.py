@@ -17,7 +17,8 @@ let that rank raise while the others wait in a collective):
 - the end of the backward pass running when it was made, or of the next backward that makes a
   check or runs ``settle_after_backward()`` (autograd's final callback): ``loss.backward()`` raises
   before an optimizer can use the gradients;
-- a DTensor's value read on the host (``x.item()``, ``bool(x)``, ``torch.equal``: ``ops/pointwise.py``);
+- a DTensor's value read on the host (``x.item()``, ``bool(x)``, ``torch.equal``: ``ops/pointwise.py``)
+  or gathered whole (``x.full_tensor()``);
 - ``settle()``;
 - the oldest of more than ``LIMIT`` pending checks, when another is made (a loop that never runs
   a backward nor reads a value).
