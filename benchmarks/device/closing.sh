@@ -39,12 +39,12 @@ if [[ $MODE == tests ]]; then
   fi
   for f in "$LOGS"/pytest_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -12; done
 elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
-  BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp main_job demo"}
+  BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp train_2d main_job demo"}
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
-  train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled
-    step bench_train_2d ${TRAIN_2D_LIMIT:-250} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
+  train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled (~4 min)
+    step bench_train_2d ${TRAIN_2D_LIMIT:-330} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
   }
   for name in $BENCHES; do case $name in
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
@@ -60,16 +60,15 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
-    tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H100); then FSDP x TP
-      # (~2 min); TP_ARGS adds bench_tp arguments (--eager-backends p2p torch)
-      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS"
-      (( W >= 4 )) && train_2d ;;
+    tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H200); TP_ARGS adds
+      # bench_tp arguments (--memory, --first-step, --trace, --eager-backends p2p torch)
+      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS" ;;
     tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
       step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
     tp_eager) # eager only, where the eager step's time goes: axedist (auto), cuBLAS + NCCL pinned, torch;
       # one profiled step per side with every rank's Chrome trace (results/eager/traces/), one with the allocator history
       step bench_tp_eager 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --trace --memory --eager-backends torch --out "$RESULTS/eager" ;;
-    train_2d) train_2d ;;
+    train_2d) if (( W >= 4 )); then train_2d; else echo "bench_train_2d SKIPPED (needs 4 GPUs)" | tee -a "$SUMMARY"; fi ;;
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
