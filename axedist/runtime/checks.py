@@ -24,7 +24,8 @@ let that rank raise while the others wait in a collective):
   a backward nor reads a value).
 
 Anywhere else (CPU tensors, no grad) the answer is read at once and the error raised from the call,
-as before. A check made under CUDA-graph capture cannot read nor copy: the caller skips it there.
+as before. Under CUDA-graph capture an event recorded for later would never fire on replay, so a
+check is read at once there too, which capture refuses with torch's error (as before this module).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def defers(answer: torch.Tensor) -> bool:
     (a trace cannot keep a host copy for later). (A test may set this to ``lambda answer: True`` to
     see the deferred path on CPU.)"""
     return answer.is_cuda and (torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1) \
-        and not compiling()
+        and not compiling() and not torch.cuda.is_current_stream_capturing()
 
 
 def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> None:
