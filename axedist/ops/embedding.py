@@ -95,15 +95,7 @@ def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
         inside = ((indices >= 0) & (indices < vocab)).all()
         torch._assert_async(inside, f"embedding: an index is out of range for a vocabulary of {vocab} rows")
         return
-    if indices.numel():
-        checks.check(torch.stack(torch.aminmax(indices)), lambda bounds: _out_of_range(bounds, vocab))
-
-
-def _out_of_range(bounds: list, vocab: int) -> IndexError | None:
-    low, high = bounds
-    if low >= 0 and high < vocab:
-        return None
-    return IndexError(f"embedding: index {low if low < 0 else high} is out of range for a vocabulary of {vocab} rows")
+    checks.check_range(indices, vocab, f"embedding: index {{value}} is out of range for a vocabulary of {vocab} rows")
 
 
 @register(aten.embedding_dense_backward.default)

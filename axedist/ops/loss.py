@@ -96,11 +96,10 @@ def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: i
     """Per target element: its score here (0 where this rank lacks its class), whether it is
     here, and its weight (0 for ignored targets)."""
     valid = target != ignore_index
-    if target.numel():  # read at once, or where that would wait for the device, later (runtime/checks.py)
-        checks.check(torch.stack(torch.aminmax(torch.where(valid, target, 0))),
-                     lambda bounds: _out_of_bounds(bounds, classes))
-    here = valid & (target >= start) & (target < start + size)
     safe = torch.where(valid, target, torch.zeros_like(target))
+    # read at once, or where that would wait for the device, later (runtime/checks.py)
+    checks.check_range(safe, classes, f"nll_loss: target {{value}} is out of bounds for {classes} classes")
+    here = valid & (target >= start) & (target < start + size)
     if weight is None:
         weights = valid.to(scores.dtype)
     else:
@@ -110,13 +109,6 @@ def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: i
     index = torch.where(here, target - start, torch.zeros_like(target))
     picked = scores.movedim(class_dim, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
     return picked, here, weights
-
-
-def _out_of_bounds(bounds: list, classes: int) -> IndexError | None:
-    low, high = bounds
-    if low >= 0 and high < classes:
-        return None
-    return IndexError(f"nll_loss: target {low if low < 0 else high} is out of bounds for {classes} classes")
 
 
 def _nll_forward(classes: int, class_dim: int, score_placements, batch_axes):

@@ -38,7 +38,7 @@ import torch
 
 from ..tracing import compiling
 
-__all__ = ["check", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
+__all__ = ["check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
 
 
 @dataclass
@@ -85,6 +85,19 @@ def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> 
     with _LOCK:
         PENDING.append(_Pending(host, done, verdict))
     settle_after_backward()
+
+
+def check_range(values: torch.Tensor, size: int, message: str) -> None:
+    """``check`` that every value (an integer tensor) lies in ``[0, size)``, reading only their min
+    and max; the error is ``IndexError(message.format(value=<the min or max outside>))``."""
+    if not values.numel():
+        return
+
+    def verdict(bounds):
+        low, high = bounds
+        return None if 0 <= low and high < size else IndexError(message.format(value=low if low < 0 else high))
+
+    check(torch.stack(torch.aminmax(values)), verdict)
 
 
 def settle() -> None:
