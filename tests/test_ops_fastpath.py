@@ -310,3 +310,45 @@ def test_wrapper_takes_positions():
     from axedist.ops.state import WRAPPER_POSITIONAL
 
     assert WRAPPER_POSITIONAL
+
+
+def _changing_floats(rank, world, seed):
+    """A pointwise call with a float that changes every call (AdamW's bias correction) is
+    recorded once and then hit, with or without autograd, each value right; a call whose op is
+    not pointwise keeps the float's value in its key (another value records again)."""
+    mesh = DeviceMesh("cpu", (world,))
+    fastpath.clear()
+    x, w = _rand((4 * world, 6), seed), _rand((4 * world, 6), seed + 1)
+    dx = distribute(x, mesh, [Shard(0)])
+    out = []
+    recorded = fastpath.stats()["recorded"]
+    for step in range(1, 6):
+        c = 1 - 0.999 ** step
+        got = dx / c
+        assert torch.equal(got.full_tensor(), x / c), step
+        got = torch.add(dx, dx, alpha=c)                    # a float keyword
+        assert torch.equal(got.full_tensor(), torch.add(x, x, alpha=c)), step
+    out.append(fastpath.stats()["recorded"] - recorded)
+    hits = fastpath.stats()["grad hits"]
+    dw = distribute(w, mesh, [Shard(0)]).requires_grad_()
+    total = 0
+    for step in range(1, 5):
+        c = 0.5 + step
+        loss = (dw * c).sum()
+        loss.backward()
+        total += c
+        torch.testing.assert_close(dw.grad.full_tensor(), torch.full_like(w, total), rtol=0, atol=1e-12)
+    out.append(fastpath.stats()["grad hits"] - hits)
+    recorded = fastpath.stats()["recorded"]
+    for p in (2.0, 3.0, 2.0):                               # a norm over the unsharded dim: local, not pointwise
+        got = torch.linalg.vector_norm(dx, p, dim=1)
+        torch.testing.assert_close(got.full_tensor(), torch.linalg.vector_norm(x, p, dim=1), rtol=0, atol=1e-12)
+    out.append(fastpath.stats()["recorded"] - recorded)
+    return out
+
+
+def test_changing_floats_are_recorded_once_for_pointwise_ops(seed):
+    for recorded, grad_hits, norms_recorded in run_on_ranks(_changing_floats, 2, args=(seed,)):
+        assert recorded == 2, recorded            # x / c and add(..., alpha=c): once each for five values
+        assert grad_hits >= 3, grad_hits          # dw * c: recorded once, then served through autograd
+        assert norms_recorded == 2, norms_recorded   # p = 2.0 and p = 3.0 each; 2.0 again is a hit

@@ -10,6 +10,11 @@ local result, later calls do exactly that directly::
     >>> z = x + y   # x, y (64, 32) in (Shard(0),) on 4 ranks: recorded (one aten.add.Tensor, nothing moved)
     >>> z = x + y   # a hit: torch.add on the (16, 32) local tensors, wrapped as (64, 32)
 
+A float (or complex) argument is keyed by its type alone when every recorded aten op is
+pointwise, whose output layout no scalar value changes: AdamW's ``exp_avg_sq.sqrt() / c`` with a
+bias correction ``c`` new at every step is recorded once, not once a step (each recording runs
+the normal route and the op a second time). A hit still checks the local result's shape and dtype.
+
 With grad mode on, which DTensors require grad is part of the key; a hit computes the output,
 leaves it in ``state.READY`` and calls the torch function through the dispatcher, so that
 autograd records the op in C++ and ``__torch_dispatch__`` hands the ready output back. Results
@@ -42,6 +47,8 @@ _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
 _KWARGS = object()        # separates positional from keyword arguments in a key
 _GRAD = object()          # precedes the requires-grad bits of a grad-mode key
+_ANY = object()           # a float's value in a loose key (pointwise entries)
+_LOOSE = frozenset({float, complex})
 # Never recorded: a recorder holding the gradients that backward sees would keep autograd from
 # taking ownership of a leaf's first gradient (it copies it instead, in another layout).
 _NEVER_RECORDED = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
@@ -49,16 +56,19 @@ _CACHE_LIMIT = 16384
 
 
 class Entry:
-    """What a hit does: wrap the local result in ``spec`` (after ``unsqueeze(0)`` for a pending sum).
-    A grad-mode entry also names the aten ``op`` whose output that is and the ``positions`` of
-    its DTensor arguments (the torch call's own positions)."""
+    """What a hit does: wrap the local result (``local_shape``, after ``unsqueeze(0)`` for a pending
+    sum) in ``spec``. ``pointwise``: every recorded aten op is pointwise (the entry holds for any
+    float values). A grad-mode entry also names the aten ``op`` whose output that is and the
+    ``positions`` of its DTensor arguments (the torch call's own positions)."""
 
-    __slots__ = ("spec", "shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer", "op", "positions")
+    __slots__ = ("spec", "shape", "local_shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer",
+                 "pointwise", "op", "positions")
 
-    def __init__(self, spec, dtype, device, stride, unsqueeze, defer, tag, op=None, positions=()):
-        self.spec, self.shape, self.dtype, self.device = spec, spec.shape, dtype, device
+    def __init__(self, spec, local_shape, dtype, device, stride, unsqueeze, defer, tag, pointwise,
+                 op=None, positions=()):
+        self.spec, self.shape, self.local_shape, self.dtype, self.device = spec, spec.shape, local_shape, dtype, device
         self.stride, self.unsqueeze, self.defer, self.tag = stride, unsqueeze, defer, tag
-        self.op, self.positions = op, positions
+        self.pointwise, self.op, self.positions = pointwise, op, positions
 
     def __repr__(self) -> str:
         via = f"{self.op} (grad mode), " if self.op is not None else ""
@@ -104,8 +114,10 @@ class FastPath:
 
     # -- recording ---------------------------------------------------------------
 
-    def record(self, func, types, args, kwargs, key, grad=0):
-        """Run the call on the normal route, recording its aten ops, and cache what it proves."""
+    def record(self, func, types, args, kwargs, key, grad=0, loose=None):
+        """Run the call on the normal route, recording its aten ops, and cache what it proves:
+        under ``loose`` (the key with its floats' values left out) a pointwise entry or a
+        normal-route one (always right), else under ``key``."""
         recorder = _Recorder(self.dispatcher.dispatch)
         RECORDING.append(recorder)
         try:
@@ -126,6 +138,8 @@ class FastPath:
             entry = self._entry_for(func, recorder.steps, result, args, kwargs)
         if len(self.cache) > _CACHE_LIMIT:
             self.cache.clear()
+        if loose is not None and (entry is _SLOW or entry.pointwise):
+            key = loose
         self.cache[key] = entry
         self.counts["recorded" if entry is not _SLOW else "slow"] += 1
         return result
@@ -214,7 +228,13 @@ class FastPath:
             if not bool(same.all()):
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
-        return Entry(out.spec, expected.dtype, expected.device, out.stride, out.unsqueeze, defer, tag)
+        return Entry(out.spec, expected.shape, expected.dtype, expected.device, out.stride, out.unsqueeze, defer, tag,
+                     _pointwise(steps))
+
+
+def _pointwise(steps) -> bool:
+    """Every recorded aten op is pointwise: no scalar value changes its output's layout."""
+    return all(torch.Tag.pointwise in op.tags for op, _, _, _ in steps)
 
 
 class _Recorder:
@@ -256,15 +276,20 @@ def _with_index_values(func, types, args, kwargs, cls):
     return _disabled(func, types, args, kwargs)
 
 
-def _add_kwargs(key: list, kwargs: dict) -> bool:
-    """Extend a call's key by its keyword arguments; False when one is not a scalar or a list of ints."""
+def _add_kwargs(key: list, kwargs: dict, floats: list) -> bool:
+    """Extend a call's key by its keyword arguments (a float's value goes to ``floats``, ``_ANY``
+    into the key); False when one is not a scalar or a list of ints."""
     key.append(_KWARGS)
     for name, a in kwargs.items():
         t = type(a)
         if t in SCALAR_TYPES or (t in _SEQUENCES and all(type(v) is int for v in a)):
             key.append(name)
             key.append(t)
-            key.append(tuple(a) if t in _SEQUENCES else a)
+            if t in _LOOSE:
+                key.append(_ANY)
+                floats.append(a)
+            else:
+                key.append(tuple(a) if t in _SEQUENCES else a)
         else:
             return False
     return True
@@ -294,6 +319,7 @@ def _handler(fast: FastPath):
                         bit <<= 1
         key = [func]
         local_args = []
+        floats = []  # the float and complex scalars' values (the key holds _ANY in their place)
         found = False  # any DTensor among the positional arguments
         waits = False  # a DTensor whose data is still coming (async redistribute, deferred GEMM)
         for a in args:
@@ -307,7 +333,11 @@ def _handler(fast: FastPath):
                 waits = waits or a._pending is not None
             elif t in SCALAR_TYPES:
                 key.append(t)
-                key.append(a)
+                if t in _LOOSE:
+                    key.append(_ANY)
+                    floats.append(a)
+                else:
+                    key.append(a)
                 local_args.append(a)
             elif t in _SEQUENCES and all(type(v) is int for v in a):
                 key.append(t)
@@ -315,7 +345,7 @@ def _handler(fast: FastPath):
                 local_args.append(a)
             else:
                 return _disabled(func, types, args, kwargs or _EMPTY)
-        if kwargs and not _add_kwargs(key, kwargs):
+        if kwargs and not _add_kwargs(key, kwargs, floats):
             return _disabled(func, types, args, kwargs)
         if not found:
             return _disabled(func, types, args, kwargs or _EMPTY)
@@ -328,8 +358,13 @@ def _handler(fast: FastPath):
             # route then (and autograd records different ops)
             key.append(_GRAD)
             key.append(grad)
-        key = tuple(key)
-        entry = cache.get(key)
+        # without floats one key; with floats the loose one (pointwise entries, normal-route
+        # marks) and the exact one, (loose, values)
+        loose = tuple(key)
+        key = (loose, tuple(floats)) if floats else loose
+        entry = cache.get(loose)
+        if entry is None and floats:
+            entry = cache.get(key)
         if entry is _SLOW:
             return _disabled(func, types, args, kwargs or _EMPTY)
         if _dispatch_modes() or _any_autocast():
@@ -337,7 +372,7 @@ def _handler(fast: FastPath):
         if entry is None:
             if func in _READS_INDEX_DATA:
                 return _with_index_values(func, types, args, kwargs, DTensor)
-            return record(func, types, args, kwargs, key, grad)
+            return record(func, types, args, kwargs, key, grad, loose if floats else None)
         if entry.defer is not None and entry.defer != dispatcher.defer_gemm:
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and (pending_gather(a._pending) or pending_product(a._pending))
@@ -351,15 +386,17 @@ def _handler(fast: FastPath):
         unlike = value._is_view() or value.dtype != entry.dtype
         for a in local_args:
             unlike = unlike or a is value
+        if entry.unsqueeze:
+            value = value.unsqueeze(0)
+        unlike = unlike or value.shape != entry.local_shape
         if unlike:
             # The local call aliased an input where the recorded one did not (contiguous() or
             # reshape() decide on local strides, the normal route on global ones), or its dtype
-            # changed (torch.set_default_dtype and int / int): no side effect happened yet, so
-            # take the normal route, now and for this key.
-            cache[key] = _SLOW
+            # changed (torch.set_default_dtype and int / int), or its shape did (a loose key's
+            # float would have changed it): no side effect happened yet, so take the normal
+            # route, now and for this key.
+            cache[key] = cache[loose] = _SLOW
             return _disabled(func, types, args, kwargs or _EMPTY)
-        if entry.unsqueeze:
-            value = value.unsqueeze(0)
         if WRAPPER_POSITIONAL:
             out = _make_wrapper(DTensor, entry.shape, entry.stride, None, None, entry.dtype, _STRIDED, entry.device)
         else:
@@ -368,7 +405,7 @@ def _handler(fast: FastPath):
         out._spec = entry.spec
         out._tag = entry.tag
         if grad:
-            return grad_hit(func, types, args, kwargs, key, entry, out)
+            return grad_hit(func, types, args, kwargs, loose, entry, out)
         stats["hits"] += 1  # fast hits count as plan-cache hits too
         counts["hits"] += 1
         return out
