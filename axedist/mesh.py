@@ -468,14 +468,24 @@ class DeviceMesh:
     # -- value semantics -----------------------------------------------------------------
 
     def _key(self):
-        return (self.device_type, self.shape, self.axis_names, self.ranks, self.hosts, self.topology.simulated,
-                tuple(sorted(self.links.items())))
+        """What makes two meshes equal, built once (a mesh does not change; plans and programs are
+        cached by mesh, so every cached redistribute hashes and compares one)."""
+        key = self.__dict__.get("_identity")
+        if key is None:
+            key = self._identity = (self.device_type, self.shape, self.axis_names, self.ranks, self.hosts,
+                                    self.topology.simulated, tuple(sorted(self.links.items())))
+            self._hash = hash(key)
+        return key
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or isinstance(other, DeviceMesh) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        found = self.__dict__.get("_hash")
+        if found is None:
+            self._key()
+            found = self._hash
+        return found
 
     __copy__ = __deepcopy__ = keep_on_copy  # a mesh is its process groups: never copied
 
