@@ -433,8 +433,7 @@ class DTensor(torch.Tensor):
         leaves as a whole tensor without its error."""
         if _dynamo_tracing():
             return _NODES["full_tensor"](self, grad_placements=grad_placements)
-        if checks.PENDING:
-            checks.settle()
+        checks.settle()
         return self.redistribute(replicated_layout(self._spec.shape, self.mesh)).to_local(
             grad_placements=grad_placements)
 

@@ -210,6 +210,11 @@ class DeviceMesh:
             _topology = _simulated(world, host_size) if host_size is not None else job_topology()
         self.topology = _topology
         self.inter_node_axes = tuple(a for a in axis_names if self._spans_hosts(a))
+        # what == and hash compare, built once: plans and programs are cached by mesh, so every
+        # cached redistribute hashes and compares one
+        self._identity = (device_type, shape, axis_names, ranks, self.hosts, self.topology.simulated,
+                          tuple(sorted(self.links.items())))
+        self._hash = hash(self._identity)
         self._groups = self._create_groups() if _groups is None else _groups
         self._torch_mesh = None
         self.number = next(_NEXT_NUMBER)
@@ -467,25 +472,11 @@ class DeviceMesh:
 
     # -- value semantics -----------------------------------------------------------------
 
-    def _key(self):
-        """What makes two meshes equal, built once (a mesh does not change; plans and programs are
-        cached by mesh, so every cached redistribute hashes and compares one)."""
-        key = self.__dict__.get("_identity")
-        if key is None:
-            key = self._identity = (self.device_type, self.shape, self.axis_names, self.ranks, self.hosts,
-                                    self.topology.simulated, tuple(sorted(self.links.items())))
-            self._hash = hash(key)
-        return key
-
     def __eq__(self, other) -> bool:
-        return self is other or isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or isinstance(other, DeviceMesh) and self._identity == other._identity
 
     def __hash__(self) -> int:
-        found = self.__dict__.get("_hash")
-        if found is None:
-            self._key()
-            found = self._hash
-        return found
+        return self._hash
 
     __copy__ = __deepcopy__ = keep_on_copy  # a mesh is its process groups: never copied
 

@@ -388,7 +388,8 @@ def _handler(fast: FastPath):
             unlike = unlike or a is value
         if entry.unsqueeze:
             value = value.unsqueeze(0)
-        unlike = unlike or value.shape != entry.local_shape
+        if floats:  # an entry for any float values: its shape too, for this one
+            unlike = unlike or value.shape != entry.local_shape
         if unlike:
             # The local call aliased an input where the recorded one did not (contiguous() or
             # reshape() decide on local strides, the normal route on global ones), or its dtype

@@ -102,7 +102,8 @@ def check_range(values: torch.Tensor, size: int, message: str) -> None:
 
 def settle() -> None:
     """Read every pending check (waiting for its kernels) and raise the first error found."""
-    _settle(None)
+    if PENDING:
+        _settle(None)
 
 
 def settle_after_backward() -> None:

@@ -243,9 +243,8 @@ class DeferredSum:
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
-            terms = self.terms()
-            if all(type(t) is DeferredGemm and t.plain() for t in terms):
-                self.value = _accumulated(terms)
+            if self.plain():   # every term an unrun a @ b
+                self.value = _accumulated(self.terms())
             else:
                 self.value = self.left.wait() + self.right.wait()
             self.left = self.right = None
