@@ -32,9 +32,10 @@ Chrome trace of it under OUT/traces/, summed per category by ``trace_summary.py`
 (CUDA): one more step per side with the allocator's history, what is live at its peak.
 ``--first-step``: every eager side's first warm-up step under cProfile on rank 0 (where its
 seconds go: planning, Triton loading kernels, symmetric-memory rendezvous, NCCL setup).
-``--eager-backends p2p torch``: more eager axedist sides with the fused calls pinned (``axedist
-p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused), against the
-``auto`` choice of the plain ``axedist`` side, in the same interleaved run.
+``--eager-backends p2p torch nccl``: more eager axedist sides with collectives pinned (``axedist
+p2p``: the p2p fused kernels; ``axedist torch``: cuBLAS + NCCL, nothing fused; ``axedist nccl``:
+the planned collectives on NCCL, the fused calls left to ``auto``), against the ``auto`` choice
+of the plain ``axedist`` side, in the same interleaved run.
 Writes ``bench_tp_<device>_w<W>[_<preset>].json``, ``.md``, ``.png`` to ``--out`` and a line
 to ``history/``.
 """
@@ -55,15 +56,14 @@ import torch.distributed as dist
 import axedist as ax
 from axedist.nn import parallelize, replicate
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
-from axedist.runtime.deferred import fused_backend
 from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+from training_steps import (FLOPS_FORMULA, PINNED_BACKENDS, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
                             allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
-                            memory_estimate, model_flops, peak_flops, preset_config, ratio_rows, run_interleaved,
-                            run_loss_check, side_stats, write_results)
+                            memory_estimate, model_flops, peak_flops, pinned, preset_config, ratio_rows,
+                            run_interleaved, run_loss_check, side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device
     "cpu": dict(vocab_size=512, dim=128, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64, batch=8),
@@ -110,24 +110,12 @@ def trainer(kind: str, model: Llama, mesh: ax.DeviceMesh):
     return step
 
 
-def pinned(backend: str, step):
-    """``step`` with the fused calls' backend pinned to ``backend`` while it runs."""
-    def run(tokens):
-        previous = fused_backend()
-        fused_backend(backend)
-        try:
-            return step(tokens)
-        finally:
-            fused_backend(previous)
-    return run
-
-
 def make_sides(base: Llama, mesh: ax.DeviceMesh, sequence_parallel: bool, compile_backend: str | None,
                backends: tuple = ()) -> list[Side]:
     """The sides of a run, each training its own deep copy of ``base``: axedist, torch, and with
     ``compile_backend`` their compiled blocks (plus torch's async-TP pass with Inductor on CUDA);
-    per name in ``backends``, axedist eager with its fused calls pinned to that backend
-    (``axedist p2p``: the fused kernels, ``axedist torch``: cuBLAS + NCCL, never fused)."""
+    per name in ``backends``, axedist eager with collectives pinned to that backend
+    (``training_steps.pinned``)."""
     cfg = base.cfg
 
     def ours():
@@ -180,8 +168,9 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
     add_diagnosis_arguments(p)
-    p.add_argument("--eager-backends", nargs="+", default=(), choices=("p2p", "symm", "torch"), metavar="BACKEND",
-                   help="also axedist eager with its fused calls pinned to each (p2p, symm, torch: never fused)")
+    p.add_argument("--eager-backends", nargs="+", default=(), choices=PINNED_BACKENDS, metavar="BACKEND",
+                   help="also axedist eager with collectives pinned to each (fused calls: p2p, symm, torch: "
+                        "never fused; nccl: the planned collectives on NCCL)")
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")

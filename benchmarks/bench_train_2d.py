@@ -27,7 +27,9 @@ optimizer bytes per rank (the sharded pieces) and axedist's peak of gathered par
 Inductor) adds two compiled sides: axedist's model under ``fully_shard(traced=True)`` compiled
 whole with ``fullgraph=True`` (one graph: gathers and reduce-scatters inside it), and torch's
 ``fully_shard`` + ``parallelize_module`` model with each block compiled (torchtitan's way; FSDP2's
-hooks run eagerly around the blocks). Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
+hooks run eagerly around the blocks). ``--eager-backends nccl p2p``: more eager axedist sides with
+collectives pinned (``nccl``: the planned collectives, FSDP's gathers and reduce-scatters among
+them, on NCCL; ``p2p`` / ``symm`` / ``torch``: the fused GEMM calls), in the same interleaved run. Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
 ``--out`` and a line to its history.
 """
 
@@ -52,10 +54,10 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+from training_steps import (FLOPS_FORMULA, PINNED_BACKENDS, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
                             allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
-                            memory_estimate, model_flops, peak_flops, preset_config, ratio_rows, run_interleaved,
-                            run_loss_check, side_stats, write_results)
+                            memory_estimate, model_flops, peak_flops, pinned, preset_config, ratio_rows,
+                            run_interleaved, run_loss_check, side_stats, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp ranks
     "cpu": dict(vocab_size=256, dim=128, n_layers=2, n_heads=4, ffn_hidden=64 * -(-8 * 128 // 3 // 64),
@@ -84,11 +86,14 @@ def state_bytes(model, optimizer) -> int:
 
 class Trainer:
     """One side's model (built from ``seed``, then parallelized and fully sharded) and AdamW;
-    ``trainer(tokens) -> loss`` is a training step on this dp rank's rows of ``tokens``."""
+    ``trainer(tokens) -> loss`` is a training step on this dp rank's rows of ``tokens`` (its
+    collectives pinned to ``pin`` where given: ``training_steps.pinned``)."""
 
     def __init__(self, kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int,
-                 backend: GraphCounter | None = None):
+                 backend: GraphCounter | None = None, pin: str | None = None):
         self.kind, self.mesh, self.compiled = kind, mesh, backend is not None
+        if pin is not None:
+            self.forward_backward = pinned(pin, self.forward_backward)
         torch.manual_seed(seed)
         with torch.device(mesh.device):  # initialised where it runs: fast for large models
             model = Llama(cfg)
@@ -162,18 +167,20 @@ def _count(value) -> str:
 
 
 def make_sides(cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int = 0,
-               compile_backend: str | None = None) -> list[Side]:
-    def side(kind, backend=None):
+               compile_backend: str | None = None, pins: tuple = ()) -> list[Side]:
+    """axedist and torch eager, their compiled sides with ``compile_backend``, and per name in
+    ``pins`` axedist eager with collectives pinned (``training_steps.pinned``)."""
+    def side(kind, backend=None, pin=None):
         made = {}
 
         def make():
-            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed, backend)
+            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed, backend, pin)
             return made["trainer"]
 
         # the loss of the whole batch: the dp ranks' mean (the trainer exists once a step ran)
-        name = kind + (" compiled" if backend is not None else "")
+        name = kind + (" compiled" if backend is not None else f" {pin}" if pin else "")
         return Side(name, make, backend, loss_value=lambda loss: made["trainer"].loss_value(loss))
-    sides = [side("axedist"), side("torch")]
+    sides = [side("axedist"), side("torch")] + [side("axedist", pin=pin) for pin in pins]
     if compile_backend:
         allow_compiled_sides()
         sides += [side("axedist", GraphCounter(compile_backend)), side("torch", GraphCounter(compile_backend))]
@@ -196,6 +203,9 @@ def main(argv=None) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="add the compiled sides (default backend: inductor)")
+    p.add_argument("--eager-backends", nargs="+", default=(), choices=PINNED_BACKENDS, metavar="BACKEND",
+                   help="also axedist eager with collectives pinned to each (fused calls: p2p, symm, torch: "
+                        "never fused; nccl: the planned collectives, FSDP's among them, on NCCL)")
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda
@@ -227,7 +237,8 @@ def main(argv=None) -> None:
         check_data = [torch.randint(0, small.vocab_size, (CHECK_BATCH * args.dp, small.max_seq_len + 1), generator=g)
                       for _ in range(args.check_steps)]
         say(f"fp32 loss check: {args.check_steps} steps of both sides, {small}, batch {CHECK_BATCH * args.dp}")
-        check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy(), compile_backend=args.compile),
+        check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy(), compile_backend=args.compile,
+                                          pins=tuple(args.eager_backends)),
                                check_data, args.check_steps, cuda, args.check_tol, "torch", say)
         check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH * args.dp)
 
@@ -235,7 +246,8 @@ def main(argv=None) -> None:
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
-    sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile), data, args.warmup,
+    sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile,
+                                              pins=tuple(args.eager_backends)), data, args.warmup,
                                    args.steps, cuda, say, failed, first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 from axedist.nn.llama import LlamaConfig
+from axedist.runtime.deferred import fused_backend
+from axedist.runtime.steps import plan_backend
 
 GIB = 2**30
 
@@ -185,6 +187,26 @@ def allow_compiled_sides() -> None:
     """Room in Dynamo's cache for every side's graphs: the blocks of all sides share one code
     object (``Module._call_impl``), and a frame over the recompile limit silently runs eager."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+# An extra eager axedist side, named "axedist <backend>", pins its collectives while it steps:
+# p2p / symm / torch pin the fused GEMM calls (torch: never fused, cuBLAS + NCCL); nccl pins the
+# planned collectives (redistributes, FSDP's gathers and reduce-scatters) to torch.distributed.
+PINNED_BACKENDS = ("p2p", "symm", "torch", "nccl")
+
+
+def pinned(backend: str, step: Callable) -> Callable:
+    """``step`` with the collectives ``backend`` names (``PINNED_BACKENDS``) pinned while it runs."""
+    pin, name = (plan_backend, "torch") if backend == "nccl" else (fused_backend, backend)
+
+    def run(*args):
+        previous = pin()
+        pin(name)
+        try:
+            return step(*args)
+        finally:
+            pin(previous)
+    return run
 
 
 @dataclasses.dataclass

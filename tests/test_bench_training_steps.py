@@ -282,16 +282,41 @@ def test_bench_tp_llama8b_structure_compiled_under_torchrun(tmp_path):
 def test_bench_train_2d_under_torchrun(tmp_path):
     rc, out, err = run_torchrun(["benchmarks/bench_train_2d.py", "--preset", "llama8b", "--dim", "64", "--layers",
                                  "1", "--seq", "32", "--batch", "4", "--vocab", "256", "--ffn", "128", "--steps", "2",
-                                 "--warmup", "1", "--compile", "aot_eager", "--out", str(tmp_path)], 4, cwd=str(ROOT),
-                                env=ENV)
+                                 "--warmup", "1", "--compile", "aot_eager", "--eager-backends", "nccl", "--out",
+                                 str(tmp_path)], 4, cwd=str(ROOT), env=ENV)
     assert rc == 0, out[-3000:] + err[-3000:]
     record = _read(tmp_path, "bench_train_2d_cpu_w4_llama8b")
-    _check_record(record, ["axedist", "torch", "axedist compiled", "torch compiled"], 2)
+    _check_record(record, ["axedist", "torch", "axedist nccl", "axedist compiled", "torch compiled"], 2)
     assert record["mesh"] == {"dp": 2, "tp": 2} and record["batch"] == 4
     for name in ("axedist", "torch"):
         assert record["sides"][name]["bytes_per_step"] > 0
+    assert record["sides"]["axedist nccl"]["bytes_per_step"] == record["sides"]["axedist"]["bytes_per_step"]
     assert all(s["state_bytes"] > 0 for s in record["sides"].values())
     assert 0.9 < record["axedist_over_torch_bytes"] < 1.1  # (_check_record: the compiled sides' fp32 losses match too)
+
+
+def test_pinned_side_pins_its_backend_while_it_steps_and_restores_it():
+    from axedist.runtime.deferred import fused_backend
+    from axedist.runtime.steps import plan_backend
+
+    plan, fused = plan_backend(), fused_backend()
+    seen = []
+
+    def step(tokens):
+        seen.append((tokens, plan_backend(), fused_backend()))
+        if tokens == "bad":
+            raise RuntimeError("step failed")
+        return tokens
+
+    assert ts.pinned("nccl", step)("t") == "t" and seen[-1] == ("t", "torch", fused)
+    assert ts.pinned("p2p", step)("u") == "u" and seen[-1] == ("u", plan, "p2p")
+    with pytest.raises(RuntimeError, match="step failed"):
+        ts.pinned("torch", step)("bad")
+    assert seen[-1] == ("bad", plan, "torch")
+    assert (plan_backend(), fused_backend()) == (plan, fused)
+    with pytest.raises(ValueError, match="plan_backend must be one of"):
+        plan_backend("nccl")
+    assert plan_backend() == plan
 
 
 def test_live_at_peak_replays_the_allocator_trace():

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..collectives.backend import one_host, select_backend
+from ..collectives.backend import BACKENDS, one_host, select_backend
 from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.holdings import box_index
@@ -22,12 +22,25 @@ from ..planning.steps import Step
 from ..tracing import outside_tracing
 from .indices import Index, reduce_into
 
-__all__ = ["BACKEND", "RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
+__all__ = ["BACKEND", "plan_backend", "RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
 
 # What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
 # measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
 # A step whose group spans hosts runs on torch.distributed whatever the pin.
 BACKEND = read_environment("AXEDIST_PLAN_BACKEND")
+
+
+def plan_backend(backend: str | None = None) -> str:
+    """The backend planned CUDA collectives ask for (``AXEDIST_PLAN_BACKEND`` its default):
+    ``"auto"`` (the measured table), ``"p2p"`` / ``"multimem"`` to pin the symmetric-memory kernels,
+    ``"torch"`` to pin torch.distributed (NCCL). Sets it when given (every rank alike: the choice
+    must match across ranks); returns the backend in force."""
+    global BACKEND
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise ValueError(f"plan_backend must be one of {BACKENDS}, got {backend!r}")
+        BACKEND = backend
+    return BACKEND
 
 
 @dataclass

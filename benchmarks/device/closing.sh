@@ -63,8 +63,10 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H200); TP_ARGS adds
       # bench_tp arguments (--memory, --first-step, --trace, --eager-backends p2p torch)
       step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS" ;;
-    tp_backends) # eager only: axedist (auto) against its fused calls pinned to p2p and to cuBLAS + NCCL, and torch
-      step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --eager-backends p2p torch --out "$RESULTS/backends" ;;
+    tp_backends) # eager only: axedist (auto) against its collectives pinned (PINS: p2p / torch fused calls, nccl planned), and torch
+      step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile ${PINS_ARGS:-} --eager-backends ${PINS:-p2p torch nccl} --out "$RESULTS/backends" ;;
+    train_2d_backends) # eager only, dp2 x tp2: axedist (auto) against its collectives pinned (PINS), and torch
+      step bench_train_2d_backends 240 torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --profile ${PINS_ARGS:-} --eager-backends ${PINS:-nccl} --out "$RESULTS/backends" ;;
     tp_eager) # eager only, where the eager step's time goes: axedist (auto), cuBLAS + NCCL pinned, torch;
       # one profiled step per side with every rank's Chrome trace (results/eager/traces/), one with the allocator history
       step bench_tp_eager 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile --trace --memory --eager-backends torch --out "$RESULTS/eager" ;;
