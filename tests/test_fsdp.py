@@ -161,7 +161,65 @@ def _deferred_matches_one_process(rank, world, s, shape, names, case):
     after = fused_gemm_stats()
     # the summed input gradients (wq/wk/wv, w1/w3) and the head's reached the fused decision
     assert after["summed"] > before["summed"] and after["unfused"] > before["unfused"], (before, after)
+    # every deferred product computed once (CPU: none fused): a product added into a sum that
+    # ran is not run again alone when FSDP frees the gathered weights it reads
+    ran = {k: after[k] - before[k] for k in ("deferred", "fused", "materialized")}
+    assert ran["fused"] == 0 and ran["materialized"] == ran["deferred"], (before, after)
     return out
+
+
+def _each_product_once(rank, world, s):
+    """bench_train_2d's model (TP + SP per layer, each layer and the root a unit) with every
+    product deferred as on CUDA: each deferred product is computed once per step (none may run
+    again when FSDP frees the gathered weights it reads), and losses and gradients equal the
+    run that defers nothing."""
+    from axedist.runtime.deferred import DeferredGemm, defer
+
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=8)
+    tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=torch.Generator().manual_seed(s))
+    rows = tokens[2 * mesh.coordinates()["dp"]:][:2]
+
+    def run(policy):
+        torch.manual_seed(s)
+        model = Llama(cfg).double()
+        parallelize(model, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=True))
+        for layer in model.layers:
+            fully_shard(layer, mesh)
+        fully_shard(model, mesh)
+        kept, DTensor.dispatcher.defer_gemm = DTensor.dispatcher.defer_gemm, policy
+        try:
+            losses, counts = [], []
+            for _ in range(2):
+                before = fused_gemm_stats()
+                loss = next_token_loss(model(rows[:, :-1]), replicate(rows[:, 1:], mesh["tp"]))
+                loss.backward()
+                after = fused_gemm_stats()
+                counts.append({k: after[k] - before[k] for k in ("deferred", "summed", "fused", "materialized")})
+                losses.append(float(loss.full_tensor()))
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+        finally:
+            DTensor.dispatcher.defer_gemm = kept
+        return losses, grads, counts
+
+    losses, grads, counts = run("always")
+    want_losses, want_grads, _ = run("never")
+    # a product whose sum ran, its operand's storage freed, then used alone: the clear error
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    product = defer(lambda: (a @ b).unsqueeze(0), a, b, None, 1, 1, (3, 5))
+    b.untyped_storage().resize_(0)
+    with pytest.raises(LayoutError, match="operand was freed"):
+        product.wait()
+    assert type(product) is DeferredGemm
+    return losses, want_losses, max((g - h).abs().max().item() for g, h in zip(grads, want_grads)), counts
+
+
+def test_each_deferred_product_runs_once_under_fsdp_x_tp():
+    for losses, want_losses, grad_error, counts in run_on_ranks(_each_product_once, 4,
+                                                                args=(random.randrange(2**31),)):
+        assert losses == pytest.approx(want_losses, rel=1e-12) and grad_error < 1e-12
+        for c in counts:
+            assert c["summed"] > 0 and c["fused"] == 0 and c["materialized"] == c["deferred"], counts
 
 
 @pytest.mark.parametrize("case", list(CASES))

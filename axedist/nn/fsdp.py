@@ -443,7 +443,7 @@ class ShardedParameter:
         """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
         if self.gathered is None:
             return 0
-        flush([self.gathered])  # deferred work that reads the gathered values runs before they go
+        flush([self.gathered], releasing=True)  # deferred work that reads the gathered values runs before they go
         storage = self.gathered.untyped_storage()
         freed = storage.nbytes()
         storage.resize_(0)
