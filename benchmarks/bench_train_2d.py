@@ -29,8 +29,9 @@ whole with ``fullgraph=True`` (one graph: gathers and reduce-scatters inside it)
 ``fully_shard`` + ``parallelize_module`` model with each block compiled (torchtitan's way; FSDP2's
 hooks run eagerly around the blocks). ``--eager-backends nccl p2p``: more eager axedist sides with
 collectives pinned (``nccl``: the planned collectives, FSDP's gathers and reduce-scatters among
-them, on NCCL; ``p2p`` / ``symm`` / ``torch``: the fused GEMM calls), in the same interleaved run. Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to
-``--out`` and a line to its history.
+them, on NCCL; ``p2p`` / ``symm`` / ``torch``: the fused GEMM calls), in the same interleaved run.
+Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to ``--out`` and a
+line to its history.
 """
 
 from __future__ import annotations
