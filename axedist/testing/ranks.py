@@ -385,15 +385,22 @@ def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     return [outcomes[r] for r in range(world_size)]
 
 
+# what a failed torchrun run may say when the failure was not its script's (run_torchrun tries again)
+_NOT_THE_SCRIPTS = ("address already in use", "terminate called without an active exception")
+
+
 def run_torchrun(script_args: Sequence[str], nproc: int, cwd: str, timeout_s: float = 300,
                  env: dict | None = None) -> tuple[int, str, str]:
     """``torchrun --nproc-per-node nproc <script_args>`` on a free port: (returncode, stdout, stderr).
 
     The run has its own session, so a timeout kills torchrun and every rank it started (no
-    orphans) and raises. A port taken between picking and binding (other test processes pick
-    ports too) gets one more try on a fresh port.
+    orphans) and raises. Two failures that are not the script's get another try, on a fresh port,
+    at most twice: a port taken between picking and binding (other test processes pick ports
+    too), and torch's gloo backend aborting in a process's interpreter teardown after the script
+    ended ("terminate called without an active exception": a plain torch DTensor script does it
+    about 1 run in 10 on 2 cores; pytorch/pytorch#190489).
     """
-    for attempt in range(2):
+    for attempt in range(3):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(_free_port()), *script_args]
         proc = subprocess.Popen(cmd, cwd=cwd, env=dict(os.environ) if env is None else env, stdout=subprocess.PIPE,
@@ -404,6 +411,7 @@ def run_torchrun(script_args: Sequence[str], nproc: int, cwd: str, timeout_s: fl
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
             raise RankError(f"{' '.join(script_args)} timed out after {timeout_s} s\n{stdout[-3000:]}{stderr[-3000:]}")
-        if proc.returncode == 0 or attempt or "address already in use" not in (stdout + stderr).lower():
+        said = (stdout + stderr).lower()
+        if proc.returncode == 0 or attempt == 2 or not any(cause in said for cause in _NOT_THE_SCRIPTS):
             return proc.returncode, stdout, stderr
     raise AssertionError("unreachable")
