@@ -196,6 +196,14 @@ def peers_reachable(device_index: int) -> tuple[bool, str]:
     return True, "peer access"
 
 
+def checked_choice(backend: str, allowed: tuple, caller: str) -> str:
+    """``backend`` when it is one of ``allowed``; else the ValueError naming ``caller``'s choices
+    (the setters that pin a backend at run time: ``fused_backend``, ``plan_backend``)."""
+    if backend not in allowed:
+        raise ValueError(f"{caller} must be one of {allowed}, got {backend!r}")
+    return backend
+
+
 def select_backend(op: str, tensor: torch.Tensor, group, requested: str = "auto",
                    nbytes: int | None = None) -> str:
     """Resolve `requested` to "p2p", "multimem" or "torch" (raises if it cannot run)."""

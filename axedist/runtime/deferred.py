@@ -561,11 +561,10 @@ def fused_backend(backend: str | None = None) -> str:
     across ranks); returns the backend in force."""
     global FUSED_BACKEND
     if backend is not None:
+        from ..collectives.backend import checked_choice
         from ..collectives.fused_tp import BACKENDS
 
-        if backend not in BACKENDS:
-            raise ValueError(f"fused_backend must be one of {BACKENDS}, got {backend!r}")
-        FUSED_BACKEND = backend
+        FUSED_BACKEND = checked_choice(backend, BACKENDS, "fused_backend")
     return FUSED_BACKEND
 
 

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..collectives.backend import BACKENDS, one_host, select_backend
+from ..collectives.backend import BACKENDS, checked_choice, one_host, select_backend
 from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.holdings import box_index
@@ -37,9 +37,7 @@ def plan_backend(backend: str | None = None) -> str:
     must match across ranks); returns the backend in force."""
     global BACKEND
     if backend is not None:
-        if backend not in BACKENDS:
-            raise ValueError(f"plan_backend must be one of {BACKENDS}, got {backend!r}")
-        BACKEND = backend
+        BACKEND = checked_choice(backend, BACKENDS, "plan_backend")
     return BACKEND
 
 
