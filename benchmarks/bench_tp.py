@@ -60,7 +60,7 @@ from axedist.testing import torch_llama_loss, torch_parallelize_llama
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PINNED_BACKENDS, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments, add_pinned_argument,
                             allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
                             memory_estimate, model_flops, peak_flops, pinned, preset_config, ratio_rows,
                             run_interleaved, run_loss_check, side_stats, write_results)
@@ -168,9 +168,7 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="also time every side with each block torch.compile'd (default backend inductor)")
     add_diagnosis_arguments(p)
-    p.add_argument("--eager-backends", nargs="+", default=(), choices=PINNED_BACKENDS, metavar="BACKEND",
-                   help="also axedist eager with collectives pinned to each (fused calls: p2p, symm, torch: "
-                        "never fused; nccl: the planned collectives on NCCL)")
+    add_pinned_argument(p)
     p.add_argument("--check-steps", type=int, default=3, help="steps of the fp32 loss check (0: none)")
     p.add_argument("--check-tol", type=float, default=1e-4, help="relative tolerance of the fp32 loss check")
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")

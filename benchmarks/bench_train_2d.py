@@ -55,7 +55,7 @@ from axedist.testing import torch_comm_bytes, torch_fully_shard_llama, torch_lla
 
 # beside this script
 from history import run_meta
-from training_steps import (FLOPS_FORMULA, PINNED_BACKENDS, PRESETS, GraphCounter, Side, add_diagnosis_arguments,
+from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments, add_pinned_argument,
                             allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
                             memory_estimate, model_flops, peak_flops, pinned, preset_config, ratio_rows,
                             run_interleaved, run_loss_check, side_stats, write_results)
@@ -204,9 +204,7 @@ def main(argv=None) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="add the compiled sides (default backend: inductor)")
-    p.add_argument("--eager-backends", nargs="+", default=(), choices=PINNED_BACKENDS, metavar="BACKEND",
-                   help="also axedist eager with collectives pinned to each (fused calls: p2p, symm, torch: "
-                        "never fused; nccl: the planned collectives, FSDP's among them, on NCCL)")
+    add_pinned_argument(p)
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda

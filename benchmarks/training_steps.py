@@ -195,6 +195,13 @@ def allow_compiled_sides() -> None:
 PINNED_BACKENDS = ("p2p", "symm", "torch", "nccl")
 
 
+def add_pinned_argument(parser) -> None:
+    """The training benchmarks' ``--eager-backends``: the extra pinned sides (:func:`pinned`)."""
+    parser.add_argument("--eager-backends", nargs="+", default=(), choices=PINNED_BACKENDS, metavar="BACKEND",
+                        help="also axedist eager with collectives pinned to each (fused calls: p2p, symm, torch: "
+                             "never fused; nccl: the planned collectives, FSDP's among them, on NCCL)")
+
+
 def pinned(backend: str, step: Callable) -> Callable:
     """``step`` with the collectives ``backend`` names (``PINNED_BACKENDS``) pinned while it runs."""
     pin, name = (plan_backend, "torch") if backend == "nccl" else (fused_backend, backend)

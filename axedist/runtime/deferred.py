@@ -197,7 +197,7 @@ class DeferredGemm:
     def check_unchanged(self) -> None:
         """Raises the clear error when an operand was changed in place since the product was
         deferred, or its storage freed (FSDP resharded a gathered parameter it reads)."""
-        if any(t is not None and t.untyped_storage().nbytes() == 0 and t.numel()
+        if any(t is not None and t.numel() and t.untyped_storage().nbytes() == 0
                for t in (self.a, self.b, self.bias)):
             raise LayoutError("a deferred matrix product's operand was freed (FSDP resharded the gathered "
                               "parameter it reads) before the product was used on its own; use the product "
