@@ -32,7 +32,7 @@ from .mesh import DeviceMesh, MeshError, as_mesh
 from .peers import (MAX_DIMS, RankDisagreementError, TensorReport, agree, announce_failure, compare_tensors,
                     gather_texts, rank_listing, tensor_report)
 from .ops.dispatcher import OpDispatcher
-from .ops.state import WRAPPER_POSITIONAL
+from .ops.state import wrap
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
 from .runtime import agree_on_move, checks
@@ -144,7 +144,6 @@ def _torch_spelling(what: str, mesh, device_mesh, target, placements) -> tuple[D
 # The tensor
 # ---------------------------------------------------------------------------
 
-_make_wrapper = torch.Tensor._make_wrapper_subclass
 _dynamo_tracing = torch.compiler.is_dynamo_compiling
 
 
@@ -241,15 +240,7 @@ class DTensor(torch.Tensor):
             # the wrapper has no conjugate / negative bit to report, and collectives read raw
             # memory: the piece holds its values (see ops/complex.py)
             local = local.resolve_conj().resolve_neg()
-        if WRAPPER_POSITIONAL:  # (size, strides, storage_offset, memory_format, dtype, layout, device, pin, grad)
-            self = _make_wrapper(cls, spec.shape, stride, None, None, local.dtype, torch.strided, local.device,
-                                 False, requires_grad)
-        else:
-            kwargs = {} if stride is None else {"strides": stride}
-            self = _make_wrapper(cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad,
-                                 **kwargs)
-        self._value = local
-        self._spec = spec
+        self = wrap(cls, local, spec, stride, local.dtype, local.device, requires_grad)
         if pending is not None:
             self._pending = pending
         return self

@@ -135,7 +135,7 @@ def _breakdown(x, y, calls: int, repeats: int) -> list[tuple[str, float]]:
     fastpath.enable(False)
     key = dispatcher.cache_key(add, (x, y))
     x + y
-    table = dispatcher.fast_plans
+    table = dispatcher.cache.positional
     gx, gy = x.detach().requires_grad_(), y.detach().requires_grad_()
     wrap = torch.Tensor._make_wrapper_subclass
     probe_tf = classmethod(lambda cls, func, types, args=(), kwargs=None: _Probe.RESULT)

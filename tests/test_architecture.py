@@ -324,10 +324,10 @@ def test_reset_clears_every_registered_memo():
     from axedist.dtensor import DTensor
 
     assert "ops.dispatcher of DTensor" in caches.names() and "axedist.spec._interned_spec" in caches.names()
-    DTensor.dispatcher.plans["probe"] = None
-    DTensor.dispatcher.fastpath.cache["probe"] = None
+    DTensor.dispatcher.cache.plans["probe"] = None
+    DTensor.dispatcher.cache.torch_calls["probe"] = None
     axedist.reset()
-    assert "probe" not in DTensor.dispatcher.plans and "probe" not in DTensor.dispatcher.fastpath.cache
+    assert "probe" not in DTensor.dispatcher.cache.plans and "probe" not in DTensor.dispatcher.cache.torch_calls
 
 
 def test_top_level_is_small_and_moved_names_warn():
@@ -347,3 +347,19 @@ def test_top_level_is_small_and_moved_names_warn():
         assert axedist.run_on_ranks is run_on_ranks
     assert any(issubclass(w.category, DeprecationWarning) and "axedist.testing.run_on_ranks" in str(w.message)
                for w in caught)
+
+
+def test_one_wrap_site():
+    """A DTensor is made in one place, ``ops.state.wrap`` (the constructor, the dispatcher's
+    routes and the fast path call it): ``_make_wrapper_subclass`` appears nowhere else but in the
+    probe that decides how ``wrap`` passes its arguments."""
+    calls = {}
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "_make_wrapper_subclass":
+                calls.setdefault(module_name(path), []).append(node.lineno)
+    assert set(calls) == {"axedist.ops.state"}, calls
+    state = ast.parse((PACKAGE / "ops" / "state.py").read_text())
+    users = {f.name for f in ast.walk(state) if isinstance(f, ast.FunctionDef)
+             and any(isinstance(n, ast.Name) and n.id == "_make_wrapper" for n in ast.walk(f))}
+    assert users == {"_wrap_positional", "_wrap_by_keyword"}, users

@@ -24,7 +24,7 @@ from .specs import expected_local_shape, placements_or_none, spec_of
 
 __all__ = ["DispatchError", "PlainTensorError", "OpInfo", "op_info", "functional_of", "decomposable",
            "writes_first", "FOREACH_INFO", "FOREACH_WRITE", "written", "SCALAR_TYPES", "scan", "replace_dtensors",
-           "local_of", "OutSpec", "Slot", "FastForm", "PlainRoute", "CallPlan", "plan_call", "DEFERRABLE"]
+           "local_of", "OutSpec", "Slot", "FastForm", "LocalRoute", "CallPlan", "plan_call", "DEFERRABLE"]
 
 aten = torch.ops.aten
 
@@ -220,17 +220,30 @@ class FastForm:
         self.slots, self.out, self.local = slots, out, local
 
 
-class PlainRoute:
-    """The plainest cached case, "the op on the local tensors, wrapped": the DTensors at
-    ``positions`` stay where they are, ``op`` is the aten op's C++ callable, and the output goes
-    in ``spec`` with ``tag``. A deferrable GEMM (``defer``) takes it only where the dispatcher
-    would not defer it."""
+class LocalRoute:
+    """The plainest cached case, "the op on the local tensors, wrapped", for an aten call (a
+    ``CallPlan``'s ``plain``) and for a torch call (the fast path's entry, ops/fastpath.py): the
+    DTensors at ``positions`` stay where they are, the local result (``local_shape``, after
+    ``unsqueeze(0)`` for a pending sum, of ``dtype``) goes in ``spec`` with global ``stride`` and
+    ``tag``. ``op``: the aten op's C++ callable (a plan's route), or the aten op a grad-mode
+    fast-path entry hands its output to (None without grad). A deferrable GEMM (``defer``) takes
+    the route only where the dispatcher would not defer it (``OpDispatcher.defers``).
+    Fast-path entries also know ``pointwise`` (every aten op of the call is pointwise, so the
+    route holds for any float values) and the result's ``device`` (a plan's route, planned on
+    meta tensors, reads it off the result)."""
 
-    __slots__ = ("positions", "op", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer")
+    __slots__ = ("op", "positions", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer",
+                 "pointwise", "device")
 
-    def __init__(self, positions, op, out: OutSpec, dtype, tag, defer: bool):
-        self.positions, self.op, self.spec, self.local_shape = positions, op, out.spec, out.local_shape
+    def __init__(self, op, positions: tuple, out: OutSpec, dtype, tag, defer: bool, pointwise: bool = False,
+                 device=None):
+        self.op, self.positions, self.spec, self.local_shape = op, positions, out.spec, out.local_shape
         self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
+        self.pointwise, self.device = pointwise, device
+
+    def __repr__(self) -> str:
+        via = f"{self.op}, " if self.op is not None else ""
+        return f"LocalRoute({via}-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
 
 
 class CallPlan:
@@ -240,7 +253,7 @@ class CallPlan:
     __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain", "even")
 
     def __init__(self, call: OpCall, sharding: Sharding, targets: list, outputs: list, structure: str,
-                 defer: bool, fast: FastForm | None, reduce_self, plain: PlainRoute | None, even: bool = False):
+                 defer: bool, fast: FastForm | None, reduce_self, plain: LocalRoute | None, even: bool = False):
         self.call, self.sharding, self.targets, self.outputs = call, sharding, targets, outputs
         self.structure = structure      # "single", "tuple", "list", "none"
         self.defer = defer              # mm/addmm giving a pending sum: the local GEMM may wait
@@ -301,7 +314,7 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
             all(slot.target is None and not slot.strip for slot in fast.slots):
         dtype = flat[0].dtype
         out = fast.out
-        plain = PlainRoute(tuple(slot.position for slot in fast.slots), func._op, out, dtype,
+        plain = LocalRoute(func._op, tuple(slot.position for slot in fast.slots), out, dtype,
                            tag_for(out.spec, dtype, out.stride), defer)
     return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even)
 

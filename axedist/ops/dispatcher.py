@@ -29,6 +29,7 @@ from ..caches import cached, register
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import PENDING, POLICIES
+from .call_cache import CallCache
 from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, local_of,
                         op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
@@ -36,7 +37,7 @@ from .fusion import defer_product, take_pending
 from .registry import ArgSpec
 from .reshape_inplace import RESHAPING_INPLACE, dispatch_reshaping_inplace
 from .specs import placements_or_none
-from .state import READY, RECORDING, WRAPPER_POSITIONAL
+from .state import READY, RECORDING, wrap
 from .variants import (FUSED_OPTIMIZERS, NOT_HANDLED, adopt_constants, dispatch_foreach, dispatch_fused_optimizer,
                        dispatch_out, gather_fallback)
 
@@ -44,12 +45,9 @@ __all__ = ["OpDispatcher", "DispatchError", "Tag"]
 
 aten = torch.ops.aten
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
-_make_wrapper = torch.Tensor._make_wrapper_subclass
 _grad_enabled = torch.is_grad_enabled
 _DISABLED = torch._C._disabled_torch_function_impl
-_STRIDED = torch.strided
 _NO_RULE = object()
-_CACHE_LIMIT = 16384
 
 
 class Tag:
@@ -71,7 +69,8 @@ def _contiguous(shape) -> tuple:
 
 
 class OpDispatcher:
-    """Runs aten ops on DTensors of ``cls``; owns the plan caches, the tags and the counts.
+    """Runs aten ops on DTensors of ``cls``; owns the call cache (``cache``, ops/call_cache.py),
+    the tags and the counts.
 
     ``cache_info()``, ``fallback_ops()``, ``clear_caches()``, ``defer_gemm``, ``pending`` (the
     deferred work, ops/fusion.py) and ``fastpath`` (``enable``/``enabled``/``clear``/``stats``)
@@ -81,9 +80,7 @@ class OpDispatcher:
 
     def __init__(self, cls):
         self.cls = cls
-        self.plans: dict = {}        # scan key -> CallPlan, or _NO_RULE
-        self.fast_plans: dict = {}   # cache_key -> CallPlan with a FastForm
-        self.arg_specs: dict = {}    # (spec, dtype) -> ArgSpec
+        self.cache = CallCache()     # every call record, by key (the fast path's too)
         self.stats = {"hits": 0, "misses": 0, "uncached": 0, "fallbacks": 0}
         self.warned: set = set()     # ops that ran through the gather fallback (warned once each)
         self._tags: dict = {}        # (spec, dtype, stride or None) -> Tag
@@ -111,16 +108,22 @@ class OpDispatcher:
             raise ValueError(f"defer_gemm must be one of {POLICIES}, got {value!r}")
         self._defer_gemm = value
 
+    def defers(self, cuda: bool) -> bool:
+        """Whether the ``defer_gemm`` policy lets a deferrable GEMM on local tensors (on CUDA or
+        not) wait; where it does, the GEMM takes the plan's route (``fusion.defer_product``), never
+        a cached "op on the local tensors" one."""
+        policy = self._defer_gemm
+        return policy == "always" or (policy == "auto" and cuda)
+
     def clear_caches(self) -> None:
         """Forget cached plans and fast-path entries (rules are re-run on next use)."""
-        self.plans.clear()
-        self.fast_plans.clear()
-        self.arg_specs.clear()
+        self.cache.clear()
         self.fastpath.clear()
 
     def cache_info(self) -> dict:
-        """Counts of cached-plan hits and misses and of fallback runs (for tests and benchmarks)."""
-        return dict(self.stats, size=len(self.plans))
+        """Counts of cached-plan hits (the fast path's hits among them) and misses and of fallback
+        runs (for tests and benchmarks)."""
+        return dict(self.stats, hits=self.stats["hits"] + self.fastpath.counts["hits"], size=len(self.cache.plans))
 
     def fallback_ops(self) -> set:
         """Ops that ran through the gather fallback in this process (each warned once)."""
@@ -197,7 +200,7 @@ class OpDispatcher:
         if not kwargs:
             fast_key = self.cache_key(func, args)
             if fast_key is not None:
-                plan = self.fast_plans.get(fast_key)
+                plan = self.cache.positional.get(fast_key)
                 if plan is not None:
                     self.stats["hits"] += 1
                     route = plan.plain
@@ -205,10 +208,8 @@ class OpDispatcher:
                         return self._run_fast(func, args, plan)
                     # the op itself on the local tensors of DTensors that stay where they are
                     positions = route.positions
-                    if route.defer:
-                        policy = self._defer_gemm
-                        if policy == "always" or (policy == "auto" and args[positions[0]]._value.is_cuda):
-                            return self._run_fast(func, args, plan)  # the GEMM may wait (fusion.defer_product)
+                    if route.defer and self.defers(args[positions[0]]._value.is_cuda):
+                        return self._run_fast(func, args, plan)  # the GEMM may wait (fusion.defer_product)
                     local_args = list(args)
                     for i in positions:
                         d = args[i]
@@ -219,13 +220,7 @@ class OpDispatcher:
                     spec = route.spec
                     if value.shape != route.local_shape:
                         _wrong_shape(func, value, spec, route.local_shape, plan)
-                    if WRAPPER_POSITIONAL:
-                        out = _make_wrapper(self.cls, spec.shape, route.stride, None, None, value.dtype, _STRIDED,
-                                            value.device)
-                        out._value = value
-                        out._spec = spec
-                    else:
-                        out = self.cls(value, spec, stride=route.stride)
+                    out = wrap(self.cls, value, spec, route.stride, value.dtype, value.device)
                     if value.dtype is route.dtype:  # (always, unless the op's dtype rules changed since planning)
                         out._tag = route.tag  # the next op's key needs no stride() call
                     if _grad_enabled():
@@ -265,23 +260,19 @@ class OpDispatcher:
                     return result
             return gather_fallback(self, func, args, kwargs, dts, mesh, info)
         if fast_key is not None and plan.fast is not None:
-            if len(self.fast_plans) > _CACHE_LIMIT:
-                self.fast_plans.clear()
-            self.fast_plans[fast_key] = plan
+            self.cache.put("positional", fast_key, plan)
         return self.run(func, args, kwargs, dts, plan, info)
 
     def plan(self, func, args, kwargs, dts, mesh, key, info: OpInfo) -> CallPlan | None:
         """The call's plan (propagate: the rule's answer, cached by ``key`` unless it is None), or
         None when no rule answers."""
-        plan = self.plans.get(key) if key is not None else None
+        plan = self.cache.plans.get(key) if key is not None else None
         if plan is None:
             plan = plan_call(self.cls, func, args, kwargs, dts, [self.arg_spec(d) for d in dts], mesh, info,
                              self.tag_for) or _NO_RULE
             if key is not None:
                 self.stats["misses"] += 1
-                if len(self.plans) > _CACHE_LIMIT:
-                    self.plans.clear()
-                self.plans[key] = plan
+                self.cache.put("plans", key, plan)
             else:
                 self.stats["uncached"] += 1
         else:
@@ -296,23 +287,21 @@ class OpDispatcher:
             dts, _, key = scan(self.cls, func, args, kwargs)
         except PlainTensorError:
             return None, []
-        plan = self.plans.get(key)
+        plan = self.cache.plans.get(key)
         if plan is None and not kwargs:
             fast_key = self.cache_key(func, args)
-            plan = self.fast_plans.get(fast_key) if fast_key is not None else None
+            plan = self.cache.positional.get(fast_key) if fast_key is not None else None
         return (plan if isinstance(plan, CallPlan) else None), dts
 
     def arg_spec(self, dt) -> ArgSpec:
         """What a rule sees of ``dt`` (cached per (spec, dtype))."""
         spec = dt._spec
         key = (spec, dt.dtype)
-        found = self.arg_specs.get(key)
+        found = self.cache.arg_specs.get(key)
         if found is None:
             found = ArgSpec(spec.shape, dt.dtype, spec.mesh, spec.layout, placements_or_none(spec), spec.reduce_op,
                             spec)
-            if len(self.arg_specs) > 4096:
-                self.arg_specs.clear()
-            self.arg_specs[key] = found
+            self.cache.put("arg_specs", key, found)
         return found
 
     # -- redistribute -> local op -> wrap -----------------------------------------------
@@ -350,7 +339,7 @@ class OpDispatcher:
                 value = value.unsqueeze(0)
             if value.shape != out.local_shape:
                 _wrong_shape(func, value, out.spec, out.local_shape, plan)
-            wrapped.append(self.cls(value, out.spec, stride=out.stride))
+            wrapped.append(self.cls(value, out.spec, stride=out.stride))  # (resolves a conjugate / negative bit)
         if plan.structure == "single":
             return wrapped[0]
         return wrapped if plan.structure == "list" else tuple(wrapped)
@@ -387,12 +376,7 @@ class OpDispatcher:
         spec = out.spec
         if value.shape != out.local_shape:
             _wrong_shape(func, value, spec, out.local_shape, plan)
-        if WRAPPER_POSITIONAL:  # the constructor without its keyword handling
-            wrapped = _make_wrapper(self.cls, spec.shape, out.stride, None, None, value.dtype, _STRIDED, value.device)
-            wrapped._value = value
-            wrapped._spec = spec
-            return wrapped
-        return self.cls(value, spec, stride=out.stride)
+        return wrap(self.cls, value, spec, out.stride, value.dtype, value.device)  # (no conjugate / negative bit: plan_call's FastForm)
 
     def _reduce_in_place(self, func, dt, target) -> None:
         """Apply ``dt``'s pending reduction in its own local buffer and give it ``target``'s spec.

@@ -30,18 +30,16 @@ import torch
 
 from ..runtime.deferred import pending_gather, pending_product
 from ..runtime.tails import pending_tail
-from .call_plan import SCALAR_TYPES, op_info
-from .state import READY, RECORDING, WRAPPER_POSITIONAL, ReadyOutput
+from .call_plan import SCALAR_TYPES, LocalRoute, op_info
+from .state import READY, RECORDING, ReadyOutput, wrap
 
-__all__ = ["FastPath", "Entry"]
+__all__ = ["FastPath"]
 
 _disabled = torch._C._disabled_torch_function_impl
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _any_autocast = torch._C._is_any_autocast_enabled
-_make_wrapper = torch.Tensor._make_wrapper_subclass
-_STRIDED = torch.strided
 _EMPTY: dict = {}  # kwargs for torch's disabled impl when none were given (never written)
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
@@ -52,27 +50,6 @@ _LOOSE = frozenset({float, complex})
 # Never recorded: a recorder holding the gradients that backward sees would keep autograd from
 # taking ownership of a leaf's first gradient (it copies it instead, in another layout).
 _NEVER_RECORDED = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-_CACHE_LIMIT = 16384
-
-
-class Entry:
-    """What a hit does: wrap the local result (``local_shape``, after ``unsqueeze(0)`` for a pending
-    sum) in ``spec``. ``pointwise``: every recorded aten op is pointwise (the entry holds for any
-    float values). A grad-mode entry also names the aten ``op`` whose output that is and the
-    ``positions`` of its DTensor arguments (the torch call's own positions)."""
-
-    __slots__ = ("spec", "shape", "local_shape", "dtype", "device", "stride", "unsqueeze", "tag", "defer",
-                 "pointwise", "op", "positions")
-
-    def __init__(self, spec, local_shape, dtype, device, stride, unsqueeze, defer, tag, pointwise,
-                 op=None, positions=()):
-        self.spec, self.shape, self.local_shape, self.dtype, self.device = spec, spec.shape, local_shape, dtype, device
-        self.stride, self.unsqueeze, self.defer, self.tag = stride, unsqueeze, defer, tag
-        self.pointwise, self.op, self.positions = pointwise, op, positions
-
-    def __repr__(self) -> str:
-        via = f"{self.op} (grad mode), " if self.op is not None else ""
-        return f"Entry({via}-> {self.spec}, {str(self.dtype).replace('torch.', '')}, stride {self.stride})"
 
 
 class FastPath:
@@ -85,7 +62,8 @@ class FastPath:
 
     def __init__(self, dispatcher):
         self.dispatcher = dispatcher
-        self.cache: dict = {}              # key -> Entry or _SLOW
+        # its entries live in the dispatcher's call cache: key -> LocalRoute, or _SLOW
+        self.entries = dispatcher.cache.torch_calls
         # torch functions that always take the normal route: those that dispatched nothing
         # (getters, size(), ...), views, and backward
         self.passed: set = set(_NEVER_RECORDED)
@@ -102,7 +80,7 @@ class FastPath:
 
     def clear(self) -> None:
         """Forget recorded calls (they are recorded again on next use)."""
-        self.cache.clear()
+        self.dispatcher.cache.clear("torch_calls")
         self.passed.clear()
         self.passed.update(_NEVER_RECORDED)
 
@@ -110,7 +88,7 @@ class FastPath:
         """``{"hits", "grad hits", "recorded", "slow", "passed", "size"}``: fast hits (of which
         ``grad hits`` had autograd record them), keys recorded as fast, keys recorded as slow,
         torch functions sent to the normal route for good (getters, views), cached keys."""
-        return dict(self.counts, size=len(self.cache))
+        return dict(self.counts, size=len(self.entries))
 
     # -- recording ---------------------------------------------------------------
 
@@ -136,11 +114,9 @@ class FastPath:
             entry = self._grad_entry_for(func, recorder.steps, result, args, kwargs)
         else:
             entry = self._entry_for(func, recorder.steps, result, args, kwargs)
-        if len(self.cache) > _CACHE_LIMIT:
-            self.cache.clear()
         if loose is not None and (entry is _SLOW or entry.pointwise):
             key = loose
-        self.cache[key] = entry
+        self.dispatcher.cache.put("torch_calls", key, entry)
         self.counts["recorded" if entry is not _SLOW else "slow"] += 1
         return result
 
@@ -200,8 +176,8 @@ class FastPath:
                 return _SLOW
             plans.append(plan)
         local_args = [a._local if type(a) is cls else a for a in args]  # the steps used (so waited for) them
-        # the entry holds while this setting does
-        defer = self.dispatcher.defer_gemm if any(plan.defer for plan in plans) else None
+        # a deferrable GEMM among the steps: hits check the defer_gemm policy (OpDispatcher.defers)
+        defer = any(plan.defer for plan in plans)
         out = plans[-1].outputs[0]
         expected = result._value
         try:
@@ -228,8 +204,7 @@ class FastPath:
             if not bool(same.all()):
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
-        return Entry(out.spec, expected.shape, expected.dtype, expected.device, out.stride, out.unsqueeze, defer, tag,
-                     _pointwise(steps))
+        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device)
 
 
 def _pointwise(steps) -> bool:
@@ -299,8 +274,8 @@ def _handler(fast: FastPath):
     """The ``__torch_function__`` of ``fast``'s tensor class (its state bound in the closure)."""
     dispatcher = fast.dispatcher
     DTensor = dispatcher.cls
-    cache, passed, counts, stats = fast.cache, fast.passed, fast.counts, dispatcher.stats
-    tag_of, record = dispatcher.tag_of, fast.record
+    cache, passed, counts = fast.entries, fast.passed, fast.counts
+    tag_of, record, wrap_ = dispatcher.tag_of, fast.record, wrap
 
     def torch_function(cls, func, types, args=(), kwargs=None):
         if func in passed:
@@ -373,7 +348,7 @@ def _handler(fast: FastPath):
             if func in _READS_INDEX_DATA:
                 return _with_index_values(func, types, args, kwargs, DTensor)
             return record(func, types, args, kwargs, key, grad, loose if floats else None)
-        if entry.defer is not None and entry.defer != dispatcher.defer_gemm:
+        if entry.defer and dispatcher.defers(next(a for a in args if type(a) is DTensor)._value.is_cuda):
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and (pending_gather(a._pending) or pending_product(a._pending))
                          for a in args):
@@ -398,17 +373,11 @@ def _handler(fast: FastPath):
             # route, now and for this key.
             cache[key] = cache[loose] = _SLOW
             return _disabled(func, types, args, kwargs or _EMPTY)
-        if WRAPPER_POSITIONAL:
-            out = _make_wrapper(DTensor, entry.shape, entry.stride, None, None, entry.dtype, _STRIDED, entry.device)
-        else:
-            out = DTensor(value, entry.spec, stride=entry.stride)
-        out._value = value
-        out._spec = entry.spec
+        out = wrap_(DTensor, value, entry.spec, entry.stride, entry.dtype, entry.device)
         out._tag = entry.tag
         if grad:
             return grad_hit(func, types, args, kwargs, loose, entry, out)
-        stats["hits"] += 1  # fast hits count as plan-cache hits too
-        counts["hits"] += 1
+        counts["hits"] += 1  # (the dispatcher's cache_info counts them as plan-cache hits too)
         return out
 
     def grad_hit(func, types, args, kwargs, key, entry, out):
@@ -423,7 +392,6 @@ def _handler(fast: FastPath):
             served = READY.value is None
             READY.value = None
         if served:
-            stats["hits"] += 1
             counts["hits"] += 1
             counts["grad hits"] += 1
         else:

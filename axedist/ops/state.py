@@ -1,4 +1,6 @@
-"""What the dispatcher's handlers share across modules: per-thread state and facts about torch.
+"""What the dispatcher's handlers share across modules: per-thread state, facts about torch, and
+``wrap``, the one place a DTensor is made around a local tensor (its constructor, the dispatcher's
+routes and the fast path all call it).
 
 ``READY.value`` is a :class:`ReadyOutput` while the fast path has computed a grad-mode call's
 output ahead (``__torch_dispatch__`` serves it to that op only), ``None`` when idle, ``False``
@@ -12,7 +14,7 @@ import threading
 
 import torch
 
-__all__ = ["READY", "RECORDING", "ReadyOutput", "WRAPPER_POSITIONAL"]
+__all__ = ["READY", "RECORDING", "ReadyOutput", "WRAPPER_POSITIONAL", "wrap"]
 
 
 class ReadyOutput:
@@ -57,3 +59,34 @@ def _wrapper_takes_positions() -> bool:
 
 
 WRAPPER_POSITIONAL = _wrapper_takes_positions()
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
+def _wrap_positional(cls, value, spec, stride, dtype, device, requires_grad=False, _make=_make_wrapper,
+                     _strided=_STRIDED):
+    if requires_grad:
+        out = _make(cls, spec.shape, stride, None, None, dtype, _strided, device, False, True)
+    else:
+        out = _make(cls, spec.shape, stride, None, None, dtype, _strided, device)
+    out._value = value
+    out._spec = spec
+    return out
+
+
+def _wrap_by_keyword(cls, value, spec, stride, dtype, device, requires_grad=False):
+    strides = {} if stride is None else {"strides": stride}
+    out = _make_wrapper(cls, spec.shape, dtype=dtype, device=device, requires_grad=requires_grad, **strides)
+    out._value = value
+    out._spec = spec
+    return out
+
+
+# wrap(cls, value, spec, stride, dtype, device, requires_grad=False): a ``cls`` of global shape
+# ``spec.shape`` (global ``stride``; None: contiguous) whose local tensor is ``value`` (of ``dtype``
+# on ``device``, which a caller that knows them passes without asking the tensor), as it is: a
+# conjugate or negative bit is the caller's to resolve first (DTensor's constructor does). By
+# position where torch takes it so (a tenth of a cached op's overhead less), chosen once here.
+wrap = _wrap_positional if WRAPPER_POSITIONAL else _wrap_by_keyword
