@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls before a stop (nvidia-h200-x4), logs and results under $OUT:
-#   bash benchmarks/device/closing.sh tests    # tests_onegpu on GPU 0, tests_multigpu at W=4 (4 GPUs) and W=2
+#   bash benchmarks/device/closing.sh tests    # tests_onegpu (in halves, side by side, where there are 2+ GPUs),
+#                                       # tests_multigpu at W=4 (4 GPUs) and W=2
 #                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite)
 #   bash benchmarks/device/closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # model_tables (the fused kernels at bench_tp's llama8b calls -> 'auto'),
@@ -33,9 +34,16 @@ if [[ $MODE == tests ]]; then
       CUDA_VISIBLE_DEVICES=3 step pytest_onegpu_b ${LIMIT_ONEGPU:-300} $PYTEST tests_onegpu/test_virtual_fused.py tests_onegpu/test_virtual_collectives.py tests_onegpu/test_gemm_core.py &
     fi
     wait
+  elif (( GPUS >= 2 )); then
+    # the one-GPU suite in two halves on GPUs 0 and 1 side by side, then W=2 on both
+    if [[ ${ONEGPU:-1} == 1 ]]; then
+      CUDA_VISIBLE_DEVICES=0 step pytest_onegpu_a ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py &
+      CUDA_VISIBLE_DEVICES=1 step pytest_onegpu_b ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu/test_virtual_fused.py tests_onegpu/test_virtual_collectives.py tests_onegpu/test_gemm_core.py &
+      wait
+    fi
+    CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS
   else
     [[ ${ONEGPU:-1} == 1 ]] && CUDA_VISIBLE_DEVICES=0 step pytest_onegpu ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu
-    CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS
   fi
   for f in "$LOGS"/pytest_*.log; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -12; done
 elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
