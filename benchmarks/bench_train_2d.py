@@ -27,9 +27,13 @@ optimizer bytes per rank (the sharded pieces) and axedist's peak of gathered par
 Inductor) adds two compiled sides: axedist's model under ``fully_shard(traced=True)`` compiled
 whole with ``fullgraph=True`` (one graph: gathers and reduce-scatters inside it), and torch's
 ``fully_shard`` + ``parallelize_module`` model with each block compiled (torchtitan's way; FSDP2's
-hooks run eagerly around the blocks). ``--eager-backends nccl p2p``: more eager axedist sides with
-collectives pinned (``nccl``: the planned collectives, FSDP's gathers and reduce-scatters among
-them, on NCCL; ``p2p`` / ``symm`` / ``torch``: the fused GEMM calls), in the same interleaved run.
+hooks run eagerly around the blocks). ``--compile-scope blocks`` compiles axedist's traced model
+block by block instead (side ``axedist compiled blocks``: one graph serves every block, so the
+first step compiles one block, not the whole model; each block's gathers inside its own graph);
+``both`` adds that side beside the whole model's. ``--eager-backends nccl p2p``: more eager
+axedist sides with collectives pinned (``nccl``: the planned collectives, FSDP's gathers and
+reduce-scatters among them, on NCCL; ``p2p`` / ``symm`` / ``torch``: the fused GEMM calls), in
+the same interleaved run.
 Writes ``bench_train_2d_<device>_w<W>[_<preset>]`` ``.json``, ``.md``, ``.png`` to ``--out`` and a
 line to its history.
 """
@@ -67,6 +71,7 @@ DEFAULT_SIZES = {  # --preset default, per device; batch: sequences over all dp 
                  max_seq_len=1024, batch=8),
 }
 CHECK_BATCH = 4  # per dp rank
+COMPILE_SCOPES = ("model", "blocks")  # what axedist's compiled side compiles: the model whole, or each block
 
 
 def say(*args) -> None:
@@ -91,7 +96,9 @@ class Trainer:
     collectives pinned to ``pin`` where given: ``training_steps.pinned``)."""
 
     def __init__(self, kind: str, cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int,
-                 backend: GraphCounter | None = None, pin: str | None = None):
+                 backend: GraphCounter | None = None, pin: str | None = None, scope: str = "model"):
+        if scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile scope {scope!r}: one of {COMPILE_SCOPES}")
         self.kind, self.mesh, self.compiled = kind, mesh, backend is not None
         if pin is not None:
             self.forward_backward = pinned(pin, self.forward_backward)
@@ -101,9 +108,13 @@ class Trainer:
         self.forward = model
         if kind == "axedist":
             parallelize(model, mesh["tp"], llama_tp_plan(cfg, sequence_parallel=True))
-            if backend is not None:  # one graph: the model whole, its gathers redistributes inside it
+            if backend is not None:  # traced FSDP: the gathers are redistributes inside the compiled code
                 fully_shard(model, mesh, mp_policy=policy, traced=True)
-                self.forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+                if scope == "model":  # one graph: the model whole
+                    self.forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+                else:  # each block, one backend object: one graph serves every block (as torch's side)
+                    for layer in model.layers:
+                        layer.compile(backend=backend, fullgraph=True, dynamic=False)
             else:
                 for layer in model.layers:
                     fully_shard(layer, mesh, mp_policy=policy)
@@ -168,23 +179,26 @@ def _count(value) -> str:
 
 
 def make_sides(cfg: LlamaConfig, mesh: ax.DeviceMesh, policy, seed: int = 0,
-               compile_backend: str | None = None, pins: tuple = ()) -> list[Side]:
-    """axedist and torch eager, their compiled sides with ``compile_backend``, and per name in
-    ``pins`` axedist eager with collectives pinned (``training_steps.pinned``)."""
-    def side(kind, backend=None, pin=None):
+               compile_backend: str | None = None, pins: tuple = (), scopes: tuple = ("model",)) -> list[Side]:
+    """axedist and torch eager, their compiled sides with ``compile_backend`` (axedist's per
+    scope in ``scopes``: ``axedist compiled``, the model whole; ``axedist compiled blocks``), and
+    per name in ``pins`` axedist eager with collectives pinned (``training_steps.pinned``)."""
+    def side(kind, backend=None, pin=None, scope="model"):
         made = {}
 
         def make():
-            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed, backend, pin)
+            made["trainer"] = Trainer(kind, cfg, mesh, policy, seed, backend, pin, scope)
             return made["trainer"]
 
         # the loss of the whole batch: the dp ranks' mean (the trainer exists once a step ran)
-        name = kind + (" compiled" if backend is not None else f" {pin}" if pin else "")
+        name = kind + (" compiled" if backend is not None else f" {pin}" if pin else "") + \
+            (" blocks" if scope == "blocks" else "")
         return Side(name, make, backend, loss_value=lambda loss: made["trainer"].loss_value(loss))
     sides = [side("axedist"), side("torch")] + [side("axedist", pin=pin) for pin in pins]
     if compile_backend:
         allow_compiled_sides()
-        sides += [side("axedist", GraphCounter(compile_backend)), side("torch", GraphCounter(compile_backend))]
+        sides += [side("axedist", GraphCounter(compile_backend), scope=scope) for scope in scopes]
+        sides += [side("torch", GraphCounter(compile_backend))]
     return sides
 
 
@@ -204,8 +218,12 @@ def main(argv=None) -> None:
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's bf16 peak, if not in the table")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="add the compiled sides (default backend: inductor)")
+    p.add_argument("--compile-scope", choices=COMPILE_SCOPES + ("both",), default="model",
+                   help="axedist's compiled side: the traced model compiled whole (default; the best "
+                        "steady-state step so far), each block (blocks: the first step compiles one block), or both")
     add_pinned_argument(p)
     args = p.parse_args(argv)
+    scopes = COMPILE_SCOPES if args.compile_scope == "both" else (args.compile_scope,)
     argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -237,7 +255,7 @@ def main(argv=None) -> None:
                       for _ in range(args.check_steps)]
         say(f"fp32 loss check: {args.check_steps} steps of both sides, {small}, batch {CHECK_BATCH * args.dp}")
         check = run_loss_check(make_sides(small, mesh, MixedPrecisionPolicy(), compile_backend=args.compile,
-                                          pins=tuple(args.eager_backends)),
+                                          pins=tuple(args.eager_backends), scopes=scopes),
                                check_data, args.check_steps, cuda, args.check_tol, "torch", say)
         check.update(steps=args.check_steps, config=str(small), batch=CHECK_BATCH * args.dp)
 
@@ -246,13 +264,14 @@ def main(argv=None) -> None:
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
     sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile,
-                                              pins=tuple(args.eager_backends)), data, args.warmup,
+                                              pins=tuple(args.eager_backends), scopes=scopes), data, args.warmup,
                                    args.steps, cuda, say, failed, first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)
     stats = {s.name: side_stats(s, flops, world, peak) for s in sides}
     for s in sides:  # one counted step each, after the timing
         stats[s.name].update(s.step.communication(data[0]))
-    ratio_rows(stats, lambda name: "axedist compiled" if name.endswith("compiled") else "axedist")
+    compiled = "axedist compiled" if "axedist compiled" in stats else "axedist compiled blocks"
+    ratio_rows(stats, lambda name: compiled if " compiled" in name else "axedist")
     for name, s in stats.items():
         say(f"{name:8s} median {s['median_ms']:8.2f} ms  [{s['min_ms']:.2f} - {s['max_ms']:.2f}]  host "
             f"{s['host_median_ms']:.1f} ms  MFU "

@@ -2,8 +2,9 @@
 redistributes inside the model's forward and backward, so ``torch.compile(model, fullgraph=True)``
 compiles dp x tp whole (issue 31). Checked against a one-process model on the whole batch (fp64):
 losses, every gradient and the parameters after AdamW; one graph for three steps, no break
-(``explain``), the gather and the reduce-scatter inside the graphs; eager (uncompiled) too;
-state_dict names and values as the plain model's; refused inputs raise on every rank.
+(``explain``), the gather and the reduce-scatter inside the graphs; each block compiled alone
+instead (``block.compile()``), one graph for both blocks; eager (uncompiled) too; state_dict names
+and values as the plain model's; refused inputs raise on every rank.
 """
 
 import copy
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.utils import parametrize
 
 from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
@@ -32,7 +34,8 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 
 def traced_training(rank, world, seed, compiled, sequence_parallel, steps=3):
     """dp = 2 x tp = world / 2: the TP Llama under fully_shard(traced=True), compiled with
-    fullgraph=True (or eager), against the one-process Llama on the whole batch."""
+    fullgraph=True (``compiled`` True: the model whole; "blocks": each block, one backend for
+    both, as torchtitan compiles) or eager, against the one-process Llama on the whole batch."""
     torch.manual_seed(seed)
     reference = Llama(CFG).double()
     mesh = DeviceMesh("cpu", (2, world // 2), ("dp", "tp"))
@@ -40,7 +43,11 @@ def traced_training(rank, world, seed, compiled, sequence_parallel, steps=3):
     fully_shard(model, mesh, traced=True)
     _fresh_dynamo()
     codes: list = []
-    forward = torch.compile(model, backend=capture(codes), fullgraph=True) if compiled else model
+    forward = torch.compile(model, backend=capture(codes), fullgraph=True) if compiled is True else model
+    if compiled == "blocks":  # the blocks are alike: one graph serves both (no guard on a block's own objects)
+        backend = capture(codes)
+        for block in model.layers:
+            block.compile(backend=backend, fullgraph=True)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (reference, model)]
     g = torch.Generator().manual_seed(seed + 1)
     d = mesh.coordinates()["dp"]
@@ -94,8 +101,6 @@ def traced_training(rank, world, seed, compiled, sequence_parallel, steps=3):
 def gradient_moves(model, mesh) -> set:
     """``(dim 0 divides by dp x tp, plan kinds)`` of each parameter's gradient move: its pending
     mean over dp -> its shard."""
-    from torch.nn.utils import parametrize
-
     kinds = set()
     for sub in model.modules():
         if not parametrize.is_parametrized(sub):
@@ -108,7 +113,7 @@ def gradient_moves(model, mesh) -> set:
     return kinds
 
 
-@pytest.mark.parametrize("compiled,sequence_parallel", [(True, True), (False, False)])
+@pytest.mark.parametrize("compiled,sequence_parallel", [(True, True), ("blocks", True), (False, False)])
 def test_traced_fsdp_x_tp_trains_like_one_process(compiled, sequence_parallel):
     seed = random.randrange(2**31)
     reports = run_on_ranks(traced_training, 4, args=(seed, compiled, sequence_parallel), timeout_s=500)
@@ -172,6 +177,13 @@ def refused(rank, world):
     model(x[2 * rank:2 * rank + 2]).square().mean().backward()
     grads = [p.grad.full_tensor() for p in model.parameters()]
     torch.testing.assert_close(grads, [p.grad for p in reference.parameters()], **TOL)
+    # the parametrized modules of one class share one class (Dynamo guards a module by its class's
+    # id: one compiled graph serves every alike block), whose properties read each module's own
+    # parametrization, also when parametrize.cached() keeps each module's value
+    assert type(model[0]) is type(model[2]) and parametrize.type_before_parametrizations(model[0]) is nn.Linear
+    with parametrize.cached():
+        assert [tuple(model[i].weight.shape) for i in (0, 2)] == [(8, 6), (4, 8)]
+        torch.testing.assert_close(model(x[2 * rank:2 * rank + 2]), reference(x[2 * rank:2 * rank + 2]), **TOL)
     # param_dtype: the shard is cast before its gather, the module computes in bf16, the sharded
     # parameter and its gradient stay in the parameter's dtype; the gradient reduced in fp32 (the
     # parameter's dtype, the default), or in bf16 as asked

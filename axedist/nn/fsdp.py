@@ -30,7 +30,8 @@ only the sharded parameters.
 ``fully_shard(model, mesh, traced=True)`` shards the same way with no hooks: each parameter's
 gather and its gradient's reduce-scatter are a ``redistribute`` inside the forward of the module
 that uses it (``GatheredView``), so ``torch.compile(model, fullgraph=True)`` compiles dp x tp as
-one graph and the compiler schedules the gathers.
+one graph and the compiler schedules the gathers; or each block compiled alone
+(``block.compile()``): one graph serves every alike block, each gathering its own parameters.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..caches import cached, memo
@@ -1113,10 +1115,10 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
     Without torch.compile it runs too, each gathered parameter then kept by autograd until
     backward (as ``reshard_after_forward=False``); with it the compiler decides. ``mp_policy`` as
     in the hooked mode: compute (and gather) in ``param_dtype``, reduce in ``reduce_dtype``, by
-    default the parameter's own dtype. Not in this mode: HSDP (``replicate_axes``), parameters
-    shared by several modules, and mixing with hooked units in one model."""
-    from torch.nn.utils import parametrize
-
+    default the parameter's own dtype. Alike modules share one parametrized class, so each
+    block compiled alone (``layer.compile()``, torchtitan's way) reuses one graph. Not in this
+    mode: HSDP (``replicate_axes``), parameters shared by several modules, mixing with hooked
+    units in one model, and ``remove_parametrizations``."""
     if replicate_axes:
         raise NotImplementedError(f"fully_shard(traced=True): HSDP (replicate_axes {replicate_axes}) is not supported "
                                   f"in traced mode; use the hooked mode (traced=False)")
@@ -1146,9 +1148,55 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
         gather = GatheredView(gathered, view, _mean_over(mesh, shard_axes, view, qualified),
                               mp_policy.param_dtype, mp_policy.reduce_dtype)
         parametrize.register_parametrization(sub, pname, gather, unsafe=True)
+    for sub in {id(sub): sub for sub, *_ in slots}.values():
+        _share_parametrized_class(sub)
     module._register_state_dict_hook(_plain_names)
     module._register_load_state_dict_pre_hook(_parametrized_names, with_module=True)
     return module
+
+
+_PARAMETRIZED_CLASSES: dict = memo("nn.fsdp parametrized classes")  # (class, parametrized names) -> shared class
+
+
+def _share_parametrized_class(module: nn.Module) -> None:
+    """Give ``module`` the parametrized class that every module of its class with the same
+    parametrized names shares (as torch's ``fully_shard`` makes one ``FSDP<cls>`` per class).
+    ``register_parametrization`` makes a class per module, and Dynamo guards each module it
+    traces by its class's id (``___check_type_id(self._modules['ffn_norm'], ...)``, type
+    ``ParametrizedRMSNorm``): with a class per module, ``layer.compile()`` compiled each block
+    anew. The ``GatheredView`` specs are guarded by value, so with one class one graph serves
+    every alike block. The shared class's properties read ``self``'s parametrizations (torch's
+    read the module they were made for, inside ``parametrize.cached()``). Removing one module's
+    parametrization (``remove_parametrizations``) would remove the property from every module of
+    the class: traced mode does not support it."""
+    names = tuple(module.parametrizations)
+    made = type(module)
+    base = made.__bases__[0]  # the module's class before parametrizations (type_before_parametrizations)
+    key = (base, names)
+    shared = _PARAMETRIZED_CLASSES.get(key)
+    if shared is None:
+        kept = {k: v for k, v in made.__dict__.items() if k in ("__getstate__", "__deepcopy__")}
+        shared = type(made.__name__, (base,), {**kept, **{n: _parametrized_property(n) for n in names}})
+        _PARAMETRIZED_CLASSES[key] = shared
+    module.__class__ = shared
+
+
+def _parametrized_property(name: str) -> property:
+    """The property ``register_parametrization`` puts on a parametrized class for ``name``,
+    reading ``self``'s parametrizations (once per module inside ``parametrize.cached()``)."""
+    def get(self):
+        if parametrize._cache_enabled:
+            key = (id(self), name)
+            value = parametrize._cache.get(key)
+            if value is None:
+                value = parametrize._cache[key] = self.parametrizations[name]()
+            return value
+        return self.parametrizations[name]()
+
+    def set_original(self, value):
+        self.parametrizations[name].right_inverse(value)
+
+    return property(get, set_original)
 
 
 def _mean_over(mesh: DeviceMesh, axes: tuple, view: DTensorSpec | None, name: str) -> tuple:
@@ -1176,8 +1224,6 @@ def _plain_names(module, state_dict, prefix, local_metadata):
 
 def _parametrized_names(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
     """load_state_dict pre-hook: the plain names back to the parametrizations' ``original``."""
-    from torch.nn.utils import parametrize
-
     for name, sub in module.named_modules():
         if not parametrize.is_parametrized(sub):
             continue
