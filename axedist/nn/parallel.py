@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import types
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -248,6 +247,15 @@ def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None,
     return x.redistribute(target)
 
 
+def _complete_note(module: nn.Module) -> None:
+    """Add to the line of the move that ``_move`` left noting the text its note gives now."""
+    log = _log_of(module)
+    if log is not None and log.noting is not None:
+        what, noted, x = log.noting
+        log.noting = None
+        log.lines[what] += noted(x)
+
+
 def _local(x, use_local_output: bool):
     return x.to_local() if use_local_output and isinstance(x, DTensor) else x
 
@@ -318,19 +326,17 @@ class _LinearLike(ParallelStyle):
         self.use_local_output = use_local_output
         self.weight_layout = weight_layout
 
-    def _hooks(self, module: nn.Module, mesh: DeviceMesh, given, desired, output, move_output: bool = True,
-               note=None):
+    def _hooks(self, module: nn.Module, mesh: DeviceMesh, given, desired, output, *, note=None, output_note=None):
+        """The pre-hook reads the input as ``given`` and moves it to ``desired``, the post-hook
+        moves the output to ``output``; ``note`` / ``output_note`` complete the log's line of the
+        input's / output's move with the fused choice the forward / the move made (``_move``)."""
         def pre(mod, args):
             return (_move(args[0], desired, mesh, mod, "input", given=given, note=note),) + tuple(args[1:])
 
         def post(mod, args, out):
-            log = _log_of(mod)
-            if log is not None and log.noting is not None:
-                what, noted, x = log.noting
-                log.noting = None
-                log.lines[what] += noted(x)
-            if move_output:
-                out = _move(out, output, mesh, mod, "output")
+            _complete_note(mod)
+            out = _move(out, output, mesh, mod, "output", note=output_note)
+            _complete_note(mod)
             return _local(out, self.use_local_output)
 
         module.register_forward_pre_hook(pre)
@@ -396,56 +402,23 @@ class RowwiseParallel(_LinearLike):
                         output)
             return
         self._params(module, mesh, {"weight": self.weight_layout or Shard(1), "bias": Replicate()}, shared, src_rank)
-        module.forward = types.MethodType(_row_parallel_forward(mesh, output), module)
-        self._hooks(module, mesh, self.input_layouts or Shard(-1), self.desired_input_layouts or Shard(-1), None,
-                    move_output=False)
+        # the module's own forward: F.linear gives the partial sums (the bias joins the sum once), left
+        # pending, so the output's move is the fused GEMM + reduce-scatter / all-reduce on CUDA
+        self._hooks(module, mesh, self.input_layouts or Shard(-1), self.desired_input_layouts or Shard(-1), output,
+                    output_note=lambda y: _fused_note(y, _row_collective(y, output, mesh)))
 
 
-def _row_parallel_forward(mesh: DeviceMesh, output):
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        lead, k = tuple(x.shape[:-1]), x.shape[-1]
-        flat = x.reshape(-1, k) if x.dim() != 2 else x
-        partial = F.linear(flat, self.weight)          # [rows, out]: a partial sum over the K shards
-        out_shape = lead + (partial.shape[-1],)
-        target = _resolve(output, out_shape, mesh)
-        log = _forward_log(self)
-        rows_sharded = (target == (Shard(0),) and partial.reduce_op is not None and len(lead) >= 1
-                        and lead[0] % mesh.size == 0)
-        if rows_sharded:
-            # Shard(0) of [S, B, out] is Shard(0) of the GEMM's [S*B, out] rows when S divides:
-            # the partial GEMM result is reduce-scattered on its rows (the fused kernel on CUDA).
-            noting = log is not None and not log.seen("output")
-            if noting:
-                line = _transition(partial, (Shard(0),), "output (GEMM rows)")
-                _fused_choice(flat, "reduce-scatter")  # (drops an older record)
-            y = partial.redistribute((Shard(0),))
-            if noting:
-                log.add("output", line + _fused_note(flat, "reduce-scatter"))
-            y = y.view(out_shape) if len(out_shape) != 2 else y
-        elif partial.reduce_op is not None and not isinstance(target, Layout) and \
-                all(isinstance(p, Replicate) for p in target):
-            # an all-reduce of the GEMM's [rows, out] partial sums (the fused GEMM + all-reduce
-            # on CUDA at decode sizes), then the view to the output's shape
-            noting = log is not None and not log.seen("output")
-            if noting:
-                line = _transition(partial, target, "output")
-                _fused_choice(flat, "all-reduce")
-            y = partial.redistribute(target)
-            if noting:
-                log.add("output", line + _fused_note(flat, "all-reduce"))
-            y = y.view(out_shape) if len(out_shape) != 2 else y
-        else:
-            y = partial.view(out_shape) if len(out_shape) != 2 else partial
-            if log is not None and not log.seen("output"):
-                log.add("output", _transition(y, target, "output"))
-            y = y.redistribute(target)
-        if self.bias is not None:
-            # added once, after the sum; the add may need placements (a Layout target has none),
-            # so lay the sum out as asked again (no data moves when it already is)
-            y = (y + self.bias).redistribute(target)
-        return y
-
-    return forward
+def _row_collective(y, output, mesh: DeviceMesh) -> str | None:
+    """The collective that moves a row-parallel Linear's partial output ``y`` to ``output``: a
+    reduce-scatter of its rows (``Shard(0)``), an all-reduce (Replicate), else none of the two."""
+    if not isinstance(y, DTensor) or y.reduce_op is None:
+        return None
+    target = _resolve(output, tuple(y.shape), mesh)
+    if isinstance(target, Layout):
+        return None
+    if tuple(target) == (Shard(0),):
+        return "reduce-scatter"
+    return "all-reduce" if all(isinstance(p, Replicate) for p in target) else None
 
 
 def _rows_sharded(x) -> bool:
@@ -462,13 +435,13 @@ def _fused_choice(x, collective: str) -> str | None:
     return DTensor.dispatcher.pending.take_choice(collective) if isinstance(x, DTensor) else None
 
 
-def _fused_note(x, collective: str) -> str:
+def _fused_note(x, collective: str | None) -> str:
     """On CUDA, the fused GEMM + collective choice just made for this layer (read from its record,
     kept when the choice was made: runtime/deferred.py): the row-parallel GEMM + reduce-scatter /
     all-reduce, or for a column-parallel layer ("all-gather") the all-gather of its rows + GEMM.
     Without a record the work was not deferred (``defer_gemm`` / ``defer_gathers``: "auto"
     defers CUDA bf16/fp16 only), so no fused kernel was asked."""
-    if not isinstance(x, DTensor) or x.mesh.device_type != "cuda":
+    if collective is None or not isinstance(x, DTensor) or x.mesh.device_type != "cuda":
         return ""
     text = _fused_choice(x, collective)
     if text is None:
