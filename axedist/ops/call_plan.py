@@ -233,13 +233,14 @@ class LocalRoute:
     meta tensors, reads it off the result)."""
 
     __slots__ = ("op", "positions", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer",
-                 "pointwise", "device")
+                 "pointwise", "device", "cuda")
 
     def __init__(self, op, positions: tuple, out: OutSpec, dtype, tag, defer: bool, pointwise: bool = False,
                  device=None):
         self.op, self.positions, self.spec, self.local_shape = op, positions, out.spec, out.local_shape
         self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
         self.pointwise, self.device = pointwise, device
+        self.cuda = device is not None and device.type == "cuda"  # (asked per hit: device.type costs 0.2 us)
 
     def __repr__(self) -> str:
         via = f"{self.op}, " if self.op is not None else ""

@@ -348,7 +348,7 @@ def _handler(fast: FastPath):
             if func in _READS_INDEX_DATA:
                 return _with_index_values(func, types, args, kwargs, DTensor)
             return record(func, types, args, kwargs, key, grad, loose if floats else None)
-        if entry.defer and dispatcher.defers(next(a for a in args if type(a) is DTensor)._value.is_cuda):
+        if entry.defer and dispatcher.defers(entry.cuda):  # (a GEMM the policy lets wait)
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and (pending_gather(a._pending) or pending_product(a._pending))
                          for a in args):
