@@ -757,7 +757,8 @@ def describe(module: nn.Module) -> str:
 
         layers.0.attention.wo  RowwiseParallel(output_layouts=Shard(dim=0), ...)
           weight  f32[64, 64]  (Shard(dim=1),)  S[(64,4,16):(16,1@gpuid,1)]
-          output (GEMM rows) [256, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent by this rank
+          input [128, 2, 64] (Shard(dim=2),) -> (Shard(dim=2),): nothing to move
+          output [128, 2, 64] (Partial(sum),) -> (Shard(dim=0),): reduce_scatter, 49152 B sent by this rank
           forward ran: reduce_scatter over gpuid: 1 call, 49,152 B sent
     """
     lines = []
