@@ -63,7 +63,7 @@ from history import run_meta
 from training_steps import (FLOPS_FORMULA, PRESETS, GraphCounter, Side, add_diagnosis_arguments, add_pinned_argument,
                             allow_compiled_sides, check_config, describe_estimate, diagnose, goals, markdown_tables,
                             memory_estimate, model_flops, peak_flops, pinned, preset_config, ratio_rows,
-                            run_interleaved, run_loss_check, side_stats, write_results)
+                            run_interleaved, run_loss_check, side_stats, warm_libraries, write_results)
 
 DEFAULT_SIZES = {  # --preset default, per device
     "cpu": dict(vocab_size=512, dim=128, n_layers=2, n_heads=8, ffn_hidden=512, max_seq_len=64, batch=8),
@@ -212,6 +212,8 @@ def main(argv=None) -> None:
     say(f"sides: {', '.join(s.name for s in sides)}; {args.warmup} warm-up steps each, then {args.steps} "
         "interleaved timed steps")
     failed = {}
+    warmed = warm_libraries(cfg, world, batch, mesh.device, dtype)
+    say(f"libraries warmed at one rank's shapes in {warmed:.1f} s (no side's first step pays them)")
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed,
                                    first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)
@@ -236,7 +238,8 @@ def main(argv=None) -> None:
                   "config": cfg.__dict__, "sequence_parallel": args.sequence_parallel, "warmup": args.warmup,
                   "steps": args.steps, "compile": args.compile, "model_flops_per_step": flops,
                   "flops_formula": FLOPS_FORMULA, "peak_flops_per_gpu": peak, "memory_estimate": estimate,
-                  "order": order, "sides": stats, "failed": failed, "goals": met, "loss_check": check, "profile": profile,
+                  "order": order, "library_warmup_s": warmed, "sides": stats, "failed": failed, "goals": met,
+                  "loss_check": check, "profile": profile,
                   "memory": memory}
         stem = f"bench_tp_{'cuda' if cuda else 'cpu'}_w{world}" + ("" if args.preset == "default" else f"_{args.preset}")
         title = (f"TP={world} training step, {device}, dim {cfg.dim}, {cfg.n_layers} layers, "

@@ -322,6 +322,33 @@ def build_sides(sides: list[Side], cuda: bool, say: Callable, failed: dict) -> l
     return built
 
 
+def warm_libraries(cfg: LlamaConfig, tp: int, rows: int, device, dtype) -> float:
+    """Before any side runs, pay the libraries' first-use costs at one rank's shapes, which
+    otherwise the side that runs first pays in its first step: cuBLAS's choices, cuDNN's attention
+    kernels (compiled at run time per problem shape), the NCCL communicator. One forward and
+    backward of a plain one-GPU Llama block with this rank's share of the heads, KV heads and FFN
+    columns (``tp``-th of each) over the whole sequence (as attention sees it under sequence
+    parallelism) for ``rows`` sequences, the output projection's vocabulary slice, and an
+    all-reduce. Nothing of either framework runs. Seconds it took (on this rank)."""
+    from types import SimpleNamespace
+
+    from axedist.nn.llama import TransformerBlock, rope_tables
+
+    start = time.perf_counter()
+    local = SimpleNamespace(dim=cfg.dim, n_heads=cfg.n_heads // tp, kv_heads=cfg.kv_heads // tp,
+                            head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden // tp, norm_eps=cfg.norm_eps)
+    block = TransformerBlock(local).to(device=device, dtype=dtype)
+    head = torch.nn.Linear(cfg.dim, cfg.vocab_size // tp, bias=False).to(device=device, dtype=dtype)
+    cos, sin = (t.to(device) for t in rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta))
+    x = torch.randn(cfg.max_seq_len, rows, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+    head(block(x, cos, sin)).float().square().mean().backward()
+    if dist.is_initialized():
+        dist.all_reduce(torch.ones(1, device=device))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, failed: dict,
             first_step_profile: bool = False) -> list[Side]:
     """Each side alone for ``warmup`` steps (compiled sides compile in their first): optimizer
@@ -700,7 +727,10 @@ def markdown_tables(record: dict) -> str:
              "`process_peak_bytes`: the value as read, with every side's resident bytes); symmetric-memory "
              "workspaces are outside the caching allocator and not counted. time / axedist's: the side's median "
              "over axedist's of the same mode (above 1: axedist is faster). First step: the side's first warm-up "
-             "step (its planning, Triton's compiling of the kernels it launches, torch.compile's tracing). Host: "
+             "step (its planning, Triton's compiling of the kernels it launches, torch.compile's tracing)"
+             + (f", all of them after `warm_libraries` ({record['library_warmup_s']:.1f} s: cuBLAS, cuDNN's "
+                "attention kernels and NCCL warmed at one rank's shapes, so that no side's first step pays them "
+                "for the others)" if record.get("library_warmup_s") is not None else "") + ". Host: "
              "the median over steps of the slowest rank's time until the step's Python returned, before waiting "
              "for the GPU; near the step's time, the host, not the GPU, bounds the step.\n\n")
     for name, error in (record.get("failed") or {}).items():

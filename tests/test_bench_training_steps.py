@@ -257,6 +257,9 @@ def test_bench_tp_default_size_under_torchrun(tmp_path):
     assert set(record["profile"]) == {"axedist", "torch"}
     assert record["profile"]["axedist"]["top"] and record["profile"]["torch"]["busy_ms"] > 0
     assert "fp32 loss check passed" in out and "timed step 3/3" in out
+    # the libraries warmed before any side's first step (at one rank's shapes), and the table says so
+    assert record["library_warmup_s"] > 0 and "libraries warmed" in out
+    assert "after `warm_libraries`" in (tmp_path / "bench_tp_cpu_w2.md").read_text()
 
 
 def test_bench_tp_llama8b_structure_compiled_under_torchrun(tmp_path):
@@ -287,7 +290,7 @@ def test_bench_train_2d_under_torchrun(tmp_path):
     assert rc == 0, out[-3000:] + err[-3000:]
     record = _read(tmp_path, "bench_train_2d_cpu_w4_llama8b")
     _check_record(record, ["axedist", "torch", "axedist nccl", "axedist compiled", "torch compiled"], 2)
-    assert record["mesh"] == {"dp": 2, "tp": 2} and record["batch"] == 4
+    assert record["mesh"] == {"dp": 2, "tp": 2} and record["batch"] == 4 and record["library_warmup_s"] > 0
     for name in ("axedist", "torch"):
         assert record["sides"][name]["bytes_per_step"] > 0
     assert record["sides"]["axedist nccl"]["bytes_per_step"] == record["sides"]["axedist"]["bytes_per_step"]
