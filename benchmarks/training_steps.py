@@ -27,12 +27,13 @@ import os
 import pstats
 import statistics
 import time
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from axedist.nn.llama import LlamaConfig
+from axedist.nn.llama import LlamaConfig, TransformerBlock, rope_tables
 from axedist.runtime.deferred import fused_backend
 from axedist.runtime.steps import plan_backend
 
@@ -330,10 +331,6 @@ def warm_libraries(cfg: LlamaConfig, tp: int, rows: int, device, dtype) -> float
     columns (``tp``-th of each) over the whole sequence (as attention sees it under sequence
     parallelism) for ``rows`` sequences, the output projection's vocabulary slice, and an
     all-reduce. Nothing of either framework runs. Seconds it took (on this rank)."""
-    from types import SimpleNamespace
-
-    from axedist.nn.llama import TransformerBlock, rope_tables
-
     start = time.perf_counter()
     local = SimpleNamespace(dim=cfg.dim, n_heads=cfg.n_heads // tp, kv_heads=cfg.kv_heads // tp,
                             head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden // tp, norm_eps=cfg.norm_eps)
