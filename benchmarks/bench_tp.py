@@ -212,8 +212,7 @@ def main(argv=None) -> None:
     say(f"sides: {', '.join(s.name for s in sides)}; {args.warmup} warm-up steps each, then {args.steps} "
         "interleaved timed steps")
     failed = {}
-    warmed = warm_libraries(cfg, world, batch, mesh.device, dtype)
-    say(f"libraries warmed at one rank's shapes in {warmed:.1f} s (no side's first step pays them)")
+    warmed = warm_libraries(cfg, world, batch, mesh.device, dtype, say)
     sides, order = run_interleaved(sides, data, args.warmup, args.steps, cuda, say, failed,
                                    first_step_profile=args.first_step)
     profile, memory = diagnose(args, sides, data[-1], cuda, say)

@@ -263,8 +263,7 @@ def main(argv=None) -> None:
     data = [torch.randint(0, cfg.vocab_size, (batch, cfg.max_seq_len + 1), generator=g)
             for _ in range(args.warmup + args.steps + 1)]
     failed = {}
-    warmed = warm_libraries(cfg, tp, batch // args.dp, mesh.device, policy.param_dtype or torch.float32)
-    say(f"libraries warmed at one rank's shapes in {warmed:.1f} s (no side's first step pays them)")
+    warmed = warm_libraries(cfg, tp, batch // args.dp, mesh.device, policy.param_dtype or torch.float32, say)
     sides, order = run_interleaved(make_sides(cfg, mesh, policy, compile_backend=args.compile,
                                               pins=tuple(args.eager_backends), scopes=scopes), data, args.warmup,
                                    args.steps, cuda, say, failed, first_step_profile=args.first_step)

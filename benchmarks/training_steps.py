@@ -323,14 +323,15 @@ def build_sides(sides: list[Side], cuda: bool, say: Callable, failed: dict) -> l
     return built
 
 
-def warm_libraries(cfg: LlamaConfig, tp: int, rows: int, device, dtype) -> float:
+def warm_libraries(cfg: LlamaConfig, tp: int, rows: int, device, dtype, say: Callable) -> float:
     """Before any side runs, pay the libraries' first-use costs at one rank's shapes, which
     otherwise the side that runs first pays in its first step: cuBLAS's choices, cuDNN's attention
     kernels (compiled at run time per problem shape), the NCCL communicator. One forward and
     backward of a plain one-GPU Llama block with this rank's share of the heads, KV heads and FFN
     columns (``tp``-th of each) over the whole sequence (as attention sees it under sequence
     parallelism) for ``rows`` sequences, the output projection's vocabulary slice, and an
-    all-reduce. Nothing of either framework runs. Seconds it took (on this rank)."""
+    all-reduce. Nothing of either framework runs. Says and returns the seconds it took (on this
+    rank)."""
     start = time.perf_counter()
     local = SimpleNamespace(dim=cfg.dim, n_heads=cfg.n_heads // tp, kv_heads=cfg.kv_heads // tp,
                             head_dim=cfg.head_dim, ffn_hidden=cfg.ffn_hidden // tp, norm_eps=cfg.norm_eps)
@@ -343,7 +344,9 @@ def warm_libraries(cfg: LlamaConfig, tp: int, rows: int, device, dtype) -> float
         dist.all_reduce(torch.ones(1, device=device))
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    say(f"libraries warmed at one rank's shapes in {seconds:.1f} s (no side's first step pays them)")
+    return seconds
 
 
 def warm_up(sides: list[Side], data, warmup: int, cuda: bool, say: Callable, failed: dict,

@@ -430,20 +430,16 @@ def _rows_sharded(x) -> bool:
         return False
 
 
-def _fused_choice(x, collective: str) -> str | None:
-    """The fused choice for ``collective`` recorded since the last ask (``PendingWork.take_choice``)."""
-    return DTensor.dispatcher.pending.take_choice(collective) if isinstance(x, DTensor) else None
-
-
 def _fused_note(x, collective: str | None) -> str:
     """On CUDA, the fused GEMM + collective choice just made for this layer (read from its record,
     kept when the choice was made: runtime/deferred.py): the row-parallel GEMM + reduce-scatter /
     all-reduce, or for a column-parallel layer ("all-gather") the all-gather of its rows + GEMM.
     Without a record the work was not deferred (``defer_gemm`` / ``defer_gathers``: "auto"
-    defers CUDA bf16/fp16 only), so no fused kernel was asked."""
+    defers CUDA bf16/fp16 only), so no fused kernel was asked. Asking takes the record
+    (``PendingWork.take_choice``): a note asked before a move drops an older one."""
     if collective is None or not isinstance(x, DTensor) or x.mesh.device_type != "cuda":
         return ""
-    text = _fused_choice(x, collective)
+    text = DTensor.dispatcher.pending.take_choice(collective)
     if text is None:
         text = f"fused GEMM + {collective} not used: not deferred (dtype {x.dtype}, or a policy that does not defer)"
     return f"\n      {text}"

@@ -25,7 +25,7 @@ _LIMITS = {"plans": 16384, "positional": 16384, "torch_calls": 16384, "arg_specs
 
 class CallCache:
     """The tables of one dispatcher's call records (module docstring); ``put`` keeps each within
-    its limit, ``clear`` empties them, ``sizes`` counts them."""
+    its limit, ``clear`` empties them."""
 
     __slots__ = ("plans", "positional", "torch_calls", "arg_specs")
 
@@ -47,8 +47,5 @@ class CallCache:
         for table in tables or self.__slots__:
             getattr(self, table).clear()
 
-    def sizes(self) -> dict:
-        return {table: len(getattr(self, table)) for table in self.__slots__}
-
     def __repr__(self) -> str:
-        return f"CallCache({self.sizes()})"
+        return "CallCache(" + ", ".join(f"{table}={len(getattr(self, table))}" for table in self.__slots__) + ")"

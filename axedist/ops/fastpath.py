@@ -62,8 +62,6 @@ class FastPath:
 
     def __init__(self, dispatcher):
         self.dispatcher = dispatcher
-        # its entries live in the dispatcher's call cache: key -> LocalRoute, or _SLOW
-        self.entries = dispatcher.cache.torch_calls
         # torch functions that always take the normal route: those that dispatched nothing
         # (getters, size(), ...), views, and backward
         self.passed: set = set(_NEVER_RECORDED)
@@ -88,7 +86,7 @@ class FastPath:
         """``{"hits", "grad hits", "recorded", "slow", "passed", "size"}``: fast hits (of which
         ``grad hits`` had autograd record them), keys recorded as fast, keys recorded as slow,
         torch functions sent to the normal route for good (getters, views), cached keys."""
-        return dict(self.counts, size=len(self.entries))
+        return dict(self.counts, size=len(self.dispatcher.cache.torch_calls))
 
     # -- recording ---------------------------------------------------------------
 
@@ -274,7 +272,8 @@ def _handler(fast: FastPath):
     """The ``__torch_function__`` of ``fast``'s tensor class (its state bound in the closure)."""
     dispatcher = fast.dispatcher
     DTensor = dispatcher.cls
-    cache, passed, counts = fast.entries, fast.passed, fast.counts
+    # its entries live in the dispatcher's call cache: key -> LocalRoute, or _SLOW
+    cache, passed, counts = dispatcher.cache.torch_calls, fast.passed, fast.counts
     tag_of, record, wrap_ = dispatcher.tag_of, fast.record, wrap
 
     def torch_function(cls, func, types, args=(), kwargs=None):
