@@ -16,11 +16,12 @@ all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per st
   torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
 Layer-tail rows (device time, W > 1): per batch, h = residual + all_reduce(x), y = rms_norm(h) on
 [B, dim]: seq_nccl (NCCL all-reduce, add, rms_norm), seq_p2p (p2p all-reduce, add, rms_norm) and
-fused (collectives/layer_tail.py: one kernel).
+fused_push and fused_ll (collectives/layer_tail.py: one kernel; its flag-barrier and low-latency variants).
 GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
   cublas, seq_nccl (cuBLAS + NCCL all-reduce), seq_p2p (cuBLAS + p2p all-reduce), fused
   (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
-Writes decode_w{W}.json / .md / .png and a history line; --tables-from writes
+--profile: the kernels of 5 CUDA-graph steps per side at the first batch size (names, launches and
+device us per step). Writes decode_w{W}.json / .md / .png and a history line; --tables-from writes
 axedist/kernels/gemm_ar_auto.json (the shapes where the fused kernel lost).
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
@@ -118,6 +119,28 @@ def _graphed(forward, static_input):
     return graph.replay, output
 
 
+TAIL_VARIANTS = ("push", "ll")  # the fused layer tail's flag-barrier and low-latency kernels, side by side
+
+
+def kernel_profile(replay, steps: int) -> list[dict]:
+    """The kernels of `steps` replays of a CUDA graph under torch.profiler: per kernel name, launches
+    and device us per step, largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            replay()
+        torch.cuda.synchronize()
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, dict(name=event.name, count=0.0, us=0.0))
+            entry["count"] += 1 / steps
+            entry["us"] += event.device_time / steps
+    return sorted(kernels.values(), key=lambda k: -k["us"])
+
+
 def _local(x):
     return x.to_local() if hasattr(x, "to_local") else x
 
@@ -134,7 +157,7 @@ def stack_rows(args, cfg, world, rank, mesh):
                              if k.startswith("layers.")}, src_rank=None)
     to_inference(ours)
     theirs = torch_parallel(copy.deepcopy(base), cfg, world, init_device_mesh("cuda", (world,)))
-    rows = []
+    rows, profiles = [], {}
     for batch in args.batches:
         torch.manual_seed(10 + batch)
         h = torch.randn(1, batch, cfg.dim, device="cuda", dtype=torch.bfloat16)
@@ -150,6 +173,9 @@ def stack_rows(args, cfg, world, rank, mesh):
                 try:
                     replay, graph_out = _graphed(model, x)
                     row[f"{name}_graph"] = _timed_ms(replay, args.reps)
+                    if args.profile and batch == args.batches[0]:
+                        profiles.update(batch=batch, steps=5)
+                        profiles[name] = kernel_profile(replay, 5)
                     replay()
                     torch.cuda.synchronize()
                     got = _local(graph_out)
@@ -164,7 +190,7 @@ def stack_rows(args, cfg, world, rank, mesh):
                   f"eager {row['torch_eager']:.3f} graph {row['torch_graph']} ms/step | errors "
                   f"{row['axedist_rel_err']:.1e} {row['torch_rel_err']:.1e}"
                   + "".join(f" | {k}: {v}" for k, v in row.items() if k.endswith("_error")), flush=True)
-    return rows
+    return rows, (profiles if "torch" in profiles and "axedist" in profiles else None)
 
 
 def gemm_rows(args, cfg, world, rank):
@@ -222,17 +248,20 @@ def tail_rows(args, cfg, world, rank):
             return h, torch.nn.functional.rms_norm(h, (hidden,), weight, eps)
 
         columns = {"seq_nccl": lambda: seq(lambda t: (reduced.copy_(t), dist.all_reduce(reduced))[0]),
-                   "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced)),
-                   "fused": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p")}
+                   "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced))}
+        for variant in TAIL_VARIANTS:
+            columns[f"fused_{variant}"] = (lambda v: lambda: all_reduce_rms_norm(x, residual, weight, eps,
+                                                                                 backend="p2p", variant=v))(variant)
         times = time_interleaved(columns, args.reps, queued=True)
-        h, y = columns["fused"]()
         h_ref, y_ref = columns["seq_nccl"]()
+        outputs = [columns[f"fused_{variant}"]() for variant in TAIL_VARIANTS]
         torch.cuda.synchronize()
         row = dict(batch=batch, hidden=hidden, world=world, queued=times,
                    rel_err=max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                               for a, b in ((h, h_ref), (y, y_ref))),
-                   speedup_vs_seq_p2p=times["seq_p2p"] / times["fused"],
-                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused"])
+                               for h, y in outputs for a, b in ((h, h_ref), (y, y_ref))),
+                   speedup_vs_seq_p2p=times["seq_p2p"] / times["fused_ll"],
+                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused_ll"],
+                   ll_vs_push=times["fused_push"] / times["fused_ll"])
         rows.append(row)
         if rank == 0:
             print(f"  tail [{batch}x{hidden}]: " + " ".join(f"{c} {t:.4f}" for c, t in times.items())
@@ -240,14 +269,14 @@ def tail_rows(args, cfg, world, rank):
     return rows
 
 
-def write_outputs(stack, gemms, world, cfg, out_dir, tails=()):
+def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
     os.makedirs(out_dir, exist_ok=True)
     meta = run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_decode.py " + " ".join(sys.argv[1:]),
                     config=dict(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
                                 ffn_hidden=cfg.ffn_hidden, dtype="bf16", decode_tails=defer_tails()))
     name = f"decode_w{world}"
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
-        json.dump(dict(meta=meta, stack=stack, gemms=gemms, tails=list(tails)), handle, indent=1)
+        json.dump(dict(meta=meta, stack=stack, gemms=gemms, tails=list(tails), profiles=profiles), handle, indent=1)
     append_history(out_dir, name, meta, dict(stack=stack, gemms=gemms, tails=list(tails)))
 
     def cell(value):
@@ -272,11 +301,26 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=()):
                      + " | ".join(f"{r['queued'][c]:.4f}" for c in columns) + f" | {r['rel_err']:.1e} |")
     if tails:
         lines += ["", "## Layer tail alone (all-reduce + residual add + RMSNorm), device time (ms)", "",
-                  "| B | hidden | seq_nccl | seq_p2p | fused | fused vs seq_p2p | rel err |", "|---|---|---|---|---|---|---|"]
+                  "fused_push: the flag-barrier kernel (push variant); fused_ll: the low-latency variant "
+                  "(epoch-tagged words, no fence, no barrier).", "",
+                  "| B | hidden | seq_nccl | seq_p2p | fused_push | fused_ll | ll vs push | ll vs seq_p2p | rel err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in tails:
             q = r["queued"]
-            lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | {q['fused']:.4f} "
-                         f"| {r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
+            lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | "
+                         f"{q['fused_push']:.4f} | {q['fused_ll']:.4f} | {r['ll_vs_push']:.2f}x | "
+                         f"{r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
+    if profiles:
+        lines += ["", f"## Where a CUDA-graph step's device time goes (B = {profiles['batch']}, rank 0, "
+                      f"{profiles['steps']} replays)", "",
+                  "Kernels per step, device us per step; the step's time is in the first table.", ""]
+        for side in ("axedist", "torch"):
+            kernels = profiles[side]
+            total = sum(k["us"] for k in kernels)
+            lines += [f"**{side}**: {sum(k['count'] for k in kernels):.0f} kernels, {total:.1f} us of kernel time "
+                      "per step", "", "| kernel | per step | us per step |", "|---|---|---|"]
+            lines += [f"| `{k['name'][:90]}` | {k['count']:.0f} | {k['us']:.1f} |" for k in kernels[:14]]
+            lines.append("")
     with open(os.path.join(out_dir, f"{name}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -322,6 +366,8 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--skip-stack", action="store_true", help="only the GEMM rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile 5 CUDA-graph steps of each side at the first batch size (kernels per step)")
     parser.add_argument("--no-fused-tail", action="store_true",
                         help="the stack without deferred decode tails (defer_tails('never'))")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
@@ -340,11 +386,11 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                       n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, max_seq_len=16)
-    stack = [] if args.skip_stack else stack_rows(args, cfg, world, rank, mesh)
+    stack, profiles = ([], None) if args.skip_stack else stack_rows(args, cfg, world, rank, mesh)
     gemms = gemm_rows(args, cfg, world, rank)
     tails = tail_rows(args, cfg, world, rank)
     if rank == 0:
-        write_outputs(stack, gemms, world, cfg, args.out, tails)
+        write_outputs(stack, gemms, world, cfg, args.out, tails, profiles)
         print(f"done in {time.time() - started:.0f} s", flush=True)
     dist.barrier()
     dist.destroy_process_group()
