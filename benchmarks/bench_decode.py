@@ -16,11 +16,11 @@ all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per st
   torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
 Layer-tail rows (device time, W > 1): per batch, h = residual + all_reduce(x), y = rms_norm(h) on
 [B, dim]: seq_nccl (NCCL all-reduce, add, rms_norm), seq_p2p (p2p all-reduce, add, rms_norm) and
-fused_push and fused_ll (collectives/layer_tail.py: one kernel; its flag-barrier and low-latency variants).
+fused (collectives/layer_tail.py: one kernel).
 GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
   cublas, seq_nccl (cuBLAS + NCCL all-reduce), seq_p2p (cuBLAS + p2p all-reduce), fused
   (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
---profile: the kernels of 5 CUDA-graph steps per side at the first batch size (names, launches and
+--profile: the kernels of 20 CUDA-graph steps per side at the first batch size (names, launches and
 device us per step). Writes decode_w{W}.json / .md / .png and a history line; --tables-from writes
 axedist/kernels/gemm_ar_auto.json (the shapes where the fused kernel lost).
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
@@ -119,22 +119,25 @@ def _graphed(forward, static_input):
     return graph.replay, output
 
 
-TAIL_VARIANTS = ("push", "ll")  # the fused layer tail's flag-barrier and low-latency kernels, side by side
-
-
 def kernel_profile(replay, steps: int) -> list[dict]:
     """The kernels of `steps` replays of a CUDA graph under torch.profiler: per kernel name, launches
-    and device us per step, largest first."""
+    and device us per step, largest first. The replays queue behind a 20 ms sleep kernel begun
+    after a barrier, so the ranks start them together: a collective's time is then its own, not
+    a wait for a rank the profiler's start delayed (the barrier and the sleep are left out)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dist.barrier()
+        torch.cuda._sleep(40_000_000)  # cycles: about 20 ms
         for _ in range(steps):
             replay()
         torch.cuda.synchronize()
+    events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
+    replays_start = max((event.time_range.end for event in events if "spin_kernel" in event.name), default=0)
     kernels = {}
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
+    for event in events:
+        if event.time_range.start >= replays_start:
             entry = kernels.setdefault(event.name, dict(name=event.name, count=0.0, us=0.0))
             entry["count"] += 1 / steps
             entry["us"] += event.device_time / steps
@@ -174,8 +177,8 @@ def stack_rows(args, cfg, world, rank, mesh):
                     replay, graph_out = _graphed(model, x)
                     row[f"{name}_graph"] = _timed_ms(replay, args.reps)
                     if args.profile and batch == args.batches[0]:
-                        profiles.update(batch=batch, steps=5)
-                        profiles[name] = kernel_profile(replay, 5)
+                        profiles.update(batch=batch, steps=20)
+                        profiles[name] = kernel_profile(replay, 20)
                     replay()
                     torch.cuda.synchronize()
                     got = _local(graph_out)
@@ -248,20 +251,17 @@ def tail_rows(args, cfg, world, rank):
             return h, torch.nn.functional.rms_norm(h, (hidden,), weight, eps)
 
         columns = {"seq_nccl": lambda: seq(lambda t: (reduced.copy_(t), dist.all_reduce(reduced))[0]),
-                   "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced))}
-        for variant in TAIL_VARIANTS:
-            columns[f"fused_{variant}"] = (lambda v: lambda: all_reduce_rms_norm(x, residual, weight, eps,
-                                                                                 backend="p2p", variant=v))(variant)
+                   "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced)),
+                   "fused": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p")}
         times = time_interleaved(columns, args.reps, queued=True)
+        h, y = columns["fused"]()
         h_ref, y_ref = columns["seq_nccl"]()
-        outputs = [columns[f"fused_{variant}"]() for variant in TAIL_VARIANTS]
         torch.cuda.synchronize()
         row = dict(batch=batch, hidden=hidden, world=world, queued=times,
                    rel_err=max(((a.float() - b.float()).norm() / b.float().norm()).item()
-                               for h, y in outputs for a, b in ((h, h_ref), (y, y_ref))),
-                   speedup_vs_seq_p2p=times["seq_p2p"] / times["fused_ll"],
-                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused_ll"],
-                   ll_vs_push=times["fused_push"] / times["fused_ll"])
+                               for a, b in ((h, h_ref), (y, y_ref))),
+                   speedup_vs_seq_p2p=times["seq_p2p"] / times["fused"],
+                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused"])
         rows.append(row)
         if rank == 0:
             print(f"  tail [{batch}x{hidden}]: " + " ".join(f"{c} {t:.4f}" for c, t in times.items())
@@ -301,15 +301,11 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
                      + " | ".join(f"{r['queued'][c]:.4f}" for c in columns) + f" | {r['rel_err']:.1e} |")
     if tails:
         lines += ["", "## Layer tail alone (all-reduce + residual add + RMSNorm), device time (ms)", "",
-                  "fused_push: the flag-barrier kernel (push variant); fused_ll: the low-latency variant "
-                  "(epoch-tagged words, no fence, no barrier).", "",
-                  "| B | hidden | seq_nccl | seq_p2p | fused_push | fused_ll | ll vs push | ll vs seq_p2p | rel err |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| B | hidden | seq_nccl | seq_p2p | fused | fused vs seq_p2p | rel err |", "|---|---|---|---|---|---|---|"]
         for r in tails:
             q = r["queued"]
-            lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | "
-                         f"{q['fused_push']:.4f} | {q['fused_ll']:.4f} | {r['ll_vs_push']:.2f}x | "
-                         f"{r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
+            lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | {q['fused']:.4f} "
+                         f"| {r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
     if profiles:
         lines += ["", f"## Where a CUDA-graph step's device time goes (B = {profiles['batch']}, rank 0, "
                       f"{profiles['steps']} replays)", "",
@@ -367,7 +363,7 @@ def main():
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--skip-stack", action="store_true", help="only the GEMM rows")
     parser.add_argument("--profile", action="store_true",
-                        help="profile 5 CUDA-graph steps of each side at the first batch size (kernels per step)")
+                        help="profile 20 CUDA-graph steps of each side at the first batch size (kernels per step)")
     parser.add_argument("--no-fused-tail", action="store_true",
                         help="the stack without deferred decode tails (defer_tails('never'))")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",

@@ -154,7 +154,7 @@ def test_a_rank_that_never_arrives_is_named_by_the_others(variant):
     assert elapsed < timeout_s + 5.0, elapsed
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ("ll",))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("world", [2, 4])
 def test_layer_tail_matches_float64_on_virtual_ranks(world, variant):
     """The fused decode tail (all-reduce + residual add + RMSNorm) against float64, the same bits
@@ -162,10 +162,7 @@ def test_layer_tail_matches_float64_on_virtual_ranks(world, variant):
     ranks = VirtualRanks(world, data_bytes=8 << 20)
     seed = int(time.time()) % 10_000
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    shapes = [(1, 4096), (8, 4096), (64, 8192), (5, 1008), (3, 16384)]
-    if variant != "ll":
-        shapes[3] = (5, 1000)  # unaligned rows too (ll takes 16-byte aligned rows only)
-    for call, (rows, hidden) in enumerate(shapes):
+    for call, (rows, hidden) in enumerate([(1, 4096), (8, 4096), (64, 8192), (5, 1000), (3, 16384)]):
         dtype = torch.bfloat16 if call % 2 == 0 else torch.float32
         xs = [torch.randn(rows, hidden, device="cuda", generator=generator).to(dtype) for _ in range(world)]
         residual = torch.randn(rows, hidden, device="cuda", generator=generator).to(dtype)
@@ -181,26 +178,3 @@ def test_layer_tail_matches_float64_on_virtual_ranks(world, variant):
                 assert error <= tolerance, f"seed {seed} call {call} rank {rank} {label}: error {error:.2e}"
             assert torch.equal(h, outs[0][0]) and torch.equal(y, outs[0][1]), f"seed {seed}: ranks differ"
     ranks.check()
-
-
-def test_a_rank_missing_from_the_low_latency_tail_is_named_by_the_others():
-    """The layer tail's ll variant has no barrier: its waits are for tagged words. A rank that
-    never sends them is named by the others within the timeout, which then retire their
-    workspaces; a good call first leaves stale words of an earlier epoch in place."""
-    world, missing, timeout_s = 4, 1, 1.0
-    ranks = VirtualRanks(world, 4 << 20)
-    xs = [torch.randn(8, 4096, device="cuda").to(torch.bfloat16) for _ in range(world)]
-    residual = torch.randn(8, 4096, device="cuda").to(torch.bfloat16)
-    weight = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-    for _ in range(2):  # both halves hold words of earlier epochs
-        ranks.all_reduce_rms_norm(xs, residual, weight, 1e-5, variant="ll")
-    ranks.check()
-    start = time.perf_counter()
-    ranks.all_reduce_rms_norm(xs, residual, weight, 1e-5, variant="ll", absent=(missing,), timeout_s=timeout_s)
-    errors = ranks.errors()
-    elapsed = time.perf_counter() - start
-    assert errors[missing] == ""
-    for rank in range(world):
-        if rank != missing:
-            assert f"of rank {missing} " in errors[rank] and "gave up" in errors[rank], errors
-    assert elapsed < timeout_s + 5.0, elapsed

@@ -25,11 +25,6 @@ every peer had entered call e-1 (every kernel waits on every peer), i.e. after e
 finished call e-2 -- the last call that used the same half. So a half is never overwritten while
 a peer may still read it, and flags never need resetting: no memset, no host sync between calls.
 
-Tagged workspaces (``get_workspace(..., tagged=True)``) hold in their data halves only 8-byte
-words whose high half is the epoch of the call that wrote them (the low-latency protocol of the
-decode layer tail, kernels/layer_tail.py): a word is its own flag. They are zeroed when allocated
-and kept apart from the group's other workspace, so no stale word can carry a live epoch.
-
 Errors. Kernels that time out write a record into a word of pinned host memory that the GPU
 writes directly (UVA); `check()` reads it without synchronizing, `check(synchronize=True)` after.
 A workspace that saw an error is retired: the next call on the group allocates a fresh one.
@@ -98,13 +93,12 @@ class SymmetricWorkspace:
 
     def __init__(self, memory: torch.Tensor, bases: list[int], rank: int, data_bytes: int,
                  peer_buffer, processors: int, group=None, name: str = "",
-                 multicast_base: int = 0, handle=None, tagged: bool = False):
+                 multicast_base: int = 0, handle=None):
         """memory: this rank's uint8 workspace; bases: every rank's base address as seen by this
         process; peer_buffer(peer, shape, dtype, element offset): a tensor over a rank's
         workspace (what host-built TMA descriptors of remote stores are made from);
         processors: SMs this rank's kernels may fill (the persistent grids' bound); handle:
-        what keeps the peers' mappings alive (torch's symmetric-memory handle); tagged: the data
-        halves hold epoch-tagged words only, and start zeroed (module docstring)."""
+        what keeps the peers' mappings alive (torch's symmetric-memory handle)."""
         if len(bases) > 8:
             raise SymmetricMemoryUnavailable(
                 f"symmetric-memory kernels support up to 8 ranks (one NVLink node), "
@@ -115,8 +109,7 @@ class SymmetricWorkspace:
         self.multicast_base, self.handle = multicast_base, handle
         self.processors = processors
         self._peer_buffer = peer_buffer
-        self.tagged = tagged
-        (self.tensor if tagged else self.tensor[:FLAG_BYTES + BARRIER_BYTES]).zero_()
+        self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
         # the stream of the previous call (raw handle and object) and whether it was captured
@@ -299,8 +292,7 @@ def _retire(workspace: SymmetricWorkspace) -> None:
     _retired.append(workspace)
 
 
-def allocate_workspace(group, data_bytes: int, device: torch.device,
-                       tagged: bool = False) -> SymmetricWorkspace:
+def allocate_workspace(group, data_bytes: int, device: torch.device) -> SymmetricWorkspace:
     """This rank's workspace in torch's symmetric memory, mapped into every peer of `group`
     (collective: every rank of the group calls it with the same size)."""
     try:
@@ -328,14 +320,14 @@ def allocate_workspace(group, data_bytes: int, device: torch.device,
     workspace = SymmetricWorkspace(
         tensor, [int(address) for address in handle.buffer_ptrs], dist.get_rank(group),
         data_bytes, handle.get_buffer, multiprocessors(device.index), group, group.group_name,
-        int(getattr(handle, "multicast_ptr", 0) or 0), handle, tagged)
+        int(getattr(handle, "multicast_ptr", 0) or 0), handle)
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # every rank's flags (and a tagged workspace's words) are zero before anyone signals
+    dist.barrier(group=group)  # every rank's flags are zero before anyone signals
     return workspace
 
 
 def carve_workspaces(world: int, data_bytes: int, device: torch.device,
-                     processors: int = 1, tagged: bool = False) -> list[SymmetricWorkspace]:
+                     processors: int = 1) -> list[SymmetricWorkspace]:
     """W ranks' workspaces carved from one allocation of this process (virtual ranks on one
     GPU, or CPU memory under the interpreter): the same layout and peer tables as
     `allocate_workspace`, the peers' copies at 4 KB-aligned offsets of that allocation.
@@ -359,22 +351,21 @@ def carve_workspaces(world: int, data_bytes: int, device: torch.device,
 
     bases = [copy.data_ptr() for copy in copies]
     return [SymmetricWorkspace(copies[r], bases, r, data_bytes, peer_buffer, processors,
-                               name=f"virtual-{world}", tagged=tagged) for r in range(world)]
+                               name=f"virtual-{world}") for r in range(world)]
 
 
 def get_workspace(group, data_bytes: int, device: torch.device | None = None,
-                  fresh: bool = False, tagged: bool = False) -> SymmetricWorkspace:
+                  fresh: bool = False) -> SymmetricWorkspace:
     """The group's workspace with at least `data_bytes` per half (collective on first use and
-    whenever it grows; every rank asks for the same sizes, so they all grow together); tagged:
-    the group's tagged workspace instead (module docstring), a separate one."""
+    whenever it grows; every rank asks for the same sizes, so they all grow together)."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    key = (group_name(group), device.index, tagged)
+    key = (group_name(group), device.index)
     workspace = _workspaces.get(key)
     if fresh or workspace is None or workspace.data_bytes < data_bytes:
         if workspace is not None:
             _retire(workspace)
         workspace = allocate_workspace(group, _data_class(_round_up(data_bytes, ALIGN_BYTES)),
-                                       device, tagged)
+                                       device)
         _workspaces[key] = workspace
     return workspace
 

@@ -19,19 +19,12 @@ the p2p collectives (collective_kernels.py: same workspace layout, epochs, barri
 
 Program p handles rows p, p + P, p + 2P, ... in both phases, so the per-program barrier is all
 the synchronization needed. One row is one tile of BLOCK_H >= hidden columns.
-
-The low-latency variant (``all_reduce_rms_norm_ll_kernel``) sends each 32 bits of a row as one
-8-byte word whose high half is the call's epoch (primitives.tag_words): the word is its own flag,
-so there is no fence, no barrier and no second trip over NVLink; a reader polls its own memory
-until every word of a peer's row carries the epoch (primitives.wait_tagged_words). It runs on a
-workspace only such words are written to, zeroed when allocated (symmetric.get_workspace
-``tagged=True``), so no stale word can carry the live epoch.
 """
 import triton
 import triton.language as tl
 
 from .collective_kernels import block_barrier, place_whole
-from .primitives import call_epoch, finish_call, peer_pointers, pick, shift8, tag_words, wait_tagged_words
+from .primitives import call_epoch, finish_call, peer_pointers, pick, shift8
 
 
 @triton.jit
@@ -75,83 +68,11 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
                     source = peer_pointers(pick(q, D0, D1, D2, D3, D4, D5, D6, D7), index,
                                            ELEMENT, ALIGNED)
                 total += tl.load(source, mask=in_row, other=0.0).to(tl.float32)
-            residual_add_norm(total, residual_ptr, weight, out_ptr, y_ptr, index, in_row, hidden, eps)
-    finish_call(state_ptr, epoch)
-
-
-@triton.jit
-def residual_add_norm(total, residual_ptr, weight, out_ptr, y_ptr, index, mask, hidden, eps):
-    """One row's epilogue: h = total (the fp32 sum over the ranks) + residual, rounded to the
-    element type (as the unfused sequence stores it) into out; y = rms_norm(h) * weight into y."""
-    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
-    total += tl.load(residual_ptr + index, mask=mask, other=0.0).to(tl.float32)
-    h = total.to(ELEMENT)
-    tl.store(out_ptr + index, h, mask=mask)
-    hf = h.to(tl.float32)
-    mean_square = tl.sum(hf * hf) / hidden
-    y = hf * tl.math.rsqrt(mean_square + eps) * weight
-    tl.store(y_ptr + index, y.to(ELEMENT), mask=mask)
-
-
-@triton.jit
-def _unpacked(payloads, ELEMENT: tl.constexpr, PER_WORD: tl.constexpr):
-    """fp32 [1, BLOCK_W * PER_WORD]: the elements int32 payloads [1, BLOCK_W] hold, in memory
-    order (a 16-bit pair's low half is the earlier element)."""
-    if PER_WORD == 2:
-        low = (payloads & 0xFFFF).to(tl.int16).to(ELEMENT, bitcast=True).to(tl.float32)
-        high = ((payloads >> 16) & 0xFFFF).to(tl.int16).to(ELEMENT, bitcast=True).to(tl.float32)
-        values = tl.reshape(tl.join(low, high), [1, 2 * payloads.shape[1]])
-    else:
-        values = payloads.to(tl.float32, bitcast=True)
-    return values
-
-
-@triton.jit
-def all_reduce_rms_norm_ll_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2, D3, D4, D5, D6,
-                                  D7, rank, abort_ptr, error_address, half_bytes, residual_ptr,
-                                  weight_ptr, y_ptr, n_rows, hidden, eps, WORLD: tl.constexpr,
-                                  BLOCK_W: tl.constexpr, PER_WORD: tl.constexpr,
-                                  PHASES: tl.constexpr):
-    """out = residual + sum_r x_r and y = rms_norm(out) * weight by the low-latency protocol.
-
-    D0..D7: the ranks' data half 0 of a tagged workspace; rank q's slot in every workspace holds
-    n_rows * hidden / PER_WORD words (PER_WORD elements of 32 bits each; rows 16-byte aligned).
-    place: program p tags its rows' 32-bit payloads with the epoch and stores them into slot
-    `rank` of every rank's workspace, its own included; combine: it reads slots 0, 1, ..., W-1
-    of its own workspace in rank order, each once its words carry the epoch, and sums them in
-    fp32 (the same bits on every rank). PHASES: 1 place, 2 combine, 3 both (the interpreter
-    runs them one at a time)."""
-    epoch = call_epoch(state_ptr)
-    parity = (epoch % 2).to(tl.int64)
-    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
-    own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
-    words = tl.arange(0, BLOCK_W)[None, :]  # a [1, BLOCK_W] tile (peer_pointers' 2-D alignment hint)
-    n_words = hidden // PER_WORD
-    in_row = words < n_words
-    slot_words = n_rows * n_words
-    payloads = x_ptr.to(tl.pointer_type(tl.int32))
-    if PHASES & 1:
-        for row in range(pid, n_rows, programs):
-            tagged = tag_words(tl.load(payloads + row * n_words + words, mask=in_row, other=0), epoch)
-            for step in tl.static_range(WORLD):
-                peer = (rank + step) % WORLD
-                target = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
-                                       rank * slot_words + row * n_words + words, tl.int64, True)
-                tl.store(target, tagged, mask=in_row)
-        tl.debug_barrier()  # every store issued before any thread polls
-    if PHASES & 2:
-        columns = tl.arange(0, BLOCK_W * PER_WORD)[None, :]
-        in_columns = columns < hidden
-        weight = tl.load(weight_ptr + columns, mask=in_columns, other=0.0).to(tl.float32)
-        for row in range(pid, n_rows, programs):
-            total = tl.zeros([1, BLOCK_W * PER_WORD], tl.float32)
-            for q in tl.static_range(WORLD):  # rank order: the same sum on every rank
-                source = peer_pointers(own, q * slot_words + row * n_words + words, tl.int64, True)
-                total += _unpacked(wait_tagged_words(source, in_row, epoch, abort_ptr, error_address,
-                                                     q, row, timeout_ns), ELEMENT, PER_WORD)
-            residual_add_norm(total, residual_ptr, weight, out_ptr, y_ptr, row * hidden + columns,
-                              in_columns, hidden, eps)
+            total += tl.load(residual_ptr + index, mask=in_row, other=0.0).to(tl.float32)
+            h = total.to(ELEMENT)
+            tl.store(out_ptr + index, h, mask=in_row)
+            hf = h.to(tl.float32)
+            mean_square = tl.sum(hf * hf, axis=1)[:, None] / hidden
+            y = hf * tl.math.rsqrt(mean_square + eps) * weight
+            tl.store(y_ptr + index, y.to(ELEMENT), mask=in_row)
     finish_call(state_ptr, epoch)

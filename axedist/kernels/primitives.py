@@ -188,54 +188,13 @@ def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index
         aborted = tl.load(abort_ptr, volatile=True)
     arrived = value >= expected
     if arrived == 0:
-        give_up(abort_ptr, error_address, aborted, peer, flag_index, expected)
+        # Plain stores, no atomics: every thread that gave up writes the same kind of record.
+        tl.store(abort_ptr, 1)
+        if aborted == 0:
+            record = ((ERROR_TIMEOUT << 56) | (peer.to(tl.int64) << 40) | flag_index.to(tl.int64)
+                      | ((expected.to(tl.int64) & 0xFFFF) << 24))
+            tl.store(error_address.to(tl.pointer_type(tl.int64)), record)
     return arrived
-
-
-@triton.jit
-def give_up(abort_ptr, error_address, aborted, peer, flag_index, expected):
-    """A wait timed out: raise the local abort word and, unless another wait of this launch gave
-    up first (aborted != 0), write (code, peer, flag index, epoch) into the host-visible error
-    word (symmetric.decode_error_record reads it). Plain stores, no atomics: every thread that
-    gave up writes the same kind of record."""
-    tl.store(abort_ptr, 1)
-    if aborted == 0:
-        record = ((ERROR_TIMEOUT << 56) | (tl.cast(peer, tl.int64) << 40) | tl.cast(flag_index, tl.int64)
-                  | ((tl.cast(expected, tl.int64) & 0xFFFF) << 24))
-        tl.store(error_address.to(tl.pointer_type(tl.int64)), record)
-
-
-@triton.jit
-def tag_words(payloads, epoch):
-    """int32 payloads as 8-byte words tagged with `epoch` in the high half (the low-latency
-    protocol: a word is its own flag, so a peer needs no fence and no separate signal)."""
-    return (epoch.to(tl.int64) << 32) | payloads.to(tl.uint32).to(tl.int64)  # zero-extended
-
-
-@triton.jit
-def wait_tagged_words(pointers, mask, epoch, abort_ptr, error_address, peer, flag_index,
-                      timeout_ns):
-    """The 8-byte words at `pointers` (where `mask`) once every one carries `epoch` in its high
-    half (a peer stored them with tag_words), as their int32 payloads.
-
-    Each word travels whole, so a word seen with the call's epoch holds the call's data: no
-    fence, no flag. Loads are volatile (each poll reads memory again). Bounded like wait_flag:
-    on timeout it gives up (give_up) and returns what it read. The wait itself only runs when a
-    word is still missing after the first read."""
-    words = tl.load(pointers, mask=mask, other=0, volatile=True)
-    missing = tl.sum(((words >> 32) != epoch).to(tl.int32) * mask.to(tl.int32))
-    if missing > 0:
-        start = globaltimer(missing)
-        elapsed = start - start
-        aborted = tl.load(abort_ptr, volatile=True)
-        while (missing > 0) & (elapsed < timeout_ns) & (aborted == 0):
-            words = tl.load(pointers, mask=mask, other=0, volatile=True)
-            missing = tl.sum(((words >> 32) != epoch).to(tl.int32) * mask.to(tl.int32))
-            elapsed = globaltimer(missing) - start
-            aborted = tl.load(abort_ptr, volatile=True)
-        if missing > 0:
-            give_up(abort_ptr, error_address, aborted, peer, flag_index, epoch)
-    return words.to(tl.int32)  # the low half
 
 
 @triton.jit

@@ -53,7 +53,6 @@ class VirtualRanks:
         self.streams = [torch.cuda.Stream(device) for _ in range(world)]
         self._plans: dict[tuple, list[CallPlan]] = {}
         self._fused: dict[tuple, list[FusedCall]] = {}
-        self._tagged: list | None = None  # tagged_workspaces()
         self.last_plans: list = []  # each rank's CallPlan / FusedCall of the last call
         torch.cuda.synchronize(device)
 
@@ -110,7 +109,7 @@ class VirtualRanks:
                             timeout_s: float | None = None) -> list:
         """[(h_r, y_r)]: h = residual + sum over ranks of xs, y = rms_norm(h) * weight, on every
         rank (the fused decode layer tail, collectives/layer_tail.py)."""
-        from ..collectives.layer_tail import TailPlan, tail_variant
+        from ..collectives.layer_tail import TailPlan
         if len(xs) != self.world:
             raise ValueError(f"all_reduce_rms_norm: {len(xs)} inputs for {self.world} ranks")
         rows, hidden = xs[0].shape
@@ -118,10 +117,8 @@ class VirtualRanks:
         key = ("all_reduce_rms_norm", rows, hidden, xs[0].dtype, variant, aligned)
         plans = self._plans.get(key)
         if plans is None:
-            chosen = tail_variant(variant, xs[0].dtype, aligned, rows, hidden)
-            workspaces = self.tagged_workspaces() if chosen == "ll" else self.workspaces
-            plans = self._plans[key] = [TailPlan(rows, hidden, xs[0].dtype, None, self.device.index, chosen,
-                                                 aligned, workspace=workspace) for workspace in workspaces]
+            plans = self._plans[key] = [TailPlan(rows, hidden, xs[0].dtype, None, self.device.index, variant,
+                                                 aligned, workspace=workspace) for workspace in self.workspaces]
         outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(self.world)]
         present = [r for r in range(self.world) if r not in absent]
         for rank in present:  # every kernel loaded before the first rank can spin
@@ -129,14 +126,6 @@ class VirtualRanks:
         self.last_plans = plans
         self._launch(present, lambda rank: plans[rank].run(xs[rank], residual, weight, *outs[rank], eps, timeout_s))
         return outs
-
-    def tagged_workspaces(self) -> list:
-        """The ranks' tagged workspaces (the layer tail's "ll" variant), carved on first use with
-        the data size of the others."""
-        if self._tagged is None:
-            self._tagged = carve_workspaces(self.world, self.workspaces[0].data_bytes, self.device,
-                                            self.processors, tagged=True)
-        return self._tagged
 
     # -- fused GEMM + reduce-scatter --------------------------------------------------------
     def gemm_reduce_scatter(self, as_, bs, outs=None, config=None, absent=(),
@@ -254,14 +243,12 @@ class VirtualRanks:
         timed out retires its workspace: make a new VirtualRanks for further calls."""
         self.synchronize()
         messages = []
-        for rank in range(self.world):
-            found = []
-            for workspace in (self.workspaces[rank], *(self._tagged or [])[rank:rank + 1]):
-                try:
-                    workspace.check()
-                except CollectiveTimeoutError as error:
-                    found.append(str(error))
-            messages.append("\n".join(found))
+        for workspace in self.workspaces:
+            try:
+                workspace.check()
+                messages.append("")
+            except CollectiveTimeoutError as error:
+                messages.append(str(error))
         return messages
 
     def check(self) -> None:
