@@ -82,8 +82,8 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
-    decode) # the decode stack (eager, CUDA graphs) vs torch, the row-parallel GEMMs and the fused layer tail
-      step bench_decode 200 torchrun --nproc-per-node $W benchmarks/bench_decode.py --reps 20 --batches 1,8,64 --out "$RESULTS" ;;
+    decode) # the decode stack (eager, CUDA graphs) vs torch, the row-parallel GEMMs and the fused layer tail (DECODE_ARGS=--profile: kernels per graph step)
+      step bench_decode 200 torchrun --nproc-per-node $W benchmarks/bench_decode.py --reps 20 --batches 1,8,64 ${DECODE_ARGS:-} --out "$RESULTS" ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
       step bench_collectives_w8 240 torchrun --nproc-per-node 8 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"
