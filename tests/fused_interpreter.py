@@ -87,9 +87,10 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
         gathered = workspace.local_data(0, dtype, 2 * data_bytes // element, both_halves=True)
         g_desc = TensorDescriptor(gathered, [2 * data_bytes // (k * element), k], [k, 1], [bm, bk]) if tma else None
         b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
+        a_desc = TensorDescriptor.from_tensor(as_[rank], [bm, bk]) if tma else None
         stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
         ag_gemm.all_gather_gemm_kernel[(3,)](
-            as_[rank], g_desc, b_desc, b, outs[rank],
+            as_[rank], a_desc, g_desc, b_desc, b, outs[rank],
             gathered_outs[rank].data_ptr() if copy_out else 0, *workspace.data_addresses(0), 0,
             *workspace.flag_addresses(), workspace.state, workspace.abort,
             workspace.error_address(), 0, m_local, n, k, as_[rank].stride(0), stride_bk,

@@ -916,6 +916,7 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
     c = config or ag_gemm.AllGatherGemmConfig()
     signature = {"a_ptr": f"*{dtype}"}
     if tma:
+        signature["a_desc"] = f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>"
         signature["g_desc"] = f"tensordesc<{dtype}[{c.block_m}, {c.block_k}]>"
         signature["b_desc"] = (f"tensordesc<{dtype}[{c.block_n}, {c.block_k}]>" if transposed
                                else f"tensordesc<{dtype}[{c.block_k}, {c.block_n}]>")
@@ -928,7 +929,7 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
                       PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
     if not tma:
-        constexprs.update(g_desc=None, b_desc=None)
+        constexprs.update(a_desc=None, g_desc=None, b_desc=None)
     return compile_for_target(ag_gemm.all_gather_gemm_kernel, signature, constexprs,
                               _STATE_DIVISIBLE + ["stride_om"], num_warps=c.warps,
                               num_stages=c.stages)
@@ -1023,8 +1024,8 @@ def test_fused_tp_launch_slots_match_the_kernel_signatures():
     from axedist.kernels import ag_gemm, gemm_ar
     names = _runtime_names(ag_gemm.all_gather_gemm_kernel)
     launch = ag_gemm.AllGatherGemmLaunch
-    assert (names[launch._A], names[launch._B_DESC], names[launch._B], names[launch._OUT],
-            names[launch._GATHERED]) == ("a_ptr", "b_desc", "b_ptr", "out_ptr", "gathered_address")
+    assert (names[launch._A], names[launch._A_DESC], names[launch._B_DESC], names[launch._B], names[launch._OUT],
+            names[launch._GATHERED]) == ("a_ptr", "a_desc", "b_desc", "b_ptr", "out_ptr", "gathered_address")
     assert names[-2:] == ["rank", "half_rows"] and "epoch" not in names
     assert ag_gemm.UNSET_ADDRESS >= 1 << 31   # typed i64 when the launch is compiled
     names = _runtime_names(gemm_ar.gemm_all_reduce_kernel)

@@ -8,20 +8,23 @@ Every rank claims task ids from its counter in one order (programs of a persiste
 SM, always co-resident):
 
     push tasks   (row block t, step s, piece c): rank r stores column range c of rows t*BM ..
-                 of its A into the gathered buffer of rank (r + s) % W (slot r; step 0 its own
-                 buffer, the others remote stores over NVLink: posted writes), then releases
-                 flag (r, t, c) in that rank's flag array. PIECES ranges per block let that many
-                 programs move one block at once. Steps are staggered, so every rank receives
-                 from one source per step. With MULTIMEM one multimem.st per 16 bytes writes
-                 every rank's copy at once (no steps).
-    local tiles  GEMM tiles over this rank's own rows (their step-0 copy lands first).
+                 of its A into the gathered buffer of rank (r + s) % W, s = 1 .. W-1 (slot r:
+                 remote stores over NVLink, posted writes), then releases flag (r, t, c) in that
+                 rank's flag array. PIECES ranges per block let that many programs move one
+                 block at once. Steps are staggered, so every rank receives from one source per
+                 step. With MULTIMEM one multimem.st per 16 bytes writes every rank's copy at
+                 once (one step).
+    local tiles  GEMM tiles over this rank's own rows, read from A itself (a_desc / a_ptr):
+                 they wait for nothing, so they are interleaved with the push tasks (evenly, in
+                 claim order) and the NVLink traffic runs under their math.
     peer tiles   GEMM tiles over the rows of source (r - 1), (r - 2), ... (the order in which
                  the pushes of the staggered steps land): each acquires the PIECES flags
                  (source, t, c) in this rank's own flag array (local polling), then TMA-loads
                  its A tile from the gathered buffer in local memory.
 
-Deadlock freedom: push tasks come first in the claim order and never wait, so every flag a
-peer tile waits for belongs to a task that a running program already holds on its rank.
+Deadlock freedom: every push task comes before every peer tile in the claim order, and neither
+pushes nor local tiles ever wait, so every flag a peer tile waits for belongs to a task that a
+running program already holds, or will claim next, on its rank.
 
 Gathered buffer: rows of K elements in the rank's data region, the half of the call's epoch
 starting at row `parity * half_rows` (the host makes half_rows * K * size at least a half's
@@ -87,9 +90,20 @@ def _copy_rows(source, source_stride, target, rows_here, col_first, col_last, K,
                 tl.store(peer_pointers(target, offsets, ELEMENT, ALIGNED), values, mask=mask)
 
 
+@triton.jit
+def _interleaved(task, pushes, locals_):
+    """(is a push, index among its kind) of task `task` < pushes + locals_, the two kinds spread
+    evenly over the range in claim order (push i at about i * (pushes + locals_) / pushes)."""
+    total = pushes + locals_
+    before = (task.to(tl.int64) * pushes) // total          # pushes among tasks 0 .. task - 1
+    through = ((task.to(tl.int64) + 1) * pushes) // total   # ... among tasks 0 .. task
+    is_push = through > before
+    return is_push, tl.where(is_push, before, task - before).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
 def all_gather_gemm_kernel(
-        a_ptr, g_desc, b_desc, b_ptr, out_ptr, gathered_address,
+        a_ptr, a_desc, g_desc, b_desc, b_ptr, out_ptr, gathered_address,
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
@@ -100,15 +114,15 @@ def all_gather_gemm_kernel(
         COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PIECES: tl.constexpr,
         COPY_OUT: tl.constexpr, PHASES: tl.constexpr):
     """out[p * M_LOCAL + i, :] = A_p[i, :] @ B for every rank p (see the module docstring).
-    a_ptr: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride); g_desc: this
-    rank's gathered buffer, both halves [2 * half_rows, K] (TMA only); D*: every rank's data
-    half 0; F*: flag arrays. Every GEMM tile reads A from the gathered buffer, the local rows
-    too (copied there by the step-0 push task): one tile loop, one set of pipeline buffers.
-    COPY_OUT: after the GEMM tiles, copy-out tasks (source, block, piece) also write the
-    gathered A [W * M_LOCAL, K] (row-major) at gathered_address, for later users of it."""
+    a_ptr / a_desc: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride;
+    a_desc its TMA descriptor, TMA only); g_desc: this rank's gathered buffer, both halves
+    [2 * half_rows, K] (TMA only); D*: every rank's data half 0; F*: flag arrays. Local tiles
+    read A, peer tiles the gathered buffer. COPY_OUT: after the GEMM tiles, copy-out tasks
+    (source, block, piece) also write the gathered A [W * M_LOCAL, K] (row-major) at
+    gathered_address, for later users of it."""
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
-    STEPS: tl.constexpr = 1 if MULTIMEM else WORLD      # step 0: this rank's own buffer
+    STEPS: tl.constexpr = 1 if MULTIMEM else WORLD - 1  # the peers' buffers (multimem: all at once)
     epoch = call_epoch(state_ptr)
     parity = epoch % 2
     slot_row0 = parity * half_rows        # the call's half, in rows of the gathered buffers
@@ -117,7 +131,8 @@ def all_gather_gemm_kernel(
     tiles_n = tl.cdiv(N, BN)
     per_source = tiles_m * tiles_n
     pushes = tiles_m * STEPS * PIECES
-    gemm_end = pushes + WORLD * per_source
+    first_end = pushes + per_source       # the push tasks and the local tiles, interleaved
+    gemm_end = first_end + (WORLD - 1) * per_source
     tasks = gemm_end + (WORLD * tiles_m * PIECES if COPY_OUT else 0)
     piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
@@ -125,10 +140,11 @@ def all_gather_gemm_kernel(
     gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
     task = claim_task(state_ptr)
     while task < tasks:
-        if task < pushes:
+        is_push, index = _interleaved(task, pushes, per_source)
+        if (task < first_end) & is_push:
             if PHASES & 1:
-                block = task // (STEPS * PIECES)
-                piece = task % PIECES
+                block = index // (STEPS * PIECES)
+                piece = index % PIECES
                 col_first = piece * piece_cols
                 col_last = tl.minimum(col_first + piece_cols, K)
                 row0 = block * BM
@@ -147,7 +163,7 @@ def all_gather_gemm_kernel(
                             st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag,
                                            epoch)
                 else:
-                    peer = (rank + task // PIECES % STEPS) % WORLD
+                    peer = (rank + 1 + index // PIECES % STEPS) % WORLD
                     target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
                     _copy_rows(a_ptr + row0 * stride_am, stride_am, target, rows_here, col_first,
                                col_last, K, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
@@ -162,36 +178,50 @@ def all_gather_gemm_kernel(
                 piece = copy % PIECES
                 block = copy // PIECES % tiles_m
                 source = (rank - copy // (PIECES * tiles_m) + WORLD) % WORLD
-                flag = (source * tiles_m + block) * PIECES + piece
-                if SIGNAL:
-                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
-                              timeout_ns)
                 row0 = block * BM
                 col_first = piece * piece_cols
-                slot_row = slot_row0 + source * M_LOCAL + row0
-                _copy_rows(gathered + slot_row.to(tl.int64) * K, K,
+                if source == rank:  # this rank's rows: from A itself
+                    rows_from, rows_stride = a_ptr + row0 * stride_am, stride_am
+                else:
+                    flag = (source * tiles_m + block) * PIECES + piece
+                    if SIGNAL:
+                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
+                                  flag, timeout_ns)
+                    rows_from = gathered + (slot_row0 + source * M_LOCAL + row0).to(tl.int64) * K
+                    rows_stride = K
+                _copy_rows(rows_from, rows_stride,
                            gathered_address + (source * M_LOCAL + row0).to(tl.int64) * row_bytes,
                            tl.minimum(BM, M_LOCAL - row0), col_first,
                            tl.minimum(col_first + piece_cols, K), K, 0, ELEMENT, COPY_ROWS,
                            COPY_COLS, ALIGNED, False)
         elif PHASES & 2:
-            gemm_task = task - pushes
-            step = gemm_task // per_source
-            source = (rank - step + WORLD) % WORLD
-            tile_m, tile_n = grouped_tile(gemm_task % per_source, tiles_m, tiles_n, GROUP_M)
+            if task < first_end:  # a local tile
+                source = rank
+                tile = index
+            else:
+                gemm_task = task - first_end
+                source = (rank - 1 - gemm_task // per_source + WORLD) % WORLD
+                tile = gemm_task % per_source
+            tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
             local_row0 = tile_m * BM
             col0 = tile_n * BN
-            if SIGNAL:
-                for piece in tl.static_range(PIECES):
-                    flag = (source * tiles_m + tile_m) * PIECES + piece
-                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
-                              flag, timeout_ns)
-                fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
-            slot_row = slot_row0 + source * M_LOCAL + local_row0
-            # rows past this source's slot are masked (pointer path) or garbage the store drops
-            accumulator = gemm_tile(g_desc, gathered, b_desc, b_ptr, slot_row, col0, 0, k_tiles,
-                                    slot_row - local_row0 + M_LOCAL, N, K, K, 1, stride_bk,
-                                    stride_bn, BM, BN, BK, STAGES, USE_TMA, B_TRANSPOSED)
+            if source == rank:
+                # rows past M_LOCAL are masked (pointer path) or zero-filled by TMA
+                rows_desc, rows_ptr, row0, rows_end, rows_stride = a_desc, a_ptr, local_row0, M_LOCAL, stride_am
+            else:
+                if SIGNAL:
+                    for piece in tl.static_range(PIECES):
+                        flag = (source * tiles_m + tile_m) * PIECES + piece
+                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
+                                  flag, timeout_ns)
+                    fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
+                # rows past this source's slot are masked (pointer path) or garbage the store drops
+                row0 = slot_row0 + source * M_LOCAL + local_row0
+                rows_desc, rows_ptr, rows_end, rows_stride = g_desc, gathered, row0 - local_row0 + M_LOCAL, K
+            # one call site: one tile loop, one set of pipeline buffers in shared memory
+            accumulator = gemm_tile(rows_desc, rows_ptr, b_desc, b_ptr, row0, col0, 0, k_tiles, rows_end, N,
+                                    K, rows_stride, 1, stride_bk, stride_bn, BM, BN, BK, STAGES, USE_TMA,
+                                    B_TRANSPOSED)
             rows = local_row0 + tl.arange(0, BM)
             cols = col0 + tl.arange(0, BN)
             mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
@@ -291,7 +321,7 @@ class AllGatherGemmLaunch:
     >>> launch(ops, out)          # out [W * M_LOCAL, N] on every rank
     """
 
-    _A, _B_DESC, _B, _OUT, _GATHERED = 0, 2, 3, 4, 5
+    _A, _A_DESC, _B_DESC, _B, _OUT, _GATHERED = 0, 1, 3, 4, 5, 6
 
     def __init__(self, ops, out: torch.Tensor, config: AllGatherGemmConfig,
                  workspace, multimem: bool = False, copy_out: bool = False):
@@ -320,6 +350,7 @@ class AllGatherGemmLaunch:
             raise ValueError("all_gather_gemm: the pointer path takes B as row-major [K, N]")
         g_desc = (TensorDescriptor(gathered, [total_rows, ops.k], [ops.k, 1], self.block_a)
                   if self.use_tma else None)
+        a_desc = descriptor(ops.a, self.block_a, False) if self.use_tma else None
         b_desc = descriptor(ops.b, self.block_b, False) if self.use_tma else None
         stride_bk, stride_bn = ((ops.b.stride(1), ops.b.stride(0)) if ops.b_transposed
                                 else (ops.b.stride(0), ops.b.stride(1)))
@@ -333,7 +364,7 @@ class AllGatherGemmLaunch:
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
                           COPY_COLS=config.copy_cols, PIECES=config.pieces,
                           COPY_OUT=copy_out, PHASES=3)
-        args = (ops.a, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
+        args = (ops.a, a_desc, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
                 *workspace.flag_addresses(), workspace.state, workspace.abort,
@@ -344,13 +375,13 @@ class AllGatherGemmLaunch:
                                                num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         tiles_m = triton.cdiv(ops.m, config.block_m)
-        tasks = tiles_m * (1 if multimem else world) * config.pieces \
+        tasks = tiles_m * (1 if multimem else world - 1) * config.pieces \
             + world * tiles_m * triton.cdiv(ops.n, config.block_n) \
             + (world * tiles_m * config.pieces if copy_out else 0)
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))
-        self.template = launch_template(args, (self._B_DESC,) if self.use_tma else ())
+        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if self.use_tma else ())
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
         self.layout = launch_layout(ops, out)
 
@@ -359,6 +390,7 @@ class AllGatherGemmLaunch:
         copy_out; row-major, 16-byte aligned)."""
         args = list(self.template)
         if self.use_tma:
+            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
             args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
         args[self._OUT] = out.data_ptr()
