@@ -173,7 +173,7 @@ def main():
     dtype = torch.float16
     if which in ("all", "ag"):
         grid = [(2, 40, 48, 72, False, True), (3, 33, 40, 64, True, True), (2, 24, 32, 40, False, False),
-                (4, 16, 16, 32, True, True)]
+                (4, 16, 16, 32, True, True), (1, 40, 24, 40, False, True)]
         for index, (world, m_local, n, k, transposed, tma) in enumerate(grid):
             failures += run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype,
                                             (16, 16, 16), seed=index, pieces=1 + index % 3,

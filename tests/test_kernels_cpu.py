@@ -977,6 +977,9 @@ def test_all_gather_gemm_compiles_to_tma_wgmma_with_releases_and_bounded_waits(t
         assert kernel.metadata.shared <= 227 * 1024, (config, kernel.metadata.shared)
     assert "wgmma" in _compile_ag(tma=False).asm["ptx"]
     assert _compile_ag(copy_out=True).metadata.shared <= 227 * 1024
+    # one rank (the benchmarks' GEMM half): no push task, so no release, only local tiles
+    one = _compile_ag(world=1).asm["ptx"]
+    assert "wgmma.mma_async" in one and "st.release.sys" not in one
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

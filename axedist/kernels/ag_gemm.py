@@ -142,7 +142,7 @@ def all_gather_gemm_kernel(
     while task < tasks:
         is_push, index = _interleaved(task, pushes, per_source)
         if (task < first_end) & is_push:
-            if PHASES & 1:
+            if (PHASES & 1) and STEPS > 0:  # W = 1 has no push (nor a division by zero steps)
                 block = index // (STEPS * PIECES)
                 piece = index % PIECES
                 col_first = piece * piece_cols
