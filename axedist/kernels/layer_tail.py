@@ -53,19 +53,13 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
             # push: every rank's slot `rank`, this rank's own included (the combine reads them all)
             place_whole(x_ptr, own, D0, D1, D2, D3, D4, D5, D6, D7, row * hidden + columns, in_row, rank,
                         chunk_stride, WORLD, 0, PUSH, ALIGNED)
-    if PHASES & 2:
-        # loaded before the barrier (they need no peer): their latency runs under the wait
-        weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
-        residual = tl.load(residual_ptr + pid * hidden + columns, mask=in_row & (pid < n_rows),
-                           other=0.0).to(tl.float32)
     if (PHASES & 3) == 3:
         block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
                       error_address, timeout_ns, WORLD)
     if PHASES & 2:
+        weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
         for row in range(pid, n_rows, programs):
             index = row * hidden + columns
-            if row != pid:  # a later row of this program (more rows than programs)
-                residual = tl.load(residual_ptr + index, mask=in_row, other=0.0).to(tl.float32)
             total = tl.zeros([1, BLOCK_H], tl.float32)
             for q in tl.static_range(WORLD):  # rank order: the same sum on every rank
                 if PUSH:
@@ -74,7 +68,7 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
                     source = peer_pointers(pick(q, D0, D1, D2, D3, D4, D5, D6, D7), index,
                                            ELEMENT, ALIGNED)
                 total += tl.load(source, mask=in_row, other=0.0).to(tl.float32)
-            total += residual
+            total += tl.load(residual_ptr + index, mask=in_row, other=0.0).to(tl.float32)
             h = total.to(ELEMENT)
             tl.store(out_ptr + index, h, mask=in_row)
             hf = h.to(tl.float32)
