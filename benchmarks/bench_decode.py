@@ -120,10 +120,9 @@ def _graphed(forward, static_input):
 
 
 def kernel_profile(replay, steps: int) -> list[dict]:
-    """The kernels of `steps` replays of a CUDA graph under torch.profiler: per kernel name, launches
-    and device us per step, largest first. The replays queue behind a 20 ms sleep kernel begun
-    after a barrier, so the ranks start them together: a collective's time is then its own, not
-    a wait for a rank the profiler's start delayed (the barrier and the sleep are left out)."""
+    """The kernels of `steps` replays of a CUDA graph under torch.profiler (per_step_kernels of
+    them). The replays queue behind a 20 ms sleep kernel begun after a barrier, so that the ranks
+    start them together (the barrier and the sleep are left out)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
@@ -135,13 +134,26 @@ def kernel_profile(replay, steps: int) -> list[dict]:
         torch.cuda.synchronize()
     events = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
     replays_start = max((event.time_range.end for event in events if "spin_kernel" in event.name), default=0)
-    kernels = {}
-    for event in events:
-        if event.time_range.start >= replays_start:
-            entry = kernels.setdefault(event.name, dict(name=event.name, count=0.0, us=0.0))
-            entry["count"] += 1 / steps
-            entry["us"] += event.device_time / steps
-    return sorted(kernels.values(), key=lambda k: -k["us"])
+    return per_step_kernels([(event.name, event.device_time) for event in events
+                             if event.time_range.start >= replays_start], steps)
+
+
+def per_step_kernels(launches, steps: int) -> list[dict]:
+    """Per kernel name of ``launches`` ((name, device us) of `steps` replays): launches per step
+    and device us per step as the **median** launch's time x launches per step, largest first.
+    The median, not the sum: a collective that waits for a rank the profiler delayed takes tens
+    of us in a few launches (the ranks drift apart at the profile's start), which a sum would
+    charge to the kernel.
+
+    >>> per_step_kernels([("tail", 8.0), ("tail", 60.0), ("tail", 8.0), ("gemm", 17.0)], 1)
+    [{'name': 'tail', 'count': 3.0, 'us': 24.0}, {'name': 'gemm', 'count': 1.0, 'us': 17.0}]
+    """
+    durations: dict[str, list[float]] = {}
+    for name, us in launches:
+        durations.setdefault(name, []).append(us)
+    rows = [dict(name=name, count=len(times) / steps, us=statistics.median(times) * len(times) / steps)
+            for name, times in durations.items()]
+    return sorted(rows, key=lambda row: -row["us"])
 
 
 def _local(x):
@@ -309,7 +321,8 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
     if profiles:
         lines += ["", f"## Where a CUDA-graph step's device time goes (B = {profiles['batch']}, rank 0, "
                       f"{profiles['steps']} replays)", "",
-                  "Kernels per step, device us per step; the step's time is in the first table.", ""]
+                  "Kernels per step and device us per step (the median launch's time x launches per step); "
+                  "the step's time is in the first table.", ""]
         for side in ("axedist", "torch"):
             kernels = profiles[side]
             total = sum(k["us"] for k in kernels)
