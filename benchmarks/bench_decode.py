@@ -8,7 +8,7 @@ GEMMs of the stack alone: fused GEMM + all-reduce vs cuBLAS + NCCL / + axedist's
 A decode step runs the stack on one new position of each of B sequences (h [1, B, dim], no KV
 cache: the attention sees that position only), so every row-parallel linear (wo, w2) ends in an
 all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per step (median of
---reps steps; max over ranks):
+--reps steps, axedist's and torch's steps interleaved; max over ranks):
   axedist_eager / axedist_graph   the stack parallelized with axedist's llama_tp_plan (no sequence
                                   parallelism), run eagerly / captured once and replayed; each
                                   layer's all-reduce + residual add + RMSNorm fused into one kernel
@@ -86,22 +86,26 @@ def torch_parallel(stack: LayerStack, cfg, world: int, torch_mesh) -> LayerStack
     return stack
 
 
-def _timed_ms(step, reps: int) -> float:
-    """Median ms per step over `reps` steps (events around each), after 3 warm-up steps."""
+def _timed_ms(steps: dict, reps: int) -> dict:
+    """Median ms per step of each side (events around each step), the sides' steps interleaved
+    (step i of every side before step i + 1, so that they share clocks and temperature), after 3
+    warm-up steps each; the slowest rank's median."""
     for _ in range(3):
-        step()
+        for step in steps.values():
+            step()
     torch.cuda.synchronize()
-    times = []
+    times = {name: [] for name in steps}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    value = torch.tensor([statistics.median(times)], device="cuda", dtype=torch.float64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value.item()
+        for name, step in steps.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    values = torch.tensor([statistics.median(times[name]) for name in steps], device="cuda", dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(steps, values.tolist()))
 
 
 def _graphed(forward, static_input):
@@ -181,24 +185,27 @@ def stack_rows(args, cfg, world, rank, mesh):
             reference = base(h)
             ours_in = ax.DTensor.from_local(h, mesh, [Replicate()])
             theirs_in = h                                  # torch's TP takes the local tensor
+            eager, graphs = {}, {}
             for name, model, x in (("axedist", ours, ours_in), ("torch", theirs, theirs_in)):
                 out = _local(model(x))
                 row[f"{name}_rel_err"] = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-                row[f"{name}_eager"] = _timed_ms(lambda: model(x), args.reps)
+                eager[name] = (lambda m, i: lambda: m(i))(model, x)
                 try:
                     replay, graph_out = _graphed(model, x)
-                    row[f"{name}_graph"] = _timed_ms(replay, args.reps)
-                    if args.profile and batch == args.batches[0]:
-                        profiles.update(batch=batch, steps=20)
-                        profiles[name] = kernel_profile(replay, 20)
                     replay()
                     torch.cuda.synchronize()
                     got = _local(graph_out)
                     row[f"{name}_graph_rel_err"] = ((got.float() - reference.float()).norm() / reference.float().norm()).item()
+                    graphs[name] = replay
                 except Exception as error:  # say why in the table, keep the run going
                     row[f"{name}_graph"] = None
                     row[f"{name}_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     torch.cuda.synchronize()
+            row.update({f"{name}_eager": ms for name, ms in _timed_ms(eager, args.reps).items()})
+            row.update({f"{name}_graph": ms for name, ms in _timed_ms(graphs, args.reps).items()})
+            if args.profile and batch == args.batches[0] and len(graphs) == 2:
+                profiles.update(batch=batch, steps=20)
+                profiles.update({name: kernel_profile(replay, 20) for name, replay in graphs.items()})
         rows.append(row)
         if rank == 0:
             print(f"B={batch}: axedist eager {row['axedist_eager']:.3f} graph {row['axedist_graph']} | torch "
