@@ -86,28 +86,6 @@ def torch_parallel(stack: LayerStack, cfg, world: int, torch_mesh) -> LayerStack
     return stack
 
 
-def _timed_ms(steps: dict, reps: int) -> dict:
-    """Median ms per step of each side (events around each step), the sides' steps interleaved
-    (step i of every side before step i + 1, so that they share clocks and temperature), after 3
-    warm-up steps each; the slowest rank's median."""
-    for _ in range(3):
-        for step in steps.values():
-            step()
-    torch.cuda.synchronize()
-    times = {name: [] for name in steps}
-    for _ in range(reps):
-        for name, step in steps.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
-    values = torch.tensor([statistics.median(times[name]) for name in steps], device="cuda", dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(steps, values.tolist()))
-
-
 def _graphed(forward, static_input):
     """(replay, output) of forward(static_input) captured in a CUDA graph after two eager runs
     on a side stream (as torch's CUDA-graph recipe does)."""
@@ -201,8 +179,9 @@ def stack_rows(args, cfg, world, rank, mesh):
                     row[f"{name}_graph"] = None
                     row[f"{name}_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     torch.cuda.synchronize()
-            row.update({f"{name}_eager": ms for name, ms in _timed_ms(eager, args.reps).items()})
-            row.update({f"{name}_graph": ms for name, ms in _timed_ms(graphs, args.reps).items()})
+            # the sides' steps interleaved, events around each, the slowest rank's median
+            row.update({f"{name}_eager": ms for name, ms in time_interleaved(eager, args.reps).items()})
+            row.update({f"{name}_graph": ms for name, ms in time_interleaved(graphs, args.reps).items()})
             if args.profile and batch == args.batches[0] and len(graphs) == 2:
                 profiles.update(batch=batch, steps=20)
                 profiles.update({name: kernel_profile(replay, 20) for name, replay in graphs.items()})
