@@ -5,6 +5,7 @@
 #                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite)
 #   bash benchmarks/device/closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # model_tables (the fused kernels at bench_tp's llama8b calls -> 'auto'),
+#                                       # ag_gemm (design + llama8b shapes -> 'auto'),
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL, decode (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
@@ -62,6 +63,11 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
       [[ -f $RESULTS/gemm_rs_w${W}_llama8b.json ]] && python3 benchmarks/bench_gemm_rs.py --tables-from "$RESULTS/gemm_rs_w${W}_llama8b.json" > "$LOGS/tables.log" 2>&1
       [[ -f $RESULTS/ag_gemm_w${W}_llama8b.json ]] && python3 benchmarks/bench_ag_gemm.py --tables-from "$RESULTS/ag_gemm_w${W}_llama8b.json" >> "$LOGS/tables.log" 2>&1
       mkdir -p "$RESULTS/tables" && cp axedist/kernels/*_auto.json axedist/kernels/gemm_rs_tuned.json "$RESULTS/tables/" ;;
+    ag_gemm) # the all-gather + GEMM at W = up to 4 GPUs: the design shapes and bench_tp's llama8b calls, then 'auto' reads both
+      step ag_gemm_w$W 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --reps 10 --out "$RESULTS"
+      step ag_gemm_llama8b 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --shapes llama8b --reps 10 --out "$RESULTS"
+      python3 benchmarks/bench_ag_gemm.py --tables-from "$RESULTS"/ag_gemm_w${W}*.json >> "$LOGS/tables.log" 2>&1
+      mkdir -p "$RESULTS/tables" && cp axedist/kernels/ag_gemm_auto.json "$RESULTS/tables/" ;;
     gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
