@@ -34,7 +34,7 @@ from axedist.collectives.timing import device_time, host_time_us, time_collectiv
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import (append_history, auto_cell, auto_vs_best, require_multicast_off, run_meta, symm_fastest,  # noqa: E402
+from history import (append_history, auto_cell, auto_vs_best, merged_sources, require_multicast_off, run_meta, symm_fastest,  # noqa: E402
                      unfused_time)
 
 LINK_BYTES_PER_S = 478e9
@@ -276,8 +276,7 @@ def auto_table(results: list[dict]) -> dict:
         earlier = json.load(handle)
     loses += [shape for shape in earlier["fused_loses"] if tuple(shape) not in measured]
     wins += [shape for shape in earlier.get("symm_wins", []) if tuple(shape) not in measured]
-    sources = [source for source in earlier["source"] if source not in sources] + sources
-    return dict(source=sources, fused_loses=sorted(loses), symm_wins=sorted(wins),
+    return dict(source=merged_sources(earlier["source"], sources), fused_loses=sorted(loses), symm_wins=sorted(wins),
                 min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
 
 

@@ -34,7 +34,7 @@ from axedist.collectives.timing import time_collective, time_interleaved  # noqa
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, auto_cell, auto_vs_best, run_meta, symm_fastest, unfused_time  # noqa: E402
+from history import append_history, auto_cell, auto_vs_best, merged_sources, run_meta, symm_fastest, unfused_time  # noqa: E402
 
 LINK_BYTES_PER_S = 478e9
 
@@ -263,7 +263,7 @@ def write_tables(paths: list[str]) -> None:
         earlier = json.load(handle)
     for key in ("fused_loses", "symm_wins"):
         auto[key] = sorted(auto[key] + [shape for shape in earlier.get(key, []) if tuple(shape) not in measured])
-    auto["source"] = [source for source in earlier["source"] if source not in auto["source"]] + auto["source"]
+    auto["source"] = merged_sources(earlier["source"], auto["source"])
     with open(AUTO_TABLE_PATH, "w") as handle:
         shapes = {key: ",\n  ".join(json.dumps(shape) for shape in auto[key]) for key in ("fused_loses", "symm_wins")}
         handle.write(f'{{"source": {json.dumps(auto["source"], indent=1)},\n'

@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 
@@ -31,6 +32,17 @@ def append_history(out_dir: str, name: str, meta: dict, data: dict) -> str:
         handle.write(json.dumps(line, separators=(",", ":")) + "\n")
     return path
 
+
+
+def merged_sources(earlier: list[str], new: list[str]) -> list[str]:
+    """The sources of a rewritten auto table ("machine, commit C, date, `command`" each): the
+    earlier ones, less any the new results supersede (the same command on the same machine, its
+    ``--out`` aside), then the new ones."""
+    def run(source: str) -> tuple[str, str]:
+        command = source[source.index("`"):]
+        return source.split(", commit ")[0], re.sub(r" --out \S+", "", command)
+    rerun = {run(source) for source in new}
+    return [source for source in earlier if run(source) not in rerun] + new
 
 
 def require_multicast_off() -> None:
