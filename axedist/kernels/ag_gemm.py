@@ -5,26 +5,28 @@ rank's B [K, N] (or nn.Linear's weight.t()); out is [W * M_LOCAL, N], rank p's r
 p * M_LOCAL.
 
 Every rank claims task ids from its counter in one order (programs of a persistent grid, one per
-SM, always co-resident):
+SM, always co-resident). The order is W segments; segment s holds the GEMM tiles over the rows
+of source (r - s) % W (s = 0: this rank's own), with the push tasks of step s + 1 spread evenly
+among them:
 
-    push tasks   (row block t, step s, piece c): rank r stores column range c of rows t*BM ..
-                 of its A into the gathered buffer of rank (r + s) % W, s = 1 .. W-1 (slot r:
-                 remote stores over NVLink, posted writes), then releases flag (r, t, c) in that
-                 rank's flag array. PIECES ranges per block let that many programs move one
-                 block at once. Steps are staggered, so every rank receives from one source per
-                 step. With MULTIMEM one multimem.st per 16 bytes writes every rank's copy at
-                 once (one step).
-    local tiles  GEMM tiles over this rank's own rows, read from A itself (a_desc / a_ptr):
-                 they wait for nothing, so they are interleaved with the push tasks (evenly, in
-                 claim order) and the NVLink traffic runs under their math.
-    peer tiles   GEMM tiles over the rows of source (r - 1), (r - 2), ... (the order in which
-                 the pushes of the staggered steps land): each acquires the PIECES flags
-                 (source, t, c) in this rank's own flag array (local polling), then TMA-loads
-                 its A tile from the gathered buffer in local memory.
+    push tasks   (step s, row block t, piece c): rank r stores column range c of rows t*BM .. of
+                 its A into the gathered buffer of rank (r + s) % W (slot r: remote stores over
+                 NVLink, posted writes), then releases flag (r, t, c) in that rank's flag array.
+                 PIECES ranges per block let that many programs move one block at once. In each
+                 segment every rank sends to one peer and receives from one. With MULTIMEM one
+                 multimem.st per 16 bytes writes every rank's copy at once (one step, segment 0).
+    local tiles  segment 0: GEMM tiles over this rank's own rows, read from A itself (a_desc /
+                 a_ptr); they wait for nothing, and the first step's stores run under their math.
+    peer tiles   segment s >= 1: GEMM tiles over the rows of source (r - s) % W, which that
+                 source pushed in its step s (its segment s - 1): each acquires the PIECES flags
+                 (source, t, c) in this rank's own flag array (local polling), then TMA-loads its
+                 A tile from the gathered buffer in local memory. The pushes of step s + 1 run
+                 under them, so at W > 2 the stores of all steps hide behind GEMM tiles.
 
-Deadlock freedom: every push task comes before every peer tile in the claim order, and neither
-pushes nor local tiles ever wait, so every flag a peer tile waits for belongs to a task that a
-running program already holds, or will claim next, on its rank.
+Deadlock freedom: pushes and local tiles never wait, and a program finishes a task before it
+claims the next. Segment 0 therefore completes on every rank; by induction, once every rank's
+segments 0 .. s - 1 have completed, every flag a segment-s peer tile waits for has been released
+(its push is in segment s - 1 of its source), so segment s completes too.
 
 Gathered buffer: rows of K elements in the rank's data region, the half of the call's epoch
 starting at row `parity * half_rows` (the host makes half_rows * K * size at least a half's
@@ -130,9 +132,10 @@ def all_gather_gemm_kernel(
     tiles_m = tl.cdiv(M_LOCAL, BM)
     tiles_n = tl.cdiv(N, BN)
     per_source = tiles_m * tiles_n
-    pushes = tiles_m * STEPS * PIECES
-    first_end = pushes + per_source       # the push tasks and the local tiles, interleaved
-    gemm_end = first_end + (WORLD - 1) * per_source
+    step_pushes = tiles_m * PIECES        # the push tasks of one step
+    segment_tasks = per_source + step_pushes
+    with_pushes = STEPS * segment_tasks   # segments 0 .. STEPS - 1: one step's pushes among the tiles
+    gemm_end = with_pushes + (WORLD - STEPS) * per_source
     tasks = gemm_end + (WORLD * tiles_m * PIECES if COPY_OUT else 0)
     piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
@@ -140,10 +143,13 @@ def all_gather_gemm_kernel(
     gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
     task = claim_task(state_ptr)
     while task < tasks:
-        is_push, index = _interleaved(task, pushes, per_source)
-        if (task < first_end) & is_push:
+        in_pushes = task < with_pushes
+        segment = tl.where(in_pushes, task // segment_tasks, STEPS + (task - with_pushes) // per_source)
+        within = tl.where(in_pushes, task % segment_tasks, (task - with_pushes) % per_source)
+        is_push, index = _interleaved(within, tl.where(in_pushes, step_pushes, 0), per_source)
+        if is_push:
             if (PHASES & 1) and STEPS > 0:  # W = 1 has no push (nor a division by zero steps)
-                block = index // (STEPS * PIECES)
+                block = index // PIECES
                 piece = index % PIECES
                 col_first = piece * piece_cols
                 col_last = tl.minimum(col_first + piece_cols, K)
@@ -163,7 +169,7 @@ def all_gather_gemm_kernel(
                             st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag,
                                            epoch)
                 else:
-                    peer = (rank + 1 + index // PIECES % STEPS) % WORLD
+                    peer = (rank + 1 + segment) % WORLD
                     target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
                     _copy_rows(a_ptr + row0 * stride_am, stride_am, target, rows_here, col_first,
                                col_last, K, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
@@ -195,14 +201,8 @@ def all_gather_gemm_kernel(
                            tl.minimum(col_first + piece_cols, K), K, 0, ELEMENT, COPY_ROWS,
                            COPY_COLS, ALIGNED, False)
         elif PHASES & 2:
-            if task < first_end:  # a local tile
-                source = rank
-                tile = index
-            else:
-                gemm_task = task - first_end
-                source = (rank - 1 - gemm_task // per_source + WORLD) % WORLD
-                tile = gemm_task % per_source
-            tile_m, tile_n = grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+            source = (rank - segment + WORLD) % WORLD  # segment 0: this rank's own rows
+            tile_m, tile_n = grouped_tile(index, tiles_m, tiles_n, GROUP_M)
             local_row0 = tile_m * BM
             col0 = tile_n * BN
             if source == rank:
