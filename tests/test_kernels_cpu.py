@@ -153,6 +153,120 @@ def test_device_decode_matches_schedule_under_the_interpreter():
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
 
 
+# -- the all-gather + GEMM's schedule ----------------------------------------------------------
+
+_AG_CASES = [(2, 3, 2, 1), (3, 2, 3, 2), (4, 3, 1, 3), (4, 1, 5, 1), (8, 2, 2, 2), (1, 2, 3, 2)]
+
+
+@pytest.mark.parametrize("world,tiles_m,tiles_n,pieces", _AG_CASES)
+@pytest.mark.parametrize("multimem,copy_out", [(False, False), (False, True), (True, True)])
+def test_ag_schedule_runs_each_push_tile_and_copy_once(world, tiles_m, tiles_n, pieces, multimem, copy_out):
+    """Every rank pushes each (row block, piece) of its rows to every peer once (multimem: once to
+    all), computes each tile of every source once, own rows first, and copies out every source's
+    rows once; in each push step every rank sends to a different peer."""
+    pushes_to = {}
+    for rank in range(world):
+        tasks = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out)
+        pushes = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.PUSH]
+        tiles = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.TILE]
+        copies = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.COPY]
+        peers = [-1] if multimem and world > 1 else [p for p in range(world) if p != rank]
+        assert sorted(pushes) == sorted((p, b, c) for p in peers for b in range(tiles_m) for c in range(pieces))
+        assert sorted(tiles) == sorted((s, m, n) for s in range(world) for m in range(tiles_m) for n in range(tiles_n))
+        assert {who for who, _, _ in tiles[:tiles_m * tiles_n]} == {rank}
+        assert sorted(copies) == (sorted((s, b, c) for s in range(world) for b in range(tiles_m) for c in range(pieces))
+                                  if copy_out else [])
+        pushes_to[rank] = [who for who, _, _ in pushes]
+    if not multimem and world > 2:
+        for step in range(len(pushes_to[0])):
+            assert len({pushes_to[rank][step] for rank in range(world)}) == world
+
+
+def _simulate_ag(lists, world, pieces, programs, seed):
+    """Programs claim each rank's tasks in order; a push lands its flag on its peer (every rank:
+    multimem) when done; a tile or copy of a peer's rows spins until its flags arrived. Returns
+    the sweeps taken, or None when every program is stuck (deadlock)."""
+    rng = random.Random(seed)
+    counters = [0] * world
+    arrived = [set() for _ in range(world)]
+    running = [[None] * programs for _ in range(world)]
+
+    def ready(rank, task):
+        kind, who, x, y = lists[rank][task]
+        if kind == schedule.PUSH or who == rank:
+            return True
+        needed = [(who, x, c) for c in range(pieces)] if kind == schedule.TILE else [(who, x, y)]
+        return all(flag in arrived[rank] for flag in needed)
+
+    for sweep in range(100_000):
+        if all(counters[r] == len(lists[r]) and not any(running[r]) for r in range(world)):
+            return sweep
+        stuck = all((slot is None and counters[r] == len(lists[r])) or (slot is not None and not ready(r, slot[0]))
+                    for r in range(world) for slot in running[r])
+        if stuck:
+            return None
+        order = [(r, p) for r in range(world) for p in range(programs)]
+        rng.shuffle(order)
+        for rank, program in order:
+            slot = running[rank][program]
+            if slot is None:
+                if counters[rank] < len(lists[rank]) and rng.random() < 0.7:
+                    running[rank][program] = (counters[rank], rng.randint(1, 3))
+                    counters[rank] += 1
+            elif ready(rank, slot[0]):
+                task, remaining = slot
+                if remaining > 1:
+                    running[rank][program] = (task, remaining - 1)
+                    continue
+                kind, who, x, y = lists[rank][task]
+                if kind == schedule.PUSH:
+                    for peer in (range(world) if who == -1 else [who]):
+                        arrived[peer].add((rank, x, y))
+                running[rank][program] = None
+    return None
+
+
+@pytest.mark.parametrize("world,tiles_m,tiles_n,pieces", _AG_CASES)
+@pytest.mark.parametrize("multimem", [False, True])
+def test_ag_simulated_persistent_grid_never_deadlocks(world, tiles_m, tiles_n, pieces, multimem):
+    """The deadlock argument of ag_gemm.py's docstring, run: any number of programs per rank,
+    random claim and finish times; and the simulation does catch an order that can deadlock
+    (every push after every tile)."""
+    lists = [schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, True) for rank in range(world)]
+    for programs, seed in itertools.product((1, 2, 5), range(3)):
+        assert _simulate_ag(lists, world, pieces, programs, seed) is not None, (programs, seed)
+    if world > 1:
+        late = [[t for t in tasks if t[0] != schedule.PUSH] + [t for t in tasks if t[0] == schedule.PUSH]
+                for tasks in lists]
+        assert _simulate_ag(late, world, pieces, 1, 0) is None
+
+
+def test_ag_device_decode_matches_schedule_under_the_interpreter():
+    _need_triton()
+    script = textwrap.dedent("""
+        import itertools
+        import torch
+        from axedist.kernels import ag_gemm, schedule
+        tiles_m, tiles_n, group_m = 3, 5, 2
+        for world, pieces, multimem, copy_out in itertools.product((1, 2, 3, 4), (1, 2), (False, True), (False, True)):
+            for rank in range(world):
+                tasks = schedule.ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out)
+                out = torch.full((tasks * 4,), -7, dtype=torch.int32)
+                count = torch.zeros(1, dtype=torch.int32)
+                ag_gemm.schedule_probe_kernel[(tasks,)](out, count, tiles_m, tiles_n, rank, WORLD=world,
+                                                        MULTIMEM=multimem, PIECES=pieces, GROUP_M=group_m,
+                                                        COPY_OUT=copy_out)
+                assert count.item() == tasks, (world, pieces, multimem, copy_out, count.item(), tasks)
+                expect = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out, group_m)
+                got = [tuple(row) for row in out.view(-1, 4).tolist()]
+                assert got == expect, (world, pieces, multimem, copy_out, rank, got, expect)
+        print("OK")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
 # -- compilation for sm_90a --------------------------------------------------------------------
 
 COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce_one_shot", "all_reduce_two_shot")

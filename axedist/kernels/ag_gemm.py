@@ -5,9 +5,10 @@ rank's B [K, N] (or nn.Linear's weight.t()); out is [W * M_LOCAL, N], rank p's r
 p * M_LOCAL.
 
 Every rank claims task ids from its counter in one order (programs of a persistent grid, one per
-SM, always co-resident). The order is W segments; segment s holds the GEMM tiles over the rows
-of source (r - s) % W (s = 0: this rank's own), with the push tasks of step s + 1 spread evenly
-among them:
+SM, always co-resident; schedule.ag_decode_task is the order's host twin, which the CPU tests
+compare with the kernel's decode and simulate for deadlock). The order is W segments; segment s
+holds the GEMM tiles over the rows of source (r - s) % W (s = 0: this rank's own), with the push
+tasks of step s + 1 spread evenly among them:
 
     push tasks   (step s, row block t, piece c): rank r stores column range c of rows t*BM .. of
                  its A into the gathered buffer of rank (r + s) % W (slot r: remote stores over
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import schedule
 from .gemm import gemm_tile, grouped_tile, tma_compatible
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
@@ -95,12 +97,69 @@ def _copy_rows(source, source_stride, target, rows_here, col_first, col_last, K,
 @triton.jit
 def _interleaved(task, pushes, locals_):
     """(is a push, index among its kind) of task `task` < pushes + locals_, the two kinds spread
-    evenly over the range in claim order (push i at about i * (pushes + locals_) / pushes)."""
+    evenly over the range in claim order: the device twin of schedule.interleaved."""
     total = pushes + locals_
     before = (task.to(tl.int64) * pushes) // total          # pushes among tasks 0 .. task - 1
     through = ((task.to(tl.int64) + 1) * pushes) // total   # ... among tasks 0 .. task
     is_push = through > before
     return is_push, tl.where(is_push, before, task - before).to(tl.int32)
+
+
+PUSH = tl.constexpr(schedule.PUSH)
+TILE = tl.constexpr(schedule.TILE)
+COPY = tl.constexpr(schedule.COPY)
+
+
+@triton.jit
+def _task_count(tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.constexpr, PIECES: tl.constexpr,
+                COPY_OUT: tl.constexpr):
+    # the device twin of schedule.ag_task_count
+    return (STEPS * tiles_m * PIECES + WORLD * tiles_m * tiles_n
+            + (WORLD * tiles_m * PIECES if COPY_OUT else 0))
+
+
+@triton.jit
+def _decode_task(task, rank, tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.constexpr,
+                 MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr):
+    """(kind, who, x, y) of task `task` (STEPS: schedule.ag_steps): the device twin of
+    schedule.ag_decode_task."""
+    per_source = tiles_m * tiles_n
+    step_pushes = tiles_m * PIECES        # the push tasks of one step
+    segment_tasks = per_source + step_pushes
+    with_pushes = STEPS * segment_tasks   # segments 0 .. STEPS - 1: one step's pushes among the tiles
+    gemm_end = with_pushes + (WORLD - STEPS) * per_source
+    in_pushes = task < with_pushes
+    segment = tl.where(in_pushes, task // segment_tasks, STEPS + (task - with_pushes) // per_source)
+    within = tl.where(in_pushes, task % segment_tasks, (task - with_pushes) % per_source)
+    is_push, index = _interleaved(within, tl.where(in_pushes, step_pushes, 0), per_source)
+    tile_m, tile_n = grouped_tile(tl.where(is_push, 0, index), tiles_m, tiles_n, GROUP_M)  # a push's index may pass the tiles
+    is_tile = (task < gemm_end) & ~is_push
+    copy = tl.maximum(task - gemm_end, 0)
+    kind = tl.where(is_push, PUSH, tl.where(is_tile, TILE, COPY))
+    peer = -1 if MULTIMEM else (rank + 1 + segment) % WORLD
+    who = tl.where(is_push, peer, tl.where(is_tile, (rank - segment % WORLD + WORLD) % WORLD,
+                                           (rank - copy // (PIECES * tiles_m) % WORLD + WORLD) % WORLD))
+    x = tl.where(is_push, index // PIECES, tl.where(is_tile, tile_m, copy // PIECES % tiles_m))
+    y = tl.where(is_push, index % PIECES, tl.where(is_tile, tile_n, copy % PIECES))
+    return kind, who, x, y
+
+
+@triton.jit
+def schedule_probe_kernel(out_ptr, count_ptr, tiles_m, tiles_n, rank, WORLD: tl.constexpr,
+                          MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr,
+                          COPY_OUT: tl.constexpr):
+    """Program `task` writes (kind, who, x, y) of that task id, decoded as the fused kernel
+    decodes it, and program 0 the task count; the CPU tests run it under TRITON_INTERPRET=1
+    against schedule.py."""
+    STEPS: tl.constexpr = 1 if MULTIMEM and WORLD > 1 else WORLD - 1
+    task = tl.program_id(0)
+    if task == 0:
+        tl.store(count_ptr, _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT))
+    kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
+    tl.store(out_ptr + task * 4 + 0, kind)
+    tl.store(out_ptr + task * 4 + 1, who)
+    tl.store(out_ptr + task * 4 + 2, x)
+    tl.store(out_ptr + task * 4 + 3, y)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
@@ -124,33 +183,25 @@ def all_gather_gemm_kernel(
     gathered_address, for later users of it."""
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
-    STEPS: tl.constexpr = 1 if MULTIMEM else WORLD - 1  # the peers' buffers (multimem: all at once)
+    STEPS: tl.constexpr = 1 if MULTIMEM and WORLD > 1 else WORLD - 1  # schedule.ag_steps
     epoch = call_epoch(state_ptr)
     parity = epoch % 2
     slot_row0 = parity * half_rows        # the call's half, in rows of the gathered buffers
     row_bytes = K.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
     tiles_m = tl.cdiv(M_LOCAL, BM)
     tiles_n = tl.cdiv(N, BN)
-    per_source = tiles_m * tiles_n
-    step_pushes = tiles_m * PIECES        # the push tasks of one step
-    segment_tasks = per_source + step_pushes
-    with_pushes = STEPS * segment_tasks   # segments 0 .. STEPS - 1: one step's pushes among the tiles
-    gemm_end = with_pushes + (WORLD - STEPS) * per_source
-    tasks = gemm_end + (WORLD * tiles_m * PIECES if COPY_OUT else 0)
+    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
     piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
     own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
     gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
     task = claim_task(state_ptr)
     while task < tasks:
-        in_pushes = task < with_pushes
-        segment = tl.where(in_pushes, task // segment_tasks, STEPS + (task - with_pushes) // per_source)
-        within = tl.where(in_pushes, task % segment_tasks, (task - with_pushes) % per_source)
-        is_push, index = _interleaved(within, tl.where(in_pushes, step_pushes, 0), per_source)
-        if is_push:
+        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
+        if kind == PUSH:
             if (PHASES & 1) and STEPS > 0:  # W = 1 has no push (nor a division by zero steps)
-                block = index // PIECES
-                piece = index % PIECES
+                block = x
+                piece = y
                 col_first = piece * piece_cols
                 col_last = tl.minimum(col_first + piece_cols, K)
                 row0 = block * BM
@@ -169,7 +220,7 @@ def all_gather_gemm_kernel(
                             st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag,
                                            epoch)
                 else:
-                    peer = (rank + 1 + segment) % WORLD
+                    peer = who
                     target = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
                     _copy_rows(a_ptr + row0 * stride_am, stride_am, target, rows_here, col_first,
                                col_last, K, 0, ELEMENT, COPY_ROWS, COPY_COLS, ALIGNED, False)
@@ -178,12 +229,11 @@ def all_gather_gemm_kernel(
                         fence_acq_rel_sys(block)
                         tl.debug_barrier()
                         st_release_sys(pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag, epoch)
-        elif task >= gemm_end:
+        elif kind == COPY:
             if PHASES & 2:
-                copy = task - gemm_end
-                piece = copy % PIECES
-                block = copy // PIECES % tiles_m
-                source = (rank - copy // (PIECES * tiles_m) + WORLD) % WORLD
+                source = who
+                block = x
+                piece = y
                 row0 = block * BM
                 col_first = piece * piece_cols
                 if source == rank:  # this rank's rows: from A itself
@@ -201,8 +251,9 @@ def all_gather_gemm_kernel(
                            tl.minimum(col_first + piece_cols, K), K, 0, ELEMENT, COPY_ROWS,
                            COPY_COLS, ALIGNED, False)
         elif PHASES & 2:
-            source = (rank - segment + WORLD) % WORLD  # segment 0: this rank's own rows
-            tile_m, tile_n = grouped_tile(index, tiles_m, tiles_n, GROUP_M)
+            source = who  # this rank's own rows in segment 0
+            tile_m = x
+            tile_n = y
             local_row0 = tile_m * BM
             col0 = tile_n * BN
             if source == rank:
@@ -374,10 +425,8 @@ class AllGatherGemmLaunch:
         kernel = all_gather_gemm_kernel.warmup(*args, **constexprs, num_warps=config.warps,
                                                num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
-        tiles_m = triton.cdiv(ops.m, config.block_m)
-        tasks = tiles_m * (1 if multimem else world - 1) * config.pieces \
-            + world * tiles_m * triton.cdiv(ops.n, config.block_n) \
-            + (world * tiles_m * config.pieces if copy_out else 0)
+        tasks = schedule.ag_task_count(world, triton.cdiv(ops.m, config.block_m),
+                                       triton.cdiv(ops.n, config.block_n), config.pieces, multimem, copy_out)
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))

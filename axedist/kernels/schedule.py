@@ -1,5 +1,8 @@
-"""Task schedule of the fused GEMM + reduce-scatter kernel (pure Python; the kernel in
-gemm_rs.py computes the same functions on the device, and the CPU tests check both).
+"""Task schedules of the fused kernels, in pure Python: GEMM + reduce-scatter (gemm_rs.py) and,
+at the end, all-gather + GEMM (ag_gemm.py). Each kernel computes the same functions on the
+device; the CPU tests check the two against each other and simulate the schedules for deadlock.
+
+GEMM + reduce-scatter.
 
 The partial C = A @ B ([M, N]) is cut into W row chunks of M / W rows; chunk c belongs to rank c.
 Each chunk is tiled into `rounds` = tiles_m * tiles_n tiles of BM x BN. Every rank runs the same
@@ -78,3 +81,57 @@ def task_list(rank: int, world: int, rounds: int, lag: int) -> list[tuple[str, i
         chunk = gemm_chunk(rank, slot, world) if is_gemm else rank
         tasks.append(("gemm" if is_gemm else "reduce", chunk, round_))
     return tasks
+
+
+# -- all-gather + GEMM (ag_gemm.py's module docstring has the order and its deadlock argument) --
+
+PUSH, TILE, COPY = 0, 1, 2  # the kinds of an all-gather + GEMM task
+
+
+def ag_steps(world: int, multimem: bool) -> int:
+    """Push steps of one rank's rows: one per peer, or one multimem store to every rank."""
+    return 1 if multimem and world > 1 else world - 1
+
+
+def ag_task_count(world: int, tiles_m: int, tiles_n: int, pieces: int, multimem: bool,
+                  copy_out: bool) -> int:
+    return (ag_steps(world, multimem) * tiles_m * pieces + world * tiles_m * tiles_n
+            + (world * tiles_m * pieces if copy_out else 0))
+
+
+def interleaved(task: int, pushes: int, others: int) -> tuple[bool, int]:
+    """(is a push, index among its kind) of task `task` < pushes + others, the pushes spread
+    evenly among the others (push i at about i * (pushes + others) / pushes)."""
+    total = pushes + others
+    before, through = task * pushes // total, (task + 1) * pushes // total
+    return through > before, before if through > before else task - before
+
+
+def ag_decode_task(task: int, rank: int, world: int, tiles_m: int, tiles_n: int, pieces: int,
+                   multimem: bool, group_m: int) -> tuple[int, int, int, int]:
+    """(kind, who, x, y) of task `task` on `rank`: (PUSH, peer, row block, piece) with peer -1
+    for a multimem store to every rank; (TILE, source, tile row, tile column); (COPY, source,
+    row block, piece)."""
+    steps = ag_steps(world, multimem)
+    per_source, step_pushes = tiles_m * tiles_n, tiles_m * pieces
+    with_pushes = steps * (per_source + step_pushes)
+    gemm_end = with_pushes + (world - steps) * per_source
+    if task >= gemm_end:
+        copy = task - gemm_end
+        return COPY, (rank - copy // (pieces * tiles_m)) % world, copy // pieces % tiles_m, copy % pieces
+    if task < with_pushes:
+        segment, within = divmod(task, per_source + step_pushes)
+        is_push, index = interleaved(within, step_pushes, per_source)
+    else:
+        segment, index = divmod(task - with_pushes, per_source)
+        segment, is_push = segment + steps, False
+    if is_push:
+        return PUSH, -1 if multimem else (rank + 1 + segment) % world, index // pieces, index % pieces
+    return (TILE, (rank - segment) % world, *grouped_tile(index, tiles_m, tiles_n, group_m))
+
+
+def ag_task_list(rank: int, world: int, tiles_m: int, tiles_n: int, pieces: int, multimem: bool,
+                 copy_out: bool, group_m: int = 8) -> list[tuple[int, int, int, int]]:
+    """Every task of one rank in claim order, as ag_decode_task gives them."""
+    return [ag_decode_task(task, rank, world, tiles_m, tiles_n, pieces, multimem, group_m)
+            for task in range(ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out))]
