@@ -829,6 +829,29 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
         assert tuned[key] == fields, key
 
 
+def test_ag_auto_table_is_what_the_recorded_benchmarks_say():
+    """kernels/ag_gemm_auto.json (where "auto" takes torch's op or the unfused pair instead of the
+    fused all-gather + GEMM) must be what `bench_ag_gemm.py --tables-from` derives from the current
+    result files, the shapes they did not measure kept from the table: rewriting it from them
+    changes nothing, so a new run recorded without its table (or a hand edit) fails here."""
+    import importlib.util
+    import json
+
+    from axedist.collectives import fused_tp
+    spec = importlib.util.spec_from_file_location("bench_ag_gemm", os.path.join(ROOT, "benchmarks", "bench_ag_gemm.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = []
+    for name in ("ag_gemm_w4", "ag_gemm_w4_llama8b", "ag_gemm_w2", "ag_gemm_w2_llama8b"):  # the table's sources
+        with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as handle:
+            results.append(json.load(handle))
+    with open(fused_tp.AG_AUTO_TABLE_PATH) as handle:
+        shipped = json.load(handle)
+    assert bench.auto_table(results) == shipped
+    for result in results:
+        assert any(result["meta"]["commit"] in source for source in shipped["source"]), result["meta"]
+
+
 def test_config_strings_round_trip():
     _need_triton()
     from axedist.kernels import gemm_rs
