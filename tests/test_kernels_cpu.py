@@ -71,19 +71,21 @@ def test_gemm_slots_are_staggered_across_ranks():
     assert sorted(firsts) == list(range(world))  # at the start every rank writes another chunk
 
 
-def _simulate(world, rounds, lag, programs, seed):
-    """Programs claim task ids in order from a per-rank counter; GEMM tasks finish after a random
-    delay, reduce tasks block until the tile's flag is set on every rank. Returns steps taken
-    until everything finished, or None on deadlock."""
+def _simulate_grid(lists, programs, seed, ready, done):
+    """A persistent grid of `programs` programs per rank: each claims its rank's next task in
+    order (with probability 0.7 per sweep), and runs it for 1-3 sweeps once ``ready(rank, task)``
+    (until then it spins), then calls ``done(rank, task)``. Returns the sweeps taken until every
+    task finished, or None when every program is stuck (deadlock)."""
     rng = random.Random(seed)
-    lists = [schedule.task_list(rank, world, rounds, lag) for rank in range(world)]
+    world = len(lists)
     counters = [0] * world
-    flags = [set() for _ in range(world)]          # (chunk, round) tiles finished per rank
-    running = [[None] * programs for _ in range(world)]  # (task, remaining steps)
-    done = 0
-    total = sum(len(t) for t in lists)
-    for step in range(100_000):
-        progressed = False
+    running = [[None] * programs for _ in range(world)]  # (task, remaining sweeps)
+    for sweep in range(100_000):
+        if all(counters[r] == len(lists[r]) and not any(running[r]) for r in range(world)):
+            return sweep
+        if all((slot is None and counters[r] == len(lists[r])) or (slot is not None and not ready(r, slot[0]))
+               for r in range(world) for slot in running[r]):
+            return None
         order = [(r, p) for r in range(world) for p in range(programs)]
         rng.shuffle(order)
         for rank, program in order:
@@ -92,28 +94,31 @@ def _simulate(world, rounds, lag, programs, seed):
                 if counters[rank] < len(lists[rank]) and rng.random() < 0.7:
                     running[rank][program] = (counters[rank], rng.randint(1, 3))
                     counters[rank] += 1
-                    progressed = True
-                continue
-            task, remaining = slot
-            kind, chunk, r = lists[rank][task]
-            if kind == "reduce" and not all((rank, r) in flags[peer] for peer in range(world)):
-                continue  # spinning on a flag
-            if remaining > 1:
-                running[rank][program] = (task, remaining - 1)
-            else:
-                if kind == "gemm":
-                    flags[rank].add((chunk, r))
-                running[rank][program] = None
-                done += 1
-            progressed = True
-        if done == total:
-            return step
-        if not progressed and all(counters[r] == len(lists[r]) or all(running[r]) for r in range(world)):
-            blocked = all(s is not None for r in range(world) for s in running[r] if counters[r] < len(lists[r]))
-            if blocked and not any(
-                    lists[r][s[0]][0] == "gemm" for r in range(world) for s in running[r] if s):
-                return None
+            elif ready(rank, slot[0]):
+                task, remaining = slot
+                if remaining > 1:
+                    running[rank][program] = (task, remaining - 1)
+                else:
+                    done(rank, task)
+                    running[rank][program] = None
     return None
+
+
+def _simulate(world, rounds, lag, programs, seed):
+    """The GEMM + RS schedule on a simulated grid: a reduce task spins until its tile's GEMM
+    finished on every rank."""
+    lists = [schedule.task_list(rank, world, rounds, lag) for rank in range(world)]
+    flags = [set() for _ in range(world)]          # (chunk, round) tiles finished per rank
+
+    def ready(rank, task):
+        kind, _, r = lists[rank][task]
+        return kind != "reduce" or all((rank, r) in flags[peer] for peer in range(world))
+
+    def done(rank, task):
+        kind, chunk, r = lists[rank][task]
+        if kind == "gemm":
+            flags[rank].add((chunk, r))
+    return _simulate_grid(lists, programs, seed, ready, done)
 
 
 @pytest.mark.parametrize("world,rounds,programs", [(2, 5, 1), (2, 5, 2), (4, 6, 1), (4, 6, 3), (8, 3, 2), (3, 7, 4)])
@@ -183,13 +188,10 @@ def test_ag_schedule_runs_each_push_tile_and_copy_once(world, tiles_m, tiles_n, 
 
 
 def _simulate_ag(lists, world, pieces, programs, seed):
-    """Programs claim each rank's tasks in order; a push lands its flag on its peer (every rank:
-    multimem) when done; a tile or copy of a peer's rows spins until its flags arrived. Returns
-    the sweeps taken, or None when every program is stuck (deadlock)."""
-    rng = random.Random(seed)
-    counters = [0] * world
+    """The all-gather + GEMM schedule on a simulated grid: a push lands its flag on its peer
+    (every rank: multimem) when done; a tile or copy of a peer's rows spins until its flags
+    arrived."""
     arrived = [set() for _ in range(world)]
-    running = [[None] * programs for _ in range(world)]
 
     def ready(rank, task):
         kind, who, x, y = lists[rank][task]
@@ -198,32 +200,12 @@ def _simulate_ag(lists, world, pieces, programs, seed):
         needed = [(who, x, c) for c in range(pieces)] if kind == schedule.TILE else [(who, x, y)]
         return all(flag in arrived[rank] for flag in needed)
 
-    for sweep in range(100_000):
-        if all(counters[r] == len(lists[r]) and not any(running[r]) for r in range(world)):
-            return sweep
-        stuck = all((slot is None and counters[r] == len(lists[r])) or (slot is not None and not ready(r, slot[0]))
-                    for r in range(world) for slot in running[r])
-        if stuck:
-            return None
-        order = [(r, p) for r in range(world) for p in range(programs)]
-        rng.shuffle(order)
-        for rank, program in order:
-            slot = running[rank][program]
-            if slot is None:
-                if counters[rank] < len(lists[rank]) and rng.random() < 0.7:
-                    running[rank][program] = (counters[rank], rng.randint(1, 3))
-                    counters[rank] += 1
-            elif ready(rank, slot[0]):
-                task, remaining = slot
-                if remaining > 1:
-                    running[rank][program] = (task, remaining - 1)
-                    continue
-                kind, who, x, y = lists[rank][task]
-                if kind == schedule.PUSH:
-                    for peer in (range(world) if who == -1 else [who]):
-                        arrived[peer].add((rank, x, y))
-                running[rank][program] = None
-    return None
+    def done(rank, task):
+        kind, who, x, y = lists[rank][task]
+        if kind == schedule.PUSH:
+            for peer in (range(world) if who == -1 else [who]):
+                arrived[peer].add((rank, x, y))
+    return _simulate_grid(lists, programs, seed, ready, done)
 
 
 @pytest.mark.parametrize("world,tiles_m,tiles_n,pieces", _AG_CASES)
