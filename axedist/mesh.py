@@ -149,11 +149,37 @@ def group_hosts(group=None) -> tuple[int, ...]:
     return tuple(r // per_node for r in ranks) if per_node > 0 else (0,) * len(ranks)
 
 
+def _torch_form(mesh, axis_names, mesh_dim_names, world: int) -> bool:
+    """Whether DeviceMesh's second argument is torch's mesh of rank ids rather than a shape (see
+    DeviceMesh); a list that reads as both, without axis names to tell, raises."""
+    if mesh_dim_names is not None or isinstance(mesh, torch.Tensor):
+        return True
+    if not isinstance(mesh, list):
+        return False  # an int or a tuple: a shape
+    if any(not isinstance(item, int) for item in mesh):
+        return True  # nested: rows of rank ids
+    if 0 in mesh:
+        return True  # no mesh axis has extent 0
+    if axis_names is None and len(set(mesh)) == len(mesh) and all(0 <= r < world for r in mesh) \
+            and math.prod(mesh) == world:
+        raise MeshError(f"DeviceMesh(device_type, {mesh}) is ambiguous: a {' x '.join(map(str, mesh))} mesh here, "
+                        f"ranks {mesh} in torch's DeviceMesh. Pass a tuple for a shape, or torch.tensor({mesh}) "
+                        f"(or mesh_dim_names=...) for rank ids")
+    return False
+
+
 class DeviceMesh:
     """Named axes over ranks: ``DeviceMesh(device_type, shape, axis_names, ranks=None)``.
 
     ``ranks`` lists global ranks row-major over ``shape`` (default ``0..W-1``); a nested
     list is flattened. Axis names default to ``gpuid`` (1-D) or ``gpuid_x, gpuid_y[, gpuid_z]``.
+
+    torch's form, ``DeviceMesh(device_type, mesh, mesh_dim_names=None)`` with ``mesh`` the rank
+    ids shaped as the mesh, means the same as ``DeviceMesh(device_type, mesh.shape,
+    mesh_dim_names, ranks=mesh)``; it is taken as such when ``mesh`` is a tensor, nested, holds
+    rank 0, or ``mesh_dim_names`` is given. An int or a tuple is a shape, and so is a list given
+    with ``axis_names``; a list without them that could be either (``[2, 3]`` on 6 ranks: a
+    2 x 3 mesh, or ranks 2 and 3 in torch) is an error.
 
     Hosts: ``host_size=2`` (or ``AXEDIST_HOST_SIZE=2``) simulates hosts of 2 consecutive ranks;
     else they are found (``job_topology``). An axis is inter-node when some group along it spans
@@ -164,12 +190,21 @@ class DeviceMesh:
 
     def __init__(self, device_type: str, shape: Sequence[int] | int, axis_names: Sequence[str] | str | None = None,
                  ranks=None, *, host_size: int | None = None, links: Mapping[str, Link] | None = None,
-                 intra_node_axes: Sequence[str] | None = None, _groups: dict | None = None,
-                 _topology: Topology | None = None):
+                 intra_node_axes: Sequence[str] | None = None, mesh_dim_names: Sequence[str] | None = None,
+                 _groups: dict | None = None, _topology: Topology | None = None):
         if not dist.is_initialized():
             raise MeshError("DeviceMesh needs an initialized torch.distributed process group (see axedist.init_mesh)")
         if device_type not in ("cpu", "cuda"):
             raise MeshError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        if _torch_form(shape, axis_names, mesh_dim_names, dist.get_world_size()):
+            if ranks is not None or (axis_names is not None and mesh_dim_names is not None):
+                raise MeshError(f"torch's form DeviceMesh({device_type!r}, mesh of rank ids) takes the ranks and names "
+                                f"from the mesh and mesh_dim_names: pass neither ranks= nor axis_names with it")
+            grid = torch.as_tensor(shape)
+            if grid.dtype.is_floating_point or grid.dtype.is_complex or grid.dtype == torch.bool or grid.dim() == 0:
+                raise MeshError(f"a mesh of rank ids must be integers in at least one dimension, got {shape!r}")
+            shape, ranks = tuple(grid.shape), grid.flatten().tolist()
+            axis_names = mesh_dim_names if mesh_dim_names is not None else axis_names
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not shape or any(not isinstance(s, int) or s <= 0 for s in shape):
             raise MeshError(f"mesh shape must be positive ints, got {shape}")
@@ -522,6 +557,8 @@ def init_mesh(shape: Sequence[int] | int | None = None, axis_names: Sequence[str
         choose_timeout(timeout_s)
     if shape is None:
         shape = (dist.get_world_size(),)
+    # init_mesh takes a shape only (a list too): torch's rank-id form is DeviceMesh's
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     return DeviceMesh(device_type, shape, axis_names, ranks, host_size=host_size, links=links,
                       intra_node_axes=intra_node_axes)
 

@@ -88,6 +88,70 @@ def test_errors_name_the_problem():
     assert "other than 'm'" in messages[5]
 
 
+def _torch_form(rank, world_size):
+    """torch's DeviceMesh(device_type, rank ids[, mesh_dim_names]) on axedist's DeviceMesh: the
+    same shape, ranks, coordinates and local pieces as torch's mesh built from the same call."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    torch.manual_seed(0)
+    full = torch.randn(8, 6)
+    out = {}
+    for name, mesh, kwargs in [
+        ("tensor", torch.arange(world_size), {}),
+        ("list", list(range(world_size)), {}),
+        ("permuted", torch.tensor([[0, 2], [1, 3]]), {"mesh_dim_names": ("dp", "tp")}),
+        ("nested", [[3, 2], [1, 0]], {"mesh_dim_names": ("dp", "tp")}),
+    ]:
+        ours, theirs = DeviceMesh("cpu", mesh, **kwargs), TorchMesh("cpu", mesh, **kwargs)
+        grid = torch.as_tensor(mesh)
+        assert ours == DeviceMesh("cpu", tuple(grid.shape), kwargs.get("mesh_dim_names"), ranks=grid.flatten().tolist())
+        coords = ours.coordinates()
+        assert [coords[axis] for axis in ours.axis_names] == list(theirs.get_coordinate()), (name, coords)
+        placements = [Shard(d % 2) for d in range(grid.dim())]
+        mine = distribute(full, ours, placements).to_local()
+        piece = full
+        for d, axis in enumerate(ours.axis_names):  # the brute-force piece at this rank's coordinates
+            piece = piece.chunk(ours.axis_size(axis), dim=d % 2)[coords[axis]]
+        assert torch.equal(mine, piece), name
+        if all(bool((grid.diff(dim=d) > 0).all()) for d in range(grid.dim())):
+            # torch's scatter follows group-rank order, the mesh's only where every axis ascends
+            assert torch.equal(mine, distribute_tensor(full, theirs, placements).to_local()), name
+        out[name] = (ours.shape, ours.axis_names, ours.ranks)
+    messages = []
+    for args, kwargs in [(("cpu", torch.arange(world_size)), {"ranks": list(range(world_size))}),
+                         (("cpu", torch.arange(world_size), ("x",)), {"mesh_dim_names": ("y",)}),
+                         (("cpu", torch.ones(world_size)), {})]:
+        with pytest.raises(MeshError) as info:
+            DeviceMesh(*args, **kwargs)
+        messages.append(str(info.value))
+    return out, messages
+
+
+def test_torchs_form_of_the_constructor_is_the_same_mesh_as_torchs():
+    results = run_on_ranks(_torch_form, 4)
+    meshes, messages = results[0]
+    assert meshes["tensor"] == meshes["list"] == ((4,), ("gpuid",), (0, 1, 2, 3))
+    assert meshes["permuted"] == ((2, 2), ("dp", "tp"), (0, 2, 1, 3))
+    assert meshes["nested"] == ((2, 2), ("dp", "tp"), (3, 2, 1, 0))
+    assert "pass neither ranks= nor axis_names" in messages[0] and "pass neither" in messages[1]
+    assert "must be integers" in messages[2]
+
+
+def _ambiguous(rank, world_size):
+    with pytest.raises(MeshError) as info:
+        DeviceMesh("cpu", [2, 3])
+    # a tuple, or a list with axis names, is a shape; a tensor is rank ids
+    assert DeviceMesh("cpu", (2, 3)).shape == DeviceMesh("cpu", [2, 3], ("x", "y")).shape == (2, 3)
+    assert DeviceMesh("cpu", torch.tensor([2, 3])).ranks == (2, 3)
+    return str(info.value)
+
+
+def test_a_list_that_reads_as_shape_and_as_rank_ids_is_an_error():
+    message = run_on_ranks(_ambiguous, 6)[0]
+    assert "ambiguous" in message and "Pass a tuple for a shape" in message and "torch.tensor([2, 3])" in message
+
+
 def test_init_mesh_outside_torchrun(monkeypatch):
     from axedist.mesh import init_mesh
 
