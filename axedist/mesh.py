@@ -198,9 +198,12 @@ class DeviceMesh:
             raise MeshError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
         if _torch_form(shape, axis_names, mesh_dim_names, dist.get_world_size()):
             if ranks is not None or (axis_names is not None and mesh_dim_names is not None):
-                raise MeshError(f"torch's form DeviceMesh({device_type!r}, mesh of rank ids) takes the ranks and names "
-                                f"from the mesh and mesh_dim_names: pass neither ranks= nor axis_names with it")
-            grid = torch.as_tensor(shape)
+                raise MeshError(f"torch's form DeviceMesh({device_type!r}, mesh of rank ids) takes the ranks from the "
+                                f"mesh: pass no ranks=, and name the axes once (axis_names or mesh_dim_names)")
+            try:
+                grid = torch.as_tensor(shape)
+            except (TypeError, ValueError, RuntimeError) as error:
+                raise MeshError(f"a mesh of rank ids must be a rectangular array of ints, got {shape!r}: {error}") from None
             if grid.dtype.is_floating_point or grid.dtype.is_complex or grid.dtype == torch.bool or grid.dim() == 0:
                 raise MeshError(f"a mesh of rank ids must be integers in at least one dimension, got {shape!r}")
             shape, ranks = tuple(grid.shape), grid.flatten().tolist()

@@ -121,7 +121,8 @@ def _torch_form(rank, world_size):
     messages = []
     for args, kwargs in [(("cpu", torch.arange(world_size)), {"ranks": list(range(world_size))}),
                          (("cpu", torch.arange(world_size), ("x",)), {"mesh_dim_names": ("y",)}),
-                         (("cpu", torch.ones(world_size)), {})]:
+                         (("cpu", torch.ones(world_size)), {}),
+                         (("cpu", [[0, 1], [2]]), {})]:
         with pytest.raises(MeshError) as info:
             DeviceMesh(*args, **kwargs)
         messages.append(str(info.value))
@@ -134,8 +135,8 @@ def test_torchs_form_of_the_constructor_is_the_same_mesh_as_torchs():
     assert meshes["tensor"] == meshes["list"] == ((4,), ("gpuid",), (0, 1, 2, 3))
     assert meshes["permuted"] == ((2, 2), ("dp", "tp"), (0, 2, 1, 3))
     assert meshes["nested"] == ((2, 2), ("dp", "tp"), (3, 2, 1, 0))
-    assert "pass neither ranks= nor axis_names" in messages[0] and "pass neither" in messages[1]
-    assert "must be integers" in messages[2]
+    assert "pass no ranks=" in messages[0] and "name the axes once" in messages[1]
+    assert "must be integers" in messages[2] and "rectangular array of ints" in messages[3]
 
 
 def _ambiguous(rank, world_size):
