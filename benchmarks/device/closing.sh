@@ -10,6 +10,13 @@
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
+# Step times on 4x H200 (2026-11-28, warm Triton cache after precompile): tests_multigpu W=4 317 s
+# (+120 s for test_every_candidate_config_and_gemm_only_mode), W=2 ~280 s, tests_onegpu halves
+# 128 / 141 s side by side; tp 114 s, train_2d 254 s, gemm_rs_w4 43 s, redistribute 71 s,
+# main_sh 93 s, ag_gemm 50 s, decode 37 s. So the whole 4-GPU table takes three calls, e.g.
+#   OUT=$OUT/t ... closing.sh tests (W=4 only); OUT=$OUT/b BENCHES="ag_gemm decode" ... closing.sh benches
+#   BENCHES="tp train_2d" ... closing.sh benches
+#   BENCHES="gemm_rs_w4 redistribute main_sh collectives" ... closing.sh benches
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 OMP_NUM_THREADS=4
 MODE=${1:-tests}
 BUDGET=${BUDGET:-560}
