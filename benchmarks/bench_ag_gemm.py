@@ -34,8 +34,8 @@ from axedist.collectives.timing import device_time, host_time_us, time_collectiv
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import (append_history, auto_cell, auto_vs_best, merged_sources, require_multicast_off, run_meta, symm_fastest,  # noqa: E402
-                     unfused_time)
+from history import (append_history, auto_cell, auto_vs_best, merged_with_earlier, require_multicast_off, run_meta, symm_fastest,  # noqa: E402
+                     table_source, unfused_time)
 
 LINK_BYTES_PER_S = 478e9
 
@@ -262,7 +262,7 @@ def auto_table(results: list[dict]) -> dict:
     loses, wins, sources = [], [], []
     for result in results:
         meta = result["meta"]
-        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        sources.append(table_source(meta))
         for row in result["rows"]:
             shape = [row["M"], row["N"], row["K"], row["world"]]
             if row["world"] > 1 and symm_fastest(row):
@@ -274,10 +274,8 @@ def auto_table(results: list[dict]) -> dict:
     measured = {(row["M"], row["N"], row["K"], row["world"]) for result in results for row in result["rows"]}
     with open(AG_AUTO_TABLE_PATH) as handle:
         earlier = json.load(handle)
-    loses += [shape for shape in earlier["fused_loses"] if tuple(shape) not in measured]
-    wins += [shape for shape in earlier.get("symm_wins", []) if tuple(shape) not in measured]
-    return dict(source=merged_sources(earlier["source"], sources), fused_loses=sorted(loses), symm_wins=sorted(wins),
-                min_rows_per_rank=AG_AUTO["min_rows_per_rank"])
+    return merged_with_earlier(earlier, dict(source=sources, fused_loses=loses, symm_wins=wins,
+                                             min_rows_per_rank=AG_AUTO["min_rows_per_rank"]), measured)
 
 
 def main():

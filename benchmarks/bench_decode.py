@@ -47,7 +47,7 @@ from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, require_multicast_off, run_meta  # noqa: E402
+from history import append_history, require_multicast_off, run_meta, table_source  # noqa: E402
 
 
 class LayerStack(nn.Module):
@@ -343,7 +343,7 @@ def auto_table(results: list[dict]) -> dict:
     loses, sources = [], []
     for result in results:
         meta = result["meta"]
-        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        sources.append(table_source(meta))
         for row in result["gemms"]:
             if row["world"] > 1 and row["speedup_vs_seq"] < 1.0:
                 loses.append([row["M"], row["N"], row["K_local"], row["world"]])

@@ -34,7 +34,8 @@ from axedist.collectives.timing import time_collective, time_interleaved  # noqa
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
-from history import append_history, auto_cell, auto_vs_best, merged_sources, run_meta, symm_fastest, unfused_time  # noqa: E402
+from history import (append_history, auto_cell, auto_vs_best, merged_with_earlier, run_meta, symm_fastest,  # noqa: E402
+                     table_source, unfused_time)
 
 LINK_BYTES_PER_S = 478e9
 
@@ -237,7 +238,7 @@ def auto_tables(results: list[dict]) -> tuple[dict, dict]:
     loses, wins, configs, sources = [], [], {}, []
     for result in results:
         meta = result["meta"]
-        sources.append(f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`")
+        sources.append(table_source(meta))
         for row in result["rows"]:
             times = row.get("queued", row)
             shape = [row["M"], row["N"], row["K_local"], row["world"]]
@@ -261,9 +262,7 @@ def write_tables(paths: list[str]) -> None:
     measured = {(row["M"], row["N"], row["K_local"], row["world"]) for result in results for row in result["rows"]}
     with open(AUTO_TABLE_PATH) as handle:
         earlier = json.load(handle)
-    for key in ("fused_loses", "symm_wins"):
-        auto[key] = sorted(auto[key] + [shape for shape in earlier.get(key, []) if tuple(shape) not in measured])
-    auto["source"] = merged_sources(earlier["source"], auto["source"])
+    auto = merged_with_earlier(earlier, auto, measured)
     with open(AUTO_TABLE_PATH, "w") as handle:
         shapes = {key: ",\n  ".join(json.dumps(shape) for shape in auto[key]) for key in ("fused_loses", "symm_wins")}
         handle.write(f'{{"source": {json.dumps(auto["source"], indent=1)},\n'

@@ -33,6 +33,10 @@ def append_history(out_dir: str, name: str, meta: dict, data: dict) -> str:
     return path
 
 
+def table_source(meta: dict) -> str:
+    """How an auto table names the run it was derived from: "machine, commit C, date, `command`"."""
+    return f"{meta['machine']}, commit {meta['commit']}, {meta['date']}, `{meta['command']}`"
+
 
 def merged_sources(earlier: list[str], new: list[str]) -> list[str]:
     """The sources of a rewritten auto table ("machine, commit C, date, `command`" each): the
@@ -43,6 +47,16 @@ def merged_sources(earlier: list[str], new: list[str]) -> list[str]:
         return source.split(", commit ")[0], re.sub(r" --out \S+", "", command)
     rerun = {run(source) for source in new}
     return [source for source in earlier if run(source) not in rerun] + new
+
+
+def merged_with_earlier(earlier: dict, table: dict, measured: set) -> dict:
+    """A rewritten auto table: ``table`` (derived from new results), with the earlier table's
+    "fused_loses" / "symm_wins" shapes that the new results did not measure kept (sorted), and
+    the two tables' sources merged (``merged_sources``)."""
+    out = dict(table, source=merged_sources(earlier["source"], table["source"]))
+    for key in ("fused_loses", "symm_wins"):
+        out[key] = sorted(table[key] + [shape for shape in earlier.get(key, []) if tuple(shape) not in measured])
+    return out
 
 
 def require_multicast_off() -> None:

@@ -199,7 +199,7 @@ def all_gather_gemm_kernel(
     while task < tasks:
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
         if kind == PUSH:
-            if (PHASES & 1) and STEPS > 0:  # W = 1 has no push (nor a division by zero steps)
+            if (PHASES & 1) and STEPS > 0:  # W = 1 has no push tasks: no push code compiled
                 block = x
                 piece = y
                 col_first = piece * piece_cols
