@@ -265,18 +265,63 @@ class DeviceMesh:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
-    def size(self) -> int:
-        """Number of devices in the mesh."""
-        return len(self.ranks)
-
-    def axis_size(self, axis: str) -> int:
-        return self.shape[self._axis_index(axis)]
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        """Devices in the mesh, or along one axis (its index or name), as torch's ``size``."""
+        return len(self.ranks) if mesh_dim is None else self.shape[self._axis_index(self._axis_name(mesh_dim))]
 
     def _axis_index(self, axis: str) -> int:
         if axis not in self.axis_names:
             raise MeshError(f"mesh {self} has no axis {axis!r} (axes: {self.axis_names})")
         return self.axis_names.index(axis)
+
+    def _axis_name(self, mesh_dim: int | str | None) -> str:
+        """The axis torch's ``mesh_dim`` argument names: an index, a name, or None on a 1-D mesh."""
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise MeshError(f"mesh {self} has {self.ndim} axes: name one of {self.axis_names}")
+            return self.axis_names[0]
+        if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool):
+            if not -self.ndim <= mesh_dim < self.ndim:
+                raise MeshError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh {self}")
+            return self.axis_names[mesh_dim]
+        self._axis_index(mesh_dim)
+        return mesh_dim
+
+    # -- torch's DeviceMesh surface ----------------------------------------------------
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The rank ids shaped as the mesh (torch's ``DeviceMesh.mesh``)."""
+        return torch.tensor(self.ranks, dtype=torch.int64).reshape(self.shape)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return self.axis_names
+
+    def get_group(self, mesh_dim: int | str | None = None):
+        """This rank's process group along one axis (index or name; None on a 1-D mesh)."""
+        return self.group(self._axis_name(mesh_dim))
+
+    def get_all_groups(self) -> list:
+        """This rank's process group along each axis, in mesh order."""
+        return [self.group(axis) for axis in self.axis_names]
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        """This rank's rank in its process group along one axis (index or name; None on a 1-D
+        mesh), as torch's: the group orders its ranks by number, so this is the coordinate
+        (``coordinates()``) where the axis lists ranks in ascending order, and not elsewhere."""
+        return dist.get_rank(self.get_group(mesh_dim))
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's index along each axis, or None where the mesh does not hold this rank."""
+        if not self.contains():
+            return None
+        return tuple(self.coordinates().values())
+
+    @staticmethod
+    def get_rank() -> int:
+        """This process's global rank."""
+        return dist.get_rank()
 
     @property
     def device(self) -> torch.device:
@@ -388,7 +433,7 @@ class DeviceMesh:
         axes = self._axes_tuple(axes)
         here = self.coordinates(rank)
         out = []
-        for values in itertools.product(*(range(self.axis_size(a)) for a in axes)):
+        for values in itertools.product(*(range(self.size(a)) for a in axes)):
             coords = dict(here)
             coords.update(zip(axes, values))
             out.append(self.rank_at(coords))
@@ -417,10 +462,10 @@ class DeviceMesh:
         for count in range(1, self.ndim + 1):
             for axes in itertools.combinations(self.axis_names, count):
                 others = [a for a in self.axis_names if a not in axes]
-                for fixed in itertools.product(*(range(self.axis_size(a)) for a in others)):
+                for fixed in itertools.product(*(range(self.size(a)) for a in others)):
                     coords = dict(zip(others, fixed))
                     members = []
-                    for values in itertools.product(*(range(self.axis_size(a)) for a in axes)):
+                    for values in itertools.product(*(range(self.size(a)) for a in axes)):
                         coords.update(zip(axes, values))
                         members.append(self.rank_at(dict(coords)))
                     group = _process_group(self.device_type, tuple(members), self.topology)
@@ -439,7 +484,7 @@ class DeviceMesh:
         ranks = self.group_ranks(axes)
         groups = {k: g for k, g in self._groups.items() if set(k) <= set(axes)}
         links = {a: link for a, link in self.links.items() if a in axes}
-        return DeviceMesh(self.device_type, tuple(self.axis_size(a) for a in axes), axes, ranks, links=links,
+        return DeviceMesh(self.device_type, tuple(self.size(a) for a in axes), axes, ranks, links=links,
                           intra_node_axes=(), _groups=groups, _topology=self.topology)
 
     # -- interop ---------------------------------------------------------------------

@@ -263,10 +263,10 @@ def element_table(spec: DTensorSpec) -> ElementTable:
                             or [0], dtype=torch.int64)
     local_index = _unravel(on(MEMORY_AXIS, coords), spec.local_padded)
     global_index = _unravel(x, full)
-    reached = torch.zeros(mesh.size, dtype=torch.bool)
+    reached = torch.zeros(mesh.size(), dtype=torch.bool)
     reached[device] = True
     # A device's real elements along dim d: local indices whose padded index maps to a true one.
-    boxes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
+    boxes = torch.zeros(mesh.size(), len(full), dtype=torch.int64)
     real = torch.ones(n, dtype=torch.bool)
     true_index = []
     for d, (lp, t, mapping) in enumerate(zip(spec.local_padded, true, spec.full_true_index)):
@@ -274,7 +274,7 @@ def element_table(spec: DTensorSpec) -> ElementTable:
         real_d = (index >= 0) & (index < t)
         true_index.append(index)
         real &= real_d
-        grid = torch.zeros(mesh.size, lp, dtype=torch.bool)
+        grid = torch.zeros(mesh.size(), lp, dtype=torch.bool)
         grid[device, local_index[d]] = real_d
         boxes[:, d] = grid.sum(1)
         prefix = torch.arange(lp)[None, :] < boxes[:, d:d + 1]
@@ -288,7 +288,7 @@ def element_table(spec: DTensorSpec) -> ElementTable:
     g = _ravel([i[real] for i in true_index], true, count)
     offsets[g] = _ravel([i[real] for i in local_index], list(boxes[device[real]].T), count)
     holders[g] = device[real][:, None] + replicas[None, :]
-    shapes = torch.zeros(mesh.size, len(full), dtype=torch.int64)
+    shapes = torch.zeros(mesh.size(), len(full), dtype=torch.int64)
     for r in replicas.tolist():  # replicas hold the same elements as the base device
         shapes[torch.nonzero(reached).flatten() + r] = boxes[reached]
     return ElementTable(holders, offsets, tuple(tuple(s) for s in shapes.tolist()))

@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     cuda = args.cuda
     mesh = ax.init_mesh(device_type="cuda" if cuda else "cpu")
-    world = mesh.size
+    world = mesh.size()
     if not cuda:
         torch.set_num_threads(1)
     cfg, batch = preset_config(args.preset, DEFAULT_SIZES["cuda" if cuda else "cpu"],

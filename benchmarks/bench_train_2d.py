@@ -128,7 +128,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 
     def rows(self, tokens):
-        dp, at = self.mesh.axis_size("dp"), self.mesh.coordinates()["dp"]
+        dp, at = self.mesh.size("dp"), self.mesh.coordinates()["dp"]
         per = tokens.shape[0] // dp
         return tokens[at * per:(at + 1) * per].to(self.mesh.device)
 
@@ -152,7 +152,7 @@ class Trainer:
         """The step's loss over the whole batch (the mean of the dp ranks' losses)."""
         value = loss.detach().full_tensor().float()
         dist.all_reduce(value, group=self.mesh.group("dp"))
-        return float(value) / self.mesh.axis_size("dp")
+        return float(value) / self.mesh.size("dp")
 
     def communication(self, tokens) -> dict:
         """One forward + backward counted: bytes this rank sends, collective calls (axedist),

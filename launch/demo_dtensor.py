@@ -60,7 +60,7 @@ def two_axes(shape_text: str, device_type: str) -> None:
     dp, tp = (int(n) for n in shape_text.lower().split("x"))
     mesh = ax.init_mesh((dp, tp), ("dp", "tp"), device_type=device_type)
     say(f"\n== 2-D mesh {mesh.describe()}: {mesh}")
-    world, device = mesh.size, mesh.device
+    world, device = mesh.size(), mesh.device
     shape = (4 * world, 6)
     torch.manual_seed(1)
     reference = torch.randint(-8, 8, shape, device=device).float()  # integers: sums are exact in any order
@@ -88,7 +88,7 @@ def main() -> None:
 
     device_type = "cuda" if args.cuda else "cpu"
     mesh = ax.init_mesh(device_type=device_type)
-    world = mesh.size
+    world = mesh.size()
     device = mesh.device
     torch.manual_seed(0)
     shape = (4 * world, 6)

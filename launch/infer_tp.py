@@ -81,7 +81,7 @@ def main(argv=None) -> None:
             f"{', '.join(loaded.dropped)}")
     model.eval()
     to_inference(model)  # DTensors made outside inference mode cannot be viewed inside it (as torch's)
-    say(f"loaded {args.train_dir}/checkpoint on {mesh} ({dtype}, TP={mesh.size})")
+    say(f"loaded {args.train_dir}/checkpoint on {mesh} ({dtype}, TP={mesh.size()})")
 
     v = cfg.vocab_size
     total = args.prompt_len + args.new_tokens

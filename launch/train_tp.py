@@ -239,10 +239,10 @@ def data_and_tensor_mesh(args) -> tuple[ax.DeviceMesh, ax.DeviceMesh, int]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     mesh, tp_mesh, dp = data_and_tensor_mesh(args)
-    world, device = mesh.size, mesh.device
+    world, device = mesh.size(), mesh.device
     if not args.cuda:
         torch.set_num_threads(1)  # the ranks share the machine's cores
-    cfg, run = config_from(args, tp_mesh.size, dp)
+    cfg, run = config_from(args, tp_mesh.size(), dp)
     kind = f"{'sequence + tensor' if args.sequence_parallel else 'tensor'} parallel"
     say(f"mesh {mesh}, {run['dtype']}, {'fully sharded data x ' if dp > 1 else ''}{kind}")
     say(f"model {cfg}")

@@ -72,7 +72,7 @@ def _step(model, rows: int = 4, inject=lambda: None, gradient_placements=None):
     else:  # the gradient as each rank claims it is laid out (an explicit shape: from_local trusts it)
         mesh, dim = out.mesh, [p.dim for p in gradient_placements if isinstance(p, Shard)]
         ones = torch.ones(out.shape, dtype=torch.float64)
-        piece = torch.chunk(ones, mesh.size, dim=dim[0])[mesh.position()] if dim else ones
+        piece = torch.chunk(ones, mesh.size(), dim=dim[0])[mesh.position()] if dim else ones
         out.backward(DTensor.from_local(piece, mesh, gradient_placements, shape=out.shape))
     return float(model[0].weight.grad.full_tensor().sum())
 

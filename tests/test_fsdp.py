@@ -83,8 +83,8 @@ def _matches_one_process(rank, world, s, shape, names, case):
         fully_shard(layer, mesh=where, **kwargs)
     fully_shard(par, mesh=where, **kwargs)
     data_axes = ("rep", "shard") if hsdp else ("dp",)
-    d = sum(mesh.coordinates()[a] * (mesh.axis_size("shard") if a == "rep" else 1) for a in data_axes)
-    parts = math.prod(mesh.axis_size(a) for a in data_axes)
+    d = sum(mesh.coordinates()[a] * (mesh.size("shard") if a == "rep" else 1) for a in data_axes)
+    parts = math.prod(mesh.size(a) for a in data_axes)
     for p in par.parameters():
         assert isinstance(p, DTensor) and p.mesh == mesh, p
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True)) if case.get("foreach") else \

@@ -112,7 +112,7 @@ def _torch_form(rank, world_size):
         mine = distribute(full, ours, placements).to_local()
         piece = full
         for d, axis in enumerate(ours.axis_names):  # the brute-force piece at this rank's coordinates
-            piece = piece.chunk(ours.axis_size(axis), dim=d % 2)[coords[axis]]
+            piece = piece.chunk(ours.size(axis), dim=d % 2)[coords[axis]]
         assert torch.equal(mine, piece), name
         if all(bool((grid.diff(dim=d) > 0).all()) for d in range(grid.dim())):
             # torch's scatter follows group-rank order, the mesh's only where every axis ascends
@@ -137,6 +137,55 @@ def test_torchs_form_of_the_constructor_is_the_same_mesh_as_torchs():
     assert meshes["nested"] == ((2, 2), ("dp", "tp"), (3, 2, 1, 0))
     assert "pass no ranks=" in messages[0] and "name the axes once" in messages[1]
     assert "must be integers" in messages[2] and "rectangular array of ints" in messages[3]
+
+
+def _torch_surface(rank, world_size):
+    """torch's DeviceMesh methods on axedist's mesh give what torch's mesh built from the same
+    call gives: sizes, rank grid, names, local ranks, coordinates and the ranks of each group."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    def group_ranks(group):
+        return dist.get_process_group_ranks(group)
+
+    def same(ours, theirs, label):
+        assert ours.ndim == theirs.ndim and tuple(ours.shape) == tuple(theirs.shape), label
+        assert ours.size() == theirs.size() and torch.equal(ours.mesh, theirs.mesh), label
+        assert ours.mesh_dim_names == theirs.mesh_dim_names and ours.device_type == theirs.device_type, label
+        assert ours.get_coordinate() == (None if theirs.get_coordinate() is None else tuple(theirs.get_coordinate()))
+        assert ours.get_rank() == theirs.get_rank() == rank, label
+        if theirs.get_coordinate() is None:
+            return
+        for d, name in enumerate(theirs.mesh_dim_names):
+            for key in (d, name, d - ours.ndim):
+                assert ours.size(key) == theirs.size(d), (label, key)
+                assert ours.get_local_rank(key) == theirs.get_local_rank(d), (label, key)
+                assert group_ranks(ours.get_group(key)) == group_ranks(theirs.get_group(d)), (label, key)
+        assert [group_ranks(g) for g in ours.get_all_groups()] == [group_ranks(g) for g in theirs.get_all_groups()]
+        if ours.ndim == 1:
+            assert ours.get_local_rank() == theirs.get_local_rank(), label
+            assert group_ranks(ours.get_group()) == group_ranks(theirs.get_group()), label
+
+    grid = torch.arange(world_size).reshape(2, world_size // 2).flip(1)  # ranks not in order along tp
+    ours, theirs = DeviceMesh("cpu", grid, mesh_dim_names=("dp", "tp")), TorchMesh("cpu", grid, mesh_dim_names=("dp", "tp"))
+    same(ours, theirs, "2-D")
+    same(ours["tp"], theirs["tp"], "tp sub-mesh")
+    same(ours["dp"], theirs["dp"], "dp sub-mesh")
+    line = torch.tensor([0, 2])  # a mesh that leaves out some ranks
+    same(DeviceMesh("cpu", line, mesh_dim_names=("x",)), TorchMesh("cpu", line, mesh_dim_names=("x",)), "subset")
+    messages = []
+    for call in (lambda: ours.get_group(), lambda: ours.get_local_rank(), lambda: ours.size(2),
+                 lambda: ours.get_group("pp"), lambda: ours.size(-3)):
+        with pytest.raises(MeshError) as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_torchs_mesh_methods_answer_as_torchs_mesh():
+    messages = run_on_ranks(_torch_surface, 4)[0]
+    assert "has 2 axes: name one of ('dp', 'tp')" in messages[0] and "name one of" in messages[1]
+    assert "out of range for a 2-D mesh" in messages[2] and "out of range" in messages[4]
+    assert "no axis 'pp'" in messages[3]
 
 
 def _ambiguous(rank, world_size):

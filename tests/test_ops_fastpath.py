@@ -52,7 +52,7 @@ def _same(a, b, what):
 def _inputs(mesh, seed):
     """(name -> (DTensor, full tensor)) over several placements and an uneven shape."""
     r = lambda shape, k, dtype=torch.float64: _rand(shape, seed + k, dtype)  # noqa: E731
-    world = mesh.size
+    world = mesh.size()
     made = {
         "x": (r((4 * world, 6), 1), [Shard(0)]),
         "y": (r((4 * world, 6), 2), [Shard(0)]),

@@ -87,7 +87,7 @@ def _leaves(mesh, seed, needs):
     """Fresh DTensor leaves (and full tensors) for one run; ``needs`` names those requiring grad."""
     dts, full = {}, {}
     for name, (make, placements) in INPUTS.items():
-        t = make(seed, mesh.size)
+        t = make(seed, mesh.size())
         full[name] = t.clone().requires_grad_(name in needs)
         dts[name] = distribute(t, mesh, placements).requires_grad_(name in needs)
     return dts, full

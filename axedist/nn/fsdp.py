@@ -74,11 +74,11 @@ NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in
 
 
 def _replicas(mesh: DeviceMesh, axes) -> list[Iter]:
-    return [Iter(mesh.axis_size(a), 1, a) for a in mesh.axis_names if a in axes]
+    return [Iter(mesh.size(a), 1, a) for a in mesh.axis_names if a in axes]
 
 
 def _data_size(mesh: DeviceMesh, axes) -> int:
-    return math.prod(mesh.axis_size(a) for a in axes)
+    return math.prod(mesh.size(a) for a in axes)
 
 
 def data_parallel_specs(view: DTensorSpec | None, shape, mesh: DeviceMesh, shard_axes: Sequence[str],
@@ -114,7 +114,7 @@ def _sharded(gathered: DTensorSpec, shard_axes, replicate_axes) -> DTensorSpec:
         first.append(Iter(1, 1))
         memory = [len(first) - 1]
     local_rows, rows_of = _local_rows(gathered, first, memory)
-    shard_iters = [Iter(mesh.axis_size(a), 1, a) for a in mesh.axis_names if a in shard_axes]
+    shard_iters = [Iter(mesh.size(a), 1, a) for a in mesh.axis_names if a in shard_axes]
     padded, true_index = gathered.padded, gathered.true_index
     outer = first[memory[0]]
     if local_rows % parts == 0 and all(n == local_rows for n in rows_of.values()) and outer.extent % parts == 0:
@@ -259,7 +259,7 @@ def _flat_layout(unit: "FSDPUnit", records, summed: tuple = ()) -> FlatLayout:
         length += r.slot
     others = [a for a in mesh.axis_names if a not in unit.data_axes and a not in summed]
     shard = [a for a in mesh.axis_names if a in unit.shard_axes]
-    size = mesh.axis_size
+    size = mesh.size
     shape = tuple(size(a) for a in others + shard) + (length,)
     devices = [Iter(size(a), 1, a) for a in others]
     local, inner = [], length
@@ -337,7 +337,7 @@ class ShardedParameter:
         here = mesh.coordinates()
         shard = [a for a in mesh.axis_names if a in unit.shard_axes]
         out = []
-        for digits in itertools.product(*(range(mesh.axis_size(a)) for a in shard)):
+        for digits in itertools.product(*(range(mesh.size(a)) for a in shard)):
             out.append(boxes[mesh.position(mesh.rank_at({**here, **dict(zip(shard, digits))}))])
         return tuple(out)
 
@@ -348,7 +348,7 @@ class ShardedParameter:
         index = 0
         for a in mesh.axis_names:
             if a in self.unit.shard_axes:
-                index = index * mesh.axis_size(a) + here[a]
+                index = index * mesh.size(a) + here[a]
         return index
 
     def shard_for_gather(self) -> torch.Tensor:

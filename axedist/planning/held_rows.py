@@ -39,7 +39,7 @@ def held_rows_per_dim(layout: Layout, full, rows, mesh):
         return None
     device0, shifts, _, per_dim = placed
     per_dim = [(device.tolist(), local.tolist()) for device, local in per_dim]
-    held = [[() for _ in full] for _ in range(mesh.size)]
+    held = [[() for _ in full] for _ in range(mesh.size())]
     for d in range(len(full)):
         others = {0}  # every sum of the other dims' device terms
         for e in range(len(full)):
@@ -75,7 +75,7 @@ def held_rows_everywhere(layout: Layout, full, rows, mesh) -> list[tuple[tuple[i
         m = m // lp
     index, local = index[::-1], local[::-1]
     _, shifts = offset_and_shifts(layout, mesh)
-    held = [[() for _ in full] for _ in range(mesh.size)]
+    held = [[() for _ in full] for _ in range(mesh.size())]
     for d in range(len(full)):
         true_of = torch.full((full[d],), -1, dtype=torch.int64)
         true_of[list(rows[d])] = torch.arange(len(rows[d]))

@@ -299,7 +299,7 @@ def holdings_per_dim(layout: Layout, full, rows, mesh) -> Holdings | None:
             boxes[t] = int(mine.max()) + 1 if mine.numel() else 0  # the true box is leading
         real_of.append(reals)
         box_of.append(boxes)
-    real, boxes = [None] * mesh.size, [(0,) * len(full)] * mesh.size
+    real, boxes = [None] * mesh.size(), [(0,) * len(full)] * mesh.size()
     for p, c in at.items():
         real[p] = tuple(real_of[d][t] for d, t in enumerate(c))
         boxes[p] = tuple(box_of[d][t] for d, t in enumerate(c))
@@ -316,7 +316,7 @@ def position_choices(device0: int, shifts, terms, mesh) -> dict | None:
             return None
         choice = widened
     at = {p + shift: c for shift in shifts for p, c in choice.items()}
-    if len(at) != len(choice) * len(shifts) or not all(0 <= p < mesh.size for p in at):
+    if len(at) != len(choice) * len(shifts) or not all(0 <= p < mesh.size() for p in at):
         return None
     return at
 
@@ -342,10 +342,10 @@ def holdings_everywhere(layout: Layout, full, rows, mesh) -> Holdings:
     base_device, shifts = offset_and_shifts(layout, mesh)
     device = base_device + _spread([t[0][r] for t, r in zip(terms, real)], ndim)
     memory = layout.offset.get(MEMORY_AXIS, 0) + _spread([t[1][r] for t, r in zip(terms, real)], ndim)
-    masks = torch.zeros(mesh.size, buffer_size(layout), dtype=torch.bool)
+    masks = torch.zeros(mesh.size(), buffer_size(layout), dtype=torch.bool)
     for shift in shifts:
         masks[device + shift, memory] = True
-    boxes = torch.zeros(mesh.size, ndim, dtype=torch.int64)
+    boxes = torch.zeros(mesh.size(), ndim, dtype=torch.int64)
     for d in range(ndim):  # along dim d a box counts the true rows of d alone (any index elsewhere)
         on_d = base_device + _spread([t[0][real[e]] if e == d else t[0] for e, t in enumerate(terms)], ndim)
         sizes = [len(real[e]) if e == d else full[e] for e in range(ndim)]
@@ -365,5 +365,5 @@ def true_boxes(layout: Layout, full, rows, mesh) -> tuple[tuple[int, ...], ...]:
         # nothing padded: the padded local tensor where the layout reaches a device, else empty
         local = tuple(math.prod(it.extent for it in block if it.axis == MEMORY_AXIS) for block in layout.blocks(full))
         there = reached(layout, mesh)
-        return tuple(local if p in there else (0,) * len(full) for p in range(mesh.size))
+        return tuple(local if p in there else (0,) * len(full) for p in range(mesh.size()))
     return holdings_of(layout, full, rows, mesh, ELEMENTWISE).boxes

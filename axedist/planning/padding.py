@@ -39,7 +39,7 @@ def drop_padding(plan: Plan, held: Holdings, mesh, everywhere: bool = False) -> 
     for i, step in enumerate(plan.steps):
         last = i + 1 == len(plan.steps)
         after = None if last or everywhere else step_holdings(plan.steps[i + 1].source, held, plan, mesh)
-        out = None if last or after is not None else torch.zeros(mesh.size, step.out_size, dtype=torch.bool)
+        out = None if last or after is not None else torch.zeros(mesh.size(), step.out_size, dtype=torch.bool)
         kept = []
         for t in step.transfers:
             box, groups = real.keep(position(t.source), t)

@@ -184,7 +184,7 @@ def _route(src: DTensorSpec, dst: DTensorSpec, itemsize: int, elementwise: bool)
     route = functools.partial(Redistribution, src, dst, src_boxes=true_boxes(source.layout, source.full, source.rows, mesh),
                               dst_boxes=true_boxes(target.layout, target.full, target.rows, mesh), reduce_op=partial)
     lead = 1 if reduce else 0  # a reduced summand dim has no counterpart in the target
-    sides = common_sides(source, target, mesh.size, lead)
+    sides = common_sides(source, target, mesh.size(), lead)
     if sides is not None:
         first, last = sides
         plan = cheapest(first.layout, last.layout, last.full, itemsize, partial,

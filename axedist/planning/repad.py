@@ -207,12 +207,12 @@ def _inner_gather_route(src: Side, dst: Side, lead: int, mesh):
     if inner is None:
         return None
     gathered, after, boxes = inner
-    ends = common_sides(after, dst, mesh.size, lead)
+    ends = common_sides(after, dst, mesh.size(), lead)
     if ends is None:
         return None
     middle, last = ends
     positions = tuple(tuple(p if p is not None else q for p, q in zip(middle.positions_at(k), after.positions_at(k)))
-                      for k in range(mesh.size))
+                      for k in range(mesh.size()))
     return gathered, Side(middle.layout, middle.full, middle.rows, positions), last, boxes
 
 
@@ -228,10 +228,10 @@ def _replicated(full, mesh) -> Layout:
 def _full_gather_route(src: Side, dst: Side, lead: int, mesh):
     """Every device gathers the whole tensor on the source's padding, then re-pads it to the target's."""
     kept, kept_rows = src.full[lead:], src.rows[lead:]
-    gathered = Side(_replicated(kept, mesh), kept, kept_rows, (_leading(kept_rows),) * mesh.size)
-    middle, _ = common_sides(gathered, dst, mesh.size)
-    middle = Side(middle.layout, middle.full, middle.rows, (_leading(middle.rows),) * mesh.size)
-    return gathered, middle, (tuple(len(r) for r in kept_rows),) * mesh.size
+    gathered = Side(_replicated(kept, mesh), kept, kept_rows, (_leading(kept_rows),) * mesh.size())
+    middle, _ = common_sides(gathered, dst, mesh.size())
+    middle = Side(middle.layout, middle.full, middle.rows, (_leading(middle.rows),) * mesh.size())
+    return gathered, middle, (tuple(len(r) for r in kept_rows),) * mesh.size()
 
 
 def repad_route(src: Side, dst: Side, lead: int, partial, itemsize: int, mesh) -> RepadRoute:
@@ -244,7 +244,7 @@ def repad_route(src: Side, dst: Side, lead: int, partial, itemsize: int, mesh) -
         partials = (None, partial)
     else:
         gathered, middle, boxes = _full_gather_route(src, dst, lead, mesh)
-        last = common_sides(middle, dst, mesh.size)[1]
+        last = common_sides(middle, dst, mesh.size())[1]
         partials = (partial, None)
     plans = (cheapest(src.layout, gathered.layout, gathered.full, itemsize, partials[0],
                       real_slots(src.layout, src.full, src.rows, mesh), mesh),
