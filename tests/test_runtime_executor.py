@@ -26,6 +26,7 @@ from axedist.planning import plan_layouts, simulate
 from axedist.runtime import execute_plan, execution_bytes, explain_execution, executor, record
 from axedist.runtime.buffers import position_index
 from axedist.testing import run_on_ranks, torch_comm_bytes
+from torch.distributed.tensor import Shard
 from tests.planning_cases import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
 
 MESHES = {
@@ -151,6 +152,42 @@ def test_named_transitions_use_their_collective(name):
     for line in text.splitlines():  # gloo never goes through the GPU kernels of collectives.api
         if line.lstrip()[:1].isdigit() and any(k in line for k in (" all_gather:", " reduce_scatter:", " all_reduce:")):
             assert "last call ran on torch.distributed" in line, text
+
+
+def in_place_case(rank, world, device_type="cpu"):
+    """``S0 -> S1`` and back on a mesh listing ranks in order and on a shuffled one: the values
+    are checked slot by slot; returns which ran the all-to-all with the output received in place."""
+    out = {}
+    for order, mesh in (("ordered", DeviceMesh(device_type, (4,), ("gpuid",))), ("shuffled", _mesh(G4, 3, device_type))):
+        assert order == "ordered" or list(mesh.ranks) != sorted(mesh.ranks)
+        for shape in ((8, 8), (4, 12)):
+            for s, d in (("S0", "S1"), ("S1", "S0")):
+                plan = _check_one(mesh, G4, placements(G4, shape, [s]), placements(G4, shape, [d]), shape, None)
+                out[(order, shape, s)] = "received in place" in explain_execution(plan, mesh)
+        # uneven (pieces of 2, 2, 2, 1 rows and 2, 2, 1, 0 columns), through DTensor
+        full = torch.arange(35.0, device=mesh.device).reshape(7, 5)
+        for s, d in ((Shard(0), Shard(1)), (Shard(1), Shard(0))):
+            with record() as ran:
+                got = distribute(full, mesh, [s]).redistribute([d]).to_local()
+            n = full.shape[d.dim]
+            step = -(-n // 4)  # torch.chunk's piece, the last ones shorter or empty
+            start = min(mesh.position() * step, n)
+            assert torch.equal(got.cpu(), full.narrow(d.dim, start, min(step, n - start)).cpu())
+            out[(order, (7, 5), f"S{s.dim}")] = "received in place" in explain_execution(ran[-1], mesh)
+    return out
+
+
+def test_all_to_all_receives_in_place_where_the_pieces_land_in_order():
+    """The received pieces, this rank's own one in its place, are the output when they land in
+    group-rank order as one run over it: ``S0 -> S1`` on a mesh listing ranks in order, and the
+    way back where the output is one row (``(4, 12)``: ``(1, 3)`` pieces side by side). Elsewhere
+    they are copied into place: the way back, a shuffled mesh, an uneven shape (its padded
+    output slots are never sent)."""
+    results = run_on_ranks(in_place_case, 4, timeout_s=60)
+    in_place = {("ordered", (8, 8), "S0"), ("ordered", (4, 12), "S0"), ("ordered", (4, 12), "S1")}
+    for found in results:
+        assert found == {(order, shape, s): (order, shape, s) in in_place
+                         for order in ("ordered", "shuffled") for shape in ((8, 8), (4, 12), (7, 5)) for s in ("S0", "S1")}
 
 
 # -- async ---------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from axedist.testing import run_on_ranks
 from tests.test_runtime_executor import (
     KEEP_PARTIAL, MESHES, MOVES_MORE_THAN_TORCH, NAMED, OPS, RANDOM_MESHES, TORCH_TRANSITIONS, async_case, digit_swap,
-    keep_partial, named_case, random_cases, random_transitions, torch_cases, torch_differential,
+    in_place_case, keep_partial, named_case, random_cases, random_transitions, torch_cases, torch_differential,
 )
 
 GPUS = torch.cuda.device_count()
@@ -55,6 +55,13 @@ def test_named_transitions_nccl(name):
         assert "reduce_scatter: reduce_scatter_tensor" in text, text
     if name in ("all_gather", "reduce_scatter", "all_reduce"):
         assert "last call ran on torch.distributed" in text or "last call ran on axedist.collectives.api" in text, text
+
+
+@pytest.mark.skipif(4 not in WORLDS, reason="uses 4 ranks")
+def test_all_to_all_in_place_nccl():
+    """NCCL's all-to-all carries a rank's own piece to itself: the in-place output is checked slot by slot."""
+    found = run_on_ranks(in_place_case, 4, backend="nccl", args=("cuda",), timeout_s=300)[0]
+    assert found[("ordered", (8, 8), "S0")] and not found[("shuffled", (8, 8), "S0")], found
 
 
 @pytest.mark.skipif(4 not in WORLDS, reason="uses 4 ranks")

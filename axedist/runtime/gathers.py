@@ -134,17 +134,28 @@ class Broadcast(Collective):
 
 
 class AllToAll(Collective):
-    """all_to_all_single with per-member split sizes (group-rank order); a reduce step reduces after."""
+    """all_to_all_single with per-member split sizes (group-rank order); a reduce step reduces after.
+
+    Where this rank's local copies fill the gap that makes the received pieces one run over the
+    whole output (``Shard(0) -> Shard(1)``: row blocks landing in order), they travel in the
+    collective as the message to itself, and the received buffer is the output: one copy packs
+    the send buffer (the W column blocks as one strided box), and nothing is copied after."""
 
     how = "all_to_all_single"
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
+        own = tuple(self.local) if self.reduce is None else ()
+        self.whole = bool(own) and _lands_whole(step, self.members, me, own)
+        if self.whole:
+            self.how = "all_to_all_single (own piece sent to itself: received in place)"
         sends, receives, self.in_splits, self.out_splits = [], [], [], []
         for d in self.members:
             out_boxes = self.message(me, d) if (me, d) in step.messages else ()
             in_boxes = self.message(d, me) if (d, me) in step.messages else ()
+            if d == me and self.whole:
+                out_boxes = in_boxes = own
             sends.extend(out_boxes)
             receives.extend(in_boxes)
             self.in_splits.append(sum(t.count for t in out_boxes))
@@ -159,6 +170,8 @@ class AllToAll(Collective):
         incoming, works = carrier.all_to_all(self, values, self.out_splits, self.in_splits, async_op)
 
         def finish():
+            if self.whole:
+                return incoming
             if self.reduce is None:
                 out = self.local_out(x)
                 self.land.put(out, incoming)
@@ -166,3 +179,13 @@ class AllToAll(Collective):
             every = torch.cat([self.local_src.take(x), incoming])
             return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
         return works, finish
+
+
+def _lands_whole(step: Step, members, me, own) -> bool:
+    """Whether the pieces this rank receives, its own local copies in its place, are in member
+    order one run of target slots ``0 .. out_size``: then the received buffer is the output."""
+    receives = []
+    for d in members:
+        receives.extend(own if d == me else step.messages.get((d, me), ()))
+    index = Index.of(receives, "target", torch.device("cpu"))
+    return index.start == 0 and index.stop == step.out_size
