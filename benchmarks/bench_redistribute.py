@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py            # CPU, gloo
     torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda     # 4 GPUs, NCCL
+    torchrun --nproc-per-node 2 benchmarks/bench_redistribute.py --cuda     # 2 GPUs: the 1-D rows only
 
 Rank 0 prints a markdown table and writes ``<out>/redistribute_w4[_cpu].{json,md,png}``
 (date, machine, commit, command): per transition, the bytes one rank sends at most
@@ -58,27 +59,31 @@ TRANSITIONS = [
 ]
 
 
-def _timed(fn, device, iters: int) -> float:
-    """Median over ``iters`` of the slowest rank's time (ms): CUDA events on GPUs, wall clock on CPU."""
-    times = []
+def _timed(fn, device, iters: int) -> tuple[float, float]:
+    """Medians over ``iters`` of the slowest rank's time (ms: CUDA events on GPUs, wall clock on
+    CPU) and of the host time of the call alone (us: until ``fn`` returns, the GPU not waited for)."""
+    times, host = [], []
     for _ in range(iters):
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             fn()
+            issued = time.perf_counter() - begin
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end) / 1e3
         else:
             begin = time.perf_counter()
             fn()
-            elapsed = time.perf_counter() - begin
-        value = torch.tensor([elapsed], dtype=torch.float64, device=device)
+            elapsed = issued = time.perf_counter() - begin
+        value = torch.tensor([elapsed, issued], dtype=torch.float64, device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        times.append(float(value) * 1e3)
-    return statistics.median(times)
+        times.append(float(value[0]) * 1e3)
+        host.append(float(value[1]) * 1e6)
+    return statistics.median(times), statistics.median(host)
 
 
 def _max_over_ranks(value: float, device) -> float:
@@ -115,12 +120,15 @@ def _write(rows, overhead, meta, path_stem):
              f"torch {meta['torch']}; multicast off", f"command: `{meta['command']}`", "",
              f"Tensor {meta['shape']} {meta['dtype']}. Bytes: what one rank sends at most (axedist: its plans; "
              f"torch: the collectives it issues, under CommDebugMode). Time: median of {meta['iters']} calls of "
-             f"`DTensor.redistribute`, slowest rank ({meta['timer']}).", "",
-             "| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor |",
-             "|---|---|---|---|---|---|---|"]
+             f"`DTensor.redistribute`, slowest rank ({meta['timer']}); host: until the call returns (median, "
+             f"slowest rank), the GPU not waited for.", "",
+             "| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor "
+             "| host us axedist | host us DTensor |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        host = (f"{r['host_us_axedist']:.0f} | {r['host_us_torch']:.0f}" if "host_us_axedist" in r else "- | -")
         lines.append(f"| {r['mesh']} | {r['transition']} | {r['steps']} | {r['bytes_axedist']:,} | "
-                     f"{r['bytes_torch']:,} | {r['ms_axedist']:.3f} | {r['ms_torch']:.3f} |")
+                     f"{r['bytes_torch']:,} | {r['ms_axedist']:.3f} | {r['ms_torch']:.3f} | {host} |")
     lines += ["", f"CPU overhead per call with a cached plan, `Replicate -> Shard(0)` of {overhead['shape']} "
                   f"(no communication): axedist {overhead['axedist']:.1f} us, torch DTensor {overhead['torch']:.1f} us."]
     with open(path_stem + ".md", "w") as handle:
@@ -158,18 +166,22 @@ def main():
     parser.add_argument("--out", default="benchmarks/results", help="folder for the json/md/png")
     parser.add_argument("--explain", action="store_true", help="print each plan and how it ran")
     args = parser.parse_args()
-    mesh4 = ax.init_mesh((4,), device_type="cuda" if args.cuda else "cpu")
-    device = mesh4.device
-    world = dist.get_world_size()
-    assert world == 4, "run with 4 ranks"
-    mesh22 = ax.DeviceMesh(mesh4.device_type, (2, 2), ("x", "y"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world not in (2, 4):
+        raise SystemExit(f"run with 2 or 4 ranks (2: the 1-D rows only), not {world}")
+    line = ax.init_mesh((world,), device_type="cuda" if args.cuda else "cpu")
+    device = line.device
+    square = ax.DeviceMesh(line.device_type, (2, 2), ("x", "y")) if world == 4 else None
     rows_count = args.rows or (8192 if args.cuda else 1024)
     iters = args.iters or (20 if args.cuda else 10)
     shape = (rows_count, rows_count)
     dtype = torch.bfloat16 if args.cuda else torch.float32
     rows = []
     for mesh_shape, src_text, dst_text, *uneven in TRANSITIONS:
-        mesh = mesh4 if mesh_shape == (4,) else mesh22
+        if len(mesh_shape) > 1 and square is None:
+            continue
+        mesh_shape = (world,) if len(mesh_shape) == 1 else mesh_shape
+        mesh = line if len(mesh_shape) == 1 else square
         here = (rows_count - 1, rows_count + 2) if uneven else shape
         ours, torch_src, torch_mesh, dst_pl = _pair(mesh, here, src_text, dst_text, dtype)
         with record() as ran:  # to_local inside: a move deferred on CUDA (a row all-gather) runs there
@@ -181,8 +193,8 @@ def main():
         route = ran[0] if ran else None
         ours_bytes = execution_bytes(route, mesh) if route else 0
         # both sides' local tensors are read, so a deferred move is timed, not only its deferral
-        t_ours = _timed(lambda: ours.redistribute(dst_pl).to_local(), device, iters)
-        t_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local(), device, iters)
+        t_ours, host_ours = _timed(lambda: ours.redistribute(dst_pl).to_local(), device, iters)
+        t_torch, host_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local(), device, iters)
         if args.explain and route and dist.get_rank() == 0:
             print(explain_execution(route, mesh), flush=True)
         steps = " + ".join(route.kinds) if route else "none"
@@ -191,10 +203,10 @@ def main():
                          steps=steps or "local",
                          bytes_axedist=int(_max_over_ranks(ours_bytes, device)),
                          bytes_torch=int(_max_over_ranks(torch_bytes, device)),
-                         ms_axedist=t_ours, ms_torch=t_torch))
+                         ms_axedist=t_ours, ms_torch=t_torch, host_us_axedist=host_ours, host_us_torch=host_torch))
     # CPU overhead of a cached call that moves nothing: Replicate -> Shard(0)
     small = (64, 64)
-    ours, torch_src, torch_mesh, dst_pl = _pair(mesh4, small, "R", "S0", torch.float32)
+    ours, torch_src, torch_mesh, dst_pl = _pair(line, small, "R", "S0", torch.float32)
     ours.redistribute(dst_pl)
     torch_src.redistribute(torch_mesh, dst_pl)
     calls = 2000

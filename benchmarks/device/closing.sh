@@ -80,7 +80,7 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
     rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
-    redistribute) step bench_redistribute 120 torchrun --nproc-per-node 4 benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
+    redistribute) step bench_redistribute 120 torchrun --nproc-per-node $W benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H200); TP_ARGS adds
       # bench_tp arguments (--memory, --first-step, --trace, --eager-backends p2p torch)
       step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS" ;;
