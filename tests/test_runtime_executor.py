@@ -155,8 +155,8 @@ def test_named_transitions_use_their_collective(name):
 
 
 def in_place_case(rank, world, device_type="cpu"):
-    """``S0 -> S1`` and back on a mesh listing ranks in order and on a shuffled one: the values
-    are checked slot by slot; returns which ran the all-to-all with the output received in place."""
+    """``S0 -> S1`` and back, and ``P -> R``, on a mesh listing ranks in order and on a shuffled
+    one: the values are checked slot by slot; returns which ran with the output received in place."""
     out = {}
     for order, mesh in (("ordered", DeviceMesh(device_type, (4,), ("gpuid",))), ("shuffled", _mesh(G4, 3, device_type))):
         assert order == "ordered" or list(mesh.ranks) != sorted(mesh.ranks)
@@ -164,6 +164,9 @@ def in_place_case(rank, world, device_type="cpu"):
             for s, d in (("S0", "S1"), ("S1", "S0")):
                 plan = _check_one(mesh, G4, placements(G4, shape, [s]), placements(G4, shape, [d]), shape, None)
                 out[(order, shape, s)] = "received in place" in explain_execution(plan, mesh)
+        for op in ("sum", "avg"):  # an all-reduce (P -> R): the reduced buffer is the output where in order
+            plan = _check_one(mesh, G4, placements(G4, (8, 6), ["P"]), placements(G4, (8, 6), ["R"]), (8, 6), op)
+            out[(order, op)] = "the reduced buffer is the output" in explain_execution(plan, mesh)
         # uneven (pieces of 2, 2, 2, 1 rows and 2, 2, 1, 0 columns), through DTensor
         full = torch.arange(35.0, device=mesh.device).reshape(7, 5)
         for s, d in ((Shard(0), Shard(1)), (Shard(1), Shard(0))):
@@ -177,17 +180,20 @@ def in_place_case(rank, world, device_type="cpu"):
     return out
 
 
-def test_all_to_all_receives_in_place_where_the_pieces_land_in_order():
-    """The received pieces, this rank's own one in its place, are the output when they land in
+def test_collectives_receive_in_place_where_the_pieces_land_in_order():
+    """An all-reduce's reduced buffer is the output where its chunks are the output's in group-rank
+    order (``P -> R`` on a mesh listing ranks in order). An all-to-all's received pieces, this rank's own one in its place, are the output when they land in
     group-rank order as one run over it: ``S0 -> S1`` on a mesh listing ranks in order, and the
     way back where the output is one row (``(4, 12)``: ``(1, 3)`` pieces side by side). Elsewhere
     they are copied into place: the way back, a shuffled mesh, an uneven shape (its padded
     output slots are never sent)."""
     results = run_on_ranks(in_place_case, 4, timeout_s=60)
-    in_place = {("ordered", (8, 8), "S0"), ("ordered", (4, 12), "S0"), ("ordered", (4, 12), "S1")}
+    in_place = {("ordered", (8, 8), "S0"), ("ordered", (4, 12), "S0"), ("ordered", (4, 12), "S1"),
+                ("ordered", "sum"), ("ordered", "avg")}
+    cases = [(order, shape, s) for order in ("ordered", "shuffled") for shape in ((8, 8), (4, 12), (7, 5))
+             for s in ("S0", "S1")] + [(order, op) for order in ("ordered", "shuffled") for op in ("sum", "avg")]
     for found in results:
-        assert found == {(order, shape, s): (order, shape, s) in in_place
-                         for order in ("ordered", "shuffled") for shape in ((8, 8), (4, 12), (7, 5)) for s in ("S0", "S1")}
+        assert found == {case: case in in_place for case in cases}
 
 
 # -- async ---------------------------------------------------------------------------

@@ -58,10 +58,12 @@ def test_named_transitions_nccl(name):
 
 
 @pytest.mark.skipif(4 not in WORLDS, reason="uses 4 ranks")
-def test_all_to_all_in_place_nccl():
-    """NCCL's all-to-all carries a rank's own piece to itself: the in-place output is checked slot by slot."""
+def test_collectives_in_place_nccl():
+    """NCCL's all-to-all carries a rank's own piece to itself, and the all-reduce (the p2p kernels
+    or NCCL) gives the output buffer itself: the in-place outputs are checked slot by slot."""
     found = run_on_ranks(in_place_case, 4, backend="nccl", args=("cuda",), timeout_s=300)[0]
     assert found[("ordered", (8, 8), "S0")] and not found[("shuffled", (8, 8), "S0")], found
+    assert found[("ordered", "sum")] and found[("ordered", "avg")] and not found[("shuffled", "sum")], found
 
 
 @pytest.mark.skipif(4 not in WORLDS, reason="uses 4 ranks")

@@ -187,5 +187,4 @@ def _lands_whole(step: Step, members, me, own) -> bool:
     receives = []
     for d in members:
         receives.extend(own if d == me else step.messages.get((d, me), ()))
-    index = Index.of(receives, "target", torch.device("cpu"))
-    return index.start == 0 and index.stop == step.out_size
+    return Index.of(receives, "target", torch.device("cpu")).whole(step.out_size)

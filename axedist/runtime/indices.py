@@ -113,6 +113,10 @@ class Index:
             position += n
         return out
 
+    def whole(self, size: int) -> bool:
+        """Whether this index is slots ``0 .. size`` in order (reading or writing it is the identity)."""
+        return self.start == 0 and self.stop == size
+
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
         if self.boxes is not None:
             return self._gathered(buffer)

@@ -83,6 +83,10 @@ class FusedAllReduce(ReduceScatter):
             slots.append(box_index(reads, "target"))
         self.select = Index(torch.cat(select), ctx.device)
         self.slots = Index(torch.cat(slots), ctx.device)
+        # every reduced value read once, in place (P -> R): the reduced buffer is the output
+        self.whole = self.select.whole(self.n * len(self.members)) and self.slots.whole(gather_step.out_size)
+        if self.whole:
+            self.how = f"{self.how[:-1]}; the reduced buffer is the output)"
 
     @staticmethod
     def fits(step: Step, gather_step: Step, group) -> bool:
@@ -104,10 +108,12 @@ class FusedAllReduce(ReduceScatter):
         return sum(s.bytes_sent.get(self.ctx.me, 0) for s in (self.step, self.gather_step))
 
     def start(self, x, async_op, carrier):
-        packed, works = carrier.all_reduce(self, self.pack.fresh(x), async_op)
+        packed, works = carrier.all_reduce(self, self.pack.take(x).contiguous(), async_op)
 
         def finish():
             reduced = finish_avg(packed, len(self.members)) if self.reduce == "avg" else packed
+            if self.whole:
+                return reduced
             out = torch.empty(self.gather_step.out_size, dtype=x.dtype, device=x.device)
             self.slots.put(out, self.select.take(reduced))
             return out
@@ -124,6 +130,9 @@ class AllReduce(Collective):
         me = ctx.me
         self.send = Index.of(self.message(me, self.any_peer(me)), "source", ctx.device)
         self.land = Index.of(self.message(self.any_peer(me), me), "target", ctx.device)
+        self.whole = self.land.whole(step.out_size)
+        if self.whole:
+            self.how = "all_reduce (the reduced buffer is the output)"
 
     @staticmethod
     def fits(step: Step, group) -> bool:
@@ -145,10 +154,12 @@ class AllReduce(Collective):
         return 2 * (g - 1) * self.send.count * self.step.itemsize // g
 
     def start(self, x, async_op, carrier):
-        values, works = carrier.all_reduce(self, self.send.fresh(x), async_op)
+        values, works = carrier.all_reduce(self, self.send.take(x).contiguous(), async_op)
 
         def finish():
             reduced = finish_avg(values, len(self.members)) if self.reduce == "avg" else values
+            if self.whole:
+                return reduced
             out = torch.empty(self.step.out_size, dtype=x.dtype, device=x.device)
             self.land.put(out, reduced)
             return out
