@@ -146,21 +146,19 @@ class AllToAll(Collective):
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
+        outgoing = [self.message(me, d) if (me, d) in step.messages else () for d in self.members]
+        incoming = [self.message(d, me) if (d, me) in step.messages else () for d in self.members]
+        # this rank's local copies in its place: do the received pieces then fill the output in order?
         own = tuple(self.local) if self.reduce is None else ()
-        self.whole = bool(own) and _lands_whole(step, self.members, me, own)
+        with_own = [t for d, boxes in zip(self.members, incoming) for t in (own if d == me else boxes)]
+        self.whole = bool(own) and Index.of(with_own, "target", torch.device("cpu")).whole(step.out_size)
         if self.whole:
             self.how = "all_to_all_single (own piece sent to itself: received in place)"
-        sends, receives, self.in_splits, self.out_splits = [], [], [], []
-        for d in self.members:
-            out_boxes = self.message(me, d) if (me, d) in step.messages else ()
-            in_boxes = self.message(d, me) if (d, me) in step.messages else ()
-            if d == me and self.whole:
-                out_boxes = in_boxes = own
-            sends.extend(out_boxes)
-            receives.extend(in_boxes)
-            self.in_splits.append(sum(t.count for t in out_boxes))
-            self.out_splits.append(sum(t.count for t in in_boxes))
-        self.send = Index.of(sends, "source", ctx.device)
+            outgoing[self.position] = incoming[self.position] = own
+        self.in_splits = [sum(t.count for t in boxes) for boxes in outgoing]
+        self.out_splits = [sum(t.count for t in boxes) for boxes in incoming]
+        self.send = Index.of([t for boxes in outgoing for t in boxes], "source", ctx.device)
+        receives = [t for boxes in incoming for t in boxes]
         self.land = Index.of(receives, "target", ctx.device)
         if self.reduce is not None:
             self.slots = torch.cat([box_index(self.local, "target"), box_index(receives, "target")]).to(ctx.device)
@@ -180,11 +178,3 @@ class AllToAll(Collective):
             return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
         return works, finish
 
-
-def _lands_whole(step: Step, members, me, own) -> bool:
-    """Whether the pieces this rank receives, its own local copies in its place, are in member
-    order one run of target slots ``0 .. out_size``: then the received buffer is the output."""
-    receives = []
-    for d in members:
-        receives.extend(own if d == me else step.messages.get((d, me), ()))
-    return Index.of(receives, "target", torch.device("cpu")).whole(step.out_size)
