@@ -783,6 +783,13 @@ def test_a_prepared_launch_keeps_no_operand_alive(monkeypatch):
     assert gemm_rs.launch_template([b, 3], refilled=(1,)) == [b.data_ptr(), None]
 
 
+def _same_table(derived: dict, shipped: dict) -> bool:
+    """Two auto tables say the same: every field equal, the sources as a set (a device call that
+    rewrites the table from one world size's results lists them in another order), none twice."""
+    assert len(set(shipped["source"])) == len(shipped["source"]), shipped["source"]
+    return {**derived, "source": sorted(derived["source"])} == {**shipped, "source": sorted(shipped["source"])}
+
+
 def test_auto_table_is_what_the_recorded_benchmarks_say():
     """kernels/gemm_rs_auto.json (the shapes where "auto" does not fuse) and the tuned configs
     must be what `bench_gemm_rs.py --tables-from` derives from the recorded result files that
@@ -803,7 +810,7 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
     auto, configs = bench.auto_tables(results)
     with open(fused.AUTO_TABLE_PATH) as handle:
         shipped = json.load(handle)
-    assert shipped == auto
+    assert _same_table(auto, shipped)
     assert fused.FUSED_LOSES == {tuple(shape) for shape in auto["fused_loses"]}
     assert fused.SYMM_WINS == {tuple(shape) for shape in auto["symm_wins"]}
     tuned = gemm_rs.tuned_table()
@@ -829,7 +836,7 @@ def test_ag_auto_table_is_what_the_recorded_benchmarks_say():
             results.append(json.load(handle))
     with open(fused_tp.AG_AUTO_TABLE_PATH) as handle:
         shipped = json.load(handle)
-    assert bench.auto_table(results) == shipped
+    assert _same_table(bench.auto_table(results), shipped)
     for result in results:
         assert any(result["meta"]["commit"] in source for source in shipped["source"]), result["meta"]
 
