@@ -296,6 +296,7 @@ class DeviceMesh:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
+        """The axis names: the defaults (``gpuid``, ...) on a mesh made without names, where torch's is None."""
         return self.axis_names
 
     def get_group(self, mesh_dim: int | str | None = None):
@@ -538,6 +539,17 @@ class DeviceMesh:
         found._torch_mesh = torch_mesh
         _FROM_TORCH[key] = found
         return found
+
+    @classmethod
+    def from_group(cls, group, device_type: str, mesh=None, *, mesh_dim_names=None) -> "DeviceMesh":
+        """torch's ``DeviceMesh.from_group``: a mesh over existing process groups, one per axis
+        (one group: a 1-D mesh over its ranks, run on that group; several: ``mesh``, the rank
+        ids shaped as the mesh, and ``mesh_dim_names`` required, as torch requires them). The
+        same mesh as ``from_torch`` of torch's mesh from the same call; a mesh of several axes
+        makes its groups over several axes, so every rank of the job calls it."""
+        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+        return cls.from_torch(TorchMesh.from_group(group, device_type, mesh, mesh_dim_names=mesh_dim_names))
 
     # -- naming a mesh inside compiled code --------------------------------------------
 

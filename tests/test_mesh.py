@@ -188,6 +188,38 @@ def test_torchs_mesh_methods_answer_as_torchs_mesh():
     assert "no axis 'pp'" in messages[3]
 
 
+def _from_group(rank, world_size):
+    """``DeviceMesh.from_group`` gives the mesh torch's ``from_group`` gives for the same groups."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    grid = torch.arange(world_size).reshape(2, world_size // 2)
+    dp = [dist.new_group(grid[:, j].tolist()) for j in range(grid.shape[1])]  # every rank makes every group
+    tp = [dist.new_group(grid[i].tolist()) for i in range(grid.shape[0])]
+    here = (grid == rank).nonzero()[0].tolist()
+    my_dp, my_tp = dp[here[1]], tp[here[0]]
+    found = {}
+    for label, args, kwargs in [("tp", (my_tp, "cpu"), {}), ("dp", (my_dp, "cpu"), {"mesh_dim_names": ("dp",)}),
+                                ("2-D", ([my_dp, my_tp], "cpu", grid), {"mesh_dim_names": ("dp", "tp")})]:
+        ours, theirs = DeviceMesh.from_group(*args, **kwargs), TorchMesh.from_group(*args, **kwargs)
+        assert torch.equal(ours.mesh, theirs.mesh) and ours.get_coordinate() == tuple(theirs.get_coordinate()), label
+        for d in range(ours.ndim):
+            assert dist.get_process_group_ranks(ours.get_group(d)) == dist.get_process_group_ranks(theirs.get_group(d))
+        if ours.ndim == 1:
+            assert ours.get_group() is args[0], label  # the group given, no new one
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=ours.group())  # the whole mesh's group connects exactly its ranks
+        found[label] = (ours.ranks, ours.axis_names, t.item())
+    return found
+
+
+def test_from_group_is_torchs_from_group():
+    for rank, found in enumerate(run_on_ranks(_from_group, 4)):
+        row, column = divmod(rank, 2)
+        assert found["tp"] == ((2 * row, 2 * row + 1), ("gpuid",), float(4 * row + 1))
+        assert found["dp"] == ((column, column + 2), ("dp",), float(2 * column + 2))
+        assert found["2-D"] == ((0, 1, 2, 3), ("dp", "tp"), 6.0)
+
+
 def _ambiguous(rank, world_size):
     with pytest.raises(MeshError) as info:
         DeviceMesh("cpu", [2, 3])
