@@ -543,10 +543,11 @@ class DeviceMesh:
     @classmethod
     def from_group(cls, group, device_type: str, mesh=None, *, mesh_dim_names=None) -> "DeviceMesh":
         """torch's ``DeviceMesh.from_group``: a mesh over existing process groups, one per axis
-        (one group: a 1-D mesh over its ranks, run on that group; several: ``mesh``, the rank
-        ids shaped as the mesh, and ``mesh_dim_names`` required, as torch requires them). The
-        same mesh as ``from_torch`` of torch's mesh from the same call; a mesh of several axes
-        makes its groups over several axes, so every rank of the job calls it."""
+        (one group: a 1-D mesh over its ranks; several: ``mesh``, the rank ids shaped as the
+        mesh, and ``mesh_dim_names`` required, as torch requires them). It is ``from_torch`` of
+        torch's mesh from the same call: a 1-D mesh runs on the group given, or on the group of
+        an equal mesh (same ranks and names) converted before; a mesh of several axes makes its
+        groups over several axes, so every rank of the job calls it."""
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
         return cls.from_torch(TorchMesh.from_group(group, device_type, mesh, mesh_dim_names=mesh_dim_names))

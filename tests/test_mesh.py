@@ -204,8 +204,8 @@ def _from_group(rank, world_size):
         assert torch.equal(ours.mesh, theirs.mesh) and ours.get_coordinate() == tuple(theirs.get_coordinate()), label
         for d in range(ours.ndim):
             assert dist.get_process_group_ranks(ours.get_group(d)) == dist.get_process_group_ranks(theirs.get_group(d))
-        if ours.ndim == 1:
-            assert ours.get_group() is args[0], label  # the group given, no new one
+        if ours.ndim == 1:  # the group given, or one over the same ranks converted before
+            assert dist.get_process_group_ranks(ours.get_group()) == dist.get_process_group_ranks(args[0]), label
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=ours.group())  # the whole mesh's group connects exactly its ranks
         found[label] = (ours.ranks, ours.axis_names, t.item())
