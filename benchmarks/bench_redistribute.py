@@ -9,8 +9,8 @@ Rank 0 prints a markdown table and writes ``<out>/redistribute_w{2,4}[_cpu].{jso
 (axedist: from the plans it ran, collected with ``axedist.runtime.record``; torch DTensor:
 from the collectives it issues, counted under ``CommDebugMode``), the median time of one
 call from an idle GPU (max over ranks; CUDA events on GPUs, wall clock on CPU) of
-``DTensor.redistribute`` on both sides with its host part (until the call returns), and the
-time per call of calls issued back to back (the device's cost where the host keeps ahead);
+``DTensor.redistribute`` on both sides with its host part (until the call returns), and on
+GPUs the time per call of calls queued back to back behind a sleep kernel (the device's cost);
 then the CPU overhead of one call with a cached plan on a transition that
 moves no data (``Replicate -> Shard(0)``: slicing only), where the time is all framework.
 Only public names are used. The last rows are uneven, ``(rows - 1, rows + 2)``. torch's bytes
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 import axedist as ax
+from axedist.collectives.timing import device_time
 from axedist.runtime import execution_bytes, explain_execution, record
 from axedist.testing import torch_comm_bytes
 
@@ -88,27 +89,6 @@ def _timed(fn, device, iters: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(host)
 
 
-def _queued(fn, device, iters: int) -> float:
-    """ms per call of ``iters`` calls issued back to back (the slowest rank): the GPU's cost of a
-    call where the host keeps ahead of it, which one call from an idle GPU cannot show."""
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        elapsed = start.elapsed_time(end) / 1e3
-    else:
-        begin = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        elapsed = time.perf_counter() - begin
-    return _max_over_ranks(elapsed / iters * 1e3, device)
-
-
 def _max_over_ranks(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -144,14 +124,14 @@ def _write(rows, overhead, meta, path_stem):
              f"Tensor {meta['shape']} {meta['dtype']}. Bytes: what one rank sends at most (axedist: its plans; "
              f"torch: the collectives it issues, under CommDebugMode). Time: median of {meta['iters']} calls of "
              f"`DTensor.redistribute`, slowest rank ({meta['timer']}); host: until the call returns (median, "
-             f"slowest rank), the GPU not waited for; queued: ms per call of {meta['iters']} calls issued back to "
-             f"back (where the host keeps ahead, the device's cost of a call).", "",
+             f"slowest rank), the GPU not waited for; queued (GPUs): ms per call of {meta['iters']} calls queued back to "
+             f"back behind a sleep kernel (`collectives.timing.device_time`: the device's cost of a call).", "",
              "| mesh | transition | axedist steps | bytes/rank axedist | bytes/rank DTensor | ms axedist | ms DTensor "
              "| host us axedist | host us DTensor | queued ms axedist | queued ms DTensor |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         host = (f"{r['host_us_axedist']:.0f} | {r['host_us_torch']:.0f}" if "host_us_axedist" in r else "- | -")
-        queued = (f"{r['queued_ms_axedist']:.3f} | {r['queued_ms_torch']:.3f}" if "queued_ms_axedist" in r else "- | -")
+        queued = (f"{r['queued_ms_axedist']:.3f} | {r['queued_ms_torch']:.3f}" if r.get("queued_ms_axedist") else "- | -")
         lines.append(f"| {r['mesh']} | {r['transition']} | {r['steps']} | {r['bytes_axedist']:,} | "
                      f"{r['bytes_torch']:,} | {r['ms_axedist']:.3f} | {r['ms_torch']:.3f} | {host} | {queued} |")
     lines += ["", f"CPU overhead per call with a cached plan, `Replicate -> Shard(0)` of {overhead['shape']} "
@@ -220,8 +200,11 @@ def main():
         # both sides' local tensors are read, so a deferred move is timed, not only its deferral
         t_ours, host_ours = _timed(lambda: ours.redistribute(dst_pl).to_local(), device, iters)
         t_torch, host_torch = _timed(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local(), device, iters)
-        q_ours = _queued(lambda: ours.redistribute(dst_pl).to_local(), device, iters)
-        q_torch = _queued(lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local(), device, iters)
+        queued = dict(axedist=None, torch=None)
+        if device.type == "cuda":  # calls queued back to back behind a sleep kernel: the device's cost of a call
+            queued = device_time(dict(axedist=lambda: ours.redistribute(dst_pl).to_local(),
+                                      torch=lambda: torch_src.redistribute(torch_mesh, dst_pl).to_local()), calls=iters)
+            queued = {side: _max_over_ranks(ms, device) for side, ms in queued.items()}
         if args.explain and route and dist.get_rank() == 0:
             print(explain_execution(route, mesh), flush=True)
         steps = " + ".join(route.kinds) if route else "none"
@@ -231,7 +214,7 @@ def main():
                          bytes_axedist=int(_max_over_ranks(ours_bytes, device)),
                          bytes_torch=int(_max_over_ranks(torch_bytes, device)),
                          ms_axedist=t_ours, ms_torch=t_torch, host_us_axedist=host_ours, host_us_torch=host_torch,
-                         queued_ms_axedist=q_ours, queued_ms_torch=q_torch))
+                         queued_ms_axedist=queued["axedist"], queued_ms_torch=queued["torch"]))
     # CPU overhead of a cached call that moves nothing: Replicate -> Shard(0)
     small = (64, 64)
     ours, torch_src, torch_mesh, dst_pl = _pair(line, small, "R", "S0", torch.float32)

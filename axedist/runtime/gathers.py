@@ -73,7 +73,7 @@ class AllGather(Collective):
             if boxes is not None:
                 self.pieces.append((j * self.n, counts[j], Index.of(boxes, "target", ctx.device)))
         self.whole = (not self.keep_local and step.out_size == self.n * len(self.members)
-                      and all(index.start == start and index.stop == start + count == start + self.n
+                      and all(count == self.n and index.spans(start, start + count)
                               for start, count, index in self.pieces))
 
     @staticmethod
@@ -151,7 +151,7 @@ class AllToAll(Collective):
         # this rank's local copies in its place: do the received pieces then fill the output in order?
         own = tuple(self.local) if self.reduce is None else ()
         with_own = [t for d, boxes in zip(self.members, incoming) for t in (own if d == me else boxes)]
-        self.whole = bool(own) and Index.of(with_own, "target", torch.device("cpu")).whole(step.out_size)
+        self.whole = bool(own) and Index.of(with_own, "target", torch.device("cpu")).spans(0, step.out_size)
         if self.whole:
             self.how = "all_to_all_single (own piece sent to itself: received in place)"
             outgoing[self.position] = incoming[self.position] = own
@@ -177,4 +177,3 @@ class AllToAll(Collective):
             every = torch.cat([self.local_src.take(x), incoming])
             return reduce_into(self.step.out_size, every, self.slots, self.reduce, self.count, x)
         return works, finish
-

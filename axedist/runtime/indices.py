@@ -113,9 +113,10 @@ class Index:
             position += n
         return out
 
-    def whole(self, size: int) -> bool:
-        """Whether this index is slots ``0 .. size`` in order (reading or writing it is the identity)."""
-        return self.start == 0 and self.stop == size
+    def spans(self, start: int, stop: int) -> bool:
+        """Whether this index is slots ``start .. stop`` in order (``spans(0, n)`` of an ``n``-slot
+        buffer: reading or writing through it is the identity)."""
+        return self.start == start and self.stop == stop
 
     def take(self, buffer: torch.Tensor) -> torch.Tensor:
         if self.boxes is not None:

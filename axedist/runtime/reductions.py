@@ -84,9 +84,9 @@ class FusedAllReduce(ReduceScatter):
         self.select = Index(torch.cat(select), ctx.device)
         self.slots = Index(torch.cat(slots), ctx.device)
         # every reduced value read once, in place (P -> R): the reduced buffer is the output
-        self.whole = self.select.whole(self.n * len(self.members)) and self.slots.whole(gather_step.out_size)
+        self.whole = self.select.spans(0, self.n * len(self.members)) and self.slots.spans(0, gather_step.out_size)
         if self.whole:
-            self.how = f"{self.how[:-1]}; the reduced buffer is the output)"
+            self.how = "all_reduce (reduce-scatter + all-gather pair; the reduced buffer is the output)"
 
     @staticmethod
     def fits(step: Step, gather_step: Step, group) -> bool:
@@ -130,7 +130,7 @@ class AllReduce(Collective):
         me = ctx.me
         self.send = Index.of(self.message(me, self.any_peer(me)), "source", ctx.device)
         self.land = Index.of(self.message(self.any_peer(me), me), "target", ctx.device)
-        self.whole = self.land.whole(step.out_size)
+        self.whole = self.land.spans(0, step.out_size)
         if self.whole:
             self.how = "all_reduce (the reduced buffer is the output)"
 
