@@ -24,7 +24,7 @@ from axedist.dtensor import distribute
 from axedist.mesh import DeviceMesh
 from axedist.planning import plan_layouts, simulate
 from axedist.runtime import execute_plan, execution_bytes, explain_execution, executor, record
-from axedist.runtime.buffers import position_index
+from axedist.runtime import buffers
 from axedist.testing import run_on_ranks, torch_comm_bytes
 from torch.distributed.tensor import Shard
 from tests.planning_cases import REDUCE, brute_slots, placements, random_layout, random_shape, scatter
@@ -345,32 +345,43 @@ def test_uneven_all_gather_is_one_padded_collective_when_padding_is_cheap(shape,
                                known_limit=False)
 
 
-def _repeat_uneven(rank, world):
-    """A re-padded uneven redistribute, twice: the per-dim position indices are built on the
-    first call and reused (cache hits, no new ones) by the second; both give torch DTensor's result."""
+def _repeat_uneven(rank, world, max_copies):
+    """A re-padded uneven redistribute, twice: the per-dim runs (a copy per piece, at most
+    ``max_copies`` pieces) or position indices (one gather, above it) are built on the first call
+    and not built again by the second; both give torch DTensor's result."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = DeviceMesh("cpu", (2, 2), ("x", "y"))
-    full = torch.randn((63, 66), generator=torch.Generator().manual_seed(3))
-    src = ax.from_torch(distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]))
-    dst = [Replicate(), Shard(0)]
-    want = distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]).redistribute(
-        mesh.to_torch(), dst).to_local()
-    before = position_index.cache_info()
-    with record() as ran:
-        first = src.redistribute(dst).to_local()
-    route, me = ran[0], mesh.position()
-    sides = [side for side in (route.first, route.last) + (route.repad.sides if route.repad else ())
-             if any(p is not None for p in side.positions_at(me))]
-    built = position_index.cache_info()
-    second = src.redistribute(dst).to_local()
-    after = position_index.cache_info()
-    reused = built.misses > before.misses and after.misses == built.misses and after.hits > built.hits
-    return bool(sides), reused, torch.equal(first, want), torch.equal(second, want)
+    default = buffers.MAX_COPIES
+    buffers.MAX_COPIES = max_copies
+    ax.reset()
+    try:
+        mesh = DeviceMesh("cpu", (2, 2), ("x", "y"))
+        full = torch.randn((63, 66), generator=torch.Generator().manual_seed(3))
+        src = ax.from_torch(distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]))
+        dst = [Replicate(), Shard(0)]
+        want = distribute_tensor(full, mesh.to_torch(), [Shard(1), Shard(1)]).redistribute(
+            mesh.to_torch(), dst).to_local()
+        built_by = buffers.position_runs if max_copies else buffers.position_index
+        before = built_by.cache_info()
+        with record() as ran:
+            first = src.redistribute(dst).to_local()
+        route, me = ran[0], mesh.position()
+        sides = [side for side in (route.first, route.last) + (route.repad.sides if route.repad else ())
+                 if any(p is not None for p in side.positions_at(me))]
+        built = built_by.cache_info()
+        second = src.redistribute(dst).to_local()
+        after = built_by.cache_info()
+        reused = built.misses > before.misses and after.misses == built.misses  # none built again
+        return (bool(sides), reused, not max_copies or buffers.position_index.cache_info().misses == 0, torch.equal(first, want),
+                torch.equal(second, want))
+    finally:
+        buffers.MAX_COPIES = default
+        ax.reset()
 
 
-def test_cached_uneven_redistribute_reuses_its_position_indices():
-    assert run_on_ranks(_repeat_uneven, 4, timeout_s=60) == [(True, True, True, True)] * 4
+@pytest.mark.parametrize("max_copies", [buffers.MAX_COPIES, 0], ids=["copies", "index"])
+def test_cached_uneven_redistribute_reuses_its_runs_or_position_indices(max_copies):
+    assert run_on_ranks(_repeat_uneven, 4, args=(max_copies,), timeout_s=60) == [(True,) * 5] * 4
 
 
 # -- random differential: placements on 1-D and 2-D meshes, even and uneven shapes ------------
@@ -413,6 +424,31 @@ def test_random_placements_match_torch_and_never_move_more(mesh_shape, data):
         assert all(r[0] for r in per_rank), (case, per_rank[0][3])
         ours, theirs = [r[1] for r in per_rank], [r[2] for r in per_rank]
         assert max(ours) <= max(theirs) and sum(ours) <= sum(theirs), (case, ours, theirs, per_rank[0][3])
+
+
+def _cases_with_max_copies(rank, world, cases, max_copies):
+    default = buffers.MAX_COPIES
+    buffers.MAX_COPIES = max_copies
+    ax.reset()
+    try:
+        return torch_cases(rank, world, cases)
+    finally:
+        buffers.MAX_COPIES = default
+        ax.reset()
+
+
+@pytest.mark.parametrize("max_copies", [0, 2], ids=["index", "two_copies"])
+@settings(max_examples=2)
+@given(data=st.data())
+def test_random_uneven_placements_match_torch_through_either_buffer_path(max_copies, data):
+    """A true local tensor moves in and out of its padded buffer as a copy per piece (at most
+    ``MAX_COPIES`` pieces) or through an index tensor: with the limit at 0 (always the index) and 2
+    (both, by the piece count), fresh random transitions on 2x2 and 3 ranks give torch's values."""
+    for mesh_shape in [(2, 2), (3,)]:
+        cases = data.draw(st.lists(_transitions(mesh_shape), min_size=4, max_size=4), label="transitions")
+        results = run_on_ranks(_cases_with_max_copies, math.prod(mesh_shape), args=(cases, max_copies), timeout_s=180)
+        for i, case in enumerate(cases):
+            assert all(r[i][0] for r in results), (case, results[0][i][3])
 
 
 # -- the uneven digit swap: true elements only, one all_to_all_single --------------------

@@ -6,6 +6,7 @@ the buffer ``[6., 0.]``; the slot after it is padding, never sent and never read
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -14,7 +15,9 @@ from ..caches import cached
 from ..planning.repad import Side
 from ..tracing import outside_tracing, traced_constant
 
-__all__ = ["to_buffer", "from_buffer", "position_index"]
+__all__ = ["to_buffer", "from_buffer", "position_index", "position_runs", "MAX_COPIES"]
+
+MAX_COPIES = 16  # a true local tensor in more pieces than this moves as one gather through an index tensor
 
 
 @cached(maxsize=512)
@@ -28,6 +31,44 @@ def position_index(side: Side, position: int, dim: int, device: torch.device) ->
     return torch.tensor(side.positions_at(position)[dim], device=device)
 
 
+@cached(maxsize=512)
+@outside_tracing
+def position_runs(side: Side, position: int, dim: int) -> tuple[tuple[int, int, int], ...]:
+    """The local rows of ``side``'s true rows along ``dim`` at mesh ``position`` as runs
+    ``(true start, padded start, length)`` of consecutive padded rows: ``(0, 0, 1025), (1025, 1026, 1024)``
+    where one padded row sits between two pieces. Built once per side (vectorised: a flat FSDP
+    buffer's rows run to millions)."""
+    rows = torch.tensor(side.positions_at(position)[dim], dtype=torch.int64)
+    if rows.numel() == 0:
+        return ()
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(rows.diff() != 1).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([rows.numel()])])
+    return tuple((int(a), int(rows[a]), int(b - a)) for a, b in zip(starts, ends))
+
+
+@cached(maxsize=512)
+def _pieces(side: Side, position: int, box: tuple[int, ...]) -> tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...] | None:
+    """``(true slices, padded slices)`` of each piece of the true local tensor ``box`` in the
+    padded one: the product over dims of each dim's runs (a dim whose true rows lead: one run).
+    None when there are more than ``MAX_COPIES`` pieces."""
+    per_dim = []
+    for d, rows in enumerate(side.positions_at(position)):
+        if rows is None:
+            per_dim.append(((0, 0, box[d]),))
+            continue
+        runs, left = [], box[d]
+        for true, padded, n in position_runs(side, position, d):
+            if left <= 0:
+                break
+            runs.append((true, padded, min(n, left)))
+            left -= n
+        per_dim.append(runs)
+    if math.prod(len(runs) for runs in per_dim) > MAX_COPIES:
+        return None
+    return tuple((tuple(slice(t, t + n) for t, _, n in piece), tuple(slice(p, p + n) for _, p, n in piece))
+                 for piece in itertools.product(*per_dim))
+
+
 def to_buffer(local: torch.Tensor, side: Side, position: int, box, size: int) -> torch.Tensor:
     """The true local tensor (``box``) placed in the padded row-major local tensor, flattened."""
     padded, positions = side.local_padded, side.positions_at(position)
@@ -37,6 +78,11 @@ def to_buffer(local: torch.Tensor, side: Side, position: int, box, size: int) ->
     if math.prod(box) == 0 or local.numel() == 0:
         return out.reshape(-1) if out.numel() == size else torch.zeros(size, dtype=local.dtype, device=local.device)
     t = local.reshape(box)
+    pieces = _pieces(side, position, tuple(box))
+    if pieces is not None:  # a copy per piece (a few pieces: the uneven chunks of a dim)
+        for true, padded_at in pieces:
+            out[padded_at] = t[true]
+        return out.reshape(-1)
     for d, rows in enumerate(positions):
         if rows is not None:
             grown = list(t.shape)
@@ -52,6 +98,14 @@ def from_buffer(buffer: torch.Tensor, side: Side, position: int, box) -> torch.T
     if math.prod(box) == 0:
         return buffer.new_empty(box)
     t = buffer.reshape(side.local_padded)
+    pieces = _pieces(side, position, tuple(box))
+    if pieces is not None and len(pieces) == 1 and all(p is None for p in side.positions_at(position)):
+        return t[pieces[0][1]].contiguous()
+    if pieces is not None:  # a copy per piece into the true local tensor, not a gather through an index
+        out = buffer.new_empty(box)
+        for true, padded_at in pieces:
+            out[true] = t[padded_at]
+        return out
     for d, rows in enumerate(side.positions_at(position)):
         if rows is not None:
             t = t.index_select(d, traced_constant(position_index(side, position, d, t.device)))
