@@ -5,7 +5,7 @@ step, warmed up alone, then timed round-robin (the order checked on 2 gloo ranks
 fails on every rank is left out with its error; each compiled side keeps its own graphs under
 its own backend object (no recompiles when sides alternate; Inductor gets the side's config
 patches); the fp32 loss check passes on equal losses and fails on a perturbed side; profiler
-summaries (busy time as the union of intervals); and both scripts under torchrun, their
+summaries (busy time as the union of intervals), the traces' collective arrivals (waiting vs own cost); and both scripts under torchrun, their
 results files' fields (interleaving order, loss check, profile, per-side stats, history line).
 """
 
@@ -377,3 +377,35 @@ def test_first_step_profile_names_where_the_time_went():
         "peak_bytes": None, "resident_bytes": None, "losses": [1.0], "first_step_profile": found}},
         "model_flops_per_step": 1.0, "flops_formula": "-", "world": 1, "peak_flops_per_gpu": None})
     assert "First step of axedist under cProfile" in text and "_slow_part" in text
+
+
+def test_trace_arrivals_split_each_collective_into_waiting_and_its_own_cost(tmp_path):
+    """Two ranks' traces of one step, made up: per call, the time after the last rank arrives is
+    the collective's own cost, the rest of each rank's kernel time that rank waiting; GEMMs are
+    not collectives; a kernel called a different number of times on the ranks is an error."""
+    import trace_summary  # benchmarks/trace_summary.py
+
+    def write(rank, kernels):
+        events = [dict(ph="X", cat="kernel", name=n, ts=ts, dur=dur) for n, ts, dur in kernels]
+        path = tmp_path / f"trace_ours_rank{rank}.json"
+        path.write_text(json.dumps(dict(traceEvents=events)))
+        return str(path)
+
+    # call 1: rank 0 arrives at 100, rank 1 at 400, both end at 1400 (own cost 1000, rank 0 waits 300);
+    # call 2: both arrive at 5000 and end at 5500
+    paths = [write(0, [("reduce_scatter_kernel", 100, 1300), ("nvjet_gemm", 2000, 900),
+                       ("reduce_scatter_kernel", 5000, 500)]),
+             write(1, [("reduce_scatter_kernel", 400, 1000), ("nvjet_gemm", 2000, 900),
+                       ("reduce_scatter_kernel", 5000, 500)])]
+    got = trace_summary.arrivals(paths, rank=0)
+    assert set(got) == {"reduce_scatter_kernel"}
+    r = got["reduce_scatter_kernel"]
+    assert r["calls"] == 2
+    assert r["rank_ms"] == pytest.approx(1.8) and r["own_ms"] == pytest.approx(1.5)
+    assert r["waiting_ms"] == pytest.approx(0.3) and r["max_lag_ms"] == pytest.approx(0.3)
+    assert trace_summary.arrivals(paths, rank=1)["reduce_scatter_kernel"]["waiting_ms"] == pytest.approx(0.0)
+    table = trace_summary.arrivals_markdown({"ours": got}, 0)
+    assert "| ours | `reduce_scatter_kernel` | 2 | 1.8 | 1.5 | 0.3 | 0.30 |" in table
+    uneven = write(1, [("reduce_scatter_kernel", 400, 1000)])
+    with pytest.raises(ValueError, match="calls on different ranks"):
+        trace_summary.arrivals([paths[0], uneven])
