@@ -364,6 +364,82 @@ def test_colwise_sequence_parallel_defers_its_gather(world):
     run_on_ranks(_colwise_sequence_parallel, world, args=(random.randrange(10**6),))
 
 
+@_gathering
+def _rowwise_backward_gather(rank, world, seed):
+    """RowwiseParallel with a sequence-parallel output: in backward the output gradient's row
+    all-gather (Shard(0) -> Replicate) is deferred, and torch's mm backward asks for its
+    transpose first (the weight gradient, ``grad.t() @ x``). The transpose and that product stay
+    pending, so the gather reaches the fused all-gather + GEMM decision through the input
+    gradient's mm (CPU: not fused, the CUDA reason named) and runs once; the input and weight
+    gradients equal the plain Linear's. Before this, ``t`` ran the gather on its own."""
+    from axedist.nn import RowwiseParallel, parallelize
+    from axedist.runtime.deferred import PENDING, fused_gemm_stats as stats
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(seed)
+    s, b, k, n = 2 * world, 3, 3 * world, 5
+    lin = torch.nn.Linear(k, n, bias=False, dtype=torch.float64)
+    ref = copy.deepcopy(lin)
+    parallelize(lin, mesh, {"": RowwiseParallel(output_layouts=Shard(0))})
+    x = torch.randn(s, b, k, dtype=torch.float64, requires_grad=True)
+    y = lin(distribute(x, mesh, [Shard(2)]))
+    up = torch.randn(y.shape, dtype=torch.float64)
+    PENDING.counts["gather_reason"] = ""
+    before = stats()
+    (y * distribute(up, mesh, [Shard(0)])).sum().backward()
+    d = _gather_delta(before, stats())
+    assert d == {"gathers_deferred": 1, "gathers_fused": 0, "gathers_materialized": 1}, d
+    assert "CUDA" in stats()["gather_reason"], stats()["gather_reason"]
+    want = ref(x.detach().requires_grad_())
+    (want * up).sum().backward()
+    assert torch.allclose(lin.weight.grad.full_tensor(), ref.weight.grad)
+    x_ref = x.detach().clone().requires_grad_()
+    (ref(x_ref) * up).sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rowwise_backward_gather_reaches_the_fused_decision_through_the_input_gradient(world):
+    run_on_ranks(_rowwise_backward_gather, world, args=(random.randrange(10**6),))
+
+
+@_gathering
+def _transposed_gather(rank, world, seed):
+    """The transpose of a deferred gather, and its product with replicated columns, stay pending
+    and give the plain values when used: read directly, multiplied, transposed back, and after
+    an in-place change of the product's operand through axedist (the product runs first, on the
+    old values); a transpose of rows that are not a 2-d matrix runs the gather."""
+    from axedist.runtime.deferred import DeferredProduct, DeferredTranspose
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(2 * world, 3, generator=g, dtype=torch.float64)
+    cols = torch.randn(2 * world, 4, generator=g, dtype=torch.float64)
+    gathered = distribute(rows, mesh, [Shard(0)]).redistribute([R])
+    t = gathered.t()
+    assert type(t._pending) is DeferredTranspose and t.placements == (R,)
+    assert torch.equal(t.full_tensor(), rows.t())
+    w = distribute(cols, mesh, [R])
+    product = distribute(rows, mesh, [Shard(0)]).redistribute([R]).t() @ w
+    assert type(product._pending) is DeferredProduct
+    back = product.t()
+    assert type(back._pending) is DeferredTranspose and torch.allclose(back.t().full_tensor(), rows.t() @ cols)
+    assert torch.allclose(back.full_tensor(), (rows.t() @ cols).t())
+    later = distribute(rows, mesh, [Shard(0)]).redistribute([R]).t() @ w
+    assert type(later._pending) is DeferredProduct
+    w.add_(1.0)
+    assert torch.allclose(later.full_tensor(), rows.t() @ cols)
+    cube = distribute(rows.reshape(2 * world, 3, 1), mesh, [Shard(0)]).redistribute([R])
+    assert cube.transpose(0, 2)._pending is None and torch.equal(cube.full_tensor(), rows.reshape(-1, 3, 1))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_transposed_gather_and_its_product_stay_pending_and_give_plain_values(world):
+    run_on_ranks(_transposed_gather, world, args=(random.randrange(10**6),))
+
+
 def _moves_recognized(rank, world):
     from axedist.planning import all_reduce_axis, row_gather_axis
     from axedist.spec import spec_from_placements

@@ -116,6 +116,39 @@ def body_colwise_sequence_parallel(rank, world):
     return True
 
 
+def body_rowwise_backward_gather(rank, world):
+    """RowwiseParallel(output_layouts=Shard(0)) on [S, B, K] bf16, in backward: the output
+    gradient's row all-gather runs fused with the input gradient's GEMM (counted), although
+    torch's mm backward asks for the weight gradient (``grad.t() @ x``) first; the input and
+    weight gradients against an fp32 reference."""
+    from axedist.dtensor import distribute, fused_gemm_stats
+    from axedist.mesh import DeviceMesh
+    from axedist.nn import RowwiseParallel, parallelize
+
+    mesh = DeviceMesh("cuda", (world,))
+    s, b, k, n = 256 * world, 2, 256 * world, 1024   # the input gradient's GEMM: N_local 256, K 1024
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    w = layer.weight.detach().float().clone()
+    parallelize(layer, mesh, {"": RowwiseParallel(output_layouts=Shard(0))}, src_rank=None)
+    x32 = _full((s, b, k), 9)
+    local = slice(rank * (k // world), (rank + 1) * (k // world))
+    x = x32.to(torch.bfloat16)[..., local].clone().requires_grad_()
+    y = layer(x)
+    up = _full((s, b, n), 10)
+    before = fused_gemm_stats()
+    (y * distribute(up.to(torch.bfloat16), mesh, [Shard(0)])).sum().backward()
+    after = fused_gemm_stats()
+    counts = {key: after[key] - before[key] for key in ("gathers_deferred", "gathers_fused", "gathers_materialized")}
+    assert counts == {"gathers_deferred": 1, "gathers_fused": 1, "gathers_materialized": 0}, (counts, after["gather_reason"])
+    xr = x32.to(torch.bfloat16).float().requires_grad_()
+    wr = w.to(torch.bfloat16).float().requires_grad_()
+    ((xr @ wr.t()) * up.to(torch.bfloat16).float()).sum().backward()
+    assert _rel(x.grad.float(), xr.grad[..., local]) < 2e-2
+    assert _rel(layer.weight.grad.full_tensor().float(), wr.grad) < 2e-2
+    return True
+
+
 def body_decode_graph(rank, world):
     """RowwiseParallel without sequence parallelism at decode sizes: the fused GEMM + all-reduce
     runs (counted); the layer pair captured in a CUDA graph and replayed with fresh inputs. (Decode
@@ -174,6 +207,10 @@ def test_gemm_all_reduce_direct():
 
 def test_colwise_sequence_parallel_fuses_both_directions():
     run_on_ranks(body_colwise_sequence_parallel, WORLD, "nccl", timeout_s=600)
+
+
+def test_rowwise_backward_runs_its_gradient_gather_fused():
+    run_on_ranks(body_rowwise_backward_gather, WORLD, "nccl", timeout_s=600)
 
 
 def test_rowwise_decode_fused_all_reduce_in_a_cuda_graph():

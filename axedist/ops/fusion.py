@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.deferred import PENDING, defer, defer_sum, pending_gather, pending_product, placeholder
+from ..runtime.deferred import (PENDING, DeferredProduct, DeferredTranspose, DeferredView, defer, defer_sum,
+                                pending_gather, pending_product, placeholder, transposed)
 from ..runtime.tails import DeferredTail, fused_tail_norm, pending_tail, with_residual
 from ..tracing import may_defer
 from .call_plan import CallPlan, op_info, scan, written
@@ -110,6 +111,33 @@ def view_of_pending(dispatcher, func, args):
     if gather is not None and (out.unsqueeze or len(out.local_shape) != 2):
         return None
     return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=a._pending.view(out.local_shape))
+
+
+@pending_user(aten.t.default)
+def transpose_of_pending(dispatcher, func, args):
+    """``t`` of a deferred row all-gather's rows matrix, or of pending work made from one (a
+    :class:`DeferredProduct`, a transpose): it stays pending. torch's ``mm`` backward computes a
+    linear's weight gradient first, as ``grad.t().mm(input).t()``, then the input gradient
+    ``grad @ W``; kept pending, the gather then runs fused with the input gradient's GEMM
+    (ops/matmul.py), and the weight gradient reads the rows it leaves."""
+    if len(args) != 1 or not may_defer():
+        return None
+    a, cls = args[0], dispatcher.cls
+    if type(a) is not cls or a._pending is None:
+        return None
+    pending = a._pending
+    gather = pending_gather(pending)
+    if gather is not None:
+        rows = pending.shape if type(pending) is DeferredView else tuple(gather.local.shape)
+        if len(rows) != 2:
+            return None
+    elif type(pending) not in (DeferredProduct, DeferredTranspose) or pending.value is not None:
+        return None
+    plan, _ = planned_as_is(dispatcher, func, args)
+    if plan is None or any(t is not None for t in plan.targets) or plan.outputs[0].unsqueeze:
+        return None  # a transpose that moves data first is not the op on the pending value
+    out = plan.outputs[0]
+    return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=transposed(pending))
 
 
 @pending_user(aten.add.Tensor)

@@ -37,7 +37,9 @@ import torch
 
 from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
 from ..planning.cost import placement_move_elements
-from ..runtime.deferred import fused_gather_product, pending_gather
+from ..runtime.deferred import (defer_product_of_gather, fused_gather_product, gather_rows_transposed,
+                                pending_gather, placeholder)
+from ..tracing import may_defer
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
@@ -236,6 +238,9 @@ def gathered_product(dispatcher, func, args):
     also resolves the gather (ops/fusion.py). None when the call is not that, or the kernel
     does not run (then mm gathers and multiplies as usual)."""
     cls = dispatcher.cls
+    if func is aten.mm.default and len(args) == 2 and type(args[0]) is cls \
+            and gather_rows_transposed(args[0]._pending):
+        return _product_of_transposed_gather(dispatcher, func, args)
     if func is aten.mm.default and len(args) == 2:
         (a, b), bias = args, None
     elif func is aten.addmm.default and len(args) == 3 and type(args[0]) is cls:
@@ -256,3 +261,21 @@ def gathered_product(dispatcher, func, args):
     if bias is not None:
         value.add_(local_of(bias, targets[id(bias)]))
     return cls(value, out.spec, stride=out.stride)
+
+
+def _product_of_transposed_gather(dispatcher, func, args):
+    """``grad.t() @ input`` (a linear's weight gradient, which torch's ``mm`` backward computes
+    before the input gradient) with ``grad`` a deferred row all-gather: kept unrun, a
+    DeferredProduct, so that the input gradient's mm can run the gather fused; None when the
+    call moves data or runs a rule's own code (then it runs as usual)."""
+    (a, b), cls = args, dispatcher.cls
+    if type(b) is not cls or b._pending is not None or a.dtype != b.dtype or not may_defer():
+        return None
+    plan, targets = planned_as_is(dispatcher, func, args)
+    if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
+        return None
+    out = plan.outputs[0]
+    if out.unsqueeze:
+        return None
+    pending = defer_product_of_gather(a._pending, b._local, out.local_shape)
+    return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=pending)

@@ -44,9 +44,11 @@ from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_sc
 from ..spec import DTensorSpec, placements_of
 from ..tracing import compiling, may_defer, outside_tracing
 
-__all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "PendingWork", "PENDING", "defer",
-           "defer_gather", "defer_gathers", "defer_sum", "placeholder", "flush", "pending_product", "pending_gather",
-           "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any", "POLICIES"]
+__all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "DeferredTranspose", "DeferredProduct",
+           "PendingWork", "PENDING", "defer", "defer_gather", "defer_gathers", "defer_sum", "defer_product_of_gather",
+           "placeholder", "flush", "pending_product", "pending_gather", "gather_rows_transposed", "transposed",
+           "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any",
+           "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
@@ -552,6 +554,87 @@ class DeferredView:
 
     def __repr__(self) -> str:
         return f"DeferredView({type(self.root).__name__} as {list(self.shape)})"
+
+
+class DeferredTranspose:
+    """The transpose of pending work, not yet run: a deferred gather's rows matrix ``[M, H]``
+    seen as ``[H, M]`` (torch's ``mm`` backward asks for ``grad.t()`` of a linear's gathered
+    output gradient before it multiplies that gradient by the weights), or of a
+    :class:`DeferredProduct` made from one. Nothing runs until the value is used; the transpose
+    of a transpose is the work itself (:func:`transposed`)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @property
+    def value(self):
+        inner = self.inner.value
+        return None if inner is None else inner.t()
+
+    @property
+    def traced(self) -> bool:
+        return self.inner.traced
+
+    def wait(self) -> torch.Tensor:
+        return self.inner.wait().t()
+
+    def __repr__(self) -> str:
+        return f"DeferredTranspose({self.inner!r})"
+
+
+def transposed(pending):
+    """``pending`` transposed, unrun: a :class:`DeferredTranspose`, or the work inside one."""
+    return pending.inner if type(pending) is DeferredTranspose else DeferredTranspose(pending)
+
+
+def gather_rows_transposed(pending) -> bool:
+    """Whether ``pending`` is the transpose of an unrun deferred gather's 2-d rows matrix."""
+    return type(pending) is DeferredTranspose and pending_gather(pending.inner) is not None \
+        and len(pending.inner.shape if type(pending.inner) is DeferredView else pending.inner.local.shape) == 2
+
+
+class DeferredProduct:
+    """``a @ b`` where ``a`` is pending (the transposed rows of a deferred gather: the weight
+    gradient ``grad.t() @ input`` that torch's ``mm`` backward computes before the input gradient
+    ``grad @ W``), not yet run: the input gradient's ``mm`` can then run the gather fused with
+    its GEMM, and this product reads the gathered rows it leaves (or runs the gather on its own,
+    when nothing fused it). Computed on first use; ``b`` must not change in place before that."""
+
+    __slots__ = ("a", "b", "shape", "version", "value", "traced", "__weakref__")
+
+    def __init__(self, a, b: torch.Tensor, shape: tuple):
+        self.a, self.b, self.shape, self.value = a, b, tuple(shape), None
+        self.version = -1 if b.is_inference() else b._version
+        self.traced = compiling()
+
+    def wait(self) -> torch.Tensor:
+        if self.value is None:
+            if not self.b.is_inference() and self.b._version != self.version:
+                raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
+                                  "e.g. through to_local()) before the product was used; use the product first, "
+                                  "or clone the operand's local tensor before changing it")
+            value = torch.mm(self.a.wait(), self.b)
+            if tuple(value.shape) != self.shape:
+                raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
+            self.value, self.a, self.b = value, None, None
+        return self.value
+
+    def reads(self, storages: set) -> bool:
+        gather = pending_gather(self.a.inner) if self.a is not None else None
+        return reads_any((self.b, gather.local if gather is not None else None), storages)
+
+    def __repr__(self) -> str:
+        state = "computed" if self.value is not None else f"{self.a!r} @ {list(self.b.shape)}: unrun"
+        return f"DeferredProduct({list(self.shape)}: {state})"
+
+
+def defer_product_of_gather(a, b: torch.Tensor, shape: tuple) -> DeferredProduct:
+    """``a @ b`` kept unrun (``a``: see :func:`gather_rows_transposed`), counted as outstanding."""
+    pending = DeferredProduct(a, b, shape)
+    PENDING.track(pending)
+    return pending
 
 
 def fused_backend(backend: str | None = None) -> str:
