@@ -409,7 +409,7 @@ def _transposed_gather(rank, world, seed):
     """The transpose of a deferred gather, and its product with replicated columns, stay pending
     and give the plain values when used: read directly, multiplied, transposed back, and after
     an in-place change of the product's operand through axedist (the product runs first, on the
-    old values); a transpose of rows that are not a 2-d matrix runs the gather."""
+    old values), a clear error after a change outside axedist ops; a transpose of rows that are not a 2-d matrix runs the gather."""
     from axedist.runtime.deferred import DeferredProduct, DeferredTranspose
 
     mesh = DeviceMesh("cpu", (world,))
@@ -430,6 +430,10 @@ def _transposed_gather(rank, world, seed):
     assert type(later._pending) is DeferredProduct
     w.add_(1.0)
     assert torch.allclose(later.full_tensor(), rows.t() @ cols)
+    behind = distribute(rows, mesh, [Shard(0)]).redistribute([R]).t() @ w
+    w.to_local().add_(1.0)   # outside axedist ops: the product cannot know, so it refuses
+    with pytest.raises(LayoutError, match="changed in place"):
+        behind.full_tensor()
     cube = distribute(rows.reshape(2 * world, 3, 1), mesh, [Shard(0)]).redistribute([R])
     assert cube.transpose(0, 2)._pending is None and torch.equal(cube.full_tensor(), rows.reshape(-1, 3, 1))
     return True

@@ -271,7 +271,7 @@ def _product_of_transposed_gather(dispatcher, func, args):
     (a, b), cls = args, dispatcher.cls
     if type(b) is not cls or b._pending is not None or a.dtype != b.dtype or not may_defer():
         return None
-    plan, targets = planned_as_is(dispatcher, func, args)
+    plan, _ = planned_as_is(dispatcher, func, args)
     if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
         return None
     out = plan.outputs[0]

@@ -51,6 +51,9 @@ __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "Def
            "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
+CHANGED_OPERAND = ("a deferred matrix product's operand was changed in place (outside axedist ops, e.g. through "
+                   "to_local()) before the product was used; use the product first, or clone the operand's local "
+                   "tensor before changing it")
 # What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
 # pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
 # never fuse. AXEDIST_FUSED_BACKEND sets the default.
@@ -205,9 +208,7 @@ class DeferredGemm:
                               "parameter it reads) before the product was used on its own; use the product "
                               "before the module's backward ends")
         if self.current_versions() != self.versions:
-            raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
-                              "e.g. through to_local()) before the product was used; use the product first, "
-                              "or clone the operand's local tensor before changing it")
+            raise LayoutError(CHANGED_OPERAND)
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
@@ -612,9 +613,7 @@ class DeferredProduct:
     def wait(self) -> torch.Tensor:
         if self.value is None:
             if not self.b.is_inference() and self.b._version != self.version:
-                raise LayoutError("a deferred matrix product's operand was changed in place (outside axedist ops, "
-                                  "e.g. through to_local()) before the product was used; use the product first, "
-                                  "or clone the operand's local tensor before changing it")
+                raise LayoutError(CHANGED_OPERAND)
             value = torch.mm(self.a.wait(), self.b)
             if tuple(value.shape) != self.shape:
                 raise LayoutError(f"deferred product: local result {tuple(value.shape)}, expected {self.shape}")
