@@ -267,25 +267,28 @@ class DeviceMesh:
 
     def size(self, mesh_dim: int | str | None = None) -> int:
         """Devices in the mesh, or along one axis (its index or name), as torch's ``size``."""
-        return len(self.ranks) if mesh_dim is None else self.shape[self._axis_index(self._axis_name(mesh_dim))]
+        return len(self.ranks) if mesh_dim is None else self.shape[self._axis_position(mesh_dim)]
 
     def _axis_index(self, axis: str) -> int:
         if axis not in self.axis_names:
             raise MeshError(f"mesh {self} has no axis {axis!r} (axes: {self.axis_names})")
         return self.axis_names.index(axis)
 
-    def _axis_name(self, mesh_dim: int | str | None) -> str:
-        """The axis torch's ``mesh_dim`` argument names: an index, a name, or None on a 1-D mesh."""
+    def _axis_position(self, mesh_dim: int | str | None) -> int:
+        """The index of the axis torch's ``mesh_dim`` argument names: an index, a name, or None on a 1-D mesh."""
         if mesh_dim is None:
             if self.ndim != 1:
                 raise MeshError(f"mesh {self} has {self.ndim} axes: name one of {self.axis_names}")
-            return self.axis_names[0]
+            return 0
         if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool):
             if not -self.ndim <= mesh_dim < self.ndim:
                 raise MeshError(f"mesh dim {mesh_dim} is out of range for a {self.ndim}-D mesh {self}")
-            return self.axis_names[mesh_dim]
-        self._axis_index(mesh_dim)
-        return mesh_dim
+            return mesh_dim % self.ndim
+        return self._axis_index(mesh_dim)
+
+    def _axis_name(self, mesh_dim: int | str | None) -> str:
+        """The axis torch's ``mesh_dim`` argument names (see ``_axis_position``)."""
+        return self.axis_names[self._axis_position(mesh_dim)]
 
     # -- torch's DeviceMesh surface ----------------------------------------------------
 

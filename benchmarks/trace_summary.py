@@ -49,11 +49,16 @@ def category(name: str) -> str:
     return CATEGORIES[-1][0]
 
 
-def summarize(path: str) -> dict:
-    """Milliseconds per category, span, busy and idle of one trace file."""
+def _device_events(path: str, cats=("kernel", "gpu_memcpy", "gpu_memset")) -> list[dict]:
+    """The trace file's complete events of categories ``cats`` (GPU kernels, copies, sets)."""
     with gzip.open(path) if path.endswith(".gz") else open(path) as handle:
         events = json.load(handle)["traceEvents"]
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in cats]
+
+
+def summarize(path: str) -> dict:
+    """Milliseconds per category, span, busy and idle of one trace file."""
+    kernels = _device_events(path)
     if not kernels:
         raise ValueError(f"{path}: no GPU kernels in the trace")
     by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
@@ -63,12 +68,6 @@ def summarize(path: str) -> dict:
     span = (max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)) / 1e3
     return {"ms": by_category, "span_ms": span, "busy_ms": busy / 1e3, "idle_ms": span - busy / 1e3,
             "kernels": len(kernels)}
-
-
-def _kernels(path: str) -> list[dict]:
-    with gzip.open(path) if path.endswith(".gz") else open(path) as handle:
-        events = json.load(handle)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
 
 
 def arrivals(paths: list[str], rank: int = 0) -> dict[str, dict]:
@@ -81,7 +80,7 @@ def arrivals(paths: list[str], rank: int = 0) -> dict[str, dict]:
     per_rank = []
     for path in paths:
         calls: dict[str, list[tuple[float, float]]] = {}
-        for e in sorted(_kernels(path), key=lambda e: e["ts"]):
+        for e in sorted(_device_events(path, ("kernel",)), key=lambda e: e["ts"]):
             if category(e["name"]) in collective:
                 calls.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
         per_rank.append(calls)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.deferred import (PENDING, DeferredProduct, DeferredTranspose, DeferredView, defer, defer_sum,
+from ..runtime.deferred import (PENDING, DeferredProduct, DeferredTranspose, defer, defer_sum, gather_rows,
                                 pending_gather, pending_product, placeholder, transposed)
 from ..runtime.tails import DeferredTail, fused_tail_norm, pending_tail, with_residual
 from ..tracing import may_defer
@@ -126,10 +126,8 @@ def transpose_of_pending(dispatcher, func, args):
     if type(a) is not cls or a._pending is None:
         return None
     pending = a._pending
-    gather = pending_gather(pending)
-    if gather is not None:
-        rows = pending.shape if type(pending) is DeferredView else tuple(gather.local.shape)
-        if len(rows) != 2:
+    if pending_gather(pending) is not None:
+        if not gather_rows(pending):
             return None
     elif type(pending) not in (DeferredProduct, DeferredTranspose) or pending.value is not None:
         return None

@@ -98,15 +98,15 @@ def from_buffer(buffer: torch.Tensor, side: Side, position: int, box) -> torch.T
     if math.prod(box) == 0:
         return buffer.new_empty(box)
     t = buffer.reshape(side.local_padded)
-    pieces = _pieces(side, position, tuple(box))
-    if pieces is not None and len(pieces) == 1 and all(p is None for p in side.positions_at(position)):
-        return t[pieces[0][1]].contiguous()
-    if pieces is not None:  # a copy per piece into the true local tensor, not a gather through an index
-        out = buffer.new_empty(box)
-        for true, padded_at in pieces:
-            out[true] = t[padded_at]
-        return out
-    for d, rows in enumerate(side.positions_at(position)):
-        if rows is not None:
-            t = t.index_select(d, traced_constant(position_index(side, position, d, t.device)))
+    positions = side.positions_at(position)
+    if any(rows is not None for rows in positions):
+        pieces = _pieces(side, position, tuple(box))
+        if pieces is not None:  # a copy per piece into the true local tensor, not a gather through an index
+            out = buffer.new_empty(box)
+            for true, padded_at in pieces:
+                out[true] = t[padded_at]
+            return out
+        for d, rows in enumerate(positions):
+            if rows is not None:
+                t = t.index_select(d, traced_constant(position_index(side, position, d, t.device)))
     return t[tuple(slice(0, n) for n in box)].contiguous()

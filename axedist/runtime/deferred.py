@@ -45,9 +45,9 @@ from ..spec import DTensorSpec, placements_of
 from ..tracing import compiling, may_defer, outside_tracing
 
 __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "DeferredTranspose", "DeferredProduct",
-           "PendingWork", "PENDING", "defer", "defer_gather", "defer_gathers", "defer_sum", "defer_product_of_gather",
-           "placeholder", "flush", "pending_product", "pending_gather", "gather_rows_transposed", "transposed",
-           "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any",
+           "PendingWork", "PENDING", "version_of", "defer", "defer_gather", "defer_gathers", "defer_sum",
+           "defer_product_of_gather", "placeholder", "flush", "pending_product", "pending_gather", "gather_rows",
+           "gather_rows_transposed", "transposed", "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any",
            "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
@@ -175,6 +175,12 @@ def fused_gemm_stats() -> dict:
     return dict(PENDING.counts)
 
 
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter, -1 for an inference tensor (made under
+    torch.inference_mode: it keeps none, so an in-place change of it cannot be detected)."""
+    return -1 if t.is_inference() else t._version
+
+
 class DeferredGemm:
     """The local product ``alpha * (a @ b) + beta * bias`` of an mm/addmm, not yet run.
 
@@ -194,10 +200,7 @@ class DeferredGemm:
         self.summed = False  # a sum that holds it ran (its product went into the sum's buffer)
 
     def current_versions(self) -> tuple:
-        # inference tensors (made under torch.inference_mode) keep no version counter: an
-        # in-place change of such an operand before the product is used cannot be detected
-        return tuple(-1 if t.is_inference() else t._version
-                     for t in (self.a, self.b, self.bias) if t is not None)
+        return tuple(version_of(t) for t in (self.a, self.b, self.bias) if t is not None)
 
     def check_unchanged(self) -> None:
         """Raises the clear error when an operand was changed in place since the product was
@@ -500,11 +503,11 @@ class DeferredGather:
 
     def __init__(self, local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec, axis: str):
         self.local, self.src, self.dst, self.axis, self.value = local, src, dst, axis, None
-        self.version = -1 if local.is_inference() else local._version
+        self.version = version_of(local)
         self.traced = compiling()
 
     def changed(self) -> bool:
-        return not self.local.is_inference() and self.local._version != self.version
+        return version_of(self.local) != self.version
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
@@ -590,10 +593,15 @@ def transposed(pending):
     return pending.inner if type(pending) is DeferredTranspose else DeferredTranspose(pending)
 
 
+def gather_rows(pending) -> bool:
+    """Whether ``pending`` is an unrun deferred gather, or a view of one, whose value is a 2-d rows matrix."""
+    gather = pending_gather(pending)
+    return gather is not None and len(pending.shape if type(pending) is DeferredView else gather.local.shape) == 2
+
+
 def gather_rows_transposed(pending) -> bool:
     """Whether ``pending`` is the transpose of an unrun deferred gather's 2-d rows matrix."""
-    return type(pending) is DeferredTranspose and pending_gather(pending.inner) is not None \
-        and len(pending.inner.shape if type(pending.inner) is DeferredView else pending.inner.local.shape) == 2
+    return type(pending) is DeferredTranspose and gather_rows(pending.inner)
 
 
 class DeferredProduct:
@@ -607,12 +615,12 @@ class DeferredProduct:
 
     def __init__(self, a, b: torch.Tensor, shape: tuple):
         self.a, self.b, self.shape, self.value = a, b, tuple(shape), None
-        self.version = -1 if b.is_inference() else b._version
+        self.version = version_of(b)
         self.traced = compiling()
 
     def wait(self) -> torch.Tensor:
         if self.value is None:
-            if not self.b.is_inference() and self.b._version != self.version:
+            if version_of(self.b) != self.version:
                 raise LayoutError(CHANGED_OPERAND)
             value = torch.mm(self.a.wait(), self.b)
             if tuple(value.shape) != self.shape:

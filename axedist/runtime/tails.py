@@ -21,7 +21,7 @@ from ..layout import LayoutError
 from ..planning.fused import all_reduce_axis
 from ..spec import DTensorSpec
 from ..tracing import may_defer
-from .deferred import PENDING, DeferredView, reads_any
+from .deferred import PENDING, DeferredView, reads_any, version_of
 
 __all__ = ["DeferredTail", "defer_tails", "tail_axis", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
 
@@ -67,7 +67,7 @@ class DeferredTail:
         self.versions = self._versions()
 
     def _versions(self) -> tuple:
-        return tuple(-1 if t is None or t.is_inference() else t._version for t in (self.local, self.residual))
+        return tuple(-1 if t is None else version_of(t) for t in (self.local, self.residual))
 
     def changed(self) -> bool:
         return self._versions() != self.versions or (self.base is not None and self.root().changed())
