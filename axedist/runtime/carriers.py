@@ -73,12 +73,10 @@ class InPlace:
 
     def all_reduce(self, program, values, async_op):
         """``values`` may be a view of the step's input: the api's kernels reduce out of place,
-        torch.distributed's in-place all-reduce runs on a copy of a view (a tensor of its own,
-        the packed values, is reduced as it is)."""
+        torch.distributed's in-place all-reduce runs on a copy."""
         if program.through_api("all_reduce", values, async_op):
             return api.run_all_reduce(values, program.group, backend=program.ran), []
-        if values._base is not None:
-            values = values.clone()
+        values = values.clone()
         work = dist.all_reduce(values, op=_op(program.reduce), group=program.group, async_op=async_op)
         return values, _handles(work, async_op)
 
