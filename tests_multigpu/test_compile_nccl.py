@@ -20,7 +20,8 @@ def body_compiled_block(rank, world):
     w1/w3) and GEMM + reduce-scatter (wo, w2) appear in the generated forward; forward values
     and gradients match eager (which runs the same kernels); a second step compiles nothing. The
     fused kernels are pinned (AXEDIST_FUSED_BACKEND's setting), so the measured tables cannot
-    pick the unfused pair for these shapes."""
+    pick the unfused pair for these shapes. The generated backward calls the fused all-gather +
+    GEMM for the gradients of wo and w2 (their output gradients' gathers)."""
     from axedist.runtime import deferred
 
     pinned, deferred.FUSED_BACKEND = deferred.FUSED_BACKEND, "p2p"
@@ -58,6 +59,10 @@ def compiled_block(rank, world):
     got, codes = run_and_get_code(lambda: step(compiled))
     missing = [op for op in ("gemm_reduce_scatter", "all_gather_gemm") if f"torch.ops.axedist.{op}" not in codes[0]]
     assert not missing, f"rank {rank}: the generated forward does not call {missing}"
+    # backward: the row-parallel layers' output-gradient gathers (wo, w2) run fused with the input
+    # gradient's GEMM, also where torch's mm backward asks for the weight gradient first
+    backward = "".join(codes[1:])
+    assert backward.count("torch.ops.axedist.all_gather_gemm") >= 2, f"rank {rank}: the backward's gathers ran unfused"
     assert relative_error(got[0], want[0]) < 2e-2, relative_error(got[0], want[0])
     errors = {n: relative_error(got[1][n], want[1][n]) for n in want[1]}
     bad = {n: e for n, e in errors.items() if not e < 5e-2}
