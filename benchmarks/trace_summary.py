@@ -3,6 +3,7 @@
     python benchmarks/trace_summary.py runs/bench_tp/traces            # every side, rank 0
     python benchmarks/trace_summary.py DIR --rank 1 --markdown >> notes.md
     python benchmarks/trace_summary.py DIR --arrivals --markdown     # collectives: own cost vs waiting
+    python benchmarks/trace_summary.py DIR --gaps 15 --markdown      # the longest idle stretches, and why
 
 Each kernel (and memcpy / memset) of the profiled step is put in one category: cuBLAS GEMMs,
 fused GEMM + collective kernels (ours and torch's symmetric-memory ops), collectives (NCCL and
@@ -19,6 +20,14 @@ ends, on every rank alike, once the last rank has arrived and the work is done. 
 the time after the last arrival is the collective's own cost, and the rest of each rank's kernel
 time is that rank waiting for the slowest peer (ranks that drift apart, not a slow kernel). The
 ranks' traces share the host clock (one machine).
+
+``--gaps N`` lists one rank's N longest idle stretches of each side's step (no kernel, copy or set
+on any stream): the kernel that ended before and the one that started after, when the host
+launched that next kernel, relative to the gap's start, and the innermost host op around the
+launch. A launch after the GPU went idle means the host was late (it bounds the step there);
+a launch before it means the GPU waited on something else (an event, a peer). Host
+synchronizations (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``,
+blocking copies) that overlap a gap are named.
 """
 
 from __future__ import annotations
@@ -49,11 +58,60 @@ def category(name: str) -> str:
     return CATEGORIES[-1][0]
 
 
-def _device_events(path: str, cats=("kernel", "gpu_memcpy", "gpu_memset")) -> list[dict]:
-    """The trace file's complete events of categories ``cats`` (GPU kernels, copies, sets)."""
+_DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
+_SYNCS = re.compile(r"cuda(Stream|Event|Device)Synchronize|cudaMemcpy$|cudaMemcpy[^A]|cudaStreamWaitEvent")
+
+
+def _events(path: str) -> list[dict]:
     with gzip.open(path) if path.endswith(".gz") else open(path) as handle:
-        events = json.load(handle)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in cats]
+        return [e for e in json.load(handle)["traceEvents"] if e.get("ph") == "X"]
+
+
+def _device_events(path: str, cats=_DEVICE) -> list[dict]:
+    """The trace file's complete events of categories ``cats`` (GPU kernels, copies, sets)."""
+    return [e for e in _events(path) if e.get("cat") in cats]
+
+
+def gaps(path: str, count: int) -> list[dict]:
+    """The ``count`` longest idle stretches (no device event on any stream) inside one trace's
+    kernel span, longest first: ``ms``, ``before`` / ``after`` (kernel names), ``launch_ms`` (when
+    the host launched ``after``, from the gap's start: positive, the host was late), ``host_op``
+    (the innermost host op around that launch) and ``syncs`` (host synchronizations overlapping it)."""
+    events = _events(path)
+    device = sorted((e for e in events if e.get("cat") in _DEVICE), key=lambda e: e["ts"])
+    if not device:
+        raise ValueError(f"{path}: no GPU kernels in the trace")
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    host_ops = [e for e in events if e.get("cat") == "cpu_op"]
+    syncs = [e for e in events if e.get("cat") == "cuda_runtime" and _SYNCS.search(e["name"])]
+    found, end, last = [], device[0]["ts"] + device[0]["dur"], device[0]
+    for e in device[1:]:
+        if e["ts"] > end:
+            found.append((end, e["ts"], last, e))
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e
+    out = []
+    for start, stop, before, after in sorted(found, key=lambda g: g[0] - g[1])[:count]:
+        launch = runtime.get(after.get("args", {}).get("correlation"))
+        around = [op for op in host_ops if launch is not None and launch.get("tid") == op.get("tid")
+                  and op["ts"] <= launch["ts"] <= op["ts"] + op["dur"]]
+        out.append({"ms": (stop - start) / 1e3, "before": before["name"], "after": after["name"],
+                    "launch_ms": None if launch is None else (launch["ts"] - start) / 1e3,
+                    "host_op": min(around, key=lambda op: op["dur"])["name"] if around else None,
+                    "syncs": sorted({s["name"] for s in syncs if s["ts"] < stop and s["ts"] + s["dur"] > start})})
+    return out
+
+
+def gaps_markdown(by_side: dict[str, list], rank: int) -> str:
+    lines = [f"| side | idle ms (rank {rank}) | kernel before | kernel after | its launch, ms after the GPU went idle "
+             "| host op around the launch | syncs and stream waits in the gap |", "|---|---|---|---|---|---|---|"]
+    for side, rows in by_side.items():
+        for g in rows:
+            launch = "-" if g["launch_ms"] is None else f"{g['launch_ms']:+.2f}"
+            lines.append(f"| {side} | {g['ms']:.2f} | `{g['before'][:50]}` | `{g['after'][:50]}` | {launch} "
+                         f"| `{(g['host_op'] or '-')[:50]}` | {', '.join(g['syncs']) or '-'} |")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(path: str) -> dict:
@@ -140,7 +198,19 @@ def main(argv=None) -> None:
     p.add_argument("--markdown", action="store_true", help="one markdown table (else plain text)")
     p.add_argument("--arrivals", action="store_true",
                    help="per collective kernel: own cost vs the rank waiting for its peers (every rank's trace)")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="one rank's N longest idle stretches per side: the kernels around each, the host's launch")
     args = p.parse_args(argv)
+    if args.gaps:
+        by_side = {side: gaps(path, args.gaps) for side, path in sides_in(args.folder, args.rank).items()}
+        if args.markdown:
+            print(gaps_markdown(by_side, args.rank))
+            return
+        for side, rows in by_side.items():
+            for g in rows:
+                print(f"{side}: idle {g['ms']:.2f} ms after {g['before'][:40]}, before {g['after'][:40]}; "
+                      f"launched {g['launch_ms']} ms after idle in {g['host_op']}; syncs {g['syncs']}")
+        return
     if args.arrivals:
         ranks = sorted(int(m.group(1)) for m in (re.search(r"_rank(\d+)\.json", n) for n in os.listdir(args.folder)) if m)
         by_side = {side: arrivals([sides_in(args.folder, r)[side] for r in sorted(set(ranks))], args.rank)

@@ -409,3 +409,38 @@ def test_trace_arrivals_split_each_collective_into_waiting_and_its_own_cost(tmp_
     uneven = write(1, [("reduce_scatter_kernel", 400, 1000)])
     with pytest.raises(ValueError, match="calls on different ranks"):
         trace_summary.arrivals([paths[0], uneven])
+
+
+def test_trace_gaps_name_the_kernels_around_each_idle_stretch_and_the_late_launch(tmp_path):
+    """One rank's made-up trace: two idle stretches on the GPU (kernels on two streams overlap,
+    so the union, not each stream, decides idleness); the longest comes first, with the kernels
+    around it, when the host launched the next kernel relative to the GPU going idle (late: +),
+    the innermost host op around that launch and a host synchronization inside it."""
+    import trace_summary  # benchmarks/trace_summary.py
+
+    def kernel(name, ts, dur, corr):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+
+    def launch(ts, corr):
+        return dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=5, tid=1,
+                    args=dict(correlation=corr))
+
+    events = [kernel("gemm_a", 0, 1000, 1), kernel("side_stream", 500, 1500, 2),  # busy 0 - 2000
+              kernel("norm", 2300, 100, 3),                                          # idle 2000 - 2300
+              kernel("gemm_b", 4000, 500, 4),                                        # idle 2400 - 4000
+              launch(10, 1), launch(20, 2), launch(1900, 3), launch(3900, 4),
+              dict(ph="X", cat="cpu_op", name="aten::mm", ts=3800, dur=200, tid=1),
+              dict(ph="X", cat="cpu_op", name="aten::linear", ts=3000, dur=1100, tid=1),
+              dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize", ts=2500, dur=900, tid=1)]
+    path = tmp_path / "trace_ours_rank0.json"
+    path.write_text(json.dumps(dict(traceEvents=events)))
+    got = trace_summary.gaps(str(path), 5)
+    assert [round(g["ms"], 3) for g in got] == [1.6, 0.3]
+    longest, short = got
+    assert (longest["before"], longest["after"]) == ("norm", "gemm_b")
+    assert longest["launch_ms"] == pytest.approx(1.5) and longest["host_op"] == "aten::mm"
+    assert longest["syncs"] == ["cudaStreamSynchronize"]
+    assert (short["before"], short["after"]) == ("side_stream", "norm")
+    assert short["launch_ms"] == pytest.approx(-0.1) and short["host_op"] is None and short["syncs"] == []
+    table = trace_summary.gaps_markdown({"ours": got}, 0)
+    assert "| ours | 1.60 | `norm` | `gemm_b` | +1.50 | `aten::mm` | cudaStreamSynchronize |" in table
