@@ -40,18 +40,19 @@ from history import (append_history, auto_cell, auto_vs_best, merged_with_earlie
 LINK_BYTES_PER_S = 478e9
 
 
-def model_shapes(world):
+def model_shapes(world, batch: int = 8):
     """The fused all-gather + GEMM calls of one step of bench_tp.py --preset llama8b at TP = world (8 x 4096
     gathered rows): wq (whose gathered input wk / wv reuse), w1 (w3 likewise), the output layer."""
-    rows, dim, ffn, vocab = 8 * 4096, 4096, 14336, 16384
-    return [("llama8b wq", rows, dim // world, dim), ("llama8b w1", rows, ffn // world, dim),
-            ("llama8b output", rows, vocab // world, dim)]
+    rows, dim, ffn, vocab = batch * 4096, 4096, 14336, 16384
+    model = "llama8b" if batch == 8 else f"llama8b b{batch}"
+    return [(f"{model} wq", rows, dim // world, dim), (f"{model} w1", rows, ffn // world, dim),
+            (f"{model} output", rows, vocab // world, dim)]
 
 
-def shapes(world, which: str = "design"):
+def shapes(world, which: str = "design", batch: int = 8):
     """(label, M, N_local, K) of the column-parallel GEMMs."""
     if which == "llama8b":
-        return model_shapes(world)
+        return model_shapes(world, batch)
     rows = [("design", m, n, 8192) for m in (2048, 8192, 16384) for n in (7168, 2048)]
     rows.append(("qwen3-32b w1/w3", 8192, 25600 // world, 5120))
     rows.append(("qwen3-32b qkv", 8192, (8192 + 2 * 1024) // world, 5120))
@@ -76,7 +77,7 @@ def run_multi(args):
     one_rank = VirtualRanks(1, data_bytes=1 << 30)  # the kernel's GEMM half on this GPU
     results = []
     selected = [int(i) for i in args.only.split(",") if i] or None
-    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes)):
+    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes, args.batch)):
         if selected is not None and index not in selected:
             continue
         a = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
@@ -141,6 +142,7 @@ def run_multi(args):
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
         name = f"ag_gemm_w{world}" + ("_llama8b" if args.shapes == "llama8b" else "")
+        name += f"_b{args.batch}" if args.shapes == "llama8b" and args.batch != 8 else ""
         write_outputs(results, name, run_meta(world, command), args.out)
     dist.barrier()
     dist.destroy_process_group()
@@ -286,6 +288,8 @@ def main():
     parser.add_argument("--shapes", default="design", choices=["design", "llama8b"],
                         help="design: the design and model rows; llama8b: the calls of bench_tp.py --preset "
                              "llama8b at this world size")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="--shapes llama8b: bench_tp's batch (rows = batch x 4096; its GPU-bound TP=4 size is 16)")
     parser.add_argument("--onegpu", action="store_true", help="one GPU, no torchrun: TP = 1 and the GEMM half")
     parser.add_argument("--tp-shapes", type=int, default=4, help="--onegpu: the TP degree whose N_local to use")
     parser.add_argument("--calls", type=int, default=10, help="--onegpu: calls per timed batch")

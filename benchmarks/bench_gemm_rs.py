@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -40,18 +41,19 @@ from history import (append_history, auto_cell, auto_vs_best, merged_with_earlie
 LINK_BYTES_PER_S = 478e9
 
 
-def model_shapes(world):
+def model_shapes(world, batch: int = 8):
     """The GEMM + reduce-scatter calls of one step of bench_tp's --preset llama8b at TP = world (Llama-3-8B
     layers, 8 x 4096 rows): wo and w2 forward, the q/k/v and w1/w3 input gradients, the output layer's."""
-    rows, dim, kv, ffn, vocab = 8 * 4096, 4096, 8 * 128, 14336, 16384
-    return [("llama8b wo", rows, dim, dim // world), ("llama8b w2", rows, dim, ffn // world),
-            ("llama8b qkv grad", rows, dim, (dim + 2 * kv) // world),
-            ("llama8b w1w3 grad", rows, dim, 2 * ffn // world), ("llama8b output grad", rows, dim, vocab // world)]
+    rows, dim, kv, ffn, vocab = batch * 4096, 4096, 8 * 128, 14336, 16384
+    model = "llama8b" if batch == 8 else f"llama8b b{batch}"
+    return [(f"{model} wo", rows, dim, dim // world), (f"{model} w2", rows, dim, ffn // world),
+            (f"{model} qkv grad", rows, dim, (dim + 2 * kv) // world),
+            (f"{model} w1w3 grad", rows, dim, 2 * ffn // world), (f"{model} output grad", rows, dim, vocab // world)]
 
 
-def shapes(world, which: str = "design"):
+def shapes(world, which: str = "design", batch: int = 8):
     if which == "llama8b":
-        return model_shapes(world)
+        return model_shapes(world, batch)
     rows = []
     for m in (2048, 8192, 16384):
         for k in (7168, 2048):
@@ -72,6 +74,8 @@ def main():
     parser.add_argument("--shapes", default="design", choices=["design", "llama8b"],
                         help="design: the six design shapes and model/inference rows; llama8b: the calls of "
                              "bench_tp.py --preset llama8b at this world size")
+    parser.add_argument("--batch", type=int, default=8,
+                        help="--shapes llama8b: bench_tp's batch (rows = batch x 4096; its GPU-bound TP=4 size is 16)")
     parser.add_argument("--configs", default="",
                         help="comma list of gemm_rs.CANDIDATES indices or config strings such as "
                              "128x128x64/g8/s3/w4/r64/defer/push/c2 (with --tune all)")
@@ -109,7 +113,7 @@ def main():
     torch.manual_seed(1234 + rank)
     results = []
     selected = [int(i) for i in args.only.split(",") if i] or None
-    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes)):
+    for index, (label, m, n, k) in enumerate(shapes(world, args.shapes, args.batch)):
         if selected is not None and index not in selected:
             continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -304,7 +308,10 @@ def _table(results, times_of):
 
 def write_outputs(results, world, out_dir, meta=None):
     os.makedirs(out_dir, exist_ok=True)
-    stem = f"gemm_rs_w{world}" + ("_llama8b" if all(r["label"].startswith("llama8b") for r in results) else "")
+    model = all(r["label"].startswith("llama8b") for r in results)
+    # "llama8b wo" -> _llama8b; "llama8b b16 wo" (bench_tp's batch 16) -> _llama8b_b16
+    batch = re.match(r"llama8b (b\d+) ", results[0]["label"]) if model else None
+    stem = f"gemm_rs_w{world}" + ("_llama8b" if model else "") + (f"_{batch.group(1)}" if batch else "")
     meta = meta or run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]))
     six = [r for r in results if r["label"] == "design"] or results  # the model rows summarise themselves
     summary = _summary(six)
