@@ -777,21 +777,16 @@ def _side_stream(kind: str):
     return _SIDE_STREAMS[key]
 
 
-class _Done:
-    """A collective already issued in stream order (CUDA): ``wait`` gives its result."""
-
-    def __init__(self, value: torch.Tensor):
-        self.value = value
-
-    def wait(self) -> torch.Tensor:
-        return self.value
-
-
 def _start(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec):
-    """Start a flat buffer's move: on CUDA issued in stream order on the current (side) stream,
-    where the p2p symmetric-memory collectives may carry it; elsewhere asynchronously (gloo)."""
-    if local.device.type == "cuda":
-        return _Done(redistribute_local(local, src, dst))
+    """Start a flat buffer's move asynchronously on torch.distributed (NCCL on CUDA, gloo on CPU):
+    ``wait()`` gives the result. On CUDA it is issued from a side stream, beside the compute and
+    the tensor-parallel collectives of the current stream, so it must not run on axedist's p2p
+    kernels: those keep all their programs resident and wait at a grid barrier, which holds only
+    while no other waiting kernel shares the GPU. Two of them on two streams can each take part of
+    the SMs and wait for the rest for ever. A dp2 x tp2 eager step on 4x H200 stopped so at
+    260513e: ranks 0 and 3 timed out in the dp reduce-scatter of the side stream, waiting for
+    ranks 2 and 1, which had not reached it. NCCL's kernels take a few SMs and do not wait for
+    blocks of their own that are not resident."""
     return redistribute_local(local, src, dst, async_op=True)
 
 
