@@ -41,8 +41,8 @@ LINK_BYTES_PER_S = 478e9
 
 
 def model_shapes(world, batch: int = 8):
-    """The fused all-gather + GEMM calls of one step of bench_tp.py --preset llama8b at TP = world (8 x 4096
-    gathered rows): wq (whose gathered input wk / wv reuse), w1 (w3 likewise), the output layer."""
+    """The fused all-gather + GEMM calls of one step of bench_tp.py --preset llama8b at TP = world (batch x 4096
+    gathered rows, batch 8 unless given): wq (whose gathered input wk / wv reuse), w1 (w3 likewise), the output layer."""
     rows, dim, ffn, vocab = batch * 4096, 4096, 14336, 16384
     model = "llama8b" if batch == 8 else f"llama8b b{batch}"
     return [(f"{model} wq", rows, dim // world, dim), (f"{model} w1", rows, ffn // world, dim),

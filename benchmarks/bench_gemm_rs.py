@@ -43,7 +43,7 @@ LINK_BYTES_PER_S = 478e9
 
 def model_shapes(world, batch: int = 8):
     """The GEMM + reduce-scatter calls of one step of bench_tp's --preset llama8b at TP = world (Llama-3-8B
-    layers, 8 x 4096 rows): wo and w2 forward, the q/k/v and w1/w3 input gradients, the output layer's."""
+    layers, batch x 4096 rows, batch 8 unless given): wo and w2 forward, the q/k/v and w1/w3 input gradients, the output layer's."""
     rows, dim, kv, ffn, vocab = batch * 4096, 4096, 8 * 128, 14336, 16384
     model = "llama8b" if batch == 8 else f"llama8b b{batch}"
     return [(f"{model} wo", rows, dim, dim // world), (f"{model} w2", rows, dim, ffn // world),

@@ -63,12 +63,13 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     step bench_train_2d ${TRAIN_2D_LIMIT:-330} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
   }
   for name in $BENCHES; do case $name in
-    model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs;
+    model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs
+      # (MODEL_ARGS="--batch 16": the GPU-bound TP=4 size's calls);
       # 'auto' then reads the measured winners (the tables are rewritten here and come back in the bundle)
-      step gemm_rs_llama8b 150 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --shapes llama8b --tune default --reps 10 --out "$RESULTS"
-      step ag_gemm_llama8b 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --shapes llama8b --reps 10 --out "$RESULTS"
-      [[ -f $RESULTS/gemm_rs_w${W}_llama8b.json ]] && python3 benchmarks/bench_gemm_rs.py --tables-from "$RESULTS/gemm_rs_w${W}_llama8b.json" > "$LOGS/tables.log" 2>&1
-      [[ -f $RESULTS/ag_gemm_w${W}_llama8b.json ]] && python3 benchmarks/bench_ag_gemm.py --tables-from "$RESULTS/ag_gemm_w${W}_llama8b.json" >> "$LOGS/tables.log" 2>&1
+      step gemm_rs_llama8b 150 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --shapes llama8b ${MODEL_ARGS:-} --tune default --reps 10 --out "$RESULTS"
+      step ag_gemm_llama8b 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --shapes llama8b ${MODEL_ARGS:-} --reps 10 --out "$RESULTS"
+      for f in "$RESULTS"/gemm_rs_w${W}_llama8b*.json; do [[ -f $f ]] && python3 benchmarks/bench_gemm_rs.py --tables-from "$f" >> "$LOGS/tables.log" 2>&1; done
+      for f in "$RESULTS"/ag_gemm_w${W}_llama8b*.json; do [[ -f $f ]] && python3 benchmarks/bench_ag_gemm.py --tables-from "$f" >> "$LOGS/tables.log" 2>&1; done
       mkdir -p "$RESULTS/tables" && cp axedist/kernels/*_auto.json axedist/kernels/gemm_rs_tuned.json "$RESULTS/tables/" ;;
     ag_gemm) # the all-gather + GEMM at W = up to 4 GPUs: the design shapes and bench_tp's llama8b calls, then 'auto' reads both
       step ag_gemm_w$W 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --reps 10 --out "$RESULTS"
