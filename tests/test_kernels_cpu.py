@@ -804,7 +804,8 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = []
-    for name in ("gemm_rs_w4", "gemm_rs_w2", "gemm_rs_w2_llama8b", "gemm_rs_w4_llama8b"):  # the table's sources, in order
+    for name in ("gemm_rs_w4", "gemm_rs_w2", "gemm_rs_w2_llama8b", "gemm_rs_w4_llama8b",
+                 "gemm_rs_w4_llama8b_b16"):  # the table's sources, in order
         with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as handle:
             results.append(json.load(handle))
     auto, configs = bench.auto_tables(results)
@@ -831,7 +832,8 @@ def test_ag_auto_table_is_what_the_recorded_benchmarks_say():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     results = []
-    for name in ("ag_gemm_w4", "ag_gemm_w4_llama8b", "ag_gemm_w2", "ag_gemm_w2_llama8b"):  # the table's sources
+    for name in ("ag_gemm_w4", "ag_gemm_w4_llama8b", "ag_gemm_w2", "ag_gemm_w2_llama8b",
+                 "ag_gemm_w4_llama8b_b16"):  # the table's sources
         with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json")) as handle:
             results.append(json.load(handle))
     with open(fused_tp.AG_AUTO_TABLE_PATH) as handle:
