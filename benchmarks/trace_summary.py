@@ -27,7 +27,7 @@ launched that next kernel, relative to the gap's start, and the innermost host o
 launch. A launch after the GPU went idle means the host was late (it bounds the step there);
 a launch before it means the GPU waited on something else (an event, a peer). Host
 synchronizations (``cudaStreamSynchronize``, ``cudaEventSynchronize``, ``cudaDeviceSynchronize``,
-blocking copies) that overlap a gap are named.
+blocking copies) and stream waits (``cudaStreamWaitEvent``) that overlap a gap are named.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def gaps(path: str, count: int) -> list[dict]:
     """The ``count`` longest idle stretches (no device event on any stream) inside one trace's
     kernel span, longest first: ``ms``, ``before`` / ``after`` (kernel names), ``launch_ms`` (when
     the host launched ``after``, from the gap's start: positive, the host was late), ``host_op``
-    (the innermost host op around that launch) and ``syncs`` (host synchronizations overlapping it)."""
+    (the innermost host op around that launch) and ``syncs`` (host synchronizations and stream
+    waits overlapping it)."""
     events = _events(path)
     device = sorted((e for e in events if e.get("cat") in _DEVICE), key=lambda e: e["ts"])
     if not device:

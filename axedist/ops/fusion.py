@@ -27,7 +27,7 @@ from ..runtime.tails import DeferredTail, fused_tail_norm, pending_tail, with_re
 from ..tracing import may_defer
 from .call_plan import CallPlan, op_info, scan, written
 
-__all__ = ["PENDING_USERS", "pending_user", "take_pending", "planned_as_is", "defer_product"]
+__all__ = ["PENDING_USERS", "pending_user", "take_pending", "planned_as_is", "planned_unmoved", "defer_product"]
 
 aten = torch.ops.aten
 _HALF = (torch.bfloat16, torch.float16)
@@ -89,6 +89,13 @@ def planned_as_is(dispatcher, func, args) -> tuple[CallPlan, dict] | tuple[None,
     return plan, {id(d): t for d, t in zip(dts, plan.targets)}
 
 
+def planned_unmoved(dispatcher, func, args) -> CallPlan | None:
+    """:func:`planned_as_is`'s plan when it moves no argument (the op runs on the local values as
+    they stand, the pending ones included), else None."""
+    plan, _ = planned_as_is(dispatcher, func, args)
+    return plan if plan is not None and all(t is None for t in plan.targets) else None
+
+
 @pending_user(aten.view.default, aten._unsafe_view.default)
 def view_of_pending(dispatcher, func, args):
     """A view of a deferred row all-gather as its rows' matrix ([S, B, H] -> [S * B, H], how
@@ -103,8 +110,8 @@ def view_of_pending(dispatcher, func, args):
     gather, tail = pending_gather(a._pending), pending_tail(a._pending)
     if gather is None and tail is None and pending_product(a._pending) is None:
         return None
-    plan, _ = planned_as_is(dispatcher, func, args)
-    if plan is None or any(t is not None for t in plan.targets):
+    plan = planned_unmoved(dispatcher, func, args)
+    if plan is None:
         return None  # a view that moves data first is not the op on the pending value
     out = plan.outputs[0]
     # a gather's view serves the fused all-gather + GEMM only as the rows' matrix
@@ -131,8 +138,8 @@ def transpose_of_pending(dispatcher, func, args):
             return None
     elif type(pending) not in (DeferredProduct, DeferredTranspose) or pending.value is not None:
         return None
-    plan, _ = planned_as_is(dispatcher, func, args)
-    if plan is None or any(t is not None for t in plan.targets) or plan.outputs[0].unsqueeze:
+    plan = planned_unmoved(dispatcher, func, args)
+    if plan is None or plan.outputs[0].unsqueeze:
         return None  # a transpose that moves data first is not the op on the pending value
     out = plan.outputs[0]
     return cls(placeholder(a.dtype, a.device), out.spec, stride=out.stride, pending=transposed(pending))
@@ -154,8 +161,8 @@ def sum_of_pending(dispatcher, func, args):
     if type(b) is not cls or pending_product(a._pending) is None or pending_product(b._pending) is None \
             or a._spec != b._spec or a.dtype != b.dtype:
         return None
-    plan, _ = planned_as_is(dispatcher, func, args)
-    if plan is None or any(t is not None for t in plan.targets):
+    plan = planned_unmoved(dispatcher, func, args)
+    if plan is None:
         return None  # an add that moves data first is not the op on the pending values
     out = plan.outputs[0]
     # nothing moves, no rule's own code
@@ -182,8 +189,8 @@ def residual_of_tail(dispatcher, func, args):
     if type(residual) is not cls or not _computed(residual) or residual.dtype != holder.dtype \
             or residual._spec != holder._spec:
         return None
-    plan, _ = planned_as_is(dispatcher, func, args)
-    if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
+    plan = planned_unmoved(dispatcher, func, args)
+    if plan is None or plan.sharding.local is not None:
         return None  # an add that moves data or broadcasts is not the residual add
     out = plan.outputs[0]
     if out.spec != holder._spec or out.unsqueeze or tuple(out.local_shape) != tail.shape:

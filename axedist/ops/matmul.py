@@ -41,7 +41,7 @@ from ..runtime.deferred import (defer_product_of_gather, fused_gather_product, g
                                 pending_gather, placeholder)
 from ..tracing import may_defer
 from .call_plan import local_of
-from .fusion import pending_user, planned_as_is
+from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
 
 aten = torch.ops.aten
@@ -271,8 +271,8 @@ def _product_of_transposed_gather(dispatcher, func, args):
     (a, b), cls = args, dispatcher.cls
     if type(b) is not cls or b._pending is not None or a.dtype != b.dtype or not may_defer():
         return None
-    plan, _ = planned_as_is(dispatcher, func, args)
-    if plan is None or any(t is not None for t in plan.targets) or plan.sharding.local is not None:
+    plan = planned_unmoved(dispatcher, func, args)
+    if plan is None or plan.sharding.local is not None:
         return None
     out = plan.outputs[0]
     if out.unsqueeze:
