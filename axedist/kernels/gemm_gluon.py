@@ -1,0 +1,197 @@
+"""The GEMM core's tile loop written in Gluon: the TMA / mbarrier / wgmma pipeline spelled out,
+so that it runs ACROSS output tiles.
+
+Triton's pipeliner (gemm.gemm_kernel) pipelines the K loop of one tile: every tile starts with
+an empty pipeline (the first STAGES - 1 loads in flight while the tensor cores wait) and ends
+with an epilogue that stores from registers while they idle. At K = 1024 a 128 x 256 tile has
+only 16 K steps, and that fill and drain are about a tenth of the tile (GEMM-only 0.88 of
+cuBLAS on 65536 x 4096 x 1024, docs/gpu_notes.md). Here the loads are counted over the
+program's whole sequence of (tile, K step) pairs: while the last K steps of a tile run, the
+first loads of the next tile are already in flight, and the tile's result leaves through an
+asynchronous TMA store that drains while the next tile's wgmmas run.
+
+    step s of program p:  tile p + (s // k_tiles) * P,  K block s % k_tiles
+    load s + STAGES - 1   while wgmma s runs (at most one wgmma in flight: wait(1))
+
+    >>> c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    >>> launch_pipelined(a, w, c, b_transposed=True)       # c = a @ w.t()  (nn.Linear's weight)
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.constexpr_function
+def accumulator_layout(block_m, block_n, num_warps):
+    """The wgmma accumulator's register layout: warpgroups (4 warps) stacked along M, each
+    running m64nNk16 with N the widest instruction that tiles block_n (256 at 128 x 256 and
+    8 warps: two warpgroups of 64 x 256)."""
+    warps = [4, 1]
+    while warps[0] * warps[1] != num_warps:
+        if block_m > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    width = 256
+    while width > max(block_n // warps[1], 8) or block_n % width:
+        width -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                     instr_shape=[16, width, 16])
+
+
+@gluon.jit
+def tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """(tile row, tile column) of the program's `local`-th tile (tile first + local * programs),
+    rows walked in groups of GROUP_M as gemm.grouped_tile walks them."""
+    index = first + local * programs
+    per_group = GROUP_M * tiles_n
+    first_m = (index // per_group) * GROUP_M
+    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    within = index % per_group
+    return first_m + within % size_m, within // size_m
+
+
+@gluon.jit
+def issue_load(step, total, k_tiles, first, programs, tiles_m, tiles_n, a_desc, b_desc, bars,
+               a_bufs, b_bufs, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+               B_TRANSPOSED: gl.constexpr):
+    """TMA loads of step `step` (A and B blocks of its tile and K block) into ring slot
+    step % STAGES, completing on that slot's barrier; nothing past the program's last step."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    local = step // k_tiles
+    k = (step - local * k_tiles) * BK
+    tile_m, tile_n = tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M)
+    slot = step % STAGES
+    valid = step < total
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=valid)
+    tma.async_copy_global_to_shared(a_desc, [tile_m * BM, k], bar, a_bufs.index(slot), valid)
+    if B_TRANSPOSED:
+        BN: gl.constexpr = b_desc.block_type.shape[0]
+        tma.async_copy_global_to_shared(b_desc, [tile_n * BN, k], bar, b_bufs.index(slot), valid)
+    else:
+        BN: gl.constexpr = b_desc.block_type.shape[1]
+        tma.async_copy_global_to_shared(b_desc, [k, tile_n * BN], bar, b_bufs.index(slot), valid)
+
+
+@gluon.jit
+def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
+                          EPILOGUE_SPLIT: gl.constexpr, num_warps: gl.constexpr):
+    """C[M, N] = A @ B (B_TRANSPOSED: b_desc describes the [N, K] matrix B is the transpose of)
+    on a persistent grid, tile t on program t mod P. c_desc's block is [BM, BN / EPILOGUE_SPLIT]:
+    the tile leaves in EPILOGUE_SPLIT TMA stores through one staging buffer that small (so
+    STAGES can be 4 at 128 x 256 x 64: 4 x 48 KB + 32 KB of shared memory)."""
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    SUB_N: gl.constexpr = c_desc.block_type.shape[1]
+    BN: gl.constexpr = SUB_N * EPILOGUE_SPLIT
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    first = gl.program_id(0)
+    programs = gl.num_programs(0)
+    tiles_m = gl.cdiv(M, BM)
+    tiles_n = gl.cdiv(N, BN)
+    k_tiles = gl.cdiv(K, BK)
+    my_tiles = gl.cdiv(tiles_m * tiles_n - first, programs)
+    total = my_tiles * k_tiles
+
+    for step in gl.static_range(STAGES - 1):
+        issue_load(step, total, k_tiles, first, programs, tiles_m, tiles_n, a_desc, b_desc, bars,
+                   a_bufs, b_bufs, GROUP_M, STAGES, B_TRANSPOSED)
+    layout: gl.constexpr = accumulator_layout(BM, BN, num_warps)
+    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+    step = 0
+    for local in range(my_tiles):
+        for kk in range(k_tiles):
+            slot = step % STAGES
+            mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+            b = b_bufs.index(slot)
+            if B_TRANSPOSED:
+                b = b.permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+            # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            issue_load(step + STAGES - 1, total, k_tiles, first, programs, tiles_m, tiles_n,
+                       a_desc, b_desc, bars, a_bufs, b_bufs, GROUP_M, STAGES, B_TRANSPOSED)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        tile_m, tile_n = tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M)
+        result = acc.to(dtype)
+        if EPILOGUE_SPLIT == 1:
+            tma.store_wait(pendings=0)  # the last tile's store has read the staging buffer
+            c_smem.store(result)
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN], c_smem)
+        else:
+            parts = gl.reshape(result, [BM, 2, BN // 2]).permute(0, 2, 1).split()
+            tma.store_wait(pendings=0)
+            c_smem.store(parts[0])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store(parts[1])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinedConfig:
+    """Tiles, ring depth and epilogue split of gemm_pipelined_kernel."""
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 4
+    warps: int = 8
+    epilogue_split: int = 2
+
+    def __str__(self) -> str:
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
+                f"/w{self.warps}/e{self.epilogue_split}")
+
+
+def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_transposed: bool,
+                config: PipelinedConfig):
+    """Gluon TMA descriptors of A [M, K], B ([N, K] when b_transposed, else [K, N]) and C."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    element = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    blocks = ([config.block_m, config.block_k],
+              [config.block_n, config.block_k] if b_transposed
+              else [config.block_k, config.block_n],
+              [config.block_m, config.block_n // config.epilogue_split])
+    return tuple(TensorDescriptor.from_tensor(t, block,
+                                              gl.NVMMASharedLayout.get_default_for(block, element))
+                 for t, block in zip((a, b, c), blocks))
+
+
+def launch_pipelined(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_transposed: bool,
+                     config: PipelinedConfig = PipelinedConfig()) -> torch.Tensor:
+    """c = a @ (b.t() if b_transposed else b) through Triton's launcher (the probe's path; the
+    GEMM core's cached launcher is gemm.CoreLaunch)."""
+    m, k = a.shape
+    n = b.shape[0] if b_transposed else b.shape[1]
+    a_desc, b_desc, c_desc = descriptors(a, b, c, b_transposed, config)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count), )
+    gemm_pipelined_kernel[grid](a_desc, b_desc, c_desc, m, n, k, config.group_m, config.stages,
+                                b_transposed, config.epilogue_split, num_warps=config.warps)
+    return c
