@@ -27,6 +27,37 @@ SHAPES = (  # name, M, N, K, B given as nn.Linear's [N, K] weight
 CHECK = ((1000, 1000, 1000), (300, 520, 136), (4096, 4096, 1024), (129, 8192, 7168))
 
 
+def kernel_ms(fn, calls=10):
+    """Mean device time of the kernels one call of fn launches, from the profiler's records."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(event.self_device_time_total for event in prof.key_averages()
+                   if event.self_device_time_total > 0)
+    return total_us / calls / 1e3
+
+
+def host_us(fn, calls=50):
+    """CPU microseconds per launch of fn (no sync inside)."""
+    import time
+
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -75,14 +106,20 @@ def main():
             if name not in bad:
                 fns[name] = (lambda config=config: launch_pipelined(a, b, c, transposed, config))
         times = device_time(fns, calls=args.calls, batches=args.batches)
+        kernels = {key: kernel_ms(fn) for key, fn in fns.items()}
+        host = {key: host_us(fn) for key, fn in fns.items()}
         flops = 2 * m * n * k
         row = dict(shape=label, m=m, n=n, k=k, transposed=transposed,
                    ms={key: round(value, 4) for key, value in times.items()},
-                   tflops={key: round(flops / value / 1e9, 1) for key, value in times.items()})
+                   tflops={key: round(flops / value / 1e9, 1) for key, value in times.items()},
+                   kernel_ms={key: round(value, 4) for key, value in kernels.items()},
+                   host_us={key: round(value, 1) for key, value in host.items()})
         rows.append(row)
         ratios = " ".join(f"{key} {times['cublas'] / value:.3f}" for key, value in times.items())
         print(f"{label} {m}x{n}x{k} t={transposed}: cublas {times['cublas']:.3f} ms; "
               f"vs cublas: {ratios}", flush=True)
+        print("   kernel ms (profiler): " + " ".join(f"{key} {value:.3f}" for key, value in kernels.items())
+              + "; host us: " + " ".join(f"{key} {value:.0f}" for key, value in host.items()), flush=True)
     result = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   commit=os.environ.get("AXEDIST_COMMIT", "?"), torch=torch.__version__,
                   device=torch.cuda.get_device_name(), checks=checks, rows=rows,

@@ -11,7 +11,8 @@ first loads of the next tile are already in flight, and the tile's result leaves
 asynchronous TMA store that drains while the next tile's wgmmas run.
 
     step s of program p:  tile p + (s // k_tiles) * P,  K block s % k_tiles
-    load s + STAGES - 1   while wgmma s runs (at most one wgmma in flight: wait(1))
+    load s + STAGES - 1   while wgmma s runs (at most one wgmma in flight: wait(1)); the
+                          load's tile is this one or the next (K >= (STAGES - 1) * BK)
 
     >>> c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     >>> launch_pipelined(a, w, c, b_transposed=True)       # c = a @ w.t()  (nn.Linear's weight)
@@ -59,27 +60,18 @@ def tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def issue_load(step, total, k_tiles, first, programs, tiles_m, tiles_n, a_desc, b_desc, bars,
-               a_bufs, b_bufs, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-               B_TRANSPOSED: gl.constexpr):
-    """TMA loads of step `step` (A and B blocks of its tile and K block) into ring slot
-    step % STAGES, completing on that slot's barrier; nothing past the program's last step."""
-    BM: gl.constexpr = a_desc.block_type.shape[0]
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    local = step // k_tiles
-    k = (step - local * k_tiles) * BK
-    tile_m, tile_n = tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M)
+def issue_load(step, row, col, k, valid, a_desc, b_desc, bars, a_bufs, b_bufs,
+               STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """TMA loads of step `step` (the A block at [row, k], the B block at [k, col]) into ring slot
+    step % STAGES, completing on that slot's barrier; nothing when not `valid`."""
     slot = step % STAGES
-    valid = step < total
     bar = bars.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=valid)
-    tma.async_copy_global_to_shared(a_desc, [tile_m * BM, k], bar, a_bufs.index(slot), valid)
+    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), valid)
     if B_TRANSPOSED:
-        BN: gl.constexpr = b_desc.block_type.shape[0]
-        tma.async_copy_global_to_shared(b_desc, [tile_n * BN, k], bar, b_bufs.index(slot), valid)
+        tma.async_copy_global_to_shared(b_desc, [col, k], bar, b_bufs.index(slot), valid)
     else:
-        BN: gl.constexpr = b_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(b_desc, [k, tile_n * BN], bar, b_bufs.index(slot), valid)
+        tma.async_copy_global_to_shared(b_desc, [k, col], bar, b_bufs.index(slot), valid)
 
 
 @gluon.jit
@@ -108,11 +100,14 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
     tiles_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     my_tiles = gl.cdiv(tiles_m * tiles_n - first, programs)
-    total = my_tiles * k_tiles
 
+    # the tile being computed and the next one: a load runs at most one tile ahead, since the
+    # host launches this kernel only when k_tiles >= STAGES - 1
+    tile_m, tile_n = tile_of(0, first, programs, tiles_m, tiles_n, GROUP_M)
+    next_m, next_n = tile_of(1, first, programs, tiles_m, tiles_n, GROUP_M)
     for step in gl.static_range(STAGES - 1):
-        issue_load(step, total, k_tiles, first, programs, tiles_m, tiles_n, a_desc, b_desc, bars,
-                   a_bufs, b_bufs, GROUP_M, STAGES, B_TRANSPOSED)
+        issue_load(step, tile_m * BM, tile_n * BN, step * BK, my_tiles > 0, a_desc, b_desc, bars,
+                   a_bufs, b_bufs, STAGES, B_TRANSPOSED)
     layout: gl.constexpr = accumulator_layout(BM, BN, num_warps)
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
     step = 0
@@ -126,11 +121,15 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
             acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
             # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            issue_load(step + STAGES - 1, total, k_tiles, first, programs, tiles_m, tiles_n,
-                       a_desc, b_desc, bars, a_bufs, b_bufs, GROUP_M, STAGES, B_TRANSPOSED)
+            ahead = kk + STAGES - 1
+            this_tile = ahead < k_tiles
+            issue_load(step + STAGES - 1, gl.where(this_tile, tile_m, next_m) * BM,
+                       gl.where(this_tile, tile_n, next_n) * BN,
+                       gl.where(this_tile, ahead, ahead - k_tiles) * BK,
+                       this_tile | (local + 1 < my_tiles), a_desc, b_desc, bars, a_bufs, b_bufs,
+                       STAGES, B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        tile_m, tile_n = tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M)
         result = acc.to(dtype)
         if EPILOGUE_SPLIT == 1:
             tma.store_wait(pendings=0)  # the last tile's store has read the staging buffer
@@ -147,6 +146,8 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
             c_smem.store(parts[1])
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
+        tile_m, tile_n = next_m, next_n
+        next_m, next_n = tile_of(local + 2, first, programs, tiles_m, tiles_n, GROUP_M)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -190,6 +191,9 @@ def launch_pipelined(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_transp
     m, k = a.shape
     n = b.shape[0] if b_transposed else b.shape[1]
     a_desc, b_desc, c_desc = descriptors(a, b, c, b_transposed, config)
+    if triton.cdiv(k, config.block_k) < config.stages - 1:
+        raise ValueError(f"gemm_pipelined: K = {k} has fewer than {config.stages - 1} blocks of "
+                         f"{config.block_k}")
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
     grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count), )
     gemm_pipelined_kernel[grid](a_desc, b_desc, c_desc, m, n, k, config.group_m, config.stages,
