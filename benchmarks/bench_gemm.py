@@ -5,8 +5,9 @@
     python3 benchmarks/bench_gemm.py --tables-from benchmarks/results/gemm_onegpu.json
 
 Shapes: the six design shapes (M in 2048 / 8192 / 16384, N = 8192, K_local in 7168 / 2048),
-the row-parallel layers of Qwen3-32B (TP = 4) and Llama-3.1-405B (TP = 8) at 8192 tokens, and
-inference M = 128, 512 (N = 8192, K = 7168). Columns (device time, ms: batches of 20 calls
+the row-parallel layers of Qwen3-32B (TP = 4) and Llama-3.1-405B (TP = 8) at 8192 tokens,
+inference M = 128, 512 (N = 8192, K = 7168), and three per-rank GEMMs of the Llama-3-8B TP = 4
+training step at batch 16 (M = 65536). Columns (device time, ms: batches of 20 calls
 queued back to back behind a sleep kernel, median of 7 batches, every candidate's batches
 interleaved; timing.device_time):
   cublas           torch.mm
@@ -40,6 +41,8 @@ SHAPES = (
     ("qwen3-32b o_proj tp4", 8192, 5120, 2048), ("qwen3-32b down_proj tp4", 8192, 5120, 6400),
     ("llama-405b o_proj tp8", 8192, 16384, 2048), ("llama-405b down_proj tp8", 8192, 16384, 6656),
     ("inference", 128, 8192, 7168), ("inference", 512, 8192, 7168),
+    ("llama-3-8b tp4 b16 wo", 65536, 4096, 1024), ("llama-3-8b tp4 b16 qkv", 65536, 1536, 4096),
+    ("llama-3-8b tp4 b16 out grad", 65536, 4096, 4096),
 )
 NAME = "gemm_onegpu"
 

@@ -141,7 +141,9 @@ def splitk_sum_kernel(partial_ptr, c_ptr, M, N, stride_cm, SPLIT_K: tl.constexpr
 class GemmCoreConfig:
     """Tiles and pipeline of the GEMM core. warp_specialize needs TMA, device descriptors,
     64-row tiles and num_warps = 4 (the consumers then hold 2 x 4 warps, the producer 4 more:
-    12 warps); see CORE_CANDIDATES for what was measured."""
+    12 warps); see CORE_CANDIDATES for what was measured. pipelined (/gl): the tile loop of
+    gemm_gluon.py, whose TMA pipeline runs across tiles (TMA operands and output, split_k 1,
+    K of at least stages - 1 blocks; other calls run this kernel with the same tiles)."""
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -152,34 +154,39 @@ class GemmCoreConfig:
     split_k: int = 1
     flatten: bool = False
     device_descriptors: bool = False
+    pipelined: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "GemmCoreConfig":
         """The config str() printed as `text`.
 
         >>> GemmCoreConfig.parse("128x256x64/g8/s4/w4/ws/k1")
-        GemmCoreConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=4, warps=4, warp_specialize=True, split_k=1, flatten=False, device_descriptors=False)
+        GemmCoreConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=4, warps=4, warp_specialize=True, split_k=1, flatten=False, device_descriptors=False, pipelined=False)
         """
         tile, *parts = text.split("/")
-        flags = {part for part in parts if part in ("ws", "fl", "dd")}
+        flags = {part for part in parts if part in ("ws", "fl", "dd", "gl")}
         try:
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             numbers = {part[0]: int(part[1:]) for part in parts if part not in flags}
-            if set(numbers) != set("gswk") or {"ws", "fl"} <= flags:
+            if set(numbers) != set("gswk") or {"ws", "fl"} <= flags or \
+                    ("gl" in flags and len(flags) > 1):
                 raise ValueError
         except ValueError:
             raise ValueError(f"not a GemmCoreConfig string: {text!r}") from None
         return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"],
-                   "ws" in flags, numbers["k"], "fl" in flags, "dd" in flags)
+                   "ws" in flags, numbers["k"], "fl" in flags, "dd" in flags, "gl" in flags)
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}{'/ws' if self.warp_specialize else ''}"
                 f"{'/fl' if self.flatten else ''}{'/dd' if self.device_descriptors else ''}"
-                f"/k{self.split_k}")
+                f"{'/gl' if self.pipelined else ''}/k{self.split_k}")
 
 
 CORE_CANDIDATES = tuple(GemmCoreConfig.parse(text) for text in (
+    "128x256x64/g8/s3/w8/gl/k1",     # Gluon: the pipeline runs across tiles (gemm_gluon.py)
+    "128x256x64/g8/s4/w8/gl/k1",
+    "64x128x64/g8/s6/w4/gl/k1",
     "128x256x64/g8/s3/w8/fl/k1",     # tile and K loops pipelined as one
     "128x256x64/g8/s4/w8/fl/k1",
     "128x256x64/g8/s3/w8/k1",        # the fused kernel's tile
@@ -192,9 +199,10 @@ CORE_CANDIDATES = tuple(GemmCoreConfig.parse(text) for text in (
 # Triton 3.6's Hopper warp specialization, measured on an H200 (benchmarks/results/
 # gemm_onegpu_probe.md): with host-encoded descriptors the first launch never finished; with
 # device-built descriptors 128-row tiles returned NaN and 64-row tiles ran at half speed.
-# CoreLaunch refuses the first two.
+# CoreLaunch refuses the first two. The Gluon tile loop measured 0.97-1.04 of cuBLAS on twelve
+# shapes where the Triton loop measured 0.93-1.01 (benchmarks/results/gemm_gluon_probe.md).
 LARGE_TILE = CORE_CANDIDATES[0]
-SMALL_TILE = CORE_CANDIDATES[4]
+SMALL_TILE = CORE_CANDIDATES[7]
 
 _TUNED_PATH = os.path.join(os.path.dirname(__file__), "gemm_tuned.json")
 
@@ -379,7 +387,77 @@ class CoreLaunch:
                                      [self.sum_static[0], c.data_ptr(), *self.sum_static[1:]])
 
 
-_launches: dict[tuple, CoreLaunch] = memo("kernels.gemm launches")
+class PipelinedLaunch:
+    """A /gl config's launch: the Gluon tile loop (gemm_gluon.gemm_pipelined_kernel) compiled for
+    one specialization, with the A, B and C descriptors encoded once per address (C's block is
+    [BM, BN / EPILOGUE_SPLIT]: the epilogue's TMA stores). Same call as CoreLaunch.
+
+    >>> launch = PipelinedLaunch(a, w, True, c, GemmCoreConfig.parse("128x256x64/g8/s3/w8/gl/k1"))
+    >>> launch(a, w, c)                             # c = a @ w.t()
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, b_transposed: bool, c: torch.Tensor,
+                 config: GemmCoreConfig):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from .gemm_gluon import EPILOGUE_SPLIT, gemm_pipelined_kernel, shared_layout
+
+        m, k = a.shape
+        n = b.shape[0] if b_transposed else b.shape[1]
+        self.m, self.n, self.k, self.config = m, n, k, config
+        self.device_index = a.device.index
+        blocks = ([config.block_m, config.block_k],
+                  [config.block_n, config.block_k] if b_transposed
+                  else [config.block_k, config.block_n],
+                  [config.block_m, config.block_n // EPILOGUE_SPLIT])
+        descriptors = [TensorDescriptor.from_tensor(t, block, shared_layout(block, a.dtype))
+                       for t, block in zip((a, b, c), blocks)]
+        constexprs = dict(GROUP_M=config.group_m, STAGES=config.stages, B_TRANSPOSED=b_transposed,
+                          EPILOGUE_SPLIT=EPILOGUE_SPLIT, num_warps=config.warps)
+        compiled = gemm_pipelined_kernel.warmup(*descriptors, m, n, k, **constexprs, grid=(1,))
+        self.kernel = CompiledLaunch(compiled, tuple(constexprs.values()))
+        tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+        self.grid = max(1, min(tiles, multiprocessors(self.device_index)))
+        self.layouts = [(t.dtype, list(t.shape), list(t.stride()), block)
+                        for t, block in zip((a, b, c), blocks)]
+        self.positions = [gemm_pipelined_kernel.arg_names.index(name)
+                          for name in ("a_desc", "b_desc", "c_desc")]
+        self._encoded: list[dict[int, list]] = [{}, {}, {}]
+        self.tail = [m, n, k]
+        self.copy_a = self.copy_b = False  # set by gemm when it hands this launch copies
+
+    def _encode(self, operand: int, address: int) -> list:
+        """Encoded descriptor of operand 0 / 1 / 2 (A / B / C) at `address`, cached by address."""
+        cache = self._encoded[operand]
+        encoded = cache.get(address)
+        if encoded is None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            if len(cache) >= 64:
+                cache.clear()
+            dtype, shape, strides, block = self.layouts[operand]
+            encoded = cache[address] = self.kernel.descriptor_arguments(
+                self.positions[operand],
+                TensorDescriptor(DescriptorBase(address, dtype), shape, strides, block))
+        return encoded
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        """Launch on a, b and c of this specialization's shapes, strides and alignment."""
+        args = [*self._encode(0, a.data_ptr()), *self._encode(1, b.data_ptr()),
+                *self._encode(2, c.data_ptr()), *self.tail]
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        self.kernel.launch_expanded(self.grid, stream, args)
+
+
+def pipelined_fits(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                   config: GemmCoreConfig) -> bool:
+    """Whether the Gluon tile loop takes these operands: TMA-describable A, B and C, one K slice,
+    and at least stages - 1 K blocks (a load runs at most one tile ahead)."""
+    return (config.split_k == 1 and tma_compatible(a) and tma_compatible(b)
+            and tma_compatible(out) and triton.cdiv(a.shape[1], config.block_k) >= config.stages - 1)
+
+
+_launches: dict[tuple, CoreLaunch | PipelinedLaunch] = memo("kernels.gemm launches")
 
 
 def cached_launches() -> int:
@@ -398,7 +476,7 @@ def _orient(b: torch.Tensor, k: int) -> tuple[torch.Tensor, bool]:
 
 
 def _new_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
-                config: GemmCoreConfig | None) -> CoreLaunch:
+                config: GemmCoreConfig | None) -> CoreLaunch | PipelinedLaunch:
     """Validate the operands of a first call and build its launch (copying operands whose
     strides neither TMA nor the pointer path can take; the launch then copies every call)."""
     copy_a = a.stride(-1) != 1 or a.stride(0) != a.shape[1]
@@ -423,7 +501,11 @@ def _new_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None,
     if out.stride(1) != 1:
         raise ValueError("gemm: out must have unit column stride")
     chosen = config or core_config(m, n, k, a.device.index)
-    launch = CoreLaunch(a, oriented, b_transposed, out, chosen)
+    if chosen.pipelined and pipelined_fits(a, oriented, out, chosen):
+        launch = PipelinedLaunch(a, oriented, b_transposed, out, chosen)
+    else:
+        launch = CoreLaunch(a, oriented, b_transposed, out,
+                            dataclasses.replace(chosen, pipelined=False))
     launch.copy_a, launch.copy_b = copy_a, copy_b
     return launch
 

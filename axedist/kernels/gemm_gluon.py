@@ -14,19 +14,26 @@ asynchronous TMA store that drains while the next tile's wgmmas run.
     load s + STAGES - 1   while wgmma s runs (at most one wgmma in flight: wait(1)); the
                           load's tile is this one or the next (K >= (STAGES - 1) * BK)
 
-    >>> c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    >>> launch_pipelined(a, w, c, b_transposed=True)       # c = a @ w.t()  (nn.Linear's weight)
+The GEMM core (gemm.py) launches it for configs marked /gl:
+
+    >>> gemm(a, w.t(), config=GemmCoreConfig.parse("128x256x64/g8/s3/w8/gl/k1"))
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+
+
+EPILOGUE_SPLIT = 2  # TMA stores per tile: a [BM, BN / 2] staging buffer (measured: 1 is no faster)
+
+
+def shared_layout(block: list, dtype):
+    """The swizzled shared-memory layout of a TMA block (and of its host descriptor)."""
+    return gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if dtype == torch.bfloat16
+                                                else gl.float16)
 
 
 @gluon.constexpr_function
@@ -151,51 +158,3 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelinedConfig:
-    """Tiles, ring depth and epilogue split of gemm_pipelined_kernel."""
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    stages: int = 4
-    warps: int = 8
-    epilogue_split: int = 2
-
-    def __str__(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}/e{self.epilogue_split}")
-
-
-def descriptors(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_transposed: bool,
-                config: PipelinedConfig):
-    """Gluon TMA descriptors of A [M, K], B ([N, K] when b_transposed, else [K, N]) and C."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    element = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    blocks = ([config.block_m, config.block_k],
-              [config.block_n, config.block_k] if b_transposed
-              else [config.block_k, config.block_n],
-              [config.block_m, config.block_n // config.epilogue_split])
-    return tuple(TensorDescriptor.from_tensor(t, block,
-                                              gl.NVMMASharedLayout.get_default_for(block, element))
-                 for t, block in zip((a, b, c), blocks))
-
-
-def launch_pipelined(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, b_transposed: bool,
-                     config: PipelinedConfig = PipelinedConfig()) -> torch.Tensor:
-    """c = a @ (b.t() if b_transposed else b) through Triton's launcher (the probe's path; the
-    GEMM core's cached launcher is gemm.CoreLaunch)."""
-    m, k = a.shape
-    n = b.shape[0] if b_transposed else b.shape[1]
-    a_desc, b_desc, c_desc = descriptors(a, b, c, b_transposed, config)
-    if triton.cdiv(k, config.block_k) < config.stages - 1:
-        raise ValueError(f"gemm_pipelined: K = {k} has fewer than {config.stages - 1} blocks of "
-                         f"{config.block_k}")
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    grid = (min(tiles, torch.cuda.get_device_properties(a.device).multi_processor_count), )
-    gemm_pipelined_kernel[grid](a_desc, b_desc, c_desc, m, n, k, config.group_m, config.stages,
-                                b_transposed, config.epilogue_split, num_warps=config.warps)
-    return c
