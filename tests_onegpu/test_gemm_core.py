@@ -92,6 +92,12 @@ def test_fused_kernel_gemm_only_mode(seed):
         a, b = _operands(1024, 1000, 520, False)
         out = torch.full((1024, 1000), float("nan"), dtype=a.dtype, device="cuda")
         assert _error(gemm_only(a, b, 4, config, out=out), a, b) <= 1e-2, (config, seed)
+    # the Gluon kernel's GEMM-only mode (chunks of whole row tiles), both orientations
+    for transposed in (False, True):
+        a, b = _operands(2048, 1000, 520, transposed)
+        out = torch.full((2048, 1000), float("nan"), dtype=a.dtype, device="cuda")
+        assert _error(gemm_only(a, b, 4, GemmConfig(pipelined=True), out=out), a, b) <= 1e-2, \
+            (transposed, seed)
 
 
 def test_bad_input_raises_clear_errors():

@@ -25,7 +25,8 @@ def _configs():
     return {"pull": GemmConfig(),
             "push": GemmConfig(push=True),
             "defer_push": GemmConfig(push=True, defer_release=True),
-            "tma_push": GemmConfig(push=True, defer_release=True, tma_push=True)}
+            "tma_push": GemmConfig(push=True, defer_release=True, tma_push=True),
+            "pipelined": GemmConfig(pipelined=True)}
 
 
 def _inputs(world, rows, n, k, transposed, dtype=torch.bfloat16):
@@ -87,6 +88,28 @@ def test_every_mode_both_orientations(mode, seed):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_pipelined_kernel_every_world_size(world, seed):
+    """The Gluon kernel (pull, tiles assigned statically, loads one GEMM tile ahead): whole row
+    tiles in both orientations, more tiles than programs (each program runs many GEMM and
+    reduce tasks), fp16; and a shape it cannot take (a chunk of 257 rows) on the Triton kernel
+    with the same config."""
+    ranks = VirtualRanks(world, 64 << 20)
+    config = _configs()["pipelined"]
+    failures = []
+    for shape in (WHOLE_TILES, (512, 2048, 1024)):
+        for transposed in (False, True):
+            as_, bs = _inputs(world, *shape, transposed)
+            failures += _call(ranks, as_, bs, config, f"pipelined W={world} {shape} B^T={transposed} seed={seed}")
+    as_, bs = _inputs(world, *WHOLE_TILES, False, torch.float16)
+    failures += _call(ranks, as_, bs, config, f"pipelined fp16 W={world} seed={seed}")
+    from axedist.kernels import gemm_rs
+    assert "pipelined_gemm_reduce_scatter_kernel" in gemm_rs.cached_kernel_names()
+    as_, bs = _inputs(world, *TAILS, True)
+    failures += _call(ranks, as_, bs, config, f"pipelined config on the Triton kernel W={world} seed={seed}")
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_masked_pointer_path(mode, seed):
     ranks = VirtualRanks(4, 16 << 20)
@@ -100,7 +123,7 @@ def test_fp16(seed):
     assert not _call(ranks, as_, bs, _configs()["pull"], f"fp16 seed={seed}")
 
 
-@pytest.mark.parametrize("mode", ["pull", "defer_push"])
+@pytest.mark.parametrize("mode", ["pull", "defer_push", "pipelined"])
 def test_back_to_back_calls_alternate_halves_and_replay(mode, seed):
     """Twelve calls of three shapes, both orientations, queued with no host sync: epochs 1..12
     on the device, both workspace halves, and from the second call of a shape on the prepared
@@ -120,7 +143,7 @@ def test_back_to_back_calls_alternate_halves_and_replay(mode, seed):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("mode", ["pull", "push", "pipelined"])
 def test_a_rank_that_never_arrives_is_named_by_the_others(mode):
     world, missing, timeout_s = 4, 0, 1.0
     ranks = VirtualRanks(world, 16 << 20)

@@ -24,10 +24,15 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 from . import schedule
 from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
+from .gemm_gluon import EPILOGUE_SPLIT, accumulator_layout, issue_load, shared_layout
 from .launch import CompiledLaunch, multiprocessors
 from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
                          load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
@@ -263,6 +268,176 @@ def gemm_reduce_scatter_kernel(
     finish_call(state_ptr, epoch)
 
 
+@gluon.jit
+def _gemm_task_at_or_after(task, step, tasks, rounds, lag, WORLD: gl.constexpr,
+                           MODE: gl.constexpr):
+    """The first GEMM task among task, task + step, ... (>= tasks: none left)."""
+    if MODE == 0:
+        is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+        while (task < tasks) & (is_gemm == 0):
+            task += step
+            is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+    return task
+
+
+@gluon.jit
+def _gemm_task_origin(task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr,
+                      MODE: gl.constexpr):
+    """(first row, first column, chunk, round) of GEMM task `task`'s tile of the product."""
+    if MODE == 0:
+        is_gemm, round_, slot = _decode_task(task, rounds, lag, WORLD)
+    else:
+        round_ = task // WORLD
+        slot = task % WORLD
+    tile_m, tile_n = grouped_tile(round_, tiles_m, tiles_n, GROUP_M)
+    chunk = (rank + 1 + slot) % WORLD
+    return chunk * M_CHUNK + tile_m * BM, tile_n * BN, chunk, round_
+
+
+@gluon.jit(do_not_specialize=["rank", "timeout_ns", "lag", "half_bytes", "push_rows"])
+def pipelined_gemm_reduce_scatter_kernel(
+        a_desc, a_ptr, b_desc, b_ptr, part_ptr, out_ptr,
+        P0, P1, P2, P3, P4, P5, P6, P7,
+        D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+        F0, F1, F2, F3, F4, F5, F6, F7,
+        state_ptr, abort_ptr, error_address, timeout_ns,
+        M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn,
+        rank, lag, half_bytes, push_rows,
+        WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
+        B_TRANSPOSED: gl.constexpr, MODE: gl.constexpr, MULTIMEM: gl.constexpr,
+        ALIGNED: gl.constexpr, REDUCE_ROWS: gl.constexpr, DEFER: gl.constexpr,
+        SCOPE: gl.constexpr, PUSH: gl.constexpr, TMA_PUSH: gl.constexpr):
+    """gemm_reduce_scatter_kernel's pull mode (and GEMM_ONLY) with the Gluon tile loop of
+    gemm_gluon.py, whose TMA pipeline runs across the program's GEMM tiles. Same arguments.
+
+    Tasks are the same global order (_decode_task), assigned statically: program p runs tasks
+    p, p + P, p + 2P, ... in order (no claiming), so it knows its next GEMM tile while it
+    computes the current one and loads it ahead. Deadlock freedom holds as with claiming: the
+    lowest unfinished task of all ranks is its program's current one (the program finished its
+    lower tasks), and a reduce task depends only on lower GEMM tasks. A GEMM tile leaves through
+    TMA stores (P0: this rank's data region, both halves as rows of N, half 1 at row push_rows;
+    in GEMM_ONLY `part`) and its flag is released after the next tile's main loop (or before a
+    reduce task, or at the end), once cp.async.bulk.wait_group has seen its stores complete."""
+    gl.static_assert(USE_TMA and not PUSH and not MULTIMEM and (MODE == 0 or MODE == 1))
+    ELEMENT: gl.constexpr = part_ptr.dtype.element_ty
+    dtype: gl.constexpr = a_desc.dtype
+    SUB_N: gl.constexpr = P0.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, P0.block_type.shape, P0.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    epoch = call_epoch(state_ptr)
+    parity = (epoch % 2).to(gl.int64)
+    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
+    row_base = parity.to(gl.int32) * push_rows
+    tiles_m = gl.cdiv(M_CHUNK, BM)
+    tiles_n = gl.cdiv(N, BN)
+    rounds = tiles_m * tiles_n
+    if MODE == 0:
+        tasks = rounds * (WORLD + 1)
+    else:
+        tasks = rounds * WORLD
+    k_tiles = gl.cdiv(K, BK)
+    first = gl.program_id(0)
+    programs = gl.num_programs(0)
+
+    # the GEMM task computed next and its origin; loads run at most one GEMM task ahead (the
+    # host launches this kernel only when k_tiles >= STAGES - 1)
+    gemm_task = _gemm_task_at_or_after(first, programs, tasks, rounds, lag, WORLD, MODE)
+    row0, col0, chunk, round_ = _gemm_task_origin(gemm_task, rank, rounds, lag, tiles_m, tiles_n,
+                                                  M_CHUNK, WORLD, BM, BN, GROUP_M, MODE)
+    for step in gl.static_range(STAGES - 1):
+        issue_load(step, row0, col0, step * BK, gemm_task < tasks, a_desc, b_desc, bars, a_bufs,
+                   b_bufs, STAGES, B_TRANSPOSED)
+    layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
+    reduce_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    cols_in_tile = gl.arange(0, BN, layout=gl.SliceLayout(0, reduce_layout))
+    rows_in_part = gl.arange(0, REDUCE_ROWS, layout=gl.SliceLayout(1, reduce_layout))
+    step = 0
+    pending = first * 0 - 1
+    task = first
+    while task < tasks:
+        if task == gemm_task:
+            next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds, lag,
+                                               WORLD, MODE)
+            next_row, next_col, next_chunk, next_round = _gemm_task_origin(
+                next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M,
+                MODE)
+            # (made per tile, so that the accumulator's registers are free in reduce tasks)
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+            for kk in range(k_tiles):
+                slot = step % STAGES
+                mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+                b = b_bufs.index(slot)
+                if B_TRANSPOSED:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                ahead = kk + STAGES - 1
+                this_tile = ahead < k_tiles
+                issue_load(step + STAGES - 1, gl.where(this_tile, row0, next_row),
+                           gl.where(this_tile, col0, next_col),
+                           gl.where(this_tile, ahead, ahead - k_tiles) * BK,
+                           this_tile | (next_task < tasks), a_desc, b_desc, bars, a_bufs, b_bufs,
+                           STAGES, B_TRANSPOSED)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if pending >= 0:  # the last tile's stores have drained under this tile's main loop
+                _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE, True)
+            halves = gl.reshape(acc.to(dtype), [BM, 2, SUB_N]).permute(0, 2, 1).split()
+            tma.store_wait(pendings=0)
+            c_smem.store(halves[0])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(P0, [row_base + row0, col0], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store(halves[1])
+            fence_async_shared()
+            tma.async_copy_shared_to_global(P0, [row_base + row0, col0 + SUB_N], c_smem)
+            if MODE == 0:
+                pending = chunk * rounds + round_
+            gemm_task, row0, col0, chunk, round_ = (next_task, next_row, next_col, next_chunk,
+                                                    next_round)
+        else:
+            # no program holds an unreleased flag while it waits (deadlock freedom)
+            if pending >= 0:
+                _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE, True)
+            pending = pending * 0 - 1
+            is_gemm, reduce_round, slot = _decode_task(task, rounds, lag, WORLD)
+            tile_m, tile_n = grouped_tile(reduce_round, tiles_m, tiles_n, GROUP_M)
+            flag = rank * rounds + reduce_round
+            for peer_step in gl.static_range(WORLD):
+                peer = (rank + peer_step) % WORLD
+                address = pick(peer, F0, F1, F2, F3, F4, F5, F6, F7) + flag * 4
+                wait_flag(address, epoch, abort_ptr, error_address, peer, flag, timeout_ns)
+            cols = tile_n * BN + cols_in_tile
+            for sub in gl.static_range(0, BM, REDUCE_ROWS):
+                local_rows = tile_m * BM + sub + rows_in_part
+                mask = (local_rows[:, None] < M_CHUNK) & (cols[None, :] < N)
+                offsets = (rank * M_CHUNK + local_rows).to(gl.int64)[:, None] * N + cols[None, :]
+                total = gl.zeros([REDUCE_ROWS, BN], gl.float32, reduce_layout)
+                for peer_step in gl.static_range(WORLD):
+                    peer = (rank + peer_step) % WORLD
+                    base = pick(peer, D0, D1, D2, D3, D4, D5, D6, D7).to(gl.pointer_type(ELEMENT))
+                    pointers = base + offsets
+                    if ALIGNED:
+                        pointers = gl.multiple_of(pointers, [16, 16])
+                    total += gl.load(pointers, mask=mask, other=0.0).to(gl.float32)
+                gl.store(out_ptr + local_rows.to(gl.int64)[:, None] * N + cols[None, :],
+                         total.to(ELEMENT), mask=mask)
+        task += programs
+    if pending >= 0:
+        _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE, True)
+    bulk_stores_complete(task)  # no TMA store may outlive the kernel unfinished
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    finish_call(state_ptr, epoch)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
     """Tile shape and pipeline of the fused kernel; the same on every rank of a call."""
@@ -287,29 +462,36 @@ class GemmConfig:
     # other's main loop, for tiles small enough that two fit in an SM's registers and shared
     # memory (checked against the compiled kernel before the first launch)
     ctas_per_sm: int = 1
+    # pull mode on the Gluon tile loop (pipelined_gemm_reduce_scatter_kernel): the TMA
+    # pipeline runs across the program's GEMM tiles; where it cannot run (push, multimem,
+    # operands or output TMA cannot describe, a chunk not a whole number of row tiles, fewer
+    # than stages - 1 K blocks) the call runs the Triton kernel with the same tiles
+    pipelined: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "GemmConfig":
         """The config that str() printed as `text` (benchmark tables store it so).
 
         >>> GemmConfig.parse("128x256x64/g8/s3/w8/r64/defer/push")
-        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False, ctas_per_sm=1)
+        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False, ctas_per_sm=1, pipelined=False)
         """
         tile, *parts = text.split("/")
         block_m, block_n, block_k = (int(v) for v in tile.split("x"))
         numbers = {part[0]: int(part[1:]) for part in parts if part[:1] in "gswrc" and part[1:].isdigit()}
         flags = {part for part in parts if not (part[:1] in "gswrc" and part[1:].isdigit())}
-        unknown = flags - {"defer", "push", "tma"}
+        unknown = flags - {"defer", "push", "tma", "gl"}
         if unknown or not set("gswr") <= set(numbers):
             raise ValueError(f"not a GemmConfig string: {text!r}")
         return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"], numbers["r"],
-                   "defer" in flags, "push" in flags, "tma" in flags, numbers.get("c", 1))
+                   "defer" in flags, "push" in flags, "tma" in flags, numbers.get("c", 1),
+                   "gl" in flags)
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
                 f"{'/push' if self.push else ''}{'/tma' if self.tma_push else ''}"
-                f"{f'/c{self.ctas_per_sm}' if self.ctas_per_sm != 1 else ''}")
+                f"{f'/c{self.ctas_per_sm}' if self.ctas_per_sm != 1 else ''}"
+                f"{'/gl' if self.pipelined else ''}")
 
 
 CANDIDATES = (
@@ -326,6 +508,7 @@ CANDIDATES = (
     GemmConfig(128, 128, 64, 8, 4, 4),
     GemmConfig(64, 256, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
+    GemmConfig(128, 256, 64, 8, 3, 8, pipelined=True),
 )
 # Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
 # the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
@@ -453,10 +636,15 @@ def descriptor(t: torch.Tensor, block: list[int], cached: bool):
 def _descriptors(ops: _Operands, config: GemmConfig, cached: bool = False):
     if not (tma_compatible(ops.a) and tma_compatible(ops.b)):
         return None, None
+    block_a = [config.block_m, config.block_k]
     block_b = ([config.block_n, config.block_k] if ops.b_transposed
                else [config.block_k, config.block_n])
-    return (descriptor(ops.a, [config.block_m, config.block_k], cached),
-            descriptor(ops.b, block_b, cached))
+    if config.pipelined and not cached:  # the Gluon JIT types a descriptor by its layout too
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return tuple(TensorDescriptor.from_tensor(t, block, shared_layout(block, t.dtype))
+                     for t, block in ((ops.a, block_a), (ops.b, block_b)))
+    return descriptor(ops.a, block_a, cached), descriptor(ops.b, block_b, cached)
 
 
 def operand_strides(ops: _Operands) -> tuple[int, int, int, int]:
@@ -489,6 +677,11 @@ def cached_launches() -> int:
     return len(_launches)
 
 
+def cached_kernel_names() -> set[str]:
+    """Names of the kernels the cached launchers run (tests check which kernel a config ran)."""
+    return {launch.name for launch in _launches.values()}
+
+
 def _push_descriptors(workspace, world: int, n: int, config: GemmConfig,
                       dtype: torch.dtype) -> tuple:
     """TMA descriptors of every rank's push buffers, one per rank spanning both data halves as
@@ -508,6 +701,44 @@ def _push_descriptors(workspace, world: int, n: int, config: GemmConfig,
     return cached
 
 
+def pipelined_fits(ops: _Operands, config: GemmConfig, world: int, mode: int, multimem: bool,
+                   half_bytes: int, part: torch.Tensor | None) -> bool:
+    """Whether the Gluon kernel runs this call (else the Triton kernel, same tiles): pull mode
+    (fused or GEMM_ONLY), operands TMA can describe, the chunk a whole number of row tiles (a
+    tile's TMA store never crosses into the next chunk's rows), rows of 16-byte multiples and
+    a data half a whole number of rows (the destination descriptor spans both halves), at least
+    stages - 1 K blocks (a load runs at most one GEMM tile ahead)."""
+    row_bytes = ops.n * ops.a.element_size()
+    if mode == GEMM_ONLY:
+        destination_ok = part is not None and tma_compatible(part)
+    else:
+        destination_ok = mode == FUSED and half_bytes % row_bytes == 0
+    return (not config.push and not multimem and destination_ok
+            and tma_compatible(ops.a) and tma_compatible(ops.b)
+            and (ops.m // world) % config.block_m == 0 and row_bytes % 16 == 0
+            and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
+
+
+def _tile_destination(workspace, rank: int, part: torch.Tensor | None, n: int,
+                      config: GemmConfig, dtype: torch.dtype):
+    """The Gluon kernel's tile-store descriptor (block [BM, BN / EPILOGUE_SPLIT]): this rank's
+    data region, both halves as rows of N (built once per workspace and shape), or `part`
+    (GEMM_ONLY)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [config.block_m, config.block_n // EPILOGUE_SPLIT]
+    if workspace is None:
+        return TensorDescriptor.from_tensor(part, block, shared_layout(block, dtype))
+    key = ("pipelined", id(workspace), rank, n, *block, dtype)
+    cached = _push_descriptor_cache.get(key)
+    if cached is None:
+        rows = 2 * workspace.data_bytes // (n * dtype.itemsize)
+        view = workspace.peer_data(rank, 0, dtype, rows * n, both_halves=True).view(rows, n)
+        cached = _push_descriptor_cache[key] = TensorDescriptor.from_tensor(
+            view, block, shared_layout(block, dtype))
+    return cached
+
+
 def specialization_key(ops: _Operands, strides: tuple, tensors: tuple, timeout_ns: int,
                     constexprs: tuple, warps: int, device_index: int) -> tuple:
     """Everything Triton specializes the kernel on, for the arguments that are not already
@@ -520,13 +751,16 @@ def specialization_key(ops: _Operands, strides: tuple, tensors: tuple, timeout_n
             timeout_ns >= (1 << 31), constexprs, warps, device_index, ops.a.dtype)
 
 
-def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_index: int):
+def _compiled(key: tuple, args: tuple, constexprs: dict, warps: int, device_index: int,
+              pipelined: bool = False):
     """The compiled launcher of one specialization: compiled through Triton's JIT the first time
     (without launching), then reused; launches go straight to its C launcher with the arguments
-    (tensors passed as addresses), skipping Triton's per-call binding."""
+    (tensors passed as addresses), skipping Triton's per-call binding. pipelined: the Gluon
+    kernel (same arguments)."""
     launch = _launches.get(key)
     if launch is None:
-        kernel = gemm_reduce_scatter_kernel.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
+        function = pipelined_gemm_reduce_scatter_kernel if pipelined else gemm_reduce_scatter_kernel
+        kernel = function.warmup(*args, **constexprs, num_warps=warps, grid=(1,))
         launch = _launches[key] = CompiledLaunch(kernel, tuple(constexprs.values()))
         launch.resident_per_sm = resident_per_sm(kernel, warps, device_index)
     return launch
@@ -613,6 +847,9 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
                          f"use larger tiles")
     push = config.push and not multimem and mode != GEMM_ONLY
     row_bytes = ops.n * element
+    pipelined = config.pipelined and pipelined_fits(ops, config, world, mode, multimem,
+                                                    half_bytes, part)
+    config = dataclasses.replace(config, pipelined=pipelined)
     # a TMA store never crosses into the next source's slot (whole row tiles), and the second
     # half starts on a whole row of the descriptor that spans both halves
     tma_push = (push and config.tma_push and use_tma and m_chunk % config.block_m == 0
@@ -620,6 +857,10 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     push_rows = half_bytes // row_bytes if tma_push else 0
     peers = (_push_descriptors(workspace, world, ops.n, config, ops.a.dtype)
              if tma_push else (None,) * 8)
+    if pipelined:  # P0: where the tiles go (this rank's data, both halves; GEMM_ONLY: part)
+        peers = (_tile_destination(workspace, rank, part, ops.n, config, ops.a.dtype),
+                 *(None,) * 7)
+        push_rows = 0 if mode == GEMM_ONLY else half_bytes // row_bytes
     strides = operand_strides(ops)
     constexprs = dict(
         WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
@@ -630,8 +871,8 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         PUSH=push, TMA_PUSH=tma_push)
     # (the width of half_bytes too: Triton types an int argument i32 or i64 by its value)
     key = specialization_key(ops, strides, (part, out, state, abort), timeout_ns,
-                             (*constexprs.values(), half_bytes >= (1 << 31)), config.warps,
-                             device.index)
+                             (*constexprs.values(), half_bytes >= (1 << 31), pipelined),
+                             config.warps, device.index)
     a_desc, b_desc = _descriptors(ops, config, cached=key in _launches)
 
     def arguments(lag: int) -> tuple:
@@ -641,12 +882,12 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
 
     # compiled (and its occupancy known) before any task is claimed: every program of the grid
     # must be resident at once, since a reduce task waits on tiles other programs produce
-    compiled = _compiled(key, arguments(0), constexprs, config.warps, device.index)
+    compiled = _compiled(key, arguments(0), constexprs, config.warps, device.index, pipelined)
     if compile_only:
         return None
     programs = max(1, min(processors * min(config.ctas_per_sm, compiled.resident_per_sm), tasks))
-    if lag_waves is None:
-        lag_waves = 2.5 if config.defer_release else 1.5
+    if lag_waves is None:  # (the Gluon kernel always releases a tile's flag one tile later)
+        lag_waves = 2.5 if config.defer_release or pipelined else 1.5
     lag = schedule.choose_lag(rounds, world, programs, lag_waves)
     args = arguments(lag)
     raw = tuple(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg for arg in args)
