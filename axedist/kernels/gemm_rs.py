@@ -689,7 +689,10 @@ def _push_descriptors(workspace, world: int, n: int, config: GemmConfig,
     eight, the unused ones repeating rank 0's; built once per workspace and shape."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    key = (id(workspace), world, n, config.block_m, config.block_n, dtype)
+    # keyed by the memory itself: an id() is reused once a workspace is freed, and a stale
+    # descriptor would store into the old memory (its view keeps that memory alive)
+    key = (tuple(workspace.data_addresses(0)[:world]), workspace.data_bytes, world, n,
+           config.block_m, config.block_n, dtype)
     cached = _push_descriptor_cache.get(key)
     if cached is None:
         rows = 2 * workspace.data_bytes // (n * dtype.itemsize)
@@ -729,7 +732,8 @@ def _tile_destination(workspace, rank: int, part: torch.Tensor | None, n: int,
     block = [config.block_m, config.block_n // EPILOGUE_SPLIT]
     if workspace is None:
         return TensorDescriptor.from_tensor(part, block, shared_layout(block, dtype))
-    key = ("pipelined", id(workspace), rank, n, *block, dtype)
+    key = ("pipelined", workspace.data_addresses(0)[rank], workspace.data_bytes, n, *block,
+           dtype)  # (by address, as _push_descriptors)
     cached = _push_descriptor_cache.get(key)
     if cached is None:
         rows = 2 * workspace.data_bytes // (n * dtype.itemsize)
