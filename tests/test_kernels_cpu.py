@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -390,6 +391,51 @@ def _compile_fused(tma=True, transposed=False, multimem=False, gemm_only=False, 
         gemm_rs.gemm_reduce_scatter_kernel, signature, constexprs,
         divisible_by_16=["a_ptr", "b_ptr", "part_ptr", "out_ptr", "N", "K", "stride_am", "stride_bk"],
         num_warps=config.warps, num_stages=config.stages)
+
+
+def _compile_pipelined_fused(transposed, gemm_only):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from axedist.kernels import gemm_gluon, gemm_rs
+    config = gemm_rs.GemmConfig(pipelined=True)
+    constexprs = dict(WORLD=4, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+                      GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=True,
+                      B_TRANSPOSED=transposed, MODE=1 if gemm_only else 0, MULTIMEM=False,
+                      ALIGNED=True, REDUCE_ROWS=config.reduce_rows, DEFER=False, SCOPE="sys",
+                      PUSH=False, TMA_PUSH=False, **{f"P{i}": None for i in range(1, 8)})
+    signature = _fused_signature(True, transposed, config)
+    blocks = {"a_desc": [config.block_m, config.block_k],
+              "b_desc": [config.block_n, config.block_k] if transposed else [config.block_k, config.block_n],
+              "P0": [config.block_m, config.block_n // gemm_gluon.EPILOGUE_SPLIT]}
+    for name, block in blocks.items():
+        signature[name] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
+                           f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+    kernel = gemm_rs.pipelined_gemm_reduce_scatter_kernel
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    divisible = ["a_ptr", "b_ptr", "part_ptr", "out_ptr", "N", "K", "stride_am", "stride_bk"]
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                            attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.warps})
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("gemm_only", [False, True])
+def test_pipelined_fused_kernel_compiles_for_sm90a(transposed, gemm_only):
+    """The Gluon GEMM + reduce-scatter kernel (/gl, pull): wgmma with one group in flight, TMA
+    loads and stores, 16-byte peer loads in its reduce tasks, system-scope acquire / release,
+    no spills, within 227 KB of shared memory."""
+    _need_triton()
+    kernel = _compile_pipelined_fused(transposed, gemm_only)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1" in ptx and "cp.async.bulk.tensor.2d.global.shared" in ptx
+    assert "ld.acquire.sys" in ptx and "cp.async.bulk.wait_group 0" in ptx
+    assert ("st.release.sys" in ptx) != gemm_only     # GEMM_ONLY releases no flag
+    assert re.search(r"ld\.global(\.\w+)*\.v4", ptx)
+    assert ".local" not in ptx and kernel.metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("transposed", [False, True])

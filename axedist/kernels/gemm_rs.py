@@ -363,11 +363,8 @@ def pipelined_gemm_reduce_scatter_kernel(
     task = first
     while task < tasks:
         if task == gemm_task:
-            next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds, lag,
-                                               WORLD, MODE)
-            next_row, next_col, next_chunk, next_round = _gemm_task_origin(
-                next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M,
-                MODE)
+            next_task, next_row, next_col, next_chunk, next_round = (gemm_task, row0, col0,
+                                                                     chunk, round_)
             # (made per tile, so that the accumulator's registers are free in reduce tasks)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
             for kk in range(k_tiles):
@@ -378,6 +375,12 @@ def pipelined_gemm_reduce_scatter_kernel(
                     b = b.permute((1, 0))
                 acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if kk == 0:  # the next GEMM task, decoded while the first wgmma runs
+                    next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds,
+                                                       lag, WORLD, MODE)
+                    next_row, next_col, next_chunk, next_round = _gemm_task_origin(
+                        next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN,
+                        GROUP_M, MODE)
                 ahead = kk + STAGES - 1
                 this_tile = ahead < k_tiles
                 issue_load(step + STAGES - 1, gl.where(this_tile, row0, next_row),
