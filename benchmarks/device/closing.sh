@@ -66,7 +66,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs
       # (MODEL_ARGS="--batch 16": the GPU-bound TP=4 size's calls);
       # 'auto' then reads the measured winners (the tables are rewritten here and come back in the bundle)
-      step gemm_rs_llama8b 150 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --shapes llama8b ${MODEL_ARGS:-} --tune default --reps 10 --out "$RESULTS"
+      # (MODEL_TUNE=all MODEL_CONFIGS="0,128x256x64/g8/s3/w8/r64/gl": the shipped pull config against
+      # the Gluon kernel, so that the table takes whichever wins)
+      step gemm_rs_llama8b 150 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --shapes llama8b ${MODEL_ARGS:-} --tune ${MODEL_TUNE:-default} ${MODEL_CONFIGS:+--configs $MODEL_CONFIGS} --reps 10 --out "$RESULTS"
       step ag_gemm_llama8b 100 torchrun --nproc-per-node $W benchmarks/bench_ag_gemm.py --shapes llama8b ${MODEL_ARGS:-} --reps 10 --out "$RESULTS"
       for f in "$RESULTS"/gemm_rs_w${W}_llama8b*.json; do [[ -f $f ]] && python3 benchmarks/bench_gemm_rs.py --tables-from "$f" >> "$LOGS/tables.log" 2>&1; done
       for f in "$RESULTS"/ag_gemm_w${W}_llama8b*.json; do [[ -f $f ]] && python3 benchmarks/bench_ag_gemm.py --tables-from "$f" >> "$LOGS/tables.log" 2>&1; done
