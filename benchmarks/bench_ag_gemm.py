@@ -13,8 +13,8 @@ Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, 
 Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
 --onegpu (no torchrun): the TP = 1 path (ax.all_gather_gemm on a one-rank group: a plain
-matmul) and the GEMM half (the fused kernel on one virtual rank with the whole GPU) against
-cuBLAS, device time. Writes ag_gemm_w{W}.json / .md / .png (ag_gemm_onegpu.* with --onegpu)
+matmul) and the GEMM half (the fused kernel on one virtual rank with the whole GPU: the shape's
+config on the Triton kernel, and the Gluon kernel, /gl) against cuBLAS, device time. Writes ag_gemm_w{W}.json / .md / .png (ag_gemm_onegpu.* with --onegpu)
 and a history line. --tables-from writes axedist/kernels/ag_gemm_auto.json.
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import axedist as ax
 from axedist.collectives import all_gather_into, p2p, plan_all_gather_gemm
 from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
+from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
@@ -161,12 +162,15 @@ def run_onegpu(args):
             continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)).t()
-        out, tp1_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        out, tp1_out, w1_out, gl_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                                        for _ in range(4))
+        gluon = AllGatherGemmConfig(pipelined=True)
         columns = {"cublas": lambda: torch.mm(a, b, out=out),
                    "tp1": lambda: ax.all_gather_gemm(a, b, out=tp1_out),
-                   "kernel_w1": lambda: one_rank.all_gather_gemm([a], [b], [w1_out])}
+                   "kernel_w1": lambda: one_rank.all_gather_gemm([a], [b], [w1_out]),
+                   "kernel_w1_gl": lambda: one_rank.all_gather_gemm([a], [b], [gl_out], config=gluon)}
         times = device_time(columns, calls=args.calls, batches=args.batches)
-        for column in (tp1_out, w1_out):
+        for column in (tp1_out, w1_out, gl_out):
             column.fill_(float("nan"))
         for fn in columns.values():
             fn()
@@ -174,13 +178,16 @@ def run_onegpu(args):
         row = dict(label=label, M=m, N=n, K=k, world=1, queued=times,
                    plan=str(plan_all_gather_gemm(a, b)),
                    tp1_rel_err=_relative(tp1_out, out), kernel_w1_rel_err=_relative(w1_out, out),
+                   kernel_w1_gl_rel_err=_relative(gl_out, out),
                    host_us={name: host_time_us(fn, calls=20, repeats=3) for name, fn in columns.items()})
         times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
+        times["kernel_w1_gl_vs_cublas"] = times["cublas"] / times["kernel_w1_gl"]
         results.append(row)
         print(f"[{index}] {label} {m}x{n}x{k}: cublas {times['cublas']:.3f} tp1 {times['tp1']:.3f} "
               f"kernel_w1 {times['kernel_w1']:.3f} ({times['kernel_w1_vs_cublas']:.2f}x) "
-              f"err {row['kernel_w1_rel_err']:.1e}", flush=True)
-        del a, b, out, tp1_out, w1_out
+              f"/gl {times['kernel_w1_gl']:.3f} ({times['kernel_w1_gl_vs_cublas']:.2f}x) "
+              f"err {row['kernel_w1_rel_err']:.1e} {row['kernel_w1_gl_rel_err']:.1e}", flush=True)
+        del a, b, out, tp1_out, w1_out, gl_out
         torch.cuda.empty_cache()
     command = "python3 benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
     write_outputs(results, "ag_gemm_onegpu", run_meta(1, command), args.out)
@@ -192,7 +199,8 @@ def _table(results, times_of, multi):
         head = ("| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | auto | best / auto | p2p AG | kernel W=1 | "
                 "limit | vs seq | vs symm |")
     else:
-        head = "| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | kernel W=1 / cuBLAS |"
+        head = ("| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | cuBLAS / kernel W=1 | "
+                "kernel W=1 /gl | cuBLAS / kernel W=1 /gl |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         t = times_of(r)
@@ -205,7 +213,9 @@ def _table(results, times_of, multi):
                          f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |")
         else:
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
-                         f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} |")
+                         f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} | "
+                         + (f"{t['kernel_w1_gl']:.3f} | {t['kernel_w1_gl_vs_cublas']:.2f} |"
+                            if "kernel_w1_gl" in t else "- | - |"))
     return lines
 
 

@@ -1155,6 +1155,53 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
                               num_stages=c.stages)
 
 
+def _compile_pipelined_ag(transposed=False, world=4, copy_out=False):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from axedist.kernels import ag_gemm, gemm_gluon
+    c = ag_gemm.AllGatherGemmConfig(pipelined=True)
+    signature = {"a_ptr": "*bf16"}
+    blocks = {"a_desc": [c.block_m, c.block_k], "g_desc": [c.block_m, c.block_k],
+              "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n]}
+    for name, block in blocks.items():
+        signature[name] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
+                           f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+    signature.update(b_ptr="*bf16", out_ptr="*bf16", gathered_address="i64")
+    _pointer_and_flag_signature(signature, "bf16", dict(
+        M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
+        stride_om="i32", rank="i32", half_rows="i32"))
+    constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
+                      STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, MULTIMEM=False,
+                      ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
+    kernel = ag_gemm.pipelined_all_gather_gemm_kernel
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    divisible = _STATE_DIVISIBLE + ["stride_om"]
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                            attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+                                   for n in divisible if n in kernel.arg_names})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("copy_out", [False, True])
+def test_pipelined_all_gather_gemm_kernel_compiles_for_sm90a(transposed, copy_out):
+    """The Gluon all-gather + GEMM kernel (/gl): wgmma with one group in flight, TMA loads,
+    16-byte pushes released at system scope, acquire loads of the flags, no spills, within
+    227 KB of shared memory."""
+    _need_triton()
+    kernel = _compile_pipelined_ag(transposed, copy_out=copy_out)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx
+    assert "ld.acquire.sys" in ptx and "st.release.sys" in ptx and "fence.proxy.async" in ptx
+    assert re.search(r"st\.global(\.\w+)*\.v4", ptx)
+    assert ".local" not in ptx and kernel.metadata.shared <= 227 * 1024
+
+
 def _compile_ar(two_shot, push, multimem=False, transposed=True, tma=True, config=None, dtype="bf16"):
     from axedist.kernels import gemm_ar
     from axedist.kernels.compile_check import compile_for_target

@@ -121,6 +121,39 @@ def test_all_gather_gemm_pointer_path_fp16_and_small_tiles(seed):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_pipelined_all_gather_gemm(world, seed):
+    """The Gluon kernel (/gl: tasks assigned statically, a tile's loads issued during the last
+    tile when its rows have arrived): tails and whole tiles, more tiles than programs, both
+    orientations, the gathered rows copied out, and back to back with the Triton kernel."""
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    config = AllGatherGemmConfig(pipelined=True)
+    ranks = VirtualRanks(world, 64 << 20)
+    failures = []
+    for shape in (AG_TAILS, (512, 2048, 1024)):
+        for transposed in (False, True):
+            as_, bs = _operands(world, *shape, transposed)
+            outs = ranks.all_gather_gemm(as_, bs, _poison(world * shape[0], shape[1], world),
+                                         config=config)
+            ranks.check()
+            failures += _ag_failures(as_, bs, outs, f"W={world} {shape} B^T={transposed} seed={seed}")
+    assert all(launch.pipelined and launch.kernel.name == "pipelined_all_gather_gemm_kernel"
+               for call in ranks.last_plans for launch in call.launches.values())
+    as_, bs = _operands(world, *AG_TAILS, False)
+    gathered = _poison(world * AG_TAILS[0], AG_TAILS[2], world)
+    outs = ranks.all_gather_gemm(as_, bs, _poison(world * AG_TAILS[0], AG_TAILS[1], world),
+                                 config=config, gathered=gathered)
+    triton_as, triton_bs = _operands(world, *AG_TAILS, True)
+    triton_outs = ranks.all_gather_gemm(triton_as, triton_bs,
+                                        _poison(world * AG_TAILS[0], AG_TAILS[1], world))
+    ranks.check()
+    failures += _ag_failures(as_, bs, outs, f"copy-out W={world} seed={seed}")
+    failures += [f"rank {r}: gathered A differs" for r, g in enumerate(gathered)
+                 if not torch.equal(g, torch.cat(as_))]
+    failures += _ag_failures(triton_as, triton_bs, triton_outs, f"Triton kernel after W={world} seed={seed}")
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_gemm_all_reduce_every_algorithm_and_decode_size(world, seed):
     ranks = VirtualRanks(world, 16 << 20)
     failures = []
@@ -168,12 +201,16 @@ def test_back_to_back_fused_calls_without_sync(seed):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("op", ["all_gather_gemm", "gemm_all_reduce"])
+@pytest.mark.parametrize("op", ["all_gather_gemm", "gemm_all_reduce", "all_gather_gemm /gl"])
 def test_a_rank_that_never_arrives_is_named_by_the_others(op):
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
     world, missing, timeout_s = 4, 1, 1.0
     ranks = VirtualRanks(world, 16 << 20)
     as_, bs = _operands(world, 64, 512, 256, False)
-    run = getattr(ranks, op)
+    run = getattr(ranks, op.split()[0])
+    if op.endswith("/gl"):
+        run = (lambda run: lambda *args, **kwargs: run(
+            *args, config=AllGatherGemmConfig(pipelined=True), **kwargs))(run)
     run(as_, bs)
     ranks.check()
     start = time.perf_counter()

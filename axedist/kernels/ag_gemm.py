@@ -41,13 +41,18 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
 
 from . import schedule
 from .gemm import gemm_tile, grouped_tile, tma_compatible
+from .gemm_gluon import accumulator_layout, shared_layout
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
-                         multimem_st_16bytes, peer_pointers, pick, st_release_sys,
+                         ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
 
 
@@ -283,6 +288,237 @@ def all_gather_gemm_kernel(
     finish_call(state_ptr, epoch)
 
 
+@gluon.jit
+def _copy_rows_gluon(source, source_stride, target, rows_here, col_first, col_last, K,
+                     ELEMENT: gl.constexpr, COPY_ROWS: gl.constexpr, COPY_COLS: gl.constexpr,
+                     ALIGNED: gl.constexpr):
+    """_copy_rows (unicast) in Gluon: columns col_first .. col_last of rows 0 .. rows_here of
+    `source` (pointer to row 0, row stride source_stride) into `target` (byte address of row 0
+    of rows of K elements), COPY_ROWS x COPY_COLS elements at a time, 16 bytes per thread."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    rows_in = gl.arange(0, COPY_ROWS, layout=gl.SliceLayout(1, layout))
+    cols_in = gl.arange(0, COPY_COLS, layout=gl.SliceLayout(0, layout))
+    base = target.to(gl.pointer_type(ELEMENT))
+    for sub in range(0, rows_here, COPY_ROWS):
+        rows = sub + rows_in
+        for k0 in range(col_first, col_last, COPY_COLS):
+            cols = k0 + cols_in
+            mask = (rows[:, None] < rows_here) & (cols[None, :] < col_last)
+            values = gl.load(source + rows[:, None].to(gl.int64) * source_stride + cols[None, :],
+                             mask=mask)
+            pointers = base + (rows[:, None].to(gl.int64) * K + cols[None, :])
+            if ALIGNED:
+                pointers = gl.multiple_of(pointers, [16, 16])
+            gl.store(pointers, values, mask=mask)
+
+
+@gluon.jit
+def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, tasks, WORLD: gl.constexpr,
+               STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr,
+               BM: gl.constexpr, BN: gl.constexpr):
+    """Of tile task `task`: (source rank, tile row, its first A row: in A for this rank's rows,
+    in the gathered buffer for a peer's, first column)."""
+    kind, source, tile_m, tile_n = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False,
+                                                PIECES, GROUP_M)
+    local_row0 = tile_m * BM
+    row0 = gl.where(source == rank, local_row0, slot_row0 + source * M_LOCAL + local_row0)
+    return source, tile_m, row0, tile_n * BN
+
+
+@gluon.jit
+def _next_tile_task(task, step, tasks, rank, tiles_m, tiles_n, WORLD: gl.constexpr,
+                    STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr):
+    """The first tile task among task, task + step, ... (>= tasks: none left)."""
+    kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
+                                   GROUP_M)
+    while (task < tasks) & (kind != TILE):
+        task += step
+        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
+                                       GROUP_M)
+    return task
+
+
+@gluon.jit
+def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, PIECES: gl.constexpr):
+    """Whether every piece of the source's row block tile_m has arrived (this rank's own rows
+    always have): one acquire load per piece, no waiting."""
+    arrived = source == rank
+    if source != rank:
+        arrived = source == source
+        for piece in gl.static_range(PIECES):
+            flag = (source * tiles_m + tile_m) * PIECES + piece
+            arrived = arrived & (ld_acquire_sys(own_flags + flag * 4) >= epoch)
+    return arrived
+
+
+@gluon.jit
+def _issue_tile_load(step, local, row, col, k, valid, a_desc, g_desc, b_desc, bars, a_bufs,
+                     b_bufs, STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """TMA loads of one K step: A from this rank's A (local) or the gathered buffer, B."""
+    slot = step % STAGES
+    bar = bars.index(slot)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=valid)
+    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), valid & local)
+    tma.async_copy_global_to_shared(g_desc, [row, k], bar, a_bufs.index(slot),
+                                    valid & (not local))
+    if B_TRANSPOSED:
+        tma.async_copy_global_to_shared(b_desc, [col, k], bar, b_bufs.index(slot), valid)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [k, col], bar, b_bufs.index(slot), valid)
+
+
+@gluon.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
+def pipelined_all_gather_gemm_kernel(
+        a_ptr, a_desc, g_desc, b_desc, b_ptr, out_ptr, gathered_address,
+        D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
+        F0, F1, F2, F3, F4, F5, F6, F7,
+        state_ptr, abort_ptr, error_address, timeout_ns,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows,
+        WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
+        B_TRANSPOSED: gl.constexpr, MULTIMEM: gl.constexpr, ALIGNED: gl.constexpr,
+        COPY_ROWS: gl.constexpr, COPY_COLS: gl.constexpr, PIECES: gl.constexpr,
+        COPY_OUT: gl.constexpr, PHASES: gl.constexpr):
+    """all_gather_gemm_kernel (unicast pushes, TMA) with the Gluon tile loop of gemm_gluon.py:
+    same arguments, same task order, tasks assigned statically (program p runs p, p + P, ...),
+    so that a program loads its next tile during the current one.
+
+    A tile's loads wait for nothing but its own rows: a peer tile acquires its PIECES flags
+    before its first load. Ahead of time, the next tile's loads are issued only if its rows
+    have already arrived (one acquire per piece, no spin); otherwise that tile waits for them
+    when it starts and loads then. So a program never waits for a later task's rows, and
+    deadlock freedom holds as for the claimed order: the lowest unfinished task of all ranks is
+    its program's current one, and what it waits for (pushes of its source's previous segment)
+    comes earlier in the order."""
+    gl.static_assert(USE_TMA and (not MULTIMEM) and PHASES == 3)
+    ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
+    dtype: gl.constexpr = a_desc.dtype
+    STEPS: gl.constexpr = WORLD - 1  # schedule.ag_steps (unicast)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    epoch = call_epoch(state_ptr)
+    parity = epoch % 2
+    slot_row0 = parity * half_rows
+    row_bytes = K.to(gl.int64) * (ELEMENT.primitive_bitwidth // 8)
+    tiles_m = gl.cdiv(M_LOCAL, BM)
+    tiles_n = gl.cdiv(N, BN)
+    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
+    piece_cols = gl.cdiv(gl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
+    k_tiles = gl.cdiv(K, BK)
+    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+    gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(gl.pointer_type(ELEMENT))
+    first = gl.program_id(0)
+    programs = gl.num_programs(0)
+    layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+
+    tile_task = _next_tile_task(first, programs, tasks, rank, tiles_m, tiles_n, WORLD, STEPS,
+                                PIECES, GROUP_M)
+    source, tile_m, row0, col0 = _tile_rows(tile_task, rank, tiles_m, tiles_n, M_LOCAL,
+                                            slot_row0, tasks, WORLD, STEPS, PIECES, GROUP_M, BM, BN)
+    loaded = first * 0  # whether the current tile's first STAGES - 1 steps are loaded
+    step = 0
+    task = first
+    while task < tasks:
+        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
+                                       GROUP_M)
+        if kind == PUSH:
+            block = x
+            piece = y
+            col_first = piece * piece_cols
+            push_row = (slot_row0 + rank * M_LOCAL + block * BM).to(gl.int64)
+            target = pick(who, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
+            _copy_rows_gluon(a_ptr + block * BM * stride_am, stride_am, target,
+                             gl.minimum(BM, M_LOCAL - block * BM), col_first,
+                             gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
+                             COPY_COLS, ALIGNED)
+            # every thread's (remote) stores ordered before thread 0's release
+            fence_acq_rel_sys(block)
+            gl.thread_barrier()
+            st_release_sys(pick(who, F0, F1, F2, F3, F4, F5, F6, F7)
+                           + ((rank * tiles_m + block) * PIECES + piece) * 4, epoch)
+        elif kind == COPY:
+            block = x
+            piece = y
+            col_first = piece * piece_cols
+            if who == rank:  # this rank's rows: from A itself
+                rows_from = a_ptr + block * BM * stride_am
+                rows_stride = stride_am
+            else:
+                flag = (who * tiles_m + block) * PIECES + piece
+                wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, who, flag,
+                          timeout_ns)
+                rows_from = gathered + (slot_row0 + who * M_LOCAL + block * BM).to(gl.int64) * K
+                rows_stride = K
+            _copy_rows_gluon(rows_from, rows_stride,
+                             gathered_address + (who * M_LOCAL + block * BM).to(gl.int64) * row_bytes,
+                             gl.minimum(BM, M_LOCAL - block * BM), col_first,
+                             gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
+                             COPY_COLS, ALIGNED)
+        else:  # the tile task `tile_task` (= task)
+            if loaded == 0:  # its rows were not there when the last tile ran: wait, then load
+                if source != rank:
+                    for piece in gl.static_range(PIECES):
+                        flag = (source * tiles_m + tile_m) * PIECES + piece
+                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
+                                  flag, timeout_ns)
+                    fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
+                for ahead in gl.static_range(STAGES - 1):
+                    _issue_tile_load(step + ahead, source == rank, row0, col0, ahead * BK,
+                                     ahead < k_tiles, a_desc, g_desc, b_desc, bars, a_bufs,
+                                     b_bufs, STAGES, B_TRANSPOSED)
+            next_task, next_source, next_tile_m, next_row, next_col = (tile_task, source, tile_m,
+                                                                       row0, col0)
+            next_ready = first * 0
+            acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+            for kk in range(k_tiles):
+                slot = step % STAGES
+                mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+                b = b_bufs.index(slot)
+                if B_TRANSPOSED:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if kk == 0:  # the next tile, decoded while the first wgmma runs
+                    next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m,
+                                                tiles_n, WORLD, STEPS, PIECES, GROUP_M)
+                    next_source, next_tile_m, next_row, next_col = _tile_rows(
+                        next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, tasks, WORLD,
+                        STEPS, PIECES, GROUP_M, BM, BN)
+                ahead = kk + STAGES - 1
+                if ahead == k_tiles:  # the first load of the next tile: are its rows here?
+                    next_ready = ((next_task < tasks) & _rows_arrived(
+                        own_flags, next_source, next_tile_m, tiles_m, epoch, rank,
+                        PIECES)).to(gl.int32)
+                    fence_proxy_async(next_tile_m)
+                this_tile = ahead < k_tiles
+                _issue_tile_load(step + STAGES - 1,
+                                 gl.where(this_tile, source, next_source) == rank,
+                                 gl.where(this_tile, row0, next_row),
+                                 gl.where(this_tile, col0, next_col),
+                                 gl.where(this_tile, ahead, ahead - k_tiles) * BK,
+                                 this_tile | (next_ready != 0), a_desc, g_desc, b_desc, bars,
+                                 a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            result = gl.convert_layout(acc.to(ELEMENT), out_layout)
+            rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+            mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
+            out_rows = (source * M_LOCAL + rows).to(gl.int64)
+            gl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], result, mask=mask)
+            tile_task, source, tile_m, row0, col0 = (next_task, next_source, next_tile_m, next_row,
+                                                     next_col)
+            loaded = next_ready
+        task += programs
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    finish_call(state_ptr, epoch)
+
+
 # An address argument's value until a call fills it in: Triton types an int argument by its
 # value (i32 below 2**31), so a placeholder 0 would compile a kernel that cannot take a real
 # 64-bit address (the launcher raised OverflowError on the first call with one).
@@ -303,28 +539,34 @@ class AllGatherGemmConfig:
     copy_rows: int = 32
     copy_cols: int = 512
     pieces: int = 4
+    # the Gluon kernel (pipelined_all_gather_gemm_kernel): its TMA pipeline runs across the
+    # program's tiles; where it cannot run (multimem, operands TMA cannot describe, fewer than
+    # stages - 1 K blocks) the launch runs the Triton kernel with the same tiles
+    pipelined: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
         """The config str() printed as `text`.
 
         >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
-        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4)
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False)
         """
         try:
-            tile, g, s, w, c, p = text.split("/")
-            if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p"):
+            tile, g, s, w, c, p, *flags = text.split("/")
+            if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p") or \
+                    flags not in ([], ["gl"]):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
             return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
-                       copy_cols, int(p[1:]))
+                       copy_cols, int(p[1:]), flags == ["gl"])
         except ValueError:
             raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
-                f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}")
+                f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}"
+                f"{'/gl' if self.pipelined else ''}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
@@ -399,13 +641,25 @@ class AllGatherGemmLaunch:
                         else [config.block_k, config.block_n])
         if ops.b_transposed and not self.use_tma:
             raise ValueError("all_gather_gemm: the pointer path takes B as row-major [K, N]")
-        g_desc = (TensorDescriptor(gathered, [total_rows, ops.k], [ops.k, 1], self.block_a)
+        multimem = multimem and world > 1
+        self.pipelined = (config.pipelined and self.use_tma and not multimem
+                          and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
+        if self.pipelined:  # the Gluon JIT types a descriptor by its shared layout too
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as Described
+
+            def describe(t, shape, strides, block):
+                return Described(t, shape, strides, block, shared_layout(block, t.dtype))
+        else:
+            def describe(t, shape, strides, block):
+                return TensorDescriptor(t, shape, strides, block)
+        g_desc = (describe(gathered, [total_rows, ops.k], [ops.k, 1], self.block_a)
                   if self.use_tma else None)
-        a_desc = descriptor(ops.a, self.block_a, False) if self.use_tma else None
-        b_desc = descriptor(ops.b, self.block_b, False) if self.use_tma else None
+        a_desc = (describe(ops.a, list(ops.a.shape), list(ops.a.stride()), self.block_a)
+                  if self.use_tma else None)
+        b_desc = (describe(ops.b, list(ops.b.shape), list(ops.b.stride()), self.block_b)
+                  if self.use_tma else None)
         stride_bk, stride_bn = ((ops.b.stride(1), ops.b.stride(0)) if ops.b_transposed
                                 else (ops.b.stride(0), ops.b.stride(1)))
-        multimem = multimem and world > 1
         if multimem and (ops.k % 8 or not workspace.multicast_base):
             raise ValueError("all_gather_gemm: multimem needs K % 8 == 0 and a multicast mapping")
         self.timeout_ns = workspace.timeout_ns()
@@ -422,8 +676,9 @@ class AllGatherGemmLaunch:
                 workspace.error_address(), self.timeout_ns,
                 ops.m, ops.n, ops.k, ops.a.stride(0), stride_bk, stride_bn, out.stride(0),
                 rank, self.half_rows)
-        kernel = all_gather_gemm_kernel.warmup(*args, **constexprs, num_warps=config.warps,
-                                               num_stages=config.stages, grid=(1,))
+        function = pipelined_all_gather_gemm_kernel if self.pipelined else all_gather_gemm_kernel
+        kernel = function.warmup(*args, **constexprs, num_warps=config.warps,
+                                 num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
         tasks = schedule.ag_task_count(world, triton.cdiv(ops.m, config.block_m),
                                        triton.cdiv(ops.n, config.block_n), config.pieces, multimem, copy_out)
