@@ -1155,7 +1155,7 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
                               num_stages=c.stages)
 
 
-def _compile_pipelined_ag(transposed=False, world=4, copy_out=False):
+def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=True):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1175,7 +1175,13 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False):
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, MULTIMEM=False,
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
-                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3, OUT_TMA=out_tma)
+    if out_tma:
+        block = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
+        signature["o_desc"] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
+                               f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+    else:
+        constexprs["o_desc"] = None
     kernel = ag_gemm.pipelined_all_gather_gemm_kernel
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
@@ -1188,17 +1194,19 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("copy_out", [False, True])
-def test_pipelined_all_gather_gemm_kernel_compiles_for_sm90a(transposed, copy_out):
+@pytest.mark.parametrize("copy_out,out_tma", [(False, True), (True, True), (False, False)])
+def test_pipelined_all_gather_gemm_kernel_compiles_for_sm90a(transposed, copy_out, out_tma):
     """The Gluon all-gather + GEMM kernel (/gl): wgmma with one group in flight, TMA loads,
-    16-byte pushes released at system scope, acquire loads of the flags, no spills, within
-    227 KB of shared memory."""
+    16-byte pushes released at system scope, acquire loads of the flags, TMA stores of the
+    output (masked stores where a source's rows are not whole tiles), no spills, within 227 KB
+    of shared memory."""
     _need_triton()
-    kernel = _compile_pipelined_ag(transposed, copy_out=copy_out)
+    kernel = _compile_pipelined_ag(transposed, copy_out=copy_out, out_tma=out_tma)
     ptx = kernel.asm["ptx"]
     assert "wgmma.wait_group.sync.aligned 1" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx
     assert "ld.acquire.sys" in ptx and "st.release.sys" in ptx and "fence.proxy.async" in ptx
     assert re.search(r"st\.global(\.\w+)*\.v4", ptx)
+    assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == out_tma
     assert ".local" not in ptx and kernel.metadata.shared <= 227 * 1024
 
 

@@ -136,7 +136,9 @@ def test_pipelined_all_gather_gemm(world, seed):
                                          config=config)
             ranks.check()
             failures += _ag_failures(as_, bs, outs, f"W={world} {shape} B^T={transposed} seed={seed}")
-    assert all(launch.pipelined and launch.kernel.name == "pipelined_all_gather_gemm_kernel"
+    # (the last shape's launches: whole row tiles, so the output leaves by TMA stores)
+    assert all(launch.pipelined and launch.out_tma
+               and launch.kernel.name == "pipelined_all_gather_gemm_kernel"
                for call in ranks.last_plans for launch in call.launches.values())
     as_, bs = _operands(world, *AG_TAILS, False)
     gathered = _poison(world * AG_TAILS[0], AG_TAILS[2], world)

@@ -43,12 +43,12 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 from . import schedule
 from .gemm import gemm_tile, grouped_tile, tma_compatible
-from .gemm_gluon import accumulator_layout, shared_layout
+from .gemm_gluon import EPILOGUE_SPLIT, accumulator_layout, shared_layout
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
@@ -373,12 +373,12 @@ def pipelined_all_gather_gemm_kernel(
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
-        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows, o_desc,
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, MULTIMEM: gl.constexpr, ALIGNED: gl.constexpr,
         COPY_ROWS: gl.constexpr, COPY_COLS: gl.constexpr, PIECES: gl.constexpr,
-        COPY_OUT: gl.constexpr, PHASES: gl.constexpr):
+        COPY_OUT: gl.constexpr, PHASES: gl.constexpr, OUT_TMA: gl.constexpr):
     """all_gather_gemm_kernel (unicast pushes, TMA) with the Gluon tile loop of gemm_gluon.py:
     same arguments, same task order, tasks assigned statically (program p runs p, p + P, ...),
     so that a program loads its next tile during the current one.
@@ -389,7 +389,9 @@ def pipelined_all_gather_gemm_kernel(
     when it starts and loads then. So a program never waits for a later task's rows, and
     deadlock freedom holds as for the claimed order: the lowest unfinished task of all ranks is
     its program's current one, and what it waits for (pushes of its source's previous segment)
-    comes earlier in the order."""
+    comes earlier in the order. OUT_TMA (M_LOCAL a whole number of row tiles, out 16-byte
+    aligned rows): a tile leaves through two TMA stores via o_desc (block [BM, BN / 2]); else
+    through masked stores (o_desc unused)."""
     gl.static_assert(USE_TMA and (not MULTIMEM) and PHASES == 3)
     ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
@@ -399,6 +401,9 @@ def pipelined_all_gather_gemm_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
+    if OUT_TMA:
+        SUB_N: gl.constexpr = o_desc.block_type.shape[1]
+        c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
     epoch = call_epoch(state_ptr)
     parity = epoch % 2
     slot_row0 = parity * half_rows
@@ -504,16 +509,31 @@ def pipelined_all_gather_gemm_kernel(
                                  a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            result = gl.convert_layout(acc.to(ELEMENT), out_layout)
-            rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-            cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-            mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
-            out_rows = (source * M_LOCAL + rows).to(gl.int64)
-            gl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], result, mask=mask)
+            if OUT_TMA:
+                halves = gl.reshape(acc.to(dtype), [BM, 2, SUB_N]).permute(0, 2, 1).split()
+                out_row = source * M_LOCAL + tile_m * BM
+                tma.store_wait(pendings=0)
+                c_smem.store(halves[0])
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [out_row, col0], c_smem)
+                tma.store_wait(pendings=0)
+                c_smem.store(halves[1])
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [out_row, col0 + SUB_N], c_smem)
+            else:
+                result = gl.convert_layout(acc.to(ELEMENT), out_layout)
+                rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+                cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+                mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
+                out_rows = (source * M_LOCAL + rows).to(gl.int64)
+                gl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], result,
+                         mask=mask)
             tile_task, source, tile_m, row0, col0 = (next_task, next_source, next_tile_m, next_row,
                                                      next_col)
             loaded = next_ready
         task += programs
+    if OUT_TMA:
+        tma.store_wait(pendings=0)  # (the stores read shared memory until here)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     finish_call(state_ptr, epoch)
@@ -615,6 +635,7 @@ class AllGatherGemmLaunch:
     """
 
     _A, _A_DESC, _B_DESC, _B, _OUT, _GATHERED = 0, 1, 3, 4, 5, 6
+    _O_DESC = -1  # the Gluon kernel's last runtime argument
 
     def __init__(self, ops, out: torch.Tensor, config: AllGatherGemmConfig,
                  workspace, multimem: bool = False, copy_out: bool = False):
@@ -677,6 +698,12 @@ class AllGatherGemmLaunch:
                 ops.m, ops.n, ops.k, ops.a.stride(0), stride_bk, stride_bn, out.stride(0),
                 rank, self.half_rows)
         function = pipelined_all_gather_gemm_kernel if self.pipelined else all_gather_gemm_kernel
+        self.block_out = [config.block_m, config.block_n // EPILOGUE_SPLIT]
+        self.out_tma = (self.pipelined and ops.m % config.block_m == 0 and tma_compatible(out))
+        if self.pipelined:  # the output descriptor (refilled per call) and whether it is used
+            args = args + (describe(out, list(out.shape), list(out.stride()), self.block_out)
+                           if self.out_tma else None,)
+            constexprs["OUT_TMA"] = self.out_tma
         kernel = function.warmup(*args, **constexprs, num_warps=config.warps,
                                  num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
@@ -685,7 +712,8 @@ class AllGatherGemmLaunch:
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))
-        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if self.use_tma else ())
+        refilled = (self._A_DESC, self._B_DESC) if self.use_tma else ()
+        self.template = launch_template(args, refilled + ((len(args) - 1,) if self.out_tma else ()))
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
         self.layout = launch_layout(ops, out)
 
@@ -698,6 +726,8 @@ class AllGatherGemmLaunch:
             args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
         args[self._OUT] = out.data_ptr()
+        if self.out_tma:
+            args[self._O_DESC] = descriptor(out, self.block_out, True)
         if gathered is not None:
             args[self._GATHERED] = gathered.data_ptr()
         self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
