@@ -341,13 +341,19 @@ def _next_tile_task(task, step, tasks, rank, tiles_m, tiles_n, WORLD: gl.constex
 @gluon.jit
 def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, PIECES: gl.constexpr):
     """Whether every piece of the source's row block tile_m has arrived (this rank's own rows
-    always have): one acquire load per piece, no waiting."""
+    always have): one acquire load per piece and thread, no waiting. The answer steers code
+    with CTA barriers in it, so it must be the same in every thread: a flag can flip between
+    two threads' loads, hence "every thread saw it" (a CTA-wide min), not each thread's own
+    load (that race hung the W = 8 virtual-rank test)."""
     arrived = source == rank
     if source != rank:
-        arrived = source == source
+        threads: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        zero = gl.arange(0, 32 * gl.num_warps(), layout=threads) * 0
+        seen = zero + 1
         for piece in gl.static_range(PIECES):
             flag = (source * tiles_m + tile_m) * PIECES + piece
-            arrived = arrived & (ld_acquire_sys(own_flags + flag * 4) >= epoch)
+            seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch).to(gl.int32)
+        arrived = gl.min(seen, axis=0) > 0
     return arrived
 
 
