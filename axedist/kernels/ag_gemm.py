@@ -43,12 +43,12 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import schedule
 from .gemm import gemm_tile, grouped_tile, tma_compatible
-from .gemm_gluon import EPILOGUE_SPLIT, accumulator_layout, shared_layout
+from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, mma_step, shared_layout,
+                         store_tile_halves)
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
@@ -408,7 +408,6 @@ def pipelined_all_gather_gemm_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     if OUT_TMA:
-        SUB_N: gl.constexpr = o_desc.block_type.shape[1]
         c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
     epoch = call_epoch(state_ptr)
     parity = epoch % 2
@@ -486,13 +485,7 @@ def pipelined_all_gather_gemm_kernel(
             next_ready = first * 0
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
             for kk in range(k_tiles):
-                slot = step % STAGES
-                mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-                b = b_bufs.index(slot)
-                if B_TRANSPOSED:
-                    b = b.permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 if kk == 0:  # the next tile, decoded while the first wgmma runs
                     next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m,
                                                 tiles_n, WORLD, STEPS, PIECES, GROUP_M)
@@ -516,16 +509,8 @@ def pipelined_all_gather_gemm_kernel(
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if OUT_TMA:
-                halves = gl.reshape(acc.to(dtype), [BM, 2, SUB_N]).permute(0, 2, 1).split()
-                out_row = source * M_LOCAL + tile_m * BM
-                tma.store_wait(pendings=0)
-                c_smem.store(halves[0])
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [out_row, col0], c_smem)
-                tma.store_wait(pendings=0)
-                c_smem.store(halves[1])
-                fence_async_shared()
-                tma.async_copy_shared_to_global(o_desc, [out_row, col0 + SUB_N], c_smem)
+                store_tile_halves(acc.to(dtype), o_desc, c_smem, source * M_LOCAL + tile_m * BM,
+                                  col0)
             else:
                 result = gl.convert_layout(acc.to(ELEMENT), out_layout)
                 rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))

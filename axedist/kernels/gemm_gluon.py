@@ -82,6 +82,37 @@ def issue_load(step, row, col, k, valid, a_desc, b_desc, bars, a_bufs, b_bufs,
 
 
 @gluon.jit
+def mma_step(step, acc, use_acc, bars, a_bufs, b_bufs, STAGES: gl.constexpr,
+             B_TRANSPOSED: gl.constexpr):
+    """One K step: wait for ring slot step % STAGES to be loaded, issue its wgmma, and retire
+    the previous step's (wait(1)), whose slot the caller may then load again."""
+    slot = step % STAGES
+    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+    b = b_bufs.index(slot)
+    if B_TRANSPOSED:
+        b = b.permute((1, 0))
+    acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=use_acc, is_async=True)
+    return warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+
+
+@gluon.jit
+def store_tile_halves(tile, desc, staging, row, col):
+    """A [BM, BN] tile (already in the output dtype) into `desc` at [row, col] as two TMA stores
+    of [BM, BN / 2] through one staging buffer (each waits until the last store has read it)."""
+    BM: gl.constexpr = tile.shape[0]
+    SUB_N: gl.constexpr = desc.block_type.shape[1]
+    halves = gl.reshape(tile, [BM, 2, SUB_N]).permute(0, 2, 1).split()
+    tma.store_wait(pendings=0)
+    staging.store(halves[0])
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], staging)
+    tma.store_wait(pendings=0)
+    staging.store(halves[1])
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col + SUB_N], staging)
+
+
+@gluon.jit
 def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr,
                           STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr,
                           EPILOGUE_SPLIT: gl.constexpr, num_warps: gl.constexpr):
@@ -120,14 +151,8 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
     step = 0
     for local in range(my_tiles):
         for kk in range(k_tiles):
-            slot = step % STAGES
-            mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-            b = b_bufs.index(slot)
-            if B_TRANSPOSED:
-                b = b.permute((1, 0))
-            acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
             # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
             ahead = kk + STAGES - 1
             this_tile = ahead < k_tiles
             issue_load(step + STAGES - 1, gl.where(this_tile, tile_m, next_m) * BM,
@@ -144,15 +169,7 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN], c_smem)
         else:
-            parts = gl.reshape(result, [BM, 2, BN // 2]).permute(0, 2, 1).split()
-            tma.store_wait(pendings=0)
-            c_smem.store(parts[0])
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store(parts[1])
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
+            store_tile_halves(result, c_desc, c_smem, tile_m * BM, tile_n * BN)
         tile_m, tile_n = next_m, next_n
         next_m, next_n = tile_of(local + 2, first, programs, tiles_m, tiles_n, GROUP_M)
     tma.store_wait(pendings=0)

@@ -26,13 +26,13 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from . import schedule
 from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
-from .gemm_gluon import EPILOGUE_SPLIT, accumulator_layout, issue_load, shared_layout
+from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, issue_load, mma_step, shared_layout,
+                         store_tile_halves)
 from .launch import CompiledLaunch, multiprocessors
 from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
                          load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
@@ -323,7 +323,6 @@ def pipelined_gemm_reduce_scatter_kernel(
     gl.static_assert(USE_TMA and not PUSH and not MULTIMEM and (MODE == 0 or MODE == 1))
     ELEMENT: gl.constexpr = part_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
-    SUB_N: gl.constexpr = P0.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     c_smem = gl.allocate_shared_memory(dtype, P0.block_type.shape, P0.layout)
@@ -368,13 +367,7 @@ def pipelined_gemm_reduce_scatter_kernel(
             # (made per tile, so that the accumulator's registers are free in reduce tasks)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
             for kk in range(k_tiles):
-                slot = step % STAGES
-                mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-                b = b_bufs.index(slot)
-                if B_TRANSPOSED:
-                    b = b.permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(slot), b, acc, use_acc=kk > 0, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 if kk == 0:  # the next GEMM task, decoded while the first wgmma runs
                     next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds,
                                                        lag, WORLD, MODE)
@@ -392,15 +385,7 @@ def pipelined_gemm_reduce_scatter_kernel(
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if pending >= 0:  # the last tile's stores have drained under this tile's main loop
                 _release(F0, F1, F2, F3, F4, F5, F6, F7, rank, pending, epoch, SCOPE, True)
-            halves = gl.reshape(acc.to(dtype), [BM, 2, SUB_N]).permute(0, 2, 1).split()
-            tma.store_wait(pendings=0)
-            c_smem.store(halves[0])
-            fence_async_shared()
-            tma.async_copy_shared_to_global(P0, [row_base + row0, col0], c_smem)
-            tma.store_wait(pendings=0)
-            c_smem.store(halves[1])
-            fence_async_shared()
-            tma.async_copy_shared_to_global(P0, [row_base + row0, col0 + SUB_N], c_smem)
+            store_tile_halves(acc.to(dtype), P0, c_smem, row_base + row0, col0)
             if MODE == 0:
                 pending = chunk * rounds + round_
             gemm_task, row0, col0, chunk, round_ = (next_task, next_row, next_col, next_chunk,
