@@ -47,8 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from . import schedule
 from .gemm import gemm_tile, grouped_tile, tma_compatible
-from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, mma_step, shared_layout,
-                         store_tile_halves)
+from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
+                         shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
 from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
@@ -150,6 +150,28 @@ def _decode_task(task, rank, tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.co
 
 
 @triton.jit
+def _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4, D5, D6, D7,
+                   F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT: tl.constexpr, WORLD: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
+                   PIECES: tl.constexpr, COPY_COLS: tl.constexpr, COPY_OUT: tl.constexpr):
+    """What both kernels derive from a call's arguments: the epoch, the first row of the
+    call's half of the gathered buffers, row bytes, tiles, the task count, a piece's columns,
+    K blocks, this rank's flags and its gathered buffer."""
+    epoch = call_epoch(state_ptr)
+    slot_row0 = (epoch % 2) * half_rows
+    row_bytes = K.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
+    tiles_m = tl.cdiv(M_LOCAL, BM)
+    tiles_n = tl.cdiv(N, BN)
+    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
+    piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
+    k_tiles = tl.cdiv(K, BK)
+    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
+    gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
+    return (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
+            gathered)
+
+
+@triton.jit
 def schedule_probe_kernel(out_ptr, count_ptr, tiles_m, tiles_n, rank, WORLD: tl.constexpr,
                           MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr,
                           COPY_OUT: tl.constexpr):
@@ -189,17 +211,10 @@ def all_gather_gemm_kernel(
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
     STEPS: tl.constexpr = 1 if MULTIMEM and WORLD > 1 else WORLD - 1  # schedule.ag_steps
-    epoch = call_epoch(state_ptr)
-    parity = epoch % 2
-    slot_row0 = parity * half_rows        # the call's half, in rows of the gathered buffers
-    row_bytes = K.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
-    tiles_m = tl.cdiv(M_LOCAL, BM)
-    tiles_n = tl.cdiv(N, BN)
-    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
-    piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
-    k_tiles = tl.cdiv(K, BK)
-    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
-    gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(tl.pointer_type(ELEMENT))
+    (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
+     gathered) = _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4,
+                                D5, D6, D7, F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT, WORLD, BM,
+                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT)
     task = claim_task(state_ptr)
     while task < tasks:
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
@@ -402,24 +417,13 @@ def pipelined_all_gather_gemm_kernel(
     ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
     STEPS: gl.constexpr = WORLD - 1  # schedule.ag_steps (unicast)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
     if OUT_TMA:
         c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
-    epoch = call_epoch(state_ptr)
-    parity = epoch % 2
-    slot_row0 = parity * half_rows
-    row_bytes = K.to(gl.int64) * (ELEMENT.primitive_bitwidth // 8)
-    tiles_m = gl.cdiv(M_LOCAL, BM)
-    tiles_n = gl.cdiv(N, BN)
-    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
-    piece_cols = gl.cdiv(gl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
-    k_tiles = gl.cdiv(K, BK)
-    own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
-    gathered = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7).to(gl.pointer_type(ELEMENT))
+    (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
+     gathered) = _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4,
+                                D5, D6, D7, F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT, WORLD, BM,
+                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT)
     first = gl.program_id(0)
     programs = gl.num_programs(0)
     layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())

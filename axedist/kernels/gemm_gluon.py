@@ -82,6 +82,20 @@ def issue_load(step, row, col, k, valid, a_desc, b_desc, bars, a_bufs, b_bufs,
 
 
 @gluon.jit
+def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """The load ring: STAGES slots of A and B blocks in shared memory (the descriptors' blocks
+    and swizzles) and a barrier per slot, initialized."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                       a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
+                                       b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return a_bufs, b_bufs, bars
+
+
+@gluon.jit
 def mma_step(step, acc, use_acc, bars, a_bufs, b_bufs, STAGES: gl.constexpr,
              B_TRANSPOSED: gl.constexpr):
     """One K step: wait for ring slot step % STAGES to be loaded, issue its wgmma, and retire
@@ -125,12 +139,8 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
     SUB_N: gl.constexpr = c_desc.block_type.shape[1]
     BN: gl.constexpr = SUB_N * EPILOGUE_SPLIT
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
 
     first = gl.program_id(0)
     programs = gl.num_programs(0)

@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from . import schedule
 from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
-from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, issue_load, mma_step, shared_layout,
-                         store_tile_halves)
+from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
+                         shared_layout, store_tile_halves)
 from .launch import CompiledLaunch, multiprocessors
 from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
                          load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
@@ -323,12 +323,8 @@ def pipelined_gemm_reduce_scatter_kernel(
     gl.static_assert(USE_TMA and not PUSH and not MULTIMEM and (MODE == 0 or MODE == 1))
     ELEMENT: gl.constexpr = part_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(dtype, P0.block_type.shape, P0.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
 
     epoch = call_epoch(state_ptr)
     parity = (epoch % 2).to(gl.int64)
