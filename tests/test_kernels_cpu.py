@@ -128,6 +128,63 @@ def test_simulated_persistent_grid_never_deadlocks(world, rounds, programs):
         assert _simulate(world, rounds, lag, programs, seed) is not None, (lag, seed)
 
 
+def _simulate_static(lists, programs, seed, ready, done):
+    """The Gluon kernels' grid: program p of a rank runs that rank's tasks p, p + P, p + 2P, ...
+    in order (no claiming); each sweep, in random order, a program whose current task is
+    ``ready(rank, task)`` advances it (1-3 sweeps each), then ``done(rank, task)``. Returns the
+    sweeps taken, or None when no program can move while tasks remain (deadlock)."""
+    rng = random.Random(seed)
+    world = len(lists)
+    position = [[p for p in range(programs)] for _ in range(world)]  # each program's current task
+    left = [[rng.randint(1, 3) for _ in range(programs)] for _ in range(world)]
+    for sweep in range(100_000):
+        live = [(r, p) for r in range(world) for p in range(programs) if position[r][p] < len(lists[r])]
+        if not live:
+            return sweep
+        movable = [(r, p) for r, p in live if ready(r, position[r][p])]
+        if not movable:
+            return None
+        rng.shuffle(movable)
+        for rank, program in movable:
+            left[rank][program] -= 1
+            if left[rank][program] == 0:
+                done(rank, position[rank][program])
+                position[rank][program] += programs
+                left[rank][program] = rng.randint(1, 3)
+    return None
+
+
+@pytest.mark.parametrize("world,rounds,programs", [(2, 5, 1), (2, 5, 2), (4, 6, 1), (4, 6, 3), (8, 3, 2), (3, 7, 4), (4, 32, 33)])
+def test_statically_assigned_grid_never_deadlocks(world, rounds, programs):
+    """The deadlock argument of pipelined_gemm_reduce_scatter_kernel's docstring, run: tasks of
+    the global order assigned round robin, any lag, random progress; and of the all-gather +
+    GEMM one (a tile waits only for its own rows: its look-ahead never waits). The simulation
+    catches an order that deadlocks under static assignment (every push after every tile)."""
+    for lag, seed in itertools.product(range(0, rounds + 1, max(1, rounds // 4)), range(3)):
+        lists = [schedule.task_list(rank, world, rounds, lag) for rank in range(world)]
+        flags = [set() for _ in range(world)]
+
+        def ready(rank, task, lists=lists, flags=flags):
+            kind, _, r = lists[rank][task]
+            return kind != "reduce" or all((rank, r) in flags[peer] for peer in range(world))
+
+        def done(rank, task, lists=lists, flags=flags):
+            kind, chunk, r = lists[rank][task]
+            if kind == "gemm":
+                flags[rank].add((chunk, r))
+        assert _simulate_static(lists, programs, seed, ready, done) is not None, (lag, seed)
+    for tiles_m, tiles_n, pieces in ((2, 3, 2), (3, 4, 4)):
+        lists = [schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, False, True)
+                 for rank in range(world)]
+        for seed in range(3):
+            ready, done = _ag_flags(lists, world, pieces)
+            assert _simulate_static(lists, programs, seed, ready, done) is not None, (tiles_m, seed)
+        late = [[t for t in tasks if t[0] != schedule.PUSH] + [t for t in tasks if t[0] == schedule.PUSH]
+                for tasks in lists]
+        ready, done = _ag_flags(late, world, pieces)
+        assert _simulate_static(late, 1, 0, ready, done) is None
+
+
 def test_lag_is_about_one_and_a_half_waves_and_capped():
     assert schedule.choose_lag(512, 4, 132) == 40
     assert schedule.choose_lag(8, 4, 132) == 8
@@ -188,10 +245,9 @@ def test_ag_schedule_runs_each_push_tile_and_copy_once(world, tiles_m, tiles_n, 
             assert len({pushes_to[rank][step] for rank in range(world)}) == world
 
 
-def _simulate_ag(lists, world, pieces, programs, seed):
-    """The all-gather + GEMM schedule on a simulated grid: a push lands its flag on its peer
-    (every rank: multimem) when done; a tile or copy of a peer's rows spins until its flags
-    arrived."""
+def _ag_flags(lists, world, pieces):
+    """(ready, done) of the all-gather + GEMM schedule: a push lands its flag on its peer (every
+    rank: multimem) when done; a tile or copy of a peer's rows waits until its flags arrived."""
     arrived = [set() for _ in range(world)]
 
     def ready(rank, task):
@@ -206,6 +262,12 @@ def _simulate_ag(lists, world, pieces, programs, seed):
         if kind == schedule.PUSH:
             for peer in (range(world) if who == -1 else [who]):
                 arrived[peer].add((rank, x, y))
+    return ready, done
+
+
+def _simulate_ag(lists, world, pieces, programs, seed):
+    """The all-gather + GEMM schedule on a simulated grid of claiming programs (_ag_flags)."""
+    ready, done = _ag_flags(lists, world, pieces)
     return _simulate_grid(lists, programs, seed, ready, done)
 
 
