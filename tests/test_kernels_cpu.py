@@ -472,8 +472,7 @@ def _compile_pipelined_fused(transposed, gemm_only):
               "b_desc": [config.block_n, config.block_k] if transposed else [config.block_k, config.block_n],
               "P0": [config.block_m, config.block_n // gemm_gluon.EPILOGUE_SPLIT]}
     for name, block in blocks.items():
-        signature[name] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
-                           f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+        signature[name] = _gluon_descriptor(block)
     kernel = gemm_rs.pipelined_gemm_reduce_scatter_kernel
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
@@ -1032,6 +1031,12 @@ def test_gemm_core_candidates_compile_for_sm90a_and_fit_shared_memory():
     assert "ttg.warp_specialize" in _compile_core(gemm.CORE_CANDIDATES[-1], transposed=True).asm["ttgir"]
 
 
+def _gluon_descriptor(block):
+    """A Gluon TMA descriptor's signature type: bf16 block and its shared layout."""
+    from axedist.kernels import gemm_gluon
+    return f"tensordesc<bf16[{block[0]}, {block[1]}],{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>"
+
+
 def _compile_pipelined(config, transposed):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -1041,8 +1046,7 @@ def _compile_pipelined(config, transposed):
     blocks = ([config.block_m, config.block_k],
               [config.block_n, config.block_k] if transposed else [config.block_k, config.block_n],
               [config.block_m, config.block_n // gemm_gluon.EPILOGUE_SPLIT])
-    signature = {name: f"tensordesc<bf16[{block[0]}, {block[1]}],"
-                       f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>"
+    signature = {name: _gluon_descriptor(block)
                  for name, block in zip(("a_desc", "b_desc", "c_desc"), blocks)}
     signature.update(M="i32", N="i32", K="i32")
     constexprs = dict(GROUP_M=config.group_m, STAGES=config.stages, B_TRANSPOSED=transposed,
@@ -1228,8 +1232,7 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=Tru
     blocks = {"a_desc": [c.block_m, c.block_k], "g_desc": [c.block_m, c.block_k],
               "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n]}
     for name, block in blocks.items():
-        signature[name] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
-                           f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+        signature[name] = _gluon_descriptor(block)
     signature.update(b_ptr="*bf16", out_ptr="*bf16", gathered_address="i64")
     _pointer_and_flag_signature(signature, "bf16", dict(
         M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
@@ -1240,8 +1243,7 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=Tru
                       PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3, OUT_TMA=out_tma)
     if out_tma:
         block = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
-        signature["o_desc"] = (f"tensordesc<bf16[{block[0]}, {block[1]}],"
-                               f"{gemm_gluon.shared_layout(block, torch.bfloat16)!r}>")
+        signature["o_desc"] = _gluon_descriptor(block)
     else:
         constexprs["o_desc"] = None
     kernel = ag_gemm.pipelined_all_gather_gemm_kernel

@@ -46,12 +46,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from . import schedule
-from .gemm import gemm_tile, grouped_tile, tma_compatible
+from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch
-from .primitives import (call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
+from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
 
@@ -328,7 +328,7 @@ def _copy_rows_gluon(source, source_stride, target, rows_here, col_first, col_la
 
 
 @gluon.jit
-def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, tasks, WORLD: gl.constexpr,
+def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD: gl.constexpr,
                STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr,
                BM: gl.constexpr, BN: gl.constexpr):
     """Of tile task `task`: (source rank, tile row, its first A row: in A for this rank's rows,
@@ -432,7 +432,7 @@ def pipelined_all_gather_gemm_kernel(
     tile_task = _next_tile_task(first, programs, tasks, rank, tiles_m, tiles_n, WORLD, STEPS,
                                 PIECES, GROUP_M)
     source, tile_m, row0, col0 = _tile_rows(tile_task, rank, tiles_m, tiles_n, M_LOCAL,
-                                            slot_row0, tasks, WORLD, STEPS, PIECES, GROUP_M, BM, BN)
+                                            slot_row0, WORLD, STEPS, PIECES, GROUP_M, BM, BN)
     loaded = first * 0  # whether the current tile's first STAGES - 1 steps are loaded
     step = 0
     task = first
@@ -494,8 +494,8 @@ def pipelined_all_gather_gemm_kernel(
                     next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m,
                                                 tiles_n, WORLD, STEPS, PIECES, GROUP_M)
                     next_source, next_tile_m, next_row, next_col = _tile_rows(
-                        next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, tasks, WORLD,
-                        STEPS, PIECES, GROUP_M, BM, BN)
+                        next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD, STEPS,
+                        PIECES, GROUP_M, BM, BN)
                 ahead = kk + STAGES - 1
                 if ahead == k_tiles:  # the first load of the next tile: are its rows here?
                     next_ready = ((next_task < tasks) & _rows_arrived(

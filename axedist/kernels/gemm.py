@@ -28,18 +28,7 @@ import triton.language as tl
 
 from ..caches import memo
 from .launch import CompiledLaunch, multiprocessors
-
-
-@triton.jit
-def grouped_tile(index, tiles_m, tiles_n, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of tile `index`, rows walked in groups of GROUP_M (column-major
-    inside a group, so that a wave of programs shares B columns in L2); schedule.grouped_tile
-    is the host twin."""
-    per_group = GROUP_M * tiles_n
-    first_m = (index // per_group) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    within = index % per_group
-    return first_m + within % size_m, within // size_m
+from .primitives import grouped_tile
 
 
 @triton.jit
@@ -258,6 +247,23 @@ class DescriptorBase:
         return self.address
 
 
+def encoded_at(kernel: CompiledLaunch, position: int, cache: dict, address: int,
+               layout: tuple) -> list:
+    """What the C launcher takes for the descriptor argument at `position` when its operand
+    (layout: dtype, shape, strides, block; only the address varies) sits at `address`; encoded
+    once per address in `cache` (weights and reused buffers encode once; at most 64 kept)."""
+    encoded = cache.get(address)
+    if encoded is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if len(cache) >= 64:
+            cache.clear()
+        dtype, shape, strides, block = layout
+        encoded = cache[address] = kernel.descriptor_arguments(
+            position, TensorDescriptor(DescriptorBase(address, dtype), shape, strides, block))
+    return encoded
+
+
 class CoreLaunch:
     """One specialization of the GEMM core, ready to launch: compiled kernel, grid and every
     argument that does not change between calls. A call fills in the encoded descriptors of A
@@ -351,19 +357,8 @@ class CoreLaunch:
 
     def _encode(self, name: str, address: int, dtype: torch.dtype, shape: list,
                 strides: list, block: list) -> list:
-        """Encoded descriptor of the operand at `address` (its shape and strides are this
-        specialization's), cached by address: weights and reused buffers encode once."""
-        cache = self._encoded[name]
-        encoded = cache.get(address)
-        if encoded is None:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            if len(cache) >= 64:
-                cache.clear()
-            descriptor = TensorDescriptor(DescriptorBase(address, dtype), shape, strides, block)
-            encoded = cache[address] = self.kernel.descriptor_arguments(
-                self.slots[name + "_desc"][2], descriptor)
-        return encoded
+        return encoded_at(self.kernel, self.slots[name + "_desc"][2], self._encoded[name],
+                          address, (dtype, shape, strides, block))
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         """Launch on a, b (as given to gemm: [K, N], or the transposed view of [N, K]) and c,
@@ -427,19 +422,9 @@ class PipelinedLaunch:
         self.copy_a = self.copy_b = False  # set by gemm when it hands this launch copies
 
     def _encode(self, operand: int, address: int) -> list:
-        """Encoded descriptor of operand 0 / 1 / 2 (A / B / C) at `address`, cached by address."""
-        cache = self._encoded[operand]
-        encoded = cache.get(address)
-        if encoded is None:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            if len(cache) >= 64:
-                cache.clear()
-            dtype, shape, strides, block = self.layouts[operand]
-            encoded = cache[address] = self.kernel.descriptor_arguments(
-                self.positions[operand],
-                TensorDescriptor(DescriptorBase(address, dtype), shape, strides, block))
-        return encoded
+        """Encoded descriptor of operand 0 / 1 / 2 (A / B / C) at `address`."""
+        return encoded_at(self.kernel, self.positions[operand], self._encoded[operand], address,
+                          self.layouts[operand])
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
         """Launch on a, b and c of this specialization's shapes, strides and alignment."""

@@ -26,6 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
 
+from .primitives import grouped_tile
+
 
 EPILOGUE_SPLIT = 2  # TMA stores per tile: a [BM, BN / 2] staging buffer (measured: 1 is no faster)
 
@@ -56,14 +58,8 @@ def accumulator_layout(block_m, block_n, num_warps):
 
 @gluon.jit
 def tile_of(local, first, programs, tiles_m, tiles_n, GROUP_M: gl.constexpr):
-    """(tile row, tile column) of the program's `local`-th tile (tile first + local * programs),
-    rows walked in groups of GROUP_M as gemm.grouped_tile walks them."""
-    index = first + local * programs
-    per_group = GROUP_M * tiles_n
-    first_m = (index // per_group) * GROUP_M
-    size_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    within = index % per_group
-    return first_m + within % size_m, within // size_m
+    """(tile row, tile column) of the program's `local`-th tile, tile first + local * programs."""
+    return grouped_tile(first + local * programs, tiles_m, tiles_n, GROUP_M)
 
 
 @gluon.jit
@@ -132,8 +128,9 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
                           EPILOGUE_SPLIT: gl.constexpr, num_warps: gl.constexpr):
     """C[M, N] = A @ B (B_TRANSPOSED: b_desc describes the [N, K] matrix B is the transpose of)
     on a persistent grid, tile t on program t mod P. c_desc's block is [BM, BN / EPILOGUE_SPLIT]:
-    the tile leaves in EPILOGUE_SPLIT TMA stores through one staging buffer that small (so
-    STAGES can be 4 at 128 x 256 x 64: 4 x 48 KB + 32 KB of shared memory)."""
+    the tile leaves in EPILOGUE_SPLIT (= 2) TMA stores through one staging buffer that small
+    (so STAGES can be 4 at 128 x 256 x 64: 4 x 48 KB + 32 KB of shared memory)."""
+    gl.static_assert(EPILOGUE_SPLIT == 2)  # store_tile_halves
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     SUB_N: gl.constexpr = c_desc.block_type.shape[1]
@@ -172,14 +169,7 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
                        STAGES, B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        result = acc.to(dtype)
-        if EPILOGUE_SPLIT == 1:
-            tma.store_wait(pendings=0)  # the last tile's store has read the staging buffer
-            c_smem.store(result)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [tile_m * BM, tile_n * BN], c_smem)
-        else:
-            store_tile_halves(result, c_desc, c_smem, tile_m * BM, tile_n * BN)
+        store_tile_halves(acc.to(dtype), c_desc, c_smem, tile_m * BM, tile_n * BN)
         tile_m, tile_n = next_m, next_n
         next_m, next_n = tile_of(local + 2, first, programs, tiles_m, tiles_n, GROUP_M)
     tma.store_wait(pendings=0)

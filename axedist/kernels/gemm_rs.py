@@ -30,11 +30,11 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from . import schedule
 from ..caches import memo
-from .gemm import DescriptorBase, gemm_tile, grouped_tile, tma_compatible
+from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
                          shared_layout, store_tile_halves)
 from .launch import CompiledLaunch, multiprocessors
-from .primitives import (STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
+from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
                          load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
                          wait_flag)
 

@@ -314,3 +314,15 @@ def sum_peer_loads(bases_0, bases_1, bases_2, bases_3, bases_4, bases_5, bases_6
         pointers = peer_pointers(base, offsets, ELEMENT, ALIGNED)
         total += tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
     return total
+
+
+@triton.jit
+def grouped_tile(index, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of tile `index`, rows walked in groups of GROUP_M (column-major
+    inside a group, so that a wave of programs shares B columns in L2); schedule.grouped_tile
+    is the host twin."""
+    per_group = GROUP_M * tiles_n
+    first_m = (index // per_group) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    within = index % per_group
+    return first_m + within % size_m, within // size_m
