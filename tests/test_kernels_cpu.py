@@ -11,6 +11,7 @@
 Triton 3.6 is required (CI installs it). Without it the compile tests FAIL with a message, unless
 AXEDIST_SKIP_TRITON_TESTS=1 asks for a visible skip.
 """
+import collections
 import itertools
 import json
 import os
@@ -183,6 +184,48 @@ def test_statically_assigned_grid_never_deadlocks(world, rounds, programs):
                 for tasks in lists]
         ready, done = _ag_flags(late, world, pieces)
         assert _simulate_static(late, 1, 0, ready, done) is None
+
+
+@pytest.mark.parametrize("programs", [1, 3, 16, 33, 132])
+def test_stream_k_tail_covers_every_step_once_and_owners_wait_only_on_first_segments(programs):
+    """schedule.stream_k_segments (the Gluon all-gather + GEMM's tail, computed the same way on
+    the device): every K step of every tail tile runs exactly once; a tile's owner starts at its
+    step 0 and adds exactly the programs whose partial (their first segment, at most one each)
+    is of that tile; an owner waits only for later programs, whose first segments wait for
+    nothing, so the tail cannot deadlock; and a program's share differs by at most one step."""
+    for tiles, k_tiles in itertools.product((1, 2, 5, programs - 1, 2 * programs), (1, 3, 16, 128)):
+        if tiles < 1 or tiles * k_tiles < programs:
+            with pytest.raises(ValueError, match="without one"):
+                schedule.stream_k_segments(0, programs, max(tiles, 0), k_tiles)
+            continue
+        covered = collections.Counter()
+        partials, owners, shares = {}, {}, []
+        for program in range(programs):
+            segments = schedule.stream_k_segments(program, programs, tiles, k_tiles)
+            shares.append(sum(last - first for _, first, last, _, _ in segments))
+            for index, (tile, first, last, owner, helpers_end) in enumerate(segments):
+                assert 0 <= first < last <= k_tiles and owner == (first == 0)
+                covered.update((tile, k) for k in range(first, last))
+                if owner:
+                    owners[tile] = (program, helpers_end)
+                else:
+                    assert index == 0 and program not in partials  # a partial is a first segment
+                    partials[program] = tile
+        assert covered == collections.Counter(itertools.product(range(tiles), range(k_tiles)))
+        assert max(shares) - min(shares) <= 1
+        for tile, (owner, helpers_end) in owners.items():
+            helpers = {p for p, t in partials.items() if t == tile}
+            assert helpers == set(range(owner + 1, helpers_end)), (tiles, k_tiles, tile)
+        assert set(owners) == set(range(tiles))
+
+
+def test_stream_k_tail_runs_only_where_it_saves_a_round():
+    assert schedule.stream_k_tiles(448, 132, 448, 128, 3) == 52      # 2048 x 7168 x 8192
+    assert schedule.stream_k_tiles(1600, 132, 1600, 80, 3) == 16     # 8192 x 6400 x 5120
+    assert schedule.stream_k_tiles(528, 132, 528, 128, 3) == 0       # whole rounds
+    assert schedule.stream_k_tiles(512, 132, 512, 128, 3) == 0       # 116 of 132 busy
+    assert schedule.stream_k_tiles(448, 132, 40, 128, 3) == 0        # the round spans two sources
+    assert schedule.stream_k_tiles(160, 132, 160, 4, 3) == 0         # 28 x 4 steps < 3 per program
 
 
 def test_lag_is_about_one_and_a_half_waves_and_capped():
@@ -1236,7 +1279,8 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=Tru
     signature.update(b_ptr="*bf16", out_ptr="*bf16", gathered_address="i64")
     _pointer_and_flag_signature(signature, "bf16", dict(
         M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
-        stride_om="i32", rank="i32", half_rows="i32"))
+        stride_om="i32", rank="i32", half_rows="i32", tail_tiles="i32", partials="*fp32",
+        partial_flags="i64"))
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, MULTIMEM=False,
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,

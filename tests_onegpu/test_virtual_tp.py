@@ -7,6 +7,7 @@ orientations (row-major [K, N] and nn.Linear's weight.t()), the TMA and the mask
 paths, one-shot / two-shot, push / pull, calls back to back, a rank that never arrives.
 Outputs are poisoned with NaN before every call; inputs are fresh random values.
 """
+import itertools
 import time
 
 import pytest
@@ -152,6 +153,65 @@ def test_pipelined_all_gather_gemm(world, seed):
     failures += [f"rank {r}: gathered A differs" for r, g in enumerate(gathered)
                  if not torch.equal(g, torch.cat(as_))]
     failures += _ag_failures(triton_as, triton_bs, triton_outs, f"Triton kernel after W={world} seed={seed}")
+    assert not failures, failures
+
+
+def _stream_k_shapes(world, processors, config):
+    """(M_LOCAL, N, K) whose last round runs as a stream-K tail on `processors` SMs per rank:
+    one of whole tiles (TMA stores), one with row, column and K tails, and the one whose tail
+    tiles take the most programs each (the owner adds the most partials)."""
+    from axedist.kernels import schedule
+    found = []
+    for m, n, k in itertools.product((256, 300, 512, 2000, 2048), (1280, 2560, 3000, 4096),
+                                     (1000, 2048)):
+        tiles_m, tiles_n = -(-m // config.block_m), -(-n // config.block_n)
+        tasks = schedule.ag_task_count(world, tiles_m, tiles_n, config.pieces, False, False)
+        tail = schedule.stream_k_tiles(tasks, min(processors, tasks), tiles_m * tiles_n,
+                                       -(-k // config.block_k), config.stages)
+        if tail:
+            found.append(((m, n, k), min(processors, tasks) / tail))
+    whole = [shape for shape, _ in found if shape[0] % config.block_m == 0
+             and shape[1] % config.block_n == 0]
+    tails = [shape for shape, _ in found if shape[0] % config.block_m and shape[2] % config.block_k]
+    most = max(found, key=lambda item: item[1])[0]
+    return list(dict.fromkeys([whole[0], tails[0], most]))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_stream_k_tail_all_gather_gemm(world, seed):
+    """The Gluon kernel's stream-K tail (the last round's tiles cut along K over every program,
+    owners adding the others' fp32 partials): shapes that have one, at every world size, against
+    the fp32 reference and the same kernel without the tail (/dp); then back to back, so the
+    next call's epoch must not read the last call's partials."""
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    config = AllGatherGemmConfig(pipelined=True)
+    without = AllGatherGemmConfig(pipelined=True, stream_k=False)
+    ranks = VirtualRanks(world, 64 << 20)
+    failures = []
+    for shape in _stream_k_shapes(world, ranks.processors, config):
+        for transposed in (False, True):
+            as_, bs = _operands(world, *shape, transposed)
+            outs = ranks.all_gather_gemm(as_, bs, _poison(world * shape[0], shape[1], world),
+                                         config=config)
+            tails = [launch.tail_tiles for call in ranks.last_plans
+                     for launch in call.launches.values()]
+            whole = ranks.all_gather_gemm(as_, bs, _poison(world * shape[0], shape[1], world),
+                                          config=without)
+            ranks.check()
+            assert all(tails) and not any(launch.tail_tiles for call in ranks.last_plans
+                                          for launch in call.launches.values()), (shape, tails)
+            label = f"W={world} {shape} B^T={transposed} tail={tails[0]} seed={seed}"
+            failures += _ag_failures(as_, bs, outs, label)
+            failures += _ag_failures(as_, bs, whole, label + " /dp")
+            failures += [f"{label} rank {r}: the tail differs from /dp by {_relative(o, w):.1e}"
+                         for r, (o, w) in enumerate(zip(outs, whole)) if not _relative(o, w) <= 1e-2]
+    shape = _stream_k_shapes(world, ranks.processors, config)[0]
+    operands = [_operands(world, *shape, False) for _ in range(3)]
+    results = [ranks.all_gather_gemm(as_, bs, _poison(world * shape[0], shape[1], world),
+                                     config=config) for as_, bs in operands]
+    ranks.check()
+    for index, ((as_, bs), outs) in enumerate(zip(operands, results)):
+        failures += _ag_failures(as_, bs, outs, f"back to back call {index} W={world} {shape}")
     assert not failures, failures
 
 

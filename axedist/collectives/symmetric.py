@@ -120,6 +120,7 @@ class SymmetricWorkspace:
         self._error_view = self.error.numpy()  # reading it costs no tensor op and no sync
         self._set_layout(bases, data_bytes)
         self._peer_views: dict[tuple, torch.Tensor] = {}
+        self._scratch: list[torch.Tensor] = []
         self.broken = ""
         self.retired = False  # set when replaced: plans holding it rebuild (p2p.CallPlan)
         self.last_op = ""
@@ -241,6 +242,16 @@ class SymmetricWorkspace:
             cached = self._peer_views[key] = self._peer_buffer(
                 peer, (numel,), dtype, offset // dtype.itemsize)
         return cached
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """At least nbytes of this rank's own device memory (uint8, zeroed when allocated), for
+        what only its own kernels exchange across programs: the all-gather + GEMM's stream-K
+        partials and their flags (epoch-tagged, like the workspace's). A larger request
+        allocates anew; the smaller buffers stay alive with the workspace, as a queued kernel
+        may still use them."""
+        if not self._scratch or self._scratch[-1].numel() < nbytes:
+            self._scratch.append(torch.zeros(nbytes, dtype=torch.uint8, device=self.device))
+        return self._scratch[-1]
 
     def error_address(self) -> int:
         return self.error.data_ptr()

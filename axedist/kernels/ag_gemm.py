@@ -373,6 +373,37 @@ def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, PIECES: gl.co
 
 
 @gluon.jit
+def _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr, error_address,
+               timeout_ns, PIECES: gl.constexpr):
+    """Wait until every piece of the source's row block tile_m has arrived (nothing to wait
+    for on this rank's own rows), then order those generic stores before TMA reads them."""
+    if source != rank:
+        for piece in gl.static_range(PIECES):
+            flag = (source * tiles_m + tile_m) * PIECES + piece
+            wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
+                      timeout_ns)
+        fence_proxy_async(tile_m)
+
+
+@gluon.jit
+def _store_tile(acc, o_desc, c_smem, out_ptr, stride_om, source, tile_m, col0, M_LOCAL, N,
+                BM: gl.constexpr, BN: gl.constexpr, OUT_TMA: gl.constexpr):
+    """A finished tile of source `source` into out: two TMA stores (OUT_TMA), else masked
+    stores."""
+    ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
+    if OUT_TMA:
+        store_tile_halves(acc.to(ELEMENT), o_desc, c_smem, source * M_LOCAL + tile_m * BM, col0)
+    else:
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+        result = gl.convert_layout(acc.to(ELEMENT), out_layout)
+        rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
+        cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
+        mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
+        out_rows = (source * M_LOCAL + rows).to(gl.int64)
+        gl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], result, mask=mask)
+
+
+@gluon.jit
 def _issue_tile_load(step, local, row, col, k, valid, a_desc, g_desc, b_desc, bars, a_bufs,
                      b_bufs, STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
     """TMA loads of one K step: A from this rank's A (local) or the gathered buffer, B."""
@@ -394,7 +425,8 @@ def pipelined_all_gather_gemm_kernel(
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
-        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows, o_desc,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows, tail_tiles,
+        partials, partial_flags, o_desc,
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, MULTIMEM: gl.constexpr, ALIGNED: gl.constexpr,
@@ -412,12 +444,19 @@ def pipelined_all_gather_gemm_kernel(
     its program's current one, and what it waits for (pushes of its source's previous segment)
     comes earlier in the order. OUT_TMA (M_LOCAL a whole number of row tiles, out 16-byte
     aligned rows): a tile leaves through two TMA stores via o_desc (block [BM, BN / 2]); else
-    through masked stores (o_desc unused)."""
+    through masked stores (o_desc unused).
+
+    The last tail_tiles tasks (tiles of the last source; 0: none) run as a stream-K tail after
+    every program's other tasks (schedule.stream_k_segments): their K steps spread over all
+    programs, a tile's owner adding the fp32 partials (`partials`, a BM x BN slot per program)
+    of the programs after it once their flags (`partial_flags`, the address of an int32 per
+    program) show this call's epoch."""
     gl.static_assert(USE_TMA and (not MULTIMEM) and PHASES == 3)
     ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
     STEPS: gl.constexpr = WORLD - 1  # schedule.ag_steps (unicast)
     a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
+    c_smem = None
     if OUT_TMA:
         c_smem = gl.allocate_shared_memory(dtype, o_desc.block_type.shape, o_desc.layout)
     (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
@@ -427,7 +466,8 @@ def pipelined_all_gather_gemm_kernel(
     first = gl.program_id(0)
     programs = gl.num_programs(0)
     layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [gl.num_warps(), 1], [1, 0])
+    tail_first = tasks - tail_tiles  # the stream-K tail's first task
+    tasks = tail_first               # what the static assignment runs
 
     tile_task = _next_tile_task(first, programs, tasks, rank, tiles_m, tiles_n, WORLD, STEPS,
                                 PIECES, GROUP_M)
@@ -474,12 +514,8 @@ def pipelined_all_gather_gemm_kernel(
                              COPY_COLS, ALIGNED)
         else:  # the tile task `tile_task` (= task)
             if loaded == 0:  # its rows were not there when the last tile ran: wait, then load
-                if source != rank:
-                    for piece in gl.static_range(PIECES):
-                        flag = (source * tiles_m + tile_m) * PIECES + piece
-                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
-                                  flag, timeout_ns)
-                    fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
+                _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
+                           error_address, timeout_ns, PIECES)
                 for ahead in gl.static_range(STAGES - 1):
                     _issue_tile_load(step + ahead, source == rank, row0, col0, ahead * BK,
                                      ahead < k_tiles, a_desc, g_desc, b_desc, bars, a_bufs,
@@ -512,21 +548,58 @@ def pipelined_all_gather_gemm_kernel(
                                  a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            if OUT_TMA:
-                store_tile_halves(acc.to(dtype), o_desc, c_smem, source * M_LOCAL + tile_m * BM,
-                                  col0)
-            else:
-                result = gl.convert_layout(acc.to(ELEMENT), out_layout)
-                rows = tile_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_layout))
-                cols = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, out_layout))
-                mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
-                out_rows = (source * M_LOCAL + rows).to(gl.int64)
-                gl.store(out_ptr + out_rows[:, None] * stride_om + cols[None, :], result,
-                         mask=mask)
+            _store_tile(acc, o_desc, c_smem, out_ptr, stride_om, source, tile_m, col0, M_LOCAL, N,
+                        BM, BN, OUT_TMA)
             tile_task, source, tile_m, row0, col0 = (next_task, next_source, next_tile_m, next_row,
                                                      next_col)
             loaded = next_ready
         task += programs
+    if tail_tiles > 0:  # the stream-K tail: at most two segments per program
+        units = tail_tiles * k_tiles
+        unit = (first * units) // programs
+        share_end = ((first + 1) * units) // programs
+        rows_in = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+        cols_in = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+        in_slot = rows_in[:, None] * BN + cols_in[None, :]  # a partial, in the accumulator's layout
+        for _segment in range(2):
+            if unit < share_end:
+                tail = unit // k_tiles
+                k_first = unit - tail * k_tiles
+                k_end = gl.minimum(share_end - tail * k_tiles, k_tiles)
+                source, tile_m, row0, col0 = _tile_rows(tail_first + tail, rank, tiles_m, tiles_n,
+                                                        M_LOCAL, slot_row0, WORLD, STEPS, PIECES,
+                                                        GROUP_M, BM, BN)
+                _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
+                           error_address, timeout_ns, PIECES)
+                count = k_end - k_first
+                for fill in gl.static_range(STAGES - 1):
+                    _issue_tile_load(step + fill, source == rank, row0, col0,
+                                     (k_first + fill) * BK, fill < count, a_desc, g_desc,
+                                     b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+                for kk in range(count):
+                    acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                    ahead = kk + STAGES - 1
+                    _issue_tile_load(step + STAGES - 1, source == rank, row0, col0,
+                                     (k_first + ahead) * BK, ahead < count, a_desc, g_desc,
+                                     b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                    step += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                if k_first == 0:  # the owner: add the later programs' partials, store the tile
+                    helpers_end = gl.minimum(programs, gl.cdiv((tail + 1) * k_tiles * programs,
+                                                               units))
+                    for helper in range(first + 1, helpers_end):
+                        wait_flag(partial_flags + helper * 4, epoch, abort_ptr, error_address, rank,
+                                  helper, timeout_ns)
+                        acc += gl.load(partials + helper * (BM * BN) + in_slot, cache_modifier=".cg")
+                    _store_tile(acc, o_desc, c_smem, out_ptr, stride_om, source, tile_m, col0,
+                                M_LOCAL, N, BM, BN, OUT_TMA)
+                else:  # a first segment: the partial into this program's slot, then its flag
+                    gl.store(partials + first * (BM * BN) + in_slot, acc, cache_modifier=".cg")
+                    fence_acq_rel_sys(tail)
+                    gl.thread_barrier()
+                    st_release_sys(partial_flags + first * 4, epoch)
+                unit = tail * k_tiles + k_end
     if OUT_TMA:
         tma.store_wait(pendings=0)  # (the stores read shared memory until here)
     for i in gl.static_range(STAGES):
@@ -558,30 +631,34 @@ class AllGatherGemmConfig:
     # program's tiles; where it cannot run (multimem, operands TMA cannot describe, fewer than
     # stages - 1 K blocks) the launch runs the Triton kernel with the same tiles
     pipelined: bool = False
+    # (pipelined only) the last round's tiles as a stream-K tail where it leaves SMs idle
+    # (schedule.stream_k_tiles); "/dp" in the string turns it off
+    stream_k: bool = True
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
         """The config str() printed as `text`.
 
         >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
-        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False)
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False, stream_k=True)
         """
         try:
             tile, g, s, w, c, p, *flags = text.split("/")
             if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p") or \
-                    flags not in ([], ["gl"]):
+                    flags not in ([], ["gl"], ["gl", "dp"]):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
             return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
-                       copy_cols, int(p[1:]), flags == ["gl"])
+                       copy_cols, int(p[1:]), "gl" in flags, "dp" not in flags)
         except ValueError:
             raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}"
-                f"{'/gl' if self.pipelined else ''}")
+                f"{'/gl' if self.pipelined else ''}"
+                f"{'/dp' if self.pipelined and not self.stream_k else ''}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
@@ -693,20 +770,32 @@ class AllGatherGemmLaunch:
                 ops.m, ops.n, ops.k, ops.a.stride(0), stride_bk, stride_bn, out.stride(0),
                 rank, self.half_rows)
         function = pipelined_all_gather_gemm_kernel if self.pipelined else all_gather_gemm_kernel
+        tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
+        tasks = schedule.ag_task_count(world, tiles_m, tiles_n, config.pieces, multimem, copy_out)
+        # one program per SM the rank may fill: all resident (a peer tile waits on pushes
+        # that other programs run)
+        self.grid = max(1, min(workspace.processors, tasks))
+        self.tail_tiles = 0
         self.block_out = [config.block_m, config.block_n // EPILOGUE_SPLIT]
         self.out_tma = (self.pipelined and ops.m % config.block_m == 0 and tma_compatible(out))
-        if self.pipelined:  # the output descriptor (refilled per call) and whether it is used
-            args = args + (describe(out, list(out.shape), list(out.stride()), self.block_out)
-                           if self.out_tma else None,)
+        if self.pipelined:
+            # the stream-K tail (its partial slots and flags in the rank's scratch), the output
+            # descriptor (refilled per call) and whether it is used
+            if config.stream_k and not copy_out:
+                self.tail_tiles = schedule.stream_k_tiles(
+                    tasks, self.grid, tiles_m * tiles_n, triton.cdiv(ops.k, config.block_k),
+                    config.stages)
+            slots = self.grid * config.block_m * config.block_n * 4 if self.tail_tiles else 0
+            flag_bytes = triton.cdiv(self.grid * 4, 16) * 16
+            scratch = workspace.scratch(flag_bytes + slots)
+            args = args + (self.tail_tiles, scratch[flag_bytes:][:slots].view(torch.float32),
+                           scratch.data_ptr(),
+                           describe(out, list(out.shape), list(out.stride()), self.block_out)
+                           if self.out_tma else None)
             constexprs["OUT_TMA"] = self.out_tma
         kernel = function.warmup(*args, **constexprs, num_warps=config.warps,
                                  num_stages=config.stages, grid=(1,))
         self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
-        tasks = schedule.ag_task_count(world, triton.cdiv(ops.m, config.block_m),
-                                       triton.cdiv(ops.n, config.block_n), config.pieces, multimem, copy_out)
-        # one program per SM the rank may fill: all resident (a peer tile waits on pushes
-        # that other programs run)
-        self.grid = max(1, min(workspace.processors, tasks))
         refilled = (self._A_DESC, self._B_DESC) if self.use_tma else ()
         self.template = launch_template(args, refilled + ((len(args) - 1,) if self.out_tma else ()))
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment

@@ -135,3 +135,60 @@ def ag_task_list(rank: int, world: int, tiles_m: int, tiles_n: int, pieces: int,
     """Every task of one rank in claim order, as ag_decode_task gives them."""
     return [ag_decode_task(task, rank, world, tiles_m, tiles_n, pieces, multimem, group_m)
             for task in range(ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out))]
+
+
+# The stream-K tail of the statically assigned all-gather + GEMM (ag_gemm's Gluon kernel).
+#
+# Programs run tasks p, p + P, ...; when the task count is not a multiple of P, the last round
+# has r = tasks % P tasks, and P - r programs idle through it: 448 tiles of 128 x 256 on 132 SMs
+# take 4 tile times where 3.39 would do (2048 x 7168 x 8192: 0.86 of cuBLAS). Instead the last r
+# tasks (tiles of the last source) are cut into their r * k_tiles K steps, spread evenly over all
+# P programs: program p runs steps [p * U // P, (p + 1) * U // P) of U = r * k_tiles, at most two
+# segments (a share is at most one tile's K steps). A segment that starts inside a tile is the
+# program's FIRST segment: it leaves its fp32 sum in the program's partial slot and releases the
+# program's flag. A segment that starts at a tile's K step 0 makes its program the tile's owner:
+# it adds the partials of the later programs that cover the rest of the tile, then stores the
+# tile. Owners wait only for other programs' first segments, which wait for nothing but their
+# rows, so the tail cannot deadlock. Example (r = 2 tiles, k_tiles = 4, P = 3: U = 8):
+#     program 0: tile 0 steps 0..1 (owner: adds program 1's partial)
+#     program 1: tile 0 steps 2..3 (partial), tile 1 step 0 (owner: adds program 2's partial)
+#     program 2: tile 1 steps 1..3 (partial)
+
+
+def stream_k_tiles(tasks: int, programs: int, last_source_tiles: int, k_tiles: int,
+                   stages: int) -> int:
+    """The tasks of the last round that run as the stream-K tail, 0 for none: where the round
+    is partial, holds only tiles of the last source, leaves at least a quarter of the grid
+    idle, and gives every program at least `stages` K steps.
+
+    >>> stream_k_tiles(448, 132, 448, 128, 4)   # 2048 x 7168 x 8192 in 128 x 256 tiles
+    52
+    >>> stream_k_tiles(512, 132, 512, 128, 4)   # 116 of 132 busy in the last round: kept whole
+    0
+    """
+    r = tasks % programs
+    if r == 0 or r > last_source_tiles or 4 * r > 3 * programs or r * k_tiles < programs * stages:
+        return 0
+    return r
+
+
+def stream_k_segments(program: int, programs: int, tiles: int,
+                      k_tiles: int) -> list[tuple[int, int, int, bool, int]]:
+    """Program `program`'s segments of a stream-K tail of `tiles` tiles, in the order it runs
+    them: (tail tile, first K step, end K step, owner, end of the programs whose partials the
+    owner adds: programs + 1 .. that end - 1). Every program must have a step: an owner waits
+    for the flag of every later program that starts inside its tile."""
+    units = tiles * k_tiles
+    if units < programs:
+        raise ValueError(f"a stream-K tail of {units} K steps leaves some of {programs} programs "
+                         f"without one")
+    begin, end = program * units // programs, (program + 1) * units // programs
+    segments = []
+    while begin < end:
+        tile = begin // k_tiles
+        first, last = begin - tile * k_tiles, min(end - tile * k_tiles, k_tiles)
+        owner = first == 0
+        helpers_end = min(programs, -(-(tile + 1) * k_tiles * programs // units)) if owner else 0
+        segments.append((tile, first, last, owner, helpers_end))
+        begin = tile * k_tiles + last
+    return segments
