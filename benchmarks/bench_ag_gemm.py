@@ -14,8 +14,8 @@ Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the 
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
 --onegpu (no torchrun): the TP = 1 path (ax.all_gather_gemm on a one-rank group: a plain
 matmul) and the GEMM half (the fused kernel on one virtual rank with the whole GPU: the shape's
-config on the Triton kernel, the Gluon kernel /gl with its stream-K tail where the shape has
-one, and /gl/dp without it) against cuBLAS, device time. Writes ag_gemm_w{W}.json / .md / .png (ag_gemm_onegpu.* with --onegpu)
+config on the Triton kernel, the Gluon kernel /gl, and /gl/sk: with its stream-K tail where the
+shape has one) against cuBLAS, device time. Writes ag_gemm_w{W}.json / .md / .png (ag_gemm_onegpu.* with --onegpu)
 and a history line. --tables-from writes axedist/kernels/ag_gemm_auto.json.
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
@@ -163,39 +163,39 @@ def run_onegpu(args):
             continue
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)).t()
-        out, tp1_out, w1_out, gl_out, dp_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        out, tp1_out, w1_out, gl_out, sk_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
                                                 for _ in range(5))
         gluon = AllGatherGemmConfig(pipelined=True)
-        whole_rounds = AllGatherGemmConfig(pipelined=True, stream_k=False)
+        tail = AllGatherGemmConfig(pipelined=True, stream_k=True)
         columns = {"cublas": lambda: torch.mm(a, b, out=out),
                    "tp1": lambda: ax.all_gather_gemm(a, b, out=tp1_out),
                    "kernel_w1": lambda: one_rank.all_gather_gemm([a], [b], [w1_out]),
                    "kernel_w1_gl": lambda: one_rank.all_gather_gemm([a], [b], [gl_out], config=gluon),
-                   "kernel_w1_dp": lambda: one_rank.all_gather_gemm([a], [b], [dp_out], config=whole_rounds)}
+                   "kernel_w1_sk": lambda: one_rank.all_gather_gemm([a], [b], [sk_out], config=tail)}
         times = device_time(columns, calls=args.calls, batches=args.batches)
-        for column in (tp1_out, w1_out, gl_out, dp_out):
+        for column in (tp1_out, w1_out, gl_out, sk_out):
             column.fill_(float("nan"))
         tail_tiles = 0
         for name, fn in columns.items():
             fn()
-            if name == "kernel_w1_gl":
+            if name == "kernel_w1_sk":
                 tail_tiles = max(launch.tail_tiles for call in one_rank.last_plans
                                  for launch in call.launches.values())
         one_rank.check()
         row = dict(label=label, M=m, N=n, K=k, world=1, queued=times, tail_tiles=tail_tiles,
                    plan=str(plan_all_gather_gemm(a, b)),
                    tp1_rel_err=_relative(tp1_out, out), kernel_w1_rel_err=_relative(w1_out, out),
-                   kernel_w1_gl_rel_err=_relative(gl_out, out), kernel_w1_dp_rel_err=_relative(dp_out, out),
+                   kernel_w1_gl_rel_err=_relative(gl_out, out), kernel_w1_sk_rel_err=_relative(sk_out, out),
                    host_us={name: host_time_us(fn, calls=20, repeats=3) for name, fn in columns.items()})
-        for name in ("kernel_w1", "kernel_w1_gl", "kernel_w1_dp"):
+        for name in ("kernel_w1", "kernel_w1_gl", "kernel_w1_sk"):
             times[f"{name}_vs_cublas"] = times["cublas"] / times[name]
         results.append(row)
         print(f"[{index}] {label} {m}x{n}x{k}: cublas {times['cublas']:.3f} tp1 {times['tp1']:.3f} "
               f"kernel_w1 {times['kernel_w1']:.3f} ({times['kernel_w1_vs_cublas']:.2f}x) "
-              f"/gl {times['kernel_w1_gl']:.3f} ({times['kernel_w1_gl_vs_cublas']:.2f}x, tail {tail_tiles}) "
-              f"/gl/dp {times['kernel_w1_dp']:.3f} ({times['kernel_w1_dp_vs_cublas']:.2f}x) "
+              f"/gl {times['kernel_w1_gl']:.3f} ({times['kernel_w1_gl_vs_cublas']:.2f}x) "
+              f"/gl/sk {times['kernel_w1_sk']:.3f} ({times['kernel_w1_sk_vs_cublas']:.2f}x, tail {tail_tiles}) "
               f"err {row['kernel_w1_rel_err']:.1e} {row['kernel_w1_gl_rel_err']:.1e}", flush=True)
-        del a, b, out, tp1_out, w1_out, gl_out, dp_out
+        del a, b, out, tp1_out, w1_out, gl_out, sk_out
         torch.cuda.empty_cache()
     command = "python3 benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
     write_outputs(results, "ag_gemm_onegpu", run_meta(1, command), args.out)
@@ -208,8 +208,8 @@ def _table(results, times_of, multi):
                 "limit | vs seq | vs symm |")
     else:
         head = ("| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | cuBLAS / kernel W=1 | "
-                "kernel W=1 /gl | cuBLAS / kernel W=1 /gl | stream-K tail tiles | /gl/dp (no tail) | "
-                "cuBLAS / /gl/dp |")
+                "kernel W=1 /gl | cuBLAS / kernel W=1 /gl | stream-K tail tiles | /gl/sk | "
+                "cuBLAS / /gl/sk |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         t = times_of(r)
@@ -225,8 +225,8 @@ def _table(results, times_of, multi):
                          f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} | "
                          + (f"{t['kernel_w1_gl']:.3f} | {t['kernel_w1_gl_vs_cublas']:.2f} |"
                             if "kernel_w1_gl" in t else "- | - |")
-                         + (f" {r['tail_tiles']} | {t['kernel_w1_dp']:.3f} | {t['kernel_w1_dp_vs_cublas']:.2f} |"
-                            if "kernel_w1_dp" in t else " - | - | - |"))
+                         + (f" {r['tail_tiles']} | {t['kernel_w1_sk']:.3f} | {t['kernel_w1_sk_vs_cublas']:.2f} |"
+                            if "kernel_w1_sk" in t else " - | - | - |"))
     return lines
 
 
@@ -258,7 +258,7 @@ def write_outputs(results, name, meta, out_dir):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in results]
-        columns = ["seq", "symm", "fused", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_dp"]
+        columns = ["seq", "symm", "fused", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_sk"]
         base = "seq" if multi else "cublas"
         figure, axis = plt.subplots(figsize=(max(8, len(labels) * 1.1), 4.5))
         width = 0.8 / len(columns)

@@ -631,26 +631,27 @@ class AllGatherGemmConfig:
     # program's tiles; where it cannot run (multimem, operands TMA cannot describe, fewer than
     # stages - 1 K blocks) the launch runs the Triton kernel with the same tiles
     pipelined: bool = False
-    # (pipelined only) the last round's tiles as a stream-K tail where it leaves SMs idle
-    # (schedule.stream_k_tiles); "/dp" in the string turns it off
-    stream_k: bool = True
+    # (pipelined only, "/sk") the last round's tiles as a stream-K tail where it leaves SMs idle
+    # (schedule.stream_k_tiles). Opt-in: on one H200 it saved nothing at 2048 x 7168 x 8192,
+    # 2% at 8192 x 13312 x 16384 and cost 3% at 8192 x 6400 x 5120 (docs/gpu_notes.md)
+    stream_k: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
         """The config str() printed as `text`.
 
         >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
-        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False, stream_k=True)
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False, stream_k=False)
         """
         try:
             tile, g, s, w, c, p, *flags = text.split("/")
             if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p") or \
-                    flags not in ([], ["gl"], ["gl", "dp"]):
+                    flags not in ([], ["gl"], ["gl", "sk"]):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
             return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
-                       copy_cols, int(p[1:]), "gl" in flags, "dp" not in flags)
+                       copy_cols, int(p[1:]), "gl" in flags, "sk" in flags)
         except ValueError:
             raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
 
@@ -658,7 +659,7 @@ class AllGatherGemmConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}"
                 f"{'/gl' if self.pipelined else ''}"
-                f"{'/dp' if self.pipelined and not self.stream_k else ''}")
+                f"{'/sk' if self.pipelined and self.stream_k else ''}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
