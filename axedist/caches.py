@@ -11,7 +11,8 @@ launch); forgetting it costs only recomputation. Modules make theirs here instea
 
 State that is not a memo stays out: the agreement counters every rank keeps in step (peers.py),
 symmetric workspaces (freed collectively: ``axedist.collectives.reset(group)``), the op rules'
-registry. ``reset()`` is called on every rank at the same point, as ``torch._dynamo.reset()``.
+registry, and settings (the backend pins of runtime/pins.py, the deferral policies): a user's
+choice, not something recomputed. ``reset()`` is called on every rank at the same point, as ``torch._dynamo.reset()``.
 """
 
 from __future__ import annotations

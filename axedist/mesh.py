@@ -53,8 +53,9 @@ _DEFAULT_NAMES = {1: ("gpuid",), 2: ("gpuid_x", "gpuid_y"), 3: ("gpuid_x", "gpui
 _GROUPS: dict[tuple, object] = {}
 # id(group) -> (group, the topology of the mesh that made it).
 _GROUP_TOPOLOGY: dict[int, tuple] = {}
-# The job's found topology, gathered once: (id of the world group, world size) -> Topology.
-_FOUND: dict[tuple, Topology] = {}
+# The job's found topology, gathered once: world group -> Topology (weak: a new world group, after
+# destroy_process_group and a new init, finds its own, even at the old one's address).
+_FOUND: "weakref.WeakKeyDictionary[dist.ProcessGroup, Topology]" = weakref.WeakKeyDictionary()
 # torch meshes converted: (device type, ranks, shape, axis names) -> DeviceMesh.
 _FROM_TORCH: dict[tuple, "DeviceMesh"] = memo("mesh from torch")
 # (axis, mesh ranks, topology) already warned about: each once per process.
@@ -107,13 +108,13 @@ def job_topology() -> Topology:
     size = read_environment(HOST_SIZE_ENV)
     if size is not None:
         return _simulated(world, size)
-    key = (id(dist.group.WORLD), world)
-    if key not in _FOUND:
+    found = _FOUND.get(dist.group.WORLD)
+    if found is None:
         here = (socket.gethostname(), os.environ.get("GROUP_RANK", ""))
         keys = [None] * world
         dist.all_gather_object(keys, here)
-        _FOUND[key] = Topology.from_keys(keys)
-    return _FOUND[key]
+        found = _FOUND[dist.group.WORLD] = Topology.from_keys(keys)
+    return found
 
 
 def _simulated(world: int, size) -> Topology:
@@ -142,7 +143,7 @@ def group_hosts(group=None) -> tuple[int, ...]:
     size = read_environment(HOST_SIZE_ENV)
     if size is not None:
         return _simulated(world, size).hosts_of(ranks)
-    found = _FOUND.get((id(dist.group.WORLD), world))
+    found = _FOUND.get(dist.group.WORLD)
     if found is not None:
         return found.hosts_of(ranks)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from axedist.nn.llama import LlamaConfig, TransformerBlock, rope_tables
-from axedist.runtime.deferred import fused_backend
-from axedist.runtime.steps import plan_backend
+from axedist.runtime import pinned_backends
 
 GIB = 2**30
 
@@ -205,15 +204,11 @@ def add_pinned_argument(parser) -> None:
 
 def pinned(backend: str, step: Callable) -> Callable:
     """``step`` with the collectives ``backend`` names (``PINNED_BACKENDS``) pinned while it runs."""
-    pin, name = (plan_backend, "torch") if backend == "nccl" else (fused_backend, backend)
+    pins = dict(plan="torch") if backend == "nccl" else dict(fused=backend)
 
     def run(*args):
-        previous = pin()
-        pin(name)
-        try:
+        with pinned_backends(**pins):
             return step(*args)
-        finally:
-            pin(previous)
     return run
 
 

@@ -317,6 +317,110 @@ def test_memos_are_registered(path):
                     f"or name them as state in STATE with the reason): {bad}"
 
 
+# Tables that outlive a call (module-level, or an attribute) keyed by ``id(...)`` of an object,
+# each with why the id cannot go stale: a freed object's id is reused, so an entry that does not
+# keep its object alive is served to whatever object gets the id next (a descriptor cache keyed by
+# id(workspace) once was). Key by the object itself, or keep it in the entry and name the table here.
+ID_KEYED = {
+    "axedist.runtime.executor": {"_AGREED_ROUTES": "the entry is the route", "_STAYS": "the entry is the spec",
+                                 "_PROGRAMS": "the entry holds its plan, and the lookup checks it is this plan"},
+    "axedist.mesh": {"_GROUP_TOPOLOGY": "the entry holds its group, and the lookup checks it is this group"},
+    "axedist.dtensor": {"_AGREED_LOCALS": "the entry is the mesh"},
+    "axedist.nn.fsdp": {"parametrize._cache": "torch's parametrize cache, keyed as torch keys it; emptied when "
+                                              "parametrize.cached() exits, while the modules live"},
+}
+_KEYED_METHODS = {"get", "setdefault", "pop", "add", "discard", "remove"}
+
+
+def _calls_id(node, id_names: set) -> bool:
+    """Whether ``node`` holds a call of the builtin ``id``, or a local name bound to one."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "id"
+               or isinstance(n, ast.Name) and n.id in id_names for n in ast.walk(node))
+
+
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _own_nodes(scope):
+    """The nodes of ``scope`` outside the functions nested in it (comprehensions included)."""
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, _SCOPES):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _id_keyed_tables(scope, enclosing: frozenset = frozenset()):
+    """``(line, table)`` for each use of a table that outlives the call (a module-level name or an
+    attribute: ``_seen``, ``self._flat``) with a key that calls ``id``: ``t[id(x)]``, ``t.get(key)``
+    after ``key = (id(x), n)``, ``id(x) in t``, ``t.add(id(x))``, ``t = {id(x): x}``. Tables local
+    to one call (a function's own, or its enclosing function's: their objects live through it)
+    are left alone."""
+    nodes = list(_own_nodes(scope))
+    local = set(enclosing)
+    if isinstance(scope, _SCOPES):
+        local |= {a.arg for a in ast.walk(scope.args) if isinstance(a, ast.arg)}
+        local |= {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        local -= {name for n in nodes if isinstance(n, ast.Global) for name in n.names}
+    id_names = {t.id for n in nodes if isinstance(n, ast.Assign) and _calls_id(n.value, set())
+                for t in n.targets if isinstance(t, ast.Name)}
+    for node in nodes:
+        table = None
+        if isinstance(node, ast.Subscript) and _calls_id(node.slice, id_names):
+            table = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in _KEYED_METHODS and node.args and _calls_id(node.args[0], id_names):
+            table = node.func.value
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and _calls_id(node.left, id_names):
+            table = node.comparators[0]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, (ast.Dict, ast.DictComp)):
+            keys = node.value.keys if isinstance(node.value, ast.Dict) else [node.value.key]
+            if any(k is not None and _calls_id(k, id_names) for k in keys):
+                table = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if isinstance(table, ast.Attribute) or isinstance(table, ast.Name) and table.id not in local:
+            yield node.lineno, ast.unparse(table)
+        if isinstance(node, _SCOPES):
+            yield from _id_keyed_tables(node, frozenset(local if isinstance(scope, _SCOPES) else ()))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_cache_is_keyed_by_id(path):
+    """No table that outlives a call is keyed by ``id(...)`` unless ID_KEYED says why its ids stay
+    their own objects'."""
+    here = module_name(path)
+    allowed = ID_KEYED.get(here, {})
+    bad = sorted({f"line {line}: {table}" for line, table in _id_keyed_tables(ast.parse(path.read_text()))
+                  if table not in allowed})
+    assert not bad, f"{here}: tables keyed by id(...), which a freed object's successor reuses (key by the object, " \
+                    f"or keep it in the entry and name the table in ID_KEYED with the reason): {bad}"
+
+
+def test_the_id_key_rule_catches_a_stale_cache():
+    """The rule fails on the bug it is for, in each spelling, and leaves a call's own tables alone."""
+    bad = """
+_descriptors = {}
+class Launcher:
+    def descriptor(self, workspace):
+        key = (id(workspace), workspace.nbytes)
+        if key not in _descriptors:
+            _descriptors[key] = make(workspace)
+        self._seen.add(id(workspace))
+        return _descriptors.get(key)
+_BY_ID = {id(x): 1 for x in ()}
+"""
+    found = sorted(set(_id_keyed_tables(ast.parse(bad))))
+    assert found == [(6, "_descriptors"), (7, "_descriptors"), (8, "self._seen"), (9, "_descriptors"),
+                     (10, "_BY_ID")], found
+    fine = """
+def replace(values, targets):
+    local = {id(v): t for v, t in zip(values, targets)}
+    return [local[id(v)] for v in values if id(v) in local]
+"""
+    assert list(_id_keyed_tables(ast.parse(fine))) == []
+
+
 def test_reset_clears_every_registered_memo():
     """axedist.reset() empties the planning and spec memos and the dispatcher's caches."""
     import axedist

@@ -299,8 +299,7 @@ def test_bench_train_2d_under_torchrun(tmp_path):
 
 
 def test_pinned_side_pins_its_backend_while_it_steps_and_restores_it():
-    from axedist.runtime.deferred import fused_backend
-    from axedist.runtime.steps import plan_backend
+    from axedist.runtime import fused_backend, plan_backend
 
     plan, fused = plan_backend(), fused_backend()
     seen = []

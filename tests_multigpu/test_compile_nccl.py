@@ -19,16 +19,13 @@ def body_compiled_block(rank, world):
     """Sequence-parallel TP block, bf16, 512 rows per rank: the fused all-gather + GEMM (q/k/v,
     w1/w3) and GEMM + reduce-scatter (wo, w2) appear in the generated forward; forward values
     and gradients match eager (which runs the same kernels); a second step compiles nothing. The
-    fused kernels are pinned (AXEDIST_FUSED_BACKEND's setting), so the measured tables cannot
+    fused kernels are pinned (`pinned_backends(fused="p2p")`), so the measured tables cannot
     pick the unfused pair for these shapes. The generated backward calls the fused all-gather +
     GEMM for the gradients of wo and w2 (their output gradients' gathers)."""
-    from axedist.runtime import deferred
+    from axedist.runtime import pinned_backends
 
-    pinned, deferred.FUSED_BACKEND = deferred.FUSED_BACKEND, "p2p"
-    try:
+    with pinned_backends(fused="p2p"):
         return compiled_block(rank, world)
-    finally:
-        deferred.FUSED_BACKEND = pinned
 
 
 def compiled_block(rank, world):

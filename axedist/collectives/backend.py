@@ -198,7 +198,7 @@ def peers_reachable(device_index: int) -> tuple[bool, str]:
 
 def checked_choice(backend: str, allowed: tuple, caller: str) -> str:
     """``backend`` when it is one of ``allowed``; else the ValueError naming ``caller``'s choices
-    (the setters that pin a backend at run time: ``fused_backend``, ``plan_backend``)."""
+    (the pins of ``runtime/pins.py``: ``fused_backend``, ``plan_backend``, ``pinned_backends``)."""
     if backend not in allowed:
         raise ValueError(f"{caller} must be one of {allowed}, got {backend!r}")
     return backend

@@ -548,7 +548,7 @@ class FSDPUnit:
     def flat_layout(self, kind: str, dtype: torch.dtype, records=None, summed: tuple = ()) -> FlatLayout:
         """The flat buffer of the unit's parameters that gather in ``dtype`` (``"gather"``), or of
         ``records``, whose gradients reduce in ``dtype``, also over ``summed`` (``"reduce"``)."""
-        key = (kind, dtype, summed, None if records is None else tuple(id(r) for r in records))
+        key = (kind, dtype, summed, None if records is None else tuple(records))  # (records hash by identity)
         if key not in self._flat:
             if kind == "gather":
                 records = [p for p in self.params if p.batched and self._gather_dtype(p) == dtype]

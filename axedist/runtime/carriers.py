@@ -16,6 +16,8 @@ and ``[b0, b1]`` gives ``[a0, a1, b0, b1]`` on both, either way.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -160,14 +162,15 @@ class Functional:
         return [received[starts[r]:starts[r] + count] for r, count in receives], []
 
 
-_WARM: set = set()
+# (weak: a group destroyed leaves, so a new group at its address is warmed too)
+_WARM: "weakref.WeakSet[dist.ProcessGroup]" = weakref.WeakSet()
 
 
 def _warm(group, backend: str) -> None:
     """NCCL: the first call on a group must include every member; p2p may not, so make it a collective."""
-    if backend != "nccl" or id(group) in _WARM:
+    if backend != "nccl" or group in _WARM:
         return
-    _WARM.add(id(group))
+    _WARM.add(group)
     dist.barrier(group=group)
 
 

@@ -38,26 +38,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from ..env import read as read_environment
 from ..layout import LayoutError
 from ..planning.fused import FusedStep, all_reduce_axis, row_gather_axis, row_scatter_axis
 from ..spec import DTensorSpec, placements_of
 from ..tracing import compiling, may_defer, outside_tracing
+from .pins import fused_backend
 
 __all__ = ["DeferredGemm", "DeferredSum", "DeferredGather", "DeferredView", "DeferredTranspose", "DeferredProduct",
            "PendingWork", "PENDING", "version_of", "defer", "defer_gather", "defer_gathers", "defer_sum",
            "defer_product_of_gather", "placeholder", "flush", "pending_product", "pending_gather", "gather_rows",
-           "gather_rows_transposed", "transposed", "fused_gemm_stats", "fused_backend", "fused_choice", "fused_collective", "fused_gather_product", "reads_any",
+           "gather_rows_transposed", "transposed", "fused_gemm_stats", "fused_choice", "fused_collective", "fused_gather_product", "reads_any",
            "POLICIES"]
 
 _FLUSH_AT = 64  # outstanding work kept at most; beyond, it is computed
 CHANGED_OPERAND = ("a deferred matrix product's operand was changed in place (outside axedist ops, e.g. through "
                    "to_local()) before the product was used; use the product first, or clone the operand's local "
                    "tensor before changing it")
-# What the layout-driven fused kernels ask collectives for: "auto" (the measured tables), "p2p" to
-# pin the fused kernels (one-GPU tests at TP = 1, where "auto" runs a plain matmul), "torch" to
-# never fuse. AXEDIST_FUSED_BACKEND sets the default.
-FUSED_BACKEND = read_environment("AXEDIST_FUSED_BACKEND")
 POLICIES = ("auto", "always", "never")  # of every kind of deferral: gathers, GEMMs (the dispatcher), tails
 
 
@@ -430,8 +426,8 @@ def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | No
     from ..collectives import plan_gemm_all_reduce, plan_gemm_reduce_scatter
 
     try:
-        gemm = (plan_gemm_reduce_scatter(a, b, group, backend=FUSED_BACKEND) if collective == "reduce-scatter"
-                else plan_gemm_all_reduce(a, b, group, backend=FUSED_BACKEND))
+        gemm = (plan_gemm_reduce_scatter(a, b, group, backend=fused_backend()) if collective == "reduce-scatter"
+                else plan_gemm_all_reduce(a, b, group, backend=fused_backend()))
     except ValueError as e:
         return step(False, str(e))
     return step(gemm.backend != "torch", gemm.reason, gemm)
@@ -473,9 +469,9 @@ def fused_collective(spec: DTensorSpec, pending, dst: DTensorSpec) -> torch.Tens
     group = mesh.group(choice.axis)
     a, b = _operands(terms, concatenated=True)
     if choice.collective == "reduce-scatter":
-        out = gemm_reduce_scatter(a, b, group, backend=FUSED_BACKEND)
+        out = gemm_reduce_scatter(a, b, group, backend=fused_backend())
     else:
-        out = gemm_all_reduce(a, b, group, backend=FUSED_BACKEND)
+        out = gemm_all_reduce(a, b, group, backend=fused_backend())
     term = terms[0]
     if len(terms) == 1 and term.alpha != 1:
         out.mul_(term.alpha)
@@ -644,20 +640,6 @@ def defer_product_of_gather(a, b: torch.Tensor, shape: tuple) -> DeferredProduct
     return pending
 
 
-def fused_backend(backend: str | None = None) -> str:
-    """The backend the layout-driven fused calls ask for (``AXEDIST_FUSED_BACKEND`` its default):
-    ``"auto"`` (the measured tables), ``"p2p"`` / ``"symm"`` / ``"multimem"`` to pin one, ``"torch"``
-    to never fuse (cuBLAS + NCCL). Sets it when given (every rank alike: the choice must match
-    across ranks); returns the backend in force."""
-    global FUSED_BACKEND
-    if backend is not None:
-        from ..collectives.backend import checked_choice
-        from ..collectives.fused_tp import BACKENDS
-
-        FUSED_BACKEND = checked_choice(backend, BACKENDS, "fused_backend")
-    return FUSED_BACKEND
-
-
 def defer_gathers(policy: str | None = None) -> str:
     """When row all-gathers are deferred: ``"auto"`` only where the fused kernel can consume
     them (CUDA, bf16/fp16), ``"always"`` (tests of the deferral on CPU), ``"never"``. Returns
@@ -714,8 +696,9 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
         return _unfused_gather("local shapes or process-group order differ from the kernel's")
     from ..collectives import all_gather_gemm, plan_all_gather_gemm
 
+    backend = fused_backend()
     try:
-        plan = plan_all_gather_gemm(local, b, group, backend=FUSED_BACKEND)
+        plan = plan_all_gather_gemm(local, b, group, backend=backend)
     except ValueError as e:
         return _unfused_gather(str(e))
     PENDING.record_choice("all-gather", plan, plan.reason)
@@ -723,7 +706,7 @@ def fused_gather_product(pending, b: torch.Tensor, b_spec: DTensorSpec,
         PENDING.counts["gather_reason"] = plan.reason
         return None
     gathered = torch.empty(gathered_shape, dtype=local.dtype, device=local.device)
-    out = all_gather_gemm(local, b, group, backend=FUSED_BACKEND, gathered=gathered.view(rows, local.shape[1]))
+    out = all_gather_gemm(local, b, group, backend=backend, gathered=gathered.view(rows, local.shape[1]))
     root.value, root.local = gathered, None
     PENDING.counts["gathers_fused"] += 1
     PENDING.counts["gather_reason"] = ""

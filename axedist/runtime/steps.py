@@ -14,31 +14,15 @@ from typing import Callable
 
 import torch
 
-from ..collectives.backend import BACKENDS, checked_choice, one_host, select_backend
-from ..env import read as read_environment
+from ..collectives.backend import one_host, select_backend
 from ..layout import LayoutError
 from ..planning.holdings import box_index
 from ..planning.steps import Step
 from ..tracing import outside_tracing
 from .indices import Index, reduce_into
+from .pins import plan_backend
 
-__all__ = ["BACKEND", "plan_backend", "RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
-
-# What a CUDA all-gather / reduce-scatter / all-reduce step asks collectives.api for: "auto" (the
-# measured table per size), or "torch" / "p2p" to pin one (AXEDIST_PLAN_BACKEND sets the default).
-# A step whose group spans hosts runs on torch.distributed whatever the pin.
-BACKEND = read_environment("AXEDIST_PLAN_BACKEND")
-
-
-def plan_backend(backend: str | None = None) -> str:
-    """The backend planned CUDA collectives ask for (``AXEDIST_PLAN_BACKEND`` its default):
-    ``"auto"`` (the measured table), ``"p2p"`` / ``"multimem"`` to pin the symmetric-memory kernels,
-    ``"torch"`` to pin torch.distributed (NCCL). Sets it when given (every rank alike: the choice
-    must match across ranks); returns the backend in force."""
-    global BACKEND
-    if backend is not None:
-        BACKEND = checked_choice(backend, BACKENDS, "plan_backend")
-    return BACKEND
+__all__ = ["RankContext", "StepProgram", "PointToPoint", "Collective", "group_of"]
 
 
 @dataclass
@@ -153,13 +137,13 @@ class Collective(StepProgram):
 
     def through_api(self, op: str, tensor: torch.Tensor, async_op: bool) -> bool:
         """Whether this call goes through ``axedist.collectives.api`` (CUDA, NCCL, a sum, synchronous);
-        sets ``ran`` to the backend ``select_backend(BACKEND)`` picks ("auto": the measured table;
-        "torch" for a group that spans hosts, where a pin to the p2p kernels cannot hold)."""
+        sets ``ran`` to the backend ``select_backend`` picks for :func:`plan_backend` ("auto": the measured
+        table; "torch" for a group that spans hosts, where a pin to the p2p kernels cannot hold)."""
         if self.ctx.backend != "nccl" or async_op or tensor.device.type != "cuda" or \
                 self.reduce not in (None, "sum", "avg"):
             self.ran = "torch"
             return False
-        self.ran = select_backend(op, tensor, self.group, BACKEND if self.one_host else "torch")
+        self.ran = select_backend(op, tensor, self.group, plan_backend() if self.one_host else "torch")
         return True
 
     @property
