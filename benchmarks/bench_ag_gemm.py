@@ -9,6 +9,7 @@ Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, 
   seq        NCCL all-gather then torch.mm            symm      torch.ops.symm_mem.fused_all_gather_matmul
   fused      axedist.all_gather_gemm (p2p)            p2p_ag    axedist's p2p all-gather of A
   kernel_w1  the fused kernel on one rank's whole M (its GEMM half: local copy + tiles)
+  fused_gl   the Gluon fused kernel (AllGatherGemmConfig /gl, opt-in: not what "fused" or "auto" run)
   limit      max(cublas, all-gather bytes in per GPU / 478 GB/s)
 Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
@@ -31,6 +32,8 @@ import torch.distributed as dist
 
 import axedist as ax
 from axedist.collectives import all_gather_into, p2p, plan_all_gather_gemm
+from axedist.collectives.fused_tp import AllGatherGemmCall
+from axedist.collectives.symmetric import get_workspace
 from axedist.collectives.timing import device_time, host_time_us, time_collective, time_interleaved
 from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.testing import VirtualRanks
@@ -101,13 +104,17 @@ def run_multi(args):
             symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
         row["plan"] = str(plan_all_gather_gemm(a, b))
-        fused_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        w1_out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        fused_out, gl_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        # the Gluon kernel (/gl, opt-in: not what "fused" runs) with this rank's real workspace
+        gluon = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
+                                  lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
+                                  pinned_config=AllGatherGemmConfig(pipelined=True))
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
                    "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
                    "seq": seq, "symm": symm,
                    "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),
+                   "fused_gl": lambda: gluon.run(a, b, gl_out),
                    "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
@@ -121,15 +128,18 @@ def run_multi(args):
         torch.cuda.synchronize()
         dist.barrier()
         ax.all_gather_gemm(a, b, backend="p2p", out=fused_out, check=True)
+        gluon.run(a, b, gl_out, check=True)
         seq()
         one_rank.all_gather_gemm([gathered], [b], [w1_out])
         one_rank.check()
         row["fused_rel_err_vs_seq"] = _relative(fused_out, out)
+        row["fused_gl_rel_err_vs_seq"] = _relative(gl_out, out)
         row["kernel_w1_rel_err"] = _relative(w1_out, out)
         ag_bytes_in = (world - 1) / world * m * k * 2
         for times in (row, queued):
             times["limit"] = max(times["cublas"], ag_bytes_in / LINK_BYTES_PER_S * 1e3)
             times["speedup_vs_seq"] = times["seq"] / times["fused"]
+            times["gl_speedup_vs_seq"] = times["seq"] / times["fused_gl"]
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
             times["auto_vs_best"] = auto_vs_best(times)
@@ -139,7 +149,7 @@ def run_multi(args):
                   f"nccl_ag {queued['nccl_ag']:.3f} seq {queued['seq']:.3f} fused {queued['fused']:.3f} "
                   f"kernel_w1 {queued['kernel_w1']:.3f} x{queued['speedup_vs_seq']:.2f} vs seq, "
                   f"err {row['fused_rel_err_vs_seq']:.1e}", flush=True)
-        del a, weight, gathered, out, fused_out, w1_out
+        del a, weight, gathered, out, fused_out, gl_out, w1_out, gluon
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
@@ -205,7 +215,7 @@ def run_onegpu(args):
 def _table(results, times_of, multi):
     if multi:
         head = ("| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | auto | best / auto | p2p AG | kernel W=1 | "
-                "limit | vs seq | vs symm |")
+                "limit | vs seq | vs symm | fused /gl | /gl vs seq |")
     else:
         head = ("| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | cuBLAS / kernel W=1 | "
                 "kernel W=1 /gl | cuBLAS / kernel W=1 /gl | stream-K tail tiles | /gl/sk | "
@@ -219,7 +229,8 @@ def _table(results, times_of, multi):
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
                          f"{t['nccl_ag']:.3f} | {t['seq']:.3f} | {symm} | {t['fused']:.3f} | {auto_cell(t)} | "
                          f"{t['p2p_ag']:.3f} | {t['kernel_w1']:.3f} | {t['limit']:.3f} | "
-                         f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |")
+                         f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |"
+                         + (f" {t['fused_gl']:.3f} | {t['gl_speedup_vs_seq']:.2f}x |" if t.get("fused_gl") else " - | - |"))
         else:
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
                          f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} | "
