@@ -155,7 +155,7 @@ def run_multi(args):
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
         name = f"ag_gemm_w{world}" + ("_llama8b" if args.shapes == "llama8b" else "")
         name += f"_b{args.batch}" if args.shapes == "llama8b" and args.batch != 8 else ""
-        write_outputs(results, name, run_meta(world, command), args.out)
+        write_outputs(results, name, run_meta(world, command), args.out, multi=True)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -208,7 +208,7 @@ def run_onegpu(args):
         del a, b, out, tp1_out, w1_out, gl_out, sk_out
         torch.cuda.empty_cache()
     command = "python3 benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
-    write_outputs(results, "ag_gemm_onegpu", run_meta(1, command), args.out)
+    write_outputs(results, "ag_gemm_onegpu", run_meta(1, command), args.out, multi=False)
     dist.destroy_process_group()
 
 
@@ -241,9 +241,10 @@ def _table(results, times_of, multi):
     return lines
 
 
-def write_outputs(results, name, meta, out_dir):
+def write_outputs(results, name, meta, out_dir, multi: bool):
+    """The run's JSON, history line, markdown table and PNG; multi: a torchrun run (its columns,
+    at any world size, 1 too), else --onegpu's."""
     os.makedirs(out_dir, exist_ok=True)
-    multi = results and results[0]["world"] > 1
     with open(os.path.join(out_dir, f"{name}.json"), "w") as handle:
         json.dump(dict(meta=meta, rows=results), handle, indent=1)
     append_history(out_dir, name, meta, dict(rows=results))
