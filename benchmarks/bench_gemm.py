@@ -222,8 +222,8 @@ def write_outputs(rows, meta, out_dir, png=True):
         json.dump(dict(meta=meta, summary=totals, rows=rows), handle, indent=1)
     lines = [f"# GEMM core vs cuBLAS, one GPU ({meta.get('machine', '?')})", "",
              f"Date {meta.get('date')}, commit {meta.get('commit')}, command `{meta.get('command')}`.",
-             "Device time in ms (batches of 20 calls queued back to back, median of 7 interleaved "
-             "batches); ratio = cuBLAS time / ours (> 1: faster than cuBLAS); host = CPU time per "
+             f"Device time in ms (batches of {meta.get('calls', 20)} calls queued back to back, median of "
+             f"{meta.get('batches', 7)} interleaved batches); ratio = cuBLAS time / ours (> 1: faster than cuBLAS); host = CPU time per "
              "launch (us). `core` runs the shipped config, `best` the fastest candidate of this "
              "run (what --tables-from ships next), `fused gemm-only` the fused GEMM + "
              "reduce-scatter kernel's GEMM-only mode.", "",
@@ -344,6 +344,7 @@ def main():
         write_outputs(saved["rows"], saved["meta"], args.out)
         return
     meta = machine_meta("python3 benchmarks/bench_gemm.py " + " ".join(sys.argv[1:]))
+    meta.update(calls=args.calls, batches=args.batches)
     from axedist.kernels import gemm as core
     args.candidates = None
     if args.probe:
