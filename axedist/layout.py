@@ -44,6 +44,8 @@ __all__ = [
     "direct_sum",
     "row_major_memory",
     "one_dim_iters",
+    "without_inner_dims",
+    "with_inner_dims",
 ]
 
 MEMORY_AXIS = "m"
@@ -646,6 +648,55 @@ def one_dim_iters(layout: Layout, shape: Sequence[int], dim: int) -> tuple[Iter,
             or other[0].stride != other_stride or any(it.axis == MEMORY_AXIS and it.stride % unit for it in mine)):
         return None
     return tuple(Iter(it.extent, it.stride // unit, it.axis) if it.axis == MEMORY_AXIS else it for it in mine)
+
+
+def without_inner_dims(layout: Layout, shape: Sequence[int], count: int) -> Layout | None:
+    """The layout of ``shape[:-count]`` that each piece leaves when it reduces its own elements
+    over the last ``count`` dims: None unless those dims are whole and local in every piece and
+    innermost in row-major order (then the other dims' memory strides, divided by their size,
+    say where each reduced value sits in the piece's row-major result).
+
+    ``without_inner_dims(S[(2,2,2,6):(12,1@gpuid,6,1)], (8, 6), 1)`` -> ``S[(2,2,2):(2,1@gpuid,1)]``:
+    rows dealt round-robin in pairs to 2 devices keep that deal when each row is summed."""
+    if count <= 0 or count > len(shape):
+        return None
+    try:
+        blocks = layout.blocks(shape)
+    except LayoutError:
+        return None
+    inner = 1
+    for extent, block in zip(reversed(shape[len(shape) - count:]), reversed(blocks[len(shape) - count:])):
+        if extent > 1 and (len(block) != 1 or block[0].axis != MEMORY_AXIS or block[0].extent != extent
+                           or block[0].stride != inner):
+            return None
+        inner *= extent
+    kept = [it for block in blocks[:len(shape) - count] for it in block]
+    if any(it.axis == MEMORY_AXIS and it.stride % inner for it in kept):
+        return None
+    return Layout([Iter(it.extent, it.stride // inner, it.axis) if it.axis == MEMORY_AXIS else it for it in kept],
+                  layout.replica, layout.offset)
+
+
+def with_inner_dims(layout: Layout, shape: Sequence[int], inner: Sequence[int]) -> Layout | None:
+    """The layout of ``shape + inner`` whose ``inner`` dims are whole and local in every piece,
+    innermost in row-major order, and whose ``shape`` dims are laid out as ``layout`` lays out
+    ``shape`` (what each piece's ``expand`` of its own trailing size-1 dims gives): the inverse of
+    :func:`without_inner_dims`. None where ``layout`` does not group by ``shape``.
+
+    ``with_inner_dims(S[(2,2,2):(2,1@gpuid,1)], (8,), (6,))`` -> ``S[(2,2,2,6):(12,1@gpuid,6,1)]``."""
+    try:
+        blocks = layout.blocks(shape)
+    except LayoutError:
+        return None
+    size = math.prod(inner)
+    iters = [Iter(it.extent, it.stride * size, it.axis) if it.axis == MEMORY_AXIS else it
+             for block in blocks for it in block]
+    stride = size
+    for extent in inner:
+        stride //= extent
+        if extent > 1:
+            iters.append(Iter(extent, stride))
+    return Layout(iters, layout.replica, layout.offset)
 
 
 def row_major_memory(blocks: Sequence[Sequence[Iter]]) -> tuple[tuple[int, ...], list[list[int | None]]]:

@@ -29,6 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..runtime.carriers import all_reduce_
 from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
+from .specs import dealing_axes, reduced_in_place
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
@@ -65,6 +66,8 @@ def softmax_rule(call: OpCall) -> Sharding:
     (attention's masked softmax) is softmax with rows that are all ``-inf`` set to 0."""
     x, dim = call.args[0], call.args[1]
     d = dim % max(x.ndim, 1)
+    if reduced_in_place(x, [d]) is not None:  # a layout with no placement form, the dim whole locally
+        return Sharding(inputs=[None], outputs=x.layout)
     target = without_partial(placements_of(x))  # softmax is not linear: pending sums first
     axes = _axes_sharding(x.mesh, target, d, x.ndim)
     if not axes:
@@ -135,6 +138,8 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
     Linear in ``g``, so a pending sum in ``g`` stays pending where ``y`` is replicated."""
     grad, out, dim, input_dtype = call.args[:4]
     d = dim % max(out.ndim, 1)
+    if reduced_in_place(out, [d]) is not None:  # the forward's layout way: the gradient laid out alike
+        return Sharding(inputs=[out.layout, None], outputs=out.layout)
     out_target = without_partial(placements_of(out))
     grad_target = _grad_target(placements_of(grad), out_target)
     result = grad_target
@@ -189,6 +194,10 @@ def layer_norm_rule(call: OpCall) -> Sharding:
     """``native_layer_norm(x, [H], w, b)``, ``x`` (B, S, H) in ``[Shard(1)]``: local, outputs
     ``[Shard(1)]`` (mean and rstd are (B, S, 1), sharded alike); ``w``, ``b`` replicated."""
     x, normalized_shape, weight, bias = call.args[:4]
+    stats = _stats_in_place(x, len(normalized_shape))
+    if stats is not None:
+        inputs = _specs_inputs([x, weight, bias], [None, _replicated(weight), _replicated(bias)])
+        return Sharding(inputs=inputs, outputs=(x.layout, stats, stats))
     xt = _norm_input(x, len(normalized_shape))
     inputs = _specs_inputs([x, weight, bias], [xt, _replicated(weight), _replicated(bias)])
     return Sharding(inputs=inputs, outputs=(xt, xt, xt))
@@ -198,9 +207,33 @@ def layer_norm_rule(call: OpCall) -> Sharding:
 def fused_rms_norm_rule(call: OpCall) -> Sharding:
     """``_fused_rms_norm(x, [H], w, eps)`` -> (out, rstd): as layer norm, without mean/bias."""
     x, normalized_shape, weight = call.args[:3]
+    stats = _stats_in_place(x, len(normalized_shape))
+    if stats is not None:
+        inputs = _specs_inputs([x, weight], [None, _replicated(weight)])
+        return Sharding(inputs=inputs, outputs=(x.layout, stats))
     xt = _norm_input(x, len(normalized_shape))
     inputs = _specs_inputs([x, weight], [xt, _replicated(weight)])
     return Sharding(inputs=inputs, outputs=(xt, xt))
+
+
+def _stats_in_place(x: ArgSpec, normalized_ndim: int):
+    """The layout of a norm's per-token statistics (mean, rstd) when ``x`` has a layout with no
+    placement form and its normalized dims whole and innermost in every piece: each device
+    normalizes its own tokens, the output keeps ``x``'s layout (``specs.reduced_in_place``)."""
+    return reduced_in_place(x, list(range(x.ndim - normalized_ndim, x.ndim)))
+
+
+def _backward_in_place(x: ArgSpec, normalized_ndim: int):
+    """(statistics layout, weight / bias gradient placements) of a norm backward over ``x``
+    with a layout with no placement form (``_stats_in_place``): the input gradient keeps ``x``'s
+    layout, the parameter gradients are pending sums over the axes that split the tokens (each
+    device sums its own) and replicated over the others. (None, None) otherwise, and for a layout
+    with an offset (devices that hold nothing: left to the placement path)."""
+    stats = _stats_in_place(x, normalized_ndim)
+    if stats is None or x.layout.offset:
+        return None, None
+    dealt = dealing_axes(x.layout)
+    return stats, tuple(Partial("sum") if axis in dealt else Replicate() for axis in x.mesh.axis_names)
 
 
 def _backward_placements(grad: ArgSpec, x: ArgSpec, normalized_ndim: int):
@@ -219,6 +252,11 @@ def layer_norm_backward_rule(call: OpCall) -> Sharding:
     """``x`` (B, S, H) ``[Shard(1)]``: grad_input ``[Shard(1)]``; grad_weight and grad_bias (H,)
     ``[Partial("sum")]``."""
     grad, x, normalized_shape, mean, rstd, weight, bias = call.args[:7]
+    stats, param = _backward_in_place(x, len(normalized_shape))
+    if stats is not None:
+        values = [grad, x, mean, rstd, weight, bias]
+        inputs = _specs_inputs(values, [x.layout, None, stats, stats, _replicated(weight), _replicated(bias)])
+        return Sharding(inputs=inputs, outputs=(x.layout, param, param))
     xt, gt, param = _backward_placements(grad, x, len(normalized_shape))
     values = [grad, x, mean, rstd, weight, bias]
     inputs = _specs_inputs(values, [gt, xt, xt, xt, _replicated(weight), _replicated(bias)])
@@ -253,6 +291,10 @@ def _fused_rms_norm_backward_local(call, grad, x, normalized_shape, rstd, weight
 @register(aten._fused_rms_norm_backward.default)
 def fused_rms_norm_backward_rule(call: OpCall) -> Sharding:
     grad, x, normalized_shape, rstd, weight = call.args[:5]
+    stats, param = _backward_in_place(x, len(normalized_shape))
+    if stats is not None:
+        inputs = _specs_inputs([grad, x, rstd, weight], [x.layout, None, stats, _replicated(weight)])
+        return Sharding(inputs=inputs, outputs=(x.layout, param), local=_fused_rms_norm_backward_local)
     xt, gt, param = _backward_placements(grad, x, len(normalized_shape))
     inputs = _specs_inputs([grad, x, rstd, weight], [gt, xt, xt, _replicated(weight)])
     return Sharding(inputs=inputs, outputs=(gt, param), local=_fused_rms_norm_backward_local)

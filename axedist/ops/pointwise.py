@@ -33,6 +33,7 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
+from .specs import reduced_in_place
 from .tensor_ops import placements_of, unshard, without_partial
 
 aten = torch.ops.aten
@@ -203,9 +204,31 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     def sliced(s) -> bool:  # a replicated full-shape operand, taken as the main's layout locally
         return s is not main and s.shape == main.shape and s.is_replicated() and not _replicated_scalar(s)
 
+    def per_row(s) -> bool:
+        """A layout-only operand of main's leading dims and size 1 in its trailing ones, laid out
+        as main's pieces leave those leading dims (a norm's rstd, ``x.pow(2).mean(-1, keepdim=True)``:
+        ``specs.reduced_in_place``): each piece broadcasts its own rows locally."""
+        if s is main or s.ndim != main.ndim or _form(s) is not None or s.reduce_op or s.spec is None:
+            return False
+        trailing = 0
+        while trailing < s.ndim and s.shape[s.ndim - 1 - trailing] == 1 != main.shape[s.ndim - 1 - trailing]:
+            trailing += 1
+        if not trailing or s.shape[:s.ndim - trailing] != main.shape[:s.ndim - trailing]:
+            return False
+        return (s.spec.padded == s.spec.shape and not s.spec.true_index
+                and reduced_in_place(main, list(range(s.ndim - trailing, s.ndim))) == s.layout)
+
+    def per_column(s) -> bool:
+        """A replicated operand of main's trailing dims (a norm's weight), which main's pieces hold
+        whole and innermost: each piece broadcasts it over its own rows."""
+        if s is main or not s.is_replicated() or _replicated_scalar(s) or not 0 < s.ndim < main.ndim \
+                or s.shape != main.shape[main.ndim - s.ndim:]:
+            return False
+        return reduced_in_place(main, list(range(main.ndim - s.ndim, main.ndim))) is not None
+
     if main is not None and (anchor is None or anchor is main) and all(
             s is main or (s.shape == main.shape and whole(s) == whole(main) and not s.reduce_op)
-            or _replicated_scalar(s) or sliced(s) for s in specs):
+            or _replicated_scalar(s) or sliced(s) or per_row(s) or per_column(s) for s in specs):
         return Sharding(inputs=[whole(main) if sliced(s) else None for s in specs], outputs=whole(main))
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:

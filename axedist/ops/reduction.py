@@ -31,6 +31,7 @@ from torch.distributed.tensor import Partial, Replicate
 from ..runtime.carriers import all_reduce_
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import dim_range
+from .specs import pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, without_partial
 
 aten = torch.ops.aten
@@ -66,7 +67,20 @@ class _Plan:
         """``pending``: the Partial op that combines local results over a sharded reduced dim
         (None: a local function all-reduces them). ``keeps``: the input's pending reductions
         that may stay pending (default: those the reduction commutes with). ``exact_shards``:
-        the local function needs plain ``Shard`` pieces (it computes global indices)."""
+        the local function needs plain ``Shard`` pieces (it computes global indices).
+
+        A layout with no placement form whose reduced dims are its whole, innermost local ones
+        (``specs.reduced_in_place``) is reduced where it is: ``target`` None (taken as it is),
+        ``out`` the layout of the rest, nothing to combine."""
+        kept = reduced_in_place(x, dims) if dims else None
+        if kept is not None:
+            self.target, self.out, self.comm_axes, self.sharded = None, kept, [], False
+            return
+        # ... and over all its dims, where the pieces combine by a pending op: each reduces its own
+        whole = pending_in_place(x, pending) if pending and x.ndim and dims == list(range(x.ndim)) else None
+        if whole is not None:
+            self.target, self.out, self.comm_axes, self.sharded = None, whole, [], True
+            return
         places = placements_of(x)
         keeps = _KEEPS.get(pending, ()) if keeps is None else keeps
         reduces_sharded = any(shard_dim(p, x.ndim) in dims for p in places)

@@ -14,10 +14,11 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..caches import cached
-from ..layout import MEMORY_AXIS, Layout, LayoutError
+from ..layout import MEMORY_AXIS, Layout, LayoutError, without_inner_dims
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
-__all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none"]
+__all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "reduced_in_place",
+           "dealing_axes", "pending_in_place"]
 
 
 @cached(maxsize=4096)
@@ -78,3 +79,42 @@ def placements_or_none(spec):
         return placements_of(spec)
     except LayoutError:
         return None
+
+
+def reduced_in_place(x, dims) -> Layout | None:
+    """The layout of what an op that reduces ``x`` (an ``ArgSpec``) over ``dims`` leaves when
+    every device reduces its own piece: for a layout with no placement form (placements would
+    gather it) whose ``dims`` are its last ones, whole and innermost in every piece
+    (``layout.without_inner_dims``), with no padding and nothing pending. None otherwise: the
+    rule's placement strategies apply.
+
+    The rows of ``h.view(B*S, H)`` for ``h`` (B, S, H) in ``[Shard(1)]``, summed over dim 1:
+    each device sums its own rows, the (B*S,) result keeps their map; no data moves."""
+    spec = getattr(x, "spec", None)
+    dims = sorted(d % max(x.ndim, 1) for d in dims)
+    if (x.placements is not None or x.reduce_op or spec is None or spec.padded != spec.shape
+            or spec.true_index or dims != list(range(x.ndim - len(dims), x.ndim))):
+        return None
+    return without_inner_dims(x.layout, x.shape, len(dims))
+
+
+def dealing_axes(layout: Layout) -> set[str]:
+    """The mesh axes a layout splits its elements over (the others replicate or offset them)."""
+    return {it.axis for it in layout.shard if it.axis != MEMORY_AXIS}
+
+
+def pending_in_place(x, op: str):
+    """The placements of a reduction of every element of ``x`` (an ``ArgSpec`` with a layout with
+    no placement form, no padding, nothing pending) that each device runs over its own piece:
+    ``Partial(op)`` over the axes that split the elements, ``Replicate`` over the others (their
+    devices hold the same pieces). None where an axis both splits and replicates them."""
+    spec = getattr(x, "spec", None)
+    if x.placements is not None or x.reduce_op or spec is None or spec.padded != spec.shape or spec.true_index:
+        return None
+    from torch.distributed.tensor import Partial, Replicate
+
+    dealt = dealing_axes(x.layout)
+    if dealt & {it.axis for it in x.layout.replica}:
+        return None
+    return tuple(Partial(op) if axis in dealt else Replicate() for axis in x.mesh.axis_names)
+

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..layout import Iter, Layout, LayoutError, row_major_memory
+from ..layout import Iter, Layout, LayoutError, row_major_memory, with_inner_dims
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
 from .specs import expected_local_shape, local_shape_of, spec_of
@@ -193,6 +193,28 @@ def permute(call: OpCall) -> Sharding:
     return Sharding(inputs=[full], outputs=full)
 
 
+def _per_row_way(spec: ArgSpec, new: tuple) -> Sharding | None:
+    """``expand`` of a layout with no placement form over its trailing size-1 dims only (a
+    reduction's gradient, ``mean(-1, keepdim=True)``'s backward): each piece expands its own
+    rows, the output keeps their map with the new dims whole and innermost
+    (``layout.with_inner_dims``). None otherwise."""
+    s = spec.spec
+    if spec.placements is not None or spec.reduce_op or s is None or s.padded != s.shape or s.true_index \
+            or len(new) != spec.ndim:
+        return None
+    first = next((d for d in range(spec.ndim) if spec.shape[d] != new[d]), spec.ndim)
+    if first == spec.ndim or any(spec.shape[d] != 1 for d in range(first, spec.ndim)):
+        return None
+    out = with_inner_dims(spec.layout, spec.shape[:first], new[first:])
+    if out is None:
+        return None
+
+    def local(call_, x, *args, **kwargs):
+        return x.expand(*x.shape[:first], *new[first:])
+
+    return Sharding(inputs=[None], outputs=out, local=local)
+
+
 @register(aten.expand.default)
 def expand(call: OpCall) -> Sharding:
     """Broadcast dims (extent 1 -> n) are replicated; the others keep their shards."""
@@ -200,6 +222,9 @@ def expand(call: OpCall) -> Sharding:
     new = _out_shape(call)
     mesh = call.mesh
     lead = len(new) - spec.ndim
+    per_row = _per_row_way(spec, new)
+    if per_row is not None:
+        return per_row
     if spec.placements is None:
         full = (Replicate(),) * mesh.ndim
         want, out = full, full

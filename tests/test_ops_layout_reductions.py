@@ -1,0 +1,155 @@
+"""Reductions, softmax and norms of tensors whose layout has no placement form, run where they are.
+
+The rows of ``h.view(B*S, H)`` for ``h`` (B, S, H) in ``[Shard(1)]`` (blocks of rows per batch),
+rows dealt round-robin in pairs, and the same rows replicated over a second mesh axis: the op
+reduces the whole, innermost dims of each piece, so each device reduces its own rows and the
+output keeps their map (``specs.reduced_in_place``); a reduction of every element leaves a
+pending reduction over the dealing axes (``specs.pending_in_place``). Every op against torch on
+the full tensor, forward and backward (input, weight and bias gradients), on fresh random inputs;
+the forward runs no collective. A layout whose reduced dim is split over devices still gives
+torch's values (by the placement path).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from axedist.dtensor import distribute
+from axedist.layout import Layout, LayoutError
+from axedist.mesh import DeviceMesh
+from axedist.testing import run_on_ranks
+
+H = 6
+
+# name -> (f(x, weight, bias), keeps a layout (False: every element reduced, a pending op))
+OPS = {
+    "sum": (lambda t, w, b: t.sum(-1), True),
+    "mean keepdim": (lambda t, w, b: t.mean(-1, keepdim=True), True),
+    "amax": (lambda t, w, b: t.amax(-1), True),
+    "var": (lambda t, w, b: t.var(-1), True),
+    "logsumexp": (lambda t, w, b: torch.logsumexp(t, -1), True),
+    "max values": (lambda t, w, b: t.max(-1).values, True),
+    "softmax": (lambda t, w, b: torch.softmax(t, -1), True),
+    "log_softmax": (lambda t, w, b: torch.log_softmax(t, -1), True),
+    "layer_norm": (lambda t, w, b: F.layer_norm(t, (H,), w, b), True),
+    "rms_norm": (lambda t, w, b: F.rms_norm(t, (H,), w, 1e-6), True),
+    "rms by hand": (lambda t, w, b: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w, True),
+    "sum of all": (lambda t, w, b: t.sum(), False),
+    "mean of all": (lambda t, w, b: t.mean(), False),
+    "amax of all": (lambda t, w, b: t.amax(), False),
+}
+
+
+def _layouts(world):
+    """(label, mesh, make(x) -> DTensor of the [M, H] rows, M) of each row layout."""
+    mesh = DeviceMesh("cpu", (world,))
+    seq = 2 * world
+
+    def flattened(x, mesh=mesh):  # (3, seq, H) in [Shard(1)], viewed as rows
+        return distribute(x.view(3, seq, H), mesh, [Shard(1)]).view(3 * seq, H)
+
+    pairs = 3
+    dealt = Layout.parse(f"S[({pairs},{world},2,{H}):({2 * H},1@gpuid,{H},1)]")
+
+    def round_robin(x, mesh=mesh):  # rows round-robin in pairs
+        return distribute(x, mesh, dealt)
+
+    out = [("flattened sequence shards", mesh, flattened, 3 * seq),
+           ("rows round-robin in pairs", mesh, round_robin, pairs * world * 2)]
+    if world == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+
+        def replicated_over_dp(x, grid=grid):  # sequence shards over tp, the same rows on both dp
+            return distribute(x.view(3, 4, H), grid, [Replicate(), Shard(1)]).view(12, H)
+
+        out.append(("replicated over a second axis", grid, replicated_over_dp, 12))
+    return out
+
+
+def _reductions_in_place(rank, world, seed):
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        for name, (f, keeps_layout) in OPS.items():
+            x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
+            w = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+            b = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+            dx = make(x)
+            with pytest.raises(LayoutError):
+                dx.placements  # the rows have no placement form
+            replicated = [Replicate()] * mesh.ndim
+            dw, db = distribute(w, mesh, replicated), distribute(b, mesh, replicated)
+            with count_collectives() as seen:
+                y = f(dx, dw, db)
+            want = f(x, w, b)
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
+            if keeps_layout:
+                try:
+                    failures.append(f"{label} {name}: gathered to {y.placements}")
+                except LayoutError:
+                    pass
+            else:
+                dealt = {axis for axis, p in zip(mesh.axis_names, y.placements) if isinstance(p, Partial)}
+                if not dealt or not all(isinstance(p, (Partial, Replicate)) for p in y.placements):
+                    failures.append(f"{label} {name}: {y.placements}, not a pending reduction")
+            if not torch.allclose(y.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (y.full_tensor() * up).sum().backward()
+            got = [t.grad.clone() if t.grad is not None else None for t in (x, w, b)]
+            for t in (x, w, b):
+                t.grad = None
+            (want * up).sum().backward()
+            for which, mine, theirs in zip(("x", "weight", "bias"), got, (x.grad, w.grad, b.grad)):
+                if (mine is None) != (theirs is None) or (mine is not None and not torch.allclose(mine, theirs)):
+                    failures.append(f"{label} {name}: the {which} gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reductions_and_norms_run_where_a_layout_without_placements_is(world):
+    results = run_on_ranks(_reductions_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
+    assert results == [[]] * world, results[0]
+
+
+def _split_reduced_dim(rank, world, seed):
+    """Columns dealt round-robin (the reduced dim split over devices): not reduced in place, but
+    torch's values and gradients all the same."""
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    cols = 2 * world * 2
+    x = torch.randn(5, cols, generator=g, dtype=torch.float64, requires_grad=True)
+    dealt = Layout.parse(f"S[(5,2,{world},2):({cols // world},2,1@gpuid,1)]")
+    for f in (lambda t: t.sum(-1), lambda t: torch.softmax(t, -1), lambda t: F.layer_norm(t, (cols,))):
+        y = f(distribute(x, mesh, dealt))
+        want = f(x)
+        assert torch.allclose(y.full_tensor(), want)
+        up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        (y.full_tensor() * up).sum().backward()
+        mine, x.grad = x.grad.clone(), None
+        (want * up).sum().backward()
+        assert torch.allclose(mine, x.grad)
+        x.grad = None
+    return True
+
+
+def test_a_split_reduced_dim_still_matches_torch():
+    assert run_on_ranks(_split_reduced_dim, 2, args=(random.randrange(10**6),)) == [True, True]
+
+
+def test_the_layout_helpers_invert_each_other():
+    from axedist.layout import with_inner_dims, without_inner_dims
+    rows = Layout.parse("S[(2,2,2):(2,1@gpuid,1)]")
+    full = with_inner_dims(rows, (8,), (6,))
+    assert full == Layout.parse("S[(2,2,2,6):(12,1@gpuid,6,1)]")
+    assert without_inner_dims(full, (8, 6), 1) == rows
+    assert without_inner_dims(with_inner_dims(rows, (8,), (2, 3)), (8, 2, 3), 2) == rows
+    # the reduced dim split over devices, or not innermost: no in-place reduction
+    assert without_inner_dims(Layout.parse("S[(8,2,3):(3,1@gpuid,1)]"), (8, 6), 1) is None
+    assert without_inner_dims(Layout.parse("S[(6,8):(1,6)]"), (6, 8), 1) is None
