@@ -153,3 +153,47 @@ def test_the_layout_helpers_invert_each_other():
     # the reduced dim split over devices, or not innermost: no in-place reduction
     assert without_inner_dims(Layout.parse("S[(8,2,3):(3,1@gpuid,1)]"), (8, 6), 1) is None
     assert without_inner_dims(Layout.parse("S[(6,8):(1,6)]"), (6, 8), 1) is None
+
+
+def _fused_rms_norm_in_place(rank, world, seed):
+    """The aten ops ``F.rms_norm`` reaches on CUDA (``_fused_rms_norm`` and its backward), handed
+    to the dispatcher as CUDA would hand them, on rows with no placement form: no collective, the
+    output and the input gradient keep the rows' map, the weight gradient is a pending sum over
+    the dealing axis; values as torch's on whole tensors."""
+    from axedist.dtensor import DTensor
+    from axedist.runtime import count_collectives
+
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        x_full = torch.randn(rows, H, generator=g, dtype=torch.float64)
+        w_full = torch.randn(H, generator=g, dtype=torch.float64)
+        up = torch.randn(rows, H, generator=g, dtype=torch.float64)
+        x_ref, w_ref = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+        F.rms_norm(x_ref, (H,), w_ref, 1e-6).backward(up)
+        x, w = make(x_full), distribute(w_full, mesh, [Replicate()] * mesh.ndim)
+        replicated_up = distribute(up, mesh, [Replicate()] * mesh.ndim)
+        with count_collectives() as seen:
+            y, rstd = DTensor.dispatcher.dispatch(aten._fused_rms_norm.default, (x, [H], w, 1e-6), {})
+            # the output gradient laid out as the output (the replicated one sliced: no data moves)
+            grad = DTensor.dispatcher.dispatch(aten.mul.Tensor, (replicated_up, torch.ones_like(y)), {})
+            gx, gw = DTensor.dispatcher.dispatch(aten._fused_rms_norm_backward.default,
+                                                 (grad, x, [H], rstd, w, [True, True]), {})
+        if seen.calls:
+            failures.append(f"{label}: {seen.calls} collectives")
+        if y.axe_layout != x.axe_layout or gx.axe_layout != x.axe_layout:
+            failures.append(f"{label}: output {y.axe_layout} / input gradient {gx.axe_layout}, rows {x.axe_layout}")
+        if not any(isinstance(p, Partial) for p in gw.placements):
+            failures.append(f"{label}: weight gradient {gw.placements}, not a pending sum")
+        for name, mine, want in (("out", y, F.rms_norm(x_full, (H,), w_full, 1e-6)), ("grad input", gx, x_ref.grad),
+                                 ("grad weight", gw, w_ref.grad)):
+            if not torch.allclose(mine.full_tensor(), want):
+                failures.append(f"{label}: {name} differs from torch")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_rms_norm_runs_where_a_layout_without_placements_is(world):
+    results = run_on_ranks(_fused_rms_norm_in_place, world, args=(random.randrange(10**6),))
+    assert results == [[]] * world, results[0]
