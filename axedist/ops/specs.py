@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..caches import cached
@@ -111,8 +111,6 @@ def pending_in_place(x, op: str):
     spec = getattr(x, "spec", None)
     if x.placements is not None or x.reduce_op or spec is None or spec.padded != spec.shape or spec.true_index:
         return None
-    from torch.distributed.tensor import Partial, Replicate
-
     dealt = dealing_axes(x.layout)
     if dealt & {it.axis for it in x.layout.replica}:
         return None
