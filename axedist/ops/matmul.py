@@ -43,6 +43,7 @@ from ..tracing import may_defer
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
+from .specs import padded
 
 aten = torch.ops.aten
 
@@ -90,7 +91,7 @@ def _rows_layout_way(a: ArgSpec, b: ArgSpec, n: int):
     padding, a pending sum): then the placement strategies (which move ``a``) apply."""
     spec = a.spec
     if (a.placements is not None or b.placements is None or not b.is_replicated() or a.reduce_op
-            or spec is None or spec.padded != spec.shape or spec.true_index):
+            or padded(a)):
         return None
     rows = one_dim_iters(a.layout, spec.shape, 0)
     if rows is None:
@@ -112,8 +113,8 @@ def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
     that does not hold (``b``'s rows split over devices or not outermost locally, padding, a
     pending sum): then the placement strategies (which move ``b``) apply."""
     spec = b.spec
-    if (b.placements is not None or not a.is_replicated() or b.reduce_op or spec is None
-            or spec.padded != spec.shape or spec.true_index or (a.spec is not None and a.spec.padded != a.spec.shape)):
+    if (b.placements is not None or not a.is_replicated() or b.reduce_op or padded(b)
+            or (a.spec is not None and a.spec.padded != a.spec.shape)):
         return None
     cols = one_dim_iters(b.layout, spec.shape, 1)
     if cols is None:
@@ -138,26 +139,22 @@ def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
         return None
     summed = (Partial("sum"),) * mesh.ndim
     if dealt_a is None:  # a replicated: its columns sliced as b's rows are dealt
-        if not a.is_replicated() or _padded(a):
+        if not a.is_replicated() or padded(a):
             return None
         local_k = math.prod(it.extent for it in dealt_b if it.axis == MEMORY_AXIS)
         return Sharding(inputs=[Layout([Iter(m, local_k), *dealt_b]), None], outputs=summed)
     if dealt_b is None:  # b replicated: its rows sliced as a's columns are dealt
-        if not b.is_replicated() or _padded(b):
+        if not b.is_replicated() or padded(b):
             return None
         return Sharding(inputs=[None, Layout([*_memory_times(dealt_a, n), Iter(n, 1)])], outputs=summed)
     return Sharding(inputs=[None, None], outputs=summed) if dealt_a == dealt_b else None
-
-
-def _padded(arg: ArgSpec) -> bool:
-    return arg.spec is None or arg.spec.padded != arg.spec.shape or bool(arg.spec.true_index)
 
 
 def _dealt_dim(arg: ArgSpec, dim: int, mesh):
     """``one_dim_iters`` of dim ``dim`` of a 2-D operand when only that dim is split over the
     devices, every mesh axis once over its whole extent (each device a distinct slice); None
     otherwise."""
-    if arg.reduce_op or _padded(arg) or arg.layout.replica or arg.layout.offset:
+    if arg.reduce_op or padded(arg) or arg.layout.replica or arg.layout.offset:
         return None
     iters = one_dim_iters(arg.layout, arg.shape, dim)
     if iters is None:

@@ -29,7 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..runtime.carriers import all_reduce_
 from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
-from .specs import dealing_axes, reduced_in_place
+from .specs import pending_in_place, reduced_in_place
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
@@ -227,13 +227,12 @@ def _backward_in_place(x: ArgSpec, normalized_ndim: int):
     """(statistics layout, weight / bias gradient placements) of a norm backward over ``x``
     with a layout with no placement form (``_stats_in_place``): the input gradient keeps ``x``'s
     layout, the parameter gradients are pending sums over the axes that split the tokens (each
-    device sums its own) and replicated over the others. (None, None) otherwise, and for a layout
-    with an offset (devices that hold nothing: left to the placement path)."""
+    device sums its own) and replicated over the others (``specs.pending_in_place``). (None, None)
+    otherwise, and for a layout with an offset (devices that hold nothing: left to the placement
+    path)."""
     stats = _stats_in_place(x, normalized_ndim)
-    if stats is None or x.layout.offset:
-        return None, None
-    dealt = dealing_axes(x.layout)
-    return stats, tuple(Partial("sum") if axis in dealt else Replicate() for axis in x.mesh.axis_names)
+    param = pending_in_place(x, "sum") if stats is not None and not x.layout.offset else None
+    return (stats, param) if param is not None else (None, None)
 
 
 def _backward_placements(grad: ArgSpec, x: ArgSpec, normalized_ndim: int):

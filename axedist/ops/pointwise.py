@@ -33,7 +33,7 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .specs import reduced_in_place
+from .specs import padded, reduced_in_place
 from .tensor_ops import placements_of, unshard, without_partial
 
 aten = torch.ops.aten
@@ -208,15 +208,14 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         """A layout-only operand of main's leading dims and size 1 in its trailing ones, laid out
         as main's pieces leave those leading dims (a norm's rstd, ``x.pow(2).mean(-1, keepdim=True)``:
         ``specs.reduced_in_place``): each piece broadcasts its own rows locally."""
-        if s is main or s.ndim != main.ndim or _form(s) is not None or s.reduce_op or s.spec is None:
+        if s is main or s.ndim != main.ndim or _form(s) is not None or s.reduce_op or padded(s):
             return False
         trailing = 0
         while trailing < s.ndim and s.shape[s.ndim - 1 - trailing] == 1 != main.shape[s.ndim - 1 - trailing]:
             trailing += 1
         if not trailing or s.shape[:s.ndim - trailing] != main.shape[:s.ndim - trailing]:
             return False
-        return (s.spec.padded == s.spec.shape and not s.spec.true_index
-                and reduced_in_place(main, list(range(s.ndim - trailing, s.ndim))) == s.layout)
+        return reduced_in_place(main, list(range(s.ndim - trailing, s.ndim))) == s.layout
 
     def per_column(s) -> bool:
         """A replicated operand of main's trailing dims (a norm's weight), which main's pieces hold

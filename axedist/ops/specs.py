@@ -17,7 +17,7 @@ from ..caches import cached
 from ..layout import MEMORY_AXIS, Layout, LayoutError, without_inner_dims
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
-__all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "reduced_in_place",
+__all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "padded", "reduced_in_place",
            "dealing_axes", "pending_in_place"]
 
 
@@ -81,6 +81,19 @@ def placements_or_none(spec):
         return None
 
 
+def padded(x) -> bool:
+    """Whether an ``ArgSpec``'s local pieces may hold more than its elements: its full spec is
+    unknown, or pads its shape, or maps indices (``true_index``). The layout ways of the op rules
+    (each device computing on its own piece as it is) take only unpadded ones."""
+    spec = getattr(x, "spec", None)
+    return spec is None or spec.padded != spec.shape or bool(spec.true_index)
+
+
+def _layout_only(x) -> bool:
+    """A layout with no placement form, unpadded, nothing pending."""
+    return x.placements is None and not x.reduce_op and not padded(x)
+
+
 def reduced_in_place(x, dims) -> Layout | None:
     """The layout of what an op that reduces ``x`` (an ``ArgSpec``) over ``dims`` leaves when
     every device reduces its own piece: for a layout with no placement form (placements would
@@ -90,10 +103,8 @@ def reduced_in_place(x, dims) -> Layout | None:
 
     The rows of ``h.view(B*S, H)`` for ``h`` (B, S, H) in ``[Shard(1)]``, summed over dim 1:
     each device sums its own rows, the (B*S,) result keeps their map; no data moves."""
-    spec = getattr(x, "spec", None)
     dims = sorted(d % max(x.ndim, 1) for d in dims)
-    if (x.placements is not None or x.reduce_op or spec is None or spec.padded != spec.shape
-            or spec.true_index or dims != list(range(x.ndim - len(dims), x.ndim))):
+    if not _layout_only(x) or dims != list(range(x.ndim - len(dims), x.ndim)):
         return None
     return without_inner_dims(x.layout, x.shape, len(dims))
 
@@ -108,8 +119,7 @@ def pending_in_place(x, op: str):
     no placement form, no padding, nothing pending) that each device runs over its own piece:
     ``Partial(op)`` over the axes that split the elements, ``Replicate`` over the others (their
     devices hold the same pieces). None where an axis both splits and replicates them."""
-    spec = getattr(x, "spec", None)
-    if x.placements is not None or x.reduce_op or spec is None or spec.padded != spec.shape or spec.true_index:
+    if not _layout_only(x):
         return None
     dealt = dealing_axes(x.layout)
     if dealt & {it.axis for it in x.layout.replica}:

@@ -24,7 +24,7 @@ import torch
 from ..layout import Iter, Layout, LayoutError, row_major_memory, with_inner_dims
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
-from .specs import expected_local_shape, local_shape_of, spec_of
+from .specs import expected_local_shape, local_shape_of, padded, spec_of
 
 aten = torch.ops.aten
 
@@ -198,9 +198,7 @@ def _per_row_way(spec: ArgSpec, new: tuple) -> Sharding | None:
     reduction's gradient, ``mean(-1, keepdim=True)``'s backward): each piece expands its own
     rows, the output keeps their map with the new dims whole and innermost
     (``layout.with_inner_dims``). None otherwise."""
-    s = spec.spec
-    if spec.placements is not None or spec.reduce_op or s is None or s.padded != s.shape or s.true_index \
-            or len(new) != spec.ndim:
+    if spec.placements is not None or spec.reduce_op or padded(spec) or len(new) != spec.ndim:
         return None
     first = next((d for d in range(spec.ndim) if spec.shape[d] != new[d]), spec.ndim)
     if first == spec.ndim or any(spec.shape[d] != 1 for d in range(first, spec.ndim)):

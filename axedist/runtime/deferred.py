@@ -425,9 +425,9 @@ def fused_choice(spec: DTensorSpec, pending, dst: DTensorSpec) -> FusedStep | No
         return step(False, f"process-group order differs from mesh axis {axis}'s order")
     from ..collectives import plan_gemm_all_reduce, plan_gemm_reduce_scatter
 
+    planner = plan_gemm_reduce_scatter if collective == "reduce-scatter" else plan_gemm_all_reduce
     try:
-        gemm = (plan_gemm_reduce_scatter(a, b, group, backend=fused_backend()) if collective == "reduce-scatter"
-                else plan_gemm_all_reduce(a, b, group, backend=fused_backend()))
+        gemm = planner(a, b, group, backend=fused_backend())
     except ValueError as e:
         return step(False, str(e))
     return step(gemm.backend != "torch", gemm.reason, gemm)
