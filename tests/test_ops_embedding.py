@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import distribute
+from axedist.layout import Layout
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 from tests.ops_cases import MESHES
@@ -123,3 +124,64 @@ def _bad_index_case(rank, world_size):
 def test_embedding_index_out_of_range_is_a_clear_error():
     messages = run_on_ranks(_bad_index_case, 2)
     assert all("index 5 is out of range for a vocabulary of 5 rows" in m for m in messages), messages
+
+
+def _dealt_vocab_layouts(world_size):
+    """(label, mesh, layout of a (vocab, D) weight, vocab, D) whose rows no placement can say."""
+    line = DeviceMesh("cpu", (world_size,))
+    out = [("rows round-robin in pairs", line, Layout.parse(f"S[(3,{world_size},2,5):(10,1@gpuid,5,1)]"),
+            3 * world_size * 2, 5),
+           ("blocks of 3 in reverse device order", line,
+            Layout.parse(f"S[({world_size},3,4):(-1@gpuid,4,1)] + {world_size - 1}@gpuid"), world_size * 3, 4)]
+    if world_size == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+        out.append(("pairs round-robin over tp, replicated over dp", grid,
+                    Layout.parse("S[(2,2,2,3):(6,1@tp,3,1)] + R[2:1@dp]"), 8, 3))
+    return out
+
+
+def _dealt_vocab_case(rank, world_size, seed):
+    """Each rank looks its own rows up and the output is a pending sum: no collective in the
+    forward; values and the weight gradient equal torch's (padding index and scaled grads too)."""
+    from axedist.layout import LayoutError
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, layout, vocab, dim in _dealt_vocab_layouts(world_size):
+        for pad, scale in ((None, False), (int(torch.randint(0, vocab, (1,), generator=g)), True)):
+            weight = torch.randn(vocab, dim, dtype=torch.float64, generator=g)
+            indices = torch.randint(0, vocab, (3, 7), generator=g)
+            grad = torch.randn(3, 7, dim, dtype=torch.float64, generator=g)
+            reference = weight.clone().requires_grad_()
+            want = F.embedding(indices, reference, padding_idx=pad, scale_grad_by_freq=scale)
+            want.backward(grad)
+            w = distribute(weight, mesh, layout).requires_grad_()
+            try:
+                w.placements
+                failures.append(f"{label}: the weight has a placement form")
+            except LayoutError:
+                pass
+            i = distribute(indices, mesh, [Replicate()] * mesh.ndim)
+            with count_collectives() as seen:
+                out = F.embedding(i, w, padding_idx=pad, scale_grad_by_freq=scale)
+            what = f"{label}, padding {pad}, scale {scale}"
+            if seen.calls:
+                failures.append(f"{what}: {seen.calls} collectives in the forward")
+            dealt = {it.axis for it in layout.shard if it.axis != "m"}
+            want_placements = tuple(Partial("sum") if a in dealt else Replicate() for a in mesh.axis_names)
+            if out.placements != want_placements:
+                failures.append(f"{what}: output {out.placements}, not {want_placements}")
+            if not torch.allclose(out.full_tensor(), want.detach()):
+                failures.append(f"{what}: values differ from torch")
+            out.backward(distribute(grad, mesh, [Replicate()] * mesh.ndim))
+            if not torch.allclose(w.grad.full_tensor(), reference.grad):
+                failures.append(f"{what}: the weight gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_embedding_of_rows_dealt_by_a_layout_without_placements(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    results = run_on_ranks(_dealt_vocab_case, world_size, args=(seed,))
+    assert results == [[]] * world_size, (seed, results[0])

@@ -101,7 +101,16 @@ def _reductions_in_place(rank, world, seed):
             if not torch.allclose(y.full_tensor(), want):
                 failures.append(f"{label} {name}: values differ from torch")
             up = torch.randn(want.shape, generator=g, dtype=torch.float64)
-            (y.full_tensor() * up).sum().backward()
+            whole = y.full_tensor()
+            with count_collectives() as seen:  # from y's gradient to dx's (not distribute's own backward)
+                torch.autograd.grad((whole * up).sum(), dx, retain_graph=True)
+            # a reduction of every element reads its reduced value (and amax its count of maxima) back:
+            # all-reduces of single values; nothing else moves
+            moved = seen.calls if keeps_layout else seen.bytes_sent > 2 * 8 * mesh.size() or any(
+                not kind.startswith("all_reduce") for kind in seen.by_kind)
+            if moved:
+                failures.append(f"{label} {name}: collectives in the backward ({seen})")
+            (whole * up).sum().backward()
             got = [t.grad.clone() if t.grad is not None else None for t in (x, w, b)]
             for t in (x, w, b):
                 t.grad = None
@@ -197,3 +206,112 @@ def _fused_rms_norm_in_place(rank, world, seed):
 def test_fused_rms_norm_runs_where_a_layout_without_placements_is(world):
     results = run_on_ranks(_fused_rms_norm_in_place, world, args=(random.randrange(10**6),))
     assert results == [[]] * world, results[0]
+
+
+def _part_of_the_mesh(rank, world, seed):
+    """Rows dealt in pairs over tp on the dp = 1 devices only: the dp = 0 devices hold nothing, so
+    a reduction of every element is not a pending one over tp replicated over dp (those devices
+    would claim a copy they lack). Every rank reads torch's value; rows keep their map."""
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(8, H, generator=g, dtype=torch.float64)
+    indices = torch.randint(0, 8, (2, 5), generator=g)
+    layout = Layout.parse(f"S[(2,2,2,{H}):({2 * H},1@tp,{H},1)] + 1@dp")
+    dx, dw = distribute(x, mesh, layout), distribute(weight, mesh, layout)
+    failures = []
+    for name, f in (("sum", torch.sum), ("mean", torch.mean), ("amax", torch.amax),
+                    ("row sums", lambda t: t.sum(-1)), ("softmax", lambda t: torch.softmax(t, -1))):
+        if not torch.allclose(f(dx).full_tensor(), f(x)):
+            failures.append(f"{name}: differs from torch on rank {rank}")
+    looked_up = F.embedding(distribute(indices, mesh, [Replicate(), Replicate()]), dw)
+    if not torch.allclose(looked_up.full_tensor(), F.embedding(indices, weight)):
+        failures.append(f"embedding: differs from torch on rank {rank}")
+    return failures
+
+
+def test_a_layout_on_part_of_the_mesh_reduces_to_torchs_values():
+    seed = random.randrange(10**6)
+    results = run_on_ranks(_part_of_the_mesh, 4, args=(seed,))
+    assert results == [[]] * 4, (seed, results)
+
+
+def _row_wise_index_ops(rank, world, seed):
+    """gather / scatter / scatter_add along the last dim of rows with no placement form, with an
+    index laid out as the rows (and a replicated tensor to scatter into, as max's backward has):
+    each device works on its own rows, no collective; values and gradients equal torch's."""
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
+        dx = make(x)
+        index = torch.randint(0, H, (rows, H), generator=g)
+        # the index laid out as the rows: computed from dx by pointwise ops, which keep its layout
+        didx = (dx.detach() * 0).long() + distribute(index, mesh, [Replicate()] * mesh.ndim)
+        base = torch.randn(rows, H, generator=g, dtype=torch.float64)
+        dbase = distribute(base, mesh, [Replicate()] * mesh.ndim)
+        cases = {
+            "gather": (lambda t, i, b: t.gather(-1, i)),
+            "scatter into a replicated tensor": (lambda t, i, b: b.scatter(-1, i, t)),
+            "scatter_add": (lambda t, i, b: b.scatter_add(-1, i, t)),
+        }
+        for name, f in cases.items():
+            with count_collectives() as seen:
+                y = f(dx, didx, dbase)
+            if seen.calls:
+                failures.append(f"{label} {name}: collectives in the forward ({seen})")
+            want = f(x, index, base)
+            if not torch.allclose(y.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (y.full_tensor() * up).sum().backward()
+            mine = x.grad.clone()
+            x.grad = None
+            (want * up).sum().backward()
+            if not torch.allclose(mine, x.grad):
+                failures.append(f"{label} {name}: the gradient differs from torch's")
+            x.grad = None
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_and_scatter_along_rows_without_placements(world):
+    seed = random.randrange(10**6)
+    results = run_on_ranks(_row_wise_index_ops, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, (seed, results[0])
+
+
+def _new_of_the_same_size(rank, world):
+    """``x.new_zeros(x.shape)`` (and the other ``new_*``) is laid out as ``x``, as torch's DTensor
+    does for a sharded ``x``, for placements and for a layout with no placement form; another
+    size, or a pending ``x``, gives a replicated tensor. Values as torch's."""
+    from axedist.dtensor import DTensor
+
+    mesh = DeviceMesh("cpu", (world,))
+    x = torch.randn(4 * world, H, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    dealt = Layout.parse(f"S[(2,{world},2,{H}):({2 * H},1@gpuid,{H},1)]")
+    failures = []
+    for label, dx in (("Shard(0)", distribute(x, mesh, [Shard(0)])), ("dealt rows", distribute(x, mesh, dealt))):
+        made = {"new_zeros": (dx.new_zeros(dx.shape), torch.zeros_like(x)),
+                "new_ones": (dx.new_ones(tuple(dx.shape)), torch.ones_like(x)),
+                "new_full": (dx.new_full(dx.shape, 3.5), torch.full_like(x, 3.5)),
+                "new_empty_strided + copy_": (dx.new_empty_strided(dx.shape, (H, 1)).copy_(dx), x)}
+        for name, (y, want) in made.items():
+            if y._spec.layout != dx._spec.layout:
+                failures.append(f"{label} {name}: laid out as {y._spec.layout}, not as x ({dx._spec.layout})")
+            if y.to_local().shape != dx.to_local().shape or not torch.equal(y.full_tensor(), want):
+                failures.append(f"{label} {name}: local shape {tuple(y.to_local().shape)} or values differ")
+        other = dx.new_zeros((3, H))
+        if other.placements != (Replicate(),) or not torch.equal(other.full_tensor(), torch.zeros(3, H, dtype=x.dtype)):
+            failures.append(f"{label}: new_zeros of another size is {other.placements}")
+    pending = DTensor.from_local(torch.ones(2, 3), mesh, [Partial("sum")])
+    if pending.new_zeros((2, 3)).placements != (Replicate(),):
+        failures.append("a pending x gives a pending new tensor")
+    return failures
+
+
+def test_new_tensor_of_the_same_size_is_laid_out_as_its_input():
+    results = run_on_ranks(_new_of_the_same_size, 2)
+    assert results == [[]] * 2, results[0]

@@ -149,3 +149,122 @@ def _bad_target_case(rank, world_size):
 def test_target_out_of_range_is_a_clear_error():
     messages = run_on_ranks(_bad_target_case, 2)
     assert all("target 7 is out of bounds for 5 classes" in m for m in messages), messages
+
+
+def _dealt_class_layouts(world_size, batch):
+    """(label, mesh, layout of (batch, classes) logits, classes) whose classes are dealt by a layout
+    with no placement form (each row whole on every device that holds any of it)."""
+    from axedist.layout import Layout
+
+    line = DeviceMesh("cpu", (world_size,))
+    out = [("classes round-robin in pairs", line,
+            Layout.parse(f"S[({batch},3,{world_size},2):(6,2,1@gpuid,1)]"), 3 * world_size * 2)]
+    if world_size == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+        out.append(("pairs round-robin over tp, replicated over dp", grid,
+                    Layout.parse(f"S[({batch},3,2,2):(6,2,1@tp,1)] + R[2:1@dp]"), 12))
+        out.append(("pairs round-robin over dp then tp", grid,
+                    Layout.parse(f"S[({batch},2,2,2,2):(4,1@tp,2,1@dp,1)]"), 16))
+    return out
+
+
+def _dealt_classes_case(rank, world_size, seed):
+    """Cross-entropy of logits whose classes a layout deals: the logits are never gathered (the
+    forward and the backward run only all-reduces of one value per row), the loss is a pending
+    sum over the dealing axes; loss and logits' gradient equal torch's for every reduction, with
+    ignored targets and per-class weights."""
+    from axedist.layout import LayoutError
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    batch = 5
+    failures = []
+    for label, mesh, layout, classes in _dealt_class_layouts(world_size, batch):
+        for reduction, weighted in itertools.product(REDUCTIONS, (False, True)):
+            logits = torch.randn(batch, classes, dtype=torch.float64, generator=g, requires_grad=True)
+            target = torch.randint(0, classes, (batch,), generator=g)
+            target[int(torch.randint(0, batch, (1,), generator=g))] = -100
+            weight = torch.rand(classes, dtype=torch.float64, generator=g) + 0.5 if weighted else None
+            want = F.cross_entropy(logits, target, weight=weight, reduction=reduction)
+            whole = [Replicate()] * mesh.ndim
+            dl = distribute(logits.detach(), mesh, layout).requires_grad_()
+            try:
+                dl.placements
+                failures.append(f"{label}: the logits have a placement form")
+            except LayoutError:
+                pass
+            dt = distribute(target, mesh, whole)
+            dw = None if weight is None else distribute(weight, mesh, whole)
+            what = f"{label}, {reduction}, weight {weighted}"
+            with count_collectives() as seen:
+                loss = F.cross_entropy(dl, dt, weight=dw, reduction=reduction)
+            moved = [kind for kind in seen.by_kind if not kind.startswith("all_reduce")]
+            if moved or seen.bytes_sent > 4 * batch * 8 * mesh.size():
+                failures.append(f"{what}: the forward moved more than row statistics ({seen})")
+            if not torch.allclose(loss.full_tensor(), want.detach()):
+                failures.append(f"{what}: loss differs from torch")
+            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
+            with count_collectives() as seen:
+                (grad,) = torch.autograd.grad((loss.full_tensor() * up).sum(), dl)
+            moved = [kind for kind in seen.by_kind if not kind.startswith("all_reduce")]
+            if moved or seen.bytes_sent > 4 * batch * 8 * mesh.size():
+                failures.append(f"{what}: the backward moved more than row statistics ({seen})")
+            (reference,) = torch.autograd.grad((want * up).sum(), logits)
+            if not torch.allclose(grad.full_tensor(), reference):
+                failures.append(f"{what}: the logits' gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cross_entropy_of_classes_dealt_by_a_layout_without_placements(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    results = run_on_ranks(_dealt_classes_case, world_size, args=(seed,), timeout_s=600)
+    assert results == [[]] * world_size, (seed, results[0])
+
+
+def _tied_dealt_vocab_case(rank, world_size, seed):
+    """A tied embedding and output layer whose vocabulary rows are dealt round-robin in pairs (no
+    placement form): lookup, logits ``h @ W.T`` and cross-entropy with all-reduces (the
+    embedding's pending sum, the softmax's row statistics) and never a gather of the weight or
+    the logits; the two weight gradients (the embedding's comes vocab-sharded) meet by a permute or an
+    all-to-all of at most the weight's size.
+    Loss and the weight's gradient equal torch's."""
+    from axedist.layout import Layout
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    mesh = DeviceMesh("cpu", (world_size,))
+    dim, vocab = 4, 3 * world_size * 2
+    layout = Layout.parse(f"S[(3,{world_size},2,{dim}):({2 * dim},1@gpuid,{dim},1)]")
+    weight = torch.randn(vocab, dim, dtype=torch.float64, generator=g, requires_grad=True)
+    tokens = torch.randint(0, vocab, (6,), generator=g)
+    target = torch.randint(0, vocab, (6,), generator=g)
+    want = F.cross_entropy(F.embedding(tokens, weight) @ weight.t(), target)
+    (reference,) = torch.autograd.grad(want, weight)
+    w = distribute(weight.detach(), mesh, layout).requires_grad_()
+    dtokens, dtarget = distribute(tokens, mesh, [Replicate()]), distribute(target, mesh, [Replicate()])
+    with count_collectives() as seen:
+        h = F.embedding(dtokens, w)
+        loss = F.cross_entropy(h @ w.t(), dtarget)
+        (grad,) = torch.autograd.grad(loss, w, torch.ones_like(loss))
+    failures = []
+    # all-reduces (some as reduce-scatter + all-gather) of h and of row statistics; the weight
+    # gradients of the two uses meet in one layout (a permute of at most the weight's size)
+    reduces = ("all_reduce", "reduce_scatter over gpuid + all_gather")
+    exchanges = ("permute", "all_to_all")
+    gathered = [kind for kind in seen.by_kind if not kind.startswith(reduces + exchanges)]
+    permuted = sum(sent for kind, (_, sent) in seen.by_kind.items() if kind.startswith(exchanges))
+    if gathered or permuted > weight.numel() * 8:
+        failures.append(f"moved: {seen}")
+    if not torch.allclose(loss.full_tensor(), want.detach()):
+        failures.append("loss differs from torch")
+    if not torch.allclose(grad.full_tensor(), reference):
+        failures.append("the weight's gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tied_embedding_and_loss_over_a_dealt_vocabulary(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    results = run_on_ranks(_tied_dealt_vocab_case, world_size, args=(seed,), timeout_s=600)
+    assert results == [[]] * world_size, (seed, results[0])

@@ -269,3 +269,75 @@ def test_held_rows_per_dim_equals_the_elementwise_evaluation(seed):
     except LayoutError:
         return  # no per-dim blocks: held_rows is never asked about such a layout
     assert held_rows(layout, shape, rows, mesh) == reference
+
+
+def _brute_local_rows(layout, mesh_spec, shape, spec):
+    """Per position: {dim: {local row: {global indices}}} and the number of elements it holds,
+    from the definition (``scatter``) alone."""
+    import itertools
+
+    values = list(range(math.prod(shape)))
+    buffers = scatter(layout, mesh_spec, values)
+    local = spec.local_padded
+    out = {}
+    for p, device in enumerate(itertools.product(*(range(n) for _, n in mesh_spec))):
+        rows, count = {d: {} for d in range(len(shape))}, 0
+        for m, x in enumerate(buffers[device]):
+            if x is None:
+                continue
+            count += 1
+            for d in range(len(shape)):
+                g = (x // math.prod(shape[d + 1:])) % shape[d]
+                lr = (m // math.prod(local[d + 1:])) % local[d]
+                rows[d].setdefault(lr, set()).add(g)
+        out[p] = rows, count
+    return out
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1))
+def test_held_indices_are_each_positions_rows(seed):
+    """``held_indices``, where it answers, names for every position the global index of each of
+    its local rows per dim, and the position holds exactly their grid (brute force from the
+    definition); it answers for every layout of placements and for block-cyclic ones."""
+    from axedist.layout import LayoutError
+    from axedist.planning.boxes import global_box, held_indices
+    from axedist.spec import make_spec
+
+    rng = random.Random(seed)
+    mesh_spec = rng.choice(MESHES)
+    shape = random_shape(rng, mesh_spec)
+    layout = random_layout(rng, mesh_spec, shape)
+    mesh = StubMesh(mesh_spec)
+    try:
+        spec = make_spec(mesh, layout, tuple(shape))
+    except LayoutError:
+        return  # not a DTensor layout (a local tensor that is not row-major, ...)
+    brute = _brute_local_rows(layout, mesh_spec, shape, spec)
+    for p, (rows, count) in brute.items():
+        held = held_indices(spec, p)
+        if held is None:
+            continue
+        assert count == math.prod(len(index) for index in held), (p, held, count)
+        for d, index in enumerate(held):
+            assert {lr: {g} for lr, g in enumerate(index)} == rows[d] or count == 0, (p, d, index, rows[d])
+        box = global_box(spec, p)
+        if box is not None and count:
+            assert all(index == range(o, o + s) for index, o, s in zip(held, *box)), (p, held, box)
+
+
+def test_held_indices_of_dealt_rows():
+    """Rows dealt round-robin in pairs to 2 devices, and ``[Shard(0)]`` of 10 rows on 4."""
+    from axedist.layout import Layout
+    from axedist.planning.boxes import held_indices
+    from axedist.spec import make_spec, spec_from_placements
+    from torch.distributed.tensor import Shard
+
+    mesh = StubMesh((("gpuid", 2),))
+    spec = make_spec(mesh, Layout.parse("S[(2,2,2,6):(12,1@gpuid,6,1)]"), (8, 6))
+    assert held_indices(spec, 1) == ((2, 3, 6, 7), range(0, 6))
+    assert held_indices(spec, 0) == ((0, 1, 4, 5), range(0, 6))
+    line = StubMesh((("gpuid", 4),))
+    line.ndim = 1
+    chunks = spec_from_placements((10, 3), line, (Shard(0),))
+    assert [held_indices(chunks, p)[0] for p in range(4)] == [range(0, 3), range(3, 6), range(6, 9), range(9, 10)]

@@ -14,7 +14,8 @@ indices ``[[1, 9]]`` (replicated) give rank 0 ``[[w[1], 0]]`` and rank 3 ``[[0, 
 their sum is ``[[w[1], w[9]]]``.
 
 Backward (``embedding_dense_backward``, which sees the output grad and the indices but not
-the weight): on an axis where both are whole, every rank builds only its vocab rows of the
+the weight): on an axis where both are whole (or the grad is a pending sum of fewer rows than
+the vocabulary: reduced first, the cheaper all-reduce), every rank builds only its vocab rows of the
 weight grad (``Shard(0)``: what a vocab-sharded weight needs, with no communication and
 ``1/k`` of the memory); a replicated weight then receives a ``Shard(0)`` grad, which an
 optimizer step gathers. Batch-sharded grads give a ``Partial("sum")`` weight grad, a grad
@@ -23,12 +24,16 @@ sharded on its last dim gives ``Shard(1)``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..runtime import checks
 from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .shard_ranges import dim_range
+from ..layout import without_inner_dims
+from .shard_ranges import Held, held_along, without_partial
+from .specs import pending_in_place, spec_of
 
 aten = torch.ops.aten
 
@@ -64,22 +69,40 @@ def embedding_rule(call: OpCall) -> Sharding:
         else:
             w_in.append(Replicate()), i_in.append(Replicate()), out.append(Replicate())
     w_in, i_in = tuple(w_in), tuple(i_in)
-    local = _masked_lookup(weight.shape[0], w_in) if vocab_sharded else None
-    return Sharding(inputs=(w_in, i_in), outputs=tuple(out), local=local,
-                    note="vocab-sharded: masked lookup, partial sum" if vocab_sharded else "")
+    if weight.placements is None:
+        dealt = _dealt_rows(weight)
+        if dealt is not None:
+            held, out = dealt
+            return Sharding(inputs=(None, (Replicate(),) * mesh.ndim), outputs=out,
+                            local=_masked_lookup(weight.shape[0], held), note="vocab dealt by its layout: masked lookup")
+    if not vocab_sharded:
+        return Sharding(inputs=(w_in, i_in), outputs=tuple(out))
+    held = held_along(spec_of(tuple(weight.shape), mesh, without_partial(w_in)), 0)
+    return Sharding(inputs=(w_in, i_in), outputs=tuple(out), local=_masked_lookup(weight.shape[0], held),
+                    note="vocab-sharded: masked lookup, partial sum")
 
 
-def _masked_lookup(vocab: int, weight_placements):
-    """The local lookup of a vocab-sharded weight: rows this rank lacks give zeros."""
+def _dealt_rows(weight: ArgSpec):
+    """``(rows this rank holds, output placements)`` for a weight whose layout has no placement
+    form but deals whole rows (each piece holds some rows, every column of them, row-major):
+    each rank looks up its own rows and the output is a pending sum over the axes that deal
+    them (``specs.pending_in_place``). None for any other layout (placements then gather it)."""
+    out = pending_in_place(weight, "sum")
+    if out is None or without_inner_dims(weight.layout, weight.shape, 1) is None:
+        return None
+    held = held_along(weight.spec, 0)
+    return None if held is None else (held, out)
+
+
+def _masked_lookup(vocab: int, held: Held):
+    """The local lookup of a weight whose rows are split over ranks: rows this rank lacks give zeros."""
 
     def local(call, weight, indices, *rest, **kwargs):
         _check_in_range(indices, vocab)
-        start, size = dim_range(vocab, 0, call.mesh, weight_placements, 2)
-        inside = (indices >= start) & (indices < start + size)
-        if size == 0:  # an uneven vocab leaves this rank no rows
+        if held.size == 0:  # an uneven vocab leaves this rank no rows
             return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
-        rows = aten.embedding(weight, torch.where(inside, indices - start, torch.zeros_like(indices)))
-        return rows.masked_fill(~inside.unsqueeze(-1), 0)  # masked_fill: an inf row times 0 would be nan
+        inside, rows = held.locate(indices)
+        return aten.embedding(weight, rows).masked_fill(~inside.unsqueeze(-1), 0)  # an inf row times 0 would be nan
 
     return local
 
@@ -107,7 +130,7 @@ def embedding_backward_rule(call: OpCall) -> Sharding:
     for gp, ip in zip(_placements(grad, mesh), _placements(indices, mesh)):
         if _isShard(gp, last, grad.ndim):
             g_in.append(gp), i_in.append(Replicate()), out.append(Shard(1))
-        elif isinstance(gp, Partial) and gp.reduce_op == "sum":
+        elif isinstance(gp, Partial) and gp.reduce_op == "sum" and math.prod(grad.shape[:-1]) >= num_weights:
             g_in.append(gp), i_in.append(Replicate()), out.append(Partial("sum"))
         elif not scale_grad_by_freq and (type(gp) is Shard or type(ip) is Shard):
             # batch-sharded: each rank's rows of the grad add into every weight row (a partial sum);
@@ -117,21 +140,23 @@ def embedding_backward_rule(call: OpCall) -> Sharding:
         else:
             g_in.append(Replicate()), i_in.append(Replicate()), out.append(Shard(0))
     vocab = tuple(out)
-    local = _masked_backward(num_weights, vocab) if any(_isShard(p, 0, 2) for p in vocab) else None
-    return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab, local=local)
+    if not any(_isShard(p, 0, 2) for p in vocab):
+        return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab)
+    held = held_along(spec_of((num_weights, grad.shape[-1]), mesh, without_partial(vocab)), 0)
+    return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab, local=_masked_backward(held))
 
 
-def _masked_backward(num_weights: int, out_placements):
+def _masked_backward(held: Held):
     """This rank's vocab rows of the weight grad: only the indices that fall in its rows count.
     The others (and the padding index) are sent to one extra row that is the padding row of the
-    local backward, then dropped: no data-dependent shape (traceable), and the same ops on every
-    rank whatever its rows (a compiled graph must be; only ``start`` and ``size`` differ)."""
+    local backward, then dropped: no data-dependent shape (traceable, with no collective)."""
 
     def local(call, grad, indices, _num_weights, padding_idx, scale_grad_by_freq):
         checks.settle_after_backward()  # the forward's index check, if it waits
-        start, size = dim_range(num_weights, 0, call.mesh, out_placements, 2)
-        counted = (indices >= start) & (indices < start + size) & (indices != padding_idx)
-        rows = torch.where(counted, indices - start, torch.full_like(indices, size))
+        size = held.size
+        inside, local_rows = held.locate(indices)
+        counted = inside & (indices != padding_idx)
+        rows = torch.where(counted, local_rows, torch.full_like(indices, size))
         return aten.embedding_dense_backward(grad, rows, size + 1, size, scale_grad_by_freq)[:size]
 
     return local

@@ -21,7 +21,9 @@ Other placements: logits sharded on the batch (or a spatial) dim shard the targe
 way; ``reduction="mean"`` then all-reduces the scalar total weight (one tiny collective) so
 each rank's share is ``local sum / global weight`` (exact for uneven shards). Partial-sum
 logits stay partial (the loss is linear in them). ``ignore_index`` and per-class ``weight``
-(gathered: it is one value per class) work everywhere.
+(gathered: it is one value per class) work everywhere. Logits whose classes a layout with no
+placement form deals (``specs.dim_dealt``: classes round-robin in pairs) work as class-sharded
+ones: each rank knows its classes from the layout (``shard_ranges.Held``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from .pointwise import pointwise_sharding
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .shard_ranges import dim_range, inputs_by_name
+from .shard_ranges import Held, held_along, inputs_by_name, without_partial
+from .specs import dim_dealt, spec_of
 
 aten = torch.ops.aten
 
@@ -67,6 +70,11 @@ def nll_loss_rule(call: OpCall) -> Sharding:
     scores, target, weight, reduction = call.args[:4]
     mesh = call.mesh
     class_dim = _class_dim(scores)
+    dealt = _classes_dealt(call, scores, class_dim)
+    if dealt is not None:
+        inputs, partial, held = dealt
+        return Sharding(inputs=inputs, outputs=(partial, (Replicate(),) * mesh.ndim),
+                        local=_nll_forward(scores.shape[class_dim], class_dim, held, ()))
     s_in, t_in, out, total = [], [], [], []
     batch_axes = []
     for axis, sp, tp in zip(mesh.axis_names, _placements(scores, mesh), _placements(target, mesh)):
@@ -89,32 +97,54 @@ def nll_loss_rule(call: OpCall) -> Sharding:
     s_in = tuple(s_in)
     inputs = inputs_by_name(call, {"self": s_in, "target": tuple(t_in)}, default=everything)
     return Sharding(inputs=inputs, outputs=(tuple(out), tuple(total)),
-                    local=_nll_forward(scores.shape[class_dim], class_dim, s_in, tuple(batch_axes)))
+                    local=_nll_forward(scores.shape[class_dim], class_dim, _classes_held(scores, mesh, s_in), tuple(batch_axes)))
 
 
-def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, start: int, size: int):
+def _classes_dealt(call: OpCall, scores: ArgSpec, class_dim: int, wanted_extra=None):
+    """``(inputs, output placements, this rank's classes)`` for scores whose class dim a layout
+    with no placement form deals and nothing else (``specs.dim_dealt``: the logits of an output
+    layer whose vocabulary rows are dealt round-robin): each rank picks the targets it holds, the
+    loss is a pending sum over the dealing axes and replicated over the others; the scores stay
+    where they are, everything else is read whole. None for other scores."""
+    if scores.placements is not None:
+        return None
+    axes = dim_dealt(scores, class_dim)
+    held = held_along(scores.spec, class_dim) if axes else None
+    if held is None:
+        return None
+    everything = (Replicate(),) * call.mesh.ndim
+    inputs = inputs_by_name(call, {"self": None, **(wanted_extra or {})}, default=everything)
+    return inputs, tuple(Partial("sum") if a in axes else Replicate() for a in call.mesh.axis_names), held
+
+
+def _classes_held(scores: ArgSpec, mesh, score_placements) -> Held:
+    """This rank's classes under the placements the rule gives the scores."""
+    spec = spec_of(tuple(scores.shape), mesh, without_partial(score_placements))
+    return held_along(spec, _class_dim(scores))
+
+
+def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, held: Held):
     """Per target element: its score here (0 where this rank lacks its class), whether it is
     here, and its weight (0 for ignored targets)."""
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
     # read at once, or where that would wait for the device, later (runtime/checks.py)
     checks.check_range(safe, classes, f"nll_loss: target {{value}} is out of bounds for {classes} classes")
-    here = valid & (target >= start) & (target < start + size)
+    inside, index = held.locate(safe)
+    here = valid & inside
     if weight is None:
         weights = valid.to(scores.dtype)
     else:
         weights = weight[safe].to(scores.dtype).masked_fill(~valid, 0)
-    if size == 0:  # an uneven class split leaves this rank no classes
+    if held.size == 0:  # an uneven class split leaves this rank no classes
         return scores.new_zeros(target.shape), here, weights
-    index = torch.where(here, target - start, torch.zeros_like(target))
     picked = scores.movedim(class_dim, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
     return picked, here, weights
 
 
-def _nll_forward(classes: int, class_dim: int, score_placements, batch_axes):
+def _nll_forward(classes: int, class_dim: int, held: Held, batch_axes):
     def local(call, scores, target, weight=None, reduction=_MEAN, ignore_index=-100):
-        start, size = dim_range(classes, class_dim, call.mesh, score_placements, scores.dim())
-        picked, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, start, size)
+        picked, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, held)
         losses = (-picked * weights).masked_fill(~here, 0)
         total = weights.sum()
         if reduction == _NONE:
@@ -134,6 +164,10 @@ def nll_loss_backward_rule(call: OpCall) -> Sharding:
     grad, scores, target, weight, reduction, _ignore, total_weight = call.args[:7]
     mesh = call.mesh
     class_dim = _class_dim(scores)
+    dealt = _classes_dealt(call, scores, class_dim, None if reduction == _MEAN else {"total_weight": None})
+    if dealt is not None:
+        inputs, _, held = dealt
+        return Sharding(inputs=inputs, outputs=scores.layout, local=_nll_backward(scores.shape[class_dim], class_dim, held))
     g_in, s_in, t_in, out = [], [], [], []
     for sp, tp in zip(_placements(scores, mesh), _placements(target, mesh)):
         if type(sp) is Shard and sp.dim % scores.ndim == class_dim:
@@ -153,22 +187,21 @@ def nll_loss_backward_rule(call: OpCall) -> Sharding:
         wanted["total_weight"] = None  # read only by mean
     inputs = inputs_by_name(call, wanted, default=(Replicate(),) * mesh.ndim)
     return Sharding(inputs=inputs, outputs=tuple(out),
-                    local=_nll_backward(scores.shape[class_dim], class_dim, s_in))
+                    local=_nll_backward(scores.shape[class_dim], class_dim, _classes_held(scores, mesh, s_in)))
 
 
-def _nll_backward(classes: int, class_dim: int, score_placements):
+def _nll_backward(classes: int, class_dim: int, held: Held):
     def local(call, grad, scores, target, weight, reduction, ignore_index, total_weight):
-        start, size = dim_range(classes, class_dim, call.mesh, score_placements, scores.dim())
         result = torch.zeros_like(scores)
-        if size == 0:
+        if held.size == 0:
             return result
-        _, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, start, size)
+        _, here, weights = _picks(scores, target, weight, ignore_index, classes, class_dim, held)
         coefficient = -weights * grad
         if reduction == _MEAN:
             coefficient = coefficient / total_weight
         # after the division: every target ignored makes total 0, and torch's grad is then 0, not nan
         coefficient = coefficient.masked_fill(~here, 0)
-        index = torch.where(here, target - start, torch.zeros_like(target))
+        index = held.locate(torch.where(here, target, torch.zeros_like(target)))[1]
         # one entry per row; rows whose class is elsewhere write their 0 into column 0 of their own row
         result.movedim(class_dim, -1).scatter_(-1, index.unsqueeze(-1), coefficient.unsqueeze(-1).to(result.dtype))
         return result

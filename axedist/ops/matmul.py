@@ -24,6 +24,9 @@ keeps ``a``'s row map (no data moves) instead of gathering ``a`` into placements
 ``ColwiseParallel(weight_layout=...)`` that deals output features round-robin) keeps ``b``'s
 column map, and ``addmm``'s bias is added where it is laid out as those columns; a contraction
 dim dealt the same way in both operands (that weight's input gradient) gives a pending sum.
+Where the operand that a layout way needs replicated is a pending sum, smaller than the other
+(the output of a vocab-parallel embedding times a tied, dealt output layer), it is reduced first
+and the layout way kept (``_reduced_first``), rather than gathering the larger operand.
 
 Eager fusion: mm/addmm of a deferred row all-gather runs the fused all-gather + GEMM
 (``gathered_product``, a handler of ops/fusion.py).
@@ -31,6 +34,7 @@ Eager fusion: mm/addmm of a deferred row all-gather runs the fused all-gather + 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -43,6 +47,7 @@ from ..tracing import may_defer
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
+from .shard_ranges import without_partial
 from .specs import padded
 
 aten = torch.ops.aten
@@ -123,6 +128,26 @@ def _columns_layout_way(a: ArgSpec, b: ArgSpec, m: int):
     return Layout([Iter(m, local_n), *cols], b.layout.replica, b.layout.offset)
 
 
+def _reduced_first(a: ArgSpec, b: ArgSpec) -> Sharding | None:
+    """``a @ b`` where one operand is a pending sum and the other, the larger, has a layout with no
+    placement form that a layout way keeps: a pending ``a`` (the output of a vocab-parallel
+    embedding) times ``b`` with dealt columns (the tied output layer's ``W.t()``), or ``a`` with
+    dealt rows times a pending ``b`` (that layer's weight gradient, ``grad.t() @ h``, with ``h`` as
+    autograd saved it). The pending one is reduced (an all-reduce of it) and the product keeps
+    the other's map, rather than gathering the larger one. None otherwise."""
+    for pending, other, way in ((a, b, "columns"), (b, a, "rows")):
+        if not pending.reduce_op or pending.placements is None or other.placements is not None or \
+                math.prod(pending.shape) > math.prod(other.shape):
+            continue
+        whole = without_partial(pending.placements)
+        reduced = dataclasses.replace(pending, placements=whole, reduce_op=None)
+        out = _columns_layout_way(reduced, b, a.shape[0]) if way == "columns" else \
+            _rows_layout_way(a, reduced, b.shape[1])
+        if out is not None:
+            return Sharding(inputs=[whole, None] if way == "columns" else [None, whole], outputs=out)
+    return None
+
+
 def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
     """``a @ b`` when the contraction dim is dealt over the devices with no placement form, the
     same way in ``a``'s columns and ``b``'s rows (the input gradient of a dealt column-parallel
@@ -181,6 +206,9 @@ def mm(call: OpCall) -> Sharding:
         columns = _columns_layout_way(a, b, a.shape[0])
         if columns is not None:
             return Sharding(inputs=[None, None], outputs=columns)
+        reduced = _reduced_first(a, b)
+        if reduced is not None:
+            return reduced
         summed = _contraction_layout_way(a, b, call.mesh)
         if summed is not None:
             return summed

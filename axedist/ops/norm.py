@@ -29,7 +29,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..runtime.carriers import all_reduce_
 from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
-from .specs import pending_in_place, reduced_in_place
+from .specs import dim_dealt, pending_in_place, reduced_in_place
 from .tensor_ops import placements_of, shard_dim, unshard, without_partial
 
 aten = torch.ops.aten
@@ -62,14 +62,19 @@ def _grad_target(grad_places, data_places) -> tuple:
 @register(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
 def softmax_rule(call: OpCall) -> Sharding:
     """``x.softmax(1)`` of ``[Shard(0)]``: local. Of ``[Shard(1)]``: stays ``[Shard(1)]``, with
-    the row max and the row sum all-reduced over the axes that shard dim 1. ``_safe_softmax``
+    the row max and the row sum all-reduced over the axes that shard dim 1; likewise where a layout
+    with no placement form deals dim 1 and nothing else (``specs.dim_dealt``). ``_safe_softmax``
     (attention's masked softmax) is softmax with rows that are all ``-inf`` set to 0."""
     x, dim = call.args[0], call.args[1]
     d = dim % max(x.ndim, 1)
     if reduced_in_place(x, [d]) is not None:  # a layout with no placement form, the dim whole locally
         return Sharding(inputs=[None], outputs=x.layout)
-    target = without_partial(placements_of(x))  # softmax is not linear: pending sums first
-    axes = _axes_sharding(x.mesh, target, d, x.ndim)
+    axes = dim_dealt(x, d)
+    if axes:  # the dim dealt by a layout with no placement form: as sharded, laid out as it is
+        target, out = None, x.layout
+    else:
+        target = out = without_partial(placements_of(x))  # softmax is not linear: pending sums first
+        axes = _axes_sharding(x.mesh, target, d, x.ndim)
     if not axes:
         return Sharding(inputs=[target], outputs=target)
     log = call.func is aten._log_softmax.default
@@ -81,7 +86,7 @@ def softmax_rule(call: OpCall) -> Sharding:
         out_dtype = dtype or (torch.float32 if half_to_float else t.dtype)
         return _sharded_softmax(t, d, call_.mesh.group(axes), log, safe, out_dtype)
 
-    return Sharding(inputs=[target], outputs=target, local=local)
+    return Sharding(inputs=[target], outputs=out, local=local)
 
 
 # Temporaries of the sharded (log-)softmax and its backward are made piece by piece, at most
@@ -140,10 +145,14 @@ def softmax_backward_rule(call: OpCall) -> Sharding:
     d = dim % max(out.ndim, 1)
     if reduced_in_place(out, [d]) is not None:  # the forward's layout way: the gradient laid out alike
         return Sharding(inputs=[out.layout, None], outputs=out.layout)
-    out_target = without_partial(placements_of(out))
-    grad_target = _grad_target(placements_of(grad), out_target)
-    result = grad_target
-    axes = _axes_sharding(out.mesh, out_target, d, out.ndim)
+    axes = dim_dealt(out, d)
+    if axes:  # the forward's dealt dim: the gradient laid out alike, sums all-reduced as sharded
+        grad_target, out_target, result = out.layout, None, out.layout
+    else:
+        out_target = without_partial(placements_of(out))
+        grad_target = _grad_target(placements_of(grad), out_target)
+        result = grad_target
+        axes = _axes_sharding(out.mesh, out_target, d, out.ndim)
     if not axes:
         return Sharding(inputs=[grad_target, out_target], outputs=result)
     log = call.func is aten._log_softmax_backward_data.default

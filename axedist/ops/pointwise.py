@@ -225,10 +225,17 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
             return False
         return reduced_in_place(main, list(range(main.ndim - s.ndim, main.ndim))) is not None
 
+    def pending_scalar(s) -> bool:
+        """A pending single value (``x == x.amax()`` in amax's backward): reduced where it is
+        (one value per rank) rather than gathering main."""
+        return s is not main and math.prod(s.shape) == 1 and s.reduce_op is not None
+
     if main is not None and (anchor is None or anchor is main) and all(
             s is main or (s.shape == main.shape and whole(s) == whole(main) and not s.reduce_op)
-            or _replicated_scalar(s) or sliced(s) or per_row(s) or per_column(s) for s in specs):
-        return Sharding(inputs=[whole(main) if sliced(s) else None for s in specs], outputs=whole(main))
+            or _replicated_scalar(s) or sliced(s) or per_row(s) or per_column(s) or pending_scalar(s) for s in specs):
+        everywhere = (Replicate(),) * mesh.ndim
+        return Sharding(inputs=[whole(main) if sliced(s) else everywhere if pending_scalar(s) else None for s in specs],
+                        outputs=whole(main))
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:
         """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
@@ -382,8 +389,21 @@ def like_factory(call: OpCall) -> Sharding:
 
 @register(aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty_strided)
 def new_factory(call: OpCall) -> Sharding:
-    """``x.new_zeros(size)``: a fresh tensor of the given (global) size on every rank."""
+    """``x.new_zeros(size)``: a fresh tensor of the given (global) size, laid out as ``x`` where
+    the size is ``x``'s and nothing is pending (torch's DTensor follows a sharded ``x`` too), else
+    whole on every rank. Autograd copies a non-contiguous gradient by ``new_empty_strided(x.shape)``
+    and ``copy_``: laid out as the gradient, the copy moves nothing."""
+    x = call.args[0]
+    if tuple(call.args[1]) == tuple(x.shape) and not x.reduce_op:
+        return Sharding(inputs=[None], outputs=like_factory(call).outputs, local=_new_of_local_size)
     return Sharding(inputs=[None] * len(call.specs), outputs=(Replicate(),) * call.mesh.ndim)
+
+
+def _new_of_local_size(call, x, size, *args, **kwargs):
+    """The factory at this rank's size (``x``'s local shape), row-major strides for ``new_empty_strided``."""
+    if call.func is aten.new_empty_strided.default:
+        args = (torch.empty(x.shape, device="meta").stride(),) + args[1:]
+    return call.func(x, list(x.shape), *args, **kwargs)
 
 
 @register(aten._local_scalar_dense, aten.equal, aten.is_nonzero)

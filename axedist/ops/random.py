@@ -34,7 +34,8 @@ import torch
 
 from ..spec import make_spec, replicated_layout
 from .registry import ArgSpec, OpCall, Partial, Replicate, Sharding, register
-from .shard_ranges import inputs_by_name, local_piece, without_partial
+from .shard_ranges import box_here, inputs_by_name, local_piece, without_partial
+from .specs import spec_of
 
 aten = torch.ops.aten
 
@@ -47,15 +48,17 @@ __all__ = ["random_fill_rule", "random_like_rule", "random_of_values_rule", "nat
 # ---------------------------------------------------------------------------
 
 
-def _piece(full: torch.Tensor, spec: ArgSpec, placements) -> torch.Tensor:
-    """This rank's local tensor of ``full`` under ``placements`` (no Partial) or, when the
-    layout has no placement form, under the argument's own layout."""
+def _cutter(spec: ArgSpec, placements):
+    """The function that cuts this rank's local tensor out of a whole tensor shaped like ``spec``:
+    by ``placements`` (no Partial) or, when the layout has no placement form (None), by the
+    argument's own layout. Made once by the rule; its local step calls it."""
     if placements is not None:
-        return local_piece(full, spec.mesh, placements).contiguous()
+        box = box_here(spec_of(tuple(spec.shape), spec.mesh, tuple(placements)))
+        return lambda full: local_piece(full, box).contiguous()
     from ..runtime import redistribute_local
 
-    whole = make_spec(spec.mesh, replicated_layout(tuple(full.shape), spec.mesh), tuple(full.shape))
-    return redistribute_local(full, whole, spec.spec)
+    whole = make_spec(spec.mesh, replicated_layout(tuple(spec.shape), spec.mesh), tuple(spec.shape))
+    return lambda full: redistribute_local(full, whole, spec.spec)
 
 
 def _first_summand(spec: ArgSpec) -> bool:
@@ -87,13 +90,13 @@ def random_fill_rule(call: OpCall) -> Sharding:
                                   f"placements; redistribute it first")
     everything = (Replicate(),) * call.mesh.ndim
     inputs = inputs_by_name(call, {"self": None}, default=everything)  # p of bernoulli_: read whole
-    placements = _target(target)
+    cut = _cutter(target, _target(target))
     func = call.func
 
     def local(call, self_local, *args, **kwargs):
         full = torch.empty(target.shape, dtype=self_local.dtype, device=self_local.device)
         func(full, *args, **kwargs)
-        piece = _piece(full, target, placements)
+        piece = cut(full)
         if target.reduce_op == "sum" and not _first_summand(target):
             piece = torch.zeros_like(piece)  # the sum of the summands is the value
         self_local.copy_(piece)
@@ -119,10 +122,11 @@ def random_like_rule(call: OpCall) -> Sharding:
     placements = _target(source) if source.placements is not None else (Replicate(),) * call.mesh.ndim
     inputs = inputs_by_name(call, {"self": None}, default=(Replicate(),) * call.mesh.ndim)
     func = call.func
+    cut = _cutter(source, placements)
 
     def local(call, self_local, *args, **kwargs):
         shape_only = torch.empty(source.shape, dtype=self_local.dtype, device=self_local.device)
-        return _piece(func(shape_only, *args, **kwargs), source, placements)
+        return cut(func(shape_only, *args, **kwargs))
 
     return Sharding(inputs=inputs, outputs=placements, local=local, note="whole tensor drawn on every rank")
 
@@ -142,10 +146,10 @@ def random_of_values_rule(call: OpCall) -> Sharding:
     placements = _target(like) if like is not None else (Replicate(),) * call.mesh.ndim
     everything = (Replicate(),) * call.mesh.ndim
     func = call.func
-    mesh = call.mesh
+    box = box_here(spec_of(out_shape, call.mesh, tuple(placements)))
 
     def local(call, *args, **kwargs):
-        return local_piece(func(*args, **kwargs), mesh, placements).contiguous()
+        return local_piece(func(*args, **kwargs), box).contiguous()
 
     return Sharding(inputs=tuple(everything for _ in specs), outputs=placements, local=local,
                     note="arguments gathered, whole tensor drawn on every rank")
@@ -166,12 +170,13 @@ def native_dropout_rule(call: OpCall) -> Sharding:
     else:
         inputs, out = (None,), source.placements
         placements = without_partial(source.placements)
+    box = box_here(spec_of(tuple(source.shape), call.mesh, tuple(placements)))
 
     def local(call, x, p, train=None):
         if train is False:  # inference: no random draw, torch returns the input and an all-true mask
             return aten.native_dropout(x, p, train)
         whole = torch.ones(source.shape, dtype=x.dtype, device=x.device)
-        mask = local_piece(aten.native_dropout(whole, p, train)[1], call.mesh, placements).contiguous()
+        mask = local_piece(aten.native_dropout(whole, p, train)[1], box).contiguous()
         return x * mask * _dropout_scale(p, x), mask
 
     return Sharding(inputs=inputs, outputs=(out, placements), local=local,

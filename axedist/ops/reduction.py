@@ -30,8 +30,8 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..runtime.carriers import all_reduce_
 from .registry import ArgSpec, OpCall, Sharding, register
-from .shard_ranges import dim_range
-from .specs import pending_in_place, reduced_in_place
+from .shard_ranges import Held, held_along
+from .specs import pending_in_place, reduced_in_place, spec_of
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, without_partial
 
 aten = torch.ops.aten
@@ -232,12 +232,16 @@ def max_all_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------
 
 
-def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, x: ArgSpec, target, axes):
+def _held(call: OpCall, x: ArgSpec, d: int, target) -> Held:
+    """This rank's indices along ``d`` of ``x`` laid out as ``target``."""
+    return held_along(spec_of(tuple(x.shape), call.mesh, without_partial(target)), d)
+
+
+def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, held: Held, axes):
     """The first global index of the max (min) along ``d`` and its value, with ``t`` this rank's
-    piece: local max and index, all-reduce the values, then the smallest global index among
-    the pieces that hold the winner (NaN wins, as in torch)."""
+    piece (its indices along ``d``: ``held``): local max and index, all-reduce the values, then
+    the smallest global index among the pieces that hold the winner (NaN wins, as in torch)."""
     group = _group(call, axes)
-    start, size = dim_range(x.shape[d], d, call.mesh, target, x.ndim)
     if t.shape[d] == 0:
         shape = list(t.shape)
         shape[d] = 1
@@ -258,7 +262,7 @@ def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, x: Arg
     if t.shape[d] == 0:
         holds = torch.zeros_like(holds)
     never = torch.iinfo(torch.int64).max
-    candidate = torch.where(holds, index + start, torch.full_like(index, never))
+    candidate = torch.where(holds, held.global_of(index), torch.full_like(index, never))
     all_reduce_(candidate, "min", group=group)
     return best, candidate
 
@@ -275,9 +279,10 @@ def max_dim_rule(call: OpCall) -> Sharding:
     if not plan.comm_axes:
         return Sharding(inputs=[plan.target], outputs=(plan.out, plan.out))
     target, axes = plan.target, plan.comm_axes
+    held = _held(call, x, d, target)
 
     def local(call_, t, *args, **kwargs):
-        value, index = _global_arg_extreme(call_, t, d, kind, x, target, axes)
+        value, index = _global_arg_extreme(call_, t, d, kind, held, axes)
         return (value, index) if keepdim else (value.squeeze(d), index.squeeze(d))
 
     return Sharding(inputs=[target], outputs=(plan.out, plan.out), local=local)
@@ -298,9 +303,10 @@ def argmax_rule(call: OpCall) -> Sharding:
     if not plan.comm_axes:
         return Sharding(inputs=[plan.target], outputs=plan.out)
     target, axes = plan.target, plan.comm_axes
+    held = _held(call, x, d, target)
 
     def local(call_, t, *args, **kwargs):
-        _, index = _global_arg_extreme(call_, t, d, kind, x, target, axes)
+        _, index = _global_arg_extreme(call_, t, d, kind, held, axes)
         return index if keepdim else index.squeeze(d)
 
     return Sharding(inputs=[target], outputs=plan.out, local=local)

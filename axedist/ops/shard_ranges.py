@@ -1,44 +1,90 @@
-"""Which slice of a global dim a rank holds under torch placements (shared by the nn op families).
+"""Which indices of a global dim a rank holds, read off the layout (shared by the nn op families).
 
-Embedding over a vocab-sharded weight, the loss over class-sharded logits and the random
-ops all need this rank's rows of one dim: placements split a dim with ``torch.chunk``,
-once per mesh axis that shards it (outer axis first). Vocabulary 10 on 4 ranks,
-``[Shard(0)]``: chunks of ``ceil(10/4) = 3``, so ranks hold rows ``[0,3) [3,6) [6,9) [9,10)``
-and ``dim_range(10, 0, mesh, [Shard(0)])`` is ``(9, 1)`` on rank 3.
+Embedding over a vocab-sharded weight, the loss over class-sharded logits, ``argmax`` over a
+sharded dim and the random ops need this rank's rows of a dim, or its piece of a whole tensor.
+The layout says them (``planning.boxes.held_indices``), whatever made it: vocabulary 10 on 4
+ranks as ``[Shard(0)]`` (chunks of 3) gives rank 3 the rows ``range(9, 10)``; 8 rows dealt
+round-robin in pairs to 2 ranks, ``S[(2,2,2,D):(2*D,1@gpuid,D,1)]``, give rank 1 the rows
+``(2, 3, 6, 7)``. Rules compute them once (rules are cached) and their local steps use them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 
-from ..mesh import DeviceMesh
-from ..spec import nested_chunk
+from ..planning.boxes import held_indices
 
-__all__ = ["dim_range", "inputs_by_name", "local_piece", "named_args", "sharding_axes", "without_partial"]
-
-
-def sharding_axes(mesh: DeviceMesh, placements, dim: int, ndim: int) -> list[tuple[str, int]]:
-    """``[(axis, size)]`` of the mesh axes whose placement is ``Shard(dim)``, in mesh order."""
-    return [(axis, k) for axis, k, p in zip(mesh.axis_names, mesh.shape, placements)
-            if type(p) is Shard and p.dim % max(ndim, 1) == dim]
+__all__ = ["Held", "held_along", "box_here", "inputs_by_name", "local_piece", "named_args", "without_partial"]
 
 
-def dim_range(n: int, dim: int, mesh: DeviceMesh, placements, ndim: int | None = None) -> tuple[int, int]:
-    """``(start, size)`` of this rank's piece of a dim of extent ``n`` (torch.chunk, nested per axis)."""
-    coords = mesh.coordinates()
-    axes = sharding_axes(mesh, placements, dim, dim + 1 if ndim is None else ndim)
-    return nested_chunk(n, [(k, coords[axis]) for axis, k in axes])
+@dataclass(frozen=True)
+class Held:
+    """This rank's indices along one dim of extent ``extent``, in local order: ``index[j]`` is the
+    global index of local row ``j`` (a ``range`` where they run up by one)."""
+
+    extent: int
+    index: range | tuple[int, ...]
+    _tables: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.index)
+
+    def locate(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(here, local)`` for global indices ``g``: whether this rank holds each one, and its
+        local row (0 where not held, so that it can index safely; mask with ``here``)."""
+        if isinstance(self.index, range):
+            start = self.index.start if self.size else 0
+            here = (g >= start) & (g < start + self.size)
+            return here, torch.where(here, g - start, torch.zeros_like(g))
+        table = self._table(g.device)  # local row of each global index, -1 where not held
+        local = table[g.clamp(0, self.extent - 1)]
+        here = (local >= 0) & (g >= 0) & (g < self.extent)
+        return here, torch.where(here, local, torch.zeros_like(local))
+
+    def _table(self, device) -> torch.Tensor:
+        return self._on(device)[0]
+
+    def _on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lookup table and the index as tensors on ``device``, made once per device."""
+        key = str(device)
+        if key not in self._tables:
+            index = torch.tensor(list(self.index), dtype=torch.int64)
+            table = torch.full((max(self.extent, 1),), -1, dtype=torch.int64)
+            table[index] = torch.arange(self.size, dtype=torch.int64)
+            self._tables[key] = (table.to(device), index.to(device))
+        return self._tables[key]
+
+    def global_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The global index of local rows ``local``."""
+        if isinstance(self.index, range) or not self.size:
+            return local + (self.index.start if self.size else 0)
+        return self._on(local.device)[1][local]
 
 
-def local_piece(full: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
-    """This rank's local tensor of ``full`` under placements without ``Partial`` (a view, no copy)."""
-    if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and type(p) is not Shard)
-           for p in placements):
-        raise ValueError(f"local_piece takes Shard/Replicate placements, got {list(placements)}")
+def held_along(spec, dim: int) -> Held | None:
+    """This rank's indices along ``dim`` of a spec without a pending sum; None where its layout
+    gives this rank no grid of the tensor (the rule then asks for placements)."""
+    held = held_indices(spec, spec.mesh.position())
+    return None if held is None else Held(spec.shape[dim], held[dim])
+
+
+def box_here(spec) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` per dim of this rank's piece under a spec whose pieces are boxes of the
+    tensor (placements without ``Partial``); a rule computes it once, its local step cuts with it."""
+    held = held_indices(spec, spec.mesh.position())
+    if held is None or not all(isinstance(index, range) or not index for index in held):
+        raise ValueError(f"box_here takes a layout whose pieces are boxes of the tensor, got {spec.layout}")
+    return tuple((index.start if isinstance(index, range) else 0, len(index)) for index in held)
+
+
+def local_piece(full: torch.Tensor, box) -> torch.Tensor:
+    """This rank's piece of ``full`` (a view, no copy), ``box`` from :func:`box_here`."""
     out = full
-    for d in range(full.dim()):
-        start, size = dim_range(full.shape[d], d, mesh, placements, full.dim())
+    for d, (start, size) in enumerate(box):
         if (start, size) != (0, full.shape[d]):
             out = out.narrow(d, start, size)
     return out

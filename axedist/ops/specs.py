@@ -18,7 +18,7 @@ from ..layout import MEMORY_AXIS, Layout, LayoutError, without_inner_dims
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
 __all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "padded", "reduced_in_place",
-           "dealing_axes", "pending_in_place"]
+           "dealing_axes", "pending_in_place", "dim_dealt"]
 
 
 @cached(maxsize=4096)
@@ -58,19 +58,27 @@ def local_shape_of(shape: tuple, mesh, target) -> tuple[int, ...]:
 
 
 def _reaches_here(layout: Layout, mesh) -> bool:
-    """Does the layout put any element on this rank? (enumerates only the mesh-axis digits)"""
+    """Does the layout put any element on this rank?"""
+    reached = _reached(layout, mesh)
     here = mesh.coordinates()
+    return reached is None or tuple(here[a] for a in mesh.axis_names) in reached
+
+
+@cached(maxsize=1024)
+def _reached(layout: Layout, mesh) -> frozenset | None:
+    """The mesh coordinates (in axis order) the layout puts elements on, from its mesh-axis digits
+    alone; None where they are more than 2**16 (such a layout covers the mesh many times over)."""
     iters = [it for it in list(layout.shard) + list(layout.replica) if it.axis != MEMORY_AXIS]
     if math.prod(it.extent for it in iters) > 1 << 16:
-        return True  # such a layout covers the mesh many times over
+        return None
     base = {a: layout.offset.get(a, 0) for a in mesh.axis_names}
+    points = set()
     for digits in itertools.product(*(range(it.extent) for it in iters)):
         point = dict(base)
         for it, d in zip(iters, digits):
             point[it.axis] += d * it.stride
-        if point == here:
-            return True
-    return False
+        points.add(tuple(point[a] for a in mesh.axis_names))
+    return frozenset(points)
 
 
 def placements_or_none(spec):
@@ -118,11 +126,45 @@ def pending_in_place(x, op: str):
     """The placements of a reduction of every element of ``x`` (an ``ArgSpec`` with a layout with
     no placement form, no padding, nothing pending) that each device runs over its own piece:
     ``Partial(op)`` over the axes that split the elements, ``Replicate`` over the others (their
-    devices hold the same pieces). None where an axis both splits and replicates them."""
+    devices hold the same pieces). None where an axis both splits and replicates them, or where
+    some device holds nothing (a layout on part of the mesh: its devices would give a wrong
+    summand, or claim a replica they lack)."""
     if not _layout_only(x):
         return None
     dealt = dealing_axes(x.layout)
     if dealt & {it.axis for it in x.layout.replica}:
         return None
+    reached = _reached(x.layout, x.mesh)
+    if reached is None or len(reached) != x.mesh.size():
+        return None
     return tuple(Partial(op) if axis in dealt else Replicate() for axis in x.mesh.axis_names)
 
+
+
+def dim_dealt(x, d: int) -> tuple[str, ...] | None:
+    """The mesh axes (in mesh order) that deal dim ``d`` of ``x`` (an ``ArgSpec`` with a layout with
+    no placement form, no padding, nothing pending) where they deal nothing else: every other dim
+    is whole and local in every piece, each of these axes deals ``d`` over all its devices (none
+    replicates it), and every device holds a piece. The devices along them then hold each index
+    of ``d`` once, so a reduction over ``d`` is a local one and an all-reduce over these axes
+    (a softmax over classes dealt round-robin in pairs). None otherwise."""
+    if not _layout_only(x) or x.ndim == 0:
+        return None
+    try:
+        blocks = x.layout.blocks(x.shape)
+    except LayoutError:
+        return None
+    d %= x.ndim
+    if any(it.axis != MEMORY_AXIS for e, block in enumerate(blocks) if e != d for it in block):
+        return None
+    extents: dict[str, int] = {}
+    for it in blocks[d]:
+        if it.axis != MEMORY_AXIS:
+            extents[it.axis] = extents.get(it.axis, 1) * it.extent
+    replicated = {it.axis for it in x.layout.replica}
+    if not extents or any(axis in replicated or extent != x.mesh.size(axis) for axis, extent in extents.items()):
+        return None
+    reached = _reached(x.layout, x.mesh)
+    if reached is None or len(reached) != x.mesh.size():
+        return None
+    return tuple(axis for axis in x.mesh.axis_names if axis in extents)

@@ -28,7 +28,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
-from .specs import local_shape_of
+from ..layout import with_inner_dims
+from .specs import local_shape_of, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -466,6 +467,26 @@ def _index_axis(dim: int, shapes, ps):
     return [Replicate()] * len(ps), Replicate()
 
 
+def _row_wise(tensors, d: int, out_like: int) -> Sharding | None:
+    """gather / scatter along the last dim, where the tensors share their leading dims and one
+    of them has a layout with no placement form that deals whole rows (``specs.reduced_in_place``):
+    every tensor is asked for that map of rows (a replicated one, such as the zeros of ``max``'s
+    backward, is cut where it is) and each device works on its own rows; the output is laid out
+    as ``tensors[out_like]``. None otherwise (the placement strategies apply)."""
+    if not all(isinstance(t, ArgSpec) for t in tensors) or any(t.reduce_op for t in tensors):
+        return None
+    last = tensors[0].ndim - 1
+    if last < 1 or d != last or len({t.shape[:-1] for t in tensors}) != 1 or any(t.ndim != last + 1 for t in tensors):
+        return None
+    rows = next((r for r in (reduced_in_place(t, [last]) for t in tensors) if r is not None), None)
+    if rows is None:
+        return None
+    targets = [with_inner_dims(rows, tensors[0].shape[:-1], (t.shape[-1],)) for t in tensors]
+    if any(t is None for t in targets):
+        return None
+    return Sharding(inputs=targets, outputs=targets[out_like])
+
+
 @register(aten.gather.default)
 def gather_rule(call: OpCall) -> Sharding:
     """``x.gather(1, idx)``: out[i, j] = x[i, idx[i, j]].
@@ -477,6 +498,9 @@ def gather_rule(call: OpCall) -> Sharding:
     """
     x, dim, index = call.args[0], call.args[1], call.args[2]
     d = dim % max(x.ndim, 1)
+    rows = _row_wise([x, index], d, out_like=1)
+    if rows is not None:
+        return rows
     xt, it, out = [], [], []
     for xp, ip in zip(_placements_or_scalar(x, call.mesh), without_partial(_placements_or_scalar(index, call.mesh))):
         if isinstance(xp, Partial):
@@ -506,6 +530,9 @@ def scatter_rule(call: OpCall) -> Sharding:
     src = call.args[3] if len(call.args) > 3 else call.kwargs.get("src", call.kwargs.get("value"))
     d = dim % max(x.ndim, 1)
     tensors = [x, index] + ([src] if isinstance(src, ArgSpec) else [])
+    rows = _row_wise(tensors, d, out_like=0)
+    if rows is not None:
+        return rows
     places = [_placements_or_scalar(t, call.mesh) for t in tensors]
     targets = [[] for _ in tensors]
     out = []
