@@ -100,13 +100,22 @@ def outside_tracing(fn):
     return run
 
 
-def traced_constant(t: torch.Tensor) -> torch.Tensor:
+def traced_constant(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     """A real tensor built outside the trace (a plan's index tensor), as a constant of the
     traced program when a trace is running (fake tensors refuse real operands); ``t`` itself
-    otherwise. ``torch.tensor(data)`` is how traced code makes constants."""
-    if not _modes_active():
+    otherwise. ``torch.tensor(data)`` is how traced code makes constants. ``like``: the tensor
+    the constant meets; where it is fake while no mode is on the stack (Dynamo runs a node on
+    fake tensors and a subclass's ``__torch_dispatch__`` sees them with its mode set aside), the
+    constant is made in its fake mode."""
+    mode = getattr(like, "fake_mode", None)
+    if not _modes_active() and mode is None:
         return t
-    return torch.tensor(t.tolist(), dtype=t.dtype, device=t.device)
+    with _disable_current_modes():
+        data = t.tolist()  # read as the real tensor it is (a fake mode would refuse it)
+    if _modes_active():
+        return torch.tensor(data, dtype=t.dtype, device=t.device)
+    with mode:
+        return torch.tensor(data, dtype=t.dtype, device=t.device)
 
 
 def keep_on_copy(self, memo=None):

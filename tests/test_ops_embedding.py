@@ -185,3 +185,37 @@ def test_embedding_of_rows_dealt_by_a_layout_without_placements(world_size):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     results = run_on_ranks(_dealt_vocab_case, world_size, args=(seed,))
     assert results == [[]] * world_size, (seed, results[0])
+
+
+def _compiled_dealt_case(rank, world_size):
+    """The lookup over dealt vocabulary rows (its table of rows made outside the trace, a constant
+    of the graph) and a log-softmax over the dealt classes of ``h @ W.t()``, under torch.compile:
+    the same values and weight gradient as eager, twice (the second call reuses the graph)."""
+    mesh = DeviceMesh("cpu", (world_size,))
+    dim, vocab = 4, 3 * world_size * 2
+    layout = Layout.parse(f"S[(3,{world_size},2,{dim}):({2 * dim},1@gpuid,{dim},1)]")
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, dim, dtype=torch.float64, generator=g)
+    tokens = distribute(torch.randint(0, vocab, (6,), generator=g), mesh, [Replicate()])
+
+    def f(w, t):
+        return torch.log_softmax(F.embedding(t, w) @ w.t(), -1).sum()
+
+    w = distribute(weight, mesh, layout).requires_grad_()
+    eager = f(w, tokens)
+    (want,) = torch.autograd.grad(eager, w, torch.ones_like(eager))
+    compiled = torch.compile(f, backend="aot_eager")
+    failures = []
+    for call in range(2):
+        out = compiled(w, tokens)
+        (grad,) = torch.autograd.grad(out, w, torch.ones_like(out))
+        if not torch.allclose(out.full_tensor(), eager.full_tensor()):
+            failures.append(f"call {call}: value differs from eager")
+        if not torch.allclose(grad.full_tensor(), want.full_tensor()):
+            failures.append(f"call {call}: gradient differs from eager")
+    return failures
+
+
+def test_compiled_lookup_over_dealt_rows():
+    results = run_on_ranks(_compiled_dealt_case, 2, timeout_s=600)
+    assert results == [[], []], results[0]

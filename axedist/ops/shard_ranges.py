@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from ..planning.boxes import held_indices
+from ..tracing import outside_tracing, traced_constant
 
 __all__ = ["Held", "held_along", "box_here", "inputs_by_name", "local_piece", "named_args", "without_partial"]
 
@@ -40,16 +41,14 @@ class Held:
             start = self.index.start if self.size else 0
             here = (g >= start) & (g < start + self.size)
             return here, torch.where(here, g - start, torch.zeros_like(g))
-        table = self._table(g.device)  # local row of each global index, -1 where not held
+        table = traced_constant(self._on(g.device)[0], like=g)  # local row of each global index, -1 where not held
         local = table[g.clamp(0, self.extent - 1)]
         here = (local >= 0) & (g >= 0) & (g < self.extent)
         return here, torch.where(here, local, torch.zeros_like(local))
 
-    def _table(self, device) -> torch.Tensor:
-        return self._on(device)[0]
-
+    @outside_tracing
     def _on(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The lookup table and the index as tensors on ``device``, made once per device."""
+        """The lookup table and the index as (real) tensors on ``device``, made once per device."""
         key = str(device)
         if key not in self._tables:
             index = torch.tensor(list(self.index), dtype=torch.int64)
@@ -62,7 +61,7 @@ class Held:
         """The global index of local rows ``local``."""
         if isinstance(self.index, range) or not self.size:
             return local + (self.index.start if self.size else 0)
-        return self._on(local.device)[1][local]
+        return traced_constant(self._on(local.device)[1], like=local)[local]
 
 
 def held_along(spec, dim: int) -> Held | None:
