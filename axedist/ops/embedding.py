@@ -31,9 +31,8 @@ import torch
 from ..runtime import checks
 from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from ..layout import without_inner_dims
 from .shard_ranges import Held, held_along, without_partial
-from .specs import pending_in_place, spec_of
+from .specs import pending_in_place, reduced_in_place, spec_of
 
 aten = torch.ops.aten
 
@@ -88,7 +87,7 @@ def _dealt_rows(weight: ArgSpec):
     each rank looks up its own rows and the output is a pending sum over the axes that deal
     them (``specs.pending_in_place``). None for any other layout (placements then gather it)."""
     out = pending_in_place(weight, "sum")
-    if out is None or without_inner_dims(weight.layout, weight.shape, 1) is None:
+    if out is None or reduced_in_place(weight, [1]) is None:
         return None
     held = held_along(weight.spec, 0)
     return None if held is None else (held, out)

@@ -158,8 +158,8 @@ def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
     if a.placements is not None and b.placements is not None:
         return None  # the placement strategies cover it
     (m, _), n = a.shape, b.shape[1]
-    dealt_a = None if a.is_replicated() else _dealt_dim(a, 1, mesh)
-    dealt_b = None if b.is_replicated() else _dealt_dim(b, 0, mesh)
+    dealt_a = None if a.is_replicated() else _contraction_iters(a, 1, mesh)
+    dealt_b = None if b.is_replicated() else _contraction_iters(b, 0, mesh)
     if dealt_a is None and dealt_b is None:
         return None
     summed = (Partial("sum"),) * mesh.ndim
@@ -175,7 +175,7 @@ def _contraction_layout_way(a: ArgSpec, b: ArgSpec, mesh) -> Sharding | None:
     return Sharding(inputs=[None, None], outputs=summed) if dealt_a == dealt_b else None
 
 
-def _dealt_dim(arg: ArgSpec, dim: int, mesh):
+def _contraction_iters(arg: ArgSpec, dim: int, mesh):
     """``one_dim_iters`` of dim ``dim`` of a 2-D operand when only that dim is split over the
     devices, every mesh axis once over its whole extent (each device a distinct slice); None
     otherwise."""
