@@ -31,8 +31,8 @@ import torch
 from ..runtime import checks
 from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .shard_ranges import Held, held_along, without_partial
-from .specs import pending_in_place, reduced_in_place, spec_of
+from .shard_ranges import Held, held_along, held_under
+from .specs import pending_in_place, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -76,7 +76,7 @@ def embedding_rule(call: OpCall) -> Sharding:
                             local=_masked_lookup(weight.shape[0], held), note="vocab dealt by its layout: masked lookup")
     if not vocab_sharded:
         return Sharding(inputs=(w_in, i_in), outputs=tuple(out))
-    held = held_along(spec_of(tuple(weight.shape), mesh, without_partial(w_in)), 0)
+    held = held_under(weight.shape, mesh, w_in, 0)
     return Sharding(inputs=(w_in, i_in), outputs=tuple(out), local=_masked_lookup(weight.shape[0], held),
                     note="vocab-sharded: masked lookup, partial sum")
 
@@ -141,7 +141,7 @@ def embedding_backward_rule(call: OpCall) -> Sharding:
     vocab = tuple(out)
     if not any(_isShard(p, 0, 2) for p in vocab):
         return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab)
-    held = held_along(spec_of((num_weights, grad.shape[-1]), mesh, without_partial(vocab)), 0)
+    held = held_under((num_weights, grad.shape[-1]), mesh, vocab, 0)
     return Sharding(inputs=(tuple(g_in), tuple(i_in)), outputs=vocab, local=_masked_backward(held))
 
 

@@ -36,8 +36,8 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from .pointwise import pointwise_sharding
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .shard_ranges import Held, held_along, inputs_by_name, without_partial
-from .specs import dim_dealt, spec_of
+from .shard_ranges import Held, held_along, held_under, inputs_by_name
+from .specs import dim_dealt
 
 aten = torch.ops.aten
 
@@ -97,7 +97,7 @@ def nll_loss_rule(call: OpCall) -> Sharding:
     s_in = tuple(s_in)
     inputs = inputs_by_name(call, {"self": s_in, "target": tuple(t_in)}, default=everything)
     return Sharding(inputs=inputs, outputs=(tuple(out), tuple(total)),
-                    local=_nll_forward(scores.shape[class_dim], class_dim, _classes_held(scores, mesh, s_in), tuple(batch_axes)))
+                    local=_nll_forward(scores.shape[class_dim], class_dim, held_under(scores.shape, mesh, s_in, class_dim), tuple(batch_axes)))
 
 
 def _classes_dealt(call: OpCall, scores: ArgSpec, class_dim: int, wanted_extra=None):
@@ -115,12 +115,6 @@ def _classes_dealt(call: OpCall, scores: ArgSpec, class_dim: int, wanted_extra=N
     everything = (Replicate(),) * call.mesh.ndim
     inputs = inputs_by_name(call, {"self": None, **(wanted_extra or {})}, default=everything)
     return inputs, tuple(Partial("sum") if a in axes else Replicate() for a in call.mesh.axis_names), held
-
-
-def _classes_held(scores: ArgSpec, mesh, score_placements) -> Held:
-    """This rank's classes under the placements the rule gives the scores."""
-    spec = spec_of(tuple(scores.shape), mesh, without_partial(score_placements))
-    return held_along(spec, _class_dim(scores))
 
 
 def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, held: Held):
@@ -187,7 +181,7 @@ def nll_loss_backward_rule(call: OpCall) -> Sharding:
         wanted["total_weight"] = None  # read only by mean
     inputs = inputs_by_name(call, wanted, default=(Replicate(),) * mesh.ndim)
     return Sharding(inputs=inputs, outputs=tuple(out),
-                    local=_nll_backward(scores.shape[class_dim], class_dim, _classes_held(scores, mesh, s_in)))
+                    local=_nll_backward(scores.shape[class_dim], class_dim, held_under(scores.shape, mesh, s_in, class_dim)))
 
 
 def _nll_backward(classes: int, class_dim: int, held: Held):

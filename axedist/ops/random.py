@@ -35,7 +35,6 @@ import torch
 from ..spec import make_spec, replicated_layout
 from .registry import ArgSpec, OpCall, Partial, Replicate, Sharding, register
 from .shard_ranges import box_here, inputs_by_name, local_piece, without_partial
-from .specs import spec_of
 
 aten = torch.ops.aten
 
@@ -53,7 +52,7 @@ def _cutter(spec: ArgSpec, placements):
     by ``placements`` (no Partial) or, when the layout has no placement form (None), by the
     argument's own layout. Made once by the rule; its local step calls it."""
     if placements is not None:
-        box = box_here(spec_of(tuple(spec.shape), spec.mesh, tuple(placements)))
+        box = box_here(spec.shape, spec.mesh, placements)
         return lambda full: local_piece(full, box).contiguous()
     from ..runtime import redistribute_local
 
@@ -146,7 +145,7 @@ def random_of_values_rule(call: OpCall) -> Sharding:
     placements = _target(like) if like is not None else (Replicate(),) * call.mesh.ndim
     everything = (Replicate(),) * call.mesh.ndim
     func = call.func
-    box = box_here(spec_of(out_shape, call.mesh, tuple(placements)))
+    box = box_here(out_shape, call.mesh, placements)
 
     def local(call, *args, **kwargs):
         return local_piece(func(*args, **kwargs), box).contiguous()
@@ -170,7 +169,7 @@ def native_dropout_rule(call: OpCall) -> Sharding:
     else:
         inputs, out = (None,), source.placements
         placements = without_partial(source.placements)
-    box = box_here(spec_of(tuple(source.shape), call.mesh, tuple(placements)))
+    box = box_here(source.shape, call.mesh, placements)
 
     def local(call, x, p, train=None):
         if train is False:  # inference: no random draw, torch returns the input and an all-true mask

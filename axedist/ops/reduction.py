@@ -30,8 +30,8 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..runtime.carriers import all_reduce_
 from .registry import ArgSpec, OpCall, Sharding, register
-from .shard_ranges import Held, held_along
-from .specs import pending_in_place, reduced_in_place, spec_of
+from .shard_ranges import Held, held_under
+from .specs import pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, without_partial
 
 aten = torch.ops.aten
@@ -232,11 +232,6 @@ def max_all_rule(call: OpCall) -> Sharding:
 # ---------------------------------------------------------------------------
 
 
-def _held(call: OpCall, x: ArgSpec, d: int, target) -> Held:
-    """This rank's indices along ``d`` of ``x`` laid out as ``target``."""
-    return held_along(spec_of(tuple(x.shape), call.mesh, without_partial(target)), d)
-
-
 def _global_arg_extreme(call: OpCall, t: torch.Tensor, d: int, kind: str, held: Held, axes):
     """The first global index of the max (min) along ``d`` and its value, with ``t`` this rank's
     piece (its indices along ``d``: ``held``): local max and index, all-reduce the values, then
@@ -279,7 +274,7 @@ def max_dim_rule(call: OpCall) -> Sharding:
     if not plan.comm_axes:
         return Sharding(inputs=[plan.target], outputs=(plan.out, plan.out))
     target, axes = plan.target, plan.comm_axes
-    held = _held(call, x, d, target)
+    held = held_under(x.shape, call.mesh, target, d)
 
     def local(call_, t, *args, **kwargs):
         value, index = _global_arg_extreme(call_, t, d, kind, held, axes)
@@ -303,7 +298,7 @@ def argmax_rule(call: OpCall) -> Sharding:
     if not plan.comm_axes:
         return Sharding(inputs=[plan.target], outputs=plan.out)
     target, axes = plan.target, plan.comm_axes
-    held = _held(call, x, d, target)
+    held = held_under(x.shape, call.mesh, target, d)
 
     def local(call_, t, *args, **kwargs):
         _, index = _global_arg_extreme(call_, t, d, kind, held, axes)

@@ -17,8 +17,9 @@ from torch.distributed.tensor import Partial, Replicate
 
 from ..planning.boxes import held_indices
 from ..tracing import outside_tracing, traced_constant
+from .specs import spec_of
 
-__all__ = ["Held", "held_along", "box_here", "inputs_by_name", "local_piece", "named_args", "without_partial"]
+__all__ = ["Held", "held_along", "held_under", "box_here", "inputs_by_name", "local_piece", "named_args", "without_partial"]
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,17 @@ def held_along(spec, dim: int) -> Held | None:
     return None if held is None else Held(spec.shape[dim], held[dim])
 
 
-def box_here(spec) -> tuple[tuple[int, int], ...]:
-    """``(start, size)`` per dim of this rank's piece under a spec whose pieces are boxes of the
-    tensor (placements without ``Partial``); a rule computes it once, its local step cuts with it."""
+def held_under(shape, mesh, placements, dim: int) -> Held | None:
+    """``held_along`` for a tensor of ``shape`` laid out by ``placements`` (a ``Partial`` read as
+    ``Replicate``: a pending sum's ranks hold the same indices as its sum's)."""
+    return held_along(spec_of(tuple(shape), mesh, without_partial(placements)), dim)
+
+
+def box_here(shape, mesh, placements) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` per dim of this rank's piece of a tensor of ``shape`` laid out by
+    ``placements`` (a ``Partial`` read as ``Replicate``); a rule computes it once, its local step
+    cuts with it (:func:`local_piece`)."""
+    spec = spec_of(tuple(shape), mesh, without_partial(placements))
     held = held_indices(spec, spec.mesh.position())
     if held is None or not all(isinstance(index, range) or not index for index in held):
         raise ValueError(f"box_here takes a layout whose pieces are boxes of the tensor, got {spec.layout}")
