@@ -705,3 +705,54 @@ def test_fake_tensor_mode_counts_as_tracing():
     assert not compiling() and current() is IN_PLACE
     with FakeTensorMode():
         assert compiling() and current() is FUNCTIONAL
+
+
+def _compiled_tied_vocab_case(rank, world_size, seed, dealt):
+    """Embedding lookup, logits ``h @ W.T`` and cross-entropy over one vocab-parallel weight
+    (``Shard(0)``, or rows dealt round-robin in pairs: a layout), compiled whole: loss and the
+    weight's gradient equal torch's; a target past the vocabulary fails in the compiled graph
+    (a device-side assert, as torch's) rather than reading zeros."""
+    import torch.nn.functional as F
+
+    from axedist.layout import Layout
+
+    g = torch.Generator().manual_seed(seed)
+    mesh = DeviceMesh("cpu", (world_size,))
+    dim, vocab = 4, 3 * world_size * 2
+    layout = Layout.parse(f"S[(3,{world_size},2,{dim}):({2 * dim},1@gpuid,{dim},1)]") if dealt else [Shard(0)]
+    weight = torch.randn(vocab, dim, dtype=torch.float64, generator=g, requires_grad=True)
+    tokens = torch.randint(0, vocab, (6,), generator=g)
+    target = torch.randint(0, vocab, (6,), generator=g)
+    want = F.cross_entropy(F.embedding(tokens, weight) @ weight.t(), target)
+    (reference,) = torch.autograd.grad(want, weight)
+
+    def step(t, w, y):
+        return F.cross_entropy(F.embedding(t, w) @ w.t(), y)
+
+    _fresh_dynamo()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    w = distribute(weight.detach(), mesh, layout).requires_grad_()
+    on_all = [Replicate()]
+    loss = compiled(distribute(tokens, mesh, on_all), w, distribute(target, mesh, on_all))
+    (grad,) = torch.autograd.grad(loss, w)
+    failures = []
+    if not torch.allclose(loss.full_tensor(), want.detach()):
+        failures.append("loss differs from torch")
+    if not torch.allclose(grad.full_tensor(), reference):
+        failures.append("the weight's gradient differs from torch's")
+    wrong = target.clone()
+    wrong[-1] = vocab
+    try:
+        compiled(distribute(tokens, mesh, on_all), w.detach(), distribute(wrong, mesh, on_all))
+        failures.append("a target past the vocabulary passed")
+    except RuntimeError as e:
+        if f"out of bounds for {vocab} classes" not in str(e):
+            failures.append(f"unexpected error: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("dealt", [False, True], ids=["shard0", "dealt_layout"])
+def test_compiled_tied_embedding_and_loss_over_a_vocab_parallel_weight(dealt):
+    seed = random.randrange(2**31)
+    results = run_on_ranks(_compiled_tied_vocab_case, 2, args=(seed, dealt), timeout_s=600)
+    assert results == [[]] * 2, (seed, results[0])

@@ -29,7 +29,6 @@ import math
 import torch
 
 from ..runtime import checks
-from ..tracing import compiling
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import Held, held_along, held_under
 from .specs import pending_in_place, reduced_in_place
@@ -110,13 +109,8 @@ def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
     """Every index names a row of the vocabulary (each rank masks the rows it lacks, so an index
     past the end would silently read zeros): ``IndexError`` naming the index, raised at once, or,
     on a GPU while autograd records, when the check settles (``runtime/checks.py``: at the end of
-    the backward, or when a value is read) so that the host does not wait for the device here.
-    While torch.compile traces: a device-side assert, as torch's CUDA embedding has, so the graph
-    holds no host sync and is the same on every rank."""
-    if compiling():
-        inside = ((indices >= 0) & (indices < vocab)).all()
-        torch._assert_async(inside, f"embedding: an index is out of range for a vocabulary of {vocab} rows")
-        return
+    the backward, or when a value is read) so that the host does not wait for the device here;
+    a device-side assert in a compiled graph."""
     checks.check_range(indices, vocab, f"embedding: index {{value}} is out of range for a vocabulary of {vocab} rows")
 
 

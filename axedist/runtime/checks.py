@@ -89,8 +89,15 @@ def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> 
 
 def check_range(values: torch.Tensor, size: int, message: str) -> None:
     """``check`` that every value (an integer tensor) lies in ``[0, size)``, reading only their min
-    and max; the error is ``IndexError(message.format(value=<the min or max outside>))``."""
+    and max; the error is ``IndexError(message.format(value=<the min or max outside>))``. While
+    torch.compile traces: a device-side assert (``torch._assert_async``, as torch's CUDA embedding
+    has), so the graph holds no host read and is the same on every rank; its message cannot name
+    the value."""
     if not values.numel():
+        return
+    if compiling():
+        inside = ((values >= 0) & (values < size)).all()
+        torch._assert_async(inside, message.format(value="(a value the compiled graph does not read)"))
         return
 
     def verdict(bounds):
