@@ -24,8 +24,7 @@ GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
   (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
 --profile: the kernels of 20 CUDA-graph steps per side at the first batch size (names, launches and
 device us per step). Writes decode_w{W}.json / .md / .png and a history line; --tables-from writes
-axedist/kernels/gemm_ar_auto.json (the shapes where the fused kernel lost), --tail-table-from
-layer_tail_auto.json (up to which input size the low-latency tail kernel won, per group size).
+axedist/kernels/gemm_ar_auto.json (the shapes where the fused kernel lost).
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
 import argparse
@@ -380,31 +379,6 @@ def auto_table(results: list[dict]) -> dict:
     return dict(source=sources, fused_loses=sorted(loses))
 
 
-def tail_table(results: list[dict]) -> dict:
-    """kernels/layer_tail_auto.json from decode results: per group size, the largest input bytes up to
-    which the low-latency tail kernel was faster than the barrier one ("fused") at every batch measured
-    (bf16 rows: batch x hidden x 2 bytes); a size where it lost ends the range.
-
-    >>> row = lambda b, ll, fused: dict(batch=b, hidden=4096, world=2, queued=dict(fused=fused, fused_ll=ll))
-    >>> meta = dict(machine="m", commit="c", date="d", command="x")
-    >>> tail_table([dict(meta=meta, tails=[row(1, 8, 11), row(8, 9, 11), row(64, 14, 13)])])["ll_max_bytes"]
-    {'2': 65536}
-    """
-    limits, sources = {}, []
-    for result in results:
-        rows = sorted((r for r in result.get("tails", []) if "fused_ll" in r["queued"]), key=lambda r: r["batch"])
-        if not rows:
-            continue
-        sources.append(table_source(result["meta"]))
-        limit = 0
-        for r in rows:
-            if r["queued"]["fused_ll"] >= r["queued"]["fused"]:
-                break
-            limit = r["batch"] * r["hidden"] * 2
-        limits[str(rows[0]["world"])] = limit
-    return dict(source=sources, ll_max_bytes=limits)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
@@ -422,17 +396,11 @@ def main():
                         help="the stack without deferred decode tails (defer_tails('never'))")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write axedist/kernels/gemm_ar_auto.json from these result files")
-    parser.add_argument("--tail-table-from", nargs="+", default=None, metavar="RESULTS_JSON",
-                        help="no benchmark: write axedist/kernels/layer_tail_auto.json from these files' tail rows")
     args = parser.parse_args()
-    if args.tables_from or args.tail_table_from:
+    if args.tables_from:
         from axedist.collectives.fused_tp import AR_AUTO_TABLE_PATH
-        from axedist.collectives.layer_tail import TABLE_PATH
-        for paths, path, derive in ((args.tables_from, AR_AUTO_TABLE_PATH, auto_table),
-                                    (args.tail_table_from, TABLE_PATH, tail_table)):
-            if paths:
-                with open(path, "w") as handle:
-                    json.dump(derive([json.load(open(one)) for one in paths]), handle, indent=1)
+        with open(AR_AUTO_TABLE_PATH, "w") as handle:
+            json.dump(auto_table([json.load(open(path)) for path in args.tables_from]), handle, indent=1)
         return
     require_multicast_off()
     # the layers' all-reduce + residual add + RMSNorm as one kernel (the default), or not

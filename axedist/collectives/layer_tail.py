@@ -14,9 +14,6 @@ on every rank, as a replicated value must be.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,19 +24,16 @@ from .p2p import TRITON_DTYPE, call_geometry, choose_variant, kernel_signature, 
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
 __all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail",
-           "ll_kernel_arguments", "VARIANTS", "LL_MAX_BYTES", "TABLE_PATH"]
+           "ll_kernel_arguments", "VARIANTS"]
 
 _OP = "all_reduce_rms_norm"
 # rows of at most this many elements (Llama-3-405B's 16384); one row is one program's tile
 MAX_HIDDEN = 16384
 # "ll": the low-latency kernel (no barrier; 16-bit types, aligned rows) where it can run, else "auto"
 VARIANTS = ("auto", "push", "pull", "ll")
-# "auto": the low-latency kernel up to these input bytes per group size, where bench_decode.py's tail rows
-# measured it faster than the barrier kernel at every size up to there (kernels/layer_tail_auto.json,
-# written by ``bench_decode.py --tables-from``); larger calls take the one-shot all-reduce's push or pull
-TABLE_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels", "layer_tail_auto.json")
-with open(TABLE_PATH) as _handle:
-    LL_MAX_BYTES: dict[int, int] = {int(world): int(nbytes) for world, nbytes in json.load(_handle)["ll_max_bytes"].items()}
+# "auto" by input bytes: [(max bytes, variant)] where measured faster (benchmarks/bench_decode.py's tail rows);
+# sizes past the last entry take the one-shot all-reduce's measured push or pull
+MEASURED_TAIL: list[tuple[int, str]] = []
 
 
 def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -98,13 +92,13 @@ def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligne
     return compile_for_target(kernel, signature, constexprs, divisible, capability=capability, num_warps=warps)
 
 
-def _variant(variant: str, nbytes: int, dtype: torch.dtype, aligned: bool, world: int) -> str:
-    """The kernel a call runs: "ll" where asked (or measured faster: LL_MAX_BYTES) and possible,
+def _variant(variant: str, nbytes: int, dtype: torch.dtype, aligned: bool) -> str:
+    """The kernel a call runs: "ll" where asked (or measured faster: MEASURED_TAIL) and possible,
     else the one-shot all-reduce's measured push or pull."""
     if variant not in VARIANTS:
         raise ValueError(f"{_OP}: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "auto" and nbytes <= LL_MAX_BYTES.get(world, 0):
-        variant = "ll"
+    if variant == "auto":
+        variant = next((choice for limit, choice in MEASURED_TAIL if nbytes <= limit), "auto")
     if variant == "ll" and not (dtype.itemsize == 2 and aligned):
         variant = "auto"
     return variant if variant == "ll" else choose_variant("all_reduce_one_shot", nbytes, variant)
@@ -120,7 +114,7 @@ class TailPlan:
         virtual ranks pass their own "shared" and "ll" ones)."""
         self.rows, self.hidden, self.dtype, self.aligned = rows, hidden, dtype, aligned
         world = dist.get_world_size(group) if workspaces is None else workspaces["shared"].world_size
-        self.variant = _variant(variant, rows * hidden * dtype.itemsize, dtype, aligned, world)
+        self.variant = _variant(variant, rows * hidden * dtype.itemsize, dtype, aligned)
         self.ll = self.variant == "ll"
         # the one-shot all-reduce's layout: push slots of the rows rounded up to 16 elements; the
         # LL kernel's: a slot of rows * hidden / 2 words of 8 bytes per source rank
@@ -216,7 +210,7 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     add and ``F.rms_norm``; ``"auto"``: p2p where it can run, torch elsewhere. Every rank passes
     the same shapes, dtype and backend. variant (p2p): "push" or "pull" (the one-shot all-reduce's
     layouts, with a barrier), "ll" (the low-latency kernel: no barrier, for 16-bit rows of a
-    multiple of 16 elements, 16-byte aligned; others run "auto"), "auto" (measured: LL_MAX_BYTES).
+    multiple of 16 elements, 16-byte aligned; others run "auto"), "auto" (measured: MEASURED_TAIL).
     """
     if backend not in ("auto", "p2p", "torch"):
         raise ValueError(f"{_OP}: backend must be auto, p2p or torch, got {backend!r}")
