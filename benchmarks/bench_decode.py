@@ -16,9 +16,7 @@ all-reduce of B rows, which is latency, not bandwidth. Per batch size, ms per st
   torch_eager / torch_graph       the same stack with torch's ColwiseParallel / RowwiseParallel
 Layer-tail rows (device time, W > 1): per batch, h = residual + all_reduce(x), y = rms_norm(h) on
 [B, dim]: seq_nccl (NCCL all-reduce, add, rms_norm), seq_p2p (p2p all-reduce, add, rms_norm) and
-fused (collectives/layer_tail.py: one kernel, "auto") and fused_ll (its low-latency kernel: no barrier).
-At W > 1 the stack is also captured with its tails on the low-latency kernel (axedist_ll_graph,
-runtime.tails.tail_kernel("ll")), interleaved with the other graph sides.
+fused (collectives/layer_tail.py: one kernel).
 GEMM rows (device time): per batch and row-parallel shape [B, K/W] @ [K/W, dim]:
   cublas, seq_nccl (cuBLAS + NCCL all-reduce), seq_p2p (cuBLAS + p2p all-reduce), fused
   (axedist.gemm_all_reduce, p2p), and at W = 1 the fused kernel's GEMM half (one virtual rank).
@@ -42,7 +40,7 @@ from torch import nn
 import axedist as ax
 from axedist.collectives import p2p, plan_gemm_all_reduce
 from axedist.collectives.layer_tail import all_reduce_rms_norm
-from axedist.runtime.tails import defer_tails, tail_kernel
+from axedist.runtime.tails import defer_tails
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
@@ -181,32 +179,15 @@ def stack_rows(args, cfg, world, rank, mesh):
                     row[f"{name}_graph"] = None
                     row[f"{name}_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
                     torch.cuda.synchronize()
-            if world > 1 and "axedist" in graphs:  # the same model, its tails on the low-latency kernel
-                tail_kernel("ll")
-                try:
-                    replay, graph_out = _graphed(ours, ours_in)
-                    replay()
-                    torch.cuda.synchronize()
-                    got = _local(graph_out)
-                    row["axedist_ll_graph_rel_err"] = ((got.float() - reference.float()).norm()
-                                                       / reference.float().norm()).item()
-                    graphs["axedist_ll"] = replay
-                except Exception as error:
-                    row["axedist_ll_graph"] = None
-                    row["axedist_ll_graph_error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                    torch.cuda.synchronize()
-                finally:
-                    tail_kernel("auto")
             # the sides' steps interleaved, events around each, the slowest rank's median
             row.update({f"{name}_eager": ms for name, ms in time_interleaved(eager, args.reps).items()})
             row.update({f"{name}_graph": ms for name, ms in time_interleaved(graphs, args.reps).items()})
-            if args.profile and batch == args.batches[0] and "axedist" in graphs and "torch" in graphs:
+            if args.profile and batch == args.batches[0] and len(graphs) == 2:
                 profiles.update(batch=batch, steps=20)
                 profiles.update({name: kernel_profile(replay, 20) for name, replay in graphs.items()})
         rows.append(row)
         if rank == 0:
-            print(f"B={batch}: axedist eager {row['axedist_eager']:.3f} graph {row['axedist_graph']} "
-                  f"(ll tails {row.get('axedist_ll_graph')}) | torch "
+            print(f"B={batch}: axedist eager {row['axedist_eager']:.3f} graph {row['axedist_graph']} | torch "
                   f"eager {row['torch_eager']:.3f} graph {row['torch_graph']} ms/step | errors "
                   f"{row['axedist_rel_err']:.1e} {row['torch_rel_err']:.1e}"
                   + "".join(f" | {k}: {v}" for k, v in row.items() if k.endswith("_error")), flush=True)
@@ -269,19 +250,16 @@ def tail_rows(args, cfg, world, rank):
 
         columns = {"seq_nccl": lambda: seq(lambda t: (reduced.copy_(t), dist.all_reduce(reduced))[0]),
                    "seq_p2p": lambda: seq(lambda t: p2p.all_reduce(t, out=reduced)),
-                   "fused": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p"),
-                   "fused_ll": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p", variant="ll")}
+                   "fused": lambda: all_reduce_rms_norm(x, residual, weight, eps, backend="p2p")}
         times = time_interleaved(columns, args.reps, queued=True)
+        h, y = columns["fused"]()
         h_ref, y_ref = columns["seq_nccl"]()
-        errors = []
-        for column in ("fused", "fused_ll"):
-            h, y = columns[column]()
-            errors += [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((h, h_ref), (y, y_ref))]
         torch.cuda.synchronize()
-        row = dict(batch=batch, hidden=hidden, world=world, queued=times, rel_err=max(errors),
+        row = dict(batch=batch, hidden=hidden, world=world, queued=times,
+                   rel_err=max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                               for a, b in ((h, h_ref), (y, y_ref))),
                    speedup_vs_seq_p2p=times["seq_p2p"] / times["fused"],
-                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused"],
-                   ll_vs_fused=times["fused"] / times["fused_ll"])
+                   speedup_vs_seq_nccl=times["seq_nccl"] / times["fused"])
         rows.append(row)
         if rank == 0:
             print(f"  tail [{batch}x{hidden}]: " + " ".join(f"{c} {t:.4f}" for c, t in times.items())
@@ -305,16 +283,11 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
              f"command: `{meta['command']}`; stack {meta['config']}", "",
              "## ms per decode step (one position of each of B sequences through the stack)", "",
-             "| B | axedist eager | axedist CUDA graph | axedist CUDA graph, LL tails | torch eager | torch CUDA graph "
-             "| graph ratio (LL) | rel err axedist / torch |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| B | axedist eager | axedist CUDA graph | torch eager | torch CUDA graph | rel err axedist / torch |",
+             "|---|---|---|---|---|---|"]
     for r in stack:
-        ll = r.get("axedist_ll_graph")
-        ratio = (f"{r['axedist_graph'] / r['torch_graph']:.3f}" + (f" ({ll / r['torch_graph']:.3f})" if ll else "")
-                 if isinstance(r.get("axedist_graph"), float) and isinstance(r.get("torch_graph"), float) else "-")
         lines.append(f"| {r['batch']} | {cell(r['axedist_eager'])} | {cell(r['axedist_graph'])} | "
-                     f"{cell(ll) if 'axedist_ll_graph' in r else '-'} | "
-                     f"{cell(r['torch_eager'])} | {cell(r['torch_graph'])} | {ratio} | "
+                     f"{cell(r['torch_eager'])} | {cell(r['torch_graph'])} | "
                      f"{r['axedist_rel_err']:.1e} / {r['torch_rel_err']:.1e} |")
     errors = [f"- B={r['batch']} {k}: {v}" for r in stack for k, v in r.items() if k.endswith("_error")]
     lines += ([""] + errors if errors else []) + ["", "## Row-parallel GEMMs alone, device time (ms)", ""]
@@ -326,13 +299,11 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
                      + " | ".join(f"{r['queued'][c]:.4f}" for c in columns) + f" | {r['rel_err']:.1e} |")
     if tails:
         lines += ["", "## Layer tail alone (all-reduce + residual add + RMSNorm), device time (ms)", "",
-                  "| B | hidden | seq_nccl | seq_p2p | fused | fused_ll | fused vs seq_p2p | fused_ll vs fused | rel err |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| B | hidden | seq_nccl | seq_p2p | fused | fused vs seq_p2p | rel err |", "|---|---|---|---|---|---|---|"]
         for r in tails:
             q = r["queued"]
             lines.append(f"| {r['batch']} | {r['hidden']} | {q['seq_nccl']:.4f} | {q['seq_p2p']:.4f} | {q['fused']:.4f} "
-                         f"| {q['fused_ll']:.4f} | {r['speedup_vs_seq_p2p']:.2f}x | {r['ll_vs_fused']:.2f}x "
-                         f"| {r['rel_err']:.1e} |")
+                         f"| {r['speedup_vs_seq_p2p']:.2f}x | {r['rel_err']:.1e} |")
     if profiles:
         lines += ["", f"## Where a CUDA-graph step's device time goes (B = {profiles['batch']}, rank 0, "
                       f"{profiles['steps']} replays)", "",
@@ -353,7 +324,7 @@ def write_outputs(stack, gemms, world, cfg, out_dir, tails=(), profiles=None):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         figure, axis = plt.subplots(figsize=(7, 4.5))
-        for column in ("axedist_eager", "axedist_graph", "axedist_ll_graph", "torch_eager", "torch_graph"):
+        for column in ("axedist_eager", "axedist_graph", "torch_eager", "torch_graph"):
             points = [(r["batch"], r[column]) for r in stack if isinstance(r.get(column), float)]
             if points:
                 axis.plot(*zip(*points), marker="o", label=column)

@@ -121,10 +121,7 @@ def run_tail_case(world, rows, hidden, dtype, variant, programs, seed):
     eps = 1e-5
     numel = rows * hidden
     geometry = call_geometry("all_reduce_one_shot", (rows, hidden), world)  # the layout TailPlan uses
-    ll = variant == "ll"  # the low-latency kernel: slots of rows * hidden / 2 LL words per source rank
-    slot_words = rows * hidden // 2
-    elements = world * slot_words * 8 // dtype.itemsize if ll else geometry["elements"]
-    data_bytes = (elements * dtype.itemsize + 4095) // 4096 * 4096
+    data_bytes = (geometry["elements"] * dtype.itemsize + 4095) // 4096 * 4096
     workspaces = fake_workspaces(world, data_bytes, dtype)
     half = seed % 2
     push = variant == "push"
@@ -144,23 +141,15 @@ def run_tail_case(world, rows, hidden, dtype, variant, programs, seed):
             statics = static_arguments("all_reduce_one_shot", workspaces[rank], geometry, rank, False)
             state = workspaces[rank].state
             state[0] = epoch - 1
-            if ll:
-                space = workspaces[rank]
-                layer_tail.all_reduce_rms_norm_ll_kernel[(programs,)](
-                    inputs[rank], hs[rank], residual, weight, ys[rank], state, space.abort, space.error_address(), 0,
-                    *space.data_addresses(0), space.parity_strides()[0], slot_words, rank, rows, hidden, eps,
-                    WORLD=world, BLOCK_W=max(16, 1 << (hidden // 2 - 1).bit_length()), PHASES=phase)
-            else:
-                layer_tail.all_reduce_rms_norm_kernel[(programs,)](
-                    inputs[rank], hs[rank], state, 0, *statics, residual, weight, ys[rank], rows, hidden, eps,
-                    WORLD=world, BLOCK_H=block, PUSH=push, COPY_IN=variant != "zero_copy", ALIGNED=False,
-                    PHASES=phase)
+            layer_tail.all_reduce_rms_norm_kernel[(programs,)](
+                inputs[rank], hs[rank], state, 0, *statics, residual, weight, ys[rank], rows, hidden, eps,
+                WORLD=world, BLOCK_H=block, PUSH=push, COPY_IN=variant != "zero_copy", ALIGNED=False, PHASES=phase)
             if state.tolist()[:3] != [epoch, 0, 0]:
                 failures.append(f"{name} rank {rank}: call state {state.tolist()} after the launch")
     h_ref = residual.double() + torch.stack([x.double() for x in xs]).sum(0)
     h_rounded = h_ref.to(dtype).double()
     y_ref = h_rounded * torch.rsqrt(h_rounded.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
-    tolerance = {torch.bfloat16: 2e-2, torch.float16: 2e-3}.get(dtype, 1e-5)  # a few roundings of h and y
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     for rank in range(world):
         for label, got, ref in (("h", hs[rank], h_ref), ("y", ys[rank], y_ref)):
             got = got.double()
@@ -187,11 +176,6 @@ def main():
             (2, 3, 4), (1, 5), (40, 64), ("push", "pull", "zero_copy"))):
         dtype = (torch.float32, torch.bfloat16)[index % 2]
         failures += run_tail_case(world, rows, hidden, dtype, variant, programs=2, seed=index)
-        cases += 1
-    # the low-latency kernel: 16-bit types, rows of a multiple of 16 elements
-    for index, (world, rows, hidden) in enumerate(itertools.product((2, 3, 4), (1, 5), (32, 64))):
-        dtype = (torch.float16, torch.bfloat16)[index % 2]
-        failures += run_tail_case(world, rows, hidden, dtype, "ll", programs=2, seed=index)
         cases += 1
     grid = list(itertools.product(PHASES, (2, 4), (1, 37, 200), ("push", "pull", "zero_copy")))
     grid += itertools.product(PHASES, (3,), (37,), ("push", "pull", "zero_copy"))

@@ -447,18 +447,6 @@ def test_layer_tail_kernel_compiles_with_one_barrier_and_vector_loads(push):
     assert "rsqrt" in ptx
 
 
-def test_low_latency_layer_tail_compiles_without_a_barrier():
-    """The LL layer tail (kernels/layer_tail.py) for sm_90a at hidden 4096, W = 4: no fence and no
-    flag store (the epoch travels in each 64-bit word), 16-byte stores of LL words to the peers,
-    volatile 16-byte loads of them in a bounded wait, and the plain kernel's rsqrt."""
-    _need_triton()
-    from axedist.collectives.layer_tail import compile_tail
-    ptx = compile_tail(4096, torch.bfloat16, 4, True, aligned=True, ll=True).asm["ptx"]
-    assert "fence." not in ptx and ".relaxed.sys" not in ptx and "ld.acquire" not in ptx
-    assert "st.global.v2.b64" in ptx and "ld.volatile.global.v2.b64" in ptx
-    assert ptx.count("%globaltimer") >= 3 and "rsqrt" in ptx
-
-
 def test_collective_phases_match_a_float64_reference_under_the_interpreter():
     """Every op and the fused layer tail, push / pull / zero-copy, W = 2, 3, 4, odd sizes and tails, run phase by phase
     rank by rank (tests/collectives_interpreter.py): indexing and workspace layout on CPU."""

@@ -22,7 +22,7 @@ def _body(rank, world, rows, hidden, seed):
     xs, residual, weight = _inputs(world, rows, hidden, seed)
     h, y = all_reduce_rms_norm(xs[rank], residual, weight, 1e-6)
     errors = []
-    for bad in ({"backend": "nccl"}, {"backend": "p2p"}, {"variant": "lowlatency"}):
+    for bad in ({"backend": "nccl"}, {"backend": "p2p"}):
         try:
             all_reduce_rms_norm(xs[rank], residual, weight, 1e-6, **bad)
         except ValueError as error:
@@ -46,29 +46,7 @@ def test_layer_tail_off_cuda_is_the_unfused_sequence(world, rows, hidden):
         torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
         assert "backend must be auto, p2p or torch, got 'nccl'" in errors[0]
         assert "backend p2p cannot run: it needs CUDA tensors" in errors[1]
-        assert "variant must be one of ('auto', 'push', 'pull', 'll'), got 'lowlatency'" in errors[2]
-        assert "x and residual must be [rows, hidden] of one shape" in errors[3]
-
-
-@pytest.mark.parametrize("dtype,hidden,aligned,ll", [(torch.bfloat16, 4096, True, True),
-                                                      (torch.float16, 64, True, True),
-                                                      (torch.float32, 4096, True, False),
-                                                      (torch.bfloat16, 4096, False, False)])
-def test_the_low_latency_tail_runs_where_it_can_on_its_own_workspace(dtype, hidden, aligned, ll):
-    """variant "ll" takes the LL kernel for 16-bit aligned rows, on the "ll" workspace (which only
-    LL calls write) with a slot of rows * hidden / 2 words per rank; elsewhere the barrier kernel
-    on the shared one. (The plan is built over CPU memory: the kernels run on GPUs.)"""
-    from axedist.collectives.layer_tail import TailPlan
-    from axedist.collectives.symmetric import carve_workspaces
-
-    spaces = {purpose: carve_workspaces(4, 1 << 20, torch.device("cpu"))[1] for purpose in ("shared", "ll")}
-    plan = TailPlan(8, hidden, dtype, None, 0, "ll", aligned, workspaces=spaces)
-    assert plan.ll == ll and plan.workspace is spaces["ll" if ll else "shared"]
-    assert plan.variant in (("ll",) if ll else ("push", "pull")) and (plan.rank, plan.world) == (1, 4)
-    if ll:
-        assert plan.slot_words == 8 * hidden // 2 and "TailPlan(ll," in repr(plan)
-        with pytest.raises(ValueError, match="do not fit the workspace"):
-            TailPlan(64, 16384, dtype, None, 0, "ll", True, workspaces=spaces)
+        assert "x and residual must be [rows, hidden] of one shape" in errors[2]
 
 
 class _Stack(torch.nn.Module):
@@ -149,16 +127,3 @@ def test_decode_tails_run_fused_in_a_parallelized_llama_stack(world, layers, def
         assert counts["always"] == {"tails_deferred": 2 * layers, "tails_fused": 2 * layers - 1,
                                     "tails_materialized": 1}, counts
         assert not fallbacks
-
-
-def test_tail_kernel_is_a_checked_setting():
-    from axedist.runtime import tails
-
-    assert tails.tail_kernel() == "auto"
-    try:
-        assert tails.tail_kernel("ll") == "ll" and tails.tail_kernel() == "ll"
-        with pytest.raises(ValueError, match="variant must be one of"):
-            tails.tail_kernel("fast")
-        assert tails.tail_kernel() == "ll"
-    finally:
-        tails.tail_kernel("auto")

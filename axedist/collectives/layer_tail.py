@@ -23,17 +23,11 @@ from .backend import p2p_possible
 from .p2p import TRITON_DTYPE, call_geometry, choose_variant, kernel_signature, static_arguments
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
-__all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail",
-           "ll_kernel_arguments", "VARIANTS"]
+__all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail"]
 
 _OP = "all_reduce_rms_norm"
 # rows of at most this many elements (Llama-3-405B's 16384); one row is one program's tile
 MAX_HIDDEN = 16384
-# "ll": the low-latency kernel (no barrier; 16-bit types, aligned rows) where it can run, else "auto"
-VARIANTS = ("auto", "push", "pull", "ll")
-# "auto" by input bytes: [(max bytes, variant)] where measured faster (benchmarks/bench_decode.py's tail rows);
-# sizes past the last entry take the one-shot all-reduce's measured push or pull
-MEASURED_TAIL: list[tuple[int, str]] = []
 
 
 def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -62,46 +56,15 @@ def kernel_arguments(hidden: int, dtype: torch.dtype, world: int, push: bool, co
     return signature, constexprs, divisible
 
 
-def ll_kernel_arguments(hidden: int, dtype: torch.dtype, world: int, phases: int = 3) -> tuple[dict, dict, list[str]]:
-    """As kernel_arguments, for the low-latency kernel (always aligned: only aligned calls take it)."""
-    element = TRITON_DTYPE[dtype]
-    signature = {name: f"*{element}" for name in ("x_ptr", "out_ptr", "residual_ptr", "weight_ptr", "y_ptr")}
-    signature.update(state_ptr="*i32", abort_ptr="*i32", error_address="i64", timeout_ns="i64",
-                     **{f"D{i}": "i64" for i in range(8)}, half_bytes="i64", slot_words="i32", rank="i32",
-                     n_rows="i32", hidden="i32", eps="fp32")
-    constexprs = dict(WORLD=world, BLOCK_W=max(16, 1 << (hidden // 2 - 1).bit_length()), PHASES=phases)
-    divisible = ["x_ptr", "out_ptr", "residual_ptr", "weight_ptr", "y_ptr", "state_ptr", "abort_ptr", "D0", "D1",
-                 "D2", "D3", "D4", "D5", "D6", "D7", "half_bytes", "slot_words", "hidden"]
-    return signature, constexprs, divisible
-
-
-def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligned: bool, capability: int = 90,
-                 ll: bool = False):
-    """The fused kernel (``ll``: the low-latency one) compiled for one call shape class and CUDA
-    ``capability`` (Triton caches it on disk; a process without a GPU can compile it, as the CPU
-    tests do)."""
+def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligned: bool, capability: int = 90):
+    """The fused kernel compiled for one call shape class and CUDA ``capability`` (Triton caches
+    it on disk; a process without a GPU can compile it, as the CPU tests do)."""
     from ..kernels.compile_check import compile_for_target
-    from ..kernels.layer_tail import all_reduce_rms_norm_kernel, all_reduce_rms_norm_ll_kernel
-    if ll:
-        signature, constexprs, divisible = ll_kernel_arguments(hidden, dtype, world)
-        kernel, block = all_reduce_rms_norm_ll_kernel, 2 * constexprs["BLOCK_W"]
-    else:
-        signature, constexprs, divisible = kernel_arguments(hidden, dtype, world, push, True, aligned)
-        kernel, block = all_reduce_rms_norm_kernel, constexprs["BLOCK_H"]
-    warps = 8 if block >= 4096 else 4
-    return compile_for_target(kernel, signature, constexprs, divisible, capability=capability, num_warps=warps)
-
-
-def _variant(variant: str, nbytes: int, dtype: torch.dtype, aligned: bool) -> str:
-    """The kernel a call runs: "ll" where asked (or measured faster: MEASURED_TAIL) and possible,
-    else the one-shot all-reduce's measured push or pull."""
-    if variant not in VARIANTS:
-        raise ValueError(f"{_OP}: variant must be one of {VARIANTS}, got {variant!r}")
-    if variant == "auto":
-        variant = next((choice for limit, choice in MEASURED_TAIL if nbytes <= limit), "auto")
-    if variant == "ll" and not (dtype.itemsize == 2 and aligned):
-        variant = "auto"
-    return variant if variant == "ll" else choose_variant("all_reduce_one_shot", nbytes, variant)
+    from ..kernels.layer_tail import all_reduce_rms_norm_kernel
+    signature, constexprs, divisible = kernel_arguments(hidden, dtype, world, push, True, aligned)
+    warps = 8 if constexprs["BLOCK_H"] >= 4096 else 4
+    return compile_for_target(all_reduce_rms_norm_kernel, signature, constexprs, divisible, capability=capability,
+                              num_warps=warps)
 
 
 class TailPlan:
@@ -109,34 +72,28 @@ class TailPlan:
     the workspace, the variant, the grid, the compiled kernel and its static arguments."""
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, group, device_index: int, variant: str,
-                 aligned: bool, workspaces: dict | None = None):
-        """workspaces: {purpose: the rank's workspace} to run on (default: the group's, get_workspace;
-        virtual ranks pass their own "shared" and "ll" ones)."""
+                 aligned: bool, workspace=None):
+        """workspace: the rank's workspace to run on (default: the group's; virtual ranks pass their own)."""
         self.rows, self.hidden, self.dtype, self.aligned = rows, hidden, dtype, aligned
-        world = dist.get_world_size(group) if workspaces is None else workspaces["shared"].world_size
-        self.variant = _variant(variant, rows * hidden * dtype.itemsize, dtype, aligned)
-        self.ll = self.variant == "ll"
-        # the one-shot all-reduce's layout: push slots of the rows rounded up to 16 elements; the
-        # LL kernel's: a slot of rows * hidden / 2 words of 8 bytes per source rank
+        world = dist.get_world_size(group) if workspace is None else workspace.world_size
+        # the one-shot all-reduce's layout: push slots of the rows rounded up to 16 elements
         self.geometry = call_geometry("all_reduce_one_shot", (rows, hidden), world)
-        self.slot_words = rows * hidden // 2
-        nbytes = world * self.slot_words * 8 if self.ll else self.geometry["elements"] * dtype.itemsize
-        purpose = "ll" if self.ll else "shared"
-        if workspaces is None:
-            workspace = get_workspace(group, nbytes, torch.device("cuda", device_index), purpose=purpose)
-        elif nbytes > (workspace := workspaces[purpose]).data_bytes:
-            raise ValueError(f"{_OP}: {nbytes} bytes of the {self.variant} kernel do not fit the workspace "
+        nbytes = self.geometry["elements"] * dtype.itemsize
+        if workspace is None:
+            workspace = get_workspace(group, nbytes, torch.device("cuda", device_index))
+        elif nbytes > workspace.data_bytes:
+            raise ValueError(f"{_OP}: {self.geometry['elements']} elements of {dtype} do not fit the workspace "
                              f"half of {workspace.data_bytes} bytes")
         self.workspace = workspace
         self.world, self.rank = workspace.world_size, workspace.rank
-        self.push = self.variant == "push"
+        self.push = choose_variant("all_reduce_one_shot", rows * hidden * dtype.itemsize, variant) == "push"
         self.programs = max(1, min(rows, self.workspace.processors, MAX_BARRIER_PROGRAMS))
         self.device_index = device_index
         self.halves = [self.workspace.tensor.data_ptr() + self.workspace.data_offset(half) for half in (0, 1)]
         self._launch = None
 
     def __repr__(self) -> str:
-        return (f"TailPlan({self.variant}, {TRITON_DTYPE[self.dtype]} "
+        return (f"TailPlan({'push' if self.push else 'pull'}, {TRITON_DTYPE[self.dtype]} "
                 f"({self.rows}, {self.hidden}) W={self.world}: {self.programs} programs)")
 
     def launch(self):
@@ -144,36 +101,23 @@ class TailPlan:
         if self._launch is None:
             from ..kernels.launch import CompiledLaunch
             major, minor = torch.cuda.get_device_capability(self.device_index)
-            compiled = compile_tail(self.hidden, self.dtype, self.world, self.push, self.aligned, major * 10 + minor,
-                                    ll=self.ll)
-            if self.ll:
-                _, constexprs, _ = ll_kernel_arguments(self.hidden, self.dtype, self.world)
-                static = (*self.workspace.data_addresses(0), self.workspace.parity_strides()[0], self.slot_words,
-                          self.rank)
-            else:
-                _, constexprs, _ = kernel_arguments(self.hidden, self.dtype, self.world, self.push, True,
-                                                    self.aligned)
-                static = static_arguments("all_reduce_one_shot", self.workspace, self.geometry, self.rank, False)
+            compiled = compile_tail(self.hidden, self.dtype, self.world, self.push, self.aligned, major * 10 + minor)
+            _, constexprs, _ = kernel_arguments(self.hidden, self.dtype, self.world, self.push, True, self.aligned)
+            static = static_arguments("all_reduce_one_shot", self.workspace, self.geometry, self.rank, False)
             self._launch = (CompiledLaunch(compiled, tuple(constexprs.values())), static)
         return self._launch
 
     def run(self, x, residual, weight, out, y, eps: float, timeout_s: float | None) -> None:
         address = x.data_ptr()
-        if not self.ll and self.halves[0] <= address < self.halves[1] + self.workspace.data_bytes:
+        if self.halves[0] <= address < self.halves[1] + self.workspace.data_bytes:
             x = x.clone()  # an input inside the workspace would be overwritten by the copy-in
         workspace = self.workspace
         workspace.begin_call(_OP, timeout_s)
         launch, static = self.launch()
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        timeout_ns = int(workspace.timeout_s * 1e9)
-        if self.ll:
-            arguments = (x.data_ptr(), out.data_ptr(), residual.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                         workspace.state_address(), workspace.abort.data_ptr(), workspace.error_address(),
-                         timeout_ns, *static, self.rows, self.hidden, float(eps))
-        else:
-            arguments = (x.data_ptr(), out.data_ptr(), workspace.state_address(), timeout_ns, *static,
-                         residual.data_ptr(), weight.data_ptr(), y.data_ptr(), self.rows, self.hidden, float(eps))
-        launch(self.programs, stream, arguments)
+        launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), workspace.state_address(),
+                                       int(workspace.timeout_s * 1e9), *static, residual.data_ptr(),
+                                       weight.data_ptr(), y.data_ptr(), self.rows, self.hidden, float(eps)))
 
 
 _plans: dict[tuple, TailPlan] = memo("collectives.layer_tail plans")
@@ -208,14 +152,10 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     x, residual: ``[rows, hidden]``; weight: ``[hidden]``. backend ``"p2p"``: the fused kernel
     (CUDA, the group within one NVLink node); ``"torch"``: torch.distributed's all-reduce, then the
     add and ``F.rms_norm``; ``"auto"``: p2p where it can run, torch elsewhere. Every rank passes
-    the same shapes, dtype and backend. variant (p2p): "push" or "pull" (the one-shot all-reduce's
-    layouts, with a barrier), "ll" (the low-latency kernel: no barrier, for 16-bit rows of a
-    multiple of 16 elements, 16-byte aligned; others run "auto"), "auto" (measured: MEASURED_TAIL).
+    the same shapes, dtype and backend.
     """
     if backend not in ("auto", "p2p", "torch"):
         raise ValueError(f"{_OP}: backend must be auto, p2p or torch, got {backend!r}")
-    if variant not in VARIANTS:
-        raise ValueError(f"{_OP}: variant must be one of {VARIANTS}, got {variant!r}")
     _check(x, residual, weight)
     if backend == "torch":
         return unfused_all_reduce_rms_norm(x, residual, weight, eps, group)

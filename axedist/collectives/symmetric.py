@@ -51,7 +51,7 @@ BARRIER_BYTES = 2 * BARRIER_REGION_SLOTS * 4  # one region per epoch parity
 MIN_DATA_BYTES = 1 << 22
 ALIGN_BYTES = 1 << 12
 
-_workspaces: dict[tuple[str, int, str], "SymmetricWorkspace"] = {}
+_workspaces: dict[tuple[str, int], "SymmetricWorkspace"] = {}
 _retired: list["SymmetricWorkspace"] = []  # kept alive: peers may still read them asynchronously
 
 
@@ -109,7 +109,7 @@ class SymmetricWorkspace:
         self.multicast_base, self.handle = multicast_base, handle
         self.processors = processors
         self._peer_buffer = peer_buffer
-        self.tensor.zero_()  # flags, barrier words and data: an LL word read before its write is stale
+        self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
         # the stream of the previous call (raw handle and object) and whether it was captured
@@ -365,21 +365,12 @@ def carve_workspaces(world: int, data_bytes: int, device: torch.device,
                                name=f"virtual-{world}") for r in range(world)]
 
 
-PURPOSES = ("shared", "ll")
-
-
 def get_workspace(group, data_bytes: int, device: torch.device | None = None,
-                  fresh: bool = False, purpose: str = "shared") -> SymmetricWorkspace:
+                  fresh: bool = False) -> SymmetricWorkspace:
     """The group's workspace with at least `data_bytes` per half (collective on first use and
-    whenever it grows; every rank asks for the same sizes, so they all grow together).
-
-    purpose: "shared", the one every collective and fused kernel takes turns on; "ll", a second
-    one that only the low-latency (LL word) calls write, so that nothing but an older LL word of
-    theirs is ever found in it (kernels/primitives.py, ll_words)."""
-    if purpose not in PURPOSES:
-        raise ValueError(f"workspace purpose must be one of {PURPOSES}, got {purpose!r}")
+    whenever it grows; every rank asks for the same sizes, so they all grow together)."""
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-    key = (group_name(group), device.index, purpose)
+    key = (group_name(group), device.index)
     workspace = _workspaces.get(key)
     if fresh or workspace is None or workspace.data_bytes < data_bytes:
         if workspace is not None:

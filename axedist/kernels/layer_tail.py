@@ -19,21 +19,12 @@ the p2p collectives (collective_kernels.py: same workspace layout, epochs, barri
 
 Program p handles rows p, p + P, p + 2P, ... in both phases, so the per-program barrier is all
 the synchronization needed. One row is one tile of BLOCK_H >= hidden columns.
-
-The low-latency variant (``all_reduce_rms_norm_ll_kernel``, 16-bit types) has no barrier: each
-rank stores its rows into every peer's slot as LL words (primitives.ll_words: two elements and
-the call's epoch in one 64-bit store), and a rank combines a peer's row as soon as every word of
-it carries the call's epoch (local spinning). That removes the system-scope fence, the flag
-stores and the wait for them, at twice the bytes over NVLink, which at decode sizes are few.
-It runs on a workspace of its own that only these calls write ("ll", collectives/symmetric.py),
-zeroed when allocated, so a stale word always carries an older epoch.
 """
 import triton
 import triton.language as tl
 
 from .collective_kernels import block_barrier, place_whole
-from .primitives import (call_epoch, finish_call, ll_words, pair_of, peer_pointers, pick, shift8, wait_ll_words,
-                         word_of)
+from .primitives import call_epoch, finish_call, peer_pointers, pick, shift8
 
 
 @triton.jit
@@ -84,65 +75,4 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
             mean_square = tl.sum(hf * hf, axis=1)[:, None] / hidden
             y = hf * tl.math.rsqrt(mean_square + eps) * weight
             tl.store(y_ptr + index, y.to(ELEMENT), mask=in_row)
-    finish_call(state_ptr, epoch)
-
-
-@triton.jit
-def all_reduce_rms_norm_ll_kernel(x_ptr, out_ptr, residual_ptr, weight_ptr, y_ptr, state_ptr, abort_ptr,
-                                  error_address, timeout_ns, D0, D1, D2, D3, D4, D5, D6, D7, half_bytes,
-                                  slot_words, rank, n_rows, hidden, eps, WORLD: tl.constexpr,
-                                  BLOCK_W: tl.constexpr, PHASES: tl.constexpr):
-    """As all_reduce_rms_norm_kernel, by LL words (16-bit types, hidden even, tensors 4-byte aligned).
-
-    The tensors are read and written as int32 words of two elements. D0..D7: every rank's data
-    half 0 of its "ll" workspace; half_bytes: from half 0 to half 1 (the call's epoch parity
-    picks one); slot of source rank q: words [q * slot_words, (q + 1) * slot_words) of a half,
-    row r at r * hidden / 2 inside it. PHASES as the barrier kernel's (the interpreter runs 1,
-    then 2, rank by rank); the combine sums the ranks in rank order, so every rank computes the
-    same bits, and the same bits as all_reduce_rms_norm_kernel."""
-    epoch = call_epoch(state_ptr)
-    parity = (epoch % 2).to(tl.int64)
-    D0, D1, D2, D3, D4, D5, D6, D7 = shift8(D0, D1, D2, D3, D4, D5, D6, D7, parity * half_bytes)
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
-    WORD: tl.constexpr = tl.pointer_type(tl.int32)
-    x_words, out_words, y_words = x_ptr.to(WORD, bitcast=True), out_ptr.to(WORD, bitcast=True), \
-        y_ptr.to(WORD, bitcast=True)
-    pairs = hidden // 2
-    words = tl.arange(0, BLOCK_W)[None, :]  # a [1, BLOCK_W] tile of word indices
-    in_row = words < pairs
-    if PHASES & 1:
-        for row in range(pid, n_rows, programs):
-            stamped = ll_words(tl.load(x_words + row * pairs + words, mask=in_row), epoch)
-            for step in tl.static_range(1, WORLD):
-                peer = (rank + step) % WORLD
-                slot = peer_pointers(pick(peer, D0, D1, D2, D3, D4, D5, D6, D7),
-                                     rank * slot_words + row * pairs + words, tl.int64, True)
-                tl.store(slot, stamped, mask=in_row)
-    if PHASES & 2:
-        own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
-        w_low, w_high = pair_of(tl.load(weight_ptr.to(WORD, bitcast=True) + words, mask=in_row, other=0), ELEMENT)
-        w_low, w_high = w_low.to(tl.float32), w_high.to(tl.float32)
-        for row in range(pid, n_rows, programs):
-            index = row * pairs + words
-            low = tl.zeros([1, BLOCK_W], tl.float32)
-            high = tl.zeros([1, BLOCK_W], tl.float32)
-            for q in tl.static_range(WORLD):  # rank order: the same sum on every rank
-                if q == rank:
-                    data = tl.load(x_words + index, mask=in_row, other=0)
-                else:
-                    data = wait_ll_words(peer_pointers(own, q * slot_words + index, tl.int64, True), in_row, epoch,
-                                         abort_ptr, error_address, q, row, timeout_ns)
-                a, b = pair_of(data, ELEMENT)
-                low += a.to(tl.float32)
-                high += b.to(tl.float32)
-            a, b = pair_of(tl.load(residual_ptr.to(WORD, bitcast=True) + index, mask=in_row, other=0), ELEMENT)
-            h_low, h_high = (low + a.to(tl.float32)).to(ELEMENT), (high + b.to(tl.float32)).to(ELEMENT)
-            tl.store(out_words + index, word_of(h_low, h_high), mask=in_row)
-            f_low, f_high = h_low.to(tl.float32), h_high.to(tl.float32)
-            mean_square = (tl.sum(f_low * f_low, axis=1) + tl.sum(f_high * f_high, axis=1))[:, None] / hidden
-            scale = tl.math.rsqrt(mean_square + eps)
-            y_low, y_high = (f_low * scale * w_low).to(ELEMENT), (f_high * scale * w_high).to(ELEMENT)
-            tl.store(y_words + index, word_of(y_low, y_high), mask=in_row)
     finish_call(state_ptr, epoch)

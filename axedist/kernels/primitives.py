@@ -188,18 +188,13 @@ def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index
         aborted = tl.load(abort_ptr, volatile=True)
     arrived = value >= expected
     if arrived == 0:
-        _record_timeout(abort_ptr, error_address, aborted, peer, flag_index, expected)
+        # Plain stores, no atomics: every thread that gave up writes the same kind of record.
+        tl.store(abort_ptr, 1)
+        if aborted == 0:
+            record = ((ERROR_TIMEOUT << 56) | (peer.to(tl.int64) << 40) | flag_index.to(tl.int64)
+                      | ((expected.to(tl.int64) & 0xFFFF) << 24))
+            tl.store(error_address.to(tl.pointer_type(tl.int64)), record)
     return arrived
-
-
-@triton.jit
-def _record_timeout(abort_ptr, error_address, aborted, peer, flag_index, expected):
-    # Plain stores, no atomics: every thread that gave up writes the same kind of record.
-    tl.store(abort_ptr, 1)
-    if aborted == 0:
-        record = ((ERROR_TIMEOUT << 56) | (tl.cast(peer, tl.int64) << 40) | tl.cast(flag_index, tl.int64)
-                  | ((expected.to(tl.int64) & 0xFFFF) << 24))
-        tl.store(error_address.to(tl.pointer_type(tl.int64)), record)
 
 
 @triton.jit
@@ -231,59 +226,10 @@ def peer_pointers(address, offsets, ELEMENT: tl.constexpr, ALIGNED: tl.constexpr
 
 
 @triton.jit
-def pair_of(word, DTYPE: tl.constexpr):
-    """The two 16-bit values of DTYPE in int32 `word`: (low half, high half), i.e. elements 2i and
-    2i + 1 of a 16-bit tensor read as int32 words."""
+def _halves(word, DTYPE: tl.constexpr):
     low = (word & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
     high = ((word >> 16) & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
-    return low, high
-
-
-@triton.jit
-def word_of(low, high):
-    """The int32 word holding 16-bit values `low` (low half) and `high`: pair_of's inverse."""
-    low_bits = low.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    high_bits = high.to(tl.int16, bitcast=True).to(tl.int32) << 16
-    return low_bits | high_bits
-
-
-@triton.jit
-def _halves(word, DTYPE: tl.constexpr):
-    low, high = pair_of(word, DTYPE)
     return tl.join(low, high)
-
-
-# Low-latency (LL) words: 32 bits of data and the call's epoch in one 64-bit word, written by one
-# store. A reader that sees its epoch in a word has that word's data: no fence, no flag, no
-# barrier round trip (the NCCL LL protocol's idea). Only calls of one discipline may write a
-# workspace read this way (stale data must never look like a flag): SymmetricWorkspace "ll".
-
-
-@triton.jit
-def ll_words(data, epoch):
-    """int64 LL words of int32 `data` stamped with `epoch` (a positive int32)."""
-    return (epoch.to(tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
-
-
-@triton.jit
-def wait_ll_words(pointers, mask, epoch, abort_ptr, error_address, peer, flag_index, timeout_ns):
-    """The int32 data of the LL words at `pointers` (this rank's own memory) once every word under
-    `mask` carries `epoch`, spinning for at most timeout_ns (timeouts are recorded as wait_flag
-    records them; the data returned then is whatever was there)."""
-    words = tl.load(pointers, mask=mask, other=0, volatile=True)
-    missing = tl.sum(tl.where(mask & ((words >> 32).to(tl.int32) != epoch), 1, 0))
-    if missing > 0:  # not yet all written (never under the interpreter: no timer read there)
-        start = globaltimer(missing)
-        elapsed = start - start
-        aborted = tl.load(abort_ptr, volatile=True)
-        while (missing > 0) & (elapsed < timeout_ns) & (aborted == 0):
-            words = tl.load(pointers, mask=mask, other=0, volatile=True)
-            missing = tl.sum(tl.where(mask & ((words >> 32).to(tl.int32) != epoch), 1, 0))
-            elapsed = globaltimer(missing) - start
-            aborted = tl.load(abort_ptr, volatile=True)
-        if missing > 0:
-            _record_timeout(abort_ptr, error_address, aborted, peer, flag_index, epoch)
-    return (words & 0xFFFFFFFF).to(tl.int32)
 
 
 @triton.jit

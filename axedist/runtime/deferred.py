@@ -77,13 +77,12 @@ class PendingWork:
     collective was not fused. Gathers deferred, fused into an all-gather + GEMM, and run on their
     own; "gather_reason": why the last was not fused. ``gather_policy``: see :func:`defer_gathers`.
     Decode tails (all-reduces of a row-parallel output, runtime/tails.py) deferred, fused into
-    all-reduce + residual add + RMSNorm, and run on their own; ``tail_policy``: see ``tails.defer_tails``;
-    ``tail_kernel``: see ``tails.tail_kernel``.
+    all-reduce + residual add + RMSNorm, and run on their own; ``tail_policy``: see ``tails.defer_tails``.
     ``choices``: per collective ("reduce-scatter", "all-reduce", "all-gather"), the text of the
     last fused choice made for it, kept when the choice is made (:meth:`take_choice`).
     """
 
-    __slots__ = ("outstanding", "counts", "gather_policy", "tail_policy", "tail_kernel", "choices")
+    __slots__ = ("outstanding", "counts", "gather_policy", "tail_policy", "choices")
 
     def __init__(self):
         self.outstanding: list = []
@@ -92,7 +91,6 @@ class PendingWork:
                        "tails_deferred": 0, "tails_fused": 0, "tails_materialized": 0}
         self.gather_policy = "auto"
         self.tail_policy = "auto"  # see tails.defer_tails
-        self.tail_kernel = "auto"  # see tails.tail_kernel
         self.choices: dict = {}
 
     def track(self, pending) -> None:

@@ -23,7 +23,7 @@ from ..spec import DTensorSpec
 from ..tracing import may_defer
 from .deferred import PENDING, DeferredView, reads_any, version_of
 
-__all__ = ["DeferredTail", "defer_tails", "tail_kernel", "tail_axis", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
+__all__ = ["DeferredTail", "defer_tails", "tail_axis", "defer_tail", "pending_tail", "with_residual", "fused_tail_norm"]
 
 
 def _link(pending):
@@ -125,19 +125,6 @@ def defer_tails(policy: str | None = None) -> str:
     return PENDING.policy("tail_policy", policy, "defer_tails")
 
 
-def tail_kernel(variant: str | None = None) -> str:
-    """Which kernel a fused decode tail runs (``collectives.all_reduce_rms_norm``'s variant): ``"auto"``
-    (the default: measured per size), ``"ll"`` (the low-latency kernel, no barrier, where it can run),
-    ``"push"`` or ``"pull"``. None keeps it; returns the variant in force. Every rank sets the same."""
-    from ..collectives.layer_tail import VARIANTS
-
-    if variant is not None:
-        if variant not in VARIANTS:
-            raise ValueError(f"tail_kernel: variant must be one of {VARIANTS}, got {variant!r}")
-        PENDING.tail_kernel = variant
-    return PENDING.tail_kernel
-
-
 def tail_axis(src: DTensorSpec, dst: DTensorSpec, local_shape: tuple, dtype: torch.dtype,
               device: torch.device) -> str | None:
     """The mesh axis of the all-reduce ``src -> dst`` when it is one to defer as a decode tail (a
@@ -178,7 +165,7 @@ def fused_tail_norm(tail: DeferredTail, weight: torch.Tensor, eps: float) -> tor
     root, shape, hidden = tail.root(), tail.shape, tail.shape[-1]
     x = root.local[0].reshape(-1, hidden)
     residual = tail.residual.reshape(-1, hidden)
-    h, y = all_reduce_rms_norm(x, residual, weight, eps, root.src.mesh.group(root.axis), variant=PENDING.tail_kernel)
+    h, y = all_reduce_rms_norm(x, residual, weight, eps, root.src.mesh.group(root.axis))
     tail.value = h.view(shape)
     tail.residual = None
     PENDING.counts["tails_fused"] += 1

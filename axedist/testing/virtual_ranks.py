@@ -50,7 +50,6 @@ class VirtualRanks:
         self.world, self.device = world, device
         self.processors = multiprocessors(device.index) // world
         self.workspaces = carve_workspaces(world, data_bytes, device, self.processors)
-        self._ll_workspaces = None  # carved at the first low-latency layer tail
         self.streams = [torch.cuda.Stream(device) for _ in range(world)]
         self._plans: dict[tuple, list[CallPlan]] = {}
         self._fused: dict[tuple, list[FusedCall]] = {}
@@ -118,13 +117,8 @@ class VirtualRanks:
         key = ("all_reduce_rms_norm", rows, hidden, xs[0].dtype, variant, aligned)
         plans = self._plans.get(key)
         if plans is None:
-            if self._ll_workspaces is None:  # the LL calls' own workspaces (symmetric.get_workspace's "ll")
-                self._ll_workspaces = carve_workspaces(self.world, self.workspaces[0].data_bytes, self.device,
-                                                       self.processors)
-            plans = self._plans[key] = [
-                TailPlan(rows, hidden, xs[0].dtype, None, self.device.index, variant, aligned,
-                         workspaces={"shared": shared, "ll": ll})
-                for shared, ll in zip(self.workspaces, self._ll_workspaces)]
+            plans = self._plans[key] = [TailPlan(rows, hidden, xs[0].dtype, None, self.device.index, variant,
+                                                 aligned, workspace=workspace) for workspace in self.workspaces]
         outs = [(torch.empty_like(xs[0]), torch.empty_like(xs[0])) for _ in range(self.world)]
         present = [r for r in range(self.world) if r not in absent]
         for rank in present:  # every kernel loaded before the first rank can spin
@@ -249,14 +243,12 @@ class VirtualRanks:
         timed out retires its workspace: make a new VirtualRanks for further calls."""
         self.synchronize()
         messages = []
-        for rank, workspace in enumerate(self.workspaces):
-            found = []
-            for space in (workspace, *(self._ll_workspaces[rank:rank + 1] if self._ll_workspaces else ())):
-                try:
-                    space.check()
-                except CollectiveTimeoutError as error:
-                    found.append(str(error))
-            messages.append("\n".join(found))
+        for workspace in self.workspaces:
+            try:
+                workspace.check()
+                messages.append("")
+            except CollectiveTimeoutError as error:
+                messages.append(str(error))
         return messages
 
     def check(self) -> None:
