@@ -30,8 +30,8 @@ from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import PENDING, POLICIES
 from .call_cache import CallCache
-from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, local_of,
-                        op_info, plan_call, replace_dtensors, scan)
+from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, decompose,
+                        local_of, op_info, plan_call, replace_dtensors, scan)
 from .fastpath import FastPath
 from .fusion import defer_product, take_pending
 from .registry import ArgSpec
@@ -255,7 +255,7 @@ class OpDispatcher:
             if decomposable(func):
                 # A composite op (linear, rms_norm, chunk, sdpa, ...) reaches us undecomposed under
                 # inference_mode; its decomposition runs on ops that have rules.
-                result = func.decompose(*args, **kwargs)
+                result = decompose(func, args, kwargs)
                 if result is not NotImplemented:
                     return result
             return gather_fallback(self, func, args, kwargs, dts, mesh, info)
