@@ -113,33 +113,73 @@ def _full(result):
     return result
 
 
-def _check_calls(rank, world, seed):
+# Under inference_mode composite ops reach the dispatcher undecomposed and run as their decomposition
+# (t, view, mm, _unsafe_view for a linear); the fast path proves the torch call through those steps.
+# None: either route may serve it (a step the fast path does not prove, e.g. an in-place bias add)
+INFERENCE_CALLS = [
+    ("3-D linear column-parallel", lambda t: F.linear(t["x3"], t["w"]), True),
+    ("3-D linear row-parallel -> pending sum", lambda t: F.linear(t["x3c"], t["wr"]), True),
+    ("3-D linear over batch-sharded rows", lambda t: F.linear(t["x3b"], t["wfull"]), True),
+    ("3-D matmul", lambda t: torch.matmul(t["x3"], t["wt"]), True),
+    ("3-D linear + bias", lambda t: F.linear(t["x3"], t["w"], t["bias"]), None),
+    ("rms_norm", lambda t: F.rms_norm(t["x3b"], (6,), eps=1e-6), None),
+    ("2-D linear", lambda t: F.linear(t["inp"], t["w"]), True),
+    ("view", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),
+]
+
+
+def _inference_inputs(mesh, seed):
+    world = mesh.size()
+    out = _inputs(mesh, seed)
+    made = {"x3": ((2, 3, 6), [Replicate()]), "x3c": ((2, 3, 4 * world), [Shard(2)]),
+            "wr": ((5, 4 * world), [Shard(1)]), "x3b": ((2 * world, 3, 6), [Shard(0)]),
+            "wfull": ((5, 6), [Replicate()]), "wt": ((6, 2 * world), [Shard(1)])}
+    for k, (name, (shape, placements)) in enumerate(made.items()):
+        full = _rand(shape, seed + 40 + k)
+        out[name] = (distribute(full, mesh, placements), full)
+    return out
+
+
+def _check_calls(rank, world, seed, inference=False):
     mesh = DeviceMesh("cpu", (world,))
     fastpath.clear()
-    t = _inputs(mesh, seed)
-    dts = {k: d for k, (d, _) in t.items()}
-    full = {k: f for k, (_, f) in t.items()}
     fast_seen = []
-    for name, call, fast in CALLS:
-        fastpath.enable(False)
-        normal = _facts(call(dts))
-        expected = call(full)
-        fastpath.enable(True)
-        before = fastpath.stats()["hits"]
-        for attempt in range(3):  # a miss (records), then hits
-            result = call(dts)
-            _same(_facts(result), normal, f"{name} (call {attempt})")
-        got = _full(result)  # the same facts on every rank: the same global tensor each time
-        assert got.dtype == expected.dtype, name
-        assert torch.allclose(got, expected, atol=1e-12), name
-        hits = fastpath.stats()["hits"] - before
-        fast_seen.append((name, hits))
-        assert (hits >= 2) == fast, f"{name}: {hits} fast hits, expected {'some' if fast else 'none'}"
+    # (inputs made inside inference mode: a DTensor made outside cannot be viewed inside, as torch's;
+    # nn.to_inference says so)
+    with torch.inference_mode(inference):
+        t = (_inference_inputs if inference else _inputs)(mesh, seed)
+        dts = {k: d for k, (d, _) in t.items()}
+        full = {k: f for k, (_, f) in t.items()}
+        for name, call, fast in INFERENCE_CALLS if inference else CALLS:
+            _check_call(name, call, fast, dts, full, fast_seen)
     return fast_seen
+
+
+def _check_call(name, call, fast, dts, full, fast_seen):
+    """One call: fast path off (the normal route), then on three times (a miss that records, then
+    hits), every result equal to the normal route's and the full tensors'."""
+    fastpath.enable(False)
+    normal = _facts(call(dts))
+    expected = call(full)
+    fastpath.enable(True)
+    before = fastpath.stats()["hits"]
+    for attempt in range(3):  # a miss (records), then hits
+        result = call(dts)
+        _same(_facts(result), normal, f"{name} (call {attempt})")
+    got = _full(result)  # the same facts on every rank: the same global tensor each time
+    assert got.dtype == expected.dtype, name
+    assert torch.allclose(got, expected, atol=1e-12), name
+    hits = fastpath.stats()["hits"] - before
+    fast_seen.append((name, hits))
+    assert fast is None or (hits >= 2) == fast, f"{name}: {hits} fast hits, expected {'some' if fast else 'none'}"
 
 
 def test_fast_path_equals_normal_route(seed):
     run_on_ranks(_check_calls, 4, args=(seed,))
+
+
+def test_fast_path_under_inference_mode_equals_normal_route(seed):
+    run_on_ranks(_check_calls, 2, args=(seed, True))
 
 
 def _in_place_and_out(rank, world, seed):

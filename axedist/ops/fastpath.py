@@ -30,7 +30,7 @@ import torch
 
 from ..runtime.deferred import pending_gather, pending_product
 from ..runtime.tails import pending_tail
-from .call_plan import SCALAR_TYPES, LocalRoute, op_info
+from .call_plan import SCALAR_TYPES, LocalRoute, decomposable, op_info
 from .state import READY, RECORDING, ReadyOutput, wrap
 
 __all__ = ["FastPath"]
@@ -94,13 +94,13 @@ class FastPath:
         """Run the call on the normal route, recording its aten ops, and cache what it proves:
         under ``loose`` (the key with its floats' values left out) a pointwise entry or a
         normal-route one (always right), else under ``key``."""
-        recorder = _Recorder(self.dispatcher.dispatch)
+        recorder = _Recorder(self.dispatcher.dispatch, self._decomposed)
         RECORDING.append(recorder)
         try:
             result = _disabled(func, types, args, kwargs or _EMPTY)
         finally:
             RECORDING.pop()
-        last = recorder.steps[-1][0] if recorder.steps else None
+        last = recorder.last_top
         # Nothing dispatched (a getter), or (without autograd, which adds ops of its own, e.g. a
         # detach of an output it saves) a view, which the normal route makes a view of its base
         # for autograd: the normal route for this torch function with any arguments.
@@ -117,6 +117,10 @@ class FastPath:
         self.dispatcher.cache.put("torch_calls", key, entry)
         self.counts["recorded" if entry is not _SLOW else "slow"] += 1
         return result
+
+    def _decomposed(self, op, args, kwargs) -> bool:
+        """Whether the dispatcher ran this aten call as its decomposition (a composite op, no plan)."""
+        return decomposable(op) and self.dispatcher.cached_plan(op, args, kwargs)[0] is None
 
     def _grad_entry_for(self, func, steps, result, args, kwargs):
         """The grad-mode entry proven by these steps, or _SLOW.
@@ -145,8 +149,10 @@ class FastPath:
 
     def _local_plan(self, op, args, kwargs, out):
         """The plan of this aten call if the dispatcher ran it as "the op on the local tensors,
-        wrapped" (no input moved, no rule-specific local function, no pending-sum input, one
-        output, nothing written, nothing random), else None."""
+        wrapped" (no input moved, no rule-specific local function but a reshape to the local shape
+        (view.py: metadata only, which the entry's check of the result's shape and strides covers),
+        no pending-sum input but to such a reshape, one output, nothing written, nothing random),
+        else None."""
         plan, inputs = self.dispatcher.cached_plan(op, args, kwargs)
         info = op_info(op)
         if plan is None or type(out) is not self.dispatcher.cls or out._pending is not None:
@@ -154,9 +160,12 @@ class FastPath:
         if info.inplace or info.out_names or info.written or info.foreach or \
                 torch.Tag.nondeterministic_seeded in op.tags:
             return None
-        if plan.structure != "single" or plan.sharding.local is not None or plan.reduce_self is not None:
+        local = plan.sharding.local
+        reshapes = local is not None and getattr(local, "only_reshapes", False)
+        if plan.structure != "single" or plan.reduce_self is not None or (local is not None and not reshapes):
             return None
-        if all(t is None for t in plan.targets) and not any(d._spec.reduce_op for d in inputs):
+        # a pending sum may only be reshaped (a view is linear: the view of the sum is the sum of the views)
+        if all(t is None for t in plan.targets) and (reshapes or not any(d._spec.reduce_op for d in inputs)):
             return plan
         return None
 
@@ -212,12 +221,16 @@ def _pointwise(steps) -> bool:
 
 class _Recorder:
     """Stands in for the dispatcher during one torch-level call: runs it, and keeps the
-    top-level aten calls (ops that the dispatcher runs inside them are not steps)."""
+    top-level aten calls (ops that the dispatcher runs inside them are not steps), except that a
+    composite op the dispatcher ran as its decomposition (``decomposed``: no rule of its own, as
+    linear or matmul under inference_mode) is replaced by the calls it made, so that a torch
+    function whose decomposition runs where its inputs are can be proven like any other."""
 
-    def __init__(self, dispatch):
-        self.dispatch = dispatch
+    def __init__(self, dispatch, decomposed):
+        self.dispatch, self.decomposed = dispatch, decomposed
         self.steps: list = []
-        self.depth = 0
+        self.calls = [self.steps]  # per depth of the calls running now: the list theirs go into
+        self.last_top = None  # the last top-level aten op, as called (a decomposed one included)
         self.thread = threading.get_ident()
 
     def __call__(self, func, args, kwargs):
@@ -226,13 +239,18 @@ class _Recorder:
                 if recorder.thread == threading.get_ident():
                     return recorder(func, args, kwargs)
             return self.dispatch(func, args, kwargs)
-        self.depth += 1
+        inner: list = []
+        self.calls.append(inner)
         try:
             out = self.dispatch(func, args, kwargs)
         finally:
-            self.depth -= 1
-        if self.depth == 0:
-            self.steps.append((func, args, kwargs, out))
+            self.calls.pop()
+        if inner and self.decomposed(func, args, kwargs):
+            self.calls[-1].extend(inner)
+        else:
+            self.calls[-1].append((func, args, kwargs, out))
+        if len(self.calls) == 1:
+            self.last_top = func
         return out
 
 

@@ -107,6 +107,7 @@ def _local_reshape(out_placements_or_layout, out_shape, mesh, reduce_op=None):
         except RuntimeError:
             return x.reshape(shape)
 
+    local.only_reshapes = True  # metadata only: the fast path may prove a call through it (ops/fastpath.py)
     return local
 
 
