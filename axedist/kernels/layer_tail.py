@@ -48,6 +48,12 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
     own = pick(rank, D0, D1, D2, D3, D4, D5, D6, D7)
     columns = tl.arange(0, BLOCK_H)[None, :]  # a [1, BLOCK_H] tile (peer_pointers' 2-D alignment hint)
     in_row = columns < hidden
+    if PHASES & 2:
+        # what the combine needs of this rank alone, loaded before the place and the barrier so that
+        # its latency hides behind theirs: the weight, and the residual of the program's first row
+        # (at decode sizes its only one: the grid has a program per row)
+        weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
+        first_residual = tl.load(residual_ptr + pid * hidden + columns, mask=in_row & (pid < n_rows), other=0.0)
     if (PHASES & 1) and (COPY_IN or PUSH):
         for row in range(pid, n_rows, programs):
             # push: every rank's slot `rank`, this rank's own included (the combine reads them all)
@@ -57,7 +63,6 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
         block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
                       error_address, timeout_ns, WORLD)
     if PHASES & 2:
-        weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
         for row in range(pid, n_rows, programs):
             index = row * hidden + columns
             total = tl.zeros([1, BLOCK_H], tl.float32)
@@ -68,7 +73,11 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
                     source = peer_pointers(pick(q, D0, D1, D2, D3, D4, D5, D6, D7), index,
                                            ELEMENT, ALIGNED)
                 total += tl.load(source, mask=in_row, other=0.0).to(tl.float32)
-            total += tl.load(residual_ptr + index, mask=in_row, other=0.0).to(tl.float32)
+            if row == pid:
+                residual = first_residual
+            else:
+                residual = tl.load(residual_ptr + index, mask=in_row, other=0.0)
+            total += residual.to(tl.float32)
             h = total.to(ELEMENT)
             tl.store(out_ptr + index, h, mask=in_row)
             hf = h.to(tl.float32)
