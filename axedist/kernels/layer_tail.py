@@ -62,6 +62,10 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
     if (PHASES & 3) == 3:
         block_barrier(F0, F1, F2, F3, F4, F5, F6, F7, pid, epoch, rank, abort_ptr,
                       error_address, timeout_ns, WORLD)
+    # every program read the epoch at its start and claims no tasks: the launch may count itself
+    # finished now, the counter's round trip overlapping the combine (the next call on the workspace
+    # starts after this kernel ends, stream order)
+    finish_call(state_ptr, epoch)
     if PHASES & 2:
         for row in range(pid, n_rows, programs):
             index = row * hidden + columns
@@ -84,4 +88,3 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
             mean_square = tl.sum(hf * hf, axis=1)[:, None] / hidden
             y = hf * tl.math.rsqrt(mean_square + eps) * weight
             tl.store(y_ptr + index, y.to(ELEMENT), mask=in_row)
-    finish_call(state_ptr, epoch)
