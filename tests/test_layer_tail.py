@@ -6,7 +6,7 @@ and on GPUs (tests_multigpu/test_collectives.py::test_layer_tail_matches_the_unf
 import pytest
 import torch
 
-from axedist.collectives.layer_tail import all_reduce_rms_norm
+from axedist.collectives.layer_tail import all_reduce_add, all_reduce_rms_norm
 from axedist.testing import run_on_ranks
 
 
@@ -21,6 +21,7 @@ def _inputs(world, rows, hidden, seed):
 def _body(rank, world, rows, hidden, seed):
     xs, residual, weight = _inputs(world, rows, hidden, seed)
     h, y = all_reduce_rms_norm(xs[rank], residual, weight, 1e-6)
+    added = all_reduce_add(xs[rank], residual)
     errors = []
     for bad in ({"backend": "nccl"}, {"backend": "p2p"}):
         try:
@@ -31,7 +32,7 @@ def _body(rank, world, rows, hidden, seed):
         all_reduce_rms_norm(xs[rank], residual[:, :-1], weight, 1e-6)
     except ValueError as error:
         errors.append(str(error))
-    return h, y, errors
+    return h, y, added, errors
 
 
 @pytest.mark.parametrize("world,rows,hidden", [(2, 3, 40), (4, 1, 64)])
@@ -41,8 +42,9 @@ def test_layer_tail_off_cuda_is_the_unfused_sequence(world, rows, hidden):
     xs, residual, weight = _inputs(world, rows, hidden, seed)
     h_ref = residual + torch.stack(xs).sum(0)
     y_ref = h_ref * torch.rsqrt(h_ref.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
-    for h, y, errors in results:
+    for h, y, added, errors in results:
         torch.testing.assert_close(h, h_ref, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(added, h_ref, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
         assert "backend must be auto, p2p or torch, got 'nccl'" in errors[0]
         assert "backend p2p cannot run: it needs CUDA tensors" in errors[1]

@@ -359,7 +359,7 @@ def body_layer_tail(rank, world, shapes, dtypes, variant, graph):
     """The fused all-reduce + residual add + RMSNorm against the unfused sequence on NCCL (fp32
     reference), bit-identical across ranks; eager, or captured once in a CUDA graph and replayed
     on fresh inputs (the kernel takes its epoch from device memory)."""
-    from axedist.collectives.layer_tail import all_reduce_rms_norm
+    from axedist.collectives.layer_tail import all_reduce_add, all_reduce_rms_norm
     failures = []
     for dtype in dtypes:
         for rows, hidden in shapes:
@@ -382,6 +382,10 @@ def body_layer_tail(rank, world, shapes, dtypes, variant, graph):
                     runs.append((fresh, h.clone(), y.clone()))
             else:
                 runs = [(x, *all_reduce_rms_norm(x, residual, weight, 1e-5, variant=variant))]
+                # without the norm (a model's last tail): h alone, the same bits as with it
+                added = all_reduce_add(x, residual, variant=variant)
+                if not torch.equal(added, runs[0][1]):
+                    failures.append(f"{variant} {dtype} ({rows}, {hidden}): all_reduce_add differs from h")
             for inp, h, y in runs:
                 total = _reference_sum(inp, world)
                 h_ref = residual.float() + total

@@ -23,14 +23,14 @@ from .errors import CollectiveError, CollectiveTimeoutError, SymmetricMemoryUnav
 from .fused import GemmReduceScatterPlan, gemm_reduce_scatter, plan_gemm_reduce_scatter
 from .fused_tp import (FusedPlan, all_gather_gemm, gemm_all_reduce, plan_all_gather_gemm,
                        plan_gemm_all_reduce)
-from .layer_tail import all_reduce_rms_norm
+from .layer_tail import all_reduce_add, all_reduce_rms_norm
 from .library import OPS
 from .symmetric import check, reset
 
 __all__ = [
     "CollectiveError", "CollectiveTimeoutError", "FusedPlan", "GemmReduceScatterPlan", "OPS", "all_gather_into",
     "reduce_scatter_into",
-    "SymmetricMemoryUnavailable", "all_gather", "all_gather_gemm", "all_reduce", "all_reduce_rms_norm", "check",
+    "SymmetricMemoryUnavailable", "all_gather", "all_gather_gemm", "all_reduce", "all_reduce_add", "all_reduce_rms_norm", "check",
     "gemm_all_reduce", "gemm_reduce_scatter", "plan_all_gather_gemm", "plan_gemm_all_reduce",
     "plan_gemm_reduce_scatter", "reduce_scatter", "reset",
 ]

@@ -23,45 +23,49 @@ from .backend import p2p_possible
 from .p2p import TRITON_DTYPE, call_geometry, choose_variant, kernel_signature, static_arguments
 from .symmetric import MAX_BARRIER_PROGRAMS, get_workspace
 
-__all__ = ["all_reduce_rms_norm", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments", "compile_tail"]
+__all__ = ["all_reduce_rms_norm", "all_reduce_add", "unfused_all_reduce_rms_norm", "TailPlan", "kernel_arguments",
+           "compile_tail"]
 
 _OP = "all_reduce_rms_norm"
 # rows of at most this many elements (Llama-3-405B's 16384); one row is one program's tile
 MAX_HIDDEN = 16384
 
 
-def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequence the fused call replaces: all-reduce (torch.distributed), add, rms_norm."""
+def unfused_all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                                group=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sequence the fused call replaces: all-reduce (torch.distributed), add, rms_norm (none
+    without a weight)."""
     total = x.clone()
     dist.all_reduce(total, group=group)
     h = residual + total
-    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+    return h, None if weight is None else F.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
 def kernel_arguments(hidden: int, dtype: torch.dtype, world: int, push: bool, copy_in: bool,
-                     aligned: bool, phases: int = 3) -> tuple[dict, dict, list[str]]:
+                     aligned: bool, phases: int = 3, norm: bool = True) -> tuple[dict, dict, list[str]]:
     """(Triton signature of the runtime arguments, constexprs, arguments divisible by 16) of the
-    fused kernel for one call shape class: what the GPU compiles and the CPU tests inspect."""
+    fused kernel for one call shape class (``norm``: with the RMSNorm): what the GPU compiles and
+    the CPU tests inspect."""
     element = TRITON_DTYPE[dtype]
     # the one-shot all-reduce's arguments (same workspace, epochs and barrier), then the tail's own
     signature = kernel_signature("all_reduce_one_shot", dtype)
     signature.update(residual_ptr=f"*{element}", weight_ptr=f"*{element}", y_ptr=f"*{element}", n_rows="i32",
                      hidden="i32", eps="fp32")
     constexprs = dict(WORLD=world, BLOCK_H=max(16, 1 << (hidden - 1).bit_length()), PUSH=push, COPY_IN=copy_in,
-                      ALIGNED=aligned, PHASES=phases)
+                      ALIGNED=aligned, PHASES=phases, NORM=norm)
     divisible = ["state_ptr", "abort_ptr", "chunk_stride"]
     if aligned:
         divisible += ["x_ptr", "out_ptr", "residual_ptr", "weight_ptr", "y_ptr", "hidden"]
     return signature, constexprs, divisible
 
 
-def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligned: bool, capability: int = 90):
+def compile_tail(hidden: int, dtype: torch.dtype, world: int, push: bool, aligned: bool, capability: int = 90,
+                 norm: bool = True):
     """The fused kernel compiled for one call shape class and CUDA ``capability`` (Triton caches
     it on disk; a process without a GPU can compile it, as the CPU tests do)."""
     from ..kernels.compile_check import compile_for_target
     from ..kernels.layer_tail import all_reduce_rms_norm_kernel
-    signature, constexprs, divisible = kernel_arguments(hidden, dtype, world, push, True, aligned)
+    signature, constexprs, divisible = kernel_arguments(hidden, dtype, world, push, True, aligned, norm=norm)
     warps = 8 if constexprs["BLOCK_H"] >= 4096 else 4
     return compile_for_target(all_reduce_rms_norm_kernel, signature, constexprs, divisible, capability=capability,
                               num_warps=warps)
@@ -72,9 +76,10 @@ class TailPlan:
     the workspace, the variant, the grid, the compiled kernel and its static arguments."""
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, group, device_index: int, variant: str,
-                 aligned: bool, workspace=None):
-        """workspace: the rank's workspace to run on (default: the group's; virtual ranks pass their own)."""
-        self.rows, self.hidden, self.dtype, self.aligned = rows, hidden, dtype, aligned
+                 aligned: bool, workspace=None, norm: bool = True):
+        """workspace: the rank's workspace to run on (default: the group's; virtual ranks pass their own);
+        norm: with the RMSNorm (else h alone: a model's last tail)."""
+        self.rows, self.hidden, self.dtype, self.aligned, self.norm = rows, hidden, dtype, aligned, norm
         world = dist.get_world_size(group) if workspace is None else workspace.world_size
         # the one-shot all-reduce's layout: push slots of the rows rounded up to 16 elements
         self.geometry = call_geometry("all_reduce_one_shot", (rows, hidden), world)
@@ -93,21 +98,24 @@ class TailPlan:
         self._launch = None
 
     def __repr__(self) -> str:
-        return (f"TailPlan({'push' if self.push else 'pull'}, {TRITON_DTYPE[self.dtype]} "
-                f"({self.rows}, {self.hidden}) W={self.world}: {self.programs} programs)")
+        return (f"TailPlan({'push' if self.push else 'pull'}{'' if self.norm else ', no norm'}, "
+                f"{TRITON_DTYPE[self.dtype]} ({self.rows}, {self.hidden}) W={self.world}: {self.programs} programs)")
 
     def launch(self):
         """(CompiledLaunch, static arguments), built on the first call."""
         if self._launch is None:
             from ..kernels.launch import CompiledLaunch
             major, minor = torch.cuda.get_device_capability(self.device_index)
-            compiled = compile_tail(self.hidden, self.dtype, self.world, self.push, self.aligned, major * 10 + minor)
-            _, constexprs, _ = kernel_arguments(self.hidden, self.dtype, self.world, self.push, True, self.aligned)
+            compiled = compile_tail(self.hidden, self.dtype, self.world, self.push, self.aligned, major * 10 + minor,
+                                    norm=self.norm)
+            _, constexprs, _ = kernel_arguments(self.hidden, self.dtype, self.world, self.push, True, self.aligned,
+                                                norm=self.norm)
             static = static_arguments("all_reduce_one_shot", self.workspace, self.geometry, self.rank, False)
             self._launch = (CompiledLaunch(compiled, tuple(constexprs.values())), static)
         return self._launch
 
     def run(self, x, residual, weight, out, y, eps: float, timeout_s: float | None) -> None:
+        """weight and y: None without the norm (the kernel then reads and writes neither)."""
         address = x.data_ptr()
         if self.halves[0] <= address < self.halves[1] + self.workspace.data_bytes:
             x = x.clone()  # an input inside the workspace would be overwritten by the copy-in
@@ -117,24 +125,26 @@ class TailPlan:
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         launch(self.programs, stream, (x.data_ptr(), out.data_ptr(), workspace.state_address(),
                                        int(workspace.timeout_s * 1e9), *static, residual.data_ptr(),
-                                       weight.data_ptr(), y.data_ptr(), self.rows, self.hidden, float(eps)))
+                                       (residual if weight is None else weight).data_ptr(),
+                                       (out if y is None else y).data_ptr(), self.rows, self.hidden, float(eps)))
 
 
 _plans: dict[tuple, TailPlan] = memo("collectives.layer_tail plans")
 
 
 def _check(x, residual, weight) -> None:
-    if x.dim() != 2 or residual.shape != x.shape or weight.shape != (x.shape[1],):
+    shape = None if weight is None else tuple(weight.shape)
+    if x.dim() != 2 or residual.shape != x.shape or shape not in (None, (x.shape[1],)):
         raise ValueError(f"{_OP}: x and residual must be [rows, hidden] of one shape and weight [hidden]; got x "
-                         f"{tuple(x.shape)}, residual {tuple(residual.shape)}, weight {tuple(weight.shape)}")
-    if not x.dtype == residual.dtype == weight.dtype:
+                         f"{tuple(x.shape)}, residual {tuple(residual.shape)}, weight {shape}")
+    if not x.dtype == residual.dtype == (x.dtype if weight is None else weight.dtype):
         raise ValueError(f"{_OP}: x, residual and weight must share one dtype; got {x.dtype}, {residual.dtype}, "
-                         f"{weight.dtype}")
+                         f"{None if weight is None else weight.dtype}")
 
 
 def _p2p_refusal(x, residual, weight, group) -> str:
     """Why the fused kernel cannot run this call ("" where it can): what every rank sees alike."""
-    if not (x.is_cuda and residual.is_cuda and weight.is_cuda):
+    if not (x.is_cuda and residual.is_cuda and (weight is None or weight.is_cuda)):
         return f"it needs CUDA tensors, got {x.device}"
     if x.dtype not in TRITON_DTYPE:
         return f"it takes bf16, fp16 or fp32, got {x.dtype}"
@@ -144,10 +154,11 @@ def _p2p_refusal(x, residual, weight, group) -> str:
     return "" if possible else why
 
 
-def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group=None,
+def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, group=None,
                         backend: str = "auto", timeout_s: float | None = None,
-                        variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, y)``: ``h = residual + sum of x over the group``, ``y = rms_norm(h) * weight``.
+                        variant: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(h, y)``: ``h = residual + sum of x over the group``, ``y = rms_norm(h) * weight``
+    (weight None: ``(h, None)``, no norm; ``all_reduce_add``).
 
     x, residual: ``[rows, hidden]``; weight: ``[hidden]``. backend ``"p2p"``: the fused kernel
     (CUDA, the group within one NVLink node); ``"torch"``: torch.distributed's all-reduce, then the
@@ -164,14 +175,23 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         return unfused_all_reduce_rms_norm(x, residual, weight, eps, group)
     if reason:
         raise ValueError(f"{_OP}: backend p2p cannot run: {reason}")
-    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    norm = weight is not None
+    x, residual = x.contiguous(), residual.contiguous()
+    weight = weight.contiguous() if norm else None
     rows, hidden = x.shape
-    out, y = torch.empty_like(x), torch.empty_like(x)
-    aligned = hidden % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (x, residual, weight, out, y))
-    key = (group, rows, hidden, x.dtype, x.get_device(), variant, aligned)
+    out, y = torch.empty_like(x), (torch.empty_like(x) if norm else None)
+    aligned = hidden % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (x, residual, weight, out, y) if t is not None)
+    key = (group, rows, hidden, x.dtype, x.get_device(), variant, aligned, norm)
     plan = _plans.get(key)
     if plan is None or plan.workspace.retired:
-        plan = _plans[key] = TailPlan(rows, hidden, x.dtype, group, x.get_device(), variant, aligned)
+        plan = _plans[key] = TailPlan(rows, hidden, x.dtype, group, x.get_device(), variant, aligned, norm=norm)
     if rows:
         plan.run(x, residual, weight, out, y, eps, timeout_s)
     return out, y
+
+
+def all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group=None, backend: str = "auto",
+                   timeout_s: float | None = None, variant: str = "auto") -> torch.Tensor:
+    """``residual + sum of x over the group`` in one launch (p2p; the unfused pair elsewhere): a
+    model's last decode tail, which no RMSNorm follows. As ``all_reduce_rms_norm`` without a weight."""
+    return all_reduce_rms_norm(x, residual, None, 0.0, group, backend, timeout_s, variant)[0]

@@ -33,8 +33,10 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
                                chunk_stride, rank, abort_ptr, error_address, half_bytes,
                                barrier_bytes, residual_ptr, weight_ptr, y_ptr, n_rows, hidden, eps,
                                WORLD: tl.constexpr, BLOCK_H: tl.constexpr, PUSH: tl.constexpr,
-                               COPY_IN: tl.constexpr, ALIGNED: tl.constexpr, PHASES: tl.constexpr):
-    """out = residual + sum_r x_r and y = rms_norm(out) * weight, rows of ``hidden`` elements.
+                               COPY_IN: tl.constexpr, ALIGNED: tl.constexpr, PHASES: tl.constexpr,
+                               NORM: tl.constexpr):
+    """out = residual + sum_r x_r and y = rms_norm(out) * weight, rows of ``hidden`` elements
+    (NORM = False: out alone; weight_ptr and y_ptr are not read or written).
 
     numel = n_rows * hidden; chunk_stride: a push slot's size (numel rounded up to 16);
     multicast_base is unused (the multimem path is not written for this kernel)."""
@@ -52,7 +54,8 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
         # what the combine needs of this rank alone, loaded before the place and the barrier so that
         # its latency hides behind theirs: the weight, and the residual of the program's first row
         # (at decode sizes its only one: the grid has a program per row)
-        weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
+        if NORM:
+            weight = tl.load(weight_ptr + columns, mask=in_row, other=0.0).to(tl.float32)
         first_residual = tl.load(residual_ptr + pid * hidden + columns, mask=in_row & (pid < n_rows), other=0.0)
     if (PHASES & 1) and (COPY_IN or PUSH):
         for row in range(pid, n_rows, programs):
@@ -84,7 +87,8 @@ def all_reduce_rms_norm_kernel(x_ptr, out_ptr, state_ptr, timeout_ns, D0, D1, D2
             total += residual.to(tl.float32)
             h = total.to(ELEMENT)
             tl.store(out_ptr + index, h, mask=in_row)
-            hf = h.to(tl.float32)
-            mean_square = tl.sum(hf * hf, axis=1)[:, None] / hidden
-            y = hf * tl.math.rsqrt(mean_square + eps) * weight
-            tl.store(y_ptr + index, y.to(ELEMENT), mask=in_row)
+            if NORM:
+                hf = h.to(tl.float32)
+                mean_square = tl.sum(hf * hf, axis=1)[:, None] / hidden
+                y = hf * tl.math.rsqrt(mean_square + eps) * weight
+                tl.store(y_ptr + index, y.to(ELEMENT), mask=in_row)

@@ -85,7 +85,7 @@ class DeferredTail:
                 raise LayoutError("a deferred all-reduce's partial sum or residual was changed in place (outside "
                                   "axedist ops) before the reduced tensor was used; use it first, or clone it")
             if self.kind == "residual":
-                self.value = torch.add(self.residual, self.base.wait())
+                self.value = _reduced_and_added(self)
             else:
                 from .executor import redistribute_local
                 self.value = redistribute_local(self.local, self.src, self.dst)
@@ -103,6 +103,23 @@ class DeferredTail:
         if self.kind == "reduce":
             return f"DeferredTail(all-reduce {self.src} -> {self.dst} over {self.axis}: {state})"
         return f"DeferredTail(residual + {self.base!r}: {state})"
+
+
+def _reduced_and_added(tail: DeferredTail) -> torch.Tensor:
+    """``residual + all_reduce`` of a ``"residual"`` tail that no RMSNorm takes (a model's last): one
+    call (``collectives.all_reduce_add``: one kernel on CUDA, the unfused pair elsewhere) while the
+    all-reduce under it is unrun, else the add of its value."""
+    root = tail.root()
+    if root.value is not None:
+        return torch.add(tail.residual, tail.base.wait())
+    from ..collectives import all_reduce_add
+
+    hidden = tail.shape[-1]
+    h = all_reduce_add(root.local[0].reshape(-1, hidden), tail.residual.reshape(-1, hidden),
+                       root.src.mesh.group(root.axis))
+    PENDING.counts["tails_materialized"] += 1
+    PENDING.consumed(root)  # its all-reduce alone is no longer wanted: only a use of it runs it
+    return h.view(tail.shape)
 
 
 def with_residual(pending, residual: torch.Tensor) -> DeferredTail | None:
