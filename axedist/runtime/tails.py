@@ -107,19 +107,26 @@ class DeferredTail:
 
 def _reduced_and_added(tail: DeferredTail) -> torch.Tensor:
     """``residual + all_reduce`` of a ``"residual"`` tail that no RMSNorm takes (a model's last): one
-    call (``collectives.all_reduce_add``: one kernel on CUDA, the unfused pair elsewhere) while the
-    all-reduce under it is unrun, else the add of its value."""
-    root = tail.root()
-    if root.value is not None:
+    call (the tail kernel without its norm on CUDA, the unfused pair elsewhere) while the all-reduce
+    under it is unrun, else the add of its value."""
+    if tail.root().value is not None:
         return torch.add(tail.residual, tail.base.wait())
-    from ..collectives import all_reduce_add
-
-    hidden = tail.shape[-1]
-    h = all_reduce_add(root.local[0].reshape(-1, hidden), tail.residual.reshape(-1, hidden),
-                       root.src.mesh.group(root.axis))
+    h, _ = _run_chain(tail, None, 0.0)
     PENDING.counts["tails_materialized"] += 1
-    PENDING.consumed(root)  # its all-reduce alone is no longer wanted: only a use of it runs it
-    return h.view(tail.shape)
+    return h
+
+
+def _run_chain(tail: DeferredTail, weight: torch.Tensor | None, eps: float) -> tuple:
+    """``(h, y)`` of a ``"residual"`` tail whose all-reduce is unrun, as one call
+    (``collectives.all_reduce_rms_norm``; weight None: no norm, y None), in the tail's shape; the
+    all-reduce alone is then no longer wanted (only a use of it runs it)."""
+    from ..collectives import all_reduce_rms_norm
+
+    root, shape, hidden = tail.root(), tail.shape, tail.shape[-1]
+    h, y = all_reduce_rms_norm(root.local[0].reshape(-1, hidden), tail.residual.reshape(-1, hidden), weight, eps,
+                               root.src.mesh.group(root.axis))
+    PENDING.consumed(root)
+    return h.view(shape), None if y is None else y.view(shape)
 
 
 def with_residual(pending, residual: torch.Tensor) -> DeferredTail | None:
@@ -175,19 +182,11 @@ def fused_tail_norm(tail: DeferredTail, weight: torch.Tensor, eps: float) -> tor
     """``rms_norm(tail's value) * weight`` by one all-reduce + residual add + RMSNorm (the p2p
     kernel on CUDA, the unfused sequence elsewhere), filling the tail's value with the residual
     stream's new value; returns the normalized local tensor."""
-    from ..collectives import all_reduce_rms_norm
-
     if tail.changed():
         tail.wait()  # raises the clear error
-    root, shape, hidden = tail.root(), tail.shape, tail.shape[-1]
-    x = root.local[0].reshape(-1, hidden)
-    residual = tail.residual.reshape(-1, hidden)
-    h, y = all_reduce_rms_norm(x, residual, weight, eps, root.src.mesh.group(root.axis))
-    tail.value = h.view(shape)
+    tail.value, y = _run_chain(tail, weight, eps)
     tail.residual = None
     PENDING.counts["tails_fused"] += 1
     PENDING.consumed(tail)
-    PENDING.consumed(root)  # its all-reduce alone is no longer wanted: only a use of it runs it
     tail.base = None
-    return y.view(shape)
-
+    return y
