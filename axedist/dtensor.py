@@ -293,6 +293,18 @@ class DTensor(torch.Tensor):
         self._traced_as = (local, static_sizes(traced))
         return traced
 
+    @_traced.setter
+    def _traced(self, traced: torch.Tensor) -> None:
+        # AOTAutograd hands a gradient's local back in the memory format its compiled backward
+        # was traced with (a contiguous copy of an expanded ``ones``): the same values and shape
+        old = self._traced
+        if traced.shape != old.shape:
+            raise LayoutError(f"a traced DTensor's local of shape {tuple(old.shape)} cannot be replaced by one of "
+                              f"shape {tuple(traced.shape)}")
+        local = traced.unsqueeze(0) if self._spec.reduce_op and traced.dim() < self._value.dim() else traced
+        self._value = local
+        self._traced_as = (local, traced)
+
     def _stable_hash_for_caching(self) -> str:
         """The key of this input in torch.compile's on-disk caches (the spec's text, its mesh's
         ranks and axes, requires_grad): a process group cannot be pickled into one."""

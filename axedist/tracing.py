@@ -22,7 +22,7 @@ import functools
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["ALL_DIMS", "compiling", "may_defer", "outside_tracing", "static_sizes", "traced_constant", "keep_on_copy",
+__all__ = ["ALL_DIMS", "compiling", "eager_only", "may_defer", "outside_tracing", "static_sizes", "traced_constant", "keep_on_copy",
            "unusable_here"]
 
 _modes_active = torch._C._len_torch_dispatch_stack
@@ -84,6 +84,21 @@ def unusable_here(t: torch.Tensor) -> bool:
     from torch._subclasses.functional_tensor import FunctionalTensor
 
     return isinstance(t, FunctionalTensor) and torch._C._get_dispatch_mode(_FUNCTIONAL) is None
+
+
+def eager_only(fn):
+    """``fn`` marked so that Dynamo neither compiles its frame nor the frames it calls, and does
+    not inline it (a call from traced code is a graph break around the call): ``fn`` always runs
+    as plain Python. For the dispatcher's handlers and ``wrap``: after a graph break in a compiled
+    function the eager code between its graphs runs with Dynamo's frame hook on, which would
+    compile each frame of the dispatch on its own and resume one half-way through ``wrap``, on a
+    DTensor without its spec yet. Dynamo's own ``skip`` with a recursive skip, set on the code
+    object: no cost per call (``torch._dynamo.disable`` adds a wrapper of ~0.5 us)."""
+    frames = torch._C._dynamo.eval_frame
+    skip = frames._FrameAction.SKIP
+    frames.set_code_exec_strategy(fn.__code__, frames._FrameExecStrategy(skip, skip))
+    fn._torchdynamo_disable = True
+    return fn
 
 
 def outside_tracing(fn):

@@ -756,3 +756,82 @@ def test_compiled_tied_embedding_and_loss_over_a_vocab_parallel_weight(dealt):
     seed = random.randrange(2**31)
     results = run_on_ranks(_compiled_tied_vocab_case, 2, args=(seed, dealt), timeout_s=600)
     assert results == [[]] * 2, (seed, results[0])
+
+
+# -- a graph break inside the dispatch: the eager code between the graphs ----------------------
+
+class _BlocksWithPlainTables(torch.nn.Module):
+    """Llama blocks whose RoPE tables are plain tensors (not buffers, so not distributed): the
+    rotation ``x * cos`` mixes them into DTensor ops. At position 0 alone (a first decode step)
+    each table holds one value, which the op takes as replicated once every rank agrees on it:
+    reading the value is a graph break inside the op. Past position 0 the op refuses the tables."""
+
+    def __init__(self, cfg):
+        from axedist.nn.llama import TransformerBlock, rope_tables
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h, self.cos[:h.shape[0]], self.sin[:h.shape[0]])
+        return h
+
+
+def _graph_break_in_dispatch_case(rank, world_size, seed, mode):
+    from axedist.nn import to_inference
+    from axedist.ops import DispatchError
+
+    cfg = LlamaConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=4)
+    torch.manual_seed(seed)
+    base = _BlocksWithPlainTables(cfg).double()
+    h = torch.randn(1, 2, cfg.dim, dtype=torch.float64)  # [S, B, dim] at position 0
+    mesh = DeviceMesh("cpu", (world_size,))
+    model = parallelize(copy.deepcopy(base), mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+                                                    if k.startswith("layers.")})
+    if mode == "inference":
+        to_inference(model)
+    _fresh_dynamo()
+    compiled = torch.compile(lambda x: model(x).to_local(), backend="aot_eager")  # not fullgraph: it breaks
+    x = DTensor.from_local(h, mesh, [Replicate()])
+    context = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference": torch.inference_mode}[mode]
+    failures = []
+    with context():
+        out = compiled(x)
+        again = compiled(x)  # the compiled frames run a second time, from Dynamo's cache
+    with context():
+        want = base(h)
+    for label, value in (("first call", out), ("second call", again)):
+        if not torch.allclose(value, want, rtol=1e-10, atol=1e-10):
+            failures.append(f"{label}: the output differs from the one-process model's")
+    if torch._dynamo.utils.counters["graph_break"] == {}:
+        failures.append("no graph break: the case no longer tests what it is for")
+    if mode == "grad":
+        out.sum().backward()
+        want.sum().backward()
+        for name, p in model.named_parameters():
+            if not torch.allclose(p.grad.full_tensor(), base.get_parameter(name).grad, rtol=1e-10, atol=1e-10):
+                failures.append(f"{name}: the gradient differs from the one-process model's")
+    longer = DTensor.from_local(torch.randn(3, 2, cfg.dim, dtype=torch.float64), mesh, [Replicate()])
+    try:
+        with context():
+            compiled(longer)
+        failures.append("tables of several values were taken as replicated")
+    except DispatchError as e:  # the eager error, not a crash of Dynamo
+        if "plain torch.Tensor of shape (3, 1, 1, 8)" not in str(e):
+            failures.append(f"unexpected error: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
+def test_a_graph_break_inside_the_dispatch_runs_the_op_eagerly(mode):
+    """torch.compile (not fullgraph) of a TP stack whose op breaks the graph inside the dispatch: the
+    op runs eagerly between the graphs, where Dynamo hooks every Python frame. The dispatcher's
+    handlers and ``wrap`` run as plain Python there (``tracing.eager_only``); compiled frame by
+    frame, Dynamo resumed half-way through ``wrap`` on a DTensor without its spec and failed.
+    Outputs (two calls) and gradients equal the one-process model's; tables the op refuses give
+    eager's DispatchError."""
+    seed = random.randrange(2**31)
+    results = run_on_ranks(_graph_break_in_dispatch_case, 2, args=(seed, mode), timeout_s=600)
+    assert results == [[]] * 2, (seed, results[0])

@@ -29,6 +29,7 @@ from ..caches import cached, register
 from ..peers import is_peer_failure, peer_error
 from ..runtime import redistribute_local
 from ..runtime.deferred import PENDING, POLICIES
+from ..tracing import eager_only
 from .call_cache import CallCache
 from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, decompose,
                         local_of, op_info, plan_call, replace_dtensors, scan)
@@ -421,6 +422,7 @@ def _torch_dispatch_handler(dispatch):
     """The tensor class's ``__torch_dispatch__``: a grad-mode fast-path hit's ready output, a
     recorder of the fast path, or ``dispatch``."""
 
+    @eager_only  # never compiled frame by frame (see eager_only)
     def torch_dispatch(cls, func, types, args=(), kwargs=None):
         ready = READY.value
         if ready:

@@ -30,6 +30,7 @@ import torch
 
 from ..runtime.deferred import pending_gather, pending_product
 from ..runtime.tails import pending_tail
+from ..tracing import eager_only
 from .call_plan import SCALAR_TYPES, LocalRoute, decomposable, op_info
 from .state import READY, RECORDING, ReadyOutput, wrap
 
@@ -294,6 +295,7 @@ def _handler(fast: FastPath):
     cache, passed, counts = dispatcher.cache.torch_calls, fast.passed, fast.counts
     tag_of, record, wrap_ = dispatcher.tag_of, fast.record, wrap
 
+    @eager_only  # never compiled frame by frame (see eager_only)
     def torch_function(cls, func, types, args=(), kwargs=None):
         if func in passed:
             return _disabled(func, types, args, kwargs or _EMPTY)

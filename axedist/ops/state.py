@@ -14,6 +14,8 @@ import threading
 
 import torch
 
+from ..tracing import eager_only
+
 __all__ = ["READY", "RECORDING", "ReadyOutput", "WRAPPER_POSITIONAL", "wrap"]
 
 
@@ -65,6 +67,7 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 _STRIDED = torch.strided
 
 
+@eager_only
 def _wrap_positional(cls, value, spec, stride, dtype, device, requires_grad=False, _make=_make_wrapper,
                      _strided=_STRIDED):
     if requires_grad:
@@ -76,6 +79,7 @@ def _wrap_positional(cls, value, spec, stride, dtype, device, requires_grad=Fals
     return out
 
 
+@eager_only
 def _wrap_by_keyword(cls, value, spec, stride, dtype, device, requires_grad=False):
     strides = {} if stride is None else {"strides": stride}
     out = _make_wrapper(cls, spec.shape, dtype=dtype, device=device, requires_grad=requires_grad, **strides)
