@@ -4,8 +4,9 @@
 
 Per shape (bf16, A [M, K_local], B [K_local, N], scatter dim 0), times in ms (median of --reps
 calls timed with CUDA events, max over ranks). Every column is timed twice
-(axedist/collectives/timing.py): eager (calls back to back as a program issues them: a call whose
-CPU side is slower than its GPU side shows its host time) and queued (the GPU runs the calls back
+(axedist/collectives/timing.py), both with the columns interleaved: eager (calls as a program issues
+them, each column three calls back to back, the last timed: a call whose CPU side is slower than
+its GPU side shows its host time) and queued (the GPU runs the calls back
 to back behind a sleep kernel: device time). The tile config is chosen on queued time.
   cublas     torch.mm alone            nccl_rs    NCCL reduce-scatter of the [M, N] partial alone
   seq        torch.mm then NCCL RS     symm       torch.ops.symm_mem.fused_matmul_reduce_scatter
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from axedist.collectives import p2p, plan_gemm_reduce_scatter, reduce_scatter_into  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
-from axedist.collectives.timing import time_collective, time_interleaved  # noqa: E402
+from axedist.collectives.timing import time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
@@ -179,12 +180,15 @@ def main():
                     a, b, None, best, mode, out=rs_out, lag_waves=lag))(mode, lag_waves)
         columns = {name: fn for name, fn in columns.items() if fn is not None}
         # device time: all columns in one interleaved loop (same clocks and temperature for
-        # all); eager: one column at a time, since an eager call's interval also depends on
-        # what the host did just before it (after PyTorch's symm op, whose host side is several
-        # hundred us, the next call finds an idle GPU)
+        # all); eager: interleaved too, in blocks of three calls of a column, the last timed,
+        # since an eager call's interval also depends on what the host did just before it
+        # (after PyTorch's symm op, whose host side is several hundred us, the next call finds
+        # an idle GPU). Until 2026-11-29 the eager columns ran one after another, and at
+        # the power cap the H200s' clocks moved between them: the 405B shape's "eager wait"
+        # (12.77 vs 10.90 ms device at d9d6530) was a column timed while a GPU ran at 1.1 GHz
+        # (benchmarks/probe_gemm_rs_eager.py)
         queued.update(time_interleaved(columns, args.reps, queued=True))
-        for name, fn in columns.items():
-            row[name] = time_collective(fn, args.reps)
+        row.update(time_interleaved(columns, args.reps, block=3))
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         row["auto_backend"] = plan_gemm_reduce_scatter(a, b, None).backend
@@ -331,7 +335,7 @@ def write_outputs(results, world, out_dir, meta=None):
         lines += _table(results, lambda r: r["queued"]) + [""]
         lines += [f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a"
                   for name, value in summary_queued.items()] + [""]
-        lines += ["## Eager (calls issued back to back by the host; host-bound calls show their host time)", ""]
+        lines += ["## Eager (calls issued by the host, columns interleaved in blocks of three calls, the last timed; host-bound calls show their host time)", ""]
     lines += ["times in ms (median of calls, max over ranks); speedup = seq / fused", ""]
     lines += _table(results, lambda r: r) + [""]
     lines += [f"- {name}: {value:.3f}" if value is not None else f"- {name}: n/a" for name, value in summary.items()]

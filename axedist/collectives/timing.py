@@ -36,11 +36,15 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None,
 
 
 def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
-                     queued: bool = False) -> dict:
+                     queued: bool = False, block: int = 1) -> dict:
     """Like time_collective for several candidates at once, interleaved: each repetition runs
     every candidate once, in order, so that all of them see the same clocks, temperature and
     neighbours (back-to-back runs of one candidate after another drift by several percent on a
-    GPU that heats up). Returns {name: median ms, max over the group's ranks}.
+    GPU that heats up, and an H200 at its power cap moves its SM clock between 1.1 and 1.6 GHz
+    within a few calls: a kernel that couples two GPUs runs at the slower one's pace). Returns
+    {name: median ms, max over the group's ranks}. ``block`` > 1: each repetition runs each
+    candidate ``block`` times back to back and times the last (an eager call after a call of
+    its own kind, not after whatever host work the previous candidate left).
 
     >>> time_interleaved({"nccl": lambda: dist.reduce_scatter_tensor(out, x),
     ...                   "p2p": lambda: p2p.reduce_scatter(x, out=out)}, queued=True)
@@ -54,9 +58,11 @@ def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(reps)] for name in names}
     if queued:
-        torch.cuda._sleep(int((2 + reps * len(names) * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
+        torch.cuda._sleep(int((2 + reps * len(names) * block * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
     for rep in range(reps):
         for name in names:
+            for _ in range(block - 1):
+                fns[name]()
             start, end = events[name][rep]
             start.record()
             fns[name]()
