@@ -835,3 +835,46 @@ def test_a_graph_break_inside_the_dispatch_runs_the_op_eagerly(mode):
     seed = random.randrange(2**31)
     results = run_on_ranks(_graph_break_in_dispatch_case, 2, args=(seed, mode), timeout_s=600)
     assert results == [[]] * 2, (seed, results[0])
+
+
+# -- decoding: the TP Llama compiled under inference mode, the decode tails on -------------------
+
+def _compiled_decode_case(rank, world_size, seed):
+    """Decode steps (one position of B sequences) of the TP Llama under ``torch.inference_mode``,
+    with the decode tails and GEMM deferral forced on (as on CUDA): compiled whole (fullgraph)
+    they give the eager model's and the one-process model's logits, for two sequence lengths."""
+    from axedist.nn import to_inference
+    from axedist.runtime import tails
+
+    cfg = LlamaConfig(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=8)
+    torch.manual_seed(seed)
+    base = Llama(cfg).double()
+    mesh = DeviceMesh("cpu", (world_size,))
+    model = to_inference(parallelize(copy.deepcopy(base), mesh, llama_tp_plan(cfg, sequence_parallel=False)))
+    policy, gemm_policy = tails.defer_tails(), DTensor.dispatcher.defer_gemm
+    tails.defer_tails("always")
+    DTensor.dispatcher.defer_gemm = "always"
+    failures = []
+    try:
+        _fresh_dynamo()
+        compiled = torch.compile(lambda t: model(t).full_tensor(), backend="aot_eager", fullgraph=True)
+        for batch, length in ((3, 1), (2, 4)):
+            tokens = torch.randint(0, cfg.vocab_size, (batch, length))
+            with torch.inference_mode():
+                eager = model(tokens).full_tensor()
+                got = compiled(tokens)
+                want = base(tokens)
+            if not torch.allclose(eager, want, rtol=1e-10, atol=1e-10):
+                failures.append(f"B={batch} S={length}: eager decode differs from the one-process model")
+            if not torch.allclose(got, want, rtol=1e-10, atol=1e-10):
+                failures.append(f"B={batch} S={length}: compiled decode differs from the one-process model")
+    finally:
+        tails.defer_tails(policy)
+        DTensor.dispatcher.defer_gemm = gemm_policy
+    return failures
+
+
+def test_compiled_decode_under_inference_mode_equals_eager():
+    seed = random.randrange(2**31)
+    results = run_on_ranks(_compiled_decode_case, 2, args=(seed,), timeout_s=600)
+    assert results == [[]] * 2, (seed, results[0])
