@@ -315,3 +315,75 @@ def _new_of_the_same_size(rank, world):
 def test_new_tensor_of_the_same_size_is_laid_out_as_its_input():
     results = run_on_ranks(_new_of_the_same_size, 2)
     assert results == [[]] * 2, results[0]
+
+
+def _vector_products_in_place(rank, world, seed):
+    """``mv`` of rows dealt by a layout (with a replicated vector) and ``dot`` of two vectors laid
+    out alike run where the data is: no collective in the forward; ``mv`` keeps the rows' map,
+    ``dot`` is a pending sum over the dealing axes; values and both gradients equal torch's.
+    Operands not laid out so (a replicated or a sharded vector) take the placement way, with
+    torch's values."""
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        replicated = [Replicate()] * mesh.ndim
+        x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+        dx, dv = make(x), distribute(v, mesh, replicated)
+        with count_collectives() as seen:
+            y = dx.mv(dv)
+        if seen.calls:
+            failures.append(f"{label} mv: {seen.calls} collectives in the forward")
+        try:
+            failures.append(f"{label} mv: gathered to {y.placements}")
+        except LayoutError:
+            pass
+        want = x.mv(v)
+        if not torch.allclose(y.full_tensor(), want):
+            failures.append(f"{label} mv: values differ from torch")
+        up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+        (y.full_tensor() * up).sum().backward()
+        mine = (x.grad.clone(), v.grad.clone())
+        x.grad = v.grad = None
+        (want * up).sum().backward()
+        if not (torch.allclose(mine[0], x.grad) and torch.allclose(mine[1], v.grad)):
+            failures.append(f"{label} mv: gradients differ from torch's")
+
+        row_layout = make(x.detach()).sum(-1).axe_layout  # the rows' map of an [M] vector
+        a = torch.randn(rows, generator=g, dtype=torch.float64, requires_grad=True)
+        b = torch.randn(rows, generator=g, dtype=torch.float64, requires_grad=True)
+        da, db = distribute(a, mesh, row_layout), distribute(b, mesh, row_layout)
+        with count_collectives() as seen:
+            d = da.dot(db)
+        if seen.calls:
+            failures.append(f"{label} dot: {seen.calls} collectives in the forward")
+        dealt = {axis for axis, p in zip(mesh.axis_names, d.placements) if isinstance(p, Partial)}
+        if not dealt or not all(isinstance(p, (Partial, Replicate)) for p in d.placements):
+            failures.append(f"{label} dot: {d.placements}, not a pending sum")
+        want = a.dot(b)
+        if not torch.allclose(d.full_tensor(), want):
+            failures.append(f"{label} dot: value differs from torch")
+        up = torch.randn((), generator=g, dtype=torch.float64)
+        (d.full_tensor() * up).backward()
+        mine = (a.grad.clone(), b.grad.clone())
+        a.grad = b.grad = None
+        (want * up).backward()
+        if not (torch.allclose(mine[0], a.grad) and torch.allclose(mine[1], b.grad)):
+            failures.append(f"{label} dot: gradients differ from torch's")
+        # not laid out alike: the placement way, torch's values all the same
+        with torch.no_grad():
+            mixed = da.dot(distribute(b.detach(), mesh, replicated)).full_tensor()
+            sharded_vec = dx.mv(distribute(v.detach(), mesh, [Shard(0)] + [Replicate()] * (mesh.ndim - 1))).full_tensor()
+        if not torch.allclose(mixed, want.detach()):
+            failures.append(f"{label} dot with a replicated vector: value differs from torch")
+        if not torch.allclose(sharded_vec, x.detach().mv(v.detach())):
+            failures.append(f"{label} mv with a sharded vector: values differ from torch")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vector_products_run_where_a_layout_without_placements_is(world):
+    results = run_on_ranks(_vector_products_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
+    assert results == [[]] * world, results[0]

@@ -9,6 +9,13 @@ in ``[Shard(0)]``: ``a.dot(b)`` is each rank's 3- or 2-element dot, ``[Partial("
 
 Pending inputs are applied first (a pending output is made only by a sharded contraction), and
 ``addmv``'s ``self`` is added on one rank of each pending group, so the sum counts it once.
+
+Layouts with no placement form run where they are: the dot of two vectors laid out alike (each
+device holds the same indices of both, e.g. dealt round-robin in pairs) is each device's local
+dot, a pending sum over the axes that deal them (``specs.pending_in_place``); ``mv`` of a matrix
+whose layout deals whole rows (``specs.reduced_in_place`` over its columns) with a replicated
+vector gives each device its own rows' products, in the rows' map. Other layouts are moved to
+placements first.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .registry import ArgSpec, OpCall, Sharding, moved_to, register
+from .specs import padded, pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, placements_of
 
 aten = torch.ops.aten
@@ -33,6 +41,9 @@ def dot_rule(call: OpCall) -> Sharding | None:
     a, b = call.args[0], call.args[1]
     if not (isinstance(a, ArgSpec) and isinstance(b, ArgSpec)) or a.ndim != 1 or b.ndim != 1:
         return None
+    alike = _dot_in_place(a, b)
+    if alike is not None:
+        return Sharding(inputs=[None, None], outputs=alike, note="laid out alike: local dots, pending sum")
     wa, wb, out = [], [], []
     for axis in range(call.mesh.ndim):
         if _sharded(a, axis, 0) or _sharded(b, axis, 0):
@@ -40,6 +51,25 @@ def dot_rule(call: OpCall) -> Sharding | None:
         else:
             wa.append(Replicate()), wb.append(Replicate()), out.append(Replicate())
     return Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=tuple(out))
+
+
+def _dot_in_place(a: ArgSpec, b: ArgSpec):
+    """The output placements of ``a.dot(b)`` computed where the vectors are: both laid out by the
+    same layout with no placement form (so every device holds the same indices of each, in the
+    same order), unpadded, nothing pending, and summable in place (``pending_in_place``). None
+    otherwise."""
+    if a.layout != b.layout or a.shape != b.shape or b.placements is not None or b.reduce_op or padded(b):
+        return None
+    return pending_in_place(a, "sum")
+
+
+def _mv_in_place(mat: ArgSpec, vec: ArgSpec):
+    """The output layout of ``mat.mv(vec)`` computed where ``mat`` is: its layout (no placement
+    form) deals whole rows, every column of them innermost (``reduced_in_place`` over dim 1), and
+    ``vec`` is replicated, so each device multiplies its own rows. None otherwise."""
+    if not vec.is_replicated():
+        return None
+    return reduced_in_place(mat, [1])
 
 
 def _mv_placements(mat: ArgSpec, vec: ArgSpec, mesh):
@@ -63,6 +93,9 @@ def mv_rule(call: OpCall) -> Sharding | None:
     mat, vec = call.args[0], call.args[1]
     if not (isinstance(mat, ArgSpec) and isinstance(vec, ArgSpec)) or mat.ndim != 2 or vec.ndim != 1:
         return None
+    rows = _mv_in_place(mat, vec)
+    if rows is not None:
+        return Sharding(inputs=[None, None], outputs=rows, note="rows dealt by a layout: each device's own rows")
     wm, wv, out = _mv_placements(mat, vec, call.mesh)
     return Sharding(inputs=[moved_to(mat, wm), moved_to(vec, wv)], outputs=out)
 
