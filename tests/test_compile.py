@@ -760,32 +760,18 @@ def test_compiled_tied_embedding_and_loss_over_a_vocab_parallel_weight(dealt):
 
 # -- a graph break inside the dispatch: the eager code between the graphs ----------------------
 
-class _BlocksWithPlainTables(torch.nn.Module):
+def _graph_break_in_dispatch_case(rank, world_size, seed, mode):
     """Llama blocks whose RoPE tables are plain tensors (not buffers, so not distributed): the
     rotation ``x * cos`` mixes them into DTensor ops. At position 0 alone (a first decode step)
     each table holds one value, which the op takes as replicated once every rank agrees on it:
     reading the value is a graph break inside the op. Past position 0 the op refuses the tables."""
-
-    def __init__(self, cfg):
-        from axedist.nn.llama import TransformerBlock, rope_tables
-
-        super().__init__()
-        self.layers = torch.nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.cos, self.sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-
-    def forward(self, h):
-        for layer in self.layers:
-            h = layer(h, self.cos[:h.shape[0]], self.sin[:h.shape[0]])
-        return h
-
-
-def _graph_break_in_dispatch_case(rank, world_size, seed, mode):
     from axedist.nn import to_inference
     from axedist.ops import DispatchError
+    from tests.test_layer_tail import LlamaStack
 
     cfg = LlamaConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=4)
     torch.manual_seed(seed)
-    base = _BlocksWithPlainTables(cfg).double()
+    base = LlamaStack(cfg).double()
     h = torch.randn(1, 2, cfg.dim, dtype=torch.float64)  # [S, B, dim] at position 0
     mesh = DeviceMesh("cpu", (world_size,))
     model = parallelize(copy.deepcopy(base), mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()

@@ -51,8 +51,9 @@ def test_layer_tail_off_cuda_is_the_unfused_sequence(world, rows, hidden):
         assert "x and residual must be [rows, hidden] of one shape" in errors[2]
 
 
-class _Stack(torch.nn.Module):
-    """Llama blocks without embedding and head (bench_decode's stack): h [S, B, dim] -> same."""
+class LlamaStack(torch.nn.Module):
+    """Llama blocks without embedding and head (bench_decode's stack): h [S, B, dim] -> same. Its RoPE
+    tables are plain tensors, not buffers (tests/test_compile.py mixes them into DTensor ops)."""
 
     def __init__(self, cfg):
         from axedist.nn.llama import TransformerBlock, rope_tables
@@ -79,7 +80,7 @@ def _decode_body(rank, world, layers, seed, deferred_gemms):
 
     cfg = LlamaConfig(vocab_size=16, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=4)
     torch.manual_seed(seed)
-    base = _Stack(cfg).double()
+    base = LlamaStack(cfg).double()
     h = torch.randn(1, 3, cfg.dim, dtype=torch.float64)
     mesh = DeviceMesh("cpu", (world,))
     model = parallelize(copy.deepcopy(base), mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
