@@ -387,3 +387,77 @@ def _vector_products_in_place(rank, world, seed):
 def test_vector_products_run_where_a_layout_without_placements_is(world):
     results = run_on_ranks(_vector_products_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
     assert results == [[]] * world, results[0]
+
+
+# name -> f(x, y, w, b) on [M, H] rows x, y (laid out alike), a replicated [H, H] weight w and [H] bias b
+ROW_WISE = {
+    "addmm": lambda x, y, w, b: torch.addmm(b, x, w),
+    "linear with bias": lambda x, y, w, b: F.linear(x, w, b),
+    "cat along the rows": lambda x, y, w, b: torch.cat([x, y * 2], -1),
+    "cat with a replicated tensor": lambda x, y, w, b: torch.cat([x, w[:2].sum(0).expand(x.shape[0], H)], -1),
+    "slice": lambda x, y, w, b: x[:, 1:5:2],
+    "chunk": lambda x, y, w, b: x.chunk(2, -1)[1],
+    "split_with_sizes": lambda x, y, w, b: x.split([2, 4], -1)[1] * 3,
+    "rotate_half": lambda x, y, w, b: torch.cat([-x.chunk(2, -1)[1], x.chunk(2, -1)[0]], -1),
+    "cumsum": lambda x, y, w, b: x.cumsum(-1),
+    "sort values": lambda x, y, w, b: x.sort(-1).values,
+    "topk values": lambda x, y, w, b: x.topk(2, -1).values,
+    "flip": lambda x, y, w, b: x.flip(-1),
+    "roll": lambda x, y, w, b: x.roll(2, -1),
+}
+
+
+def _row_wise_in_place(rank, world, seed):
+    """Ops that work row by row along the last dim (slices, splits, joins, scans, sort, topk,
+    flip, roll, a product plus a bias) of rows dealt by a layout: no collective in the forward,
+    the output keeps the rows' map, values and gradients equal torch's. Along dim 0 (not row by
+    row), and with an empty row, they take the placement way, with torch's values."""
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        replicated = [Replicate()] * mesh.ndim
+        for name, f in ROW_WISE.items():
+            x, y = (torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+            w = torch.randn(H, H, generator=g, dtype=torch.float64, requires_grad=True)
+            b = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
+            dx, dy = make(x), make(y)
+            dw, db = distribute(w, mesh, replicated), distribute(b, mesh, replicated)
+            with count_collectives() as seen:
+                out = f(dx, dy, dw, db)
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
+            try:
+                failures.append(f"{label} {name}: gathered to {out.placements}")
+            except LayoutError:
+                pass
+            want = f(x, y, w, b)
+            if not torch.allclose(out.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+                continue
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (out.full_tensor() * up).sum().backward()
+            mine = [t.grad.clone() if t.grad is not None else None for t in (x, y, w, b)]
+            for t in (x, y, w, b):
+                t.grad = None
+            (want * up).sum().backward()
+            for which, m, theirs in zip("xywb", mine, (x.grad, y.grad, w.grad, b.grad)):
+                if (m is None) != (theirs is None) or (m is not None and not torch.allclose(m, theirs)):
+                    failures.append(f"{label} {name}: the {which} gradient differs from torch's")
+        x = torch.randn(rows, H, generator=g, dtype=torch.float64)
+        dx = make(x)
+        for name, f in (("cat along dim 0", lambda t: torch.cat([t, t * 2], 0)), ("slice along dim 0", lambda t: t[1:5]),
+                        ("cumsum along dim 0", lambda t: t.cumsum(0)), ("flip dim 0", lambda t: t.flip(0)),
+                        ("an empty slice of the rows", lambda t: t[:, 3:3]), ("split with an empty piece",
+                                                                             lambda t: t.split([0, H], -1)[1]),
+                        ("cat with an empty piece", lambda t: torch.cat([t, t[:, :0]], -1))):
+            if not torch.allclose(f(dx).full_tensor(), f(x)):
+                failures.append(f"{label} {name}: values differ from torch")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_row_wise_ops_run_where_a_layout_without_placements_is(world):
+    results = run_on_ranks(_row_wise_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
+    assert results == [[]] * world, results[0]

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Partial
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
 from .specs import local_shape_of
-from .tensor_ops import joint_placements, placements_of, renumber, unshard
+from .tensor_ops import joint_placements, placements_of, renumber, rows_in_place, unshard
 
 aten = torch.ops.aten
 
@@ -61,14 +61,22 @@ def _whole_along(call: OpCall, keeps_sum: bool) -> tuple:
 @register(*_SAME_SHAPE)
 def scan_rule(call: OpCall) -> Sharding:
     """``x.cumsum(1)`` of ``[Shard(0)]``: local, ``[Shard(0)]``; of ``[Shard(1)]``: dim 1 gathered first."""
-    target = _whole_along(call, _SAME_SHAPE[call.func])
     two = call.func in (aten.cummax.default, aten.cummin.default, aten.sort.default, aten.sort.stable)
+    x = call.args[0]
+    found = rows_in_place([x], _dim_of(call), [x.shape[-1]]) if x.ndim else None
+    if found is not None:  # along whole rows dealt by a layout: each device scans / sorts its own rows
+        return Sharding(inputs=found[0], outputs=(found[1][0],) * 2 if two else found[1][0])
+    target = _whole_along(call, _SAME_SHAPE[call.func])
     return Sharding(inputs=[target], outputs=(target, target) if two else target)
 
 
 @register(aten.topk.default)
 def topk_rule(call: OpCall) -> Sharding:
     """``x.topk(k, 1)`` of (8, 10) ``[Shard(0)]``: values and indices (8, k) ``[Shard(0)]``, local."""
+    x = call.args[0]
+    found = rows_in_place([x], _dim_of(call), [call.arg(1, "k")]) if x.ndim else None
+    if found is not None:  # along whole rows dealt by a layout: each device picks from its own rows
+        return Sharding(inputs=found[0], outputs=(found[1][0],) * 2)
     target = _whole_along(call, False)
     return Sharding(inputs=[target], outputs=(target, target))
 

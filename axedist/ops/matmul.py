@@ -233,6 +233,10 @@ def addmm(call: OpCall) -> Sharding:
     """``beta * bias + alpha * (a @ b)``: the product's sharding; the bias added once per partial group."""
     bias, a, b = call.specs
     batched = call.func is aten.baddbmm.default
+    rows = None if batched else _rows_layout_way(a, b, b.shape[1])
+    if (rows is not None and bias.is_replicated() and bias.ndim in (1, 2) and bias.shape[-1] == b.shape[1]
+            and (bias.ndim == 1 or bias.shape[0] == 1)):
+        return Sharding(inputs=[None, None, None], outputs=rows)  # each device its own rows, plus the bias
     columns = None if batched else _columns_layout_way(a, b, a.shape[0])
     if (columns is not None and bias.ndim == 1 and not bias.reduce_op and bias.spec is not None
             and bias.spec.padded == bias.spec.shape and bias.layout == _columns_only(columns)):

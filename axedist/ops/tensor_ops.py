@@ -167,6 +167,9 @@ def cat_rule(call: OpCall) -> Sharding:
     specs = tensor_specs(tensors)
     ndim = specs[0].ndim
     d = dim % max(ndim, 1)
+    found = rows_in_place(specs, d, [sum(t.shape[-1] for t in specs)]) if len(specs) == len(tensors) else None
+    if found is not None:  # along whole rows dealt by a layout: each device joins its own rows
+        return Sharding(inputs=found[0], outputs=found[1][0])
     target = joint_placements(specs, allowed=lambda e: e != d)
     return Sharding(inputs=[target] * len(specs), outputs=target)
 
@@ -199,6 +202,11 @@ def split_rule(call: OpCall) -> Sharding:
     x, split_size = call.args[0], call.args[1]
     dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
     d = dim % max(x.ndim, 1)
+    size = x.shape[d] if x.ndim else 1
+    widths = [min(split_size, size - i) for i in range(0, size, split_size)] if split_size > 0 else []
+    found = rows_in_place([x], d, widths) if widths else None
+    if found is not None:  # along whole rows dealt by a layout: each device splits its own rows
+        return Sharding(inputs=found[0], outputs=tuple(found[1]))
     target = unshard(placements_of(x), [d], x.ndim)
     n = _split_count(x.shape[d], split_size)
     return Sharding(inputs=[target], outputs=tuple([target] * n))
@@ -208,6 +216,9 @@ def split_rule(call: OpCall) -> Sharding:
 def split_with_sizes_rule(call: OpCall) -> Sharding:
     x, sizes = call.args[0], call.args[1]
     dim = call.args[2] if len(call.args) > 2 else call.kwargs.get("dim", 0)
+    found = rows_in_place([x], dim % max(x.ndim, 1), list(sizes))
+    if found is not None:  # along whole rows dealt by a layout: each device splits its own rows
+        return Sharding(inputs=found[0], outputs=tuple(found[1]))
     target = unshard(placements_of(x), [dim], x.ndim)
     return Sharding(inputs=[target], outputs=tuple([target] * len(sizes)))
 
@@ -236,6 +247,10 @@ def slice_rule(call: OpCall) -> Sharding:
     dim, start, end, step = (call.arg(1, "dim", 0), call.arg(2, "start"), call.arg(3, "end"),
                              call.arg(4, "step", 1))
     d = dim % max(x.ndim, 1)
+    if x.ndim:
+        found = rows_in_place([x], d, [len(range(*slice(start, end, step).indices(x.shape[d])))])
+        if found is not None:  # along whole rows dealt by a layout: each device slices its own rows
+            return Sharding(inputs=found[0], outputs=found[1][0])
     places = placements_of(x)
     if not is_full_range(x.shape[d], start, end, step):
         places = unshard(places, [d], x.ndim)
@@ -309,6 +324,9 @@ def select_backward_rule(call: OpCall) -> Sharding:
 def flip_rule(call: OpCall) -> Sharding:
     """Flipped dims must be whole on each device; the others keep their sharding."""
     x, dims = call.args[0], call.args[1]
+    rows = _row_wise([x], dims[0] % x.ndim, 0) if x.ndim and len(dims) == 1 else None
+    if rows is not None:  # along whole rows dealt by a layout: each device flips its own rows
+        return rows
     target = unshard(placements_of(x), list(dims), x.ndim)
     return Sharding(inputs=[target], outputs=target)
 
@@ -467,24 +485,38 @@ def _index_axis(dim: int, shapes, ps):
     return [Replicate()] * len(ps), Replicate()
 
 
-def _row_wise(tensors, d: int, out_like: int) -> Sharding | None:
-    """gather / scatter along the last dim, where the tensors share their leading dims and one
-    of them has a layout with no placement form that deals whole rows (``specs.reduced_in_place``):
-    every tensor is asked for that map of rows (a replicated one, such as the zeros of ``max``'s
-    backward, is cut where it is) and each device works on its own rows; the output is laid out
-    as ``tensors[out_like]``. None otherwise (the placement strategies apply)."""
-    if not all(isinstance(t, ArgSpec) for t in tensors) or any(t.reduce_op for t in tensors):
+def rows_in_place(tensors, d: int, widths) -> tuple[list, list] | None:
+    """For an op that works row by row along the last dim ``d`` (gather / scatter, slicing,
+    splitting and joining, scans, sort, flip, roll): ``(input targets, output layouts)`` where the
+    tensors share their leading dims and one of them has a layout with no placement form that
+    deals whole rows (``specs.reduced_in_place``). Every tensor is asked for that map of rows (a
+    replicated one, such as the zeros of ``max``'s backward, is cut where it is) and each device
+    works on its own rows; an output of last-dim width ``w`` (one per entry of ``widths``) keeps
+    the map of rows. None otherwise (the placement strategies apply)."""
+    if not tensors or not all(isinstance(t, ArgSpec) for t in tensors) or any(t.reduce_op for t in tensors):
         return None
     last = tensors[0].ndim - 1
     if last < 1 or d != last or len({t.shape[:-1] for t in tensors}) != 1 or any(t.ndim != last + 1 for t in tensors):
         return None
+    if any(w < 1 for w in widths) or any(t.shape[-1] < 1 for t in tensors):
+        return None  # (an empty row has no layout of its own: the placement way)
     rows = next((r for r in (reduced_in_place(t, [last]) for t in tensors) if r is not None), None)
     if rows is None:
         return None
-    targets = [with_inner_dims(rows, tensors[0].shape[:-1], (t.shape[-1],)) for t in tensors]
-    if any(t is None for t in targets):
+    lead = tensors[0].shape[:-1]
+    targets = [with_inner_dims(rows, lead, (t.shape[-1],)) for t in tensors]
+    outputs = [with_inner_dims(rows, lead, (w,)) for w in widths]
+    if any(t is None for t in targets + outputs):
         return None
-    return Sharding(inputs=targets, outputs=targets[out_like])
+    return targets, outputs
+
+
+def _row_wise(tensors, d: int, out_like: int) -> Sharding | None:
+    """``rows_in_place`` for one output laid out as ``tensors[out_like]``, as a Sharding."""
+    if not all(isinstance(t, ArgSpec) for t in tensors) or tensors[out_like].ndim < 2:
+        return None
+    found = rows_in_place(tensors, d, [tensors[out_like].shape[-1]])
+    return None if found is None else Sharding(inputs=found[0], outputs=found[1][0])
 
 
 @register(aten.gather.default)
@@ -636,6 +668,9 @@ def roll_rule(call: OpCall) -> Sharding:
     """``x.roll(2, 1)``: rolled dims whole, the others keep their shards (a pending sum too:
     rolling only moves elements); with no dims (the flattened tensor) everything whole."""
     x, dims = call.args[0], call.arg(2, "dims", [])
+    rows = _row_wise([x], dims[0] % x.ndim, 0) if x.ndim and len(dims) == 1 else None
+    if rows is not None:  # along whole rows dealt by a layout: each device rolls its own rows
+        return rows
     places = placements_of(x)
     target = unshard(places, list(dims), x.ndim) if dims else tuple(Replicate() for _ in places)
     return Sharding(inputs=[target], outputs=target)
