@@ -461,3 +461,56 @@ def _row_wise_in_place(rank, world, seed):
 def test_row_wise_ops_run_where_a_layout_without_placements_is(world):
     results = run_on_ranks(_row_wise_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
     assert results == [[]] * world, results[0]
+
+
+LOSSES = {
+    "mse mean": lambda x, y: F.mse_loss(x, y),
+    "mse sum": lambda x, y: F.mse_loss(x, y, reduction="sum"),
+    "mse none": lambda x, y: F.mse_loss(x, y, reduction="none"),
+    "huber mean": lambda x, y: F.huber_loss(x, y, delta=0.5),
+    "smooth_l1 sum": lambda x, y: F.smooth_l1_loss(x, y, reduction="sum", beta=0.5),
+}
+
+
+def _elementwise_losses_in_place(rank, world, seed):
+    """Elementwise losses of a prediction and a target laid out alike by a layout with no placement
+    form: each device on its own elements, no collective in the forward; ``"none"`` keeps the
+    layout, ``"sum"`` / ``"mean"`` are pending sums over the dealing axes; values and gradients
+    equal torch's."""
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        for name, f in LOSSES.items():
+            x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
+            y = torch.randn(rows, H, generator=g, dtype=torch.float64)
+            dx, dy = make(x), make(y)
+            with count_collectives() as seen:
+                out = f(dx, dy)
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
+            if name.endswith("none"):
+                try:
+                    failures.append(f"{label} {name}: gathered to {out.placements}")
+                except LayoutError:
+                    pass
+            elif not any(isinstance(p, Partial) for p in out.placements):
+                failures.append(f"{label} {name}: {out.placements}, not a pending sum")
+            want = f(x, y)
+            if not torch.allclose(out.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+                continue
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (out.full_tensor() * up).sum().backward()
+            mine, x.grad = x.grad.clone(), None
+            (want * up).sum().backward()
+            if not torch.allclose(mine, x.grad):
+                failures.append(f"{label} {name}: the gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_elementwise_losses_run_where_a_layout_without_placements_is(world):
+    results = run_on_ranks(_elementwise_losses_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
+    assert results == [[]] * world, results[0]

@@ -37,7 +37,7 @@ from ..runtime.carriers import all_reduce_
 from .pointwise import pointwise_sharding
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import Held, held_along, held_under, inputs_by_name
-from .specs import dim_dealt
+from .specs import dim_dealt, pending_in_place
 
 aten = torch.ops.aten
 
@@ -243,14 +243,36 @@ def elementwise_loss_rule(call: OpCall) -> Sharding | None:
     if len({tuple(s.shape) for s in data}) != 1:
         return None  # broadcast operands: torch's mean divides by another count in forward and backward
     elem = pointwise_sharding(call)
-    if not isinstance(elem.outputs, tuple) or any(isinstance(p, Partial) for p in elem.outputs):
+    count = math.prod(data[0].shape)
+    scale = 1.0 / count if reduction == _MEAN else 1.0
+    if not isinstance(elem.outputs, tuple):
+        return _elementwise_loss_in_place(call, elem, data[0], reduction, backward, position, scale)
+    if any(isinstance(p, Partial) for p in elem.outputs):
         return None
     if reduction == _NONE:
         return Sharding(inputs=elem.inputs, outputs=elem.outputs)
-    count = math.prod(data[0].shape)
-    scale = 1.0 / count if reduction == _MEAN else 1.0
     if backward:
         return Sharding(inputs=elem.inputs, outputs=elem.outputs, local=_with_sum(call.func, position, scale)
                         if reduction == _MEAN else None)
     out = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in elem.outputs)
     return Sharding(inputs=elem.inputs, outputs=out, local=_with_sum(call.func, position, scale))
+
+
+def _elementwise_loss_in_place(call: OpCall, elem: Sharding, x: ArgSpec, reduction: int, backward: bool,
+                               position: int, scale: float) -> Sharding | None:
+    """An elementwise loss of tensors laid out by a layout with no placement form, each device on
+    its own elements (``elem``: the pointwise way, the output laid out as ``x``): ``"none"`` and
+    the backward keep that layout (a mean's ``1/count`` taken locally); ``"sum"`` / ``"mean"`` are
+    pending sums over the axes that deal the elements (``specs.pending_in_place``). None where the
+    output is not laid out as ``x`` or cannot be summed in place (the placement way then)."""
+    if getattr(elem.outputs, "layout", elem.outputs) != x.layout:  # (a spec or a Layout)
+        return None
+    if reduction == _NONE:
+        return Sharding(inputs=elem.inputs, outputs=elem.outputs)
+    if backward:
+        return Sharding(inputs=elem.inputs, outputs=elem.outputs,
+                        local=_with_sum(call.func, position, scale) if reduction == _MEAN else None)
+    whole = pending_in_place(x, "sum")
+    if whole is None:
+        return None
+    return Sharding(inputs=elem.inputs, outputs=whole, local=_with_sum(call.func, position, scale))
