@@ -123,6 +123,10 @@ def pad_rule(call: OpCall) -> Sharding:
     keep their shards; a zero fill keeps any pending reduction (every summand gets zeros)."""
     x, pad = call.args[0], call.args[1]
     value = call.arg(2, "value", 0)
+    if len(pad) == 2 and x.ndim:  # the last dim alone: rows dealt by a layout pad their own rows
+        found = rows_in_place([x], x.ndim - 1, [x.shape[-1] + pad[0] + pad[1]])
+        if found is not None:
+            return Sharding(inputs=found[0], outputs=found[1][0])
     padded = [x.ndim - 1 - i // 2 for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
     places = placements_of(x)
     if value:
