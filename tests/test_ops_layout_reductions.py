@@ -404,6 +404,8 @@ ROW_WISE = {
     "topk values": lambda x, y, w, b: x.topk(2, -1).values,
     "flip": lambda x, y, w, b: x.flip(-1),
     "roll": lambda x, y, w, b: x.roll(2, -1),
+    "stack beside the last dim": lambda x, y, w, b: torch.stack([x, y], 1),
+    "interleaved rotation": lambda x, y, w, b: torch.stack([-x[:, 1::2], x[:, ::2]], -1).flatten(-2),
     "pad": lambda x, y, w, b: F.pad(x, (1, 2), value=0.5),
     "crop": lambda x, y, w, b: F.pad(x, (-1, -2)),
 }

@@ -22,6 +22,8 @@ The placement helpers at the top are shared by ``reduction.py`` and ``norm.py``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -182,6 +184,12 @@ def stack_rule(call: OpCall) -> Sharding:
     specs = tensor_specs(tensors)
     ndim = specs[0].ndim
     d = dim % (ndim + 1)
+    if ndim >= 2 and d >= ndim - 1 and len(specs) == len(tensors):  # the new dim beside the last one
+        width = specs[0].shape[-1]
+        inner = (len(specs), width) if d == ndim - 1 else (width, len(specs))
+        found = rows_in_place(specs, ndim - 1, [inner])
+        if found is not None:  # rows dealt by a layout: each device stacks its own rows
+            return Sharding(inputs=found[0], outputs=found[1][0])
     target = joint_placements(specs)
     out = renumber(target, ndim, lambda e: e if e < d else e + 1)
     return Sharding(inputs=[target] * len(specs), outputs=out)
@@ -491,21 +499,23 @@ def rows_in_place(tensors, d: int, widths) -> tuple[list, list] | None:
     tensors share their leading dims and one of them has a layout with no placement form that
     deals whole rows (``specs.reduced_in_place``). Every tensor is asked for that map of rows (a
     replicated one, such as the zeros of ``max``'s backward, is cut where it is) and each device
-    works on its own rows; an output of last-dim width ``w`` (one per entry of ``widths``) keeps
-    the map of rows. None otherwise (the placement strategies apply)."""
+    works on its own rows; an output of last-dim width ``w`` (one per entry of ``widths``; a
+    tuple for several inner dims, as ``stack`` makes) keeps the map of rows. None otherwise (the
+    placement strategies apply)."""
     if not tensors or not all(isinstance(t, ArgSpec) for t in tensors) or any(t.reduce_op for t in tensors):
         return None
     last = tensors[0].ndim - 1
     if last < 1 or d != last or len({t.shape[:-1] for t in tensors}) != 1 or any(t.ndim != last + 1 for t in tensors):
         return None
-    if any(w < 1 for w in widths) or any(t.shape[-1] < 1 for t in tensors):
+    inners = [tuple(w) if isinstance(w, (tuple, list)) else (w,) for w in widths]
+    if any(math.prod(inner) < 1 for inner in inners) or any(t.shape[-1] < 1 for t in tensors):
         return None  # (an empty row has no layout of its own: the placement way)
     rows = next((r for r in (reduced_in_place(t, [last]) for t in tensors) if r is not None), None)
     if rows is None:
         return None
     lead = tensors[0].shape[:-1]
     targets = [with_inner_dims(rows, lead, (t.shape[-1],)) for t in tensors]
-    outputs = [with_inner_dims(rows, lead, (w,)) for w in widths]
+    outputs = [with_inner_dims(rows, lead, inner) for inner in inners]
     if any(t is None for t in targets + outputs):
         return None
     return targets, outputs
