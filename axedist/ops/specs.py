@@ -18,7 +18,7 @@ from ..layout import MEMORY_AXIS, Layout, LayoutError, without_inner_dims
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
 __all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "padded", "reduced_in_place",
-           "dealing_axes", "pending_in_place", "dim_dealt"]
+           "dealing_axes", "pending_in_place", "dim_dealt", "layout_only"]
 
 
 @cached(maxsize=4096)
@@ -97,7 +97,7 @@ def padded(x) -> bool:
     return spec is None or spec.padded != spec.shape or bool(spec.true_index)
 
 
-def _layout_only(x) -> bool:
+def layout_only(x) -> bool:
     """A layout with no placement form, unpadded, nothing pending."""
     return x.placements is None and not x.reduce_op and not padded(x)
 
@@ -112,7 +112,7 @@ def reduced_in_place(x, dims) -> Layout | None:
     The rows of ``h.view(B*S, H)`` for ``h`` (B, S, H) in ``[Shard(1)]``, summed over dim 1:
     each device sums its own rows, the (B*S,) result keeps their map; no data moves."""
     dims = sorted(d % max(x.ndim, 1) for d in dims)
-    if not _layout_only(x) or dims != list(range(x.ndim - len(dims), x.ndim)):
+    if not layout_only(x) or dims != list(range(x.ndim - len(dims), x.ndim)):
         return None
     return without_inner_dims(x.layout, x.shape, len(dims))
 
@@ -129,7 +129,7 @@ def pending_in_place(x, op: str):
     devices hold the same pieces). None where an axis both splits and replicates them, or where
     some device holds nothing (a layout on part of the mesh: its devices would give a wrong
     summand, or claim a replica they lack)."""
-    if not _layout_only(x):
+    if not layout_only(x):
         return None
     dealt = dealing_axes(x.layout)
     if dealt & {it.axis for it in x.layout.replica}:
@@ -148,7 +148,7 @@ def dim_dealt(x, d: int) -> tuple[str, ...] | None:
     replicates it), and every device holds a piece. The devices along them then hold each index
     of ``d`` once, so a reduction over ``d`` is a local one and an all-reduce over these axes
     (a softmax over classes dealt round-robin in pairs). None otherwise."""
-    if not _layout_only(x) or x.ndim == 0:
+    if not layout_only(x) or x.ndim == 0:
         return None
     try:
         blocks = x.layout.blocks(x.shape)

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .registry import ArgSpec, OpCall, Sharding, moved_to, register
-from .specs import padded, pending_in_place, reduced_in_place
+from .specs import layout_only, pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, placements_of
 
 aten = torch.ops.aten
@@ -58,7 +58,7 @@ def _dot_in_place(a: ArgSpec, b: ArgSpec):
     same layout with no placement form (so every device holds the same indices of each, in the
     same order), unpadded, nothing pending, and summable in place (``pending_in_place``). None
     otherwise."""
-    if a.layout != b.layout or a.shape != b.shape or b.placements is not None or b.reduce_op or padded(b):
+    if a.layout != b.layout or a.shape != b.shape or not layout_only(b):
         return None
     return pending_in_place(a, "sum")
 
