@@ -10,6 +10,8 @@ Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, 
   fused      axedist.all_gather_gemm (p2p)            p2p_ag    axedist's p2p all-gather of A
   kernel_w1  the fused kernel on one rank's whole M (its GEMM half: local copy + tiles)
   fused_gl   the Gluon fused kernel (AllGatherGemmConfig /gl, opt-in: not what "fused" or "auto" run)
+  fused_ce   the Triton fused kernel with the rows moved by copy engine (/ce: the shape's config,
+             no push tasks; opt-in unless the shipped default says otherwise)
   limit      max(cublas, all-gather bytes in per GPU / 478 GB/s)
 Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
@@ -21,6 +23,7 @@ and a history line. --tables-from writes axedist/kernels/ag_gemm_auto.json.
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -35,7 +38,7 @@ from axedist.collectives import all_gather_into, p2p, plan_all_gather_gemm
 from axedist.collectives.fused_tp import AllGatherGemmCall
 from axedist.collectives.symmetric import get_workspace
 from axedist.collectives.timing import device_time, host_time_us, time_interleaved
-from axedist.kernels.ag_gemm import AllGatherGemmConfig
+from axedist.kernels.ag_gemm import AllGatherGemmConfig, default_config
 from axedist.testing import VirtualRanks
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
@@ -104,17 +107,23 @@ def run_multi(args):
             symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
         row["plan"] = str(plan_all_gather_gemm(a, b))
-        fused_out, gl_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fused_out, gl_out, ce_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                                             for _ in range(4))
         # the Gluon kernel (/gl, opt-in: not what "fused" runs) with this rank's real workspace
         gluon = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
                                   pinned_config=AllGatherGemmConfig(pipelined=True))
+        engine_config = dataclasses.replace(default_config(m // world, n, k, world), engine=True)
+        engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
+                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
+                                   pinned_config=engine_config)
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
                    "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
                    "seq": seq, "symm": symm,
                    "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),
                    "fused_gl": lambda: gluon.run(a, b, gl_out),
+                   "fused_ce": lambda: engine.run(a, b, ce_out),
                    "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
@@ -125,22 +134,27 @@ def run_multi(args):
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         row["host_us"] = {name: host_time_us(columns[name], calls=20, repeats=3)
-                          for name in ("seq", "fused") if name in columns}
+                          for name in ("seq", "fused", "fused_ce") if name in columns}
         torch.cuda.synchronize()
         dist.barrier()
         ax.all_gather_gemm(a, b, backend="p2p", out=fused_out, check=True)
         gluon.run(a, b, gl_out, check=True)
+        engine.run(a, b, ce_out, check=True)
         seq()
         one_rank.all_gather_gemm([gathered], [b], [w1_out])
         one_rank.check()
         row["fused_rel_err_vs_seq"] = _relative(fused_out, out)
         row["fused_gl_rel_err_vs_seq"] = _relative(gl_out, out)
+        row["fused_ce_rel_err_vs_seq"] = _relative(ce_out, out)
+        row["fused_ce_config"] = str(engine_config)
         row["kernel_w1_rel_err"] = _relative(w1_out, out)
         ag_bytes_in = (world - 1) / world * m * k * 2
         for times in (row, queued):
             times["limit"] = max(times["cublas"], ag_bytes_in / LINK_BYTES_PER_S * 1e3)
             times["speedup_vs_seq"] = times["seq"] / times["fused"]
             times["gl_speedup_vs_seq"] = times["seq"] / times["fused_gl"]
+            times["ce_speedup_vs_seq"] = times["seq"] / times["fused_ce"]
+            times["ce_speedup_vs_symm"] = (times["symm"] / times["fused_ce"]) if times["symm"] else None
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
             times["auto_vs_best"] = auto_vs_best(times)
@@ -150,7 +164,7 @@ def run_multi(args):
                   f"nccl_ag {queued['nccl_ag']:.3f} seq {queued['seq']:.3f} fused {queued['fused']:.3f} "
                   f"kernel_w1 {queued['kernel_w1']:.3f} x{queued['speedup_vs_seq']:.2f} vs seq, "
                   f"err {row['fused_rel_err_vs_seq']:.1e}", flush=True)
-        del a, weight, gathered, out, fused_out, gl_out, w1_out, gluon
+        del a, weight, gathered, out, fused_out, gl_out, ce_out, w1_out, gluon, engine
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
@@ -216,7 +230,7 @@ def run_onegpu(args):
 def _table(results, times_of, multi):
     if multi:
         head = ("| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | auto | best / auto | p2p AG | kernel W=1 | "
-                "limit | vs seq | vs symm | fused /gl | /gl vs seq |")
+                "limit | vs seq | vs symm | fused /gl | /gl vs seq | fused /ce | /ce vs seq | /ce vs symm |")
     else:
         head = ("| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | cuBLAS / kernel W=1 | "
                 "kernel W=1 /gl | cuBLAS / kernel W=1 /gl | stream-K tail tiles | /gl/sk | "
@@ -231,7 +245,10 @@ def _table(results, times_of, multi):
                          f"{t['nccl_ag']:.3f} | {t['seq']:.3f} | {symm} | {t['fused']:.3f} | {auto_cell(t)} | "
                          f"{t['p2p_ag']:.3f} | {t['kernel_w1']:.3f} | {t['limit']:.3f} | "
                          f"{t['speedup_vs_seq']:.2f}x | {vs_symm} |"
-                         + (f" {t['fused_gl']:.3f} | {t['gl_speedup_vs_seq']:.2f}x |" if t.get("fused_gl") else " - | - |"))
+                         + (f" {t['fused_gl']:.3f} | {t['gl_speedup_vs_seq']:.2f}x |" if t.get("fused_gl") else " - | - |")
+                         + (f" {t['fused_ce']:.3f} | {t['ce_speedup_vs_seq']:.2f}x | "
+                            + (f"{t['ce_speedup_vs_symm']:.2f}x |" if t.get("ce_speedup_vs_symm") else "n/a |")
+                            if t.get("fused_ce") else " - | - | - |"))
         else:
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
                          f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} | "
@@ -271,7 +288,7 @@ def write_outputs(results, name, meta, out_dir, multi: bool):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in results]
-        columns = ["seq", "symm", "fused", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_sk"]
+        columns = ["seq", "symm", "fused", "fused_ce", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_sk"]
         base = "seq" if multi else "cublas"
         figure, axis = plt.subplots(figsize=(max(8, len(labels) * 1.1), 4.5))
         width = 0.8 / len(columns)

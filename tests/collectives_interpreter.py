@@ -18,12 +18,19 @@ import time
 import torch
 
 from axedist.collectives.p2p import call_geometry, static_arguments
-from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, carve_workspaces
+from axedist.collectives.symmetric import BARRIER_BYTES, ENGINE_FLAG0, FLAG_BYTES, carve_workspaces
 from triton.runtime import interpreter
 
 # Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3
 # (loops with run-time bounds fail); convert through .item() instead.
 _patch_lang_tensor = interpreter._patch_lang_tensor
+
+
+def flags_touched(workspace):
+    """Whether a tile flag or barrier word is not zero (the copy-engine flags, which start at
+    -1, are checked apart: tests/fused_interpreter.py)."""
+    words = workspace.tensor[:FLAG_BYTES + BARRIER_BYTES]
+    return bool(words[:ENGINE_FLAG0 * 4].any() or words[FLAG_BYTES:].any())
 
 
 def _patch_with_item(tensor, scope):
@@ -103,7 +110,7 @@ def run_case(op, world, count, dtype, variant, programs, seed):
         other = workspaces[rank].tensor[start:start + data_bytes]
         if not torch.isnan(other.view(dtype)).all():
             failures.append(f"{name} rank {rank}: wrote into the other data half")
-        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+        if flags_touched(workspaces[rank]):
             failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
     if op == "all_reduce_two_shot" and not failures:
         if not all(torch.equal(outs[0], o) for o in outs):
@@ -165,7 +172,7 @@ def run_tail_case(world, rows, hidden, dtype, variant, programs, seed, norm=True
         start = workspaces[rank].data_offset(1 - half)
         if not torch.isnan(workspaces[rank].tensor[start:start + data_bytes].view(dtype)).all():
             failures.append(f"{name} rank {rank}: wrote into the other data half")
-        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+        if flags_touched(workspaces[rank]):
             failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
     if not failures and not all(torch.equal(hs[0], h) and (not norm or torch.equal(ys[0], y)) for h, y in zip(hs, ys)):
         failures.append(f"{name}: ranks differ")

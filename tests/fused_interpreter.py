@@ -30,8 +30,10 @@ def _patch_with_item(tensor, scope):
 interpreter._patch_lang_tensor = _patch_with_item
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from axedist.collectives.symmetric import BARRIER_BYTES, FLAG_BYTES, carve_workspaces  # noqa: E402
-from axedist.kernels import ag_gemm, gemm_ar  # noqa: E402
+from axedist.collectives.symmetric import (ENGINE_FLAG0, FLAG_BYTES,  # noqa: E402
+                                           carve_workspaces)
+from axedist.kernels import ag_gemm, gemm_ar, schedule  # noqa: E402
+from tests.collectives_interpreter import flags_touched  # noqa: E402
 
 
 def fake_workspaces(world, data_bytes, dtype):
@@ -64,8 +66,37 @@ def _error(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _engine_rows(workspaces, as_, epoch, dtype, m_local, k, block_m, pieces, half_rows):
+    """Every rank's copy-engine transfers of a call of `epoch` done on the host, in the order
+    the launch issues them (ag_gemm.engine_transfers), each chunk's flag copied from the rank's
+    state word (its last finished epoch, epoch - 1 here); returns the chunk size in blocks."""
+    for rank, workspace in enumerate(workspaces):
+        workspace.state[0] = epoch - 1
+        chunk_blocks, transfers = ag_gemm.engine_transfers(workspace, dtype, m_local, k, block_m,
+                                                           pieces, half_rows)
+        for begin, end, rows, flag in transfers[epoch % 2]:
+            rows.copy_(as_[rank][begin:end])
+            flag.copy_(workspace.state[:1])
+    return chunk_blocks
+
+
+def _engine_flag_failures(workspaces, epoch, world, chunks, name):
+    """Rank r's copy-engine flags: epoch - 1 at (parity, source, chunk) for every peer source
+    and chunk of this call, -1 everywhere else in the region."""
+    failures = []
+    for rank, workspace in enumerate(workspaces):
+        region = workspace.tensor[ENGINE_FLAG0 * 4:FLAG_BYTES].view(torch.int32)
+        expected = torch.full_like(region, -1)
+        for source in range(world):
+            for chunk in range(chunks if source != rank else 0):
+                expected[schedule.engine_flag(epoch % 2, source, chunk)] = epoch - 1
+        if not torch.equal(region, expected):
+            failures.append(f"{name} rank {rank}: copy-engine flags differ from the chunks sent")
+    return failures
+
+
 def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, seed, pieces=1,
-                        copy_out=False):
+                        copy_out=False, engine=False):
     generator = torch.Generator().manual_seed(seed)
     bm, bn, bk = block
     config = ag_gemm.AllGatherGemmConfig(bm, bn, bk, 2, 2, 4, 4, 32, pieces)
@@ -78,8 +109,11 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
     outs = [torch.full((world * m_local, n), float("nan"), dtype=dtype) for _ in range(world)]
     gathered_outs = [torch.full((world * m_local, k), float("nan"), dtype=dtype) for _ in range(world)]
     epoch = 2 - seed % 2
-    name = f"copy_out={copy_out} all_gather_gemm W={world} {m_local}x{n}x{k} B^T={transposed} tma={tma} pieces={pieces} {dtype}"
+    name = (f"copy_out={copy_out} engine={engine} all_gather_gemm W={world} {m_local}x{n}x{k} "
+            f"B^T={transposed} tma={tma} pieces={pieces} {dtype}")
     half_rows = ag_gemm.gathered_rows(data_bytes, k, element)
+    chunk_blocks = (_engine_rows(workspaces, as_, epoch, dtype, m_local, k, bm, pieces, half_rows)
+                    if engine else 1)
 
     def launch(rank, phase):
         workspace = workspaces[rank]
@@ -94,12 +128,17 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
             gathered_outs[rank].data_ptr() if copy_out else 0, *workspace.data_addresses(0), 0,
             *workspace.flag_addresses(), workspace.state, workspace.abort,
             workspace.error_address(), 0, m_local, n, k, as_[rank].stride(0), stride_bk,
-            stride_bn, outs[rank].stride(0), rank, half_rows, WORLD=world, BM=bm, BN=bn, BK=bk,
-            GROUP_M=2, STAGES=2, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=False,
-            ALIGNED=False, COPY_ROWS=config.copy_rows, COPY_COLS=config.copy_cols,
-            PIECES=pieces, COPY_OUT=copy_out, PHASES=phase)
+            stride_bn, outs[rank].stride(0), workspace.engine_flag0, chunk_blocks, rank,
+            half_rows, WORLD=world, BM=bm, BN=bn, BK=bk, GROUP_M=2, STAGES=2, USE_TMA=tma,
+            B_TRANSPOSED=transposed, MULTIMEM=False, ALIGNED=False, COPY_ROWS=config.copy_rows,
+            COPY_COLS=config.copy_cols, PIECES=pieces, COPY_OUT=copy_out, PHASES=phase,
+            ENGINE=engine)
 
-    failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1, 2), launch)]
+    phases = (2,) if engine else (1, 2)  # engine: the rows arrived before, by the host's copies
+    failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, phases, launch)]
+    if engine:
+        chunks = schedule.engine_chunks(-(-m_local // bm), pieces)[1]
+        failures += _engine_flag_failures(workspaces, epoch, world, chunks, name)
     gathered_a = torch.cat([a.double() for a in as_])
     for rank in range(world):
         b = weights[rank].double()
@@ -113,7 +152,7 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
         other = workspaces[rank].local_data(1 - epoch % 2, dtype, data_bytes // element)
         if not torch.isnan(other).all():
             failures.append(f"{name} rank {rank}: wrote into the other data half")
-        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+        if flags_touched(workspaces[rank]):
             failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
     return failures
 
@@ -157,7 +196,7 @@ def run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot, push, 
         other = workspaces[rank].local_data(1 - epoch % 2, dtype, data_bytes // element)
         if not torch.isnan(other).all():
             failures.append(f"{name} rank {rank}: wrote into the other data half")
-        if workspaces[rank].tensor[:FLAG_BYTES + BARRIER_BYTES].any():
+        if flags_touched(workspaces[rank]):
             failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
     if two_shot and not failures and not all(torch.equal(outs[0], o) for o in outs):
         failures.append(f"{name}: ranks differ (two-shot results must be bit-identical)")
@@ -178,6 +217,12 @@ def main():
             failures += run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype,
                                             (16, 16, 16), seed=index, pieces=1 + index % 3,
                                             copy_out=index % 2 == 0)
+            cases += 1
+        # the rows by copy engine ("/ce"): chunks of 1 - 3 row blocks, both parities
+        for index, (world, m_local, n, k, transposed, tma) in enumerate(grid[:4]):
+            failures += run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype,
+                                            (16, 16, 16), seed=index, pieces=2 + index % 2,
+                                            copy_out=index % 2 == 1, engine=True)
             cases += 1
     if which in ("all", "ar"):
         grid = itertools.product([(2, 5, 40, 48, False, True), (3, 33, 24, 40, True, True),

@@ -265,25 +265,30 @@ _AG_CASES = [(2, 3, 2, 1), (3, 2, 3, 2), (4, 3, 1, 3), (4, 1, 5, 1), (8, 2, 2, 2
 
 
 @pytest.mark.parametrize("world,tiles_m,tiles_n,pieces", _AG_CASES)
-@pytest.mark.parametrize("multimem,copy_out", [(False, False), (False, True), (True, True)])
-def test_ag_schedule_runs_each_push_tile_and_copy_once(world, tiles_m, tiles_n, pieces, multimem, copy_out):
+@pytest.mark.parametrize("multimem,copy_out,engine", [(False, False, False), (False, True, False),
+                                                      (True, True, False), (False, True, True)])
+def test_ag_schedule_runs_each_push_tile_and_copy_once(world, tiles_m, tiles_n, pieces, multimem,
+                                                       copy_out, engine):
     """Every rank pushes each (row block, piece) of its rows to every peer once (multimem: once to
-    all), computes each tile of every source once, own rows first, and copies out every source's
-    rows once; in each push step every rank sends to a different peer."""
+    all; copy engine: no push task), computes each tile of every source once, own rows first,
+    and copies out every source's rows once; in each push step every rank sends to a different
+    peer."""
     pushes_to = {}
     for rank in range(world):
-        tasks = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out)
+        tasks = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out,
+                                      engine=engine)
         pushes = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.PUSH]
         tiles = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.TILE]
         copies = [(who, x, y) for kind, who, x, y in tasks if kind == schedule.COPY]
-        peers = [-1] if multimem and world > 1 else [p for p in range(world) if p != rank]
+        peers = ([] if engine else [-1] if multimem and world > 1
+                 else [p for p in range(world) if p != rank])
         assert sorted(pushes) == sorted((p, b, c) for p in peers for b in range(tiles_m) for c in range(pieces))
         assert sorted(tiles) == sorted((s, m, n) for s in range(world) for m in range(tiles_m) for n in range(tiles_n))
         assert {who for who, _, _ in tiles[:tiles_m * tiles_n]} == {rank}
         assert sorted(copies) == (sorted((s, b, c) for s in range(world) for b in range(tiles_m) for c in range(pieces))
                                   if copy_out else [])
         pushes_to[rank] = [who for who, _, _ in pushes]
-    if not multimem and world > 2:
+    if not multimem and not engine and world > 2:
         for step in range(len(pushes_to[0])):
             assert len({pushes_to[rank][step] for rank in range(world)}) == world
 
@@ -336,18 +341,21 @@ def test_ag_device_decode_matches_schedule_under_the_interpreter():
         import torch
         from axedist.kernels import ag_gemm, schedule
         tiles_m, tiles_n, group_m = 3, 5, 2
-        for world, pieces, multimem, copy_out in itertools.product((1, 2, 3, 4), (1, 2), (False, True), (False, True)):
+        cases = [c for c in itertools.product((1, 2, 3, 4), (1, 2), (False, True), (False, True), (False, True))
+                 if not (c[2] and c[4])]   # copy engine: unicast only
+        for world, pieces, multimem, copy_out, engine in cases:
             for rank in range(world):
-                tasks = schedule.ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out)
+                tasks = schedule.ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out, engine)
                 out = torch.full((tasks * 4,), -7, dtype=torch.int32)
                 count = torch.zeros(1, dtype=torch.int32)
                 ag_gemm.schedule_probe_kernel[(tasks,)](out, count, tiles_m, tiles_n, rank, WORLD=world,
                                                         MULTIMEM=multimem, PIECES=pieces, GROUP_M=group_m,
-                                                        COPY_OUT=copy_out)
-                assert count.item() == tasks, (world, pieces, multimem, copy_out, count.item(), tasks)
-                expect = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out, group_m)
+                                                        COPY_OUT=copy_out, ENGINE=engine)
+                assert count.item() == tasks, (world, pieces, multimem, copy_out, engine, count.item(), tasks)
+                expect = schedule.ag_task_list(rank, world, tiles_m, tiles_n, pieces, multimem, copy_out, group_m,
+                                               engine)
                 got = [tuple(row) for row in out.view(-1, 4).tolist()]
-                assert got == expect, (world, pieces, multimem, copy_out, rank, got, expect)
+                assert got == expect, (world, pieces, multimem, copy_out, engine, rank, got, expect)
         print("OK")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
@@ -1239,7 +1247,7 @@ def _pointer_and_flag_signature(signature, dtype, names_after):
 
 
 def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None, dtype="bf16",
-                copy_out=False):
+                copy_out=False, engine=False):
     from axedist.kernels import ag_gemm
     from axedist.kernels.compile_check import compile_for_target
     c = config or ag_gemm.AllGatherGemmConfig()
@@ -1252,11 +1260,11 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
     signature.update(b_ptr=f"*{dtype}", out_ptr=f"*{dtype}", gathered_address="i64")
     _pointer_and_flag_signature(signature, dtype, dict(
         M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
-        stride_om="i32", rank="i32", half_rows="i32"))
+        stride_om="i32", engine_flag0="i32", chunk_blocks="i32", rank="i32", half_rows="i32"))
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed, MULTIMEM=multimem,
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
-                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3)
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3, ENGINE=engine)
     if not tma:
         constexprs.update(a_desc=None, g_desc=None, b_desc=None)
     return compile_for_target(ag_gemm.all_gather_gemm_kernel, signature, constexprs,
@@ -1363,6 +1371,14 @@ def test_all_gather_gemm_compiles_to_tma_wgmma_with_releases_and_bounded_waits(t
     # one rank (the benchmarks' GEMM half): no push task, so no release, only local tiles
     one = _compile_ag(world=1).asm["ptx"]
     assert "wgmma.mma_async" in one and "st.release.sys" not in one
+    # rows by copy engine (/ce): no push code (no release, no 16-byte remote stores), the
+    # peer tiles' bounded acquire waits and proxy fence before their TMA loads
+    engine = _compile_ag(engine=True, copy_out=True)
+    ptx = engine.asm["ptx"]
+    assert "st.release.sys" not in ptx and "fence.acq_rel.sys" not in ptx
+    assert "ld.acquire.sys.global.b32" in ptx and "%globaltimer" in ptx
+    assert "fence.proxy.async" in ptx and "wgmma.mma_async" in ptx
+    assert engine.metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -50,6 +50,45 @@ def body_all_gather_gemm(rank, world, backend="p2p"):
     return failures
 
 
+def body_copy_engine_all_gather_gemm(rank, world):
+    """/ce on real GPUs (the rows to every peer by copy engine over NVLink, a flag copied after
+    each chunk): tails, both orientations, 1 and 4 chunks, the gathered rows copied out, back to
+    back without a sync and between calls of the push kernel on the same workspace."""
+    import torch.distributed as dist
+    from axedist.collectives import check, plan_all_gather_gemm
+    from axedist.collectives.fused_tp import AllGatherGemmCall
+    from axedist.collectives.symmetric import get_workspace
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    configs = [AllGatherGemmConfig(engine=True), AllGatherGemmConfig.parse("128x128x64/g8/s4/w8/c32x512/p1/ce"),
+               AllGatherGemmConfig()]
+    failures, results = [], []
+    for call, (rows, n, k, transposed) in enumerate([(257, 1000, 520, False), (257, 1000, 520, True),
+                                                     (512, 2048, 1024, True), (1024, 4096, 4096, True),
+                                                     (300, 768, 512, False), (512, 2048, 1024, False)]):
+        a = _full((world * rows, k), 30 + call, k ** -0.25)
+        w = _full((n, k), 40 + call, k ** -0.25)
+        mine = a[rank * rows:(rank + 1) * rows].to(torch.bfloat16)
+        b = w.to(torch.bfloat16).t() if transposed else w.t().contiguous().to(torch.bfloat16)
+        config = configs[call % len(configs)]
+        runner = AllGatherGemmCall(plan_all_gather_gemm(mine, b, backend="p2p"), world, rank,
+                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, mine.device),
+                                   pinned_config=config)
+        gathered = torch.full((world * rows, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = runner.run(mine, b, gathered=gathered if call % 2 else None)
+        launch = next(iter(runner.launches.values()))
+        if launch.engine != config.engine:
+            failures.append(f"call {call}: launch.engine {launch.engine} for {config}")
+        ref = a.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().t()
+        results.append((call, out, ref, gathered if call % 2 else None, a))
+    check()
+    for call, out, ref, gathered, a in results:
+        if not _rel(out, ref) < 1e-2:
+            failures.append(f"call {call} ({configs[call % len(configs)]}): {_rel(out, ref):.2e}")
+        if gathered is not None and not torch.equal(gathered, a.to(torch.bfloat16)):
+            failures.append(f"call {call}: gathered rows differ")
+    return failures
+
+
 def body_gemm_all_reduce(rank, world):
     """Direct calls, p2p: M in 1..256, one-shot and two-shot, bit-identical on every rank."""
     import axedist as ax
@@ -199,6 +238,10 @@ def test_all_gather_gemm_direct():
 
 def test_all_gather_gemm_through_torchs_symmetric_memory_op():
     assert run_on_ranks(body_all_gather_gemm, WORLD, "nccl", args=("symm",), timeout_s=600) == [[]] * WORLD
+
+
+def test_all_gather_gemm_rows_by_copy_engine():
+    assert run_on_ranks(body_copy_engine_all_gather_gemm, WORLD, "nccl", timeout_s=600) == [[]] * WORLD
 
 
 def test_gemm_all_reduce_direct():

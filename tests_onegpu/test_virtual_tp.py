@@ -156,6 +156,67 @@ def test_pipelined_all_gather_gemm(world, seed):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_copy_engine_all_gather_gemm(world, seed):
+    """/ce: the rows move by copy engine beside the kernel (no push tasks), in chunks that each
+    announce themselves by a flag. Tails and whole tiles, 1 / 3 / 4 chunks, both orientations,
+    the gathered rows copied out, calls back to back without a sync (both parities) and between
+    calls of the push kernel on the same workspaces; captured in a CUDA graph the launch pushes
+    instead, and replays and eager calls after the capture stay right. Half the SMs are left
+    free: the driver may run a copy between two buffers of one GPU on SMs."""
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    import torch.cuda
+    from axedist.kernels.launch import multiprocessors
+    ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+    configs = [AllGatherGemmConfig(engine=True),
+               AllGatherGemmConfig.parse("128x128x64/g8/s4/w8/c32x512/p3/ce"),
+               AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p1/ce")]
+    failures = []
+    for config, shape in itertools.product(configs, (AG_TAILS, (512, 2048, 1024))):
+        for transposed in (False, True):
+            as_, bs = _operands(world, *shape, transposed)
+            outs = ranks.all_gather_gemm(as_, bs, _poison(world * shape[0], shape[1], world),
+                                         config=config)
+            failures += _ag_failures(as_, bs, outs, f"{config} W={world} {shape} B^T={transposed} seed={seed}")
+        ranks.check()
+    assert all(launch.engine and not launch.pipelined
+               for call in ranks.last_plans for launch in call.launches.values())
+    # back to back, no sync: engine, push, engine with the rows copied out, engine
+    pending = []
+    for step, config in enumerate((configs[0], None, configs[1], configs[0])):
+        as_, bs = _operands(world, *AG_TAILS, step % 2 == 0)
+        gathered = _poison(world * AG_TAILS[0], AG_TAILS[2], world) if step == 2 else None
+        outs = ranks.all_gather_gemm(as_, bs, _poison(world * AG_TAILS[0], AG_TAILS[1], world),
+                                     config=config, gathered=gathered)
+        pending.append((as_, bs, outs, gathered, f"back to back call {step} ({config})"))
+    ranks.check()
+    for as_, bs, outs, gathered, label in pending:
+        failures += _ag_failures(as_, bs, outs, label)
+        failures += [f"{label} rank {r}: gathered A differs" for r, g in enumerate(gathered or [])
+                     if not torch.equal(g, torch.cat(as_))]
+    # a CUDA graph: the captured call pushes; replays and later eager calls stay right
+    as_, bs = _operands(world, *AG_TAILS, True)
+    outs = ranks.all_gather_gemm(as_, bs, config=configs[0])
+    ranks.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ranks.all_gather_gemm(as_, bs, outs, config=configs[0])
+    for replay in range(3):
+        fresh_as, fresh_bs = _operands(world, *AG_TAILS, True)
+        for target, value in zip(as_ + bs, fresh_as + fresh_bs):
+            target.copy_(value)
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        ranks.check()
+        failures += _ag_failures(as_, bs, outs, f"replay {replay}")
+        eager_as, eager_bs = _operands(world, *AG_TAILS, False)
+        eager = ranks.all_gather_gemm(eager_as, eager_bs, config=configs[0])
+        ranks.check()
+        failures += _ag_failures(eager_as, eager_bs, eager, f"eager after replay {replay}")
+    assert not failures, failures
+
+
 def _stream_k_shapes(world, processors, config):
     """(M_LOCAL, N, K) whose last round runs as a stream-K tail on `processors` SMs per rank:
     one of whole tiles (TMA stores), one with row, column and K tails, and the one whose tail

@@ -7,6 +7,10 @@ allocation instead; the layout and the address tables are the same code. Layout:
 
     [ flags: FLAG_SLOTS int32 | barrier: BARRIER_SLOTS int32 | data half 0 | data half 1 ]
 
+The last ENGINE_FLAGS flags are the copy-engine flags (kernels/schedule.py: rows an all-gather
++ GEMM's peers copy in, each chunk followed by a copy of the peer's last finished epoch); they
+start at -1, the others at 0. Kernels index their own flags below `tile_flags`.
+
 Flags are written by their owner (the fused kernel's tile flags); barrier words are written by
 the peers (the collectives' block barriers store into the peer's area and spin locally). Keeping
 the two apart means a word only ever receives writes of one discipline, whose values grow.
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 from ..env import read as read_environment
 from ..kernels.launch import multiprocessors
+from ..kernels.schedule import ENGINE_FLAGS
 from .backend import group_name
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
@@ -45,6 +50,7 @@ STATE_WORDS = 4  # int32 words of a rank's call state (kernels/primitives.py nam
 
 FLAG_SLOTS = 1 << 16  # enough for 2 flags per program of a 2 * 132-program grid and 64k tiles
 FLAG_BYTES = FLAG_SLOTS * 4
+ENGINE_FLAG0 = FLAG_SLOTS - ENGINE_FLAGS  # the first copy-engine flag
 MAX_BARRIER_PROGRAMS = 512
 BARRIER_REGION_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x a word per peer
 BARRIER_BYTES = 2 * BARRIER_REGION_SLOTS * 4  # one region per epoch parity
@@ -110,6 +116,9 @@ class SymmetricWorkspace:
         self.processors = processors
         self._peer_buffer = peer_buffer
         self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
+        self.tensor[ENGINE_FLAG0 * 4:FLAG_BYTES].view(torch.int32).fill_(-1)
+        self.tile_flags = self.engine_flag0 = ENGINE_FLAG0  # flags kernels index / copy engines'
+        self._copy_stream = None
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
         # the stream of the previous call (raw handle and object) and whether it was captured
@@ -160,6 +169,23 @@ class SymmetricWorkspace:
                 current.wait_event(queued)
             self._stream, self._previous = stream, current
         self._previous_captured = capturing
+
+    def call_epoch(self) -> int:
+        """The epoch of the call begun last (`begin_call`): the host's count, or, once a call
+        was captured in a CUDA graph (replays advance the device's epoch unseen), read from the
+        device (synchronizes the current stream; not possible while capturing)."""
+        if self.captured:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the epoch of a call on a workspace used in a CUDA graph is "
+                                   "unknown while capturing")
+            self.epoch = self.device_epoch() + 1
+        return self.epoch
+
+    def copy_stream(self) -> torch.cuda.Stream:
+        """The side stream this rank's copy-engine transfers run on (one per workspace)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
 
     def set_timeout(self, timeout_s: float | None) -> None:
         """The spin-wait timeout of the coming call (None: default_timeout_s())."""
@@ -241,6 +267,15 @@ class SymmetricWorkspace:
                 raise ValueError(f"{numel} {dtype} elements do not fit the workspace half")
             cached = self._peer_views[key] = self._peer_buffer(
                 peer, (numel,), dtype, offset // dtype.itemsize)
+        return cached
+
+    def peer_flags(self, peer: int) -> torch.Tensor:
+        """Rank `peer`'s flag array (int32 [FLAG_SLOTS]) as a tensor of this process: where
+        copy-engine flags are copied to."""
+        key = ("flags", peer)
+        cached = self._peer_views.get(key)
+        if cached is None:
+            cached = self._peer_views[key] = self._peer_buffer(peer, (FLAG_SLOTS,), torch.int32, 0)
         return cached
 
     def scratch(self, nbytes: int) -> torch.Tensor:

@@ -117,19 +117,20 @@ COPY = tl.constexpr(schedule.COPY)
 
 @triton.jit
 def _task_count(tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.constexpr, PIECES: tl.constexpr,
-                COPY_OUT: tl.constexpr):
+                COPY_OUT: tl.constexpr, ENGINE: tl.constexpr):
     # the device twin of schedule.ag_task_count
-    return (STEPS * tiles_m * PIECES + WORLD * tiles_m * tiles_n
+    return ((0 if ENGINE else STEPS * tiles_m * PIECES) + WORLD * tiles_m * tiles_n
             + (WORLD * tiles_m * PIECES if COPY_OUT else 0))
 
 
 @triton.jit
 def _decode_task(task, rank, tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.constexpr,
-                 MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr):
+                 MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr,
+                 ENGINE: tl.constexpr):
     """(kind, who, x, y) of task `task` (STEPS: schedule.ag_steps): the device twin of
     schedule.ag_decode_task."""
     per_source = tiles_m * tiles_n
-    step_pushes = tiles_m * PIECES        # the push tasks of one step
+    step_pushes = tiles_m * (0 if ENGINE else PIECES)  # the push tasks of one step
     segment_tasks = per_source + step_pushes
     with_pushes = STEPS * segment_tasks   # segments 0 .. STEPS - 1: one step's pushes among the tiles
     gemm_end = with_pushes + (WORLD - STEPS) * per_source
@@ -153,7 +154,8 @@ def _decode_task(task, rank, tiles_m, tiles_n, WORLD: tl.constexpr, STEPS: tl.co
 def _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4, D5, D6, D7,
                    F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT: tl.constexpr, WORLD: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STEPS: tl.constexpr,
-                   PIECES: tl.constexpr, COPY_COLS: tl.constexpr, COPY_OUT: tl.constexpr):
+                   PIECES: tl.constexpr, COPY_COLS: tl.constexpr, COPY_OUT: tl.constexpr,
+                   ENGINE: tl.constexpr):
     """What both kernels derive from a call's arguments: the epoch, the first row of the
     call's half of the gathered buffers, row bytes, tiles, the task count, a piece's columns,
     K blocks, this rank's flags and its gathered buffer."""
@@ -162,7 +164,7 @@ def _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4
     row_bytes = K.to(tl.int64) * (ELEMENT.primitive_bitwidth // 8)
     tiles_m = tl.cdiv(M_LOCAL, BM)
     tiles_n = tl.cdiv(N, BN)
-    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT)
+    tasks = _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT, ENGINE)
     piece_cols = tl.cdiv(tl.cdiv(K, PIECES), COPY_COLS) * COPY_COLS
     k_tiles = tl.cdiv(K, BK)
     own_flags = pick(rank, F0, F1, F2, F3, F4, F5, F6, F7)
@@ -174,19 +176,34 @@ def _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4
 @triton.jit
 def schedule_probe_kernel(out_ptr, count_ptr, tiles_m, tiles_n, rank, WORLD: tl.constexpr,
                           MULTIMEM: tl.constexpr, PIECES: tl.constexpr, GROUP_M: tl.constexpr,
-                          COPY_OUT: tl.constexpr):
+                          COPY_OUT: tl.constexpr, ENGINE: tl.constexpr = False):
     """Program `task` writes (kind, who, x, y) of that task id, decoded as the fused kernel
     decodes it, and program 0 the task count; the CPU tests run it under TRITON_INTERPRET=1
     against schedule.py."""
     STEPS: tl.constexpr = 1 if MULTIMEM and WORLD > 1 else WORLD - 1
     task = tl.program_id(0)
     if task == 0:
-        tl.store(count_ptr, _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT))
-    kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
+        tl.store(count_ptr, _task_count(tiles_m, tiles_n, WORLD, STEPS, PIECES, COPY_OUT, ENGINE))
+    kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M,
+                                   ENGINE)
     tl.store(out_ptr + task * 4 + 0, kind)
     tl.store(out_ptr + task * 4 + 1, who)
     tl.store(out_ptr + task * 4 + 2, x)
     tl.store(out_ptr + task * 4 + 3, y)
+
+
+@triton.jit
+def _wait_engine_rows(own_flags, engine_flag0, epoch, source, block, chunk_blocks, abort_ptr,
+                      error_address, timeout_ns, ENGINE_CHUNKS: tl.constexpr):
+    """Wait until the chunk of `source`'s rows holding row block `block` has arrived by copy
+    engine: its flag (schedule.engine_flag) holds the source's last finished epoch, read after
+    its call e - 1 finished (so e - 1 or e); flags start at -1, and the call before of the
+    same parity left at most e - 2."""
+    flag = engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + block // chunk_blocks
+    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
+
+
+ENGINE_CHUNKS = tl.constexpr(schedule.ENGINE_CHUNKS)
 
 
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "half_rows", "gathered_address"])
@@ -195,31 +212,35 @@ def all_gather_gemm_kernel(
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
-        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, engine_flag0, chunk_blocks,
+        rank, half_rows,
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, MULTIMEM: tl.constexpr, ALIGNED: tl.constexpr,
         COPY_ROWS: tl.constexpr, COPY_COLS: tl.constexpr, PIECES: tl.constexpr,
-        COPY_OUT: tl.constexpr, PHASES: tl.constexpr):
+        COPY_OUT: tl.constexpr, PHASES: tl.constexpr, ENGINE: tl.constexpr):
     """out[p * M_LOCAL + i, :] = A_p[i, :] @ B for every rank p (see the module docstring).
     a_ptr / a_desc: this rank's A [M_LOCAL, K] (row stride stride_am, unit column stride;
     a_desc its TMA descriptor, TMA only); g_desc: this rank's gathered buffer, both halves
     [2 * half_rows, K] (TMA only); D*: every rank's data half 0; F*: flag arrays. Local tiles
     read A, peer tiles the gathered buffer. COPY_OUT: after the GEMM tiles, copy-out tasks
     (source, block, piece) also write the gathered A [W * M_LOCAL, K] (row-major) at
-    gathered_address, for later users of it."""
+    gathered_address, for later users of it. ENGINE: no push tasks; the peers' copy engines
+    bring their rows in chunks of chunk_blocks row blocks, each announced by a flag in the
+    region starting at flag index engine_flag0 (AllGatherGemmLaunch issues the copies)."""
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
     STEPS: tl.constexpr = 1 if MULTIMEM and WORLD > 1 else WORLD - 1  # schedule.ag_steps
     (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
      gathered) = _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4,
                                 D5, D6, D7, F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT, WORLD, BM,
-                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT)
+                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT, ENGINE)
     task = claim_task(state_ptr)
     while task < tasks:
-        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M)
+        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, MULTIMEM, PIECES, GROUP_M,
+                                       ENGINE)
         if kind == PUSH:
-            if (PHASES & 1) and STEPS > 0:  # W = 1 has no push tasks: no push code compiled
+            if (PHASES & 1) and STEPS > 0 and not ENGINE:  # W = 1, ENGINE: no push code compiled
                 block = x
                 piece = y
                 col_first = piece * piece_cols
@@ -259,10 +280,15 @@ def all_gather_gemm_kernel(
                 if source == rank:  # this rank's rows: from A itself
                     rows_from, rows_stride = a_ptr + row0 * stride_am, stride_am
                 else:
-                    flag = (source * tiles_m + block) * PIECES + piece
                     if SIGNAL:
-                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
-                                  flag, timeout_ns)
+                        if ENGINE:
+                            _wait_engine_rows(own_flags, engine_flag0, epoch, source, block,
+                                              chunk_blocks, abort_ptr, error_address, timeout_ns,
+                                              ENGINE_CHUNKS)
+                        else:
+                            flag = (source * tiles_m + block) * PIECES + piece
+                            wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address,
+                                      source, flag, timeout_ns)
                     rows_from = gathered + (slot_row0 + source * M_LOCAL + row0).to(tl.int64) * K
                     rows_stride = K
                 _copy_rows(rows_from, rows_stride,
@@ -281,10 +307,15 @@ def all_gather_gemm_kernel(
                 rows_desc, rows_ptr, row0, rows_end, rows_stride = a_desc, a_ptr, local_row0, M_LOCAL, stride_am
             else:
                 if SIGNAL:
-                    for piece in tl.static_range(PIECES):
-                        flag = (source * tiles_m + tile_m) * PIECES + piece
-                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source,
-                                  flag, timeout_ns)
+                    if ENGINE:
+                        _wait_engine_rows(own_flags, engine_flag0, epoch, source, tile_m,
+                                          chunk_blocks, abort_ptr, error_address, timeout_ns,
+                                          ENGINE_CHUNKS)
+                    else:
+                        for piece in tl.static_range(PIECES):
+                            flag = (source * tiles_m + tile_m) * PIECES + piece
+                            wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address,
+                                      source, flag, timeout_ns)
                     fence_proxy_async(tile_m)  # the rows arrived by generic stores; TMA reads them
                 # rows past this source's slot are masked (pointer path) or garbage the store drops
                 row0 = slot_row0 + source * M_LOCAL + local_row0
@@ -334,7 +365,7 @@ def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD: gl.const
     """Of tile task `task`: (source rank, tile row, its first A row: in A for this rank's rows,
     in the gathered buffer for a peer's, first column)."""
     kind, source, tile_m, tile_n = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False,
-                                                PIECES, GROUP_M)
+                                                PIECES, GROUP_M, False)
     local_row0 = tile_m * BM
     row0 = gl.where(source == rank, local_row0, slot_row0 + source * M_LOCAL + local_row0)
     return source, tile_m, row0, tile_n * BN
@@ -345,11 +376,11 @@ def _next_tile_task(task, step, tasks, rank, tiles_m, tiles_n, WORLD: gl.constex
                     STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr):
     """The first tile task among task, task + step, ... (>= tasks: none left)."""
     kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                   GROUP_M)
+                                   GROUP_M, False)
     while (task < tasks) & (kind != TILE):
         task += step
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                       GROUP_M)
+                                       GROUP_M, False)
     return task
 
 
@@ -462,7 +493,7 @@ def pipelined_all_gather_gemm_kernel(
     (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
      gathered) = _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4,
                                 D5, D6, D7, F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT, WORLD, BM,
-                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT)
+                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT, False)
     first = gl.program_id(0)
     programs = gl.num_programs(0)
     layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
@@ -478,7 +509,7 @@ def pipelined_all_gather_gemm_kernel(
     task = first
     while task < tasks:
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                       GROUP_M)
+                                       GROUP_M, False)
         if kind == PUSH:
             block = x
             piece = y
@@ -635,23 +666,31 @@ class AllGatherGemmConfig:
     # (schedule.stream_k_tiles). Opt-in: on one H200 it saved nothing at 2048 x 7168 x 8192,
     # 2% at 8192 x 13312 x 16384 and cost 3% at 8192 x 6400 x 5120 (docs/gpu_notes.md)
     stream_k: bool = False
+    # ("/ce", the Triton kernel, unicast) the rows move by copy engine, not by the kernel's push
+    # tasks: every SM computes tiles, the copies run beside them. Each source's rows go in
+    # `pieces` chunks of whole row blocks, each followed by its flag. Inside a CUDA graph
+    # capture the launch pushes instead (a captured copy's destination half would be fixed)
+    engine: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
         """The config str() printed as `text`.
 
         >>> AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p4")
-        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False, stream_k=False)
+        AllGatherGemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, copy_rows=32, copy_cols=512, pieces=4, pipelined=False, stream_k=False, engine=False)
         """
         try:
             tile, g, s, w, c, p, *flags = text.split("/")
             if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p") or \
-                    flags not in ([], ["gl"], ["gl", "sk"]):
+                    flags not in ([], ["gl"], ["gl", "sk"], ["ce"]):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
+            pieces = int(p[1:])
+            if "ce" in flags and not 1 <= pieces <= schedule.ENGINE_CHUNKS:
+                raise ValueError
             return cls(block_m, block_n, block_k, int(g[1:]), int(s[1:]), int(w[1:]), copy_rows,
-                       copy_cols, int(p[1:]), "gl" in flags, "sk" in flags)
+                       copy_cols, pieces, "gl" in flags, "sk" in flags, "ce" in flags)
         except ValueError:
             raise ValueError(f"not an AllGatherGemmConfig string: {text!r}") from None
 
@@ -659,7 +698,8 @@ class AllGatherGemmConfig:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}"
                 f"{'/gl' if self.pipelined else ''}"
-                f"{'/sk' if self.pipelined and self.stream_k else ''}")
+                f"{'/sk' if self.pipelined and self.stream_k else ''}"
+                f"{'/ce' if self.engine and not self.pipelined else ''}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
@@ -723,7 +763,7 @@ class AllGatherGemmLaunch:
         if needed > workspace.data_bytes:
             raise ValueError(f"all_gather_gemm: {needed} bytes per half needed, the workspace "
                              f"has {workspace.data_bytes}")
-        if world * triton.cdiv(ops.m, config.block_m) * config.pieces > (1 << 16):
+        if world * triton.cdiv(ops.m, config.block_m) * config.pieces > workspace.tile_flags:
             raise ValueError("all_gather_gemm: more row blocks than the workspace has flags")
         gathered = workspace.local_data(0, ops.a.dtype, 2 * workspace.data_bytes // element,
                                         both_halves=True)
@@ -757,22 +797,31 @@ class AllGatherGemmLaunch:
         if multimem and (ops.k % 8 or not workspace.multicast_base):
             raise ValueError("all_gather_gemm: multimem needs K % 8 == 0 and a multicast mapping")
         self.timeout_ns = workspace.timeout_ns()
+        tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
+        self.engine = config.engine and world > 1 and not multimem and not self.pipelined
+        self.pushing = None
+        if self.engine:
+            self._prepare_engine(ops, out, config, workspace, tiles_m, copy_out)
         constexprs = dict(WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=self.use_tma,
                           B_TRANSPOSED=ops.b_transposed, MULTIMEM=multimem,
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
                           COPY_COLS=config.copy_cols, PIECES=config.pieces,
                           COPY_OUT=copy_out, PHASES=3)
+        engine_args = ((workspace.engine_flag0, self.chunk_blocks if self.engine else 1)
+                       if not self.pipelined else ())
+        if not self.pipelined:
+            constexprs["ENGINE"] = self.engine
         args = (ops.a, a_desc, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
                 *workspace.flag_addresses(), workspace.state, workspace.abort,
                 workspace.error_address(), self.timeout_ns,
                 ops.m, ops.n, ops.k, ops.a.stride(0), stride_bk, stride_bn, out.stride(0),
-                rank, self.half_rows)
+                *engine_args, rank, self.half_rows)
         function = pipelined_all_gather_gemm_kernel if self.pipelined else all_gather_gemm_kernel
-        tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
-        tasks = schedule.ag_task_count(world, tiles_m, tiles_n, config.pieces, multimem, copy_out)
+        tasks = schedule.ag_task_count(world, tiles_m, tiles_n, config.pieces, multimem, copy_out,
+                                       self.engine)
         # one program per SM the rank may fill: all resident (a peer tile waits on pushes
         # that other programs run)
         self.grid = max(1, min(workspace.processors, tasks))
@@ -802,9 +851,42 @@ class AllGatherGemmLaunch:
         # what the compiled kernel assumed of the per-call operands: shapes, strides, alignment
         self.layout = launch_layout(ops, out)
 
+    def _prepare_engine(self, ops, out, config, workspace, tiles_m, copy_out) -> None:
+        """The copy-engine transfers of a call (engine_transfers), the events ordering them
+        around the kernel, and the push launch a CUDA graph capture runs."""
+        if config.pieces > schedule.ENGINE_CHUNKS:
+            raise ValueError(f"all_gather_gemm: at most {schedule.ENGINE_CHUNKS} copy-engine "
+                             f"chunks, the config asks {config.pieces}")
+        self.chunk_blocks, self.transfers = engine_transfers(
+            workspace, ops.a.dtype, ops.m, ops.k, config.block_m, config.pieces, self.half_rows)
+        self.workspace = workspace
+        self.epoch_word = workspace.state[:1]  # the last finished epoch: what each flag gets
+        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
+        self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
+                                           workspace, copy_out=copy_out)
+
+    def _send_rows(self, a: torch.Tensor) -> None:
+        """This call's rows to every peer by copy engine, on the workspace's side stream, after
+        what the current stream queued (the previous call's kernel: the peers' halves of this
+        parity are free once it finished); the current stream waits for them after the kernel."""
+        current = torch.cuda.current_stream(a.device)
+        side = self.workspace.copy_stream()
+        self.ready.record(current)
+        side.wait_event(self.ready)
+        with torch.cuda.stream(side):
+            for begin, end, rows, flag in self.transfers[self.workspace.call_epoch() % 2]:
+                rows.copy_(a[begin:end], non_blocking=True)
+                flag.copy_(self.epoch_word, non_blocking=True)
+        self.sent.record(side)
+
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:
         """gathered: where the gathered A [W * M_LOCAL, K] goes too (a launch built with
         copy_out; row-major, 16-byte aligned)."""
+        if self.engine:
+            if torch.cuda.is_current_stream_capturing():
+                self.pushing(ops, out, gathered)
+                return
+            self._send_rows(ops.a)
         args = list(self.template)
         if self.use_tma:
             args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
@@ -816,6 +898,39 @@ class AllGatherGemmLaunch:
         if gathered is not None:
             args[self._GATHERED] = gathered.data_ptr()
         self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+        if self.engine:
+            torch.cuda.current_stream(ops.a.device).wait_event(self.sent)
+
+
+def engine_transfers(workspace, dtype: torch.dtype, m: int, k: int, block_m: int, pieces: int,
+                     half_rows: int) -> tuple[int, list]:
+    """(row blocks per chunk, transfers) of a copy-engine ("/ce") call of this rank: for each
+    epoch parity, in push-step order over the peers (rank + 1 first: it computes this rank's
+    rows in its segment 1) and chunk order, (first row, end row, the rows' place in that peer's
+    gathered buffer, the peer's flag word of the chunk (schedule.engine_flag)).
+
+    >>> blocks, transfers = engine_transfers(workspace, torch.bfloat16, 1000, 4096, 128, 4, rows)
+    >>> blocks, [t[:2] for t in transfers[0]]        # W = 2: 8 row blocks in 4 chunks to rank 1
+    (2, [(0, 256), (256, 512), (512, 768), (768, 1000)])
+    """
+    world, rank = workspace.world_size, workspace.rank
+    chunk_blocks, chunks = schedule.engine_chunks(triton.cdiv(m, block_m), pieces)
+    bounds = [(c * chunk_blocks * block_m, min((c + 1) * chunk_blocks * block_m, m))
+              for c in range(chunks)]
+    total_rows = 2 * workspace.data_bytes // (k * dtype.itemsize)
+    transfers = [[], []]
+    for parity in (0, 1):
+        first = parity * half_rows + rank * m
+        for step in range(1, world):
+            peer = (rank + step) % world
+            rows = workspace.peer_data(peer, 0, dtype, total_rows * k,
+                                       both_halves=True).view(total_rows, k)
+            flags = workspace.peer_flags(peer)
+            for chunk, (begin, end) in enumerate(bounds):
+                flag = workspace.engine_flag0 + schedule.engine_flag(parity, rank, chunk)
+                transfers[parity].append((begin, end, rows[first + begin:first + end],
+                                          flags[flag:flag + 1]))
+    return chunk_blocks, transfers
 
 
 def launch_layout(ops, out: torch.Tensor) -> tuple:

@@ -830,9 +830,9 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
         timeout_ns = workspace.timeout_ns()
         half_bytes = workspace.data_bytes
         part = out
-    if mode != GEMM_ONLY and world * rounds > (1 << 16):
-        raise ValueError(f"{world * rounds} tiles exceed the workspace's 65536 flags; "
-                         f"use larger tiles")
+    if mode != GEMM_ONLY and world * rounds > workspace.tile_flags:
+        raise ValueError(f"{world * rounds} tiles exceed the workspace's {workspace.tile_flags} "
+                         f"tile flags; use larger tiles")
     push = config.push and not multimem and mode != GEMM_ONLY
     row_bytes = ops.n * element
     pipelined = config.pipelined and pipelined_fits(ops, config, world, mode, multimem,

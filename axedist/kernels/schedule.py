@@ -87,6 +87,34 @@ def task_list(rank: int, world: int, rounds: int, lag: int) -> list[tuple[str, i
 
 PUSH, TILE, COPY = 0, 1, 2  # the kinds of an all-gather + GEMM task
 
+# Copy-engine rows (ag_gemm's "/ce" configs). The rows of a source arrive in `pieces` chunks of
+# whole row blocks, each moved by the source's copy engine and followed by a copy of a flag word.
+# Those flags sit in a region of their own at the end of the workspace's flag array: per epoch
+# parity, per source, ENGINE_CHUNKS words (a fixed stride, so calls of different shapes never
+# share a word across parities).
+ENGINE_CHUNKS = 64
+ENGINE_FLAGS = 2 * 8 * ENGINE_CHUNKS
+
+
+def engine_flag(parity: int, source: int, chunk: int) -> int:
+    """Index, within the copy-engine flag region, of the flag of `chunk` of `source`'s rows in
+    calls of epoch parity `parity`.
+
+    >>> engine_flag(1, 2, 3)
+    643
+    """
+    return (parity * 8 + source) * ENGINE_CHUNKS + chunk
+
+
+def engine_chunks(tiles_m: int, pieces: int) -> tuple[int, int]:
+    """(row blocks per chunk, chunks) of one source's rows copied in about `pieces` chunks.
+
+    >>> engine_chunks(10, 4)     # chunks of 3, 3, 3 and 1 row blocks
+    (3, 4)
+    """
+    per_chunk = -(-tiles_m // min(max(pieces, 1), tiles_m))
+    return per_chunk, -(-tiles_m // per_chunk)
+
 
 def ag_steps(world: int, multimem: bool) -> int:
     """Push steps of one rank's rows: one per peer, or one multimem store to every rank."""
@@ -94,9 +122,10 @@ def ag_steps(world: int, multimem: bool) -> int:
 
 
 def ag_task_count(world: int, tiles_m: int, tiles_n: int, pieces: int, multimem: bool,
-                  copy_out: bool) -> int:
-    return (ag_steps(world, multimem) * tiles_m * pieces + world * tiles_m * tiles_n
-            + (world * tiles_m * pieces if copy_out else 0))
+                  copy_out: bool, engine: bool = False) -> int:
+    """engine: the rows move by copy engine, outside the kernel (no push tasks)."""
+    pushes = 0 if engine else ag_steps(world, multimem) * tiles_m * pieces
+    return pushes + world * tiles_m * tiles_n + (world * tiles_m * pieces if copy_out else 0)
 
 
 def interleaved(task: int, pushes: int, others: int) -> tuple[bool, int]:
@@ -108,12 +137,12 @@ def interleaved(task: int, pushes: int, others: int) -> tuple[bool, int]:
 
 
 def ag_decode_task(task: int, rank: int, world: int, tiles_m: int, tiles_n: int, pieces: int,
-                   multimem: bool, group_m: int) -> tuple[int, int, int, int]:
+                   multimem: bool, group_m: int, engine: bool = False) -> tuple[int, int, int, int]:
     """(kind, who, x, y) of task `task` on `rank`: (PUSH, peer, row block, piece) with peer -1
     for a multimem store to every rank; (TILE, source, tile row, tile column); (COPY, source,
-    row block, piece)."""
+    row block, piece). engine: no push tasks, the tiles in the same segments."""
     steps = ag_steps(world, multimem)
-    per_source, step_pushes = tiles_m * tiles_n, tiles_m * pieces
+    per_source, step_pushes = tiles_m * tiles_n, 0 if engine else tiles_m * pieces
     with_pushes = steps * (per_source + step_pushes)
     gemm_end = with_pushes + (world - steps) * per_source
     if task >= gemm_end:
@@ -131,10 +160,12 @@ def ag_decode_task(task: int, rank: int, world: int, tiles_m: int, tiles_n: int,
 
 
 def ag_task_list(rank: int, world: int, tiles_m: int, tiles_n: int, pieces: int, multimem: bool,
-                 copy_out: bool, group_m: int = 8) -> list[tuple[int, int, int, int]]:
+                 copy_out: bool, group_m: int = 8,
+                 engine: bool = False) -> list[tuple[int, int, int, int]]:
     """Every task of one rank in claim order, as ag_decode_task gives them."""
-    return [ag_decode_task(task, rank, world, tiles_m, tiles_n, pieces, multimem, group_m)
-            for task in range(ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out))]
+    count = ag_task_count(world, tiles_m, tiles_n, pieces, multimem, copy_out, engine)
+    return [ag_decode_task(task, rank, world, tiles_m, tiles_n, pieces, multimem, group_m, engine)
+            for task in range(count)]
 
 
 # The stream-K tail of the statically assigned all-gather + GEMM (ag_gemm's Gluon kernel).

@@ -41,14 +41,20 @@ class VirtualRanks:
     """W virtual ranks on one GPU with `data_bytes` per workspace half (fixed: a call that
     needs more raises). absent=(r, ...) in a call leaves those ranks out of it (a rank that
     never arrives: the others time out and name it). W = 1 is one rank with the whole GPU
-    (the fused kernels' GEMM part, for the one-GPU benchmarks)."""
+    (the fused kernels' GEMM part, for the one-GPU benchmarks). processors: the SMs each rank's
+    grids may fill (default a W-th of the GPU; fewer leave SMs to work beside the kernels, such
+    as copies the driver may run on SMs)."""
 
-    def __init__(self, world: int, data_bytes: int = 16 << 20, device: torch.device | None = None):
+    def __init__(self, world: int, data_bytes: int = 16 << 20, device: torch.device | None = None,
+                 processors: int | None = None):
         if not 1 <= world <= 8:
             raise ValueError(f"virtual ranks: world must be 1..8, got {world}")
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         self.world, self.device = world, device
-        self.processors = multiprocessors(device.index) // world
+        most = multiprocessors(device.index) // world
+        if processors is not None and not 1 <= processors <= most:
+            raise ValueError(f"virtual ranks: processors must be 1..{most}, got {processors}")
+        self.processors = most if processors is None else processors
         self.workspaces = carve_workspaces(world, data_bytes, device, self.processors)
         self.streams = [torch.cuda.Stream(device) for _ in range(world)]
         self._plans: dict[tuple, list[CallPlan]] = {}
