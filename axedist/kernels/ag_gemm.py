@@ -50,7 +50,7 @@ from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
-from .launch import CompiledLaunch
+from .launch import CompiledLaunch, copy_engine_runtime, copy_rows_async
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
@@ -669,7 +669,8 @@ class AllGatherGemmConfig:
     # ("/ce", the Triton kernel, unicast) the rows move by copy engine, not by the kernel's push
     # tasks: every SM computes tiles, the copies run beside them. Each source's rows go in
     # `pieces` chunks of whole row blocks, each followed by its flag. Inside a CUDA graph
-    # capture the launch pushes instead (a captured copy's destination half would be fixed)
+    # capture the launch pushes instead (a captured copy's destination half would be fixed);
+    # so does a machine without cuda-python (the copies go through its runtime bindings)
     engine: bool = False
 
     @classmethod
@@ -711,14 +712,19 @@ CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
 
 
 def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
-    """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle.
+    """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle; at
+    W = 2 the rows move by copy engine (/ce: faster than the pushes on 8 of the 9 design and
+    model shapes on 2x H200, up to 1.21x, and level on the ninth; benchmarks/results/
+    ag_gemm_w2.md). W > 2 keeps the pushes until a run there measures /ce.
 
     >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
     '128x128x64/g8/s4/w8/c32x512/p4'
+    >>> str(default_config(4096, 2048, 8192, 2))
+    '128x256x64/g8/s3/w8/c32x512/p4/ce'
     """
-    if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264:
-        return CANDIDATES[0]
-    return CANDIDATES[2]
+    tiles = CANDIDATES[0] if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264 \
+        else CANDIDATES[2]
+    return dataclasses.replace(tiles, engine=world == 2)
 
 
 def gathered_rows(data_bytes: int, k: int, element_size: int) -> int:
@@ -798,7 +804,9 @@ class AllGatherGemmLaunch:
             raise ValueError("all_gather_gemm: multimem needs K % 8 == 0 and a multicast mapping")
         self.timeout_ns = workspace.timeout_ns()
         tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
-        self.engine = config.engine and world > 1 and not multimem and not self.pipelined
+        # the copies go through cuda-python (launch.copy_engine_runtime); without it, pushes
+        self.engine = (config.engine and world > 1 and not multimem and not self.pipelined
+                       and copy_engine_runtime() is not None)
         self.pushing = None
         if self.engine:
             self._prepare_engine(ops, out, config, workspace, tiles_m, copy_out)
@@ -860,7 +868,12 @@ class AllGatherGemmLaunch:
         self.chunk_blocks, self.transfers = engine_transfers(
             workspace, ops.a.dtype, ops.m, ops.k, config.block_m, config.pieces, self.half_rows)
         self.workspace = workspace
-        self.epoch_word = workspace.state[:1]  # the last finished epoch: what each flag gets
+        # per parity: (first row, rows, target address, flag word address); each flag gets the
+        # rank's last finished epoch (state word 0)
+        self.copies = [[(begin, end - begin, rows.data_ptr(), flag.data_ptr())
+                        for begin, end, rows, flag in transfers]
+                       for transfers in self.transfers]
+        self.row_bytes, self.epoch_word = ops.k * ops.a.element_size(), workspace.state.data_ptr()
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
@@ -873,10 +886,12 @@ class AllGatherGemmLaunch:
         side = self.workspace.copy_stream()
         self.ready.record(current)
         side.wait_event(self.ready)
-        with torch.cuda.stream(side):
-            for begin, end, rows, flag in self.transfers[self.workspace.call_epoch() % 2]:
-                rows.copy_(a[begin:end], non_blocking=True)
-                flag.copy_(self.epoch_word, non_blocking=True)
+        runtime, stream, row_bytes = copy_engine_runtime(), side.cuda_stream, self.row_bytes
+        pitch = a.stride(0) * a.element_size()
+        for begin, rows, target, flag in self.copies[self.workspace.call_epoch() % 2]:
+            copy_rows_async(runtime, target, row_bytes, a.data_ptr() + begin * pitch, pitch,
+                            row_bytes, rows, stream)
+            copy_rows_async(runtime, flag, 4, self.epoch_word, 4, 4, 1, stream)
         self.sent.record(side)
 
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:
