@@ -10,6 +10,7 @@ reads the call's epoch from the rank's state words and must leave them advanced 
 
     TRITON_INTERPRET=1 PYTHONPATH=. python3 tests/fused_interpreter.py   # -> ... OK
 """
+import ctypes
 import itertools
 import sys
 import time
@@ -32,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from axedist.collectives.symmetric import (ENGINE_FLAG0, FLAG_BYTES,  # noqa: E402
                                            carve_workspaces)
-from axedist.kernels import ag_gemm, gemm_ar, schedule  # noqa: E402
+from axedist.kernels import ag_gemm, gemm_ar, gemm_rs, schedule  # noqa: E402
 from tests.collectives_interpreter import flags_touched  # noqa: E402
 
 
@@ -203,6 +204,74 @@ def run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot, push, 
     return failures
 
 
+def _memcpy_2d(target, target_pitch, source, source_pitch, row_bytes, rows):
+    """cudaMemcpy2DAsync on CPU memory: what the launch's copy engine does, byte for byte."""
+    for row in range(rows):
+        ctypes.memmove(target + row * target_pitch, source + row * source_pitch, row_bytes)
+
+
+def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype, block, seed):
+    """The /ce GEMM + reduce-scatter: phase 1 (the peers' chunks into staging) on every rank,
+    then the copies the launch issues (gemm_rs.engine_copies: the same addresses, done by
+    memmove, each chunk's flag from the rank's state word), then phase 2 (own chunk plus the
+    received partials)."""
+    generator = torch.Generator().manual_seed(seed)
+    bm, bn, bk = block
+    config = gemm_rs.GemmConfig(bm, bn, bk, 2, 2, 4, engine=True)
+    element = torch.tensor([], dtype=dtype).element_size()
+    m = world * m_chunk
+    data_bytes = (world * m_chunk * n * element + 4095) // 4096 * 4096
+    workspaces = fake_workspaces(world, data_bytes, dtype)
+    as_ = [torch.randn(m, k, generator=generator).to(dtype) for _ in range(world)]
+    weights = [torch.randn((n, k) if transposed else (k, n), generator=generator).to(dtype)
+               for _ in range(world)]
+    outs = [torch.full((m_chunk, n), float("nan"), dtype=dtype) for _ in range(world)]
+    band_tiles, rectangles = gemm_rs.engine_chunks(m_chunk, n, config)
+    chunks = len(rectangles)
+    staging = [torch.full((world - 1, m_chunk, n), float("nan"), dtype=dtype) for _ in range(world)]
+    out_flags = [torch.zeros((world - 1) * chunks, dtype=torch.int32) for _ in range(world)]
+    counts = [torch.zeros((world - 1) * chunks, dtype=torch.int32) for _ in range(world)]
+    epoch = 2 - seed % 2
+    name = f"gemm_reduce_scatter /ce W={world} {m_chunk}x{n}x{k} B^T={transposed} tma={tma} {dtype}"
+
+    def launch(rank, phase):
+        workspace = workspaces[rank]
+        a, b = as_[rank], weights[rank]
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else None
+        b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
+        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
+        gemm_rs.engine_gemm_reduce_scatter_kernel[(3,)](
+            a_desc, a, b_desc, b, staging[rank], outs[rank], workspace.data_addresses(0)[rank],
+            workspace.flag_addresses()[rank], out_flags[rank].data_ptr(), counts[rank],
+            workspace.state, workspace.abort, workspace.error_address(), 0, m, n, k, m_chunk,
+            a.stride(0), a.stride(1), stride_bk, stride_bn, workspace.engine_flag0, band_tiles,
+            rank, data_bytes, WORLD=world, BM=bm, BN=bn, BK=bk, GROUP_M=2, STAGES=2,
+            USE_TMA=tma, B_TRANSPOSED=transposed, ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=phase)
+
+    failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1,), launch)]
+    for rank, workspace in enumerate(workspaces):
+        workspace.state[0] = epoch - 1
+        for _, target, source, row_bytes, rows, flag in gemm_rs.engine_copies(
+                workspace, staging[rank].data_ptr(), out_flags[rank].data_ptr(), m_chunk, n,
+                element, rectangles)[epoch % 2]:
+            _memcpy_2d(target, n * element, source, n * element, row_bytes, rows)
+            _memcpy_2d(flag, 4, workspace.state.data_ptr(), 4, 4, 1)
+    failures += [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (2,), launch)]
+    failures += _engine_flag_failures(workspaces, epoch, world, chunks, name)
+    total = sum(a.double() @ (b.double().t() if transposed else b.double())
+                for a, b in zip(as_, weights))
+    for rank in range(world):
+        error = _error(outs[rank], total[rank * m_chunk:(rank + 1) * m_chunk])
+        if not error < 1e-2:
+            failures.append(f"{name} rank {rank}: error {error:.2e} (NaN: unwritten)")
+        other = workspaces[rank].local_data(1 - epoch % 2, dtype, data_bytes // element)
+        if not torch.isnan(other).all():
+            failures.append(f"{name} rank {rank}: a copy went into the other data half")
+        if flags_touched(workspaces[rank]):
+            failures.append(f"{name} rank {rank}: data landed in the flag or barrier area")
+    return failures
+
+
 def main():
     start = time.time()
     failures, cases = [], 0
@@ -230,6 +299,13 @@ def main():
         for index, ((world, m, n, k, transposed, tma), two_shot, push) in enumerate(grid):
             failures += run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot,
                                             push, (16, 16, 16), seed=index)
+            cases += 1
+    if which in ("all", "rs"):
+        grid = [(2, 40, 48, 72, False, True), (3, 33, 40, 64, True, True), (2, 24, 100, 40, False, False),
+                (4, 16, 16, 32, True, True)]
+        for index, (world, m_chunk, n, k, transposed, tma) in enumerate(grid):
+            failures += run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype,
+                                                       (16, 16, 16), seed=index)
             cases += 1
     print(f"{cases} cases in {time.time() - start:.1f} s")
     print("\n".join(failures) if failures else "OK")

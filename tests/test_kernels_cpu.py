@@ -570,6 +570,52 @@ def test_fused_kernel_multimem_variant_ptx_for_sm90a(dtype):
     assert len(kernel.asm["cubin"]) > 0
 
 
+def _compile_engine_rs(tma=True, transposed=False):
+    from axedist.kernels import gemm_rs
+    from axedist.kernels.compile_check import compile_for_target
+    c = gemm_rs.GemmConfig(engine=True)
+    signature = {}
+    if tma:
+        signature["a_desc"] = f"tensordesc<bf16[{c.block_m}, {c.block_k}]>"
+    signature["a_ptr"] = "*bf16"
+    if tma:
+        signature["b_desc"] = (f"tensordesc<bf16[{c.block_n}, {c.block_k}]>" if transposed
+                               else f"tensordesc<bf16[{c.block_k}, {c.block_n}]>")
+    signature.update(b_ptr="*bf16", staging_ptr="*bf16", out_ptr="*bf16", incoming_address="i64",
+                     own_flags="i64", out_flags="i64", counts_ptr="*i32", state_ptr="*i32",
+                     abort_ptr="*i32", error_address="i64", timeout_ns="i64", M="i32", N="i32",
+                     K="i32", M_CHUNK="i32", stride_am="i32", stride_ak="i32", stride_bk="i32",
+                     stride_bn="i32", engine_flag0="i32", band_tiles="i32", rank="i32",
+                     half_bytes="i64")
+    constexprs = dict(WORLD=2, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
+                      STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed,
+                      ENGINE_CHUNKS=64, PHASES=3)
+    if not tma:
+        constexprs.update(a_desc=None, b_desc=None)
+    return compile_for_target(gemm_rs.engine_gemm_reduce_scatter_kernel, signature, constexprs,
+                              divisible_by_16=["a_ptr", "b_ptr", "staging_ptr", "out_ptr", "N", "K",
+                                               "stride_am", "state_ptr"],
+                              num_warps=c.warps, num_stages=c.stages)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed):
+    """/ce: TMA + wgmma tiles, no remote store and no remote load (the copy engine moves the
+    partials), a system-scope fence and one release per finished comm chunk, bounded acquire
+    waits for the peers' chunks, within Hopper's shared memory; the pointer path compiles too."""
+    _need_triton()
+    kernel = _compile_engine_rs(transposed=transposed)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx
+    assert "fence.acq_rel.sys" in ptx and ptx.count("st.release.sys.global.b32") == 1
+    assert "ld.acquire.sys.global.b32" in ptx and "%globaltimer" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, \
+        [line for line in ptx.splitlines() if "atom" in line][:4]
+    assert "multimem" not in ptx and ".local" not in ptx
+    assert kernel.metadata.shared <= 227 * 1024
+    assert "wgmma" in _compile_engine_rs(tma=False).asm["ptx"]
+
+
 def test_every_candidate_config_compiles_with_pointer_fallback_too():
     _need_triton()
     from axedist.kernels import gemm_rs

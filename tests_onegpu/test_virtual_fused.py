@@ -110,6 +110,52 @@ def test_pipelined_kernel_every_world_size(world, seed):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_copy_engine_partials_every_world_size(world, seed):
+    """/ce: the peers' partials move by copy engine, each comm chunk after a stream wait on its
+    tiles' flag, then its flag copied. Tails and whole tiles (several groups and bands), both
+    orientations, the pointer path; back to back without a sync mixed with push calls, three
+    calls of a shape (the prepared launch); captured in a CUDA graph the call pushes, and
+    replays and eager calls after the capture stay right. Half the SMs are left free (the
+    driver may copy between two buffers of one GPU on SMs)."""
+    from axedist.kernels.gemm_rs import EngineReduceScatter, GemmConfig
+    from axedist.kernels.launch import multiprocessors
+    ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+    config = GemmConfig(push=True, defer_release=True, engine=True)
+    failures = []
+    for shape in (TAILS, WHOLE_TILES, (1024, 2048, 512), POINTER):
+        for transposed in (False, True) if shape is not POINTER else (False,):
+            as_, bs = _inputs(world, *shape, transposed)
+            failures += _call(ranks, as_, bs, config, f"/ce W={world} {shape} B^T={transposed} seed={seed}")
+    pending = []
+    for call in range(6):
+        as_, bs = _inputs(world, *TAILS, transposed=call % 2 == 1)
+        mode = config if call != 3 else _configs()["defer_push"]
+        outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=mode)
+        pending.append((as_, bs, outs, f"back to back call {call} ({mode}) seed={seed}"))
+    ranks.check()
+    failures += [f for as_, bs, outs, label in pending for f in _failures(as_, bs, outs, label)]
+    assert all(isinstance(call.replay, EngineReduceScatter) for call in ranks.last_plans)
+    as_, bs = _inputs(world, *TAILS, True)
+    outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=config)
+    ranks.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ranks.gemm_reduce_scatter(as_, bs, outs, config=config)
+    for replay in range(3):
+        fresh_as, fresh_bs = _inputs(world, *TAILS, True)
+        for target, value in zip(as_ + bs, fresh_as + fresh_bs):
+            target.copy_(value)
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        ranks.check()
+        failures += _failures(as_, bs, outs, f"replay {replay}")
+        eager_as, eager_bs = _inputs(world, *TAILS, False)
+        failures += _call(ranks, eager_as, eager_bs, config, f"eager after replay {replay}")
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_masked_pointer_path(mode, seed):
     ranks = VirtualRanks(4, 16 << 20)

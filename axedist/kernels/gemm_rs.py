@@ -33,10 +33,11 @@ from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
                          shared_layout, store_tile_halves)
-from .launch import CompiledLaunch, multiprocessors
-from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task, finish_call,
-                         load_reduce, peer_pointers, pick, shift8, st_release_gpu, st_release_sys,
-                         wait_flag)
+from .launch import (CompiledLaunch, copy_engine_runtime, copy_rows_async, multiprocessors,
+                     stream_memory_driver, wait_value_async)
+from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
+                         fence_acq_rel_sys, finish_call, load_reduce, peer_pointers, pick, shift8,
+                         st_release_gpu, st_release_sys, wait_flag)
 
 
 @triton.jit
@@ -268,6 +269,90 @@ def gemm_reduce_scatter_kernel(
     finish_call(state_ptr, epoch)
 
 
+@triton.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0",
+                               "band_tiles"])
+def engine_gemm_reduce_scatter_kernel(
+        a_desc, a_ptr, b_desc, b_ptr, staging_ptr, out_ptr, incoming_address, own_flags,
+        out_flags, counts_ptr, state_ptr, abort_ptr, error_address, timeout_ns,
+        M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn, engine_flag0, band_tiles,
+        rank, half_bytes,
+        WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
+        B_TRANSPOSED: tl.constexpr, ENGINE_CHUNKS: tl.constexpr, PHASES: tl.constexpr):
+    """GEMM + reduce-scatter with the partials moved by copy engine ("/ce"; EngineReduceScatter
+    issues the copies). Tasks in claim order: slot s < W - 1 holds the tiles of the chunk of
+    peer (rank + 1 + s) % W, slot W - 1 this rank's own chunk, each slot in grouped tile order.
+    A peer tile goes to staging_ptr [W - 1, M_CHUNK, N] (local memory); when the last tile of a
+    comm chunk (a band of band_tiles tile columns of one group of GROUP_M tile rows: a rectangle,
+    contiguous in the order) is stored, its program releases the int32 at address out_flags +
+    4 * (s * chunks + chunk) to the epoch, which
+    the side stream waits for (cuStreamWaitValue32) before copying the rectangle into the peer's
+    data half (slot `rank`) and this rank's last finished epoch into the peer's flag of it
+    (schedule.engine_flag). An own tile adds every peer's partial of it from this rank's data
+    half (slot = source) once that source's flag holds >= epoch - 1 (see ag_gemm's
+    _wait_engine_rows), then stores the output. Peer tiles precede own tiles in the claim order
+    and never wait, so a waiting own tile always finds its peers' producers claimed: no
+    deadlock. counts_ptr: per (slot, chunk) tile counts that only grow (a call adds a chunk's
+    tile count, so the last tile of a call sees a multiple of it). PHASES (interpreter tests):
+    1 the peer tiles, 2 the own tiles, without flags and waits; 3 everything."""
+    ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
+    SIGNAL: tl.constexpr = PHASES == 3
+    epoch = call_epoch(state_ptr)
+    parity = epoch % 2
+    incoming = (incoming_address + parity.to(tl.int64) * half_bytes).to(tl.pointer_type(ELEMENT))
+    tiles_m = tl.cdiv(M_CHUNK, BM)
+    tiles_n = tl.cdiv(N, BN)
+    per_slot = tiles_m * tiles_n
+    bands = tl.cdiv(tiles_n, band_tiles)
+    chunks = tl.cdiv(tiles_m, GROUP_M) * bands
+    task = claim_task(state_ptr)
+    while task < WORLD * per_slot:
+        slot = task // per_slot
+        tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
+        group = tile_m // GROUP_M
+        band = tile_n // band_tiles
+        chunk_id = group * bands + band
+        is_peer = slot < WORLD - 1
+        owner = tl.where(is_peer, (rank + 1 + slot) % WORLD, rank)
+        run = tl.where(is_peer, PHASES & 1, PHASES & 2) != 0
+        if run:  # one gemm_tile call site: one set of pipeline buffers
+            row0 = owner * M_CHUNK + tile_m * BM
+            col0 = tile_n * BN
+            accumulator = gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, 0, tl.cdiv(K, BK),
+                                    M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BM, BN,
+                                    BK, STAGES, USE_TMA, B_TRANSPOSED)
+            rows = tile_m * BM + tl.arange(0, BM)
+            cols = col0 + tl.arange(0, BN)
+            mask = (rows[:, None] < M_CHUNK) & (cols[None, :] < N)
+            offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+            if is_peer:
+                tl.store(staging_ptr + slot.to(tl.int64) * M_CHUNK * N + offsets,
+                         accumulator.to(ELEMENT), mask=mask)
+                if SIGNAL:
+                    size_m = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)
+                    size_n = tl.minimum(tiles_n - band * band_tiles, band_tiles)
+                    counter = slot * chunks + chunk_id
+                    fence_acq_rel_sys(counter)
+                    tl.debug_barrier()
+                    done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
+                    if (done + 1) % (size_m * size_n) == 0:
+                        st_release_sys(out_flags + counter * 4, epoch)
+            else:
+                for step in tl.static_range(1, WORLD):
+                    source = (rank + step) % WORLD
+                    if SIGNAL:
+                        flag = (engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS
+                                + chunk_id)
+                        wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address,
+                                  source, flag, timeout_ns)
+                    partial = tl.load(incoming + source.to(tl.int64) * M_CHUNK * N + offsets,
+                                      mask=mask, other=0.0)
+                    accumulator += partial.to(tl.float32)
+                tl.store(out_ptr + offsets, accumulator.to(ELEMENT), mask=mask)
+        task = claim_task(state_ptr)
+    finish_call(state_ptr, epoch)
+
+
 @gluon.jit
 def _gemm_task_at_or_after(task, step, tasks, rounds, lag, WORLD: gl.constexpr,
                            MODE: gl.constexpr):
@@ -451,31 +536,35 @@ class GemmConfig:
     # operands or output TMA cannot describe, a chunk not a whole number of row tiles, fewer
     # than stages - 1 K blocks) the call runs the Triton kernel with the same tiles
     pipelined: bool = False
+    # ("/ce", p2p, the Triton tiles) the peers' partials move by copy engine: every SM computes
+    # tiles, a side stream copies each finished band of a peer's chunk (EngineReduceScatter).
+    # Inside a CUDA graph capture, and without cuda-python, the launch pushes instead
+    engine: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "GemmConfig":
         """The config that str() printed as `text` (benchmark tables store it so).
 
         >>> GemmConfig.parse("128x256x64/g8/s3/w8/r64/defer/push")
-        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False, ctas_per_sm=1, pipelined=False)
+        GemmConfig(block_m=128, block_n=256, block_k=64, group_m=8, stages=3, warps=8, reduce_rows=64, defer_release=True, push=True, tma_push=False, ctas_per_sm=1, pipelined=False, engine=False)
         """
         tile, *parts = text.split("/")
         block_m, block_n, block_k = (int(v) for v in tile.split("x"))
         numbers = {part[0]: int(part[1:]) for part in parts if part[:1] in "gswrc" and part[1:].isdigit()}
         flags = {part for part in parts if not (part[:1] in "gswrc" and part[1:].isdigit())}
-        unknown = flags - {"defer", "push", "tma", "gl"}
+        unknown = flags - {"defer", "push", "tma", "gl", "ce"}
         if unknown or not set("gswr") <= set(numbers):
             raise ValueError(f"not a GemmConfig string: {text!r}")
         return cls(block_m, block_n, block_k, numbers["g"], numbers["s"], numbers["w"], numbers["r"],
                    "defer" in flags, "push" in flags, "tma" in flags, numbers.get("c", 1),
-                   "gl" in flags)
+                   "gl" in flags, "ce" in flags)
 
     def __str__(self) -> str:
         return (f"{self.block_m}x{self.block_n}x{self.block_k}/g{self.group_m}/s{self.stages}"
                 f"/w{self.warps}/r{self.reduce_rows}{'/defer' if self.defer_release else ''}"
                 f"{'/push' if self.push else ''}{'/tma' if self.tma_push else ''}"
                 f"{f'/c{self.ctas_per_sm}' if self.ctas_per_sm != 1 else ''}"
-                f"{'/gl' if self.pipelined else ''}")
+                f"{'/gl' if self.pipelined else ''}{'/ce' if self.engine else ''}")
 
 
 CANDIDATES = (
@@ -493,6 +582,7 @@ CANDIDATES = (
     GemmConfig(64, 256, 64, 8, 4, 4),
     GemmConfig(64, 128, 64, 8, 4, 4),
     GemmConfig(128, 256, 64, 8, 3, 8, pipelined=True),
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, engine=True),
 )
 # Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
 # the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
@@ -804,6 +894,13 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     launching (virtual ranks load every kernel before any rank spins). The grid fills the SMs
     the workspace's rank may use (all of them on a real GPU, a W-th with W virtual ranks)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
+    if config.engine and mode == FUSED and engine_fits(ops, config, world, multimem):
+        engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
+        if compile_only:
+            return None
+        engine(ops, out)
+        return engine if prepare else None
+    config = dataclasses.replace(config, engine=False)
     device = ops.a.device
     processors = (multiprocessors(device.index) if workspace is None or mode == GEMM_ONLY
                   else workspace.processors)
@@ -916,3 +1013,144 @@ class Replay:
         args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
         args[self._OUT] = out.data_ptr()
         self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+
+
+ENGINE_TARGET_CHUNKS = 4  # comm chunks per peer a /ce call aims at (bands of the tile groups)
+
+
+def engine_chunks(m_chunk: int, n: int, config: GemmConfig) -> tuple[int, list]:
+    """(tile columns per band, rectangles) of a /ce call's comm chunks, in the kernel's chunk
+    order: each group of GROUP_M tile rows cut into bands of whole tile columns so that a peer's
+    chunk comes in about ENGINE_TARGET_CHUNKS rectangles (first row, end row, first column, end
+    column), each contiguous in the claim order.
+
+    >>> engine_chunks(1024, 8192, GemmConfig())[1]   # 8 tile rows (one group) x 32 tile columns
+    [(0, 1024, 0, 2048), (0, 1024, 2048, 4096), (0, 1024, 4096, 6144), (0, 1024, 6144, 8192)]
+    """
+    tiles_m, tiles_n = triton.cdiv(m_chunk, config.block_m), triton.cdiv(n, config.block_n)
+    group_rows = config.group_m * config.block_m
+    groups = triton.cdiv(tiles_m, config.group_m)
+    band_tiles = triton.cdiv(tiles_n, min(tiles_n, max(1, triton.cdiv(ENGINE_TARGET_CHUNKS, groups))))
+    bands = triton.cdiv(tiles_n, band_tiles)
+    rectangles = [(g * group_rows, min((g + 1) * group_rows, m_chunk),
+                   b * band_tiles * config.block_n, min((b + 1) * band_tiles * config.block_n, n))
+                  for g in range(groups) for b in range(bands)]
+    return band_tiles, rectangles
+
+
+def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int, element: int,
+                  rectangles: list) -> list[list[tuple]]:
+    """The copies of a /ce call of this rank, per epoch parity, in issue order (peer rank + 1
+    first, then by chunk): (address of the chunk's out flag, target address in the peer's data
+    half (slot of this rank), source address in the staging buffer [W - 1, m_chunk, n] at
+    `staging`, bytes per row, rows, the peer's flag word of the chunk); rows are n * element
+    bytes apart on both sides."""
+    world, rank, pitch = workspace.world_size, workspace.rank, n * element
+    copies = [[], []]
+    for parity in (0, 1):
+        for slot in range(world - 1):
+            peer = (rank + 1 + slot) % world
+            target_base = workspace.data_addresses(parity)[peer] + rank * m_chunk * pitch
+            source_base = staging + slot * m_chunk * pitch
+            for chunk, (row0, row1, col0, col1) in enumerate(rectangles):
+                offset = row0 * pitch + col0 * element
+                flag = workspace.flag_addresses()[peer] + 4 * (
+                    workspace.engine_flag0 + schedule.engine_flag(parity, rank, chunk))
+                copies[parity].append((out_flags + 4 * (slot * len(rectangles) + chunk),
+                                       target_base + offset, source_base + offset,
+                                       (col1 - col0) * element, row1 - row0, flag))
+    return copies
+
+
+def engine_fits(ops: _Operands, config: GemmConfig, world: int, multimem: bool) -> bool:
+    """Whether a fused call can move its partials by copy engine: unicast, several ranks, whole
+    chunks, at most schedule.ENGINE_CHUNKS comm chunks, and cuda-python there to issue them."""
+    return (world > 1 and not multimem and ops.m % world == 0
+            and len(engine_chunks(ops.m // world, ops.n, config)[1]) <= schedule.ENGINE_CHUNKS
+            and copy_engine_runtime() is not None and stream_memory_driver() is not None)
+
+
+class EngineReduceScatter:
+    """The /ce fused GEMM + reduce-scatter of one rank for one shape, config and workspace,
+    compiled and ready (engine_gemm_reduce_scatter_kernel): a call launches the kernel and, on
+    the workspace's side stream, for each peer and comm chunk, waits for the chunk's tiles
+    (cuStreamWaitValue32 on its out flag), copies the rectangle of partials into the peer's data
+    half (slot of this rank) and then this rank's last finished epoch into the peer's flag of it;
+    the current stream waits for the side stream after the kernel. Inside a CUDA graph capture
+    it runs the push kernel (a captured copy's destination half and wait value would be fixed).
+
+    >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
+    >>> engine(ops, out)           # out [M / W, N]
+    """
+    _A_DESC, _A, _B_DESC, _B, _OUT = 0, 1, 2, 3, 5
+
+    def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
+                 rank: int, workspace):
+        device = ops.a.device
+        m_chunk, element = ops.m // world, ops.a.element_size()
+        if world * m_chunk * ops.n * element > workspace.data_bytes:
+            raise ValueError(f"gemm_reduce_scatter /ce: {world * m_chunk * ops.n * element} bytes "
+                             f"per half needed, the workspace has {workspace.data_bytes}")
+        band_tiles, rectangles = engine_chunks(m_chunk, ops.n, config)
+        chunks = len(rectangles)
+        self.workspace, self.world, self.rank, self.device_index = workspace, world, rank, device.index
+        self.timeout_ns = workspace.timeout_ns()
+        self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
+        self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
+        self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
+        use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
+        self.use_tma = use_tma
+        a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=False))
+        strides = operand_strides(ops)
+        constexprs = dict(WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+                          GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
+                          B_TRANSPOSED=ops.b_transposed and use_tma,
+                          ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=3)
+        args = (a_desc, ops.a, b_desc, ops.b, self.staging, out, workspace.data_addresses(0)[rank],
+                workspace.flag_addresses()[rank], self.out_flags.data_ptr(), self.counts,
+                workspace.state, workspace.abort, workspace.error_address(), self.timeout_ns,
+                ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
+                workspace.data_bytes)
+        kernel = engine_gemm_reduce_scatter_kernel.warmup(
+            *args, **constexprs, num_warps=config.warps, num_stages=config.stages, grid=(1,))
+        self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
+        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if use_tma else ())
+        self.grid = max(1, min(workspace.processors, world * triton.cdiv(m_chunk, config.block_m)
+                               * triton.cdiv(ops.n, config.block_n)))
+        self.block_a = [config.block_m, config.block_k]
+        self.block_b = ([config.block_n, config.block_k] if ops.b_transposed
+                        else [config.block_k, config.block_n])
+        row_pitch = ops.n * element
+        self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
+                                    m_chunk, ops.n, element, rectangles)
+        self.row_pitch = row_pitch
+        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
+        # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
+        self.pushing = dataclasses.replace(config, engine=False, push=True)
+        launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
+
+    def __call__(self, ops: _Operands, out: torch.Tensor) -> None:
+        workspace = self.workspace
+        if torch.cuda.is_current_stream_capturing():
+            launch(ops, self.pushing, self.world, self.rank, None, out, workspace)
+            return
+        epoch = workspace.call_epoch()
+        current = torch.cuda.current_stream(ops.a.device)
+        side = workspace.copy_stream()
+        self.ready.record(current)
+        side.wait_event(self.ready)
+        runtime, driver, stream = copy_engine_runtime(), stream_memory_driver(), side.cuda_stream
+        pitch, state = self.row_pitch, workspace.state.data_ptr()
+        for out_flag, target, source, row_bytes, rows, flag in self.copies[epoch % 2]:
+            wait_value_async(driver, stream, out_flag, epoch)
+            copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
+            copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
+        self.sent.record(side)
+        args = list(self.template)
+        if self.use_tma:
+            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
+            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
+        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
+        args[self._OUT] = out.data_ptr()
+        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+        current.wait_event(self.sent)
