@@ -195,8 +195,10 @@ class FusedCall:
 
         ops, workspace = self._setup(a, b)
         workspace.set_timeout(timeout_s)
-        gemm_rs.launch(ops, self.config, self.world, self.rank, None, out, workspace,
-                       multimem=self.plan.backend == "multimem", compile_only=True)
+        prepared = gemm_rs.launch(ops, self.config, self.world, self.rank, None, out, workspace,
+                                  multimem=self.plan.backend == "multimem", compile_only=True)
+        if prepared is not None:  # (a /ce launch: built now, run by the first call)
+            self.replay = prepared
 
     def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
             timeout_s: float | None = None, check: bool = False) -> torch.Tensor:

@@ -332,10 +332,15 @@ def engine_gemm_reduce_scatter_kernel(
                     size_m = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)
                     size_n = tl.minimum(tiles_n - band * band_tiles, band_tiles)
                     counter = slot * chunks + chunk_id
-                    fence_acq_rel_sys(counter)
+                    # the tile's stores, ordered before the count at GPU scope (the barrier, then
+                    # the count's release); the chunk's last program orders all of them before
+                    # the flag at system scope (the copy engine reads them): one system fence
+                    # per chunk, not per tile
                     tl.debug_barrier()
                     done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
                     if (done + 1) % (size_m * size_n) == 0:
+                        fence_acq_rel_sys(counter)
+                        tl.debug_barrier()
                         st_release_sys(out_flags + counter * 4, epoch)
             else:
                 for step in tl.static_range(1, WORLD):
@@ -891,13 +896,16 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
     product into `part`, or GEMM_AND_SIGNAL (benchmark only). scope="gpu" is a
     measurement-only variant. prepare=True returns the launch prepared for repetition (Replay).
     compile_only=True compiles and loads the kernel this launch would run and returns without
-    launching (virtual ranks load every kernel before any rank spins). The grid fills the SMs
+    launching (virtual ranks load every kernel before any rank spins); for a /ce launch it
+    returns the prepared launch (EngineReduceScatter), to be called as a Replay is. The grid fills the SMs
     the workspace's rank may use (all of them on a real GPU, a W-th with W virtual ranks)."""
     mode = (GEMM_ONLY if gemm_only else FUSED) if mode is None else mode
     if config.engine and mode == FUSED and engine_fits(ops, config, world, multimem):
+        # compile_only returns the built launch too (its buffers allocated: nothing allocates
+        # or loads while another virtual rank's kernel spins)
         engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
         if compile_only:
-            return None
+            return engine
         engine(ops, out)
         return engine if prepare else None
     config = dataclasses.replace(config, engine=False)
