@@ -1147,6 +1147,15 @@ class EngineReduceScatter:
         side = workspace.copy_stream()
         self.ready.record(current)
         side.wait_event(self.ready)
+        args = list(self.template)
+        if self.use_tma:
+            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
+            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
+        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
+        args[self._OUT] = out.data_ptr()
+        # the kernel is queued before the side stream's waits on it: were the two streams to
+        # share a hardware queue, a wait queued first would block the kernel it waits for
+        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
         runtime, driver, stream = copy_engine_runtime(), stream_memory_driver(), side.cuda_stream
         pitch, state = self.row_pitch, workspace.state.data_ptr()
         for out_flag, target, source, row_bytes, rows, flag in self.copies[epoch % 2]:
@@ -1154,11 +1163,4 @@ class EngineReduceScatter:
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
             copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
         self.sent.record(side)
-        args = list(self.template)
-        if self.use_tma:
-            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
-            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
-        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
-        args[self._OUT] = out.data_ptr()
-        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
         current.wait_event(self.sent)
