@@ -67,6 +67,16 @@ def _error(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _operand_arguments(a, b, transposed, tma, block):
+    """(A's descriptor, B's descriptor, B's K stride, B's N stride) of a kernel launch (TMA
+    descriptors None on the pointer path)."""
+    bm, bn, bk = block
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else None
+    b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
+    stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
+    return a_desc, b_desc, stride_bk, stride_bn
+
+
 def _engine_rows(workspaces, as_, epoch, dtype, m_local, k, block_m, pieces, half_rows):
     """Every rank's copy-engine transfers of a call of `epoch` done on the host, in the order
     the launch issues them (ag_gemm.engine_transfers), each chunk's flag copied from the rank's
@@ -121,9 +131,7 @@ def run_all_gather_gemm(world, m_local, n, k, transposed, tma, dtype, block, see
         b = weights[rank]
         gathered = workspace.local_data(0, dtype, 2 * data_bytes // element, both_halves=True)
         g_desc = TensorDescriptor(gathered, [2 * data_bytes // (k * element), k], [k, 1], [bm, bk]) if tma else None
-        b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
-        a_desc = TensorDescriptor.from_tensor(as_[rank], [bm, bk]) if tma else None
-        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
+        a_desc, b_desc, stride_bk, stride_bn = _operand_arguments(as_[rank], b, transposed, tma, block)
         ag_gemm.all_gather_gemm_kernel[(3,)](
             as_[rank], a_desc, g_desc, b_desc, b, outs[rank],
             gathered_outs[rank].data_ptr() if copy_out else 0, *workspace.data_addresses(0), 0,
@@ -175,9 +183,7 @@ def run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot, push, 
     def launch(rank, phase):
         workspace = workspaces[rank]
         a, b = as_[rank], weights[rank]
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else None
-        b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
-        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
+        a_desc, b_desc, stride_bk, stride_bn = _operand_arguments(a, b, transposed, tma, block)
         gemm_ar.gemm_all_reduce_kernel[(3,)](
             a_desc, a, b_desc, b, outs[rank], *workspace.data_addresses(0), 0,
             *workspace.flag_addresses(), workspace.state, workspace.abort,
@@ -237,9 +243,7 @@ def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype,
     def launch(rank, phase):
         workspace = workspaces[rank]
         a, b = as_[rank], weights[rank]
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk]) if tma else None
-        b_desc = (TensorDescriptor.from_tensor(b, [bn, bk] if transposed else [bk, bn]) if tma else None)
-        stride_bk, stride_bn = (b.stride(1), b.stride(0)) if transposed else (b.stride(0), b.stride(1))
+        a_desc, b_desc, stride_bk, stride_bn = _operand_arguments(a, b, transposed, tma, block)
         gemm_rs.engine_gemm_reduce_scatter_kernel[(3,)](
             a_desc, a, b_desc, b, staging[rank], outs[rank], workspace.data_addresses(0)[rank],
             workspace.flag_addresses()[rank], out_flags[rank].data_ptr(), counts[rank],

@@ -1476,6 +1476,11 @@ def test_fused_tp_launch_slots_match_the_kernel_signatures():
             names[launch._GATHERED]) == ("a_ptr", "a_desc", "b_desc", "b_ptr", "out_ptr", "gathered_address")
     assert names[-2:] == ["rank", "half_rows"] and "epoch" not in names
     assert ag_gemm.UNSET_ADDRESS >= 1 << 31   # typed i64 when the launch is compiled
+    from axedist.kernels import gemm_rs
+    names = _runtime_names(gemm_rs.engine_gemm_reduce_scatter_kernel)   # run through a Replay
+    replay = gemm_rs.Replay
+    assert (names[replay._A_DESC], names[replay._A], names[replay._B_DESC], names[replay._B],
+            names[replay._OUT]) == ("a_desc", "a_ptr", "b_desc", "b_ptr", "out_ptr")
     names = _runtime_names(gemm_ar.gemm_all_reduce_kernel)
     launch = gemm_ar.GemmAllReduceLaunch
     assert (names[launch._A_DESC], names[launch._A], names[launch._B_DESC], names[launch._B],

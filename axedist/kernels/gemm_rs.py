@@ -1090,8 +1090,6 @@ class EngineReduceScatter:
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
-    _A_DESC, _A, _B_DESC, _B, _OUT = 0, 1, 2, 3, 5
-
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace):
         device = ops.a.device
@@ -1101,13 +1099,12 @@ class EngineReduceScatter:
                              f"per half needed, the workspace has {workspace.data_bytes}")
         band_tiles, rectangles = engine_chunks(m_chunk, ops.n, config)
         chunks = len(rectangles)
-        self.workspace, self.world, self.rank, self.device_index = workspace, world, rank, device.index
+        self.workspace, self.world, self.rank = workspace, world, rank
         self.timeout_ns = workspace.timeout_ns()
         self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
-        self.use_tma = use_tma
         a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=False))
         strides = operand_strides(ops)
         constexprs = dict(WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
@@ -1121,13 +1118,11 @@ class EngineReduceScatter:
                 workspace.data_bytes)
         kernel = engine_gemm_reduce_scatter_kernel.warmup(
             *args, **constexprs, num_warps=config.warps, num_stages=config.stages, grid=(1,))
-        self.kernel = CompiledLaunch(kernel, tuple(constexprs.values()))
-        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if use_tma else ())
-        self.grid = max(1, min(workspace.processors, world * triton.cdiv(m_chunk, config.block_m)
-                               * triton.cdiv(ops.n, config.block_n)))
-        self.block_a = [config.block_m, config.block_k]
-        self.block_b = ([config.block_n, config.block_k] if ops.b_transposed
-                        else [config.block_k, config.block_n])
+        grid = max(1, min(workspace.processors, world * triton.cdiv(m_chunk, config.block_m)
+                          * triton.cdiv(ops.n, config.block_n)))
+        # (A, B, the output and their descriptors at Replay's positions: a call refills them)
+        self.kernel = Replay(CompiledLaunch(kernel, tuple(constexprs.values())), grid, args,
+                             use_tma, config, ops.b_transposed, self.timeout_ns, device.index)
         row_pitch = ops.n * element
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
@@ -1147,15 +1142,9 @@ class EngineReduceScatter:
         side = workspace.copy_stream()
         self.ready.record(current)
         side.wait_event(self.ready)
-        args = list(self.template)
-        if self.use_tma:
-            args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
-            args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
-        args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
-        args[self._OUT] = out.data_ptr()
         # the kernel is queued before the side stream's waits on it: were the two streams to
         # share a hardware queue, a wait queued first would block the kernel it waits for
-        self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
+        self.kernel(ops, out)
         runtime, driver, stream = copy_engine_runtime(), stream_memory_driver(), side.cuda_stream
         pitch, state = self.row_pitch, workspace.state.data_ptr()
         for out_flag, target, source, row_bytes, rows, flag in self.copies[epoch % 2]:
