@@ -406,6 +406,10 @@ ROW_WISE = {
     "roll": lambda x, y, w, b: x.roll(2, -1),
     "stack beside the last dim": lambda x, y, w, b: torch.stack([x, y], 1),
     "interleaved rotation": lambda x, y, w, b: torch.stack([-x[:, 1::2], x[:, ::2]], -1).flatten(-2),
+    "bmm of dealt rows": lambda x, y, w, b: torch.bmm(x.view(-1, 2, 3), y.view(-1, 3, 2)),
+    "einsum of dealt rows": lambda x, y, w, b: torch.einsum("rij,rkj->rik", x.view(-1, 2, 3), y.view(-1, 2, 3)),
+    "bmm with a replicated batch": lambda x, y, w, b: torch.bmm(x.view(-1, 2, 3),
+                                                                w[:3, :2].expand(x.shape[0], 3, 2)),
     "pad": lambda x, y, w, b: F.pad(x, (1, 2), value=0.5),
     "crop": lambda x, y, w, b: F.pad(x, (-1, -2)),
 }

@@ -7,9 +7,10 @@ allocation instead; the layout and the address tables are the same code. Layout:
 
     [ flags: FLAG_SLOTS int32 | barrier: BARRIER_SLOTS int32 | data half 0 | data half 1 ]
 
-The last ENGINE_FLAGS flags are the copy-engine flags (kernels/schedule.py: rows an all-gather
-+ GEMM's peers copy in, each chunk followed by a copy of the peer's last finished epoch); they
-start at -1, the others at 0. Kernels index their own flags below `tile_flags`.
+The last ENGINE_FLAGS flags are the copy-engine flags (kernels/schedule.py: the chunks a peer's
+copy engine brings in for the "/ce" fused kernels, rows of an all-gather + GEMM or partials of
+a GEMM + reduce-scatter, each followed by a copy of the peer's last finished epoch); they start
+at -1, the others at 0. Kernels index their own flags below `tile_flags`.
 
 Flags are written by their owner (the fused kernel's tile flags); barrier words are written by
 the peers (the collectives' block barriers store into the peer's area and spin locally). Keeping

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters
+from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters, with_inner_dims
 from ..planning.cost import placement_move_elements
 from ..runtime.deferred import (defer_product_of_gather, fused_gather_product, gather_rows_transposed,
                                 pending_gather, placeholder)
@@ -48,7 +48,7 @@ from .call_plan import local_of
 from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
 from .shard_ranges import without_partial
-from .specs import padded
+from .specs import padded, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -196,9 +196,36 @@ def _columns_only(layout: Layout) -> Layout:
     return Layout(list(layout.shard[1:]), layout.replica, layout.offset)
 
 
+def _batches_in_place(a: ArgSpec, b: ArgSpec) -> Sharding | None:
+    """``bmm(a, b)`` where a layout with no placement form deals whole batch entries of one
+    operand (each ``[M, K]`` of ``a`` or ``[K, N]`` of ``b`` whole and local in its piece:
+    ``reduced_in_place`` over the last two dims): the other is asked for the same map of batch
+    entries (a replicated one is cut where it is), each device multiplies its own, and the output
+    keeps the map (attention's per-head products of heads dealt round-robin, ``einsum`` over
+    dealt rows). None otherwise: the placement strategies apply."""
+    if a.reduce_op or b.reduce_op or a.shape[0] != b.shape[0]:
+        return None
+    inners = (tuple(a.shape[1:]), tuple(b.shape[1:]), (a.shape[1], b.shape[2]))
+    if any(math.prod(inner) < 1 for inner in inners):
+        return None  # (an empty matrix has no layout of its own: the placement way)
+    batches = reduced_in_place(a, [1, 2])
+    if batches is None:
+        batches = reduced_in_place(b, [1, 2])
+    if batches is None:
+        return None
+    laid = [with_inner_dims(batches, (a.shape[0],), inner) for inner in inners]
+    if any(layout is None for layout in laid):
+        return None
+    return Sharding(inputs=laid[:2], outputs=laid[2])
+
+
 @register(aten.mm.default, aten.bmm.default)
 def mm(call: OpCall) -> Sharding:
     a, b = call.specs
+    if call.func is aten.bmm.default:
+        batches = _batches_in_place(a, b)
+        if batches is not None:
+            return batches
     if call.func is aten.mm.default:
         rows = _rows_layout_way(a, b, b.shape[1])
         if rows is not None:
