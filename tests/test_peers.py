@@ -133,3 +133,30 @@ def test_timeout_argument_is_checked(seconds):
 def test_error_classes():
     assert issubclass(RankDisagreementError, LayoutError) and issubclass(PeerError, RuntimeError)
     assert issubclass(DispatchError, RuntimeError)
+
+
+def _copy_engines_on_one_rank(rank, world):
+    """Rank 1 alone can issue copy-engine copies (cuda-python): a fused call whose kernels would
+    then move data two ways raises on every rank before any kernel runs, and the job goes on."""
+    import axedist.collectives.fused as fused
+    import axedist.collectives.fused_tp as fused_tp
+    from axedist.collectives import all_gather_gemm, gemm_reduce_scatter
+    for module in (fused, fused_tp):
+        module.copy_engines_usable = lambda: rank == 1
+    a = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(rank)).bfloat16()
+    b = torch.randn(8, 5, generator=torch.Generator().manual_seed(7)).bfloat16()
+    out = {"ag": _error(lambda: all_gather_gemm(a[:4], b)),
+           "rs": _error(lambda: gemm_reduce_scatter(a, b))}
+    for module in (fused, fused_tp):
+        module.copy_engines_usable = lambda: False
+    out["after"] = list(gemm_reduce_scatter(a, b).shape)
+    dist.barrier()
+    return out
+
+
+def test_ranks_that_differ_in_copy_engines_raise_before_a_fused_kernel():
+    for rank, out in enumerate(run_on_ranks(_copy_engines_on_one_rank, 2)):
+        for op in ("ag", "rs"):
+            assert out[op].startswith("RankDisagreementError"), (rank, out[op])
+            assert "copy engines True" in out[op] and "copy engines False" in out[op], out[op]
+        assert out["after"] == [4, 5]

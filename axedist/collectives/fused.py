@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import memo
+from ..kernels.launch import copy_engines_usable
 from ..peers import agree_in_group
 from . import fallback
 from . import symm
@@ -243,7 +244,8 @@ def _fused_call(a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
         # the first call of a shape on this rank: every rank must run the same product and kernel
         # (K_local may differ; M, N, dtype and the choice may not), else every rank raises
         agree_in_group(group, "gemm_reduce_scatter", f"a {list(a.shape[:-1])} x K @ b [K, {b.shape[1]}] {a.dtype}, "
-                       f"scatter_dim {scatter_dim % a.dim()}, runs {plan.backend}")
+                       f"scatter_dim {scatter_dim % a.dim()}, runs {plan.backend} {plan.config}, "
+                       f"copy engines {copy_engines_usable()}")
         device = a.device
         call = FusedCall(plan, dist.get_world_size(group), dist.get_rank(group),
                          lambda nbytes: get_workspace(group, nbytes, device))

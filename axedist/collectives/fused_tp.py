@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..caches import memo
+from ..kernels.launch import copy_engines_usable
 from ..peers import agree_in_group
 from . import fallback
 from . import symm
@@ -243,7 +244,8 @@ def _cached_call(kind, a, b, group, extra, backend, make, shared: str):
     call = _calls.get(key)
     if call is None:
         call = make()
-        agree_in_group(group, kind, f"{shared} {a.dtype}, {extra}, runs {call.plan.backend}")
+        agree_in_group(group, kind, f"{shared} {a.dtype}, {extra}, runs {call.plan.backend} "
+                                    f"{call.plan.config}, copy engines {copy_engines_usable()}")
         if len(_calls) > 4096:  # shapes of one model are few; a shape sweep must not grow it
             _calls.clear()
         _calls[key] = call

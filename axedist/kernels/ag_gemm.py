@@ -50,7 +50,7 @@ from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
-from .launch import CompiledLaunch, copy_engine_runtime, copy_rows_async
+from .launch import CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
@@ -713,18 +713,19 @@ CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
 
 def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
     """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle; at
-    W = 2 the rows move by copy engine (/ce: faster than the pushes on 8 of the 9 design and
-    model shapes on 2x H200, up to 1.21x, and level on the ninth; benchmarks/results/
-    ag_gemm_w2.md). W > 2 keeps the pushes until a run there measures /ce.
+    W = 2, where cuda-python can issue the copies, the rows move by copy engine (/ce: faster
+    than the pushes on 8 of the 9 design and model shapes on 2x H200, up to 1.21x, and level on
+    the ninth; benchmarks/results/ag_gemm_w2.md). W > 2 keeps the pushes until a run there
+    measures /ce.
 
     >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
     '128x128x64/g8/s4/w8/c32x512/p4'
-    >>> str(default_config(4096, 2048, 8192, 2))
+    >>> str(default_config(4096, 2048, 8192, 2))   # with cuda-python
     '128x256x64/g8/s3/w8/c32x512/p4/ce'
     """
     tiles = CANDIDATES[0] if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264 \
         else CANDIDATES[2]
-    return dataclasses.replace(tiles, engine=world == 2)
+    return dataclasses.replace(tiles, engine=world == 2 and copy_engines_usable())
 
 
 def gathered_rows(data_bytes: int, k: int, element_size: int) -> int:
@@ -804,9 +805,9 @@ class AllGatherGemmLaunch:
             raise ValueError("all_gather_gemm: multimem needs K % 8 == 0 and a multicast mapping")
         self.timeout_ns = workspace.timeout_ns()
         tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
-        # the copies go through cuda-python (launch.copy_engine_runtime); without it, pushes
+        # the copies go through cuda-python (launch.copy_engines_usable); without it, pushes
         self.engine = (config.engine and world > 1 and not multimem and not self.pipelined
-                       and copy_engine_runtime() is not None)
+                       and copy_engines_usable())
         self.pushing = None
         if self.engine:
             self._prepare_engine(ops, out, config, workspace, tiles_m, copy_out)

@@ -33,8 +33,8 @@ from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
                          shared_layout, store_tile_halves)
-from .launch import (CompiledLaunch, copy_engine_runtime, copy_rows_async, multiprocessors,
-                     stream_memory_driver, wait_value_async)
+from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
+                     multiprocessors, stream_memory_driver, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          fence_acq_rel_sys, finish_call, load_reduce, peer_pointers, pick, shift8,
                          st_release_gpu, st_release_sys, wait_flag)
@@ -1075,7 +1075,7 @@ def engine_fits(ops: _Operands, config: GemmConfig, world: int, multimem: bool) 
     chunks, at most schedule.ENGINE_CHUNKS comm chunks, and cuda-python there to issue them."""
     return (world > 1 and not multimem and ops.m % world == 0
             and len(engine_chunks(ops.m // world, ops.n, config)[1]) <= schedule.ENGINE_CHUNKS
-            and copy_engine_runtime() is not None and stream_memory_driver() is not None)
+            and copy_engines_usable())
 
 
 class EngineReduceScatter:

@@ -152,3 +152,9 @@ def wait_value_async(driver, stream: int, address: int, value: int) -> None:
         driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
     if int(error) != 0:
         raise RuntimeError(f"cuStreamWaitValue32 failed: {error}")
+
+
+def copy_engines_usable() -> bool:
+    """Whether this process can issue the "/ce" kernels' copies and stream waits (cuda-python's
+    runtime and driver bindings). A local fact: the fused calls make every rank agree on it."""
+    return copy_engine_runtime() is not None and stream_memory_driver() is not None
