@@ -77,17 +77,25 @@ def _operand_arguments(a, b, transposed, tma, block):
     return a_desc, b_desc, stride_bk, stride_bn
 
 
+def _memcpy_2d(target, target_pitch, source, source_pitch, row_bytes, rows):
+    """cudaMemcpy2DAsync on CPU memory: what the launch's copy engine does, byte for byte."""
+    for row in range(rows):
+        ctypes.memmove(target + row * target_pitch, source + row * source_pitch, row_bytes)
+
+
 def _engine_rows(workspaces, as_, epoch, dtype, m_local, k, block_m, pieces, half_rows):
     """Every rank's copy-engine transfers of a call of `epoch` done on the host, in the order
     the launch issues them (ag_gemm.engine_transfers), each chunk's flag copied from the rank's
     state word (its last finished epoch, epoch - 1 here); returns the chunk size in blocks."""
     for rank, workspace in enumerate(workspaces):
         workspace.state[0] = epoch - 1
-        chunk_blocks, transfers = ag_gemm.engine_transfers(workspace, dtype, m_local, k, block_m,
-                                                           pieces, half_rows)
-        for begin, end, rows, flag in transfers[epoch % 2]:
-            rows.copy_(as_[rank][begin:end])
-            flag.copy_(workspace.state[:1])
+        row_bytes = k * as_[rank].element_size()
+        chunk_blocks, copies = ag_gemm.engine_transfers(workspace, m_local, row_bytes, block_m,
+                                                        pieces, half_rows)
+        for begin, rows, target, flag in copies[epoch % 2]:
+            _memcpy_2d(target, row_bytes, as_[rank][begin:].data_ptr(), as_[rank].stride(0)
+                       * as_[rank].element_size(), row_bytes, rows)
+            _memcpy_2d(flag, 4, workspace.state.data_ptr(), 4, 4, 1)
     return chunk_blocks
 
 
@@ -208,12 +216,6 @@ def run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot, push, 
     if two_shot and not failures and not all(torch.equal(outs[0], o) for o in outs):
         failures.append(f"{name}: ranks differ (two-shot results must be bit-identical)")
     return failures
-
-
-def _memcpy_2d(target, target_pitch, source, source_pitch, row_bytes, rows):
-    """cudaMemcpy2DAsync on CPU memory: what the launch's copy engine does, byte for byte."""
-    for row in range(rows):
-        ctypes.memmove(target + row * target_pitch, source + row * source_pitch, row_bytes)
 
 
 def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype, block, seed):

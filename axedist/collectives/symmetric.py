@@ -270,15 +270,6 @@ class SymmetricWorkspace:
                 peer, (numel,), dtype, offset // dtype.itemsize)
         return cached
 
-    def peer_flags(self, peer: int) -> torch.Tensor:
-        """Rank `peer`'s flag array (int32 [FLAG_SLOTS]) as a tensor of this process: where
-        copy-engine flags are copied to."""
-        key = ("flags", peer)
-        cached = self._peer_views.get(key)
-        if cached is None:
-            cached = self._peer_views[key] = self._peer_buffer(peer, (FLAG_SLOTS,), torch.int32, 0)
-        return cached
-
     def scratch(self, nbytes: int) -> torch.Tensor:
         """At least nbytes of this rank's own device memory (uint8, zeroed when allocated), for
         what only its own kernels exchange across programs: the all-gather + GEMM's stream-K

@@ -866,15 +866,11 @@ class AllGatherGemmLaunch:
         if config.pieces > schedule.ENGINE_CHUNKS:
             raise ValueError(f"all_gather_gemm: at most {schedule.ENGINE_CHUNKS} copy-engine "
                              f"chunks, the config asks {config.pieces}")
-        self.chunk_blocks, self.transfers = engine_transfers(
-            workspace, ops.a.dtype, ops.m, ops.k, config.block_m, config.pieces, self.half_rows)
-        self.workspace = workspace
-        # per parity: (first row, rows, target address, flag word address); each flag gets the
-        # rank's last finished epoch (state word 0)
-        self.copies = [[(begin, end - begin, rows.data_ptr(), flag.data_ptr())
-                        for begin, end, rows, flag in transfers]
-                       for transfers in self.transfers]
-        self.row_bytes, self.epoch_word = ops.k * ops.a.element_size(), workspace.state.data_ptr()
+        self.row_bytes = ops.k * ops.a.element_size()
+        # each flag gets the rank's last finished epoch (state word 0)
+        self.chunk_blocks, self.copies = engine_transfers(
+            workspace, ops.m, self.row_bytes, config.block_m, config.pieces, self.half_rows)
+        self.workspace, self.epoch_word = workspace, workspace.state.data_ptr()
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
@@ -918,35 +914,33 @@ class AllGatherGemmLaunch:
             torch.cuda.current_stream(ops.a.device).wait_event(self.sent)
 
 
-def engine_transfers(workspace, dtype: torch.dtype, m: int, k: int, block_m: int, pieces: int,
+def engine_transfers(workspace, m: int, row_bytes: int, block_m: int, pieces: int,
                      half_rows: int) -> tuple[int, list]:
-    """(row blocks per chunk, transfers) of a copy-engine ("/ce") call of this rank: for each
-    epoch parity, in push-step order over the peers (rank + 1 first: it computes this rank's
-    rows in its segment 1) and chunk order, (first row, end row, the rows' place in that peer's
-    gathered buffer, the peer's flag word of the chunk (schedule.engine_flag)).
+    """(row blocks per chunk, copies) of a copy-engine ("/ce") call of this rank: for each epoch
+    parity, in push-step order over the peers (rank + 1 first: it computes this rank's rows in
+    its segment 1) and chunk order, (first row, rows, the address of the chunk's place in that
+    peer's gathered buffer, the address of the peer's flag word of the chunk
+    (schedule.engine_flag)); rows are row_bytes apart in the gathered buffer.
 
-    >>> blocks, transfers = engine_transfers(workspace, torch.bfloat16, 1000, 4096, 128, 4, rows)
-    >>> blocks, [t[:2] for t in transfers[0]]        # W = 2: 8 row blocks in 4 chunks to rank 1
-    (2, [(0, 256), (256, 512), (512, 768), (768, 1000)])
+    >>> blocks, copies = engine_transfers(workspace, 1000, 8192, 128, 4, rows)
+    >>> blocks, [c[:2] for c in copies[0]]        # W = 2: 8 row blocks in 4 chunks to rank 1
+    (2, [(0, 256), (256, 256), (512, 256), (768, 232)])
     """
     world, rank = workspace.world_size, workspace.rank
     chunk_blocks, chunks = schedule.engine_chunks(triton.cdiv(m, block_m), pieces)
     bounds = [(c * chunk_blocks * block_m, min((c + 1) * chunk_blocks * block_m, m))
               for c in range(chunks)]
-    total_rows = 2 * workspace.data_bytes // (k * dtype.itemsize)
-    transfers = [[], []]
+    copies = [[], []]
     for parity in (0, 1):
-        first = parity * half_rows + rank * m
-        for step in range(1, world):
+        first = parity * half_rows + rank * m  # this rank's slot in the call's half (one buffer
+        for step in range(1, world):           # of rows spans both halves from half 0)
             peer = (rank + step) % world
-            rows = workspace.peer_data(peer, 0, dtype, total_rows * k,
-                                       both_halves=True).view(total_rows, k)
-            flags = workspace.peer_flags(peer)
+            gathered = workspace.data_addresses(0)[peer] + first * row_bytes
             for chunk, (begin, end) in enumerate(bounds):
                 flag = workspace.engine_flag0 + schedule.engine_flag(parity, rank, chunk)
-                transfers[parity].append((begin, end, rows[first + begin:first + end],
-                                          flags[flag:flag + 1]))
-    return chunk_blocks, transfers
+                copies[parity].append((begin, end - begin, gathered + begin * row_bytes,
+                                       workspace.flag_addresses()[peer] + 4 * flag))
+    return chunk_blocks, copies
 
 
 def launch_layout(ops, out: torch.Tensor) -> tuple:

@@ -908,7 +908,6 @@ def launch(ops: _Operands, config: GemmConfig, world: int, rank: int, part: torc
             return engine
         engine(ops, out)
         return engine if prepare else None
-    config = dataclasses.replace(config, engine=False)
     device = ops.a.device
     processors = (multiprocessors(device.index) if workspace is None or mode == GEMM_ONLY
                   else workspace.processors)
