@@ -570,7 +570,7 @@ def test_fused_kernel_multimem_variant_ptx_for_sm90a(dtype):
     assert len(kernel.asm["cubin"]) > 0
 
 
-def _compile_engine_rs(tma=True, transposed=False):
+def _compile_engine_rs(tma=True, transposed=False, defer=False, prefetch=False, trace=False):
     from axedist.kernels import gemm_rs
     from axedist.kernels.compile_check import compile_for_target
     c = gemm_rs.GemmConfig(engine=True)
@@ -586,10 +586,10 @@ def _compile_engine_rs(tma=True, transposed=False):
                      abort_ptr="*i32", error_address="i64", timeout_ns="i64", M="i32", N="i32",
                      K="i32", M_CHUNK="i32", stride_am="i32", stride_ak="i32", stride_bk="i32",
                      stride_bn="i32", engine_flag0="i32", band_tiles="i32", rank="i32",
-                     half_bytes="i64")
+                     half_bytes="i64", trace_ptr="*i64")
     constexprs = dict(WORLD=2, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed,
-                      ENGINE_CHUNKS=64, PHASES=3)
+                      ENGINE_CHUNKS=64, PHASES=3, DEFER=defer, PREFETCH=prefetch, TRACE=trace)
     if not tma:
         constexprs.update(a_desc=None, b_desc=None)
     return compile_for_target(gemm_rs.engine_gemm_reduce_scatter_kernel, signature, constexprs,
@@ -614,6 +614,19 @@ def test_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed):
     assert "multimem" not in ptx and ".local" not in ptx
     assert kernel.metadata.shared <= 227 * 1024
     assert "wgmma" in _compile_engine_rs(tma=False).asm["ptx"]
+    assert "prefetch.global.L2" not in ptx and "%clock64" not in ptx
+
+
+def test_copy_engine_gemm_reduce_scatter_deferred_counts_prefetch_and_trace_compile():
+    """DEFER: the held count is released at two sites (after the next main loop, after the
+    last task), each a system fence and one release; PREFETCH: L2 prefetches of the received
+    partials; TRACE: the timer, cycle counter and SM id."""
+    _need_triton()
+    ptx = _compile_engine_rs(defer=True, prefetch=True, trace=True).asm["ptx"]
+    assert ptx.count("st.release.sys.global.b32") == 2 and "fence.acq_rel.sys" in ptx
+    assert "prefetch.global.L2" in ptx
+    assert "%clock64" in ptx and "%smid" in ptx
+    assert "prefetch.global.L2" not in _compile_engine_rs(defer=True).asm["ptx"]
 
 
 def test_every_candidate_config_compiles_with_pointer_fallback_too():

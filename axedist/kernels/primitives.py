@@ -171,6 +171,28 @@ def globaltimer(dummy):
 
 
 @triton.jit
+def clock_cycles(dummy):
+    """This SM's cycle counter (%clock64; dummy: any int32): durations inside one program."""
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %clock64;", "=l,r", [dummy], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def sm_id(dummy):
+    """The multiprocessor this program runs on (%smid; dummy: any int32)."""
+    return tl.inline_asm_elementwise(
+        "mov.u32 $0, %smid;", "=r,r", [dummy], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2(pointers):
+    """Ask L2 for the 128-byte lines at `pointers` (a hint: no value, no fault, no wait), so
+    that a later load of them finds them there instead of in HBM."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index, timeout_ns):
     """Spin until *flag_address >= expected, for at most timeout_ns; returns 1 when it arrived.
 

@@ -1,0 +1,225 @@
+"""Where does the /ce GEMM + reduce-scatter lose its time against its own GEMM? (issue 28: fused
+over GEMM-only stays 1.07-1.25x with the partials off the SMs; about 4.5 us per tile wave on
+every design shape, gemm_rs_w2_ce.md.)
+
+Per shape, in one interleaved device-time loop (axedist/collectives/timing.py, queued):
+  cublas      torch.mm alone
+  gemm_only   the fused kernel's GEMM alone, same tiles (collectives.fused.gemm_only)
+  ce          the /ce kernel (candidate 14's tiles), each peer tile counted at once
+  ce_defer    ... counted after the program's next main loop (DEFER)
+  ce_prefetch ... own tiles prefetch the received partials into L2 before their main loop
+  ce_both     DEFER and the prefetch
+Then one traced call of `ce` and of the fastest /ce variant: per task its start and end
+(globaltimer), SM, cycles in the main loop, in waits and in all; summarised per phase (peer
+tiles, own tiles) per rank. Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
+the traces on a machine with matplotlib).
+
+    torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py --out <dir>
+    python benchmarks/probe_gemm_rs_ce.py --render <dir>/probe_gemm_rs_ce.json --out <dir>
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+SHAPES = [(8192, 8192, 2048), (16384, 8192, 2048), (2048, 8192, 2048), (8192, 8192, 7168),
+          (2048, 8192, 7168)]
+VARIANTS = {"ce": (False, False), "ce_defer": (True, False), "ce_prefetch": (False, True),
+            "ce_both": (True, True)}
+
+
+def summarise(trace: torch.Tensor, world: int) -> dict:
+    """Per phase (the peer tiles, then the own tiles, in claim order): tasks, span (ns), mean
+    main-loop / wait / rest-of-task cycles, and the SM clock the trace implies (cycles per ns)."""
+    rows = trace.tolist()
+    per_slot = len(rows) // world
+    first = min(r[0] for r in rows)
+    ghz = statistics.median(r[5] / max(1, r[1] - r[0]) for r in rows if r[1] > r[0])
+    phases = {}
+    for name, chunk in (("peer", rows[:per_slot * (world - 1)]), ("own", rows[per_slot * (world - 1):])):
+        phases[name] = dict(
+            tasks=len(chunk), begin_us=(min(r[0] for r in chunk) - first) / 1e3,
+            end_us=(max(r[1] for r in chunk) - first) / 1e3,
+            main_us=statistics.mean(r[3] for r in chunk) / ghz / 1e3,
+            wait_us=statistics.mean(r[4] for r in chunk) / ghz / 1e3,
+            rest_us=statistics.mean(r[5] - r[3] - r[4] for r in chunk) / ghz / 1e3,
+            waiting_tasks=sum(1 for r in chunk if r[4] / ghz > 500))
+    # gaps on one SM between a task's end and the next task's start (claim, loop overhead)
+    by_sm = {}
+    for r in rows:
+        by_sm.setdefault(r[2], []).append(r)
+    gaps = [b[0] - a[1] for tasks in by_sm.values() for a, b in zip(sorted(tasks), sorted(tasks)[1:])]
+    return dict(span_us=(max(r[1] for r in rows) - first) / 1e3, cycles_per_ns=ghz,
+                mean_gap_us=statistics.mean(gaps) / 1e3 if gaps else 0.0, phases=phases)
+
+
+def run(args):
+    from axedist.collectives.fused import gemm_only
+    from axedist.collectives.symmetric import get_workspace
+    from axedist.collectives.timing import time_interleaved
+    from axedist.kernels import gemm_rs
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from history import run_meta
+
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        if os.environ.get(name) != ("0" if name == "NCCL_NVLS_ENABLE" else "1"):
+            raise SystemExit(f"set {name} (multicast must stay off)")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    base = gemm_rs.CANDIDATES[14]
+    results = []
+    for m, n, k in SHAPES:
+        torch.manual_seed(7 + rank)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)
+        out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+        product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        ops = gemm_rs.prepare_operands(a, b)
+        workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
+        engines = {name: gemm_rs.EngineReduceScatter(
+            ops, out, dataclasses.replace(base, defer_release=defer), world, rank, workspace,
+            prefetch=prefetch) for name, (defer, prefetch) in VARIANTS.items()}
+
+        def call(engine):
+            workspace.begin_call("probe_gemm_rs_ce")
+            engine(ops, out)
+
+        # every variant's output against cuBLAS + a sum over ranks (the reduce-scatter's value)
+        torch.mm(a, b, out=product)
+        dist.all_reduce(product)
+        errors = {}
+        for name, engine in engines.items():
+            out.fill_(float("nan"))
+            call(engine)
+            torch.cuda.synchronize()
+            reference = product[rank * (m // world):(rank + 1) * (m // world)].float()
+            errors[name] = ((out.float() - reference).norm() / reference.norm()).item()
+        columns = {"cublas": lambda: torch.mm(a, b, out=product),
+                   "gemm_only": lambda: gemm_only(a, b, world, base, out=product)}
+        columns.update({name: (lambda e: lambda: call(e))(engine) for name, engine in engines.items()})
+        times = time_interleaved(columns, args.reps, queued=True)
+        fastest = min(VARIANTS, key=times.get)
+        traces = {}
+        for name in dict.fromkeys(("ce", fastest)):
+            defer, prefetch = VARIANTS[name]
+            tiles = world * triton_cdiv(m // world, base.block_m) * triton_cdiv(n, base.block_n)
+            trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
+            traced = gemm_rs.EngineReduceScatter(
+                ops, out, dataclasses.replace(base, defer_release=defer), world, rank, workspace,
+                prefetch=prefetch, trace=trace)
+            for _ in range(3):  # the last call's trace (each call rewrites every task's row)
+                call(traced)
+            torch.cuda.synchronize()
+            gathered = [torch.empty_like(trace) for _ in range(world)]
+            dist.all_gather(gathered, trace)
+            traces[name] = [dict(summarise(t.cpu(), world), raw=t.cpu().tolist() if args.raw else None)
+                            for t in gathered]
+        row = dict(M=m, N=n, K_local=k, world=world, config=str(base), times=times,
+                   rel_err=errors, fastest=fastest, traces=traces)
+        results.append(row)
+        if rank == 0:
+            print(f"{m}x{n}x{k}: " + " ".join(f"{name} {t:.3f}" for name, t in times.items())
+                  + f" | err {max(errors.values()):.1e}", flush=True)
+            for name, per_rank in traces.items():
+                for r, summary in enumerate(per_rank):
+                    p = summary["phases"]
+                    print(f"   trace {name} rank {r}: span {summary['span_us']:.0f} us, "
+                          f"{summary['cycles_per_ns']:.2f} GHz, gap {summary['mean_gap_us']:.2f} us | "
+                          + " | ".join(f"{ph} {v['begin_us']:.0f}-{v['end_us']:.0f} us main {v['main_us']:.1f}"
+                                       f" wait {v['wait_us']:.2f} rest {v['rest_us']:.2f} ({v['waiting_tasks']} waited)"
+                                       for ph, v in p.items()), flush=True)
+        del engines, a, b, out, product
+        torch.cuda.empty_cache()
+    if rank == 0:
+        meta = run_meta(world, "torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "probe_gemm_rs_ce.json"), "w") as handle:
+            json.dump(dict(meta=meta, rows=results), handle)
+        write_markdown(dict(meta=meta, rows=results), args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
+def write_markdown(saved, out_dir):
+    meta, rows = saved["meta"], saved["rows"]
+    lines = [f"# /ce GEMM + reduce-scatter: where its time goes ({meta['date']}, {meta['commit']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
+             f"command: `{meta['command']}`", "",
+             "Device time (ms, median, max over ranks; queued, columns interleaved):", "",
+             "| M | N | K | cuBLAS | GEMM-only | ce | ce_defer | ce_prefetch | ce_both | best / GEMM-only |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["times"]
+        best = min(t[v] for v in VARIANTS)
+        lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['gemm_only']:.3f} | "
+                     + " | ".join(f"{t[v]:.3f}" for v in VARIANTS) + f" | {best / t['gemm_only']:.2f} |")
+    lines += ["", "Traces (one call, per rank; us; main / wait / rest: mean per task of the phase):", "",
+              "| M | N | K | variant | rank | span | peer tiles | own tiles | peer main / rest | own main / wait / rest | own tiles that waited | SM GHz |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, per_rank in r["traces"].items():
+            for rank, s in enumerate(per_rank):
+                peer, own = s["phases"]["peer"], s["phases"]["own"]
+                lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {name} | {rank} | {s['span_us']:.0f} | "
+                             f"{peer['begin_us']:.0f}-{peer['end_us']:.0f} | {own['begin_us']:.0f}-{own['end_us']:.0f} | "
+                             f"{peer['main_us']:.1f} / {peer['rest_us']:.2f} | {own['main_us']:.1f} / {own['wait_us']:.2f} / "
+                             f"{own['rest_us']:.2f} | {own['waiting_tasks']} of {own['tasks']} | {s['cycles_per_ns']:.2f} |")
+    with open(os.path.join(out_dir, "probe_gemm_rs_ce.md"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+
+
+def render(path, out_dir):
+    """The raw traces (--raw runs) as one timeline per shape: a row per SM, peer tiles blue,
+    own tiles green, their waits red."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(path) as handle:
+        saved = json.load(handle)
+    write_markdown(saved, out_dir)
+    rows = [r for r in saved["rows"] if r["traces"]["ce"][0].get("raw")]
+    if not rows:
+        return
+    figure, axes = plt.subplots(len(rows), 1, figsize=(12, 3.2 * len(rows)), squeeze=False)
+    for axis, r in zip(axes[:, 0], rows):
+        summary = r["traces"]["ce"][0]
+        raw, ghz = summary["raw"], summary["cycles_per_ns"]
+        per_slot = len(raw) // r["world"]
+        first = min(t[0] for t in raw)
+        for index, (start, end, sm, main, wait, total) in enumerate(raw):
+            own = index >= per_slot * (r["world"] - 1)
+            axis.plot([(start - first) / 1e3, (end - first) / 1e3], [sm, sm], lw=1.2,
+                      color="tab:green" if own else "tab:blue")
+            if wait / ghz > 200:
+                begin = (start - first) / 1e3 + main / ghz / 1e3
+                axis.plot([begin, begin + wait / ghz / 1e3], [sm, sm], lw=1.6, color="tab:red")
+        axis.set_title(f"{r['M']}x{r['N']}x{r['K_local']} /ce, rank 0: peer tiles (blue), own tiles (green), waits (red)")
+        axis.set_xlabel("us since the first task")
+        axis.set_ylabel("SM")
+    figure.tight_layout()
+    figure.savefig(os.path.join(out_dir, "probe_gemm_rs_ce.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--raw", action="store_true", help="keep every task's trace row in the JSON")
+    parser.add_argument("--render", default=None, metavar="JSON")
+    parsed = parser.parse_args()
+    if parsed.render:
+        render(parsed.render, parsed.out)
+    else:
+        run(parsed)
