@@ -1,15 +1,14 @@
 """Where does the /ce GEMM + reduce-scatter lose its time against its own GEMM? (issue 28: fused
-over GEMM-only stays 1.07-1.25x with the partials off the SMs; about 4.5 us per tile wave on
-every design shape, gemm_rs_w2_ce.md.)
+over GEMM-only stayed 1.07-1.25x with the partials off the SMs; about 4.5 us per tile wave on
+every design shape, gemm_rs_w2_ce.md.) The first run (f0315e6) found the own tiles' epilogue
+8.4 us against a peer tile's 3.4 and waits of 0.4 us: the kernel spilled registers there.
 
 Per shape, in one interleaved device-time loop (axedist/collectives/timing.py, queued):
   cublas      torch.mm alone
   gemm_only   the fused kernel's GEMM alone, same tiles (collectives.fused.gemm_only)
-  ce          the /ce kernel (candidate 14's tiles), each peer tile counted at once
-  ce_defer    ... counted after the program's next main loop (DEFER)
-  ce_prefetch ... own tiles prefetch the received partials into L2 before their main loop
-  ce_both     DEFER and the prefetch
-Then one traced call of `ce` and of the fastest /ce variant: per task its start and end
+  ce          the /ce kernel (candidate 14's tiles) as shipped: tasks claimed by a relaxed atomic
+  ce_acq_rel_claim  ... claimed by an acq_rel atomic (every claim waits for the last tile's stores)
+Then one traced call of `ce` and of the other variant: per task its start and end
 (globaltimer), SM, cycles in the main loop, in waits and in all; summarised per phase (peer
 tiles, own tiles) per rank. Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
 the traces on a machine with matplotlib).
@@ -18,7 +17,6 @@ the traces on a machine with matplotlib).
     python benchmarks/probe_gemm_rs_ce.py --render <dir>/probe_gemm_rs_ce.json --out <dir>
 """
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -30,8 +28,7 @@ import torch.distributed as dist
 
 SHAPES = [(8192, 8192, 2048), (16384, 8192, 2048), (2048, 8192, 2048), (8192, 8192, 7168),
           (2048, 8192, 7168)]
-VARIANTS = {"ce": (False, False), "ce_defer": (True, False), "ce_prefetch": (False, True),
-            "ce_both": (True, True)}
+VARIANTS = {"ce": True, "ce_acq_rel_claim": False}   # the kernel's RELAXED_CLAIM
 
 
 def summarise(trace: torch.Tensor, world: int) -> dict:
@@ -84,9 +81,9 @@ def run(args):
         product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
-        engines = {name: gemm_rs.EngineReduceScatter(
-            ops, out, dataclasses.replace(base, defer_release=defer), world, rank, workspace,
-            prefetch=prefetch) for name, (defer, prefetch) in VARIANTS.items()}
+        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
+                                                     relaxed_claim=relaxed)
+                   for name, relaxed in VARIANTS.items()}
 
         def call(engine):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -108,13 +105,11 @@ def run(args):
         times = time_interleaved(columns, args.reps, queued=True)
         fastest = min(VARIANTS, key=times.get)
         traces = {}
-        for name in dict.fromkeys(("ce", fastest)):
-            defer, prefetch = VARIANTS[name]
+        for name in VARIANTS:
             tiles = world * triton_cdiv(m // world, base.block_m) * triton_cdiv(n, base.block_n)
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
-            traced = gemm_rs.EngineReduceScatter(
-                ops, out, dataclasses.replace(base, defer_release=defer), world, rank, workspace,
-                prefetch=prefetch, trace=trace)
+            traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
+                                                 relaxed_claim=VARIANTS[name], trace=trace)
             for _ in range(3):  # the last call's trace (each call rewrites every task's row)
                 call(traced)
             torch.cuda.synchronize()
@@ -158,8 +153,8 @@ def write_markdown(saved, out_dir):
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
              f"command: `{meta['command']}`", "",
              "Device time (ms, median, max over ranks; queued, columns interleaved):", "",
-             "| M | N | K | cuBLAS | GEMM-only | ce | ce_defer | ce_prefetch | ce_both | best / GEMM-only |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | N | K | cuBLAS | GEMM-only | " + " | ".join(VARIANTS) + " | best / GEMM-only |",
+             "|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|"]
     for r in rows:
         t = r["times"]
         best = min(t[v] for v in VARIANTS)

@@ -35,9 +35,9 @@ from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issu
                          shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
                      multiprocessors, stream_memory_driver, wait_value_async)
-from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
+from .primitives import (grouped_tile, STATE_TASKS, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, finish_call, globaltimer, load_reduce,
-                         peer_pointers, pick, prefetch_l2, shift8, sm_id, st_release_gpu,
+                         peer_pointers, pick, shift8, sm_id, st_release_gpu,
                          st_release_sys, wait_flag)
 
 
@@ -270,21 +270,6 @@ def gemm_reduce_scatter_kernel(
     finish_call(state_ptr, epoch)
 
 
-@triton.jit
-def _count_tile(counts_ptr, out_flags, counter, chunk_tiles, epoch):
-    """A peer tile of comm chunk `counter` is stored: count it; the chunk's last tile releases
-    the chunk's out flag (the side stream's copy waits for it). The barrier orders every
-    thread's stores before the count's release at GPU scope; the last program's system fence
-    orders all of the chunk's tiles before the flag for the copy engine: one system fence per
-    chunk, not per tile."""
-    tl.debug_barrier()
-    done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
-    if (done + 1) % chunk_tiles == 0:
-        fence_acq_rel_sys(counter)
-        tl.debug_barrier()
-        st_release_sys(out_flags + counter * 4, epoch)
-
-
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0",
                                "band_tiles"])
 def engine_gemm_reduce_scatter_kernel(
@@ -295,7 +280,7 @@ def engine_gemm_reduce_scatter_kernel(
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, ENGINE_CHUNKS: tl.constexpr, PHASES: tl.constexpr,
-        DEFER: tl.constexpr, PREFETCH: tl.constexpr, TRACE: tl.constexpr):
+        RELAXED_CLAIM: tl.constexpr, TRACE: tl.constexpr):
     """GEMM + reduce-scatter with the partials moved by copy engine ("/ce"; EngineReduceScatter
     issues the copies). Tasks in claim order: slot s < W - 1 holds the tiles of the chunk of
     peer (rank + 1 + s) % W, slot W - 1 this rank's own chunk, each slot in grouped tile order.
@@ -310,19 +295,18 @@ def engine_gemm_reduce_scatter_kernel(
     _wait_engine_rows), then stores the output. Peer tiles precede own tiles in the claim order
     and never wait, so a waiting own tile always finds its peers' producers claimed: no
     deadlock. counts_ptr: per (slot, chunk) tile counts that only grow (a call adds a chunk's
-    tile count, so the last tile of a call sees a multiple of it).
-    DEFER: a peer tile is counted only after the program's NEXT main loop (its stores have
-    drained by then, so the count's barrier and release do not wait for them), and always
-    before an own tile's wait or the end, so no program holds a count while it waits.
-    PREFETCH: an own tile asks L2 for its peers' partials before its main loop, so the epilogue's
-    loads of them hit L2. TRACE: trace_ptr [tasks, 6] int64 gets, per task, its start and end
+    tile count, so the last tile of a call sees a multiple of it); the barrier before a count
+    orders the tile's stores before its release at GPU scope, and the chunk's last program
+    fences at system scope before the flag (the copy engine reads them): one system fence per
+    chunk, not per tile.
+    RELAXED_CLAIM: tasks are claimed with a relaxed atomic (no fence before it: the claim does
+    not wait for the last tile's stores to drain; what a task reads is ordered by flags, not by
+    the claim). TRACE: trace_ptr [tasks, 6] int64 gets, per task, its start and end
     (globaltimer ns), SM, and cycles in the main loop, in waits, in all (probes only).
     PHASES (interpreter tests): 1 the peer tiles, 2 the own tiles, without flags and waits;
     3 everything."""
     ELEMENT: tl.constexpr = out_ptr.dtype.element_ty
     SIGNAL: tl.constexpr = PHASES == 3
-    LINE: tl.constexpr = 1024 // ELEMENT.primitive_bitwidth  # elements per 128-byte line
-    LINES: tl.constexpr = BN // LINE
     epoch = call_epoch(state_ptr)
     parity = epoch % 2
     incoming = (incoming_address + parity.to(tl.int64) * half_bytes).to(tl.pointer_type(ELEMENT))
@@ -331,9 +315,10 @@ def engine_gemm_reduce_scatter_kernel(
     per_slot = tiles_m * tiles_n
     bands = tl.cdiv(tiles_n, band_tiles)
     chunks = tl.cdiv(tiles_m, GROUP_M) * bands
-    task = claim_task(state_ptr)
-    pending = task * 0 - 1  # DEFER: the count this program holds (-1: none) ...
-    pending_tiles = task * 0 + 1  # ... and its chunk's tile count
+    if RELAXED_CLAIM:
+        task = tl.atomic_add(state_ptr + STATE_TASKS, 1, sem="relaxed")
+    else:
+        task = claim_task(state_ptr)
     while task < WORLD * per_slot:
         slot = task // per_slot
         tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
@@ -352,25 +337,13 @@ def engine_gemm_reduce_scatter_kernel(
             col0 = tile_n * BN
             rows = tile_m * BM + tl.arange(0, BM)
             cols = col0 + tl.arange(0, BN)
-            if PREFETCH and (LINES > 0):
-                if not is_peer:  # one address in each 128-byte line of the peers' partials
-                    line_rows = tl.minimum(rows, M_CHUNK - 1)
-                    line_cols = tl.minimum(col0 + tl.arange(0, LINES) * LINE, N - 1)
-                    for step in tl.static_range(1, WORLD):
-                        source = (rank + step) % WORLD
-                        prefetch_l2(incoming + source.to(tl.int64) * M_CHUNK * N
-                                    + line_rows[:, None].to(tl.int64) * N + line_cols[None, :])
+            mask = (rows[:, None] < M_CHUNK) & (cols[None, :] < N)
+            offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
             accumulator = gemm_tile(a_desc, a_ptr, b_desc, b_ptr, row0, col0, 0, tl.cdiv(K, BK),
                                     M, N, K, stride_am, stride_ak, stride_bk, stride_bn, BM, BN,
                                     BK, STAGES, USE_TMA, B_TRANSPOSED)
             if TRACE:
                 cycle1 = clock_cycles(task)
-            if DEFER and SIGNAL:
-                if pending >= 0:
-                    _count_tile(counts_ptr, out_flags, pending, pending_tiles, epoch)
-                pending = pending * 0 - 1
-            mask = (rows[:, None] < M_CHUNK) & (cols[None, :] < N)
-            offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
             if is_peer:
                 tl.store(staging_ptr + slot.to(tl.int64) * M_CHUNK * N + offsets,
                          accumulator.to(ELEMENT), mask=mask)
@@ -378,12 +351,17 @@ def engine_gemm_reduce_scatter_kernel(
                     size_m = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)
                     size_n = tl.minimum(tiles_n - band * band_tiles, band_tiles)
                     counter = slot * chunks + chunk_id
-                    if DEFER:
-                        pending = counter
-                        pending_tiles = size_m * size_n
-                    else:
-                        _count_tile(counts_ptr, out_flags, counter, size_m * size_n, epoch)
+                    tl.debug_barrier()
+                    done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
+                    if (done + 1) % (size_m * size_n) == 0:
+                        fence_acq_rel_sys(counter)
+                        tl.debug_barrier()
+                        st_release_sys(out_flags + counter * 4, epoch)
             else:
+                # this rank's partial rounded first, as every peer's was (the sum of the W
+                # rounded partials in fp32, as the push kernel and NCCL): the fp32 tile is dead
+                # before the partials are loaded (with both live, 8 warps spill registers)
+                total = accumulator.to(ELEMENT).to(tl.float32)
                 for step in tl.static_range(1, WORLD):
                     source = (rank + step) % WORLD
                     if SIGNAL:
@@ -397,8 +375,8 @@ def engine_gemm_reduce_scatter_kernel(
                             waited += clock_cycles(task) - before
                     partial = tl.load(incoming + source.to(tl.int64) * M_CHUNK * N + offsets,
                                       mask=mask, other=0.0)
-                    accumulator += partial.to(tl.float32)
-                tl.store(out_ptr + offsets, accumulator.to(ELEMENT), mask=mask)
+                    total += partial.to(tl.float32)
+                tl.store(out_ptr + offsets, total.to(ELEMENT), mask=mask)
             if TRACE:
                 record = trace_ptr + task.to(tl.int64) * 6
                 tl.store(record, started)
@@ -407,10 +385,10 @@ def engine_gemm_reduce_scatter_kernel(
                 tl.store(record + 3, cycle1 - cycle0)
                 tl.store(record + 4, waited)
                 tl.store(record + 5, clock_cycles(task) - cycle0)
-        task = claim_task(state_ptr)
-    if DEFER and SIGNAL:
-        if pending >= 0:
-            _count_tile(counts_ptr, out_flags, pending, pending_tiles, epoch)
+        if RELAXED_CLAIM:
+            task = tl.atomic_add(state_ptr + STATE_TASKS, 1, sem="relaxed")
+        else:
+            task = claim_task(state_ptr)
     finish_call(state_ptr, epoch)
 
 
@@ -1142,15 +1120,14 @@ class EngineReduceScatter:
     the current stream waits for the side stream after the kernel. Inside a CUDA graph capture
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
-    config.defer_release counts a peer tile after the program's next main loop (the kernel's
-    DEFER); prefetch asks L2 for the received partials before an own tile's main loop; trace
-    (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
+    relaxed_claim: the kernel's RELAXED_CLAIM; trace (probes only): an
+    int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
-                 rank: int, workspace, prefetch: bool = False,
+                 rank: int, workspace, relaxed_claim: bool = True,
                  trace: torch.Tensor | None = None):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
@@ -1171,7 +1148,7 @@ class EngineReduceScatter:
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
                           B_TRANSPOSED=ops.b_transposed and use_tma,
                           ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=3,
-                          DEFER=config.defer_release, PREFETCH=prefetch, TRACE=trace is not None)
+                          RELAXED_CLAIM=relaxed_claim, TRACE=trace is not None)
         args = (a_desc, ops.a, b_desc, ops.b, self.staging, out, workspace.data_addresses(0)[rank],
                 workspace.flag_addresses()[rank], self.out_flags.data_ptr(), self.counts,
                 workspace.state, workspace.abort, workspace.error_address(), self.timeout_ns,

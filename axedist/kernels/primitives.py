@@ -185,14 +185,6 @@ def sm_id(dummy):
 
 
 @triton.jit
-def prefetch_l2(pointers):
-    """Ask L2 for the 128-byte lines at `pointers` (a hint: no value, no fault, no wait), so
-    that a later load of them finds them there instead of in HBM."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pointers],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index, timeout_ns):
     """Spin until *flag_address >= expected, for at most timeout_ns; returns 1 when it arrived.
 
