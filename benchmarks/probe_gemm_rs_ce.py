@@ -1,16 +1,15 @@
 """Where does the /ce GEMM + reduce-scatter lose its time against its own GEMM? (issue 28: fused
 over GEMM-only stayed 1.07-1.25x with the partials off the SMs; about 4.5 us per tile wave on
 every design shape, gemm_rs_w2_ce.md.) The first run (f0315e6) found the own tiles' epilogue
-8.4 us against a peer tile's 3.4 and waits of 0.4 us: the kernel spilled registers there.
+8.4 us against a peer tile's 3.4 and waits of 0.4 us: the kernel spilled registers there
+(fixed in 13f4d59: own epilogue 4.3-5.7 us; a relaxed task claim, tried there, was no faster).
 
 Per shape, in one interleaved device-time loop (axedist/collectives/timing.py, queued):
   cublas      torch.mm alone
   gemm_only   the fused kernel's GEMM alone, same tiles (collectives.fused.gemm_only)
-  ce          the /ce kernel (candidate 14's tiles) as shipped: tasks claimed by a relaxed atomic
-  ce_acq_rel_claim  ... claimed by an acq_rel atomic (every claim waits for the last tile's stores)
-Then one traced call of `ce` and of the other variant: per task its start and end
-(globaltimer), SM, cycles in the main loop, in waits and in all; summarised per phase (peer
-tiles, own tiles) per rank. Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
+  ce          the /ce kernel (candidate 14's tiles)
+Then one traced call: per task its start and end (globaltimer), SM, cycles in the main loop, in
+waits and in all; summarised per phase (peer tiles, own tiles) per rank. Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
 the traces on a machine with matplotlib).
 
     torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py --out <dir>
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 SHAPES = [(8192, 8192, 2048), (16384, 8192, 2048), (2048, 8192, 2048), (8192, 8192, 7168),
           (2048, 8192, 7168)]
-VARIANTS = {"ce": True, "ce_acq_rel_claim": False}   # the kernel's RELAXED_CLAIM
+VARIANTS = ("ce",)
 
 
 def summarise(trace: torch.Tensor, world: int) -> dict:
@@ -81,9 +80,8 @@ def run(args):
         product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
-        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
-                                                     relaxed_claim=relaxed)
-                   for name, relaxed in VARIANTS.items()}
+        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace)
+                   for name in VARIANTS}
 
         def call(engine):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -109,7 +107,7 @@ def run(args):
             tiles = world * triton_cdiv(m // world, base.block_m) * triton_cdiv(n, base.block_n)
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
             traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
-                                                 relaxed_claim=VARIANTS[name], trace=trace)
+                                                 trace=trace)
             for _ in range(3):  # the last call's trace (each call rewrites every task's row)
                 call(traced)
             torch.cuda.synchronize()

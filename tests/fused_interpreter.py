@@ -253,7 +253,7 @@ def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype,
             a.stride(0), a.stride(1), stride_bk, stride_bn, workspace.engine_flag0, band_tiles,
             rank, data_bytes, None, WORLD=world, BM=bm, BN=bn, BK=bk, GROUP_M=2, STAGES=2,
             USE_TMA=tma, B_TRANSPOSED=transposed, ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=phase,
-            RELAXED_CLAIM=True, TRACE=False)
+            TRACE=False)
 
     failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1,), launch)]
     for rank, workspace in enumerate(workspaces):

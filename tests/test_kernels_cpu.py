@@ -570,7 +570,7 @@ def test_fused_kernel_multimem_variant_ptx_for_sm90a(dtype):
     assert len(kernel.asm["cubin"]) > 0
 
 
-def _compile_engine_rs(tma=True, transposed=False, relaxed_claim=True, trace=False):
+def _compile_engine_rs(tma=True, transposed=False, trace=False):
     from axedist.kernels import gemm_rs
     from axedist.kernels.compile_check import compile_for_target
     c = gemm_rs.GemmConfig(engine=True)
@@ -589,7 +589,7 @@ def _compile_engine_rs(tma=True, transposed=False, relaxed_claim=True, trace=Fal
                      half_bytes="i64", trace_ptr="*i64")
     constexprs = dict(WORLD=2, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=tma, B_TRANSPOSED=transposed,
-                      ENGINE_CHUNKS=64, PHASES=3, RELAXED_CLAIM=relaxed_claim, TRACE=trace)
+                      ENGINE_CHUNKS=64, PHASES=3, TRACE=trace)
     if not tma:
         constexprs.update(a_desc=None, b_desc=None)
     return compile_for_target(gemm_rs.engine_gemm_reduce_scatter_kernel, signature, constexprs,
@@ -617,21 +617,16 @@ def test_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed):
     assert "%clock64" not in ptx
 
 
-def test_copy_engine_gemm_reduce_scatter_claims_relaxed_and_traces():
-    """RELAXED_CLAIM: the task counter's atomics carry no acquire/release (the shipped launch);
-    without it the claim is acq_rel. TRACE: the timer, cycle counter and SM id. No variant
-    spills registers (the own tile's epilogue had the fp32 tile and a partial live at once)."""
+def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
+    """TRACE: the timer, cycle counter and SM id (probes only). The shipped kernel and the
+    traced one keep everything in registers: the own tile's epilogue once had the fp32 tile and
+    a loaded partial live at once (352 bytes of spills at 255 registers, 1.2x GEMM-only time)."""
     _need_triton()
-    relaxed = _compile_engine_rs()
-    ptx = relaxed.asm["ptx"]
-    assert ptx.count("atom.global.gpu.relaxed.add.u32") == 2, \
-        [line for line in ptx.splitlines() if "atom" in line][:6]   # the first claim, the loop's
-    strict = _compile_engine_rs(relaxed_claim=False).asm["ptx"]
-    assert "atom.global.gpu.relaxed.add" not in strict
-    assert strict.count("atom.global.gpu.acq_rel.add") == ptx.count("atom.global.gpu.acq_rel.add") + 2
-    traced = _compile_engine_rs(trace=True).asm["ptx"]
-    assert "%clock64" in traced and "%smid" in traced
-    for kernel in (relaxed, _compile_engine_rs(trace=True), _compile_engine_rs(transposed=True)):
+    shipped = _compile_engine_rs()
+    assert "%clock64" not in shipped.asm["ptx"]
+    traced = _compile_engine_rs(trace=True)
+    assert "%clock64" in traced.asm["ptx"] and "%smid" in traced.asm["ptx"]
+    for kernel in (shipped, traced, _compile_engine_rs(transposed=True)):
         assert _spill_bytes(kernel) == 0
 
 

@@ -35,7 +35,7 @@ from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issu
                          shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
                      multiprocessors, stream_memory_driver, wait_value_async)
-from .primitives import (grouped_tile, STATE_TASKS, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
+from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, finish_call, globaltimer, load_reduce,
                          peer_pointers, pick, shift8, sm_id, st_release_gpu,
                          st_release_sys, wait_flag)
@@ -280,7 +280,7 @@ def engine_gemm_reduce_scatter_kernel(
         WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         GROUP_M: tl.constexpr, STAGES: tl.constexpr, USE_TMA: tl.constexpr,
         B_TRANSPOSED: tl.constexpr, ENGINE_CHUNKS: tl.constexpr, PHASES: tl.constexpr,
-        RELAXED_CLAIM: tl.constexpr, TRACE: tl.constexpr):
+        TRACE: tl.constexpr):
     """GEMM + reduce-scatter with the partials moved by copy engine ("/ce"; EngineReduceScatter
     issues the copies). Tasks in claim order: slot s < W - 1 holds the tiles of the chunk of
     peer (rank + 1 + s) % W, slot W - 1 this rank's own chunk, each slot in grouped tile order.
@@ -299,9 +299,7 @@ def engine_gemm_reduce_scatter_kernel(
     orders the tile's stores before its release at GPU scope, and the chunk's last program
     fences at system scope before the flag (the copy engine reads them): one system fence per
     chunk, not per tile.
-    RELAXED_CLAIM: tasks are claimed with a relaxed atomic (no fence before it: the claim does
-    not wait for the last tile's stores to drain; what a task reads is ordered by flags, not by
-    the claim). TRACE: trace_ptr [tasks, 6] int64 gets, per task, its start and end
+    TRACE: trace_ptr [tasks, 6] int64 gets, per task, its start and end
     (globaltimer ns), SM, and cycles in the main loop, in waits, in all (probes only).
     PHASES (interpreter tests): 1 the peer tiles, 2 the own tiles, without flags and waits;
     3 everything."""
@@ -315,10 +313,7 @@ def engine_gemm_reduce_scatter_kernel(
     per_slot = tiles_m * tiles_n
     bands = tl.cdiv(tiles_n, band_tiles)
     chunks = tl.cdiv(tiles_m, GROUP_M) * bands
-    if RELAXED_CLAIM:
-        task = tl.atomic_add(state_ptr + STATE_TASKS, 1, sem="relaxed")
-    else:
-        task = claim_task(state_ptr)
+    task = claim_task(state_ptr)
     while task < WORLD * per_slot:
         slot = task // per_slot
         tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
@@ -385,10 +380,7 @@ def engine_gemm_reduce_scatter_kernel(
                 tl.store(record + 3, cycle1 - cycle0)
                 tl.store(record + 4, waited)
                 tl.store(record + 5, clock_cycles(task) - cycle0)
-        if RELAXED_CLAIM:
-            task = tl.atomic_add(state_ptr + STATE_TASKS, 1, sem="relaxed")
-        else:
-            task = claim_task(state_ptr)
+        task = claim_task(state_ptr)
     finish_call(state_ptr, epoch)
 
 
@@ -1120,15 +1112,13 @@ class EngineReduceScatter:
     the current stream waits for the side stream after the kernel. Inside a CUDA graph capture
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
-    relaxed_claim: the kernel's RELAXED_CLAIM; trace (probes only): an
-    int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
+    trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
-                 rank: int, workspace, relaxed_claim: bool = True,
-                 trace: torch.Tensor | None = None):
+                 rank: int, workspace, trace: torch.Tensor | None = None):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if world * m_chunk * ops.n * element > workspace.data_bytes:
@@ -1148,7 +1138,7 @@ class EngineReduceScatter:
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
                           B_TRANSPOSED=ops.b_transposed and use_tma,
                           ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=3,
-                          RELAXED_CLAIM=relaxed_claim, TRACE=trace is not None)
+                          TRACE=trace is not None)
         args = (a_desc, ops.a, b_desc, ops.b, self.staging, out, workspace.data_addresses(0)[rank],
                 workspace.flag_addresses()[rank], self.out_flags.data_ptr(), self.counts,
                 workspace.state, workspace.abort, workspace.error_address(), self.timeout_ns,
