@@ -1,6 +1,6 @@
 """Where does the /ce GEMM + reduce-scatter lose its time against its own GEMM? (issue 28: fused
 over GEMM-only stayed 1.07-1.25x with the partials off the SMs; about 4.5 us per tile wave on
-every design shape, gemm_rs_w2_ce.md.) The first run (f0315e6) found the own tiles' epilogue
+every design shape, history/gemm_rs_w2_ce_d68b355.md.) The first run (f0315e6) found the own tiles' epilogue
 8.4 us against a peer tile's 3.4 and waits of 0.4 us: the kernel spilled registers there
 (fixed in 13f4d59: own epilogue 4.3-5.7 us; a relaxed task claim, tried there, was no faster).
 
