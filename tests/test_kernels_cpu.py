@@ -630,6 +630,23 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
         assert _spill_bytes(kernel) == 0
 
 
+def test_copy_engine_trace_of_the_wrong_type_or_size_is_refused():
+    """A trace the kernel would write past (too few rows), in the wrong type or not contiguous
+    raises before anything is allocated or compiled."""
+    from axedist.kernels import gemm_rs
+
+    class Workspace:
+        data_bytes = 1 << 30
+
+    ops = gemm_rs.prepare_operands(torch.zeros(256, 64, dtype=torch.bfloat16),
+                                   torch.zeros(64, 512, dtype=torch.bfloat16))
+    config = gemm_rs.GemmConfig(engine=True)  # 128 x 256 tiles: W = 2 x 1 x 2 = 4 tasks
+    for trace in (torch.zeros(4, 6, dtype=torch.int32), torch.zeros(3, 6, dtype=torch.int64),
+                  torch.zeros(6, 4, dtype=torch.int64).t()):
+        with pytest.raises(ValueError, match=r"trace: a contiguous int64 tensor of at least \[4, 6\]"):
+            gemm_rs.EngineReduceScatter(ops, None, config, 2, 0, Workspace(), trace=trace)
+
+
 def _spill_bytes(kernel) -> int:
     """Bytes of spill stores ptxas reports for a compiled kernel's PTX (sm_90a)."""
     import re

@@ -569,7 +569,9 @@ class GemmConfig:
     pipelined: bool = False
     # ("/ce", p2p, the Triton tiles) the peers' partials move by copy engine: every SM computes
     # tiles, a side stream copies each finished band of a peer's chunk (EngineReduceScatter).
-    # Inside a CUDA graph capture, and without cuda-python, the launch pushes instead
+    # Inside a CUDA graph capture, and without cuda-python, the launch pushes instead (with
+    # defer_release and push as given); the copy-engine kernel itself counts each tile as it is
+    # stored (a deferred count measured 1-17% slower there, docs/gpu_notes.md)
     engine: bool = False
 
     @classmethod
@@ -1126,6 +1128,12 @@ class EngineReduceScatter:
                              f"per half needed, the workspace has {workspace.data_bytes}")
         band_tiles, rectangles = engine_chunks(m_chunk, ops.n, config)
         chunks = len(rectangles)
+        tasks = world * triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
+        if trace is not None and (trace.dtype != torch.int64 or trace.device != device
+                                  or not trace.is_contiguous() or trace.numel() < 6 * tasks):
+            raise ValueError(f"gemm_reduce_scatter /ce trace: a contiguous int64 tensor of at least "
+                             f"[{tasks}, 6] on {device} needed, got {trace.dtype} "
+                             f"{tuple(trace.shape)} on {trace.device}")
         self.workspace, self.world, self.rank = workspace, world, rank
         self.timeout_ns = workspace.timeout_ns()
         self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
@@ -1146,8 +1154,7 @@ class EngineReduceScatter:
                 workspace.data_bytes, self.counts if trace is None else trace)
         kernel = engine_gemm_reduce_scatter_kernel.warmup(
             *args, **constexprs, num_warps=config.warps, num_stages=config.stages, grid=(1,))
-        grid = max(1, min(workspace.processors, world * triton.cdiv(m_chunk, config.block_m)
-                          * triton.cdiv(ops.n, config.block_n)))
+        grid = max(1, min(workspace.processors, tasks))
         # (A, B, the output and their descriptors at Replay's positions: a call refills them)
         self.kernel = Replay(CompiledLaunch(kernel, tuple(constexprs.values())), grid, args,
                              use_tma, config, ops.b_transposed, self.timeout_ns, device.index)
