@@ -24,10 +24,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+import triton
 
 SHAPES = [(8192, 8192, 2048), (16384, 8192, 2048), (2048, 8192, 2048), (8192, 8192, 7168),
           (2048, 8192, 7168)]
-VARIANTS = ("ce",)
 
 
 def summarise(trace: torch.Tensor, world: int) -> dict:
@@ -61,11 +61,9 @@ def run(args):
     from axedist.collectives.timing import time_interleaved
     from axedist.kernels import gemm_rs
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from history import run_meta
+    from history import require_multicast_off, run_meta
 
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        if os.environ.get(name) != ("0" if name == "NCCL_NVLS_ENABLE" else "1"):
-            raise SystemExit(f"set {name} (multicast must stay off)")
+    require_multicast_off()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
@@ -80,43 +78,35 @@ def run(args):
         product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
-        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace)
-                   for name in VARIANTS}
+        engine = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace)
 
-        def call(engine):
+        def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
-            engine(ops, out)
+            launch(ops, out)
 
-        # every variant's output against cuBLAS + a sum over ranks (the reduce-scatter's value)
+        # the output against cuBLAS + a sum over ranks (the reduce-scatter's value)
         torch.mm(a, b, out=product)
         dist.all_reduce(product)
-        errors = {}
-        for name, engine in engines.items():
-            out.fill_(float("nan"))
-            call(engine)
-            torch.cuda.synchronize()
-            reference = product[rank * (m // world):(rank + 1) * (m // world)].float()
-            errors[name] = ((out.float() - reference).norm() / reference.norm()).item()
-        columns = {"cublas": lambda: torch.mm(a, b, out=product),
-                   "gemm_only": lambda: gemm_only(a, b, world, base, out=product)}
-        columns.update({name: (lambda e: lambda: call(e))(engine) for name, engine in engines.items()})
-        times = time_interleaved(columns, args.reps, queued=True)
-        fastest = min(VARIANTS, key=times.get)
-        traces = {}
-        for name in VARIANTS:
-            tiles = world * triton_cdiv(m // world, base.block_m) * triton_cdiv(n, base.block_n)
-            trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
-            traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
-                                                 trace=trace)
-            for _ in range(3):  # the last call's trace (each call rewrites every task's row)
-                call(traced)
-            torch.cuda.synchronize()
-            gathered = [torch.empty_like(trace) for _ in range(world)]
-            dist.all_gather(gathered, trace)
-            traces[name] = [dict(summarise(t.cpu(), world), raw=t.cpu().tolist() if args.raw else None)
-                            for t in gathered]
+        out.fill_(float("nan"))
+        call(engine)
+        torch.cuda.synchronize()
+        reference = product[rank * (m // world):(rank + 1) * (m // world)].float()
+        errors = {"ce": ((out.float() - reference).norm() / reference.norm()).item()}
+        times = time_interleaved({"cublas": lambda: torch.mm(a, b, out=product),
+                                  "gemm_only": lambda: gemm_only(a, b, world, base, out=product),
+                                  "ce": lambda: call(engine)}, args.reps, queued=True)
+        tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
+        trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
+        traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace)
+        for _ in range(3):  # the last call's trace (each call rewrites every task's row)
+            call(traced)
+        torch.cuda.synchronize()
+        gathered = [torch.empty_like(trace) for _ in range(world)]
+        dist.all_gather(gathered, trace)
+        traces = {"ce": [dict(summarise(t.cpu(), world), raw=t.cpu().tolist() if args.raw else None)
+                         for t in gathered]}
         row = dict(M=m, N=n, K_local=k, world=world, config=str(base), times=times,
-                   rel_err=errors, fastest=fastest, traces=traces)
+                   rel_err=errors, traces=traces)
         results.append(row)
         if rank == 0:
             print(f"{m}x{n}x{k}: " + " ".join(f"{name} {t:.3f}" for name, t in times.items())
@@ -129,7 +119,7 @@ def run(args):
                           + " | ".join(f"{ph} {v['begin_us']:.0f}-{v['end_us']:.0f} us main {v['main_us']:.1f}"
                                        f" wait {v['wait_us']:.2f} rest {v['rest_us']:.2f} ({v['waiting_tasks']} waited)"
                                        for ph, v in p.items()), flush=True)
-        del engines, a, b, out, product
+        del engine, traced, a, b, out, product
         torch.cuda.empty_cache()
     if rank == 0:
         meta = run_meta(world, "torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py")
@@ -141,23 +131,18 @@ def run(args):
     dist.destroy_process_group()
 
 
-def triton_cdiv(a, b):
-    return -(-a // b)
-
-
 def write_markdown(saved, out_dir):
     meta, rows = saved["meta"], saved["rows"]
     lines = [f"# /ce GEMM + reduce-scatter: where its time goes ({meta['date']}, {meta['commit']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
              f"command: `{meta['command']}`", "",
              "Device time (ms, median, max over ranks; queued, columns interleaved):", "",
-             "| M | N | K | cuBLAS | GEMM-only | " + " | ".join(VARIANTS) + " | best / GEMM-only |",
-             "|---|---|---|---|---|" + "---|" * len(VARIANTS) + "---|"]
+             "| M | N | K | cuBLAS | GEMM-only | ce | ce / GEMM-only |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["times"]
-        best = min(t[v] for v in VARIANTS)
         lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['gemm_only']:.3f} | "
-                     + " | ".join(f"{t[v]:.3f}" for v in VARIANTS) + f" | {best / t['gemm_only']:.2f} |")
+                     f"{t['ce']:.3f} | {t['ce'] / t['gemm_only']:.2f} |")
     lines += ["", "Traces (one call, per rank; us; main / wait / rest: mean per task of the phase):", "",
               "| M | N | K | variant | rank | span | peer tiles | own tiles | peer main / rest | own main / wait / rest | own tiles that waited | SM GHz |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

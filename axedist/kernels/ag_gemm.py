@@ -930,16 +930,17 @@ def engine_transfers(workspace, m: int, row_bytes: int, block_m: int, pieces: in
     chunk_blocks, chunks = schedule.engine_chunks(triton.cdiv(m, block_m), pieces)
     bounds = [(c * chunk_blocks * block_m, min((c + 1) * chunk_blocks * block_m, m))
               for c in range(chunks)]
+    data, flags = workspace.data_addresses(0), workspace.flag_addresses()
     copies = [[], []]
     for parity in (0, 1):
         first = parity * half_rows + rank * m  # this rank's slot in the call's half (one buffer
         for step in range(1, world):           # of rows spans both halves from half 0)
             peer = (rank + step) % world
-            gathered = workspace.data_addresses(0)[peer] + first * row_bytes
+            gathered = data[peer] + first * row_bytes
             for chunk, (begin, end) in enumerate(bounds):
                 flag = workspace.engine_flag0 + schedule.engine_flag(parity, rank, chunk)
                 copies[parity].append((begin, end - begin, gathered + begin * row_bytes,
-                                       workspace.flag_addresses()[peer] + 4 * flag))
+                                       flags[peer] + 4 * flag))
     return chunk_blocks, copies
 
 

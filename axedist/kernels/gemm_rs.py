@@ -1081,6 +1081,7 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
     `staging`, bytes per row, rows, the peer's flag word of the chunk); rows are n * element
     bytes apart on both sides."""
     world, rank, pitch = workspace.world_size, workspace.rank, n * element
+    flags = workspace.flag_addresses()
     copies = [[], []]
     for parity in (0, 1):
         for slot in range(world - 1):
@@ -1089,7 +1090,7 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
             source_base = staging + slot * m_chunk * pitch
             for chunk, (row0, row1, col0, col1) in enumerate(rectangles):
                 offset = row0 * pitch + col0 * element
-                flag = workspace.flag_addresses()[peer] + 4 * (
+                flag = flags[peer] + 4 * (
                     workspace.engine_flag0 + schedule.engine_flag(parity, rank, chunk))
                 copies[parity].append((out_flags + 4 * (slot * len(rectangles) + chunk),
                                        target_base + offset, source_base + offset,
