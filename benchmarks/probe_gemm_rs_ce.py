@@ -9,10 +9,14 @@ Per shape, in one interleaved device-time loop (axedist/collectives/timing.py, q
   gemm_only   the fused kernel's GEMM alone, same tiles (collectives.fused.gemm_only)
   ce          the /ce kernel (candidate 14's tiles)
 Then one traced call: per task its start and end (globaltimer), SM, cycles in the main loop, in
-waits and in all; summarised per phase (peer tiles, own tiles) per rank. Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
+waits and in all; summarised per phase (peer tiles, own tiles) per rank. --copies runs that call
+under the CUDA profiler too (CUPTI), so that each comm chunk reads as one line: when its last
+peer tile ended (the out flag), when its copy started and ended on the side stream, and when the
+peer's own tiles of it started and how long they waited (was a late chunk late to start, or slow
+to copy?). Writes probe_gemm_rs_ce.json (+ .md; --render draws the PNG of
 the traces on a machine with matplotlib).
 
-    torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py --out <dir>
+    torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py --out <dir> [--copies] [--chunks 4,8]
     python benchmarks/probe_gemm_rs_ce.py --render <dir>/probe_gemm_rs_ce.json --out <dir>
 """
 import argparse
@@ -55,6 +59,74 @@ def summarise(trace: torch.Tensor, world: int) -> dict:
                 mean_gap_us=statistics.mean(gaps) / 1e3 if gaps else 0.0, phases=phases)
 
 
+def profiled_copies(call, calls: int) -> dict:
+    """Runs call() `calls` times under the CUDA profiler; of the last call, the kernel's start and
+    its side-stream copies: {"kernel_us": start, "copies": [(start, end, bytes)]} (CUPTI clock, us)."""
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
+        prof.export_chrome_trace(handle.name)
+        events = json.load(open(handle.name))["traceEvents"]
+    kernels = sorted(e["ts"] for e in events
+                     if e.get("cat") == "kernel" and "engine_gemm_reduce_scatter" in e.get("name", ""))
+    if not kernels:
+        raise RuntimeError("probe --copies: the profiler saw no /ce kernel")
+    copies = sorted((e["ts"], e["ts"] + e["dur"], int(e.get("args", {}).get("bytes", 0)))
+                    for e in events if e.get("cat") == "gpu_memcpy" and e["ts"] >= kernels[-1])
+    return {"kernel_us": kernels[-1], "copies": copies}
+
+
+def chunk_timeline(traces: list, spans: list, m: int, n: int, config, target: int) -> list:
+    """Per rank and comm chunk (W = 2: one peer), in us since that rank's kernel started:
+    ready (its last peer tile of the chunk ended), copy start / end (its data copy to the peer),
+    and on the receiving peer: its own tiles of the chunk, first start, and their longest wait.
+    The two ranks' times meet through CUPTI's kernel starts (one host clock); a trace counts
+    from its first task, which starts about when the profiler says the kernel did."""
+    from axedist.kernels import gemm_rs, schedule
+    world = len(traces)
+    if world != 2:
+        return []
+    tiles_m, tiles_n = triton.cdiv(m // world, config.block_m), triton.cdiv(n, config.block_n)
+    band_tiles, rectangles = gemm_rs.engine_chunks(m // world, n, config, target)
+    bands = triton.cdiv(tiles_n, band_tiles)
+    per_slot = tiles_m * tiles_n
+
+    def chunk_of(index):
+        tile_m, tile_n = schedule.grouped_tile(index, tiles_m, tiles_n, config.group_m)
+        return (tile_m // config.group_m) * bands + tile_n // band_tiles
+
+    out = []
+    for rank in range(world):
+        rows, peer_rows = traces[rank], traces[1 - rank]
+        first, peer_first = min(r[0] for r in rows), min(r[0] for r in peer_rows)
+        ghz = statistics.median(r[5] / max(1, r[1] - r[0]) for r in peer_rows if r[1] > r[0])
+        data = [c for c in spans[rank]["copies"] if c[2] > 4]
+        kernel = spans[rank]["kernel_us"]
+        shift = spans[1 - rank]["kernel_us"] - kernel  # the peer's kernel start in this frame
+        for chunk in range(len(rectangles)):
+            ready = max(rows[i][1] for i in range(per_slot) if chunk_of(i) == chunk)
+            own = [peer_rows[per_slot + i] for i in range(per_slot) if chunk_of(i) == chunk]
+            copy = data[chunk] if chunk < len(data) else (float("nan"),) * 3
+            out.append(dict(rank=rank, chunk=chunk, ready_us=(ready - first) / 1e3,
+                            copy_start_us=copy[0] - kernel, copy_end_us=copy[1] - kernel,
+                            megabytes=copy[2] / 2**20,
+                            peer_own_start_us=shift + (min(r[0] for r in own) - peer_first) / 1e3,
+                            peer_own_wait_max_us=max(r[4] for r in own) / ghz / 1e3))
+    return out
+
+
+def chunk_lines(chunks) -> list:
+    return [f"rank {c['rank']} chunk {c['chunk']}: ready {c['ready_us']:.0f}, copy "
+            f"{c['copy_start_us']:.0f}-{c['copy_end_us']:.0f} us ({c['megabytes']:.1f} MiB, "
+            f"{c['megabytes'] * 2**20 / max(1e-9, c['copy_end_us'] - c['copy_start_us']) / 1e3:.0f} GB/s); "
+            f"peer's own tiles from {c['peer_own_start_us']:.0f} us, wait <= {c['peer_own_wait_max_us']:.1f} us"
+            for c in chunks or []]
+
+
 def run(args):
     from axedist.collectives.fused import gemm_only
     from axedist.collectives.symmetric import get_workspace
@@ -78,7 +150,10 @@ def run(args):
         product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
-        engine = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace)
+        # "ce": the shipped chunking; "ce/c<n>": aiming at n comm chunks per peer
+        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): c for c in args.chunks}
+        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
+                                                     target_chunks=c) for name, c in targets.items()}
 
         def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -87,31 +162,47 @@ def run(args):
         # the output against cuBLAS + a sum over ranks (the reduce-scatter's value)
         torch.mm(a, b, out=product)
         dist.all_reduce(product)
-        out.fill_(float("nan"))
-        call(engine)
-        torch.cuda.synchronize()
         reference = product[rank * (m // world):(rank + 1) * (m // world)].float()
-        errors = {"ce": ((out.float() - reference).norm() / reference.norm()).item()}
+        errors = {}
+        for name, engine in engines.items():
+            out.fill_(float("nan"))
+            call(engine)
+            torch.cuda.synchronize()
+            errors[name] = ((out.float() - reference).norm() / reference.norm()).item()
         times = time_interleaved({"cublas": lambda: torch.mm(a, b, out=product),
                                   "gemm_only": lambda: gemm_only(a, b, world, base, out=product),
-                                  "ce": lambda: call(engine)}, args.reps, queued=True)
+                                  **{name: (lambda e=e: call(e)) for name, e in engines.items()}},
+                                 args.reps, queued=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
-        trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
-        traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace)
-        for _ in range(3):  # the last call's trace (each call rewrites every task's row)
-            call(traced)
-        torch.cuda.synchronize()
-        gathered = [torch.empty_like(trace) for _ in range(world)]
-        dist.all_gather(gathered, trace)
-        traces = {"ce": [dict(summarise(t.cpu(), world), raw=t.cpu().tolist() if args.raw else None)
-                         for t in gathered]}
+        traces, chunks = {}, {}
+        for name, target in targets.items():
+            trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
+            traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace,
+                                                 target_chunks=target)
+            # the last call's trace (each call rewrites every task's row), its copies by CUPTI
+            spans = profiled_copies(lambda: call(traced), 3) if args.copies else None
+            if spans is None:
+                for _ in range(3):
+                    call(traced)
+                torch.cuda.synchronize()
+            gathered = [torch.empty_like(trace) for _ in range(world)]
+            dist.all_gather(gathered, trace)
+            traces[name] = [dict(summarise(t.cpu(), world), raw=t.cpu().tolist() if args.raw else None)
+                            for t in gathered]
+            if spans is not None:
+                all_spans = [None] * world
+                dist.all_gather_object(all_spans, spans)
+                chunks[name] = chunk_timeline([t.cpu().tolist() for t in gathered], all_spans,
+                                              m, n, base, target)
         row = dict(M=m, N=n, K_local=k, world=world, config=str(base), times=times,
-                   rel_err=errors, traces=traces)
+                   rel_err=errors, traces=traces, chunks=chunks)
         results.append(row)
         if rank == 0:
             print(f"{m}x{n}x{k}: " + " ".join(f"{name} {t:.3f}" for name, t in times.items())
                   + f" | err {max(errors.values()):.1e}", flush=True)
             for name, per_rank in traces.items():
+                for line in chunk_lines(chunks.get(name)):
+                    print(f"   {name} {line}", flush=True)
                 for r, summary in enumerate(per_rank):
                     p = summary["phases"]
                     print(f"   trace {name} rank {r}: span {summary['span_us']:.0f} us, "
@@ -119,10 +210,11 @@ def run(args):
                           + " | ".join(f"{ph} {v['begin_us']:.0f}-{v['end_us']:.0f} us main {v['main_us']:.1f}"
                                        f" wait {v['wait_us']:.2f} rest {v['rest_us']:.2f} ({v['waiting_tasks']} waited)"
                                        for ph, v in p.items()), flush=True)
-        del engine, traced, a, b, out, product
+        del engines, traced, a, b, out, product
         torch.cuda.empty_cache()
     if rank == 0:
-        meta = run_meta(world, "torchrun --nproc-per-node 2 benchmarks/probe_gemm_rs_ce.py")
+        meta = run_meta(world, " ".join([f"torchrun --nproc-per-node {world} benchmarks/probe_gemm_rs_ce.py",
+                                         *sys.argv[1:]]))
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "probe_gemm_rs_ce.json"), "w") as handle:
             json.dump(dict(meta=meta, rows=results), handle)
@@ -137,12 +229,13 @@ def write_markdown(saved, out_dir):
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
              f"command: `{meta['command']}`", "",
              "Device time (ms, median, max over ranks; queued, columns interleaved):", "",
-             "| M | N | K | cuBLAS | GEMM-only | ce | ce / GEMM-only |",
-             "|---|---|---|---|---|---|---|"]
+             "| M | N | K | cuBLAS | GEMM-only | variant | time | / GEMM-only |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = r["times"]
-        lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['gemm_only']:.3f} | "
-                     f"{t['ce']:.3f} | {t['ce'] / t['gemm_only']:.2f} |")
+        for name in (v for v in t if v.startswith("ce")):
+            lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['gemm_only']:.3f} | "
+                         f"{name} | {t[name]:.3f} | {t[name] / t['gemm_only']:.2f} |")
     lines += ["", "Traces (one call, per rank; us; main / wait / rest: mean per task of the phase):", "",
               "| M | N | K | variant | rank | span | peer tiles | own tiles | peer main / rest | own main / wait / rest | own tiles that waited | SM GHz |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -154,6 +247,19 @@ def write_markdown(saved, out_dir):
                              f"{peer['begin_us']:.0f}-{peer['end_us']:.0f} | {own['begin_us']:.0f}-{own['end_us']:.0f} | "
                              f"{peer['main_us']:.1f} / {peer['rest_us']:.2f} | {own['main_us']:.1f} / {own['wait_us']:.2f} / "
                              f"{own['rest_us']:.2f} | {own['waiting_tasks']} of {own['tasks']} | {s['cycles_per_ns']:.2f} |")
+    timelines = [(r, name, c) for r in rows for name, c in r.get("chunks", {}).items() if c]
+    if timelines:
+        lines += ["", "Comm chunks of the traced call (CUPTI + the kernel trace; us since the sender's kernel "
+                  "started; the peer's own tiles of the chunk in the same frame):", "",
+                  "| M | N | K | variant | rank | chunk | ready | copy | MiB | GB/s | peer's own tiles from | their longest wait |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r, name, chunks in timelines:
+            for c in chunks:
+                rate = c["megabytes"] * 2**20 / max(1e-9, c["copy_end_us"] - c["copy_start_us"]) / 1e3
+                lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {name} | {c['rank']} | {c['chunk']} | "
+                             f"{c['ready_us']:.0f} | {c['copy_start_us']:.0f}-{c['copy_end_us']:.0f} | "
+                             f"{c['megabytes']:.1f} | {rate:.0f} | {c['peer_own_start_us']:.0f} | "
+                             f"{c['peer_own_wait_max_us']:.1f} |")
     with open(os.path.join(out_dir, "probe_gemm_rs_ce.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
 
@@ -195,6 +301,10 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--raw", action="store_true", help="keep every task's trace row in the JSON")
+    parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[4],
+                        help="comm chunks per peer to aim at, one /ce variant each (4: shipped)")
+    parser.add_argument("--copies", action="store_true",
+                        help="profile the traced call's side-stream copies (CUPTI) per comm chunk")
     parser.add_argument("--render", default=None, metavar="JSON")
     parsed = parser.parse_args()
     if parsed.render:

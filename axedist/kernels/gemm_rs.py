@@ -1053,11 +1053,12 @@ class Replay:
 ENGINE_TARGET_CHUNKS = 4  # comm chunks per peer a /ce call aims at (bands of the tile groups)
 
 
-def engine_chunks(m_chunk: int, n: int, config: GemmConfig) -> tuple[int, list]:
+def engine_chunks(m_chunk: int, n: int, config: GemmConfig,
+                  target: int = ENGINE_TARGET_CHUNKS) -> tuple[int, list]:
     """(tile columns per band, rectangles) of a /ce call's comm chunks, in the kernel's chunk
     order: each group of GROUP_M tile rows cut into bands of whole tile columns so that a peer's
-    chunk comes in about ENGINE_TARGET_CHUNKS rectangles (first row, end row, first column, end
-    column), each contiguous in the claim order.
+    chunk comes in about `target` rectangles (first row, end row, first column, end column),
+    each contiguous in the claim order.
 
     >>> engine_chunks(1024, 8192, GemmConfig())[1]   # 8 tile rows (one group) x 32 tile columns
     [(0, 1024, 0, 2048), (0, 1024, 2048, 4096), (0, 1024, 4096, 6144), (0, 1024, 6144, 8192)]
@@ -1065,7 +1066,7 @@ def engine_chunks(m_chunk: int, n: int, config: GemmConfig) -> tuple[int, list]:
     tiles_m, tiles_n = triton.cdiv(m_chunk, config.block_m), triton.cdiv(n, config.block_n)
     group_rows = config.group_m * config.block_m
     groups = triton.cdiv(tiles_m, config.group_m)
-    band_tiles = triton.cdiv(tiles_n, min(tiles_n, max(1, triton.cdiv(ENGINE_TARGET_CHUNKS, groups))))
+    band_tiles = triton.cdiv(tiles_n, min(tiles_n, max(1, triton.cdiv(target, groups))))
     bands = triton.cdiv(tiles_n, band_tiles)
     rectangles = [(g * group_rows, min((g + 1) * group_rows, m_chunk),
                    b * band_tiles * config.block_n, min((b + 1) * band_tiles * config.block_n, n))
@@ -1116,19 +1117,24 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
+    target_chunks (probes only): comm chunks per peer to aim at (engine_chunks).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
-                 rank: int, workspace, trace: torch.Tensor | None = None):
+                 rank: int, workspace, trace: torch.Tensor | None = None,
+                 target_chunks: int = ENGINE_TARGET_CHUNKS):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if world * m_chunk * ops.n * element > workspace.data_bytes:
             raise ValueError(f"gemm_reduce_scatter /ce: {world * m_chunk * ops.n * element} bytes "
                              f"per half needed, the workspace has {workspace.data_bytes}")
-        band_tiles, rectangles = engine_chunks(m_chunk, ops.n, config)
+        band_tiles, rectangles = engine_chunks(m_chunk, ops.n, config, target_chunks)
         chunks = len(rectangles)
+        if chunks > schedule.ENGINE_CHUNKS:
+            raise ValueError(f"gemm_reduce_scatter /ce: {chunks} comm chunks, at most "
+                             f"{schedule.ENGINE_CHUNKS} have flags")
         tasks = world * triton.cdiv(m_chunk, config.block_m) * triton.cdiv(ops.n, config.block_n)
         if trace is not None and (trace.dtype != torch.int64 or trace.device != device
                                   or not trace.is_contiguous() or trace.numel() < 6 * tasks):
