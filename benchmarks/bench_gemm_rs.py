@@ -187,7 +187,10 @@ def main():
         # the power cap the H200s' clocks moved between them: the 405B shape's "eager wait"
         # (12.77 vs 10.90 ms device at d9d6530) was a column timed while a GPU ran at 1.1 GHz
         # (benchmarks/probe_gemm_rs_eager.py)
-        queued.update(time_interleaved(columns, args.reps, queued=True))
+        # aligned: the columns that couple the ranks (NCCL RS after the local cuBLAS and GEMM-only
+        # columns) no longer absorb the ranks' skew (until 330c04f NCCL RS's device column did:
+        # 0.678 ms device vs 0.326 eager at 8192 x 8192 x 7168)
+        queued.update(time_interleaved(columns, args.reps, queued=True, align=True))
         row.update(time_interleaved(columns, args.reps, block=3))
         row.setdefault("symm", None)
         queued.setdefault("symm", None)

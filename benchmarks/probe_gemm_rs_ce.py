@@ -172,7 +172,7 @@ def run(args):
         times = time_interleaved({"cublas": lambda: torch.mm(a, b, out=product),
                                   "gemm_only": lambda: gemm_only(a, b, world, base, out=product),
                                   **{name: (lambda e=e: call(e)) for name, e in engines.items()}},
-                                 args.reps, queued=True)
+                                 args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
         traces, chunks = {}, {}
         for name, target in targets.items():

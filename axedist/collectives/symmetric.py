@@ -9,7 +9,7 @@ allocation instead; the layout and the address tables are the same code. Layout:
 
 The last ENGINE_FLAGS flags are the copy-engine flags (kernels/schedule.py: the chunks a peer's
 copy engine brings in for the "/ce" fused kernels, rows of an all-gather + GEMM or partials of
-a GEMM + reduce-scatter, each followed by a copy of the peer's last finished epoch); they start
+a GEMM + reduce-scatter, each followed by the peer writing its call's epoch there); they start
 at -1, the others at 0. Kernels index their own flags below `tile_flags`.
 
 Flags are written by their owner (the fused kernel's tile flags); barrier words are written by

@@ -36,7 +36,7 @@ def time_collective(fn, reps: int = 30, warmup: int = 5, group=None,
 
 
 def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
-                     queued: bool = False, block: int = 1) -> dict:
+                     queued: bool = False, block: int = 1, align: bool = False) -> dict:
     """Like time_collective for several candidates at once, interleaved: each repetition runs
     every candidate once, in order, so that all of them see the same clocks, temperature and
     neighbours (back-to-back runs of one candidate after another drift by several percent on a
@@ -44,7 +44,11 @@ def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
     within a few calls: a kernel that couples two GPUs runs at the slower one's pace). Returns
     {name: median ms, max over the group's ranks}. ``block`` > 1: each repetition runs each
     candidate ``block`` times back to back and times the last (an eager call after a call of
-    its own kind, not after whatever host work the previous candidate left).
+    its own kind, not after whatever host work the previous candidate left). ``align``: before
+    each timed call, an untimed all-reduce of one float over the group puts the ranks' GPUs in
+    step, so that a candidate coupling the ranks does not absorb the skew that rank-local
+    candidates before it left (GPUs at different clocks: on 2x H200 a /ce call after two local
+    GEMMs read 1.631 ms, 1.487 after another coupled call, results/probe_gemm_rs_ce.md).
 
     >>> time_interleaved({"nccl": lambda: dist.reduce_scatter_tensor(out, x),
     ...                   "p2p": lambda: p2p.reduce_scatter(x, out=out)}, queued=True)
@@ -57,12 +61,16 @@ def time_interleaved(fns: dict, reps: int = 30, warmup: int = 3, group=None,
     dist.barrier(group=group)
     events = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                      for _ in range(reps)] for name in names}
+    step = torch.zeros(1, device="cuda") if align else None
     if queued:
-        torch.cuda._sleep(int((2 + reps * len(names) * block * _HOST_MS_PER_CALL) * _CYCLES_PER_MS))
+        torch.cuda._sleep(int((2 + reps * len(names) * (block + align) * _HOST_MS_PER_CALL)
+                              * _CYCLES_PER_MS))
     for rep in range(reps):
         for name in names:
             for _ in range(block - 1):
                 fns[name]()
+            if align:
+                dist.all_reduce(step, group=group)
             start, end = events[name][rep]
             start.record()
             fns[name]()
