@@ -174,13 +174,14 @@ def run(args):
                                   **{name: (lambda e=e: call(e)) for name, e in engines.items()}},
                                  args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
-        traces, chunks = {}, {}
+        traces, chunks, step = {}, {}, torch.zeros(1, device="cuda")
         for name, target in targets.items():
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
             traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace,
                                                  target_chunks=target)
             # the last call's trace (each call rewrites every task's row), its copies by CUPTI
-            spans = profiled_copies(lambda: call(traced), 3) if args.copies else None
+            # each profiled call starts with the ranks' GPUs in step (a one-float all-reduce)
+            spans = profiled_copies(lambda: (dist.all_reduce(step), call(traced)), 3) if args.copies else None
             if spans is None:
                 for _ in range(3):
                     call(traced)

@@ -57,6 +57,7 @@ BARRIER_REGION_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x a
 BARRIER_BYTES = 2 * BARRIER_REGION_SLOTS * 4  # one region per epoch parity
 MIN_DATA_BYTES = 1 << 22
 ALIGN_BYTES = 1 << 12
+COPY_STREAMS = 2  # side streams of the copy-engine transfers (copy_streams)
 
 _workspaces: dict[tuple[str, int], "SymmetricWorkspace"] = {}
 _retired: list["SymmetricWorkspace"] = []  # kept alive: peers may still read them asynchronously
@@ -119,7 +120,7 @@ class SymmetricWorkspace:
         self.tensor[:FLAG_BYTES + BARRIER_BYTES].zero_()
         self.tensor[ENGINE_FLAG0 * 4:FLAG_BYTES].view(torch.int32).fill_(-1)
         self.tile_flags = self.engine_flag0 = ENGINE_FLAG0  # flags kernels index / copy engines'
-        self._copy_stream = None
+        self._copy_streams = ()
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
         # the stream of the previous call (raw handle and object) and whether it was captured
@@ -182,11 +183,15 @@ class SymmetricWorkspace:
             self.epoch = self.device_epoch() + 1
         return self.epoch
 
-    def copy_stream(self) -> torch.cuda.Stream:
-        """The side stream this rank's copy-engine transfers run on (one per workspace)."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        return self._copy_stream
+    def copy_streams(self) -> tuple:
+        """The COPY_STREAMS side streams this rank's copy-engine transfers run on (made once per
+        workspace): a call deals its chunks over them in turn, so that one chunk's copy runs
+        while the stream of the one before waits and writes its flag (on one stream about 7 us
+        passed between the end of a copy and the start of the next, already ready, one:
+        2x H200, results/probe_gemm_rs_ce.md)."""
+        if not self._copy_streams:
+            self._copy_streams = tuple(torch.cuda.Stream(self.device) for _ in range(COPY_STREAMS))
+        return self._copy_streams
 
     def set_timeout(self, timeout_s: float | None) -> None:
         """The spin-wait timeout of the coming call (None: default_timeout_s())."""

@@ -1110,11 +1110,12 @@ def engine_fits(ops: _Operands, config: GemmConfig, world: int, multimem: bool) 
 class EngineReduceScatter:
     """The /ce fused GEMM + reduce-scatter of one rank for one shape, config and workspace,
     compiled and ready (engine_gemm_reduce_scatter_kernel): a call launches the kernel and, on
-    the workspace's side stream, for each peer and comm chunk, waits for the chunk's tiles
+    the workspace's side streams (chunks dealt over them in turn), for each peer and comm
+    chunk, waits for the chunk's tiles
     (cuStreamWaitValue32 on its out flag), copies the rectangle of partials into the peer's data
     half (slot of this rank) and then writes the epoch into the peer's flag of it
     (cuStreamWriteValue32, ordered after the copy);
-    the current stream waits for the side stream after the kernel. Inside a CUDA graph capture
+    the current stream waits for the side streams after the kernel. Inside a CUDA graph capture
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
@@ -1170,7 +1171,8 @@ class EngineReduceScatter:
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
         self.row_pitch = row_pitch
-        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
+        self.ready = torch.cuda.Event()
+        self.sent = [torch.cuda.Event() for _ in workspace.copy_streams()]
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
         self.pushing = dataclasses.replace(config, engine=False, push=True)
         launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
@@ -1182,17 +1184,20 @@ class EngineReduceScatter:
             return
         epoch = workspace.call_epoch()
         current = torch.cuda.current_stream(ops.a.device)
-        side = workspace.copy_stream()
+        sides = workspace.copy_streams()
         self.ready.record(current)
-        side.wait_event(self.ready)
-        # the kernel is queued before the side stream's waits on it: were the two streams to
-        # share a hardware queue, a wait queued first would block the kernel it waits for
+        for side in sides:
+            side.wait_event(self.ready)
+        # the kernel is queued before the side streams' waits on it: were two streams to share
+        # a hardware queue, a wait queued first would block the kernel it waits for
         self.kernel(ops, out)
-        runtime, driver, stream = copy_engine_runtime(), stream_memory_driver(), side.cuda_stream
-        pitch = self.row_pitch
-        for out_flag, target, source, row_bytes, rows, flag in self.copies[epoch % 2]:
+        runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
+        handles = [side.cuda_stream for side in sides]
+        for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(self.copies[epoch % 2]):
+            stream = handles[index % len(handles)]  # chunks dealt over the side streams in turn
             wait_value_async(driver, stream, out_flag, epoch)
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
             write_value_async(driver, stream, flag, epoch)
-        self.sent.record(side)
-        current.wait_event(self.sent)
+        for side, sent in zip(sides, self.sent):
+            sent.record(side)
+            current.wait_event(sent)
