@@ -131,7 +131,7 @@ def run(args):
     from axedist.collectives.fused import gemm_only
     from axedist.collectives.symmetric import get_workspace
     from axedist.collectives.timing import time_interleaved
-    from axedist.kernels import gemm_rs
+    from axedist.kernels import gemm_rs, schedule
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from history import require_multicast_off, run_meta
 
@@ -150,10 +150,15 @@ def run(args):
         product = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
-        # "ce": the shipped chunking; "ce/c<n>": aiming at n comm chunks per peer
-        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): c for c in args.chunks}
+        # "ce": the shipped chunking and streams; "ce/c<n>": aiming at n comm chunks per peer;
+        # "ce/s<n>": the copies on n side streams
+        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): (c, schedule.COPY_STREAMS)
+                   for c in args.chunks}
+        targets.update({f"ce/s{s}": (gemm_rs.ENGINE_TARGET_CHUNKS, s) for s in args.streams
+                        if s != schedule.COPY_STREAMS})
         engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
-                                                     target_chunks=c) for name, c in targets.items()}
+                                                     target_chunks=c, streams=s)
+                   for name, (c, s) in targets.items()}
 
         def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -175,10 +180,10 @@ def run(args):
                                  args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
         traces, chunks, step = {}, {}, torch.zeros(1, device="cuda")
-        for name, target in targets.items():
+        for name, (target, streams) in targets.items():
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
             traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace,
-                                                 target_chunks=target)
+                                                 target_chunks=target, streams=streams)
             # the last call's trace (each call rewrites every task's row), its copies by CUPTI
             # each profiled call starts with the ranks' GPUs in step (a one-float all-reduce)
             spans = profiled_copies(lambda: (dist.all_reduce(step), call(traced)), 3) if args.copies else None
@@ -304,6 +309,8 @@ if __name__ == "__main__":
     parser.add_argument("--raw", action="store_true", help="keep every task's trace row in the JSON")
     parser.add_argument("--chunks", type=lambda text: [int(c) for c in text.split(",")], default=[4],
                         help="comm chunks per peer to aim at, one /ce variant each (4: shipped)")
+    parser.add_argument("--streams", type=lambda text: [int(c) for c in text.split(",")], default=[],
+                        help="side-stream counts to time /ce variants with (the shipped count: 'ce')")
     parser.add_argument("--copies", action="store_true",
                         help="profile the traced call's side-stream copies (CUPTI) per comm chunk")
     parser.add_argument("--render", default=None, metavar="JSON")

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ..env import read as read_environment
 from ..kernels.launch import multiprocessors
-from ..kernels.schedule import ENGINE_FLAGS
+from ..kernels.schedule import COPY_STREAMS, ENGINE_FLAGS
 from .backend import group_name
 from .errors import CollectiveTimeoutError, SymmetricMemoryUnavailable
 
@@ -57,7 +57,6 @@ BARRIER_REGION_SLOTS = 2 * MAX_BARRIER_PROGRAMS * 8  # 2 barriers x programs x a
 BARRIER_BYTES = 2 * BARRIER_REGION_SLOTS * 4  # one region per epoch parity
 MIN_DATA_BYTES = 1 << 22
 ALIGN_BYTES = 1 << 12
-COPY_STREAMS = 2  # side streams of the copy-engine transfers (copy_streams)
 
 _workspaces: dict[tuple[str, int], "SymmetricWorkspace"] = {}
 _retired: list["SymmetricWorkspace"] = []  # kept alive: peers may still read them asynchronously

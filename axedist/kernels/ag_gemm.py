@@ -872,32 +872,27 @@ class AllGatherGemmLaunch:
         self.chunk_blocks, self.copies = engine_transfers(
             workspace, ops.m, self.row_bytes, config.block_m, config.pieces, self.half_rows)
         self.workspace = workspace
-        self.ready = torch.cuda.Event()
-        self.sent = [torch.cuda.Event() for _ in workspace.copy_streams()]
+        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
 
     def _send_rows(self, a: torch.Tensor) -> None:
-        """This call's rows to every peer by copy engine, dealt in turn over the workspace's side
-        streams, after what the current stream queued (the previous call's kernel: the peers'
-        halves of this parity are free once it finished); the current stream waits for them
-        after the kernel."""
+        """This call's rows to every peer by copy engine, on the workspace's first side stream
+        (the copies wait on nothing, so one stream issues them back to back), after what the
+        current stream queued (the previous call's kernel: the peers' halves of this parity are
+        free once it finished); the current stream waits for them after the kernel."""
         current = torch.cuda.current_stream(a.device)
-        sides = self.workspace.copy_streams()
+        side = self.workspace.copy_streams()[0]
         self.ready.record(current)
-        for side in sides:
-            side.wait_event(self.ready)
+        side.wait_event(self.ready)
         runtime, driver = copy_engine_runtime(), stream_memory_driver()
-        handles = [side.cuda_stream for side in sides]
-        row_bytes, epoch = self.row_bytes, self.workspace.call_epoch()
+        stream, row_bytes, epoch = side.cuda_stream, self.row_bytes, self.workspace.call_epoch()
         pitch = a.stride(0) * a.element_size()
-        for index, (begin, rows, target, flag) in enumerate(self.copies[epoch % 2]):
-            stream = handles[index % len(handles)]
+        for begin, rows, target, flag in self.copies[epoch % 2]:
             copy_rows_async(runtime, target, row_bytes, a.data_ptr() + begin * pitch, pitch,
                             row_bytes, rows, stream)
             write_value_async(driver, stream, flag, epoch)
-        for side, sent in zip(sides, self.sent):
-            sent.record(side)
+        self.sent.record(side)
 
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:
         """gathered: where the gathered A [W * M_LOCAL, K] goes too (a launch built with
@@ -919,9 +914,7 @@ class AllGatherGemmLaunch:
             args[self._GATHERED] = gathered.data_ptr()
         self.kernel(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
         if self.engine:
-            current = torch.cuda.current_stream(ops.a.device)
-            for sent in self.sent:
-                current.wait_event(sent)
+            torch.cuda.current_stream(ops.a.device).wait_event(self.sent)
 
 
 def engine_transfers(workspace, m: int, row_bytes: int, block_m: int, pieces: int,

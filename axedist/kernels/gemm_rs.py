@@ -1119,14 +1119,15 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
-    target_chunks (probes only): comm chunks per peer to aim at (engine_chunks).
+    target_chunks, streams (probes only): comm chunks per peer to aim at (engine_chunks), side
+    streams to deal them over (at most schedule.COPY_STREAMS).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace, trace: torch.Tensor | None = None,
-                 target_chunks: int = ENGINE_TARGET_CHUNKS):
+                 target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if world * m_chunk * ops.n * element > workspace.data_bytes:
@@ -1171,8 +1172,11 @@ class EngineReduceScatter:
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
         self.row_pitch = row_pitch
+        if not 1 <= streams <= schedule.COPY_STREAMS:
+            raise ValueError(f"gemm_reduce_scatter /ce: 1 to {schedule.COPY_STREAMS} side streams, got {streams}")
+        self.sides = workspace.copy_streams()[:streams]
         self.ready = torch.cuda.Event()
-        self.sent = [torch.cuda.Event() for _ in workspace.copy_streams()]
+        self.sent = [torch.cuda.Event() for _ in self.sides]
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
         self.pushing = dataclasses.replace(config, engine=False, push=True)
         launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
@@ -1184,7 +1188,7 @@ class EngineReduceScatter:
             return
         epoch = workspace.call_epoch()
         current = torch.cuda.current_stream(ops.a.device)
-        sides = workspace.copy_streams()
+        sides = self.sides
         self.ready.record(current)
         for side in sides:
             side.wait_event(self.ready)

@@ -94,6 +94,7 @@ PUSH, TILE, COPY = 0, 1, 2  # the kinds of an all-gather + GEMM task
 # share a word across parities).
 ENGINE_CHUNKS = 64
 ENGINE_FLAGS = 2 * 8 * ENGINE_CHUNKS
+COPY_STREAMS = 2  # side streams a workspace keeps for the copy-engine transfers (copy_streams)
 
 
 def engine_flag(parity: int, source: int, chunk: int) -> int:
