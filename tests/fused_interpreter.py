@@ -85,21 +85,22 @@ def _memcpy_2d(target, target_pitch, source, source_pitch, row_bytes, rows):
 
 def _engine_rows(workspaces, as_, epoch, dtype, m_local, k, block_m, pieces, half_rows):
     """Every rank's copy-engine transfers of a call of `epoch` done on the host, in the order
-    the launch issues them (ag_gemm.engine_transfers), each chunk's flag then set to the
-    call's epoch (the launch's cuStreamWriteValue32); returns the chunk size in blocks."""
+    the launch issues them (ag_gemm.engine_transfers), each chunk's flag copied from the rank's
+    state word (its last finished epoch, epoch - 1 here); returns the chunk size in blocks."""
     for rank, workspace in enumerate(workspaces):
+        workspace.state[0] = epoch - 1
         row_bytes = k * as_[rank].element_size()
         chunk_blocks, copies = ag_gemm.engine_transfers(workspace, m_local, row_bytes, block_m,
                                                         pieces, half_rows)
         for begin, rows, target, flag in copies[epoch % 2]:
             _memcpy_2d(target, row_bytes, as_[rank][begin:].data_ptr(), as_[rank].stride(0)
                        * as_[rank].element_size(), row_bytes, rows)
-            ctypes.c_int32.from_address(flag).value = epoch
+            _memcpy_2d(flag, 4, workspace.state.data_ptr(), 4, 4, 1)
     return chunk_blocks
 
 
 def _engine_flag_failures(workspaces, epoch, world, chunks, name):
-    """Rank r's copy-engine flags: the epoch at (parity, source, chunk) for every peer source
+    """Rank r's copy-engine flags: epoch - 1 at (parity, source, chunk) for every peer source
     and chunk of this call, -1 everywhere else in the region."""
     failures = []
     for rank, workspace in enumerate(workspaces):
@@ -107,7 +108,7 @@ def _engine_flag_failures(workspaces, epoch, world, chunks, name):
         expected = torch.full_like(region, -1)
         for source in range(world):
             for chunk in range(chunks if source != rank else 0):
-                expected[schedule.engine_flag(epoch % 2, source, chunk)] = epoch
+                expected[schedule.engine_flag(epoch % 2, source, chunk)] = epoch - 1
         if not torch.equal(region, expected):
             failures.append(f"{name} rank {rank}: copy-engine flags differ from the chunks sent")
     return failures
@@ -220,7 +221,7 @@ def run_gemm_all_reduce(world, m, n, k, transposed, tma, dtype, two_shot, push, 
 def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype, block, seed):
     """The /ce GEMM + reduce-scatter: phase 1 (the peers' chunks into staging) on every rank,
     then the copies the launch issues (gemm_rs.engine_copies: the same addresses, done by
-    memmove, each chunk's flag then set to the epoch), then phase 2 (own chunk plus the
+    memmove, each chunk's flag from the rank's state word), then phase 2 (own chunk plus the
     received partials)."""
     generator = torch.Generator().manual_seed(seed)
     bm, bn, bk = block
@@ -256,11 +257,12 @@ def run_engine_gemm_reduce_scatter(world, m_chunk, n, k, transposed, tma, dtype,
 
     failures = [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (1,), launch)]
     for rank, workspace in enumerate(workspaces):
+        workspace.state[0] = epoch - 1
         for _, target, source, row_bytes, rows, flag in gemm_rs.engine_copies(
                 workspace, staging[rank].data_ptr(), out_flags[rank].data_ptr(), m_chunk, n,
                 element, rectangles)[epoch % 2]:
             _memcpy_2d(target, n * element, source, n * element, row_bytes, rows)
-            ctypes.c_int32.from_address(flag).value = epoch
+            _memcpy_2d(flag, 4, workspace.state.data_ptr(), 4, 4, 1)
     failures += [f"{name}{f}" for f in _launch_phases(workspaces, epoch, (2,), launch)]
     failures += _engine_flag_failures(workspaces, epoch, world, chunks, name)
     total = sum(a.double() @ (b.double().t() if transposed else b.double())

@@ -9,7 +9,7 @@ allocation instead; the layout and the address tables are the same code. Layout:
 
 The last ENGINE_FLAGS flags are the copy-engine flags (kernels/schedule.py: the chunks a peer's
 copy engine brings in for the "/ce" fused kernels, rows of an all-gather + GEMM or partials of
-a GEMM + reduce-scatter, each followed by the peer writing its call's epoch there); they start
+a GEMM + reduce-scatter, each followed by a copy of the peer's last finished epoch); they start
 at -1, the others at 0. Kernels index their own flags below `tile_flags`.
 
 Flags are written by their owner (the fused kernel's tile flags); barrier words are written by
@@ -185,7 +185,7 @@ class SymmetricWorkspace:
     def copy_streams(self) -> tuple:
         """The COPY_STREAMS side streams this rank's copy-engine transfers run on (made once per
         workspace): a call deals its chunks over them in turn, so that one chunk's copy runs
-        while the stream of the one before waits and writes its flag (on one stream about 7 us
+        while the stream of the one before waits and copies its flag (on one stream about 7 us
         passed between the end of a copy and the start of the next, already ready, one:
         2x H200, results/probe_gemm_rs_ce.md)."""
         if not self._copy_streams:

@@ -50,8 +50,7 @@ from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
-from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
-                     stream_memory_driver, write_value_async)
+from .launch import CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
                          wait_flag)
@@ -197,9 +196,8 @@ def schedule_probe_kernel(out_ptr, count_ptr, tiles_m, tiles_n, rank, WORLD: tl.
 def _wait_engine_rows(own_flags, engine_flag0, epoch, source, block, chunk_blocks, abort_ptr,
                       error_address, timeout_ns, ENGINE_CHUNKS: tl.constexpr):
     """Wait until the chunk of `source`'s rows holding row block `block` has arrived by copy
-    engine: its flag (schedule.engine_flag) holds the source's call epoch e, written after the
-    copy (cuStreamWriteValue32); until 2026-11-30 a copy of the source's last finished epoch
-    (e - 1 or e), so the wait asks for >= e - 1: flags start at -1, and the call before of the
+    engine: its flag (schedule.engine_flag) holds the source's last finished epoch, read after
+    its call e - 1 finished (so e - 1 or e); flags start at -1, and the call before of the
     same parity left at most e - 2."""
     flag = engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + block // chunk_blocks
     wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
@@ -869,9 +867,10 @@ class AllGatherGemmLaunch:
             raise ValueError(f"all_gather_gemm: at most {schedule.ENGINE_CHUNKS} copy-engine "
                              f"chunks, the config asks {config.pieces}")
         self.row_bytes = ops.k * ops.a.element_size()
+        # each flag gets the rank's last finished epoch (state word 0)
         self.chunk_blocks, self.copies = engine_transfers(
             workspace, ops.m, self.row_bytes, config.block_m, config.pieces, self.half_rows)
-        self.workspace = workspace
+        self.workspace, self.epoch_word = workspace, workspace.state.data_ptr()
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
@@ -885,13 +884,12 @@ class AllGatherGemmLaunch:
         side = self.workspace.copy_streams()[0]
         self.ready.record(current)
         side.wait_event(self.ready)
-        runtime, driver = copy_engine_runtime(), stream_memory_driver()
-        stream, row_bytes, epoch = side.cuda_stream, self.row_bytes, self.workspace.call_epoch()
+        runtime, stream, row_bytes = copy_engine_runtime(), side.cuda_stream, self.row_bytes
         pitch = a.stride(0) * a.element_size()
-        for begin, rows, target, flag in self.copies[epoch % 2]:
+        for begin, rows, target, flag in self.copies[self.workspace.call_epoch() % 2]:
             copy_rows_async(runtime, target, row_bytes, a.data_ptr() + begin * pitch, pitch,
                             row_bytes, rows, stream)
-            write_value_async(driver, stream, flag, epoch)
+            copy_rows_async(runtime, flag, 4, self.epoch_word, 4, 4, 1, stream)
         self.sent.record(side)
 
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:

@@ -34,7 +34,7 @@ from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
                          shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
-                     multiprocessors, stream_memory_driver, wait_value_async, write_value_async)
+                     multiprocessors, stream_memory_driver, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, finish_call, globaltimer, load_reduce,
                          peer_pointers, pick, shift8, sm_id, st_release_gpu,
@@ -289,8 +289,8 @@ def engine_gemm_reduce_scatter_kernel(
     contiguous in the order) is stored, its program releases the int32 at address out_flags +
     4 * (s * chunks + chunk) to the epoch, which
     the side stream waits for (cuStreamWaitValue32) before copying the rectangle into the peer's
-    data half (slot `rank`) and then writing the epoch into the peer's flag of it
-    (schedule.engine_flag; cuStreamWriteValue32). An own tile adds every peer's partial of it from this rank's data
+    data half (slot `rank`) and this rank's last finished epoch into the peer's flag of it
+    (schedule.engine_flag). An own tile adds every peer's partial of it from this rank's data
     half (slot = source) once that source's flag holds >= epoch - 1 (see ag_gemm's
     _wait_engine_rows), then stores the output. Peer tiles precede own tiles in the claim order
     and never wait, so a waiting own tile always finds its peers' producers claimed: no
@@ -1113,8 +1113,7 @@ class EngineReduceScatter:
     the workspace's side streams (chunks dealt over them in turn), for each peer and comm
     chunk, waits for the chunk's tiles
     (cuStreamWaitValue32 on its out flag), copies the rectangle of partials into the peer's data
-    half (slot of this rank) and then writes the epoch into the peer's flag of it
-    (cuStreamWriteValue32, ordered after the copy);
+    half (slot of this rank) and then this rank's last finished epoch into the peer's flag of it;
     the current stream waits for the side streams after the kernel. Inside a CUDA graph capture
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
@@ -1196,12 +1195,12 @@ class EngineReduceScatter:
         # a hardware queue, a wait queued first would block the kernel it waits for
         self.kernel(ops, out)
         runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
-        handles = [side.cuda_stream for side in sides]
+        handles, state = [side.cuda_stream for side in sides], workspace.state.data_ptr()
         for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(self.copies[epoch % 2]):
             stream = handles[index % len(handles)]  # chunks dealt over the side streams in turn
             wait_value_async(driver, stream, out_flag, epoch)
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
-            write_value_async(driver, stream, flag, epoch)
+            copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
         for side, sent in zip(sides, self.sent):
             sent.record(side)
             current.wait_event(sent)

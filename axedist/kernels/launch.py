@@ -154,20 +154,6 @@ def wait_value_async(driver, stream: int, address: int, value: int) -> None:
         raise RuntimeError(f"cuStreamWaitValue32 failed: {error}")
 
 
-def write_value_async(driver, stream: int, address: int, value: int) -> None:
-    """Stream `stream` writes the int32 `value` to device address `address` (a peer GPU's memory
-    mapped here too) once the work queued before it on the stream finished, with a memory
-    barrier first, so the writes of that work are visible where the value is
-    (cuStreamWriteValue32, default flags): a copy's ready flag. The GPU's front end does the
-    write: no copy-engine round trip (a 4-byte copy after each chunk cost about 8 us between
-    copies on 2x H200, results/probe_gemm_rs_ce.md). Raises on a CUDA error."""
-    (error,) = driver.cuStreamWriteValue32(
-        driver.CUstream(stream), driver.CUdeviceptr(address), value & 0xFFFFFFFF,
-        driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    if int(error) != 0:
-        raise RuntimeError(f"cuStreamWriteValue32 failed: {error}")
-
-
 def copy_engines_usable() -> bool:
     """Whether this process can issue the "/ce" kernels' copies and stream waits (cuda-python's
     runtime and driver bindings). A local fact: the fused calls make every rank agree on it."""
