@@ -45,7 +45,8 @@ from typing import Any, Callable, Sequence
 
 from ..env import MULTICAST_OFF  # every rank gets it: multicast stays off on shared GPU hosts
 
-__all__ = ["RankError", "RankOutcome", "run_fresh_ranks", "run_on_ranks", "run_torchrun", "shutdown_pools"]
+__all__ = ["RankError", "RankOutcome", "process_policies", "run_fresh_ranks", "run_on_ranks", "run_torchrun",
+           "shutdown_pools"]
 
 _DUMP_STACKS = signal.SIGUSR1  # a rank that gets it prints every thread's stack
 
@@ -58,6 +59,25 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_policies() -> tuple:
+    """The process-wide choices a task on a pooled rank may set, as (name, get, set): the
+    dispatcher's GEMM deferral, the gather and layer-tail deferral policies, the planned and
+    fused collectives' backend pins. A pooled rank puts back after every task what it had when
+    it started, so that no task runs with a choice an earlier one left (2026-11-30: a decode
+    test that ended on ``defer_tails("never")`` made a later compiled-decode test fail)."""
+    from ..dtensor import DTensor
+    from ..runtime import deferred, pins, tails
+
+    def set_defer_gemm(value):
+        DTensor.dispatcher.defer_gemm = value
+
+    return (("defer_gemm", lambda: DTensor.dispatcher.defer_gemm, set_defer_gemm),
+            ("defer_gathers", deferred.defer_gathers, deferred.defer_gathers),
+            ("defer_tails", tails.defer_tails, tails.defer_tails),
+            ("plan_backend", pins.plan_backend, pins.plan_backend),
+            ("fused_backend", pins.fused_backend, pins.fused_backend))
 
 
 def _worker(rank, world_size, backend, port, sys_path, tasks, results, collective_timeout_s):
@@ -80,6 +100,8 @@ def _worker(rank, world_size, backend, port, sys_path, tasks, results, collectiv
         backend, rank=rank, world_size=world_size,
         timeout=timedelta(seconds=collective_timeout_s), **kwargs,
     )
+    policies = process_policies()
+    started = [get() for _, get, _ in policies]
     results.put((rank, "ready", None))
     parent = os.getppid()
     while True:
@@ -100,6 +122,9 @@ def _worker(rank, world_size, backend, port, sys_path, tasks, results, collectiv
             results.put((rank, "ok", (call_id, out)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, "error", (call_id, traceback.format_exc())))
+        finally:
+            for (_, _, put_back), value in zip(policies, started):
+                put_back(value)
     dist.destroy_process_group()
 
 
