@@ -699,6 +699,61 @@ def with_inner_dims(layout: Layout, shape: Sequence[int], inner: Sequence[int]) 
     return Layout(iters, layout.replica, layout.offset)
 
 
+def _row_major_blocks(layout: Layout, shape: Sequence[int]):
+    """(blocks, local shape) of ``layout`` over ``shape`` where each piece's memory is row-major
+    over its local shape (every ``m`` iter at the stride ``row_major_memory`` gives it); None
+    where it is not, or where ``layout`` does not group by ``shape``."""
+    try:
+        blocks = layout.blocks(shape)
+    except LayoutError:
+        return None
+    local, strides = row_major_memory(blocks)
+    if any(it.axis == MEMORY_AXIS and it.stride != stride
+           for block, row in zip(blocks, strides) for it, stride in zip(block, row)):
+        return None
+    return blocks, local
+
+
+def with_dim_inserted(layout: Layout, shape: Sequence[int], dim: int, extent: int) -> Layout | None:
+    """The layout of ``shape`` with a dim of ``extent`` inserted at ``dim``, the new dim whole and
+    local in every piece, at position ``dim`` of the piece's row-major memory, the other dims laid
+    out as ``layout`` lays out ``shape``: what each piece's ``torch.stack`` of ``extent`` pieces at
+    ``dim`` gives. None unless each piece's memory is row-major over its local shape.
+
+    ``with_dim_inserted(S[(4,2,6):(1@gpuid,6,1)], (8, 6), 0, 3)`` -> ``S[(3,4,2,6):(12,1@gpuid,6,1)]``."""
+    found = _row_major_blocks(layout, shape)
+    if found is None or not 0 <= dim <= len(shape) or extent < 1:
+        return None
+    blocks, local = found
+    iters = []
+    for e in range(len(blocks) + 1):
+        if e == dim and extent > 1:
+            iters.append(Iter(extent, math.prod(local[dim:])))
+        if e < len(blocks):
+            iters += [Iter(it.extent, it.stride * extent, it.axis) if it.axis == MEMORY_AXIS and e < dim else it
+                      for it in blocks[e]]
+    return Layout(iters, layout.replica, layout.offset)
+
+
+def without_dim(layout: Layout, shape: Sequence[int], dim: int) -> Layout | None:
+    """The layout of ``shape`` without dim ``dim`` that each piece leaves when it takes one index
+    of that dim (``select`` / ``unbind``): None unless the dim is whole and local in every piece and
+    each piece's memory is row-major over its local shape. The inverse of :func:`with_dim_inserted`.
+
+    ``without_dim(S[(3,4,2,6):(12,1@gpuid,6,1)], (3, 8, 6), 0)`` -> ``S[(4,2,6):(1@gpuid,6,1)]``."""
+    found = _row_major_blocks(layout, shape)
+    if found is None or not 0 <= dim < len(shape):
+        return None
+    blocks, local = found
+    extent = shape[dim]
+    if extent > 1 and (len(blocks[dim]) != 1 or blocks[dim][0].axis != MEMORY_AXIS
+                       or blocks[dim][0].extent != extent):
+        return None
+    iters = [Iter(it.extent, it.stride // extent, it.axis) if it.axis == MEMORY_AXIS and e < dim else it
+             for e, block in enumerate(blocks) if e != dim for it in block]
+    return Layout(iters, layout.replica, layout.offset)
+
+
 def row_major_memory(blocks: Sequence[Sequence[Iter]]) -> tuple[tuple[int, ...], list[list[int | None]]]:
     """The local shape that a grouped layout's ``m`` iters span, and the stride each ``m`` iter has
     when local memory is row-major over that shape (``None`` for iters on other axes).

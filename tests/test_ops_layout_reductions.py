@@ -69,6 +69,53 @@ def _layouts(world):
     return out
 
 
+def test_a_dim_inserted_or_taken_matches_each_pieces_stack_by_brute_force():
+    """with_dim_inserted / without_dim against every element: the stacked layout puts element
+    (.., j, ..) on the devices of the unstacked element, at the offset that stacking the
+    row-major local pieces at the same dim gives; without_dim undoes it."""
+    import itertools
+    import math
+    from axedist.layout import MEMORY_AXIS, row_major_memory, with_dim_inserted, without_dim
+    cases = [("S[(3,2,2,6):(12,1@gpuid,6,1)]", (12, 6)), ("S[(4,2,6):(1@gpuid,6,1)]", (8, 6)),
+             ("S[(2,2,3):(1@gpuid,3,1)] + R[2:1@dp]", (4, 3)), ("S[(2,3,2,2):(6,2,1@gpuid,1)]", (2, 3, 4))]
+    for text, shape in cases:
+        layout = Layout.parse(text)
+        local = row_major_memory(layout.blocks(shape))[0]
+        for dim, extent in itertools.product(range(len(shape) + 1), (1, 3)):
+            stacked = with_dim_inserted(layout, shape, dim, extent)
+            new_shape = shape[:dim] + (extent,) + shape[dim:]
+            new_local = local[:dim] + (extent,) + local[dim:]
+            for index in itertools.product(*map(range, new_shape)):
+                j, old = index[dim], index[:dim] + index[dim + 1:]
+                want = []
+                for point in layout.apply(old, shape):
+                    at = list(_unflatten(point[MEMORY_AXIS], local))
+                    point = dict(point, **{MEMORY_AXIS: _flatten(at[:dim] + [j] + at[dim:], new_local)})
+                    want.append(point)
+                assert sorted(map(sorted, (p.items() for p in stacked.apply(index, new_shape)))) == \
+                    sorted(map(sorted, (p.items() for p in want))), (text, dim, index)
+            assert without_dim(stacked, new_shape, dim) == layout or extent == 1, (text, dim)
+            assert math.prod(new_local) == math.prod(local) * extent
+    # a dim split over devices, or memory not row-major: neither helper applies
+    assert without_dim(Layout.parse("S[(4,2,6):(1@gpuid,6,1)]"), (8, 6), 0) is None
+    assert with_dim_inserted(Layout.parse("S[(6,8):(1,6)]"), (6, 8), 0, 2) is None
+
+
+def _unflatten(offset, shape):
+    out = []
+    for size in reversed(shape):
+        out.append(offset % size)
+        offset //= size
+    return tuple(reversed(out))
+
+
+def _flatten(index, shape):
+    flat = 0
+    for i, size in zip(index, shape):
+        flat = flat * size + i
+    return flat
+
+
 def _reductions_in_place(rank, world, seed):
     from axedist.runtime import count_collectives
 
@@ -405,6 +452,9 @@ ROW_WISE = {
     "flip": lambda x, y, w, b: x.flip(-1),
     "roll": lambda x, y, w, b: x.roll(2, -1),
     "stack beside the last dim": lambda x, y, w, b: torch.stack([x, y], 1),
+    "stack before the rows": lambda x, y, w, b: torch.stack([x, y * 2, x], 0),
+    "stack before, then a row of it": lambda x, y, w, b: torch.stack([x, y], 0)[1] * 3,
+    "stack before, then unbind": lambda x, y, w, b: torch.stack([x, y], 0).unbind(0)[0] - y,
     "interleaved rotation": lambda x, y, w, b: torch.stack([-x[:, 1::2], x[:, ::2]], -1).flatten(-2),
     "bmm of dealt rows": lambda x, y, w, b: torch.bmm(x.view(-1, 2, 3), y.view(-1, 3, 2)),
     "einsum of dealt rows": lambda x, y, w, b: torch.einsum("rij,rkj->rik", x.view(-1, 2, 3), y.view(-1, 2, 3)),

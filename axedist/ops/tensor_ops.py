@@ -30,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
-from ..layout import with_inner_dims
-from .specs import local_shape_of, reduced_in_place
+from ..layout import with_dim_inserted, with_inner_dims, without_dim
+from .specs import layout_only, local_shape_of, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -190,9 +190,37 @@ def stack_rule(call: OpCall) -> Sharding:
         found = rows_in_place(specs, ndim - 1, [inner])
         if found is not None:  # rows dealt by a layout: each device stacks its own rows
             return Sharding(inputs=found[0], outputs=found[1][0])
+    if len(specs) == len(tensors):
+        stacked = _stacked_in_place(specs, d)
+        if stacked is not None:  # pieces of a layout: each device stacks its own at d
+            return stacked
     target = joint_placements(specs)
     out = renumber(target, ndim, lambda e: e if e < d else e + 1)
     return Sharding(inputs=[target] * len(specs), outputs=out)
+
+
+def _stacked_in_place(specs: list[ArgSpec], d: int) -> Sharding | None:
+    """``stack`` at ``d`` where an input has a layout with no placement form whose pieces are
+    row-major (``layout.with_dim_inserted``): every input is asked for that layout (a replicated
+    one is cut where it is) and each device stacks its own pieces; the new dim is whole on every
+    device. ``stack([x, y], 0)`` of rows dealt round-robin in pairs moves nothing. None where
+    no input has such a layout, an input is pending, or the shapes differ."""
+    if any(s.reduce_op for s in specs) or len({s.shape for s in specs}) != 1:
+        return None
+    source = next((s for s in specs if layout_only(s)), None)
+    if source is None or math.prod(source.shape) == 0:
+        return None
+    out = with_dim_inserted(source.layout, source.shape, d, len(specs))
+    return None if out is None else Sharding(inputs=[source.layout] * len(specs), outputs=out)
+
+
+def _index_taken_in_place(x: ArgSpec, d: int):
+    """The layout each device's pieces leave when it takes one index of dim ``d`` of ``x`` (a
+    layout with no placement form whose dim ``d`` is whole and local everywhere:
+    ``layout.without_dim``); None otherwise (the placement way)."""
+    if not isinstance(x, ArgSpec) or not layout_only(x) or x.ndim < 2 or math.prod(x.shape) == 0:
+        return None
+    return without_dim(x.layout, x.shape, d)
 
 
 # ---------------------------------------------------------------------------
@@ -237,6 +265,9 @@ def unbind_rule(call: OpCall) -> Sharding:
     x = call.args[0]
     dim = call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0)
     d = dim % max(x.ndim, 1)
+    taken = _index_taken_in_place(x, d)
+    if taken is not None:  # the dim whole on every device: each unbinds its own pieces
+        return Sharding(inputs=[x.layout], outputs=tuple([taken] * x.shape[d]))
     target = unshard(placements_of(x), [d], x.ndim)
     out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
     return Sharding(inputs=[target], outputs=tuple([out] * x.shape[d]))
@@ -312,6 +343,9 @@ def select_rule(call: OpCall) -> Sharding:
     """``x[:, 2]`` of ``[Shard(0)]`` -> ``[Shard(0)]``; ``x[2]`` of ``[Shard(1)]`` -> ``[Shard(0)]``."""
     x, dim = call.args[0], call.args[1]
     d = dim % max(x.ndim, 1)
+    taken = _index_taken_in_place(x, d)
+    if taken is not None:  # the dim whole on every device: each selects from its own pieces
+        return Sharding(inputs=[x.layout], outputs=taken)
     target = unshard(placements_of(x), [d], x.ndim)
     out = renumber(target, x.ndim, lambda e: e if e < d else e - 1)
     return Sharding(inputs=[target], outputs=out)
