@@ -33,7 +33,8 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from .specs import padded, reduced_in_place
+from ..layout import with_inner_dims
+from .specs import layout_only, padded, reduced_in_place
 from .tensor_ops import placements_of, unshard, without_partial
 
 aten = torch.ops.aten
@@ -175,6 +176,32 @@ def _replicated_scalar(spec) -> bool:
                                              and all(isinstance(p, Replicate) for p in spec.placements))
 
 
+def _rows_broadcast(specs: list, out_shape: tuple) -> Sharding | None:
+    """Operands of the output's rank that share leading dims (the rows) and broadcast against
+    each other in whole trailing dims, one of them laid out by a layout with no placement form
+    that deals only those rows (``specs.reduced_in_place`` over the trailing dims): every operand
+    is asked for that map of rows with its own trailing dims (a replicated one is cut where it
+    is) and each piece broadcasts its own rows. ``x.unsqueeze(-1) * y.unsqueeze(-2)`` of dealt
+    rows: the (R, H, H) outer products keep the rows' map. None otherwise."""
+    ndim = len(out_shape)
+    if not specs or any(s.reduce_op or s.ndim != ndim for s in specs) or 0 in out_shape:
+        return None
+    source = next((s for s in specs if layout_only(s)), None)
+    if source is None:
+        return None
+    for lead in range(ndim - 1, 0, -1):  # the most leading dims first
+        if any(tuple(s.shape[:lead]) != tuple(out_shape[:lead]) for s in specs):
+            continue
+        rows = reduced_in_place(source, list(range(lead, ndim)))
+        if rows is None:
+            continue
+        targets = [with_inner_dims(rows, out_shape[:lead], s.shape[lead:]) for s in specs]
+        out = with_inner_dims(rows, out_shape[:lead], out_shape[lead:])
+        if out is not None and all(t is not None for t in targets):
+            return Sharding(inputs=targets, outputs=out)
+    return None
+
+
 def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
     """The elementwise rule (also used by other families for ops that act per element).
 
@@ -236,6 +263,10 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         everywhere = (Replicate(),) * mesh.ndim
         return Sharding(inputs=[whole(main) if sliced(s) else everywhere if pending_scalar(s) else None for s in specs],
                         outputs=whole(main))
+
+    broadcast = _rows_broadcast(specs, out_shape) if anchor is None else None
+    if broadcast is not None:
+        return broadcast
 
     def out_dim(spec: ArgSpec, d: int) -> int | None:
         """Output dim of input dim d, or None when it broadcasts (extent 1 against more)."""
