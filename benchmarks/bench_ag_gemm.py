@@ -127,7 +127,9 @@ def run_multi(args):
                    "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
-        queued = row["queued"] = time_interleaved(columns, args.reps, queued=True)
+        # aligned: a coupled column after the local cuBLAS / W=1 ones no longer absorbs the
+        # ranks' skew (the NCCL AG device column did until f4d35fa: 405B 1.038 ms device vs 0.632 eager)
+        queued = row["queued"] = time_interleaved(columns, args.reps, queued=True, align=True)
         # eager interleaved too, in blocks of three calls of a column (the last timed): columns
         # timed one after another read the GPUs' clock of their moment (bench_gemm_rs.py)
         row.update(time_interleaved(columns, args.reps, block=3))

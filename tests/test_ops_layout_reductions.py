@@ -455,6 +455,8 @@ ROW_WISE = {
     "stack before the rows": lambda x, y, w, b: torch.stack([x, y * 2, x], 0),
     "outer product of rows": lambda x, y, w, b: x.unsqueeze(-1) * y.unsqueeze(-2),
     "sum over a middle dim": lambda x, y, w, b: x.view(-1, 2, 3).sum(1),
+    "expand into a new leading dim": lambda x, y, w, b: x.expand(2, *x.shape) * 2,
+    "repeat_kv's expand": lambda x, y, w, b: x.view(-1, 2, 3)[:, :, None].expand(-1, 2, 2, 3).reshape(-1, 4, 3),
     "softmax over a middle dim": lambda x, y, w, b: torch.softmax(x.view(-1, 2, 3), 1),
     "stack before, then a row of it": lambda x, y, w, b: torch.stack([x, y], 0)[1] * 3,
     "stack before, then unbind": lambda x, y, w, b: torch.stack([x, y], 0).unbind(0)[0] - y,

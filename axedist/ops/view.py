@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..layout import Iter, Layout, LayoutError, row_major_memory, with_inner_dims
+from ..layout import Iter, Layout, LayoutError, row_major_memory, with_dim_inserted, with_inner_dims, without_dim
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
 from .specs import expected_local_shape, local_shape_of, padded, spec_of
@@ -214,6 +214,37 @@ def _per_row_way(spec: ArgSpec, new: tuple) -> Sharding | None:
     return Sharding(inputs=[None], outputs=out, local=local)
 
 
+def _whole_dims_way(spec: ArgSpec, new: tuple) -> Sharding | None:
+    """``expand`` of a layout with no placement form into new leading dims and size-1 dims
+    anywhere (``repeat_kv``'s ``x[:, :, None].expand(...)`` of dealt rows): each piece expands
+    its own, the new extents whole and local at their places in each piece's row-major memory
+    (``layout.with_dim_inserted``). None where the pieces are not row-major, or the tensor is
+    pending or padded."""
+    if spec.placements is not None or spec.reduce_op or padded(spec) or len(new) < spec.ndim:
+        return None
+    lead = len(new) - spec.ndim
+    grown = [d for d in range(spec.ndim) if spec.shape[d] != new[lead + d]]
+    if any(spec.shape[d] != 1 for d in grown) or 0 in new:
+        return None
+    layout, shape = spec.layout, list(spec.shape)
+    for d in reversed(grown):  # the size-1 dims off, then every new extent in at its place
+        layout = without_dim(layout, shape, d)
+        if layout is None:
+            return None
+        del shape[d]
+    for position in sorted([*range(lead), *(lead + d for d in grown)]):
+        layout = with_dim_inserted(layout, shape, position, new[position]) if layout is not None else None
+        shape.insert(position, new[position])
+    if layout is None:
+        return None
+    kept = [-1 if p >= lead and p - lead not in grown else new[p] for p in range(len(new))]
+
+    def local(call_, x, *args, **kwargs):
+        return x.expand(*kept)
+
+    return Sharding(inputs=[None], outputs=layout, local=local)
+
+
 @register(aten.expand.default)
 def expand(call: OpCall) -> Sharding:
     """Broadcast dims (extent 1 -> n) are replicated; the others keep their shards."""
@@ -224,6 +255,9 @@ def expand(call: OpCall) -> Sharding:
     per_row = _per_row_way(spec, new)
     if per_row is not None:
         return per_row
+    whole = _whole_dims_way(spec, new)
+    if whole is not None:
+        return whole
     if spec.placements is None:
         full = (Replicate(),) * mesh.ndim
         want, out = full, full
