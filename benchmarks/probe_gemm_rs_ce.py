@@ -70,7 +70,8 @@ def profiled_copies(call, calls: int) -> dict:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as handle:
         prof.export_chrome_trace(handle.name)
-        events = json.load(open(handle.name))["traceEvents"]
+        with open(handle.name) as trace_file:
+            events = json.load(trace_file)["traceEvents"]
     kernels = sorted(e["ts"] for e in events
                      if e.get("cat") == "kernel" and "engine_gemm_reduce_scatter" in e.get("name", ""))
     if not kernels:
@@ -119,10 +120,15 @@ def chunk_timeline(traces: list, spans: list, m: int, n: int, config, target: in
     return out
 
 
+def copy_rate(chunk: dict) -> float:
+    """GB/s of a chunk's copy (chunk_timeline's row)."""
+    return chunk["megabytes"] * 2**20 / max(1e-9, chunk["copy_end_us"] - chunk["copy_start_us"]) / 1e3
+
+
 def chunk_lines(chunks) -> list:
     return [f"rank {c['rank']} chunk {c['chunk']}: ready {c['ready_us']:.0f}, copy "
             f"{c['copy_start_us']:.0f}-{c['copy_end_us']:.0f} us ({c['megabytes']:.1f} MiB, "
-            f"{c['megabytes'] * 2**20 / max(1e-9, c['copy_end_us'] - c['copy_start_us']) / 1e3:.0f} GB/s); "
+            f"{copy_rate(c):.0f} GB/s); "
             f"peer's own tiles from {c['peer_own_start_us']:.0f} us, wait <= {c['peer_own_wait_max_us']:.1f} us"
             for c in chunks or []]
 
@@ -261,7 +267,7 @@ def write_markdown(saved, out_dir):
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r, name, chunks in timelines:
             for c in chunks:
-                rate = c["megabytes"] * 2**20 / max(1e-9, c["copy_end_us"] - c["copy_start_us"]) / 1e3
+                rate = copy_rate(c)
                 lines.append(f"| {r['M']} | {r['N']} | {r['K_local']} | {name} | {c['rank']} | {c['chunk']} | "
                              f"{c['ready_us']:.0f} | {c['copy_start_us']:.0f}-{c['copy_end_us']:.0f} | "
                              f"{c['megabytes']:.1f} | {rate:.0f} | {c['peer_own_start_us']:.0f} | "

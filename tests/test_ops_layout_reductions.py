@@ -454,6 +454,8 @@ ROW_WISE = {
     "stack beside the last dim": lambda x, y, w, b: torch.stack([x, y], 1),
     "stack before the rows": lambda x, y, w, b: torch.stack([x, y * 2, x], 0),
     "outer product of rows": lambda x, y, w, b: x.unsqueeze(-1) * y.unsqueeze(-2),
+    "stack with a replicated tensor": lambda x, y, w, b: torch.stack([x, w[:2].sum(0).expand(x.shape[0], H)], 0),
+    "outer product with a replicated operand": lambda x, y, w, b: x.unsqueeze(-1) * b.expand(x.shape[0], H)[:, None],
     "sum over a middle dim": lambda x, y, w, b: x.view(-1, 2, 3).sum(1),
     "expand into a new leading dim": lambda x, y, w, b: x.expand(2, *x.shape) * 2,
     "repeat_kv's expand": lambda x, y, w, b: x.view(-1, 2, 3)[:, :, None].expand(-1, 2, 2, 3).reshape(-1, 4, 3),

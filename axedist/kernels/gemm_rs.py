@@ -1129,6 +1129,9 @@ class EngineReduceScatter:
                  target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
+        if not 1 <= streams <= schedule.COPY_STREAMS:
+            raise ValueError(f"gemm_reduce_scatter /ce: 1 to {schedule.COPY_STREAMS} side streams, "
+                             f"got {streams}")
         if world * m_chunk * ops.n * element > workspace.data_bytes:
             raise ValueError(f"gemm_reduce_scatter /ce: {world * m_chunk * ops.n * element} bytes "
                              f"per half needed, the workspace has {workspace.data_bytes}")
@@ -1171,8 +1174,6 @@ class EngineReduceScatter:
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
         self.row_pitch = row_pitch
-        if not 1 <= streams <= schedule.COPY_STREAMS:
-            raise ValueError(f"gemm_reduce_scatter /ce: 1 to {schedule.COPY_STREAMS} side streams, got {streams}")
         self.sides = workspace.copy_streams()[:streams]
         self.ready = torch.cuda.Event()
         self.sent = [torch.cuda.Event() for _ in self.sides]
@@ -1196,7 +1197,8 @@ class EngineReduceScatter:
         self.kernel(ops, out)
         runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
         handles, state = [side.cuda_stream for side in sides], workspace.state.data_ptr()
-        for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(self.copies[epoch % 2]):
+        copies = self.copies[epoch % 2]
+        for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(copies):
             stream = handles[index % len(handles)]  # chunks dealt over the side streams in turn
             wait_value_async(driver, stream, out_flag, epoch)
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
