@@ -443,6 +443,7 @@ ROW_WISE = {
     "cat along the rows": lambda x, y, w, b: torch.cat([x, y * 2], -1),
     "cat with a replicated tensor": lambda x, y, w, b: torch.cat([x, w[:2].sum(0).expand(x.shape[0], H)], -1),
     "slice": lambda x, y, w, b: x[:, 1:5:2],
+    "index_select along the rows": lambda x, y, w, b: x.index_select(1, torch.tensor([4, 0, 4])),
     "chunk": lambda x, y, w, b: x.chunk(2, -1)[1],
     "split_with_sizes": lambda x, y, w, b: x.split([2, 4], -1)[1] * 3,
     "rotate_half": lambda x, y, w, b: torch.cat([-x.chunk(2, -1)[1], x.chunk(2, -1)[0]], -1),

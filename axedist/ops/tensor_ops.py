@@ -382,8 +382,12 @@ def index_select_rule(call: OpCall) -> Sharding:
     """
     x, dim, index = call.args[0], call.args[1], call.args[2]
     d = dim % max(x.ndim, 1)
-    xp = list(unshard(placements_of(x), [d], x.ndim))
     has_index = isinstance(index, ArgSpec)
+    found = rows_in_place([x], d, [index.shape[0] if index.ndim else 1]) if x.ndim >= 2 else None
+    if found is not None:  # along whole rows dealt by a layout: each device picks from its own rows
+        everywhere = (Replicate(),) * call.mesh.ndim
+        return Sharding(inputs=found[0] + ([everywhere] if has_index else []), outputs=found[1][0])
+    xp = list(unshard(placements_of(x), [d], x.ndim))
     ip = list(without_partial(placements_of(index))) if has_index else []
     out = list(xp)
     for i in range(len(xp)):
