@@ -754,6 +754,20 @@ def without_dim(layout: Layout, shape: Sequence[int], dim: int) -> Layout | None
     return Layout(iters, layout.replica, layout.offset)
 
 
+def without_dims(layout: Layout, shape: Sequence[int], dims: Sequence[int]) -> Layout | None:
+    """:func:`without_dim` for each of ``dims`` (distinct, in range), the innermost first: the
+    layout of ``shape`` without them, or None where one is not whole and local in every piece.
+
+    ``without_dims(S[(2,3,4,2,6):(36,12,1@gpuid,6,1)], (2, 3, 8, 6), [0, 1])`` -> ``S[(4,2,6):(1@gpuid,6,1)]``."""
+    shape = list(shape)
+    for dim in sorted(dims, reverse=True):
+        layout = without_dim(layout, shape, dim)
+        if layout is None:
+            return None
+        del shape[dim]
+    return layout
+
+
 def row_major_memory(blocks: Sequence[Sequence[Iter]]) -> tuple[tuple[int, ...], list[list[int | None]]]:
     """The local shape that a grouped layout's ``m`` iters span, and the stride each ``m`` iter has
     when local memory is row-major over that shape (``None`` for iters on other axes).

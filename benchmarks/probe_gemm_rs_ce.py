@@ -100,6 +100,9 @@ def chunk_timeline(traces: list, spans: list, m: int, n: int, config, target: in
         tile_m, tile_n = schedule.grouped_tile(index, tiles_m, tiles_n, config.group_m)
         return (tile_m // config.group_m) * bands + tile_n // band_tiles
 
+    ids = [chunk_of(i) for i in range(per_slot)]
+    members = [[i for i, c in enumerate(ids) if c == chunk] for chunk in range(len(rectangles))]
+
     out = []
     for rank in range(world):
         rows, peer_rows = traces[rank], traces[1 - rank]
@@ -108,9 +111,9 @@ def chunk_timeline(traces: list, spans: list, m: int, n: int, config, target: in
         data = [c for c in spans[rank]["copies"] if c[2] > 4]
         kernel = spans[rank]["kernel_us"]
         shift = spans[1 - rank]["kernel_us"] - kernel  # the peer's kernel start in this frame
-        for chunk in range(len(rectangles)):
-            ready = max(rows[i][1] for i in range(per_slot) if chunk_of(i) == chunk)
-            own = [peer_rows[per_slot + i] for i in range(per_slot) if chunk_of(i) == chunk]
+        for chunk, tasks in enumerate(members):  # a slot's tasks of the chunk, in claim order
+            ready = max(rows[i][1] for i in tasks)
+            own = [peer_rows[per_slot + i] for i in tasks]
             copy = data[chunk] if chunk < len(data) else (float("nan"),) * 3
             out.append(dict(rank=rank, chunk=chunk, ready_us=(ready - first) / 1e3,
                             copy_start_us=copy[0] - kernel, copy_end_us=copy[1] - kernel,

@@ -1175,6 +1175,7 @@ class EngineReduceScatter:
                                     m_chunk, ops.n, element, rectangles)
         self.row_pitch = row_pitch
         self.sides = workspace.copy_streams()[:streams]
+        self.handles = [side.cuda_stream for side in self.sides]
         self.ready = torch.cuda.Event()
         self.sent = [torch.cuda.Event() for _ in self.sides]
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
@@ -1196,7 +1197,7 @@ class EngineReduceScatter:
         # a hardware queue, a wait queued first would block the kernel it waits for
         self.kernel(ops, out)
         runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
-        handles, state = [side.cuda_stream for side in sides], workspace.state.data_ptr()
+        handles, state = self.handles, workspace.state.data_ptr()
         copies = self.copies[epoch % 2]
         for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(copies):
             stream = handles[index % len(handles)]  # chunks dealt over the side streams in turn

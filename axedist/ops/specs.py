@@ -14,7 +14,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..caches import cached
-from ..layout import MEMORY_AXIS, Layout, LayoutError, without_dim, without_inner_dims
+from ..layout import MEMORY_AXIS, Layout, LayoutError, without_dims, without_inner_dims
 from ..spec import element_table, make_spec, nested_chunk, placements_of, spec_from_placements
 
 __all__ = ["spec_of", "expected_local_shape", "local_shape_of", "placements_or_none", "padded", "reduced_in_place",
@@ -112,19 +112,13 @@ def reduced_in_place(x, dims) -> Layout | None:
     The rows of ``h.view(B*S, H)`` for ``h`` (B, S, H) in ``[Shard(1)]``, summed over dim 1:
     each device sums its own rows, the (B*S,) result keeps their map; no data moves. Dims that
     are not the last ones qualify where each is whole and local in every piece and the pieces'
-    memory is row-major (``layout.without_dim``): ``h.view(-1, 2, 3).sum(1)`` of dealt rows."""
+    memory is row-major (``layout.without_dims``): ``h.view(-1, 2, 3).sum(1)`` of dealt rows."""
     dims = sorted({d % max(x.ndim, 1) for d in dims})
     if not layout_only(x) or not dims:
         return None
     if dims == list(range(x.ndim - len(dims), x.ndim)):
         return without_inner_dims(x.layout, x.shape, len(dims))
-    layout, shape = x.layout, list(x.shape)
-    for d in reversed(dims):  # each whole local dim taken off, the innermost first
-        layout = without_dim(layout, shape, d)
-        if layout is None:
-            return None
-        del shape[d]
-    return layout
+    return without_dims(x.layout, x.shape, dims)
 
 
 def dealing_axes(layout: Layout) -> set[str]:

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..layout import Iter, Layout, LayoutError, row_major_memory, with_dim_inserted, with_inner_dims, without_dim
+from ..layout import Iter, Layout, LayoutError, row_major_memory, with_dim_inserted, with_inner_dims, without_dims
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
 from .specs import expected_local_shape, local_shape_of, padded, spec_of
@@ -226,12 +226,11 @@ def _whole_dims_way(spec: ArgSpec, new: tuple) -> Sharding | None:
     grown = [d for d in range(spec.ndim) if spec.shape[d] != new[lead + d]]
     if any(spec.shape[d] != 1 for d in grown) or 0 in new:
         return None
-    layout, shape = spec.layout, list(spec.shape)
-    for d in reversed(grown):  # the size-1 dims off, then every new extent in at its place
-        layout = without_dim(layout, shape, d)
-        if layout is None:
-            return None
-        del shape[d]
+    # the size-1 dims off, then every new extent in at its place
+    layout = without_dims(spec.layout, spec.shape, grown)
+    if layout is None:
+        return None
+    shape = [s for d, s in enumerate(spec.shape) if d not in grown]
     for position in sorted([*range(lead), *(lead + d for d in grown)]):
         layout = with_dim_inserted(layout, shape, position, new[position]) if layout is not None else None
         shape.insert(position, new[position])
