@@ -630,6 +630,77 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
         assert _spill_bytes(kernel) == 0
 
 
+def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from axedist.kernels import gemm_gluon, gemm_rs
+    c = gemm_rs.GemmConfig(stages=stages, pipelined=True, engine=True)
+    tile = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
+    blocks = {"a_desc": [c.block_m, c.block_k],
+              "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n],
+              "staging_desc": tile, "out_desc": tile}
+    signature = {name: _gluon_descriptor(block) for name, block in blocks.items()}
+    signature.update(a_ptr="*bf16", b_ptr="*bf16", incoming_address="i64", own_flags="i64",
+                     out_flags="i64", counts_ptr="*i32", state_ptr="*i32", abort_ptr="*i32",
+                     error_address="i64", timeout_ns="i64", M="i32", N="i32", K="i32",
+                     M_CHUNK="i32", stride_am="i32", stride_ak="i32", stride_bk="i32",
+                     stride_bn="i32", engine_flag0="i32", band_tiles="i32", rank="i32",
+                     half_bytes="i64", trace_ptr="*i64")
+    constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
+                      STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, ENGINE_CHUNKS=64,
+                      PHASES=3, TRACE=False)
+    kernel = gemm_rs.pipelined_engine_gemm_reduce_scatter_kernel
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    divisible = ["a_ptr", "b_ptr", "N", "K", "stride_am", "state_ptr"]
+    source = GluonASTSource(fn=kernel, signature=signature,
+                            constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+                            attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": c.warps})
+
+
+@pytest.mark.parametrize("transposed,stages,world", [(False, 3, 2), (True, 4, 2), (False, 4, 4)])
+def test_gluon_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed, stages, world):
+    """/gl/ce: wgmma with one group in flight, TMA loads and stores (staging and output), no
+    remote access (the copy engine moves the partials), a completed-stores wait, system fence
+    and release per finished comm chunk, bounded acquire waits for the peers' chunks, no
+    spills, within Hopper's 227 KB of shared memory at 3 and 4 stages."""
+    _need_triton()
+    kernel = _compile_pipelined_engine_rs(transposed, stages, world)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx and "cp.async.bulk.wait_group 0" in ptx
+    assert "fence.acq_rel.sys" in ptx and "st.release.sys.global.b32" in ptx
+    assert "ld.acquire.sys.global.b32" in ptx and "%globaltimer" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx
+    assert re.search(r"ld\.global(\.\w+)*\.b32", ptx)   # the peers' partials, two elements a load
+    assert "multimem" not in ptx and ".local" not in ptx
+    assert kernel.metadata.shared <= 227 * 1024 and _spill_bytes(kernel) == 0
+
+
+def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():
+    """engine_pipelined_fits: whole tiles, TMA-describable operands and output, stages - 1
+    K blocks; a config without /gl never."""
+    from axedist.kernels import gemm_rs
+    config = gemm_rs.GemmConfig(stages=4, pipelined=True, engine=True)
+
+    def fits(m, n, k, world=2, config=config, out=None):
+        ops = gemm_rs.prepare_operands(torch.zeros(m, k, dtype=torch.bfloat16),
+                                       torch.zeros(k, n, dtype=torch.bfloat16))
+        out = torch.zeros(m // world, n, dtype=torch.bfloat16) if out is None else out
+        return gemm_rs.engine_pipelined_fits(ops, config, world, out)
+
+    assert fits(512, 768, 384) and fits(1024, 512, 192, world=4)
+    assert not fits(514, 768, 384)                       # 257 rows a chunk
+    assert not fits(512, 300, 384)                       # rows of 600 bytes
+    assert not fits(512, 640, 384)                       # 2.5 tile columns
+    assert not fits(512, 768, 128)                       # 2 K blocks, 3 loads ahead
+    assert not fits(512, 768, 384, config=gemm_rs.GemmConfig(engine=True))
+    assert not fits(512, 768, 384, out=torch.zeros(256, 769, dtype=torch.bfloat16)[:, 1:])
+
+
 def test_copy_engine_trace_of_the_wrong_type_or_size_is_refused():
     """A trace the kernel would write past (too few rows), in the wrong type or not contiguous
     raises before anything is allocated or compiled."""

@@ -116,43 +116,78 @@ def test_copy_engine_partials_every_world_size(world, seed):
     tiles' flag, then its flag copied. Tails and whole tiles (several groups and bands), both
     orientations, the pointer path; back to back without a sync mixed with push calls, three
     calls of a shape (the prepared launch); captured in a CUDA graph the call pushes, and
-    replays and eager calls after the capture stay right. Half the SMs are left free (the
-    driver may copy between two buffers of one GPU on SMs)."""
-    from axedist.kernels.gemm_rs import EngineReduceScatter, GemmConfig
-    from axedist.kernels.launch import multiprocessors
-    ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+    replays and eager calls after the capture stay right."""
+    from axedist.kernels.gemm_rs import GemmConfig
     config = GemmConfig(push=True, defer_release=True, engine=True)
+    shapes = [(TAILS, (False, True)), (WHOLE_TILES, (False, True)), ((1024, 2048, 512), (False, True)),
+              (POINTER, (False,))]
+    _check_copy_engine(world, seed, config, shapes, TAILS, gluon=set())
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_gluon_copy_engine_partials_every_world_size(world, seed):
+    """/gl/ce: the copy-engine kernel on the Gluon tile loop (tiles assigned statically, loads
+    one tile ahead, TMA stores into the staging buffer and the output, a peer tile counted after
+    the next tile's first wgmma): whole row tiles in both orientations with several groups and
+    bands and more tiles than programs, fp16 too; tails (257 rows) on the Triton kernel with the
+    same config; back to back, the prepared launch and the CUDA graph as the Triton kernel."""
+    from axedist.kernels.gemm_rs import GemmConfig
+    config = GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
+    shapes = [(WHOLE_TILES, (False, True)), ((1024, 2048, 512), (False, True)),
+              ((512, 2048, 1024), (True,)), (TAILS, (True,))]
+    _check_copy_engine(world, seed, config, shapes, WHOLE_TILES,
+                       gluon={WHOLE_TILES, (1024, 2048, 512), (512, 2048, 1024)})
+    ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
+    as_, bs = _inputs(world, *WHOLE_TILES, False, torch.float16)
+    assert not _call(ranks, as_, bs, config, f"/gl/ce fp16 W={world} seed={seed}")
+    assert all(call.replay.pipelined for call in ranks.last_plans)
+
+
+def _engine_processors(world):
+    """Half the SMs left free (the driver may copy between two buffers of one GPU on SMs)."""
+    from axedist.kernels.launch import multiprocessors
+    return multiprocessors(0) // (2 * world)
+
+
+def _check_copy_engine(world, seed, config, shapes, sequence_shape, gluon):
+    """The /ce checks of one config: every shape in its orientations (the Gluon kernel ran for
+    exactly the shapes in `gluon`), calls back to back, replays and a CUDA graph capture."""
+    from axedist.kernels.gemm_rs import EngineReduceScatter
+    ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
+    label = f"{config} W={world} seed={seed}"
     failures = []
-    for shape in (TAILS, WHOLE_TILES, (1024, 2048, 512), POINTER):
-        for transposed in (False, True) if shape is not POINTER else (False,):
+    for shape, orientations in shapes:
+        for transposed in orientations:
             as_, bs = _inputs(world, *shape, transposed)
-            failures += _call(ranks, as_, bs, config, f"/ce W={world} {shape} B^T={transposed} seed={seed}")
+            failures += _call(ranks, as_, bs, config, f"{label} {shape} B^T={transposed}")
+            assert all(isinstance(call.replay, EngineReduceScatter)
+                       and call.replay.pipelined == (shape in gluon) for call in ranks.last_plans), shape
     pending = []
     for call in range(6):
-        as_, bs = _inputs(world, *TAILS, transposed=call % 2 == 1)
+        as_, bs = _inputs(world, *sequence_shape, transposed=call % 2 == 1)
         mode = config if call != 3 else _configs()["defer_push"]
         outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=mode)
-        pending.append((as_, bs, outs, f"back to back call {call} ({mode}) seed={seed}"))
+        pending.append((as_, bs, outs, f"back to back call {call} ({mode}) {label}"))
     ranks.check()
     failures += [f for as_, bs, outs, label in pending for f in _failures(as_, bs, outs, label)]
     assert all(isinstance(call.replay, EngineReduceScatter) for call in ranks.last_plans)
-    as_, bs = _inputs(world, *TAILS, True)
+    as_, bs = _inputs(world, *sequence_shape, True)
     outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=config)
     ranks.check()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         ranks.gemm_reduce_scatter(as_, bs, outs, config=config)
     for replay in range(3):
-        fresh_as, fresh_bs = _inputs(world, *TAILS, True)
+        fresh_as, fresh_bs = _inputs(world, *sequence_shape, True)
         for target, value in zip(as_ + bs, fresh_as + fresh_bs):
             target.copy_(value)
         for out in outs:
             out.fill_(float("nan"))
         graph.replay()
         ranks.check()
-        failures += _failures(as_, bs, outs, f"replay {replay}")
-        eager_as, eager_bs = _inputs(world, *TAILS, False)
-        failures += _call(ranks, eager_as, eager_bs, config, f"eager after replay {replay}")
+        failures += _failures(as_, bs, outs, f"replay {replay} {label}")
+        eager_as, eager_bs = _inputs(world, *sequence_shape, False)
+        failures += _call(ranks, eager_as, eager_bs, config, f"eager after replay {replay} {label}")
     assert not failures, failures
 
 

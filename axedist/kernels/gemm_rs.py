@@ -270,6 +270,39 @@ def gemm_reduce_scatter_kernel(
     finish_call(state_ptr, epoch)
 
 
+@triton.jit
+def _chunk_tiles(group, band, tiles_m, tiles_n, GROUP_M: tl.constexpr, band_tiles):
+    """Tiles of the /ce comm chunk (group of GROUP_M tile rows, band of band_tiles columns)."""
+    size_m = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)
+    size_n = tl.minimum(tiles_n - band * band_tiles, band_tiles)
+    return size_m * size_n
+
+
+@triton.jit
+def _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS: tl.constexpr):
+    """Index of the flag word source's copy of comm chunk chunk_id sets on this rank
+    (schedule.engine_flag, the epoch's parity)."""
+    return engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + chunk_id
+
+
+@triton.jit
+def _count_chunk_tile(counts_ptr, out_flags, counter, chunk_tiles, epoch, BULK: tl.constexpr):
+    """Count one stored peer tile of /ce comm chunk `counter` (BULK: once the program's TMA
+    stores of it have completed); the chunk's last tile fences at system scope (the copy engine
+    reads the chunk) and releases the chunk's out flag to the epoch. counts_ptr only grows (a
+    call adds a chunk's tile count, so the last tile of a call sees a multiple of it); the
+    barrier before the count orders every thread's stores of the tile before its release at
+    GPU scope: one system fence per chunk, not per tile."""
+    if BULK:
+        bulk_stores_complete(counter)
+    tl.debug_barrier()
+    done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    if (done + 1) % chunk_tiles == 0:
+        fence_acq_rel_sys(counter)
+        tl.debug_barrier()
+        st_release_sys(out_flags + counter * 4, epoch)
+
+
 @triton.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0",
                                "band_tiles"])
 def engine_gemm_reduce_scatter_kernel(
@@ -294,11 +327,7 @@ def engine_gemm_reduce_scatter_kernel(
     half (slot = source) once that source's flag holds >= epoch - 1 (see ag_gemm's
     _wait_engine_rows), then stores the output. Peer tiles precede own tiles in the claim order
     and never wait, so a waiting own tile always finds its peers' producers claimed: no
-    deadlock. counts_ptr: per (slot, chunk) tile counts that only grow (a call adds a chunk's
-    tile count, so the last tile of a call sees a multiple of it); the barrier before a count
-    orders the tile's stores before its release at GPU scope, and the chunk's last program
-    fences at system scope before the flag (the copy engine reads them): one system fence per
-    chunk, not per tile.
+    deadlock. counts_ptr: per (slot, chunk) tile counts (_count_chunk_tile).
     TRACE: trace_ptr [tasks, 6] int64 gets, per task, its start and end
     (globaltimer ns), SM, and cycles in the main loop, in waits, in all (probes only).
     PHASES (interpreter tests): 1 the peer tiles, 2 the own tiles, without flags and waits;
@@ -343,15 +372,9 @@ def engine_gemm_reduce_scatter_kernel(
                 tl.store(staging_ptr + slot.to(tl.int64) * M_CHUNK * N + offsets,
                          accumulator.to(ELEMENT), mask=mask)
                 if SIGNAL:
-                    size_m = tl.minimum(tiles_m - group * GROUP_M, GROUP_M)
-                    size_n = tl.minimum(tiles_n - band * band_tiles, band_tiles)
-                    counter = slot * chunks + chunk_id
-                    tl.debug_barrier()
-                    done = tl.atomic_add(counts_ptr + counter, 1, sem="acq_rel", scope="gpu")
-                    if (done + 1) % (size_m * size_n) == 0:
-                        fence_acq_rel_sys(counter)
-                        tl.debug_barrier()
-                        st_release_sys(out_flags + counter * 4, epoch)
+                    _count_chunk_tile(counts_ptr, out_flags, slot * chunks + chunk_id,
+                                      _chunk_tiles(group, band, tiles_m, tiles_n, GROUP_M,
+                                                   band_tiles), epoch, False)
             else:
                 # this rank's partial rounded first, as every peer's was (the sum of the W
                 # rounded partials in fp32, as the push kernel and NCCL): the fp32 tile is dead
@@ -362,8 +385,8 @@ def engine_gemm_reduce_scatter_kernel(
                     if SIGNAL:
                         if TRACE:
                             before = clock_cycles(task)
-                        flag = (engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS
-                                + chunk_id)
+                        flag = _incoming_flag(engine_flag0, epoch, source, chunk_id,
+                                              ENGINE_CHUNKS)
                         wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address,
                                   source, flag, timeout_ns)
                         if TRACE:
@@ -381,6 +404,133 @@ def engine_gemm_reduce_scatter_kernel(
                 tl.store(record + 4, waited)
                 tl.store(record + 5, clock_cycles(task) - cycle0)
         task = claim_task(state_ptr)
+    finish_call(state_ptr, epoch)
+
+
+@gluon.jit
+def _engine_task_origin(task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD: gl.constexpr,
+                        BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """(first row of A, first column) of /ce task `task`'s tile (the claim order of
+    engine_gemm_reduce_scatter_kernel: slot s < W - 1 the chunk of peer rank + 1 + s, slot
+    W - 1 this rank's own)."""
+    slot = task // per_slot
+    tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
+    owner = gl.where(slot < WORLD - 1, (rank + 1 + slot) % WORLD, rank)
+    return owner * M_CHUNK + tile_m * BM, tile_n * BN
+
+
+@gluon.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0", "band_tiles"])
+def pipelined_engine_gemm_reduce_scatter_kernel(
+        a_desc, a_ptr, b_desc, b_ptr, staging_desc, out_desc, incoming_address, own_flags,
+        out_flags, counts_ptr, state_ptr, abort_ptr, error_address, timeout_ns,
+        M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn, engine_flag0, band_tiles,
+        rank, half_bytes, trace_ptr,
+        WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+        GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
+        B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
+        TRACE: gl.constexpr):
+    """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
+    the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
+    out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
+    output, blocks [BM, BN / EPILOGUE_SPLIT]).
+
+    Tasks are assigned statically (program p runs p, p + P, ... in order), so a program knows
+    its next tile and loads it while the current one's last K steps run. Peer tiles precede own
+    tiles in every program's list and never wait, so the producers of every chunk an own tile
+    waits for run to the end: no deadlock. A peer tile leaves through TMA stores into the
+    staging buffer; the program counts it (_count_chunk_tile) after the next tile's first
+    wgmma is issued, once the stores have completed, so the tensor cores do not wait for the
+    drain, and never while it waits itself. An own tile adds the peers' partials, loaded in
+    the accumulator's layout (two elements a load; a loop over the sources keeps one partial
+    live), and leaves through TMA stores into the output. Whole tiles only
+    (engine_pipelined_fits)."""
+    gl.static_assert(USE_TMA and PHASES == 3 and not TRACE)
+    dtype: gl.constexpr = a_desc.dtype
+    a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
+    c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+
+    epoch = call_epoch(state_ptr)
+    incoming = (incoming_address + (epoch % 2).to(gl.int64) * half_bytes).to(
+        gl.pointer_type(dtype))
+    tiles_m = gl.cdiv(M_CHUNK, BM)
+    tiles_n = gl.cdiv(N, BN)
+    per_slot = tiles_m * tiles_n
+    tasks = WORLD * per_slot
+    bands = gl.cdiv(tiles_n, band_tiles)
+    chunks = gl.cdiv(tiles_m, GROUP_M) * bands
+    k_tiles = gl.cdiv(K, BK)
+    first = gl.program_id(0)
+    programs = gl.num_programs(0)
+
+    # loads run at most one tile ahead (the host launches this kernel only when
+    # k_tiles >= STAGES - 1)
+    row0, col0 = _engine_task_origin(first, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD,
+                                     BM, BN, GROUP_M)
+    for step in gl.static_range(STAGES - 1):
+        issue_load(step, row0, col0, step * BK, first < tasks, a_desc, b_desc, bars, a_bufs,
+                   b_bufs, STAGES, B_TRANSPOSED)
+    layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
+    rows_in_tile = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    cols_in_tile = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    step = 0
+    pending = first * 0 - 1       # the chunk of a peer tile whose stores are in flight
+    pending_tiles = first * 0 + 1
+    task = first
+    while task < tasks:
+        next_task = task + programs
+        next_row, next_col = _engine_task_origin(next_task, rank, per_slot, tiles_m, tiles_n,
+                                                 M_CHUNK, WORLD, BM, BN, GROUP_M)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+        for kk in range(k_tiles):
+            acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            if (kk == 0) & (pending >= 0):  # the last tile's stores drained under this wgmma
+                _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
+                pending = pending * 0 - 1
+            ahead = kk + STAGES - 1
+            this_tile = ahead < k_tiles
+            issue_load(step + STAGES - 1, gl.where(this_tile, row0, next_row),
+                       gl.where(this_tile, col0, next_col),
+                       gl.where(this_tile, ahead, ahead - k_tiles) * BK,
+                       this_tile | (next_task < tasks), a_desc, b_desc, bars, a_bufs, b_bufs,
+                       STAGES, B_TRANSPOSED)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        slot = task // per_slot
+        tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
+        group = tile_m // GROUP_M
+        band = tile_n // band_tiles
+        if slot < WORLD - 1:
+            store_tile_halves(acc.to(dtype), staging_desc, c_smem, slot * M_CHUNK + tile_m * BM,
+                              tile_n * BN)
+            pending = slot * chunks + group * bands + band
+            pending_tiles = _chunk_tiles(group, band, tiles_m, tiles_n, GROUP_M, band_tiles)
+        else:
+            # this rank's partial rounded first, as every peer's was (the sum of the W rounded
+            # partials in fp32, as the Triton kernel, the push kernel and NCCL)
+            total = acc.to(dtype).to(gl.float32)
+            # offsets within the tile (int32: the host checked BM * N < 2**31), from a base at
+            # its first element; no mask (the host launches this kernel for whole tiles only)
+            tile_start = (tile_m * BM).to(gl.int64) * N + tile_n * BN
+            offsets = rows_in_tile[:, None] * N + cols_in_tile[None, :]
+            for source_step in range(1, WORLD):  # (a loop, not unrolled: one partial live)
+                source = (rank + source_step) % WORLD
+                flag = _incoming_flag(engine_flag0, epoch, source, group * bands + band,
+                                      ENGINE_CHUNKS)
+                wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source,
+                          flag, timeout_ns)
+                # rows of 16-byte multiples (the host's condition too)
+                base = incoming + (source.to(gl.int64) * M_CHUNK * N + tile_start)
+                pointers = gl.multiple_of(base + offsets, [16, 16])
+                partial = gl.load(pointers)
+                total += partial.to(gl.float32)
+            store_tile_halves(total.to(dtype), out_desc, c_smem, tile_m * BM, tile_n * BN)
+        row0, col0 = next_row, next_col
+        task = next_task
+    if pending >= 0:
+        _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
+    bulk_stores_complete(task)  # no TMA store may outlive the kernel unfinished
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
     finish_call(state_ptr, epoch)
 
 
@@ -562,13 +712,14 @@ class GemmConfig:
     # other's main loop, for tiles small enough that two fit in an SM's registers and shared
     # memory (checked against the compiled kernel before the first launch)
     ctas_per_sm: int = 1
-    # pull mode on the Gluon tile loop (pipelined_gemm_reduce_scatter_kernel): the TMA
-    # pipeline runs across the program's GEMM tiles; where it cannot run (push, multimem,
-    # operands or output TMA cannot describe, a chunk not a whole number of row tiles, fewer
-    # than stages - 1 K blocks) the call runs the Triton kernel with the same tiles
+    # the Gluon tile loop: the TMA pipeline runs across the program's GEMM tiles. In pull mode
+    # pipelined_gemm_reduce_scatter_kernel, with engine pipelined_engine_gemm_reduce_scatter_
+    # kernel; where it cannot run (push, multimem, operands or output TMA cannot describe, a
+    # chunk not a whole number of row tiles, fewer than stages - 1 K blocks) the call runs the
+    # Triton kernel with the same tiles
     pipelined: bool = False
-    # ("/ce", p2p, the Triton tiles) the peers' partials move by copy engine: every SM computes
-    # tiles, a side stream copies each finished band of a peer's chunk (EngineReduceScatter).
+    # ("/ce", p2p) the peers' partials move by copy engine: every SM computes tiles, a side
+    # stream copies each finished band of a peer's chunk (EngineReduceScatter).
     # Inside a CUDA graph capture, and without cuda-python, the launch pushes instead (with
     # defer_release and push as given); the copy-engine kernel itself counts each tile as it is
     # stored (a deferred count measured 1-17% slower there, docs/gpu_notes.md)
@@ -616,6 +767,9 @@ CANDIDATES = (
     GemmConfig(64, 128, 64, 8, 4, 4),
     GemmConfig(128, 256, 64, 8, 3, 8, pipelined=True),
     GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, engine=True),
+    # /gl/ce: the copy-engine kernel on the Gluon tile loop (the Triton one where it cannot run)
+    GemmConfig(128, 256, 64, 8, 3, 8, defer_release=True, push=True, pipelined=True, engine=True),
+    GemmConfig(128, 256, 64, 8, 4, 8, defer_release=True, push=True, pipelined=True, engine=True),
 )
 # Opt-in (not tuned by default): the remote tile stores as TMA stores. Measured no faster than
 # the deferred masked push on 4x H200 (benchmarks/results/gemm_rs_w4_tma.md): Triton waits for
@@ -747,10 +901,7 @@ def _descriptors(ops: _Operands, config: GemmConfig, cached: bool = False):
     block_b = ([config.block_n, config.block_k] if ops.b_transposed
                else [config.block_k, config.block_n])
     if config.pipelined and not cached:  # the Gluon JIT types a descriptor by its layout too
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-        return tuple(TensorDescriptor.from_tensor(t, block, shared_layout(block, t.dtype))
-                     for t, block in ((ops.a, block_a), (ops.b, block_b)))
+        return _gluon_descriptor(ops.a, block_a), _gluon_descriptor(ops.b, block_b)
     return descriptor(ops.a, block_a, cached), descriptor(ops.b, block_b, cached)
 
 
@@ -829,24 +980,28 @@ def pipelined_fits(ops: _Operands, config: GemmConfig, world: int, mode: int, mu
             and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
 
 
+def _gluon_descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon TMA descriptor of a row-major matrix (its shared layout part of the type)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block, shared_layout(block, t.dtype))
+
+
 def _tile_destination(workspace, rank: int, part: torch.Tensor | None, n: int,
                       config: GemmConfig, dtype: torch.dtype):
     """The Gluon kernel's tile-store descriptor (block [BM, BN / EPILOGUE_SPLIT]): this rank's
     data region, both halves as rows of N (built once per workspace and shape), or `part`
     (GEMM_ONLY)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     block = [config.block_m, config.block_n // EPILOGUE_SPLIT]
     if workspace is None:
-        return TensorDescriptor.from_tensor(part, block, shared_layout(block, dtype))
+        return _gluon_descriptor(part, block)
     key = ("pipelined", workspace.data_addresses(0)[rank], workspace.data_bytes, n, *block,
            dtype)  # (by address, as _push_descriptors)
     cached = _push_descriptor_cache.get(key)
     if cached is None:
         rows = 2 * workspace.data_bytes // (n * dtype.itemsize)
         view = workspace.peer_data(rank, 0, dtype, rows * n, both_halves=True).view(rows, n)
-        cached = _push_descriptor_cache[key] = TensorDescriptor.from_tensor(
-            view, block, shared_layout(block, dtype))
+        cached = _push_descriptor_cache[key] = _gluon_descriptor(view, block)
     return cached
 
 
@@ -1032,13 +1187,17 @@ class Replay:
     _A_DESC, _A, _B_DESC, _B, _OUT = 0, 1, 2, 3, 5
 
     def __init__(self, compiled, grid: int, args: tuple, use_tma: bool, config: GemmConfig,
-                 b_transposed: bool, timeout_ns: int, device_index: int):
+                 b_transposed: bool, timeout_ns: int, device_index: int,
+                 out_block: list[int] | None = None):
         self.compiled, self.grid = compiled, grid
-        self.template = launch_template(args, (self._A_DESC, self._B_DESC) if use_tma else ())
+        refilled = ((self._A_DESC, self._B_DESC) if use_tma else ()) + (
+            (self._OUT, ) if out_block is not None else ())
+        self.template = launch_template(args, refilled)
         self.use_tma, self.timeout_ns, self.device_index = use_tma, timeout_ns, device_index
         self.block_a = [config.block_m, config.block_k]
         self.block_b = ([config.block_n, config.block_k] if b_transposed
                         else [config.block_k, config.block_n])
+        self.out_block = out_block  # the output as a TMA descriptor of this block (/gl/ce)
 
     def __call__(self, ops: _Operands, out: torch.Tensor) -> None:
         args = list(self.template)
@@ -1046,7 +1205,8 @@ class Replay:
             args[self._A_DESC] = descriptor(ops.a, self.block_a, True)
             args[self._B_DESC] = descriptor(ops.b, self.block_b, True)
         args[self._A], args[self._B] = ops.a.data_ptr(), ops.b.data_ptr()
-        args[self._OUT] = out.data_ptr()
+        args[self._OUT] = (out.data_ptr() if self.out_block is None
+                           else descriptor(out, self.out_block, True))
         self.compiled(self.grid, torch._C._cuda_getCurrentRawStream(self.device_index), args)
 
 
@@ -1099,6 +1259,19 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
     return copies
 
 
+def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int,
+                          out: torch.Tensor) -> bool:
+    """Whether a /ce call of a /gl config runs the Gluon kernel (else the Triton one, same
+    tiles): operands and output TMA can describe, whole tiles (a tile's TMA store never
+    crosses into the next chunk's rows of the staging buffer; an own tile loads the peers'
+    partials unmasked, with int32 offsets within the tile), at least stages - 1 K blocks (a
+    load runs at most one tile ahead)."""
+    return (config.pipelined and tma_compatible(ops.a) and tma_compatible(ops.b)
+            and tma_compatible(out) and (ops.m // world) % config.block_m == 0
+            and ops.n % config.block_n == 0 and config.block_m * ops.n < 2 ** 31
+            and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
+
+
 def engine_fits(ops: _Operands, config: GemmConfig, world: int, multimem: bool) -> bool:
     """Whether a fused call can move its partials by copy engine: unicast, several ranks, whole
     chunks, at most schedule.ENGINE_CHUNKS comm chunks, and cuda-python there to issue them."""
@@ -1109,7 +1282,8 @@ def engine_fits(ops: _Operands, config: GemmConfig, world: int, multimem: bool) 
 
 class EngineReduceScatter:
     """The /ce fused GEMM + reduce-scatter of one rank for one shape, config and workspace,
-    compiled and ready (engine_gemm_reduce_scatter_kernel): a call launches the kernel and, on
+    compiled and ready (engine_gemm_reduce_scatter_kernel, or its Gluon twin for a /gl config
+    where engine_pipelined_fits): a call launches the kernel and, on
     the workspace's side streams (chunks dealt over them in turn), for each peer and comm
     chunk, waits for the chunk's tiles
     (cuStreamWaitValue32 on its out flag), copies the rectangle of partials into the peer's data
@@ -1151,25 +1325,38 @@ class EngineReduceScatter:
         self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
+        # /gl: the Gluon tile loop where it fits (not traced: the probes trace the Triton one)
+        self.pipelined = trace is None and engine_pipelined_fits(ops, config, world, out)
         use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
-        a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=False))
+        a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=self.pipelined))
+        staging, destination, out_block = self.staging, out, None
+        if self.pipelined:
+            out_block = [config.block_m, config.block_n // EPILOGUE_SPLIT]
+            staging, destination = (_gluon_descriptor(t, out_block) for t in (
+                self.staging.view(-1, ops.n), out))
         strides = operand_strides(ops)
         constexprs = dict(WORLD=world, BM=config.block_m, BN=config.block_n, BK=config.block_k,
                           GROUP_M=config.group_m, STAGES=config.stages, USE_TMA=use_tma,
                           B_TRANSPOSED=ops.b_transposed and use_tma,
                           ENGINE_CHUNKS=schedule.ENGINE_CHUNKS, PHASES=3,
                           TRACE=trace is not None)
-        args = (a_desc, ops.a, b_desc, ops.b, self.staging, out, workspace.data_addresses(0)[rank],
+        args = (a_desc, ops.a, b_desc, ops.b, staging, destination,
+                workspace.data_addresses(0)[rank],
                 workspace.flag_addresses()[rank], self.out_flags.data_ptr(), self.counts,
                 workspace.state, workspace.abort, workspace.error_address(), self.timeout_ns,
                 ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
                 workspace.data_bytes, self.counts if trace is None else trace)
-        kernel = engine_gemm_reduce_scatter_kernel.warmup(
-            *args, **constexprs, num_warps=config.warps, num_stages=config.stages, grid=(1,))
+        if self.pipelined:
+            kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
+                *args, **constexprs, num_warps=config.warps, grid=(1,))
+        else:
+            kernel = engine_gemm_reduce_scatter_kernel.warmup(
+                *args, **constexprs, num_warps=config.warps, num_stages=config.stages, grid=(1,))
         grid = max(1, min(workspace.processors, tasks))
         # (A, B, the output and their descriptors at Replay's positions: a call refills them)
         self.kernel = Replay(CompiledLaunch(kernel, tuple(constexprs.values())), grid, args,
-                             use_tma, config, ops.b_transposed, self.timeout_ns, device.index)
+                             use_tma, config, ops.b_transposed, self.timeout_ns, device.index,
+                             out_block)
         row_pitch = ops.n * element
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
