@@ -7,7 +7,8 @@ every design shape, history/gemm_rs_w2_ce_d68b355.md.) The first run (f0315e6) f
 Per shape, in one interleaved device-time loop (axedist/collectives/timing.py, queued):
   cublas      torch.mm alone
   gemm_only   the fused kernel's GEMM alone, same tiles (collectives.fused.gemm_only)
-  ce          the /ce kernel (candidate 14's tiles)
+  ce          the /ce kernel (--config: candidate 16, /gl/ce, by default; candidate 14 is the
+              Triton kernel's; --triton times the same tiles on the Triton kernel too)
 Then one traced call: per task its start and end (globaltimer), SM, cycles in the main loop, in
 waits and in all; summarised per phase (peer tiles, own tiles) per rank. --copies runs that call
 under the CUDA profiler too (CUPTI), so that each comm chunk reads as one line: when its last
@@ -20,6 +21,7 @@ the traces on a machine with matplotlib).
     python benchmarks/probe_gemm_rs_ce.py --render <dir>/probe_gemm_rs_ce.json --out <dir>
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -149,7 +151,8 @@ def run(args):
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     world, rank = dist.get_world_size(), dist.get_rank()
-    base = gemm_rs.CANDIDATES[14]
+    base = (gemm_rs.CANDIDATES[int(args.config)] if args.config.isdigit()
+            else gemm_rs.GemmConfig.parse(args.config))
     results = []
     for m, n, k in SHAPES:
         torch.manual_seed(7 + rank)
@@ -160,14 +163,21 @@ def run(args):
         ops = gemm_rs.prepare_operands(a, b)
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
         # "ce": the shipped chunking and streams; "ce/c<n>": aiming at n comm chunks per peer;
-        # "ce/s<n>": the copies on n side streams
-        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): (c, schedule.COPY_STREAMS)
+        # "ce/s<n>": the copies on n side streams; "ce/k<n>" (a /gl config): a peer tile counted
+        # after K step n of the next tile; "ce/triton": the same config on the Triton kernel
+        shipped = (gemm_rs.ENGINE_TARGET_CHUNKS, schedule.COPY_STREAMS, 0, base)
+        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): (c, *shipped[1:])
                    for c in args.chunks}
-        targets.update({f"ce/s{s}": (gemm_rs.ENGINE_TARGET_CHUNKS, s) for s in args.streams
+        targets.update({f"ce/s{s}": (shipped[0], s, *shipped[2:]) for s in args.streams
                         if s != schedule.COPY_STREAMS})
-        engines = {name: gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace,
-                                                     target_chunks=c, streams=s)
-                   for name, (c, s) in targets.items()}
+        targets.update({f"ce/k{k}": (*shipped[:2], k, base) for k in args.count_steps if k})
+        if args.triton and base.pipelined:
+            targets["ce/triton"] = (*shipped[:3], dataclasses.replace(base, pipelined=False))
+        # GEMM-only: the config's tile loop alone (a push config would run the Triton one)
+        tiles_only = dataclasses.replace(base, push=False, defer_release=False, engine=False)
+        engines = {name: gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
+                                                     target_chunks=c, streams=s, count_step=k)
+                   for name, (c, s, k, config) in targets.items()}
 
         def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -184,15 +194,16 @@ def run(args):
             torch.cuda.synchronize()
             errors[name] = ((out.float() - reference).norm() / reference.norm()).item()
         times = time_interleaved({"cublas": lambda: torch.mm(a, b, out=product),
-                                  "gemm_only": lambda: gemm_only(a, b, world, base, out=product),
+                                  "gemm_only": lambda: gemm_only(a, b, world, tiles_only, out=product),
                                   **{name: (lambda e=e: call(e)) for name, e in engines.items()}},
                                  args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
         traces, chunks, step = {}, {}, torch.zeros(1, device="cuda")
-        for name, (target, streams) in targets.items():
+        for name, (target, streams, count_step, config) in targets.items():
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
-            traced = gemm_rs.EngineReduceScatter(ops, out, base, world, rank, workspace, trace=trace,
-                                                 target_chunks=target, streams=streams)
+            traced = gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
+                                                 trace=trace, target_chunks=target, streams=streams,
+                                                 count_step=count_step)
             # the last call's trace (each call rewrites every task's row), its copies by CUPTI
             # each profiled call starts with the ranks' GPUs in step (a one-float all-reduce)
             spans = profiled_copies(lambda: (dist.all_reduce(step), call(traced)), 3) if args.copies else None
@@ -320,6 +331,13 @@ if __name__ == "__main__":
                         help="comm chunks per peer to aim at, one /ce variant each (4: shipped)")
     parser.add_argument("--streams", type=lambda text: [int(c) for c in text.split(",")], default=[],
                         help="side-stream counts to time /ce variants with (the shipped count: 'ce')")
+    parser.add_argument("--config", default="16",
+                        help="the /ce config: an index into gemm_rs.CANDIDATES or a config string")
+    parser.add_argument("--count-steps", type=lambda text: [int(c) for c in text.split(",")],
+                        default=[], help="(a /gl config) also time a peer tile counted after these "
+                                         "K steps of the next tile (ce/k<n>)")
+    parser.add_argument("--triton", action="store_true",
+                        help="(a /gl config) also time the same config on the Triton kernel")
     parser.add_argument("--copies", action="store_true",
                         help="profile the traced call's side-stream copies (CUPTI) per comm chunk")
     parser.add_argument("--render", default=None, metavar="JSON")

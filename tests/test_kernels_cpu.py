@@ -630,7 +630,7 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
         assert _spill_bytes(kernel) == 0
 
 
-def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2):
+def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -650,7 +650,7 @@ def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2):
                      half_bytes="i64", trace_ptr="*i64")
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, ENGINE_CHUNKS=64,
-                      PHASES=3, TRACE=False)
+                      PHASES=3, TRACE=trace, COUNT_STEP=count_step)
     kernel = gemm_rs.pipelined_engine_gemm_reduce_scatter_kernel
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
@@ -676,8 +676,17 @@ def test_gluon_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed, st
     assert "ld.acquire.sys.global.b32" in ptx and "%globaltimer" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx
     assert re.search(r"ld\.global(\.\w+)*\.b32", ptx)   # the peers' partials, two elements a load
-    assert "multimem" not in ptx and ".local" not in ptx
+    assert "multimem" not in ptx and ".local" not in ptx and "%clock64" not in ptx
     assert kernel.metadata.shared <= 227 * 1024 and _spill_bytes(kernel) == 0
+
+
+def test_gluon_copy_engine_traces_without_spilling():
+    """TRACE (probes only): the timer, cycle counter and SM id, everything still in registers;
+    a later count step compiles alike."""
+    _need_triton()
+    traced = _compile_pipelined_engine_rs(world=4, trace=True, count_step=8)
+    assert "%clock64" in traced.asm["ptx"] and "%smid" in traced.asm["ptx"]
+    assert _spill_bytes(traced) == 0
 
 
 def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():

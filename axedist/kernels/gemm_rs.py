@@ -428,7 +428,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
-        TRACE: gl.constexpr):
+        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0):
     """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
     the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
     out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
@@ -438,13 +438,15 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     its next tile and loads it while the current one's last K steps run. Peer tiles precede own
     tiles in every program's list and never wait, so the producers of every chunk an own tile
     waits for run to the end: no deadlock. A peer tile leaves through TMA stores into the
-    staging buffer; the program counts it (_count_chunk_tile) after the next tile's first
-    wgmma is issued, once the stores have completed, so the tensor cores do not wait for the
+    staging buffer; the program counts it (_count_chunk_tile) once the stores have completed,
+    in the next tile's main loop after K step min(COUNT_STEP, K steps - 1) (0: right after its
+    first wgmma is issued; probes try later steps), so the tensor cores do not wait for the
     drain, and never while it waits itself. An own tile adds the peers' partials, loaded in
     the accumulator's layout (two elements a load; a loop over the sources keeps one partial
     live), and leaves through TMA stores into the output. Whole tiles only
-    (engine_pipelined_fits)."""
-    gl.static_assert(USE_TMA and PHASES == 3 and not TRACE)
+    (engine_pipelined_fits). TRACE as the Triton kernel's (the main loop: this tile's K
+    steps)."""
+    gl.static_assert(USE_TMA and PHASES == 3)
     dtype: gl.constexpr = a_desc.dtype
     a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
@@ -475,15 +477,20 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     step = 0
     pending = first * 0 - 1       # the chunk of a peer tile whose stores are in flight
     pending_tiles = first * 0 + 1
+    count_step = gl.minimum(k_tiles - 1, COUNT_STEP)
     task = first
     while task < tasks:
+        if TRACE:
+            started = globaltimer(task)
+            cycle0 = clock_cycles(task)
+            waited = cycle0 - cycle0
         next_task = task + programs
         next_row, next_col = _engine_task_origin(next_task, rank, per_slot, tiles_m, tiles_n,
                                                  M_CHUNK, WORLD, BM, BN, GROUP_M)
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
         for kk in range(k_tiles):
             acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-            if (kk == 0) & (pending >= 0):  # the last tile's stores drained under this wgmma
+            if (kk == count_step) & (pending >= 0):  # the last tile's stores drained meanwhile
                 _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
                 pending = pending * 0 - 1
             ahead = kk + STAGES - 1
@@ -495,6 +502,8 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                        STAGES, B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        if TRACE:
+            cycle1 = clock_cycles(task)
         slot = task // per_slot
         tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
         group = tile_m // GROUP_M
@@ -516,14 +525,26 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                 source = (rank + source_step) % WORLD
                 flag = _incoming_flag(engine_flag0, epoch, source, group * bands + band,
                                       ENGINE_CHUNKS)
+                if TRACE:
+                    before = clock_cycles(task)
                 wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source,
                           flag, timeout_ns)
+                if TRACE:
+                    waited += clock_cycles(task) - before
                 # rows of 16-byte multiples (the host's condition too)
                 base = incoming + (source.to(gl.int64) * M_CHUNK * N + tile_start)
                 pointers = gl.multiple_of(base + offsets, [16, 16])
                 partial = gl.load(pointers)
                 total += partial.to(gl.float32)
             store_tile_halves(total.to(dtype), out_desc, c_smem, tile_m * BM, tile_n * BN)
+        if TRACE:
+            record = trace_ptr + task.to(gl.int64) * 6
+            gl.store(record, started)
+            gl.store(record + 1, globaltimer(task))
+            gl.store(record + 2, sm_id(task).to(gl.int64))
+            gl.store(record + 3, cycle1 - cycle0)
+            gl.store(record + 4, waited)
+            gl.store(record + 5, clock_cycles(task) - cycle0)
         row0, col0 = next_row, next_col
         task = next_task
     if pending >= 0:
@@ -1292,15 +1313,17 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
-    target_chunks, streams (probes only): comm chunks per peer to aim at (engine_chunks), side
-    streams to deal them over (at most schedule.COPY_STREAMS).
+    target_chunks, streams, count_step (probes only): comm chunks per peer to aim at
+    (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K step
+    of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
     """
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace, trace: torch.Tensor | None = None,
-                 target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS):
+                 target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS,
+                 count_step: int = 0):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if not 1 <= streams <= schedule.COPY_STREAMS:
@@ -1325,8 +1348,8 @@ class EngineReduceScatter:
         self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
-        # /gl: the Gluon tile loop where it fits (not traced: the probes trace the Triton one)
-        self.pipelined = trace is None and engine_pipelined_fits(ops, config, world, out)
+        # /gl: the Gluon tile loop where it fits
+        self.pipelined = engine_pipelined_fits(ops, config, world, out)
         use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
         a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=self.pipelined))
         staging, destination, out_block = self.staging, out, None
@@ -1347,6 +1370,7 @@ class EngineReduceScatter:
                 ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
+            constexprs["COUNT_STEP"] = count_step
             kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
                 *args, **constexprs, num_warps=config.warps, grid=(1,))
         else:
