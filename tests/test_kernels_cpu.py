@@ -630,7 +630,8 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
         assert _spill_bytes(kernel) == 0
 
 
-def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0):
+def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0,
+                                 tma_partials=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -640,7 +641,7 @@ def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=Fals
     tile = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
     blocks = {"a_desc": [c.block_m, c.block_k],
               "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n],
-              "staging_desc": tile, "out_desc": tile}
+              "staging_desc": tile, "out_desc": tile, "incoming_desc": tile}
     signature = {name: _gluon_descriptor(block) for name, block in blocks.items()}
     signature.update(a_ptr="*bf16", b_ptr="*bf16", incoming_address="i64", own_flags="i64",
                      out_flags="i64", counts_ptr="*i32", state_ptr="*i32", abort_ptr="*i32",
@@ -650,7 +651,7 @@ def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=Fals
                      half_bytes="i64", trace_ptr="*i64")
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, ENGINE_CHUNKS=64,
-                      PHASES=3, TRACE=trace, COUNT_STEP=count_step)
+                      PHASES=3, TRACE=trace, COUNT_STEP=count_step, TMA_PARTIALS=tma_partials)
     kernel = gemm_rs.pipelined_engine_gemm_reduce_scatter_kernel
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
@@ -691,15 +692,15 @@ def test_gluon_copy_engine_traces_without_spilling():
 
 def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():
     """engine_pipelined_fits: whole tiles, TMA-describable operands and output, stages - 1
-    K blocks; a config without /gl never."""
+    K blocks, a workspace half of whole rows; a config without /gl never."""
     from axedist.kernels import gemm_rs
     config = gemm_rs.GemmConfig(stages=4, pipelined=True, engine=True)
 
-    def fits(m, n, k, world=2, config=config, out=None):
+    def fits(m, n, k, world=2, config=config, out=None, half_bytes=None):
         ops = gemm_rs.prepare_operands(torch.zeros(m, k, dtype=torch.bfloat16),
                                        torch.zeros(k, n, dtype=torch.bfloat16))
         out = torch.zeros(m // world, n, dtype=torch.bfloat16) if out is None else out
-        return gemm_rs.engine_pipelined_fits(ops, config, world, out)
+        return gemm_rs.engine_pipelined_fits(ops, config, world, out, half_bytes or 1024 * n * 2)
 
     assert fits(512, 768, 384) and fits(1024, 512, 192, world=4)
     assert not fits(514, 768, 384)                       # 257 rows a chunk
@@ -708,6 +709,7 @@ def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():
     assert not fits(512, 768, 128)                       # 2 K blocks, 3 loads ahead
     assert not fits(512, 768, 384, config=gemm_rs.GemmConfig(engine=True))
     assert not fits(512, 768, 384, out=torch.zeros(256, 769, dtype=torch.bfloat16)[:, 1:])
+    assert not fits(512, 768, 384, half_bytes=1 << 20)  # a workspace half of 682.7 rows
 
 
 def test_copy_engine_trace_of_the_wrong_type_or_size_is_refused():

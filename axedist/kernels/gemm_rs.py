@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma_wait)
 
 from . import schedule
 from ..caches import memo
@@ -36,7 +37,8 @@ from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issu
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
                      multiprocessors, stream_memory_driver, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
-                         clock_cycles, fence_acq_rel_sys, finish_call, globaltimer, load_reduce,
+                         clock_cycles, fence_acq_rel_sys, fence_proxy_async, finish_call,
+                         globaltimer, load_reduce,
                          peer_pointers, pick, shift8, sm_id, st_release_gpu,
                          st_release_sys, wait_flag)
 
@@ -424,11 +426,11 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, staging_desc, out_desc, incoming_address, own_flags,
         out_flags, counts_ptr, state_ptr, abort_ptr, error_address, timeout_ns,
         M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn, engine_flag0, band_tiles,
-        rank, half_bytes, trace_ptr,
+        rank, half_bytes, trace_ptr, incoming_desc,
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
-        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0):
+        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0, TMA_PARTIALS: gl.constexpr = False):
     """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
     the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
     out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
@@ -444,12 +446,18 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     drain, and never while it waits itself. An own tile adds the peers' partials, loaded in
     the accumulator's layout (two elements a load; a loop over the sources keeps one partial
     live), and leaves through TMA stores into the output. Whole tiles only
-    (engine_pipelined_fits). TRACE as the Triton kernel's (the main loop: this tile's K
-    steps)."""
+    (engine_pipelined_fits). TMA_PARTIALS (probes): the peers' partials come in by TMA loads
+    of half tiles through the output's staging buffer instead (incoming_desc: this rank's data
+    region, both halves as rows of N). TRACE as the Triton kernel's (the main loop: this
+    tile's K steps)."""
     gl.static_assert(USE_TMA and PHASES == 3)
     dtype: gl.constexpr = a_desc.dtype
     a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
     c_smem = gl.allocate_shared_memory(dtype, out_desc.block_type.shape, out_desc.layout)
+    partial_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(partial_bar, count=1)
+    partial_loads = rank * 0
+    half_rows = half_bytes // (N * (dtype.primitive_bitwidth // 8))
 
     epoch = call_epoch(state_ptr)
     incoming = (incoming_address + (epoch % 2).to(gl.int64) * half_bytes).to(
@@ -517,10 +525,17 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             # this rank's partial rounded first, as every peer's was (the sum of the W rounded
             # partials in fp32, as the Triton kernel, the push kernel and NCCL)
             total = acc.to(dtype).to(gl.float32)
-            # offsets within the tile (int32: the host checked BM * N < 2**31), from a base at
-            # its first element; no mask (the host launches this kernel for whole tiles only)
-            tile_start = (tile_m * BM).to(gl.int64) * N + tile_n * BN
-            offsets = rows_in_tile[:, None] * N + cols_in_tile[None, :]
+            if TMA_PARTIALS:
+                SUB_N: gl.constexpr = BN // 2
+                halves = gl.reshape(total, [BM, 2, SUB_N]).permute(0, 2, 1).split()
+                first_half = halves[0]
+                second_half = halves[1]
+            else:
+                # offsets within the tile (int32: the host checked BM * N < 2**31), from a
+                # base at its first element; no mask (the host launches this kernel for whole
+                # tiles only)
+                tile_start = (tile_m * BM).to(gl.int64) * N + tile_n * BN
+                offsets = rows_in_tile[:, None] * N + cols_in_tile[None, :]
             for source_step in range(1, WORLD):  # (a loop, not unrolled: one partial live)
                 source = (rank + source_step) % WORLD
                 flag = _incoming_flag(engine_flag0, epoch, source, group * bands + band,
@@ -531,12 +546,41 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                           flag, timeout_ns)
                 if TRACE:
                     waited += clock_cycles(task) - before
-                # rows of 16-byte multiples (the host's condition too)
-                base = incoming + (source.to(gl.int64) * M_CHUNK * N + tile_start)
-                pointers = gl.multiple_of(base + offsets, [16, 16])
-                partial = gl.load(pointers)
-                total += partial.to(gl.float32)
-            store_tile_halves(total.to(dtype), out_desc, c_smem, tile_m * BM, tile_n * BN)
+                if TMA_PARTIALS:
+                    # the copy's data, acquired through the flag, visible to the TMA loads
+                    fence_proxy_async(source)
+                    row = ((epoch % 2) * half_rows + source * M_CHUNK + tile_m * BM).to(gl.int32)
+                    tma.store_wait(pendings=0)  # the staging buffer is free
+                    mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN],
+                                                    partial_bar, c_smem)
+                    mbarrier.wait(partial_bar, partial_loads & 1)
+                    first_half += c_smem.load(first_half.type.layout).to(gl.float32)
+                    gl.thread_barrier()  # every warp has read it before the next load
+                    mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN + SUB_N],
+                                                    partial_bar, c_smem)
+                    mbarrier.wait(partial_bar, (partial_loads + 1) & 1)
+                    second_half += c_smem.load(second_half.type.layout).to(gl.float32)
+                    gl.thread_barrier()
+                    partial_loads += 2
+                else:
+                    # rows of 16-byte multiples (the host's condition too)
+                    base = incoming + (source.to(gl.int64) * M_CHUNK * N + tile_start)
+                    pointers = gl.multiple_of(base + offsets, [16, 16])
+                    partial = gl.load(pointers)
+                    total += partial.to(gl.float32)
+            if TMA_PARTIALS:
+                c_smem.store(first_half.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN], c_smem)
+                tma.store_wait(pendings=0)
+                c_smem.store(second_half.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN + SUB_N],
+                                                c_smem)
+            else:
+                store_tile_halves(total.to(dtype), out_desc, c_smem, tile_m * BM, tile_n * BN)
         if TRACE:
             record = trace_ptr + task.to(gl.int64) * 6
             gl.store(record, started)
@@ -552,6 +596,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     bulk_stores_complete(task)  # no TMA store may outlive the kernel unfinished
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    mbarrier.invalidate(partial_bar)
     finish_call(state_ptr, epoch)
 
 
@@ -1280,14 +1325,16 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
     return copies
 
 
-def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int,
-                          out: torch.Tensor) -> bool:
+def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int, out: torch.Tensor,
+                          half_bytes: int) -> bool:
     """Whether a /ce call of a /gl config runs the Gluon kernel (else the Triton one, same
     tiles): operands and output TMA can describe, whole tiles (a tile's TMA store never
     crosses into the next chunk's rows of the staging buffer; an own tile loads the peers'
     partials unmasked, with int32 offsets within the tile), at least stages - 1 K blocks (a
-    load runs at most one tile ahead)."""
+    load runs at most one tile ahead), a workspace half of whole rows (the descriptor of this
+    rank's data region spans both halves)."""
     return (config.pipelined and tma_compatible(ops.a) and tma_compatible(ops.b)
+            and half_bytes % (ops.n * ops.a.element_size()) == 0
             and tma_compatible(out) and (ops.m // world) % config.block_m == 0
             and ops.n % config.block_n == 0 and config.block_m * ops.n < 2 ** 31
             and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
@@ -1313,9 +1360,10 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
-    target_chunks, streams, count_step (probes only): comm chunks per peer to aim at
-    (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K step
-    of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP).
+    target_chunks, streams, count_step, tma_partials (probes only): comm chunks per peer to aim
+    at (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K
+    step of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP),
+    the Gluon kernel's TMA_PARTIALS.
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
@@ -1323,7 +1371,7 @@ class EngineReduceScatter:
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace, trace: torch.Tensor | None = None,
                  target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS,
-                 count_step: int = 0):
+                 count_step: int = 0, tma_partials: bool = False):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if not 1 <= streams <= schedule.COPY_STREAMS:
@@ -1349,7 +1397,7 @@ class EngineReduceScatter:
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         # /gl: the Gluon tile loop where it fits
-        self.pipelined = engine_pipelined_fits(ops, config, world, out)
+        self.pipelined = engine_pipelined_fits(ops, config, world, out, workspace.data_bytes)
         use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
         a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=self.pipelined))
         staging, destination, out_block = self.staging, out, None
@@ -1370,7 +1418,8 @@ class EngineReduceScatter:
                 ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
-            constexprs["COUNT_STEP"] = count_step
+            constexprs.update(COUNT_STEP=count_step, TMA_PARTIALS=tma_partials)
+            args += (_tile_destination(workspace, rank, None, ops.n, config, ops.a.dtype), )
             kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
                 *args, **constexprs, num_warps=config.warps, grid=(1,))
         else:
