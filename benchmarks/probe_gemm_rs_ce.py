@@ -165,23 +165,19 @@ def run(args):
         # "ce": the shipped chunking and streams; "ce/c<n>": aiming at n comm chunks per peer;
         # "ce/s<n>": the copies on n side streams; "ce/k<n>" (a /gl config): a peer tile counted
         # after K step n of the next tile; "ce/triton": the same config on the Triton kernel
-        # "ce/tp" (a /gl config): the peers' partials loaded by TMA (TMA_PARTIALS)
-        shipped = (gemm_rs.ENGINE_TARGET_CHUNKS, schedule.COPY_STREAMS, 0, base, False)
+        shipped = (gemm_rs.ENGINE_TARGET_CHUNKS, schedule.COPY_STREAMS, 0, base)
         targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): (c, *shipped[1:])
                    for c in args.chunks}
         targets.update({f"ce/s{s}": (shipped[0], s, *shipped[2:]) for s in args.streams
                         if s != schedule.COPY_STREAMS})
-        targets.update({f"ce/k{k}": (*shipped[:2], k, base, False) for k in args.count_steps if k})
+        targets.update({f"ce/k{k}": (*shipped[:2], k, base) for k in args.count_steps if k})
         if args.triton and base.pipelined:
-            targets["ce/triton"] = (*shipped[:3], dataclasses.replace(base, pipelined=False), False)
-        if args.tma_partials and base.pipelined:
-            targets["ce/tp"] = (*shipped[:4], True)
+            targets["ce/triton"] = (*shipped[:3], dataclasses.replace(base, pipelined=False))
         # GEMM-only: the config's tile loop alone (a push config would run the Triton one)
         tiles_only = dataclasses.replace(base, push=False, defer_release=False, engine=False)
         engines = {name: gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
-                                                     target_chunks=c, streams=s, count_step=k,
-                                                     tma_partials=tp)
-                   for name, (c, s, k, config, tp) in targets.items()}
+                                                     target_chunks=c, streams=s, count_step=k)
+                   for name, (c, s, k, config) in targets.items()}
 
         def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -203,11 +199,11 @@ def run(args):
                                  args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
         traces, chunks, step = {}, {}, torch.zeros(1, device="cuda")
-        for name, (target, streams, count_step, config, tma_partials) in targets.items():
+        for name, (target, streams, count_step, config) in targets.items():
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
             traced = gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
                                                  trace=trace, target_chunks=target, streams=streams,
-                                                 count_step=count_step, tma_partials=tma_partials)
+                                                 count_step=count_step)
             # the last call's trace (each call rewrites every task's row), its copies by CUPTI
             # each profiled call starts with the ranks' GPUs in step (a one-float all-reduce)
             spans = profiled_copies(lambda: (dist.all_reduce(step), call(traced)), 3) if args.copies else None
@@ -340,8 +336,6 @@ if __name__ == "__main__":
     parser.add_argument("--count-steps", type=lambda text: [int(c) for c in text.split(",")],
                         default=[], help="(a /gl config) also time a peer tile counted after these "
                                          "K steps of the next tile (ce/k<n>)")
-    parser.add_argument("--tma-partials", action="store_true",
-                        help="(a /gl config) also time the peers' partials loaded by TMA (ce/tp)")
     parser.add_argument("--triton", action="store_true",
                         help="(a /gl config) also time the same config on the Triton kernel")
     parser.add_argument("--copies", action="store_true",

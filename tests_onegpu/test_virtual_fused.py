@@ -128,15 +128,16 @@ def test_copy_engine_partials_every_world_size(world, seed):
 def test_gluon_copy_engine_partials_every_world_size(world, seed):
     """/gl/ce: the copy-engine kernel on the Gluon tile loop (tiles assigned statically, loads
     one tile ahead, TMA stores into the staging buffer and the output, a peer tile counted after
-    the next tile's first wgmma): whole row tiles in both orientations with several groups and
-    bands and more tiles than programs, fp16 too; tails (257 rows) on the Triton kernel with the
-    same config; back to back, the prepared launch and the CUDA graph as the Triton kernel."""
+    the next tile's first wgmma, the peers' partials loaded by TMA): whole row tiles in both
+    orientations with several groups and bands and more tiles than programs, a tail of tile
+    columns and of K, fp16 too; a tail of rows (257 a chunk) on the Triton kernel with the same
+    config; back to back, the prepared launch and the CUDA graph as the Triton kernel."""
     from axedist.kernels.gemm_rs import GemmConfig
     config = GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
     shapes = [(WHOLE_TILES, (False, True)), ((1024, 2048, 512), (False, True)),
-              ((512, 2048, 1024), (True,)), (TAILS, (True,))]
+              ((512, 2048, 1024), (True,)), ((256, 1000, 520), (False,)), (TAILS, (True,))]
     _check_copy_engine(world, seed, config, shapes, WHOLE_TILES,
-                       gluon={WHOLE_TILES, (1024, 2048, 512), (512, 2048, 1024)})
+                       gluon={WHOLE_TILES, (1024, 2048, 512), (512, 2048, 1024), (256, 1000, 520)})
     ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
     as_, bs = _inputs(world, *WHOLE_TILES, False, torch.float16)
     assert not _call(ranks, as_, bs, config, f"/gl/ce fp16 W={world} seed={seed}")

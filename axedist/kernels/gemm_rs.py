@@ -430,11 +430,12 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
-        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0, TMA_PARTIALS: gl.constexpr = False):
+        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0):
     """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
     the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
     out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
-    output, blocks [BM, BN / EPILOGUE_SPLIT]).
+    output, blocks [BM, BN / EPILOGUE_SPLIT]), incoming_desc after them, and
+    incoming_address, unused (incoming_desc describes it).
 
     Tasks are assigned statically (program p runs p, p + P, ... in order), so a program knows
     its next tile and loads it while the current one's last K steps run. Peer tiles precede own
@@ -443,13 +444,12 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     staging buffer; the program counts it (_count_chunk_tile) once the stores have completed,
     in the next tile's main loop after K step min(COUNT_STEP, K steps - 1) (0: right after its
     first wgmma is issued; probes try later steps), so the tensor cores do not wait for the
-    drain, and never while it waits itself. An own tile adds the peers' partials, loaded in
-    the accumulator's layout (two elements a load; a loop over the sources keeps one partial
-    live), and leaves through TMA stores into the output. Whole tiles only
-    (engine_pipelined_fits). TMA_PARTIALS (probes): the peers' partials come in by TMA loads
-    of half tiles through the output's staging buffer instead (incoming_desc: this rank's data
-    region, both halves as rows of N). TRACE as the Triton kernel's (the main loop: this
-    tile's K steps)."""
+    drain, and never while it waits itself. An own tile adds the peers' partials, which come
+    in by TMA loads, half a tile at a time, through the output's staging buffer
+    (incoming_desc: this rank's data region, both halves as rows of N; measured 0.9 us a tile
+    faster than 32-bit loads in the accumulator's layout, b2d18c0), and leaves through TMA
+    stores into the output. Whole row tiles only (engine_pipelined_fits). TRACE as the Triton
+    kernel's (the main loop: this tile's K steps)."""
     gl.static_assert(USE_TMA and PHASES == 3)
     dtype: gl.constexpr = a_desc.dtype
     a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
@@ -460,8 +460,6 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     half_rows = half_bytes // (N * (dtype.primitive_bitwidth // 8))
 
     epoch = call_epoch(state_ptr)
-    incoming = (incoming_address + (epoch % 2).to(gl.int64) * half_bytes).to(
-        gl.pointer_type(dtype))
     tiles_m = gl.cdiv(M_CHUNK, BM)
     tiles_n = gl.cdiv(N, BN)
     per_slot = tiles_m * tiles_n
@@ -480,8 +478,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         issue_load(step, row0, col0, step * BK, first < tasks, a_desc, b_desc, bars, a_bufs,
                    b_bufs, STAGES, B_TRANSPOSED)
     layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
-    rows_in_tile = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
-    cols_in_tile = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    SUB_N: gl.constexpr = BN // 2
     step = 0
     pending = first * 0 - 1       # the chunk of a peer tile whose stores are in flight
     pending_tiles = first * 0 + 1
@@ -524,19 +521,11 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         else:
             # this rank's partial rounded first, as every peer's was (the sum of the W rounded
             # partials in fp32, as the Triton kernel, the push kernel and NCCL)
-            total = acc.to(dtype).to(gl.float32)
-            if TMA_PARTIALS:
-                SUB_N: gl.constexpr = BN // 2
-                halves = gl.reshape(total, [BM, 2, SUB_N]).permute(0, 2, 1).split()
-                first_half = halves[0]
-                second_half = halves[1]
-            else:
-                # offsets within the tile (int32: the host checked BM * N < 2**31), from a
-                # base at its first element; no mask (the host launches this kernel for whole
-                # tiles only)
-                tile_start = (tile_m * BM).to(gl.int64) * N + tile_n * BN
-                offsets = rows_in_tile[:, None] * N + cols_in_tile[None, :]
-            for source_step in range(1, WORLD):  # (a loop, not unrolled: one partial live)
+            halves = gl.reshape(acc.to(dtype).to(gl.float32), [BM, 2, SUB_N]).permute(
+                0, 2, 1).split()
+            first_half = halves[0]
+            second_half = halves[1]
+            for source_step in range(1, WORLD):  # (a loop, not unrolled)
                 source = (rank + source_step) % WORLD
                 flag = _incoming_flag(engine_flag0, epoch, source, group * bands + band,
                                       ENGINE_CHUNKS)
@@ -546,41 +535,30 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                           flag, timeout_ns)
                 if TRACE:
                     waited += clock_cycles(task) - before
-                if TMA_PARTIALS:
-                    # the copy's data, acquired through the flag, visible to the TMA loads
-                    fence_proxy_async(source)
-                    row = ((epoch % 2) * half_rows + source * M_CHUNK + tile_m * BM).to(gl.int32)
-                    tma.store_wait(pendings=0)  # the staging buffer is free
-                    mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN],
-                                                    partial_bar, c_smem)
-                    mbarrier.wait(partial_bar, partial_loads & 1)
-                    first_half += c_smem.load(first_half.type.layout).to(gl.float32)
-                    gl.thread_barrier()  # every warp has read it before the next load
-                    mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN + SUB_N],
-                                                    partial_bar, c_smem)
-                    mbarrier.wait(partial_bar, (partial_loads + 1) & 1)
-                    second_half += c_smem.load(second_half.type.layout).to(gl.float32)
-                    gl.thread_barrier()
-                    partial_loads += 2
-                else:
-                    # rows of 16-byte multiples (the host's condition too)
-                    base = incoming + (source.to(gl.int64) * M_CHUNK * N + tile_start)
-                    pointers = gl.multiple_of(base + offsets, [16, 16])
-                    partial = gl.load(pointers)
-                    total += partial.to(gl.float32)
-            if TMA_PARTIALS:
-                c_smem.store(first_half.to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN], c_smem)
-                tma.store_wait(pendings=0)
-                c_smem.store(second_half.to(dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN + SUB_N],
+                # the copy's data, acquired through the flag, visible to the TMA loads
+                fence_proxy_async(source)
+                row = ((epoch % 2) * half_rows + source * M_CHUNK + tile_m * BM).to(gl.int32)
+                tma.store_wait(pendings=0)  # the staging buffer is free
+                mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN], partial_bar,
                                                 c_smem)
-            else:
-                store_tile_halves(total.to(dtype), out_desc, c_smem, tile_m * BM, tile_n * BN)
+                mbarrier.wait(partial_bar, partial_loads & 1)
+                first_half += c_smem.load(first_half.type.layout).to(gl.float32)
+                gl.thread_barrier()  # every warp has read it before the next load
+                mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN + SUB_N],
+                                                partial_bar, c_smem)
+                mbarrier.wait(partial_bar, (partial_loads + 1) & 1)
+                second_half += c_smem.load(second_half.type.layout).to(gl.float32)
+                gl.thread_barrier()
+                partial_loads += 2
+            c_smem.store(first_half.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN], c_smem)
+            tma.store_wait(pendings=0)
+            c_smem.store(second_half.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
         if TRACE:
             record = trace_ptr + task.to(gl.int64) * 6
             gl.store(record, started)
@@ -1328,15 +1306,15 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
 def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int, out: torch.Tensor,
                           half_bytes: int) -> bool:
     """Whether a /ce call of a /gl config runs the Gluon kernel (else the Triton one, same
-    tiles): operands and output TMA can describe, whole tiles (a tile's TMA store never
-    crosses into the next chunk's rows of the staging buffer; an own tile loads the peers'
-    partials unmasked, with int32 offsets within the tile), at least stages - 1 K blocks (a
-    load runs at most one tile ahead), a workspace half of whole rows (the descriptor of this
-    rank's data region spans both halves)."""
+    tiles): operands and output TMA can describe, whole row tiles (a tile's TMA store or load
+    never crosses into the next chunk's rows of the staging buffer or the data region), rows
+    of 16-byte multiples and a workspace half of whole rows (the descriptor of this rank's
+    data region spans both halves), at least stages - 1 K blocks (a load runs at most one
+    tile ahead)."""
+    row_bytes = ops.n * ops.a.element_size()
     return (config.pipelined and tma_compatible(ops.a) and tma_compatible(ops.b)
-            and half_bytes % (ops.n * ops.a.element_size()) == 0
             and tma_compatible(out) and (ops.m // world) % config.block_m == 0
-            and ops.n % config.block_n == 0 and config.block_m * ops.n < 2 ** 31
+            and row_bytes % 16 == 0 and half_bytes % row_bytes == 0
             and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
 
 
@@ -1360,10 +1338,9 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
-    target_chunks, streams, count_step, tma_partials (probes only): comm chunks per peer to aim
-    at (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K
-    step of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP),
-    the Gluon kernel's TMA_PARTIALS.
+    target_chunks, streams, count_step (probes only): comm chunks per peer to aim at
+    (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K step
+    of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
@@ -1371,7 +1348,7 @@ class EngineReduceScatter:
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace, trace: torch.Tensor | None = None,
                  target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS,
-                 count_step: int = 0, tma_partials: bool = False):
+                 count_step: int = 0):
         device = ops.a.device
         m_chunk, element = ops.m // world, ops.a.element_size()
         if not 1 <= streams <= schedule.COPY_STREAMS:
@@ -1418,7 +1395,7 @@ class EngineReduceScatter:
                 ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
-            constexprs.update(COUNT_STEP=count_step, TMA_PARTIALS=tma_partials)
+            constexprs["COUNT_STEP"] = count_step
             args += (_tile_destination(workspace, rank, None, ops.n, config, ops.a.dtype), )
             kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
                 *args, **constexprs, num_warps=config.warps, grid=(1,))
