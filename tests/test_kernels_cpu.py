@@ -640,7 +640,7 @@ def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=Fals
     tile = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
     blocks = {"a_desc": [c.block_m, c.block_k],
               "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n],
-              "staging_desc": tile, "out_desc": tile, "incoming_desc": tile}
+              "staging_desc": tile, "out_desc": tile, "incoming0_desc": tile, "incoming1_desc": tile}
     signature = {name: _gluon_descriptor(block) for name, block in blocks.items()}
     signature.update(a_ptr="*bf16", b_ptr="*bf16", incoming_address="i64", own_flags="i64",
                      out_flags="i64", counts_ptr="*i32", state_ptr="*i32", abort_ptr="*i32",
@@ -692,15 +692,15 @@ def test_gluon_copy_engine_traces_without_spilling():
 
 def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():
     """engine_pipelined_fits: whole row tiles, TMA-describable operands and output, stages - 1
-    K blocks, a workspace half of whole rows; a config without /gl never."""
+    K blocks; a config without /gl never."""
     from axedist.kernels import gemm_rs
     config = gemm_rs.GemmConfig(stages=4, pipelined=True, engine=True)
 
-    def fits(m, n, k, world=2, config=config, out=None, half_bytes=None):
+    def fits(m, n, k, world=2, config=config, out=None):
         ops = gemm_rs.prepare_operands(torch.zeros(m, k, dtype=torch.bfloat16),
                                        torch.zeros(k, n, dtype=torch.bfloat16))
         out = torch.zeros(m // world, n, dtype=torch.bfloat16) if out is None else out
-        return gemm_rs.engine_pipelined_fits(ops, config, world, out, half_bytes or 1024 * n * 2)
+        return gemm_rs.engine_pipelined_fits(ops, config, world, out)
 
     assert fits(512, 768, 384) and fits(1024, 512, 192, world=4)
     assert not fits(514, 768, 384)                       # 257 rows a chunk
@@ -709,7 +709,6 @@ def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():
     assert not fits(512, 768, 128)                       # 2 K blocks, 3 loads ahead
     assert not fits(512, 768, 384, config=gemm_rs.GemmConfig(engine=True))
     assert not fits(512, 768, 384, out=torch.zeros(256, 769, dtype=torch.bfloat16)[:, 1:])
-    assert not fits(512, 768, 384, half_bytes=1 << 20)  # a workspace half of 682.7 rows
 
 
 def test_copy_engine_trace_of_the_wrong_type_or_size_is_refused():

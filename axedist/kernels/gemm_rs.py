@@ -421,12 +421,23 @@ def _engine_task_origin(task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD: 
     return owner * M_CHUNK + tile_m * BM, tile_n * BN
 
 
+@gluon.jit
+def _load_partial_half(incoming0_desc, incoming1_desc, parity, row, col, bar, buffer):
+    """TMA load of the [BM, BN / 2] block at [row, col] of this rank's data half `parity` into
+    `buffer`, completing on `bar`."""
+    mbarrier.expect(bar, incoming0_desc.block_type.nbytes)
+    if parity == 0:
+        tma.async_copy_global_to_shared(incoming0_desc, [row, col], bar, buffer)
+    else:
+        tma.async_copy_global_to_shared(incoming1_desc, [row, col], bar, buffer)
+
+
 @gluon.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0", "band_tiles"])
 def pipelined_engine_gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, staging_desc, out_desc, incoming_address, own_flags,
         out_flags, counts_ptr, state_ptr, abort_ptr, error_address, timeout_ns,
         M, N, K, M_CHUNK, stride_am, stride_ak, stride_bk, stride_bn, engine_flag0, band_tiles,
-        rank, half_bytes, trace_ptr, incoming_desc,
+        rank, half_bytes, trace_ptr, incoming0_desc, incoming1_desc,
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
@@ -434,8 +445,9 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
     the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
     out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
-    output, blocks [BM, BN / EPILOGUE_SPLIT]), incoming_desc after them, and
-    incoming_address, unused (incoming_desc describes it).
+    output, blocks [BM, BN / EPILOGUE_SPLIT]), incoming0_desc and incoming1_desc after them
+    (this rank's data half of each epoch parity as [W * M_CHUNK, N]), and incoming_address
+    and half_bytes, unused (the descriptors describe them).
 
     Tasks are assigned statically (program p runs p, p + P, ... in order), so a program knows
     its next tile and loads it while the current one's last K steps run. Peer tiles precede own
@@ -445,9 +457,9 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     in the next tile's main loop after K step min(COUNT_STEP, K steps - 1) (0: right after its
     first wgmma is issued; probes try later steps), so the tensor cores do not wait for the
     drain, and never while it waits itself. An own tile adds the peers' partials, which come
-    in by TMA loads, half a tile at a time, through the output's staging buffer
-    (incoming_desc: this rank's data region, both halves as rows of N; measured 0.9 us a tile
-    faster than 32-bit loads in the accumulator's layout, b2d18c0), and leaves through TMA
+    in by TMA loads, half a tile at a time, through the output's staging buffer (measured
+    0.9 us a tile faster than 32-bit loads in the accumulator's layout, b2d18c0), and leaves
+    through TMA
     stores into the output. Whole row tiles only (engine_pipelined_fits). TRACE as the Triton
     kernel's (the main loop: this tile's K steps)."""
     gl.static_assert(USE_TMA and PHASES == 3)
@@ -457,7 +469,6 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     partial_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(partial_bar, count=1)
     partial_loads = rank * 0
-    half_rows = half_bytes // (N * (dtype.primitive_bitwidth // 8))
 
     epoch = call_epoch(state_ptr)
     tiles_m = gl.cdiv(M_CHUNK, BM)
@@ -537,17 +548,15 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                     waited += clock_cycles(task) - before
                 # the copy's data, acquired through the flag, visible to the TMA loads
                 fence_proxy_async(source)
-                row = ((epoch % 2) * half_rows + source * M_CHUNK + tile_m * BM).to(gl.int32)
+                row = (source * M_CHUNK + tile_m * BM).to(gl.int32)
                 tma.store_wait(pendings=0)  # the staging buffer is free
-                mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN], partial_bar,
-                                                c_smem)
+                _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row, tile_n * BN,
+                                   partial_bar, c_smem)
                 mbarrier.wait(partial_bar, partial_loads & 1)
                 first_half += c_smem.load(first_half.type.layout).to(gl.float32)
                 gl.thread_barrier()  # every warp has read it before the next load
-                mbarrier.expect(partial_bar, incoming_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(incoming_desc, [row, tile_n * BN + SUB_N],
-                                                partial_bar, c_smem)
+                _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row,
+                                   tile_n * BN + SUB_N, partial_bar, c_smem)
                 mbarrier.wait(partial_bar, (partial_loads + 1) & 1)
                 second_half += c_smem.load(second_half.type.layout).to(gl.float32)
                 gl.thread_barrier()
@@ -1303,18 +1312,15 @@ def engine_copies(workspace, staging: int, out_flags: int, m_chunk: int, n: int,
     return copies
 
 
-def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int, out: torch.Tensor,
-                          half_bytes: int) -> bool:
+def engine_pipelined_fits(ops: _Operands, config: GemmConfig, world: int,
+                          out: torch.Tensor) -> bool:
     """Whether a /ce call of a /gl config runs the Gluon kernel (else the Triton one, same
     tiles): operands and output TMA can describe, whole row tiles (a tile's TMA store or load
-    never crosses into the next chunk's rows of the staging buffer or the data region), rows
-    of 16-byte multiples and a workspace half of whole rows (the descriptor of this rank's
-    data region spans both halves), at least stages - 1 K blocks (a load runs at most one
-    tile ahead)."""
-    row_bytes = ops.n * ops.a.element_size()
+    never crosses into the next chunk's rows of the staging buffer or the data half), rows of
+    16-byte multiples, at least stages - 1 K blocks (a load runs at most one tile ahead)."""
     return (config.pipelined and tma_compatible(ops.a) and tma_compatible(ops.b)
             and tma_compatible(out) and (ops.m // world) % config.block_m == 0
-            and row_bytes % 16 == 0 and half_bytes % row_bytes == 0
+            and (ops.n * ops.a.element_size()) % 16 == 0
             and triton.cdiv(ops.k, config.block_k) >= config.stages - 1)
 
 
@@ -1374,7 +1380,7 @@ class EngineReduceScatter:
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         # /gl: the Gluon tile loop where it fits
-        self.pipelined = engine_pipelined_fits(ops, config, world, out, workspace.data_bytes)
+        self.pipelined = engine_pipelined_fits(ops, config, world, out)
         use_tma = tma_compatible(ops.a) and tma_compatible(ops.b)
         a_desc, b_desc = _descriptors(ops, dataclasses.replace(config, pipelined=self.pipelined))
         staging, destination, out_block = self.staging, out, None
@@ -1396,7 +1402,9 @@ class EngineReduceScatter:
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
             constexprs["COUNT_STEP"] = count_step
-            args += (_tile_destination(workspace, rank, None, ops.n, config, ops.a.dtype), )
+            args += tuple(_gluon_descriptor(workspace.peer_data(rank, half, ops.a.dtype,
+                                                                world * m_chunk * ops.n).view(-1, ops.n),
+                                            out_block) for half in (0, 1))
             kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
                 *args, **constexprs, num_warps=config.warps, grid=(1,))
         else:
