@@ -40,11 +40,13 @@ def table_source(meta: dict) -> str:
 
 def merged_sources(earlier: list[str], new: list[str]) -> list[str]:
     """The sources of a rewritten auto table ("machine, commit C, date, `command`" each): the
-    earlier ones, less any the new results supersede (the same command on the same machine, its
-    ``--out`` aside), then the new ones."""
+    earlier ones, less any the new results supersede (the same command on the same machine,
+    apart from the options that do not change which shapes it measures: ``--out``,
+    ``--configs``, ``--reps``, ``--tune``), then the new ones."""
     def run(source: str) -> tuple[str, str]:
         command = source[source.index("`"):]
-        return source.split(", commit ")[0], re.sub(r" --out \S+", "", command)
+        return (source.split(", commit ")[0],
+                re.sub(r" --(out|configs|reps|tune)[ =]\S+", "", command))
     rerun = {run(source) for source in new}
     return [source for source in earlier if run(source) not in rerun] + new
 

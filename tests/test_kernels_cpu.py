@@ -1778,7 +1778,8 @@ def test_symm_wins_derived_from_both_timings():
 
 def test_auto_table_sources_drop_the_runs_a_new_run_supersedes():
     """A rewritten auto table keeps an earlier source unless the new results re-ran its command
-    (``--out`` aside) on the same machine; the new sources come last."""
+    on the same machine (``--out``, ``--configs``, ``--reps``, ``--tune`` aside: they do not
+    change which shapes it measured); the new sources come last."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("history", os.path.join(ROOT, "benchmarks", "history.py"))
@@ -1786,10 +1787,12 @@ def test_auto_table_sources_drop_the_runs_a_new_run_supersedes():
     spec.loader.exec_module(history)
     old_w4 = "vm: 4x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=4 bench.py --reps 15 --out /a`"
     old_w2 = "vm: 2x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=2 bench.py --reps 15 --out /a`"
-    other = "vm: 4x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=4 bench.py --reps 10 --out /a`"
+    other = "vm: 4x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=4 bench.py --shapes llama8b --out /a`"
     new_w4 = "vm: 4x H200, commit bbb, 2026-11-28, `torchrun --nproc_per_node=4 bench.py --reps 15 --out /b/results`"
     assert history.merged_sources([old_w4, old_w2, other], [new_w4]) == [old_w2, other, new_w4]
     assert history.merged_sources([new_w4], [new_w4]) == [new_w4]
+    more_configs = "vm: 4x H200, commit ccc, 2026-11-29, `torchrun --nproc_per_node=4 bench.py --reps 10 --configs 1,3,14 --out /c`"
+    assert history.merged_sources([old_w4, other], [more_configs]) == [other, more_configs]
 
 
 def test_benchmark_tables_show_auto_against_the_best_alternative():
