@@ -468,6 +468,9 @@ ROW_WISE = {
     "einsum of dealt rows": lambda x, y, w, b: torch.einsum("rij,rkj->rik", x.view(-1, 2, 3), y.view(-1, 2, 3)),
     "bmm with a replicated batch": lambda x, y, w, b: torch.bmm(x.view(-1, 2, 3),
                                                                 w[:3, :2].expand(x.shape[0], 3, 2)),
+    "repeat along the rows": lambda x, y, w, b: x.repeat(1, 3),
+    "repeat of the dealt dim": lambda x, y, w, b: x.repeat(3, 1) * 2,
+    "repeat into new dims and both": lambda x, y, w, b: x.view(-1, 2, 3).repeat(2, 1, 2, 2),
     "pad": lambda x, y, w, b: F.pad(x, (1, 2), value=0.5),
     "crop": lambda x, y, w, b: F.pad(x, (-1, -2)),
 }

@@ -724,12 +724,37 @@ def roll_rule(call: OpCall) -> Sharding:
     return Sharding(inputs=[target], outputs=target)
 
 
+def _repeated_in_place(x: ArgSpec, repeats: list[int]):
+    """The layout each device's ``repeat`` of its pieces leaves, for ``x`` laid out with no
+    placement form and row-major pieces: a repeated dim ``d`` of ``n`` becomes ``(r, n)`` with
+    the ``r`` copies outermost in the piece's memory at ``d`` (``layout.with_dim_inserted``; the
+    one list of iters reads as the ``r * n`` dim, index ``c * n + i`` at copy ``c`` of index
+    ``i``), new leading dims whole and local. None otherwise (the placement way)."""
+    lead = len(repeats) - x.ndim
+    if not layout_only(x) or x.reduce_op or math.prod(x.shape) == 0 or min(repeats) < 1:
+        return None
+    layout, shape = x.layout, list(x.shape)
+    # x's dims innermost first (the dims before each stay where they are), then the new ones
+    inserted = [(d, repeats[lead + d]) for d in reversed(range(x.ndim)) if repeats[lead + d] > 1]
+    for d, r in inserted + [(0, r) for r in reversed(repeats[:lead])]:
+        layout = with_dim_inserted(layout, shape, d, r)
+        if layout is None:
+            return None
+        shape.insert(d, r)
+    return layout
+
+
 @register(aten.repeat.default)
 def repeat_rule(call: OpCall) -> Sharding:
     """``x.repeat(1, 3)`` of (4, 5) ``[Shard(0)]``: (4, 15) ``[Shard(0)]``, local. A dim repeated
-    more than once is whole (its tiles interleave the shards); new leading dims shift the rest."""
+    more than once is whole (its tiles interleave the shards); new leading dims shift the rest.
+    Where ``x`` has a layout with no placement form, each device repeats its own pieces
+    (``_repeated_in_place``): nothing moves."""
     x, repeats = call.args[0], list(call.args[1])
     lead = len(repeats) - x.ndim
+    found = _repeated_in_place(x, repeats) if isinstance(x, ArgSpec) else None
+    if found is not None:
+        return Sharding(inputs=[x.layout], outputs=found)
     places = placements_of(x)
     target = unshard(places, [e for e in range(x.ndim) if repeats[lead + e] != 1], x.ndim)
     return Sharding(inputs=[target], outputs=renumber(target, x.ndim, lambda e: e + lead))
