@@ -468,6 +468,8 @@ ROW_WISE = {
     "einsum of dealt rows": lambda x, y, w, b: torch.einsum("rij,rkj->rik", x.view(-1, 2, 3), y.view(-1, 2, 3)),
     "bmm with a replicated batch": lambda x, y, w, b: torch.bmm(x.view(-1, 2, 3),
                                                                 w[:3, :2].expand(x.shape[0], 3, 2)),
+    "an operand broadcast over new leading dims": lambda x, y, w, b: x.expand(2, *x.shape) * y,
+    "a view of it with fewer dims": lambda x, y, w, b: x.view(-1, 2, 3).expand(2, -1, 2, 3) - y.view(-1, 2, 3),
     "repeat along the rows": lambda x, y, w, b: x.repeat(1, 3),
     "repeat of the dealt dim": lambda x, y, w, b: x.repeat(3, 1) * 2,
     "repeat into new dims and both": lambda x, y, w, b: x.view(-1, 2, 3).repeat(2, 1, 2, 2),

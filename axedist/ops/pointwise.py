@@ -33,7 +33,7 @@ from ..runtime import checks
 from ..runtime.carriers import all_reduce_
 from ..spec import REDUCE_OPS
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
-from ..layout import with_inner_dims
+from ..layout import with_inner_dims, without_dims
 from .specs import layout_only, padded, reduced_in_place
 from .tensor_ops import placements_of, unshard, without_partial
 
@@ -252,6 +252,16 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
             return False
         return reduced_in_place(main, list(range(main.ndim - s.ndim, main.ndim))) is not None
 
+    def per_leading(s) -> bool:
+        """A layout-only operand of fewer dims than main, its shape main's trailing dims, laid out
+        as main's pieces leave when main's leading dims (whole and local in every piece) are taken
+        off (``layout.without_dims``: ``x.expand(2, R, H) * y`` of dealt rows ``y``): each piece
+        broadcasts its own rows over those leading dims."""
+        if s is main or not 0 < s.ndim < main.ndim or _form(s) is not None or s.reduce_op \
+                or padded(s) or s.shape != main.shape[main.ndim - s.ndim:]:
+            return False
+        return without_dims(main.layout, main.shape, range(main.ndim - s.ndim)) == s.layout
+
     def pending_scalar(s) -> bool:
         """A pending single value (``x == x.amax()`` in amax's backward): reduced where it is
         (one value per rank) rather than gathering main."""
@@ -259,7 +269,8 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
 
     if main is not None and (anchor is None or anchor is main) and all(
             s is main or (s.shape == main.shape and whole(s) == whole(main) and not s.reduce_op)
-            or _replicated_scalar(s) or sliced(s) or per_row(s) or per_column(s) or pending_scalar(s) for s in specs):
+            or _replicated_scalar(s) or sliced(s) or per_row(s) or per_column(s) or per_leading(s)
+            or pending_scalar(s) for s in specs):
         everywhere = (Replicate(),) * mesh.ndim
         return Sharding(inputs=[whole(main) if sliced(s) else everywhere if pending_scalar(s) else None for s in specs],
                         outputs=whole(main))
