@@ -60,7 +60,7 @@ if [[ $MODE == tests ]]; then
 elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   BENCHES=${BENCHES:-"gemm_rs_w4 gemm_rs_w2 rows redistribute tp train_2d main_job demo"}
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-  CONFIGS=${CONFIGS:-0,1,3,5,6,7,8,14}
+  CONFIGS=${CONFIGS:-0,1,3,5,6,7,8,14,15,16}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
   train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled (~4 min)
     step bench_train_2d ${TRAIN_2D_LIMIT:-330} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
