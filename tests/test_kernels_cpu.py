@@ -1817,3 +1817,32 @@ def test_benchmark_tables_show_auto_against_the_best_alternative():
     assert "| 1.200 | 0.900 | 1.000 | 1.000 | 0.90 |" in rs[2] and "| 1.000 | n/a | n/a |" in rs[3], rs
     ag = benches["bench_ag_gemm"]._table([dict(times, label="new", M=1, N=2, K=3)], lambda r: r, True)
     assert ag[0].count("|") == ag[2].count("|") and "| 1.000 | 0.90 |" in ag[2], ag
+
+
+def test_gemm_reduce_scatter_refuses_an_out_it_cannot_write():
+    """The fused kernels write [M / W, N] contiguous rows (the Gluon ones through a 2-D TMA
+    descriptor): an ``out`` of another dtype, element count or memory order is refused with a
+    clear error before the call begins (no epoch spent); one of the result's 3-D shape is taken."""
+    from axedist.collectives.fused import FusedCall
+
+    class Workspace:
+        retired = False
+        begun = 0
+
+        def begin_call(self, op, timeout_s=None):
+            self.begun += 1
+            raise RuntimeError("stop here: the checks passed")
+
+    workspace = Workspace()
+    call = FusedCall(plan=None, world=2, rank=0, workspace_for=lambda nbytes: workspace)
+    a = torch.zeros(2, 4, 16, dtype=torch.bfloat16)      # M = 8 rows, K = 16
+    b = torch.zeros(16, 32, dtype=torch.bfloat16)
+    for bad in (torch.zeros(4, 32), torch.zeros(4, 33, dtype=torch.bfloat16),
+                torch.zeros(32, 4, dtype=torch.bfloat16).t(), torch.zeros(3, 32, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor .* of \[4, 32\]"):
+            call.run(a, b, out=bad)
+    assert workspace.begun == 0
+    for good in (torch.zeros(4, 32, dtype=torch.bfloat16), torch.zeros(1, 4, 32, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="the checks passed"):
+            call.run(a, b, out=good)
+    assert workspace.begun == 2

@@ -211,9 +211,16 @@ class FusedCall:
         ops, workspace = self._setup(a, b)
         world = self.world
         lead = a.shape[:-1]
-        workspace.begin_call("gemm_reduce_scatter", timeout_s)
+        rows = ops.m // world
         if out is None:
-            out = torch.empty((ops.m // world, ops.n), dtype=a.dtype, device=a.device)
+            out = torch.empty((rows, ops.n), dtype=a.dtype, device=a.device)
+        elif (out.dtype != a.dtype or out.device != a.device or not out.is_contiguous()
+              or out.shape[-1:] != (ops.n, ) or out.numel() != rows * ops.n):
+            raise ValueError(f"gemm_reduce_scatter: out must be a contiguous {a.dtype} tensor on "
+                             f"{a.device} of [{rows}, {ops.n}] (or the result's shape), got "
+                             f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
+        out = out.view(rows, ops.n)  # the kernels write [M / W, N] rows (TMA: a 2-D descriptor)
+        workspace.begin_call("gemm_reduce_scatter", timeout_s)
         replay = self.replay
         aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
         if (replay is not None and aligned and timeout_s is None
