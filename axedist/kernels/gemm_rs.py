@@ -459,9 +459,8 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     drain, and never while it waits itself. An own tile adds the peers' partials, which come
     in by TMA loads, half a tile at a time, through the output's staging buffer (measured
     0.9 us a tile faster than 32-bit loads in the accumulator's layout, b2d18c0), and leaves
-    through TMA
-    stores into the output. Whole row tiles only (engine_pipelined_fits). TRACE as the Triton
-    kernel's (the main loop: this tile's K steps)."""
+    through TMA stores into the output. Whole row tiles only (engine_pipelined_fits). TRACE as
+    the Triton kernel's (the main loop: this tile's K steps)."""
     gl.static_assert(USE_TMA and PHASES == 3)
     dtype: gl.constexpr = a_desc.dtype
     a_bufs, b_bufs, bars = allocate_ring(a_desc, b_desc, STAGES)
@@ -765,11 +764,11 @@ class GemmConfig:
     # other's main loop, for tiles small enough that two fit in an SM's registers and shared
     # memory (checked against the compiled kernel before the first launch)
     ctas_per_sm: int = 1
-    # the Gluon tile loop: the TMA pipeline runs across the program's GEMM tiles. In pull mode
-    # pipelined_gemm_reduce_scatter_kernel, with engine pipelined_engine_gemm_reduce_scatter_
-    # kernel; where it cannot run (push, multimem, operands or output TMA cannot describe, a
-    # chunk not a whole number of row tiles, fewer than stages - 1 K blocks) the call runs the
-    # Triton kernel with the same tiles
+    # the Gluon tile loop: the TMA pipeline runs across the program's GEMM tiles (pull mode:
+    # pipelined_gemm_reduce_scatter_kernel; with engine, its copy-engine twin
+    # pipelined_engine_gemm_reduce_scatter_kernel); where it cannot run (push, multimem,
+    # operands or output TMA cannot describe, a chunk not a whole number of row tiles, fewer
+    # than stages - 1 K blocks) the call runs the Triton kernel with the same tiles
     pipelined: bool = False
     # ("/ce", p2p) the peers' partials move by copy engine: every SM computes tiles, a side
     # stream copies each finished band of a peer's chunk (EngineReduceScatter).
@@ -1402,9 +1401,10 @@ class EngineReduceScatter:
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
             constexprs["COUNT_STEP"] = count_step
-            args += tuple(_gluon_descriptor(workspace.peer_data(rank, half, ops.a.dtype,
-                                                                world * m_chunk * ops.n).view(-1, ops.n),
-                                            out_block) for half in (0, 1))
+            # this rank's data halves as [W * M_CHUNK, N]: where the peers' partials arrive
+            halves = [workspace.peer_data(rank, half, ops.a.dtype, world * m_chunk * ops.n)
+                      for half in (0, 1)]
+            args += tuple(_gluon_descriptor(t.view(-1, ops.n), out_block) for t in halves)
             kernel = pipelined_engine_gemm_reduce_scatter_kernel.warmup(
                 *args, **constexprs, num_warps=config.warps, grid=(1,))
         else:
