@@ -78,6 +78,20 @@ def issue_load(step, row, col, k, valid, a_desc, b_desc, bars, a_bufs, b_bufs,
 
 
 @gluon.jit
+def issue_load_ahead(step, kk, k_tiles, row, col, next_row, next_col, next_valid, a_desc, b_desc,
+                     bars, a_bufs, b_bufs, STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
+    """During K step kk (global step `step`) of the tile at [row, col], the load STAGES - 1
+    steps ahead: a later K block of this tile, or past its last one the first blocks of the
+    next tile at [next_row, next_col] (none unless next_valid)."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    ahead = kk + STAGES - 1
+    this_tile = ahead < k_tiles
+    issue_load(step + STAGES - 1, gl.where(this_tile, row, next_row),
+               gl.where(this_tile, col, next_col), gl.where(this_tile, ahead, ahead - k_tiles) * BK,
+               this_tile | next_valid, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+
+
+@gluon.jit
 def allocate_ring(a_desc, b_desc, STAGES: gl.constexpr):
     """The load ring: STAGES slots of A and B blocks in shared memory (the descriptors' blocks
     and swizzles) and a barrier per slot, initialized."""
@@ -160,13 +174,9 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
         for kk in range(k_tiles):
             # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1
             acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-            ahead = kk + STAGES - 1
-            this_tile = ahead < k_tiles
-            issue_load(step + STAGES - 1, gl.where(this_tile, tile_m, next_m) * BM,
-                       gl.where(this_tile, tile_n, next_n) * BN,
-                       gl.where(this_tile, ahead, ahead - k_tiles) * BK,
-                       this_tile | (local + 1 < my_tiles), a_desc, b_desc, bars, a_bufs, b_bufs,
-                       STAGES, B_TRANSPOSED)
+            issue_load_ahead(step, kk, k_tiles, tile_m * BM, tile_n * BN, next_m * BM, next_n * BN,
+                             local + 1 < my_tiles, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                             B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         store_tile_halves(acc.to(dtype), c_desc, c_smem, tile_m * BM, tile_n * BN)

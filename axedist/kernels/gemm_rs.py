@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from . import schedule
 from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
-from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load, mma_step,
-                         shared_layout, store_tile_halves)
+from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load,
+                         issue_load_ahead, mma_step, shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
                      multiprocessors, stream_memory_driver, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
@@ -508,13 +508,8 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             if (kk == count_step) & (pending >= 0):  # the last tile's stores drained meanwhile
                 _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
                 pending = pending * 0 - 1
-            ahead = kk + STAGES - 1
-            this_tile = ahead < k_tiles
-            issue_load(step + STAGES - 1, gl.where(this_tile, row0, next_row),
-                       gl.where(this_tile, col0, next_col),
-                       gl.where(this_tile, ahead, ahead - k_tiles) * BK,
-                       this_tile | (next_task < tasks), a_desc, b_desc, bars, a_bufs, b_bufs,
-                       STAGES, B_TRANSPOSED)
+            issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col, next_task < tasks,
+                             a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if TRACE:
@@ -688,13 +683,9 @@ def pipelined_gemm_reduce_scatter_kernel(
                     next_row, next_col, next_chunk, next_round = _gemm_task_origin(
                         next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN,
                         GROUP_M, MODE)
-                ahead = kk + STAGES - 1
-                this_tile = ahead < k_tiles
-                issue_load(step + STAGES - 1, gl.where(this_tile, row0, next_row),
-                           gl.where(this_tile, col0, next_col),
-                           gl.where(this_tile, ahead, ahead - k_tiles) * BK,
-                           this_tile | (next_task < tasks), a_desc, b_desc, bars, a_bufs, b_bufs,
-                           STAGES, B_TRANSPOSED)
+                issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col,
+                                 next_task < tasks, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                                 B_TRANSPOSED)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if pending >= 0:  # the last tile's stores have drained under this tile's main loop
