@@ -281,6 +281,19 @@ def _chunk_tiles(group, band, tiles_m, tiles_n, GROUP_M: tl.constexpr, band_tile
 
 
 @triton.jit
+def _trace_task(trace_ptr, task, started, cycle0, cycle1, waited):
+    """A /ce kernel's TRACE record of `task` (row `task` of trace_ptr [tasks, 6]): its start and
+    end (globaltimer ns), SM, cycles in the main loop (cycle0 to cycle1), in waits, in all."""
+    record = trace_ptr + task.to(tl.int64) * 6
+    tl.store(record, started)
+    tl.store(record + 1, globaltimer(task))
+    tl.store(record + 2, sm_id(task).to(tl.int64))
+    tl.store(record + 3, cycle1 - cycle0)
+    tl.store(record + 4, waited)
+    tl.store(record + 5, clock_cycles(task) - cycle0)
+
+
+@triton.jit
 def _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS: tl.constexpr):
     """Index of the flag word source's copy of comm chunk chunk_id sets on this rank
     (schedule.engine_flag, the epoch's parity)."""
@@ -398,13 +411,7 @@ def engine_gemm_reduce_scatter_kernel(
                     total += partial.to(tl.float32)
                 tl.store(out_ptr + offsets, total.to(ELEMENT), mask=mask)
             if TRACE:
-                record = trace_ptr + task.to(tl.int64) * 6
-                tl.store(record, started)
-                tl.store(record + 1, globaltimer(task))
-                tl.store(record + 2, sm_id(task).to(tl.int64))
-                tl.store(record + 3, cycle1 - cycle0)
-                tl.store(record + 4, waited)
-                tl.store(record + 5, clock_cycles(task) - cycle0)
+                _trace_task(trace_ptr, task, started, cycle0, cycle1, waited)
         task = claim_task(state_ptr)
     finish_call(state_ptr, epoch)
 
@@ -563,13 +570,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             fence_async_shared()
             tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
         if TRACE:
-            record = trace_ptr + task.to(gl.int64) * 6
-            gl.store(record, started)
-            gl.store(record + 1, globaltimer(task))
-            gl.store(record + 2, sm_id(task).to(gl.int64))
-            gl.store(record + 3, cycle1 - cycle0)
-            gl.store(record + 4, waited)
-            gl.store(record + 5, clock_cycles(task) - cycle0)
+            _trace_task(trace_ptr, task, started, cycle0, cycle1, waited)
         row0, col0 = next_row, next_col
         task = next_task
     if pending >= 0:
