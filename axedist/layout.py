@@ -735,6 +735,19 @@ def with_dim_inserted(layout: Layout, shape: Sequence[int], dim: int, extent: in
     return Layout(iters, layout.replica, layout.offset)
 
 
+def with_dims_inserted(layout: Layout, shape: Sequence[int],
+                       inserted: Sequence[tuple[int, int]]) -> Layout | None:
+    """:func:`with_dim_inserted` for each ``(position, extent)`` of ``inserted``, positions in the
+    resulting shape (taken in ascending order); None where the pieces are not row-major."""
+    shape = list(shape)
+    for position, extent in sorted(inserted):
+        layout = with_dim_inserted(layout, shape, position, extent)
+        if layout is None:
+            return None
+        shape.insert(position, extent)
+    return layout
+
+
 def without_dim(layout: Layout, shape: Sequence[int], dim: int) -> Layout | None:
     """The layout of ``shape`` without dim ``dim`` that each piece leaves when it takes one index
     of that dim (``select`` / ``unbind``): None unless the dim is whole and local in every piece and

@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
-from ..layout import with_dim_inserted, with_inner_dims, without_dim
+from ..layout import with_dim_inserted, with_dims_inserted, with_inner_dims, without_dim
 from .specs import layout_only, local_shape_of, reduced_in_place
 
 aten = torch.ops.aten
@@ -733,15 +733,15 @@ def _repeated_in_place(x: ArgSpec, repeats: list[int]):
     lead = len(repeats) - x.ndim
     if not layout_only(x) or x.reduce_op or math.prod(x.shape) == 0 or min(repeats) < 1:
         return None
-    layout, shape = x.layout, list(x.shape)
-    # x's dims innermost first (the dims before each stay where they are), then the new ones
-    inserted = [(d, repeats[lead + d]) for d in reversed(range(x.ndim)) if repeats[lead + d] > 1]
-    for d, r in inserted + [(0, r) for r in reversed(repeats[:lead])]:
-        layout = with_dim_inserted(layout, shape, d, r)
-        if layout is None:
-            return None
-        shape.insert(d, r)
-    return layout
+    # where each copies dim lands in the result before the merge: the new leading dims first,
+    # then before each repeated dim of x
+    inserted, position = [(e, r) for e, r in enumerate(repeats[:lead])], lead
+    for d in range(x.ndim):
+        if repeats[lead + d] > 1:
+            inserted.append((position, repeats[lead + d]))
+            position += 1
+        position += 1
+    return with_dims_inserted(x.layout, x.shape, inserted)
 
 
 @register(aten.repeat.default)

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from ..layout import Iter, Layout, LayoutError, row_major_memory, with_dim_inserted, with_inner_dims, without_dims
+from ..layout import Iter, Layout, LayoutError, row_major_memory, with_dims_inserted, with_inner_dims, without_dims
 from ..spec import DTensorSpec, make_spec
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, overload_named, register, rule_for
 from .specs import expected_local_shape, local_shape_of, padded, spec_of
@@ -231,9 +231,8 @@ def _whole_dims_way(spec: ArgSpec, new: tuple) -> Sharding | None:
     if layout is None:
         return None
     shape = [s for d, s in enumerate(spec.shape) if d not in grown]
-    for position in sorted([*range(lead), *(lead + d for d in grown)]):
-        layout = with_dim_inserted(layout, shape, position, new[position]) if layout is not None else None
-        shape.insert(position, new[position])
+    layout = with_dims_inserted(layout, shape, [(position, new[position])
+                                                for position in [*range(lead), *(lead + d for d in grown)]])
     if layout is None:
         return None
     kept = [-1 if p >= lead and p - lead not in grown else new[p] for p in range(len(new))]
