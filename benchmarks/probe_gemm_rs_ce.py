@@ -164,20 +164,23 @@ def run(args):
         workspace = get_workspace(dist.group.WORLD, m * n * 2, a.device)
         # "ce": the shipped chunking and streams; "ce/c<n>": aiming at n comm chunks per peer;
         # "ce/s<n>": the copies on n side streams; "ce/k<n>" (a /gl config): a peer tile counted
-        # after K step n of the next tile; "ce/triton": the same config on the Triton kernel
-        shipped = (gemm_rs.ENGINE_TARGET_CHUNKS, schedule.COPY_STREAMS, 0, base)
-        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"): (c, *shipped[1:])
-                   for c in args.chunks}
-        targets.update({f"ce/s{s}": (shipped[0], s, *shipped[2:]) for s in args.streams
+        # after K step n of the next tile; "ce/p<n>" (a /gl config): an own tile's first partial
+        # loaded n K steps before its last (p-1: after its main loop); "ce/triton": the same
+        # config on the Triton kernel. Each: (config, EngineReduceScatter's probe arguments)
+        targets = {("ce" if c == gemm_rs.ENGINE_TARGET_CHUNKS else f"ce/c{c}"):
+                   (base, dict(target_chunks=c)) for c in args.chunks}
+        targets.update({f"ce/s{s}": (base, dict(streams=s)) for s in args.streams
                         if s != schedule.COPY_STREAMS})
-        targets.update({f"ce/k{k}": (*shipped[:2], k, base) for k in args.count_steps if k})
+        targets.update({f"ce/k{k}": (base, dict(count_step=k)) for k in args.count_steps if k})
+        targets.update({f"ce/p{p}": (base, dict(partial_ahead=p)) for p in args.partial_aheads
+                        if p != gemm_rs.ENGINE_PARTIAL_AHEAD})
         if args.triton and base.pipelined:
-            targets["ce/triton"] = (*shipped[:3], dataclasses.replace(base, pipelined=False))
+            targets["ce/triton"] = (dataclasses.replace(base, pipelined=False), {})
         # GEMM-only: the config's tile loop alone (a push config would run the Triton one)
         tiles_only = dataclasses.replace(base, push=False, defer_release=False, engine=False)
         engines = {name: gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
-                                                     target_chunks=c, streams=s, count_step=k)
-                   for name, (c, s, k, config) in targets.items()}
+                                                     **probe)
+                   for name, (config, probe) in targets.items()}
 
         def call(launch):
             workspace.begin_call("probe_gemm_rs_ce")
@@ -199,11 +202,10 @@ def run(args):
                                  args.reps, queued=True, align=True)
         tiles = world * triton.cdiv(m // world, base.block_m) * triton.cdiv(n, base.block_n)
         traces, chunks, step = {}, {}, torch.zeros(1, device="cuda")
-        for name, (target, streams, count_step, config) in targets.items():
+        for name, (config, probe) in targets.items():
             trace = torch.zeros(tiles, 6, dtype=torch.int64, device="cuda")
             traced = gemm_rs.EngineReduceScatter(ops, out, config, world, rank, workspace,
-                                                 trace=trace, target_chunks=target, streams=streams,
-                                                 count_step=count_step)
+                                                 trace=trace, **probe)
             # the last call's trace (each call rewrites every task's row), its copies by CUPTI
             # each profiled call starts with the ranks' GPUs in step (a one-float all-reduce)
             spans = profiled_copies(lambda: (dist.all_reduce(step), call(traced)), 3) if args.copies else None
@@ -219,7 +221,8 @@ def run(args):
                 all_spans = [None] * world
                 dist.all_gather_object(all_spans, spans)
                 chunks[name] = chunk_timeline([t.cpu().tolist() for t in gathered], all_spans,
-                                              m, n, base, target)
+                                              m, n, base, probe.get("target_chunks",
+                                                                    gemm_rs.ENGINE_TARGET_CHUNKS))
         row = dict(M=m, N=n, K_local=k, world=world, config=str(base), times=times,
                    rel_err=errors, traces=traces, chunks=chunks)
         results.append(row)
@@ -336,6 +339,10 @@ if __name__ == "__main__":
     parser.add_argument("--count-steps", type=lambda text: [int(c) for c in text.split(",")],
                         default=[], help="(a /gl config) also time a peer tile counted after these "
                                          "K steps of the next tile (ce/k<n>)")
+    parser.add_argument("--partial-aheads", type=lambda text: [int(c) for c in text.split(",")],
+                        default=[], help="(a /gl config) also time an own tile's first partial "
+                                         "loaded this many K steps before its last (ce/p<n>; "
+                                         "-1: after its main loop)")
     parser.add_argument("--triton", action="store_true",
                         help="(a /gl config) also time the same config on the Triton kernel")
     parser.add_argument("--copies", action="store_true",

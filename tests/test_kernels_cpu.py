@@ -630,7 +630,8 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
         assert _spill_bytes(kernel) == 0
 
 
-def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0):
+def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0,
+                                  partial_ahead=1):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -650,7 +651,7 @@ def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=Fals
                      half_bytes="i64", trace_ptr="*i64")
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, ENGINE_CHUNKS=64,
-                      PHASES=3, TRACE=trace, COUNT_STEP=count_step)
+                      PHASES=3, TRACE=trace, COUNT_STEP=count_step, PARTIAL_AHEAD=partial_ahead)
     kernel = gemm_rs.pipelined_engine_gemm_reduce_scatter_kernel
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
@@ -683,11 +684,18 @@ def test_gluon_copy_engine_gemm_reduce_scatter_compiles_for_sm90a(transposed, st
 
 def test_gluon_copy_engine_traces_without_spilling():
     """TRACE (probes only): the timer, cycle counter and SM id, everything still in registers;
-    a later count step compiles alike."""
+    a later count step compiles alike. An own tile's first partial loaded in its main loop
+    (PARTIAL_AHEAD >= 0) awaits a flag and issues a load there: at W = 4 one wait more (its
+    first acquire load and its spin's) and one TMA load more than after the loop (-1), whose
+    probe build also fits without spills."""
     _need_triton()
     traced = _compile_pipelined_engine_rs(world=4, trace=True, count_step=8)
     assert "%clock64" in traced.asm["ptx"] and "%smid" in traced.asm["ptx"]
     assert _spill_bytes(traced) == 0
+    early, late = (_compile_pipelined_engine_rs(stages=4, world=4, partial_ahead=a) for a in (1, -1))
+    for name, more in (("ld.acquire.sys", 2), ("cp.async.bulk.tensor.2d.shared::cluster.global", 1)):
+        assert early.asm["ptx"].count(name) == late.asm["ptx"].count(name) + more, name
+    assert _spill_bytes(late) == 0 and late.metadata.shared <= 227 * 1024
 
 
 def test_gluon_copy_engine_runs_where_tma_and_whole_tiles_allow():

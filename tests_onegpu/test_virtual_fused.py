@@ -144,6 +144,24 @@ def test_gluon_copy_engine_partials_every_world_size(world, seed):
     assert all(call.replay.pipelined for call in ranks.last_plans)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ahead", [-1, 0, 8])
+def test_gluon_copy_engine_partial_loaded_at_any_step(world, ahead, monkeypatch, seed):
+    """/gl/ce with an own tile's first partial half loaded after its main loop (-1), at its last
+    K step (0), or as early as the count step allows (8 > the K steps of every shape here: the
+    count step bounds it): whole tiles, a tail of K, three K steps (the fewest at 4 stages)."""
+    from axedist.kernels import gemm_rs
+    monkeypatch.setattr(gemm_rs, "ENGINE_PARTIAL_AHEAD", ahead)
+    config = gemm_rs.GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
+    ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
+    failures = []
+    for shape in ((1024, 2048, 512), (256, 1000, 520), (512, 2048, 192)):
+        as_, bs = _inputs(world, *shape, False)
+        failures += _call(ranks, as_, bs, config, f"/gl/ce ahead={ahead} W={world} {shape} seed={seed}")
+        assert all(call.replay.pipelined for call in ranks.last_plans), shape
+    assert not failures, failures
+
+
 def _engine_processors(world):
     """Half the SMs left free (the driver may copy between two buffers of one GPU on SMs)."""
     from axedist.kernels.launch import multiprocessors

@@ -417,15 +417,26 @@ def engine_gemm_reduce_scatter_kernel(
 
 
 @gluon.jit
-def _engine_task_origin(task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD: gl.constexpr,
-                        BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-    """(first row of A, first column) of /ce task `task`'s tile (the claim order of
-    engine_gemm_reduce_scatter_kernel: slot s < W - 1 the chunk of peer rank + 1 + s, slot
-    W - 1 this rank's own)."""
+def _engine_task_tile(task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
+    """(slot, tile row, tile column, first row of A, first column) of /ce task `task`'s tile
+    (the claim order of engine_gemm_reduce_scatter_kernel: slot s < W - 1 the chunk of peer
+    rank + 1 + s, slot W - 1 this rank's own)."""
     slot = task // per_slot
     tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
     owner = gl.where(slot < WORLD - 1, (rank + 1 + slot) % WORLD, rank)
-    return owner * M_CHUNK + tile_m * BM, tile_n * BN
+    return slot, tile_m, tile_n, owner * M_CHUNK + tile_m * BM, tile_n * BN
+
+
+@gluon.jit
+def _await_partial(own_flags, engine_flag0, epoch, source, chunk_id, abort_ptr, error_address,
+                   timeout_ns, ENGINE_CHUNKS: gl.constexpr):
+    """Wait until source's copy of comm chunk chunk_id has arrived in this rank's data half,
+    and make the data it acquired visible to TMA loads."""
+    flag = _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS)
+    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag,
+              timeout_ns)
+    fence_proxy_async(source)
 
 
 @gluon.jit
@@ -448,7 +459,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, ENGINE_CHUNKS: gl.constexpr, PHASES: gl.constexpr,
-        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr = 0):
+        TRACE: gl.constexpr, COUNT_STEP: gl.constexpr, PARTIAL_AHEAD: gl.constexpr):
     """engine_gemm_reduce_scatter_kernel ("/gl/ce") on the Gluon tile loop of gemm_gluon.py:
     the same tasks, chunks, flags and copies, the same arguments but for staging_desc and
     out_desc (TMA descriptors of the staging buffer as [(W - 1) * M_CHUNK, N] and of the
@@ -466,7 +477,11 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     drain, and never while it waits itself. An own tile adds the peers' partials, which come
     in by TMA loads, half a tile at a time, through the output's staging buffer (measured
     0.9 us a tile faster than 32-bit loads in the accumulator's layout, b2d18c0), and leaves
-    through TMA stores into the output. Whole row tiles only (engine_pipelined_fits). TRACE as
+    through TMA stores into the output. The first source's first half is loaded while the
+    tile's last wgmmas run: its flag awaited and its load issued at K step
+    k_tiles - 1 - PARTIAL_AHEAD, never before the count step (a program waits for a peer's
+    chunk only once it has counted its own last peer tile); PARTIAL_AHEAD -1 (probes): after
+    the main loop, as before. Whole row tiles only (engine_pipelined_fits). TRACE as
     the Triton kernel's (the main loop: this tile's K steps)."""
     gl.static_assert(USE_TMA and PHASES == 3)
     dtype: gl.constexpr = a_desc.dtype
@@ -489,8 +504,8 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
 
     # loads run at most one tile ahead (the host launches this kernel only when
     # k_tiles >= STAGES - 1)
-    row0, col0 = _engine_task_origin(first, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD,
-                                     BM, BN, GROUP_M)
+    slot, tile_m, tile_n, row0, col0 = _engine_task_tile(first, rank, per_slot, tiles_m, tiles_n,
+                                                         M_CHUNK, WORLD, BM, BN, GROUP_M)
     for step in gl.static_range(STAGES - 1):
         issue_load(step, row0, col0, step * BK, first < tasks, a_desc, b_desc, bars, a_bufs,
                    b_bufs, STAGES, B_TRANSPOSED)
@@ -500,6 +515,9 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     pending = first * 0 - 1       # the chunk of a peer tile whose stores are in flight
     pending_tiles = first * 0 + 1
     count_step = gl.minimum(k_tiles - 1, COUNT_STEP)
+    # an own tile's first partial half is loaded during its main loop, never before the last
+    # peer tile is counted (a program waiting for a peer's chunk has released its own)
+    partial_step = gl.maximum(k_tiles - 1 - PARTIAL_AHEAD, count_step)
     task = first
     while task < tasks:
         if TRACE:
@@ -507,25 +525,37 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             cycle0 = clock_cycles(task)
             waited = cycle0 - cycle0
         next_task = task + programs
-        next_row, next_col = _engine_task_origin(next_task, rank, per_slot, tiles_m, tiles_n,
-                                                 M_CHUNK, WORLD, BM, BN, GROUP_M)
+        next_slot, next_tile_m, next_tile_n, next_row, next_col = _engine_task_tile(
+            next_task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M)
+        group = tile_m // GROUP_M
+        band = tile_n // band_tiles
+        own = slot == WORLD - 1
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
         for kk in range(k_tiles):
             acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
             if (kk == count_step) & (pending >= 0):  # the last tile's stores drained meanwhile
                 _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
                 pending = pending * 0 - 1
+            if PARTIAL_AHEAD >= 0:
+                if own & (kk == partial_step):  # the first source's first half, while wgmmas run
+                    source = (rank + 1) % WORLD
+                    if TRACE:
+                        before = clock_cycles(task)
+                    _await_partial(own_flags, engine_flag0, epoch, source, group * bands + band,
+                                   abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
+                    if TRACE:
+                        waited += clock_cycles(task) - before
+                    tma.store_wait(pendings=0)  # the staging buffer is free
+                    _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2,
+                                       (source * M_CHUNK + tile_m * BM).to(gl.int32), tile_n * BN,
+                                       partial_bar, c_smem)
             issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col, next_task < tasks,
                              a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if TRACE:
             cycle1 = clock_cycles(task)
-        slot = task // per_slot
-        tile_m, tile_n = grouped_tile(task % per_slot, tiles_m, tiles_n, GROUP_M)
-        group = tile_m // GROUP_M
-        band = tile_n // band_tiles
-        if slot < WORLD - 1:
+        if not own:
             store_tile_halves(acc.to(dtype), staging_desc, c_smem, slot * M_CHUNK + tile_m * BM,
                               tile_n * BN)
             pending = slot * chunks + group * bands + band
@@ -539,20 +569,17 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             second_half = halves[1]
             for source_step in range(1, WORLD):  # (a loop, not unrolled)
                 source = (rank + source_step) % WORLD
-                flag = _incoming_flag(engine_flag0, epoch, source, group * bands + band,
-                                      ENGINE_CHUNKS)
-                if TRACE:
-                    before = clock_cycles(task)
-                wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source,
-                          flag, timeout_ns)
-                if TRACE:
-                    waited += clock_cycles(task) - before
-                # the copy's data, acquired through the flag, visible to the TMA loads
-                fence_proxy_async(source)
                 row = (source * M_CHUNK + tile_m * BM).to(gl.int32)
-                tma.store_wait(pendings=0)  # the staging buffer is free
-                _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row, tile_n * BN,
-                                   partial_bar, c_smem)
+                if (source_step > 1) | (PARTIAL_AHEAD < 0):
+                    if TRACE:
+                        before = clock_cycles(task)
+                    _await_partial(own_flags, engine_flag0, epoch, source, group * bands + band,
+                                   abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
+                    if TRACE:
+                        waited += clock_cycles(task) - before
+                    tma.store_wait(pendings=0)  # the staging buffer is free
+                    _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row,
+                                       tile_n * BN, partial_bar, c_smem)
                 mbarrier.wait(partial_bar, partial_loads & 1)
                 first_half += c_smem.load(first_half.type.layout).to(gl.float32)
                 gl.thread_barrier()  # every warp has read it before the next load
@@ -571,7 +598,7 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             tma.async_copy_shared_to_global(out_desc, [tile_m * BM, tile_n * BN + SUB_N], c_smem)
         if TRACE:
             _trace_task(trace_ptr, task, started, cycle0, cycle1, waited)
-        row0, col0 = next_row, next_col
+        slot, tile_m, tile_n, row0, col0 = next_slot, next_tile_m, next_tile_n, next_row, next_col
         task = next_task
     if pending >= 0:
         _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
@@ -1255,6 +1282,8 @@ class Replay:
 
 
 ENGINE_TARGET_CHUNKS = 4  # comm chunks per peer a /ce call aims at (bands of the tile groups)
+# K steps before an own tile's last at which the Gluon /ce kernel loads its first partial half
+ENGINE_PARTIAL_AHEAD = 1
 
 
 def engine_chunks(m_chunk: int, n: int, config: GemmConfig,
@@ -1335,9 +1364,11 @@ class EngineReduceScatter:
     it runs the push kernel (a captured copy's destination half and wait value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
-    target_chunks, streams, count_step (probes only): comm chunks per peer to aim at
-    (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the K step
-    of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP).
+    target_chunks, streams, count_step, partial_ahead (probes only): comm chunks per peer to
+    aim at (engine_chunks), side streams to deal them over (at most schedule.COPY_STREAMS), the
+    K step of the next tile after which the Gluon kernel counts a peer tile (its COUNT_STEP),
+    K steps before an own tile's last at which it loads its first partial (its PARTIAL_AHEAD;
+    None: ENGINE_PARTIAL_AHEAD, read per build).
 
     >>> engine = EngineReduceScatter(ops, out, config, world, rank, workspace)
     >>> engine(ops, out)           # out [M / W, N]
@@ -1345,8 +1376,9 @@ class EngineReduceScatter:
     def __init__(self, ops: _Operands, out: torch.Tensor, config: GemmConfig, world: int,
                  rank: int, workspace, trace: torch.Tensor | None = None,
                  target_chunks: int = ENGINE_TARGET_CHUNKS, streams: int = schedule.COPY_STREAMS,
-                 count_step: int = 0):
+                 count_step: int = 0, partial_ahead: int | None = None):
         device = ops.a.device
+        partial_ahead = ENGINE_PARTIAL_AHEAD if partial_ahead is None else partial_ahead
         m_chunk, element = ops.m // world, ops.a.element_size()
         if not 1 <= streams <= schedule.COPY_STREAMS:
             raise ValueError(f"gemm_reduce_scatter /ce: 1 to {schedule.COPY_STREAMS} side streams, "
@@ -1392,7 +1424,7 @@ class EngineReduceScatter:
                 ops.m, ops.n, ops.k, m_chunk, *strides, workspace.engine_flag0, band_tiles, rank,
                 workspace.data_bytes, self.counts if trace is None else trace)
         if self.pipelined:
-            constexprs["COUNT_STEP"] = count_step
+            constexprs.update(COUNT_STEP=count_step, PARTIAL_AHEAD=partial_ahead)
             # this rank's data halves as [W * M_CHUNK, N]: where the peers' partials arrive
             halves = [workspace.peer_data(rank, half, ops.a.dtype, world * m_chunk * ops.n)
                       for half in (0, 1)]
