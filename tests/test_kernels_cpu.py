@@ -1388,6 +1388,22 @@ def test_collective_plan_over_carved_memory_validates_and_forces_rounds():
         p2p.CallPlan("all_gather", (1 << 16,), torch.bfloat16, None, 0, "push", False, workspace=spaces[0])
 
 
+def test_workspace_staging_is_one_buffer_grown_on_demand():
+    """The copy-engine calls' staging buffer: one per workspace, shared by every call that fits
+    in it (the same memory, not a copy per call shape), replaced by a larger one when a call
+    needs more, while a slice handed out before stays whole; each rank's its own."""
+    from axedist.collectives.symmetric import carve_workspaces
+    spaces = carve_workspaces(2, 1 << 16, torch.device("cpu"))
+    first = spaces[0].staging(4096)
+    first.fill_(7)
+    smaller = spaces[0].staging(1000)
+    assert smaller.numel() == 1000 and smaller.data_ptr() == first.data_ptr()
+    larger = spaces[0].staging(8192)
+    assert larger.numel() == 8192 and larger.data_ptr() != first.data_ptr()
+    assert bool((first == 7).all()) and spaces[0].staging(100).data_ptr() == larger.data_ptr()
+    assert spaces[1].staging(4096).data_ptr() not in (first.data_ptr(), larger.data_ptr())
+
+
 def test_gemm_tuned_table_is_what_the_recorded_benchmark_says():
     """kernels/gemm_tuned.json ships, per shape, the fastest config of the recorded one-GPU
     benchmark (bench_gemm.py --tables-from), and only configs that are candidates (so the

@@ -120,6 +120,7 @@ class SymmetricWorkspace:
         self.tensor[ENGINE_FLAG0 * 4:FLAG_BYTES].view(torch.int32).fill_(-1)
         self.tile_flags = self.engine_flag0 = ENGINE_FLAG0  # flags kernels index / copy engines'
         self._copy_streams = ()
+        self._staging = None  # the copy-engine calls' staging buffer (staging())
         self.epoch = 0  # calls issued from the host (the device's epoch is in `state`)
         self.captured = False  # a call was captured in a CUDA graph: replays advance `state`
         # the stream of the previous call (raw handle and object) and whether it was captured
@@ -191,6 +192,17 @@ class SymmetricWorkspace:
         if not self._copy_streams:
             self._copy_streams = tuple(torch.cuda.Stream(self.device) for _ in range(COPY_STREAMS))
         return self._copy_streams
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` on this rank's GPU, where a copy-engine call
+        stages what its side streams then copy out (a /ce GEMM + RS keeps its W - 1 peer chunks
+        there). One per workspace, shared by every such call, grown when one needs more (a call
+        prepared before keeps the smaller one). No two calls use it at once: a call's stream
+        waits for its side streams' copies, and begin_call orders calls from other streams.
+        """
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._staging[:nbytes]
 
     def set_timeout(self, timeout_s: float | None) -> None:
         """The spin-wait timeout of the coming call (None: default_timeout_s())."""

@@ -1399,7 +1399,11 @@ class EngineReduceScatter:
                              f"{tuple(trace.shape)} on {trace.device}")
         self.workspace, self.world, self.rank = workspace, world, rank
         self.timeout_ns = workspace.timeout_ns()
-        self.staging = torch.empty((world - 1, m_chunk, ops.n), dtype=ops.a.dtype, device=device)
+        # the peer chunks' partials until the copy engines take them: the workspace's buffer,
+        # shared by every /ce call on it (one call at a time: each waits for the last's copies)
+        staged = (world - 1) * m_chunk * ops.n
+        self.staging = workspace.staging(staged * element).view(ops.a.dtype).view(
+            world - 1, m_chunk, ops.n)
         self.out_flags = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         self.counts = torch.zeros((world - 1) * chunks, dtype=torch.int32, device=device)
         # /gl: the Gluon tile loop where it fits
