@@ -429,14 +429,25 @@ def _engine_task_tile(task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD: gl
 
 
 @gluon.jit
-def _await_partial(own_flags, engine_flag0, epoch, source, chunk_id, abort_ptr, error_address,
-                   timeout_ns, ENGINE_CHUNKS: gl.constexpr):
+def _fetch_partial_half(own_flags, engine_flag0, epoch, source, chunk_id, abort_ptr,
+                        error_address, timeout_ns, incoming0_desc, incoming1_desc, row, col, bar,
+                        buffer, task, ENGINE_CHUNKS: gl.constexpr, TRACE: gl.constexpr):
     """Wait until source's copy of comm chunk chunk_id has arrived in this rank's data half,
-    and make the data it acquired visible to TMA loads."""
+    make the data it acquired visible to TMA loads, and load the [BM, BN / 2] block at
+    [row, col] of it into `buffer` once the buffer's last TMA store has read it (completing on
+    `bar`). Returns the cycles spent waiting for the flag (TRACE; 0 otherwise)."""
+    if TRACE:
+        before = clock_cycles(task)
     flag = _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS)
     wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag,
               timeout_ns)
+    spent = 0
+    if TRACE:
+        spent = clock_cycles(task) - before
     fence_proxy_async(source)
+    tma.store_wait(pendings=0)  # the staging buffer is free
+    _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row, col, bar, buffer)
+    return spent
 
 
 @gluon.jit
@@ -539,16 +550,13 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
             if PARTIAL_AHEAD >= 0:
                 if own & (kk == partial_step):  # the first source's first half, while wgmmas run
                     source = (rank + 1) % WORLD
+                    spent = _fetch_partial_half(
+                        own_flags, engine_flag0, epoch, source, group * bands + band, abort_ptr,
+                        error_address, timeout_ns, incoming0_desc, incoming1_desc,
+                        (source * M_CHUNK + tile_m * BM).to(gl.int32), tile_n * BN, partial_bar,
+                        c_smem, task, ENGINE_CHUNKS, TRACE)
                     if TRACE:
-                        before = clock_cycles(task)
-                    _await_partial(own_flags, engine_flag0, epoch, source, group * bands + band,
-                                   abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
-                    if TRACE:
-                        waited += clock_cycles(task) - before
-                    tma.store_wait(pendings=0)  # the staging buffer is free
-                    _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2,
-                                       (source * M_CHUNK + tile_m * BM).to(gl.int32), tile_n * BN,
-                                       partial_bar, c_smem)
+                        waited += spent
             issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col, next_task < tasks,
                              a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
             step += 1
@@ -571,15 +579,12 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
                 source = (rank + source_step) % WORLD
                 row = (source * M_CHUNK + tile_m * BM).to(gl.int32)
                 if (source_step > 1) | (PARTIAL_AHEAD < 0):
+                    spent = _fetch_partial_half(
+                        own_flags, engine_flag0, epoch, source, group * bands + band, abort_ptr,
+                        error_address, timeout_ns, incoming0_desc, incoming1_desc, row,
+                        tile_n * BN, partial_bar, c_smem, task, ENGINE_CHUNKS, TRACE)
                     if TRACE:
-                        before = clock_cycles(task)
-                    _await_partial(own_flags, engine_flag0, epoch, source, group * bands + band,
-                                   abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
-                    if TRACE:
-                        waited += clock_cycles(task) - before
-                    tma.store_wait(pendings=0)  # the staging buffer is free
-                    _load_partial_half(incoming0_desc, incoming1_desc, epoch % 2, row,
-                                       tile_n * BN, partial_bar, c_smem)
+                        waited += spent
                 mbarrier.wait(partial_bar, partial_loads & 1)
                 first_half += c_smem.load(first_half.type.layout).to(gl.float32)
                 gl.thread_barrier()  # every warp has read it before the next load
