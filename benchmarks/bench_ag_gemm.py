@@ -12,6 +12,7 @@ Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, 
   fused_gl   the Gluon fused kernel (AllGatherGemmConfig /gl, opt-in: not what "fused" or "auto" run)
   fused_ce   the Triton fused kernel with the rows moved by copy engine (/ce: the shape's config,
              no push tasks; opt-in unless the shipped default says otherwise)
+  fused_gl_ce the Gluon fused kernel with the rows moved by copy engine (/gl/ce, opt-in)
   limit      max(cublas, all-gather bytes in per GPU / 478 GB/s)
 Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
@@ -107,8 +108,8 @@ def run_multi(args):
             symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
         row["plan"] = str(plan_all_gather_gemm(a, b))
-        fused_out, gl_out, ce_out, w1_out = (torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-                                             for _ in range(4))
+        fused_out, gl_out, ce_out, glce_out, w1_out = (
+            torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(5))
         # the Gluon kernel (/gl, opt-in: not what "fused" runs) with this rank's real workspace
         gluon = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
@@ -117,6 +118,11 @@ def run_multi(args):
         engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                    lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
                                    pinned_config=engine_config)
+        # the rows by copy engine beside the Gluon kernel (/gl/ce, opt-in)
+        gluon_engine_config = dataclasses.replace(engine_config, pipelined=True)
+        gluon_engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
+                                         lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
+                                         pinned_config=gluon_engine_config)
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
                    "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
@@ -124,6 +130,7 @@ def run_multi(args):
                    "fused": lambda: ax.all_gather_gemm(a, b, backend="p2p", out=fused_out),
                    "fused_gl": lambda: gluon.run(a, b, gl_out),
                    "fused_ce": lambda: engine.run(a, b, ce_out),
+                   "fused_gl_ce": lambda: gluon_engine.run(a, b, glce_out),
                    "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
@@ -136,12 +143,13 @@ def run_multi(args):
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         row["host_us"] = {name: host_time_us(columns[name], calls=20, repeats=3)
-                          for name in ("seq", "fused", "fused_ce") if name in columns}
+                          for name in ("seq", "fused", "fused_ce", "fused_gl_ce") if name in columns}
         torch.cuda.synchronize()
         dist.barrier()
         ax.all_gather_gemm(a, b, backend="p2p", out=fused_out, check=True)
         gluon.run(a, b, gl_out, check=True)
         engine.run(a, b, ce_out, check=True)
+        gluon_engine.run(a, b, glce_out, check=True)
         seq()
         one_rank.all_gather_gemm([gathered], [b], [w1_out])
         one_rank.check()
@@ -149,6 +157,8 @@ def run_multi(args):
         row["fused_gl_rel_err_vs_seq"] = _relative(gl_out, out)
         row["fused_ce_rel_err_vs_seq"] = _relative(ce_out, out)
         row["fused_ce_config"] = str(engine_config)
+        row["fused_gl_ce_rel_err_vs_seq"] = _relative(glce_out, out)
+        row["fused_gl_ce_config"] = str(gluon_engine_config)
         row["kernel_w1_rel_err"] = _relative(w1_out, out)
         ag_bytes_in = (world - 1) / world * m * k * 2
         for times in (row, queued):
@@ -157,6 +167,8 @@ def run_multi(args):
             times["gl_speedup_vs_seq"] = times["seq"] / times["fused_gl"]
             times["ce_speedup_vs_seq"] = times["seq"] / times["fused_ce"]
             times["ce_speedup_vs_symm"] = (times["symm"] / times["fused_ce"]) if times["symm"] else None
+            times["glce_speedup_vs_seq"] = times["seq"] / times["fused_gl_ce"]
+            times["glce_speedup_vs_symm"] = (times["symm"] / times["fused_gl_ce"]) if times["symm"] else None
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
             times["auto_vs_best"] = auto_vs_best(times)
@@ -166,7 +178,8 @@ def run_multi(args):
                   f"nccl_ag {queued['nccl_ag']:.3f} seq {queued['seq']:.3f} fused {queued['fused']:.3f} "
                   f"kernel_w1 {queued['kernel_w1']:.3f} x{queued['speedup_vs_seq']:.2f} vs seq, "
                   f"err {row['fused_rel_err_vs_seq']:.1e}", flush=True)
-        del a, weight, gathered, out, fused_out, gl_out, ce_out, w1_out, gluon, engine
+        del a, weight, gathered, out, fused_out, gl_out, ce_out, glce_out, w1_out, gluon, engine
+        del gluon_engine
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
@@ -232,7 +245,8 @@ def run_onegpu(args):
 def _table(results, times_of, multi):
     if multi:
         head = ("| shape | M | N | K | cuBLAS | NCCL AG | seq | symm | fused | auto | best / auto | p2p AG | kernel W=1 | "
-                "limit | vs seq | vs symm | fused /gl | /gl vs seq | fused /ce | /ce vs seq | /ce vs symm |")
+                "limit | vs seq | vs symm | fused /gl | /gl vs seq | fused /ce | /ce vs seq | /ce vs symm | "
+                "fused /gl/ce | /gl/ce vs seq | /gl/ce vs symm |")
     else:
         head = ("| shape | M | N | K | cuBLAS | TP=1 path | kernel W=1 | cuBLAS / kernel W=1 | "
                 "kernel W=1 /gl | cuBLAS / kernel W=1 /gl | stream-K tail tiles | /gl/sk | "
@@ -250,7 +264,10 @@ def _table(results, times_of, multi):
                          + (f" {t['fused_gl']:.3f} | {t['gl_speedup_vs_seq']:.2f}x |" if t.get("fused_gl") else " - | - |")
                          + (f" {t['fused_ce']:.3f} | {t['ce_speedup_vs_seq']:.2f}x | "
                             + (f"{t['ce_speedup_vs_symm']:.2f}x |" if t.get("ce_speedup_vs_symm") else "n/a |")
-                            if t.get("fused_ce") else " - | - | - |"))
+                            if t.get("fused_ce") else " - | - | - |")
+                         + (f" {t['fused_gl_ce']:.3f} | {t['glce_speedup_vs_seq']:.2f}x | "
+                            + (f"{t['glce_speedup_vs_symm']:.2f}x |" if t.get("glce_speedup_vs_symm") else "n/a |")
+                            if t.get("fused_gl_ce") else " - | - | - |"))
         else:
             lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K']} | {t['cublas']:.3f} | "
                          f"{t['tp1']:.3f} | {t['kernel_w1']:.3f} | {t['kernel_w1_vs_cublas']:.2f} | "
@@ -290,7 +307,7 @@ def write_outputs(results, name, meta, out_dir, multi: bool):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         labels = [f"{r['M']}x{r['N']}x{r['K']}" for r in results]
-        columns = ["seq", "symm", "fused", "fused_ce", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_sk"]
+        columns = ["seq", "symm", "fused", "fused_ce", "fused_gl_ce", "kernel_w1", "limit"] if multi else ["tp1", "kernel_w1", "kernel_w1_gl", "kernel_w1_sk"]
         base = "seq" if multi else "cublas"
         figure, axis = plt.subplots(figsize=(max(8, len(labels) * 1.1), 4.5))
         width = 0.8 / len(columns)

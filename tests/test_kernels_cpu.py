@@ -1468,7 +1468,7 @@ def _compile_ag(multimem=False, transposed=False, tma=True, world=4, config=None
                               num_stages=c.stages)
 
 
-def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=True):
+def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=True, engine=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -1483,12 +1483,13 @@ def _compile_pipelined_ag(transposed=False, world=4, copy_out=False, out_tma=Tru
     signature.update(b_ptr="*bf16", out_ptr="*bf16", gathered_address="i64")
     _pointer_and_flag_signature(signature, "bf16", dict(
         M_LOCAL="i32", N="i32", K="i32", stride_am="i32", stride_bk="i32", stride_bn="i32",
-        stride_om="i32", rank="i32", half_rows="i32", tail_tiles="i32", partials="*fp32",
-        partial_flags="i64"))
+        stride_om="i32", engine_flag0="i32", chunk_blocks="i32", rank="i32", half_rows="i32",
+        tail_tiles="i32", partials="*fp32", partial_flags="i64"))
     constexprs = dict(WORLD=world, BM=c.block_m, BN=c.block_n, BK=c.block_k, GROUP_M=c.group_m,
                       STAGES=c.stages, USE_TMA=True, B_TRANSPOSED=transposed, MULTIMEM=False,
                       ALIGNED=True, COPY_ROWS=c.copy_rows, COPY_COLS=c.copy_cols,
-                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3, OUT_TMA=out_tma)
+                      PIECES=c.pieces, COPY_OUT=copy_out, PHASES=3, OUT_TMA=out_tma,
+                      ENGINE=engine)
     if out_tma:
         block = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
         signature["o_desc"] = _gluon_descriptor(block)
@@ -1520,6 +1521,27 @@ def test_pipelined_all_gather_gemm_kernel_compiles_for_sm90a(transposed, copy_ou
     assert re.search(r"st\.global(\.\w+)*\.v4", ptx)
     assert ("cp.async.bulk.tensor.2d.global.shared" in ptx) == out_tma
     assert ".local" not in ptx and kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("transposed,copy_out,world", [(False, False, 2), (True, True, 4)])
+def test_gluon_copy_engine_all_gather_gemm_compiles_for_sm90a(transposed, copy_out, world):
+    """/gl/ce: the Gluon all-gather + GEMM kernel with the rows by copy engine compiles no push
+    code (fewer 16-byte stores and system-scope releases: the copy engines
+    announce the chunks; the stream-K tail's and the call's end remain), still acquires the
+    chunks' flags with bounded waits and fences the async proxy before TMA reads the rows;
+    within 227 KB of shared memory."""
+    _need_triton()
+    kernel = _compile_pipelined_ag(transposed, world=world, copy_out=copy_out, engine=True)
+    pushing = _compile_pipelined_ag(transposed, world=world, copy_out=copy_out)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.wait_group.sync.aligned 1" in ptx and "cp.async.bulk.tensor.2d.shared" in ptx
+    assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx and "fence.proxy.async" in ptx
+    assert ptx.count("st.release.sys") < pushing.asm["ptx"].count("st.release.sys")
+    vector_stores = [len(re.findall(r"st\.global(\.\w+)*\.v4", k.asm["ptx"])) for k in (kernel, pushing)]
+    assert vector_stores[0] < vector_stores[1]
+    # ptxas spills 8 bytes at W = 2 and 8 with B row-major (none transposed, none in the pushing
+    # kernel): it goes with the wait for a chunk's flag at a tile's start (measured by removing it)
+    assert _spill_bytes(kernel) <= 8 and kernel.metadata.shared <= 227 * 1024
 
 
 def _compile_ar(two_shot, push, multimem=False, transposed=True, tma=True, config=None, dtype="bf16"):
@@ -1644,8 +1666,15 @@ def test_fused_tp_configs_tables_and_sizes():
     from axedist.kernels import ag_gemm, gemm_ar
     for config in ag_gemm.CANDIDATES:
         assert ag_gemm.AllGatherGemmConfig.parse(str(config)) == config
+    for text in ("128x256x64/g8/s3/w8/c32x512/p4/ce", "128x256x64/g8/s4/w8/c32x512/p4/gl/ce",
+                 "128x256x64/g8/s4/w8/c32x512/p4/gl/sk"):
+        assert str(ag_gemm.AllGatherGemmConfig.parse(text)) == text
+    assert ag_gemm.AllGatherGemmConfig.parse("128x256x64/g8/s4/w8/c32x512/p4/gl/ce") == \
+        ag_gemm.AllGatherGemmConfig(stages=4, pipelined=True, engine=True)
     with pytest.raises(ValueError, match="not an AllGatherGemmConfig string"):
         ag_gemm.AllGatherGemmConfig.parse("128x256x64/g8/s3")
+    with pytest.raises(ValueError, match="stream-K tail"):
+        ag_gemm.AllGatherGemmConfig(pipelined=True, stream_k=True, engine=True)
     assert ag_gemm.default_config(2048, 7168, 8192, 4) == ag_gemm.CANDIDATES[0]
     assert ag_gemm.default_config(512, 2048, 8192, 4).block_n == 128       # 128 tiles in all
     # an odd call's buffer starts on the first whole row of half 1 and ends inside it

@@ -156,10 +156,13 @@ def test_pipelined_all_gather_gemm(world, seed):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("gluon", [False, True])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_copy_engine_all_gather_gemm(world, seed):
+def test_copy_engine_all_gather_gemm(world, gluon, seed):
     """/ce: the rows move by copy engine beside the kernel (no push tasks), in chunks that each
-    announce themselves by a flag. Tails and whole tiles, 1 / 3 / 4 chunks, both orientations,
+    announce themselves by a flag; on the Triton kernel and on the Gluon one (/gl/ce: a peer
+    tile waits for its chunk's flag, or its loads are issued during the tile before once the
+    flag shows it arrived). Tails and whole tiles, 1 / 3 / 4 chunks, both orientations,
     the gathered rows copied out, calls back to back without a sync (both parities) and between
     calls of the push kernel on the same workspaces; captured in a CUDA graph the launch pushes
     instead, and replays and eager calls after the capture stay right. Half the SMs are left
@@ -168,9 +171,10 @@ def test_copy_engine_all_gather_gemm(world, seed):
     import torch.cuda
     from axedist.kernels.launch import multiprocessors
     ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
-    configs = [AllGatherGemmConfig(engine=True),
-               AllGatherGemmConfig.parse("128x128x64/g8/s4/w8/c32x512/p3/ce"),
-               AllGatherGemmConfig.parse("128x256x64/g8/s3/w8/c32x512/p1/ce")]
+    gl = "/gl" if gluon else ""
+    configs = [AllGatherGemmConfig(engine=True, pipelined=gluon),
+               AllGatherGemmConfig.parse(f"128x128x64/g8/s4/w8/c32x512/p3{gl}/ce"),
+               AllGatherGemmConfig.parse(f"128x256x64/g8/s3/w8/c32x512/p1{gl}/ce")]
     failures = []
     for config, shape in itertools.product(configs, (AG_TAILS, (512, 2048, 1024))):
         for transposed in (False, True):
@@ -179,7 +183,7 @@ def test_copy_engine_all_gather_gemm(world, seed):
                                          config=config)
             failures += _ag_failures(as_, bs, outs, f"{config} W={world} {shape} B^T={transposed} seed={seed}")
         ranks.check()
-    assert all(launch.engine and not launch.pipelined
+    assert all(launch.engine and launch.pipelined == gluon
                for call in ranks.last_plans for launch in call.launches.values())
     # back to back, no sync: engine, push, engine with the rows copied out, engine
     pending = []

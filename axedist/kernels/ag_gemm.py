@@ -199,8 +199,15 @@ def _wait_engine_rows(own_flags, engine_flag0, epoch, source, block, chunk_block
     engine: its flag (schedule.engine_flag) holds the source's last finished epoch, read after
     its call e - 1 finished (so e - 1 or e); flags start at -1, and the call before of the
     same parity left at most e - 2."""
-    flag = engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + block // chunk_blocks
+    flag = _engine_flag(engine_flag0, epoch, source, block, chunk_blocks, ENGINE_CHUNKS)
     wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
+
+
+@triton.jit
+def _engine_flag(engine_flag0, epoch, source, block, chunk_blocks, ENGINE_CHUNKS: tl.constexpr):
+    """Index of the flag word of the copy-engine chunk of `source`'s rows holding row block
+    `block` (schedule.engine_flag, the epoch's parity)."""
+    return engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + block // chunk_blocks
 
 
 ENGINE_CHUNKS = tl.constexpr(schedule.ENGINE_CHUNKS)
@@ -361,11 +368,11 @@ def _copy_rows_gluon(source, source_stride, target, rows_here, col_first, col_la
 @gluon.jit
 def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD: gl.constexpr,
                STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr,
-               BM: gl.constexpr, BN: gl.constexpr):
+               BM: gl.constexpr, BN: gl.constexpr, ENGINE: gl.constexpr):
     """Of tile task `task`: (source rank, tile row, its first A row: in A for this rank's rows,
     in the gathered buffer for a peer's, first column)."""
     kind, source, tile_m, tile_n = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False,
-                                                PIECES, GROUP_M, False)
+                                                PIECES, GROUP_M, ENGINE)
     local_row0 = tile_m * BM
     row0 = gl.where(source == rank, local_row0, slot_row0 + source * M_LOCAL + local_row0)
     return source, tile_m, row0, tile_n * BN
@@ -373,21 +380,24 @@ def _tile_rows(task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD: gl.const
 
 @gluon.jit
 def _next_tile_task(task, step, tasks, rank, tiles_m, tiles_n, WORLD: gl.constexpr,
-                    STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr):
+                    STEPS: gl.constexpr, PIECES: gl.constexpr, GROUP_M: gl.constexpr,
+                    ENGINE: gl.constexpr):
     """The first tile task among task, task + step, ... (>= tasks: none left)."""
     kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                   GROUP_M, False)
+                                   GROUP_M, ENGINE)
     while (task < tasks) & (kind != TILE):
         task += step
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                       GROUP_M, False)
+                                       GROUP_M, ENGINE)
     return task
 
 
 @gluon.jit
-def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, PIECES: gl.constexpr):
+def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, engine_flag0, chunk_blocks,
+                  PIECES: gl.constexpr, ENGINE: gl.constexpr):
     """Whether every piece of the source's row block tile_m has arrived (this rank's own rows
-    always have): one acquire load per piece and thread, no waiting. The answer steers code
+    always have): one acquire load per piece and thread, no waiting (ENGINE: of the flag of the
+    copy-engine chunk holding the block, _wait_engine_rows's). The answer steers code
     with CTA barriers in it, so it must be the same in every thread: a flag can flip between
     two threads' loads, hence "every thread saw it" (a CTA-wide min), not each thread's own
     load (that race hung the W = 8 virtual-rank test)."""
@@ -396,23 +406,33 @@ def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, PIECES: gl.co
         threads: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         zero = gl.arange(0, 32 * gl.num_warps(), layout=threads) * 0
         seen = zero + 1
-        for piece in gl.static_range(PIECES):
-            flag = (source * tiles_m + tile_m) * PIECES + piece
-            seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch).to(gl.int32)
+        if ENGINE:
+            flag = _engine_flag(engine_flag0, epoch, source, tile_m, chunk_blocks, ENGINE_CHUNKS)
+            seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch - 1).to(gl.int32)
+        else:
+            for piece in gl.static_range(PIECES):
+                flag = (source * tiles_m + tile_m) * PIECES + piece
+                seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch).to(gl.int32)
         arrived = gl.min(seen, axis=0) > 0
     return arrived
 
 
 @gluon.jit
 def _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr, error_address,
-               timeout_ns, PIECES: gl.constexpr):
-    """Wait until every piece of the source's row block tile_m has arrived (nothing to wait
-    for on this rank's own rows), then order those generic stores before TMA reads them."""
+               timeout_ns, engine_flag0, chunk_blocks, PIECES: gl.constexpr,
+               ENGINE: gl.constexpr):
+    """Wait until every piece of the source's row block tile_m has arrived (ENGINE: its
+    copy-engine chunk; nothing to wait for on this rank's own rows), then order those stores
+    before TMA reads them."""
     if source != rank:
-        for piece in gl.static_range(PIECES):
-            flag = (source * tiles_m + tile_m) * PIECES + piece
-            wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
-                      timeout_ns)
+        if ENGINE:
+            _wait_engine_rows(own_flags, engine_flag0, epoch, source, tile_m, chunk_blocks,
+                              abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
+        else:
+            for piece in gl.static_range(PIECES):
+                flag = (source * tiles_m + tile_m) * PIECES + piece
+                wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, source, flag,
+                          timeout_ns)
         fence_proxy_async(tile_m)
 
 
@@ -456,13 +476,14 @@ def pipelined_all_gather_gemm_kernel(
         D0, D1, D2, D3, D4, D5, D6, D7, multicast_base,
         F0, F1, F2, F3, F4, F5, F6, F7,
         state_ptr, abort_ptr, error_address, timeout_ns,
-        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, rank, half_rows, tail_tiles,
-        partials, partial_flags, o_desc,
+        M_LOCAL, N, K, stride_am, stride_bk, stride_bn, stride_om, engine_flag0, chunk_blocks,
+        rank, half_rows, tail_tiles, partials, partial_flags, o_desc,
         WORLD: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
         GROUP_M: gl.constexpr, STAGES: gl.constexpr, USE_TMA: gl.constexpr,
         B_TRANSPOSED: gl.constexpr, MULTIMEM: gl.constexpr, ALIGNED: gl.constexpr,
         COPY_ROWS: gl.constexpr, COPY_COLS: gl.constexpr, PIECES: gl.constexpr,
-        COPY_OUT: gl.constexpr, PHASES: gl.constexpr, OUT_TMA: gl.constexpr):
+        COPY_OUT: gl.constexpr, PHASES: gl.constexpr, OUT_TMA: gl.constexpr,
+        ENGINE: gl.constexpr):
     """all_gather_gemm_kernel (unicast pushes, TMA) with the Gluon tile loop of gemm_gluon.py:
     same arguments, same task order, tasks assigned statically (program p runs p, p + P, ...),
     so that a program loads its next tile during the current one.
@@ -481,7 +502,11 @@ def pipelined_all_gather_gemm_kernel(
     every program's other tasks (schedule.stream_k_segments): their K steps spread over all
     programs, a tile's owner adding the fp32 partials (`partials`, a BM x BN slot per program)
     of the programs after it once their flags (`partial_flags`, the address of an int32 per
-    program) show this call's epoch."""
+    program) show this call's epoch.
+
+    ENGINE ("/gl/ce"): no push tasks; the peers' copy engines bring their rows in chunks of
+    chunk_blocks row blocks, each announced by a flag from flag index engine_flag0 on (as in
+    all_gather_gemm_kernel): a peer tile waits for, or looks ahead at, its chunk's flag."""
     gl.static_assert(USE_TMA and (not MULTIMEM) and PHASES == 3)
     ELEMENT: gl.constexpr = out_ptr.dtype.element_ty
     dtype: gl.constexpr = a_desc.dtype
@@ -493,7 +518,7 @@ def pipelined_all_gather_gemm_kernel(
     (epoch, slot_row0, row_bytes, tiles_m, tiles_n, tasks, piece_cols, k_tiles, own_flags,
      gathered) = _call_geometry(state_ptr, rank, half_rows, M_LOCAL, N, K, D0, D1, D2, D3, D4,
                                 D5, D6, D7, F0, F1, F2, F3, F4, F5, F6, F7, ELEMENT, WORLD, BM,
-                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT, False)
+                                BN, BK, STEPS, PIECES, COPY_COLS, COPY_OUT, ENGINE)
     first = gl.program_id(0)
     programs = gl.num_programs(0)
     layout: gl.constexpr = accumulator_layout(BM, BN, gl.num_warps())
@@ -501,30 +526,32 @@ def pipelined_all_gather_gemm_kernel(
     tasks = tail_first               # what the static assignment runs
 
     tile_task = _next_tile_task(first, programs, tasks, rank, tiles_m, tiles_n, WORLD, STEPS,
-                                PIECES, GROUP_M)
+                                PIECES, GROUP_M, ENGINE)
     source, tile_m, row0, col0 = _tile_rows(tile_task, rank, tiles_m, tiles_n, M_LOCAL,
-                                            slot_row0, WORLD, STEPS, PIECES, GROUP_M, BM, BN)
+                                            slot_row0, WORLD, STEPS, PIECES, GROUP_M, BM, BN,
+                                            ENGINE)
     loaded = first * 0  # whether the current tile's first STAGES - 1 steps are loaded
     step = 0
     task = first
     while task < tasks:
         kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                       GROUP_M, False)
+                                       GROUP_M, ENGINE)
         if kind == PUSH:
-            block = x
-            piece = y
-            col_first = piece * piece_cols
-            push_row = (slot_row0 + rank * M_LOCAL + block * BM).to(gl.int64)
-            target = pick(who, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
-            _copy_rows_gluon(a_ptr + block * BM * stride_am, stride_am, target,
-                             gl.minimum(BM, M_LOCAL - block * BM), col_first,
-                             gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
-                             COPY_COLS, ALIGNED)
-            # every thread's (remote) stores ordered before thread 0's release
-            fence_acq_rel_sys(block)
-            gl.thread_barrier()
-            st_release_sys(pick(who, F0, F1, F2, F3, F4, F5, F6, F7)
-                           + ((rank * tiles_m + block) * PIECES + piece) * 4, epoch)
+            if not ENGINE:  # (ENGINE: no push tasks, no push code compiled)
+                block = x
+                piece = y
+                col_first = piece * piece_cols
+                push_row = (slot_row0 + rank * M_LOCAL + block * BM).to(gl.int64)
+                target = pick(who, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
+                _copy_rows_gluon(a_ptr + block * BM * stride_am, stride_am, target,
+                                 gl.minimum(BM, M_LOCAL - block * BM), col_first,
+                                 gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
+                                 COPY_COLS, ALIGNED)
+                # every thread's (remote) stores ordered before thread 0's release
+                fence_acq_rel_sys(block)
+                gl.thread_barrier()
+                st_release_sys(pick(who, F0, F1, F2, F3, F4, F5, F6, F7)
+                               + ((rank * tiles_m + block) * PIECES + piece) * 4, epoch)
         elif kind == COPY:
             block = x
             piece = y
@@ -533,9 +560,13 @@ def pipelined_all_gather_gemm_kernel(
                 rows_from = a_ptr + block * BM * stride_am
                 rows_stride = stride_am
             else:
-                flag = (who * tiles_m + block) * PIECES + piece
-                wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, who, flag,
-                          timeout_ns)
+                if ENGINE:
+                    _wait_engine_rows(own_flags, engine_flag0, epoch, who, block, chunk_blocks,
+                                      abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
+                else:
+                    flag = (who * tiles_m + block) * PIECES + piece
+                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, who, flag,
+                              timeout_ns)
                 rows_from = gathered + (slot_row0 + who * M_LOCAL + block * BM).to(gl.int64) * K
                 rows_stride = K
             _copy_rows_gluon(rows_from, rows_stride,
@@ -546,7 +577,7 @@ def pipelined_all_gather_gemm_kernel(
         else:  # the tile task `tile_task` (= task)
             if loaded == 0:  # its rows were not there when the last tile ran: wait, then load
                 _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
-                           error_address, timeout_ns, PIECES)
+                           error_address, timeout_ns, engine_flag0, chunk_blocks, PIECES, ENGINE)
                 for ahead in gl.static_range(STAGES - 1):
                     _issue_tile_load(step + ahead, source == rank, row0, col0, ahead * BK,
                                      ahead < k_tiles, a_desc, g_desc, b_desc, bars, a_bufs,
@@ -559,15 +590,15 @@ def pipelined_all_gather_gemm_kernel(
                 acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 if kk == 0:  # the next tile, decoded while the first wgmma runs
                     next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m,
-                                                tiles_n, WORLD, STEPS, PIECES, GROUP_M)
+                                                tiles_n, WORLD, STEPS, PIECES, GROUP_M, ENGINE)
                     next_source, next_tile_m, next_row, next_col = _tile_rows(
                         next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD, STEPS,
-                        PIECES, GROUP_M, BM, BN)
+                        PIECES, GROUP_M, BM, BN, ENGINE)
                 ahead = kk + STAGES - 1
                 if ahead == k_tiles:  # the first load of the next tile: are its rows here?
                     next_ready = ((next_task < tasks) & _rows_arrived(
-                        own_flags, next_source, next_tile_m, tiles_m, epoch, rank,
-                        PIECES)).to(gl.int32)
+                        own_flags, next_source, next_tile_m, tiles_m, epoch, rank, engine_flag0,
+                        chunk_blocks, PIECES, ENGINE)).to(gl.int32)
                     fence_proxy_async(next_tile_m)
                 this_tile = ahead < k_tiles
                 _issue_tile_load(step + STAGES - 1,
@@ -599,9 +630,9 @@ def pipelined_all_gather_gemm_kernel(
                 k_end = gl.minimum(share_end - tail * k_tiles, k_tiles)
                 source, tile_m, row0, col0 = _tile_rows(tail_first + tail, rank, tiles_m, tiles_n,
                                                         M_LOCAL, slot_row0, WORLD, STEPS, PIECES,
-                                                        GROUP_M, BM, BN)
+                                                        GROUP_M, BM, BN, ENGINE)
                 _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
-                           error_address, timeout_ns, PIECES)
+                           error_address, timeout_ns, engine_flag0, chunk_blocks, PIECES, ENGINE)
                 count = k_end - k_first
                 for fill in gl.static_range(STAGES - 1):
                     _issue_tile_load(step + fill, source == rank, row0, col0,
@@ -666,12 +697,17 @@ class AllGatherGemmConfig:
     # (schedule.stream_k_tiles). Opt-in: on one H200 it saved nothing at 2048 x 7168 x 8192,
     # 2% at 8192 x 13312 x 16384 and cost 3% at 8192 x 6400 x 5120 (docs/gpu_notes.md)
     stream_k: bool = False
-    # ("/ce", the Triton kernel, unicast) the rows move by copy engine, not by the kernel's push
-    # tasks: every SM computes tiles, the copies run beside them. Each source's rows go in
-    # `pieces` chunks of whole row blocks, each followed by its flag. Inside a CUDA graph
+    # ("/ce", unicast; "/gl/ce" on the Gluon kernel) the rows move by copy engine, not by the
+    # kernel's push tasks: every SM computes tiles, the copies run beside them. Each source's
+    # rows go in `pieces` chunks of whole row blocks, each followed by its flag. Inside a CUDA graph
     # capture the launch pushes instead (a captured copy's destination half would be fixed);
     # so does a machine without cuda-python (the copies go through its runtime bindings)
     engine: bool = False
+
+    def __post_init__(self):
+        if self.engine and self.stream_k:
+            raise ValueError("AllGatherGemmConfig: the stream-K tail (/sk) does not run with the "
+                             "rows by copy engine (/ce)")
 
     @classmethod
     def parse(cls, text: str) -> "AllGatherGemmConfig":
@@ -683,7 +719,7 @@ class AllGatherGemmConfig:
         try:
             tile, g, s, w, c, p, *flags = text.split("/")
             if (g[0], s[0], w[0], c[0], p[0]) != ("g", "s", "w", "c", "p") or \
-                    flags not in ([], ["gl"], ["gl", "sk"], ["ce"]):
+                    flags not in ([], ["gl"], ["gl", "sk"], ["ce"], ["gl", "ce"]):
                 raise ValueError
             block_m, block_n, block_k = (int(v) for v in tile.split("x"))
             copy_rows, copy_cols = (int(v) for v in c[1:].split("x"))
@@ -700,7 +736,7 @@ class AllGatherGemmConfig:
                 f"/w{self.warps}/c{self.copy_rows}x{self.copy_cols}/p{self.pieces}"
                 f"{'/gl' if self.pipelined else ''}"
                 f"{'/sk' if self.pipelined and self.stream_k else ''}"
-                f"{'/ce' if self.engine and not self.pipelined else ''}")
+                f"{'/ce' if self.engine else ''}")
 
 
 CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
@@ -806,8 +842,7 @@ class AllGatherGemmLaunch:
         self.timeout_ns = workspace.timeout_ns()
         tiles_m, tiles_n = triton.cdiv(ops.m, config.block_m), triton.cdiv(ops.n, config.block_n)
         # the copies go through cuda-python (launch.copy_engines_usable); without it, pushes
-        self.engine = (config.engine and world > 1 and not multimem and not self.pipelined
-                       and copy_engines_usable())
+        self.engine = config.engine and world > 1 and not multimem and copy_engines_usable()
         self.pushing = None
         if self.engine:
             self._prepare_engine(ops, out, config, workspace, tiles_m, copy_out)
@@ -817,10 +852,8 @@ class AllGatherGemmLaunch:
                           ALIGNED=row_bytes % 16 == 0, COPY_ROWS=config.copy_rows,
                           COPY_COLS=config.copy_cols, PIECES=config.pieces,
                           COPY_OUT=copy_out, PHASES=3)
-        engine_args = ((workspace.engine_flag0, self.chunk_blocks if self.engine else 1)
-                       if not self.pipelined else ())
-        if not self.pipelined:
-            constexprs["ENGINE"] = self.engine
+        engine_args = (workspace.engine_flag0, self.chunk_blocks if self.engine else 1)
+        constexprs["ENGINE"] = self.engine
         args = (ops.a, a_desc, g_desc, b_desc, ops.b, out, UNSET_ADDRESS,
                 *workspace.data_addresses(0),
                 workspace.multicast_address(0) if multimem else 0,
