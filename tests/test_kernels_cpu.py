@@ -631,13 +631,14 @@ def test_copy_engine_gemm_reduce_scatter_traces_and_does_not_spill():
 
 
 def _compile_pipelined_engine_rs(transposed=False, stages=3, world=2, trace=False, count_step=0,
-                                  partial_ahead=1):
+                                  partial_ahead=None):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from axedist.kernels import gemm_gluon, gemm_rs
     c = gemm_rs.GemmConfig(stages=stages, pipelined=True, engine=True)
+    partial_ahead = gemm_rs.ENGINE_PARTIAL_AHEAD if partial_ahead is None else partial_ahead
     tile = [c.block_m, c.block_n // gemm_gluon.EPILOGUE_SPLIT]
     blocks = {"a_desc": [c.block_m, c.block_k],
               "b_desc": [c.block_n, c.block_k] if transposed else [c.block_k, c.block_n],

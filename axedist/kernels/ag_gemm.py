@@ -52,8 +52,8 @@ from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
-                         ld_acquire_sys, multimem_st_16bytes, peer_pointers, pick, st_release_sys,
-                         wait_flag)
+                         engine_flag_index, ld_acquire_sys, multimem_st_16bytes, peer_pointers,
+                         pick, st_release_sys, wait_engine_chunk, wait_flag)
 
 
 @triton.jit
@@ -195,19 +195,10 @@ def schedule_probe_kernel(out_ptr, count_ptr, tiles_m, tiles_n, rank, WORLD: tl.
 @triton.jit
 def _wait_engine_rows(own_flags, engine_flag0, epoch, source, block, chunk_blocks, abort_ptr,
                       error_address, timeout_ns, ENGINE_CHUNKS: tl.constexpr):
-    """Wait until the chunk of `source`'s rows holding row block `block` has arrived by copy
-    engine: its flag (schedule.engine_flag) holds the source's last finished epoch, read after
-    its call e - 1 finished (so e - 1 or e); flags start at -1, and the call before of the
-    same parity left at most e - 2."""
-    flag = _engine_flag(engine_flag0, epoch, source, block, chunk_blocks, ENGINE_CHUNKS)
-    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
-
-
-@triton.jit
-def _engine_flag(engine_flag0, epoch, source, block, chunk_blocks, ENGINE_CHUNKS: tl.constexpr):
-    """Index of the flag word of the copy-engine chunk of `source`'s rows holding row block
-    `block` (schedule.engine_flag, the epoch's parity)."""
-    return engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + block // chunk_blocks
+    """Wait until the chunk of `source`'s rows holding row block `block` (chunks of
+    chunk_blocks row blocks) has arrived by copy engine (primitives.wait_engine_chunk)."""
+    wait_engine_chunk(own_flags, engine_flag0, epoch, source, block // chunk_blocks, abort_ptr,
+                      error_address, timeout_ns, ENGINE_CHUNKS)
 
 
 ENGINE_CHUNKS = tl.constexpr(schedule.ENGINE_CHUNKS)
@@ -397,7 +388,7 @@ def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, engine_flag0,
                   PIECES: gl.constexpr, ENGINE: gl.constexpr):
     """Whether every piece of the source's row block tile_m has arrived (this rank's own rows
     always have): one acquire load per piece and thread, no waiting (ENGINE: of the flag of the
-    copy-engine chunk holding the block, _wait_engine_rows's). The answer steers code
+    copy-engine chunk holding the block, primitives.engine_flag_index). The answer steers code
     with CTA barriers in it, so it must be the same in every thread: a flag can flip between
     two threads' loads, hence "every thread saw it" (a CTA-wide min), not each thread's own
     load (that race hung the W = 8 virtual-rank test)."""
@@ -407,7 +398,8 @@ def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, engine_flag0,
         zero = gl.arange(0, 32 * gl.num_warps(), layout=threads) * 0
         seen = zero + 1
         if ENGINE:
-            flag = _engine_flag(engine_flag0, epoch, source, tile_m, chunk_blocks, ENGINE_CHUNKS)
+            flag = engine_flag_index(engine_flag0, epoch, source, tile_m // chunk_blocks,
+                                     ENGINE_CHUNKS)
             seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch - 1).to(gl.int32)
         else:
             for piece in gl.static_range(PIECES):

@@ -40,7 +40,7 @@ from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_e
                          clock_cycles, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          globaltimer, load_reduce,
                          peer_pointers, pick, shift8, sm_id, st_release_gpu,
-                         st_release_sys, wait_flag)
+                         st_release_sys, wait_engine_chunk, wait_flag)
 
 
 @triton.jit
@@ -294,13 +294,6 @@ def _trace_task(trace_ptr, task, started, cycle0, cycle1, waited):
 
 
 @triton.jit
-def _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS: tl.constexpr):
-    """Index of the flag word source's copy of comm chunk chunk_id sets on this rank
-    (schedule.engine_flag, the epoch's parity)."""
-    return engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + chunk_id
-
-
-@triton.jit
 def _count_chunk_tile(counts_ptr, out_flags, counter, chunk_tiles, epoch, BULK: tl.constexpr):
     """Count one stored peer tile of /ce comm chunk `counter` (BULK: once the program's TMA
     stores of it have completed); the chunk's last tile fences at system scope (the copy engine
@@ -400,10 +393,8 @@ def engine_gemm_reduce_scatter_kernel(
                     if SIGNAL:
                         if TRACE:
                             before = clock_cycles(task)
-                        flag = _incoming_flag(engine_flag0, epoch, source, chunk_id,
-                                              ENGINE_CHUNKS)
-                        wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address,
-                                  source, flag, timeout_ns)
+                        wait_engine_chunk(own_flags, engine_flag0, epoch, source, chunk_id,
+                                          abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
                         if TRACE:
                             waited += clock_cycles(task) - before
                     partial = tl.load(incoming + source.to(tl.int64) * M_CHUNK * N + offsets,
@@ -438,9 +429,8 @@ def _fetch_partial_half(own_flags, engine_flag0, epoch, source, chunk_id, abort_
     `bar`). Returns the cycles spent waiting for the flag (TRACE; 0 otherwise)."""
     if TRACE:
         before = clock_cycles(task)
-    flag = _incoming_flag(engine_flag0, epoch, source, chunk_id, ENGINE_CHUNKS)
-    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag,
-              timeout_ns)
+    wait_engine_chunk(own_flags, engine_flag0, epoch, source, chunk_id, abort_ptr,
+                      error_address, timeout_ns, ENGINE_CHUNKS)
     spent = 0
     if TRACE:
         spent = clock_cycles(task) - before

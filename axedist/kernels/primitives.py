@@ -212,6 +212,24 @@ def wait_flag(flag_address, expected, abort_ptr, error_address, peer, flag_index
 
 
 @triton.jit
+def engine_flag_index(engine_flag0, epoch, source, chunk, ENGINE_CHUNKS: tl.constexpr):
+    """Index of the flag word that `source`'s copy engine sets on this rank after chunk `chunk`
+    of its call of epoch `epoch` (schedule.engine_flag of the epoch's parity, counted from the
+    flag region's start engine_flag0)."""
+    return engine_flag0 + ((epoch % 2) * 8 + source) * ENGINE_CHUNKS + chunk
+
+
+@triton.jit
+def wait_engine_chunk(own_flags, engine_flag0, epoch, source, chunk, abort_ptr, error_address,
+                      timeout_ns, ENGINE_CHUNKS: tl.constexpr):
+    """Wait until `source`'s copy-engine chunk `chunk` of this epoch has arrived on this rank:
+    its flag holds the source's last finished epoch, copied after its call e - 1 finished (so
+    e - 1 or e); flags start at -1, and the call before of the same parity left at most e - 2."""
+    flag = engine_flag_index(engine_flag0, epoch, source, chunk, ENGINE_CHUNKS)
+    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
+
+
+@triton.jit
 def pick(index, p0, p1, p2, p3, p4, p5, p6, p7):
     """The index-th of eight scalars (peer addresses are passed as eight int64 arguments so that
     Triton specializes each on 16-byte divisibility and vectorizes the peer loads)."""
