@@ -10,9 +10,10 @@ Per shape (bf16, A_r [M/W, K] per rank, B [K, N_local], gathered on dim 0), ms, 
   fused      axedist.all_gather_gemm (p2p)            p2p_ag    axedist's p2p all-gather of A
   kernel_w1  the fused kernel on one rank's whole M (its GEMM half: local copy + tiles)
   fused_gl   the Gluon fused kernel (AllGatherGemmConfig /gl, opt-in: not what "fused" or "auto" run)
-  fused_ce   the Triton fused kernel with the rows moved by copy engine (/ce: the shape's config,
-             no push tasks; opt-in unless the shipped default says otherwise)
-  fused_gl_ce the Gluon fused kernel with the rows moved by copy engine (/gl/ce, opt-in)
+  fused_ce   the Triton fused kernel with the rows moved by copy engine (/ce: the shape's tiles,
+             no push tasks)
+  fused_gl_ce the Gluon fused kernel with the rows moved by copy engine (/gl/ce: the shape's
+             tiles; what "fused" runs at W = 2 where cuda-python can issue the copies)
   limit      max(cublas, all-gather bytes in per GPU / 478 GB/s)
 Shapes: M in {2048, 8192, 16384} x N_local in {7168, 2048} at K = 8192, and the column-parallel
 shapes of Qwen3-32B (w1/w3, qkv) and Llama-3.1-405B (w1/w3) at M = 8192.
@@ -114,11 +115,13 @@ def run_multi(args):
         gluon = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
                                   pinned_config=AllGatherGemmConfig(pipelined=True))
-        engine_config = dataclasses.replace(default_config(m // world, n, k, world), engine=True)
+        # the rows by copy engine beside the Triton kernel (/ce)
+        engine_config = dataclasses.replace(default_config(m // world, n, k, world), engine=True,
+                                            pipelined=False)
         engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                    lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
                                    pinned_config=engine_config)
-        # the rows by copy engine beside the Gluon kernel (/gl/ce, opt-in)
+        # the rows by copy engine beside the Gluon kernel (/gl/ce: what "fused" runs at W = 2)
         gluon_engine_config = dataclasses.replace(engine_config, pipelined=True)
         gluon_engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
                                          lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),

@@ -1661,7 +1661,7 @@ def test_fused_tp_launch_slots_match_the_kernel_signatures():
     assert names[-2:] == ["rank", "half_bytes"] and "epoch" not in names
 
 
-def test_fused_tp_configs_tables_and_sizes():
+def test_fused_tp_configs_tables_and_sizes(monkeypatch):
     _need_triton()
     from axedist.collectives import fused_tp
     from axedist.kernels import ag_gemm, gemm_ar
@@ -1678,6 +1678,14 @@ def test_fused_tp_configs_tables_and_sizes():
         ag_gemm.AllGatherGemmConfig(pipelined=True, stream_k=True, engine=True)
     assert ag_gemm.default_config(2048, 7168, 8192, 4) == ag_gemm.CANDIDATES[0]
     assert ag_gemm.default_config(512, 2048, 8192, 4).block_n == 128       # 128 tiles in all
+    # W = 2: the copy engines move the rows and the Gluon loop runs the tiles where cuda-python
+    # can issue the copies, else the pushes on the Triton loop (the Gluon loop's pushes are slower)
+    for usable in (True, False):
+        monkeypatch.setattr(ag_gemm, "copy_engines_usable", lambda: usable)
+        for m_local, n in [(4096, 2048), (1024, 2048), (8192, 7168)]:
+            config = ag_gemm.default_config(m_local, n, 8192, 2)
+            assert (config.engine, config.pipelined, config.stream_k) == (usable, usable, False)
+        assert not ag_gemm.default_config(4096, 2048, 8192, 4).engine
     # an odd call's buffer starts on the first whole row of half 1 and ends inside it
     for data_bytes, k in [(1 << 22, 5120), (1 << 22, 8192), (3 << 20, 1000)]:
         rows = ag_gemm.gathered_rows(data_bytes, k, 2)

@@ -741,19 +741,22 @@ CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
 
 def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
     """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle; at
-    W = 2, where cuda-python can issue the copies, the rows move by copy engine (/ce: faster
-    than the pushes on 8 of the 9 design and model shapes on 2x H200, up to 1.21x, and level on
-    the ninth; benchmarks/results/ag_gemm_w2.md). W > 2 keeps the pushes until a run there
-    measures /ce.
+    W = 2, where cuda-python can issue the copies, the rows move by copy engine and the tiles
+    run on the Gluon loop (/gl/ce: on 2x H200 at b3d56ba as fast as or faster than the Triton
+    /ce kernel on all 12 design, model and Llama-3-8B shapes, up to 1.05x, and faster than
+    torch's fused op on 11; benchmarks/results/ag_gemm_w2*.md). Where the operands cannot
+    take TMA the launch falls back to the Triton loop (/ce). W > 2 keeps the pushes until a
+    run there measures the copy engines.
 
     >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
     '128x128x64/g8/s4/w8/c32x512/p4'
     >>> str(default_config(4096, 2048, 8192, 2))   # with cuda-python
-    '128x256x64/g8/s3/w8/c32x512/p4/ce'
+    '128x256x64/g8/s3/w8/c32x512/p4/gl/ce'
     """
     tiles = CANDIDATES[0] if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264 \
         else CANDIDATES[2]
-    return dataclasses.replace(tiles, engine=world == 2 and copy_engines_usable())
+    engine = world == 2 and copy_engines_usable()
+    return dataclasses.replace(tiles, engine=engine, pipelined=engine)
 
 
 def gathered_rows(data_bytes: int, k: int, element_size: int) -> int:
