@@ -150,3 +150,22 @@ def test_deferred_range_checks_raise_on_every_rank(read):
     assert out == [("embedding: index 6 is out of range for a vocabulary of 6 rows", 0)] * 2, out
     out = run_on_ranks(_deferred_loss_case, 2, args=(False, False, read))
     assert out == [("same", 0)] * 2, out
+
+
+def test_range_check_asserts_on_the_device_while_a_cuda_graph_is_captured(monkeypatch):
+    """Under capture nothing can be read on the host: the range check becomes a device-side assert
+    (torch._assert_async, which on CPU raises at once; on a GPU it is a kernel the graph replays)."""
+    message = "embedding: index {value} is out of range for a vocabulary of 10 rows"
+    assert not checks.capturing(torch.tensor([1]))  # a CPU tensor is never in a CUDA graph
+    reads = []
+    monkeypatch.setattr(checks, "check", lambda answer, verdict: reads.append(answer))
+    monkeypatch.setattr(checks, "capturing", lambda values: True)
+    checks.check_range(torch.tensor([0, 9, 3]), 10, message)
+    with pytest.raises(RuntimeError, match="out of range for a vocabulary of 10 rows"):
+        checks.check_range(torch.tensor([0, 10]), 10, message)
+    with pytest.raises(RuntimeError, match="out of range"):
+        checks.check_range(torch.tensor([-1, 3]), 10, message)
+    assert reads == []  # no host read was asked for
+    monkeypatch.setattr(checks, "capturing", lambda values: False)
+    checks.check_range(torch.tensor([0, 10]), 10, message)
+    assert len(reads) == 1  # not capturing: the host check

@@ -24,8 +24,11 @@ let that rank raise while the others wait in a collective):
   a backward nor reads a value).
 
 Anywhere else (CPU tensors, no grad) the answer is read at once and the error raised from the call,
-as before. Under CUDA-graph capture an event recorded for later would never fire on replay, so a
-check is read at once there too, which capture refuses with torch's error (as before this module).
+as before. Under CUDA-graph capture nothing can be read on the host (an event recorded for later
+would never fire on replay, and a read now is refused by the capture): ``check_range`` asserts on
+the device there, as under torch.compile and as torch's CUDA embedding does, so a captured decode
+step with a vocabulary-sharded embedding replays with its range checked on every replay; ``check``
+itself is read at once, which the capture refuses with torch's error.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 
 from ..tracing import compiling
 
-__all__ = ["check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
+__all__ = ["capturing", "check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
 
 
 @dataclass
@@ -62,7 +65,13 @@ def defers(answer: torch.Tensor) -> bool:
     (a trace cannot keep a host copy for later). (A test may set this to ``lambda answer: True`` to
     see the deferred path on CPU.)"""
     return answer.is_cuda and (torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1) \
-        and not compiling() and not torch.cuda.is_current_stream_capturing()
+        and not compiling() and not capturing(answer)
+
+
+def capturing(values: torch.Tensor) -> bool:
+    """Whether ``values`` live on a CUDA device whose current stream is capturing a CUDA graph
+    (no host read possible: ``check_range`` asserts on the device then)."""
+    return values.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> None:
@@ -90,14 +99,14 @@ def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> 
 def check_range(values: torch.Tensor, size: int, message: str) -> None:
     """``check`` that every value (an integer tensor) lies in ``[0, size)``, reading only their min
     and max; the error is ``IndexError(message.format(value=<the min or max outside>))``. While
-    torch.compile traces: a device-side assert (``torch._assert_async``, as torch's CUDA embedding
-    has), so the graph holds no host read and is the same on every rank; its message cannot name
-    the value."""
+    torch.compile traces or a CUDA graph is captured (``capturing``): a device-side assert
+    (``torch._assert_async``, as torch's CUDA embedding has), so the graph holds no host read and
+    is the same on every rank; its message cannot name the value."""
     if not values.numel():
         return
-    if compiling():
+    if compiling() or capturing(values):
         inside = ((values >= 0) & (values < size)).all()
-        torch._assert_async(inside, message.format(value="(a value the compiled graph does not read)"))
+        torch._assert_async(inside, message.format(value="(a value the graph does not read on the host)"))
         return
 
     def verdict(bounds):
