@@ -1,12 +1,12 @@
 """Where a fused call's host time goes: cProfile of the fused all-gather + GEMM and GEMM +
-reduce-scatter calls at small shapes (where eager calls are host-bound), through the public
-calls (ax.all_gather_gemm / ax.gemm_reduce_scatter, backend "p2p") and through the call object.
+reduce-scatter calls at a small shape (where eager calls are host-bound), through the public
+calls (ax.all_gather_gemm / ax.gemm_reduce_scatter, backend "p2p"), with cuBLAS for scale.
 
     torchrun --nproc-per-node 2 benchmarks/probe_host_fused.py --out benchmarks/results
 
-Per call: host us (median of 5 batches of --calls calls, no synchronization inside a batch:
-what issuing costs the host), then the top functions by own time and by cumulative time of a
-profiled batch. Writes probe_host_fused.md (rank 0) with the commit, machine and command.
+Per call: host us (median of 5 batches of 20 calls, no synchronization inside a batch: what
+issuing costs the host; longer batches fill the launch queue and then time the GPU), then the
+top functions by own time and by cumulative time of --calls profiled calls. Writes probe_host_fused.md (rank 0) with the commit, machine and command.
 """
 import argparse
 import cProfile
@@ -84,7 +84,7 @@ def main():
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        us = host_us(fn, args.calls)
+        us = host_us(fn, 20)
         print(f"[{rank}] {name}: {us:.1f} us of host per call", flush=True)
         report = profile(fn, args.calls, args.top)
         lines += [f"## {name}: {us:.1f} us of host per call (rank {rank})", "", "```", report.strip(), "```", ""]
