@@ -4,18 +4,17 @@ calls (ax.all_gather_gemm / ax.gemm_reduce_scatter, backend "p2p"), with cuBLAS 
 
     torchrun --nproc-per-node 2 benchmarks/probe_host_fused.py --out benchmarks/results
 
-Per call: host us (median of 5 batches of 20 calls, no synchronization inside a batch: what
-issuing costs the host; longer batches fill the launch queue and then time the GPU), then the
-top functions by own time and by cumulative time of --calls profiled calls. Writes probe_host_fused.md (rank 0) with the commit, machine and command.
+Per call: host us (``timing.host_time_us``: median of 5 batches of 20 calls issued behind a
+sleep kernel, as bench_ag_gemm's; batches of 200 filled one rank's launch queue), then the
+top functions by own time and by cumulative time of --calls profiled calls. Writes
+probe_host_fused.md (rank 0) with the commit, machine and command.
 """
 import argparse
 import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,21 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from history import require_multicast_off, run_meta  # noqa: E402
 
 import axedist as ax  # noqa: E402
-
-
-def host_us(fn, calls: int) -> float:
-    """Median over 5 batches of the host time of issuing one call (the GPU synchronized between
-    batches, never inside one)."""
-    times = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+from axedist.collectives.timing import host_time_us  # noqa: E402
 
 
 def profile(fn, calls: int, top: int) -> str:
@@ -84,7 +69,8 @@ def main():
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        us = host_us(fn, 20)
+        dist.barrier()
+        us = host_time_us(fn, calls=20)
         print(f"[{rank}] {name}: {us:.1f} us of host per call", flush=True)
         report = profile(fn, args.calls, args.top)
         lines += [f"## {name}: {us:.1f} us of host per call (rank {rank})", "", "```", report.strip(), "```", ""]
