@@ -4,7 +4,7 @@
 # fits is skipped and says so):
 #   1. torch.compile: the one-GPU compile test (GPU 0), then its NCCL test at W=2
 #   2. the TP training step at the GPU-bound size (--preset llama8b), eager, vs torch's (compiled: benchmarks/device/tp.sh)
-#   3. fused all-gather + GEMM and the decode stack at TP=2
+#   3. fused all-gather + GEMM, the decode stack and the README's train + decode job at TP=2
 #   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2
 #   bash benchmarks/device/w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
@@ -22,9 +22,14 @@ if (( GPUS >= 2 )); then
   step bench_tp_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --preset llama8b --steps 10 --out "$RESULTS"
   step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
   step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
+  # the README's GPU job at TP=2: train, then decode from its checkpoint eagerly and in CUDA graphs
+  # (the checkpoint stays on the machine: /tmp, not $OUT)
+  step main_w2 150 bash -c "torchrun --nproc-per-node 2 launch/train_tp.py --cuda --out /tmp/axedist_train_tp \
+    && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir /tmp/axedist_train_tp \
+    && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --cuda-graphs --train-dir /tmp/axedist_train_tp"
   step pytest_w2 300 $PYTEST tests_multigpu --ignore tests_multigpu/test_compile_nccl.py
   step bench_gemm_rs_w2 60 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default --out "$RESULTS"
 fi
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
-for f in "$LOGS"/*.log; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|geomean|ms/token|x faster|slower|step time|rc=" "$f" | tail -8; done
+for f in "$LOGS"/*.log; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|geomean|ms/token|per token|tokens follow|x faster|slower|step time|rc=" "$f" | tail -8; done
 tar czf "$OUT/w2.tgz" -C "$OUT" results logs && rm -rf "$OUT/results" "$OUT/logs"  # few files back
