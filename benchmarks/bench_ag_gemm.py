@@ -111,21 +111,19 @@ def run_multi(args):
         row["plan"] = str(plan_all_gather_gemm(a, b))
         fused_out, gl_out, ce_out, glce_out, w1_out = (
             torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(5))
-        # the Gluon kernel (/gl, opt-in: not what "fused" runs) with this rank's real workspace
-        gluon = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
-                                  lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
-                                  pinned_config=AllGatherGemmConfig(pipelined=True))
-        # the rows by copy engine beside the Triton kernel (/ce)
+
+        def pinned(config):  # the fused call of this rank pinned to `config`, on its real workspace
+            return AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
+                                     lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
+                                     pinned_config=config)
+
+        gluon = pinned(AllGatherGemmConfig(pipelined=True))  # (/gl, opt-in: not what "fused" runs)
+        # the rows by copy engine beside the Triton kernel (/ce) and the Gluon kernel (/gl/ce:
+        # what "fused" runs at W = 2), the shape's tiles
         engine_config = dataclasses.replace(default_config(m // world, n, k, world), engine=True,
                                             pipelined=False)
-        engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
-                                   lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
-                                   pinned_config=engine_config)
-        # the rows by copy engine beside the Gluon kernel (/gl/ce: what "fused" runs at W = 2)
         gluon_engine_config = dataclasses.replace(engine_config, pipelined=True)
-        gluon_engine = AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
-                                         lambda nbytes: get_workspace(dist.group.WORLD, nbytes, a.device),
-                                         pinned_config=gluon_engine_config)
+        engine, gluon_engine = pinned(engine_config), pinned(gluon_engine_config)
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
                    "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
