@@ -52,7 +52,7 @@ from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_
 from .gemm_rs import descriptor, launch_template
 from .launch import CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
-                         engine_flag_index, ld_acquire_sys, multimem_st_16bytes, peer_pointers,
+                         engine_chunk_epoch, engine_flag_index, ld_acquire_sys, multimem_st_16bytes, peer_pointers,
                          pick, st_release_sys, wait_engine_chunk, wait_flag)
 
 
@@ -400,7 +400,8 @@ def _rows_arrived(own_flags, source, tile_m, tiles_m, epoch, rank, engine_flag0,
         if ENGINE:
             flag = engine_flag_index(engine_flag0, epoch, source, tile_m // chunk_blocks,
                                      ENGINE_CHUNKS)
-            seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero) >= epoch - 1).to(gl.int32)
+            seen = seen & (ld_acquire_sys(own_flags + flag * 4 + zero)
+                           >= engine_chunk_epoch(epoch)).to(gl.int32)
         else:
             for piece in gl.static_range(PIECES):
                 flag = (source * tiles_m + tile_m) * PIECES + piece

@@ -220,13 +220,21 @@ def engine_flag_index(engine_flag0, epoch, source, chunk, ENGINE_CHUNKS: tl.cons
 
 
 @triton.jit
+def engine_chunk_epoch(epoch):
+    """The least value of a copy-engine chunk flag that shows call `epoch`'s chunk: the flag
+    holds the source's last finished epoch, copied after its call e - 1 finished (so e - 1 or
+    e); flags start at -1, and the call before of the same parity left at most e - 2."""
+    return epoch - 1
+
+
+@triton.jit
 def wait_engine_chunk(own_flags, engine_flag0, epoch, source, chunk, abort_ptr, error_address,
                       timeout_ns, ENGINE_CHUNKS: tl.constexpr):
-    """Wait until `source`'s copy-engine chunk `chunk` of this epoch has arrived on this rank:
-    its flag holds the source's last finished epoch, copied after its call e - 1 finished (so
-    e - 1 or e); flags start at -1, and the call before of the same parity left at most e - 2."""
+    """Wait until `source`'s copy-engine chunk `chunk` of this epoch has arrived on this rank
+    (its flag at least engine_chunk_epoch(epoch))."""
     flag = engine_flag_index(engine_flag0, epoch, source, chunk, ENGINE_CHUNKS)
-    wait_flag(own_flags + flag * 4, epoch - 1, abort_ptr, error_address, source, flag, timeout_ns)
+    wait_flag(own_flags + flag * 4, engine_chunk_epoch(epoch), abort_ptr, error_address, source,
+              flag, timeout_ns)
 
 
 @triton.jit
