@@ -71,6 +71,62 @@ def test_disagreeing_ranks_all_raise():
         assert out["after"] == 48 * 47 / 2
 
 
+class _NoHostReads:
+    """Within: reading a tensor's value on the host raises, as it would under CUDA-graph capture."""
+
+    NAMES = ("tolist", "item", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("a host read while 'capturing'")
+
+        for name in self.NAMES:
+            setattr(torch.Tensor, name, refuse)
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _captured_agreement(rank, world):
+    """Plain tensors among DTensors while a CUDA graph is 'captured' (checks.capturing patched on, as
+    it reads on a capturing CUDA stream): their agreement is asserted on the device, with no host
+    read (torch._assert_async raises at once on CPU, with the message)."""
+    from axedist.runtime import checks
+
+    mesh = DeviceMesh("cpu", (world,))
+    torch.manual_seed(0)
+    table = torch.randn(10, 4)
+    weight = distribute(table, mesh, [Shard(0)])
+    same = torch.randint(0, 10, (3, 5))
+    ints = distribute(torch.arange(48).reshape(8, 6), mesh, [Shard(0)])
+    out = {}
+    torch.nn.functional.embedding(same, weight), ints + torch.full((8, 6), 7)  # warm-up: the plans, as before a capture
+    checks.capturing = lambda values: True
+    try:
+        with _NoHostReads():
+            looked_up = torch.nn.functional.embedding(same, weight)
+            added = ints + torch.full((8, 6), 7)
+        out["lookup"] = torch.equal(looked_up.full_tensor(), table[same])
+        out["constant"] = torch.equal(added.full_tensor(), torch.arange(48).reshape(8, 6) + 7)
+        differs = same + (rank == 1)
+        out["differs"] = _error(lambda: torch.nn.functional.embedding(differs % 10, weight))
+        out["not_constant"] = _error(lambda: ints + torch.arange(6))
+    finally:
+        checks.capturing = lambda values: values.is_cuda and torch.cuda.is_current_stream_capturing()
+    dist.barrier()
+    return out
+
+
+def test_plain_tensors_agreement_is_asserted_on_the_device_while_captured():
+    for out in run_on_ranks(_captured_agreement, 2):
+        assert out["lookup"] and out["constant"], out
+        assert out["differs"].startswith("RuntimeError") and "it differs" in out["differs"], out["differs"]
+        assert out["not_constant"].startswith("RuntimeError") and "holds one value" in out["not_constant"], out
+
+
 def _check_costs(rank, world):
     """Agreement exchanges: one per new move, none for a move this rank already checked."""
     mesh = DeviceMesh("cpu", (world,))

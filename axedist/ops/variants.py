@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import struct
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
 
-from ..runtime import redistribute_local
+from ..runtime import checks, redistribute_local
 from ..spec import make_spec, replicated_layout
 from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
                         replace_dtensors, scan, writes_first, written)
@@ -267,13 +266,16 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
             raise DispatchError(f"{error} (under implicit replication: a plain tensor that requires grad, shape "
                                 f"{grads[0]}, cannot be taken as replicated, its gradient would be a DTensor; "
                                 f"distribute it)") from None
-        if not all(_agreed(mesh, [_fingerprint(t) for t in plain])):
-            raise DispatchError(f"{error} (taken as replicated, it must be the same on every rank of {mesh}: it "
-                                f"differs)") from None
-    elif not _agree_constant(mesh, plain):
-        raise DispatchError(f"{error} (a plain tensor is taken as replicated only when it holds one value, the "
-                            f"same on every rank, like the ones an autograd formula makes, or inside "
-                            f"implicit_replication() / loss_parallel() for the loss's labels)") from None
+        differs = f"{error} (taken as replicated, it must be the same on every rank of {mesh}: it differs)"
+        agreed = _agreed(mesh, [_fingerprint(t) for t in plain], differs)
+        if agreed is not None and not all(agreed):
+            raise DispatchError(differs) from None
+    else:
+        not_constant = (f"{error} (a plain tensor is taken as replicated only when it holds one value, the same "
+                        f"on every rank, like the ones an autograd formula makes, or inside "
+                        f"implicit_replication() / loss_parallel() for the loss's labels)")
+        if not _agree_constant(mesh, plain, not_constant):
+            raise DispatchError(not_constant) from None
     adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
                for t in plain}
 
@@ -294,9 +296,10 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _fingerprint(t: torch.Tensor) -> list[int]:
-    """Words two ranks agree on when they hold the same tensor: its shape, and two checksums of
-    the values (their sum, and a sum weighted by position), each float by its exact bits."""
+def _fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Words (int64, on ``t``'s device) two ranks agree on when they hold the same tensor: its shape,
+    and two checksums of the values (their sum, and a sum weighted by position), each float by its
+    exact bits. Made with no host read, so a CUDA graph can capture it."""
     flat = t.detach().reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat.resolve_conj().resolve_neg()).reshape(-1)
@@ -304,51 +307,74 @@ def _fingerprint(t: torch.Tensor) -> list[int]:
     weights = (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) * 0.618033988749895) % 1.0 + 0.5
     shape = sum((i + 1) * size for i, size in enumerate(t.shape))  # a fixed count of words on every rank
     sums = torch.stack([flat.sum(), (flat * weights).sum()])
-    return [t.dim(), t.numel(), shape, *(_exact_word(v) for v in sums)]
+    return torch.cat([_words_of(flat, [t.dim(), t.numel(), shape]), _exact_words(sums)])
 
 
-def _agreed(mesh, facts: list[list[int]]) -> list[bool]:
-    """Per list of int64 words: is it the same on every rank of the mesh? One all-reduce (MAX) of
-    every word and its complement: the ranks agree on a word iff max(word) == ~max(~word), i.e.
+def _words_of(like: torch.Tensor, values: list[int]) -> torch.Tensor:
+    """Host integers as int64 words on ``like``'s device, made by fills (a copy from the host is
+    refused while a CUDA graph is captured)."""
+    return torch.stack([torch.full((), v, dtype=torch.int64, device=like.device) for v in values])
+
+
+def _exact_words(values: torch.Tensor) -> torch.Tensor:
+    """Real values as int64 words that equal values share, on their device: integers as themselves
+    (uint64 above int64's range wraps), floats by their float64 bits (-0.0 read as 0.0, every NaN
+    as one NaN)."""
+    if not values.is_floating_point():
+        return values.to(torch.int64)
+    wide = values.to(torch.float64)
+    wide = torch.where(wide == 0, torch.zeros_like(wide), wide)
+    wide = torch.where(wide.isnan(), torch.full_like(wide, math.nan), wide)
+    return wide.view(torch.int64)
+
+
+def _agreed(mesh, facts: list[torch.Tensor], message: str) -> list[bool] | None:
+    """Per 1-D int64 tensor of words: is it the same on every rank of the mesh? One all-reduce (MAX)
+    of every word and its complement: the ranks agree on a word iff max(word) == ~max(~word), i.e.
     its max is its min. Lists of different lengths on different ranks cannot happen: same
-    arguments, same shapes."""
-    flat = [x for f in facts for x in f]
-    both = torch.tensor(flat + [~x for x in flat], dtype=torch.int64, device=mesh.device)
+    arguments, same shapes.
+
+    While a CUDA graph is captured nothing can be read on the host: the answer is asserted on the
+    device instead (``torch._assert_async``, ``message``; every replay checks again) and None returned."""
+    flat = torch.cat([f.to(mesh.device) for f in facts])
+    both = torch.cat([flat, torch.bitwise_not(flat)])
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
-    n = len(flat)
-    words = both.tolist()
-    same = [high == ~not_low for high, not_low in zip(words[:n], words[n:])]
+    n = flat.numel()
+    same = both[:n] == torch.bitwise_not(both[n:])
+    if checks.capturing(same):
+        torch._assert_async(same.all(), message)
+        return None
+    same = same.tolist()
     out, i = [], 0
     for f in facts:
-        out.append(all(same[i:i + len(f)]))
-        i += len(f)
+        out.append(all(same[i:i + f.numel()]))
+        i += f.numel()
     return out
 
 
-def _agree_constant(mesh, plain: list) -> bool:
-    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh?
+def _agree_constant(mesh, plain: list, message: str) -> bool:
+    """Does every tensor of ``plain`` hold one value, the same on every rank of the mesh? (Under
+    CUDA-graph capture: asserted on the device, ``message``, and True returned.)
 
     Values are compared exactly, as int64 words: an integer as itself (2**53 and 2**53 + 1
     differ, as they would not through float64), a float by its float64 bits."""
     facts = []
     for t in plain:
-        first = t.reshape(-1)[0] if t.numel() else None
-        constant = (first is not None and not t.requires_grad and not t.is_complex()
-                    and bool((t == first).all()))
-        facts.append([0 if constant else 1, _exact_word(first) if constant else 0])
+        flat = t.detach().reshape(-1)
+        if not t.numel() or t.requires_grad or t.is_complex():
+            facts.append(_words_of(flat, [1, 0]))
+            continue
+        first = flat[0]
+        constant = (flat == first).all()
+        facts.append(torch.stack([(~constant).to(torch.int64),
+                                  torch.where(constant, _exact_words(first), torch.zeros_like(_exact_words(first)))]))
     # agreed everywhere and constant here means constant on every rank
-    return all(ok and f[0] == 0 for ok, f in zip(_agreed(mesh, facts), facts))
-
-
-def _exact_word(value: torch.Tensor) -> int:
-    """A 0-dim real tensor as one int64 that equal values share: integers as themselves, floats
-    by their float64 bits (-0.0 read as 0.0, every NaN as one NaN)."""
-    if not value.is_floating_point():
-        word = int(value)
-        return word - (1 << 64) if word >= 1 << 63 else word  # uint64 above int64's range wraps
-    number = float(value)
-    number = 0.0 if number == 0 else (math.nan if math.isnan(number) else number)
-    return struct.unpack("<q", struct.pack("<d", number))[0]
+    constant_here = torch.stack([f[0] for f in facts]).to(mesh.device).eq(0)
+    agreed = _agreed(mesh, facts, message)
+    if agreed is None:  # captured: the agreement is asserted on the device
+        torch._assert_async(constant_here.all(), message)
+        return True
+    return all(agreed) and all(constant_here.tolist())
 
 
 # ops that read their input's storage (offsets and strides into it), not its elements
