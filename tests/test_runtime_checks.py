@@ -169,3 +169,16 @@ def test_range_check_asserts_on_the_device_while_a_cuda_graph_is_captured(monkey
     monkeypatch.setattr(checks, "capturing", lambda values: False)
     checks.check_range(torch.tensor([0, 10]), 10, message)
     assert len(reads) == 1  # not capturing: the host check
+
+
+def test_a_device_assert_message_is_cut_to_what_cuda_takes():
+    """CUDA refuses a device-assert message over 254 characters at the call (2x H200, 2026-11-30:
+    "Message length must be smaller than 255"): a longer one is cut, its start kept."""
+    checks.assert_on_device(torch.tensor(True), "x" * 1000)
+    with pytest.raises(RuntimeError) as raised:
+        checks.assert_on_device(torch.tensor(False), "the start names the op; " + "y" * 1000)
+    text = str(raised.value)
+    assert text.startswith("the start names the op; ") and text.endswith("...")
+    assert len(text) == checks.ASSERT_MESSAGE_LIMIT
+    with pytest.raises(RuntimeError, match="^short$"):
+        checks.assert_on_device(torch.tensor(False), "short")

@@ -267,14 +267,16 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
                                 f"{grads[0]}, cannot be taken as replicated, its gradient would be a DTensor; "
                                 f"distribute it)") from None
         differs = f"{error} (taken as replicated, it must be the same on every rank of {mesh}: it differs)"
-        agreed = _agreed(mesh, [_fingerprint(t) for t in plain], differs)
+        agreed = _agreed(mesh, [_fingerprint(t) for t in plain],
+                         f"{func}: a plain tensor argument taken as replicated differs between the ranks (distribute it)")
         if agreed is not None and not all(agreed):
             raise DispatchError(differs) from None
     else:
         not_constant = (f"{error} (a plain tensor is taken as replicated only when it holds one value, the same "
                         f"on every rank, like the ones an autograd formula makes, or inside "
                         f"implicit_replication() / loss_parallel() for the loss's labels)")
-        if not _agree_constant(mesh, plain, not_constant):
+        if not _agree_constant(mesh, plain, f"{func}: a plain tensor argument among DTensors holds more than one "
+                                             f"value or differs between the ranks (distribute it)"):
             raise DispatchError(not_constant) from None
     adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
                for t in plain}
@@ -335,14 +337,15 @@ def _agreed(mesh, facts: list[torch.Tensor], message: str) -> list[bool] | None:
     arguments, same shapes.
 
     While a CUDA graph is captured nothing can be read on the host: the answer is asserted on the
-    device instead (``torch._assert_async``, ``message``; every replay checks again) and None returned."""
+    device instead (``checks.assert_on_device``, ``message``, a short text: CUDA cuts it at 254
+    characters; every replay checks again) and None returned."""
     flat = torch.cat([f.to(mesh.device) for f in facts])
     both = torch.cat([flat, torch.bitwise_not(flat)])
     torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=mesh.group(mesh.axis_names))
     n = flat.numel()
     same = both[:n] == torch.bitwise_not(both[n:])
     if checks.capturing(same):
-        torch._assert_async(same.all(), message)
+        checks.assert_on_device(same.all(), message)
         return None
     same = same.tolist()
     out, i = [], 0
@@ -372,7 +375,7 @@ def _agree_constant(mesh, plain: list, message: str) -> bool:
     constant_here = torch.stack([f[0] for f in facts]).to(mesh.device).eq(0)
     agreed = _agreed(mesh, facts, message)
     if agreed is None:  # captured: the agreement is asserted on the device
-        torch._assert_async(constant_here.all(), message)
+        checks.assert_on_device(constant_here.all(), message)
         return True
     return all(agreed) and all(constant_here.tolist())
 

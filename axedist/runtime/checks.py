@@ -41,7 +41,7 @@ import torch
 
 from ..tracing import compiling
 
-__all__ = ["capturing", "check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
+__all__ = ["assert_on_device", "capturing", "check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
 
 
 @dataclass
@@ -72,6 +72,18 @@ def capturing(values: torch.Tensor) -> bool:
     """Whether ``values`` live on a CUDA device whose current stream is capturing a CUDA graph
     (no host read possible: ``check_range`` asserts on the device then)."""
     return values.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """``torch._assert_async(condition, message)``: a device-side assert, no host read. CUDA takes a
+    message of at most ``ASSERT_MESSAGE_LIMIT`` characters (longer ones are refused at the call):
+    a longer one is cut there, with "..." at its end."""
+    if len(message) > ASSERT_MESSAGE_LIMIT:
+        message = message[:ASSERT_MESSAGE_LIMIT - 3] + "..."
+    torch._assert_async(condition, message)
+
+
+ASSERT_MESSAGE_LIMIT = 254
 
 
 def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> None:
@@ -106,7 +118,7 @@ def check_range(values: torch.Tensor, size: int, message: str) -> None:
         return
     if compiling() or capturing(values):
         inside = ((values >= 0) & (values < size)).all()
-        torch._assert_async(inside, message.format(value="(a value the graph does not read on the host)"))
+        assert_on_device(inside, message.format(value="(a value the graph does not read on the host)"))
         return
 
     def verdict(bounds):
