@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     tokens = torch.tensor([expected[:args.prompt_len]], device=mesh.device)
     times = []
     with torch.inference_mode():
-        step = graphed_step(model, cfg, total, mesh) if args.cuda_graphs else None
+        step = GraphedStep(model, cfg, total, mesh) if args.cuda_graphs else None
         for _ in range(args.new_tokens):
             if mesh.device_type == "cuda":
                 torch.cuda.synchronize()
@@ -105,6 +105,8 @@ def main(argv=None) -> None:
             if mesh.device_type == "cuda":
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - begin) * 1e3)
+    if step is not None:
+        step.release()  # before the process group goes (see GraphedStep)
     got = tokens[0].tolist()
     right = sum(a == b for a, b in zip(got[args.prompt_len:], expected[args.prompt_len:]))
     say(f"prompt     {got[:args.prompt_len]}")
@@ -118,35 +120,41 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def graphed_step(model, cfg, total: int, mesh):
+class GraphedStep:
     """tokens [1, n] -> the next token [1], from one CUDA graph captured here: the forward over
     a fixed window of `length` positions plus the argmax at every position (every collective
     inside, on the capture stream); a call copies the last tokens into the window, replays the
-    graph and picks the argmax at the last filled position."""
-    length = min(cfg.max_seq_len, total)
-    window = torch.zeros(1, length, dtype=torch.long, device=mesh.device)
+    graph and picks the argmax at the last filled position. ``release()`` frees the graph: a graph
+    holding NCCL collectives keeps NCCL's resources, and ``destroy_process_group`` waits for them
+    forever while it lives (2x H200, 2026-11-30: decoding done, the ranks never exited)."""
 
-    def forward():
-        choices = model(window).argmax(dim=-1)             # [length, 1], over the vocab shards
-        return choices.full_tensor() if isinstance(choices, ax.DTensor) else choices
+    def __init__(self, model, cfg, total: int, mesh):
+        self.length = min(cfg.max_seq_len, total)
+        self.window = torch.zeros(1, self.length, dtype=torch.long, device=mesh.device)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                          # warm-up: plans, kernels, workspaces
-        for _ in range(2):
-            forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        choices = forward()
+        def forward():
+            choices = model(self.window).argmax(dim=-1)    # [length, 1], over the vocab shards
+            return choices.full_tensor() if isinstance(choices, ax.DTensor) else choices
 
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        filled = min(tokens.shape[1], length)
-        window[:, :filled].copy_(tokens[:, -filled:])      # later positions cannot reach these (causal)
-        graph.replay()
-        return choices[filled - 1].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                      # warm-up: plans, kernels, workspaces
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.choices = forward()
 
-    return step
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        filled = min(tokens.shape[1], self.length)
+        self.window[:, :filled].copy_(tokens[:, -filled:])  # later positions cannot reach these (causal)
+        self.graph.replay()
+        return self.choices[filled - 1].clone()
+
+    def release(self) -> None:
+        torch.cuda.synchronize()
+        self.graph.reset()
 
 
 if __name__ == "__main__":
