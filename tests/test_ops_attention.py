@@ -268,3 +268,86 @@ def _cuda_kernels_case(rank, world_size, seed):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cuda_attention_kernels_through_the_dispatcher(world_size, seed):
     assert run_on_ranks(_cuda_kernels_case, world_size, args=(seed,)) == [24] * world_size
+
+
+def _dealt_heads(world_size):
+    """(label, mesh, layout of (B, H, L, E) for given L, E, B, H) of head maps with no placement form."""
+    from axedist.layout import Layout
+
+    mesh = DeviceMesh("cpu", (world_size,))
+    w = world_size
+    out = [("heads round-robin", mesh, 2 * w,
+            lambda b, l, e: Layout.parse(f"S[({b},2,{w},{l},{e}):({2 * l * e},{l * e},1@gpuid,{e},1)]")),
+           ("heads round-robin in pairs", mesh, 4 * w,
+            lambda b, l, e: Layout.parse(f"S[({b},2,{w},2,{l},{e}):({4 * l * e},{2 * l * e},1@gpuid,{l * e},{e},1)]"))]
+    if world_size == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+        out.append(("heads round-robin over tp, replicated over dp", grid, 4,
+                    lambda b, l, e: Layout.parse(f"S[({b},2,2,{l},{e}):({2 * l * e},{l * e},1@tp,{e},1)] + R[2:1@dp]")))
+    return out
+
+
+def _heads_in_place_case(rank, world_size, seed):
+    """q, k, v whose heads a layout with no placement form deals (round-robin, in pairs, replicated
+    over a second axis): the CPU kernel and the CUDA flash kernels (emulated on CPU) run on each
+    device's own heads, with no collective forward or backward; the output keeps the heads' map
+    (no placement form); values and q / k / v gradients equal the kernel on the whole tensors.
+    Grouped-query heads take the placement way, with the same values."""
+    from axedist.layout import LayoutError
+    from axedist.runtime import count_collectives
+
+    _register_cuda_attention_on_cpu()
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    runs = {"cpu": lambda q, k, v, causal: (F.scaled_dot_product_attention(q, k, v, is_causal=causal),),
+            "flash": lambda q, k, v, causal: aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)}
+    for (label, mesh, heads, layout), (op, run), causal in itertools.product(
+            _dealt_heads(world_size), runs.items(), (False, True)):
+        batch, length, source, dim = 2, int(torch.randint(1, 6, (1,), generator=g)), 5, 4
+        what = f"{label}, {op}, causal {causal}, L {length}"
+        q = torch.randn(batch, heads, length, dim, dtype=torch.float64, generator=g, requires_grad=True)
+        k, v = (torch.randn(batch, heads, source, dim, dtype=torch.float64, generator=g, requires_grad=True)
+                for _ in range(2))
+        dq, dk, dv = (distribute(t, mesh, layout(batch, t.shape[2], dim)) for t in (q, k, v))
+        with count_collectives() as seen:
+            got = run(dq, dk, dv, causal)
+        want = run(q, k, v, causal)
+        if seen.calls:
+            failures.append(f"{what}: {seen.calls} collectives in the forward")
+        try:
+            failures.append(f"{what}: the output was gathered to {got[0].placements}")
+        except LayoutError:
+            pass
+        if not torch.allclose(got[0].full_tensor(), want[0]):
+            failures.append(f"{what}: values differ from the whole kernel's")
+        if op == "flash" and not torch.allclose(got[1].full_tensor(), want[1]):
+            failures.append(f"{what}: logsumexp differs")
+        up = torch.randn(want[0].shape, dtype=torch.float64, generator=g)
+        whole = got[0].full_tensor()
+        with count_collectives() as seen:
+            torch.autograd.grad((whole * up).sum(), (dq, dk, dv), retain_graph=True)
+        if seen.calls:
+            failures.append(f"{what}: collectives in the backward ({seen})")
+        (whole * up).sum().backward()
+        mine = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        (want[0] * up).sum().backward()
+        for name, a, b in zip("qkv", mine, (q.grad, k.grad, v.grad)):
+            if not torch.allclose(a, b):
+                failures.append(f"{what}: the {name} gradient differs")
+    # grouped-query heads (2 query heads per key head): the placement way, torch's values
+    label, mesh, heads, layout = _dealt_heads(world_size)[0]
+    q = torch.randn(2, heads, 3, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, heads // 2, 5, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    got = F.scaled_dot_product_attention(distribute(q, mesh, layout(2, 3, 4)), distribute(k, mesh, [Replicate()]),
+                                         distribute(v, mesh, [Replicate()]), enable_gqa=True)
+    if not torch.allclose(got.full_tensor(), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)):
+        failures.append("grouped-query heads: values differ")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_attention_runs_where_a_layout_without_placements_deals_the_heads(world_size, seed):
+    results = run_on_ranks(_heads_in_place_case, world_size, args=(seed,), timeout_s=600)
+    assert results == [[]] * world_size, results[0]

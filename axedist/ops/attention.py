@@ -24,14 +24,25 @@ kept whole; its grad (efficient attention) is a partial sum where it was broadca
 Example: 4 ranks, ``q, k, v: (2, 8, 16, 64)`` in ``[Shard(1)]``: each rank runs the kernel
 on its ``(2, 2, 16, 64)`` heads; the output is ``[Shard(1)]``, no communication, forward or
 backward.
+
+Layouts with no placement form run where they are (``_heads_in_place``): where every tensor
+argument deals only its batch and head dims, the same way (heads dealt round-robin, as a
+``ColwiseParallel(weight_layout=...)`` that deals head-sized blocks of output features leaves
+them), with the sequence and feature dims whole and innermost in every piece, each device runs
+the kernel on its own ``(b, h)`` pieces and every output keeps that map: no collective, forward or
+backward. Placements would gather q, k and v first. Not for grouped-query attention (a device's
+query heads must read key heads it may not hold), masks, dropout or the kernels whose statistics
+are padded (efficient attention, cuDNN): those take the placement way.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..layout import with_inner_dims, without_inner_dims
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import inputs_by_name, named_args
+from .specs import layout_only
 
 aten = torch.ops.aten
 
@@ -124,9 +135,59 @@ def _role_placements(role: str, mode, mask: ArgSpec | None):
     return Shard(mode)
 
 
+# The kernels whose outputs' shapes the layout way knows: (B, H, L, Ev) outputs and gradients shaped
+# as their inputs, (B, H, L) statistics (efficient attention and cuDNN pad or reshape theirs).
+_IN_PLACE = (aten._scaled_dot_product_flash_attention_for_cpu.default,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+             aten._scaled_dot_product_flash_attention.default,
+             aten._scaled_dot_product_flash_attention_backward.default)
+
+
+def _heads_in_place(call: OpCall, args: dict) -> Sharding | None:
+    """Every output laid out where the kernel runs on each device's own (batch, head) pieces: for
+    tensor arguments whose layouts (no placement form, unpadded, nothing pending) all deal their
+    first two dims by one map and hold the others whole and innermost in every piece, with as many
+    key as query heads, no mask and no dropout. None otherwise."""
+    if call.func not in _IN_PLACE or args.get("dropout_p", 0.0) or args.get("return_debug_mask", False):
+        return None
+    if any(isinstance(args.get(name), ArgSpec) for name in _MASKS):
+        return None
+    query, key, value = args["query"], args["key"], args["value"]
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or key.shape[1] != query.shape[1]:
+        return None
+    tensors = [args[name] for name in _Q_LIKE + _KV + _STATS if isinstance(args.get(name), ArgSpec)]
+    if not all(layout_only(t) for t in tensors):
+        return None
+    maps = {without_inner_dims(t.layout, t.shape, t.ndim - 2) for t in tensors}
+    if len(maps) != 1 or None in maps:
+        return None
+    (heads,) = maps
+    lead = tuple(query.shape[:2])
+    inner = {"query": (query.shape[2], value.shape[3]), "stat": (query.shape[2],)}
+    if call.func in (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                     aten._scaled_dot_product_flash_attention_backward.default):
+        inner = {name: tuple(args[name].shape[2:]) for name in ("query", "key", "value")}
+    outputs = []
+    for role in _OUTPUTS[call.func]:
+        if role is None or role == "debug":
+            outputs.append(None)
+        elif role == "aux":
+            outputs.append((Replicate(),) * call.mesh.ndim)
+        else:
+            laid = with_inner_dims(heads, lead, inner[role])
+            if laid is None:
+                return None
+            outputs.append(laid)
+    return Sharding(inputs=[None] * len(call.specs), outputs=tuple(outputs), local=_run_kernel,
+                    note="(batch, head) pieces dealt by a layout: each device's own heads")
+
+
 @register(*_OUTPUTS)
 def attention_rule(call: OpCall) -> Sharding:
     args = named_args(call)
+    in_place = _heads_in_place(call, args)
+    if in_place is not None:
+        return in_place
     modes = _choose_modes(call, args)
     mask = next((args[name] for name in _MASKS if isinstance(args.get(name), ArgSpec)), None)
     wanted = {}
