@@ -140,6 +140,59 @@ def test_colwise_dealt_weight_moves_nothing_forward(world):
     assert run_on_ranks(_colwise_dealt, world, args=(seed(),)) == [True] * world
 
 
+def _attention_heads_dealt(rank, world, s):
+    """A Llama attention whose heads are dealt round-robin (head h on device h % W: no placement
+    says it): wq / wk / wv deal head-sized blocks of output features, wo the same blocks of input
+    features. The forward runs one collective, wo's all-reduce, as with heads in blocks (RoPE's
+    tables broadcast over each device's own heads, attention runs on them); no weight ever moves,
+    forward or backward; output, input gradient and every weight gradient equal the one-process
+    module's."""
+    from axedist.nn.llama import Attention, LlamaConfig, rope_tables
+
+    torch.manual_seed(s)
+    mesh = DeviceMesh("cpu", (world,))
+    heads, head_dim, length, batch = 2 * world, 4, 5, 2
+    dim = heads * head_dim
+    cfg = LlamaConfig(vocab_size=16, dim=dim, n_layers=1, n_heads=heads, ffn_hidden=16, max_seq_len=length)
+    ref = Attention(cfg).double()
+    par = copy.deepcopy(ref)
+    d = head_dim
+    rows = Layout.parse(f"S[(2,{world},{d},{dim}):({d * dim},1@gpuid,{dim},1)]")
+    columns = Layout.parse(f"S[({dim},2,{world},{d}):({2 * d},{d},1@gpuid,1)]")
+    features = Layout.parse(f"S[({length},{batch},2,{world},{d}):({batch * 2 * d},{2 * d},{d},1@gpuid,1)]")
+    plan = {name: ColwiseParallel(weight_layout=rows, output_layouts=features) for name in ("wq", "wk", "wv")}
+    plan["wo"] = RowwiseParallel(weight_layout=columns, input_layouts=features, desired_input_layouts=features,
+                                 output_layouts=Replicate())
+    parallelize(par, mesh, plan)
+    cos, sin = (t.double() for t in rope_tables(d, length, 10000.0))
+    g = torch.Generator().manual_seed(s + 1)
+    x = torch.randn(length, batch, dim, dtype=torch.float64, generator=g)
+    up = torch.randn(length, batch, dim, dtype=torch.float64, generator=g)
+    x_ref, x_par = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    tables = [distribute(t, mesh, [Replicate()]) for t in (cos, sin)]
+    with count_collectives() as seen:
+        y = par(x_par, *tables)
+    assert seen.calls == 1 and str(seen).startswith("reduce_scatter over gpuid + all_gather"), str(seen)  # wo's all-reduce
+    y_ref = ref(x_ref, cos, sin)
+    torch.testing.assert_close(y.full_tensor(), y_ref, **TOL)
+    weights = set()
+    with torch.no_grad():
+        for p in par.parameters():
+            weights |= {p._spec, p.t()._spec}
+    with count_collectives() as seen:
+        (y.full_tensor() * up).sum().backward()
+    assert weights.isdisjoint(r.src for r in seen.routes), str(seen)  # no weight moved
+    (y_ref * up).sum().backward()
+    check_grads(ref, par, "attention, heads dealt round-robin")
+    torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
+    return True
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_with_heads_dealt_round_robin_moves_only_its_output(world):
+    assert run_on_ranks(_attention_heads_dealt, world, args=(seed(),)) == [True] * world
+
+
 def _rowwise(rank, world, s, output, seq, kind):
     torch.manual_seed(s)
     mesh = DeviceMesh("cpu", (world,))

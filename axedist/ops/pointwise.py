@@ -245,12 +245,18 @@ def pointwise_sharding(call: OpCall, anchor: ArgSpec | None = None) -> Sharding:
         return reduced_in_place(main, list(range(s.ndim - trailing, s.ndim))) == s.layout
 
     def per_column(s) -> bool:
-        """A replicated operand of main's trailing dims (a norm's weight), which main's pieces hold
-        whole and innermost: each piece broadcasts it over its own rows."""
-        if s is main or not s.is_replicated() or _replicated_scalar(s) or not 0 < s.ndim < main.ndim \
-                or s.shape != main.shape[main.ndim - s.ndim:]:
+        """A replicated operand that broadcasts against main (in each of main's trailing dims it has,
+        size 1 or main's size) and has main's size only in dims main's pieces hold whole and local,
+        their memory row-major (``specs.reduced_in_place`` of those dims): a norm's weight, RoPE's
+        tables ``cos[:, None, None, :]`` beside q of dealt heads. Each piece broadcasts it over its
+        own elements."""
+        if s is main or not s.is_replicated() or _replicated_scalar(s) or not 0 < s.ndim <= main.ndim:
             return False
-        return reduced_in_place(main, list(range(main.ndim - s.ndim, main.ndim))) is not None
+        lead = main.ndim - s.ndim
+        if any(n not in (1, main.shape[lead + d]) for d, n in enumerate(s.shape)):
+            return False
+        held = [lead + d for d, n in enumerate(s.shape) if n > 1]
+        return bool(held) and reduced_in_place(main, held) is not None
 
     def per_leading(s) -> bool:
         """A layout-only operand of fewer dims than main, its shape main's trailing dims, laid out
