@@ -140,29 +140,35 @@ def test_colwise_dealt_weight_moves_nothing_forward(world):
     assert run_on_ranks(_colwise_dealt, world, args=(seed(),)) == [True] * world
 
 
-def _attention_heads_dealt(rank, world, s):
-    """A Llama attention whose heads are dealt round-robin (head h on device h % W: no placement
-    says it): wq / wk / wv deal head-sized blocks of output features, wo the same blocks of input
-    features. The forward runs one collective, wo's all-reduce, as with heads in blocks (RoPE's
-    tables broadcast over each device's own heads, attention runs on them); no weight ever moves,
-    forward or backward; output, input gradient and every weight gradient equal the one-process
-    module's."""
+def _attention_heads_dealt(rank, world, s, repeat):
+    """A Llama attention whose heads are dealt round-robin (key / value head j on device j % W, its
+    ``repeat`` query heads with it: no placement says it): wq / wk / wv deal head-sized blocks of
+    output features, wo the query heads' blocks of input features. The forward runs one collective,
+    wo's all-reduce, as with heads in blocks (RoPE's tables broadcast over each device's own heads,
+    grouped-query ``repeat_kv`` and attention run on them); no weight ever moves, forward or
+    backward; output, input gradient and every weight gradient equal the one-process module's."""
     from axedist.nn.llama import Attention, LlamaConfig, rope_tables
 
     torch.manual_seed(s)
     mesh = DeviceMesh("cpu", (world,))
-    heads, head_dim, length, batch = 2 * world, 4, 5, 2
-    dim = heads * head_dim
-    cfg = LlamaConfig(vocab_size=16, dim=dim, n_layers=1, n_heads=heads, ffn_hidden=16, max_seq_len=length)
+    kv_heads, d, length, batch = 2 * world, 4, 5, 2
+    heads = kv_heads * repeat
+    dim = heads * d
+    cfg = LlamaConfig(vocab_size=16, dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads, ffn_hidden=16,
+                      max_seq_len=length)
     ref = Attention(cfg).double()
     par = copy.deepcopy(ref)
-    d = head_dim
-    rows = Layout.parse(f"S[(2,{world},{d},{dim}):({d * dim},1@gpuid,{dim},1)]")
-    columns = Layout.parse(f"S[({dim},2,{world},{d}):({2 * d},{d},1@gpuid,1)]")
-    features = Layout.parse(f"S[({length},{batch},2,{world},{d}):({batch * 2 * d},{2 * d},{d},1@gpuid,1)]")
-    plan = {name: ColwiseParallel(weight_layout=rows, output_layouts=features) for name in ("wq", "wk", "wv")}
-    plan["wo"] = RowwiseParallel(weight_layout=columns, input_layouts=features, desired_input_layouts=features,
-                                 output_layouts=Replicate())
+    q_rows = Layout.parse(f"S[(2,{world},{repeat},{d},{dim}):({repeat * d * dim},1@gpuid,{d * dim},{dim},1)]")
+    kv_rows = Layout.parse(f"S[(2,{world},{d},{dim}):({d * dim},1@gpuid,{dim},1)]")
+    q_out = Layout.parse(f"S[({length},{batch},2,{world},{repeat},{d}):"
+                         f"({batch * 2 * repeat * d},{2 * repeat * d},{repeat * d},1@gpuid,{d},1)]")
+    kv_out = Layout.parse(f"S[({length},{batch},2,{world},{d}):({batch * 2 * d},{2 * d},{d},1@gpuid,1)]")
+    columns = Layout.parse(f"S[({dim},2,{world},{repeat},{d}):({2 * repeat * d},{repeat * d},1@gpuid,{d},1)]")
+    plan = {"wq": ColwiseParallel(weight_layout=q_rows, output_layouts=q_out),
+            "wk": ColwiseParallel(weight_layout=kv_rows, output_layouts=kv_out),
+            "wv": ColwiseParallel(weight_layout=kv_rows, output_layouts=kv_out),
+            "wo": RowwiseParallel(weight_layout=columns, input_layouts=q_out, desired_input_layouts=q_out,
+                                  output_layouts=Replicate())}
     parallelize(par, mesh, plan)
     cos, sin = (t.double() for t in rope_tables(d, length, 10000.0))
     g = torch.Generator().manual_seed(s + 1)
@@ -183,14 +189,15 @@ def _attention_heads_dealt(rank, world, s):
         (y.full_tensor() * up).sum().backward()
     assert weights.isdisjoint(r.src for r in seen.routes), str(seen)  # no weight moved
     (y_ref * up).sum().backward()
-    check_grads(ref, par, "attention, heads dealt round-robin")
+    check_grads(ref, par, f"attention, heads dealt round-robin, {repeat} query heads per key head")
     torch.testing.assert_close(x_par.grad, x_ref.grad, **TOL)
     return True
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_attention_with_heads_dealt_round_robin_moves_only_its_output(world):
-    assert run_on_ranks(_attention_heads_dealt, world, args=(seed(),)) == [True] * world
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_attention_with_heads_dealt_round_robin_moves_only_its_output(world, repeat):
+    assert run_on_ranks(_attention_heads_dealt, world, args=(seed(), repeat)) == [True] * world
 
 
 def _rowwise(rank, world, s, output, seq, kind):
