@@ -3,8 +3,8 @@
 Run on 2+ GPUs: ``pytest tests_multigpu/test_ops_nn_nccl.py -q`` (W = every GPU, and 2).
 On CPU, tests/test_ops_{attention,random,embedding,loss}.py cover the rules; here the CUDA
 overloads (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
-``_cudnn_attention`` and their backwards, ``native_dropout``) run on head-sharded DTensors and
-must match the same kernel on the whole tensors, and CUDA random draws must equal the
+``_cudnn_attention`` and their backwards, ``native_dropout``) run on head-sharded DTensors (and
+heads dealt round-robin by a layout: the flash kernels where the heads are) and must match the same kernel on the whole tensors, and CUDA random draws must equal the
 unsharded ones exactly (Philox: the whole tensor is drawn on every rank).
 """
 
@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 from axedist.dtensor import distribute
+from axedist.layout import Layout
 from axedist.mesh import DeviceMesh
+from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
 
 GPUS = torch.cuda.device_count()
@@ -51,13 +53,18 @@ def _attention_cuda(rank, world_size, backend, placements_name, causal):
             want.backward(grad)
     except RuntimeError as e:  # this backend does not run here (GPU, build): nothing to compare
         return f"unavailable: {e}"
-    placements = {"heads": [Shard(1)], "batch": [Shard(0)], "sequence": [Shard(2)]}[placements_name]
+    # heads dealt round-robin (head h on device h % W): a layout with no placement form
+    dealt = Layout.parse(f"S[(2,4,{world_size},256,64):({4 * 256 * 64},{256 * 64},1@gpuid,64,1)]")
+    placements = {"heads": [Shard(1)], "batch": [Shard(0)], "sequence": [Shard(2)],
+                  "heads dealt": dealt}[placements_name]
     dq, dk, dv = (distribute(t, mesh, placements).requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(kernel), _Seen() as seen:
+    with sdpa_kernel(kernel), _Seen() as seen, count_collectives() as moved:
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
-        out.backward(distribute(grad, mesh, list(out.placements)))
+        out.backward(distribute(grad, mesh, out.axe_layout))
     assert any(op.startswith(KERNELS[backend]) for op in seen.ops), sorted(seen.ops)
-    if placements_name != "sequence":
+    if placements_name == "heads dealt" and backend == "flash":  # run where the heads are (ops/attention.py)
+        assert out.axe_layout == dealt and moved.calls == 0, (out.axe_layout, str(moved))
+    elif placements_name not in ("sequence", "heads dealt"):
         assert out.placements == tuple(placements), out.placements
     torch.testing.assert_close(out.full_tensor(), want, atol=2e-2, rtol=2e-2)
     for d, r in zip((dq, dk, dv), ref):
@@ -66,7 +73,7 @@ def _attention_cuda(rank, world_size, backend, placements_name, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("placements_name", ["heads", "batch", "sequence"])
+@pytest.mark.parametrize("placements_name", ["heads", "batch", "sequence", "heads dealt"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("world_size", WORLDS)
 def test_attention_cuda_kernels(world_size, backend, placements_name, causal):
