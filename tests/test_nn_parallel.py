@@ -178,7 +178,8 @@ def _attention_heads_dealt(rank, world, s, repeat):
     tables = [distribute(t, mesh, [Replicate()]) for t in (cos, sin)]
     with count_collectives() as seen:
         y = par(x_par, *tables)
-    assert seen.calls == 1 and str(seen).startswith("reduce_scatter over gpuid + all_gather"), str(seen)  # wo's all-reduce
+    # one collective: wo's all-reduce
+    assert seen.calls == 1 and str(seen).startswith("reduce_scatter over gpuid + all_gather"), str(seen)
     y_ref = ref(x_ref, cos, sin)
     torch.testing.assert_close(y.full_tensor(), y_ref, **TOL)
     weights = set()

@@ -4,8 +4,8 @@ Run on 2+ GPUs: ``pytest tests_multigpu/test_ops_nn_nccl.py -q`` (W = every GPU,
 On CPU, tests/test_ops_{attention,random,embedding,loss}.py cover the rules; here the CUDA
 overloads (``_scaled_dot_product_flash_attention``, ``_efficient_attention``,
 ``_cudnn_attention`` and their backwards, ``native_dropout``) run on head-sharded DTensors (and
-heads dealt round-robin by a layout: the flash kernels where the heads are) and must match the same kernel on the whole tensors, and CUDA random draws must equal the
-unsharded ones exactly (Philox: the whole tensor is drawn on every rank).
+heads dealt round-robin by a layout: the flash kernels where the heads are) and must match the
+same kernel on the whole tensors, and CUDA random draws must equal the unsharded ones exactly (Philox: the whole tensor is drawn on every rank).
 """
 
 import pytest

@@ -267,8 +267,8 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
                                 f"{grads[0]}, cannot be taken as replicated, its gradient would be a DTensor; "
                                 f"distribute it)") from None
         differs = f"{error} (taken as replicated, it must be the same on every rank of {mesh}: it differs)"
-        agreed = _agreed(mesh, [_fingerprint(t) for t in plain],
-                         f"{func}: a plain tensor argument taken as replicated differs between the ranks (distribute it)")
+        agreed = _agreed(mesh, [_fingerprint(t) for t in plain], f"{func}: a plain tensor argument taken as "
+                                                                 f"replicated differs between the ranks (distribute it)")
         if agreed is not None and not all(agreed):
             raise DispatchError(differs) from None
     else:
@@ -369,8 +369,8 @@ def _agree_constant(mesh, plain: list, message: str) -> bool:
             continue
         first = flat[0]
         constant = (flat == first).all()
-        facts.append(torch.stack([(~constant).to(torch.int64),
-                                  torch.where(constant, _exact_words(first), torch.zeros_like(_exact_words(first)))]))
+        word = _exact_words(first)
+        facts.append(torch.stack([(~constant).to(torch.int64), torch.where(constant, word, torch.zeros_like(word))]))
     # agreed everywhere and constant here means constant on every rank
     constant_here = torch.stack([f[0] for f in facts]).to(mesh.device).eq(0)
     agreed = _agreed(mesh, facts, message)

@@ -41,7 +41,8 @@ import torch
 
 from ..tracing import compiling
 
-__all__ = ["assert_on_device", "capturing", "check", "check_range", "defers", "settle", "settle_after_backward", "pending", "LIMIT"]
+__all__ = ["assert_on_device", "capturing", "check", "check_range", "defers", "settle", "settle_after_backward",
+           "pending", "LIMIT", "ASSERT_MESSAGE_LIMIT"]
 
 
 @dataclass
@@ -74,6 +75,9 @@ def capturing(values: torch.Tensor) -> bool:
     return values.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+ASSERT_MESSAGE_LIMIT = 254  # characters of a CUDA device-assert message
+
+
 def assert_on_device(condition: torch.Tensor, message: str) -> None:
     """``torch._assert_async(condition, message)``: a device-side assert, no host read. CUDA takes a
     message of at most ``ASSERT_MESSAGE_LIMIT`` characters (longer ones are refused at the call):
@@ -81,9 +85,6 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     if len(message) > ASSERT_MESSAGE_LIMIT:
         message = message[:ASSERT_MESSAGE_LIMIT - 3] + "..."
     torch._assert_async(condition, message)
-
-
-ASSERT_MESSAGE_LIMIT = 254
 
 
 def check(answer: torch.Tensor, verdict: Callable[[list], Exception | None]) -> None:
