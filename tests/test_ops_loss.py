@@ -268,3 +268,93 @@ def test_tied_embedding_and_loss_over_a_dealt_vocabulary(world_size):
     seed = int(torch.randint(0, 2**31 - 1, (1,)))
     results = run_on_ranks(_tied_dealt_vocab_case, world_size, args=(seed,), timeout_s=600)
     assert results == [[]] * world_size, (seed, results[0])
+
+
+def _dealt_row_layouts(world_size):
+    """(label, mesh, make(logits [N, C], target [N]) -> the two DTensors, N) of row maps with no
+    placement form, every class whole in each piece: the batch-first logits of sequence
+    parallelism flattened (``[B, S, C]`` in ``[Shard(1)]``, ``.view(-1, C)``, the targets likewise),
+    rows round-robin in pairs, and (W = 4) sequence shards over tp replicated over dp."""
+    from axedist.layout import Layout
+
+    line = DeviceMesh("cpu", (world_size,))
+    seq = 2 * world_size
+
+    def flattened(logits, target, mesh=line):
+        c = logits.shape[-1]
+        return (distribute(logits.view(3, seq, c), mesh, [Shard(1)]).view(-1, c),
+                distribute(target.view(3, seq), mesh, [Shard(1)]).view(-1))
+
+    def pairs(logits, target, mesh=line):
+        c = logits.shape[-1]
+        return (distribute(logits, mesh, Layout.parse(f"S[(3,{world_size},2,{c}):({2 * c},1@gpuid,{c},1)]")),
+                distribute(target, mesh, Layout.parse(f"S[(3,{world_size},2):(2,1@gpuid,1)]")))
+
+    out = [("flattened sequence shards", line, flattened, 3 * seq), ("rows round-robin in pairs", line, pairs, 3 * seq)]
+    if world_size == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+
+        def over_tp(logits, target, mesh=grid):
+            c = logits.shape[-1]
+            return (distribute(logits.view(3, 4, c), mesh, [Replicate(), Shard(1)]).view(-1, c),
+                    distribute(target.view(3, 4), mesh, [Replicate(), Shard(1)]).view(-1))
+
+        out.append(("sequence shards over tp, replicated over dp", grid, over_tp, 12))
+    return out
+
+
+def _dealt_rows_case(rank, world_size, seed):
+    """Cross-entropy of logits whose rows (with their targets) a layout with no placement form
+    deals: nothing is gathered, forward or backward (mean's total weight is one all-reduced
+    number); 'none' keeps the rows' map, 'sum' / 'mean' are pending sums; loss and logits'
+    gradient equal torch's for every reduction, with an ignored target and per-class weights."""
+    from axedist.layout import LayoutError
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    classes = 5
+    failures = []
+    for label, mesh, make, rows in _dealt_row_layouts(world_size):
+        for reduction, weighted in itertools.product(REDUCTIONS, (False, True)):
+            logits = torch.randn(rows, classes, dtype=torch.float64, generator=g, requires_grad=True)
+            target = torch.randint(0, classes, (rows,), generator=g)
+            target[int(torch.randint(0, rows, (1,), generator=g))] = -100
+            weight = torch.rand(classes, dtype=torch.float64, generator=g) + 0.5 if weighted else None
+            want = F.cross_entropy(logits, target, weight=weight, reduction=reduction)
+            dl, dt = make(logits.detach(), target)
+            dl.requires_grad_()
+            try:
+                dl.placements
+                failures.append(f"{label}: the logits have a placement form")
+            except LayoutError:
+                pass
+            dw = None if weight is None else distribute(weight, mesh, [Replicate()] * mesh.ndim)
+            what = f"{label}, {reduction}, weight {weighted}"
+            with count_collectives() as seen:
+                loss = F.cross_entropy(dl, dt, weight=dw, reduction=reduction)
+            if [kind for kind in seen.by_kind if not kind.startswith("all_reduce")] or seen.bytes_sent > 8 * mesh.size():
+                failures.append(f"{what}: the forward moved data ({seen})")
+            if reduction == "none":
+                try:
+                    failures.append(f"{what}: the per-row loss was gathered to {loss.placements}")
+                except LayoutError:
+                    pass
+            if not torch.allclose(loss.full_tensor(), want.detach()):
+                failures.append(f"{what}: loss differs from torch")
+            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
+            whole = loss.full_tensor()
+            with count_collectives() as seen:  # from the loss's gradient to the logits' (not full_tensor's own)
+                (grad,) = torch.autograd.grad((whole * up).sum(), dl)
+            if seen.calls:
+                failures.append(f"{what}: the backward moved data ({seen})")
+            (reference,) = torch.autograd.grad((want * up).sum(), logits)
+            if not torch.allclose(grad.full_tensor(), reference):
+                failures.append(f"{what}: the logits' gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cross_entropy_of_rows_dealt_by_a_layout_without_placements(world_size):
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    results = run_on_ranks(_dealt_rows_case, world_size, args=(seed,), timeout_s=600)
+    assert results == [[]] * world_size, (seed, results[0])

@@ -23,7 +23,10 @@ each rank's share is ``local sum / global weight`` (exact for uneven shards). Pa
 logits stay partial (the loss is linear in them). ``ignore_index`` and per-class ``weight``
 (gathered: it is one value per class) work everywhere. Logits whose classes a layout with no
 placement form deals (``specs.dim_dealt``: classes round-robin in pairs) work as class-sharded
-ones: each rank knows its classes from the layout (``shard_ranges.Held``).
+ones: each rank knows its classes from the layout (``shard_ranges.Held``). Rows a layout with no
+placement form deals, every class whole in each piece, with the targets dealt alike
+(``logits.view(-1, V)`` of batch-first logits sharded on the sequence, and its targets), work as
+batch-sharded ones: each device picks its own rows' targets (``_rows_dealt``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from ..runtime.carriers import all_reduce_
 from .pointwise import pointwise_sharding
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import Held, held_along, held_under, inputs_by_name
-from .specs import dim_dealt, pending_in_place
+from .specs import dim_dealt, layout_only, pending_in_place, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -75,6 +78,15 @@ def nll_loss_rule(call: OpCall) -> Sharding:
         inputs, partial, held = dealt
         return Sharding(inputs=inputs, outputs=(partial, (Replicate(),) * mesh.ndim),
                         local=_nll_forward(scores.shape[class_dim], class_dim, held, ()))
+    rows = _rows_dealt(call, scores, target)
+    if rows is not None:
+        layout, partial, held = rows
+        dealing = tuple(axis for axis, p in zip(mesh.axis_names, partial) if isinstance(p, Partial))
+        everything = (Replicate(),) * mesh.ndim
+        out, total = {_NONE: (layout, everything), _SUM: (partial, partial), _MEAN: (partial, everything)}[reduction]
+        return Sharding(inputs=inputs_by_name(call, {"self": None, "target": None}, default=everything),
+                        outputs=(out, total), local=_nll_forward(scores.shape[class_dim], class_dim, held, dealing),
+                        note="rows dealt by a layout: each device's own rows")
     s_in, t_in, out, total = [], [], [], []
     batch_axes = []
     for axis, sp, tp in zip(mesh.axis_names, _placements(scores, mesh), _placements(target, mesh)):
@@ -115,6 +127,23 @@ def _classes_dealt(call: OpCall, scores: ArgSpec, class_dim: int, wanted_extra=N
     everything = (Replicate(),) * call.mesh.ndim
     inputs = inputs_by_name(call, {"self": None, **(wanted_extra or {})}, default=everything)
     return inputs, tuple(Partial("sum") if a in axes else Replicate() for a in call.mesh.axis_names), held
+
+
+def _rows_dealt(call: OpCall, scores: ArgSpec, target):
+    """``(the rows' layout, the placements of a sum over them, this rank's classes: all)`` for 2-D
+    scores whose layout (no placement form) deals whole rows, the classes whole and innermost in
+    every piece (``specs.reduced_in_place``), with the target laid out as those rows: each device
+    picks its own rows' targets; a sum over them is pending over the dealing axes
+    (``specs.pending_in_place``). None otherwise."""
+    if scores.ndim != 2 or not isinstance(target, ArgSpec) or not layout_only(target):
+        return None
+    rows = reduced_in_place(scores, [1])
+    if rows is None or target.layout != rows:
+        return None
+    partial = pending_in_place(target, "sum")
+    if partial is None:
+        return None
+    return rows, partial, held_under(scores.shape, call.mesh, (Replicate(),) * call.mesh.ndim, 1)
 
 
 def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, held: Held):
@@ -162,6 +191,15 @@ def nll_loss_backward_rule(call: OpCall) -> Sharding:
     if dealt is not None:
         inputs, _, held = dealt
         return Sharding(inputs=inputs, outputs=scores.layout, local=_nll_backward(scores.shape[class_dim], class_dim, held))
+    rows = _rows_dealt(call, scores, target)
+    if rows is not None and (reduction != _NONE or (layout_only(grad) and grad.layout == rows[0])):
+        everything = (Replicate(),) * mesh.ndim
+        wanted = {"grad_output": None if reduction == _NONE else everything, "self": None, "target": None}
+        if reduction != _MEAN:
+            wanted["total_weight"] = None  # read only by mean
+        return Sharding(inputs=inputs_by_name(call, wanted, default=everything), outputs=scores.layout,
+                        local=_nll_backward(scores.shape[class_dim], class_dim, rows[2]),
+                        note="rows dealt by a layout: each device's own rows")
     g_in, s_in, t_in, out = [], [], [], []
     for sp, tp in zip(_placements(scores, mesh), _placements(target, mesh)):
         if type(sp) is Shard and sp.dim % scores.ndim == class_dim:
