@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import with_inner_dims, without_inner_dims
+from ..layout import with_inner_dims
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import inputs_by_name, named_args
-from .specs import layout_only
+from .specs import reduced_in_place
 
 aten = torch.ops.aten
 
@@ -156,9 +156,7 @@ def _heads_in_place(call: OpCall, args: dict) -> Sharding | None:
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or key.shape[1] != query.shape[1]:
         return None
     tensors = [args[name] for name in _Q_LIKE + _KV + _STATS if isinstance(args.get(name), ArgSpec)]
-    if not all(layout_only(t) for t in tensors):
-        return None
-    maps = {without_inner_dims(t.layout, t.shape, t.ndim - 2) for t in tensors}
+    maps = {reduced_in_place(t, list(range(2, t.ndim))) for t in tensors}
     if len(maps) != 1 or None in maps:
         return None
     (heads,) = maps
