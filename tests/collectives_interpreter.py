@@ -19,11 +19,7 @@ import torch
 
 from axedist.collectives.p2p import call_geometry, static_arguments
 from axedist.collectives.symmetric import BARRIER_BYTES, ENGINE_FLAG0, FLAG_BYTES, carve_workspaces
-from triton.runtime import interpreter
-
-# Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3
-# (loops with run-time bounds fail); convert through .item() instead.
-_patch_lang_tensor = interpreter._patch_lang_tensor
+import triton_interpreter  # noqa: F401  (before the kernels: the interpreter's loop bounds)
 
 
 def flags_touched(workspace):
@@ -33,12 +29,6 @@ def flags_touched(workspace):
     return bool(words[:ENGINE_FLAG0 * 4].any() or words[FLAG_BYTES:].any())
 
 
-def _patch_with_item(tensor, scope):
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_with_item
 from axedist.kernels import collective_kernels, layer_tail
 
 ROWS, COLS = 1, 64

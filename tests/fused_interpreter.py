@@ -16,19 +16,8 @@ import sys
 import time
 
 import torch
-from triton.runtime import interpreter
 
-# Triton 3.6's interpreter converts 1-element scalars with int(array), an error since numpy 2.3;
-# convert through .item() instead (as tests/collectives_interpreter.py).
-_patch_lang_tensor = interpreter._patch_lang_tensor
-
-
-def _patch_with_item(tensor, scope):
-    _patch_lang_tensor(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_with_item
+import triton_interpreter  # noqa: F401  (before the kernels: the interpreter's loop bounds)
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from axedist.collectives.symmetric import (ENGINE_FLAG0, FLAG_BYTES,  # noqa: E402

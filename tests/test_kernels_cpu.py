@@ -1320,12 +1320,7 @@ def test_gemm_core_matches_a_float64_reference_under_the_interpreter():
     script = textwrap.dedent("""
         import itertools
         import torch, triton
-        from triton.runtime import interpreter
-        patch = interpreter._patch_lang_tensor
-        def with_item(tensor, scope):   # Triton 3.6's interpreter vs numpy >= 2.3 (see collectives_interpreter.py)
-            patch(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-        interpreter._patch_lang_tensor = with_item
+        import tests.triton_interpreter  # the interpreter's loop bounds
         from triton.tools.tensor_descriptor import TensorDescriptor
         from axedist.kernels import gemm
         failures = []
@@ -1908,3 +1903,62 @@ def test_gemm_reduce_scatter_refuses_an_out_it_cannot_write():
         with pytest.raises(RuntimeError, match="the checks passed"):
             call.run(a, b, out=good)
     assert workspace.begun == 2
+
+
+# -- the skinny GEMM (decode products) ----------------------------------------------------------
+
+def test_skinny_gemm_matches_a_float64_reference_under_the_interpreter():
+    """kernels/skinny_gemm.py for 1, 3, 16 and 20 rows (the elementwise and the dot path), ragged and
+    even N and K, contiguous and transposed weights, fp32 and a 16-bit type, against a float64
+    product. The interpreter's tl.dot of bf16 returns garbage (Triton 3.6), so the dot path's
+    16-bit case is fp16 here; bf16 runs on GPUs (tests_onegpu/test_skinny_gemm.py)."""
+    _need_triton()
+    script = textwrap.dedent("""
+        import torch
+        import tests.triton_interpreter  # the interpreter's loop bounds
+        from axedist.kernels.skinny_gemm import SkinnyConfig, skinny_mm
+        generator = torch.Generator().manual_seed(SEED)
+        failures = []
+        for rows, n, k in [(1, 40, 70), (1, 64, 1024), (3, 40, 70), (16, 64, 256), (20, 33, 129)]:
+            half = torch.bfloat16 if rows == 1 else torch.float16
+            for dtype, tolerance in ((torch.float32, 1e-5), (half, 2e-2)):
+                for transposed in (True, False):
+                    a = torch.randn(rows, k, generator=generator).to(dtype)
+                    w = torch.randn(n, k, generator=generator).to(dtype)
+                    b = w.t() if transposed else w.t().contiguous()
+                    for config in (None, SkinnyConfig(16, 64, 4, 1), SkinnyConfig(8 if rows == 1 else 32, 32, 4, 2)):
+                        out = skinny_mm(a, b, config=config)
+                        reference = a.double() @ b.double()
+                        error = ((out.double() - reference).norm() / reference.norm()).item()
+                        if out.shape != (rows, n) or out.dtype != dtype or not error < tolerance:
+                            failures.append((rows, n, k, dtype, transposed, config, error))
+        print("FAILURES", failures) if failures else print("OK")
+    """).replace("SEED", str(random.randrange(1 << 30)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=ROOT)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+def test_skinny_gemm_compiles_for_hopper_with_vector_loads():
+    """The decode tiles compile for sm_90a; with K innermost the weight's loads are 16-byte vectors
+    (the kernel streams the weight: scalar loads would halve its bandwidth) and the dot path
+    pipelines them (cp.async)."""
+    _need_triton()
+    from axedist.kernels.compile_check import compile_for_target
+    from axedist.kernels.skinny_gemm import skinny_gemm_kernel
+    signature = {name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr")}
+    signature.update({name: "i32" for name in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+                                               "stride_cm", "stride_cn")})
+    for block_m, block_n, block_k, stages in [(1, 8, 512, 1), (16, 16, 128, 3), (64, 32, 256, 4)]:
+        kernel = compile_for_target(skinny_gemm_kernel, signature,
+                                    {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+                                     "DOT": block_m > 1, "EVEN": True, "K_INNER": True},
+                                    ["a_ptr", "b_ptr", "c_ptr", "K", "stride_am", "stride_bn", "stride_cm"],
+                                    90, num_warps=4, num_stages=stages)
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= 227 * 1024
+        if block_m == 1:
+            assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, "scalar weight loads"
+        else:
+            assert "cp.async" in ptx and "mma" in ptx

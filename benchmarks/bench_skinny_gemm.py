@@ -1,0 +1,166 @@
+"""Products of a few rows (decode) on one GPU: axedist's skinny GEMM (kernels/skinny_gemm.py, one
+launch a product) against cuBLAS (``torch.mm(x, weight.t())``: split-K tiles plus a reduce
+kernel), at the per-rank linear shapes of a Llama-3-8B-sized decode stack at TP = 1, 2, 4 and
+1, 8, 64 rows. Device time of one call (calls queued back to back behind a sleep kernel, each on
+another copy of the weight, so that every call reads its weight from HBM as a decode step does:
+a step reads about 0.9 GB of weights, the L2 holds 50 MB), median of interleaved batches; every
+output checked against an fp32 product.
+
+    python3 benchmarks/bench_skinny_gemm.py --out benchmarks/results            # shipped configs
+    python3 benchmarks/bench_skinny_gemm.py --sweep --write-table --out <dir>   # + every candidate
+
+--sweep times every candidate config per shape; --write-table writes the fastest per shape into
+axedist/kernels/skinny_tuned.json ("cublas" where no config beats it). Writes
+skinny_gemm.{json,md,png} and a history line.
+"""
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py
+from history import append_history, run_meta  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from axedist.kernels import skinny_gemm  # noqa: E402
+from axedist.kernels.skinny_gemm import SkinnyConfig, skinny_mm  # noqa: E402
+
+DIM, FFN, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+L2_ROTATION_BYTES = 256 << 20   # weights read between two reads of one copy: well past the L2
+
+
+def layer_shapes(tp: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each linear's local product at tensor parallelism tp (y = x @ w.t())."""
+    return [("wq", HEADS * HEAD_DIM // tp, DIM), ("wk/wv", KV_HEADS * HEAD_DIM // tp, DIM),
+            ("wo", DIM, HEADS * HEAD_DIM // tp), ("w1/w3", FFN // tp, DIM), ("w2", DIM, FFN // tp)]
+
+
+def candidates(rows: int) -> list[SkinnyConfig]:
+    if rows == 1:
+        return [SkinnyConfig(n, k, w, s) for n, k, w, s in itertools.product((4, 8, 16), (512, 1024), (4, 8), (1, 3))]
+    return [SkinnyConfig(n, k, 4, s) for n, k, s in itertools.product((16, 32), (128, 256), (3, 4))] + \
+        [SkinnyConfig(64, 64, 4, 4), SkinnyConfig(16, 512, 8, 3)]
+
+
+def queued_ms(fns: dict, calls: int, batches: int = 5) -> dict:
+    """Device ms per call of each candidate: `batches` interleaved batches of `calls` calls
+    queued behind a sleep kernel (0.1 ms of sleep per call covers the host's launches)."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    events = {name: [] for name in fns}
+    for _ in range(batches):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int((0.2 + calls * 0.1) * 2_000_000))
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: statistics.median(s.elapsed_time(e) / calls for s, e in pairs) for name, pairs in events.items()}
+
+
+def rotating(fn, copies: list):
+    """fn(copy) over the copies in turn, one per call."""
+    state = [0]
+
+    def call():
+        state[0] = (state[0] + 1) % len(copies)
+        fn(copies[state[0]])
+    return call
+
+
+def measure(rows: int, n: int, k: int, sweep: bool) -> dict:
+    generator = torch.Generator(device="cuda").manual_seed(rows * 7 + n + k)
+    weight_bytes = n * k * 2
+    count = max(2, -(-L2_ROTATION_BYTES // weight_bytes))
+    weights = [(torch.randn(n, k, device="cuda", generator=generator) / k ** 0.5).to(torch.bfloat16)
+               for _ in range(count)]
+    x = torch.randn(rows, k, device="cuda", generator=generator).to(torch.bfloat16)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+    reference = x.float() @ weights[0].float().t()
+    shipped = skinny_gemm.skinny_config(rows, n, k)
+    configs = {"default": skinny_gemm.heuristic_config(rows, n, k)}
+    if shipped is not None:
+        configs["shipped"] = shipped
+    if sweep:
+        configs.update({repr(c): c for c in candidates(rows)})
+    errors = {"cublas": ((torch.mm(x, weights[0].t()).float() - reference).norm() / reference.norm()).item()}
+    fns = {"cublas": rotating(lambda w: torch.mm(x, w.t(), out=out), weights)}
+    for name, config in configs.items():
+        got = skinny_mm(x, weights[0].t(), config=config)
+        errors[name] = ((got.float() - reference).norm() / reference.norm()).item()
+        fns[name] = rotating(lambda w, c=config: skinny_mm(x, w.t(), out=out, config=c), weights)
+    ms = queued_ms(fns, calls=max(20, count))
+    best = min((name for name in ms if name != "cublas"), key=ms.get)
+    return dict(rows=rows, n=n, k=k, copies=count, ms=ms, errors=errors, best=best,
+                best_config=list(configs[best]), shipped=list(shipped) if shipped else "cublas",
+                tb_per_s={name: weight_bytes / (t * 1e-3) / 1e12 for name, t in ms.items()})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--rows", default="1,8,64")
+    parser.add_argument("--tp", default="1,2,4")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--write-table", action="store_true")
+    args = parser.parse_args()
+    command = "python3 benchmarks/bench_skinny_gemm.py " + " ".join(sys.argv[1:])
+    results, table = [], {}
+    for tp in (int(t) for t in args.tp.split(",")):
+        for name, n, k in layer_shapes(tp):
+            for rows in (int(r) for r in args.rows.split(",")):
+                result = measure(rows, n, k, args.sweep)
+                result.update(tp=tp, name=name)
+                results.append(result)
+                ms = result["ms"]
+                ours = ms.get("shipped", ms["default"])
+                print(f"tp{tp} {name:6s} M={rows:2d} N={n:5d} K={k:5d}: cublas {ms['cublas'] * 1e3:6.1f} us, "
+                      f"ours {ours * 1e3:6.1f} ({ms['cublas'] / ours:.2f}x), best {result['best']} "
+                      f"{ms[result['best']] * 1e3:6.1f} us ({ms['cublas'] / ms[result['best']]:.2f}x, "
+                      f"{result['tb_per_s'][result['best']]:.2f} TB/s); err cublas {result['errors']['cublas']:.1e} "
+                      f"best {result['errors'][result['best']]:.1e}", flush=True)
+                key = skinny_gemm.table_key(rows, n, k)
+                best_ms = ms[result["best"]]
+                table[key] = result["best_config"] if best_ms < ms["cublas"] else "cublas"
+    if args.write_table:
+        path = os.path.join(os.path.dirname(skinny_gemm.__file__), "skinny_tuned.json")
+        with open(path, "w") as f:
+            json.dump(dict(sorted(table.items())), f, indent=1)
+            f.write("\n")
+        print("wrote", path)
+    if args.out:
+        write(args.out, results, run_meta(1, command, sweep=args.sweep))
+
+
+def write(out_dir: str, results: list, meta: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "skinny_gemm.json"), "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    lines = [f"# Skinny GEMM (decode products) vs cuBLAS, one GPU ({meta['date']})", "",
+             f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}",
+             f"command: `{meta['command']}`", "",
+             "Device time per call (us), each call on another copy of the weight (read from HBM); "
+             "ours = the shipped choice (kernels/skinny_tuned.json, else the heuristic).", "",
+             "| TP | linear | M | N | K | cuBLAS us | ours us | cuBLAS / ours | best config | best us | best TB/s | rel err cuBLAS / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ms = r["ms"]
+        ours = "shipped" if "shipped" in ms else "default"
+        lines.append(f"| {r['tp']} | {r['name']} | {r['rows']} | {r['n']} | {r['k']} | {ms['cublas'] * 1e3:.1f} | "
+                     f"{ms[ours] * 1e3:.1f} | {ms['cublas'] / ms[ours]:.2f}x | {r['best']} | {ms[r['best']] * 1e3:.1f} | "
+                     f"{r['tb_per_s'][r['best']]:.2f} | {r['errors']['cublas']:.1e} / {r['errors'][ours]:.1e} |")
+    with open(os.path.join(out_dir, "skinny_gemm.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    append_history(out_dir, "skinny_gemm", meta, dict(results=results))
+
+
+if __name__ == "__main__":
+    main()
