@@ -112,6 +112,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "auto, torch, p2p, multimem or symm",
              "auto", "what the layout-driven fused GEMM kernels ask for: the measured tables (auto), the fused "
              "kernels pinned (p2p), torch's symmetric-memory ops pinned (symm), never fused (torch)"),
+    Variable("AXEDIST_DECODE_GEMM", _choice("auto", "cublas"), "auto or cublas", "auto",
+             "what CUDA products of at most 64 rows run locally: the skinny GEMM where its table measured it "
+             "faster than cuBLAS (auto), torch.mm always (cublas)"),
     Variable("AXEDIST_P2P_ROWS", _positive_int, "an int > 0", None,
              "forces the p2p collectives' tile height (benchmark sweeps)"),
     Variable("AXEDIST_P2P_ROUNDS", _positive_int, "an int > 0", None,

@@ -129,9 +129,10 @@ def _tuned() -> dict:
 
 
 def skinny_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
-    """The shipped choice for a product (skinny_tuned.json, written by
-    benchmarks/bench_skinny_gemm.py from device timings): its tiles where this kernel beat
-    cuBLAS at that shape, None where cuBLAS was faster or the shape was not measured."""
+    """The shipped choice for a product with K innermost in both operands (skinny_tuned.json,
+    written by benchmarks/bench_skinny_gemm.py from device timings of ``x @ weight.t()``): its
+    tiles where this kernel beat cuBLAS at that shape, None where cuBLAS was faster or the shape
+    was not measured."""
     entry = _tuned().get(table_key(rows, n, k))
     return None if entry is None or entry == "cublas" else SkinnyConfig(*entry)
 

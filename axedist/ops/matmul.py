@@ -39,11 +39,13 @@ import math
 
 import torch
 
+from .. import env
+from ..caches import cached
 from ..layout import MEMORY_AXIS, Iter, Layout, one_dim_iters, with_inner_dims
 from ..planning.cost import placement_move_elements
 from ..runtime.deferred import (defer_product_of_gather, fused_gather_product, gather_rows_transposed,
                                 pending_gather, placeholder)
-from ..tracing import may_defer
+from ..tracing import compiling, may_defer
 from .call_plan import local_of
 from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
@@ -240,7 +242,41 @@ def mm(call: OpCall) -> Sharding:
         if summed is not None:
             return summed
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
-    return Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=wo)
+    sharding = Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=wo)
+    if call.func is aten.mm.default and _decode_sized(call):
+        return dataclasses.replace(sharding, local=_decode_product)
+    return sharding
+
+
+def _decode_sized(call: OpCall) -> bool:
+    """Whether an mm's local products may run the skinny GEMM (kernels/skinny_gemm.py): CUDA,
+    bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), AXEDIST_DECODE_GEMM=auto
+    (the default); planned from what every rank has. Each call then looks its local shape up in
+    the kernel's tuned table."""
+    a = call.specs[0]
+    return (call.mesh.device_type == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
+            and env.read("AXEDIST_DECODE_GEMM") == "auto" and 1 <= a.shape[0] <= _skinny().MAX_ROWS)
+
+
+def _decode_product(call: OpCall, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A decode-sized local product: the skinny GEMM where its tuned table measured it faster
+    than cuBLAS at this local shape (K innermost in both operands, as a linear's input and
+    ``weight.t()``: what the table measured), else ``torch.mm``; ``torch.mm`` while tracing (a
+    traced graph holds aten ops, not a kernel launch on fake tensors)."""
+    skinny = _skinny()
+    if compiling() or a.dim() != 2 or b.dim() != 2 or not a.is_cuda or a.stride(1) != 1 or b.stride(0) != 1:
+        return torch.mm(a, b)
+    config = skinny.skinny_config(a.shape[0], b.shape[1], a.shape[1])
+    if config is None or not 1 <= a.shape[0] <= skinny.MAX_ROWS or a.dtype != b.dtype:
+        return torch.mm(a, b)
+    return skinny.skinny_mm(a, b, config=config)
+
+
+@cached(maxsize=None)
+def _skinny():
+    """kernels.skinny_gemm, imported on first use (it imports Triton; CPU meshes never ask)."""
+    from ..kernels import skinny_gemm
+    return skinny_gemm
 
 
 def _bias_placements(bias: ArgSpec, out: tuple, out_ndim: int) -> tuple:
