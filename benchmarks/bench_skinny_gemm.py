@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/his
 from history import append_history, run_meta  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from axedist.collectives.timing import host_time_us  # noqa: E402
 from axedist.kernels import skinny_gemm  # noqa: E402
 from axedist.kernels.skinny_gemm import SkinnyConfig, skinny_mm  # noqa: E402
 
@@ -106,7 +107,9 @@ def measure(rows: int, n: int, k: int, sweep: bool) -> dict:
         fns[name] = rotating(lambda w, c=config: skinny_mm(x, w.t(), out=out, config=c), weights)
     ms = queued_ms(fns, calls=max(20, count))
     best = min((name for name in ms if name != "cublas"), key=ms.get)
-    return dict(rows=rows, n=n, k=k, copies=count, ms=ms, errors=errors, best=best,
+    host = {"cublas": host_time_us(lambda: torch.mm(x, weights[0].t(), out=out)),
+            "ours": host_time_us(lambda: skinny_mm(x, weights[0].t(), out=out, config=configs[best]))}
+    return dict(rows=rows, n=n, k=k, copies=count, ms=ms, errors=errors, best=best, host_us=host,
                 best_config=list(configs[best]), shipped=list(shipped) if shipped else "cublas",
                 tb_per_s={name: weight_bytes / (t * 1e-3) / 1e12 for name, t in ms.items()})
 
@@ -137,7 +140,8 @@ def main():
                 print(f"tp{tp} {name:6s} M={rows:2d} N={n:5d} K={k:5d}: cublas {ms['cublas'] * 1e3:6.1f} us, "
                       f"ours {ours * 1e3:6.1f} ({ms['cublas'] / ours:.2f}x), best {result['best']} "
                       f"{ms[result['best']] * 1e3:6.1f} us ({ms['cublas'] / ms[result['best']]:.2f}x, "
-                      f"{result['tb_per_s'][result['best']]:.2f} TB/s); err cublas {result['errors']['cublas']:.1e} "
+                      f"{result['tb_per_s'][result['best']]:.2f} TB/s); host us cublas {result['host_us']['cublas']:.1f} "
+                      f"ours {result['host_us']['ours']:.1f}; err cublas {result['errors']['cublas']:.1e} "
                       f"best {result['errors'][result['best']]:.1e}", flush=True)
     if args.write_table:
         write_table(results)
