@@ -1962,3 +1962,27 @@ def test_skinny_gemm_compiles_for_hopper_with_vector_loads():
             assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, "scalar weight loads"
         else:
             assert "cp.async" in ptx and "mma" in ptx
+
+
+def test_skinny_gemm_table_reads_as_written():
+    """Every key of the shipped table is a table_key of its own sizes, every entry "cublas" or a
+    config of four positive ints; skinny_config returns exactly the chosen ones (None for
+    "cublas" and for shapes the table lacks), row counts in buckets 1 / 2-16 / 17-64; and
+    smallest_chosen bounds every chosen entry."""
+    _need_triton()
+    from axedist.kernels import skinny_gemm
+    with open(os.path.join(ROOT, "axedist", "kernels", "skinny_tuned.json")) as f:
+        table = json.load(f)
+    assert table, "kernels/skinny_tuned.json is empty or missing"
+    least_n, least_k = skinny_gemm.smallest_chosen()
+    for key, entry in table.items():
+        bucket, n, k = (int(part[1:]) for part in key.split("_"))
+        assert key == skinny_gemm.table_key(bucket, n, k)
+        for rows in {1: [1], 16: [2, 9, 16], 64: [17, 40, 64]}[bucket]:
+            got = skinny_gemm.skinny_config(rows, n, k)
+            if entry == "cublas":
+                assert got is None, key
+            else:
+                assert len(entry) == 4 and all(isinstance(v, int) and v > 0 for v in entry), key
+                assert tuple(got) == tuple(entry) and n >= least_n and k >= least_k, key
+    assert skinny_gemm.skinny_config(1, 12345, 678) is None

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..caches import cached
 
-__all__ = ["MAX_ROWS", "SkinnyConfig", "heuristic_config", "skinny_config", "skinny_mm", "table_key"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "heuristic_config", "skinny_config", "skinny_mm", "smallest_chosen", "table_key"]
 
 # the most rows a product may have to run here (the decode batch sizes)
 MAX_ROWS = 64
@@ -126,6 +126,18 @@ def table_key(rows: int, n: int, k: int) -> str:
 def _tuned() -> dict:
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "skinny_tuned.json")) as f:
         return json.load(f)
+
+
+@cached(maxsize=None)
+def smallest_chosen() -> tuple[int, int]:
+    """(N, K) below which the table never chose this kernel (the least N and the least K of its
+    chosen entries; (inf, inf) when it chose none): a product with fewer columns or a shallower
+    contraction, its own shard included, never runs here."""
+    chosen = [key for key, entry in _tuned().items() if entry != "cublas"]
+    if not chosen:
+        return (float("inf"), float("inf"))
+    sizes = [tuple(int(part[1:]) for part in key.split("_")[1:]) for key in chosen]
+    return (min(n for n, _ in sizes), min(k for _, k in sizes))
 
 
 def skinny_config(rows: int, n: int, k: int) -> SkinnyConfig | None:

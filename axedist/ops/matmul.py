@@ -250,12 +250,17 @@ def mm(call: OpCall) -> Sharding:
 
 def _decode_sized(call: OpCall) -> bool:
     """Whether an mm's local products may run the skinny GEMM (kernels/skinny_gemm.py): CUDA,
-    bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), AXEDIST_DECODE_GEMM=auto
-    (the default); planned from what every rank has. Each call then looks its local shape up in
-    the kernel's tuned table."""
-    a = call.specs[0]
-    return (call.mesh.device_type == "cuda" and a.dtype in (torch.bfloat16, torch.float16)
-            and env.read("AXEDIST_DECODE_GEMM") == "auto" and 1 <= a.shape[0] <= _skinny().MAX_ROWS)
+    bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), no fewer columns and no
+    shallower contraction than the least the kernel's table chose it for, AXEDIST_DECODE_GEMM=auto
+    (the default); planned from what every rank has (global shapes). Each call then looks its
+    local shape up in the table."""
+    a, b = call.specs
+    if call.mesh.device_type != "cuda" or a.dtype not in (torch.bfloat16, torch.float16) \
+            or env.read("AXEDIST_DECODE_GEMM") != "auto":
+        return False
+    skinny = _skinny()
+    least_n, least_k = skinny.smallest_chosen()  # a shard is no larger than the whole
+    return 1 <= a.shape[0] <= skinny.MAX_ROWS and b.shape[1] >= least_n and a.shape[1] >= least_k
 
 
 def _decode_product(call: OpCall, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
