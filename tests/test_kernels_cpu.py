@@ -1968,15 +1968,15 @@ def test_skinny_gemm_table_reads_as_written():
     """Every key of the shipped table is a table_key of its own sizes, every entry "cublas" or a
     config of four positive ints; skinny_config returns exactly the chosen ones (None for
     "cublas" and for shapes the table lacks), row counts in buckets 1 / 2-16 / 17-64; and
-    smallest_chosen bounds every chosen entry."""
+    smallest_chosen bounds every chosen entry of its bucket (infinite where it chose none)."""
     _need_triton()
     from axedist.kernels import skinny_gemm
     with open(os.path.join(ROOT, "axedist", "kernels", "skinny_tuned.json")) as f:
         table = json.load(f)
     assert table, "kernels/skinny_tuned.json is empty or missing"
-    least_n, least_k = skinny_gemm.smallest_chosen()
     for key, entry in table.items():
         bucket, n, k = (int(part[1:]) for part in key.split("_"))
+        least_n, least_k = skinny_gemm.smallest_chosen(bucket)
         assert key == skinny_gemm.table_key(bucket, n, k)
         for rows in {1: [1], 16: [2, 9, 16], 64: [17, 40, 64]}[bucket]:
             got = skinny_gemm.skinny_config(rows, n, k)
@@ -1986,3 +1986,5 @@ def test_skinny_gemm_table_reads_as_written():
                 assert len(entry) == 4 and all(isinstance(v, int) and v > 0 for v in entry), key
                 assert tuple(got) == tuple(entry) and n >= least_n and k >= least_k, key
     assert skinny_gemm.skinny_config(1, 12345, 678) is None
+    chose_64 = any(entry != "cublas" for key, entry in table.items() if key.startswith("M64_"))
+    assert (skinny_gemm.smallest_chosen(64) == (float("inf"), float("inf"))) == (not chose_64)

@@ -129,11 +129,13 @@ def _tuned() -> dict:
 
 
 @cached(maxsize=None)
-def smallest_chosen() -> tuple[int, int]:
-    """(N, K) below which the table never chose this kernel (the least N and the least K of its
-    chosen entries; (inf, inf) when it chose none): a product with fewer columns or a shallower
-    contraction, its own shard included, never runs here."""
-    chosen = [key for key, entry in _tuned().items() if entry != "cublas"]
+def smallest_chosen(rows: int) -> tuple[int, int]:
+    """(N, K) below which the table never chose this kernel for products of ``rows`` rows (the
+    least N and the least K of the chosen entries of their bucket; (inf, inf) when it chose none):
+    a product with fewer columns or a shallower contraction, its own shard included, never runs
+    here."""
+    bucket = table_key(rows, 0, 0).split("_")[0]
+    chosen = [key for key, entry in _tuned().items() if entry != "cublas" and key.split("_")[0] == bucket]
     if not chosen:
         return (float("inf"), float("inf"))
     sizes = [tuple(int(part[1:]) for part in key.split("_")[1:]) for key in chosen]

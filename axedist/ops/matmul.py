@@ -251,7 +251,7 @@ def mm(call: OpCall) -> Sharding:
 def _decode_sized(call: OpCall) -> bool:
     """Whether an mm's local products may run the skinny GEMM (kernels/skinny_gemm.py): CUDA,
     bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), no fewer columns and no
-    shallower contraction than the least the kernel's table chose it for, AXEDIST_DECODE_GEMM=auto
+    shallower contraction than the least the kernel's table chose it for at that many rows, AXEDIST_DECODE_GEMM=auto
     (the default); planned from what every rank has (global shapes). Each call then looks its
     local shape up in the table."""
     a, b = call.specs
@@ -259,8 +259,10 @@ def _decode_sized(call: OpCall) -> bool:
             or env.read("AXEDIST_DECODE_GEMM") != "auto":
         return False
     skinny = _skinny()
-    least_n, least_k = skinny.smallest_chosen()  # a shard is no larger than the whole
-    return 1 <= a.shape[0] <= skinny.MAX_ROWS and b.shape[1] >= least_n and a.shape[1] >= least_k
+    if not 1 <= a.shape[0] <= skinny.MAX_ROWS:
+        return False
+    least_n, least_k = skinny.smallest_chosen(a.shape[0])  # a shard is no larger than the whole
+    return b.shape[1] >= least_n and a.shape[1] >= least_k
 
 
 def _decode_product(call: OpCall, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
