@@ -12,7 +12,7 @@ output checked against an fp32 product.
 --sweep times every candidate config per shape; --write-table writes the fastest per shape into
 axedist/kernels/skinny_tuned.json ("cublas" where no config beats cuBLAS by WIN_MARGIN: a closer
 call is within the run-to-run spread); --table-from JSON rewrites that table from a run's
-skinny_gemm.json without a GPU. Writes skinny_gemm.{json,md} and a history line.
+skinny_gemm.json without a GPU. Writes skinny_gemm.{json,md,png} and a history line.
 """
 import argparse
 import itertools
@@ -24,10 +24,10 @@ import sys
 import torch
 import triton
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's axedist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py
 from history import append_history, run_meta  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from axedist.collectives.timing import host_time_us  # noqa: E402
 from axedist.kernels import skinny_gemm  # noqa: E402
 from axedist.kernels.skinny_gemm import SkinnyConfig, skinny_mm  # noqa: E402
@@ -122,11 +122,18 @@ def main():
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--write-table", action="store_true")
     parser.add_argument("--table-from", default=None, help="a run's skinny_gemm.json: rewrite the table only")
+    parser.add_argument("--render", nargs=2, default=None, metavar=("JSON", "OUT_DIR"),
+                        help="redraw a run's skinny_gemm.md / .png from its skinny_gemm.json (no GPU, no history line)")
     args = parser.parse_args()
     command = "python3 benchmarks/bench_skinny_gemm.py " + " ".join(sys.argv[1:])
     if args.table_from:
         with open(args.table_from) as f:
             write_table(json.load(f)["results"])
+        return
+    if args.render:
+        with open(args.render[0]) as f:
+            run = json.load(f)
+        write(args.render[1], run["results"], run["meta"], history=False)
         return
     results = []
     for tp in (int(t) for t in args.tp.split(",")):
@@ -163,26 +170,56 @@ def write_table(results: list) -> None:
     print("wrote", path)
 
 
-def write(out_dir: str, results: list, meta: dict) -> None:
+def write(out_dir: str, results: list, meta: dict, history: bool = True) -> None:
+    """skinny_gemm.json / .md / .png in out_dir (and a history line unless ``history`` is off)."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "skinny_gemm.json"), "w") as f:
         json.dump(dict(meta=meta, results=results), f, indent=1)
     lines = [f"# Skinny GEMM (decode products) vs cuBLAS, one GPU ({meta['date']})", "",
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}",
              f"command: `{meta['command']}`", "",
-             "Device time per call (us), each call on another copy of the weight (read from HBM); "
-             "ours = the shipped choice (kernels/skinny_tuned.json, else the heuristic).", "",
-             "| TP | linear | M | N | K | cuBLAS us | ours us | cuBLAS / ours | best config | best us | best TB/s | rel err cuBLAS / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "Device time per call (us), each call on another copy of the weight (read from HBM). best: the "
+             "fastest config timed; choice: what `--write-table` ships for that row count bucket (best where it "
+             f"beats cuBLAS by {WIN_MARGIN:.2f}x, else cuBLAS). Host: CPU us per call.", "",
+             "| TP | linear | M | N | K | cuBLAS us | best config | best us | cuBLAS / best | best TB/s | choice "
+             "| host us cuBLAS / ours | rel err cuBLAS / best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ms = r["ms"]
-        ours = "shipped" if "shipped" in ms else "default"
+        ratio = ms["cublas"] / ms[r["best"]]
+        host = r.get("host_us")
         lines.append(f"| {r['tp']} | {r['name']} | {r['rows']} | {r['n']} | {r['k']} | {ms['cublas'] * 1e3:.1f} | "
-                     f"{ms[ours] * 1e3:.1f} | {ms['cublas'] / ms[ours]:.2f}x | {r['best']} | {ms[r['best']] * 1e3:.1f} | "
-                     f"{r['tb_per_s'][r['best']]:.2f} | {r['errors']['cublas']:.1e} / {r['errors'][ours]:.1e} |")
+                     f"{SkinnyConfig(*r['best_config'])!r} | {ms[r['best']] * 1e3:.1f} | {ratio:.2f}x | "
+                     f"{r['tb_per_s'][r['best']]:.2f} | {'skinny' if ratio >= WIN_MARGIN else 'cuBLAS'} | "
+                     + (f"{host['cublas']:.0f} / {host['ours']:.0f}" if host else "-")
+                     + f" | {r['errors']['cublas']:.1e} / {r['errors'][r['best']]:.1e} |")
     with open(os.path.join(out_dir, "skinny_gemm.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    append_history(out_dir, "skinny_gemm", meta, dict(results=results))
+    draw(results, meta, os.path.join(out_dir, "skinny_gemm.png"))
+    if history:
+        append_history(out_dir, "skinny_gemm", meta, dict(results=results))
+
+
+def draw(results: list, meta: dict, path: str) -> None:
+    """cuBLAS time / best skinny time per product, one panel per row count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = sorted({r["rows"] for r in results})
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4.5), sharey=True, squeeze=False)
+    for axis, count in zip(axes[0], rows):
+        mine = [r for r in results if r["rows"] == count]
+        ratios = [r["ms"]["cublas"] / r["ms"][r["best"]] for r in mine]
+        colors = ["tab:green" if x >= WIN_MARGIN else "tab:gray" for x in ratios]
+        axis.bar(range(len(mine)), ratios, color=colors)
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        axis.set_xticks(range(len(mine)), [f"tp{r['tp']} {r['name']}" for r in mine], rotation=70, fontsize=8)
+        axis.set_title(f"M = {count} rows")
+    axes[0][0].set_ylabel("cuBLAS time / skinny GEMM time (green: shipped)")
+    fig.suptitle(f"Skinny GEMM vs cuBLAS, {meta['machine']}, {meta['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
