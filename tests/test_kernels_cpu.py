@@ -1908,33 +1908,30 @@ def test_gemm_reduce_scatter_refuses_an_out_it_cannot_write():
 # -- the skinny GEMM (decode products) ----------------------------------------------------------
 
 def test_skinny_gemm_matches_a_float64_reference_under_the_interpreter():
-    """kernels/skinny_gemm.py for 1, 3, 16 and 20 rows (the elementwise path, in row blocks of 8
-    beyond 8 rows, and the dot path), ragged and even N and K, contiguous and transposed weights, fp32 and a 16-bit type, against a float64
+    """kernels/skinny_gemm.py for 1, 3, 16 and 20 rows (the elementwise and the dot path), ragged and
+    even N and K, contiguous and transposed weights, fp32 and a 16-bit type, against a float64
     product. The interpreter's tl.dot of bf16 returns garbage (Triton 3.6), so the dot path's
     16-bit case is fp16 here; bf16 runs on GPUs (tests_onegpu/test_skinny_gemm.py)."""
     _need_triton()
     script = textwrap.dedent("""
-        import itertools
         import torch
         import tests.triton_interpreter  # the interpreter's loop bounds
         from axedist.kernels.skinny_gemm import SkinnyConfig, skinny_mm
         generator = torch.Generator().manual_seed(SEED)
         failures = []
         for rows, n, k in [(1, 40, 70), (1, 64, 1024), (3, 40, 70), (16, 64, 256), (20, 33, 129)]:
-            for config in (None, SkinnyConfig(16, 64, 4, 1, 0), SkinnyConfig(4, 128, 4, 1, 0),
-                           SkinnyConfig(8 if rows == 1 else 32, 32, 4, 2, 1)):
-                dot = rows > 1 and (config[4] if config else True)
-                half = torch.float16 if dot else torch.bfloat16
-                for (dtype, tolerance), transposed in itertools.product(((torch.float32, 1e-5), (half, 2e-2)),
-                                                                        (True, False)):
+            half = torch.bfloat16 if rows == 1 else torch.float16
+            for dtype, tolerance in ((torch.float32, 1e-5), (half, 2e-2)):
+                for transposed in (True, False):
                     a = torch.randn(rows, k, generator=generator).to(dtype)
                     w = torch.randn(n, k, generator=generator).to(dtype)
                     b = w.t() if transposed else w.t().contiguous()
-                    out = skinny_mm(a, b, config=config)
-                    reference = a.double() @ b.double()
-                    error = ((out.double() - reference).norm() / reference.norm()).item()
-                    if out.shape != (rows, n) or out.dtype != dtype or not error < tolerance:
-                        failures.append((rows, n, k, dtype, transposed, config, error))
+                    for config in (None, SkinnyConfig(16, 64, 4, 1), SkinnyConfig(8 if rows == 1 else 32, 32, 4, 2)):
+                        out = skinny_mm(a, b, config=config)
+                        reference = a.double() @ b.double()
+                        error = ((out.double() - reference).norm() / reference.norm()).item()
+                        if out.shape != (rows, n) or out.dtype != dtype or not error < tolerance:
+                            failures.append((rows, n, k, dtype, transposed, config, error))
         print("FAILURES", failures) if failures else print("OK")
     """).replace("SEED", str(random.randrange(1 << 30)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
@@ -1953,15 +1950,15 @@ def test_skinny_gemm_compiles_for_hopper_with_vector_loads():
     signature = {name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr")}
     signature.update({name: "i32" for name in ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
                                                "stride_cm", "stride_cn")})
-    for block_m, block_n, block_k, stages in [(1, 8, 512, 1), (8, 4, 256, 1), (16, 16, 128, 3), (64, 32, 256, 4)]:
+    for block_m, block_n, block_k, stages in [(1, 8, 512, 1), (16, 16, 128, 3), (64, 32, 256, 4)]:
         kernel = compile_for_target(skinny_gemm_kernel, signature,
                                     {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                                     "DOT": block_m >= 16, "EVEN": True, "K_INNER": True},
+                                     "DOT": block_m > 1, "EVEN": True, "K_INNER": True},
                                     ["a_ptr", "b_ptr", "c_ptr", "K", "stride_am", "stride_bn", "stride_cm"],
                                     90, num_warps=4, num_stages=stages)
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.shared <= 227 * 1024
-        if block_m < 16:
+        if block_m == 1:
             assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, "scalar weight loads"
         else:
             assert "cp.async" in ptx and "mma" in ptx
@@ -1969,8 +1966,7 @@ def test_skinny_gemm_compiles_for_hopper_with_vector_loads():
 
 def test_skinny_gemm_table_reads_as_written():
     """Every key of the shipped table is a table_key of its own sizes, every entry "cublas" or a
-    config (four positive ints, then the path: 1 dot, 0 elementwise; tl.dot beyond one row where
-    an older entry has no fifth); skinny_config returns exactly the chosen ones (None for
+    config of four positive ints; skinny_config returns exactly the chosen ones (None for
     "cublas" and for shapes the table lacks), row counts in buckets 1 / 2-16 / 17-64; and
     smallest_chosen bounds every chosen entry of its bucket (infinite where it chose none)."""
     _need_triton()
@@ -1987,10 +1983,8 @@ def test_skinny_gemm_table_reads_as_written():
             if entry == "cublas":
                 assert got is None, key
             else:
-                assert len(entry) in (4, 5) and all(isinstance(v, int) and v > 0 for v in entry[:4]), key
-                assert got == skinny_gemm.config_of(rows, entry) and tuple(got[:len(entry)]) == tuple(entry), key
-                assert got[4] == (entry[4] if len(entry) == 5 else int(rows > 1)), key
-                assert n >= least_n and k >= least_k, key
+                assert len(entry) == 4 and all(isinstance(v, int) and v > 0 for v in entry), key
+                assert tuple(got) == tuple(entry) and n >= least_n and k >= least_k, key
     assert skinny_gemm.skinny_config(1, 12345, 678) is None
     chose_64 = any(entry != "cublas" for key, entry in table.items() if key.startswith("M64_"))
     assert (skinny_gemm.smallest_chosen(64) == (float("inf"), float("inf"))) == (not chose_64)

@@ -9,11 +9,10 @@ every program owns ``BLOCK_N`` output columns over the whole K (no split, so no 
 and the grid has enough programs (N / BLOCK_N, hundreds at the decode shapes) to keep every SM's
 memory pipeline full:
 
-  DOT = False   the weight tile [BLOCK_N, BLOCK_K] times each row's [BLOCK_K] (BLOCK_M <= 8 rows
-                a program, more rows in more programs), accumulated elementwise in fp32 and
-                summed over K once at the end: the path for one row, and for a few;
-  DOT = True    tl.dot of the rows' tile [BLOCK_M, BLOCK_K] (BLOCK_M >= 16, masked) and the
-                weight tile, fp32 accumulation.
+  DOT = False (M == 1)  the weight tile [BLOCK_N, BLOCK_K] times the row, accumulated elementwise
+                        in fp32 and summed over K once at the end;
+  DOT = True  (M > 1)   tl.dot of the rows' tile [BLOCK_M, BLOCK_K] (BLOCK_M >= 16, masked) and
+                        the weight tile, fp32 accumulation.
 
 The sum over K runs in a fixed order (a program's K steps in turn), so a product is the same on
 every call. Which products run here and with which tiles: ``skinny_config``.
@@ -29,7 +28,7 @@ import triton.language as tl
 
 from ..caches import cached, memo
 
-__all__ = ["ELEMENTWISE_ROWS", "MAX_ROWS", "SkinnyConfig", "config_of", "heuristic_config", "skinny_config", "skinny_mm", "smallest_chosen", "table_key"]
+__all__ = ["MAX_ROWS", "SkinnyConfig", "heuristic_config", "skinny_config", "skinny_mm", "smallest_chosen", "table_key"]
 
 # the most rows a product may have to run here (the decode batch sizes)
 MAX_ROWS = 64
@@ -40,8 +39,7 @@ def skinny_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, strid
                        stride_cm, stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DOT: tl.constexpr, EVEN: tl.constexpr,
                        K_INNER: tl.constexpr):
-    """c[m block, n block] = a[m block, :K] @ b[:K, n block] for program (n block, m block) =
-    (pid % N blocks, pid // N blocks); fp32 accumulation.
+    """c[:M, n block] = a[:M, :K] @ b[:K, n block] for program n; fp32 accumulation.
     EVEN: K a multiple of BLOCK_K and N of BLOCK_N (the loads need no mask but the rows').
     K_INNER: a's and b's K strides are 1 (stride_ak, stride_bk unread), so that the loads of
     consecutive K elements vectorize (a linear's input and weight.t())."""
@@ -49,15 +47,14 @@ def skinny_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, strid
         stride_ak = 1
         stride_bk = 1
     pid = tl.program_id(0)
-    column_blocks = tl.cdiv(N, BLOCK_N)
-    offs_n = (pid % column_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = (pid // column_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < N
-    in_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak   # [BLOCK_M, BLOCK_K]
     if DOT:
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # [BLOCK_K, BLOCK_N]
+        offs_m = tl.arange(0, BLOCK_M)
+        in_m = offs_m < M
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:
@@ -73,49 +70,40 @@ def skinny_gemm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, strid
                 acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        product = acc
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                 acc.to(c_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
     else:
-        # elementwise: each weight element times each row's, summed over K at the end
-        b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk  # [BLOCK_N, BLOCK_K]
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        a_ptrs = a_ptr + offs_k * stride_ak
+        b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :] * stride_bk
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:
-                a = tl.load(a_ptrs, mask=in_m[:, None], other=0.0)
+                a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs)
             else:
                 in_k = k0 + offs_k < K
-                a = tl.load(a_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=in_k, other=0.0)
                 b = tl.load(b_ptrs, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            acc += a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :]
+            acc += b.to(tl.float32) * a.to(tl.float32)[None, :]
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
-        product = tl.sum(acc, axis=2)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-             product.to(c_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+        tl.store(c_ptr + offs_n * stride_cn, tl.sum(acc, axis=1).to(c_ptr.dtype.element_ty), mask=in_n)
 
 
 class SkinnyConfig(tuple):
-    """(block_n, block_k, num_warps, num_stages, dot) of one product shape; dot: tl.dot over
-    row blocks of at least 16 (1), or elementwise products over row blocks of at most
-    ELEMENTWISE_ROWS (0; one row always runs so)."""
+    """(block_n, block_k, num_warps, num_stages) of one product shape."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n: int, block_k: int, num_warps: int, num_stages: int, dot: int):
-        return super().__new__(cls, (block_n, block_k, num_warps, num_stages, int(dot)))
+    def __new__(cls, block_n: int, block_k: int, num_warps: int, num_stages: int):
+        return super().__new__(cls, (block_n, block_k, num_warps, num_stages))
 
     def __repr__(self) -> str:
-        return "n{}k{}w{}s{}".format(*self[:4]) + ("d" if self[4] else "e")
+        return "n{}k{}w{}s{}".format(*self)
 
 
-# the rows one program of the elementwise path holds (its fp32 accumulator is rows x N x K of a tile)
-ELEMENTWISE_ROWS = 8
-
-
-def _block_m(rows: int, dot: bool) -> int:
-    if dot and rows > 1:
-        return max(16, triton.next_power_of_2(rows))
-    return min(ELEMENTWISE_ROWS, triton.next_power_of_2(rows))
+def _block_m(rows: int) -> int:
+    return 1 if rows == 1 else max(16, triton.next_power_of_2(rows))
 
 
 def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
@@ -125,7 +113,7 @@ def heuristic_config(rows: int, n: int, k: int) -> SkinnyConfig:
     while block_n > (16 if rows > 1 else 2) and n // block_n < 264:
         block_n //= 2
     block_k = 512 if rows == 1 else 128
-    return SkinnyConfig(block_n, block_k, 4, 3, rows > 1)
+    return SkinnyConfig(block_n, block_k, 4, 3)
 
 
 def table_key(rows: int, n: int, k: int) -> str:
@@ -160,13 +148,7 @@ def skinny_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
     tiles where this kernel beat cuBLAS at that shape, None where cuBLAS was faster or the shape
     was not measured."""
     entry = _tuned().get(table_key(rows, n, k))
-    return None if entry is None or entry == "cublas" else config_of(rows, entry)
-
-
-def config_of(rows: int, entry: list) -> SkinnyConfig:
-    """A table entry's config ([block_n, block_k, warps, stages, dot]; entries written before the
-    elementwise path took several rows have no dot: they ran tl.dot for more than one row)."""
-    return SkinnyConfig(*entry) if len(entry) == 5 else SkinnyConfig(*entry, rows > 1)
+    return None if entry is None or entry == "cublas" else SkinnyConfig(*entry)
 
 
 def skinny_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
@@ -189,12 +171,10 @@ def skinny_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     if k == 0:
         return out.zero_()
     config = config or skinny_config(rows, n, k) or heuristic_config(rows, n, k)
-    block_n, block_k, num_warps, num_stages, dot = config
-    dot = bool(dot) and rows > 1
-    block_m = _block_m(rows, dot)
-    constexprs = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
+    block_n, block_k, num_warps, num_stages = config
+    constexprs = dict(BLOCK_M=_block_m(rows), BLOCK_N=block_n, BLOCK_K=block_k, DOT=rows > 1,
                       EVEN=k % block_k == 0 and n % block_n == 0, K_INNER=a.stride(1) == 1 and b.stride(0) == 1)
-    programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
+    programs = triton.cdiv(n, block_n)
     strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
     if not a.is_cuda:  # the Triton interpreter (CPU tests)
         skinny_gemm_kernel[(programs,)](a, b, out, rows, n, k, *strides, **constexprs, num_warps=num_warps,
@@ -206,8 +186,9 @@ def skinny_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
     return out
 
 
-# specialization -> CompiledLaunch (kernels/launch.py: about 5 us of CPU a call, against about 30
-# through Triton's per-call binding)
+# specialization -> CompiledLaunch (kernels/launch.py: the call goes straight to Triton's C
+# launcher, without its per-call binding: about 20 us of CPU a call on the H200 hosts, as cuBLAS's,
+# against 28-57 through `kernel[grid]`)
 _LAUNCHES = memo("skinny GEMM launchers")
 
 
