@@ -44,7 +44,7 @@ from axedist.runtime.tails import defer_tails
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import parallelize, to_inference
 from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
-from axedist.testing import VirtualRanks
+from axedist.testing import VirtualRanks, capture
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
 from history import append_history, require_multicast_off, run_meta, table_source  # noqa: E402
@@ -89,15 +89,7 @@ def torch_parallel(stack: LayerStack, cfg, world: int, torch_mesh) -> LayerStack
 def _graphed(forward, static_input):
     """(replay, output) of forward(static_input) captured in a CUDA graph after two eager runs
     on a side stream (as torch's CUDA-graph recipe does)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            forward(static_input)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = forward(static_input)
+    graph, output = capture(lambda: forward(static_input))
     return graph.replay, output
 
 

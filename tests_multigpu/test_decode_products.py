@@ -20,7 +20,7 @@ from axedist.dtensor import DTensor
 from axedist.kernels.skinny_gemm import skinny_config
 from axedist.mesh import DeviceMesh
 from axedist.nn import ColwiseParallel, RowwiseParallel, parallelize, to_inference
-from axedist.testing import run_on_ranks
+from axedist.testing import capture, run_on_ranks
 
 GPUS = torch.cuda.device_count()
 WORLDS = sorted({2, GPUS}) if GPUS >= 2 else []
@@ -84,15 +84,7 @@ def _decode_products(rank, world):
         with torch.inference_mode():
             static = DTensor.from_local(x.clone(), mesh, [Replicate()])
             eager = inference(static).full_tensor()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    inference(static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = inference(static)
+            graph, captured = capture(lambda: inference(static))
             fresh = torch.randn(1, tokens, DIM, device="cuda", dtype=torch.bfloat16)
             static.to_local().copy_(fresh)
             graph_launches = _skinny_launches(graph.replay)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from axedist.testing import run_on_ranks
+from axedist.testing import capture, run_on_ranks
 
 WORLD = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = pytest.mark.skipif(WORLD < 2, reason="needs >= 2 CUDA GPUs")
@@ -212,14 +212,7 @@ def body_decode_graph(rank, world):
             before = fused_gemm_stats()
             out = mlp(DTensor.from_local(static, mesh, [Replicate()]))
             assert fused_gemm_stats()["fused"] - before["fused"] == 1, fused_gemm_stats()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                mlp(DTensor.from_local(static, mesh, [Replicate()]))
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = mlp(DTensor.from_local(static, mesh, [Replicate()]))
+            graph, out = capture(lambda: mlp(DTensor.from_local(static, mesh, [Replicate()])), warmups=1)
             for step in range(10):
                 h = _full((4, 1024), 100 + step)
                 static.copy_(h.to(torch.bfloat16))

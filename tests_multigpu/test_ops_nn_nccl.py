@@ -17,7 +17,7 @@ from axedist.dtensor import distribute
 from axedist.layout import Layout
 from axedist.mesh import DeviceMesh
 from axedist.runtime import count_collectives
-from axedist.testing import run_on_ranks
+from axedist.testing import capture, run_on_ranks
 
 GPUS = torch.cuda.device_count()
 WORLDS = sorted({2, GPUS}) if GPUS >= 2 else []
@@ -126,15 +126,7 @@ def _embedding_captured(rank, world_size):
     weight = distribute(table, mesh, [Shard(0)])
     indices = torch.randint(0, vocab, (4, 16), device="cuda")
     with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: plans and kernels outside the capture
-            for _ in range(2):
-                F.embedding(indices, weight).full_tensor()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = F.embedding(indices, weight).full_tensor()
+        graph, out = capture(lambda: F.embedding(indices, weight).full_tensor())
         results = []
         for _ in range(3):
             indices.copy_(torch.randint(0, vocab, indices.shape, device="cuda"))

@@ -12,21 +12,7 @@ itself needs 2 ranks to take that path (one rank holds every row: torch's own lo
 import torch
 
 from axedist.runtime import checks
-
-
-def _captured(fn):
-    """``fn`` run twice on a side stream (warm-up: plans, kernels, host reads outside the
-    capture), then captured: (the graph, what the captured call returned)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+from axedist.testing import capture
 
 
 def test_range_check_is_captured_and_replayed(seed):
@@ -38,7 +24,7 @@ def test_range_check_is_captured_and_replayed(seed):
         checks.check_range(values, 10, "index {value} is out of range")
         return values * 2
 
-    graph, doubled = _captured(step)
+    graph, doubled = capture(step)
     assert seen == [False, False, True]  # the warm-up read on the host; the capture did not
     for _ in range(3):
         values.copy_(torch.randint(0, 10, values.shape, device="cuda"))

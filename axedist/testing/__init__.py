@@ -1,6 +1,6 @@
 """Helpers for tests and benchmarks: real multi-rank process groups without torchrun
 (``run_on_ranks``), torchrun launches (``run_torchrun``), W ranks of the GPU kernels in one
-process on one GPU (``VirtualRanks``), torch DTensor's bytes (``torch_comm_bytes``, loaded
+process on one GPU (``VirtualRanks``), CUDA-graph capture as torch's recipe does it (``capture``), torch DTensor's bytes (``torch_comm_bytes``, loaded
 on first use: torch's CommDebugMode imports Triton), and the Llama under torch's own tensor
 parallelism (``torch_parallelize_llama``, ``torch_llama_loss``) for comparisons.
 
@@ -8,10 +8,11 @@ parallelism (``torch_parallelize_llama``, ``torch_llama_loss``) for comparisons.
     VirtualRanks(4).reduce_scatter(xs) # 4 virtual ranks' reduce-scatter on this GPU
 """
 
+from .graphs import capture
 from .ranks import RankError, run_on_ranks, run_torchrun, shutdown_pools
 from .virtual_ranks import VirtualRanks
 
-__all__ = ["RankError", "VirtualRanks", "run_on_ranks", "run_torchrun", "shutdown_pools", "torch_comm_bytes",
+__all__ = ["RankError", "VirtualRanks", "capture", "run_on_ranks", "run_torchrun", "shutdown_pools", "torch_comm_bytes",
            "torch_llama_plan", "torch_parallelize_llama", "torch_fully_shard_llama", "torch_llama_loss"]
 
 # name -> module, imported on first use (torch's CommDebugMode and TP styles are slow to import)
