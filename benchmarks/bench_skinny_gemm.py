@@ -148,8 +148,8 @@ def main():
                 print(f"tp{tp} {name:6s} M={rows:2d} N={n:5d} K={k:5d}: cublas {ms['cublas'] * 1e3:6.1f} us, "
                       f"ours {ours * 1e3:6.1f} ({ms['cublas'] / ours:.2f}x), best {result['best']} "
                       f"{ms[result['best']] * 1e3:6.1f} us ({ms['cublas'] / ms[result['best']]:.2f}x, "
-                      f"{result['tb_per_s'][result['best']]:.2f} TB/s); host us cublas {result['host_us']['cublas']:.1f} "
-                      f"ours {result['host_us']['ours']:.1f}; err cublas {result['errors']['cublas']:.1e} "
+                      f"{result['tb_per_s'][result['best']]:.2f} TB/s); host us cublas "
+                      f"{result['host_us']['cublas']:.1f} ours {result['host_us']['ours']:.1f}; err cublas {result['errors']['cublas']:.1e} "
                       f"best {result['errors'][result['best']]:.1e}", flush=True)
     if args.write_table:
         write_table(results)

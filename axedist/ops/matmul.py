@@ -30,6 +30,10 @@ and the layout way kept (``_reduced_first``), rather than gathering the larger o
 
 Eager fusion: mm/addmm of a deferred row all-gather runs the fused all-gather + GEMM
 (``gathered_product``, a handler of ops/fusion.py).
+
+Decode products: an mm of at most 64 rows on CUDA runs its local product through the skinny
+GEMM (kernels/skinny_gemm.py, one launch that streams the weight) where that kernel's measured
+table chose it for the local shape, else ``torch.mm`` (``_decode_product``).
 """
 
 from __future__ import annotations
@@ -251,9 +255,9 @@ def mm(call: OpCall) -> Sharding:
 def _decode_sized(call: OpCall) -> bool:
     """Whether an mm's local products may run the skinny GEMM (kernels/skinny_gemm.py): CUDA,
     bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), no fewer columns and no
-    shallower contraction than the least the kernel's table chose it for at that many rows, AXEDIST_DECODE_GEMM=auto
-    (the default); planned from what every rank has (global shapes). Each call then looks its
-    local shape up in the table."""
+    shallower contraction than the least its table chose it for at that many rows,
+    AXEDIST_DECODE_GEMM=auto (the default). Planned from what every rank has (global shapes);
+    each call then looks its local shape up in the table."""
     a, b = call.specs
     if call.mesh.device_type != "cuda" or a.dtype not in (torch.bfloat16, torch.float16) \
             or env.read("AXEDIST_DECODE_GEMM") != "auto":
