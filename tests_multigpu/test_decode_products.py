@@ -103,3 +103,18 @@ def test_decode_products_run_the_skinny_gemm_where_the_table_says(world):
             for key in ("out", "x_grad", "w1_grad", "eager", "graph"):
                 assert row[key] < 2e-2, (key, row)
     assert any(row["chosen"] for row in report), "the shipped table chose no product at these shapes"
+
+
+def test_skinny_gemm_on_another_device_than_the_current_one():
+    """A product on cuda:1 called while cuda:0 is current runs on cuda:1 (the launch enters the
+    tensors' device) and gives torch.mm's values; operands on two devices raise."""
+    from axedist.kernels.skinny_gemm import skinny_mm
+    torch.cuda.set_device(0)
+    a = torch.randn(1, 4096, device="cuda:1", dtype=torch.bfloat16)
+    w = torch.randn(2048, 4096, device="cuda:1", dtype=torch.bfloat16)
+    for rows in (1, 8):
+        got = skinny_mm(a.expand(rows, -1).contiguous(), w.t())
+        assert got.device == a.device
+        torch.testing.assert_close(got.float(), (a.expand(rows, -1).float() @ w.float().t()), rtol=2e-2, atol=2e-1)
+    with pytest.raises(ValueError, match="on one device"):
+        skinny_mm(a, w.t().to("cuda:0"))

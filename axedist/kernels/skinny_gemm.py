@@ -180,6 +180,11 @@ def skinny_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
         skinny_gemm_kernel[(programs,)](a, b, out, rows, n, k, *strides, **constexprs, num_warps=num_warps,
                                         num_stages=num_stages)
         return out
+    if not a.device == b.device == out.device:
+        raise ValueError(f"skinny_mm needs a, b and out on one device, got {a.device}, {b.device}, {out.device}")
+    if a.device.index != torch.cuda.current_device():  # a launch runs in the current device's context
+        with torch.cuda.device(a.device):
+            return skinny_mm(a, b, out, config)
     launch = _launcher(a, b, out, strides, config, constexprs)
     launch(programs, torch._C._cuda_getCurrentRawStream(a.device.index),
            (a.data_ptr(), b.data_ptr(), out.data_ptr(), rows, n, k, *strides))
