@@ -17,11 +17,21 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from axedist.dtensor import DTensor, distribute
+from axedist.layout import LayoutError
 from axedist.mesh import DeviceMesh
 
 MESHES = {"2": ((2,), ("gpuid",)), "4": ((4,), ("gpuid",)), "2x2": ((2, 2), ("x", "y"))}
 WORLD = {"2": 2, "4": 4, "2x2": 4}
 TOL = dict(rtol=1e-9, atol=1e-9)
+
+
+def gathered(what: str, out: DTensor) -> list[str]:
+    """The failure of a layout way whose output went into placement form: [] when ``out`` keeps
+    a layout that has none (its ``placements`` raise LayoutError), else "what: gathered to ..."."""
+    try:
+        return [f"{what}: gathered to {out.placements}"]
+    except LayoutError:
+        return []
 
 
 def mesh_of(name: str) -> DeviceMesh:

@@ -21,6 +21,7 @@ from axedist.dtensor import distribute
 from axedist.layout import Layout, LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
+from tests.ops_cases import gathered
 
 H = 6
 
@@ -137,10 +138,7 @@ def _reductions_in_place(rank, world, seed):
             if seen.calls:
                 failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
             if keeps_layout:
-                try:
-                    failures.append(f"{label} {name}: gathered to {y.placements}")
-                except LayoutError:
-                    pass
+                failures += gathered(f"{label} {name}", y)
             else:
                 dealt = {axis for axis, p in zip(mesh.axis_names, y.placements) if isinstance(p, Partial)}
                 if not dealt or not all(isinstance(p, (Partial, Replicate)) for p in y.placements):
@@ -383,10 +381,7 @@ def _vector_products_in_place(rank, world, seed):
             y = dx.mv(dv)
         if seen.calls:
             failures.append(f"{label} mv: {seen.calls} collectives in the forward")
-        try:
-            failures.append(f"{label} mv: gathered to {y.placements}")
-        except LayoutError:
-            pass
+        failures += gathered(f"{label} mv", y)
         want = x.mv(v)
         if not torch.allclose(y.full_tensor(), want):
             failures.append(f"{label} mv: values differ from torch")
@@ -499,10 +494,7 @@ def _row_wise_in_place(rank, world, seed):
                 out = f(dx, dy, dw, db)
             if seen.calls:
                 failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
-            try:
-                failures.append(f"{label} {name}: gathered to {out.placements}")
-            except LayoutError:
-                pass
+            failures += gathered(f"{label} {name}", out)
             want = f(x, y, w, b)
             if not torch.allclose(out.full_tensor(), want):
                 failures.append(f"{label} {name}: values differ from torch")
@@ -562,10 +554,7 @@ def _elementwise_losses_in_place(rank, world, seed):
             if seen.calls:
                 failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
             if name.endswith("none"):
-                try:
-                    failures.append(f"{label} {name}: gathered to {out.placements}")
-                except LayoutError:
-                    pass
+                failures += gathered(f"{label} {name}", out)
             elif not any(isinstance(p, Partial) for p in out.placements):
                 failures.append(f"{label} {name}: {out.placements}, not a pending sum")
             want = f(x, y)
