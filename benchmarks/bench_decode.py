@@ -86,13 +86,6 @@ def torch_parallel(stack: LayerStack, cfg, world: int, torch_mesh) -> LayerStack
     return stack
 
 
-def _graphed(forward, static_input):
-    """(replay, output) of forward(static_input) captured in a CUDA graph after two eager runs
-    on a side stream (as torch's CUDA-graph recipe does)."""
-    graph, output = capture(lambda: forward(static_input))
-    return graph.replay, output
-
-
 def kernel_profile(replay, steps: int) -> list[dict]:
     """The kernels of `steps` replays of a CUDA graph under torch.profiler (per_step_kernels of
     them). The replays queue behind a 20 ms sleep kernel begun after a barrier, so that the ranks
@@ -161,7 +154,8 @@ def stack_rows(args, cfg, world, rank, mesh):
                 row[f"{name}_rel_err"] = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
                 eager[name] = (lambda m, i: lambda: m(i))(model, x)
                 try:
-                    replay, graph_out = _graphed(model, x)
+                    graph, graph_out = capture(lambda: model(x))  # two warm-ups on a side stream, then captured
+                    replay = graph.replay
                     replay()
                     torch.cuda.synchronize()
                     got = _local(graph_out)

@@ -143,7 +143,8 @@ def _rows_dealt(call: OpCall, scores: ArgSpec, target):
     partial = pending_in_place(target, "sum")
     if partial is None:
         return None
-    return rows, partial, held_under(scores.shape, call.mesh, (Replicate(),) * call.mesh.ndim, 1)
+    classes = scores.shape[1]
+    return rows, partial, Held(classes, range(classes))  # each piece holds every class
 
 
 def _picks(scores, target, weight, ignore_index: int, classes: int, class_dim: int, held: Held):

@@ -275,12 +275,11 @@ def _decode_product(call: OpCall, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     ``weight.t()``: what the table measured), else ``torch.mm``; ``torch.mm`` while tracing (a
     traced graph holds aten ops, not a kernel launch on fake tensors)."""
     skinny = _skinny()
-    if compiling() or a.dim() != 2 or b.dim() != 2 or not a.is_cuda or a.stride(1) != 1 or b.stride(0) != 1:
+    if compiling() or a.dim() != 2 or b.dim() != 2 or not a.is_cuda or a.stride(1) != 1 or b.stride(0) != 1 \
+            or a.dtype != b.dtype or not 1 <= a.shape[0] <= skinny.MAX_ROWS:
         return torch.mm(a, b)
     config = skinny.skinny_config(a.shape[0], b.shape[1], a.shape[1])
-    if config is None or not 1 <= a.shape[0] <= skinny.MAX_ROWS or a.dtype != b.dtype:
-        return torch.mm(a, b)
-    return skinny.skinny_mm(a, b, config=config)
+    return torch.mm(a, b) if config is None else skinny.skinny_mm(a, b, config=config)
 
 
 @cached(maxsize=None)
