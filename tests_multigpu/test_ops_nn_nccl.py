@@ -61,7 +61,9 @@ def _attention_cuda(rank, world_size, backend, placements_name, causal):
     with sdpa_kernel(kernel), _Seen() as seen:
         with count_collectives() as moved:
             out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
-        dgrad = distribute(grad, mesh, out.axe_layout)  # distribute scatters (a collective of its own)
+        # distribute scatters (a collective of its own); batch 2 over 4 ranks is uneven: the padded shape goes
+        # with the layout
+        dgrad = distribute(grad, mesh, out.axe_layout, padded_shape=out.padded_shape)
         with count_collectives() as moved_back:
             out.backward(dgrad)
     assert any(op.startswith(KERNELS[backend]) for op in seen.ops), sorted(seen.ops)
