@@ -1680,7 +1680,11 @@ def test_fused_tp_configs_tables_and_sizes(monkeypatch):
         for m_local, n in [(4096, 2048), (1024, 2048), (8192, 7168)]:
             config = ag_gemm.default_config(m_local, n, 8192, 2)
             assert (config.engine, config.pipelined, config.stream_k) == (usable, usable, False)
-        assert not ag_gemm.default_config(4096, 2048, 8192, 4).engine
+        # W = 4: the same where 128 x 256 tiles fill the GPU, the pushes with 128 x 128 tiles
+        config = ag_gemm.default_config(4096, 2048, 8192, 4)
+        assert (config.block_n, config.engine, config.pipelined) == (256, usable, usable)
+        assert not ag_gemm.default_config(512, 2048, 8192, 4).engine
+        assert not ag_gemm.default_config(4096, 2048, 8192, 8).engine    # not measured there
     # an odd call's buffer starts on the first whole row of half 1 and ends inside it
     for data_bytes, k in [(1 << 22, 5120), (1 << 22, 8192), (3 << 20, 1000)]:
         rows = ag_gemm.gathered_rows(data_bytes, k, 2)

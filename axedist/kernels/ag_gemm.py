@@ -740,23 +740,32 @@ CANDIDATES = tuple(AllGatherGemmConfig.parse(text) for text in (
 ))
 
 
-def default_config(m_local: int, n: int, k: int, world: int) -> AllGatherGemmConfig:
+def default_config(m_local: int, n: int, k: int, world: int, engines: bool | None = None) -> AllGatherGemmConfig:
     """128 x 256 tiles (the GEMM core's measured default) unless they leave most SMs idle; at
     W = 2, where cuda-python can issue the copies, the rows move by copy engine and the tiles
     run on the Gluon loop (/gl/ce: on 2x H200 at b3d56ba as fast as or faster than the Triton
     /ce kernel on all 12 design, model and Llama-3-8B shapes, up to 1.05x, and faster than
-    torch's fused op on 11; benchmarks/results/ag_gemm_w2*.md). Where the operands cannot
-    take TMA the launch falls back to the Triton loop (/ce). W > 2 keeps the pushes until a
-    run there measures the copy engines.
+    torch's fused op on 11; benchmarks/results/ag_gemm_w2*.md). At W = 4 likewise where the
+    128 x 256 tiles fill the GPU (4x H200 at 902a153: /gl/ce faster than the pushes in device
+    time on all 11 such design, model and Llama-3-8B shapes, 1.01-1.20x, and level with or
+    faster than torch's op on 10 of them; with 128 x 128 tiles, at 2048x2048x8192, the pushes
+    were faster: 0.165 vs 0.190 ms; benchmarks/results/ag_gemm_w4*.md). Where the operands
+    cannot take TMA the launch falls back to the Triton loop (/ce). Other world sizes keep the
+    pushes until a run there measures the copy engines. ``engines``: whether the copy engines
+    can move rows (None: this process's ``copy_engines_usable()``).
 
     >>> str(default_config(512, 2048, 8192, 4))    # 4 x 16 tiles per source, 256 in all
     '128x128x64/g8/s4/w8/c32x512/p4'
     >>> str(default_config(4096, 2048, 8192, 2))   # with cuda-python
     '128x256x64/g8/s3/w8/c32x512/p4/gl/ce'
+    >>> str(default_config(2048, 2048, 8192, 4))   # with cuda-python: 16 x 8 tiles per source
+    '128x256x64/g8/s3/w8/c32x512/p4/gl/ce'
     """
     tiles = CANDIDATES[0] if triton.cdiv(m_local, 128) * triton.cdiv(n, 256) * world >= 264 \
         else CANDIDATES[2]
-    engine = world == 2 and copy_engines_usable()
+    if engines is None:
+        engines = copy_engines_usable()
+    engine = engines and (world == 2 or (world == 4 and tiles is CANDIDATES[0]))
     return dataclasses.replace(tiles, engine=engine, pipelined=engine)
 
 
