@@ -43,7 +43,7 @@ def _attention_cuda(rank, world_size, backend, placements_name, causal):
 
     mesh = DeviceMesh("cuda", (world_size,))
     torch.manual_seed(0)  # the same inputs on every rank
-    shape = (2, 4 * world_size, 256, 64)
+    shape = (3, 4 * world_size, 256, 64)  # batch 3: uneven over any W (W = 4: one rank holds none)
     q, k, v, grad = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     kernel = getattr(SDPBackend, BACKENDS[backend])
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -54,15 +54,14 @@ def _attention_cuda(rank, world_size, backend, placements_name, causal):
     except RuntimeError as e:  # this backend does not run here (GPU, build): nothing to compare
         return f"unavailable: {e}"
     # heads dealt round-robin (head h on device h % W): a layout with no placement form
-    dealt = Layout.parse(f"S[(2,4,{world_size},256,64):({4 * 256 * 64},{256 * 64},1@gpuid,64,1)]")
+    dealt = Layout.parse(f"S[(3,4,{world_size},256,64):({4 * 256 * 64},{256 * 64},1@gpuid,64,1)]")
     placements = {"heads": [Shard(1)], "batch": [Shard(0)], "sequence": [Shard(2)],
                   "heads dealt": dealt}[placements_name]
     dq, dk, dv = (distribute(t, mesh, placements).requires_grad_() for t in (q, k, v))
     with sdpa_kernel(kernel), _Seen() as seen:
         with count_collectives() as moved:
             out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
-        # distribute scatters (a collective of its own); batch 2 over 4 ranks is uneven: the padded shape goes
-        # with the layout
+        # distribute scatters (a collective of its own); the batch is uneven: the padded shape goes with the layout
         dgrad = distribute(grad, mesh, out.axe_layout, padded_shape=out.padded_shape)
         with count_collectives() as moved_back:
             out.backward(dgrad)
