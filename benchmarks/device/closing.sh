@@ -88,8 +88,12 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     collectives) step bench_collectives 240 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS" ;;
     redistribute) step bench_redistribute 120 torchrun --nproc-per-node $W benchmarks/bench_redistribute.py --cuda --rows ${REDIST_ROWS:-4096} --out "$RESULTS" ;;
     tp) # the GPU-bound size, eager + compiled + torch's async-TP, profiled (~2 min on 4x H200); TP_ARGS adds
-      # bench_tp arguments (--memory, --first-step, --trace, --eager-backends p2p torch)
-      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile ${TP_ARGS:-} --out "$RESULTS" ;;
+      # bench_tp arguments (--memory, --first-step, --trace, --eager-backends p2p torch). At W = 4 the
+      # GPU-bound size is batch 16 (at the preset's 8 both eager sides wait on their host; the 2026-11-30
+      # call ran batch 8 by mistake): TP_BATCH overrides, 0 keeps the preset's
+      batch=${TP_BATCH:-$(( W >= 4 ? 16 : 0 ))}; batch_args=""
+      (( batch > 0 )) && batch_args="--batch $batch"
+      step bench_tp 380 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --compile --profile $batch_args ${TP_ARGS:-} --out "$RESULTS" ;;
     tp_backends) # eager only: axedist (auto) against its collectives pinned (PINS: p2p / torch fused calls, nccl planned), and torch
       step bench_tp_backends 200 torchrun --nproc-per-node $W benchmarks/bench_tp.py --cuda --preset llama8b --profile ${PINS_ARGS:-} --eager-backends ${PINS:-p2p torch nccl} --out "$RESULTS/backends" ;;
     train_2d_backends) # eager only, dp2 x tp2: axedist (auto) against its collectives pinned (PINS), and torch
