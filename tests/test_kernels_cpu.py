@@ -1182,6 +1182,38 @@ def test_ag_auto_table_is_what_the_recorded_benchmarks_say():
         assert any(result["meta"]["commit"] in source for source in shipped["source"]), result["meta"]
 
 
+def test_ag_table_reads_the_column_that_ran_the_shipped_config():
+    """bench_ag_gemm.as_shipped: a row's "fused" times become its /gl/ce column's where that column
+    ran the config the fused path runs now and "fused" ran another (a W = 4 row of 902a153, on
+    the pushes); a row whose "fused" ran the shipped config (recorded, or W = 2's default then)
+    or whose /gl/ce column ran another config keeps its own times."""
+    import dataclasses
+    import importlib.util
+
+    from axedist.kernels import ag_gemm
+    spec = importlib.util.spec_from_file_location("bench_ag_gemm", os.path.join(ROOT, "benchmarks", "bench_ag_gemm.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def row(m, n, world, **extra):  # as the bench writes it: the /gl/ce column runs the shape's tiles on /gl/ce
+        tiles = ag_gemm.default_config(m // world, n, 8192, world, engines=True)
+        glce = str(dataclasses.replace(tiles, engine=True, pipelined=True))
+        return dict(M=m, N=n, K=8192, world=world, fused=1.0, fused_gl_ce=0.9, fused_gl_ce_config=glce,
+                    queued=dict(fused=2.0, fused_gl_ce=1.8), **extra)
+
+    pushes = row(8192, 7168, 4)             # 902a153's W = 4 row: "fused" ran the pushes
+    assert ag_gemm.default_config(2048, 7168, 8192, 4, engines=True).engine
+    shipped = bench.as_shipped(pushes)
+    assert (shipped["fused"], shipped["queued"]["fused"]) == (0.9, 1.8)
+    assert (pushes["fused"], pushes["queued"]["fused"]) == (1.0, 2.0)       # the recorded row untouched
+    for kept in (row(8192, 7168, 2),                                         # W = 2 ran /gl/ce already
+                 row(8192, 7168, 4, fused_config=pushes["fused_gl_ce_config"]),  # recorded: ran it
+                 {**row(8192, 7168, 4), "fused_gl_ce_config": "128x256x64/g8/s4/w8/c32x512/p4/gl/ce"},
+                 row(2048, 2048, 4)):                                        # shipped: the pushes (128 x 128)
+        assert bench.as_shipped(kept)["fused"] == 1.0, kept
+    assert not ag_gemm.default_config(512, 2048, 8192, 4, engines=True).engine
+
+
 def test_config_strings_round_trip():
     _need_triton()
     from axedist.kernels import gemm_rs
