@@ -149,8 +149,9 @@ def main():
                       f"ours {ours * 1e3:6.1f} ({ms['cublas'] / ours:.2f}x), best {result['best']} "
                       f"{ms[result['best']] * 1e3:6.1f} us ({ms['cublas'] / ms[result['best']]:.2f}x, "
                       f"{result['tb_per_s'][result['best']]:.2f} TB/s); host us cublas "
-                      f"{result['host_us']['cublas']:.1f} ours {result['host_us']['ours']:.1f}; err cublas {result['errors']['cublas']:.1e} "
-                      f"best {result['errors'][result['best']]:.1e}", flush=True)
+                      f"{result['host_us']['cublas']:.1f} ours {result['host_us']['ours']:.1f}; "
+                      f"err cublas {result['errors']['cublas']:.1e} best {result['errors'][result['best']]:.1e}",
+                      flush=True)
     if args.write_table:
         write_table(results)
     if args.out:

@@ -821,10 +821,10 @@ def test_p2p_geometry_variants_and_input_errors():
     assert p2p.divisible_arguments("all_gather", 1001, aligned=False) == ["state_ptr", "abort_ptr", "chunk_stride"]
 
 
-def _bench_module():
+def _benchmark(name: str = "bench_collectives"):
+    """benchmarks/<name>.py loaded as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "bench_collectives", os.path.join(ROOT, "benchmarks", "bench_collectives.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -834,7 +834,7 @@ def test_auto_tables_follow_the_benchmark_rows(tmp_path):
     """Synthetic benchmark rows (ms) -> the tables backend.TUNED loads: p2p only where it beat
     NCCL, the faster variant per size, one-shot while it beats two-shot."""
     from axedist.collectives import backend
-    bench = _bench_module()
+    bench = _benchmark()
     small, large = 64 << 10, 64 << 20
     rows = [dict(bytes=small, world=4, rs_nccl=0.030, rs_push=0.010, rs_pull=0.012,
                  ag_nccl=0.030, ag_push=0.040, ag_pull=0.035, ar_nccl=0.040, ar1_push=0.015,
@@ -1134,14 +1134,11 @@ def test_auto_table_is_what_the_recorded_benchmarks_say():
     must be what `bench_gemm_rs.py --tables-from` derives from the recorded result files that
     the table names, so a new benchmark run cannot silently disagree with the shipped choice."""
     _need_triton()
-    import importlib.util
     import json
 
     from axedist.collectives import fused
     from axedist.kernels import gemm_rs
-    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "benchmarks", "bench_gemm_rs.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_gemm_rs")
     results = []
     for name in ("gemm_rs_w4", "gemm_rs_w2", "gemm_rs_w2_llama8b", "gemm_rs_w4_llama8b",
                  "gemm_rs_w4_llama8b_b16"):  # the table's sources, in order
@@ -1163,13 +1160,10 @@ def test_ag_auto_table_is_what_the_recorded_benchmarks_say():
     fused all-gather + GEMM) must be what `bench_ag_gemm.py --tables-from` derives from the current
     result files, the shapes they did not measure kept from the table: rewriting it from them
     changes nothing, so a new run recorded without its table (or a hand edit) fails here."""
-    import importlib.util
     import json
 
     from axedist.collectives import fused_tp
-    spec = importlib.util.spec_from_file_location("bench_ag_gemm", os.path.join(ROOT, "benchmarks", "bench_ag_gemm.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_ag_gemm")
     results = []
     for name in ("ag_gemm_w4", "ag_gemm_w4_llama8b", "ag_gemm_w2", "ag_gemm_w2_llama8b",
                  "ag_gemm_w4_llama8b_b16"):  # the table's sources
@@ -1188,12 +1182,9 @@ def test_ag_table_reads_the_column_that_ran_the_shipped_config():
     the pushes); a row whose "fused" ran the shipped config (recorded, or W = 2's default then)
     or whose /gl/ce column ran another config keeps its own times."""
     import dataclasses
-    import importlib.util
 
     from axedist.kernels import ag_gemm
-    spec = importlib.util.spec_from_file_location("bench_ag_gemm", os.path.join(ROOT, "benchmarks", "bench_ag_gemm.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_ag_gemm")
 
     def row(m, n, world, **extra):  # as the bench writes it: the /gl/ce column runs the shape's tiles on /gl/ce
         tiles = ag_gemm.default_config(m // world, n, 8192, world, engines=True)
@@ -1858,11 +1849,8 @@ def test_auto_runs_torchs_symmetric_memory_ops_where_the_tables_say():
 
 def test_symm_wins_derived_from_both_timings():
     """A shape enters "symm_wins" only where torch's op beat both others in device time AND eagerly."""
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_gemm_rs", os.path.join(ROOT, "benchmarks", "bench_gemm_rs.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _benchmark("bench_gemm_rs")
     fast = dict(symm=1.0, fused=1.1, seq=1.2)
     assert bench.symm_fastest(dict(fast, queued=dict(fast)))
     assert not bench.symm_fastest(dict(fast, queued=dict(fast, symm=1.15)))   # device time: fused faster
@@ -1873,11 +1861,8 @@ def test_auto_table_sources_drop_the_runs_a_new_run_supersedes():
     """A rewritten auto table keeps an earlier source unless the new results re-ran its command
     on the same machine (``--out``, ``--configs``, ``--reps``, ``--tune`` aside: they do not
     change which shapes it measured); the new sources come last."""
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("history", os.path.join(ROOT, "benchmarks", "history.py"))
-    history = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(history)
+    history = _benchmark("history")
     old_w4 = "vm: 4x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=4 bench.py --reps 15 --out /a`"
     old_w2 = "vm: 2x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=2 bench.py --reps 15 --out /a`"
     other = "vm: 4x H200, commit aaa, 2026-11-27, `torchrun --nproc_per_node=4 bench.py --shapes llama8b --out /a`"
@@ -1892,13 +1877,8 @@ def test_benchmark_tables_show_auto_against_the_best_alternative():
     """bench_gemm_rs / bench_ag_gemm time "auto" beside our fused kernel, torch's op and the unfused
     pair; the table's "best / auto" cell is the fastest of those three over auto (below 1: auto
     picked a slower one), and rows recorded before the column existed read n/a."""
-    import importlib.util
 
-    benches = {}
-    for name in ("bench_gemm_rs", "bench_ag_gemm"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
-        benches[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(benches[name])
+    benches = {name: _benchmark(name) for name in ("bench_gemm_rs", "bench_ag_gemm")}
     times = dict(cublas=0.5, nccl_rs=0.4, nccl_ag=0.4, seq=1.2, symm=0.9, fused=1.0, auto=1.0, gemm_only=0.6,
                  p2p_rs=0.4, p2p_ag=0.4, kernel_w1=0.7, limit=0.5, speedup_vs_seq=1.2, speedup_vs_symm=0.9,
                  gemm_only_vs_cublas=0.8)

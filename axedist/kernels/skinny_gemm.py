@@ -142,6 +142,7 @@ def smallest_chosen(rows: int) -> tuple[int, int]:
     return (min(n for n, _ in sizes), min(k for _, k in sizes))
 
 
+@cached(maxsize=None)
 def skinny_config(rows: int, n: int, k: int) -> SkinnyConfig | None:
     """The shipped choice for a product with K innermost in both operands (skinny_tuned.json,
     written by benchmarks/bench_skinny_gemm.py from device timings of ``x @ weight.t()``): its

@@ -1,8 +1,9 @@
 """Helpers for tests and benchmarks: real multi-rank process groups without torchrun
 (``run_on_ranks``), torchrun launches (``run_torchrun``), W ranks of the GPU kernels in one
-process on one GPU (``VirtualRanks``), CUDA-graph capture as torch's recipe does it (``capture``), torch DTensor's bytes (``torch_comm_bytes``, loaded
-on first use: torch's CommDebugMode imports Triton), and the Llama under torch's own tensor
-parallelism (``torch_parallelize_llama``, ``torch_llama_loss``) for comparisons.
+process on one GPU (``VirtualRanks``), CUDA-graph capture as torch's recipe does it
+(``capture``), torch DTensor's bytes (``torch_comm_bytes``, loaded on first use: torch's
+CommDebugMode imports Triton), and the Llama under torch's own tensor parallelism
+(``torch_parallelize_llama``, ``torch_llama_loss``) for comparisons.
 
     run_on_ranks(body, 4, args=(3,))   # body(rank, world_size, 3) on 4 gloo ranks
     VirtualRanks(4).reduce_scatter(xs) # 4 virtual ranks' reduce-scatter on this GPU
