@@ -4,15 +4,26 @@
 complex RoPE, GQA, ``loss_parallel`` with plain labels, ``clip_grad_norm_``, AdamW fused
 where the build has the kernel). Its text is run as it is and with the block between its
 ``# -- TP imports`` lines replaced, nothing else; on 4 gloo ranks, 5 steps, fp64 parameters
-(RoPE in fp32 and complex64, as the script writes it; fp32 everywhere lets AdamW amplify
-the last-bit differences of sums taken in another order past 1e-4 within 5 steps, for
-torch's own TP as much as for axedist's):
+(RoPE in fp32 and complex64, as the script writes it).
+
+What "equal" means (``_compare``): losses, gradient norms and every parameter's gradient
+(after clipping), per step, in relative error in norm,
+
+* against torch's own TP on the same ranks (``parallelize_module`` and, for dp x tp, FSDP2
+  imported from torch): within ``RTOL`` = 1e-4 at every step: the drop-in claim;
+* against one process: within ``FIRST_RTOL`` = 1e-6 at the first step (before AdamW has
+  stepped: the model's forward and backward), within ``LATER_RTOL`` = 1e-2 after.
+
+Why two yardsticks after the first step: AdamW divides each update by ``sqrt(v) + eps``, and
+gradient elements near ``eps`` turn the last-bit differences of RoPE's fp32 products (sums
+taken in another order on 4 ranks) into jumps. Measured on 43 random seeds (torch's TP
+against one process): first step 3.4e-8 to 5.2e-8, later steps mostly below 2e-6, one seed
+at 8.5e-6 and one (291863084, the CI run of 2026-12-01) at 1.5e-4 from step 3, in every
+parameter at once. Torch's TP and axedist's agreed to 1e-10 of each other on that seed.
 
 * one process (no parallelism), torch's ``parallelize_module``, and axedist with only
   ``parallelize_module`` / ``loss_parallel`` imported from ``axedist.nn`` (torch's style
-  objects, torch's semantics: local outputs, plain buffers): losses, gradient norms and
-  every parameter's gradient (after clipping) equal the one-process run's per step
-  (relative error 1e-4 in norm);
+  objects, torch's semantics: local outputs, plain buffers);
 * the same with axedist's own styles imported too (DTensors flow through the whole model,
   RoPE included: the complex ``freqs_cis`` buffer a replicated DTensor);
 * dp = 2 x tp = 2 with torchtitan's FSDP2 (``fully_shard(block, mesh=world_mesh["dp"])``)
@@ -39,7 +50,9 @@ AXEDIST_STYLES = """\
 from axedist.nn import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, fully_shard,
                         loss_parallel, parallelize_module)
 """
-RTOL = 1e-4
+RTOL = 1e-4          # against torch's TP on the same ranks, every step
+FIRST_RTOL = 1e-6    # against one process, the first step (no optimizer step yet)
+LATER_RTOL = 1e-2    # against one process, after AdamW steps (see the module's docstring)
 
 
 def script(imports: str | None = None) -> dict:
@@ -53,21 +66,33 @@ def script(imports: str | None = None) -> dict:
     return names
 
 
-def _close(got, want, what: str) -> None:
-    """Equal to a relative error of ``RTOL`` in norm."""
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
+def _close(got, want, what: str, rtol: float) -> None:
+    """Equal to a relative error of ``rtol`` in norm."""
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: {got.shape} {got.dtype} vs {want.shape} {want.dtype}"
     error = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    assert error <= RTOL, f"{what}: relative error {error:.2e} > {RTOL}"
+    assert error <= rtol, f"{what}: relative error {error:.2e} > {rtol}"
 
 
-def _compare(run, reference, label: str) -> None:
-    assert len(run) == len(reference) == 5
-    for step, (got, want) in enumerate(zip(run, reference)):
-        _close(got["loss"], want["loss"], f"{label} step {step}: loss")
-        _close(got["norm"], want["norm"], f"{label} step {step}: gradient norm")
+def _equal_runs(run, want_run, label: str, rtol) -> None:
+    """Per step, the loss, the gradient norm and every gradient within ``rtol(step)``."""
+    assert len(run) == len(want_run) == 5
+    for step, (got, want) in enumerate(zip(run, want_run)):
+        tol = rtol(step)
+        _close(got["loss"], want["loss"], f"{label} step {step}: loss", tol)
+        _close(got["norm"], want["norm"], f"{label} step {step}: gradient norm", tol)
         assert got["grads"].keys() == want["grads"].keys()
         for name, grad in want["grads"].items():
-            _close(got["grads"][name], grad, f"{label} step {step}: gradient of {name}")
+            _close(got["grads"][name], grad, f"{label} step {step}: gradient of {name}", tol)
+
+
+def _compare(run, reference, label: str, torch_tp=None) -> None:
+    """``run`` against the one-process ``reference`` (``FIRST_RTOL`` at the first step,
+    ``LATER_RTOL`` after) and, given ``torch_tp`` (torch's own TP on the same ranks), against
+    it at every step within ``RTOL``."""
+    _equal_runs(run, reference, f"{label} vs one process", lambda step: FIRST_RTOL if step == 0 else LATER_RTOL)
+    if torch_tp is not None:
+        _equal_runs(run, torch_tp, f"{label} vs torch's TP", lambda step: RTOL)
 
 
 def _three_ways(rank, world, seed):
@@ -86,7 +111,7 @@ def _three_ways(rank, world, seed):
     assert all(isinstance(p, DTensor) for p in model.parameters())
     assert type(model.freqs_cis) is torch.Tensor and model.freqs_cis.is_complex()
     _compare(on_torch, reference, "torch")
-    _compare(on_axedist, reference, "axedist, imports changed")
+    _compare(on_axedist, reference, "axedist, imports changed", on_torch)
     return reference[0]["fused"]
 
 
@@ -97,11 +122,12 @@ def _own_styles(rank, world, seed):
 
     tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     _, reference = script()["train"](None, seed, dtype=torch.float64)
+    _, on_torch = script()["train"](tp, seed, dtype=torch.float64)
     DTensor.dispatcher.forget_fallbacks()
     model, run = script(AXEDIST_STYLES)["train"](tp, seed, dtype=torch.float64)
     assert isinstance(model.freqs_cis, DTensor) and model.freqs_cis.is_complex()
     assert not DTensor.dispatcher.fallback_ops(), DTensor.dispatcher.fallback_ops()  # every op had a rule
-    _compare(run, reference, "axedist styles")
+    _compare(run, reference, "axedist styles", on_torch)
     return True
 
 
@@ -122,7 +148,7 @@ def _fsdp_tp(rank, world, seed):
     weight = model.layers["0"].attention.wq.weight
     assert isinstance(weight, DTensor) and weight.mesh.axis_names == ("dp", "tp"), weight   # one DTensor on dp x tp
     _compare(on_torch, reference, "torch FSDP2 + TP")
-    _compare(on_axedist, reference, "axedist fully_shard + TP, imports changed")
+    _compare(on_axedist, reference, "axedist fully_shard + TP, imports changed", on_torch)
     return True
 
 
@@ -140,28 +166,31 @@ def _fresh_dynamo() -> None:
 
 def _compiled(rank, world, seed, imports):
     """tp = 4, the whole model compiled with fullgraph=True (the script's ``compile_backend``):
-    the one-process run's losses, norms and gradients, one graph for the 5 steps."""
+    the one-process run's and torch's eager TP's losses, norms and gradients, one graph for the 5 steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     tp = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))["tp"]
     _, reference = script()["train"](None, seed, dtype=torch.float64)
+    _, on_torch = script()["train"](tp, seed, dtype=torch.float64)
     _fresh_dynamo()
     _, run = script(imports)["train"](tp, seed, dtype=torch.float64, compile_backend="aot_eager")
     graphs = _graphs_and_failures()
     _fresh_dynamo()
-    _compare(run, reference, "compiled whole")
+    _compare(run, reference, "compiled whole", on_torch)
     return graphs
 
 
 def _fsdp_tp_compiled(rank, world, seed):
     """dp = 2 x tp = 2, axedist's fully_shard, the whole model compiled without fullgraph: the
     graph breaks at each unit's hooks (run eagerly, as torch's FSDP2 hooks are); the one-process
-    run's numbers; graphs made in the first step only (a 1-step run makes as many as 5 steps)."""
+    run's and torch's eager FSDP2 + TP's numbers; graphs made in the first step only (a 1-step
+    run makes as many as 5 steps)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     tp, dp = world_mesh["tp"], world_mesh["dp"]
     _, reference = script()["train"](None, seed, batch=4, dtype=torch.float64)
+    _, on_torch = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
     counts = []
     for steps in (1, 5):
         _fresh_dynamo()
@@ -169,7 +198,7 @@ def _fsdp_tp_compiled(rank, world, seed):
                                                   compile_backend="aot_eager", fullgraph=False)
         counts.append(_graphs_and_failures()[0])
     _fresh_dynamo()
-    _compare(run, reference, "fully_shard + TP, compiled whole")
+    _compare(run, reference, "fully_shard + TP, compiled whole", on_torch)
     return counts
 
 
