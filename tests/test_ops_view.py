@@ -54,3 +54,51 @@ def _views(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_views(world):
     run_on_ranks(_views, world, args=(random.randrange(10**6),))
+
+
+def _writes_through_views(rank, world, seed):
+    """In-place writes through views: where the view op keeps the data where it is (a diagonal of
+    whole matrices, by placements or by a layout with no placement form; a slice of a whole dim)
+    the write reaches the base, as torch's; where it had to move its input first (the diagonal of
+    a row-sharded matrix gathers it), the write is refused on every rank (it would change a copy:
+    before, the base silently kept its old values), through a view of that view too, by mul_,
+    copy_ and an out= op; reading such a view is fine."""
+    from axedist.layout import Layout
+    from axedist.ops import DispatchError
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2 * world, 3, 3, generator=g, dtype=torch.float64)
+    dealt = Layout.parse(f"S[(2,{world},3,3):(9,1@gpuid,3,1)]")
+    outcomes = {}
+    for label, where in [("batch shards", [Shard(0)]), ("matrices dealt by a layout", dealt)]:
+        x = distribute(a.clone(), mesh, where)
+        x.diagonal(0, 1, 2).mul_(0.5)
+        want = a.clone()
+        want.diagonal(0, 1, 2).mul_(0.5)
+        outcomes[label] = bool(torch.equal(x.full_tensor(), want))
+    x = distribute(a.clone(), mesh, [Shard(1)])
+    x[:, :, 1:].mul_(2.0)                  # a slice of a whole dim: no move, the base changes
+    want = a.clone()
+    want[:, :, 1:].mul_(2.0)
+    outcomes["slice of a whole dim"] = bool(torch.equal(x.full_tensor(), want))
+    writes = {"mul_": lambda v: v.mul_(0.5), "copy_": lambda v: v.copy_(v.detach() + 1),
+              "out=": lambda v: torch.add(v, 1.0, out=v),
+              "a view of the view": lambda v: v.unsqueeze(0).mul_(0.5)}
+    for name, write in writes.items():
+        x = distribute(a.clone(), mesh, [Shard(1)])
+        view = x.diagonal(0, 1, 2)         # rows sharded: gathered first, a view of a copy
+        assert torch.equal(view.full_tensor(), a.diagonal(0, 1, 2))
+        try:
+            write(view)
+            outcomes[name] = "no error"
+        except DispatchError as error:
+            outcomes[name] = "refused" if "would change a copy" in str(error) else str(error)
+        assert torch.equal(x.full_tensor(), a)
+    return outcomes
+
+
+def test_writes_through_a_view_reach_the_base_or_are_refused(seed):
+    want = {"batch shards": True, "matrices dealt by a layout": True, "slice of a whole dim": True,
+            "mul_": "refused", "copy_": "refused", "out=": "refused", "a view of the view": "refused"}
+    assert run_on_ranks(_writes_through_views, 2, args=(seed,)) == [want] * 2

@@ -23,12 +23,13 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import torch.distributed as dist
 
+from ..layout import with_inner_dims
 from ..runtime.carriers import all_reduce_
 from ..spec import chunk_ranges
 from ..tracing import compiling
 from .call_plan import DispatchError
 from .registry import ArgSpec, OpCall, Sharding, moved_to, overload_named, register
-from .specs import local_shape_of
+from .specs import local_shape_of, reduced_in_place
 from .tensor_ops import is_plain_shard, placements_of, renumber, self_stays, unshard, without_partial
 
 aten = torch.ops.aten
@@ -257,6 +258,15 @@ def diagonal_rule(call: OpCall) -> Sharding | None:
     if x.ndim < 2:
         return None
     d1, d2 = _dims(x.ndim, call.arg(2, "dim1", 0), call.arg(3, "dim2", 1))
+    if x.placements is None and {d1, d2} == {x.ndim - 2, x.ndim - 1}:
+        # whole matrices dealt by a layout: each device's own diagonals, a view (autograd's
+        # formulas write through it: linalg.qr's backward halves a diagonal in place)
+        matrices = reduced_in_place(x, [x.ndim - 2, x.ndim - 1])
+        length = torch.empty(x.shape[-2:], device="meta").diagonal(call.arg(1, "offset", 0), d1 - x.ndim + 2,
+                                                                    d2 - x.ndim + 2).shape[0]
+        laid = None if matrices is None or not length else with_inner_dims(matrices, x.shape[:-2], (length,))
+        if laid is not None:
+            return Sharding(inputs=[None], outputs=laid)
     target = unshard(placements_of(x), [d1, d2], x.ndim)
     rest = [e for e in range(x.ndim) if e not in (d1, d2)]
     out = renumber(target, x.ndim, lambda e: rest.index(e) if e in rest else None)

@@ -234,6 +234,12 @@ class FastForm:
         self.slots, self.out, self.local = slots, out, local
 
 
+def copies_view(func, args, dts, targets) -> bool:
+    """Does this view op (``func.is_view``) move the tensor its output aliases (its first
+    argument), so that the output is a view of a copy? (``DTensor._copied_view``)"""
+    return func.is_view and bool(dts) and dts[0] is args[0] and targets[0] is not None
+
+
 class LocalRoute:
     """The plainest cached case, "the op on the local tensors, wrapped", for an aten call (a
     ``CallPlan``'s ``plain``) and for a torch call (the fast path's entry, ops/fastpath.py): the
@@ -247,14 +253,15 @@ class LocalRoute:
     meta tensors, reads it off the result)."""
 
     __slots__ = ("op", "positions", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer",
-                 "pointwise", "device", "cuda")
+                 "pointwise", "device", "cuda", "view")
 
     def __init__(self, op, positions: tuple, out: OutSpec, dtype, tag, defer: bool, pointwise: bool = False,
-                 device=None):
+                 device=None, view: bool = False):
         self.op, self.positions, self.spec, self.local_shape = op, positions, out.spec, out.local_shape
         self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
         self.pointwise, self.device = pointwise, device
         self.cuda = device is not None and device.type == "cuda"  # (asked per hit: device.type costs 0.2 us)
+        self.view = view  # a view op: its output is a copied view where its input is (DTensor._copied_view)
 
     def __repr__(self) -> str:
         via = f"{self.op}, " if self.op is not None else ""
@@ -265,10 +272,12 @@ class CallPlan:
     """What the dispatcher does for calls with this key: move each DTensor to its ``targets``
     entry (None: keep it), run the op (or ``sharding.local``), wrap per ``outputs``."""
 
-    __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain", "even")
+    __slots__ = ("call", "sharding", "targets", "outputs", "structure", "defer", "fast", "reduce_self", "plain", "even",
+                 "view")
 
     def __init__(self, call: OpCall, sharding: Sharding, targets: list, outputs: list, structure: str,
-                 defer: bool, fast: FastForm | None, reduce_self, plain: LocalRoute | None, even: bool = False):
+                 defer: bool, fast: FastForm | None, reduce_self, plain: LocalRoute | None, even: bool = False,
+                 view: int = 0):
         self.call, self.sharding, self.targets, self.outputs = call, sharding, targets, outputs
         self.structure = structure      # "single", "tuple", "list", "none"
         self.defer = defer              # mm/addmm giving a pending sum: the local GEMM may wait
@@ -276,6 +285,7 @@ class CallPlan:
         self.reduce_self = reduce_self  # in-place op on a pending value it cannot keep: self's spec reduced
         self.plain = plain
         self.even = even                # a deferred GEMM's operands alike on every rank (_evenly_split)
+        self.view = view                # 0: not a view op; 1: a view op; 2: one that moves self (copies_view)
 
     def __repr__(self) -> str:
         return f"CallPlan({self.call.func}: {self.sharding})"
@@ -330,8 +340,9 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
         dtype = flat[0].dtype
         out = fast.out
         plain = LocalRoute(func._op, tuple(slot.position for slot in fast.slots), out, dtype,
-                           tag_for(out.spec, dtype, out.stride), defer)
-    return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even)
+                           tag_for(out.spec, dtype, out.stride), defer, view=func.is_view)
+    view = 2 if copies_view(func, args, dts, targets) else int(func.is_view)
+    return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even, view)
 
 
 def _evenly_split(specs) -> bool:

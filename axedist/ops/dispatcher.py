@@ -32,7 +32,7 @@ from ..runtime.deferred import PENDING, POLICIES
 from ..tracing import eager_only
 from .call_cache import CallCache
 from .call_plan import (SCALAR_TYPES, CallPlan, DispatchError, OpInfo, PlainTensorError, decomposable, decompose,
-                        local_of, op_info, plan_call, replace_dtensors, scan)
+                        local_of, op_info, plan_call, replace_dtensors, scan, written)
 from .fastpath import FastPath
 from .fusion import defer_product, take_pending
 from .registry import ArgSpec
@@ -224,6 +224,8 @@ class OpDispatcher:
                     out = wrap(self.cls, value, spec, route.stride, value.dtype, value.device)
                     if value.dtype is route.dtype:  # (always, unless the op's dtype rules changed since planning)
                         out._tag = route.tag  # the next op's key needs no stride() call
+                    if route.view and args[0]._copied_view:
+                        out._copied_view = True
                     if _grad_enabled():
                         for i in positions:
                             if args[i].__torch_function__ is _DISABLED:
@@ -236,6 +238,8 @@ class OpDispatcher:
     def _dispatch_uncached(self, func, args, kwargs, fast_key):
         """Unwrap, plan (cached by the call's full key), run; the variants branch off here."""
         info = op_info(func)
+        if info.inplace or info.written or info.out_names:
+            _refuse_writes_to_copied_views(func, args, kwargs, info)
         if info.foreach:
             return dispatch_foreach(self, func, args, kwargs)
         if func in FUSED_OPTIMIZERS:
@@ -341,6 +345,10 @@ class OpDispatcher:
             if value.shape != out.local_shape:
                 _wrong_shape(func, value, out.spec, out.local_shape, plan)
             wrapped.append(self.cls(value, out.spec, stride=out.stride))  # (resolves a conjugate / negative bit)
+        if plan.view == 2 or (plan.view and args[0]._copied_view):
+            for value in wrapped:
+                if isinstance(value, self.cls):
+                    value._copied_view = True
         if plan.structure == "single":
             return wrapped[0]
         return wrapped if plan.structure == "list" else tuple(wrapped)
@@ -348,6 +356,8 @@ class OpDispatcher:
     def _run_fast(self, func, args, plan: CallPlan):
         """``run`` for a call in its FastForm (positional DTensors, no kwargs, one output or in-place)."""
         fast = plan.fast
+        if fast.out is None and args[0]._copied_view:
+            _refuse_writes_to_copied_views(func, args, {}, op_info(func))
         local_args = list(args)
         for slot in fast.slots:
             i, target = slot.position, slot.target
@@ -377,7 +387,10 @@ class OpDispatcher:
         spec = out.spec
         if value.shape != out.local_shape:
             _wrong_shape(func, value, spec, out.local_shape, plan)
-        return wrap(self.cls, value, spec, out.stride, value.dtype, value.device)  # (no conjugate / negative bit: plan_call's FastForm)
+        out = wrap(self.cls, value, spec, out.stride, value.dtype, value.device)  # (no conjugate / negative bit: plan_call's FastForm)
+        if plan.view == 2 or (plan.view and args[0]._copied_view):
+            out._copied_view = True
+        return out
 
     def _reduce_in_place(self, func, dt, target) -> None:
         """Apply ``dt``'s pending reduction in its own local buffer and give it ``target``'s spec.
@@ -405,6 +418,22 @@ class OpDispatcher:
             buffer.copy_(value)
         dt._value = buffer
         dt._spec = target
+
+
+def _refuse_writes_to_copied_views(func, args, kwargs, info: OpInfo) -> None:
+    """Raise where ``func`` writes a DTensor that is a view of a copy (``DTensor._copied_view``):
+    the write would change the copy, not the tensor the view was taken of, which autograd and the
+    user take it to change. Every rank decides alike (the flag comes from the plan of the view)."""
+    targets = ([args[0]] if info.inplace else []) + written(args, kwargs, info)
+    targets += [kwargs[name] for name in info.out_names if name in kwargs]
+    for target in targets:
+        for t in (target if isinstance(target, (list, tuple)) else [target]):
+            if getattr(t, "_copied_view", False):
+                raise DispatchError(
+                    f"{func} writes in place to a view that could not be taken where its base is ({t._spec}): "
+                    f"the view op had to move its input first, so the write would change a copy and not the "
+                    f"base. Take the view of a tensor laid out so that the viewed dims are whole on each "
+                    f"device (redistribute the base first), or write to a clone")
 
 
 def _failed_rule(func, plan: CallPlan, error: RuntimeError) -> RuntimeError:

@@ -426,7 +426,10 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
                                 f"tensors only: convert the result of to_local() or full_tensor() instead")
         if isinstance(value, torch.Tensor):
             spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
-            return cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
+            out = cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
+            if func.is_view:  # a view of the gathered copy (DTensor._copied_view)
+                out._copied_view = True
+            return out
         if isinstance(value, (list, tuple)):
             return type(value)(wrap(v) for v in value)
         return value
