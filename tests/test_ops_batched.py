@@ -258,3 +258,90 @@ def _raises_on_nan(op) -> bool:
     except RuntimeError:
         return True
     return False
+
+
+def _dealt_matrices(world):
+    """(label, mesh, batch, layout(core shape)) of whole matrices dealt by layouts with no
+    placement form: round-robin, round-robin in pairs, round-robin over tp replicated over dp."""
+    from axedist.layout import Layout
+    from axedist.mesh import DeviceMesh
+
+    def laid(text):
+        def layout(core):
+            inner = ",".join(str(c) for c in core)
+            strides = [1] * len(core)
+            for i in range(len(core) - 2, -1, -1):
+                strides[i] = strides[i + 1] * core[i + 1]
+            size = strides[0] * core[0] if core else 1
+            return Layout.parse(text.format(core=("," + inner) if core else "", size=size,
+                                            pair=2 * size, strides="".join(f",{s}" for s in strides)))
+        return layout
+
+    mesh = DeviceMesh("cpu", (world,))
+    out = [("round-robin", mesh, 2 * world, laid(f"S[(2,{world}{{core}}):({{size}},1@gpuid{{strides}})]")),
+           ("round-robin in pairs", mesh, 4 * world,
+            laid(f"S[(2,{world},2{{core}}):({{pair}},1@gpuid,{{size}}{{strides}})]"))]
+    if world == 4:
+        grid = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+        out.append(("round-robin over tp, replicated over dp", grid, 4,
+                    laid("S[(2,2{core}):({size},1@tp{strides})] + R[2:1@dp]")))
+    return out
+
+
+# name -> (function, [(maker, core shape, dealt: else replicated)], data moves in the forward: the one
+# gather of a failure flag per matrix where torch raises for a failed matrix, which every rank must see;
+# svd's agreement on matrices that do not converge is an all-reduce in its local step, not a move)
+_IN_PLACE_CASES = {
+    "inv": (torch.linalg.inv, [(_well, (3, 3), True)], 1),
+    "det": (torch.linalg.det, [(_well, (3, 3), True)], 0),
+    "solve": (torch.linalg.solve, [(_well, (3, 3), True), (_randn, (3, 2), True)], 1),
+    "solve, replicated right-hand sides": (torch.linalg.solve, [(_well, (3, 3), True), (_randn, (3, 2), False)], 1),
+    "solve vector": (torch.linalg.solve, [(_well, (3, 3), True), (_randn, (3,), True)], 1),
+    "cholesky": (torch.linalg.cholesky, [(_spd, (4, 4), True)], 1),
+    "qr": (lambda a: torch.linalg.qr(a).R, [(_well, (4, 3), True)], 0),
+    "tril": (lambda a: a.tril(-1), [(_randn, (3, 4), True)], 0),
+    "svdvals": (torch.linalg.svdvals, [(_randn, (4, 3), True)], 0),
+}
+
+
+def _matrices_in_place_case(rank, world, seed):
+    """Each op on batches of matrices whose layout deals them whole: values and every input's
+    gradient equal torch's on the whole batch; the forward moves no matrix (its only move is the
+    agreement on failed matrices where torch raises for one) and the output keeps the
+    layout (no placement form). qr's backward halves a diagonal in place: a view of each
+    device's own matrices."""
+    from axedist.dtensor import distribute
+    from axedist.layout import LayoutError
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, batch, layout in _dealt_matrices(world):
+        for name, (fn, args, collectives) in _IN_PLACE_CASES.items():
+            what = f"{name}, {label}"
+            plain = [maker(g, batch, *core).requires_grad_() for maker, core, _ in args]
+            dist_args = [distribute(p.detach(), mesh, layout(core) if dealt else [Replicate()] * mesh.ndim)
+                         .requires_grad_() for p, (_, core, dealt) in zip(plain, args)]
+            with count_collectives() as seen:
+                got = fn(*dist_args)
+            want = fn(*plain)
+            if seen.calls != collectives:
+                failures.append(f"{what}: {seen.calls} moves in the forward, not {collectives}")
+            try:
+                failures.append(f"{what}: the output was gathered to {got.placements}")
+            except LayoutError:
+                pass
+            if not torch.allclose(got.full_tensor(), want):
+                failures.append(f"{what}: values differ from torch's")
+            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
+            (got.full_tensor() * up).sum().backward()
+            (want * up).sum().backward()
+            for i, (d, p) in enumerate(zip(dist_args, plain)):
+                if d.grad is None or not torch.allclose(d.grad.full_tensor(), p.grad):
+                    failures.append(f"{what}: the gradient of argument {i} differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matrix_functions_run_where_a_layout_without_placements_deals_the_matrices(world, seed):
+    results = run_on_ranks(_matrices_in_place_case, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, results[0]

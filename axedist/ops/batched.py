@@ -14,6 +14,11 @@ only. 2 ranks, ``A`` (6, 4, 4) in ``[Shard(0)]``: ``torch.linalg.inv(A)`` invert
 A pending reduction is applied first (none of these is linear, but for the transposes of the
 linear ops: kept out for simplicity). Rules decline (the gather fallback runs) where an output
 does not lead with the batch dims or an op would raise on some ranks only (``check_errors``).
+
+The matrix functions also run where a layout with no placement form deals whole matrices
+(``matrices_in_place``): ``A`` (8, 4, 4) whose matrices go round-robin in pairs to 2 devices,
+``S[(2,2,2,4,4):(32,1@gpuid,16,4,1)]``: ``torch.linalg.inv(A)`` inverts each device's 4
+matrices where they are and keeps the deal; placements would gather ``A`` first.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from ..spec import chunk_ranges
 from ..tracing import compiling
 from .call_plan import DispatchError
 from .registry import ArgSpec, OpCall, Sharding, moved_to, overload_named, register
-from .specs import local_shape_of, reduced_in_place
+from .specs import layout_only, local_shape_of, reduced_in_place
 from .tensor_ops import is_plain_shard, placements_of, renumber, self_stays, unshard, without_partial
 
 aten = torch.ops.aten
@@ -115,6 +120,54 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
     return Sharding(inputs=inputs, outputs=outputs, local=local)
 
 
+def _batch_map(spec: ArgSpec, core: int):
+    """The map of ``spec``'s batch entries where its layout (no placement form, unpadded, nothing
+    pending) holds its ``core`` trailing dims whole and innermost in every piece; None otherwise."""
+    if core == 0:
+        return spec.layout if layout_only(spec) else None
+    return reduced_in_place(spec, range(spec.ndim - core, spec.ndim))
+
+
+def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | None:
+    """The batched rule where a layout with no placement form deals whole matrices: the map of
+    batch entries of the first such argument (``_batch_map``) is asked of every argument (one
+    laid out otherwise, a replicated one say, is cut where it is), each device runs the op on its
+    own matrices and every output keeps the map. None (the placement way) where no argument has
+    such a layout, batch shapes differ (broadcasting), a matrix is empty or an output does not
+    lead with the batch shape."""
+    specs = call.specs
+    if len(cores) != len(specs) or any(c > s.ndim for c, s in zip(cores, specs)) or any(s.reduce_op for s in specs):
+        return None
+    batches = {tuple(s.shape[:s.ndim - c]) for s, c in zip(specs, cores)}
+    if len(batches) != 1:
+        return None
+    (batch,) = batches
+    if not batch or any(0 in s.shape[len(batch):] for s in specs):
+        return None
+    maps = [_batch_map(s, c) for s, c in zip(specs, cores) if s.placements is None]
+    if not maps or maps[0] is None:
+        return None
+    inputs = [with_inner_dims(maps[0], batch, s.shape[len(batch):]) for s in specs]
+    flat = _meta_outputs(call)
+    if flat is None or None in inputs:
+        return None
+    outputs = []
+    for value in flat:
+        if not isinstance(value, torch.Tensor):
+            outputs.append(None)
+        elif value.numel() == 0 and tuple(value.shape[:len(batch)]) != batch:
+            outputs.append((Replicate(),) * call.mesh.ndim)  # an output the call does not compute
+        elif tuple(value.shape[:len(batch)]) == batch and value.numel():
+            outputs.append(with_inner_dims(maps[0], batch, tuple(value.shape[len(batch):])))
+        else:
+            return None
+    if any(o is None and isinstance(v, torch.Tensor) for o, v in zip(outputs, flat)):
+        return None
+    return Sharding(inputs=inputs,
+                    outputs=outputs[0] if len(outputs) == 1 else tuple(outputs), local=local,
+                    note="whole matrices dealt by a layout: each device's own")
+
+
 def _emptied(out, shape, mesh) -> set[int]:
     """The mesh axes (indices) of ``out``'s shards that would leave some rank an empty piece of a
     dim (5 over 2x2: 2, 1, 1, 1 is fine; 2 over 2x2 leaves two ranks none): kernels of pools,
@@ -198,7 +251,8 @@ def matrix_rule(call: OpCall) -> Sharding | None:
     svd / eigh / eig, which raise where a matrix does not converge, raise on every rank or none
     (:func:`raising_together`)."""
     local = raising_together if call.func in _MAY_NOT_CONVERGE else None
-    return batch_sharding(call, _cores_by_schema(call, _MATRIX_RULES[call.func]), local=local)
+    cores = _cores_by_schema(call, _MATRIX_RULES[call.func])
+    return matrices_in_place(call, cores, local=local) or batch_sharding(call, cores, local=local)
 
 
 @register(*_CHECKED_RULES)
@@ -206,7 +260,8 @@ def checked_matrix_rule(call: OpCall) -> Sharding | None:
     """As ``matrix_rule``; with ``check_errors=True`` gathered (a rank alone must not raise)."""
     if call.arg(len(call.func._schema.arguments) - 1, "check_errors", False):
         return None
-    return batch_sharding(call, _cores_by_schema(call, _CHECKED_RULES[call.func]))
+    cores = _cores_by_schema(call, _CHECKED_RULES[call.func])
+    return matrices_in_place(call, cores) or batch_sharding(call, cores)
 
 
 @register(aten.tril_.default, aten.triu_.default)
@@ -229,7 +284,7 @@ def solve_rule(call: OpCall) -> Sharding | None:
     a, b = call.args[0], call.args[1]
     if not (isinstance(a, ArgSpec) and isinstance(b, ArgSpec)) or call.arg(3, "check_errors", False):
         return None
-    return batch_sharding(call, _solve_cores(call))
+    return matrices_in_place(call, _solve_cores(call)) or batch_sharding(call, _solve_cores(call))
 
 
 @register(aten._linalg_check_errors.default)
