@@ -232,8 +232,9 @@ class DTensor(torch.Tensor):
     _tag = None       # the dispatcher's Tag of (spec, dtype, stride), set on first use
     _traced_as = None  # (local, the local torch.compile sees for it): see _traced
     # A view (to autograd) whose local tensor is not a view of its base's: a view op that had to
-    # move its input (``x.diagonal(0, 1, 2)`` of ``[Shard(1)]`` gathers first), or a view of such
-    # a view. Writing to it in place would not reach the base: the dispatcher refuses that.
+    # move its input (``x.diagonal(0, 1, 2)`` of ``[Shard(1)]`` gathers first) or computes the
+    # view's values (``z.conj()``), or a view of such a view. Writing to it in place would not
+    # reach the base: the dispatcher refuses that.
     _copied_view = False
     dispatcher: OpDispatcher  # set below, once the class exists
     __torch_function__ = torch._C._disabled_torch_function_impl  # the fast path's handler when enabled

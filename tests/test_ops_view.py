@@ -62,7 +62,8 @@ def _writes_through_views(rank, world, seed):
     the write reaches the base, as torch's; where it had to move its input first (the diagonal of
     a row-sharded matrix gathers it), the write is refused on every rank (it would change a copy:
     before, the base silently kept its old values), through a view of that view too, by mul_,
-    copy_ and an out= op; reading such a view is fine."""
+    copy_ and an out= op, and through a conjugate view (whose values are computed); reading
+    such a view is fine."""
     from axedist.layout import Layout
     from axedist.ops import DispatchError
 
@@ -95,10 +96,19 @@ def _writes_through_views(rank, world, seed):
         except DispatchError as error:
             outcomes[name] = "refused" if "would change a copy" in str(error) else str(error)
         assert torch.equal(x.full_tensor(), a)
+    z = torch.randn(2 * world, 3, generator=g, dtype=torch.complex128)
+    zd = distribute(z, mesh, [Shard(0)])
+    try:  # torch's conjugate view writes through; ours holds its own values (no conjugate bit)
+        zd.conj().mul_(2.0)
+        outcomes["conjugate view"] = "no error"
+    except DispatchError as error:
+        outcomes["conjugate view"] = "refused" if "would change a copy" in str(error) else str(error)
+    assert torch.equal(zd.full_tensor(), z)
     return outcomes
 
 
 def test_writes_through_a_view_reach_the_base_or_are_refused(seed):
     want = {"batch shards": True, "matrices dealt by a layout": True, "slice of a whole dim": True,
-            "mul_": "refused", "copy_": "refused", "out=": "refused", "a view of the view": "refused"}
+            "mul_": "refused", "copy_": "refused", "out=": "refused", "a view of the view": "refused",
+            "conjugate view": "refused"}
     assert run_on_ranks(_writes_through_views, 2, args=(seed,)) == [want] * 2

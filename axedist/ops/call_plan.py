@@ -234,10 +234,11 @@ class FastForm:
         self.slots, self.out, self.local = slots, out, local
 
 
-def copies_view(func, args, dts, targets) -> bool:
-    """Does this view op (``func.is_view``) move the tensor its output aliases (its first
-    argument), so that the output is a view of a copy? (``DTensor._copied_view``)"""
-    return func.is_view and bool(dts) and dts[0] is args[0] and targets[0] is not None
+def copies_view(func, args, dts, targets, sharding) -> bool:
+    """Is the output of this view op (``func.is_view``) a view of a copy (``DTensor._copied_view``):
+    does it move the tensor its output aliases (its first argument), or compute the view's values
+    anew (``sharding.copies``)?"""
+    return func.is_view and (sharding.copies or (bool(dts) and dts[0] is args[0] and targets[0] is not None))
 
 
 class LocalRoute:
@@ -341,7 +342,7 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
         out = fast.out
         plain = LocalRoute(func._op, tuple(slot.position for slot in fast.slots), out, dtype,
                            tag_for(out.spec, dtype, out.stride), defer, view=func.is_view)
-    view = 2 if copies_view(func, args, dts, targets) else int(func.is_view)
+    view = 2 if copies_view(func, args, dts, targets, sharding) else int(func.is_view)
     return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even, view)
 
 

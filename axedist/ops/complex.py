@@ -51,8 +51,8 @@ def conjugate_rule(call: OpCall) -> Sharding:
     (spec,) = call.specs
     places = _linear_places(spec)
     if places is None or places == spec.placements:  # exactly the input's spec (padding and all)
-        return Sharding(inputs=[None], outputs=spec, local=_materialized(call.func))
-    return Sharding(inputs=[places], outputs=places, local=_materialized(call.func))
+        return Sharding(inputs=[None], outputs=spec, local=_materialized(call.func), copies=True)
+    return Sharding(inputs=[places], outputs=places, local=_materialized(call.func), copies=True)
 
 
 def _complex_local(call, x):

@@ -431,9 +431,10 @@ def _refuse_writes_to_copied_views(func, args, kwargs, info: OpInfo) -> None:
             if getattr(t, "_copied_view", False):
                 raise DispatchError(
                     f"{func} writes in place to a view that could not be taken where its base is ({t._spec}): "
-                    f"the view op had to move its input first, so the write would change a copy and not the "
-                    f"base. Take the view of a tensor laid out so that the viewed dims are whole on each "
-                    f"device (redistribute the base first), or write to a clone")
+                    f"the view op moved its input first (or computed the view's values, as z.conj() does), so "
+                    f"the write would change a copy and not the base. Take the view of a tensor laid out so "
+                    f"that the viewed dims are whole on each device (redistribute the base first), or write "
+                    f"to a clone")
 
 
 def _failed_rule(func, plan: CallPlan, error: RuntimeError) -> RuntimeError:

@@ -126,7 +126,9 @@ class Sharding:
     op on the local tensors, ``local(call, *args, **kwargs)`` with DTensors replaced by
     their local tensors (a rule that must communicate, e.g. cross-entropy over sharded
     classes, does it here). ``out_shape``: the global output shape(s) when meta execution
-    of the op cannot give them (rarely needed).
+    of the op cannot give them (rarely needed). ``copies``: for a view op, ``local`` computes
+    the view's values anew (``z.conj()``): the output is a view of a copy, as where the
+    input moves (``DTensor._copied_view``).
     """
 
     inputs: Sequence[Placements | None]
@@ -134,6 +136,7 @@ class Sharding:
     local: Callable | None = None
     out_shape: Any = None
     note: str = ""
+    copies: bool = False
 
 
 RULES: dict[torch._ops.OpOverload, Callable[[OpCall], Sharding]] = {}
