@@ -394,14 +394,20 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
     cls = d.cls
     d.note_fallback(func)
     full = {}
+    copied = set()  # the DTensors whose whole tensor here is a copy (gathered, or cloned for as_strided)
     for dt in dts:
         if id(dt) not in full:
             replicated = make_spec(mesh, replicated_layout(dt.shape, mesh), dt.shape)
             whole = redistribute_local(dt._local, dt._spec, replicated)
+            if dt._spec != replicated:
+                copied.add(id(dt))
             if func in _READS_STORAGE and not _owns_storage(whole):
                 # a DTensor is its values, its own storage: as_strided reads that, not a gather buffer's
                 whole = whole.clone(memory_format=torch.contiguous_format)
+                copied.add(id(dt))
             full[id(dt)] = (dt, replicated, whole)
+    # a view op's output aliases its first argument: a view of a copy where that was copied
+    view_of_copy = func.is_view and bool(args) and (id(args[0]) in copied or getattr(args[0], "_copied_view", False))
     local_args, local_kwargs = replace_dtensors(cls, args, kwargs, lambda dt: full[id(dt)][2])
     result = func(*local_args, **local_kwargs)
     # written arguments: lay the whole result back out in their own layout
@@ -427,7 +433,7 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
         if isinstance(value, torch.Tensor):
             spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
             out = cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
-            if func.is_view:  # a view of the gathered copy (DTensor._copied_view)
+            if view_of_copy:  # (DTensor._copied_view)
                 out._copied_view = True
             return out
         if isinstance(value, (list, tuple)):
