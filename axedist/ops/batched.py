@@ -130,11 +130,11 @@ def _batch_map(spec: ArgSpec, core: int):
 
 def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | None:
     """The batched rule where a layout with no placement form deals whole matrices: the map of
-    batch entries of the first such argument (``_batch_map``) is asked of every argument (one
-    laid out otherwise, a replicated one say, is cut where it is), each device runs the op on its
-    own matrices and every output keeps the map. None (the placement way) where no argument has
-    such a layout, batch shapes differ (broadcasting), a matrix is empty or an output does not
-    lead with the batch shape."""
+    batch entries of the first argument with no placement form (``_batch_map``) is asked of every
+    argument (one laid out otherwise, a replicated one say, is cut where it is), each device runs
+    the op on its own matrices and every output keeps the map. None (the placement way) where no
+    argument lacks a placement form, the first one's layout splits a matrix, batch shapes differ
+    (broadcasting), a matrix is empty or an output does not lead with the batch shape."""
     specs = call.specs
     if len(cores) != len(specs) or any(c > s.ndim for c, s in zip(cores, specs)) or any(s.reduce_op for s in specs):
         return None

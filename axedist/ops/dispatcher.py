@@ -356,7 +356,7 @@ class OpDispatcher:
     def _run_fast(self, func, args, plan: CallPlan):
         """``run`` for a call in its FastForm (positional DTensors, no kwargs, one output or in-place)."""
         fast = plan.fast
-        if fast.out is None and args[0]._copied_view:
+        if fast.out is None and getattr(args[0], "_copied_view", False):
             _refuse_writes_to_copied_views(func, args, {}, op_info(func))
         local_args = list(args)
         for slot in fast.slots:
