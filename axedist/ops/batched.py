@@ -148,8 +148,10 @@ def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | 
     if not maps or maps[0] is None:
         return None
     inputs = [with_inner_dims(maps[0], batch, s.shape[len(batch):]) for s in specs]
+    if any(laid is None for laid in inputs):
+        return None
     flat = _meta_outputs(call)
-    if flat is None or None in inputs:
+    if flat is None:
         return None
     outputs = []
     for value in flat:
@@ -158,11 +160,12 @@ def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | 
         elif value.numel() == 0 and tuple(value.shape[:len(batch)]) != batch:
             outputs.append((Replicate(),) * call.mesh.ndim)  # an output the call does not compute
         elif tuple(value.shape[:len(batch)]) == batch and value.numel():
-            outputs.append(with_inner_dims(maps[0], batch, tuple(value.shape[len(batch):])))
+            laid = with_inner_dims(maps[0], batch, tuple(value.shape[len(batch):]))
+            if laid is None:
+                return None
+            outputs.append(laid)
         else:
             return None
-    if any(o is None and isinstance(v, torch.Tensor) for o, v in zip(outputs, flat)):
-        return None
     return Sharding(inputs=inputs,
                     outputs=outputs[0] if len(outputs) == 1 else tuple(outputs), local=local,
                     note="whole matrices dealt by a layout: each device's own")
@@ -284,7 +287,8 @@ def solve_rule(call: OpCall) -> Sharding | None:
     a, b = call.args[0], call.args[1]
     if not (isinstance(a, ArgSpec) and isinstance(b, ArgSpec)) or call.arg(3, "check_errors", False):
         return None
-    return matrices_in_place(call, _solve_cores(call)) or batch_sharding(call, _solve_cores(call))
+    cores = _solve_cores(call)
+    return matrices_in_place(call, cores) or batch_sharding(call, cores)
 
 
 @register(aten._linalg_check_errors.default)

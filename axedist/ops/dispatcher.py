@@ -345,7 +345,7 @@ class OpDispatcher:
             if value.shape != out.local_shape:
                 _wrong_shape(func, value, out.spec, out.local_shape, plan)
             wrapped.append(self.cls(value, out.spec, stride=out.stride))  # (resolves a conjugate / negative bit)
-        if plan.view == 2 or (plan.view and args[0]._copied_view):
+        if plan.view and (plan.view == 2 or args[0]._copied_view):
             for value in wrapped:
                 if isinstance(value, self.cls):
                     value._copied_view = True
@@ -388,7 +388,7 @@ class OpDispatcher:
         if value.shape != out.local_shape:
             _wrong_shape(func, value, spec, out.local_shape, plan)
         out = wrap(self.cls, value, spec, out.stride, value.dtype, value.device)  # (no conjugate / negative bit: plan_call's FastForm)
-        if plan.view == 2 or (plan.view and args[0]._copied_view):
+        if plan.view and (plan.view == 2 or args[0]._copied_view):  # (one read for an op that is not a view)
             out._copied_view = True
         return out
 
