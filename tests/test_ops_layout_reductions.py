@@ -574,3 +574,76 @@ def _elementwise_losses_in_place(rank, world, seed):
 def test_elementwise_losses_run_where_a_layout_without_placements_is(world):
     results = run_on_ranks(_elementwise_losses_in_place, world, args=(random.randrange(10**6),), timeout_s=600)
     assert results == [[]] * world, results[0]
+
+
+# name -> f(x (R, H) float, y (R, H) float, t (R,) int targets, idx (4,) int, r (H,) float replicated): each works on whole rows
+INDEXED_ROWS = {
+    "one_hot": lambda x, y, t, idx, r: F.one_hot(t, H).to(x.dtype) * x,
+    "a column against a row": lambda x, y, t, idx, r: (x[:, :1] < r) * y,
+    "cross_entropy none": lambda x, y, t, idx, r: F.cross_entropy(x, t, reduction="none"),
+    "cross_entropy none smoothed": lambda x, y, t, idx, r: F.cross_entropy(x, t, reduction="none", label_smoothing=0.1),
+    "columns by index": lambda x, y, t, idx, r: x[:, idx],
+    "columns by a 2-D index": lambda x, y, t, idx, r: x[:, idx.view(2, 2)] * 2,
+    "index_add": lambda x, y, t, idx, r: x.index_add(1, idx, y[:, :4]),
+    "index_select": lambda x, y, t, idx, r: x.index_select(1, idx),
+    "gather of a slice": lambda x, y, t, idx, r: x[:, :4].gather(1, idx.clamp(max=3).expand(x.shape[0], 4)),
+    "windows": lambda x, y, t, idx, r: x.unfold(1, 2, 2) * 1,
+    "overlapping windows": lambda x, y, t, idx, r: x.unfold(1, 3, 1) * y[:, :4, None],
+    "columns set in place": lambda x, y, t, idx, r: _set_columns(x * 1, idx[:3].unique(), y[:, :3]),
+    "columns added in place": lambda x, y, t, idx, r: (x * 1).index_add_(1, idx, y[:, 2:]),
+    "scatter in place": lambda x, y, t, idx, r: (x * 1).scatter_(1, idx.expand(x.shape[0], 4), 0.5),
+}
+
+
+def _set_columns(z, columns, values):
+    z[:, columns] = values[:, :len(columns)]
+    return z
+
+
+def _indexed_rows_in_place(rank, world, seed):
+    """Indexing, one-hot, per-row losses, windows and in-place writes along the last dim of rows dealt
+    by a layout with no placement form: no collective in the forward nor in the backward (whose
+    output gradient arrives replicated, as ``(out * g).sum()`` gives), the output keeps the rows'
+    map, values and gradients equal torch's on the whole tensor."""
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        replicated = [Replicate()] * mesh.ndim
+        for name, f in INDEXED_ROWS.items():
+            x, y = (torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+            t = torch.randint(0, H, (rows,), generator=g)
+            idx = torch.randint(0, H, (4,), generator=g)
+            r = torch.randn(H, generator=g, dtype=torch.float64)
+            dx, dy = (make(v.detach()).detach().requires_grad_() for v in (x, y))
+            dt = make(t[:, None].expand(rows, H).contiguous())[:, 0]  # the targets in the rows' map
+            didx, dr = distribute(idx, mesh, replicated), distribute(r, mesh, replicated)
+            with count_collectives() as seen:
+                out = f(dx, dy, dt, didx, dr)
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
+            failures += gathered(f"{label} {name}", out)
+            want = f(x, y, t, idx, r)
+            if not torch.allclose(out.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+                continue
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            loss = (out * distribute(up, mesh, replicated)).sum()
+            with count_collectives() as seen:
+                loss.backward()
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the backward")
+            mine = [d.grad.full_tensor() if d.grad is not None else None for d in (dx, dy)]
+            (want * up).sum().backward()
+            for which, m, theirs in zip("xy", mine, (x.grad, y.grad)):
+                if (m is None) != (theirs is None) or (m is not None and not torch.allclose(m, theirs)):
+                    failures.append(f"{label} {name}: the {which} gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_indexing_and_per_row_losses_run_where_a_layout_without_placements_is(world):
+    seed = random.randrange(10**6)
+    results = run_on_ranks(_indexed_rows_in_place, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, (seed, results[0])

@@ -21,7 +21,8 @@ from torch.distributed.tensor import Partial
 
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
-from .specs import local_shape_of
+from ..layout import with_inner_dims
+from .specs import local_shape_of, reduced_in_place
 from .tensor_ops import joint_placements, placements_of, renumber, rows_in_place, unshard
 
 aten = torch.ops.aten
@@ -149,7 +150,11 @@ def glu_rule(call: OpCall) -> Sharding:
 def unfold_rule(call: OpCall) -> Sharding:
     """``x.unfold(1, 3, 2)`` of (4, 9) ``[Shard(0)]``: windows of dim 1 (whole) as a new last dim,
     (4, 4, 3) ``[Shard(0)]``; a pending sum stays (windows only select)."""
-    x, dimension = call.args[0], call.args[1]
+    x, dimension, size, step = call.args[:4]
+    if x.ndim >= 2:  # windows of whole rows dealt by a layout: each device cuts its own rows
+        found = rows_in_place([x], dimension % x.ndim, [((x.shape[-1] - size) // step + 1, size)])
+        if found is not None:
+            return Sharding(inputs=found[0], outputs=found[1][0])
     target = unshard(placements_of(x), [dimension], x.ndim) if x.ndim else placements_of(x)
     return Sharding(inputs=[target], outputs=target)
 
@@ -162,6 +167,9 @@ def unfold_backward_rule(call: OpCall) -> Sharding:
     grad, sizes, dim = call.args[0], call.args[1], call.args[2]
     ndim = len(sizes)
     d = dim % max(ndim, 1)
+    rows = _windows_of_rows(grad, sizes, d)
+    if rows is not None:
+        return rows
     places = placements_of(grad)
     if not all(p.reduce_op in LINEAR_REDUCE_OPS for p in places if isinstance(p, Partial)):
         places = without_partial(places)  # overlapping windows add up: a pending max is applied first
@@ -171,6 +179,25 @@ def unfold_backward_rule(call: OpCall) -> Sharding:
 
     def local(call_, g, _sizes, *args, **kwargs):
         return aten.unfold_backward.default(g, list(local_sizes), *args, **kwargs)
+
+    return Sharding(inputs=[target], outputs=out, local=local)
+
+
+def _windows_of_rows(grad: ArgSpec, sizes, d: int) -> Sharding | None:
+    """unfold_backward where ``d`` is the input's last dim and a layout with no placement form
+    deals whole rows of windows (``specs.reduced_in_place`` of the last two dims of ``grad``):
+    each device sums its own rows' windows back, the output keeps the map of rows. None otherwise."""
+    if d != len(sizes) - 1 or d < 1 or grad.reduce_op or 0 in grad.shape:
+        return None
+    rows = reduced_in_place(grad, [grad.ndim - 2, grad.ndim - 1])
+    lead = tuple(grad.shape[:-2])
+    target = None if rows is None else with_inner_dims(rows, lead, tuple(grad.shape[-2:]))
+    out = None if rows is None else with_inner_dims(rows, lead, (sizes[-1],))
+    if target is None or out is None:
+        return None
+
+    def local(call, g, _sizes, *args, **kwargs):  # this device's rows, the whole last dim
+        return call.func(g, [*g.shape[:-2], sizes[-1]], *args, **kwargs)
 
     return Sharding(inputs=[target], outputs=out, local=local)
 

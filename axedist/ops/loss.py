@@ -193,9 +193,10 @@ def nll_loss_backward_rule(call: OpCall) -> Sharding:
         inputs, _, held = dealt
         return Sharding(inputs=inputs, outputs=scores.layout, local=_nll_backward(scores.shape[class_dim], class_dim, held))
     rows = _rows_dealt(call, scores, target)
-    if rows is not None and (reduction != _NONE or (layout_only(grad) and grad.layout == rows[0])):
+    if rows is not None:
         everything = (Replicate(),) * mesh.ndim
-        wanted = {"grad_output": None if reduction == _NONE else everything, "self": None, "target": None}
+        # per-row losses' gradient: asked in the rows' map (a replicated one, as ``loss.sum()`` gives, is cut where it is)
+        wanted = {"grad_output": rows[0] if reduction == _NONE else everything, "self": None, "target": None}
         if reduction != _MEAN:
             wanted["total_weight"] = None  # read only by mean
         return Sharding(inputs=inputs_by_name(call, wanted, default=everything), outputs=scores.layout,

@@ -182,20 +182,31 @@ def _rows_broadcast(specs: list, out_shape: tuple) -> Sharding | None:
     that deals only those rows (``specs.reduced_in_place`` over the trailing dims): every operand
     is asked for that map of rows with its own trailing dims (a replicated one is cut where it
     is) and each piece broadcasts its own rows. ``x.unsqueeze(-1) * y.unsqueeze(-2)`` of dealt
-    rows: the (R, H, H) outer products keep the rows' map. None otherwise."""
+    rows: the (R, H, H) outer products keep the rows' map. A replicated operand that spans only
+    trailing dims (size 1 or missing in the rows) stays whole and broadcasts over every piece:
+    ``t.unsqueeze(-1) == torch.arange(6)`` (``one_hot``) of dealt (8,) targets gives (8, 6) rows
+    in the targets' map. None otherwise."""
     ndim = len(out_shape)
-    if not specs or any(s.reduce_op or s.ndim != ndim for s in specs) or 0 in out_shape:
+    if not specs or any(s.reduce_op for s in specs) or 0 in out_shape:
         return None
-    source = next((s for s in specs if layout_only(s)), None)
-    if source is None:
+    at = next((i for i, s in enumerate(specs) if layout_only(s) and s.ndim == ndim), None)
+    if at is None:
         return None
+    source = specs[at]
+    everywhere = (Replicate(),) * source.mesh.ndim
     for lead in range(ndim - 1, 0, -1):  # the most leading dims first
-        if any(tuple(s.shape[:lead]) != tuple(out_shape[:lead]) for s in specs):
+        in_rows = [s.ndim == ndim and tuple(s.shape[:lead]) == tuple(out_shape[:lead]) for s in specs]
+
+        def spread(s) -> bool:  # replicated, with size 1 (or no dim) in every row dim
+            return s.is_replicated() and all(n == 1 for n in s.shape[:s.ndim - (ndim - lead)])
+
+        if not in_rows[at] or any(not r and not spread(s) for s, r in zip(specs, in_rows)):
             continue
         rows = reduced_in_place(source, list(range(lead, ndim)))
         if rows is None:
             continue
-        targets = [with_inner_dims(rows, out_shape[:lead], s.shape[lead:]) for s in specs]
+        targets = [with_inner_dims(rows, out_shape[:lead], s.shape[lead:]) if r else everywhere
+                   for s, r in zip(specs, in_rows)]
         out = with_inner_dims(rows, out_shape[:lead], out_shape[lead:])
         if out is not None and all(t is not None for t in targets):
             return Sharding(inputs=targets, outputs=out)

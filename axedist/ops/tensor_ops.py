@@ -30,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
-from ..layout import with_dim_inserted, with_dims_inserted, with_inner_dims, without_dim
-from .specs import layout_only, local_shape_of, reduced_in_place
+from ..layout import Layout, with_dim_inserted, with_dims_inserted, with_inner_dims, without_dim
+from .specs import layout_only, local_shape_of, padded, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -303,10 +303,18 @@ def slice_backward_rule(call: OpCall) -> Sharding:
     add up to zeros)."""
     grad, sizes, dim, start, end, step = call.args[:6]
     d = dim % max(grad.ndim, 1)
+    found = rows_in_place([grad], d, [sizes[d]]) if grad.ndim else None
+    if found is not None:  # along whole rows dealt by a layout: each device pads its own rows
+        return Sharding(inputs=found[0], outputs=found[1][0], local=_rows_padded)
     places = placements_of(grad)
     if not is_full_range(sizes[d], start, end, step) or grad.shape[d] != sizes[d]:
         places = unshard(places, [d], grad.ndim)
     return Sharding(inputs=[places], outputs=places, local=_with_local_sizes(sizes, call.mesh, places))
+
+
+def _rows_padded(call, grad, sizes, *rest):
+    """slice_backward of this device's rows: its rows' count, the whole last dim."""
+    return call.func(grad, [*grad.shape[:-1], sizes[-1]], *rest)
 
 
 def _with_local_sizes(sizes, mesh, out_places):
@@ -466,11 +474,22 @@ def index_rule(call: OpCall) -> Sharding | None:
     where = _advanced_index(x, indices)
     if where is None:
         return None
+    index_specs = [i for i in indices if isinstance(i, ArgSpec)]
+    everywhere = (Replicate(),) * call.mesh.ndim
+    if _last_dim_indexed(x, indices):  # whole rows dealt by a layout: each device picks from its own rows
+        found = rows_in_place([x], x.ndim - 1, [tuple(indices[-1].shape)])
+        if found is not None:
+            return Sharding(inputs=found[0] + [everywhere] * len(index_specs), outputs=found[1][0])
     indexed, new_dim, _ = where
     target = unshard(placements_of(x), indexed, x.ndim)
-    index_specs = [i for i in indices if isinstance(i, ArgSpec)]
-    return Sharding(inputs=[target] + [(Replicate(),) * call.mesh.ndim] * len(index_specs),
-                    outputs=renumber(target, x.ndim, new_dim))
+    return Sharding(inputs=[target] + [everywhere] * len(index_specs), outputs=renumber(target, x.ndim, new_dim))
+
+
+def _last_dim_indexed(x: ArgSpec, indices) -> bool:
+    """Whether ``x[..., idx]`` indexes only ``x``'s last dim, with one index tensor (its shape
+    replaces that dim): the case each device answers from its own whole rows."""
+    return (len(indices) == x.ndim >= 2 and all(i is None for i in indices[:-1])
+            and isinstance(indices[-1], (ArgSpec, torch.Tensor)))
 
 
 @register(aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default)
@@ -484,6 +503,9 @@ def index_put_rule(call: OpCall) -> Sharding | None:
     where = _advanced_index(x, indices)
     if where is None:
         return None
+    rows = _rows_put(call, x, indices, values)
+    if rows is not None:
+        return rows
     indexed, new_dim, result_ndim = where
     target = without_partial(unshard(placements_of(x), indexed, x.ndim))
     if call.func != aten.index_put.default and x.placements != target:
@@ -500,6 +522,37 @@ def index_put_rule(call: OpCall) -> Sharding | None:
     return Sharding(inputs=inputs, outputs=target)
 
 
+def _rows_put(call: OpCall, x: ArgSpec, indices, values) -> Sharding | None:
+    """``x[..., idx] = values`` (or ``+=``: index's backward) into whole rows dealt by a layout
+    (of ``x`` or of ``values``, whose dims are ``x``'s rows then ``idx``'s): both in that map of
+    rows, each device writes its own; a replicated ``values`` that broadcasts over the rows stays
+    whole. An in-place call only where ``x`` stays. None otherwise (the placement way)."""
+    if not _last_dim_indexed(x, indices) or x.reduce_op or 0 in x.shape:
+        return None
+    lead = tuple(x.shape[:-1])
+    everywhere = (Replicate(),) * call.mesh.ndim
+    in_rows = isinstance(values, ArgSpec) and values.ndim == len(lead) + indices[-1].ndim \
+        and tuple(values.shape[:len(lead)]) == lead
+    if isinstance(values, ArgSpec) and (values.reduce_op or 0 in values.shape or not (in_rows or values.is_replicated())):
+        return None
+    rows = reduced_in_place(x, [x.ndim - 1])
+    if rows is None and in_rows:
+        rows = reduced_in_place(values, range(len(lead), values.ndim))
+    target = None if rows is None else with_inner_dims(rows, lead, (x.shape[-1],))
+    if target is None:
+        return None
+    stays = x.placements is None and not padded(x) and target == x.layout
+    if call.func is not aten.index_put.default and not stays:
+        return None
+    value_targets = []
+    if isinstance(values, ArgSpec):
+        value_targets.append(with_inner_dims(rows, lead, tuple(values.shape[len(lead):])) if in_rows else everywhere)
+        if value_targets[0] is None:
+            return None
+    index_specs = sum(isinstance(i, ArgSpec) for i in indices)
+    return Sharding(inputs=[None if stays else target] + [everywhere] * index_specs + value_targets, outputs=target)
+
+
 @register(aten.index_add.default)
 def index_add_rule(call: OpCall) -> Sharding:
     """``x.index_add(dim, idx, src)`` (index_select's backward): ``x`` and ``src`` share their
@@ -508,6 +561,9 @@ def index_add_rule(call: OpCall) -> Sharding:
     x, dim, index, src = call.args[:4]
     d = dim % max(x.ndim, 1)
     specs = [s for s in (x, src) if isinstance(s, ArgSpec)]
+    found = rows_in_place(specs, d, [x.shape[-1]]) if len(specs) == 2 and x.ndim >= 2 else None
+    if found is not None:  # along whole rows dealt by a layout: each device adds into its own rows
+        return Sharding(inputs=[found[0][0], (Replicate(),) * x.mesh.ndim, found[0][1]], outputs=found[1][0])
     target = joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e])
     target = tuple(p if not isinstance(p, Partial) or p.reduce_op == "sum" else Replicate() for p in target)
     inputs = []
@@ -658,18 +714,24 @@ def self_stays(sharding: Sharding | None, self: ArgSpec) -> Sharding | None:
     None (the gather fallback writes the whole result back into ``self``'s layout)."""
     if sharding is None or sharding.inputs[0] is not None or self.reduce_op:
         return None
-    if tuple(sharding.outputs) != tuple(placements_of(self)) or self.placements is None:
-        return None
-    return sharding
+    if self.placements is None:  # a layout with no placement form: kept where the output keeps it
+        return sharding if not padded(self) and sharding.outputs == self.layout else None
+    return sharding if tuple(sharding.outputs) == tuple(placements_of(self)) else None
 
 
 def _in_place(call: OpCall, rule) -> Sharding | None:
     """The out-of-place ``rule``'s sharding for the in-place form, where ``x`` keeps its layout."""
     x = call.args[0]
     inner = rule(call)
-    if tuple(inner.inputs[0]) == x.placements:
+    own = x.placements if x.placements is not None else x.layout
+    if inner.inputs[0] is not None and _as_target(inner.inputs[0]) == own:
         inner = Sharding(inputs=[None] + list(inner.inputs[1:]), outputs=inner.outputs)
     return self_stays(inner, x)
+
+
+def _as_target(target):
+    """A rule's target as it compares with a spec's placements (a tuple) or layout."""
+    return target if isinstance(target, Layout) else tuple(target)
 
 
 @register(aten.scatter_.value, aten.scatter_.src, aten.scatter_add_.default)
