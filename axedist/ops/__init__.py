@@ -11,7 +11,7 @@ from .call_plan import DispatchError
 from .registry import RULES, ArgSpec, OpCall, Sharding, register, rule_for
 
 # One module per op family (rules registered per family, not one switch).
-FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm",
+FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm", "batch_norm",
             "embedding", "loss", "attention", "random", "complex", "along_dim", "batched", "vector_products")
 
 for _family in FAMILIES:
