@@ -143,3 +143,49 @@ def test_vocab_sharded_embedding_captured_in_a_cuda_graph(world_size):
     the host during capture; it asserts on the device now (runtime/checks.py)."""
     for results in run_on_ranks(_embedding_captured, world_size, backend="nccl"):
         assert results == [True, True, True], results
+
+
+def _batch_norm_cuda(rank, world_size):
+    """``F.batch_norm`` of a batch-sharded (N, C, H, W) image batch on CUDA (where torch calls
+    ``cudnn_batch_norm``, or the native kernel), train and eval, float32: values, input / weight /
+    bias gradients and running statistics as torch's on the whole batch; no gather fallback."""
+    from axedist.dtensor import DTensor
+
+    mesh = DeviceMesh("cuda", (world_size,))
+    torch.manual_seed(0)  # the same inputs on every rank
+    shape = (2 * world_size + 1, 8, 6, 5)  # uneven over W
+    failures = []
+    for training in (True, False):
+        x, up = torch.randn(shape, device="cuda") * 2 + 1, torch.randn(shape, device="cuda")
+        w, b, rm = (torch.randn(8, device="cuda") for _ in range(3))
+        rv = torch.rand(8, device="cuda") + 0.5
+        ref = [t.clone().requires_grad_() for t in (x, w, b)]
+        ref_stats = [rm.clone(), rv.clone()]
+        with _Seen() as seen_plain:
+            want = F.batch_norm(ref[0], *ref_stats, ref[1], ref[2], training=training, momentum=0.2)
+        want.backward(up)
+        dx = distribute(x, mesh, [Shard(0)]).requires_grad_()
+        dw, db = (distribute(t, mesh, [Replicate()]).requires_grad_() for t in (w, b))
+        drm, drv = (distribute(t.clone(), mesh, [Replicate()]) for t in (rm, rv))
+        with count_collectives() as moved, _Seen() as seen:
+            got = F.batch_norm(dx, drm, drv, dw, db, training=training, momentum=0.2)
+        got.backward(distribute(up, mesh, [Shard(0)]))
+        what = f"{'train' if training else 'eval'} ({sorted(o for o in seen.ops if 'batch_norm' in o)})"
+        if moved.calls or got.placements != (Shard(0),):
+            failures.append(f"{what}: {moved.calls} moves, output {got.placements}")
+        checks = [("output", got, want), ("x grad", dx.grad, ref[0].grad), ("weight grad", dw.grad, ref[1].grad),
+                  ("bias grad", db.grad, ref[2].grad), ("running mean", drm, ref_stats[0]), ("running var", drv, ref_stats[1])]
+        for name, mine, theirs in checks:
+            if not torch.allclose(mine.full_tensor(), theirs, rtol=1e-4, atol=1e-4):
+                failures.append(f"{what}: {name} differs from torch's by {(mine.full_tensor() - theirs).abs().max():.2e}")
+        if sorted(o for o in seen.ops if "batch_norm" in o) != sorted(o for o in seen_plain.ops if "batch_norm" in o):
+            failures.append(f"{what}: other ops than torch's {sorted(seen_plain.ops)}")
+    if any("batch_norm" in str(op) for op in DTensor.dispatcher.fallback_ops()):
+        failures.append(f"batch norm went through the gather fallback: {DTensor.dispatcher.fallback_ops()}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", WORLDS)
+def test_batch_norm_of_a_sharded_batch_on_cuda(world_size):
+    results = run_on_ranks(_batch_norm_cuda, world_size, backend="nccl")
+    assert results == [[]] * world_size, results[0]
