@@ -10,7 +10,9 @@ tensor argument sharded on its first dim (a batch dim: kept), its last dim (a co
 on that axis only) or replicated, on 2 ranks and on a 2x2 mesh, uneven batches included; the aten
 ops each case names must not have run through the gather fallback, and where only batch dims
 are sharded the forward of a local case moves no data (batches of 5: on 2x2 every rank holds some;
-a batch that would leave a rank none is gathered instead).
+a batch that would leave a rank none is gathered instead). Where a layout with no placement form
+deals whole matrices, or the samples of images and signals, those ops run on each device's own
+where they are and the outputs keep the layout.
 """
 
 import warnings
@@ -344,4 +346,73 @@ def _matrices_in_place_case(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_matrix_functions_run_where_a_layout_without_placements_deals_the_matrices(world, seed):
     results = run_on_ranks(_matrices_in_place_case, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, results[0]
+
+
+# name -> (function, [(maker, shape, dealt)]): a dealt argument is (samples, *shape) laid out as the
+# matrices above, its samples whole on a device; the others (weights, biases) replicated DTensors
+_SAMPLE_CASES = {
+    "max_pool1d": (lambda x: F.max_pool1d(x, 2), [(_randn, (3, 8), True)]),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 2, stride=1), [(_randn, (3, 5, 5), True)]),
+    "max_pool2d unbatched, the channels dealt": (lambda x: F.max_pool2d(x, 2), [(_randn, (4, 6), True)]),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 2, padding=1), [(_randn, (3, 5, 4), True)]),
+    "adaptive_avg_pool2d": (lambda x: F.adaptive_avg_pool2d(x, (2, 3)), [(_randn, (3, 5, 6), True)]),
+    "interpolate nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), [(_randn, (2, 3, 4), True)]),
+    "interpolate bilinear": (lambda x: F.interpolate(x, size=(5, 4), mode="bilinear"), [(_randn, (2, 3, 3), True)]),
+    "pad reflect": (lambda x: F.pad(x, (2, 1, 1, 2), mode="reflect"), [(_randn, (2, 4, 5), True)]),
+    "grid_sample": (lambda x, grid: F.grid_sample(x, grid.tanh(), align_corners=False),
+                    [(_randn, (2, 4, 4), True), (_randn, (3, 3, 2), True)]),
+    "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), [(_randn, (8, 2, 3), True)]),
+    "conv1d": (lambda x, w, b: F.conv1d(x, w, b, padding=1),
+               [(_randn, (3, 7), True), (_randn, (4, 3, 3), False), (_randn, (4,), False)]),
+    "conv2d": (lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1),
+               [(_randn, (3, 5, 5), True), (_randn, (4, 3, 3, 3), False), (_randn, (4,), False)]),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b),
+                   [(_randn, (4, 3, 3), True), (_randn, (4,), False), (_randn, (4,), False)]),
+}
+
+
+def _samples_in_place_case(rank, world, seed):
+    """Each op on samples whose layout deals them whole (as the matrices above): values and the
+    gradient of every input, weights and biases included, equal torch's on the whole batch; the
+    forward and the backward move no data (a weight's gradient is each device's pending sum,
+    reduced only where it is read) and the output keeps the layout (no placement form)."""
+    from axedist.dtensor import distribute
+    from axedist.layout import LayoutError
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, batch, layout in _dealt_matrices(world):
+        for name, (fn, args) in _SAMPLE_CASES.items():
+            what = f"{name}, {label}"
+            plain = [maker(g, *((batch, *shape) if dealt else shape)).requires_grad_() for maker, shape, dealt in args]
+            dist_args = [distribute(p.detach(), mesh, layout(shape) if dealt else [Replicate()] * mesh.ndim)
+                         .requires_grad_() for p, (_, shape, dealt) in zip(plain, args)]
+            with count_collectives() as seen:
+                got = fn(*dist_args)
+            want = fn(*plain)
+            if seen.calls:
+                failures.append(f"{what}: {seen.calls} moves in the forward")
+            try:
+                failures.append(f"{what}: the output was gathered to {got.placements}")
+            except LayoutError:
+                pass
+            if not torch.allclose(got.full_tensor(), want):
+                failures.append(f"{what}: values differ from torch's")
+            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
+            loss = (got.full_tensor() * up).sum()
+            with count_collectives() as seen:
+                loss.backward()
+            (want * up).sum().backward()
+            if seen.calls:
+                failures.append(f"{what}: {seen.calls} moves in the backward")
+            for i, (d, p) in enumerate(zip(dist_args, plain)):
+                if d.grad is None or not torch.allclose(d.grad.full_tensor(), p.grad):
+                    failures.append(f"{what}: the gradient of argument {i} differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_image_ops_run_where_a_layout_without_placements_deals_the_samples(world, seed):
+    results = run_on_ranks(_samples_in_place_case, world, args=(seed,), timeout_s=600)
     assert results == [[]] * world, results[0]

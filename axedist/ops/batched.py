@@ -19,6 +19,13 @@ The matrix functions also run where a layout with no placement form deals whole 
 (``matrices_in_place``): ``A`` (8, 4, 4) whose matrices go round-robin in pairs to 2 devices,
 ``S[(2,2,2,4,4):(32,1@gpuid,16,4,1)]``: ``torch.linalg.inv(A)`` inverts each device's 4
 matrices where they are and keeps the deal; placements would gather ``A`` first.
+
+Pools, upsampling, padding, ``grid_sample``, ``pixel_shuffle``, convolution and group norm
+(``ops/norm.py``) likewise run where such a layout deals the samples (dim 0), every other dim
+whole in each piece (``samples_in_place``): ``x`` (8, 3, 4, 4) whose samples go round-robin to 2
+devices, ``S[(4,2,3,4,4):(48,1@gpuid,16,4,1)]``: ``F.avg_pool2d(x, 2)`` pools each device's 4
+samples, (8, 3, 2, 2) ``S[(4,2,3,2,2):(12,1@gpuid,4,2,1)]``; a replicated weight's gradient is
+each device's sum over its own samples, ``[Partial("sum")]``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from ..spec import chunk_ranges
 from ..tracing import compiling
 from .call_plan import DispatchError
 from .registry import ArgSpec, OpCall, Sharding, moved_to, overload_named, register
-from .specs import layout_only, local_shape_of, reduced_in_place
+from .specs import layout_only, local_shape_of, pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, placements_of, renumber, self_stays, unshard, without_partial
 
 aten = torch.ops.aten
@@ -128,39 +135,54 @@ def _batch_map(spec: ArgSpec, core: int):
     return reduced_in_place(spec, range(spec.ndim - core, spec.ndim))
 
 
-def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | None:
+def matrices_in_place(call: OpCall, cores: list[int | None], local=None, summed=()) -> Sharding | None:
     """The batched rule where a layout with no placement form deals whole matrices: the map of
     batch entries of the first argument with no placement form (``_batch_map``) is asked of every
     argument (one laid out otherwise, a replicated one say, is cut where it is), each device runs
     the op on its own matrices and every output keeps the map. None (the placement way) where no
     argument lacks a placement form, the first one's layout splits a matrix, batch shapes differ
-    (broadcasting), a matrix is empty or an output does not lead with the batch shape."""
+    (broadcasting), a matrix is empty or an output does not lead with the batch shape.
+
+    ``cores[i]`` None: an argument with no batch (a convolution's weight), asked replicated and
+    left out of those checks. The outputs numbered in ``summed`` (a weight's gradient) sum over
+    the batch entries: each device's sum over its own, pending over the axes that deal them
+    (``specs.pending_in_place``; None where it is None)."""
     specs = call.specs
-    if len(cores) != len(specs) or any(c > s.ndim for c, s in zip(cores, specs)) or any(s.reduce_op for s in specs):
+    if len(cores) != len(specs):
         return None
-    batches = {tuple(s.shape[:s.ndim - c]) for s, c in zip(specs, cores)}
+    batched = [(s, c) for s, c in zip(specs, cores) if c is not None]
+    if any(c > s.ndim for s, c in batched) or any(s.reduce_op for s, _ in batched):
+        return None
+    batches = {tuple(s.shape[:s.ndim - c]) for s, c in batched}
     if len(batches) != 1:
         return None
     (batch,) = batches
-    if not batch or any(0 in s.shape[len(batch):] for s in specs):
+    if not batch or any(0 in s.shape[len(batch):] for s, _ in batched):
         return None
-    maps = [_batch_map(s, c) for s, c in zip(specs, cores) if s.placements is None]
-    if not maps or maps[0] is None:
+    maps = [(s, _batch_map(s, c)) for s, c in batched if s.placements is None]
+    if not maps or maps[0][1] is None:
         return None
-    inputs = [with_inner_dims(maps[0], batch, s.shape[len(batch):]) for s in specs]
+    source, batch_map = maps[0]
+    inputs = [(Replicate(),) * call.mesh.ndim if c is None else with_inner_dims(batch_map, batch, s.shape[len(batch):])
+              for s, c in zip(specs, cores)]
     if any(laid is None for laid in inputs):
         return None
     flat = _meta_outputs(call)
     if flat is None:
         return None
     outputs = []
-    for value in flat:
+    for index, value in enumerate(flat):
         if not isinstance(value, torch.Tensor):
             outputs.append(None)
+        elif index in summed:
+            pending = pending_in_place(source, "sum")
+            if pending is None:
+                return None
+            outputs.append(pending)
         elif value.numel() == 0 and tuple(value.shape[:len(batch)]) != batch:
             outputs.append((Replicate(),) * call.mesh.ndim)  # an output the call does not compute
         elif tuple(value.shape[:len(batch)]) == batch and value.numel():
-            laid = with_inner_dims(maps[0], batch, tuple(value.shape[len(batch):]))
+            laid = with_inner_dims(batch_map, batch, tuple(value.shape[len(batch):]))
             if laid is None:
                 return None
             outputs.append(laid)
@@ -169,6 +191,30 @@ def matrices_in_place(call: OpCall, cores: list[int], local=None) -> Sharding | 
     return Sharding(inputs=inputs,
                     outputs=outputs[0] if len(outputs) == 1 else tuple(outputs), local=local,
                     note="whole matrices dealt by a layout: each device's own")
+
+
+def samples_in_place(call: OpCall, core: int, batched: int | None = None, summed=(), local=None) -> Sharding | None:
+    """``matrices_in_place`` for ops on images and signals, the samples (dim 0) the batch: where a
+    layout with no placement form deals the samples of the first ``batched`` arguments (all by
+    default), every other dim whole in each piece, each device runs the op on its own samples;
+    the other arguments (weights, biases) are asked replicated and the outputs numbered in
+    ``summed`` (their gradients) are pending sums. None where such an argument has fewer than
+    ``core`` dims after dim 0 (an unbatched image of an op that mixes all its dims) or where some
+    device holds no samples (a kernel refuses the all-empty piece of a device a layout skips).
+
+    ``F.conv2d(x, w, b, padding=1)``, ``x`` (8, 3, 5, 5) whose samples go round-robin to 2
+    devices, ``S[(4,2,3,5,5):(75,1@gpuid,25,5,1)]``, ``w`` (4, 3, 3, 3) and ``b`` replicated: each
+    device convolves its 4 samples, the (8, 4, 5, 5) output ``S[(4,2,4,5,5):(100,1@gpuid,25,5,1)]``;
+    ``w``'s gradient is each device's sum over its samples, ``[Partial("sum")]``."""
+    specs = call.specs
+    batched = len(specs) if batched is None else batched
+    if any(s.ndim - 1 < core for s in specs[:batched]):
+        return None
+    first = next((s for s in specs[:batched] if s.placements is None), None)
+    if first is None or pending_in_place(first, "sum") is None:
+        return None
+    cores = [s.ndim - 1 if i < batched else None for i, s in enumerate(specs)]
+    return matrices_in_place(call, cores, local=local, summed=summed)
 
 
 def _emptied(out, shape, mesh) -> set[int]:
@@ -414,31 +460,30 @@ def _is_upsample_backward(func) -> bool:
 @register(*_SPATIAL)
 def spatial_rule(call: OpCall) -> Sharding | None:
     """``F.avg_pool2d(x, 2)`` of (N, C, H, W) ``[Shard(0)]`` or ``[Shard(1)]``: local, the output
-    sharded alike; of ``[Shard(2)]``: H gathered first. An upsample's backward gets this rank's
-    ``input_size`` (its batch and channel dims are this rank's)."""
+    sharded alike; of ``[Shard(2)]``: H gathered first; samples dealt by a layout with no
+    placement form: each device's own (``samples_in_place``). An upsample's backward gets this
+    rank's ``input_size`` (its batch and channel dims are this rank's)."""
     k = _SPATIAL[call.func]
-    sharding = batch_sharding(call, [k] * len(call.specs))
-    if sharding is None or not _is_upsample_backward(call.func):
-        return sharding
-    input_size = call.arg(2, "input_size")
-    out = sharding.outputs
-    local_size = list(local_shape_of(tuple(input_size), call.mesh, out))
+    local = None
+    if _is_upsample_backward(call.func):
+        spatial = list(call.arg(2, "input_size"))[-k:]
 
-    def local(call_, grad, output_size, _input_size, *args, **kwargs):
-        return call_.func(grad, output_size, local_size, *args, **kwargs)
+        def local(call_, grad, output_size, _input_size, *args, **kwargs):
+            # the batch and channel dims as this rank holds them (the local grad's); the spatial ones whole
+            return call_.func(grad, output_size, [*grad.shape[:grad.dim() - k], *spatial], *args, **kwargs)
 
-    return Sharding(inputs=sharding.inputs, outputs=out, local=local)
+    return samples_in_place(call, k, local=local) or batch_sharding(call, [k] * len(call.specs), local=local)
 
 
 @register(aten.grid_sampler_2d.default, aten.grid_sampler_2d_backward.default, aten.grid_sampler_3d.default,
           aten.grid_sampler_3d_backward.default)
 def grid_sampler_rule(call: OpCall) -> Sharding | None:
     """``F.grid_sample(x (N, C, H, W), grid (N, Ho, Wo, 2))``: by batch N only (the grid's
-    gradient sums over the channels)."""
+    gradient sums over the channels), the samples dealt by placements or by a layout."""
     k = 3 if "2d" in call.func._schema.name else 4
     if any(s.ndim != k + 1 for s in call.specs):
         return None
-    return batch_sharding(call, [k] * len(call.specs))
+    return samples_in_place(call, k) or batch_sharding(call, [k] * len(call.specs))
 
 
 @register(aten.pixel_shuffle.default, aten.pixel_unshuffle.default, aten.channel_shuffle.default,
@@ -446,7 +491,8 @@ def grid_sampler_rule(call: OpCall) -> Sharding | None:
 def per_image_rule(call: OpCall) -> Sharding | None:
     """Ops that mix channels and pixels of one image: by the leading batch dims only
     (pixel_shuffle's (*, C, H, W): 3 core dims; im2col's (N?, C, H, W): 3; col2im's (N?, C*k, L): 2;
-    channel_shuffle's (N, C, *): all but N)."""
+    channel_shuffle's (N, C, *): all but N), or by samples dealt by a layout (dim 0; an
+    unbatched image, with no dim beside its core, declines that way)."""
     x = call.specs[0]
     if call.func is aten.col2im.default:
         core = 2
@@ -454,7 +500,7 @@ def per_image_rule(call: OpCall) -> Sharding | None:
         core = x.ndim - 1
     else:
         core = 3
-    return batch_sharding(call, [core])
+    return samples_in_place(call, core) or batch_sharding(call, [core])
 
 
 # ---------------------------------------------------------------------------
@@ -474,11 +520,15 @@ def _batch_axes(x: ArgSpec) -> tuple:
 @register(aten.convolution.default)
 def convolution_rule(call: OpCall) -> Sharding | None:
     """``F.conv2d(x, w, b)``, ``x`` (N, C, H, W) ``[Shard(0)]``: each rank's images with the
-    replicated ``w``, ``b``; output ``[Shard(0)]``."""
+    replicated ``w``, ``b``; output ``[Shard(0)]``; likewise for images dealt by a layout with no
+    placement form, the output in their map (``samples_in_place``)."""
     x, w = call.args[0], call.args[1]
     bias = call.arg(2, "bias")
     if not isinstance(x, ArgSpec) or not isinstance(w, ArgSpec) or x.ndim != w.ndim:
         return None
+    in_place = samples_in_place(call, 1, batched=1)
+    if in_place is not None:
+        return in_place
     batch = _batch_axes(x)
     full = (Replicate(),) * call.mesh.ndim
     inputs = [moved_to(x, batch), moved_to(w, full)] + ([moved_to(bias, full)] if isinstance(bias, ArgSpec) else [])
@@ -488,10 +538,14 @@ def convolution_rule(call: OpCall) -> Sharding | None:
 @register(aten.convolution_backward.default)
 def convolution_backward_rule(call: OpCall) -> Sharding | None:
     """``grad_out`` and ``x`` by batch, ``w`` replicated: grad_input by batch; grad_weight and
-    grad_bias sum over the images, a pending sum over the batch's axes."""
+    grad_bias sum over the images, a pending sum over the batch's axes (over the axes that deal
+    them, for images dealt by a layout with no placement form)."""
     grad, x, w = call.args[:3]
     if not all(isinstance(s, ArgSpec) for s in (grad, x, w)) or x.ndim != w.ndim or grad.ndim != x.ndim:
         return None
+    in_place = samples_in_place(call, 1, batched=2, summed=(1, 2))
+    if in_place is not None:
+        return in_place
     batch = _batch_axes(x)
     full = (Replicate(),) * call.mesh.ndim
     summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in batch)

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..runtime.carriers import all_reduce_
+from .batched import samples_in_place
 from .reduction import accumulation_dtype
 from .registry import ArgSpec, OpCall, Sharding, register
 from .specs import dim_dealt, pending_in_place, reduced_in_place
@@ -321,10 +322,10 @@ def _by_batch(x: ArgSpec) -> tuple:
 @register(aten.native_group_norm.default)
 def group_norm_rule(call: OpCall) -> Sharding:
     """``native_group_norm(x (N, C, *), w, b, N, C, HxW, G, eps)``, ``x`` in ``[Shard(0)]``: each
-    rank's images (the op told this rank's N); out, mean and rstd (N, G) ``[Shard(0)]``."""
+    rank's images (the op told this rank's N); out, mean and rstd (N, G) ``[Shard(0)]``. Images
+    dealt by a layout with no placement form likewise, every output in their map
+    (``batched.samples_in_place``)."""
     x, weight, bias = call.args[:3]
-    batch = _by_batch(x)
-    inputs = _specs_inputs([x, weight, bias], [batch, _replicated(weight), _replicated(bias)])
 
     def local(call_, t, w, b, _n, c, hxw, group, eps):
         if t.shape[0] == 0:  # an empty piece of an uneven batch
@@ -332,17 +333,20 @@ def group_norm_rule(call: OpCall) -> Sharding:
             return t.clone(), stats, stats.clone()
         return aten.native_group_norm.default(t, w, b, t.shape[0], c, hxw, group, eps)
 
+    in_place = samples_in_place(call, 1, batched=1, local=local)
+    if in_place is not None:
+        return in_place
+    batch = _by_batch(x)
+    inputs = _specs_inputs([x, weight, bias], [batch, _replicated(weight), _replicated(bias)])
     return Sharding(inputs=inputs, outputs=(batch, batch, batch), local=local)
 
 
 @register(aten.native_group_norm_backward.default)
 def group_norm_backward_rule(call: OpCall) -> Sharding:
     """By batch, as the forward: grad_input ``[Shard(0)]``; grad_weight and grad_bias sum over the
-    images, ``[Partial("sum")]`` on the batch's axes."""
+    images, ``[Partial("sum")]`` on the batch's axes (on the axes that deal them, for images dealt
+    by a layout with no placement form)."""
     grad, x, mean, rstd, weight = call.args[:5]
-    batch = _by_batch(x)
-    summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in batch)
-    inputs = _specs_inputs([grad, x, mean, rstd, weight], [batch, batch, batch, batch, _replicated(weight)])
 
     def local(call_, g, t, m, r, w, _n, c, hxw, group, mask):
         if t.shape[0] == 0:  # an empty piece of an uneven batch: no images, nothing summed
@@ -350,4 +354,10 @@ def group_norm_backward_rule(call: OpCall) -> Sharding:
             return (g.clone() if mask[0] else None, zeros if mask[1] else None, zeros.clone() if mask[2] else None)
         return aten.native_group_norm_backward.default(g, t, m, r, w, t.shape[0], c, hxw, group, mask)
 
+    in_place = samples_in_place(call, 1, batched=4, summed=(1, 2), local=local)
+    if in_place is not None:
+        return in_place
+    batch = _by_batch(x)
+    summed = tuple(Partial("sum") if isinstance(p, Shard) else Replicate() for p in batch)
+    inputs = _specs_inputs([grad, x, mean, rstd, weight], [batch, batch, batch, batch, _replicated(weight)])
     return Sharding(inputs=inputs, outputs=(batch, summed, summed), local=local)
