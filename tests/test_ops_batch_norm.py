@@ -112,6 +112,11 @@ def _cudnn_ops_by_their_rules(rank, world, seed):
     for name, m, t in zip(("input", "weight", "bias"), mine, theirs):
         if not torch.allclose(m.full_tensor(), t):
             failures.append(f"cudnn_batch_norm_backward: the {name} gradient differs from torch's native op")
+    # eval: the output by the running statistics; the saved ones empty, as cudnn's meta kernel says
+    out, mean, invstd, _ = aten.cudnn_batch_norm(dx, dw, db, drm, drv, False, 0.1, 1e-5)
+    want = aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5)[0]
+    if not torch.allclose(out.full_tensor(), want) or mean.shape != (0,) or invstd.shape != (0,):
+        failures.append(f"cudnn_batch_norm in eval: values differ or statistics {tuple(mean.shape)}, not empty")
     return failures
 
 

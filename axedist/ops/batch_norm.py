@@ -75,12 +75,17 @@ def batch_norm_rule(call: OpCall) -> Sharding | None:
     everywhere = (Replicate(),) * call.mesh.ndim
     cudnn = call.func is aten.cudnn_batch_norm.default
     outputs = (_kept(x, target), everywhere, everywhere) + ((everywhere,) if cudnn else ())
+    meta = call.meta_outputs()
+    if meta is None:
+        return None
+    # eval's saved statistics: (C,) from native_batch_norm, empty from cudnn_batch_norm (as their meta kernels say)
     return Sharding(inputs=[target] + [everywhere] * (len(call.specs) - 1), outputs=outputs,
-                    local=_forward(math.prod(x.shape) // x.shape[1], axes, cudnn))
+                    local=_forward(math.prod(x.shape) // x.shape[1], axes, cudnn, meta[1].numel() == 0))
 
 
-def _forward(count: int, axes, cudnn: bool):
-    """The local step: ``count`` elements per channel in the whole tensor, summed over ``axes``."""
+def _forward(count: int, axes, cudnn: bool, empty_stats: bool):
+    """The local step: ``count`` elements per channel in the whole tensor, summed over ``axes``;
+    in eval mode, the saved statistics empty where ``empty_stats``."""
     def local(call, x, weight, bias, running_mean, running_var, training, momentum, eps):
         acc = accumulation_dtype(x.dtype)
         if training:
@@ -96,11 +101,11 @@ def _forward(count: int, axes, cudnn: bool):
                     unbiased = var * (count / (count - 1)) if count > 1 else var
                     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
             saved = (mean, invstd)
-        else:  # (C,) statistics, as the meta kernel's shapes say; the backward of eval reads the running ones
+        else:  # the backward of eval reads the running statistics, not the saved ones
             mean = running_mean.to(acc)
             centered = x.to(acc) - _per_channel(mean, x.ndim)
             invstd = torch.rsqrt(running_var.to(acc) + eps)
-            saved = (mean.clone(), invstd)
+            saved = (x.new_empty(0, dtype=acc),) * 2 if empty_stats else (mean.clone(), invstd)
         out = centered * _per_channel(invstd, x.ndim)
         if weight is not None:
             out = out * _per_channel(weight.to(acc), x.ndim)

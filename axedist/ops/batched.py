@@ -47,25 +47,6 @@ from .tensor_ops import is_plain_shard, placements_of, renumber, self_stays, uns
 aten = torch.ops.aten
 
 
-def _meta(value):
-    if isinstance(value, ArgSpec):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
-    if isinstance(value, torch.Tensor):  # a plain 0-dim tensor (pinverse's rcond)
-        return torch.empty_like(value, device="meta")
-    if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
-    return value
-
-
-def _meta_outputs(call: OpCall) -> list | None:
-    """The op's outputs on meta tensors of the global shapes (flattened; None: no meta kernel)."""
-    try:
-        out = call.func(*_meta(call.args), **{k: _meta(v) for k, v in call.kwargs.items()})
-    except (NotImplementedError, RuntimeError):
-        return None
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
 def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | None:
     """The batched rule with ``cores[i]`` trailing core dims of ``call.specs[i]``.
 
@@ -105,7 +86,7 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
     out = tuple(out)
     entries = []
     if any(isinstance(p, Shard) for p in out):
-        flat = _meta_outputs(call)
+        flat = call.meta_outputs()
         if flat is None:
             return None
         for value in flat:
@@ -119,7 +100,7 @@ def batch_sharding(call: OpCall, cores: list[int], local=None) -> Sharding | Non
                 return None
         outputs = entries[0] if len(entries) == 1 else tuple(entries)
     else:
-        flat = _meta_outputs(call)
+        flat = call.meta_outputs()
         if flat is None:
             return None
         outputs = out if len(flat) == 1 else tuple(None if not isinstance(v, torch.Tensor) else out for v in flat)
@@ -167,7 +148,7 @@ def matrices_in_place(call: OpCall, cores: list[int | None], local=None, summed=
               for s, c in zip(specs, cores)]
     if any(laid is None for laid in inputs):
         return None
-    flat = _meta_outputs(call)
+    flat = call.meta_outputs()
     if flat is None:
         return None
     outputs = []

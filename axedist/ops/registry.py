@@ -113,6 +113,27 @@ class OpCall:
             return self.args[index]
         return self.kwargs.get(name, default)
 
+    def meta_outputs(self) -> list | None:
+        """The op's outputs on meta tensors of the global shapes, flattened (None: no meta
+        kernel): the shapes the local results must have, e.g. ``cudnn_batch_norm``'s empty
+        statistics in eval mode where ``native_batch_norm``'s are (C,)."""
+        try:
+            out = self.func(*_on_meta(self.args), **{k: _on_meta(v) for k, v in self.kwargs.items()})
+        except (NotImplementedError, RuntimeError):
+            return None
+        return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _on_meta(value):
+    """An argument with its ArgSpecs (and plain tensors: 0-dim scalars) as meta tensors."""
+    if isinstance(value, ArgSpec):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_meta(v) for v in value)
+    return value
+
 
 @dataclass
 class Sharding:
