@@ -198,7 +198,7 @@ def _rows_broadcast(specs: list, out_shape: tuple) -> Sharding | None:
         in_rows = [s.ndim == ndim and tuple(s.shape[:lead]) == tuple(out_shape[:lead]) for s in specs]
 
         def spread(s) -> bool:  # replicated, with size 1 (or no dim) in every row dim
-            return s.is_replicated() and all(n == 1 for n in s.shape[:s.ndim - (ndim - lead)])
+            return s.is_replicated() and all(n == 1 for n in s.shape[:max(0, s.ndim - (ndim - lead))])
 
         if not in_rows[at] or any(not r and not spread(s) for s, r in zip(specs, in_rows)):
             continue

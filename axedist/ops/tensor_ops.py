@@ -563,14 +563,14 @@ def index_add_rule(call: OpCall) -> Sharding:
     specs = [s for s in (x, src) if isinstance(s, ArgSpec)]
     found = rows_in_place(specs, d, [x.shape[-1]]) if len(specs) == 2 and x.ndim >= 2 else None
     if found is not None:  # along whole rows dealt by a layout: each device adds into its own rows
-        return Sharding(inputs=[found[0][0], (Replicate(),) * x.mesh.ndim, found[0][1]], outputs=found[1][0])
-    target = joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e])
-    target = tuple(p if not isinstance(p, Partial) or p.reduce_op == "sum" else Replicate() for p in target)
-    inputs = []
-    for value in (x, index, src):
-        if isinstance(value, ArgSpec):
-            inputs.append(target if value is not index else (Replicate(),) * x.mesh.ndim)
-    return Sharding(inputs=inputs, outputs=target)
+        (x_target, src_target), out = found[0], found[1][0]
+    else:
+        out = joint_placements(specs, allowed=lambda e: e != d and x.shape[e] == src.shape[e])
+        x_target = src_target = out = tuple(p if not isinstance(p, Partial) or p.reduce_op == "sum" else Replicate()
+                                            for p in out)
+    everywhere = (Replicate(),) * x.mesh.ndim
+    return Sharding(inputs=[x_target if v is x else src_target if v is src else everywhere
+                            for v in (x, index, src) if isinstance(v, ArgSpec)], outputs=out)
 
 
 def _index_axis(dim: int, shapes, ps):
