@@ -647,3 +647,58 @@ def test_indexing_and_per_row_losses_run_where_a_layout_without_placements_is(wo
     seed = random.randrange(10**6)
     results = run_on_ranks(_indexed_rows_in_place, world, args=(seed,), timeout_s=600)
     assert results == [[]] * world, (seed, results[0])
+
+
+# name -> f(x (R, H), w (H, H), b (H,)): reductions over the rows a layout deals (and linear's bias gradient)
+OVER_DEALT_ROWS = {
+    "sum over rows": lambda x, w, b: x.sum(0),
+    "mean over rows keepdim": lambda x, w, b: x.mean(0, keepdim=True),
+    "amax over rows": lambda x, w, b: x.amax(0),
+    "sum of rows of a view": lambda x, w, b: x.view(-1, 2, H).sum((0, 1)),
+    "a linear layer's output summed over rows": lambda x, w, b: F.linear(x, w, b).sum(0),
+    "a linear layer's bias gradient from dealt rows": lambda x, w, b: (F.linear(x, w, b) * x).sum(0),
+}
+
+
+def _reduced_over_dealt_rows(rank, world, seed):
+    """A sum, mean or max over the rows a layout deals, every other dim whole in each piece: each
+    device reduces its own rows, a pending reduction over the dealing axes, no collective in the
+    forward (placements gathered the rows); values and gradients (a bias's too) equal torch's."""
+    from torch.distributed.tensor import Partial
+
+    from axedist.runtime import count_collectives
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, make, rows in _layouts(world):
+        replicated = [Replicate()] * mesh.ndim
+        for name, f in OVER_DEALT_ROWS.items():
+            x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
+            w, b = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for shape in ((H, H), (H,)))
+            dx = make(x.detach()).detach().requires_grad_()
+            dw, db = (distribute(t.detach(), mesh, replicated).requires_grad_() for t in (w, b))
+            with count_collectives() as seen:
+                out = f(dx, dw, db)
+            if seen.calls:
+                failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
+            if not any(isinstance(p, Partial) for p in out.placements):
+                failures.append(f"{label} {name}: {out.placements}, not a pending reduction")
+            want = f(x, w, b)
+            if not torch.allclose(out.full_tensor(), want):
+                failures.append(f"{label} {name}: values differ from torch")
+                continue
+            up = torch.randn(want.shape, generator=g, dtype=torch.float64)
+            (out * distribute(up, mesh, replicated)).sum().backward()
+            (want * up).sum().backward()
+            for which, mine, theirs in (("x", dx, x), ("w", dw, w), ("b", db, b)):
+                got = None if mine.grad is None else mine.grad.full_tensor()
+                if (got is None) != (theirs.grad is None) or (got is not None and not torch.allclose(got, theirs.grad)):
+                    failures.append(f"{label} {name}: the {which} gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reductions_over_the_dealt_rows_are_pending_where_they_are(world):
+    seed = random.randrange(10**6)
+    results = run_on_ranks(_reduced_over_dealt_rows, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, (seed, results[0])

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate
 from ..runtime.carriers import all_reduce_
 from .registry import ArgSpec, OpCall, Sharding, register
 from .shard_ranges import Held, held_under
-from .specs import pending_in_place, reduced_in_place
+from .specs import dim_dealt, pending_in_place, reduced_in_place
 from .tensor_ops import is_plain_shard, moved, placements_of, shard_dim, without_partial
 
 aten = torch.ops.aten
@@ -78,6 +78,8 @@ class _Plan:
             return
         # ... and over all its dims, where the pieces combine by a pending op: each reduces its own
         whole = pending_in_place(x, pending) if pending and x.ndim and dims == list(range(x.ndim)) else None
+        if whole is None and pending and x.placements is None:
+            whole = _pending_over_dealt(x, dims, pending)
         if whole is not None:
             self.target, self.out, self.comm_axes, self.sharded = None, whole, [], True
             return
@@ -108,6 +110,19 @@ class _Plan:
                 out.append(moved(p, new_dim(d)))
         self.target, self.out, self.comm_axes = tuple(target), tuple(out), comm
         self.sharded = reduces_sharded and any(shard_dim(p, x.ndim) in dims for p in target)
+
+
+def _pending_over_dealt(x: ArgSpec, dims: list[int], pending: str) -> tuple | None:
+    """The placements of a reduction over ``dims`` of ``x`` (a layout with no placement form)
+    where one of them is the only dim the layout deals, every other dim whole and local in each
+    piece (``specs.dim_dealt``): each device reduces its own, ``Partial(pending)`` over the
+    dealing axes. ``grad.sum(0)`` of rows dealt round-robin (a bias's gradient): each device sums
+    its rows, a pending sum, where placements gathered the rows. None otherwise."""
+    for d in dims:
+        axes = dim_dealt(x, d)
+        if axes:
+            return tuple(Partial(pending) if a in axes else Replicate() for a in x.mesh.axis_names)
+    return None
 
 
 def _identity(kind: str, dtype: torch.dtype):
