@@ -580,6 +580,7 @@ def test_elementwise_losses_run_where_a_layout_without_placements_is(world):
 INDEXED_ROWS = {
     "one_hot": lambda x, y, t, idx, r: F.one_hot(t, H).to(x.dtype) * x,
     "a column against a row": lambda x, y, t, idx, r: (x[:, :1] < r) * y,
+    "embedding of dealt ids": lambda x, y, t, idx, r: F.embedding(t, r[:, None] * r) * 1,
     "cross_entropy none": lambda x, y, t, idx, r: F.cross_entropy(x, t, reduction="none"),
     "cross_entropy none smoothed": lambda x, y, t, idx, r: F.cross_entropy(x, t, reduction="none", label_smoothing=0.1),
     "columns by index": lambda x, y, t, idx, r: x[:, idx],
@@ -615,10 +616,10 @@ def _indexed_rows_in_place(rank, world, seed):
             x, y = (torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
             t = torch.randint(0, H, (rows,), generator=g)
             idx = torch.randint(0, H, (4,), generator=g)
-            r = torch.randn(H, generator=g, dtype=torch.float64)
+            r = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True)
             dx, dy = (make(v.detach()).detach().requires_grad_() for v in (x, y))
             dt = make(t[:, None].expand(rows, H).contiguous())[:, 0]  # the targets in the rows' map
-            didx, dr = distribute(idx, mesh, replicated), distribute(r, mesh, replicated)
+            didx, dr = distribute(idx, mesh, replicated), distribute(r.detach(), mesh, replicated).requires_grad_()
             with count_collectives() as seen:
                 out = f(dx, dy, dt, didx, dr)
             if seen.calls:
@@ -634,9 +635,9 @@ def _indexed_rows_in_place(rank, world, seed):
                 loss.backward()
             if seen.calls:
                 failures.append(f"{label} {name}: {seen.calls} collectives in the backward")
-            mine = [d.grad.full_tensor() if d.grad is not None else None for d in (dx, dy)]
+            mine = [d.grad.full_tensor() if d.grad is not None else None for d in (dx, dy, dr)]
             (want * up).sum().backward()
-            for which, m, theirs in zip("xy", mine, (x.grad, y.grad)):
+            for which, m, theirs in zip("xyr", mine, (x.grad, y.grad, r.grad)):
                 if (m is None) != (theirs is None) or (m is not None and not torch.allclose(m, theirs)):
                     failures.append(f"{label} {name}: the {which} gradient differs from torch's")
     return failures

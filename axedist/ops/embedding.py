@@ -31,7 +31,8 @@ import torch
 from ..runtime import checks
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import Held, held_along, held_under
-from .specs import pending_in_place, reduced_in_place
+from ..layout import with_inner_dims
+from .specs import padded, pending_in_place, reduced_in_place
 
 aten = torch.ops.aten
 
@@ -67,6 +68,9 @@ def embedding_rule(call: OpCall) -> Sharding:
         else:
             w_in.append(Replicate()), i_in.append(Replicate()), out.append(Replicate())
     w_in, i_in = tuple(w_in), tuple(i_in)
+    looked_up = _ids_dealt(indices, weight.shape[-1]) if weight.is_replicated() else None
+    if looked_up is not None:  # each device looks up its own ids in the whole table
+        return Sharding(inputs=(None, None), outputs=looked_up, note="ids dealt by a layout: each device's own")
     if weight.placements is None:
         dealt = _dealt_rows(weight)
         if dealt is not None:
@@ -114,10 +118,22 @@ def _check_in_range(indices: torch.Tensor, vocab: int) -> None:
     checks.check_range(indices, vocab, f"embedding: index {{value}} is out of range for a vocabulary of {vocab} rows")
 
 
+def _ids_dealt(indices: ArgSpec, width: int):
+    """The layout of the looked-up rows (each id's row of ``width`` whole, innermost) where a
+    layout with no placement form deals the ids (no padding, nothing pending); None otherwise."""
+    if indices.placements is not None or indices.reduce_op or padded(indices) or width < 1 or 0 in indices.shape:
+        return None
+    return with_inner_dims(indices.layout, tuple(indices.shape), (width,))
+
+
 @register(aten.embedding_dense_backward.default)
 def embedding_backward_rule(call: OpCall) -> Sharding:
     grad, indices, num_weights, padding_idx, scale_grad_by_freq = call.args[:5]
     mesh = call.mesh
+    rows = None if scale_grad_by_freq else _ids_dealt(indices, grad.shape[-1])  # (counts would need every id)
+    summed = None if rows is None else pending_in_place(indices, "sum")
+    if summed is not None:  # each device adds its own ids' rows: a pending sum over the axes that deal them
+        return Sharding(inputs=(rows, None), outputs=summed, note="ids dealt by a layout: each device's own")
     last = grad.ndim - 1
     g_in, i_in, out = [], [], []
     for gp, ip in zip(_placements(grad, mesh), _placements(indices, mesh)):
