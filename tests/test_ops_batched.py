@@ -145,6 +145,9 @@ CASES = {
                        ("aten.huber_loss",), False, True),
     "soft_margin none": (lambda x, y: F.soft_margin_loss(x, y.detach().sign(), reduction="none"),
                          [(_randn, (5, 4)), (_randn, (5, 4))], ("aten.soft_margin_loss",), True, True),
+    "bce_with_logits mean": (lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid()),
+                             [(_randn, (5, 4)), (_randn, (5, 4))], ("aten.binary_cross_entropy_with_logits",),
+                             False, True),
 }
 
 

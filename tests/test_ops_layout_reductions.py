@@ -532,6 +532,8 @@ LOSSES = {
     "mse none": lambda x, y: F.mse_loss(x, y, reduction="none"),
     "huber mean": lambda x, y: F.huber_loss(x, y, delta=0.5),
     "smooth_l1 sum": lambda x, y: F.smooth_l1_loss(x, y, reduction="sum", beta=0.5),
+    "bce with logits mean": lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid()),
+    "bce with logits none": lambda x, y: F.binary_cross_entropy_with_logits(x, y.sigmoid(), reduction="none"),
 }
 
 

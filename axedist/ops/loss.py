@@ -250,6 +250,7 @@ def _nll_backward(classes: int, class_dim: int, held: Held):
 # op -> position of its ``reduction`` argument
 _ELEMENTWISE_LOSSES = {aten.mse_loss.default: 2, aten.huber_loss.default: 2, aten.smooth_l1_loss.default: 2,
                        aten.soft_margin_loss.default: 2, aten.binary_cross_entropy.default: 3,
+                       aten.binary_cross_entropy_with_logits.default: 4,
                        aten.mse_loss_backward.default: 3, aten.huber_loss_backward.default: 3,
                        aten.smooth_l1_loss_backward.default: 3, aten.soft_margin_loss_backward.default: 3,
                        aten.binary_cross_entropy_backward.default: 4}
