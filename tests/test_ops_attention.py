@@ -324,6 +324,11 @@ def _heads_in_place_case(rank, world_size, seed):
             torch.autograd.grad((whole * up).sum(), (dq, dk, dv), retain_graph=True)
         if seen.calls:
             failures.append(f"{what}: collectives in the backward ({seen})")
+        replicated_up = distribute(up, mesh, [Replicate()] * mesh.ndim)  # (distribute broadcasts: outside the count)
+        with count_collectives() as seen:  # the output gradient replicated, as (out * g).sum() gives it: cut where it is
+            torch.autograd.grad((got[0] * replicated_up).sum(), (dq, dk, dv), retain_graph=True)
+        if seen.calls:
+            failures.append(f"{what}: collectives in the backward of a replicated output gradient ({seen})")
         (whole * up).sum().backward()
         mine = [t.grad.clone() for t in (q, k, v)]
         for t in (q, k, v):
