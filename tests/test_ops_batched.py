@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from axedist.dtensor import DTensor
 from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
-from tests.ops_cases import Replicate, Shard, make, mesh_of
+from tests.ops_cases import Replicate, Shard, gathered, make, mesh_of
 
 aten = torch.ops.aten
 
@@ -316,7 +316,6 @@ def _matrices_in_place_case(rank, world, seed):
     layout (no placement form). qr's backward halves a diagonal in place: a view of each
     device's own matrices."""
     from axedist.dtensor import distribute
-    from axedist.layout import LayoutError
 
     g = torch.Generator().manual_seed(seed)
     failures = []
@@ -331,18 +330,27 @@ def _matrices_in_place_case(rank, world, seed):
             want = fn(*plain)
             if seen.calls != collectives:
                 failures.append(f"{what}: {seen.calls} moves in the forward, not {collectives}")
-            try:
-                failures.append(f"{what}: the output was gathered to {got.placements}")
-            except LayoutError:
-                pass
-            if not torch.allclose(got.full_tensor(), want):
-                failures.append(f"{what}: values differ from torch's")
-            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
-            (got.full_tensor() * up).sum().backward()
-            (want * up).sum().backward()
-            for i, (d, p) in enumerate(zip(dist_args, plain)):
-                if d.grad is None or not torch.allclose(d.grad.full_tensor(), p.grad):
-                    failures.append(f"{what}: the gradient of argument {i} differs from torch's")
+            failures += _kept_values_and_gradients(what, got, want, dist_args, plain, g, moves_back=False)
+    return failures
+
+
+def _kept_values_and_gradients(what, got, want, dist_args, plain, g, moves_back: bool = True) -> list[str]:
+    """The failures of a layout way's output against torch's: gathered into placement form,
+    other values, a move in the backward (where ``moves_back`` counts them), another gradient of
+    any argument."""
+    failures = gathered(what, got)
+    if not torch.allclose(got.full_tensor(), want):
+        failures.append(f"{what}: values differ from torch's")
+    up = torch.randn(want.shape, dtype=torch.float64, generator=g)
+    loss = (got.full_tensor() * up).sum()
+    with count_collectives() as seen:
+        loss.backward()
+    (want * up).sum().backward()
+    if moves_back and seen.calls:
+        failures.append(f"{what}: {seen.calls} moves in the backward")
+    for i, (d, p) in enumerate(zip(dist_args, plain)):
+        if d.grad is None or not torch.allclose(d.grad.full_tensor(), p.grad):
+            failures.append(f"{what}: the gradient of argument {i} differs from torch's")
     return failures
 
 
@@ -381,7 +389,6 @@ def _samples_in_place_case(rank, world, seed):
     forward and the backward move no data (a weight's gradient is each device's pending sum,
     reduced only where it is read) and the output keeps the layout (no placement form)."""
     from axedist.dtensor import distribute
-    from axedist.layout import LayoutError
 
     g = torch.Generator().manual_seed(seed)
     failures = []
@@ -396,22 +403,7 @@ def _samples_in_place_case(rank, world, seed):
             want = fn(*plain)
             if seen.calls:
                 failures.append(f"{what}: {seen.calls} moves in the forward")
-            try:
-                failures.append(f"{what}: the output was gathered to {got.placements}")
-            except LayoutError:
-                pass
-            if not torch.allclose(got.full_tensor(), want):
-                failures.append(f"{what}: values differ from torch's")
-            up = torch.randn(want.shape, dtype=torch.float64, generator=g)
-            loss = (got.full_tensor() * up).sum()
-            with count_collectives() as seen:
-                loss.backward()
-            (want * up).sum().backward()
-            if seen.calls:
-                failures.append(f"{what}: {seen.calls} moves in the backward")
-            for i, (d, p) in enumerate(zip(dist_args, plain)):
-                if d.grad is None or not torch.allclose(d.grad.full_tensor(), p.grad):
-                    failures.append(f"{what}: the gradient of argument {i} differs from torch's")
+            failures += _kept_values_and_gradients(what, got, want, dist_args, plain, g)
     return failures
 
 
