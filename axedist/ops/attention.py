@@ -157,15 +157,16 @@ def _heads_in_place(call: OpCall, args: dict) -> Sharding | None:
         return None
     tensors = [args[name] for name in _Q_LIKE + _KV + _STATS if isinstance(args.get(name), ArgSpec)]
     # a replicated one (the output gradient of ``(out * g).sum()``) is cut where it is
-    dealt = [t for t in tensors if not t.is_replicated()]
-    maps = {reduced_in_place(t, list(range(2, t.ndim))) for t in dealt}
+    maps = {reduced_in_place(t, list(range(2, t.ndim))) for t in tensors if not t.is_replicated()}
     if len(maps) != 1 or None in maps:
         return None
     (heads,) = maps
     lead = tuple(query.shape[:2])
-    inputs = [_cut(s, heads, lead) if any(s is t for t in tensors) else None for s in call.specs]
-    if _UNCUT in inputs:
+    replicated = [t for t in tensors if t.is_replicated()]
+    cuts = [with_inner_dims(heads, lead, tuple(t.shape[2:])) for t in replicated]
+    if None in cuts:
         return None
+    inputs = [next((cut for t, cut in zip(replicated, cuts) if t is s), None) for s in call.specs]
     inner = {"query": (query.shape[2], value.shape[3]), "stat": (query.shape[2],)}
     if call.func in (aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
                      aten._scaled_dot_product_flash_attention_backward.default):
@@ -183,19 +184,6 @@ def _heads_in_place(call: OpCall, args: dict) -> Sharding | None:
             outputs.append(laid)
     return Sharding(inputs=inputs, outputs=tuple(outputs), local=_run_kernel,
                     note="(batch, head) pieces dealt by a layout: each device's own heads")
-
-
-_UNCUT = "uncut"
-
-
-def _cut(spec: ArgSpec, heads, lead: tuple):
-    """A (batch, head, ...) argument's target in the heads' map: None where it is in it already,
-    the map with its inner dims where it is replicated (cut where it is), ``_UNCUT`` where that
-    map has no layout for it."""
-    if not spec.is_replicated():
-        return None
-    laid = with_inner_dims(heads, lead, tuple(spec.shape[2:]))
-    return _UNCUT if laid is None else laid
 
 
 @register(*_OUTPUTS)

@@ -35,22 +35,18 @@ aten = torch.ops.aten
 def _split(call: OpCall, x: ArgSpec):
     """``(x's target, the mesh axes that split its elements)``: its placements with the channel
     dim whole and nothing pending, or where a layout with no placement form deals whole samples
-    (``specs.reduced_in_place`` of all but dim 0), that layout and its dealing axes. None where
-    such a layout cannot say its dealing axes (``specs.pending_in_place``)."""
+    (``specs.reduced_in_place`` of all but dim 0), that layout (taken where it is, a replicated
+    gradient cut into it) and its dealing axes. None where such a layout cannot say its dealing
+    axes (``specs.pending_in_place``)."""
     if x.placements is None:
         if x.reduce_op or reduced_in_place(x, range(1, x.ndim)) is None:
             return None
         pending = pending_in_place(x, "sum")
         if pending is None:
             return None
-        return None, tuple(a for a, p in zip(call.mesh.axis_names, pending) if isinstance(p, Partial))
+        return x.layout, tuple(a for a, p in zip(call.mesh.axis_names, pending) if isinstance(p, Partial))
     target = without_partial(unshard(placements_of(x), [1], x.ndim))
     return target, tuple(a for a, p in zip(call.mesh.axis_names, target) if isinstance(p, Shard))
-
-
-def _kept(x: ArgSpec, target):
-    """The output's map: ``target``, or ``x``'s own layout where it stays."""
-    return x.layout if target is None else target
 
 
 def _per_channel(t: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -74,13 +70,12 @@ def batch_norm_rule(call: OpCall) -> Sharding | None:
     target, axes = split
     everywhere = (Replicate(),) * call.mesh.ndim
     cudnn = call.func is aten.cudnn_batch_norm.default
-    outputs = (_kept(x, target), everywhere, everywhere) + ((everywhere,) if cudnn else ())
-    meta = call.meta_outputs()
-    if meta is None:
-        return None
+    outputs = (target, everywhere, everywhere) + ((everywhere,) if cudnn else ())
     # eval's saved statistics: (C,) from native_batch_norm, empty from cudnn_batch_norm (as their meta kernels say)
+    meta = None if call.arg(5, "training") else call.meta_outputs()
+    empty_stats = meta is not None and meta[1].numel() == 0
     return Sharding(inputs=[target] + [everywhere] * (len(call.specs) - 1), outputs=outputs,
-                    local=_forward(math.prod(x.shape) // x.shape[1], axes, cudnn, meta[1].numel() == 0))
+                    local=_forward(math.prod(x.shape) // x.shape[1], axes, cudnn, empty_stats))
 
 
 def _forward(count: int, axes, cudnn: bool, empty_stats: bool):
@@ -132,12 +127,8 @@ def batch_norm_backward_rule(call: OpCall) -> Sharding | None:
     everywhere = (Replicate(),) * call.mesh.ndim
     # training: the sums are all-reduced in the local step; eval: each device's own sums, pending
     summed = everywhere if training else tuple(Partial("sum") if a in axes else Replicate() for a in call.mesh.axis_names)
-    outputs = (_kept(x, target), summed, summed)  # (a masked-out one comes back None, as torch's)
-    if target is None:  # the samples' layout: x stays, the gradient is asked in it (a replicated one is cut where it is)
-        grad_target = None if grad.placements is None and not grad.reduce_op and grad.layout == x.layout else x.layout
-    else:
-        grad_target = target
-    inputs = [target if s is x else grad_target if s is grad else everywhere for s in call.specs]
+    outputs = (target, summed, summed)  # (a masked-out one comes back None, as torch's)
+    inputs = [target if s is x or s is grad else everywhere for s in call.specs]
     count = math.prod(x.shape) // x.shape[1]
     return Sharding(inputs=inputs, outputs=outputs, local=_backward(count, axes, training, mask, cudnn))
 

@@ -148,17 +148,15 @@ def matrices_in_place(call: OpCall, cores: list[int | None], local=None, summed=
               for s, c in zip(specs, cores)]
     if any(laid is None for laid in inputs):
         return None
+    pending = pending_in_place(source, "sum") if summed else None
     flat = call.meta_outputs()
-    if flat is None:
+    if flat is None or (summed and pending is None):
         return None
     outputs = []
     for index, value in enumerate(flat):
         if not isinstance(value, torch.Tensor):
             outputs.append(None)
         elif index in summed:
-            pending = pending_in_place(source, "sum")
-            if pending is None:
-                return None
             outputs.append(pending)
         elif value.numel() == 0 and tuple(value.shape[:len(batch)]) != batch:
             outputs.append((Replicate(),) * call.mesh.ndim)  # an output the call does not compute
