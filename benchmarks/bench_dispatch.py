@@ -5,6 +5,7 @@
     torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --breakdown    # + where a cached add's time goes
     torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --profile      # + cProfile of axedist's calls
     torchrun --nproc-per-node 4 benchmarks/bench_dispatch.py --clock wall   # wall-clock time instead of CPU time
+    torchrun --nproc-per-node 2 benchmarks/bench_dispatch.py --decode       # + a Llama block's decode step
 
 Same ops, same placements, same (small) tensors on both sides, so the time is framework
 overhead: per op, the median over ``--repeats`` batches of ``--calls`` calls (after a warm-up
@@ -29,6 +30,14 @@ Shard(0) -> Partial; the local product is read with ``to_local()`` on both sides
 defers it), ``x.view(...)`` merging the two leading dims of a dim-0-sharded tensor,
 ``x.sum(1)`` (over an unsharded dim), and ``F.linear`` column-parallel (input Replicate, weight
 Shard(0) -> output Shard(1), no redistribute).
+
+``--decode``: one decode step of a Llama block (``nn.llama.TransformerBlock``, dim 256, 8 heads,
+4 key/value heads, one position of one sequence) under ``torch.inference_mode``, tensor parallel
+over the ranks: axedist's ``llama_tp_plan`` vs torch's ``parallelize_module`` (Colwise /
+Rowwise, per-rank head counts: ``bench_decode.torch_parallel``) vs the block on one process.
+Its all-reduces make every rank run the step at once (not in turns); CPU time per step, so a
+rank's wait for the others is not counted. The host cost an eager decode step pays per layer
+(``bench_decode.py`` times it on GPUs).
 """
 
 from __future__ import annotations
@@ -81,6 +90,43 @@ def _cases(mesh, torch_mesh, requires_grad: bool):
         ("sum  S0 over dim 1", lambda: x.sum(1), lambda: tx.sum(1), lambda: lx.sum(1)),
         ("linear R x S0 -> S1", lambda: F.linear(inp, w), lambda: F.linear(tinp, tw), lambda: F.linear(linp, lw)),
     ]
+
+
+def _decode_case(mesh, torch_mesh):
+    """(name, axedist step, torch step, plain step) of one Llama block decoding one position."""
+    import copy
+    import sys
+
+    from axedist.nn import parallelize, to_inference
+    from axedist.nn.llama import LlamaConfig, llama_tp_plan
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_decode import LayerStack, torch_parallel
+
+    world = mesh.size()
+    cfg = LlamaConfig(dim=256, n_layers=1, n_heads=8, n_kv_heads=4, ffn_hidden=512, max_seq_len=8)
+    torch.manual_seed(0)  # the same weights on every rank
+    base = LayerStack(cfg).eval()
+    ours = copy.deepcopy(base)
+    parallelize(ours, mesh, {k: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+                             if k.startswith("layers.")}, src_rank=None)
+    to_inference(ours)
+    theirs = torch_parallel(copy.deepcopy(base), cfg, world, torch_mesh)
+    h = torch.randn(1, 1, cfg.dim)
+    with torch.inference_mode():
+        x = DTensor.from_local(h, mesh, [Replicate()])
+    return ("decode step, Llama block (dim 256)", lambda: ours(x), lambda: theirs(h), lambda: base(h))
+
+
+def _decode_timed(case, args, world: int) -> torch.Tensor:
+    """(plain, axedist, torch) median and best batch per step, every rank timing at once (the
+    steps' all-reduces pair the ranks), the median over ranks."""
+    _, ours, theirs, plain = case
+    with torch.inference_mode():
+        row = torch.tensor(_measure([plain, ours, theirs], max(1, args.calls // 10), args.repeats))
+    gathered = [torch.zeros_like(row) for _ in range(world)]
+    dist.all_gather(gathered, row)
+    return torch.stack(gathered).median(dim=0).values[None]
 
 
 _CLOCK = time.thread_time_ns  # --clock: thread CPU time (default) or wall time (time.perf_counter_ns)
@@ -232,6 +278,8 @@ def main():
                         help="rank 0 also times the parts of a cached x + y on both routes")
     parser.add_argument("--grad", choices=("both", "no", "yes"), default="both",
                         help="inputs that do not require grad, that do (grad mode on), or both tables")
+    parser.add_argument("--decode", action="store_true",
+                        help="also time a Llama block's decode step (TP over the ranks, inference_mode)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="time a batch by the thread's CPU time (default: robust on a shared machine) "
                              "or by wall-clock time")
@@ -251,6 +299,10 @@ def main():
     x, tx, lx, y = tables[0][1][0][4:]  # the inputs the add case carries
     # a getter: every attribute read of a DTensor passes __torch_function__ while the fast path is on
     getter = _timed([("x.shape (getter)", lambda: x.shape, lambda: tx.shape, lambda: lx.shape)], args, world)
+    decode = None
+    if args.decode:
+        decode_case = _decode_case(mesh, torch_mesh)
+        decode = ([decode_case], _decode_timed(decode_case, args, world))
     breakdown = None
     if args.breakdown and dist.get_rank() == 0:
         breakdown = _breakdown(x, y, args.calls, args.repeats)
@@ -271,6 +323,9 @@ def main():
         for requires_grad, cases, table in tables:
             _print_table(cases, table, "inputs require grad (autograd records every call)" if requires_grad
                          else "inputs do not require grad")
+        if decode:
+            _print_table(*decode, f"a decode step under inference_mode, TP = {world} (every rank at once), "
+                                  f"{max(1, args.calls // 10)} steps a batch")
         (p, o, t, _, _, _), = getter.tolist()
         print(f"\ngetter x.shape: plain {p:.2f} us, axedist {o:.2f} us, torch DTensor {t:.2f} us")
         if breakdown:

@@ -31,6 +31,8 @@ def _rand(shape, seed, dtype=torch.float64):
 
 def _facts(result):
     """Everything a caller can observe of a result (on this rank)."""
+    if isinstance(result, (tuple, list)):  # (also torch.return_types)
+        return ("sequence", type(result), tuple(_facts(r) for r in result))
     if isinstance(result, DTensor):
         with torch._C.DisableTorchFunctionSubclass():
             return ("DTensor", result._spec, result.dtype, tuple(result.shape), result.stride(),
@@ -40,6 +42,11 @@ def _facts(result):
 
 def _same(a, b, what):
     assert a[0] == b[0], what
+    if a[0] == "sequence":
+        assert a[1] is b[1] and len(a[2]) == len(b[2]), what
+        for k, (x, y) in enumerate(zip(a[2], b[2])):
+            _same(x, y, f"{what}[{k}]")
+        return
     if a[0] == "plain":
         assert type(a[1]) is type(b[1]) and (a[1] == b[1] if not isinstance(a[1], torch.Tensor)
                                             else torch.equal(a[1], b[1])), what
@@ -65,6 +72,10 @@ def _inputs(mesh, seed):
         "bias": (r((2 * world,), 9), [Shard(0)]),
         "v": (r((2 * world, 3, 4), 10), [Shard(0)]),
         "f": (r((4 * world, 6), 11, torch.float32), [Shard(0)]),
+        "n": (r((6,), 12), [Replicate()]),
+        "q": (r((1, 2 * world, 5, 4), 13), [Shard(1)]),
+        "k": (r((1, 2 * world, 5, 4), 14), [Shard(1)]),
+        "qu": (r((1, world + 1, 5, 4), 15), [Shard(1)]),         # uneven heads: some rank has one less
     }
     out = {name: (distribute(t, mesh, p), t) for name, (t, p) in made.items()}
     ints = torch.randint(-5, 5, (4 * world, 3), generator=torch.Generator().manual_seed(seed))
@@ -104,10 +115,24 @@ CALLS = [
     ("reshape", lambda t: t["v"].reshape(-1, 4), False),
     ("0-dim tensor scalar", lambda t: t["x"] * torch.tensor(3.0, dtype=torch.float64), False),
     ("clone", lambda t: t["x"].clone(), True),
+    # (torch.cat's list, a weight among the keyword arguments, one output of a tuple: served where
+    # no DTensor of the call requires grad, as here)
+    ("cat of a list", lambda t: torch.cat([t["x"], t["y"]], dim=1), True),
+    ("cat of a tuple along the sharded dim", lambda t: torch.cat((t["x"], t["y"])), False),
+    # (with grad mode on, torch's composite runs the math ops, among them an in-place add)
+    ("rms_norm, weight as a keyword", lambda t: F.rms_norm(t["x"], (6,), t["n"], 1e-6), False),
+    ("sdpa, heads sharded", lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["k"], is_causal=True), True),
+    ("sdpa, scale keyword", lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["q"], scale=0.3), True),
+    ("sdpa, uneven heads", lambda t: F.scaled_dot_product_attention(t["qu"], t["qu"], t["qu"]), False),
+    ("chunk", lambda t: t["x"].chunk(2, dim=1), False),           # views: the normal route
+    ("split sizes", lambda t: torch.split(t["c"], [1, 5], dim=1), False),
+    ("max dim (values, indices)", lambda t: t["x"].max(dim=1), None),
 ]
 
 
 def _full(result):
+    if isinstance(result, (tuple, list)):
+        return [_full(r) for r in result]
     if isinstance(result, DTensor):
         return result.full_tensor()
     return result
@@ -125,6 +150,13 @@ INFERENCE_CALLS = [
     ("rms_norm", lambda t: F.rms_norm(t["x3b"], (6,), eps=1e-6), None),
     ("2-D linear", lambda t: F.linear(t["inp"], t["w"]), True),
     ("view", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),
+    ("rms_norm, weight as a keyword", lambda t: F.rms_norm(t["x3b"], (6,), t["n"], 1e-6), True),
+    ("cat of a list", lambda t: torch.cat([t["x3"], t["x3"] * 2.0], dim=-1), True),
+    ("sdpa, heads sharded", lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["k"], is_causal=True), True),
+    ("sdpa, uneven heads", lambda t: F.scaled_dot_product_attention(t["qu"], t["qu"], t["qu"]), False),
+    ("chunk", lambda t: t["x3"].chunk(2, dim=-1), False),
+    ("cast (to -> _to_copy with a dtype keyword)", lambda t: t["f"].to(torch.float64), False),
+    ("reshape of an expand (a copy)", lambda t: t["x3"].unsqueeze(2).expand(2, 3, 2, 6).reshape(2, 3, 12), False),
 ]
 
 
@@ -167,8 +199,9 @@ def _check_call(name, call, fast, dts, full, fast_seen):
         result = call(dts)
         _same(_facts(result), normal, f"{name} (call {attempt})")
     got = _full(result)  # the same facts on every rank: the same global tensor each time
-    assert got.dtype == expected.dtype, name
-    assert torch.allclose(got, expected, atol=1e-12), name
+    for g, e in zip(got, expected) if isinstance(got, list) else [(got, expected)]:
+        assert g.dtype == e.dtype, name
+        assert torch.allclose(g, e, atol=1e-12), name
     hits = fastpath.stats()["hits"] - before
     fast_seen.append((name, hits))
     assert fast is None or (hits >= 2) == fast, f"{name}: {hits} fast hits, expected {'some' if fast else 'none'}"

@@ -75,3 +75,110 @@ def test_inference_mode_decomposes_in_cpp():
     for ok, python_calls in run_on_ranks(_decomposition_body, 2, args=(seed,)):
         assert ok == [True, True], seed
         assert python_calls == 0
+
+
+def _repeated_calls_body(rank, world, seed):
+    """A decode step's ops, called again with the same layouts, take the dispatcher's cached route
+    (no unwrapping of the call, ``call_plan.scan``): composite ops with no rule go straight to their
+    decomposition, ops with keyword arguments (``_to_copy``'s dtype, attention's scale) and ops of
+    several outputs (``split``, ``_fused_rms_norm``, the attention kernel) straight to their plan; a
+    reshape that must copy does so without a failed view first. Every result equals torch's."""
+    import axedist.ops.dispatcher as dispatcher_module
+
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 2, 8, generator=g, dtype=torch.float64)
+    n = torch.randn(8, generator=g, dtype=torch.float64)
+    q = torch.randn(1, 2 * world, 5, 4, generator=g, dtype=torch.float64)
+    scans = []
+    fast = DTensor.dispatcher.fastpath
+    fast.enable(False)  # every call through torch's dispatcher to ours
+    original = dispatcher_module.scan
+    try:
+        with torch.inference_mode():
+            xd, nd = distribute(x, mesh, [Replicate()]), distribute(n, mesh, [Replicate()])
+            qd = distribute(q, mesh, [Shard(1)])
+            calls = [
+                (lambda: F.rms_norm(xd, (8,), nd, 1e-6), lambda: F.rms_norm(x, (8,), n, 1e-6)),
+                (lambda: xd.chunk(2, dim=-1)[1], lambda: x.chunk(2, dim=-1)[1]),
+                (lambda: xd.to(torch.float32), lambda: x.to(torch.float32)),
+                (lambda: F.scaled_dot_product_attention(qd, qd, qd, scale=0.5, is_causal=True),
+                 lambda: F.scaled_dot_product_attention(q, q, q, scale=0.5, is_causal=True)),
+                (lambda: xd.unsqueeze(2).expand(3, 2, 2, 8).reshape(3, 2, 16),
+                 lambda: x.unsqueeze(2).expand(3, 2, 2, 8).reshape(3, 2, 16)),
+            ]
+            for ours, _ in calls:  # planned
+                ours()
+
+            def counted(*args, **kwargs):
+                scans.append(args[1])
+                return original(*args, **kwargs)
+
+            dispatcher_module.scan = counted
+            got = [ours() for ours, _ in calls]
+            dispatcher_module.scan = original
+            ok = [bool(torch.allclose(a.full_tensor(), want())) and a.dtype == want().dtype
+                  for a, (_, want) in zip(got, calls)]
+    finally:
+        dispatcher_module.scan = original
+        fast.enable(True)
+    return ok, sorted({str(func) for func in scans})
+
+
+def test_repeated_calls_take_the_cached_route():
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for ok, scanned in run_on_ranks(_repeated_calls_body, 2, args=(seed,)):
+        assert all(ok), (ok, seed)
+        assert scanned == [], scanned
+
+
+def _decode_block_body(rank, world, seed):
+    """A TP Llama block decoding under inference_mode: the second forward's layer hooks hand on the
+    inputs and outputs they left as they were in the first (no redistribute call that returns its
+    input), and the block gives the one-process block's output both times."""
+    import copy
+
+    from axedist.nn import parallelize, to_inference
+    from axedist.nn.llama import LlamaConfig, TransformerBlock, llama_tp_plan, rope_tables
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=4)
+    block = TransformerBlock(cfg).double().eval()
+    ours = copy.deepcopy(block)
+    mesh = DeviceMesh("cpu", (world,))
+    plan = {k[len("layers.*."):]: v for k, v in llama_tp_plan(cfg, sequence_parallel=False).items()
+            if k.startswith("layers.*.")}
+    parallelize(ours, mesh, plan, src_rank=None)
+    to_inference(ours)
+    cos, sin = (t.double() for t in rope_tables(cfg.head_dim, 1, cfg.rope_theta))
+    h = torch.randn(1, 2, cfg.dim, dtype=torch.float64)
+    stayed = []
+    original = DTensor.redistribute
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        stayed.append(out is self)
+        return out
+
+    outs = []
+    with torch.inference_mode():
+        want = block(h, cos, sin)
+        hd = DTensor.from_local(h, mesh, [Replicate()])
+        cd, sd = (DTensor.from_local(t, mesh, [Replicate()]) for t in (cos, sin))
+        outs.append(ours(hd, cd, sd))
+        first = len(stayed)
+        DTensor.redistribute = counted
+        try:
+            outs.append(ours(hd, cd, sd))
+        finally:
+            DTensor.redistribute = original
+        ok = [bool(torch.allclose(o.full_tensor(), want, atol=1e-10)) for o in outs]
+    return ok, first, stayed
+
+
+def test_decode_block_hooks_hand_on_what_stays():
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))
+    for ok, first, stayed in run_on_ranks(_decode_block_body, 2, args=(seed,)):
+        assert ok == [True, True], seed
+        assert first == 0 and True not in stayed, stayed
+        assert len(stayed) == 2, stayed  # wo's and w2's outputs: pending sums all-reduced

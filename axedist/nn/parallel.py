@@ -223,13 +223,18 @@ def _ran_text(module: nn.Module, counted) -> str:
     return text
 
 
-def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None, note=None):
+def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None, note=None, stays=None):
     """``x`` laid out as ``dst``; a plain tensor is first read as ``given`` (its local piece);
     ``note(x)``: a line the layer's log adds to the move's plan after the forward (the fused
-    choice the forward made, read from its record)."""
+    choice the forward made, read from its record). ``stays`` (one dict per hook, kept by it):
+    the specs this move left as they were, by id; a DTensor in one of them is ``x`` at once (its
+    first move checked that every rank agrees; a decode step's TP layers take that way)."""
     if not isinstance(x, torch.Tensor):
         return x
     log = _forward_log(module)
+    if stays is not None and not compiling() and type(x) is DTensor and stays.get(id(x._spec)) is x._spec and \
+            (log is None or log.seen(what)):
+        return x
     if not isinstance(x, DTensor):
         src = _resolve(given if given is not None else dst, x.shape, mesh)
         if isinstance(src, Layout):
@@ -244,7 +249,12 @@ def _move(x, dst, mesh: DeviceMesh, module: nn.Module, what: str, *, given=None,
         if note is not None:
             note(x)  # (drops an older record of the choice)
             log.noting = (what, note, x)
-    return x.redistribute(target)
+    moved = x.redistribute(target)
+    if stays is not None and not compiling() and moved is x:
+        if len(stays) > 64:  # (a layer called with ever new shapes)
+            stays.clear()
+        stays[id(x._spec)] = x._spec
+    return moved
 
 
 def _complete_note(module: nn.Module) -> None:
@@ -330,12 +340,15 @@ class _LinearLike(ParallelStyle):
         """The pre-hook reads the input as ``given`` and moves it to ``desired``, the post-hook
         moves the output to ``output``; ``note`` / ``output_note`` complete the log's line of the
         input's / output's move with the fused choice the forward / the move made (``_move``)."""
+        stays_in, stays_out = {}, {}  # (_move)
+
         def pre(mod, args):
-            return (_move(args[0], desired, mesh, mod, "input", given=given, note=note),) + tuple(args[1:])
+            return (_move(args[0], desired, mesh, mod, "input", given=given, note=note, stays=stays_in),) + \
+                tuple(args[1:])
 
         def post(mod, args, out):
             _complete_note(mod)
-            out = _move(out, output, mesh, mod, "output", note=output_note)
+            out = _move(out, output, mesh, mod, "output", note=output_note, stays=stays_out)
             _complete_note(mod)
             return _local(out, self.use_local_output)
 

@@ -42,7 +42,7 @@ import torch
 from ..layout import with_inner_dims
 from .registry import ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, register
 from .shard_ranges import inputs_by_name, named_args
-from .specs import reduced_in_place
+from .specs import reduced_in_place, spec_of
 
 aten = torch.ops.aten
 
@@ -215,7 +215,19 @@ def attention_rule(call: OpCall) -> Sharding:
             outputs.append(tuple(Partial("sum") if m == _ROWS else _role_placements(role, m, mask) for m in modes))
         else:
             outputs.append(tuple(_role_placements(role, m, mask) for m in modes))
-    return Sharding(inputs=inputs, outputs=tuple(outputs), local=_run_kernel)
+    # where every rank holds a whole, non-empty piece of every argument, the kernel is the op itself
+    local = None if _pieces_filled(call, inputs) else _run_kernel
+    return Sharding(inputs=inputs, outputs=tuple(outputs), local=local)
+
+
+def _pieces_filled(call: OpCall, inputs) -> bool:
+    """Whether every argument, laid out as its entry of ``inputs``, splits evenly into non-empty
+    pieces on every rank (the same answer on every rank: it reads only global shapes)."""
+    for spec, wanted in zip(call.specs, inputs):
+        target = spec_of(spec.shape, call.mesh, tuple(wanted))
+        if target.padded != target.shape or 0 in target.shape:
+            return False
+    return True
 
 
 def _run_kernel(call: OpCall, *args, **kwargs):

@@ -225,13 +225,14 @@ class Slot:
 
 class FastForm:
     """A call whose DTensors are all top-level positional arguments and whose other arguments
-    are scalars: its argument ``slots``, the output (None: in-place, the result is ``self``) and
-    the rule's ``local`` function (None: the op itself)."""
+    (keyword ones too) are scalars: its argument ``slots``, the output (``out``; None: in-place,
+    the result is ``self``; ``outs``: one OutSpec per output of a tuple or list result, as
+    ``_fused_rms_norm`` or ``split`` give) and the rule's ``local`` function (None: the op itself)."""
 
-    __slots__ = ("slots", "out", "local")
+    __slots__ = ("slots", "out", "outs", "local")
 
-    def __init__(self, slots: tuple[Slot, ...], out: OutSpec | None, local):
-        self.slots, self.out, self.local = slots, out, local
+    def __init__(self, slots: tuple[Slot, ...], out: OutSpec | None, local, outs: tuple | None = None):
+        self.slots, self.out, self.outs, self.local = slots, out, outs, local
 
 
 def copies_view(func, args, dts, targets, sharding) -> bool:
@@ -336,7 +337,7 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
     fast = None if reduce_self is not None or bits else _fast_form(cls, args, kwargs, dts, info, targets, structure,
                                                                    outputs, sharding)
     plain = None
-    if fast is not None and not info.inplace and sharding.local is None and \
+    if fast is not None and fast.out is not None and sharding.local is None and \
             all(slot.target is None and not slot.strip for slot in fast.slots):
         dtype = flat[0].dtype
         out = fast.out
@@ -485,14 +486,18 @@ def _out_spec(func, rule, value, entry, mesh) -> OutSpec:
 
 
 def _fast_form(cls, args, kwargs, dts, info: OpInfo, targets, structure: str, outputs, sharding) -> FastForm | None:
-    """The FastForm of a call, or None: each DTensor a top-level positional argument, one tensor
-    output (or an in-place op), no kwargs."""
-    if kwargs or info.foreach or info.out_names or info.written:
+    """The FastForm of a call, or None: each DTensor a top-level positional argument (a DTensor
+    among the kwargs or in a list has none), tensor outputs (or an in-place op)."""
+    if info.foreach or info.out_names or info.written:
         return None
     positions = [i for i, a in enumerate(args) if isinstance(a, cls)]
     if len(positions) != len(dts) or any(type(args[i]) is not cls for i in positions):
         return None
-    if not info.inplace and structure != "single":
-        return None
     slots = tuple(Slot(i, t, t is None and bool(args[i]._spec.reduce_op)) for i, t in zip(positions, targets))
-    return FastForm(slots, None if info.inplace else outputs[0], sharding.local)
+    if info.inplace:
+        return FastForm(slots, None, sharding.local)
+    if structure == "single":
+        return FastForm(slots, outputs[0], sharding.local)
+    if structure == "none":
+        return None
+    return FastForm(slots, None, sharding.local, tuple(outputs))

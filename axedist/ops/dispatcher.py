@@ -49,6 +49,8 @@ _no_torch_function = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
 _DISABLED = torch._C._disabled_torch_function_impl
 _NO_RULE = object()
+_DECOMPOSE = object()  # a positional key's entry: the call runs as its decomposition (a composite op, no rule)
+_KWARGS = object()     # in a cache key: the keyword arguments' entries end here
 
 
 class Tag:
@@ -164,11 +166,22 @@ class OpDispatcher:
         dt._tag = tag
         return tag.number
 
-    def cache_key(self, func, args):
-        """(func, per argument: a DTensor's tag number or a plain value's type and value), or
-        None when the call is not fast-path shaped (kwargs, DTensors inside lists, ...)."""
+    def cache_key(self, func, args, kwargs):
+        """(func, per argument: a DTensor's tag number or a plain value's type and value; then per
+        keyword argument its name, type and value), or None when the call is not fast-path shaped
+        (DTensors inside lists or among the keyword arguments, ...)."""
         cls = self.cls
         key = [func]
+        if kwargs:
+            for name, a in kwargs.items():
+                t = type(a)
+                if t in SCALAR_TYPES:
+                    key.append((name, t, a))
+                elif (t is list or t is tuple) and all(type(v) is int for v in a):
+                    key.append((name, t, tuple(a)))
+                else:
+                    return None
+            key.append(_KWARGS)
         for a in args:
             t = type(a)
             if t is cls:
@@ -197,42 +210,45 @@ class OpDispatcher:
             kept = take_pending(self, func, args, kwargs)
             if kept is not None:
                 return kept
-        fast_key = None
-        if not kwargs:
-            fast_key = self.cache_key(func, args)
-            if fast_key is not None:
-                plan = self.cache.positional.get(fast_key)
-                if plan is not None:
-                    self.stats["hits"] += 1
-                    route = plan.plain
-                    if route is None:
-                        return self._run_fast(func, args, plan)
-                    # the op itself on the local tensors of DTensors that stay where they are
-                    positions = route.positions
-                    if route.defer and self.defers(args[positions[0]]._value.is_cuda):
-                        return self._run_fast(func, args, plan)  # the GEMM may wait (fusion.defer_product)
-                    local_args = list(args)
+        fast_key = self.cache_key(func, args, kwargs)
+        if fast_key is not None:
+            plan = self.cache.positional.get(fast_key)
+            if plan is not None:
+                self.stats["hits"] += 1
+                if plan is _DECOMPOSE:
+                    result = decompose(func, args, kwargs)
+                    if result is not NotImplemented:
+                        return result
+                    return self._dispatch_uncached(func, args, kwargs, None)
+                route = plan.plain
+                if route is None:
+                    return self._run_fast(func, args, kwargs, plan)
+                # the op itself on the local tensors of DTensors that stay where they are
+                positions = route.positions
+                if route.defer and self.defers(args[positions[0]]._value.is_cuda):
+                    return self._run_fast(func, args, kwargs, plan)  # the GEMM may wait (fusion.defer_product)
+                local_args = list(args)
+                for i in positions:
+                    d = args[i]
+                    local_args[i] = d._value if d._pending is None else d._local
+                value = route.op(*local_args, **kwargs) if kwargs else route.op(*local_args)
+                if route.unsqueeze:
+                    value = value.unsqueeze(0)
+                spec = route.spec
+                if value.shape != route.local_shape:
+                    _wrong_shape(func, value, spec, route.local_shape, plan)
+                out = wrap(self.cls, value, spec, route.stride, value.dtype, value.device)
+                if value.dtype is route.dtype:  # (always, unless the op's dtype rules changed since planning)
+                    out._tag = route.tag  # the next op's key needs no stride() call
+                if route.view and args[0]._copied_view:
+                    out._copied_view = True
+                if _grad_enabled():
                     for i in positions:
-                        d = args[i]
-                        local_args[i] = d._value if d._pending is None else d._local
-                    value = route.op(*local_args)
-                    if route.unsqueeze:
-                        value = value.unsqueeze(0)
-                    spec = route.spec
-                    if value.shape != route.local_shape:
-                        _wrong_shape(func, value, spec, route.local_shape, plan)
-                    out = wrap(self.cls, value, spec, route.stride, value.dtype, value.device)
-                    if value.dtype is route.dtype:  # (always, unless the op's dtype rules changed since planning)
-                        out._tag = route.tag  # the next op's key needs no stride() call
-                    if route.view and args[0]._copied_view:
-                        out._copied_view = True
-                    if _grad_enabled():
-                        for i in positions:
-                            if args[i].__torch_function__ is _DISABLED:
-                                # it will require grad: its calls skip the fast path's handler too
-                                out.__torch_function__ = _DISABLED
-                                break
-                    return out
+                        if args[i].__torch_function__ is _DISABLED:
+                            # it will require grad: its calls skip the fast path's handler too
+                            out.__torch_function__ = _DISABLED
+                            break
+                return out
         return self._dispatch_uncached(func, args, kwargs or {}, fast_key)
 
     def _dispatch_uncached(self, func, args, kwargs, fast_key):
@@ -262,6 +278,8 @@ class OpDispatcher:
                 # inference_mode; its decomposition runs on ops that have rules.
                 result = decompose(func, args, kwargs)
                 if result is not NotImplemented:
+                    if fast_key is not None and not (info.inplace or info.written):
+                        self.cache.put("positional", fast_key, _DECOMPOSE)  # later calls go straight there
                     return result
             return gather_fallback(self, func, args, kwargs, dts, mesh, info)
         if fast_key is not None and plan.fast is not None:
@@ -293,8 +311,8 @@ class OpDispatcher:
         except PlainTensorError:
             return None, []
         plan = self.cache.plans.get(key)
-        if plan is None and not kwargs:
-            fast_key = self.cache_key(func, args)
+        if plan is None:
+            fast_key = self.cache_key(func, args, kwargs)
             plan = self.cache.positional.get(fast_key) if fast_key is not None else None
         return (plan if isinstance(plan, CallPlan) else None), dts
 
@@ -334,9 +352,15 @@ class OpDispatcher:
             return args[0]
         if plan.structure == "none":
             return result
-        flat = [result] if plan.structure == "single" else list(result)
+        if plan.structure == "single":
+            return self._wrap_outputs(func, args, plan, [result], plan.outputs)[0]
+        return self._wrap_outputs(func, args, plan, result, plan.outputs)
+
+    def _wrap_outputs(self, func, args, plan: CallPlan, result, outputs, bits: bool = True):
+        """The local ``result`` (a tuple or list, as ``plan.structure`` says) wrapped per ``outputs``
+        (``bits``: a value may be marked conjugate or negative, which the constructor resolves)."""
         wrapped = []
-        for value, out in zip(flat, plan.outputs):
+        for value, out in zip(result, outputs):
             if out.spec is None or value is None:  # None: an undefined optional output (CUDA flash attention's cum_seq)
                 wrapped.append(value)
                 continue
@@ -344,20 +368,21 @@ class OpDispatcher:
                 value = value.unsqueeze(0)
             if value.shape != out.local_shape:
                 _wrong_shape(func, value, out.spec, out.local_shape, plan)
-            wrapped.append(self.cls(value, out.spec, stride=out.stride))  # (resolves a conjugate / negative bit)
+            if bits:
+                wrapped.append(self.cls(value, out.spec, stride=out.stride))  # (resolves a conjugate / negative bit)
+            else:
+                wrapped.append(wrap(self.cls, value, out.spec, out.stride, value.dtype, value.device))
         if plan.view and (plan.view == 2 or args[0]._copied_view):
             for value in wrapped:
                 if isinstance(value, self.cls):
                     value._copied_view = True
-        if plan.structure == "single":
-            return wrapped[0]
         return wrapped if plan.structure == "list" else tuple(wrapped)
 
-    def _run_fast(self, func, args, plan: CallPlan):
-        """``run`` for a call in its FastForm (positional DTensors, no kwargs, one output or in-place)."""
+    def _run_fast(self, func, args, kwargs, plan: CallPlan):
+        """``run`` for a call in its FastForm (positional DTensors, scalar keyword arguments)."""
         fast = plan.fast
-        if fast.out is None and getattr(args[0], "_copied_view", False):
-            _refuse_writes_to_copied_views(func, args, {}, op_info(func))
+        if fast.out is None and fast.outs is None and getattr(args[0], "_copied_view", False):  # in-place
+            _refuse_writes_to_copied_views(func, args, kwargs, op_info(func))
         local_args = list(args)
         for slot in fast.slots:
             i, target = slot.position, slot.target
@@ -367,21 +392,23 @@ class OpDispatcher:
             else:
                 local_args[i] = local_of(d, target)
         if plan.defer:
-            deferred = defer_product(self, func, plan, local_args, {})
+            deferred = defer_product(self, func, plan, local_args, kwargs)
             if deferred is not None:
                 return deferred
         if fast.local is not None:
             try:
-                value = fast.local(plan.call, *local_args)
+                value = fast.local(plan.call, *local_args, **kwargs)
             except RuntimeError as error:
                 if not is_peer_failure(error):
                     raise
                 raise _failed_rule(func, plan, error) from error
         else:
-            value = func(*local_args)
+            value = func(*local_args, **kwargs)
         out = fast.out
-        if out is None:  # in-place
-            return args[0]
+        if out is None:
+            if fast.outs is not None:  # a tuple or a list of outputs
+                return self._wrap_outputs(func, args, plan, value, fast.outs, bits=False)  # (plan_call's FastForm)
+            return args[0]  # in-place
         if out.unsqueeze:
             value = value.unsqueeze(0)
         spec = out.spec

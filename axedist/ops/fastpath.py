@@ -148,22 +148,24 @@ class FastPath:
         entry.op, entry.positions = op, positions
         return entry
 
-    def _local_plan(self, op, args, kwargs, out):
+    def _local_plan(self, op, args, kwargs, out, several: bool = False):
         """The plan of this aten call if the dispatcher ran it as "the op on the local tensors,
         wrapped" (no input moved, no rule-specific local function but a reshape to the local shape
         (view.py: metadata only, which the entry's check of the result's shape and strides covers),
-        no pending-sum input but to such a reshape, one output, nothing written, nothing random),
-        else None."""
+        no pending-sum input but to such a reshape, nothing written, nothing random) and gave one
+        output, or (``several``: the call's last op, of which the call returns one output) a
+        tuple of them; else None."""
         plan, inputs = self.dispatcher.cached_plan(op, args, kwargs)
-        info = op_info(op)
-        if plan is None or type(out) is not self.dispatcher.cls or out._pending is not None:
+        if plan is None or plan.structure != ("tuple" if several else "single"):
             return None
-        if info.inplace or info.out_names or info.written or info.foreach or \
-                torch.Tag.nondeterministic_seeded in op.tags:
+        if not several and (type(out) is not self.dispatcher.cls or out._pending is not None):
+            return None
+        info = op_info(op)
+        if info.inplace or info.out_names or info.written or info.foreach or _random(op, args, kwargs):
             return None
         local = plan.sharding.local
         reshapes = local is not None and getattr(local, "only_reshapes", False)
-        if plan.structure != "single" or plan.reduce_self is not None or (local is not None and not reshapes):
+        if plan.reduce_self is not None or (local is not None and not reshapes):
             return None
         # a pending sum may only be reshaped (a view is linear: the view of the sum is the sum of the views)
         if all(t is None for t in plan.targets) and (reshapes or not any(d._spec.reduce_op for d in inputs)):
@@ -172,24 +174,33 @@ class FastPath:
 
     def _entry_for(self, func, steps, result, args, kwargs):
         """The fast entry proven by these recorded steps, or _SLOW: every step a local plan, the
-        call's result the last step's output, and the torch function on the plain local tensors
+        call's result the last step's output (or one output of its tuple: ``F.rms_norm`` returns
+        the first of ``_fused_rms_norm``'s), and the torch function on the plain local tensors
         giving the identical local result (shape, dtype, strides, values, a new tensor)."""
         cls = self.dispatcher.cls
-        if type(result) is not cls or result is not steps[-1][3]:
+        last = steps[-1][3]
+        if type(result) is not cls or result._pending is not None:
+            return _SLOW
+        if result is last:
+            index = 0
+        elif type(last) is tuple and any(o is result for o in last):
+            index = next(i for i, o in enumerate(last) if o is result)
+        else:
             return _SLOW
         plans = []
-        for step in steps:
-            plan = self._local_plan(*step)
+        for i, step in enumerate(steps):
+            plan = self._local_plan(*step, several=i == len(steps) - 1 and result is not last)
             if plan is None:
                 return _SLOW
             plans.append(plan)
-        local_args = [a._local if type(a) is cls else a for a in args]  # the steps used (so waited for) them
+        local_args = [_local(a, cls) for a in args]  # the steps used (so waited for) them
+        local_kwargs = {k: _local(a, cls) for k, a in (kwargs or _EMPTY).items()}
         # a deferrable GEMM among the steps: hits check the defer_gemm policy (OpDispatcher.defers)
         defer = any(plan.defer for plan in plans)
-        out = plans[-1].outputs[0]
+        out = plans[-1].outputs[index]
         expected = result._value
         try:
-            again = func(*local_args, **(kwargs or {}))
+            again = func(*local_args, **local_kwargs)
             if out.unsqueeze:
                 again = again.unsqueeze(0)
         except Exception:
@@ -198,7 +209,8 @@ class FastPath:
                 or again.device != expected.device or again.stride() != expected.stride()
                 or again.is_conj() or again.is_neg()):
             return _SLOW
-        inputs = {a.untyped_storage().data_ptr() for a in local_args if isinstance(a, torch.Tensor)}
+        inputs = {a.untyped_storage().data_ptr() for a in _flat(local_args + list(local_kwargs.values()))
+                  if isinstance(a, torch.Tensor)}
         if again.numel() and again.untyped_storage().data_ptr() in inputs:
             return _SLOW
         # Values: compared where that costs no device sync (CPU, where the test suite proves every
@@ -213,6 +225,41 @@ class FastPath:
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
         return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device)
+
+
+def _nested_grad(args, kwargs, cls) -> bool:
+    """Whether a ``cls`` DTensor in a list argument or among the keyword arguments requires grad
+    (torch function disabled by the caller)."""
+    for a in args:
+        if type(a) in (list, tuple) and any(type(v) is cls and v.requires_grad for v in a):
+            return True
+    return bool(kwargs) and any(type(v) is cls and v.requires_grad for v in kwargs.values())
+
+
+def _local(value, cls):
+    """A call argument with its ``cls`` DTensors (also those of a list) replaced by their local tensors."""
+    if type(value) is cls:
+        return value._local
+    if type(value) in (list, tuple) and any(type(v) is cls for v in value):
+        return type(value)(_local(v, cls) for v in value)
+    return value
+
+
+def _flat(values) -> list:
+    return [v for value in values for v in (value if type(value) in (list, tuple) else (value,))]
+
+
+def _random(op, args, kwargs) -> bool:
+    """Whether the aten call draws random numbers: a seeded op, unless its ``dropout_p`` is 0
+    (attention kernels without dropout)."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    at = names.index("dropout_p")
+    p = args[at] if at < len(args) else (kwargs or _EMPTY).get("dropout_p", op._schema.arguments[at].default_value)
+    return p != 0
 
 
 def _pointwise(steps) -> bool:
@@ -268,10 +315,13 @@ def _with_index_values(func, types, args, kwargs, cls):
     return _disabled(func, types, args, kwargs)
 
 
-def _add_kwargs(key: list, kwargs: dict, floats: list) -> bool:
+def _add_kwargs(key: list, kwargs: dict, floats: list, cls=None, tag_of=None):
     """Extend a call's key by its keyword arguments (a float's value goes to ``floats``, ``_ANY``
-    into the key); False when one is not a scalar or a list of ints."""
+    into the key; a ``cls`` DTensor, where ``cls`` is given, by its tag) and give the keyword
+    arguments of the local call (``kwargs`` itself where no DTensor is among them); None when one
+    is neither a scalar, a list of ints nor such a DTensor whose data is here."""
     key.append(_KWARGS)
+    local = kwargs
     for name, a in kwargs.items():
         t = type(a)
         if t in SCALAR_TYPES or (t in _SEQUENCES and all(type(v) is int for v in a)):
@@ -282,9 +332,17 @@ def _add_kwargs(key: list, kwargs: dict, floats: list) -> bool:
                 floats.append(a)
             else:
                 key.append(tuple(a) if t in _SEQUENCES else a)
+        elif t is cls and a._pending is None:
+            tag = a._tag
+            key.append(name)
+            key.append(t)
+            key.append(tag.number if tag is not None and tag.spec is a._spec else tag_of(a))
+            if local is kwargs:
+                local = dict(kwargs)
+            local[name] = a._value
         else:
-            return False
-    return True
+            return None
+    return local
 
 
 def _handler(fast: FastPath):
@@ -300,6 +358,9 @@ def _handler(fast: FastPath):
         if func in passed:
             return _disabled(func, types, args, kwargs or _EMPTY)
         grad = 0  # with grad mode on: a bit per positional DTensor that requires grad
+        # DTensors in a list (torch.cat's) or among the keyword arguments may be served where none
+        # of the call's DTensors requires grad (autograd's recording of a hit takes positional ones)
+        nested = True
         if _grad_enabled():
             with _no_torch_function():  # requires_grad without coming back here
                 bit = 1
@@ -311,6 +372,7 @@ def _handler(fast: FastPath):
                             # looks __torch_function__ up on the object first)
                             a.__torch_function__ = _disabled
                         bit <<= 1
+                nested = not grad and not _nested_grad(args, kwargs, DTensor)
         key = [func]
         local_args = []
         floats = []  # the float and complex scalars' values (the key holds _ANY in their place)
@@ -337,10 +399,21 @@ def _handler(fast: FastPath):
                 key.append(t)
                 key.append(tuple(a))
                 local_args.append(a)
+            elif (t is tuple or t is list) and nested and a and \
+                    all(type(v) is DTensor and v._pending is None for v in a):
+                key.append(t)  # torch.cat's tensors
+                key.append(tuple(v._tag.number if v._tag is not None and v._tag.spec is v._spec else tag_of(v)
+                                 for v in a))
+                local_args.append(t(v._value for v in a))
+                found = True
             else:
                 return _disabled(func, types, args, kwargs or _EMPTY)
-        if kwargs and not _add_kwargs(key, kwargs, floats):
-            return _disabled(func, types, args, kwargs)
+        local_kwargs = kwargs
+        if kwargs:
+            local_kwargs = _add_kwargs(key, kwargs, floats, DTensor if nested else None, tag_of)
+            if local_kwargs is None:
+                return _disabled(func, types, args, kwargs)
+            found = found or local_kwargs is not kwargs
         if not found:
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and pending_tail(a._pending) for a in args):
@@ -376,10 +449,13 @@ def _handler(fast: FastPath):
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
             local_args = [a._local if type(a) is DTensor else a for a in args]
-        value = func(*local_args, **kwargs) if kwargs else func(*local_args)
+        value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
         unlike = value._is_view() or value.dtype != entry.dtype
         for a in local_args:
             unlike = unlike or a is value
+        if local_kwargs is not kwargs:
+            for a in local_kwargs.values():
+                unlike = unlike or a is value
         if entry.unsqueeze:
             value = value.unsqueeze(0)
         if floats:  # an entry for any float values: its shape too, for this one
