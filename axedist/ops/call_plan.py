@@ -229,10 +229,11 @@ class FastForm:
     the result is ``self``; ``outs``: one OutSpec per output of a tuple or list result, as
     ``_fused_rms_norm`` or ``split`` give) and the rule's ``local`` function (None: the op itself)."""
 
-    __slots__ = ("slots", "out", "outs", "local")
+    __slots__ = ("slots", "out", "outs", "local", "dtype", "tag")
 
     def __init__(self, slots: tuple[Slot, ...], out: OutSpec | None, local, outs: tuple | None = None):
         self.slots, self.out, self.outs, self.local = slots, out, outs, local
+        self.dtype = self.tag = None  # a single output's dtype and its tag (plan_call)
 
 
 def copies_view(func, args, dts, targets, sharding) -> bool:
@@ -336,6 +337,9 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
     bits = any(isinstance(v, torch.Tensor) and (v.is_conj() or v.is_neg()) for v in flat) and sharding.local is None
     fast = None if reduce_self is not None or bits else _fast_form(cls, args, kwargs, dts, info, targets, structure,
                                                                    outputs, sharding)
+    if fast is not None and fast.out is not None:  # the output's tag: the next op's key needs no stride() call
+        fast.dtype = flat[0].dtype
+        fast.tag = tag_for(fast.out.spec, fast.dtype, fast.out.stride)
     plain = None
     if fast is not None and fast.out is not None and sharding.local is None and \
             all(slot.target is None and not slot.strip for slot in fast.slots):

@@ -415,6 +415,8 @@ class OpDispatcher:
         if value.shape != out.local_shape:
             _wrong_shape(func, value, spec, out.local_shape, plan)
         out = wrap(self.cls, value, spec, out.stride, value.dtype, value.device)  # (no conjugate / negative bit: plan_call's FastForm)
+        if value.dtype is fast.dtype:
+            out._tag = fast.tag
         if plan.view and (plan.view == 2 or args[0]._copied_view):  # (one read for an op that is not a view)
             out._copied_view = True
         return out
