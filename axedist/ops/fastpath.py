@@ -358,10 +358,8 @@ def _handler(fast: FastPath):
         if func in passed:
             return _disabled(func, types, args, kwargs or _EMPTY)
         grad = 0  # with grad mode on: a bit per positional DTensor that requires grad
-        # DTensors in a list (torch.cat's) or among the keyword arguments may be served where none
-        # of the call's DTensors requires grad (autograd's recording of a hit takes positional ones)
-        nested = True
-        if _grad_enabled():
+        grad_mode = _grad_enabled()
+        if grad_mode:
             with _no_torch_function():  # requires_grad without coming back here
                 bit = 1
                 for a in args:
@@ -372,11 +370,11 @@ def _handler(fast: FastPath):
                             # looks __torch_function__ up on the object first)
                             a.__torch_function__ = _disabled
                         bit <<= 1
-                nested = not grad and not _nested_grad(args, kwargs, DTensor)
         key = [func]
         local_args = []
         floats = []  # the float and complex scalars' values (the key holds _ANY in their place)
         found = False  # any DTensor among the positional arguments
+        nested = False  # a DTensor in a list argument (torch.cat's) or among the keyword arguments
         waits = False  # a DTensor whose data is still coming (async redistribute, deferred GEMM)
         for a in args:
             t = type(a)
@@ -399,21 +397,25 @@ def _handler(fast: FastPath):
                 key.append(t)
                 key.append(tuple(a))
                 local_args.append(a)
-            elif (t is tuple or t is list) and nested and a and \
-                    all(type(v) is DTensor and v._pending is None for v in a):
+            elif (t is tuple or t is list) and a and all(type(v) is DTensor and v._pending is None for v in a):
                 key.append(t)  # torch.cat's tensors
                 key.append(tuple(v._tag.number if v._tag is not None and v._tag.spec is v._spec else tag_of(v)
                                  for v in a))
                 local_args.append(t(v._value for v in a))
-                found = True
+                found = nested = True
             else:
                 return _disabled(func, types, args, kwargs or _EMPTY)
         local_kwargs = kwargs
         if kwargs:
-            local_kwargs = _add_kwargs(key, kwargs, floats, DTensor if nested else None, tag_of)
+            local_kwargs = _add_kwargs(key, kwargs, floats, DTensor, tag_of)
             if local_kwargs is None:
                 return _disabled(func, types, args, kwargs)
-            found = found or local_kwargs is not kwargs
+            if local_kwargs is not kwargs:
+                found = nested = True
+        if nested and grad_mode and (grad or _nested_grad(args, kwargs, DTensor)):
+            # served only where no DTensor of the call requires grad: autograd's recording of a hit
+            # takes the DTensors at their positions
+            return _disabled(func, types, args, kwargs or _EMPTY)
         if not found:
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and pending_tail(a._pending) for a in args):
