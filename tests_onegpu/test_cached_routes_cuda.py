@@ -1,0 +1,83 @@
+"""The cached routes of a decode step on CUDA (one-rank NCCL group, mesh of one GPU): the
+attention kernels (flash, efficient, cuDNN: tuples of tensors, integers and undefined outputs)
+and the composite ops that reach the dispatcher undecomposed under inference_mode, called three
+times (planned or recorded, then served by the cached routes), every result equal to torch's on
+the plain tensors; with autograd, outputs and gradients too.
+
+    pytest tests_onegpu/test_cached_routes_cuda.py -x
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = "29534"
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    from axedist.mesh import DeviceMesh
+    yield DeviceMesh("cuda", (1,))
+    dist.destroy_process_group()
+
+
+def _dt(t, mesh):
+    from axedist.dtensor import DTensor
+    return DTensor.from_local(t, mesh, [Replicate()])
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_attention_kernels_three_calls_match_torch(mesh, backend, seed):
+    from axedist.dtensor import DTensor
+
+    fast = DTensor.dispatcher.fastpath
+    q, k, v = (torch.randn(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with sdpa_kernel(BACKENDS[backend]):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with torch.inference_mode():
+            qd, kd, vd = (_dt(t, mesh) for t in (q, k, v))
+            before = fast.stats()["hits"]
+            for call in range(3):
+                got = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+                assert torch.equal(got.to_local(), want), f"{backend}, call {call}, seed {seed}"
+            assert fast.stats()["hits"] - before >= 2, f"{backend}: the repeated calls were not served"
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        for call in range(3):
+            dleaves = [_dt(t.detach().clone(), mesh).requires_grad_() for t in (q, k, v)]
+            dout = F.scaled_dot_product_attention(*dleaves, is_causal=True)
+            dout.backward(_dt(grad, mesh))
+            assert torch.equal(dout.to_local(), out.detach()), f"{backend}, call {call}"
+            for d, t in zip(dleaves, leaves):  # (a backward kernel may add in another order: bf16 tolerance)
+                torch.testing.assert_close(d.grad.to_local(), t.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_ops_three_calls_match_torch(mesh, seed):
+    x = torch.randn(1, 4, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "rms_norm, weight as a keyword": lambda x, w: F.rms_norm(x, (256,), w, 1e-5),
+        "cat of a list": lambda x, w: torch.cat([x, x * 2.0], dim=-1),
+        "chunk": lambda x, w: x.chunk(2, dim=-1)[1],
+        "cast": lambda x, w: x.to(torch.float32),
+        "reshape of an expand": lambda x, w: x.view(1, 4, 4, 64).unsqueeze(3).expand(1, 4, 4, 2, 64).reshape(1, 4, 512),
+        "silu * w": lambda x, w: F.silu(x) * w,
+    }
+    with torch.inference_mode():
+        xd, wd = _dt(x, mesh), _dt(w, mesh)
+        for name, call in calls.items():
+            want = call(x, w)
+            for attempt in range(3):
+                got = call(xd, wd)
+                assert got.dtype == want.dtype and torch.equal(got.to_local(), want), f"{name}, call {attempt}"
