@@ -1,10 +1,12 @@
 """The torch-function fast path: a repeated op call on DTensors served before torch's dispatcher.
 
 Every torch call on a DTensor first reaches ``DTensor.__torch_function__``. The first call of a
-given shape (the torch function; per argument a DTensor's tag or a scalar's type and value)
-takes the normal route (torch's dispatcher -> ``__torch_dispatch__`` -> the dispatcher) while a
-recorder keeps the aten ops it dispatched. When all of them just ran the op on the local tensors
-and wrapped the result, and the torch function on the plain local tensors gives the identical
+given shape (the torch function; per argument a DTensor's tag or a scalar's type and value; a
+list of DTensors, ``torch.cat``'s, and DTensors among the keyword arguments where none of the
+call's DTensors requires grad) takes the normal route (torch's dispatcher -> ``__torch_dispatch__``
+-> the dispatcher) while a recorder keeps the aten ops it dispatched. When all of them just ran
+the op on the local tensors and wrapped the result (the call's result the last op's output, or
+one output of its tuple), and the torch function on the plain local tensors gives the identical
 local result, later calls do exactly that directly::
 
     >>> z = x + y   # x, y (64, 32) in (Shard(0),) on 4 ranks: recorded (one aten.add.Tensor, nothing moved)
