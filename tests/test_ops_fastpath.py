@@ -425,3 +425,28 @@ def test_changing_floats_are_recorded_once_for_pointwise_ops(seed):
         assert recorded == 2, recorded            # x / c and add(..., alpha=c): once each for five values
         assert grad_hits >= 3, grad_hits          # dw * c: recorded once, then served through autograd
         assert norms_recorded == 2, norms_recorded   # p = 2.0 and p = 3.0 each; 2.0 again is a hit
+
+
+def _list_beside_a_waiting_tensor(rank, world, seed):
+    """A fast entry whose call holds a list of DTensors (index_put's indices) served while the
+    positional DTensor still waits for its data (an async redistribute): the local call gets the
+    list's local tensors and the waited-for data; the result equals torch's."""
+    mesh = DeviceMesh("cpu", (world,))
+    full, values = _rand((4 * world, 6), seed), _rand((2, 6), seed + 1)
+    rows = torch.tensor([1, 2 * world])
+    fastpath.clear()
+    x = distribute(full, mesh, [Replicate()])
+    idx, v = distribute(rows, mesh, [Replicate()]), distribute(values, mesh, [Replicate()])
+    sharded = distribute(full, mesh, [Shard(0)])
+    before = fastpath.stats()["hits"]
+    for _ in range(2):  # recorded, then a hit
+        torch.index_put(x, (idx,), v)
+    waiting = sharded.redistribute([Replicate()], async_op=True)
+    got = torch.index_put(waiting, (idx,), v)
+    return fastpath.stats()["hits"] - before, bool(torch.equal(got.full_tensor(), full.index_put((rows,), values)))
+
+
+def test_a_list_beside_a_tensor_still_waiting(seed):
+    for hits, same in run_on_ranks(_list_beside_a_waiting_tensor, 2, args=(seed,)):
+        assert same
+        assert hits == 2, hits  # the second call and the one with the waiting tensor

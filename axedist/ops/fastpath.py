@@ -452,7 +452,7 @@ def _handler(fast: FastPath):
             # gather, and a view or a sum of products keeps them pending
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
-            local_args = [a._local if type(a) is DTensor else a for a in args]
+            local_args = [_local(a, DTensor) for a in args]
         value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
         unlike = value._is_view() or value.dtype != entry.dtype
         for a in local_args:
