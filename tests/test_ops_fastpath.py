@@ -149,14 +149,22 @@ INFERENCE_CALLS = [
     ("3-D linear + bias", lambda t: F.linear(t["x3"], t["w"], t["bias"]), None),
     ("rms_norm", lambda t: F.rms_norm(t["x3b"], (6,), eps=1e-6), None),
     ("2-D linear", lambda t: F.linear(t["inp"], t["w"]), True),
-    ("view", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),
+    ("view merging a sharded dim", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),  # global sizes
+    # views under inference_mode (no autograd view tracking): the local view, where the torch function's
+    # sizes are the local ones (dims no device splits)
+    ("view of a replicated tensor", lambda t: t["x3"].view(6, 6), True),
+    ("view of dims a shard keeps whole", lambda t: t["x3b"].view(t["x3b"].shape[0], 3, 2, 3)[:, :, 1], None),
+    ("index with None and slices", lambda t: t["x3"][:, None, None, 1:], True),
+    ("index a slice", lambda t: t["x3"][:1], True),
+    ("permute, transpose, unsqueeze, expand", lambda t: t["x3"].permute(2, 0, 1).transpose(0, 1).unsqueeze(0)
+     .expand(2, 2, 6, 3), True),
     ("rms_norm, weight as a keyword", lambda t: F.rms_norm(t["x3b"], (6,), t["n"], 1e-6), True),
     ("cat of a list", lambda t: torch.cat([t["x3"], t["x3"] * 2.0], dim=-1), True),
     ("sdpa, heads sharded", lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["k"], is_causal=True), True),
     ("sdpa, uneven heads", lambda t: F.scaled_dot_product_attention(t["qu"], t["qu"], t["qu"]), False),
     ("chunk", lambda t: t["x3"].chunk(2, dim=-1), False),
     ("cast (to -> _to_copy with a dtype keyword)", lambda t: t["f"].to(torch.float64), False),
-    ("reshape of an expand (a copy)", lambda t: t["x3"].unsqueeze(2).expand(2, 3, 2, 6).reshape(2, 3, 12), False),
+    ("reshape of an expanded view (a copy)", lambda t: t["xe"].reshape(2, 3, 12), False),
 ]
 
 
@@ -169,6 +177,8 @@ def _inference_inputs(mesh, seed):
     for k, (name, (shape, placements)) in enumerate(made.items()):
         full = _rand(shape, seed + 40 + k)
         out[name] = (distribute(full, mesh, placements), full)
+    x3, full = out["x3"]
+    out["xe"] = (x3.unsqueeze(2).expand(2, 3, 2, 6), full.unsqueeze(2).expand(2, 3, 2, 6))  # a view, not contiguous
     return out
 
 
@@ -450,3 +460,29 @@ def test_a_list_beside_a_tensor_still_waiting(seed):
     for hits, same in run_on_ranks(_list_beside_a_waiting_tensor, 2, args=(seed,)):
         assert same
         assert hits == 2, hits  # the second call and the one with the waiting tensor
+
+
+def _view_the_local_strides_refuse(rank, world, seed):
+    """Under inference_mode a view entry recorded on one local tensor meets another of the same
+    layout whose local strides refuse that view (a transposed local piece): the call takes the
+    normal route instead, now and for that key, and gives the normal route's result."""
+    mesh = DeviceMesh("cpu", (world,))
+    fastpath.clear()
+    with torch.inference_mode():
+        x = DTensor.from_local(_rand((4, 6), seed), mesh, [Replicate()])
+        y = DTensor.from_local(_rand((6, 4), seed + 1).t(), mesh, [Replicate()])  # same spec, strides (1, 4) here
+        for _ in range(2):
+            x.view(2, 12)  # recorded, then served
+        hits = fastpath.stats()["hits"]
+        fastpath.enable(False)
+        normal = _facts(y.view(2, 12))
+        fastpath.enable(True)
+        got = [_facts(y.view(2, 12)) for _ in range(2)]
+        hits = fastpath.stats()["hits"] - hits
+    for facts in got:
+        _same(facts, normal, "view with other local strides")
+    return hits
+
+
+def test_a_view_the_local_strides_refuse_takes_the_normal_route(seed):
+    assert run_on_ranks(_view_the_local_strides_refuse, 2, args=(seed,)) == [0, 0]

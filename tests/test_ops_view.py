@@ -107,6 +107,53 @@ def _writes_through_views(rank, world, seed):
     return outcomes
 
 
+def _views_under_inference_mode(rank, world, seed):
+    """Under inference_mode the fast path serves views (no autograd view tracking there): a served
+    slice still writes to its base, a served index still reads the base's later writes, and a view
+    of a view of a copy is one too (a write to it refused), as on the normal route."""
+    from axedist.ops import DispatchError
+
+    fast = DTensor.dispatcher.fastpath
+    mesh = DeviceMesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(2 * world, 3, 3, generator=g, dtype=torch.float64)
+    out = {}
+    with torch.inference_mode():
+        x = distribute(a.clone(), mesh, [Shard(1)])
+        before = fast.stats()["hits"]
+        for _ in range(3):  # recorded, then served
+            x[:, :, 1:]
+        x[:, :, 1:].mul_(2.0)
+        want = a.clone()
+        want[:, :, 1:].mul_(2.0)
+        out["slice served"] = fast.stats()["hits"] - before >= 3
+        out["slice writes to the base"] = bool(torch.equal(x.full_tensor(), want))
+        y = distribute(a.clone(), mesh, [Shard(0)])
+        for _ in range(3):
+            v = y[:, 1]
+        y.add_(1.0)
+        out["the view reads the base's write"] = bool(torch.equal(v.full_tensor(), a[:, 1] + 1))
+        for _ in range(2):  # the view of a copied view: recorded, then served
+            distribute(a.clone(), mesh, [Shard(1)]).diagonal(0, 1, 2).unsqueeze(0)
+        z = distribute(a.clone(), mesh, [Shard(1)])
+        before = fast.stats()["hits"]
+        twice = z.diagonal(0, 1, 2).unsqueeze(0)  # rows sharded: the diagonal gathers, a view of a copy
+        out["view of the copy served"] = fast.stats()["hits"] - before == 1
+        try:
+            twice.mul_(0.5)
+            out["write to it"] = "no error"
+        except DispatchError as error:
+            out["write to it"] = "refused" if "would change a copy" in str(error) else str(error)
+        out["base kept"] = bool(torch.equal(z.full_tensor(), a))
+    return out
+
+
+def test_views_under_inference_mode_write_and_read_like_the_normal_route(seed):
+    want = {"slice served": True, "slice writes to the base": True, "the view reads the base's write": True,
+            "view of the copy served": True, "write to it": "refused", "base kept": True}
+    assert run_on_ranks(_views_under_inference_mode, 2, args=(seed,)) == [want] * 2
+
+
 def test_writes_through_a_view_reach_the_base_or_are_refused(seed):
     want = {"batch shards": True, "matrices dealt by a layout": True, "slice of a whole dim": True,
             "mul_": "refused", "copy_": "refused", "out=": "refused", "a view of the view": "refused",

@@ -43,6 +43,7 @@ _no_torch_function = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _any_autocast = torch._C._is_any_autocast_enabled
+_inference_mode = torch.is_inference_mode_enabled
 _EMPTY: dict = {}  # kwargs for torch's disabled impl when none were given (never written)
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
@@ -66,8 +67,11 @@ class FastPath:
     def __init__(self, dispatcher):
         self.dispatcher = dispatcher
         # torch functions that always take the normal route: those that dispatched nothing
-        # (getters, size(), ...), views, and backward
+        # (getters, size(), ...) and backward
         self.passed: set = set(_NEVER_RECORDED)
+        # torch functions that return a view: the normal route but under inference_mode (ops/view.py
+        # docstring: there autograd tracks no view, so a view entry gives what the normal route gives)
+        self.views: set = set()
         self.counts = {"hits": 0, "grad hits": 0, "recorded": 0, "slow": 0, "passed": 0}
         self.torch_function = _handler(self)
         self._installed = classmethod(self.torch_function)
@@ -84,6 +88,7 @@ class FastPath:
         self.dispatcher.cache.clear("torch_calls")
         self.passed.clear()
         self.passed.update(_NEVER_RECORDED)
+        self.views.clear()
 
     def stats(self) -> dict:
         """``{"hits", "grad hits", "recorded", "slow", "passed", "size"}``: fast hits (of which
@@ -104,17 +109,25 @@ class FastPath:
         finally:
             RECORDING.pop()
         last = recorder.last_top
-        # Nothing dispatched (a getter), or (without autograd, which adds ops of its own, e.g. a
-        # detach of an output it saves) a view, which the normal route makes a view of its base
-        # for autograd: the normal route for this torch function with any arguments.
-        if last is None or (not grad and any(r.alias_info is not None for r in last._schema.returns)):
+        # Nothing dispatched (a getter): the normal route for this torch function with any arguments.
+        if last is None:
             self.passed.add(func)
             self.counts["passed"] += 1
             return result
+        # Without autograd (which adds ops of its own, e.g. a detach of an output it saves), a view:
+        # outside inference_mode the normal route makes it a view of its base for autograd, so that
+        # route for this torch function with any arguments; under inference_mode (no view tracking)
+        # an entry that gives the same local view.
+        view = not grad and any(r.alias_info is not None for r in last._schema.returns)
+        if view:
+            self.views.add(func)
+            if not _inference_mode():
+                self.counts["passed"] += 1
+                return result
         if grad:
             entry = self._grad_entry_for(func, recorder.steps, result, args, kwargs)
         else:
-            entry = self._entry_for(func, recorder.steps, result, args, kwargs)
+            entry = self._entry_for(func, recorder.steps, result, args, kwargs, view)
         if loose is not None and (entry is _SLOW or entry.pointwise):
             key = loose
         self.dispatcher.cache.put("torch_calls", key, entry)
@@ -174,11 +187,13 @@ class FastPath:
             return plan
         return None
 
-    def _entry_for(self, func, steps, result, args, kwargs):
+    def _entry_for(self, func, steps, result, args, kwargs, view: bool = False):
         """The fast entry proven by these recorded steps, or _SLOW: every step a local plan, the
         call's result the last step's output (or one output of its tuple: ``F.rms_norm`` returns
         the first of ``_fused_rms_norm``'s), and the torch function on the plain local tensors
-        giving the identical local result (shape, dtype, strides, values, a new tensor)."""
+        giving the identical local result (shape, dtype, strides, values, a new tensor; for a
+        ``view`` under inference_mode, a view of the same input storage, as the normal route's; no
+        step that moved its input or computed the view anew, ``CallPlan.view`` 2)."""
         cls = self.dispatcher.cls
         last = steps[-1][3]
         if type(result) is not cls or result._pending is not None:
@@ -192,7 +207,7 @@ class FastPath:
         plans = []
         for i, step in enumerate(steps):
             plan = self._local_plan(*step, several=i == len(steps) - 1 and result is not last)
-            if plan is None:
+            if plan is None or plan.view == 2:
                 return _SLOW
             plans.append(plan)
         local_args = [_local(a, cls) for a in args]  # the steps used (so waited for) them
@@ -213,7 +228,13 @@ class FastPath:
             return _SLOW
         inputs = {a.untyped_storage().data_ptr() for a in _flat(local_args + list(local_kwargs.values()))
                   if isinstance(a, torch.Tensor)}
-        if again.numel() and again.untyped_storage().data_ptr() in inputs:
+        if view:
+            # the normal route's local result and this one: views of one input's storage
+            # (inference tensors keep no view metadata: _is_view() is False for them)
+            if again.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr() or \
+                    again.untyped_storage().data_ptr() not in inputs:
+                return _SLOW
+        elif again.numel() and again.untyped_storage().data_ptr() in inputs:
             return _SLOW
         # Values: compared where that costs no device sync (CPU, where the test suite proves every
         # rule's entries). On a GPU a new scalar (AdamW's bias correction changes every step) would
@@ -226,7 +247,26 @@ class FastPath:
             if not bool(same.all()):
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
-        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device)
+        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view)
+
+
+_INDEX = object()  # precedes an index's key (_index_key)
+_INDEX_ITEMS = frozenset({int, type(None), type(Ellipsis), slice})
+
+
+def _index_key(index):
+    """A hashable key of an index made of ints, None, Ellipsis and slices whose bounds are ints or
+    None (a slice is unhashable before Python 3.12), or None for any other index."""
+    items = index if type(index) is tuple else (index,)
+    key = []
+    for v in items:
+        if type(v) is slice:
+            if not all(type(b) in (int, type(None)) for b in (v.start, v.stop, v.step)):
+                return None
+            key.append((v.start, v.stop, v.step))
+        else:
+            key.append(v)
+    return type(index) is tuple, tuple(key)
 
 
 def _nested_grad(args, kwargs, cls) -> bool:
@@ -352,12 +392,12 @@ def _handler(fast: FastPath):
     dispatcher = fast.dispatcher
     DTensor = dispatcher.cls
     # its entries live in the dispatcher's call cache: key -> LocalRoute, or _SLOW
-    cache, passed, counts = dispatcher.cache.torch_calls, fast.passed, fast.counts
+    cache, passed, views, counts = dispatcher.cache.torch_calls, fast.passed, fast.views, fast.counts
     tag_of, record, wrap_ = dispatcher.tag_of, fast.record, wrap
 
     @eager_only  # never compiled frame by frame (see eager_only)
     def torch_function(cls, func, types, args=(), kwargs=None):
-        if func in passed:
+        if func in passed or (func in views and not _inference_mode()):
             return _disabled(func, types, args, kwargs or _EMPTY)
         grad = 0  # with grad mode on: a bit per positional DTensor that requires grad
         grad_mode = _grad_enabled()
@@ -398,6 +438,13 @@ def _handler(fast: FastPath):
             elif t in _SEQUENCES and all(type(v) is int for v in a):
                 key.append(t)
                 key.append(tuple(a))
+                local_args.append(a)
+            elif t is slice or (t is tuple and all(type(v) in _INDEX_ITEMS for v in a)):
+                index = _index_key(a)  # x[:s], x[:, None, None, :]: ints, None, ..., slices of ints
+                if index is None:
+                    return _disabled(func, types, args, kwargs or _EMPTY)
+                key.append(_INDEX)
+                key.append(index)
                 local_args.append(a)
             elif (t is tuple or t is list) and a and all(type(v) is DTensor and v._pending is None for v in a):
                 key.append(t)  # torch.cat's tensors
@@ -453,8 +500,18 @@ def _handler(fast: FastPath):
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
             local_args = [_local(a, DTensor) for a in args]
-        value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
-        unlike = value._is_view() or value.dtype != entry.dtype
+        try:
+            value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
+        except RuntimeError:
+            if not entry.view:
+                raise
+            # a view the local tensor's strides do not allow (its layout's normal route copies):
+            # nothing happened yet; the normal route, now and for this key
+            cache[key] = cache[loose] = _SLOW
+            return _disabled(func, types, args, kwargs or _EMPTY)
+        # (a view entry's local result is a view of its input, as the normal route's; any other
+        # entry's a new tensor)
+        unlike = (value._is_view() and not entry.view) or value.dtype != entry.dtype
         for a in local_args:
             unlike = unlike or a is value
         if local_kwargs is not kwargs:
@@ -474,6 +531,8 @@ def _handler(fast: FastPath):
             return _disabled(func, types, args, kwargs or _EMPTY)
         out = wrap_(DTensor, value, entry.spec, entry.stride, entry.dtype, entry.device)
         out._tag = entry.tag
+        if entry.view and getattr(args[0], "_copied_view", False):  # a view of a copied view is one too
+            out._copied_view = True
         if grad:
             return grad_hit(func, types, args, kwargs, loose, entry, out)
         counts["hits"] += 1  # (the dispatcher's cache_info counts them as plan-cache hits too)
