@@ -39,3 +39,18 @@ def seed():
     if HAVE_CUDA:
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 references stay fp32
     return value
+
+
+@pytest.fixture(scope="session")
+def group():
+    """A one-rank NCCL process group for the tests that make a one-GPU mesh, one for the whole
+    session: axedist keeps per-group state (meshes, workspaces), which a group destroyed and made
+    again between test files would leave pointing at an aborted communicator."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -6,11 +6,8 @@ the plain tensors; with autograd, outputs and gradients too.
 
     pytest tests_onegpu/test_cached_routes_cuda.py -x
 """
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -20,14 +17,9 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIE
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = "29534"
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+def mesh(group):  # (conftest: the session's one-rank NCCL group)
     from axedist.mesh import DeviceMesh
-    yield DeviceMesh("cuda", (1,))
-    dist.destroy_process_group()
+    return DeviceMesh("cuda", (1,))
 
 
 def _dt(t, mesh):

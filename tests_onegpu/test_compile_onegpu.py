@@ -10,26 +10,14 @@ fp32 references on fresh random inputs.
 
     pytest tests_onegpu/test_compile_onegpu.py -x
 """
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
 from tests.test_compile import block_step, relative_error
 
 SIX = ("reduce_scatter", "all_gather", "all_reduce", "gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce")
-
-
-@pytest.fixture(scope="module")
-def group():
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_compiled_tp1_block_matches_eager(group, seed):
