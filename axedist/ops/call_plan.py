@@ -343,10 +343,8 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
     plain = None
     if fast is not None and fast.out is not None and sharding.local is None and \
             all(slot.target is None and not slot.strip for slot in fast.slots):
-        dtype = flat[0].dtype
-        out = fast.out
-        plain = LocalRoute(func._op, tuple(slot.position for slot in fast.slots), out, dtype,
-                           tag_for(out.spec, dtype, out.stride), defer, view=func.is_view)
+        plain = LocalRoute(func._op, tuple(slot.position for slot in fast.slots), fast.out, fast.dtype, fast.tag,
+                           defer, view=func.is_view)
     view = 2 if copies_view(func, args, dts, targets, sharding) else int(func.is_view)
     return CallPlan(call, sharding, targets, outputs, structure, defer, fast, reduce_self, plain, even, view)
 

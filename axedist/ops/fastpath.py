@@ -33,7 +33,7 @@ import torch
 from ..runtime.deferred import pending_gather, pending_product
 from ..runtime.tails import pending_tail
 from ..tracing import eager_only
-from .call_plan import SCALAR_TYPES, LocalRoute, decomposable, op_info
+from .call_plan import SCALAR_TYPES, LocalRoute, decomposable, op_info, replace_dtensors
 from .state import READY, RECORDING, ReadyOutput, wrap
 
 __all__ = ["FastPath"]
@@ -210,8 +210,9 @@ class FastPath:
             if plan is None or plan.view == 2:
                 return _SLOW
             plans.append(plan)
-        local_args = [_local(a, cls) for a in args]  # the steps used (so waited for) them
-        local_kwargs = {k: _local(a, cls) for k, a in (kwargs or _EMPTY).items()}
+        # the steps used (so waited for) them
+        local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
+        local_args = list(local_args)
         # a deferrable GEMM among the steps: hits check the defer_gemm policy (OpDispatcher.defers)
         defer = any(plan.defer for plan in plans)
         out = plans[-1].outputs[index]
@@ -278,13 +279,9 @@ def _nested_grad(args, kwargs, cls) -> bool:
     return bool(kwargs) and any(type(v) is cls and v.requires_grad for v in kwargs.values())
 
 
-def _local(value, cls):
-    """A call argument with its ``cls`` DTensors (also those of a list) replaced by their local tensors."""
-    if type(value) is cls:
-        return value._local
-    if type(value) in (list, tuple) and any(type(v) is cls for v in value):
-        return type(value)(_local(v, cls) for v in value)
-    return value
+def _waited(dt):
+    """A DTensor's local tensor, its data waited for (``replace_dtensors``' conversion)."""
+    return dt._local
 
 
 def _flat(values) -> list:
@@ -499,7 +496,7 @@ def _handler(fast: FastPath):
             # gather, and a view or a sum of products keeps them pending
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
-            local_args = [_local(a, DTensor) for a in args]
+            local_args = replace_dtensors(DTensor, args, _EMPTY, _waited)[0]
         try:
             value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
         except RuntimeError:
