@@ -486,3 +486,63 @@ def _view_the_local_strides_refuse(rank, world, seed):
 
 def test_a_view_the_local_strides_refuse_takes_the_normal_route(seed):
     assert run_on_ranks(_view_the_local_strides_refuse, 2, args=(seed,)) == [0, 0]
+
+
+def _decode_sized_linears(rank, world, seed):
+    """F.linear whose mm the dispatcher runs as the decode product (ops/matmul.py: on CUDA the
+    skinny GEMM; here ``decode_sized`` is made to say yes and the product is ``torch.mm``) under
+    inference_mode: column- and row-parallel weights, 2-D and 3-D inputs. The first call records,
+    later ones are served by the product's twin for the whole call (the product itself runs: its
+    ``torch.mm`` counted, which F.linear's own kernel never calls), each result the normal route's.
+    A bias (addmm: no decode product) is served the plain way."""
+    import axedist
+    from axedist.ops import matmul
+
+    mesh = DeviceMesh("cpu", (world,))
+    real_sized, real_mm = matmul.decode_sized, torch.mm
+    products = []
+
+    def counted_mm(a, b):
+        products.append(tuple(a.shape))
+        return real_mm(a, b)
+
+    cases = {
+        "colwise 3-D": ((2, 1, 8), [Replicate()], (12, 8), [Shard(0)], False),
+        "colwise 2-D": ((3, 8), [Replicate()], (12, 8), [Shard(0)], False),
+        "rowwise 3-D (a pending sum)": ((1, 2, 8), [Shard(2)], (12, 8), [Shard(1)], False),
+        "colwise with a bias": ((2, 8), [Replicate()], (12, 8), [Shard(0)], True),
+    }
+    out = {}
+    matmul.decode_sized = lambda call: True
+    axedist.reset()
+    try:
+        with torch.inference_mode():
+            for i, (name, (xs, xp, ws, wp, bias)) in enumerate(cases.items()):
+                x = distribute(_rand(xs, seed + i), mesh, xp)
+                w = distribute(_rand(ws, seed + 10 + i), mesh, wp)
+                args = (x, w) + ((distribute(_rand(ws[:1], seed + 20 + i), mesh, [Shard(0)]),) if bias else ())
+                fastpath.enable(False)
+                normal = _facts(F.linear(*args))
+                fastpath.enable(True)
+                hits = fastpath.stats()["hits"]
+                products.clear()
+                torch.mm = counted_mm
+                try:
+                    got = [_facts(F.linear(*args)) for _ in range(3)]
+                finally:
+                    torch.mm = real_mm
+                for k, facts in enumerate(got):
+                    _same(facts, normal, f"{name}, call {k}")
+                out[name] = (fastpath.stats()["hits"] - hits, len(products))
+    finally:
+        matmul.decode_sized = real_sized
+        axedist.reset()
+    return out
+
+
+def test_decode_sized_linears_are_served_by_the_products_twin(seed):
+    for counts in run_on_ranks(_decode_sized_linears, 2, args=(seed,)):
+        for name in ("colwise 3-D", "colwise 2-D", "rowwise 3-D (a pending sum)"):
+            # hits; products: the recording call's, the entry's proof, two hits
+            assert counts[name] == (2, 4), (name, counts[name])
+        assert counts["colwise with a bias"] == (2, 0), counts["colwise with a bias"]

@@ -73,3 +73,39 @@ def test_decode_ops_three_calls_match_torch(mesh, seed):
             for attempt in range(3):
                 got = call(xd, wd)
                 assert got.dtype == want.dtype and torch.equal(got.to_local(), want), f"{name}, call {attempt}"
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_decode_linear_hits_run_the_skinny_gemm(mesh, rows, seed, monkeypatch):
+    """``F.linear`` at a decode shape the skinny GEMM's table chose (1 x 4096 x 4096; 16 x 7168 x
+    4096) under inference_mode: the first call records, the next two are fast-path hits that run
+    the skinny GEMM through the decode product's twin (counted), every result bit for bit the
+    normal route's (fast path off) and close to cuBLAS's on the plain tensors."""
+    from axedist.dtensor import DTensor
+    from axedist.kernels import skinny_gemm
+
+    fast = DTensor.dispatcher.fastpath
+    n = 4096 if rows == 1 else 7168
+    x = torch.randn(rows, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    launches = []
+    real = skinny_gemm.skinny_mm
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_mm", counted)
+    with torch.inference_mode():
+        xd, wd = _dt(x, mesh), _dt(w, mesh)
+        fast.enable(False)
+        normal = F.linear(xd, wd).to_local().clone()
+        fast.enable(True)
+        assert launches == [1], f"the table's shape did not run the skinny GEMM: {launches}"
+        before = fast.stats()["hits"]
+        for call in range(3):
+            got = F.linear(xd, wd)
+            assert torch.equal(got.to_local(), normal), f"rows {rows}, call {call}, seed {seed}"
+        assert fast.stats()["hits"] - before == 2, "the repeated calls were not served"
+        assert len(launches) == 1 + 3 + 1, launches  # normal, recording, the entry's proof, two hits
+    torch.testing.assert_close(normal, F.linear(x, w), atol=2e-2, rtol=2e-2)

@@ -253,18 +253,21 @@ class LocalRoute:
     the route only where the dispatcher would not defer it (``OpDispatcher.defers``).
     Fast-path entries also know ``pointwise`` (every aten op of the call is pointwise, so the
     route holds for any float values) and the result's ``device`` (a plan's route, planned on
-    meta tensors, reads it off the result)."""
+    meta tensors, reads it off the result) and what runs in place of the torch function on the
+    local tensors (``run``: None for the function itself, else a kernel choice's twin, such as
+    the decode product's linear, ops/matmul.py)."""
 
     __slots__ = ("op", "positions", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer",
-                 "pointwise", "device", "cuda", "view")
+                 "pointwise", "device", "cuda", "view", "run")
 
     def __init__(self, op, positions: tuple, out: OutSpec, dtype, tag, defer: bool, pointwise: bool = False,
-                 device=None, view: bool = False):
+                 device=None, view: bool = False, run=None):
         self.op, self.positions, self.spec, self.local_shape = op, positions, out.spec, out.local_shape
         self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
         self.pointwise, self.device = pointwise, device
         self.cuda = device is not None and device.type == "cuda"  # (asked per hit: device.type costs 0.2 us)
         self.view = view  # a view op: its output is a copied view where its input is (DTensor._copied_view)
+        self.run = run
 
     def __repr__(self) -> str:
         via = f"{self.op}, " if self.op is not None else ""

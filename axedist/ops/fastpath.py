@@ -166,7 +166,8 @@ class FastPath:
     def _local_plan(self, op, args, kwargs, out, several: bool = False):
         """The plan of this aten call if the dispatcher ran it as "the op on the local tensors,
         wrapped" (no input moved, no rule-specific local function but a reshape to the local shape
-        (view.py: metadata only, which the entry's check of the result's shape and strides covers),
+        (view.py: metadata only, which the entry's check of the result's shape and strides covers)
+        or a kernel choice for the op (one with ``torch_twins``: the decode product, ops/matmul.py),
         no pending-sum input but to such a reshape, nothing written, nothing random) and gave one
         output, or (``several``: the call's last op, of which the call returns one output) a
         tuple of them; else None."""
@@ -180,7 +181,7 @@ class FastPath:
             return None
         local = plan.sharding.local
         reshapes = local is not None and getattr(local, "only_reshapes", False)
-        if plan.reduce_self is not None or (local is not None and not reshapes):
+        if plan.reduce_self is not None or (local is not None and not reshapes and not _twins(local)):
             return None
         # a pending sum may only be reshaped (a view is linear: the view of the sum is the sum of the views)
         if all(t is None for t in plan.targets) and (reshapes or not any(d._spec.reduce_op for d in inputs)):
@@ -193,7 +194,9 @@ class FastPath:
         the first of ``_fused_rms_norm``'s), and the torch function on the plain local tensors
         giving the identical local result (shape, dtype, strides, values, a new tensor; for a
         ``view`` under inference_mode, a view of the same input storage, as the normal route's; no
-        step that moved its input or computed the view anew, ``CallPlan.view`` 2)."""
+        step that moved its input or computed the view anew, ``CallPlan.view`` 2). Where a step's
+        local function chose the op's kernel (``torch_twins``), its twin for the torch function
+        stands in for it, the whole call on the plain local tensors with that kernel choice."""
         cls = self.dispatcher.cls
         last = steps[-1][3]
         if type(result) is not cls or result._pending is not None:
@@ -210,6 +213,9 @@ class FastPath:
             if plan is None or plan.view == 2:
                 return _SLOW
             plans.append(plan)
+        run = _twin(func, plans)
+        if run is _SLOW:
+            return _SLOW
         # the steps used (so waited for) them
         local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
         local_args = list(local_args)
@@ -218,7 +224,7 @@ class FastPath:
         out = plans[-1].outputs[index]
         expected = result._value
         try:
-            again = func(*local_args, **local_kwargs)
+            again = (run or func)(*local_args, **local_kwargs)
             if out.unsqueeze:
                 again = again.unsqueeze(0)
         except Exception:
@@ -248,7 +254,7 @@ class FastPath:
             if not bool(same.all()):
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
-        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view)
+        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view, run)
 
 
 _INDEX = object()  # precedes an index's key (_index_key)
@@ -268,6 +274,22 @@ def _index_key(index):
         else:
             key.append(v)
     return type(index) is tuple, tuple(key)
+
+
+def _twins(local) -> dict | None:
+    """A plan's local function's twins (torch function -> that call on plain local tensors)."""
+    return getattr(local, "torch_twins", None)
+
+
+def _twin(func, plans):
+    """What a hit runs in place of ``func`` on the local tensors: None (``func`` itself) where no
+    step chose its kernel; else the one twin for ``func`` its steps' kernel choices agree on, or
+    _SLOW where one has none (its kernel choice is not the torch function's)."""
+    chosen = {id(t): t for t in (_twins(plan.sharding.local) for plan in plans) if t is not None}
+    if not chosen:
+        return None
+    runs = {t.get(func) for t in chosen.values()}
+    return _SLOW if len(runs) != 1 or None in runs else runs.pop()
 
 
 def _nested_grad(args, kwargs, cls) -> bool:
@@ -497,8 +519,9 @@ def _handler(fast: FastPath):
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits:  # only now: a call that takes the normal route must find a deferred GEMM unrun
             local_args = replace_dtensors(DTensor, args, _EMPTY, _waited)[0]
+        run = entry.run or func
         try:
-            value = func(*local_args, **local_kwargs) if kwargs else func(*local_args)
+            value = run(*local_args, **local_kwargs) if kwargs else run(*local_args)
         except RuntimeError:
             if not entry.view:
                 raise

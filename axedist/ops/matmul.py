@@ -247,12 +247,12 @@ def mm(call: OpCall) -> Sharding:
             return summed
     wa, wb, wo = _product_strategy(a, b, call.mesh, call.func is aten.bmm.default)
     sharding = Sharding(inputs=[moved_to(a, wa), moved_to(b, wb)], outputs=wo)
-    if call.func is aten.mm.default and _decode_sized(call):
+    if call.func is aten.mm.default and decode_sized(call):
         return dataclasses.replace(sharding, local=_decode_product)
     return sharding
 
 
-def _decode_sized(call: OpCall) -> bool:
+def decode_sized(call: OpCall) -> bool:
     """Whether an mm's local products may run the skinny GEMM (kernels/skinny_gemm.py): CUDA,
     bf16 / fp16, at most its MAX_ROWS rows (a decode step's tokens), no fewer columns and no
     shallower contraction than the least its table chose it for at that many rows,
@@ -280,6 +280,22 @@ def _decode_product(call: OpCall, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
         return torch.mm(a, b)
     config = skinny.skinny_config(a.shape[0], b.shape[1], a.shape[1])
     return torch.mm(a, b) if config is None else skinny.skinny_mm(a, b, config=config)
+
+
+def _decode_linear(input: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """``F.linear(x, weight)`` on the plain local tensors as the normal route computes it where
+    its mm is decode-sized: the rows flattened, ``_decode_product`` with ``weight.t()``, the
+    leading dims restored (the fast path's entry for the whole call, ops/fastpath.py). A bias
+    takes addmm (no decode product) or an in-place add there: not this computation."""
+    if bias is not None:
+        raise TypeError("the decode product's linear has no bias")
+    rows = _decode_product(None, input.reshape(-1, input.shape[-1]), weight.t())
+    return rows.view(*input.shape[:-1], weight.shape[0])
+
+
+# The torch function whose whole call a decode product stands for, and that call on the plain
+# local tensors (a kernel choice, the same computation: the fast path may serve the call with it)
+_decode_product.torch_twins = {torch.nn.functional.linear: _decode_linear}
 
 
 @cached(maxsize=None)
