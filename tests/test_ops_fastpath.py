@@ -149,7 +149,8 @@ INFERENCE_CALLS = [
     ("3-D linear + bias", lambda t: F.linear(t["x3"], t["w"], t["bias"]), None),
     ("rms_norm", lambda t: F.rms_norm(t["x3b"], (6,), eps=1e-6), None),
     ("2-D linear", lambda t: F.linear(t["inp"], t["w"]), True),
-    ("view merging a sharded dim", lambda t: t["v"].view(2 * t["v"].shape[0], 6), False),  # global sizes
+    # (global sizes the local tensor does not have: the plan's local reshape serves it)
+    ("view merging a sharded dim", lambda t: t["v"].view(2 * t["v"].shape[0], 6), True),
     # views under inference_mode (no autograd view tracking): the local view, where the torch function's
     # sizes are the local ones (dims no device splits)
     ("view of a replicated tensor", lambda t: t["x3"].view(6, 6), True),
@@ -162,9 +163,10 @@ INFERENCE_CALLS = [
     ("cat of a list", lambda t: torch.cat([t["x3"], t["x3"] * 2.0], dim=-1), True),
     ("sdpa, heads sharded", lambda t: F.scaled_dot_product_attention(t["q"], t["k"], t["k"], is_causal=True), True),
     ("sdpa, uneven heads", lambda t: F.scaled_dot_product_attention(t["qu"], t["qu"], t["qu"]), False),
-    ("chunk", lambda t: t["x3"].chunk(2, dim=-1), False),
-    ("cast (to -> _to_copy with a dtype keyword)", lambda t: t["f"].to(torch.float64), False),
-    ("reshape of an expanded view (a copy)", lambda t: t["xe"].reshape(2, 3, 12), False),
+    ("chunk", lambda t: t["x3"].chunk(2, dim=-1), True),  # (a tuple of views)
+    # (ops that may alias but made a new tensor: entries whose hits check theirs is new too)
+    ("cast (to -> _to_copy with a dtype keyword)", lambda t: t["f"].to(torch.float64), True),
+    ("reshape of an expanded view (a copy)", lambda t: t["xe"].reshape(2, 3, 12), True),
 ]
 
 
@@ -546,3 +548,76 @@ def test_decode_sized_linears_are_served_by_the_products_twin(seed):
             # hits; products: the recording call's, the entry's proof, two hits
             assert counts[name] == (2, 4), (name, counts[name])
         assert counts["colwise with a bias"] == (2, 0), counts["colwise with a bias"]
+
+
+def _ops_that_may_alias(rank, world, seed, inference):
+    """Ops whose schema may alias that made a new tensor (``to`` of another dtype, ``reshape`` of
+    an expanded tensor) and ``expand`` (a view to the local shape): recorded as entries and served,
+    every result the normal route's; a later call of the same key whose local result aliases its
+    input (the local strides allow the reshape as a view) takes the normal route. ``to`` of the
+    same dtype returns the input itself, on hits too (as ``contiguous`` of a contiguous tensor,
+    which dispatches nothing). Under inference_mode a tuple of views (``chunk``, ``split``) is
+    served too."""
+    mesh = DeviceMesh("cpu", (world,))
+    base = _rand((2 * world, 1, 6), seed)
+    calls = {
+        "to another dtype": lambda t: t.to(torch.float32),
+        "to the same dtype": lambda t: t.to(torch.float64),
+        "contiguous": lambda t: t.contiguous(),
+        "expand": lambda t: t.expand(2 * world, 3, 6),  # (global sizes: run as the plan's local expand)
+        "reshape of an expand (a copy)": lambda t: t.expand(2 * world, 3, 6).reshape(2 * world, 18),
+        "view of sharded rows": lambda t: t.view(world, 2, 6),  # (likewise)
+        "chunk (a tuple of views)": lambda t: t.chunk(2, dim=-1),
+        "split along dim 0": lambda t: t.split(world, dim=0),  # (of sharded rows: moved or global sizes)
+    }
+    hits = {}
+    mode = torch.inference_mode if inference else torch.no_grad
+    with mode():
+        for placements in ([Shard(0)], [Replicate()]):
+            x = distribute(base, mesh, placements)
+            for name, call in calls.items():
+                fastpath.clear()
+                fastpath.enable(False)
+                normal = _facts(call(x))
+                fastpath.enable(True)
+                before = fastpath.stats()["hits"]
+                for k in range(3):
+                    got = call(x)
+                    _same(_facts(got), normal, f"{name}, {placements}, call {k}")
+                    assert (got is x) == (name in ("to the same dtype", "contiguous")), (name, k)
+                hits[f"{name}, {placements}"] = fastpath.stats()["hits"] - before
+        # the same key, local strides that let the reshape be a view: the normal route's result
+        expanded = DTensor.from_local(_rand((2, 1, 6), seed + 1).expand(2, 3, 6), mesh, [Shard(0)])
+        whole = DTensor.from_local(_rand((2, 3, 6), seed + 2), mesh, [Shard(0)])
+        fastpath.clear()
+        for _ in range(2):
+            expanded.reshape(2 * world, 18)  # recorded (a copy), then served
+        fastpath.enable(False)
+        normal = _facts(whole.reshape(2 * world, 18))
+        fastpath.enable(True)
+        before = fastpath.stats()["hits"]
+        got = [_facts(whole.reshape(2 * world, 18)) for _ in range(2)]
+        hits["reshape whose local view aliases"] = fastpath.stats()["hits"] - before
+    for facts in got:
+        _same(facts, normal, "reshape whose local view aliases")
+    return hits
+
+
+def test_ops_that_may_alias_are_served(seed):
+    for inference in (True, False):
+        for hits in run_on_ranks(_ops_that_may_alias, 2, args=(seed, inference)):
+            for placements in ("[Shard(dim=0)]", "[Replicate()]"):
+                assert hits[f"to another dtype, {placements}"] == 2, (inference, hits)
+                # (and its expand, a view, under inference_mode; outside it, of sharded rows, its global
+                # sizes reach two aten ops, clone and _unsafe_view: the normal route)
+                want = 4 if inference else 2 if placements == "[Replicate()]" else 0
+                assert hits[f"reshape of an expand (a copy), {placements}"] == want, (inference, hits)
+                # (outside inference_mode it dispatches nothing: passed)
+                assert hits[f"to the same dtype, {placements}"] == (2 if inference else 0), (inference, hits)
+                assert hits[f"contiguous, {placements}"] == 0, (inference, hits)  # (dispatches nothing: passed)
+                # views: served under inference_mode only
+                assert hits[f"expand, {placements}"] == (2 if inference else 0), (inference, hits)
+                assert hits[f"view of sharded rows, {placements}"] == (2 if inference else 0), (inference, hits)
+                assert hits[f"chunk (a tuple of views), {placements}"] == (2 if inference else 0), (inference, hits)
+            assert hits["split along dim 0, [Replicate()]"] == (2 if inference else 0), (inference, hits)
+            assert hits["reshape whose local view aliases"] == 0, hits

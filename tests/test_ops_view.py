@@ -145,12 +145,33 @@ def _views_under_inference_mode(rank, world, seed):
         except DispatchError as error:
             out["write to it"] = "refused" if "would change a copy" in str(error) else str(error)
         out["base kept"] = bool(torch.equal(z.full_tensor(), a))
+        # a tuple of views (chunk): served; a write through a piece reaches the base, through a
+        # piece of a copied view it is refused
+        for _ in range(2):
+            distribute(a.clone(), mesh, [Shard(0)]).chunk(3, dim=-1)
+            distribute(a.clone(), mesh, [Shard(1)]).diagonal(0, 1, 2).chunk(3, dim=-1)
+        w = distribute(a.clone(), mesh, [Shard(0)])
+        before = fast.stats()["hits"]
+        w.chunk(3, dim=-1)[1].mul_(2.0)
+        want = a.clone()
+        want[:, :, 1].mul_(2.0)
+        out["chunk writes to the base"] = bool(torch.equal(w.full_tensor(), want))
+        pieces = z.diagonal(0, 1, 2).chunk(3, dim=-1)
+        out["chunks served"] = fast.stats()["hits"] - before == 2
+        try:
+            pieces[0].mul_(0.5)
+            out["write to a chunk of the copy"] = "no error"
+        except DispatchError as error:
+            out["write to a chunk of the copy"] = "refused" if "would change a copy" in str(error) else str(error)
+        out["base kept after the chunk"] = bool(torch.equal(z.full_tensor(), a))
     return out
 
 
 def test_views_under_inference_mode_write_and_read_like_the_normal_route(seed):
     want = {"slice served": True, "slice writes to the base": True, "the view reads the base's write": True,
-            "view of the copy served": True, "write to it": "refused", "base kept": True}
+            "view of the copy served": True, "write to it": "refused", "base kept": True,
+            "chunk writes to the base": True, "chunks served": True, "write to a chunk of the copy": "refused",
+            "base kept after the chunk": True}
     assert run_on_ranks(_views_under_inference_mode, 2, args=(seed,)) == [want] * 2
 
 

@@ -255,19 +255,20 @@ class LocalRoute:
     route holds for any float values) and the result's ``device`` (a plan's route, planned on
     meta tensors, reads it off the result) and what runs in place of the torch function on the
     local tensors (``run``: None for the function itself, else a kernel choice's twin, such as
-    the decode product's linear, ops/matmul.py)."""
+    the decode product's linear, ops/matmul.py); ``fresh``: an op that may alias whose recorded
+    call made a new tensor (a hit checks that its own is new too)."""
 
     __slots__ = ("op", "positions", "spec", "local_shape", "stride", "unsqueeze", "dtype", "tag", "defer",
-                 "pointwise", "device", "cuda", "view", "run")
+                 "pointwise", "device", "cuda", "view", "run", "fresh")
 
     def __init__(self, op, positions: tuple, out: OutSpec, dtype, tag, defer: bool, pointwise: bool = False,
-                 device=None, view: bool = False, run=None):
+                 device=None, view: bool = False, run=None, fresh: bool = False):
         self.op, self.positions, self.spec, self.local_shape = op, positions, out.spec, out.local_shape
         self.stride, self.unsqueeze, self.dtype, self.tag, self.defer = out.stride, out.unsqueeze, dtype, tag, defer
         self.pointwise, self.device = pointwise, device
         self.cuda = device is not None and device.type == "cuda"  # (asked per hit: device.type costs 0.2 us)
         self.view = view  # a view op: its output is a copied view where its input is (DTensor._copied_view)
-        self.run = run
+        self.run, self.fresh = run, fresh
 
     def __repr__(self) -> str:
         via = f"{self.op}, " if self.op is not None else ""

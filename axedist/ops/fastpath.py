@@ -47,6 +47,7 @@ _inference_mode = torch.is_inference_mode_enabled
 _EMPTY: dict = {}  # kwargs for torch's disabled impl when none were given (never written)
 _SEQUENCES = frozenset({tuple, list, torch.Size})
 _SLOW = object()          # a key that must take the normal route
+_SELF = object()          # a key whose call returns its first argument itself
 _KWARGS = object()        # separates positional from keyword arguments in a key
 _GRAD = object()          # precedes the requires-grad bits of a grad-mode key
 _ANY = object()           # a float's value in a loose key (pointwise entries)
@@ -114,11 +115,21 @@ class FastPath:
             self.passed.add(func)
             self.counts["passed"] += 1
             return result
+        # An op that returned its first argument itself, writing nothing (to() of that tensor's own
+        # dtype, contiguous() of a contiguous one): that argument, for every call of this key.
+        if _returned_self(recorder.steps, result, args):
+            self.dispatcher.cache.put("torch_calls", key, _SELF)
+            self.counts["recorded"] += 1
+            return result
         # Without autograd (which adds ops of its own, e.g. a detach of an output it saves), a view:
         # outside inference_mode the normal route makes it a view of its base for autograd, so that
         # route for this torch function with any arguments; under inference_mode (no view tracking)
-        # an entry that gives the same local view.
+        # an entry that gives the same local view. An op that may alias but made a new tensor here
+        # (to() of another dtype, reshape of an expanded tensor) is not a view: a plain entry whose
+        # hits check that theirs is a new tensor too (``fresh``).
         view = not grad and any(r.alias_info is not None for r in last._schema.returns)
+        fresh = view and not _aliases(result, args, kwargs, self.dispatcher.cls)
+        view = view and not fresh
         if view:
             self.views.add(func)
             if not _inference_mode():
@@ -126,8 +137,10 @@ class FastPath:
                 return result
         if grad:
             entry = self._grad_entry_for(func, recorder.steps, result, args, kwargs)
+        elif type(result) is tuple:
+            entry = self._views_entry_for(func, recorder.steps, result, args, kwargs) if view else _SLOW
         else:
-            entry = self._entry_for(func, recorder.steps, result, args, kwargs, view)
+            entry = self._entry_for(func, recorder.steps, result, args, kwargs, view, fresh)
         if loose is not None and (entry is _SLOW or entry.pointwise):
             key = loose
         self.dispatcher.cache.put("torch_calls", key, entry)
@@ -163,16 +176,49 @@ class FastPath:
         entry.op, entry.positions = op, positions
         return entry
 
+    def _views_entry_for(self, func, steps, result, args, kwargs):
+        """The entry of a call giving a tuple of views under inference_mode (``chunk``, ``split``,
+        ``unbind``), or _SLOW: one aten op whose local plan gave that tuple's DTensors, and the
+        torch function on the plain local tensors giving views of its input's storage identical to
+        the normal route's (shape, dtype, strides). A ``Views`` of one route per output."""
+        cls = self.dispatcher.cls
+        if len(steps) != 1 or type(steps[0][3]) not in (tuple, list) or len(steps[0][3]) != len(result) or \
+                any(type(o) is not cls or o is not r or o._pending is not None for o, r in zip(steps[0][3], result)):
+            return _SLOW
+        plan = self._local_plan(*steps[0], several=True)
+        if plan is None or plan.view == 2 or len(plan.outputs) != len(result):
+            return _SLOW
+        local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
+        inputs = {a.untyped_storage().data_ptr() for a in _flat(list(local_args) + list(local_kwargs.values()))
+                  if isinstance(a, torch.Tensor)}
+        try:
+            again = func(*local_args, **local_kwargs)
+        except Exception:
+            return _SLOW
+        if type(again) is not tuple or len(again) != len(result):
+            return _SLOW
+        routes = []
+        for piece, out, r in zip(again, plan.outputs, result):
+            expected = r._value
+            if (type(piece) is not torch.Tensor or out.unsqueeze or piece.shape != expected.shape
+                    or piece.dtype != expected.dtype or piece.stride() != expected.stride()
+                    or piece.device != expected.device or piece.untyped_storage().data_ptr() not in inputs
+                    or piece.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr()):
+                return _SLOW
+            tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
+            routes.append(LocalRoute(None, (), out, expected.dtype, tag, False, False, expected.device, True))
+        return Views(tuple(routes))
+
     def _local_plan(self, op, args, kwargs, out, several: bool = False):
         """The plan of this aten call if the dispatcher ran it as "the op on the local tensors,
         wrapped" (no input moved, no rule-specific local function but a reshape to the local shape
         (view.py: metadata only, which the entry's check of the result's shape and strides covers)
         or a kernel choice for the op (one with ``torch_twins``: the decode product, ops/matmul.py),
         no pending-sum input but to such a reshape, nothing written, nothing random) and gave one
-        output, or (``several``: the call's last op, of which the call returns one output) a
-        tuple of them; else None."""
+        output, or (``several``: the call's last op, of which the call returns one output or all) a
+        tuple or list of them; else None."""
         plan, inputs = self.dispatcher.cached_plan(op, args, kwargs)
-        if plan is None or plan.structure != ("tuple" if several else "single"):
+        if plan is None or plan.structure not in (("tuple", "list") if several else ("single",)):
             return None
         if not several and (type(out) is not self.dispatcher.cls or out._pending is not None):
             return None
@@ -188,7 +234,7 @@ class FastPath:
             return plan
         return None
 
-    def _entry_for(self, func, steps, result, args, kwargs, view: bool = False):
+    def _entry_for(self, func, steps, result, args, kwargs, view: bool = False, fresh: bool = False):
         """The fast entry proven by these recorded steps, or _SLOW: every step a local plan, the
         call's result the last step's output (or one output of its tuple: ``F.rms_norm`` returns
         the first of ``_fused_rms_norm``'s), and the torch function on the plain local tensors
@@ -196,7 +242,9 @@ class FastPath:
         ``view`` under inference_mode, a view of the same input storage, as the normal route's; no
         step that moved its input or computed the view anew, ``CallPlan.view`` 2). Where a step's
         local function chose the op's kernel (``torch_twins``), its twin for the torch function
-        stands in for it, the whole call on the plain local tensors with that kernel choice."""
+        stands in for it, the whole call on the plain local tensors with that kernel choice. A view,
+        expand or reshape whose torch call gives global sizes the local tensor does not have runs its
+        plan's local function (``_local_view``)."""
         cls = self.dispatcher.cls
         last = steps[-1][3]
         if type(result) is not cls or result._pending is not None:
@@ -223,15 +271,11 @@ class FastPath:
         defer = any(plan.defer for plan in plans)
         out = plans[-1].outputs[index]
         expected = result._value
-        try:
-            again = (run or func)(*local_args, **local_kwargs)
-            if out.unsqueeze:
-                again = again.unsqueeze(0)
-        except Exception:
-            return _SLOW
-        if (type(again) is not torch.Tensor or again.shape != expected.shape or again.dtype != expected.dtype
-                or again.device != expected.device or again.stride() != expected.stride()
-                or again.is_conj() or again.is_neg()):
+        again = _rerun(run or func, local_args, local_kwargs, out.unsqueeze, expected)
+        if again is None and run is None:  # global sizes (x.view(s, b, heads, d) of sharded heads)
+            run = _local_view(steps, plans, args, cls)
+            again = None if run is None else _rerun(run, local_args, local_kwargs, out.unsqueeze, expected)
+        if again is None:
             return _SLOW
         inputs = {a.untyped_storage().data_ptr() for a in _flat(local_args + list(local_kwargs.values()))
                   if isinstance(a, torch.Tensor)}
@@ -254,7 +298,22 @@ class FastPath:
             if not bool(same.all()):
                 return _SLOW
         tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
-        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view, run)
+        return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view, run,
+                          fresh)
+
+
+class Views:
+    """A fast-path entry for a call giving a tuple of views (``chunk``): one ``LocalRoute`` per
+    output. Its attributes a hit reads before it runs the call are those of a LocalRoute's."""
+
+    __slots__ = ("routes", "local_shapes", "defer", "view", "run")
+
+    def __init__(self, routes: tuple):
+        self.routes, self.local_shapes = routes, tuple(r.local_shape for r in routes)
+        self.defer, self.view, self.run = False, True, None
+
+    def __repr__(self) -> str:
+        return f"Views({', '.join(map(repr, self.routes))})"
 
 
 _INDEX = object()  # precedes an index's key (_index_key)
@@ -274,6 +333,55 @@ def _index_key(index):
         else:
             key.append(v)
     return type(index) is tuple, tuple(key)
+
+
+def _rerun(run, local_args, local_kwargs, unsqueeze: bool, expected: torch.Tensor):
+    """``run`` on the local arguments (``unsqueeze(0)``: a pending sum's) if it gives a tensor of
+    ``expected``'s shape, dtype, device and strides (neither conjugate nor negative view), else None."""
+    try:
+        again = run(*local_args, **local_kwargs)
+        if unsqueeze:
+            again = again.unsqueeze(0)
+    except Exception:
+        return None
+    if (type(again) is not torch.Tensor or again.shape != expected.shape or again.dtype != expected.dtype
+            or again.device != expected.device or again.stride() != expected.stride()
+            or again.is_conj() or again.is_neg()):
+        return None
+    return again
+
+
+def _local_view(steps, plans, args, cls):
+    """For a call of one aten op whose plan runs a metadata-only local function (view.py's reshape
+    or expand to the local shape, planned from the call's sizes: its key's) on the call's one
+    DTensor, its first argument: that function, on the local tensor alone; else None."""
+    local = plans[0].sharding.local if len(steps) == 1 else None
+    if local is None or not getattr(local, "only_reshapes", False):
+        return None
+    op_args = steps[0][1]
+    if not op_args or op_args[0] is not args[0] or any(type(a) is cls for a in args[1:]):
+        return None
+    call = plans[0].call
+    return lambda x, *sizes, **kwargs: local(call, x)
+
+
+def _returned_self(steps, result, args) -> bool:
+    """Whether the call ran one aten op, which wrote nothing and returned the call's first argument."""
+    if len(steps) != 1 or not args or result is not args[0] or steps[0][3] is not result:
+        return False
+    info = op_info(steps[0][0])
+    return not (info.inplace or info.out_names or info.written)
+
+
+def _aliases(result, args, kwargs, cls) -> bool:
+    """Whether ``result``, a DTensor whose data is here, shares its local storage with one of the
+    call's DTensors (True for anything else, and for an empty one: no storage to tell by)."""
+    if type(result) is not cls or result._pending is not None or not result._value.numel():
+        return True
+    ptr = result._value.untyped_storage().data_ptr()
+    local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr
+               for a in _flat(list(local_args) + list(local_kwargs.values())))
 
 
 def _twins(local) -> dict | None:
@@ -510,6 +618,9 @@ def _handler(fast: FastPath):
             if func in _READS_INDEX_DATA:
                 return _with_index_values(func, types, args, kwargs, DTensor)
             return record(func, types, args, kwargs, key, grad, loose if floats else None)
+        if entry is _SELF:
+            counts["hits"] += 1
+            return args[0]
         if entry.defer and dispatcher.defers(entry.cuda):  # (a GEMM the policy lets wait)
             return _disabled(func, types, args, kwargs or _EMPTY)
         if waits and any(type(a) is DTensor and (pending_gather(a._pending) or pending_product(a._pending))
@@ -529,11 +640,17 @@ def _handler(fast: FastPath):
             # nothing happened yet; the normal route, now and for this key
             cache[key] = cache[loose] = _SLOW
             return _disabled(func, types, args, kwargs or _EMPTY)
+        if type(entry) is Views:
+            return views_hit(func, types, args, kwargs, key, loose, entry, value)
         # (a view entry's local result is a view of its input, as the normal route's; any other
         # entry's a new tensor)
         unlike = (value._is_view() and not entry.view) or value.dtype != entry.dtype
         for a in local_args:
             unlike = unlike or a is value
+        if entry.fresh and value.numel():  # (an op that may alias, new on the recorded call)
+            ptr = value.untyped_storage().data_ptr()
+            for a in local_args if local_kwargs is kwargs else (*local_args, *local_kwargs.values()):
+                unlike = unlike or (isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr)
         if local_kwargs is not kwargs:
             for a in local_kwargs.values():
                 unlike = unlike or a is value
@@ -557,6 +674,22 @@ def _handler(fast: FastPath):
             return grad_hit(func, types, args, kwargs, loose, entry, out)
         counts["hits"] += 1  # (the dispatcher's cache_info counts them as plan-cache hits too)
         return out
+
+    def views_hit(func, types, args, kwargs, key, loose, entry, value):
+        # a tuple of local views (chunk) of the recorded shapes: each wrapped by its route
+        if type(value) is not tuple or tuple(v.shape for v in value) != entry.local_shapes:
+            cache[key] = cache[loose] = _SLOW  # (nothing happened yet: the normal route, now and for this key)
+            return _disabled(func, types, args, kwargs or _EMPTY)
+        copied = getattr(args[0], "_copied_view", False)  # views of a copied view are such views too
+        outs = []
+        for v, route in zip(value, entry.routes):
+            out = wrap_(DTensor, v, route.spec, route.stride, route.dtype, route.device)
+            out._tag = route.tag
+            if copied:
+                out._copied_view = True
+            outs.append(out)
+        counts["hits"] += 1
+        return tuple(outs)
 
     def grad_hit(func, types, args, kwargs, key, entry, out):
         # Autograd must record the call: it goes through torch's dispatcher after all (autograd's
