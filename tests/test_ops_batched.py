@@ -11,8 +11,8 @@ on that axis only) or replicated, on 2 ranks and on a 2x2 mesh, uneven batches i
 ops each case names must not have run through the gather fallback, and where only batch dims
 are sharded the forward of a local case moves no data (batches of 5: on 2x2 every rank holds some;
 a batch that would leave a rank none is gathered instead). Where a layout with no placement form
-deals whole matrices, or the samples of images and signals, those ops run on each device's own
-where they are and the outputs keep the layout.
+deals whole matrices, the vectors of ``diag_embed``, or the samples of images and signals, those
+ops run on each device's own where they are and the outputs keep the layout.
 """
 
 import warnings
@@ -357,6 +357,72 @@ def _kept_values_and_gradients(what, got, want, dist_args, plain, g, moves_back:
 @pytest.mark.parametrize("world", [2, 4])
 def test_matrix_functions_run_where_a_layout_without_placements_deals_the_matrices(world, seed):
     results = run_on_ranks(_matrices_in_place_case, world, args=(seed,), timeout_s=600)
+    assert results == [[]] * world, results[0]
+
+
+# name -> f(v) of vectors v (batch, 3) dealt whole: the diagonal in the output's last two dims
+_EMBEDDED = {
+    "diag_embed": torch.diag_embed,
+    "diag_embed above the diagonal": lambda v: torch.diag_embed(v, 1),
+    "diag_embed below the diagonal, its dims swapped": lambda v: torch.diag_embed(v, -2, dim1=-1, dim2=-2),
+}
+# name -> f(v) of vectors v (batch, batch) dealt whole, the diagonal elsewhere: the placement way (the first
+# case's output (batch, batch, batch) leads with the batch's size, but not with the batch)
+_EMBEDDED_ELSEWHERE = {
+    "diag_embed into the first two dims": lambda v: torch.diag_embed(v, 0, 0, 1),
+    "diag_embed around the batch": lambda v: torch.diag_embed(v, 1, 0, 2),
+}
+
+
+def _vectors_embedded_in_place(rank, world, seed):
+    """``torch.diag_embed`` of vectors whose layout deals them whole (each vector whole and
+    innermost in every piece), the diagonal in the output's last two dims: each device embeds its
+    own vectors, the matrices keep the vectors' map and the backward (``diagonal``) takes the
+    gradient back where it is, the vectors' map; no move forward or backward; values and the
+    gradient equal torch's. A diagonal elsewhere, and vectors split over devices (each one's
+    entries round-robin), take the placement way with torch's values and gradient."""
+    from axedist.dtensor import distribute
+    from axedist.layout import Layout
+
+    g = torch.Generator().manual_seed(seed)
+    failures = []
+    for label, mesh, batch, layout in _dealt_matrices(world):
+        for name, fn in _EMBEDDED.items():
+            what = f"{name}, {label}"
+            v = _randn(g, batch, 3).requires_grad_()
+            dv = distribute(v.detach(), mesh, layout((3,))).requires_grad_()
+            with count_collectives() as seen:
+                got = fn(dv)
+            want = fn(v)
+            if seen.calls:
+                failures.append(f"{what}: {seen.calls} moves in the forward")
+            if got._spec.layout != layout(tuple(want.shape[1:])):
+                failures.append(f"{what}: the output laid out as {got._spec.layout}, not in the vectors' map")
+            failures += _kept_values_and_gradients(what, got, want, [dv], [v], g)
+            if dv.grad is not None and dv.grad._spec.layout != layout((3,)):
+                failures.append(f"{what}: the gradient laid out as {dv.grad._spec.layout}, not as the vectors")
+        others = [(name, fn, layout((batch,)), (batch, batch)) for name, fn in _EMBEDDED_ELSEWHERE.items()]
+        if mesh.ndim == 1:
+            split = Layout.parse(f"S[({batch},2,{world}):(2,1,1@gpuid)]")
+            others.append(("diag_embed of vectors split over devices", torch.diag_embed, split, (batch, 2 * world)))
+        for name, fn, laid, shape in others:
+            what = f"{name}, {label}"
+            v = _randn(g, *shape).requires_grad_()
+            dv = distribute(v.detach(), mesh, laid).requires_grad_()
+            got, want = fn(dv), fn(v)
+            up = _randn(g, *want.shape)
+            (got.full_tensor() * up).sum().backward()
+            (want * up).sum().backward()
+            if not torch.allclose(got.full_tensor(), want):
+                failures.append(f"{what}: values differ from torch's")
+            if dv.grad is None or not torch.allclose(dv.grad.full_tensor(), v.grad):
+                failures.append(f"{what}: the gradient differs from torch's")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_diag_embed_runs_where_a_layout_without_placements_deals_the_vectors(world, seed):
+    results = run_on_ranks(_vectors_embedded_in_place, world, args=(seed,), timeout_s=600)
     assert results == [[]] * world, results[0]
 
 

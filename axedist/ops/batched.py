@@ -379,12 +379,18 @@ def diagonal_backward_rule(call: OpCall) -> Sharding | None:
 @register(aten.diag_embed.default)
 def diag_embed_rule(call: OpCall) -> Sharding | None:
     """``torch.diag_embed(x, o, d1, d2)``: x's last dim becomes the diagonal of dims d1, d2 of
-    the output (whole); x's other dims fill the output's remaining dims in order, shards kept."""
+    the output (whole); x's other dims fill the output's remaining dims in order, shards kept.
+    Where a layout with no placement form deals whole vectors and the diagonal's dims are the
+    output's last two, each device embeds its own vectors and the matrices keep their map
+    (``matrices_in_place``; its backward, ``diagonal``, takes them back where they are)."""
     x = call.args[0]
     if x.ndim < 1:
         return None
     ndim = x.ndim + 1
     d1, d2 = _dims(ndim, call.arg(2, "dim1", -2), call.arg(3, "dim2", -1))
+    in_place = matrices_in_place(call, [1]) if {d1, d2} == {ndim - 2, ndim - 1} else None
+    if in_place is not None:
+        return in_place
     target = without_partial(unshard(placements_of(x), [x.ndim - 1], x.ndim))
     rest = [e for e in range(ndim) if e not in (d1, d2)]
     out = renumber(target, x.ndim, lambda e: rest[e] if e < len(rest) else None)
