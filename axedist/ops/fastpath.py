@@ -116,7 +116,8 @@ class FastPath:
             self.counts["passed"] += 1
             return result
         # An op that returned its first argument itself, writing nothing (to() of that tensor's own
-        # dtype, contiguous() of a contiguous one): that argument, for every call of this key.
+        # dtype under inference_mode, where it reaches the dispatcher): that argument, for every
+        # call of this key.
         if _returned_self(recorder.steps, result, args):
             self.dispatcher.cache.put("torch_calls", key, _SELF)
             self.counts["recorded"] += 1
@@ -177,8 +178,8 @@ class FastPath:
         return entry
 
     def _views_entry_for(self, func, steps, result, args, kwargs):
-        """The entry of a call giving a tuple of views under inference_mode (``chunk``, ``split``,
-        ``unbind``), or _SLOW: one aten op whose local plan gave that tuple's DTensors, and the
+        """The entry of a call giving a tuple of views under inference_mode (``chunk``, ``split``),
+        or _SLOW: one aten op whose local plan gave that tuple's DTensors, and the
         torch function on the plain local tensors giving views of its input's storage identical to
         the normal route's (shape, dtype, strides). A ``Views`` of one route per output."""
         cls = self.dispatcher.cls
