@@ -42,44 +42,65 @@ def _inputs(world):
     return out
 
 
-def _batch_norm_cases(rank, world, seed):
+def _batch_norm_against_torch(what, g, mesh, shape, laid, stats_laid, training, affine=True, padded_shape=None,
+                              up_laid=None):
+    """F.batch_norm of an input (shape, mean 1, scale 2) laid out as ``laid`` (``padded_shape``: a
+    padded layout), the weight and bias replicated (None without ``affine``), the running
+    statistics as ``stats_laid`` (a layout or placements, or (layout, padded shape); None: no
+    running statistics), against torch's on the whole tensors: output, running statistics, then
+    the gradients of x, weight and bias after ``(out * up).sum()`` (``up`` laid out as
+    ``up_laid``, default replicated). Returns (failures, facts): the output, the DTensor leaves
+    by name, and the collectives of the forward and of the backward."""
     from axedist.runtime import count_collectives
 
+    replicated = [Replicate()] * mesh.ndim
+    c = shape[1]
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
+    w, b = (torch.randn(c, generator=g, dtype=torch.float64).requires_grad_() if affine else None for _ in "wb")
+    rm = torch.randn(c, generator=g, dtype=torch.float64) if stats_laid is not None else None
+    rv = torch.rand(c, generator=g, dtype=torch.float64) + 0.5 if stats_laid is not None else None
+    dx = distribute(x.detach(), mesh, laid, padded_shape=padded_shape).requires_grad_()
+    dw, db = (distribute(t.detach(), mesh, replicated).requires_grad_() if t is not None else None for t in (w, b))
+    stats_layout, stats_padded = stats_laid if isinstance(stats_laid, tuple) else (stats_laid, None)
+    drm, drv = (distribute(t.clone(), mesh, stats_layout, padded_shape=stats_padded) if t is not None else None
+                for t in (rm, rv))
+    facts = {"leaves": {"x": dx, "weight": dw, "bias": db}}
+    with count_collectives() as seen:
+        out = F.batch_norm(dx, drm, drv, dw, db, training=training, momentum=0.3, eps=1e-4)
+    facts.update(out=out, forward=seen.calls)
+    want = F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3, eps=1e-4)
+    if not torch.allclose(out.full_tensor(), want):
+        return [f"{what}: values differ from torch's"], facts
+    failures = [f"{what}: the {name} differs from torch's" for name, mine, theirs in
+                (("running mean", drm, rm), ("running var", drv, rv))
+                if theirs is not None and not torch.allclose(mine.full_tensor(), theirs)]
+    up = torch.randn(shape, generator=g, dtype=torch.float64)
+    loss = (out * distribute(up, mesh, up_laid or replicated)).sum()
+    with count_collectives() as seen:
+        loss.backward()
+    facts["backward"] = seen.calls
+    (want * up).sum().backward()
+    for name, mine, theirs in (("x", dx, x), ("weight", dw, w), ("bias", db, b)):
+        if theirs is not None and (mine.grad is None or not torch.allclose(mine.grad.full_tensor(), theirs.grad)):
+            failures.append(f"{what}: the {name} gradient differs from torch's")
+    return failures, facts
+
+
+def _batch_norm_cases(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     failures = []
     for label, mesh, laid, shape in _inputs(world):
         replicated = [Replicate()] * mesh.ndim
-        channels = shape[1]
         for mode, training, stats, affine in (("train", True, True, True), ("train, no running stats", True, False, True),
                                               ("train, no affine", True, True, False), ("eval", False, True, True)):
             what = f"{label}, {mode}"
-            x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
-            w = torch.randn(channels, generator=g, dtype=torch.float64).requires_grad_() if affine else None
-            b = torch.randn(channels, generator=g, dtype=torch.float64).requires_grad_() if affine else None
-            rm = torch.randn(channels, generator=g, dtype=torch.float64) if stats else None
-            rv = torch.rand(channels, generator=g, dtype=torch.float64) + 0.5 if stats else None
-            dx = distribute(x.detach(), mesh, laid).requires_grad_()
-            dw, db = ((distribute(t.detach(), mesh, replicated).requires_grad_() if t is not None else None) for t in (w, b))
-            drm, drv = ((distribute(t.clone(), mesh, replicated) if t is not None else None) for t in (rm, rv))
-            with count_collectives() as seen:
-                out = F.batch_norm(dx, drm, drv, dw, db, training=training, momentum=0.3, eps=1e-4)
-            want = F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3, eps=1e-4)
-            if seen.calls and "gathered" not in label:
-                failures.append(f"{what}: {seen.calls} moves in the forward")
-            if out._spec.layout != dx._spec.layout and "gathered" not in label:
-                failures.append(f"{what}: output laid out as {out._spec.layout}, not as the input")
-            if not torch.allclose(out.full_tensor(), want):
-                failures.append(f"{what}: values differ from torch's")
-                continue
-            for name, mine, theirs in (("running mean", drm, rm), ("running var", drv, rv)):
-                if theirs is not None and not torch.allclose(mine.full_tensor(), theirs):
-                    failures.append(f"{what}: the {name} differs from torch's")
-            up = torch.randn(shape, generator=g, dtype=torch.float64)
-            (out * distribute(up, mesh, replicated)).sum().backward()
-            (want * up).sum().backward()
-            for name, mine, theirs in (("x", dx, x), ("weight", dw, w), ("bias", db, b)):
-                if theirs is not None and (mine.grad is None or not torch.allclose(mine.grad.full_tensor(), theirs.grad)):
-                    failures.append(f"{what}: the {name} gradient differs from torch's")
+            found, facts = _batch_norm_against_torch(what, g, mesh, shape, laid, replicated if stats else None,
+                                                     training, affine)
+            if facts["forward"] and "gathered" not in label:
+                found.append(f"{what}: {facts['forward']} moves in the forward")
+            if facts["out"]._spec.layout != facts["leaves"]["x"]._spec.layout and "gathered" not in label:
+                found.append(f"{what}: output laid out as {facts['out']._spec.layout}, not as the input")
+            failures += found
     return failures
 
 
@@ -90,37 +111,42 @@ def test_batch_norm_of_a_split_batch_matches_torch(world):
     assert results == [[]] * world, (seed, results[0])
 
 
+def _cudnn_against_native(what, mesh, g, shape, laid, stats_laid):
+    """``cudnn_batch_norm`` (train, then eval: its saved statistics empty) and its backward on an
+    input and output gradient laid out as ``laid``, weight and bias replicated, the running
+    statistics as ``stats_laid``, against torch's native ops on the whole tensors: (failures,
+    collectives the three calls ran)."""
+    from axedist.runtime import count_collectives
+
+    aten = torch.ops.aten
+    x, grad = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
+    w, b, rm = (torch.randn(shape[1], generator=g, dtype=torch.float64) for _ in range(3))
+    rv = torch.rand(shape[1], generator=g, dtype=torch.float64) + 0.5
+    dx, dgrad = distribute(x, mesh, laid), distribute(grad, mesh, laid)
+    dw, db = (distribute(t, mesh, [Replicate()]) for t in (w, b))
+    drm, drv = (distribute(t.clone(), mesh, stats_laid) for t in (rm, rv))
+    with count_collectives() as seen:
+        out, mean, invstd, reserve = aten.cudnn_batch_norm(dx, dw, db, drm, drv, True, 0.1, 1e-5)
+        mine = aten.cudnn_batch_norm_backward(dx, dgrad, dw, drm, drv, mean, invstd, 1e-5, reserve)
+        evaluated, empty, _, _ = aten.cudnn_batch_norm(dx, dw, db, drm, drv, False, 0.1, 1e-5)
+    want, want_mean, want_invstd = aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
+    theirs = aten.native_batch_norm_backward(grad, x, w, rm, rv, want_mean, want_invstd, True, 1e-5, [True] * 3)
+    want_eval = aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5)[0]
+    pairs = [("output", out, want), ("mean", mean, want_mean), ("invstd", invstd, want_invstd),
+             ("running mean", drm, rm), ("running var", drv, rv), ("eval output", evaluated, want_eval)]
+    pairs += [(f"{name} gradient", m, t) for name, m, t in zip(("input", "weight", "bias"), mine, theirs)]
+    failures = [f"{what}: the {name} differs from torch's native op" for name, m, t in pairs
+                if not torch.allclose(m.full_tensor(), t)]
+    if empty.shape != (0,):
+        failures.append(f"{what}, eval: statistics {tuple(empty.shape)}, not empty")
+    return failures, seen.calls
+
+
 def _cudnn_ops_by_their_rules(rank, world, seed):
     """``cudnn_batch_norm`` and its backward on a batch-sharded DTensor give torch's native values."""
-    aten = torch.ops.aten
-    g = torch.Generator().manual_seed(seed)
     mesh = DeviceMesh("cpu", (world,))
-    replicated = [Replicate()]
-    x = torch.randn(2 * world, C, 5, generator=g, dtype=torch.float64)
-    w, b, rm = (torch.randn(C, generator=g, dtype=torch.float64) for _ in range(3))
-    rv = torch.rand(C, generator=g, dtype=torch.float64) + 0.5
-    dx = distribute(x, mesh, [Shard(0)])
-    dw, db, drm, drv = (distribute(t.clone(), mesh, replicated) for t in (w, b, rm, rv))
-    out, mean, invstd, _reserve = aten.cudnn_batch_norm(dx, dw, db, drm, drv, True, 0.1, 1e-5)
-    want, want_mean, want_invstd = aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
-    failures = []
-    for name, mine, theirs in (("output", out, want), ("mean", mean, want_mean), ("invstd", invstd, want_invstd),
-                               ("running mean", drm, rm), ("running var", drv, rv)):
-        if not torch.allclose(mine.full_tensor(), theirs):
-            failures.append(f"cudnn_batch_norm: the {name} differs from torch's native op")
-    grad = torch.randn(x.shape, generator=g, dtype=torch.float64)
-    mine = aten.cudnn_batch_norm_backward(dx, distribute(grad, mesh, [Shard(0)]), dw, drm, drv, mean, invstd, 1e-5,
-                                          _reserve)
-    theirs = aten.native_batch_norm_backward(grad, x, w, rm, rv, want_mean, want_invstd, True, 1e-5, [True] * 3)
-    for name, m, t in zip(("input", "weight", "bias"), mine, theirs):
-        if not torch.allclose(m.full_tensor(), t):
-            failures.append(f"cudnn_batch_norm_backward: the {name} gradient differs from torch's native op")
-    # eval: the output by the running statistics; the saved ones empty, as cudnn's meta kernel says
-    out, mean, invstd, _ = aten.cudnn_batch_norm(dx, dw, db, drm, drv, False, 0.1, 1e-5)
-    want = aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5)[0]
-    if not torch.allclose(out.full_tensor(), want) or mean.shape != (0,) or invstd.shape != (0,):
-        failures.append(f"cudnn_batch_norm in eval: values differ or statistics {tuple(mean.shape)}, not empty")
-    return failures
+    g = torch.Generator().manual_seed(seed)
+    return _cudnn_against_native("cudnn ops, batch sharded", mesh, g, (2 * world, C, 5), [Shard(0)], [Replicate()])[0]
 
 
 def test_the_cuda_batch_norm_ops_share_the_rules():
@@ -138,23 +164,44 @@ def _batch_norm_module_steps(rank, world, seed):
     mesh = DeviceMesh("cpu", (world,))
     theirs = torch.nn.BatchNorm1d(C, momentum=0.2).double()
     mine = distribute_module(torch.nn.BatchNorm1d(C, momentum=0.2).double(), mesh)
+    return _module_steps(mine, theirs, lambda: torch.randn(2 * world, C, 6, dtype=torch.float64),
+                         lambda x: distribute(x, mesh, [Shard(0)]))
+
+
+def _module_steps(mine, theirs, make, laid_out, collective_free=False):
+    """Three training steps with SGD, then one in eval, of ``mine`` on ``laid_out(x)`` and
+    ``theirs`` on fresh inputs ``x = make()``: outputs, then parameters and buffers (the step
+    count too) after each step, against torch's; with ``collective_free``, no collective forward
+    or backward. The failures."""
+    from axedist.runtime import count_collectives
+
     opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
     opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
     failures = []
     for step in range(4):
         if step == 3:
             mine.eval(), theirs.eval()
-        x = torch.randn(2 * world, C, 6, dtype=torch.float64)
-        out, want = mine(distribute(x, mesh, [Shard(0)])), theirs(x)
+        x = make()
+        dx = laid_out(x)
+        with count_collectives() as seen:
+            out = mine(dx)
+        want = theirs(x)
+        if collective_free and seen.calls:
+            failures.append(f"step {step}: {seen.calls} collectives in the forward ({seen})")
         if not torch.allclose(out.full_tensor(), want):
             failures.append(f"step {step}: values differ from torch's")
         if step < 3:
-            out.square().mean().backward(), want.square().mean().backward()
+            loss = out.square().mean()
+            with count_collectives() as seen:
+                loss.backward()
+            if collective_free and seen.calls:
+                failures.append(f"step {step}: {seen.calls} collectives in the backward ({seen})")
+            want.square().mean().backward()
             opt_mine.step(), opt_theirs.step()
             opt_mine.zero_grad(), opt_theirs.zero_grad()
         for name, value in theirs.state_dict().items():
-            got = mine.state_dict()[name]
-            if not torch.equal(got.full_tensor(), value) and not torch.allclose(got.full_tensor().double(), value.double()):
+            got = mine.state_dict()[name].full_tensor()
+            if not torch.equal(got, value) and not torch.allclose(got.double(), value.double()):
                 failures.append(f"step {step}: {name} differs from torch's")
     return failures
 
@@ -195,53 +242,24 @@ def _batch_norm_of_dealt_channels(rank, world, seed):
     statistic is cut where it is, the output gradient comes in the input's layout), the output
     and the input gradient keep the layout, the weight and bias gradients lie in the channels'
     map; values, running statistics and every gradient equal torch's on the whole tensor."""
-    from axedist.runtime import count_collectives
-
     g = torch.Generator().manual_seed(seed)
     failures = []
     for label, mesh, shape, laid, channels in _channels_dealt(world):
         replicated = [Replicate()] * mesh.ndim
-        c = shape[1]
         for mode, (training, stats, affine) in _CHANNEL_MODES.items():
             what = f"{label}, {mode}"
-            x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
-            w, b = (torch.randn(c, generator=g, dtype=torch.float64).requires_grad_() if affine else None
-                    for _ in "wb")
-            rm = torch.randn(c, generator=g, dtype=torch.float64) if stats else None
-            rv = torch.rand(c, generator=g, dtype=torch.float64) + 0.5 if stats else None
-            dx = distribute(x.detach(), mesh, laid).requires_grad_()
-            dw, db = (distribute(t.detach(), mesh, replicated).requires_grad_() if t is not None else None
-                      for t in (w, b))
-            where = channels if stats == "map" else replicated
-            drm, drv = ((distribute(t.clone(), mesh, where) if t is not None else None) for t in (rm, rv))
-            with count_collectives() as seen:
-                out = F.batch_norm(dx, drm, drv, dw, db, training=training, momentum=0.3, eps=1e-4)
-            want = F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3, eps=1e-4)
-            if seen.calls:
-                failures.append(f"{what}: {seen.calls} collectives in the forward ({seen})")
-            if out._spec.layout != dx._spec.layout:
-                failures.append(f"{what}: output laid out as {out._spec.layout}, not as the input")
-            if not torch.allclose(out.full_tensor(), want):
-                failures.append(f"{what}: values differ from torch's")
-                continue
-            for name, mine, theirs in (("running mean", drm, rm), ("running var", drv, rv)):
-                if theirs is not None and not torch.allclose(mine.full_tensor(), theirs):
-                    failures.append(f"{what}: the {name} differs from torch's")
-            up = torch.randn(shape, generator=g, dtype=torch.float64)
-            loss = (out * distribute(up, mesh, laid)).sum()
-            with count_collectives() as seen:
-                loss.backward()
-            if seen.calls:
-                failures.append(f"{what}: {seen.calls} collectives in the backward ({seen})")
-            (want * up).sum().backward()
-            for name, mine, theirs, layout in (("x", dx, x, laid), ("weight", dw, w, channels),
-                                               ("bias", db, b, channels)):
-                if theirs is None:
-                    continue
-                if mine.grad is None or not torch.allclose(mine.grad.full_tensor(), theirs.grad):
-                    failures.append(f"{what}: the {name} gradient differs from torch's")
-                elif mine.grad._spec.layout != layout:
-                    failures.append(f"{what}: the {name} gradient laid out as {mine.grad._spec.layout}, not {layout}")
+            where = {"map": channels, "replicated": replicated, None: None}[stats]
+            found, facts = _batch_norm_against_torch(what, g, mesh, shape, laid, where, training, affine, up_laid=laid)
+            for phase in ("forward", "backward"):
+                if facts.get(phase):
+                    found.append(f"{what}: {facts[phase]} collectives in the {phase}")
+            if facts["out"]._spec.layout != facts["leaves"]["x"]._spec.layout:
+                found.append(f"{what}: output laid out as {facts['out']._spec.layout}, not as the input")
+            for name, layout in (("x", laid), ("weight", channels), ("bias", channels)):
+                grad = facts["leaves"][name].grad if facts["leaves"][name] is not None else None
+                if grad is not None and not found and grad._spec.layout != layout:
+                    found.append(f"{what}: the {name} gradient laid out as {grad._spec.layout}, not {layout}")
+            failures += found
     return failures
 
 
@@ -280,32 +298,9 @@ def _batch_norm_outside_the_channels_way(rank, world, seed):
     g = torch.Generator().manual_seed(seed)
     failures = []
     for label, mesh, shape, laid, padded_shape, stats_laid in _outside_the_channels_way(world):
-        replicated = [Replicate()] * mesh.ndim
-        c = shape[1]
         for mode, training in (("train", True), ("eval", False)):
-            what = f"{label}, {mode}"
-            x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 1).requires_grad_()
-            w, b = (torch.randn(c, generator=g, dtype=torch.float64).requires_grad_() for _ in "wb")
-            rm = torch.randn(c, generator=g, dtype=torch.float64)
-            rv = torch.rand(c, generator=g, dtype=torch.float64) + 0.5
-            dx = distribute(x.detach(), mesh, laid, padded_shape=padded_shape).requires_grad_()
-            dw, db = (distribute(t.detach(), mesh, replicated).requires_grad_() for t in (w, b))
-            stats_layout, stats_padded = stats_laid if isinstance(stats_laid, tuple) else (stats_laid, None)
-            drm, drv = (distribute(t.clone(), mesh, stats_layout, padded_shape=stats_padded) for t in (rm, rv))
-            out = F.batch_norm(dx, drm, drv, dw, db, training=training, momentum=0.3, eps=1e-4)
-            want = F.batch_norm(x, rm, rv, w, b, training=training, momentum=0.3, eps=1e-4)
-            if not torch.allclose(out.full_tensor(), want):
-                failures.append(f"{what}: values differ from torch's")
-                continue
-            for name, mine, theirs in (("running mean", drm, rm), ("running var", drv, rv)):
-                if not torch.allclose(mine.full_tensor(), theirs):
-                    failures.append(f"{what}: the {name} differs from torch's")
-            up = torch.randn(shape, generator=g, dtype=torch.float64)
-            (out * distribute(up, mesh, replicated)).sum().backward()
-            (want * up).sum().backward()
-            for name, mine, theirs in (("x", dx, x), ("weight", dw, w), ("bias", db, b)):
-                if mine.grad is None or not torch.allclose(mine.grad.full_tensor(), theirs.grad):
-                    failures.append(f"{what}: the {name} gradient differs from torch's")
+            failures += _batch_norm_against_torch(f"{label}, {mode}", g, mesh, shape, laid, stats_laid, training,
+                                                  padded_shape=padded_shape)[0]
     return failures
 
 
@@ -318,35 +313,11 @@ def test_batch_norm_outside_the_channels_way_takes_the_placement_way(world, seed
 def _cudnn_ops_on_dealt_channels(rank, world, seed):
     """``cudnn_batch_norm`` and its backward (train), and the forward in eval (its saved statistics
     empty), on channels dealt round-robin: no collective, torch's native values."""
-    from axedist.runtime import count_collectives
-
-    aten = torch.ops.aten
     g = torch.Generator().manual_seed(seed)
     (_, mesh, shape, laid, channels), = [case for case in _channels_dealt(world) if case[0] == "channels round-robin"]
-    x, grad = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
-    w, b, rm = (torch.randn(shape[1], generator=g, dtype=torch.float64) for _ in range(3))
-    rv = torch.rand(shape[1], generator=g, dtype=torch.float64) + 0.5
-    dx, dgrad = distribute(x, mesh, laid), distribute(grad, mesh, laid)
-    dw, db = (distribute(t, mesh, [Replicate()]) for t in (w, b))
-    drm, drv = (distribute(t.clone(), mesh, channels) for t in (rm, rv))
-    failures = []
-    with count_collectives() as seen:
-        out, mean, invstd, reserve = aten.cudnn_batch_norm(dx, dw, db, drm, drv, True, 0.1, 1e-5)
-        mine = aten.cudnn_batch_norm_backward(dx, dgrad, dw, drm, drv, mean, invstd, 1e-5, reserve)
-        evaluated, empty, _, _ = aten.cudnn_batch_norm(dx, dw, db, drm, drv, False, 0.1, 1e-5)
-    if seen.calls:
-        failures.append(f"cudnn ops on dealt channels: {seen.calls} collectives ({seen})")
-    want, want_mean, want_invstd = aten.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5)
-    theirs = aten.native_batch_norm_backward(grad, x, w, rm, rv, want_mean, want_invstd, True, 1e-5, [True] * 3)
-    want_eval = aten.native_batch_norm(x, w, b, rm, rv, False, 0.1, 1e-5)[0]
-    pairs = [("output", out, want), ("mean", mean, want_mean), ("invstd", invstd, want_invstd),
-             ("running mean", drm, rm), ("running var", drv, rv), ("eval output", evaluated, want_eval)]
-    pairs += [(f"{name} gradient", m, t) for name, m, t in zip(("input", "weight", "bias"), mine, theirs)]
-    for name, m, t in pairs:
-        if not torch.allclose(m.full_tensor(), t):
-            failures.append(f"cudnn ops on dealt channels: the {name} differs from torch's native op")
-    if empty.shape != (0,):
-        failures.append(f"cudnn_batch_norm in eval on dealt channels: statistics {tuple(empty.shape)}, not empty")
+    failures, collectives = _cudnn_against_native("cudnn ops on dealt channels", mesh, g, shape, laid, channels)
+    if collectives:
+        failures.append(f"cudnn ops on dealt channels: {collectives} collectives")
     return failures
 
 
@@ -354,13 +325,13 @@ def test_the_cuda_batch_norm_ops_run_on_dealt_channels():
     results = run_on_ranks(_cudnn_ops_on_dealt_channels, 2, args=(random.randrange(10**6),), timeout_s=300)
     assert results == [[]] * 2, results[0]
 
+
 def _batch_norm_module_on_dealt_channels(rank, world, seed):
     """``nn.BatchNorm2d`` whose weight, bias and running statistics lie in the map of channels dealt
     round-robin in pairs (``distribute_module``'s partition_fn; the step count replicated), on
     inputs laid out that way: three training steps with SGD then one eval run no collective
     forward or backward, and outputs, parameters and buffers track torch's module."""
     from axedist import distribute_module
-    from axedist.runtime import count_collectives
 
     torch.manual_seed(seed)
     (_, mesh, shape, laid, channels), = [case for case in _channels_dealt(world) if "pairs" in case[0]]
@@ -374,35 +345,8 @@ def _batch_norm_module_on_dealt_channels(rank, world, seed):
             setattr(module, key, distribute(getattr(module, key), mesh, channels))
 
     distribute_module(mine, mesh, in_channels)
-    opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
-    opt_theirs = torch.optim.SGD(theirs.parameters(), lr=0.1)
-    failures = []
-    for step in range(4):
-        if step == 3:
-            mine.eval(), theirs.eval()
-        x = torch.randn(shape, dtype=torch.float64) * 2 + 1
-        dx = distribute(x, mesh, laid)
-        with count_collectives() as seen:
-            out = mine(dx)
-        want = theirs(x)
-        if seen.calls:
-            failures.append(f"step {step}: {seen.calls} collectives in the forward ({seen})")
-        if not torch.allclose(out.full_tensor(), want):
-            failures.append(f"step {step}: values differ from torch's")
-        if step < 3:
-            loss = out.square().mean()
-            with count_collectives() as seen:
-                loss.backward()
-            if seen.calls:
-                failures.append(f"step {step}: {seen.calls} collectives in the backward ({seen})")
-            want.square().mean().backward()
-            opt_mine.step(), opt_theirs.step()
-            opt_mine.zero_grad(), opt_theirs.zero_grad()
-        for name, value in theirs.state_dict().items():
-            got = mine.state_dict()[name].full_tensor()
-            if not torch.allclose(got.to(value.dtype), value):
-                failures.append(f"step {step}: {name} differs from torch's")
-    return failures
+    return _module_steps(mine, theirs, lambda: torch.randn(shape, dtype=torch.float64) * 2 + 1,
+                         lambda x: distribute(x, mesh, laid), collective_free=True)
 
 
 @pytest.mark.parametrize("world", [2, 4])
