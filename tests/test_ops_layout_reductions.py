@@ -661,21 +661,38 @@ OVER_DEALT_ROWS = {
     "a linear layer's output summed over rows": lambda x, w, b: F.linear(x, w, b).sum(0),
     "a linear layer's bias gradient from dealt rows": lambda x, w, b: (F.linear(x, w, b) * x).sum(0),
 }
+# name -> f(x (R, H), w, b): reductions over the dealt rows whose local function combines each device's
+# statistics over the dealing axes (the result whole on every device)
+COMBINED_OVER_DEALT_ROWS = {
+    "var over rows": lambda x, w, b: x.var(0),
+    "std over rows, no correction, keepdim": lambda x, w, b: x.std(0, correction=0, keepdim=True),
+    "var_mean over rows (the mean)": lambda x, w, b: torch.var_mean(x, 0)[1],
+    "std_mean over rows (the std)": lambda x, w, b: torch.std_mean(x, 0)[0],
+    "var of rows of a view": lambda x, w, b: x.view(-1, 2, H).var((0, 1)),
+    "logsumexp over rows": lambda x, w, b: torch.logsumexp(x, 0),
+    "2-norm over rows": lambda x, w, b: torch.linalg.vector_norm(x, dim=0),
+    "prod over rows": lambda x, w, b: (x * 0.5 + 1).prod(0),
+}
 
 
 def _reduced_over_dealt_rows(rank, world, seed):
     """A sum, mean or max over the rows a layout deals, every other dim whole in each piece: each
     device reduces its own rows, a pending reduction over the dealing axes, no collective in the
-    forward (placements gathered the rows); values and gradients (a bias's too) equal torch's."""
+    forward (placements gathered the rows); values and gradients (a bias's too) equal torch's. A
+    variance, std, logsumexp, 2-norm or product over them: each device's statistics of its own
+    rows, combined by its local function over the dealing axes, the result replicated, no row
+    moved (placements gathered them)."""
     from torch.distributed.tensor import Partial
 
     from axedist.runtime import count_collectives
 
     g = torch.Generator().manual_seed(seed)
     failures = []
+    cases = [(name, f, True) for name, f in OVER_DEALT_ROWS.items()]
+    cases += [(name, f, False) for name, f in COMBINED_OVER_DEALT_ROWS.items()]
     for label, mesh, make, rows in _layouts(world):
         replicated = [Replicate()] * mesh.ndim
-        for name, f in OVER_DEALT_ROWS.items():
+        for name, f, pending in cases:
             x = torch.randn(rows, H, generator=g, dtype=torch.float64, requires_grad=True)
             w, b = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for shape in ((H, H), (H,)))
             dx = make(x.detach()).detach().requires_grad_()
@@ -684,8 +701,10 @@ def _reduced_over_dealt_rows(rank, world, seed):
                 out = f(dx, dw, db)
             if seen.calls:
                 failures.append(f"{label} {name}: {seen.calls} collectives in the forward")
-            if not any(isinstance(p, Partial) for p in out.placements):
+            if pending and not any(isinstance(p, Partial) for p in out.placements):
                 failures.append(f"{label} {name}: {out.placements}, not a pending reduction")
+            if not pending and out.placements != tuple(replicated):
+                failures.append(f"{label} {name}: {out.placements}, not replicated")
             want = f(x, w, b)
             if not torch.allclose(out.full_tensor(), want):
                 failures.append(f"{label} {name}: values differ from torch")

@@ -71,7 +71,10 @@ class _Plan:
 
         A layout with no placement form whose reduced dims are its whole, innermost local ones
         (``specs.reduced_in_place``) is reduced where it is: ``target`` None (taken as it is),
-        ``out`` the layout of the rest, nothing to combine."""
+        ``out`` the layout of the rest, nothing to combine. Where it deals one reduced dim and
+        nothing else (``specs.dim_dealt``) it is taken as it is too: a pending op over the dealing
+        axes, or (``pending`` None, no ``exact_shards``) the local function combining over them,
+        the result whole on every device."""
         kept = reduced_in_place(x, dims) if dims else None
         if kept is not None:
             self.target, self.out, self.comm_axes, self.sharded = None, kept, [], False
@@ -82,6 +85,11 @@ class _Plan:
             whole = _pending_over_dealt(x, dims, pending)
         if whole is not None:
             self.target, self.out, self.comm_axes, self.sharded = None, whole, [], True
+            return
+        dealing = _dealing_axes(x, dims) if pending is None and not exact_shards and x.placements is None else None
+        if dealing:
+            self.target, self.out, self.comm_axes = None, (Replicate(),) * x.mesh.ndim, list(dealing)
+            self.sharded = True
             return
         places = placements_of(x)
         keeps = _KEEPS.get(pending, ()) if keeps is None else keeps
@@ -112,17 +120,27 @@ class _Plan:
         self.sharded = reduces_sharded and any(shard_dim(p, x.ndim) in dims for p in target)
 
 
+def _dealing_axes(x: ArgSpec, dims: list[int]) -> tuple[str, ...] | None:
+    """The axes that deal one of ``dims``, the only dim ``x``'s layout deals (``specs.dim_dealt``),
+    or None: ``x.var(0)`` of rows dealt round-robin, each device's sums over its own rows then
+    combined over those axes, where placements gathered the rows."""
+    for d in dims:
+        axes = dim_dealt(x, d)
+        if axes:
+            return axes
+    return None
+
+
 def _pending_over_dealt(x: ArgSpec, dims: list[int], pending: str) -> tuple | None:
     """The placements of a reduction over ``dims`` of ``x`` (a layout with no placement form)
     where one of them is the only dim the layout deals, every other dim whole and local in each
     piece (``specs.dim_dealt``): each device reduces its own, ``Partial(pending)`` over the
     dealing axes. ``grad.sum(0)`` of rows dealt round-robin (a bias's gradient): each device sums
     its rows, a pending sum, where placements gathered the rows. None otherwise."""
-    for d in dims:
-        axes = dim_dealt(x, d)
-        if axes:
-            return tuple(Partial(pending) if a in axes else Replicate() for a in x.mesh.axis_names)
-    return None
+    axes = _dealing_axes(x, dims)
+    if axes is None:
+        return None
+    return tuple(Partial(pending) if a in axes else Replicate() for a in x.mesh.axis_names)
 
 
 def _identity(kind: str, dtype: torch.dtype):
