@@ -672,6 +672,8 @@ COMBINED_OVER_DEALT_ROWS = {
     "logsumexp over rows": lambda x, w, b: torch.logsumexp(x, 0),
     "2-norm over rows": lambda x, w, b: torch.linalg.vector_norm(x, dim=0),
     "prod over rows": lambda x, w, b: (x * 0.5 + 1).prod(0),
+    "any over rows (no gradient)": lambda x, w, b: (x > 1).any(0),
+    "all over rows (no gradient)": lambda x, w, b: (x > -1).all(0),
 }
 
 
@@ -706,8 +708,11 @@ def _reduced_over_dealt_rows(rank, world, seed):
             if not pending and out.placements != tuple(replicated):
                 failures.append(f"{label} {name}: {out.placements}, not replicated")
             want = f(x, w, b)
-            if not torch.allclose(out.full_tensor(), want):
+            if not torch.equal(out.full_tensor(), want) if want.dtype == torch.bool else \
+                    not torch.allclose(out.full_tensor(), want):
                 failures.append(f"{label} {name}: values differ from torch")
+                continue
+            if not want.requires_grad:
                 continue
             up = torch.randn(want.shape, generator=g, dtype=torch.float64)
             (out * distribute(up, mesh, replicated)).sum().backward()
