@@ -176,7 +176,7 @@ def _update(running: torch.Tensor, value: torch.Tensor, channels, momentum: floa
     holds (``channels``; None: ``value``'s own, in order). Every device holding a channel
     updates it alike."""
     if channels is not None:
-        value = value[channels.global_of(torch.arange(channels.size, device=value.device))]
+        value = value[channels.indices(value)]
     with torch.no_grad():
         running.mul_(1 - momentum).add_(value.to(running.dtype), alpha=momentum)
 

@@ -190,8 +190,7 @@ class FastPath:
         if plan is None or plan.view == 2 or len(plan.outputs) != len(result):
             return _SLOW
         local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
-        inputs = {a.untyped_storage().data_ptr() for a in _flat(list(local_args) + list(local_kwargs.values()))
-                  if isinstance(a, torch.Tensor)}
+        inputs = _storages(local_args, local_kwargs)
         try:
             again = func(*local_args, **local_kwargs)
         except Exception:
@@ -201,10 +200,8 @@ class FastPath:
         routes = []
         for piece, out, r in zip(again, plan.outputs, result):
             expected = r._value
-            if (type(piece) is not torch.Tensor or out.unsqueeze or piece.shape != expected.shape
-                    or piece.dtype != expected.dtype or piece.stride() != expected.stride()
-                    or piece.device != expected.device or piece.untyped_storage().data_ptr() not in inputs
-                    or piece.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr()):
+            if out.unsqueeze or not _like(piece, expected) or _storage(piece) not in inputs or \
+                    _storage(piece) != _storage(expected):
                 return _SLOW
             tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
             routes.append(LocalRoute(None, (), out, expected.dtype, tag, False, False, expected.device, True))
@@ -278,15 +275,13 @@ class FastPath:
             again = None if run is None else _rerun(run, local_args, local_kwargs, out.unsqueeze, expected)
         if again is None:
             return _SLOW
-        inputs = {a.untyped_storage().data_ptr() for a in _flat(local_args + list(local_kwargs.values()))
-                  if isinstance(a, torch.Tensor)}
+        inputs = _storages(local_args, local_kwargs)
         if view:
             # the normal route's local result and this one: views of one input's storage
             # (inference tensors keep no view metadata: _is_view() is False for them)
-            if again.untyped_storage().data_ptr() != expected.untyped_storage().data_ptr() or \
-                    again.untyped_storage().data_ptr() not in inputs:
+            if _storage(again) != _storage(expected) or _storage(again) not in inputs:
                 return _SLOW
-        elif again.numel() and again.untyped_storage().data_ptr() in inputs:
+        elif again.numel() and _storage(again) in inputs:
             return _SLOW
         # Values: compared where that costs no device sync (CPU, where the test suite proves every
         # rule's entries). On a GPU a new scalar (AdamW's bias correction changes every step) would
@@ -345,11 +340,24 @@ def _rerun(run, local_args, local_kwargs, unsqueeze: bool, expected: torch.Tenso
             again = again.unsqueeze(0)
     except Exception:
         return None
-    if (type(again) is not torch.Tensor or again.shape != expected.shape or again.dtype != expected.dtype
-            or again.device != expected.device or again.stride() != expected.stride()
-            or again.is_conj() or again.is_neg()):
-        return None
-    return again
+    return again if _like(again, expected) else None
+
+
+def _like(t, expected: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain tensor of ``expected``'s shape, dtype, device and strides, neither a
+    conjugate nor a negative view."""
+    return (type(t) is torch.Tensor and t.shape == expected.shape and t.dtype == expected.dtype
+            and t.device == expected.device and t.stride() == expected.stride() and not t.is_conj()
+            and not t.is_neg())
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _storages(local_args, local_kwargs) -> set:
+    """The storages of the tensors among a call's local arguments (lists' included)."""
+    return {_storage(a) for a in _flat(list(local_args) + list(local_kwargs.values())) if isinstance(a, torch.Tensor)}
 
 
 def _local_view(steps, plans, args, cls):
@@ -379,10 +387,7 @@ def _aliases(result, args, kwargs, cls) -> bool:
     call's DTensors (True for anything else, and for an empty one: no storage to tell by)."""
     if type(result) is not cls or result._pending is not None or not result._value.numel():
         return True
-    ptr = result._value.untyped_storage().data_ptr()
-    local_args, local_kwargs = replace_dtensors(cls, args, kwargs or _EMPTY, _waited)
-    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr
-               for a in _flat(list(local_args) + list(local_kwargs.values())))
+    return _storage(result._value) in _storages(*replace_dtensors(cls, args, kwargs or _EMPTY, _waited))
 
 
 def _twins(local) -> dict | None:

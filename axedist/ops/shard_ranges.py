@@ -58,6 +58,11 @@ class Held:
             self._tables[key] = (table.to(device), index.to(device))
         return self._tables[key]
 
+    def indices(self, like: torch.Tensor) -> torch.Tensor:
+        """The global indices this rank holds, in local order: an int64 tensor on ``like``'s device
+        (made once per device)."""
+        return traced_constant(self._on(like.device)[1], like=like)
+
     def global_of(self, local: torch.Tensor) -> torch.Tensor:
         """The global index of local rows ``local``."""
         if isinstance(self.index, range) or not self.size:
