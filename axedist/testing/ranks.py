@@ -149,9 +149,13 @@ class _RankPool:
         self.next_call = 0
         ready = 0
         deadline = time.monotonic() + start_timeout_s
-        while ready < world_size:
-            rank, kind, _ = self._get(deadline, "start-up")
-            ready += kind == "ready"
+        try:
+            while ready < world_size:
+                rank, kind, _ = self._get(deadline, "start-up")
+                ready += kind == "ready"
+        except BaseException:
+            self.close(graceful=False)  # no rank left running
+            raise
 
     def _get(self, deadline: float, what: str):
         while True:
@@ -231,6 +235,18 @@ def _format_errors(qualname: str, errors: dict[int, str], missing: list[int]) ->
 _POOLS: dict[tuple[int, str], _RankPool] = {}
 
 
+def _started_pool(world_size: int, backend: str, collective_timeout_s: float) -> _RankPool:
+    """A new pool. A start-up whose rank died gets two more tries, on a fresh port each: a port
+    can be taken between picking and binding (other test processes pick ports too; rank 0's
+    store then fails with "address already in use"), as ``run_torchrun`` retries."""
+    for attempt in range(3):
+        try:
+            return _RankPool(world_size, backend, start_timeout_s=180.0, collective_timeout_s=collective_timeout_s)
+        except RankError:
+            if attempt == 2:
+                raise
+
+
 def run_on_ranks(
     fn: Callable,
     world_size: int,
@@ -251,7 +267,7 @@ def run_on_ranks(
     key = (world_size, backend)
     pool = _POOLS.get(key)
     if pool is None:
-        pool = _POOLS[key] = _RankPool(world_size, backend, start_timeout_s=180.0, collective_timeout_s=timeout_s)
+        pool = _POOLS[key] = _started_pool(world_size, backend, timeout_s)
     try:
         return pool.run(fn, args, timeout_s)
     except BaseException:
