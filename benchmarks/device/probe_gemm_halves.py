@@ -1,0 +1,98 @@
+"""The three Gluon tile loops against cuBLAS in ONE run, one GPU: the GEMM core (gemm_gluon.py),
+the fused all-gather + GEMM at W = 1 (its GEMM half) and the fused GEMM + RS's GEMM-only mode.
+
+    OUT=<dir> python3 benchmarks/device/probe_gemm_halves.py [--quick]
+
+Across runs the H200's clock moves by up to 15 % (docs/gpu_notes.md), so a gap between two
+kernels' ratios to cuBLAS means something only when both were timed in the same run, interleaved.
+Per shape: device time (timing.device_time: 20 queued calls, median of 7 interleaved batches) and
+the profiler's kernel time; every output checked against torch.mm (relative error < 1e-2).
+Writes $OUT/probe_gemm_halves.json and prints one line per shape.
+"""
+import dataclasses, json, math, os, sys
+import torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from axedist.collectives.fused import gemm_only
+from axedist.collectives.timing import device_time
+from axedist.kernels import gemm_rs
+from axedist.kernels.ag_gemm import AllGatherGemmConfig
+from axedist.kernels.gemm import GemmCoreConfig, gemm
+from axedist.testing import VirtualRanks
+
+# (label, M, N, K): the all-gather + GEMM shapes at TP = 4 (N local) and the GEMM + RS ones (K local)
+SHAPES = (("ag design", 2048, 7168, 8192), ("ag design", 8192, 7168, 8192),
+          ("ag design", 16384, 7168, 8192), ("ag design", 8192, 2048, 8192),
+          ("ag design", 16384, 2048, 8192), ("ag qwen3-32b w1/w3", 8192, 6400, 5120),
+          ("ag llama3.1-405b w1/w3", 8192, 13312, 16384),
+          ("rs design", 8192, 8192, 7168), ("rs design", 16384, 8192, 2048),
+          ("rs llama3.1-405b", 8192, 16384, 13312))
+CORE = {"core_s3": "128x256x64/g8/s3/w8/gl/k1", "core_s4": "128x256x64/g8/s4/w8/gl/k1"}
+AG = {"ag_s3": AllGatherGemmConfig(pipelined=True),
+      "ag_s4": AllGatherGemmConfig(stages=4, pipelined=True)}
+
+
+def kernel_ms(fn, calls=10):
+    fn(); torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.self_device_time_total > 0) / calls / 1e3
+
+
+def main():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29519")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.manual_seed(1)
+    one_rank = VirtualRanks(1, data_bytes=1 << 30)
+    shapes = SHAPES[:3] if "--quick" in sys.argv else SHAPES
+    rows = []
+    for label, m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k)).t()
+        ref = torch.mm(a, b)
+        outs = {}
+
+        def out(name):
+            outs[name] = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            return outs[name]
+
+        columns = {"cublas": lambda o=out("cublas"): torch.mm(a, b, out=o)}
+        for name, text in CORE.items():
+            config = GemmCoreConfig.parse(text)
+            columns[name] = lambda o=out(name), c=config: gemm(a, b, out=o, config=c)
+        for name, config in AG.items():
+            columns[name] = lambda o=out(name), c=config: one_rank.all_gather_gemm([a], [b], [o], config=c)
+        rs_config = dataclasses.replace(gemm_rs.GemmConfig(), pipelined=True)
+        columns["rs_gemm_only"] = lambda o=out("rs_gemm_only"): gemm_only(a, b, 4, rs_config, out=o)
+        errors = {}
+        for name, fn in columns.items():
+            outs[name].fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            errors[name] = float((outs[name].float() - ref.float()).norm() / ref.float().norm())
+        one_rank.check()
+        times = device_time(columns, calls=20, batches=7)
+        kernels = {name: kernel_ms(fn) for name, fn in columns.items()}
+        row = dict(label=label, M=m, N=n, K=k, ms=times, kernel_ms=kernels, errors=errors,
+                   configs=dict(CORE, **{name: str(c) for name, c in AG.items()},
+                                rs_gemm_only=str(rs_config)))
+        rows.append(row)
+        print(f"{label} {m}x{n}x{k}: cublas {times['cublas']:.3f} ms | cuBLAS / ours "
+              + " ".join(f"{name} {times['cublas'] / times[name]:.3f}" for name in columns if name != "cublas")
+              + " | kernel ms " + " ".join(f"{name} {v:.3f}" for name, v in kernels.items())
+              + f" | max err {max(errors.values()):.1e}", flush=True)
+        assert all(e < 1e-2 for e in errors.values()), errors
+        del a, b, ref, outs, columns
+        torch.cuda.empty_cache()
+    os.makedirs(os.environ["OUT"], exist_ok=True)
+    meta = dict(commit=os.environ.get("AXEDIST_COMMIT", "?"), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, command="python3 benchmarks/device/probe_gemm_halves.py")
+    json.dump(dict(meta, rows=rows), open(os.path.join(os.environ["OUT"], "probe_gemm_halves.json"), "w"),
+              indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
