@@ -454,9 +454,11 @@ def _issue_tile_load(step, local, row, col, k, valid, a_desc, g_desc, b_desc, ba
     slot = step % STAGES
     bar = bars.index(slot)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=valid)
-    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), valid & local)
-    tma.async_copy_global_to_shared(g_desc, [row, k], bar, a_bufs.index(slot),
-                                    valid & (not local))
+    # a branch, not two predicated copies: every copy costs a CTA barrier, issued or not
+    if local:
+        tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot), valid)
+    else:
+        tma.async_copy_global_to_shared(g_desc, [row, k], bar, a_bufs.index(slot), valid)
     if B_TRANSPOSED:
         tma.async_copy_global_to_shared(b_desc, [col, k], bar, b_bufs.index(slot), valid)
     else:
@@ -575,32 +577,35 @@ def pipelined_all_gather_gemm_kernel(
                     _issue_tile_load(step + ahead, source == rank, row0, col0, ahead * BK,
                                      ahead < k_tiles, a_desc, g_desc, b_desc, bars, a_bufs,
                                      b_bufs, STAGES, B_TRANSPOSED)
-            next_task, next_source, next_tile_m, next_row, next_col = (tile_task, source, tile_m,
-                                                                       row0, col0)
-            next_ready = first * 0
+            # two loops, so that a K step runs the core's few instructions between a wgmma's
+            # wait and the next load: the steps loading later K blocks of this tile (the row,
+            # column and operand fixed for the loop), then the last STAGES - 1 steps loading the
+            # next tile's first blocks, that tile decoded and its rows looked at once, while
+            # the wgmma before them runs
+            local = source == rank
+            main_steps = k_tiles - (STAGES - 1)  # >= 0: the host launches this kernel only then
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-            for kk in range(k_tiles):
+            for kk in range(main_steps):
                 acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-                if kk == 0:  # the next tile, decoded while the first wgmma runs
-                    next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m,
-                                                tiles_n, WORLD, STEPS, PIECES, GROUP_M, ENGINE)
-                    next_source, next_tile_m, next_row, next_col = _tile_rows(
-                        next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD, STEPS,
-                        PIECES, GROUP_M, BM, BN, ENGINE)
-                ahead = kk + STAGES - 1
-                if ahead == k_tiles:  # the first load of the next tile: are its rows here?
-                    next_ready = ((next_task < tasks) & _rows_arrived(
-                        own_flags, next_source, next_tile_m, tiles_m, epoch, rank, engine_flag0,
-                        chunk_blocks, PIECES, ENGINE)).to(gl.int32)
-                    fence_proxy_async(next_tile_m)
-                this_tile = ahead < k_tiles
-                _issue_tile_load(step + STAGES - 1,
-                                 gl.where(this_tile, source, next_source) == rank,
-                                 gl.where(this_tile, row0, next_row),
-                                 gl.where(this_tile, col0, next_col),
-                                 gl.where(this_tile, ahead, ahead - k_tiles) * BK,
-                                 this_tile | (next_ready != 0), a_desc, g_desc, b_desc, bars,
-                                 a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                _issue_tile_load(step + STAGES - 1, local, row0, col0, (kk + STAGES - 1) * BK,
+                                 True, a_desc, g_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                                 B_TRANSPOSED)
+                step += 1
+            next_task = _next_tile_task(task + programs, programs, tasks, rank, tiles_m, tiles_n,
+                                        WORLD, STEPS, PIECES, GROUP_M, ENGINE)
+            next_source, next_tile_m, next_row, next_col = _tile_rows(
+                next_task, rank, tiles_m, tiles_n, M_LOCAL, slot_row0, WORLD, STEPS, PIECES,
+                GROUP_M, BM, BN, ENGINE)
+            next_ready = ((next_task < tasks) & _rows_arrived(
+                own_flags, next_source, next_tile_m, tiles_m, epoch, rank, engine_flag0,
+                chunk_blocks, PIECES, ENGINE)).to(gl.int32)
+            fence_proxy_async(next_tile_m)
+            next_local = next_source == rank
+            for kk in range(main_steps, k_tiles):
+                acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                _issue_tile_load(step + STAGES - 1, next_local, next_row, next_col,
+                                 (kk - main_steps) * BK, next_ready != 0, a_desc, g_desc, b_desc,
+                                 bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             _store_tile(acc, o_desc, c_smem, out_ptr, stride_om, source, tile_m, col0, M_LOCAL, N,
