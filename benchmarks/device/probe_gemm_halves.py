@@ -5,7 +5,8 @@ the fused all-gather + GEMM at W = 1 (its GEMM half) and the fused GEMM + RS's G
 
 Across runs the H200's clock moves by up to 15 % (docs/gpu_notes.md), so a gap between two
 kernels' ratios to cuBLAS means something only when both were timed in the same run, interleaved.
-Per shape: device time (timing.device_time: 20 queued calls, median of 7 interleaved batches) and
+ag_s4_direct: the AG call of ag_s4 launched on the current stream (VirtualRanks launches each
+rank on its own stream between two events). Per shape: device time (timing.device_time: 20 queued calls, median of 7 interleaved batches) and
 the profiler's kernel time; every output checked against torch.mm (relative error < 1e-2).
 Writes $OUT/probe_gemm_halves.json and prints one line per shape.
 """
@@ -64,6 +65,11 @@ def main():
             columns[name] = lambda o=out(name), c=config: gemm(a, b, out=o, config=c)
         for name, config in AG.items():
             columns[name] = lambda o=out(name), c=config: one_rank.all_gather_gemm([a], [b], [o], config=c)
+        # the same W = 1 call launched on the current stream, as the real path launches it
+        # (VirtualRanks launches every rank on its own stream behind an event and waits for it)
+        one_rank.all_gather_gemm([a], [b], [out("ag_s4_direct")], config=AG["ag_s4"])
+        direct = one_rank.last_plans[0]
+        columns["ag_s4_direct"] = lambda o=outs["ag_s4_direct"]: direct.run(a, b, o)
         rs_config = dataclasses.replace(gemm_rs.GemmConfig(), pipelined=True)
         columns["rs_gemm_only"] = lambda o=out("rs_gemm_only"): gemm_only(a, b, 4, rs_config, out=o)
         errors = {}
@@ -77,7 +83,7 @@ def main():
         kernels = {name: kernel_ms(fn) for name, fn in columns.items()}
         row = dict(label=label, M=m, N=n, K=k, ms=times, kernel_ms=kernels, errors=errors,
                    configs=dict(CORE, **{name: str(c) for name, c in AG.items()},
-                                rs_gemm_only=str(rs_config)))
+                                ag_s4_direct=str(AG['ag_s4']), rs_gemm_only=str(rs_config)))
         rows.append(row)
         print(f"{label} {m}x{n}x{k}: cublas {times['cublas']:.3f} ms | cuBLAS / ours "
               + " ".join(f"{name} {times['cublas'] / times[name]:.3f}" for name in columns if name != "cublas")
