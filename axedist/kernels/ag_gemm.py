@@ -529,47 +529,7 @@ def pipelined_all_gather_gemm_kernel(
     step = 0
     task = first
     while task < tasks:
-        kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False, PIECES,
-                                       GROUP_M, ENGINE)
-        if kind == PUSH:
-            if not ENGINE:  # (ENGINE: no push tasks, no push code compiled)
-                block = x
-                piece = y
-                col_first = piece * piece_cols
-                push_row = (slot_row0 + rank * M_LOCAL + block * BM).to(gl.int64)
-                target = pick(who, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
-                _copy_rows_gluon(a_ptr + block * BM * stride_am, stride_am, target,
-                                 gl.minimum(BM, M_LOCAL - block * BM), col_first,
-                                 gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
-                                 COPY_COLS, ALIGNED)
-                # every thread's (remote) stores ordered before thread 0's release
-                fence_acq_rel_sys(block)
-                gl.thread_barrier()
-                st_release_sys(pick(who, F0, F1, F2, F3, F4, F5, F6, F7)
-                               + ((rank * tiles_m + block) * PIECES + piece) * 4, epoch)
-        elif kind == COPY:
-            block = x
-            piece = y
-            col_first = piece * piece_cols
-            if who == rank:  # this rank's rows: from A itself
-                rows_from = a_ptr + block * BM * stride_am
-                rows_stride = stride_am
-            else:
-                if ENGINE:
-                    _wait_engine_rows(own_flags, engine_flag0, epoch, who, block, chunk_blocks,
-                                      abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
-                else:
-                    flag = (who * tiles_m + block) * PIECES + piece
-                    wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, who, flag,
-                              timeout_ns)
-                rows_from = gathered + (slot_row0 + who * M_LOCAL + block * BM).to(gl.int64) * K
-                rows_stride = K
-            _copy_rows_gluon(rows_from, rows_stride,
-                             gathered_address + (who * M_LOCAL + block * BM).to(gl.int64) * row_bytes,
-                             gl.minimum(BM, M_LOCAL - block * BM), col_first,
-                             gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
-                             COPY_COLS, ALIGNED)
-        else:  # the tile task `tile_task` (= task)
+        if task == tile_task:  # (known to be a tile: nothing decoded before its first wgmma)
             if loaded == 0:  # its rows were not there when the last tile ran: wait, then load
                 _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
                            error_address, timeout_ns, engine_flag0, chunk_blocks, PIECES, ENGINE)
@@ -613,6 +573,47 @@ def pipelined_all_gather_gemm_kernel(
             tile_task, source, tile_m, row0, col0 = (next_task, next_source, next_tile_m, next_row,
                                                      next_col)
             loaded = next_ready
+        else:  # a push or copy task
+            kind, who, x, y = _decode_task(task, rank, tiles_m, tiles_n, WORLD, STEPS, False,
+                                           PIECES, GROUP_M, ENGINE)
+            if kind == PUSH:
+                if not ENGINE:  # (ENGINE: no push tasks, no push code compiled)
+                    block = x
+                    piece = y
+                    col_first = piece * piece_cols
+                    push_row = (slot_row0 + rank * M_LOCAL + block * BM).to(gl.int64)
+                    target = pick(who, D0, D1, D2, D3, D4, D5, D6, D7) + push_row * row_bytes
+                    _copy_rows_gluon(a_ptr + block * BM * stride_am, stride_am, target,
+                                     gl.minimum(BM, M_LOCAL - block * BM), col_first,
+                                     gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
+                                     COPY_COLS, ALIGNED)
+                    # every thread's (remote) stores ordered before thread 0's release
+                    fence_acq_rel_sys(block)
+                    gl.thread_barrier()
+                    st_release_sys(pick(who, F0, F1, F2, F3, F4, F5, F6, F7)
+                                   + ((rank * tiles_m + block) * PIECES + piece) * 4, epoch)
+            elif kind == COPY:
+                block = x
+                piece = y
+                col_first = piece * piece_cols
+                if who == rank:  # this rank's rows: from A itself
+                    rows_from = a_ptr + block * BM * stride_am
+                    rows_stride = stride_am
+                else:
+                    if ENGINE:
+                        _wait_engine_rows(own_flags, engine_flag0, epoch, who, block, chunk_blocks,
+                                          abort_ptr, error_address, timeout_ns, ENGINE_CHUNKS)
+                    else:
+                        flag = (who * tiles_m + block) * PIECES + piece
+                        wait_flag(own_flags + flag * 4, epoch, abort_ptr, error_address, who, flag,
+                                  timeout_ns)
+                    rows_from = gathered + (slot_row0 + who * M_LOCAL + block * BM).to(gl.int64) * K
+                    rows_stride = K
+                _copy_rows_gluon(rows_from, rows_stride,
+                                 gathered_address + (who * M_LOCAL + block * BM).to(gl.int64) * row_bytes,
+                                 gl.minimum(BM, M_LOCAL - block * BM), col_first,
+                                 gl.minimum(col_first + piece_cols, K), K, ELEMENT, COPY_ROWS,
+                                 COPY_COLS, ALIGNED)
         task += programs
     if tail_tiles > 0:  # the stream-K tail: at most two segments per program
         units = tail_tiles * k_tiles
