@@ -751,6 +751,73 @@ def _spill_bytes(kernel) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
 
 
+def _wgmma_loops(kernel) -> list[list[str]]:
+    """The SASS instructions of the innermost loops of a compiled sm_90a kernel that issue
+    wgmma (HGMMA), a loop being the range from a conditional backward branch's target to it
+    (nvdisasm, bundled with Triton)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(kernel.asm["cubin"])
+        handle.flush()
+        sass = subprocess.run([nvdisasm, "-c", handle.name], capture_output=True, text=True,
+                              check=True).stdout
+    code, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+        found = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if found:
+            for name in pending:
+                labels[name] = len(code)
+            pending = []
+            code.append(found.group(2))
+    spans = []
+    for index, instruction in enumerate(code):
+        # (a conditional branch: the unconditional ones back are the returns of the slow
+        # paths of barrier waits, placed after the kernel's end)
+        target = re.match(r"@!?U?P\d\s+BRA\s.*`\((\.L_x_\d+)\)", instruction)
+        if target and labels.get(target.group(1), index + 1) <= index:
+            if any("HGMMA" in op for op in code[labels[target.group(1)]:index + 1]):
+                spans.append((labels[target.group(1)], index + 1))
+    # the innermost ones: the K loops, not the task loops around them
+    return [code[b:e] for b, e in spans
+            if not any(b <= b2 and e2 <= e and (b2, e2) != (b, e) for b2, e2 in spans)]
+
+
+def test_wgmma_loops_of_the_gluon_kernels_never_touch_local_memory():
+    """ptxas may spill a few long-lived values of the Gluon fused kernels (the call's state,
+    kept across the task loop), but nothing inside an innermost loop that issues wgmma (a K
+    loop): a spill there costs every K step. Each kernel has such loops; in the GEMM core's and the all-gather +
+    GEMM's, the K loops' step from the wgmma's wait(1) to the next TMA load has few instructions
+    (4-5; 28 in the opt-in stream-K tail's; the all-gather + GEMM's main K loop had about 70,
+    the next tile decoded in it; the GEMM + RS kernels still select the load's tile there:
+    120-140 instructions in program order, about 45 on the path taken)."""
+    _need_triton()
+    from axedist.kernels.gemm import GemmCoreConfig
+    kernels = {"core": _compile_pipelined(GemmCoreConfig.parse("128x256x64/g8/s4/w8/gl/k1"), True),
+               "ag /gl/ce W=2": _compile_pipelined_ag(False, world=2, engine=True),
+               "ag /gl/ce W=4 copy-out": _compile_pipelined_ag(True, world=4, copy_out=True,
+                                                               engine=True),
+               "ag /gl W=1": _compile_pipelined_ag(True, world=1),
+               "rs /gl/ce W=4": _compile_pipelined_engine_rs(transposed=True, stages=4, world=4)}
+    for name, kernel in kernels.items():
+        loops = _wgmma_loops(kernel)
+        assert loops, name
+        for body in loops:
+            assert not [op for op in body if re.search(r"\b(LDL|STL)\b", op)], (name, body)
+    for name in ("core", "ag /gl/ce W=2", "ag /gl W=1"):
+        for body in _wgmma_loops(kernels[name]):
+            waits = [i for i, op in enumerate(body) if "DEPBAR.LE gsb0, 0x1" in op]
+            loads = [i for i, op in enumerate(body) if "UTMALDG" in op]
+            assert waits and loads and loads[0] - waits[0] <= 30, (name, body)
+
+
 def test_every_candidate_config_compiles_with_pointer_fallback_too():
     _need_triton()
     from axedist.kernels import gemm_rs
@@ -1558,9 +1625,9 @@ def test_gluon_copy_engine_all_gather_gemm_compiles_for_sm90a(transposed, copy_o
     assert ptx.count("st.release.sys") < pushing.asm["ptx"].count("st.release.sys")
     vector_stores = [len(re.findall(r"st\.global(\.\w+)*\.v4", k.asm["ptx"])) for k in (kernel, pushing)]
     assert vector_stores[0] < vector_stores[1]
-    # ptxas spills 8 bytes at W = 2 and 8 with B row-major (none transposed, none in the pushing
-    # kernel): it goes with the wait for a chunk's flag at a tile's start (measured by removing it)
-    assert _spill_bytes(kernel) <= 8 and kernel.metadata.shared <= 227 * 1024
+    # ptxas spills 16 bytes at W = 2 with B row-major (the call's state, kept across the task
+    # loop; none in a wgmma loop: test_wgmma_loops_of_the_gluon_kernels_never_touch_local_memory)
+    assert _spill_bytes(kernel) <= 16 and kernel.metadata.shared <= 227 * 1024
 
 
 def _compile_ar(two_shot, push, multimem=False, transposed=True, tma=True, config=None, dtype="bf16"):
