@@ -14,6 +14,11 @@ asynchronous TMA store that drains while the next tile's wgmmas run.
     load s + STAGES - 1   while wgmma s runs (at most one wgmma in flight: wait(1)); the
                           load's tile is this one or the next (K >= (STAGES - 1) * BK)
 
+A tile's K steps run in two loops, this tile's loads and then the next tile's first STAGES - 1,
+so that between a wgmma's wait and its slot's next load the loop selects nothing (the fused
+kernels' tile loops do the same, their next task decoded between the two loops while a wgmma
+runs; tests/test_kernels_cpu.py checks the instructions between the two).
+
 The GEMM core (gemm.py) launches it for configs marked /gl:
 
     >>> gemm(a, w.t(), config=GemmCoreConfig.parse("128x256x64/g8/s3/w8/gl/k1"))
@@ -75,20 +80,6 @@ def issue_load(step, row, col, k, valid, a_desc, b_desc, bars, a_bufs, b_bufs,
         tma.async_copy_global_to_shared(b_desc, [col, k], bar, b_bufs.index(slot), valid)
     else:
         tma.async_copy_global_to_shared(b_desc, [k, col], bar, b_bufs.index(slot), valid)
-
-
-@gluon.jit
-def issue_load_ahead(step, kk, k_tiles, row, col, next_row, next_col, next_valid, a_desc, b_desc,
-                     bars, a_bufs, b_bufs, STAGES: gl.constexpr, B_TRANSPOSED: gl.constexpr):
-    """During K step kk (global step `step`) of the tile at [row, col], the load STAGES - 1
-    steps ahead: a later K block of this tile, or past its last one the first blocks of the
-    next tile at [next_row, next_col] (none unless next_valid)."""
-    BK: gl.constexpr = a_desc.block_type.shape[1]
-    ahead = kk + STAGES - 1
-    this_tile = ahead < k_tiles
-    issue_load(step + STAGES - 1, gl.where(this_tile, row, next_row),
-               gl.where(this_tile, col, next_col), gl.where(this_tile, ahead, ahead - k_tiles) * BK,
-               this_tile | next_valid, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
 
 
 @gluon.jit
@@ -160,28 +151,34 @@ def gemm_pipelined_kernel(a_desc, b_desc, c_desc, M, N, K, GROUP_M: gl.constexpr
     k_tiles = gl.cdiv(K, BK)
     my_tiles = gl.cdiv(tiles_m * tiles_n - first, programs)
 
-    # the tile being computed and the next one: a load runs at most one tile ahead, since the
-    # host launches this kernel only when k_tiles >= STAGES - 1
+    # the tile being computed: a load runs at most one tile ahead, since the host launches this
+    # kernel only when k_tiles >= STAGES - 1
     tile_m, tile_n = tile_of(0, first, programs, tiles_m, tiles_n, GROUP_M)
-    next_m, next_n = tile_of(1, first, programs, tiles_m, tiles_n, GROUP_M)
     for step in gl.static_range(STAGES - 1):
         issue_load(step, tile_m * BM, tile_n * BN, step * BK, my_tiles > 0, a_desc, b_desc, bars,
                    a_bufs, b_bufs, STAGES, B_TRANSPOSED)
     layout: gl.constexpr = accumulator_layout(BM, BN, num_warps)
     acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
+    main_steps = k_tiles - (STAGES - 1)
     step = 0
     for local in range(my_tiles):
-        for kk in range(k_tiles):
-            # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1
+        # the wgmma of step - 1 is done: its slot takes the load of step + STAGES - 1, a later
+        # K block of this tile, then (the last STAGES - 1 steps) the next tile's first blocks
+        for kk in range(main_steps):
             acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-            issue_load_ahead(step, kk, k_tiles, tile_m * BM, tile_n * BN, next_m * BM, next_n * BN,
-                             local + 1 < my_tiles, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
-                             B_TRANSPOSED)
+            issue_load(step + STAGES - 1, tile_m * BM, tile_n * BN, (kk + STAGES - 1) * BK, True,
+                       a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            step += 1
+        next_m, next_n = tile_of(local + 1, first, programs, tiles_m, tiles_n, GROUP_M)
+        for kk in range(main_steps, k_tiles):
+            acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            issue_load(step + STAGES - 1, next_m * BM, next_n * BN, (kk - main_steps) * BK,
+                       local + 1 < my_tiles, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                       B_TRANSPOSED)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         store_tile_halves(acc.to(dtype), c_desc, c_smem, tile_m * BM, tile_n * BN)
         tile_m, tile_n = next_m, next_n
-        next_m, next_n = tile_of(local + 2, first, programs, tiles_m, tiles_n, GROUP_M)
     tma.store_wait(pendings=0)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))

@@ -33,7 +33,7 @@ from . import schedule
 from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load,
-                         issue_load_ahead, mma_step, shared_layout, store_tile_halves)
+                         mma_step, shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
                      multiprocessors, stream_memory_driver, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
@@ -451,6 +451,33 @@ def _load_partial_half(incoming0_desc, incoming1_desc, parity, row, col, bar, bu
         tma.async_copy_global_to_shared(incoming1_desc, [row, col], bar, buffer)
 
 
+@gluon.jit
+def _engine_step_extras(kk, count_step, partial_step, pending, pending_tiles, own, waited,
+                        counts_ptr, out_flags, own_flags, engine_flag0, epoch, rank, chunk_id,
+                        abort_ptr, error_address, timeout_ns, incoming0_desc, incoming1_desc,
+                        M_CHUNK, tile_m, tile_n, partial_bar, c_smem, task, WORLD: gl.constexpr,
+                        BM: gl.constexpr, BN: gl.constexpr, ENGINE_CHUNKS: gl.constexpr,
+                        TRACE: gl.constexpr, PARTIAL_AHEAD: gl.constexpr):
+    """What K step kk of a /gl/ce tile does besides its wgmma and load: at count_step the last
+    peer tile's chunk counted (its stores drained meanwhile), at partial_step of an own tile
+    the first source's first partial half fetched (while wgmmas run). Returns (pending,
+    waited)."""
+    if (kk == count_step) & (pending >= 0):
+        _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
+        pending = pending * 0 - 1
+    if PARTIAL_AHEAD >= 0:
+        if own & (kk == partial_step):
+            source = (rank + 1) % WORLD
+            spent = _fetch_partial_half(
+                own_flags, engine_flag0, epoch, source, chunk_id, abort_ptr, error_address,
+                timeout_ns, incoming0_desc, incoming1_desc,
+                (source * M_CHUNK + tile_m * BM).to(gl.int32), tile_n * BN, partial_bar, c_smem,
+                task, ENGINE_CHUNKS, TRACE)
+            if TRACE:
+                waited += spent
+    return pending, waited
+
+
 @gluon.jit(do_not_specialize=["rank", "timeout_ns", "half_bytes", "engine_flag0", "band_tiles"])
 def pipelined_engine_gemm_reduce_scatter_kernel(
         a_desc, a_ptr, b_desc, b_ptr, staging_desc, out_desc, incoming_address, own_flags,
@@ -521,34 +548,44 @@ def pipelined_engine_gemm_reduce_scatter_kernel(
     partial_step = gl.maximum(k_tiles - 1 - PARTIAL_AHEAD, count_step)
     task = first
     while task < tasks:
+        waited = (task * 0).to(gl.int64)  # (TRACE: cycles spent waiting for partials)
         if TRACE:
             started = globaltimer(task)
             cycle0 = clock_cycles(task)
-            waited = cycle0 - cycle0
         next_task = task + programs
-        next_slot, next_tile_m, next_tile_n, next_row, next_col = _engine_task_tile(
-            next_task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M)
         group = tile_m // GROUP_M
         band = tile_n // band_tiles
         own = slot == WORLD - 1
         acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-        for kk in range(k_tiles):
+        # two loops (gemm_gluon.py's tile loop): the K steps loading later blocks of this tile,
+        # then the last STAGES - 1 loading the next tile's first ones, that tile decoded between
+        # them while a wgmma runs (not before this tile's first wgmma); a step's extras after
+        # its load, so that the load follows the wgmma's wait
+        main_steps = k_tiles - (STAGES - 1)
+        for kk in range(main_steps):
             acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-            if (kk == count_step) & (pending >= 0):  # the last tile's stores drained meanwhile
-                _count_chunk_tile(counts_ptr, out_flags, pending, pending_tiles, epoch, True)
-                pending = pending * 0 - 1
-            if PARTIAL_AHEAD >= 0:
-                if own & (kk == partial_step):  # the first source's first half, while wgmmas run
-                    source = (rank + 1) % WORLD
-                    spent = _fetch_partial_half(
-                        own_flags, engine_flag0, epoch, source, group * bands + band, abort_ptr,
-                        error_address, timeout_ns, incoming0_desc, incoming1_desc,
-                        (source * M_CHUNK + tile_m * BM).to(gl.int32), tile_n * BN, partial_bar,
-                        c_smem, task, ENGINE_CHUNKS, TRACE)
-                    if TRACE:
-                        waited += spent
-            issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col, next_task < tasks,
-                             a_desc, b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            issue_load(step + STAGES - 1, row0, col0, (kk + STAGES - 1) * BK, True, a_desc,
+                       b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            pending, waited = _engine_step_extras(
+                kk, count_step, partial_step, pending, pending_tiles, own, waited, counts_ptr,
+                out_flags, own_flags, engine_flag0, epoch, rank, group * bands + band, abort_ptr,
+                error_address, timeout_ns, incoming0_desc, incoming1_desc, M_CHUNK, tile_m,
+                tile_n, partial_bar, c_smem, task, WORLD, BM, BN, ENGINE_CHUNKS, TRACE,
+                PARTIAL_AHEAD)
+            step += 1
+        next_slot, next_tile_m, next_tile_n, next_row, next_col = _engine_task_tile(
+            next_task, rank, per_slot, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M)
+        for kk in range(main_steps, k_tiles):
+            acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+            issue_load(step + STAGES - 1, next_row, next_col, (kk - main_steps) * BK,
+                       next_task < tasks, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                       B_TRANSPOSED)
+            pending, waited = _engine_step_extras(
+                kk, count_step, partial_step, pending, pending_tiles, own, waited, counts_ptr,
+                out_flags, own_flags, engine_flag0, epoch, rank, group * bands + band, abort_ptr,
+                error_address, timeout_ns, incoming0_desc, incoming1_desc, M_CHUNK, tile_m,
+                tile_n, partial_bar, c_smem, task, WORLD, BM, BN, ENGINE_CHUNKS, TRACE,
+                PARTIAL_AHEAD)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if TRACE:
@@ -694,21 +731,27 @@ def pipelined_gemm_reduce_scatter_kernel(
     task = first
     while task < tasks:
         if task == gemm_task:
-            next_task, next_row, next_col, next_chunk, next_round = (gemm_task, row0, col0,
-                                                                     chunk, round_)
             # (made per tile, so that the accumulator's registers are free in reduce tasks)
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
-            for kk in range(k_tiles):
+            # two loops (gemm_gluon.py's tile loop): the K steps loading later blocks of this
+            # tile, then the last STAGES - 1 loading the next GEMM task's first ones, that task
+            # decoded between them while a wgmma runs
+            main_steps = k_tiles - (STAGES - 1)
+            for kk in range(main_steps):
                 acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
-                if kk == 0:  # the next GEMM task, decoded while the first wgmma runs
-                    next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds,
-                                                       lag, WORLD, MODE)
-                    next_row, next_col, next_chunk, next_round = _gemm_task_origin(
-                        next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN,
-                        GROUP_M, MODE)
-                issue_load_ahead(step, kk, k_tiles, row0, col0, next_row, next_col,
-                                 next_task < tasks, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
-                                 B_TRANSPOSED)
+                issue_load(step + STAGES - 1, row0, col0, (kk + STAGES - 1) * BK, True, a_desc,
+                           b_desc, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                step += 1
+            next_task = _gemm_task_at_or_after(task + programs, programs, tasks, rounds, lag,
+                                               WORLD, MODE)
+            next_row, next_col, next_chunk, next_round = _gemm_task_origin(
+                next_task, rank, rounds, lag, tiles_m, tiles_n, M_CHUNK, WORLD, BM, BN, GROUP_M,
+                MODE)
+            for kk in range(main_steps, k_tiles):
+                acc = mma_step(step, acc, kk > 0, bars, a_bufs, b_bufs, STAGES, B_TRANSPOSED)
+                issue_load(step + STAGES - 1, next_row, next_col, (kk - main_steps) * BK,
+                           next_task < tasks, a_desc, b_desc, bars, a_bufs, b_bufs, STAGES,
+                           B_TRANSPOSED)
                 step += 1
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             if pending >= 0:  # the last tile's stores have drained under this tile's main loop
