@@ -9,6 +9,11 @@ ag_s4_direct: the AG call of ag_s4 launched on the current stream (VirtualRanks 
 rank on its own stream between two events). Per shape: device time (timing.device_time: 20 queued calls, median of 7 interleaved batches) and
 the profiler's kernel time; every output checked against torch.mm (relative error < 1e-2).
 Writes $OUT/probe_gemm_halves.json and prints one line per shape.
+
+    python3 benchmarks/device/probe_gemm_halves.py --report RUN.json ... OUT_DIR
+
+writes OUT_DIR/gemm_halves_onegpu.md / .json / .png from such runs (in the order given): per run
+and shape each kernel's ratio to cuBLAS and the fused kernels' time over the GEMM core's.
 """
 import dataclasses, json, math, os, sys
 import torch, torch.distributed as dist
@@ -100,5 +105,60 @@ def main():
     dist.destroy_process_group()
 
 
+def report(paths, out_dir):
+    """The runs' table (markdown), their rows (JSON) and the fused kernels over the core (PNG)."""
+    import statistics
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = [json.load(open(path)) for path in paths]
+    lines = ["# The Gluon tile loops against cuBLAS and the GEMM core, one GPU", "",
+             f"Machine 1x {runs[-1]['device']}, torch {runs[-1]['torch']}; command "
+             f"`{runs[-1]['command']}` once per commit (each run one process: every column of a "
+             "shape interleaved, 20 queued calls, median of 7 batches). ratio = cuBLAS / ours "
+             "(> 1: faster than cuBLAS); `/ core` = the GEMM core's time (same stages) over the "
+             "fused kernel's (< 1: the fused kernel's GEMM half is slower). ag = the all-gather + "
+             "GEMM kernel at W = 1 (its GEMM half), rs = the GEMM + RS kernel's GEMM-only mode "
+             "(W = 4 task order). Every output equal to torch.mm's (relative error 0).", ""]
+    for run in runs:
+        lines += [f"## Commit {run['commit']}", "",
+                  "| shape | M x N x K | cuBLAS ms | core s3 | core s4 | ag s3 | ag s4 | rs | "
+                  "ag s3 / core | ag s4 / core | rs / core s3 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in run["rows"]:
+            t = row["ms"]
+            lines.append(f"| {row['label']} | {row['M']}x{row['N']}x{row['K']} | {t['cublas']:.3f} | "
+                         + " | ".join(f"{t['cublas'] / t[c]:.3f}" for c in
+                                      ("core_s3", "core_s4", "ag_s3", "ag_s4", "rs_gemm_only"))
+                         + f" | {t['core_s3'] / t['ag_s3']:.3f} | {t['core_s4'] / t['ag_s4']:.3f} | "
+                         f"{t['core_s3'] / t['rs_gemm_only']:.3f} |")
+        geo = {key: statistics.geometric_mean(row["ms"][base] / row["ms"][key] for row in run["rows"])
+               for key, base in (("ag_s3", "core_s3"), ("ag_s4", "core_s4"), ("rs_gemm_only", "core_s3"))}
+        lines += ["", f"Geomean over the shapes, core / fused: ag s3 {geo['ag_s3']:.3f}, ag s4 "
+                  f"{geo['ag_s4']:.3f}, rs {geo['rs_gemm_only']:.3f}.", ""]
+        run["geomean_core_over_fused"] = geo
+    os.makedirs(out_dir, exist_ok=True)
+    open(os.path.join(out_dir, "gemm_halves_onegpu.md"), "w").write("\n".join(lines))
+    json.dump(runs, open(os.path.join(out_dir, "gemm_halves_onegpu.json"), "w"), indent=1)
+    figure, axis = plt.subplots(figsize=(11, 4.5))
+    labels = [f"{row['M']}x{row['N']}x{row['K']}" for row in runs[0]["rows"]]
+    width = 0.8 / len(runs)
+    for index, run in enumerate(runs):
+        axis.bar([i + index * width for i in range(len(labels))],
+                 [row["ms"]["core_s4"] / row["ms"]["ag_s4"] for row in run["rows"]], width,
+                 label=f"all-gather + GEMM W=1, {run['commit']}")
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=30,
+                    ha="right", fontsize=8)
+    axis.set_ylim(0.9, 1.05)
+    axis.set_ylabel("GEMM core time / fused kernel time (s4)")
+    axis.set_title("The all-gather + GEMM kernel's GEMM half against the GEMM core (1x H200, same run)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(os.path.join(out_dir, "gemm_halves_onegpu.png"), dpi=110)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--report"]:
+        report(sys.argv[2:-1], sys.argv[-1])
+    else:
+        main()
