@@ -10,9 +10,8 @@ interleaved batches) and the profiler's kernel time (10 calls).
 import dataclasses, datetime, json, os, sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
-from torch.profiler import ProfilerActivity, profile
 from axedist.collectives.fused import gemm_only
-from axedist.collectives.timing import device_time
+from axedist.collectives.timing import device_time, kernel_time_ms
 from axedist.kernels import gemm_rs
 
 SHAPES = (("wo fwd", 65536, 4096, 1024, True), ("w2 fwd", 65536, 4096, 3584, True),
@@ -20,15 +19,6 @@ SHAPES = (("wo fwd", 65536, 4096, 1024, True), ("w2 fwd", 65536, 4096, 3584, Tru
           ("w1w3 dgrad", 65536, 4096, 7168, False),
           ("design", 8192, 8192, 7168, False), ("design", 8192, 8192, 2048, False),
           ("design", 16384, 8192, 2048, False))
-
-
-def kernel_ms(fn, calls=10):
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0) / calls / 1e3
 
 
 rows = []
@@ -49,7 +39,7 @@ for label, m, n, k, transposed in SHAPES:
            "triton": lambda: gemm_only(a, b, 4, triton_config, out=c),
            "gluon": lambda: gemm_only(a, b, 4, gluon_config, out=c)}
     times = device_time(fns)
-    kernels = {name: kernel_ms(fn) for name, fn in fns.items()}
+    kernels = {name: kernel_time_ms(fn) for name, fn in fns.items()}
     row = dict(shape=label, m=m, n=n, k=k, transposed=transposed, ms=times, kernel_ms=kernels,
                errors=errors, triton_config=str(triton_config), gluon_config=str(gluon_config))
     rows.append(row)

@@ -127,3 +127,19 @@ def host_time_us(fn, calls: int = 200, repeats: int = 5) -> float:
         samples.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def kernel_time_ms(fn, calls: int = 10) -> float:
+    """The GPU kernels' time of one call of fn in ms, as the profiler counts it (the sum of every
+    kernel's device time over `calls` calls, after one call outside the profile): time spent in
+    kernels only, no launch gaps, unlike device_time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()
+               if event.self_device_time_total > 0) / calls / 1e3

@@ -17,9 +17,8 @@ and shape each kernel's ratio to cuBLAS and the fused kernels' time over the GEM
 """
 import dataclasses, json, math, os, sys
 import torch, torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 from axedist.collectives.fused import gemm_only
-from axedist.collectives.timing import device_time
+from axedist.collectives.timing import device_time, kernel_time_ms
 from axedist.kernels import gemm_rs
 from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.kernels.gemm import GemmCoreConfig, gemm
@@ -35,16 +34,6 @@ SHAPES = (("ag design", 2048, 7168, 8192), ("ag design", 8192, 7168, 8192),
 CORE = {"core_s3": "128x256x64/g8/s3/w8/gl/k1", "core_s4": "128x256x64/g8/s4/w8/gl/k1"}
 AG = {"ag_s3": AllGatherGemmConfig(pipelined=True),
       "ag_s4": AllGatherGemmConfig(stages=4, pipelined=True)}
-
-
-def kernel_ms(fn, calls=10):
-    fn(); torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.self_device_time_total > 0) / calls / 1e3
 
 
 def main():
@@ -85,7 +74,7 @@ def main():
             errors[name] = float((outs[name].float() - ref.float()).norm() / ref.float().norm())
         one_rank.check()
         times = device_time(columns, calls=20, batches=7)
-        kernels = {name: kernel_ms(fn) for name, fn in columns.items()}
+        kernels = {name: kernel_time_ms(fn) for name, fn in columns.items()}
         row = dict(label=label, M=m, N=n, K=k, ms=times, kernel_ms=kernels, errors=errors,
                    configs=dict(CORE, **{name: str(c) for name, c in AG.items()},
                                 ag_s4_direct=str(AG['ag_s4']), rs_gemm_only=str(rs_config)))
