@@ -109,8 +109,8 @@ def run_multi(args):
             symm = None
             row["symm_error"] = f"{type(error).__name__}: {str(error)[:200]}"
         row["plan"] = str(plan_all_gather_gemm(a, b))
-        fused_out, gl_out, ce_out, glce_out, w1_out = (
-            torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(5))
+        fused_out, gl_out, ce_out, glce_out, glce4_out, w1_out = (
+            torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(6))
 
         def pinned(config):  # the fused call of this rank pinned to `config`, on its real workspace
             return AllGatherGemmCall(plan_all_gather_gemm(a, b, backend="p2p"), world, rank,
@@ -124,6 +124,9 @@ def run_multi(args):
                                             pipelined=False)
         gluon_engine_config = dataclasses.replace(engine_config, pipelined=True)
         engine, gluon_engine = pinned(engine_config), pinned(gluon_engine_config)
+        # the same at 4 stages (on one GPU its GEMM half was 0.3-1.6 % faster than at 3:
+        # gemm_halves_onegpu.md)
+        gluon_engine_s4 = pinned(dataclasses.replace(gluon_engine_config, stages=4))
         columns = {"cublas": lambda: torch.mm(gathered, b, out=out),
                    "nccl_ag": lambda: all_gather_into(gathered, a),
                    "p2p_ag": lambda: p2p.all_gather(a, out=gathered),
@@ -132,6 +135,7 @@ def run_multi(args):
                    "fused_gl": lambda: gluon.run(a, b, gl_out),
                    "fused_ce": lambda: engine.run(a, b, ce_out),
                    "fused_gl_ce": lambda: gluon_engine.run(a, b, glce_out),
+                   "fused_gl_ce_s4": lambda: gluon_engine_s4.run(a, b, glce4_out),
                    "auto": lambda: ax.all_gather_gemm(a, b),  # what a user's call runs (the shipped tables)
                    "kernel_w1": lambda: one_rank.all_gather_gemm([gathered], [b], [w1_out])}
         columns = {name: fn for name, fn in columns.items() if fn is not None}
@@ -151,6 +155,7 @@ def run_multi(args):
         gluon.run(a, b, gl_out, check=True)
         engine.run(a, b, ce_out, check=True)
         gluon_engine.run(a, b, glce_out, check=True)
+        gluon_engine_s4.run(a, b, glce4_out, check=True)
         seq()
         one_rank.all_gather_gemm([gathered], [b], [w1_out])
         one_rank.check()
@@ -160,6 +165,7 @@ def run_multi(args):
         row["fused_ce_config"] = str(engine_config)
         row["fused_gl_ce_rel_err_vs_seq"] = _relative(glce_out, out)
         row["fused_gl_ce_config"] = str(gluon_engine_config)
+        row["fused_gl_ce_s4_rel_err_vs_seq"] = _relative(glce4_out, out)
         row["fused_config"] = str(default_config(m // world, n, k, world))  # what "fused" ran
         row["kernel_w1_rel_err"] = _relative(w1_out, out)
         ag_bytes_in = (world - 1) / world * m * k * 2
@@ -171,6 +177,7 @@ def run_multi(args):
             times["ce_speedup_vs_symm"] = (times["symm"] / times["fused_ce"]) if times["symm"] else None
             times["glce_speedup_vs_seq"] = times["seq"] / times["fused_gl_ce"]
             times["glce_speedup_vs_symm"] = (times["symm"] / times["fused_gl_ce"]) if times["symm"] else None
+            times["glce_s4_speedup"] = times["fused_gl_ce"] / times["fused_gl_ce_s4"]
             times["speedup_vs_symm"] = (times["symm"] / times["fused"]) if times["symm"] else None
             times["kernel_w1_vs_cublas"] = times["cublas"] / times["kernel_w1"]
             times["auto_vs_best"] = auto_vs_best(times)
@@ -180,8 +187,8 @@ def run_multi(args):
                   f"nccl_ag {queued['nccl_ag']:.3f} seq {queued['seq']:.3f} fused {queued['fused']:.3f} "
                   f"kernel_w1 {queued['kernel_w1']:.3f} x{queued['speedup_vs_seq']:.2f} vs seq, "
                   f"err {row['fused_rel_err_vs_seq']:.1e}", flush=True)
-        del a, weight, gathered, out, fused_out, gl_out, ce_out, glce_out, w1_out, gluon, engine
-        del gluon_engine
+        del a, weight, gathered, out, fused_out, gl_out, ce_out, glce_out, glce4_out, w1_out
+        del gluon, engine, gluon_engine, gluon_engine_s4
         torch.cuda.empty_cache()
     if rank == 0:
         command = f"torchrun --nproc_per_node={world} benchmarks/bench_ag_gemm.py " + " ".join(sys.argv[1:])
@@ -295,6 +302,10 @@ def write_outputs(results, name, meta, out_dir, multi: bool):
     if multi:
         lines += ["## Eager (calls issued by the host, columns interleaved in blocks of three calls, the last timed), ms", ""]
         lines += _table(results, lambda r: r, multi) + [""]
+    if multi and all("glce_s4_speedup" in r for r in results):
+        lines += ["/gl/ce at 4 stages against 3 (time at 3 / time at 4; device, eager): " + "; ".join(
+            f"{r['M']}x{r['N']}x{r['K']} {r['queued']['glce_s4_speedup']:.3f}, {r['glce_s4_speedup']:.3f}"
+            for r in results), ""]
     lines += ["relative errors vs cuBLAS: " + "; ".join(
         f"{r['M']}x{r['N']}x{r['K']}: " + ", ".join(f"{k} {v:.1e}" for k, v in r.items() if k.endswith("rel_err")
                                                   or k.endswith("rel_err_vs_seq")) for r in results)]
