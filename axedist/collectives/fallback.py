@@ -38,3 +38,44 @@ def all_reduce(x: torch.Tensor, group=None, out: torch.Tensor | None = None) -> 
     out = x.clone() if out is None else out.copy_(x)
     dist.all_reduce(out, group=group)
     return out
+
+
+def product_out(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor | None:
+    """The out= tensor of a fused call (``op``) whose product a torch path computes, as the
+    tensor of the product's shape to write it into (None where no out was given). out must hold
+    the product's elements in row-major order, as the fused kernels take it: the product's
+    shape or its rows flattened ([rows, N]), its dtype and device, unit column stride; anything
+    else is refused, not reshaped into."""
+    if out is None:
+        return None
+    shape = tuple(shape)
+    rows = torch.Size(shape).numel() // shape[-1] if shape[-1] else 0
+    accepted = (shape, (rows, shape[-1]))
+    if (out.dtype != dtype or out.device != device or tuple(out.shape) not in accepted
+            or out.dim() == 0 or out.stride(-1) != 1):
+        raise ValueError(f"{op}: out must be a {dtype} tensor on {device} of shape {list(shape)} "
+                         f"or [{rows}, {shape[-1]}] with unit column stride, got {out.dtype} "
+                         f"{list(out.shape)} strides {out.stride()} on {out.device}")
+    if tuple(out.shape) == shape:
+        return out
+    try:
+        return out.view(shape)
+    except RuntimeError:
+        raise ValueError(f"{op}: out {list(out.shape)} strides {out.stride()} cannot be viewed "
+                         f"as the product's {list(shape)}") from None
+
+
+def product_rows(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor | None:
+    """out= of a fused call whose kernel writes the product as [rows, N]: a 2-D out as given
+    (the kernel's launch checks it), else ``product_out``'s tensor viewed as [rows, N] (never a
+    copy: the kernel must write into out itself)."""
+    if out is None or out.dim() == 2:
+        return out
+    into = product_out(op, out, shape, dtype, device)
+    try:
+        return into.view(-1, into.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{op}: out {list(out.shape)} strides {out.stride()} cannot be viewed as "
+                         f"the kernel's [rows, {into.shape[-1]}]") from None

@@ -269,7 +269,9 @@ def gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatter_di
 
     a: [M, K_local] (or [..., K_local]) row-major; b: [K_local, N], row-major or the transpose
     of a row-major [N, K_local] (nn.Linear's weight.t()). bf16/fp16, fp32 accumulation.
-    Returns [M / W, N] (the slice of dim `scatter_dim` this rank owns). check=True synchronizes
+    Returns [M / W, N] (the slice of dim `scatter_dim` this rank owns); out: where it goes, in
+    that shape or its rows flattened ([rows, N]), contiguous, a's dtype (returned in the
+    result's shape). check=True synchronizes
     and raises a pending timeout error (otherwise it surfaces at the next call on the group or
     through axedist.collectives.check(group)). The first call of a shape plans and compiles;
     later ones only take an epoch and launch (tens of microseconds of CPU).
@@ -298,15 +300,19 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     if plan.backend == "symm":  # rows of a flattened: the scatter runs over dim 0 (planned so)
         rows = symm.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group, 0)
         result = rows.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
-        return result if out is None else out.copy_(result)
+        into = fallback.product_out("gemm_reduce_scatter", out, result.shape, result.dtype, a.device)
+        return result if into is None else into.copy_(result)
     if plan.backend == "torch":
-        product = torch.matmul(a, b)
+        shape = list(a.shape[:-1]) + [b.shape[1]]
+        dim = scatter_dim % len(shape)
+        shape[dim] //= plan.world
+        into = fallback.product_out("gemm_reduce_scatter", out, shape,
+                                    torch.result_type(a, b), a.device)
         if plan.world == 1:
-            return product
-        dim = scatter_dim % product.dim()
-        moved = product.movedim(dim, 0).contiguous()
+            return torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
+        moved = torch.matmul(a, b).movedim(dim, 0).contiguous()
         result = fallback.reduce_scatter(moved, group).movedim(0, dim)
-        return result.contiguous() if out is None else out.copy_(result)
+        return result.contiguous() if into is None else into.copy_(result)
     return call.run(a, b, out, timeout_s, check)
 
 

@@ -268,7 +268,9 @@ def all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim: in
     bf16/fp16, fp32 accumulation. Returns [W * M_LOCAL, N_local] (rank p's rows at
     p * M_LOCAL). check=True synchronizes and raises a pending timeout error. gathered: a
     contiguous [W * M_LOCAL, K] tensor (for gather_dim 0: [W * a.shape[0], *a.shape[1:]])
-    that receives the gathered a as well (what the backward of a linear layer needs).
+    that receives the gathered a as well (what the backward of a linear layer needs). out:
+    where the product goes, in its shape or its rows flattened ([rows, N_local]), a's dtype,
+    unit column stride; the call returns it in the product's shape (every backend alike).
 
     >>> a = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)   # S/W rows, W = 4
     >>> w = torch.randn(7168, 8192, device="cuda", dtype=torch.bfloat16)   # column shard
@@ -300,19 +302,28 @@ def run_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim
                                  _group_workspace(group, a.device))
     call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make, f"a {list(a.shape)}")
     if call.plan.backend == "symm":  # gather_dim 0 (planned so): a's rows flattened, gathered in rank order
+        into = fallback.product_out("all_gather_gemm", out,
+                                    (call.world * a.shape[0], *a.shape[1:-1], b.shape[1]),
+                                    a.dtype, a.device)
         product, rows = symm.all_gather_matmul(a.reshape(-1, a.shape[-1]), b, group, 0)
         if gathered is not None:
             gathered.copy_(rows.reshape(gathered.shape))
         result = product.view(call.world * a.shape[0], *a.shape[1:-1], b.shape[1])
-        return result if out is None else out.copy_(result.reshape(out.shape))
+        return result if into is None else into.copy_(result)
     if call.plan.backend == "torch":
+        shape = list(a.shape[:-1]) + [b.shape[1]]
+        shape[gather_dim % len(shape)] *= call.world
+        into = fallback.product_out("all_gather_gemm", out, shape, torch.result_type(a, b),
+                                    a.device)
         whole = a if call.world == 1 else fallback.all_gather(
             a.movedim(gather_dim, 0), group).movedim(0, gather_dim)
         if gathered is not None:
             gathered.copy_(whole.reshape(gathered.shape))
-        result = torch.matmul(whole, b)
-        return result if out is None else out.copy_(result.reshape(out.shape))
+        return torch.matmul(whole, b) if into is None else torch.matmul(whole, b, out=into)
     flat = None if gathered is None else gathered.view(-1, a.shape[-1])
+    out = fallback.product_rows("all_gather_gemm", out,
+                                (call.world * a.shape[0], *a.shape[1:-1], b.shape[1]), a.dtype,
+                                a.device)
     return call.run(a, b, out, timeout_s, check, flat)
 
 
@@ -426,7 +437,8 @@ def gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: str =
     a: [M, K_local] (or [..., K_local]); b: [K_local, N], row-major or nn.Linear's weight.t().
     Returns [..., N], the sum over ranks, bit-identical on every rank. algorithm: "one_shot"
     (every rank sums every tile: least latency), "two_shot" (each rank sums its share, then
-    hands it out) or "auto".
+    hands it out) or "auto". out: where the product goes, in its shape or its rows flattened
+    ([rows, N]), contiguous, a's dtype; the call returns it in the product's shape.
 
     >>> h = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)    # K / W = 2048
     >>> w = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) # row shard
@@ -455,8 +467,10 @@ def run_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: s
     call = _cached_call("gemm_all_reduce", a, b, group, algorithm, backend, make,
                         f"a {list(a.shape[:-1])} x K @ b [K, {b.shape[1]}]")
     if call.plan.backend == "torch":
-        product = torch.matmul(a, b)
-        if call.world > 1:
-            product = fallback.all_reduce(product, group)
-        return product if out is None else out.copy_(product.reshape(out.shape))
+        into = fallback.product_out("gemm_all_reduce", out, (*a.shape[:-1], b.shape[1]),
+                                    torch.result_type(a, b), a.device)
+        product = torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
+        return product if call.world == 1 else fallback.all_reduce(product, group, out=product)
+    out = fallback.product_rows("gemm_all_reduce", out, (*a.shape[:-1], b.shape[1]), a.dtype,
+                                a.device)
     return call.run(a, b, out, timeout_s, check)
