@@ -2,9 +2,10 @@
 written into the given tensor, given in the product's shape or with its rows flattened
 ([rows, N], as the fused kernels take it), and the call returns that tensor in the product's
 shape, equal bit for bit to the product of every rank's operands (bf16 small integers: exact).
-An out of another shape (even with as many elements) or dtype is refused on every rank, before
-any collective. At W = 1 gemm_reduce_scatter used to return a fresh product and leave out
-unwritten.
+An out of another shape (even with as many elements) or dtype is refused on the rank given it,
+after the call's collective: where only rank 0 is given a bad one, it raises and its peers get
+their products (nobody is left waiting in a collective). At W = 1 gemm_reduce_scatter used to
+return a fresh product and leave out unwritten.
 """
 
 import pytest
@@ -39,6 +40,13 @@ def out_body(rank, world):
                     torch.empty(expected.shape, dtype=torch.float32)):
             with pytest.raises(ValueError, match=f"{name.split()[0]}: out must be"):
                 call(bad)
+        # ranks that disagree: only rank 0's out is bad
+        if rank == 0:
+            with pytest.raises(ValueError, match=f"{name.split()[0]}: out must be"):
+                call(torch.empty(expected.shape, dtype=torch.float32))
+        else:
+            result = call(torch.empty(expected.shape, dtype=torch.bfloat16))
+            torch.testing.assert_close(result.float(), expected, rtol=0, atol=0)
 
     # gemm_reduce_scatter: rank r gets the rows (of dim scatter_dim) r of sum_q a_q @ b_q
     for scatter_dim in (0, 1):

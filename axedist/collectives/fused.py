@@ -297,21 +297,22 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     """``gemm_reduce_scatter`` run now on these tensors (the custom op's implementation)."""
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
+    # (out is checked after a collective: a rank given a bad one raises, its peers are not left
+    # waiting in a collective it never joins)
     if plan.backend == "symm":  # rows of a flattened: the scatter runs over dim 0 (planned so)
         rows = symm.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group, 0)
         result = rows.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
         into = fallback.product_out("gemm_reduce_scatter", out, result.shape, result.dtype, a.device)
         return result if into is None else into.copy_(result)
     if plan.backend == "torch":
-        shape = list(a.shape[:-1]) + [b.shape[1]]
-        dim = scatter_dim % len(shape)
-        shape[dim] //= plan.world
-        into = fallback.product_out("gemm_reduce_scatter", out, shape,
-                                    torch.result_type(a, b), a.device)
         if plan.world == 1:
+            into = fallback.product_out("gemm_reduce_scatter", out, (*a.shape[:-1], b.shape[1]),
+                                        torch.result_type(a, b), a.device)
             return torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
-        moved = torch.matmul(a, b).movedim(dim, 0).contiguous()
-        result = fallback.reduce_scatter(moved, group).movedim(0, dim)
+        product = torch.matmul(a, b)
+        dim = scatter_dim % product.dim()
+        result = fallback.reduce_scatter(product.movedim(dim, 0).contiguous(), group).movedim(0, dim)
+        into = fallback.product_out("gemm_reduce_scatter", out, result.shape, result.dtype, a.device)
         return result.contiguous() if into is None else into.copy_(result)
     return call.run(a, b, out, timeout_s, check)
 
