@@ -756,17 +756,13 @@ def _wgmma_loops(kernel) -> list[list[str]]:
     """The SASS instructions of the innermost loops of a compiled sm_90a kernel that issue
     wgmma (HGMMA), a loop being the range from a conditional backward branch's target to it
     (nvdisasm, bundled with Triton)."""
-    import os
-    import re
-    import subprocess
     import tempfile
-    import triton
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    from triton import knobs
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(kernel.asm["cubin"])
         handle.flush()
-        sass = subprocess.run([nvdisasm, "-c", handle.name], capture_output=True, text=True,
-                              check=True).stdout
+        sass = subprocess.run([knobs.nvidia.nvdisasm.path, "-c", handle.name], capture_output=True,
+                              text=True, check=True).stdout
     code, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)

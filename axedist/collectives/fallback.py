@@ -66,6 +66,22 @@ def product_out(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
                          f"as the product's {list(shape)}") from None
 
 
+def matmul_out(op: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """a @ b, into ``out`` where one is given (``product_out``'s check): no copy after the
+    product. Only where no collective follows (a bad out raises before the product)."""
+    into = product_out(op, out, (*a.shape[:-1], b.shape[-1]), torch.result_type(a, b), a.device)
+    return torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
+
+
+def copy_out(op: str, result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result`` (a collective's, on this rank), copied into ``out`` where one is given and
+    ``product_out`` accepts it: checked after the collective, so that a rank given a bad out
+    raises while its peers, given good ones, get their results (nobody waits in a collective a
+    rank never joined)."""
+    into = product_out(op, out, result.shape, result.dtype, result.device)
+    return result if into is None else into.copy_(result)
+
+
 def product_rows(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor | None:
     """out= of a fused call whose kernel writes the product as [rows, N]: a 2-D out as given

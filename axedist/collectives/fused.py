@@ -297,23 +297,17 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     """``gemm_reduce_scatter`` run now on these tensors (the custom op's implementation)."""
     call = _fused_call(a, b, group, scatter_dim, backend)
     plan = call.plan
-    # (out is checked after a collective: a rank given a bad one raises, its peers are not left
-    # waiting in a collective it never joins)
     if plan.backend == "symm":  # rows of a flattened: the scatter runs over dim 0 (planned so)
         rows = symm.matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group, 0)
         result = rows.view(a.shape[0] // plan.world, *a.shape[1:-1], b.shape[1])
-        into = fallback.product_out("gemm_reduce_scatter", out, result.shape, result.dtype, a.device)
-        return result if into is None else into.copy_(result)
+        return fallback.copy_out("gemm_reduce_scatter", result, out)
     if plan.backend == "torch":
         if plan.world == 1:
-            into = fallback.product_out("gemm_reduce_scatter", out, (*a.shape[:-1], b.shape[1]),
-                                        torch.result_type(a, b), a.device)
-            return torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
+            return fallback.matmul_out("gemm_reduce_scatter", a, b, out)
         product = torch.matmul(a, b)
         dim = scatter_dim % product.dim()
         result = fallback.reduce_scatter(product.movedim(dim, 0).contiguous(), group).movedim(0, dim)
-        into = fallback.product_out("gemm_reduce_scatter", out, result.shape, result.dtype, a.device)
-        return result.contiguous() if into is None else into.copy_(result)
+        return fallback.copy_out("gemm_reduce_scatter", result.contiguous(), out)
     return call.run(a, b, out, timeout_s, check)
 
 

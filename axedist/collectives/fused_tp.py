@@ -301,23 +301,18 @@ def run_all_gather_gemm(a: torch.Tensor, b: torch.Tensor, group=None, gather_dim
         return AllGatherGemmCall(plan, dist.get_world_size(group), dist.get_rank(group),
                                  _group_workspace(group, a.device))
     call = _cached_call("all_gather_gemm", a, b, group, gather_dim, backend, make, f"a {list(a.shape)}")
-    # (out is checked after the gather: a rank given a bad one raises, its peers are not left
-    # waiting in a collective it never joins)
     if call.plan.backend == "symm":  # gather_dim 0 (planned so): a's rows flattened, gathered in rank order
         product, rows = symm.all_gather_matmul(a.reshape(-1, a.shape[-1]), b, group, 0)
         if gathered is not None:
             gathered.copy_(rows.reshape(gathered.shape))
         result = product.view(call.world * a.shape[0], *a.shape[1:-1], b.shape[1])
-        into = fallback.product_out("all_gather_gemm", out, result.shape, result.dtype, a.device)
-        return result if into is None else into.copy_(result)
+        return fallback.copy_out("all_gather_gemm", result, out)
     if call.plan.backend == "torch":
         whole = a if call.world == 1 else fallback.all_gather(
             a.movedim(gather_dim, 0), group).movedim(0, gather_dim)
         if gathered is not None:
             gathered.copy_(whole.reshape(gathered.shape))
-        into = fallback.product_out("all_gather_gemm", out, (*whole.shape[:-1], b.shape[1]),
-                                    torch.result_type(a, b), a.device)
-        return torch.matmul(whole, b) if into is None else torch.matmul(whole, b, out=into)
+        return fallback.matmul_out("all_gather_gemm", whole, b, out)  # (out checked after the gather)
     flat = None if gathered is None else gathered.view(-1, a.shape[-1])
     out = fallback.product_rows("all_gather_gemm", out,
                                 (call.world * a.shape[0], *a.shape[1:-1], b.shape[1]), a.dtype,
@@ -466,15 +461,9 @@ def run_gemm_all_reduce(a: torch.Tensor, b: torch.Tensor, group=None, backend: s
                         f"a {list(a.shape[:-1])} x K @ b [K, {b.shape[1]}]")
     if call.plan.backend == "torch":
         if call.world == 1:
-            into = fallback.product_out("gemm_all_reduce", out, (*a.shape[:-1], b.shape[1]),
-                                        torch.result_type(a, b), a.device)
-            return torch.matmul(a, b) if into is None else torch.matmul(a, b, out=into)
+            return fallback.matmul_out("gemm_all_reduce", a, b, out)
         product = torch.matmul(a, b)
-        product = fallback.all_reduce(product, group, out=product)  # (in place)
-        # (out checked after the all-reduce: a rank given a bad one raises, its peers are not
-        # left waiting in a collective it never joins)
-        into = fallback.product_out("gemm_all_reduce", out, product.shape, product.dtype, a.device)
-        return product if into is None else into.copy_(product)
+        return fallback.copy_out("gemm_all_reduce", fallback.all_reduce(product, group, out=product), out)
     out = fallback.product_rows("gemm_all_reduce", out, (*a.shape[:-1], b.shape[1]), a.dtype,
                                 a.device)
     return call.run(a, b, out, timeout_s, check)

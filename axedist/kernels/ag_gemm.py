@@ -530,11 +530,12 @@ def pipelined_all_gather_gemm_kernel(
     task = first
     while task < tasks:
         if task == tile_task:  # (known to be a tile: nothing decoded before its first wgmma)
+            local = source == rank
             if loaded == 0:  # its rows were not there when the last tile ran: wait, then load
                 _wait_rows(own_flags, source, tile_m, tiles_m, epoch, rank, abort_ptr,
                            error_address, timeout_ns, engine_flag0, chunk_blocks, PIECES, ENGINE)
                 for ahead in gl.static_range(STAGES - 1):
-                    _issue_tile_load(step + ahead, source == rank, row0, col0, ahead * BK,
+                    _issue_tile_load(step + ahead, local, row0, col0, ahead * BK,
                                      ahead < k_tiles, a_desc, g_desc, b_desc, bars, a_bufs,
                                      b_bufs, STAGES, B_TRANSPOSED)
             # two loops, so that a K step runs the core's few instructions between a wgmma's
@@ -542,7 +543,6 @@ def pipelined_all_gather_gemm_kernel(
             # column and operand fixed for the loop), then the last STAGES - 1 steps loading the
             # next tile's first blocks, that tile decoded and its rows looked at once, while
             # the wgmma before them runs
-            local = source == rank
             main_steps = k_tiles - (STAGES - 1)  # >= 0: the host launches this kernel only then
             acc = gl.zeros((BM, BN), dtype=gl.float32, layout=layout)
             for kk in range(main_steps):
