@@ -145,6 +145,31 @@ def test_gluon_copy_engine_partials_every_world_size(world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_copies_issued_one_by_one_where_no_graph_is_made(world, monkeypatch, seed):
+    """Where the driver cannot capture the /ce copies as a CUDA graph, a call issues them one by
+    one (same stream waits and flags): right results for both kernels back to back without a
+    sync, mixed with push calls, both halves, and the reason kept."""
+    from axedist.kernels import gemm_rs
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cudaStreamBeginCapture failed: refused by the test")
+    monkeypatch.setattr(gemm_rs, "StreamGraph", refuse)
+    ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
+    configs = [gemm_rs.GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True),
+               gemm_rs.GemmConfig(push=True, defer_release=True, engine=True), _configs()["defer_push"]]
+    pending = []
+    for call in range(9):
+        as_, bs = _inputs(world, *WHOLE_TILES, transposed=call % 2 == 1)
+        outs = ranks.gemm_reduce_scatter(as_, bs, _poisoned(as_, bs), config=configs[call % 3])
+        pending.append((as_, bs, outs, f"call {call} ({configs[call % 3]}) W={world} seed={seed}"))
+        if call % 3 != 2:
+            assert all(c.replay.graphs == [] and "refused by the test" in c.replay.graph_error
+                       for c in ranks.last_plans)
+    ranks.check()
+    assert not [f for as_, bs, outs, label in pending for f in _failures(as_, bs, outs, label)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("ahead", [-1, 0, 8])
 def test_gluon_copy_engine_partial_loaded_at_any_step(world, ahead, monkeypatch, seed):
     """/gl/ce with an own tile's first partial half loaded after its main loop (-1), at its last
@@ -181,6 +206,9 @@ def _check_copy_engine(world, seed, config, shapes, sequence_shape, gluon):
             failures += _call(ranks, as_, bs, config, f"{label} {shape} B^T={transposed}")
             assert all(isinstance(call.replay, EngineReduceScatter)
                        and call.replay.pipelined == (shape in gluon) for call in ranks.last_plans), shape
+            # the copies and stream waits replayed as one CUDA graph per parity, not issued one by one
+            assert all(len(call.replay.graphs) == 2 and call.replay.graph_error is None
+                       for call in ranks.last_plans), [c.replay.graph_error for c in ranks.last_plans]
     pending = []
     for call in range(6):
         as_, bs = _inputs(world, *sequence_shape, transposed=call % 2 == 1)

@@ -34,8 +34,8 @@ from ..caches import memo
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load,
                          mma_step, shared_layout, store_tile_halves)
-from .launch import (CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async,
-                     multiprocessors, stream_memory_driver, wait_value_async)
+from .launch import (CompiledLaunch, StreamGraph, copy_engine_runtime, copy_engines_usable,
+                     copy_rows_async, multiprocessors, stream_memory_driver, take_flag_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          globaltimer, load_reduce,
@@ -328,8 +328,8 @@ def engine_gemm_reduce_scatter_kernel(
     A peer tile goes to staging_ptr [W - 1, M_CHUNK, N] (local memory); when the last tile of a
     comm chunk (a band of band_tiles tile columns of one group of GROUP_M tile rows: a rectangle,
     contiguous in the order) is stored, its program releases the int32 at address out_flags +
-    4 * (s * chunks + chunk) to the epoch, which
-    the side stream waits for (cuStreamWaitValue32) before copying the rectangle into the peer's
+    4 * (s * chunks + chunk) to the epoch (non-zero), which the side stream waits for and
+    takes down (launch.take_flag_async) before copying the rectangle into the peer's
     data half (slot `rank`) and this rank's last finished epoch into the peer's flag of it
     (schedule.engine_flag). An own tile adds every peer's partial of it from this rank's data
     half (slot = source) once that source's flag holds >= epoch - 1 (see ag_gemm's
@@ -1395,11 +1395,13 @@ class EngineReduceScatter:
     compiled and ready (engine_gemm_reduce_scatter_kernel, or its Gluon twin for a /gl config
     where engine_pipelined_fits): a call launches the kernel and, on
     the workspace's side streams (chunks dealt over them in turn), for each peer and comm
-    chunk, waits for the chunk's tiles
-    (cuStreamWaitValue32 on its out flag), copies the rectangle of partials into the peer's data
-    half (slot of this rank) and then this rank's last finished epoch into the peer's flag of it;
-    the current stream waits for the side streams after the kernel. Inside a CUDA graph capture
-    it runs the push kernel (a captured copy's destination half and wait value would be fixed).
+    chunk, waits for the chunk's tiles (its out flag, taken down again), copies the rectangle
+    of partials into the peer's data half (slot of this rank) and then this rank's last
+    finished epoch into the peer's flag of it; the current stream waits for the side streams
+    after the kernel. Those copies and waits are captured once per epoch parity as a CUDA graph
+    (launch.StreamGraph), so a call issues them with one launch; where the driver cannot
+    capture them they are issued one by one (graph_error says why). Inside the caller's CUDA
+    graph capture it runs the push kernel (a captured copy's destination half would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
     target_chunks, streams, count_step, partial_ahead (probes only): comm chunks per peer to
@@ -1481,40 +1483,62 @@ class EngineReduceScatter:
         self.kernel = Replay(CompiledLaunch(kernel, tuple(constexprs.values())), grid, args,
                              use_tma, config, ops.b_transposed, self.timeout_ns, device.index,
                              out_block)
-        row_pitch = ops.n * element
         self.copies = engine_copies(workspace, self.staging.data_ptr(), self.out_flags.data_ptr(),
                                     m_chunk, ops.n, element, rectangles)
-        self.row_pitch = row_pitch
+        self.row_pitch = ops.n * element
         self.sides = workspace.copy_streams()[:streams]
-        self.handles = [side.cuda_stream for side in self.sides]
-        self.ready = torch.cuda.Event()
-        self.sent = [torch.cuda.Event() for _ in self.sides]
+        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
+        # per epoch parity, the call's copies as a CUDA graph (made at the first call outside a
+        # capture); graph_error: why they are issued one by one instead (None: not tried yet)
+        self.graphs, self.graph_error = None, None
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
         self.pushing = dataclasses.replace(config, engine=False, push=True)
         launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
+
+    def _issue_copies(self, parity: int) -> None:
+        """The copies of a call of this epoch parity on the side streams, chunks dealt over
+        them in turn: each waits for its chunk's out flag and takes it down, copies the
+        rectangle of partials into the peer's data half, then this rank's last finished epoch
+        (state word 0, read when the copy runs) into the peer's flag of the chunk."""
+        runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
+        handles, state = [side.cuda_stream for side in self.sides], self.workspace.state.data_ptr()
+        for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(
+                self.copies[parity]):
+            stream = handles[index % len(handles)]
+            take_flag_async(driver, stream, out_flag)
+            copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
+            copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
+
+    def _capture_copies(self) -> None:
+        """The two parities' copies as CUDA graphs (one cudaGraphLaunch a call instead of
+        three CUDA calls per chunk), or, where the driver cannot capture them, graph_error."""
+        try:
+            self.graphs = [StreamGraph(self.sides, lambda parity=parity: self._issue_copies(parity))
+                           for parity in (0, 1)]
+        except RuntimeError as error:
+            self.graphs, self.graph_error = [], str(error)
 
     def __call__(self, ops: _Operands, out: torch.Tensor) -> None:
         workspace = self.workspace
         if torch.cuda.is_current_stream_capturing():
             launch(ops, self.pushing, self.world, self.rank, None, out, workspace)
             return
-        epoch = workspace.call_epoch()
-        current = torch.cuda.current_stream(ops.a.device)
-        sides = self.sides
+        if self.graphs is None:
+            self._capture_copies()
+        parity = workspace.call_epoch() % 2
+        current, first = torch.cuda.current_stream(ops.a.device), self.sides[0]
         self.ready.record(current)
-        for side in sides:
-            side.wait_event(self.ready)
+        first.wait_event(self.ready)
         # the kernel is queued before the side streams' waits on it: were two streams to share
         # a hardware queue, a wait queued first would block the kernel it waits for
         self.kernel(ops, out)
-        runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
-        handles, state = self.handles, workspace.state.data_ptr()
-        copies = self.copies[epoch % 2]
-        for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(copies):
-            stream = handles[index % len(handles)]  # chunks dealt over the side streams in turn
-            wait_value_async(driver, stream, out_flag, epoch)
-            copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
-            copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
-        for side, sent in zip(sides, self.sent):
-            sent.record(side)
-            current.wait_event(sent)
+        if self.graphs:
+            self.graphs[parity].launch(first.cuda_stream)  # forks to the other side streams
+        else:
+            for side in self.sides[1:]:
+                side.wait_stream(first)
+            self._issue_copies(parity)
+            for side in self.sides[1:]:
+                first.wait_stream(side)
+        self.sent.record(first)
+        current.wait_event(self.sent)

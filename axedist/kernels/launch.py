@@ -135,7 +135,7 @@ def copy_rows_async(runtime, target: int, target_pitch: int, source: int, source
 @cached(maxsize=None)
 def stream_memory_driver():
     """cuda-python's driver bindings (`cuda.bindings.driver`) where installed, else None: what
-    wait_value_async issues its stream waits through."""
+    take_flag_async issues its stream waits through."""
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -143,15 +143,69 @@ def stream_memory_driver():
     return driver
 
 
-def wait_value_async(driver, stream: int, address: int, value: int) -> None:
+def take_flag_async(driver, stream: int, address: int) -> None:
     """Stream `stream` (a CUDA stream handle) waits until the int32 at device address `address`
-    is >= value (cuStreamWaitValue32, GEQ: compared modulo 2**32): what a copy that must follow
-    part of a running kernel waits on. Raises on a CUDA error."""
-    (error,) = driver.cuStreamWaitValue32(
-        driver.CUstream(stream), driver.CUdeviceptr(address), value,
-        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    is non-zero, then sets it to zero (cuStreamWaitValue32 with AND over every bit, then
+    cuStreamWriteValue32): a flag a kernel raises once per call and the stream takes down, so
+    the same two operations serve every call (a StreamGraph replays them). The kernel of the
+    next call must be ordered after the zeroing (its stream waits for this one's). Raises on a
+    CUDA error."""
+    handle, flag = driver.CUstream(stream), driver.CUdeviceptr(address)
+    (error,) = driver.cuStreamWaitValue32(handle, flag, 0xFFFFFFFF,
+                                          driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND)
+    if int(error) == 0:
+        (error,) = driver.cuStreamWriteValue32(
+            handle, flag, 0, driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
     if int(error) != 0:
-        raise RuntimeError(f"cuStreamWaitValue32 failed: {error}")
+        raise RuntimeError(f"taking a stream flag down failed: {error}")
+
+
+class StreamGraph:
+    """Work issued on a few CUDA streams, captured once as one CUDA graph and then launched
+    with one call: cudaGraphLaunch costs a few us of CPU however many copies and stream waits
+    the graph holds, where issuing each of them costs about 4 us (results/probe_ce_host.md).
+    issue(): queues the work on `streams` (torch streams; captured in relaxed mode, so other
+    threads' CUDA calls are not disturbed); the first stream forks to the others and joins
+    them back. Only addresses and values fixed at capture may appear in the work. Raises
+    RuntimeError where the driver cannot capture or instantiate it (the caller may then issue
+    the same work per call).
+
+    >>> graph = StreamGraph(side_streams, lambda: issue(handles))
+    >>> graph.launch(side_streams[0].cuda_stream)   # after what that stream queued before
+    """
+    def __init__(self, streams: list, issue) -> None:
+        runtime = copy_engine_runtime()
+        first = streams[0]
+        self.runtime, self.graph, self.executable = runtime, None, None
+        (error,) = runtime.cudaStreamBeginCapture(
+            first.cuda_stream, runtime.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaStreamBeginCapture failed: {error}")
+        try:
+            for stream in streams[1:]:
+                stream.wait_stream(first)
+            issue()
+            for stream in streams[1:]:
+                first.wait_stream(stream)
+        finally:
+            error, self.graph = runtime.cudaStreamEndCapture(first.cuda_stream)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaStreamEndCapture failed: {error}")
+        error, self.executable = runtime.cudaGraphInstantiate(self.graph, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaGraphInstantiate failed: {error}")
+
+    def launch(self, stream: int) -> None:
+        """The captured work, once, on CUDA stream handle `stream`, after what it queued."""
+        (error,) = self.runtime.cudaGraphLaunch(self.executable, stream)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaGraphLaunch failed: {error}")
+
+    def __del__(self) -> None:
+        if self.executable is not None:
+            self.runtime.cudaGraphExecDestroy(self.executable)
+        if self.graph is not None:
+            self.runtime.cudaGraphDestroy(self.graph)
 
 
 def copy_engines_usable() -> bool:
