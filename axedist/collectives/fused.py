@@ -188,6 +188,14 @@ class FusedCall:
             self.replay = None
         return ops, workspace
 
+    def _replays(self, ops, out: torch.Tensor, timeout_s: float | None, workspace) -> bool:
+        """Whether the prepared launch serves this call: one was built (for this shape, config
+        and workspace: _setup drops it when they change), the pointers are 16-byte aligned as
+        it assumed, and the timeout is the default it was built with."""
+        return (self.replay is not None and timeout_s is None
+                and (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
+                and self.replay.timeout_ns == workspace.timeout_ns())
+
     def prepare(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                 timeout_s: float | None = None) -> None:
         """Compile and load the kernel that run(a, b, out, timeout_s) launches, without
@@ -196,6 +204,8 @@ class FusedCall:
 
         ops, workspace = self._setup(a, b)
         workspace.set_timeout(timeout_s)
+        if self._replays(ops, out, timeout_s, workspace):
+            return  # loaded, and built for calls like this one
         prepared = gemm_rs.launch(ops, self.config, self.world, self.rank, None, out, workspace,
                                   multimem=self.plan.backend == "multimem", compile_only=True)
         if prepared is not None:  # (a /ce launch: built now, run by the first call)
@@ -221,12 +231,10 @@ class FusedCall:
                              f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
         out = out.view(rows, ops.n)  # the kernels write [M / W, N] rows (TMA: a 2-D descriptor)
         workspace.begin_call("gemm_reduce_scatter", timeout_s)
-        replay = self.replay
-        aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
-        if (replay is not None and aligned and timeout_s is None
-                and replay.timeout_ns == workspace.timeout_ns()):
-            replay(ops, out)  # the same call as before: only operands and output change
+        if self._replays(ops, out, timeout_s, workspace):
+            self.replay(ops, out)  # the same call as before: only operands and output change
         else:
+            aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
             self.replay = gemm_rs.launch(
                 ops, self.config, world, self.rank, None, out, workspace,
                 multimem=self.plan.backend == "multimem",

@@ -173,10 +173,13 @@ class StreamGraph:
     >>> graph = StreamGraph(side_streams, lambda: issue(handles))
     >>> graph.launch(side_streams[0].cuda_stream)   # after what that stream queued before
     """
+    _dropped: list = []  # (executable, graph) of graphs dropped since the last one was made
+
     def __init__(self, streams: list, issue) -> None:
         runtime = copy_engine_runtime()
         first = streams[0]
         self.runtime, self.graph, self.executable = runtime, None, None
+        StreamGraph.destroy_dropped(runtime)
         (error,) = runtime.cudaStreamBeginCapture(
             first.cuda_stream, runtime.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
         if int(error) != 0:
@@ -202,10 +205,19 @@ class StreamGraph:
             raise RuntimeError(f"cudaGraphLaunch failed: {error}")
 
     def __del__(self) -> None:
-        if self.executable is not None:
-            self.runtime.cudaGraphExecDestroy(self.executable)
-        if self.graph is not None:
-            self.runtime.cudaGraphDestroy(self.graph)
+        # destroyed when the next graph is made (outside any capture), not now: the last
+        # reference may go while the caller captures a CUDA graph, which a destroy would break
+        StreamGraph._dropped.append((self.executable, self.graph))
+
+    @staticmethod
+    def destroy_dropped(runtime) -> None:
+        """Free the graphs dropped so far (an in-flight one is freed when it completes)."""
+        while StreamGraph._dropped:
+            executable, graph = StreamGraph._dropped.pop()
+            if executable is not None:
+                runtime.cudaGraphExecDestroy(executable)
+            if graph is not None:
+                runtime.cudaGraphDestroy(graph)
 
 
 def copy_engines_usable() -> bool:
