@@ -25,7 +25,7 @@ def test_flags(monkeypatch, text, value):
     ("AXEDIST_TIMEOUT_S", "-5"), ("AXEDIST_TIMEOUT_S", "0"), ("AXEDIST_TIMEOUT_S", "nan"), ("AXEDIST_TIMEOUT_S", "inf"),
     ("AXEDIST_TIMEOUT_S", "30s"), ("AXEDIST_COLLECTIVE_TIMEOUT_S", "-1"), ("AXEDIST_HOST_SIZE", "2.5"),
     ("AXEDIST_HOST_SIZE", "\u0662"), ("AXEDIST_P2P_ROUNDS", "0"), ("AXEDIST_PLAN_BACKEND", "nccl"),
-    ("AXEDIST_ENABLE_MULTICAST", "maybe"),
+    ("AXEDIST_ENABLE_MULTICAST", "maybe"), ("AXEDIST_CE_GRAPHS", "2"),
 ])
 def test_bad_values_are_refused_with_the_name(monkeypatch, name, text):
     monkeypatch.setenv(name, text)
@@ -40,6 +40,9 @@ def test_values_and_defaults(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert env.read("AXEDIST_TIMEOUT_S") == 30.0 and env.read("AXEDIST_COLLECTIVE_TIMEOUT_S") is None
     assert env.read("AXEDIST_FASTPATH") is True and env.read("AXEDIST_ENABLE_MULTICAST") is False
+    assert env.read("AXEDIST_CE_GRAPHS") is False
+    monkeypatch.setenv("AXEDIST_CE_GRAPHS", "on")
+    assert env.read("AXEDIST_CE_GRAPHS") is True
     monkeypatch.setenv("AXEDIST_COLLECTIVE_TIMEOUT_S", "2.5")
     monkeypatch.setenv("AXEDIST_HOST_SIZE", "2")
     assert env.read("AXEDIST_COLLECTIVE_TIMEOUT_S") == 2.5 and env.read("AXEDIST_HOST_SIZE") == 2

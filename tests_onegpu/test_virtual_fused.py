@@ -145,11 +145,26 @@ def test_gluon_copy_engine_partials_every_world_size(world, seed):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_copies_as_one_cuda_graph_per_call(world, monkeypatch, seed):
+    """AXEDIST_CE_GRAPHS=1: the /ce copies and stream waits captured once per epoch parity and
+    launched as one graph a call (each wait takes its out flag down again): the Gluon and the
+    Triton kernel, every check of the /gl/ce test (back to back mixed with push calls, the caller's
+    CUDA graph capture, replays and eager calls after it)."""
+    from axedist.kernels.gemm_rs import GemmConfig
+    monkeypatch.setenv("AXEDIST_CE_GRAPHS", "1")
+    config = GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
+    shapes = [(WHOLE_TILES, (False, True)), ((1024, 2048, 512), (True,)), (TAILS, (False, True))]
+    _check_copy_engine(world, seed, config, shapes, WHOLE_TILES,
+                       gluon={WHOLE_TILES, (1024, 2048, 512)}, graphs=True)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_copy_engine_copies_issued_one_by_one_where_no_graph_is_made(world, monkeypatch, seed):
-    """Where the driver cannot capture the /ce copies as a CUDA graph, a call issues them one by
-    one (same stream waits and flags): right results for both kernels back to back without a
-    sync, mixed with push calls, both halves, and the reason kept."""
+    """With AXEDIST_CE_GRAPHS=1 where the driver cannot capture the /ce copies as a CUDA graph, a
+    call issues them one by one: right results for both kernels back to back without a sync,
+    mixed with push calls, both halves, and the reason kept."""
     from axedist.kernels import gemm_rs
+    monkeypatch.setenv("AXEDIST_CE_GRAPHS", "1")
 
     def refuse(*args, **kwargs):
         raise RuntimeError("cudaStreamBeginCapture failed: refused by the test")
@@ -193,9 +208,10 @@ def _engine_processors(world):
     return multiprocessors(0) // (2 * world)
 
 
-def _check_copy_engine(world, seed, config, shapes, sequence_shape, gluon):
+def _check_copy_engine(world, seed, config, shapes, sequence_shape, gluon, graphs=False):
     """The /ce checks of one config: every shape in its orientations (the Gluon kernel ran for
-    exactly the shapes in `gluon`), calls back to back, replays and a CUDA graph capture."""
+    exactly the shapes in `gluon`; the copies as CUDA graphs exactly when `graphs`), calls back to
+    back, replays and a CUDA graph capture."""
     from axedist.kernels.gemm_rs import EngineReduceScatter
     ranks = VirtualRanks(world, 64 << 20, processors=_engine_processors(world))
     label = f"{config} W={world} seed={seed}"
@@ -206,8 +222,9 @@ def _check_copy_engine(world, seed, config, shapes, sequence_shape, gluon):
             failures += _call(ranks, as_, bs, config, f"{label} {shape} B^T={transposed}")
             assert all(isinstance(call.replay, EngineReduceScatter)
                        and call.replay.pipelined == (shape in gluon) for call in ranks.last_plans), shape
-            # the copies and stream waits replayed as one CUDA graph per parity, not issued one by one
-            assert all(len(call.replay.graphs) == 2 and call.replay.graph_error is None
+            # the copies and stream waits as one CUDA graph per parity (AXEDIST_CE_GRAPHS), else issued
+            assert all((len(call.replay.graphs) == 2 and call.replay.graph_error is None) if graphs
+                       else (call.replay.graphs == [] and "is off" in call.replay.graph_error)
                        for call in ranks.last_plans), [c.replay.graph_error for c in ranks.last_plans]
     pending = []
     for call in range(6):

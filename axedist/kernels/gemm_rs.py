@@ -31,11 +31,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import schedule
 from ..caches import memo
+from ..env import read as read_environment
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load,
                          mma_step, shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, StreamGraph, copy_engine_runtime, copy_engines_usable,
-                     copy_rows_async, multiprocessors, stream_memory_driver, take_flag_async)
+                     copy_rows_async, multiprocessors, stream_memory_driver, take_flag_async,
+                     wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          globaltimer, load_reduce,
@@ -328,8 +330,8 @@ def engine_gemm_reduce_scatter_kernel(
     A peer tile goes to staging_ptr [W - 1, M_CHUNK, N] (local memory); when the last tile of a
     comm chunk (a band of band_tiles tile columns of one group of GROUP_M tile rows: a rectangle,
     contiguous in the order) is stored, its program releases the int32 at address out_flags +
-    4 * (s * chunks + chunk) to the epoch (non-zero), which the side stream waits for and
-    takes down (launch.take_flag_async) before copying the rectangle into the peer's
+    4 * (s * chunks + chunk) to the epoch, which the side stream waits for (a graph's wait:
+    non-zero, then takes it down) before copying the rectangle into the peer's
     data half (slot `rank`) and this rank's last finished epoch into the peer's flag of it
     (schedule.engine_flag). An own tile adds every peer's partial of it from this rank's data
     half (slot = source) once that source's flag holds >= epoch - 1 (see ag_gemm's
@@ -1398,10 +1400,12 @@ class EngineReduceScatter:
     chunk, waits for the chunk's tiles (its out flag, taken down again), copies the rectangle
     of partials into the peer's data half (slot of this rank) and then this rank's last
     finished epoch into the peer's flag of it; the current stream waits for the side streams
-    after the kernel. Those copies and waits are captured once per epoch parity as a CUDA graph
-    (launch.StreamGraph), so a call issues them with one launch; where the driver cannot
-    capture them they are issued one by one (graph_error says why). Inside the caller's CUDA
-    graph capture it runs the push kernel (a captured copy's destination half would be fixed).
+    after the kernel. With AXEDIST_CE_GRAPHS on, those copies and waits are captured once per
+    epoch parity as a CUDA graph (launch.StreamGraph; each wait then takes its flag down, so
+    the same waits serve every call) and a call issues them with one launch; else, or where
+    the driver cannot capture them, one by one (graph_error says why). Inside the caller's
+    CUDA graph capture it runs the push kernel (a captured copy's destination half and wait
+    value would be fixed).
 
     trace (probes only): an int64 [W * tiles, 6] tensor the kernel fills (the kernel's TRACE).
     target_chunks, streams, count_step, partial_ahead (probes only): comm chunks per peer to
@@ -1487,25 +1491,37 @@ class EngineReduceScatter:
                                     m_chunk, ops.n, element, rectangles)
         self.row_pitch = ops.n * element
         self.sides = workspace.copy_streams()[:streams]
-        self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
-        # per epoch parity, the call's copies as a CUDA graph (made at the first call outside a
-        # capture); graph_error: why they are issued one by one instead (None: not tried yet)
-        self.graphs, self.graph_error = None, None
+        self.ready = torch.cuda.Event()
+        self.sent = [torch.cuda.Event() for _ in self.sides]
+        # per epoch parity, the call's copies as a CUDA graph, made now (before any virtual
+        # rank's kernel spins: instantiating may wait for the GPU) where AXEDIST_CE_GRAPHS is
+        # on; graph_error: why they are issued one by one instead
+        self.graphs, self.graph_error = [], None
+        if not read_environment("AXEDIST_CE_GRAPHS"):
+            self.graph_error = "AXEDIST_CE_GRAPHS is off"
+        elif torch.cuda.is_current_stream_capturing():
+            self.graph_error = "prepared inside a CUDA graph capture"
+        else:
+            self._capture_copies()
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
         self.pushing = dataclasses.replace(config, engine=False, push=True)
         launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
 
-    def _issue_copies(self, parity: int) -> None:
+    def _issue_copies(self, parity: int, epoch: int | None) -> None:
         """The copies of a call of this epoch parity on the side streams, chunks dealt over
-        them in turn: each waits for its chunk's out flag and takes it down, copies the
-        rectangle of partials into the peer's data half, then this rank's last finished epoch
-        (state word 0, read when the copy runs) into the peer's flag of the chunk."""
+        them in turn: each waits for its chunk's out flag (to reach `epoch`; None, for a graph
+        that serves every call: to be non-zero, and takes it down), copies the rectangle of
+        partials into the peer's data half, then this rank's last finished epoch (state word 0,
+        read when the copy runs) into the peer's flag of the chunk."""
         runtime, driver, pitch = copy_engine_runtime(), stream_memory_driver(), self.row_pitch
         handles, state = [side.cuda_stream for side in self.sides], self.workspace.state.data_ptr()
         for index, (out_flag, target, source, row_bytes, rows, flag) in enumerate(
                 self.copies[parity]):
             stream = handles[index % len(handles)]
-            take_flag_async(driver, stream, out_flag)
+            if epoch is None:
+                take_flag_async(driver, stream, out_flag)
+            else:
+                wait_value_async(driver, stream, out_flag, epoch)
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
             copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
 
@@ -1513,8 +1529,8 @@ class EngineReduceScatter:
         """The two parities' copies as CUDA graphs (one cudaGraphLaunch a call instead of
         three CUDA calls per chunk), or, where the driver cannot capture them, graph_error."""
         try:
-            self.graphs = [StreamGraph(self.sides, lambda parity=parity: self._issue_copies(parity))
-                           for parity in (0, 1)]
+            self.graphs = [StreamGraph(self.sides, lambda parity=parity: self._issue_copies(
+                parity, None)) for parity in (0, 1)]
         except RuntimeError as error:
             self.graphs, self.graph_error = [], str(error)
 
@@ -1523,22 +1539,19 @@ class EngineReduceScatter:
         if torch.cuda.is_current_stream_capturing():
             launch(ops, self.pushing, self.world, self.rank, None, out, workspace)
             return
-        if self.graphs is None:
-            self._capture_copies()
-        parity = workspace.call_epoch() % 2
-        current, first = torch.cuda.current_stream(ops.a.device), self.sides[0]
+        epoch = workspace.call_epoch()
+        current = torch.cuda.current_stream(ops.a.device)
+        sides = self.sides[:1] if self.graphs else self.sides  # a graph forks from the first
         self.ready.record(current)
-        first.wait_event(self.ready)
+        for side in sides:
+            side.wait_event(self.ready)
         # the kernel is queued before the side streams' waits on it: were two streams to share
         # a hardware queue, a wait queued first would block the kernel it waits for
         self.kernel(ops, out)
         if self.graphs:
-            self.graphs[parity].launch(first.cuda_stream)  # forks to the other side streams
+            self.graphs[epoch % 2].launch(sides[0].cuda_stream)
         else:
-            for side in self.sides[1:]:
-                side.wait_stream(first)
-            self._issue_copies(parity)
-            for side in self.sides[1:]:
-                first.wait_stream(side)
-        self.sent.record(first)
-        current.wait_event(self.sent)
+            self._issue_copies(epoch % 2, epoch)
+        for side, sent in zip(sides, self.sent):
+            sent.record(side)
+            current.wait_event(sent)

@@ -135,12 +135,23 @@ def copy_rows_async(runtime, target: int, target_pitch: int, source: int, source
 @cached(maxsize=None)
 def stream_memory_driver():
     """cuda-python's driver bindings (`cuda.bindings.driver`) where installed, else None: what
-    take_flag_async issues its stream waits through."""
+    wait_value_async and take_flag_async issue their stream waits through."""
     try:
         from cuda.bindings import driver
     except ImportError:
         return None
     return driver
+
+
+def wait_value_async(driver, stream: int, address: int, value: int) -> None:
+    """Stream `stream` (a CUDA stream handle) waits until the int32 at device address `address`
+    is >= value (cuStreamWaitValue32, GEQ: compared modulo 2**32): what a copy that must follow
+    part of a running kernel waits on. Raises on a CUDA error."""
+    (error,) = driver.cuStreamWaitValue32(
+        driver.CUstream(stream), driver.CUdeviceptr(address), value,
+        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    if int(error) != 0:
+        raise RuntimeError(f"cuStreamWaitValue32 failed: {error}")
 
 
 def take_flag_async(driver, stream: int, address: int) -> None:

@@ -1,6 +1,7 @@
 """Host cost of a /gl/ce GEMM + reduce-scatter call with its copies replayed as one CUDA graph per
-epoch parity (EngineReduceScatter's default) against the same copies issued one by one (three
-CUDA calls per comm chunk: its fallback), on one GPU with virtual ranks, both modes in ONE run.
+epoch parity (AXEDIST_CE_GRAPHS=1) against the same copies issued one by one (three CUDA calls
+per comm chunk: the default), on one GPU with virtual ranks, both modes in ONE run (each on its
+own virtual ranks, its mode set when its calls were prepared).
 
     OUT=<dir> python3 benchmarks/device/probe_ce_graph.py
 
@@ -54,36 +55,34 @@ def gpu_ops(fn) -> dict:
 def main():
     torch.manual_seed(3)
     results = []
+    assert "AXEDIST_CE_GRAPHS" not in os.environ, "the probe sets AXEDIST_CE_GRAPHS itself"
     for world in (2, 4):
-        ranks = VirtualRanks(world, 128 << 20, processors=multiprocessors(0) // (2 * world))
         for m, n, k in SHAPES:
             as_ = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
             bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
                   for _ in range(world)]
-            outs = ranks.gemm_reduce_scatter(as_, bs, config=CONFIG)
-            ranks.check()
-            engines = [call.replay for call in ranks.last_plans]
-            assert all(isinstance(e, gemm_rs.EngineReduceScatter) for e in engines)
-            graphs = [e.graphs for e in engines]
-            row = dict(world=world, m=m, n=n, k=k, chunks=len(engines[0].copies[0]),
-                       graph_errors=[e.graph_error for e in engines],
-                       graphs=all(len(g) == 2 for g in graphs))
-
-            def call():
-                ranks.gemm_reduce_scatter(as_, bs, outs, config=CONFIG)
-
-            def issued():
-                for e in engines:
-                    e.graphs = []
-                call()
-                for e, g in zip(engines, graphs):
-                    e.graphs = g
-
+            modes, engines = {}, {}
+            for name, flag in (("graph", "1"), ("issued", "0")):  # AXEDIST_CE_GRAPHS at prepare
+                os.environ["AXEDIST_CE_GRAPHS"] = flag
+                ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+                outs = ranks.gemm_reduce_scatter(as_, bs, config=CONFIG)
+                ranks.check()
+                engines[name] = [call.replay for call in ranks.last_plans]
+                assert all(isinstance(e, gemm_rs.EngineReduceScatter) for e in engines[name])
+                modes[name] = (lambda r=ranks, o=outs: r.gemm_reduce_scatter(as_, bs, o, config=CONFIG),
+                               ranks, outs)
+            os.environ.pop("AXEDIST_CE_GRAPHS")
+            row = dict(world=world, m=m, n=n, k=k, chunks=len(engines["graph"][0].copies[0]),
+                       graph_errors=[e.graph_error for e in engines["graph"]],
+                       graphs=all(len(e.graphs) == 2 for e in engines["graph"]),
+                       issued_graphs=any(e.graphs for e in engines["issued"]))
+            call, issued = modes["graph"][0], modes["issued"][0]
             errors = []
-            for mode in (call, issued, call, issued, issued, call):  # both halves in both modes
+            for name in ("graph", "issued", "graph", "issued", "issued", "graph"):  # both halves
+                fn, ranks, outs = modes[name]
                 for out in outs:
                     out.fill_(float("nan"))
-                mode()
+                fn()
                 ranks.check()
                 errors.append(error(as_, bs, outs))
             row["max_rel_error"] = max(errors)
@@ -91,8 +90,10 @@ def main():
             row["host_us_issued"] = host_time_us(issued, calls=50)
             row.update({f"device_ms_{name}": value for name, value in
                         device_time({"graph": call, "issued": issued}, calls=10).items()})
-            ranks.check()
-            row["max_rel_error_after"] = error(as_, bs, outs)
+            row["max_rel_error_after"] = 0.0
+            for fn, ranks, outs in modes.values():
+                ranks.check()
+                row["max_rel_error_after"] = max(row["max_rel_error_after"], error(as_, bs, outs))
             row.update({f"gpu_ops_{name}": gpu_ops(fn) for name, fn in
                         (("graph", call), ("issued", issued))})
             results.append(row)
