@@ -1,43 +1,43 @@
 """Host cost of a /gl/ce GEMM + reduce-scatter call with its copies replayed as one CUDA graph per
 epoch parity (AXEDIST_CE_GRAPHS=1) against the same copies issued one by one (three CUDA calls
-per comm chunk: the default), on one GPU with virtual ranks, both modes in ONE run (each on its
-own virtual ranks, its mode set when its calls were prepared).
+per comm chunk: the default), both modes in ONE run, each on its own prepared calls (the mode is
+read when a call is prepared).
 
-    OUT=<dir> python3 benchmarks/device/probe_ce_graph.py
+    OUT=<dir> python3 benchmarks/device/probe_ce_graph.py               # one GPU, virtual ranks
+    OUT=<dir> torchrun --nproc-per-node 2 benchmarks/device/probe_ce_graph.py   # real ranks
 
-Per world size (2, 4) and shape: host us per call of all W virtual ranks (timing.host_time_us:
-calls issued behind a sleep kernel, median of 5 runs of 50 calls), so per rank = that / W; the
-device time of both modes (timing.device_time, virtual ranks share one GPU: a sanity check,
-not a multi-GPU number); every output checked against the sum of the ranks' products (fp32
-reference, relative error < 1e-2) after calls in both modes, alternating halves. Writes
-$OUT/probe_ce_graph.json and prints one line per case.
+One GPU: W = 2 and 4 virtual ranks (host time of a call of all W ranks, so per rank = that / W;
+device time is a sanity check only, the ranks share one GPU). Real ranks (torchrun): the group's
+symmetric workspace, both modes' calls on it (max over ranks). Per shape: host us per call
+(timing.host_time_us, behind a sleep kernel, median of 5 runs of 50 calls), device ms
+(timing.device_time), what the GPU ran in one call by name (profiler: whether a graph's copies
+stay copy-engine memcpys or became kernels, which a full persistent grid would starve), and
+every output against an fp32 reference (relative error < 1e-2) after calls in both modes,
+alternating halves. Writes $OUT/probe_ce_graph.json and prints one line per case.
 """
 import json
 import os
 
 import torch
+import torch.distributed as dist
 
+from axedist.collectives.fused import FusedCall, GemmReduceScatterPlan
+from axedist.collectives.symmetric import get_workspace
 from axedist.collectives.timing import device_time, host_time_us
 from axedist.kernels import gemm_rs
 from axedist.kernels.launch import multiprocessors
 from axedist.testing import VirtualRanks
 
-# (M, N, K local): GEMM + RS shapes small enough for W virtual ranks on one GPU
-SHAPES = ((2048, 8192, 2048), (4096, 8192, 1024))
 CONFIG = gemm_rs.GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
+MODES = (("graph", "1"), ("issued", "0"))  # name, AXEDIST_CE_GRAPHS when the calls are prepared
 
 
-def error(as_, bs, outs) -> float:
-    """Largest relative error of any rank's rows against the fp32 sum of every rank's product."""
-    total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
-    rows = total.shape[0] // len(outs)
-    return max(((out.float() - total[r * rows:(r + 1) * rows]).abs().max()
-                / total[r * rows:(r + 1) * rows].abs().max()).item() for r, out in enumerate(outs))
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((out.float() - reference).abs().max() / reference.abs().max()).item()
 
 
 def gpu_ops(fn) -> dict:
-    """What the GPU ran in one call, by name (kernels and copies), from the profiler: whether a
-    graph's copies are copy-engine memcpys as the issued ones are."""
+    """What the GPU ran in one call of fn, by name (kernels and copies), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -47,71 +47,119 @@ def gpu_ops(fn) -> dict:
     counts = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            name = event.name[:60]
-            counts[name] = counts.get(name, 0) + 1
+            counts[event.name[:60]] = counts.get(event.name[:60], 0) + 1
     return counts
 
 
+def virtual_modes(world: int, m: int, n: int, k: int) -> dict:
+    """Per mode (call, error after the last call, engines) on W virtual ranks of one GPU."""
+    as_ = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(world)]
+    total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
+    rows = m // world
+    modes = {}
+    for name, flag in MODES:
+        os.environ["AXEDIST_CE_GRAPHS"] = flag
+        ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+        outs = ranks.gemm_reduce_scatter(as_, bs, config=CONFIG)
+        ranks.check()
+
+        def error(ranks=ranks, outs=outs):
+            ranks.check()
+            return max(relative_error(out, total[r * rows:(r + 1) * rows])
+                       for r, out in enumerate(outs))
+        modes[name] = (lambda r=ranks, o=outs: r.gemm_reduce_scatter(as_, bs, o, config=CONFIG),
+                       error, [call.replay for call in ranks.last_plans])
+    os.environ.pop("AXEDIST_CE_GRAPHS")
+    return modes
+
+
+def real_modes(m: int, n: int, k: int) -> dict:
+    """Per mode (call, error after the last call, [engine]) on this rank of the default group."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    b = torch.randn(k, n, device=device, dtype=torch.bfloat16) / k ** 0.5
+    total = a.float() @ b.float()
+    dist.all_reduce(total)
+    rows = m // world
+    reference = total[rank * rows:(rank + 1) * rows]
+    plan = GemmReduceScatterPlan("p2p", m, n, k, world, str(CONFIG), "probe")
+    modes = {}
+    for name, flag in MODES:
+        os.environ["AXEDIST_CE_GRAPHS"] = flag
+        call = FusedCall(plan, world, rank, lambda nbytes: get_workspace(None, nbytes, device),
+                         pinned_config=CONFIG)
+        out = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+        call.run(a, b, out)
+
+        def error(call=call, out=out):
+            call.workspace.check(synchronize=True)
+            return relative_error(out, reference)
+        modes[name] = (lambda c=call, o=out: c.run(a, b, o), error, [call.replay])
+    os.environ.pop("AXEDIST_CE_GRAPHS")
+    return modes
+
+
+def measure(modes: dict, world: int, real: bool) -> dict:
+    engines = {name: engines for name, (_, _, engines) in modes.items()}
+    assert all(isinstance(e, gemm_rs.EngineReduceScatter) for es in engines.values() for e in es)
+    row = dict(world=world, chunks=len(engines["graph"][0].copies[0]),
+               graph_errors=sorted({str(e.graph_error) for e in engines["graph"]}),
+               graphs=all(len(e.graphs) == 2 for e in engines["graph"]),
+               issued_graphs=any(e.graphs for e in engines["issued"]))
+    errors = []
+    for name in ("graph", "issued", "graph", "issued", "issued", "graph"):  # both halves
+        modes[name][0]()
+        errors.append(modes[name][1]())
+    calls = {name: fn for name, (fn, _, _) in modes.items()}
+    for name, fn in calls.items():
+        row[f"host_us_{name}"] = host_time_us(fn, calls=50)
+    row.update({f"device_ms_{name}": value for name, value in device_time(calls, calls=10).items()})
+    errors += [check() for _, check, _ in modes.values()]
+    row["max_rel_error"] = max(errors)
+    if real:  # the slowest rank's numbers
+        keys = [key for key in row if key.startswith(("host_us", "device_ms", "max_rel"))]
+        values = torch.tensor([row[key] for key in keys], dtype=torch.float64, device="cuda")
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        row.update(zip(keys, values.tolist()))
+    row.update({f"gpu_ops_{name}": gpu_ops(fn) for name, fn in calls.items()})
+    return row
+
+
 def main():
-    torch.manual_seed(3)
-    results = []
     assert "AXEDIST_CE_GRAPHS" not in os.environ, "the probe sets AXEDIST_CE_GRAPHS itself"
-    for world in (2, 4):
-        for m, n, k in SHAPES:
-            as_ = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
-            bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-                  for _ in range(world)]
-            modes, engines = {}, {}
-            for name, flag in (("graph", "1"), ("issued", "0")):  # AXEDIST_CE_GRAPHS at prepare
-                os.environ["AXEDIST_CE_GRAPHS"] = flag
-                ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
-                outs = ranks.gemm_reduce_scatter(as_, bs, config=CONFIG)
-                ranks.check()
-                engines[name] = [call.replay for call in ranks.last_plans]
-                assert all(isinstance(e, gemm_rs.EngineReduceScatter) for e in engines[name])
-                modes[name] = (lambda r=ranks, o=outs: r.gemm_reduce_scatter(as_, bs, o, config=CONFIG),
-                               ranks, outs)
-            os.environ.pop("AXEDIST_CE_GRAPHS")
-            row = dict(world=world, m=m, n=n, k=k, chunks=len(engines["graph"][0].copies[0]),
-                       graph_errors=[e.graph_error for e in engines["graph"]],
-                       graphs=all(len(e.graphs) == 2 for e in engines["graph"]),
-                       issued_graphs=any(e.graphs for e in engines["issued"]))
-            call, issued = modes["graph"][0], modes["issued"][0]
-            errors = []
-            for name in ("graph", "issued", "graph", "issued", "issued", "graph"):  # both halves
-                fn, ranks, outs = modes[name]
-                for out in outs:
-                    out.fill_(float("nan"))
-                fn()
-                ranks.check()
-                errors.append(error(as_, bs, outs))
-            row["max_rel_error"] = max(errors)
-            row["host_us_graph"] = host_time_us(call, calls=50)
-            row["host_us_issued"] = host_time_us(issued, calls=50)
-            row.update({f"device_ms_{name}": value for name, value in
-                        device_time({"graph": call, "issued": issued}, calls=10).items()})
-            row["max_rel_error_after"] = 0.0
-            for fn, ranks, outs in modes.values():
-                ranks.check()
-                row["max_rel_error_after"] = max(row["max_rel_error_after"], error(as_, bs, outs))
-            row.update({f"gpu_ops_{name}": gpu_ops(fn) for name, fn in
-                        (("graph", call), ("issued", issued))})
-            results.append(row)
-            print(f"W={world} {m}x{n}x{k} chunks/peer-set {row['chunks']} graphs {row['graphs']} "
-                  f"host us/call (W ranks) graph {row['host_us_graph']:.1f} issued "
-                  f"{row['host_us_issued']:.1f} (per rank {row['host_us_graph'] / world:.1f} vs "
-                  f"{row['host_us_issued'] / world:.1f}); device ms graph "
-                  f"{row['device_ms_graph']:.3f} issued {row['device_ms_issued']:.3f}; "
-                  f"max rel err {max(row['max_rel_error'], row['max_rel_error_after']):.2e} "
-                  f"errors {set(row['graph_errors'])}", flush=True)
-            print(f"  GPU ops graph {row['gpu_ops_graph']}\n  GPU ops issued {row['gpu_ops_issued']}",
+    real = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if real:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ["LOCAL_RANK"])))
+        torch.manual_seed(3 + dist.get_rank())
+        cases = [(dist.get_world_size(), shape) for shape in (
+            (2048, 8192, 7168), (8192, 8192, 2048), (16384, 8192, 2048), (8192, 8192, 7168))]
+    else:
+        torch.manual_seed(3)
+        cases = [(world, shape) for world in (2, 4) for shape in ((2048, 8192, 2048), (4096, 8192, 1024))]
+    results = []
+    for world, (m, n, k) in cases:
+        modes = real_modes(m, n, k) if real else virtual_modes(world, m, n, k)
+        row = dict(measure(modes, world, real), m=m, n=n, k=k)
+        results.append(row)
+        per_rank = 1 if real else world
+        if not real or dist.get_rank() == 0:
+            print(f"W={world} {'real' if real else 'virtual'} {m}x{n}x{k} chunks/call {row['chunks']} "
+                  f"graphs {row['graphs']} host us per rank-call graph "
+                  f"{row['host_us_graph'] / per_rank:.1f} issued {row['host_us_issued'] / per_rank:.1f}; "
+                  f"device ms graph {row['device_ms_graph']:.3f} issued {row['device_ms_issued']:.3f}; "
+                  f"max rel err {row['max_rel_error']:.2e}; graph errors {row['graph_errors']}\n"
+                  f"  GPU ops graph {row['gpu_ops_graph']}\n  GPU ops issued {row['gpu_ops_issued']}",
                   flush=True)
-            assert row["max_rel_error"] < 1e-2 and row["max_rel_error_after"] < 1e-2, row
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "probe_ce_graph.json"), "w") as f:
-        json.dump(dict(commit=os.environ.get("AXEDIST_COMMIT", ""),
-                       device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                       config=str(CONFIG), results=results), f, indent=1)
+        assert row["max_rel_error"] < 1e-2, row
+    if not real or dist.get_rank() == 0:
+        with open(os.path.join(os.environ.get("OUT", "."), "probe_ce_graph.json"), "w") as f:
+            json.dump(dict(commit=os.environ.get("AXEDIST_COMMIT", ""),
+                           device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                           real_ranks=real, config=str(CONFIG), results=results), f, indent=1)
+    if real:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
