@@ -1397,7 +1397,7 @@ class EngineReduceScatter:
     compiled and ready (engine_gemm_reduce_scatter_kernel, or its Gluon twin for a /gl config
     where engine_pipelined_fits): a call launches the kernel and, on
     the workspace's side streams (chunks dealt over them in turn), for each peer and comm
-    chunk, waits for the chunk's tiles (its out flag, taken down again), copies the rectangle
+    chunk, waits for the chunk's tiles (its out flag to reach the epoch), copies the rectangle
     of partials into the peer's data half (slot of this rank) and then this rank's last
     finished epoch into the peer's flag of it; the current stream waits for the side streams
     after the kernel. With AXEDIST_CE_GRAPHS on, those copies and waits are captured once per
