@@ -116,9 +116,10 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "what CUDA products of at most 64 rows run locally: the skinny GEMM where its table measured it "
              "faster than cuBLAS (auto), torch.mm always (cublas)"),
     Variable("AXEDIST_CE_GRAPHS", _flag, "a flag (0/1, true/false, yes/no, on/off)", False,
-             "a copy-engine (/ce) GEMM + reduce-scatter issues its copies and stream waits as one CUDA "
-             "graph per call, not three CUDA calls per comm chunk (off until measured on 2+ GPUs: the "
-             "driver may run a graph's copies on SMs, which a full persistent grid holds)"),
+             "a copy-engine (/ce) GEMM + reduce-scatter or all-gather + GEMM issues its copies (and stream "
+             "waits) as one CUDA graph per call, not two or three CUDA calls per comm chunk (off until "
+             "measured on 2+ GPUs: the driver may run a graph's copies on SMs, which a full persistent grid "
+             "holds)"),
     Variable("AXEDIST_P2P_ROWS", _positive_int, "an int > 0", None,
              "forces the p2p collectives' tile height (benchmark sweeps)"),
     Variable("AXEDIST_P2P_ROUNDS", _positive_int, "an int > 0", None,

@@ -167,6 +167,34 @@ def test_copy_engine_all_gather_gemm(world, gluon, seed):
     calls of the push kernel on the same workspaces; captured in a CUDA graph the launch pushes
     instead, and replays and eager calls after the capture stay right. Half the SMs are left
     free: the driver may run a copy between two buffers of one GPU on SMs."""
+    _check_copy_engine_all_gather_gemm(world, gluon, seed, graphs=False)
+
+
+@pytest.mark.parametrize("gluon", [False, True])
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_engine_all_gather_gemm_copies_as_one_cuda_graph(world, gluon, monkeypatch, seed):
+    """AXEDIST_CE_GRAPHS=1: a /ce call's copies captured once per epoch parity and launched as one
+    graph a call, each row copy pointed at the call's A first (every call here has a fresh A):
+    every check of the /ce test; an A whose rows are not contiguous issues its copies one by one."""
+    monkeypatch.setenv("AXEDIST_CE_GRAPHS", "1")
+    _check_copy_engine_all_gather_gemm(world, gluon, seed, graphs=True)
+    from axedist.kernels.ag_gemm import AllGatherGemmConfig
+    from axedist.kernels.launch import multiprocessors
+    ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+    config = AllGatherGemmConfig(engine=True, pipelined=gluon)
+    rows, n, k = 256, 512, 512
+    as_ = [(torch.randn(rows, k + 64, device="cuda") / k ** 0.25).to(torch.bfloat16)[:, :k]
+           for _ in range(world)]
+    bs = [(torch.randn(k, n, device="cuda") / k ** 0.25).to(torch.bfloat16) for _ in range(world)]
+    outs = ranks.all_gather_gemm(as_, bs, config=config)
+    ranks.check()
+    assert all(launch.graphs == [] and "not contiguous" in launch.graph_error
+               for call in ranks.last_plans for launch in call.launches.values())
+    assert not _ag_failures(as_, bs, outs, f"strided A, W={world}")
+
+
+def _check_copy_engine_all_gather_gemm(world, gluon, seed, graphs):
+    """The /ce checks, with the copies as CUDA graphs exactly when `graphs`."""
     from axedist.kernels.ag_gemm import AllGatherGemmConfig
     import torch.cuda
     from axedist.kernels.launch import multiprocessors
@@ -185,6 +213,9 @@ def test_copy_engine_all_gather_gemm(world, gluon, seed):
         ranks.check()
     assert all(launch.engine and launch.pipelined == gluon
                for call in ranks.last_plans for launch in call.launches.values())
+    assert all((len(launch.graphs) == 2) == graphs and (launch.graph_error is None) == graphs
+               for call in ranks.last_plans for launch in call.launches.values()), \
+        [launch.graph_error for call in ranks.last_plans for launch in call.launches.values()]
     # back to back, no sync: engine, push, engine with the rows copied out, engine
     pending = []
     for step, config in enumerate((configs[0], None, configs[1], configs[0])):

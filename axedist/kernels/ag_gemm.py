@@ -46,11 +46,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from . import schedule
+from ..env import read as read_environment
 from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
-from .launch import CompiledLaunch, copy_engine_runtime, copy_engines_usable, copy_rows_async
+from .launch import (CompiledLaunch, StreamGraph, copy_bytes_async, copy_engine_runtime,
+                     copy_engines_usable, copy_rows_async)
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          engine_chunk_epoch, engine_flag_index, ld_acquire_sys, multimem_st_16bytes, peer_pointers,
                          pick, st_release_sys, wait_engine_chunk, wait_flag)
@@ -916,24 +918,70 @@ class AllGatherGemmLaunch:
             workspace, ops.m, self.row_bytes, config.block_m, config.pieces, self.half_rows)
         self.workspace, self.epoch_word = workspace, workspace.state.data_ptr()
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
+        # per epoch parity, the call's copies as a CUDA graph whose row copies take each call's
+        # A (made now, before any virtual rank's kernel spins) where AXEDIST_CE_GRAPHS is on and
+        # A's rows are contiguous; graph_error: why they are issued one by one instead
+        self.graphs, self.graph_error = [], None
+        if not read_environment("AXEDIST_CE_GRAPHS"):
+            self.graph_error = "AXEDIST_CE_GRAPHS is off"
+        elif torch.cuda.is_current_stream_capturing():
+            self.graph_error = "prepared inside a CUDA graph capture"
+        elif ops.a.stride(0) * ops.a.element_size() != self.row_bytes:
+            self.graph_error = "A's rows are not contiguous (2-D copies)"
+        else:
+            try:
+                self.graphs = [self._capture_sends(ops.a, parity) for parity in (0, 1)]
+            except RuntimeError as error:
+                self.graphs, self.graph_error = [], str(error)
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
+
+    def _issue_sends(self, a_address: int, pitch: int, parity: int, stream: int,
+                     flat: bool = False) -> None:
+        """The copies of a call of this epoch parity on `stream`: each chunk of rows (A at
+        `a_address`, rows `pitch` bytes apart) into every peer's gathered buffer, then this
+        rank's last finished epoch (state word 0) into the peer's flag of the chunk. flat (rows
+        contiguous): each chunk as a 1-D copy, whose source a graph can change per call."""
+        runtime, row_bytes = copy_engine_runtime(), self.row_bytes
+        for begin, rows, target, flag in self.copies[parity]:
+            if flat:
+                copy_bytes_async(runtime, target, a_address + begin * pitch, rows * row_bytes,
+                                 stream)
+            else:
+                copy_rows_async(runtime, target, row_bytes, a_address + begin * pitch, pitch,
+                                row_bytes, rows, stream)
+            copy_rows_async(runtime, flag, 4, self.epoch_word, 4, 4, 1, stream)
+
+    def _capture_sends(self, a: torch.Tensor, parity: int) -> tuple:
+        """(graph, [(its row copy's node, first row, rows, target)]) of this parity's copies,
+        captured with `a`'s rows as the source (each call sets its own)."""
+        side = self.workspace.copy_streams()[0]
+        graph = StreamGraph([side], lambda: self._issue_sends(a.data_ptr(), self.row_bytes,
+                                                              parity, side.cuda_stream, True))
+        nodes = graph.copy_nodes()
+        if any(target not in nodes for _, _, target, _ in self.copies[parity]):
+            raise RuntimeError("a row copy of the captured graph was not found by its target")
+        return graph, [(nodes[target], begin, rows, target)
+                       for begin, rows, target, _ in self.copies[parity]]
 
     def _send_rows(self, a: torch.Tensor) -> None:
         """This call's rows to every peer by copy engine, on the workspace's first side stream
         (the copies wait on nothing, so one stream issues them back to back), after what the
         current stream queued (the previous call's kernel: the peers' halves of this parity are
-        free once it finished); the current stream waits for them after the kernel."""
+        free once it finished); the current stream waits for them after the kernel. With the
+        graphs, each row copy is pointed at this call's A and the graph launched."""
         current = torch.cuda.current_stream(a.device)
         side = self.workspace.copy_streams()[0]
         self.ready.record(current)
         side.wait_event(self.ready)
-        runtime, stream, row_bytes = copy_engine_runtime(), side.cuda_stream, self.row_bytes
-        pitch = a.stride(0) * a.element_size()
-        for begin, rows, target, flag in self.copies[self.workspace.call_epoch() % 2]:
-            copy_rows_async(runtime, target, row_bytes, a.data_ptr() + begin * pitch, pitch,
-                            row_bytes, rows, stream)
-            copy_rows_async(runtime, flag, 4, self.epoch_word, 4, 4, 1, stream)
+        parity, pitch = self.workspace.call_epoch() % 2, a.stride(0) * a.element_size()
+        if self.graphs and pitch == self.row_bytes:
+            graph, nodes = self.graphs[parity]
+            for node, begin, rows, target in nodes:
+                graph.set_copy(node, target, a.data_ptr() + begin * pitch, rows * pitch)
+            graph.launch(side.cuda_stream)
+        else:
+            self._issue_sends(a.data_ptr(), pitch, parity, side.cuda_stream)
         self.sent.record(side)
 
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:

@@ -132,6 +132,16 @@ def copy_rows_async(runtime, target: int, target_pitch: int, source: int, source
         raise RuntimeError(f"cudaMemcpy2DAsync of {rows} x {row_bytes} bytes failed: {error}")
 
 
+def copy_bytes_async(runtime, target: int, source: int, nbytes: int, stream: int) -> None:
+    """`nbytes` contiguous bytes from address `source` to `target` on CUDA stream handle
+    `stream` (one cudaMemcpyAsync: a 1-D copy, whose source a StreamGraph can change per
+    launch). Raises on a CUDA error."""
+    (error,) = runtime.cudaMemcpyAsync(target, source, nbytes,
+                                       runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed: {error}")
+
+
 @cached(maxsize=None)
 def stream_memory_driver():
     """cuda-python's driver bindings (`cuda.bindings.driver`) where installed, else None: what
@@ -208,6 +218,36 @@ class StreamGraph:
         error, self.executable = runtime.cudaGraphInstantiate(self.graph, 0)
         if int(error) != 0:
             raise RuntimeError(f"cudaGraphInstantiate failed: {error}")
+
+    def copy_nodes(self) -> dict[int, object]:
+        """The graph's memcpy nodes by target address (what `set_copy` takes)."""
+        runtime = self.runtime
+        error, _, count = runtime.cudaGraphGetNodes(self.graph, 0)
+        if int(error) == 0:
+            error, nodes, count = runtime.cudaGraphGetNodes(self.graph, count)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaGraphGetNodes failed: {error}")
+        found = {}
+        for node in nodes[:count]:
+            error, kind = runtime.cudaGraphNodeGetType(node)
+            if int(error) == 0 and kind == runtime.cudaGraphNodeType.cudaGraphNodeTypeMemcpy:
+                error, params = runtime.cudaGraphMemcpyNodeGetParams(node)
+                if int(error) == 0:
+                    found[int(params.dstPtr.ptr)] = node
+            if int(error) != 0:
+                raise RuntimeError(f"reading the graph's copy nodes failed: {error}")
+        return found
+
+    def set_copy(self, node, target: int, source: int, nbytes: int) -> None:
+        """The next launches' copy of `node` (a 1-D copy when captured): `nbytes` from `source`
+        to `target` (cudaGraphExecMemcpyNodeSetParams1D; a launch already queued keeps the
+        copy it had)."""
+        runtime = self.runtime
+        (error,) = runtime.cudaGraphExecMemcpyNodeSetParams1D(
+            self.executable, node, target, source, nbytes,
+            runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaGraphExecMemcpyNodeSetParams1D failed: {error}")
 
     def launch(self, stream: int) -> None:
         """The captured work, once, on CUDA stream handle `stream`, after what it queued."""

@@ -1,5 +1,5 @@
-"""Host cost of a /gl/ce GEMM + reduce-scatter call with its copies replayed as one CUDA graph per
-epoch parity (AXEDIST_CE_GRAPHS=1) against the same copies issued one by one (three CUDA calls
+"""Host cost of a /gl/ce GEMM + reduce-scatter (and, on virtual ranks, all-gather + GEMM) call with
+its copies replayed as one CUDA graph per epoch parity (AXEDIST_CE_GRAPHS=1) against the same copies issued one by one (three CUDA calls
 per comm chunk: the default), both modes in ONE run, each on its own prepared calls (the mode is
 read when a call is prepared).
 
@@ -25,10 +25,12 @@ from axedist.collectives.fused import FusedCall, GemmReduceScatterPlan
 from axedist.collectives.symmetric import get_workspace
 from axedist.collectives.timing import device_time, host_time_us
 from axedist.kernels import gemm_rs
+from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.kernels.launch import multiprocessors
 from axedist.testing import VirtualRanks
 
 CONFIG = gemm_rs.GemmConfig(stages=4, push=True, defer_release=True, pipelined=True, engine=True)
+AG_CONFIG = AllGatherGemmConfig(engine=True, pipelined=True)
 MODES = (("graph", "1"), ("issued", "0"))  # name, AXEDIST_CE_GRAPHS when the calls are prepared
 
 
@@ -74,6 +76,28 @@ def virtual_modes(world: int, m: int, n: int, k: int) -> dict:
     return modes
 
 
+def virtual_ag_modes(world: int, m: int, n: int, k: int) -> dict:
+    """The same for the all-gather + GEMM (/gl/ce): each rank's A [M / W, K], its own B."""
+    as_ = [torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+    bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(world)]
+    gathered = torch.cat([a.float() for a in as_])
+    modes = {}
+    for name, flag in MODES:
+        os.environ["AXEDIST_CE_GRAPHS"] = flag
+        ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
+        outs = ranks.all_gather_gemm(as_, bs, config=AG_CONFIG)
+        ranks.check()
+
+        def error(ranks=ranks, outs=outs):
+            ranks.check()
+            return max(relative_error(out, gathered @ b.float()) for out, b in zip(outs, bs))
+        modes[name] = (lambda r=ranks, o=outs: r.all_gather_gemm(as_, bs, o, config=AG_CONFIG),
+                       error, [launch for call in ranks.last_plans
+                               for launch in call.launches.values()])
+    os.environ.pop("AXEDIST_CE_GRAPHS")
+    return modes
+
+
 def real_modes(m: int, n: int, k: int) -> dict:
     """Per mode (call, error after the last call, [engine]) on this rank of the default group."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), torch.device("cuda")
@@ -102,7 +126,7 @@ def real_modes(m: int, n: int, k: int) -> dict:
 
 def measure(modes: dict, world: int, real: bool) -> dict:
     engines = {name: engines for name, (_, _, engines) in modes.items()}
-    assert all(isinstance(e, gemm_rs.EngineReduceScatter) for es in engines.values() for e in es)
+    assert all(hasattr(e, "graphs") for es in engines.values() for e in es)  # /ce launches
     row = dict(world=world, chunks=len(engines["graph"][0].copies[0]),
                graph_errors=sorted({str(e.graph_error) for e in engines["graph"]}),
                graphs=all(len(e.graphs) == 2 for e in engines["graph"]),
@@ -137,15 +161,21 @@ def main():
             (2048, 8192, 7168), (8192, 8192, 2048), (16384, 8192, 2048), (8192, 8192, 7168))]
     else:
         torch.manual_seed(3)
-        cases = [(world, shape) for world in (2, 4) for shape in ((2048, 8192, 2048), (4096, 8192, 1024))]
+        cases = [(op, world, shape) for op in ("gemm_rs", "ag_gemm") for world in (2, 4)
+                 for shape in ((2048, 8192, 2048), (4096, 8192, 1024))]
+    if real:
+        cases = [("gemm_rs", world, shape) for world, shape in cases]
     results = []
-    for world, (m, n, k) in cases:
-        modes = real_modes(m, n, k) if real else virtual_modes(world, m, n, k)
-        row = dict(measure(modes, world, real), m=m, n=n, k=k)
+    for op, world, (m, n, k) in cases:
+        if real:
+            modes = real_modes(m, n, k)
+        else:
+            modes = (virtual_modes if op == "gemm_rs" else virtual_ag_modes)(world, m, n, k)
+        row = dict(measure(modes, world, real), op=op, m=m, n=n, k=k)
         results.append(row)
         per_rank = 1 if real else world
         if not real or dist.get_rank() == 0:
-            print(f"W={world} {'real' if real else 'virtual'} {m}x{n}x{k} chunks/call {row['chunks']} "
+            print(f"{op} W={world} {'real' if real else 'virtual'} {m}x{n}x{k} chunks/call {row['chunks']} "
                   f"graphs {row['graphs']} host us per rank-call graph "
                   f"{row['host_us_graph'] / per_rank:.1f} issued {row['host_us_issued'] / per_rank:.1f}; "
                   f"device ms graph {row['device_ms_graph']:.3f} issued {row['device_ms_issued']:.3f}; "
@@ -157,7 +187,8 @@ def main():
         with open(os.path.join(os.environ.get("OUT", "."), "probe_ce_graph.json"), "w") as f:
             json.dump(dict(commit=os.environ.get("AXEDIST_COMMIT", ""),
                            device=torch.cuda.get_device_name(0), torch=torch.__version__,
-                           real_ranks=real, config=str(CONFIG), results=results), f, indent=1)
+                           real_ranks=real, config=str(CONFIG), ag_config=str(AG_CONFIG),
+                           results=results), f, indent=1)
     if real:
         dist.destroy_process_group()
 
