@@ -920,7 +920,8 @@ class AllGatherGemmLaunch:
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         # per epoch parity, the call's copies as a CUDA graph whose row copies take each call's
         # A (made now, before any virtual rank's kernel spins) where AXEDIST_CE_GRAPHS is on and
-        # A's rows are contiguous; graph_error: why they are issued one by one instead
+        # A's rows are contiguous (prepare_operands makes them so); graph_error: why they are
+        # issued one by one instead
         self.graphs, self.graph_error = [], None
         if not read_environment("AXEDIST_CE_GRAPHS"):
             self.graph_error = "AXEDIST_CE_GRAPHS is off"
