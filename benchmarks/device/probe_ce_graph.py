@@ -53,47 +53,33 @@ def gpu_ops(fn) -> dict:
     return counts
 
 
-def virtual_modes(world: int, m: int, n: int, k: int) -> dict:
-    """Per mode (call, error after the last call, engines) on W virtual ranks of one GPU."""
-    as_ = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
+def virtual_modes(op: str, world: int, m: int, n: int, k: int) -> dict:
+    """Per mode (call, error after the last call, /ce launches) on W virtual ranks of one GPU:
+    op "gemm_rs" (each rank's A [M, K_local]) or "ag_gemm" (each rank's A [M / W, K], its own B)."""
+    rows = m if op == "gemm_rs" else m // world
+    as_ = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
     bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(world)]
-    total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
-    rows = m // world
+    if op == "gemm_rs":
+        total = sum(a.float() @ b.float() for a, b in zip(as_, bs))
+        expected = [total[r * (m // world):(r + 1) * (m // world)] for r in range(world)]
+    else:
+        gathered = torch.cat([a.float() for a in as_])
+        expected = [gathered @ b.float() for b in bs]
+    config = CONFIG if op == "gemm_rs" else AG_CONFIG
     modes = {}
     for name, flag in MODES:
         os.environ["AXEDIST_CE_GRAPHS"] = flag
         ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
-        outs = ranks.gemm_reduce_scatter(as_, bs, config=CONFIG)
+        call = getattr(ranks, "gemm_reduce_scatter" if op == "gemm_rs" else "all_gather_gemm")
+        outs = call(as_, bs, config=config)
         ranks.check()
+        launches = [plan.replay for plan in ranks.last_plans] if op == "gemm_rs" else [
+            launch for plan in ranks.last_plans for launch in plan.launches.values()]
 
         def error(ranks=ranks, outs=outs):
             ranks.check()
-            return max(relative_error(out, total[r * rows:(r + 1) * rows])
-                       for r, out in enumerate(outs))
-        modes[name] = (lambda r=ranks, o=outs: r.gemm_reduce_scatter(as_, bs, o, config=CONFIG),
-                       error, [call.replay for call in ranks.last_plans])
-    os.environ.pop("AXEDIST_CE_GRAPHS")
-    return modes
-
-
-def virtual_ag_modes(world: int, m: int, n: int, k: int) -> dict:
-    """The same for the all-gather + GEMM (/gl/ce): each rank's A [M / W, K], its own B."""
-    as_ = [torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16) for _ in range(world)]
-    bs = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(world)]
-    gathered = torch.cat([a.float() for a in as_])
-    modes = {}
-    for name, flag in MODES:
-        os.environ["AXEDIST_CE_GRAPHS"] = flag
-        ranks = VirtualRanks(world, 64 << 20, processors=multiprocessors(0) // (2 * world))
-        outs = ranks.all_gather_gemm(as_, bs, config=AG_CONFIG)
-        ranks.check()
-
-        def error(ranks=ranks, outs=outs):
-            ranks.check()
-            return max(relative_error(out, gathered @ b.float()) for out, b in zip(outs, bs))
-        modes[name] = (lambda r=ranks, o=outs: r.all_gather_gemm(as_, bs, o, config=AG_CONFIG),
-                       error, [launch for call in ranks.last_plans
-                               for launch in call.launches.values()])
+            return max(relative_error(out, ref) for out, ref in zip(outs, expected))
+        modes[name] = (lambda c=call, o=outs: c(as_, bs, o, config=config), error, launches)
     os.environ.pop("AXEDIST_CE_GRAPHS")
     return modes
 
@@ -167,10 +153,7 @@ def main():
         cases = [("gemm_rs", world, shape) for world, shape in cases]
     results = []
     for op, world, (m, n, k) in cases:
-        if real:
-            modes = real_modes(m, n, k)
-        else:
-            modes = (virtual_modes if op == "gemm_rs" else virtual_ag_modes)(world, m, n, k)
+        modes = real_modes(m, n, k) if real else virtual_modes(op, world, m, n, k)
         row = dict(measure(modes, world, real), op=op, m=m, n=n, k=k)
         results.append(row)
         per_rank = 1 if real else world
