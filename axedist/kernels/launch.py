@@ -200,6 +200,7 @@ class StreamGraph:
         runtime = copy_engine_runtime()
         first = streams[0]
         self.runtime, self.graph, self.executable = runtime, None, None
+        self.dropped = StreamGraph._dropped  # (no global lookup in __del__ at interpreter exit)
         StreamGraph.destroy_dropped(runtime)
         (error,) = runtime.cudaStreamBeginCapture(
             first.cuda_stream, runtime.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
@@ -258,7 +259,7 @@ class StreamGraph:
     def __del__(self) -> None:
         # destroyed when the next graph is made (outside any capture), not now: the last
         # reference may go while the caller captures a CUDA graph, which a destroy would break
-        StreamGraph._dropped.append((self.executable, self.graph))
+        self.dropped.append((self.executable, self.graph))
 
     @staticmethod
     def destroy_dropped(runtime) -> None:
