@@ -197,10 +197,10 @@ class StreamGraph:
     _dropped: list = []  # (executable, graph) of graphs dropped since the last one was made
 
     def __init__(self, streams: list, issue) -> None:
-        runtime = copy_engine_runtime()
+        # (__del__ appends through self.dropped: no global lookup at interpreter exit)
+        self.graph, self.executable, self.dropped = None, None, StreamGraph._dropped
+        self.runtime = runtime = copy_engine_runtime()
         first = streams[0]
-        self.runtime, self.graph, self.executable = runtime, None, None
-        self.dropped = StreamGraph._dropped  # (no global lookup in __del__ at interpreter exit)
         StreamGraph.destroy_dropped(runtime)
         (error,) = runtime.cudaStreamBeginCapture(
             first.cuda_stream, runtime.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
