@@ -188,12 +188,11 @@ class FusedCall:
             self.replay = None
         return ops, workspace
 
-    def _replays(self, ops, out: torch.Tensor, timeout_s: float | None, workspace) -> bool:
+    def _replays(self, aligned: bool, timeout_s: float | None, workspace) -> bool:
         """Whether the prepared launch serves this call: one was built (for this shape, config
         and workspace: _setup drops it when they change), the pointers are 16-byte aligned as
-        it assumed, and the timeout is the default it was built with."""
-        return (self.replay is not None and timeout_s is None
-                and (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
+        it assumed (`aligned`), and the timeout is the default it was built with."""
+        return (self.replay is not None and aligned and timeout_s is None
                 and self.replay.timeout_ns == workspace.timeout_ns())
 
     def prepare(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
@@ -204,7 +203,7 @@ class FusedCall:
 
         ops, workspace = self._setup(a, b)
         workspace.set_timeout(timeout_s)
-        if self._replays(ops, out, timeout_s, workspace):
+        if self._replays(_aligned(ops, out), timeout_s, workspace):
             return  # loaded, and built for calls like this one
         prepared = gemm_rs.launch(ops, self.config, self.world, self.rank, None, out, workspace,
                                   multimem=self.plan.backend == "multimem", compile_only=True)
@@ -231,10 +230,10 @@ class FusedCall:
                              f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}")
         out = out.view(rows, ops.n)  # the kernels write [M / W, N] rows (TMA: a 2-D descriptor)
         workspace.begin_call("gemm_reduce_scatter", timeout_s)
-        if self._replays(ops, out, timeout_s, workspace):
+        aligned = _aligned(ops, out)
+        if self._replays(aligned, timeout_s, workspace):
             self.replay(ops, out)  # the same call as before: only operands and output change
         else:
-            aligned = (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
             self.replay = gemm_rs.launch(
                 ops, self.config, world, self.rank, None, out, workspace,
                 multimem=self.plan.backend == "multimem",
@@ -242,6 +241,11 @@ class FusedCall:
         if check:
             workspace.check(synchronize=True)
         return out.view(lead[0] // world, *lead[1:], ops.n) if len(lead) > 1 else out
+
+
+def _aligned(ops, out: torch.Tensor) -> bool:
+    """Whether A, B and out start at 16-byte boundaries (what a prepared launch assumes)."""
+    return (ops.a.data_ptr() | ops.b.data_ptr() | out.data_ptr()) % 16 == 0
 
 
 _calls: dict[tuple, FusedCall] = memo("collectives.fused calls")

@@ -46,13 +46,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from . import schedule
-from ..env import read as read_environment
 from .gemm import gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, mma_step,
                          shared_layout, store_tile_halves)
 from .gemm_rs import descriptor, launch_template
 from .launch import (CompiledLaunch, StreamGraph, copy_bytes_async, copy_engine_runtime,
-                     copy_engines_usable, copy_rows_async)
+                     copy_engines_usable, copy_rows_async, graphs_per_parity)
 from .primitives import (grouped_tile, call_epoch, claim_task, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          engine_chunk_epoch, engine_flag_index, ld_acquire_sys, multimem_st_16bytes, peer_pointers,
                          pick, st_release_sys, wait_engine_chunk, wait_flag)
@@ -913,52 +912,43 @@ class AllGatherGemmLaunch:
             raise ValueError(f"all_gather_gemm: at most {schedule.ENGINE_CHUNKS} copy-engine "
                              f"chunks, the config asks {config.pieces}")
         self.row_bytes = ops.k * ops.a.element_size()
+        if ops.a.stride(0) != ops.k:  # (prepare_operands' A always is: the copies assume it)
+            raise ValueError("all_gather_gemm /ce: A's rows must be contiguous (prepare_operands)")
         # each flag gets the rank's last finished epoch (state word 0)
         self.chunk_blocks, self.copies = engine_transfers(
             workspace, ops.m, self.row_bytes, config.block_m, config.pieces, self.half_rows)
         self.workspace, self.epoch_word = workspace, workspace.state.data_ptr()
         self.ready, self.sent = torch.cuda.Event(), torch.cuda.Event()
         # per epoch parity, the call's copies as a CUDA graph whose row copies take each call's
-        # A (made now, before any virtual rank's kernel spins) where AXEDIST_CE_GRAPHS is on and
-        # A's rows are contiguous (prepare_operands makes them so); graph_error: why they are
-        # issued one by one instead
-        self.graphs, self.graph_error = [], None
-        if not read_environment("AXEDIST_CE_GRAPHS"):
-            self.graph_error = "AXEDIST_CE_GRAPHS is off"
-        elif torch.cuda.is_current_stream_capturing():
-            self.graph_error = "prepared inside a CUDA graph capture"
-        elif ops.a.stride(0) * ops.a.element_size() != self.row_bytes:
-            self.graph_error = "A's rows are not contiguous (2-D copies)"
-        else:
-            try:
-                self.graphs = [self._capture_sends(ops.a, parity) for parity in (0, 1)]
-            except RuntimeError as error:
-                self.graphs, self.graph_error = [], str(error)
+        # A (made now, before any virtual rank's kernel spins; A's rows are contiguous:
+        # prepare_operands makes them so, and a launch serves only calls of its layout);
+        # graph_error: why they are issued one by one instead
+        self.graphs, self.graph_error = graphs_per_parity(
+            lambda parity: self._capture_sends(ops.a, parity))
         self.pushing = AllGatherGemmLaunch(ops, out, dataclasses.replace(config, engine=False),
                                            workspace, copy_out=copy_out)
 
-    def _issue_sends(self, a_address: int, pitch: int, parity: int, stream: int,
-                     flat: bool = False) -> None:
-        """The copies of a call of this epoch parity on `stream`: each chunk of rows (A at
-        `a_address`, rows `pitch` bytes apart) into every peer's gathered buffer, then this
-        rank's last finished epoch (state word 0) into the peer's flag of the chunk. flat (rows
-        contiguous): each chunk as a 1-D copy, whose source a graph can change per call."""
+    def _issue_sends(self, a_address: int, parity: int, stream: int, flat: bool = False) -> None:
+        """The copies of a call of this epoch parity on `stream`: each chunk of rows (A, row-major,
+        at `a_address`) into every peer's gathered buffer, then this rank's last finished epoch
+        (state word 0) into the peer's flag of the chunk. flat: each chunk as a 1-D copy, whose
+        source a graph can change per call (else a 2-D one, as measured issued)."""
         runtime, row_bytes = copy_engine_runtime(), self.row_bytes
         for begin, rows, target, flag in self.copies[parity]:
+            source = a_address + begin * row_bytes
             if flat:
-                copy_bytes_async(runtime, target, a_address + begin * pitch, rows * row_bytes,
-                                 stream)
+                copy_bytes_async(runtime, target, source, rows * row_bytes, stream)
             else:
-                copy_rows_async(runtime, target, row_bytes, a_address + begin * pitch, pitch,
-                                row_bytes, rows, stream)
+                copy_rows_async(runtime, target, row_bytes, source, row_bytes, row_bytes, rows,
+                                stream)
             copy_rows_async(runtime, flag, 4, self.epoch_word, 4, 4, 1, stream)
 
     def _capture_sends(self, a: torch.Tensor, parity: int) -> tuple:
         """(graph, [(its row copy's node, first row, rows, target)]) of this parity's copies,
         captured with `a`'s rows as the source (each call sets its own)."""
         side = self.workspace.copy_streams()[0]
-        graph = StreamGraph([side], lambda: self._issue_sends(a.data_ptr(), self.row_bytes,
-                                                              parity, side.cuda_stream, True))
+        graph = StreamGraph([side], lambda: self._issue_sends(a.data_ptr(), parity,
+                                                              side.cuda_stream, True))
         nodes = graph.copy_nodes()
         if any(target not in nodes for _, _, target, _ in self.copies[parity]):
             raise RuntimeError("a row copy of the captured graph was not found by its target")
@@ -975,14 +965,14 @@ class AllGatherGemmLaunch:
         side = self.workspace.copy_streams()[0]
         self.ready.record(current)
         side.wait_event(self.ready)
-        parity, pitch = self.workspace.call_epoch() % 2, a.stride(0) * a.element_size()
-        if self.graphs and pitch == self.row_bytes:
+        parity, row_bytes = self.workspace.call_epoch() % 2, self.row_bytes
+        if self.graphs:
             graph, nodes = self.graphs[parity]
             for node, begin, rows, target in nodes:
-                graph.set_copy(node, target, a.data_ptr() + begin * pitch, rows * pitch)
+                graph.set_copy(node, target, a.data_ptr() + begin * row_bytes, rows * row_bytes)
             graph.launch(side.cuda_stream)
         else:
-            self._issue_sends(a.data_ptr(), pitch, parity, side.cuda_stream)
+            self._issue_sends(a.data_ptr(), parity, side.cuda_stream)
         self.sent.record(side)
 
     def __call__(self, ops, out: torch.Tensor, gathered: torch.Tensor | None = None) -> None:

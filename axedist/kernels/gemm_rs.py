@@ -31,13 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from . import schedule
 from ..caches import memo
-from ..env import read as read_environment
 from .gemm import DescriptorBase, gemm_tile, tma_compatible
 from .gemm_gluon import (EPILOGUE_SPLIT, accumulator_layout, allocate_ring, issue_load,
                          mma_step, shared_layout, store_tile_halves)
 from .launch import (CompiledLaunch, StreamGraph, copy_engine_runtime, copy_engines_usable,
-                     copy_rows_async, multiprocessors, stream_memory_driver, take_flag_async,
-                     wait_value_async)
+                     copy_rows_async, graphs_per_parity, multiprocessors, stream_memory_driver,
+                     take_flag_async, wait_value_async)
 from .primitives import (grouped_tile, STATE_WORDS, bulk_stores_complete, call_epoch, claim_task,
                          clock_cycles, fence_acq_rel_sys, fence_proxy_async, finish_call,
                          globaltimer, load_reduce,
@@ -1494,15 +1493,10 @@ class EngineReduceScatter:
         self.ready = torch.cuda.Event()
         self.sent = [torch.cuda.Event() for _ in self.sides]
         # per epoch parity, the call's copies as a CUDA graph, made now (before any virtual
-        # rank's kernel spins: instantiating may wait for the GPU) where AXEDIST_CE_GRAPHS is
-        # on; graph_error: why they are issued one by one instead
-        self.graphs, self.graph_error = [], None
-        if not read_environment("AXEDIST_CE_GRAPHS"):
-            self.graph_error = "AXEDIST_CE_GRAPHS is off"
-        elif torch.cuda.is_current_stream_capturing():
-            self.graph_error = "prepared inside a CUDA graph capture"
-        else:
-            self._capture_copies()
+        # rank's kernel spins: instantiating may wait for the GPU); graph_error: why they are
+        # issued one by one instead
+        self.graphs, self.graph_error = graphs_per_parity(lambda parity: StreamGraph(
+            self.sides, lambda: self._issue_copies(parity, None)))
         # the push kernel a CUDA graph capture runs, loaded now (no module loads while capturing)
         self.pushing = dataclasses.replace(config, engine=False, push=True)
         launch(ops, self.pushing, world, rank, None, out, workspace, compile_only=True)
@@ -1524,15 +1518,6 @@ class EngineReduceScatter:
                 wait_value_async(driver, stream, out_flag, epoch)
             copy_rows_async(runtime, target, pitch, source, pitch, row_bytes, rows, stream)
             copy_rows_async(runtime, flag, 4, state, 4, 4, 1, stream)
-
-    def _capture_copies(self) -> None:
-        """The two parities' copies as CUDA graphs (one cudaGraphLaunch a call instead of
-        three CUDA calls per chunk), or, where the driver cannot capture them, graph_error."""
-        try:
-            self.graphs = [StreamGraph(self.sides, lambda parity=parity: self._issue_copies(
-                parity, None)) for parity in (0, 1)]
-        except RuntimeError as error:
-            self.graphs, self.graph_error = [], str(error)
 
     def __call__(self, ops: _Operands, out: torch.Tensor) -> None:
         workspace = self.workspace

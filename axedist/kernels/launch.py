@@ -28,6 +28,7 @@ import inspect
 import torch
 
 from ..caches import cached
+from ..env import read as read_environment
 
 
 @cached(maxsize=None)
@@ -270,6 +271,21 @@ class StreamGraph:
                 runtime.cudaGraphExecDestroy(executable)
             if graph is not None:
                 runtime.cudaGraphDestroy(graph)
+
+
+def graphs_per_parity(capture) -> tuple[list, str | None]:
+    """(graphs, why not) of a copy-engine call being prepared: capture(parity) for both epoch
+    parities (a StreamGraph each, or what the caller keeps with it) where AXEDIST_CE_GRAPHS is on,
+    no CUDA graph is being captured on the current stream and the driver can capture them;
+    else no graphs and the reason (the call then issues its copies one by one)."""
+    if not read_environment("AXEDIST_CE_GRAPHS"):
+        return [], "AXEDIST_CE_GRAPHS is off"
+    if torch.cuda.is_current_stream_capturing():
+        return [], "prepared inside a CUDA graph capture"
+    try:
+        return [capture(parity) for parity in (0, 1)], None
+    except RuntimeError as error:
+        return [], str(error)
 
 
 def copy_engines_usable() -> bool:
