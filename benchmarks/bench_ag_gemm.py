@@ -148,7 +148,7 @@ def run_multi(args):
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
         row["host_us"] = {name: host_time_us(columns[name], calls=20, repeats=3)
-                          for name in ("seq", "fused", "fused_ce", "fused_gl_ce") if name in columns}
+                          for name in ("seq", "fused", "fused_ce", "fused_gl_ce", "auto") if name in columns}
         torch.cuda.synchronize()
         dist.barrier()
         ax.all_gather_gemm(a, b, backend="p2p", out=fused_out, check=True)

@@ -196,7 +196,7 @@ def main():
         queued.setdefault("symm", None)
         row["auto_backend"] = plan_gemm_reduce_scatter(a, b, None).backend
         host = row["host_us"] = {}
-        for name in ("seq", "symm", "fused", "gemm_only"):
+        for name in ("seq", "symm", "fused", "auto", "gemm_only"):  # auto: W=4's eager gap at M = 128 / 512
             if name in columns:
                 torch.cuda.synchronize()
                 begin = time.perf_counter()
@@ -346,7 +346,8 @@ def write_outputs(results, world, out_dir, meta=None):
         lines += ["", "CPU us per call (20 calls, no sync inside): "
                   + "; ".join(f"{r['M']}x{r['N']}x{r['K_local']}: fused {r['host_us']['fused']:.0f}, "
                               f"seq {r['host_us']['seq']:.0f}, symm "
-                              f"{r['host_us'].get('symm') or float('nan'):.0f}" for r in results)]
+                              f"{r['host_us'].get('symm') or float('nan'):.0f}, auto "
+                              f"{r['host_us'].get('auto') or float('nan'):.0f}" for r in results)]
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
