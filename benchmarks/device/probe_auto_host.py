@@ -1,0 +1,108 @@
+"""Host cost of the cuBLAS + NCCL path that ``gemm_reduce_scatter``'s ``auto`` runs at the
+inference shapes (issue 28: at W = 4, M = 128 / 512, eager ``auto`` took 0.249 / 0.251 ms against
+0.128 / 0.129 for the same pair called directly, ``results/gemm_rs_w4.md``), taken apart on one
+GPU with a one-rank NCCL group:
+
+    torchrun --nproc-per-node 1 benchmarks/device/probe_auto_host.py [--out DIR]
+
+At W = 1 the call itself runs a plain matmul, so the probe times the torch path's pieces as that
+path calls them (``fallback.reduce_scatter`` and ``fallback.copy_out``, the functions the W >= 2
+branch of ``run_gemm_reduce_scatter`` uses) beside the pair on preallocated tensors (the
+benchmark's ``seq``) and with fresh ones:
+
+    seq         torch.mm(a, b, out=partial); reduce_scatter_into(rs_out, partial)
+    seq_fresh   the same, product and output allocated each call
+    torch_path  torch.matmul, fallback.reduce_scatter (contiguous, empty, NCCL), copy_out
+    auto_w1     gemm_reduce_scatter(a, b) at W = 1 (the dispatch and its matmul only)
+
+Per column: host us per call issued behind a sleep kernel (timing.host_time_us: a call that waits
+for the GPU shows as hundreds of us), host us per call from an idle GPU (bench_gemm_rs's way),
+eager ms (blocks of three calls, the last timed) and the CUDA runtime calls one call makes
+(profiler), so a hidden synchronisation or allocation is named. Writes DIR/probe_auto_host.json.
+"""
+import argparse
+import collections
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from axedist.collectives import fallback, gemm_reduce_scatter, reduce_scatter_into
+from axedist.collectives.timing import host_time_us, time_interleaved
+
+SHAPES = ((128, 8192, 7168), (512, 8192, 7168), (2048, 8192, 2048))
+
+
+def idle_host_us(fn, calls: int = 20) -> float:
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - begin) / calls * 1e6
+
+
+def runtime_calls(fn, calls: int = 10) -> dict:
+    """CUDA runtime / driver calls per call of fn, by name (the profiler's cuda_runtime events)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    counts = collections.Counter(event.name for event in prof.events()
+                                 if event.name.startswith(("cuda", "cu")) and event.device_type.name == "CPU")
+    counts.pop("cudaDeviceSynchronize", None)  # the profile's own
+    return {name: round(count / calls, 2) for name, count in sorted(counts.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    results = []
+    for m, n, k in SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # nn.Linear's weight.t()
+        partial = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        rs_out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+
+        def seq():
+            torch.mm(a, b, out=partial)
+            reduce_scatter_into(rs_out, partial)
+
+        def seq_fresh():
+            product = torch.mm(a, b)
+            out = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16)
+            reduce_scatter_into(out, product)
+
+        def torch_path():
+            product = torch.matmul(a, b)
+            result = fallback.reduce_scatter(product.movedim(0, 0).contiguous(), None).movedim(0, 0)
+            return fallback.copy_out("gemm_reduce_scatter", result.contiguous(), None)
+
+        columns = dict(seq=seq, seq_fresh=seq_fresh, torch_path=torch_path,
+                       auto_w1=lambda: gemm_reduce_scatter(a, b))
+        reference = (a.float() @ b.float()).bfloat16()
+        error = ((torch_path().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+        row = dict(M=m, N=n, K=k, world=world, torch_path_rel_err=error,
+                   eager_ms=time_interleaved(columns, reps=30, block=3),
+                   host_us_queued={name: host_time_us(fn, calls=50, repeats=5) for name, fn in columns.items()},
+                   host_us_idle={name: idle_host_us(fn) for name, fn in columns.items()},
+                   runtime_calls={name: runtime_calls(fn) for name, fn in columns.items()})
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    meta = dict(commit=os.environ.get("AXEDIST_COMMIT", "unknown"), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    with open(os.path.join(args.out, "probe_auto_host.json"), "w") as handle:
+        json.dump(dict(meta=meta, rows=results), handle, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
