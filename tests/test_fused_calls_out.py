@@ -1,7 +1,8 @@
 """out= of the fused GEMM + collective calls on the torch path (CPU, gloo ranks): the product is
 written into the given tensor, given in the product's shape or with its rows flattened
 ([rows, N], as the fused kernels take it), and the call returns that tensor in the product's
-shape, equal bit for bit to the product of every rank's operands (bf16 small integers: exact).
+shape, equal bit for bit to the product of every rank's operands (bf16 small integers: exact);
+an out whose rows are a slice of a wider buffer (unit column stride) is written in place.
 An out of another shape (even with as many elements) or dtype is refused on the rank given it,
 after the call's collective: where only rank 0 is given a bad one, it raises and its peers get
 their products (nobody is left waiting in a collective). At W = 1 gemm_reduce_scatter used to
@@ -36,6 +37,14 @@ def out_body(rank, world):
             torch.testing.assert_close(out.reshape(expected.shape).float(), expected, rtol=0, atol=0)
             cases.append((name, tuple(shape)))
         rows = expected.numel() // expected.shape[-1]
+        # rows not contiguous (a slice of a wider buffer): unit column stride is all out needs
+        wide = torch.full((rows, 2 * expected.shape[-1]), float("nan"), dtype=torch.bfloat16)
+        strided = wide[:, :expected.shape[-1]]
+        result = call(strided)
+        assert result.data_ptr() == wide.data_ptr() and result.shape == expected.shape, name
+        torch.testing.assert_close(result.float(), expected, rtol=0, atol=0)
+        assert wide[:, expected.shape[-1]:].isnan().all(), name
+        cases.append((name, "rows strided"))
         for bad in (torch.empty(expected.shape[-1], rows, dtype=torch.bfloat16),
                     torch.empty(expected.shape, dtype=torch.float32)):
             with pytest.raises(ValueError, match=f"{name.split()[0]}: out must be"):
@@ -81,4 +90,4 @@ def out_body(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fused_calls_write_out_on_the_torch_path(world):
     results = run_on_ranks(out_body, world)
-    assert len(results) == world and all(len(cases) == 8 for cases in results), results
+    assert len(results) == world and all(len(cases) == 12 for cases in results), results

@@ -316,6 +316,8 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     if plan.backend == "torch":
         if plan.world == 1:
             return fallback.matmul_out("gemm_reduce_scatter", a, b, out)
+        if scatter_dim % a.dim() == 0:
+            return fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, group, out)
         product = torch.matmul(a, b)
         dim = scatter_dim % product.dim()
         result = fallback.reduce_scatter(product.movedim(dim, 0).contiguous(), group).movedim(0, dim)

@@ -12,7 +12,10 @@ benchmark's ``seq``) and with fresh ones:
 
     seq         torch.mm(a, b, out=partial); reduce_scatter_into(rs_out, partial)
     seq_fresh   the same, product and output allocated each call
-    torch_path  torch.matmul, fallback.reduce_scatter (contiguous, empty, NCCL), copy_out
+    torch_path  torch.matmul, fallback.reduce_scatter (contiguous, empty, NCCL), copy_out: the
+                W >= 2 path until 6a93dc5 (kept here as the "before")
+    lean        fallback.matmul_reduce_scatter: what that path runs since (one mm of a's rows,
+                NCCL straight into the result)
     auto_w1     gemm_reduce_scatter(a, b) at W = 1 (the dispatch and its matmul only)
 
 Per column: host us per call issued behind a sleep kernel (timing.host_time_us: a call that waits
@@ -87,10 +90,12 @@ def main() -> None:
             return fallback.copy_out("gemm_reduce_scatter", result.contiguous(), None)
 
         columns = dict(seq=seq, seq_fresh=seq_fresh, torch_path=torch_path,
+                       lean=lambda: fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, None, None),
                        auto_w1=lambda: gemm_reduce_scatter(a, b))
         reference = (a.float() @ b.float()).bfloat16()
-        error = ((torch_path().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-        row = dict(M=m, N=n, K=k, world=world, torch_path_rel_err=error,
+        errors = {name: ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
+                  for name, fn in (("torch_path", torch_path), ("lean", columns["lean"]))}
+        row = dict(M=m, N=n, K=k, world=world, rel_err=errors,
                    eager_ms=time_interleaved(columns, reps=30, block=3),
                    host_us_queued={name: host_time_us(fn, calls=50, repeats=5) for name, fn in columns.items()},
                    host_us_idle={name: idle_host_us(fn) for name, fn in columns.items()},
