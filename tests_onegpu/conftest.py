@@ -48,9 +48,8 @@ def group():
     again between test files would leave pointing at an aborted communicator."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
-        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    if not dist.is_initialized():  # an in-process store: no port, so xdist workers never collide
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
     yield dist.group.WORLD
     dist.destroy_process_group()
