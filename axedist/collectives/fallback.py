@@ -75,7 +75,7 @@ def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group,
     0.128 for the pair called directly (results/gemm_rs_w4.md, M = 128). A bad out raises after
     the collective, as ``copy_out``'s does, so that its peers get their results."""
     world = dist.get_world_size(group)
-    product = torch.mm(a.reshape(-1, a.shape[-1]), b)
+    product = torch.mm(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b)
     shape = (a.shape[0] // world, *a.shape[1:-1], b.shape[-1])
     try:
         into, refused = product_out(op, out, shape, product.dtype, product.device), None
@@ -83,7 +83,8 @@ def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group,
         into, refused = None, error
     direct = into is not None and into.is_contiguous()
     result = into if direct else torch.empty(shape, dtype=product.dtype, device=product.device)
-    reduce_scatter_into(result.view(-1, product.shape[-1]), product, group=group)
+    reduce_scatter_into(result if result.dim() == 2 else result.view(-1, product.shape[-1]), product,
+                        group=group)
     if refused is not None:
         raise refused
     return result if into is None or direct else into.copy_(result)
