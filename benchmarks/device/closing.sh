@@ -11,7 +11,8 @@
 #                                       # ag_gemm (design + llama8b shapes -> 'auto'),
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL, decode (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
-#                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs)
+#                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs;
+#                                       # BENCHES=ce_graphs: AXEDIST_CE_GRAPHS's probe and TP step, off and on)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Step times on 4x H200 (2026-11-28, warm Triton cache after precompile): tests_multigpu W=4 317 s
 # (+120 s for test_every_candidate_config_and_gemm_only_mode), W=2 ~280 s, tests_onegpu halves
@@ -110,6 +111,16 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
     decode) # the decode stack (eager, CUDA graphs) vs torch, the row-parallel GEMMs and the fused layer tail (DECODE_ARGS=--profile: kernels per graph step)
       step bench_decode 200 torchrun --nproc-per-node $W benchmarks/bench_decode.py --reps 20 --batches 1,8,64 ${DECODE_ARGS:-} --out "$RESULTS" ;;
+    ce_graphs) # AXEDIST_CE_GRAPHS (opt-in until this runs on 2+ GPUs): the probe on real ranks (host and device
+      # time of both modes; whether the GPU runs a graph's peer copies as copy-engine memcpys or as kernels),
+      # then the TP step eager at batch 8, where both sides wait on their host (902a153 at W = 4: host
+      # 121.8 vs torch 113.9 ms), without and with the graphs; torch's side in both runs is the anchor
+      mkdir -p "$RESULTS/ce_graphs"
+      step ce_graph_probe 90 env OUT="$RESULTS/ce_graphs" torchrun --nproc-per-node $W benchmarks/device/probe_ce_graph.py
+      for mode in 0 1; do
+        step bench_tp_ce_graphs_$mode 150 env AXEDIST_CE_GRAPHS=$mode torchrun --nproc-per-node $W benchmarks/bench_tp.py \
+          --cuda --preset llama8b --batch 8 --steps 10 --check-steps 0 --out "$RESULTS/ce_graphs/$mode"
+      done ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
       step bench_collectives_w8 240 torchrun --nproc-per-node 8 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"
