@@ -26,6 +26,9 @@ if (( GPUS >= 2 )); then
   # the /ce copies as one CUDA graph (AXEDIST_CE_GRAPHS, opt-in): host and device time of both
   # modes, and whether the driver runs a graph's peer copies on the copy engines or as kernels
   step ce_graph_w2 60 env OUT="$RESULTS" torchrun --nproc-per-node 2 benchmarks/device/probe_ce_graph.py
+  # and the eager TP step with them on (against bench_tp_w2 above, torch's side the anchor of both)
+  step bench_tp_w2_ce_graphs 100 env AXEDIST_CE_GRAPHS=1 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda \
+    --preset llama8b --steps 10 --check-steps 0 --out "$RESULTS/ce_graphs"
   # the README's GPU job at TP=2: train, then decode from its checkpoint eagerly and in CUDA graphs
   # (the checkpoint stays on the machine: /tmp, not $OUT)
   step main_w2 150 bash -c "torchrun --nproc-per-node 2 launch/train_tp.py --cuda --out /tmp/axedist_train_tp \
