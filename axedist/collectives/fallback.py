@@ -70,10 +70,10 @@ def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group,
                           out: torch.Tensor | None) -> torch.Tensor:
     """reduce_scatter(a @ b) over dim 0, as a program calls the pair: one ``torch.mm`` of a's rows
     (a [..., K], b [K, N]), the collective straight into ``out`` where its rows are contiguous,
-    else into a fresh tensor (copied into a row-strided out). No other op: at W = 4 the eager
-    call of the general path (matmul, movedim, contiguous, a copy out) took 0.249 ms against
-    0.128 for the pair called directly (results/gemm_rs_w4.md, M = 128). A bad out raises after
-    the collective, as ``copy_out``'s does, so that its peers get their results."""
+    else into a fresh tensor (copied into a row-strided out), and no other op around the pair
+    (the general path adds matmul's dispatch, dim moves, contiguous checks and a copy out:
+    results/probe_auto_host.md). A bad out raises after the collective, as ``copy_out``'s does,
+    so that its peers get their results."""
     world = dist.get_world_size(group)
     product = torch.mm(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b)
     shape = (a.shape[0] // world, *a.shape[1:-1], b.shape[-1])
