@@ -5,7 +5,8 @@
 #                                       # (TESTS narrows them; ONEGPU=0 skips the one-GPU suite, W2=0 the W=2 run:
 #                                       # on a fresh 2-GPU machine the two do not fit one call, 2026-11-30:
 #                                       # halves > 240 s each compiling every kernel, W=2 321 s; so
-#                                       # W2=0 LIMIT_ONEGPU=420 in one call, ONEGPU=0 in the next)
+#                                       # W2=0 LIMIT_ONEGPU=420 in one call, ONEGPU=0 in the next;
+#                                       # that was before the halves ran xdist workers, ONEGPU_JOBS)
 #   bash benchmarks/device/closing.sh benches  # fused GEMM+RS W=4/W=2, collectives tile sweep, redistribute,
 #                                       # model_tables (the fused kernels at bench_tp's llama8b calls -> 'auto'),
 #                                       # ag_gemm (design + llama8b shapes -> 'auto'),
@@ -36,21 +37,27 @@ if [[ $MODE == tests ]]; then
   PYTEST="python3 -m pytest -v -rfEx -p no:cacheprovider --durations=${DURATIONS:-40}"
   python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout ${TEST_TIMEOUT:-240}"
   GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  # xdist workers per GPU for the one-GPU suite's halves (their kernels compile side by side; six on
+  # one GPU ran the whole suite in 188-259 s, 2026-12-01; three per half not yet run on 2+ GPUs)
+  WORKERS="-n ${ONEGPU_JOBS:-3} --dist load"
+  # the halves: every file of tests_onegpu once (until 2026-12-01 the halves left out four files)
+  ONEGPU_A="tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py tests_onegpu/test_cached_routes_cuda.py tests_onegpu/test_fused_out_cuda.py"
+  ONEGPU_B="tests_onegpu --ignore=tests_onegpu/test_virtual_tp.py --ignore=tests_onegpu/test_compile_onegpu.py --ignore=tests_onegpu/test_cached_routes_cuda.py --ignore=tests_onegpu/test_fused_out_cuda.py"
   [[ -f benchmarks/precompile_collectives.py ]] && step precompile 60 python3 benchmarks/precompile_collectives.py --worlds 2 4 --jobs 48
   if (( GPUS >= 4 )); then
     # W=4 on all four; then W=2 on GPUs 0,1 while the one-GPU suite runs in two halves on GPUs 2 and 3
     CUDA_VISIBLE_DEVICES=0,1,2,3 step pytest_w4 ${LIMIT_W4:-300} $PYTEST $TESTS
     CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-300} $PYTEST $TESTS &
     if [[ ${ONEGPU:-1} == 1 ]]; then
-      CUDA_VISIBLE_DEVICES=2 step pytest_onegpu_a ${LIMIT_ONEGPU:-300} $PYTEST tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py &
-      CUDA_VISIBLE_DEVICES=3 step pytest_onegpu_b ${LIMIT_ONEGPU:-300} $PYTEST tests_onegpu/test_virtual_fused.py tests_onegpu/test_virtual_collectives.py tests_onegpu/test_gemm_core.py &
+      CUDA_VISIBLE_DEVICES=2 step pytest_onegpu_a ${LIMIT_ONEGPU:-300} $PYTEST $WORKERS $ONEGPU_A &
+      CUDA_VISIBLE_DEVICES=3 step pytest_onegpu_b ${LIMIT_ONEGPU:-300} $PYTEST $WORKERS $ONEGPU_B &
     fi
     wait
   elif (( GPUS >= 2 )); then
     # the one-GPU suite in two halves on GPUs 0 and 1 side by side, then W=2 on both
     if [[ ${ONEGPU:-1} == 1 ]]; then
-      CUDA_VISIBLE_DEVICES=0 step pytest_onegpu_a ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py &
-      CUDA_VISIBLE_DEVICES=1 step pytest_onegpu_b ${LIMIT_ONEGPU:-240} $PYTEST tests_onegpu/test_virtual_fused.py tests_onegpu/test_virtual_collectives.py tests_onegpu/test_gemm_core.py &
+      CUDA_VISIBLE_DEVICES=0 step pytest_onegpu_a ${LIMIT_ONEGPU:-240} $PYTEST $WORKERS $ONEGPU_A &
+      CUDA_VISIBLE_DEVICES=1 step pytest_onegpu_b ${LIMIT_ONEGPU:-240} $PYTEST $WORKERS $ONEGPU_B &
       wait
     fi
     [[ ${W2:-1} == 1 ]] && CUDA_VISIBLE_DEVICES=0,1 step pytest_w2 ${LIMIT_W2:-330} $PYTEST $TESTS
