@@ -38,7 +38,8 @@ if [[ $MODE == tests ]]; then
   python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST --timeout ${TEST_TIMEOUT:-240}"
   GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
   # xdist workers per GPU for the one-GPU suite's halves (their kernels compile side by side; six on
-  # one GPU ran the whole suite in 188-259 s, 2026-12-01; three per half not yet run on 2+ GPUs)
+  # one GPU ran the whole suite in 188-259 s, 2026-12-01; both halves at three each side by side on
+  # one fresh GPU 264 s; not yet run on 2+ GPUs)
   WORKERS="-n ${ONEGPU_JOBS:-3} --dist load"
   # the halves: every file of tests_onegpu once (until 2026-12-01 the halves left out four files)
   ONEGPU_A="tests_onegpu/test_virtual_tp.py tests_onegpu/test_compile_onegpu.py tests_onegpu/test_cached_routes_cuda.py tests_onegpu/test_fused_out_cuda.py"
