@@ -13,7 +13,8 @@
 #                                       # TP and FSDP x TP training steps (GPU-bound size), main job on NCCL, decode (BENCHES narrows them;
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs;
-#                                       # BENCHES=ce_graphs: AXEDIST_CE_GRAPHS's probe and TP step, off and on)
+#                                       # BENCHES=ce_graphs: AXEDIST_CE_GRAPHS's probe and TP step, off and on;
+#                                       # BENCHES=auto_host: the host cost of auto's cuBLAS + NCCL path)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Step times on 4x H200 (2026-11-28, warm Triton cache after precompile): tests_multigpu W=4 317 s
 # (+120 s for test_every_candidate_config_and_gemm_only_mode), W=2 ~280 s, tests_onegpu halves
@@ -129,6 +130,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
         step bench_tp_ce_graphs_$mode 150 env AXEDIST_CE_GRAPHS=$mode torchrun --nproc-per-node $W benchmarks/bench_tp.py \
           --cuda --preset llama8b --batch 8 --steps 10 --check-steps 0 --out "$RESULTS/ce_graphs/$mode"
       done ;;
+    auto_host) # gemm_reduce_scatter's auto at the inference shapes (cuBLAS + NCCL) against the pair called
+      # directly, by pieces: host and eager time, CUDA runtime calls (results/probe_auto_host.md)
+      step probe_auto_host 120 torchrun --nproc-per-node $W benchmarks/device/probe_auto_host.py --out "$RESULTS" ;;
     w8) # issue 8, on nvidia-h200-x8 (the tests mode runs at W=8 there by itself)
       step bench_gemm_rs_w8 300 torchrun --nproc-per-node 8 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS"
       step bench_collectives_w8 240 torchrun --nproc-per-node 8 benchmarks/bench_collectives.py --reps 30 --out "$RESULTS"

@@ -1,11 +1,12 @@
 """Host cost of the cuBLAS + NCCL path that ``gemm_reduce_scatter``'s ``auto`` runs at the
 inference shapes (issue 28: at W = 4, M = 128 / 512, eager ``auto`` took 0.249 / 0.251 ms against
-0.128 / 0.129 for the same pair called directly, ``results/gemm_rs_w4.md``), taken apart on one
-GPU with a one-rank NCCL group:
+0.128 / 0.129 for the same pair called directly, ``results/gemm_rs_w4.md``), taken apart, on one
+GPU with a one-rank NCCL group or on the machine's GPUs:
 
     torchrun --nproc-per-node 1 benchmarks/device/probe_auto_host.py [--out DIR]
+    torchrun --nproc-per-node 4 benchmarks/device/probe_auto_host.py [--out DIR]
 
-At W = 1 the call itself runs a plain matmul, so the probe times the torch path's pieces as that
+At W = 1 the call itself runs a plain matmul, so the probe also times the torch path's pieces as that
 path calls them (``fallback.reduce_scatter`` and ``fallback.copy_out``, the functions the W >= 2
 branch of ``run_gemm_reduce_scatter`` uses) beside the pair on preallocated tensors (the
 benchmark's ``seq``) and with fresh ones:
@@ -16,12 +17,16 @@ benchmark's ``seq``) and with fresh ones:
                 W >= 2 path until 6a93dc5 (kept here as the "before")
     lean        fallback.matmul_reduce_scatter: what that path runs since (one mm of a's rows,
                 NCCL straight into the result)
-    auto_w1     gemm_reduce_scatter(a, b) at W = 1 (the dispatch and its matmul only)
+    auto        gemm_reduce_scatter(a, b): at W = 1 the dispatch and a plain matmul only; at W >= 2
+                what a user's call runs (the inference shapes are in the table's fused_loses)
 
 Per column: host us per call issued behind a sleep kernel (timing.host_time_us: a call that waits
 for the GPU shows as hundreds of us), host us per call from an idle GPU (bench_gemm_rs's way),
 eager ms (blocks of three calls, the last timed) and the CUDA runtime calls one call makes
-(profiler), so a hidden synchronisation or allocation is named. Writes DIR/probe_auto_host.json.
+(profiler), so a hidden synchronisation or allocation is named. Times and errors are the max over
+ranks (host times too: every rank times its own calls), runtime calls rank 0's. Every rank holds
+the same operands, so each rank's share of the sum is W x its rows of a @ b. Writes
+DIR/probe_auto_host_w<W>.json.
 """
 import argparse
 import collections
@@ -65,10 +70,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(0)
-    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)  # the same operands on every rank
     results = []
+
+    def most(values: dict) -> dict:  # per name, the max over ranks
+        every = [None] * world
+        dist.all_gather_object(every, values)
+        return {name: max(ranks[name] for ranks in every) for name in values}
+
     for m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # nn.Linear's weight.t()
@@ -91,21 +104,25 @@ def main() -> None:
 
         columns = dict(seq=seq, seq_fresh=seq_fresh, torch_path=torch_path,
                        lean=lambda: fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, None, None),
-                       auto_w1=lambda: gemm_reduce_scatter(a, b))
-        reference = (a.float() @ b.float()).bfloat16()
-        errors = {name: ((fn().float() - reference.float()).abs().max() / reference.float().abs().max()).item()
-                  for name, fn in (("torch_path", torch_path), ("lean", columns["lean"]))}
-        row = dict(M=m, N=n, K=k, world=world, rel_err=errors,
+                       auto=lambda: gemm_reduce_scatter(a, b))
+        rows = slice(rank * m // world, (rank + 1) * m // world)
+        reference = world * (a.float() @ b.float())[rows]
+        errors = {name: ((fn().float() - reference).abs().max() / reference.abs().max()).item()
+                  for name, fn in (("torch_path", torch_path), ("lean", columns["lean"]),
+                                   ("auto", columns["auto"]))}
+        row = dict(M=m, N=n, K=k, world=world, rel_err=most(errors),
                    eager_ms=time_interleaved(columns, reps=30, block=3),
-                   host_us_queued={name: host_time_us(fn, calls=50, repeats=5) for name, fn in columns.items()},
-                   host_us_idle={name: idle_host_us(fn) for name, fn in columns.items()},
+                   host_us_queued=most({name: host_time_us(fn, calls=50, repeats=5) for name, fn in columns.items()}),
+                   host_us_idle=most({name: idle_host_us(fn) for name, fn in columns.items()}),
                    runtime_calls={name: runtime_calls(fn) for name, fn in columns.items()})
         results.append(row)
-        print(json.dumps(row), flush=True)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
     meta = dict(commit=os.environ.get("AXEDIST_COMMIT", "unknown"), torch=torch.__version__,
                 gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    with open(os.path.join(args.out, "probe_auto_host.json"), "w") as handle:
-        json.dump(dict(meta=meta, rows=results), handle, indent=1)
+    if rank == 0:
+        with open(os.path.join(args.out, f"probe_auto_host_w{world}.json"), "w") as handle:
+            json.dump(dict(meta=meta, rows=results), handle, indent=1)
     dist.destroy_process_group()
 
 

@@ -29,6 +29,8 @@ if (( GPUS >= 2 )); then
   # and the eager TP step with them on (against bench_tp_w2 above, torch's side the anchor of both)
   step bench_tp_w2_ce_graphs 100 env AXEDIST_CE_GRAPHS=1 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda \
     --preset llama8b --steps 10 --check-steps 0 --out "$RESULTS/ce_graphs"
+  # auto's cuBLAS + NCCL path at the inference shapes, by pieces (host and eager time; ~20 s)
+  step auto_host_w2 60 torchrun --nproc-per-node 2 benchmarks/device/probe_auto_host.py --out "$RESULTS"
   # the README's GPU job at TP=2: train, then decode from its checkpoint eagerly and in CUDA graphs
   # (the checkpoint stays on the machine: /tmp, not $OUT)
   step main_w2 150 bash -c "torchrun --nproc-per-node 2 launch/train_tp.py --cuda --out /tmp/axedist_train_tp \
