@@ -66,28 +66,34 @@ def product_out(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
                          f"as the product's {list(shape)}") from None
 
 
-def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group,
+def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
                           out: torch.Tensor | None) -> torch.Tensor:
-    """reduce_scatter(a @ b) over dim 0, as a program calls the pair: one ``torch.mm`` of a's rows
-    (a [..., K], b [K, N]), the collective straight into ``out`` where its rows are contiguous,
-    else into a fresh tensor (copied into a row-strided out), and no other op around the pair
-    (the general path adds matmul's dispatch, dim moves, contiguous checks and a copy out:
-    results/probe_auto_host.md). A bad out raises after the collective, as ``copy_out``'s does,
-    so that its peers get their results."""
+    """reduce_scatter(a @ b, scatter_dim) (a [..., K], b [K, N]) as a program calls the pair. Over
+    dim 0 the product's rows are already in scatter order: one ``torch.mm`` of a's rows, and the
+    collective writes straight into ``out`` where its rows are contiguous, no other op around the
+    pair (results/probe_auto_host.md). Over another dim the product is moved to dim 0 for the
+    collective and back. ``out`` as ``product_out`` takes it; a bad one raises after the
+    collective, as ``copy_out``'s does, so that its peers get their results."""
     world = dist.get_world_size(group)
-    product = torch.mm(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b)
-    shape = (a.shape[0] // world, *a.shape[1:-1], b.shape[-1])
+    dim = scatter_dim % a.dim()
+    if dim == 0:
+        rows = torch.mm(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b)
+    else:
+        rows = torch.matmul(a, b).movedim(dim, 0).contiguous()
+    shape = [*a.shape[:-1], b.shape[-1]]
+    shape[dim] //= world
     try:
-        into, refused = product_out(op, out, shape, product.dtype, product.device), None
+        into, refused = product_out(op, out, shape, rows.dtype, rows.device), None
     except ValueError as error:
         into, refused = None, error
-    direct = into is not None and into.is_contiguous()
-    result = into if direct else torch.empty(shape, dtype=product.dtype, device=product.device)
-    reduce_scatter_into(result if result.dim() == 2 else result.view(-1, product.shape[-1]), product,
-                        group=group)
+    direct = dim == 0 and into is not None and into.is_contiguous()
+    result = reduce_scatter(rows, group, out=into.view(-1, rows.shape[-1]) if direct else None)
     if refused is not None:
         raise refused
-    return result if into is None or direct else into.copy_(result)
+    if direct:
+        return into
+    result = result.view(shape) if dim == 0 else result.movedim(0, dim).contiguous()
+    return result if into is None else into.copy_(result)
 
 
 def matmul_out(op: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -316,12 +316,7 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     if plan.backend == "torch":
         if plan.world == 1:
             return fallback.matmul_out("gemm_reduce_scatter", a, b, out)
-        if scatter_dim % a.dim() == 0:
-            return fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, group, out)
-        product = torch.matmul(a, b)
-        dim = scatter_dim % product.dim()
-        result = fallback.reduce_scatter(product.movedim(dim, 0).contiguous(), group).movedim(0, dim)
-        return fallback.copy_out("gemm_reduce_scatter", result.contiguous(), out)
+        return fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, group, scatter_dim, out)
     return call.run(a, b, out, timeout_s, check)
 
 

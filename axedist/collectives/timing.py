@@ -143,3 +143,25 @@ def kernel_time_ms(fn, calls: int = 10) -> float:
         torch.cuda.synchronize()
     return sum(event.self_device_time_total for event in prof.key_averages()
                if event.self_device_time_total > 0) / calls / 1e3
+
+
+def profiled_counts(fn, calls: int = 1, gpu: bool = True) -> dict:
+    """What one call of fn did, by name and count per call, from the profiler over `calls` calls
+    after one outside the profile: gpu=True the GPU's kernels and copies (whether a copy ran on a
+    copy engine or as a kernel), False the host's CUDA runtime and driver calls (a hidden
+    synchronisation or allocation; the profile's own synchronisation left out). Names are cut
+    to 60 characters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    counts: dict = {}
+    for event in prof.events():
+        on_gpu = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_gpu == gpu and (gpu or event.name.startswith("cu")) and event.name != "cudaDeviceSynchronize":
+            counts[event.name[:60]] = counts.get(event.name[:60], 0) + 1
+    return {name: round(count / calls, 2) for name, count in sorted(counts.items())}

@@ -29,17 +29,15 @@ the same operands, so each rank's share of the sum is W x its rows of a @ b. Wri
 DIR/probe_auto_host_w<W>.json.
 """
 import argparse
-import collections
 import json
 import os
 import time
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from axedist.collectives import fallback, gemm_reduce_scatter, reduce_scatter_into
-from axedist.collectives.timing import host_time_us, time_interleaved
+from axedist.collectives.timing import host_time_us, profiled_counts, time_interleaved
 
 SHAPES = ((128, 8192, 7168), (512, 8192, 7168), (2048, 8192, 2048))
 
@@ -50,20 +48,6 @@ def idle_host_us(fn, calls: int = 20) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - begin) / calls * 1e6
-
-
-def runtime_calls(fn, calls: int = 10) -> dict:
-    """CUDA runtime / driver calls per call of fn, by name (the profiler's cuda_runtime events)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    counts = collections.Counter(event.name for event in prof.events()
-                                 if event.name.startswith(("cuda", "cu")) and event.device_type.name == "CPU")
-    counts.pop("cudaDeviceSynchronize", None)  # the profile's own
-    return {name: round(count / calls, 2) for name, count in sorted(counts.items())}
 
 
 def main() -> None:
@@ -78,9 +62,9 @@ def main() -> None:
     results = []
 
     def most(values: dict) -> dict:  # per name, the max over ranks
-        every = [None] * world
-        dist.all_gather_object(every, values)
-        return {name: max(ranks[name] for ranks in every) for name in values}
+        maxima = torch.tensor(list(values.values()), dtype=torch.float64, device="cuda")
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        return dict(zip(values, maxima.tolist()))
 
     for m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +87,7 @@ def main() -> None:
             return fallback.copy_out("gemm_reduce_scatter", result.contiguous(), None)
 
         columns = dict(seq=seq, seq_fresh=seq_fresh, torch_path=torch_path,
-                       lean=lambda: fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, None, None),
+                       lean=lambda: fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, None, 0, None),
                        auto=lambda: gemm_reduce_scatter(a, b))
         rows = slice(rank * m // world, (rank + 1) * m // world)
         reference = world * (a.float() @ b.float())[rows]
@@ -114,7 +98,7 @@ def main() -> None:
                    eager_ms=time_interleaved(columns, reps=30, block=3),
                    host_us_queued=most({name: host_time_us(fn, calls=50, repeats=5) for name, fn in columns.items()}),
                    host_us_idle=most({name: idle_host_us(fn) for name, fn in columns.items()}),
-                   runtime_calls={name: runtime_calls(fn) for name, fn in columns.items()})
+                   runtime_calls={name: profiled_counts(fn, calls=10, gpu=False) for name, fn in columns.items()})
         results.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)

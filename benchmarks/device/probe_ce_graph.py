@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from axedist.collectives.fused import FusedCall, GemmReduceScatterPlan
 from axedist.collectives.symmetric import get_workspace
-from axedist.collectives.timing import device_time, host_time_us
+from axedist.collectives.timing import device_time, host_time_us, profiled_counts
 from axedist.kernels import gemm_rs
 from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.kernels.launch import multiprocessors
@@ -36,21 +36,6 @@ MODES = (("graph", "1"), ("issued", "0"))  # name, AXEDIST_CE_GRAPHS when the ca
 
 def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
     return ((out.float() - reference).abs().max() / reference.abs().max()).item()
-
-
-def gpu_ops(fn) -> dict:
-    """What the GPU ran in one call of fn, by name (kernels and copies), from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    counts = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            counts[event.name[:60]] = counts.get(event.name[:60], 0) + 1
-    return counts
 
 
 def virtual_modes(op: str, world: int, m: int, n: int, k: int) -> dict:
@@ -132,7 +117,7 @@ def measure(modes: dict, world: int, real: bool) -> dict:
         values = torch.tensor([row[key] for key in keys], dtype=torch.float64, device="cuda")
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         row.update(zip(keys, values.tolist()))
-    row.update({f"gpu_ops_{name}": gpu_ops(fn) for name, fn in calls.items()})
+    row.update({f"gpu_ops_{name}": profiled_counts(fn) for name, fn in calls.items()})
     return row
 
 
