@@ -14,7 +14,11 @@ to back behind a sleep kernel: device time). The tile config is chosen on queued
   gemm_only  the fused kernel with its reduce tasks removed
   p2p_rs     axedist's p2p reduce-scatter of the [M, N] partial (with copy-in)
   limit      max(cublas, RS bytes in per GPU / 478 GB/s)
-Writes gemm_rs_w{W}.json / .md / .png; also the tuned configs (gemm_rs_tuned_w{W}.json).
+--held S adds a third timing of cublas, seq, symm, fused and auto: each held back to back at the
+GPU's power cap (timing.held_time: 1 s untimed, then S seconds timed, 3 rounds), as a training step
+runs them; burst timings start from an idle GPU at a higher clock (results/probe_gemm_power.md).
+Writes gemm_rs_w{W}.json / .md / .png (gemm_rs_w{W}_held.* with --held: such runs time a few
+shapes); also the tuned configs (gemm_rs_tuned_w{W}.json).
 Multicast stays off: this script refuses to run with AXEDIST_ENABLE_MULTICAST=1 set.
 """
 import argparse
@@ -32,7 +36,7 @@ import torch.distributed as dist
 
 from axedist.collectives import p2p, plan_gemm_reduce_scatter, reduce_scatter_into  # noqa: E402
 from axedist.collectives.fused import gemm_only, gemm_reduce_scatter, gemm_reduce_scatter_variant  # noqa: E402
-from axedist.collectives.timing import time_interleaved  # noqa: E402
+from axedist.collectives.timing import GpuSampler, held_time, time_interleaved  # noqa: E402
 from axedist.kernels import gemm_rs  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
@@ -82,6 +86,9 @@ def main():
                              "128x128x64/g8/s3/w4/r64/defer/push/c2 (with --tune all)")
     parser.add_argument("--variants", action="store_true",
                         help="also time signal-only and GPU-scope variants (where the time goes)")
+    parser.add_argument("--held", type=float, default=0.0, metavar="SECONDS",
+                        help="also time cuBLAS, seq, symm, fused and auto HELD back to back at the "
+                             "power cap (timing.held_time: 1 s untimed, then SECONDS timed, 3 rounds)")
     parser.add_argument("--render", default=None, metavar="RESULTS_JSON",
                         help="no benchmark: write the .md and .png of this result file into --out")
     parser.add_argument("--tables-from", nargs="+", default=None, metavar="RESULTS_JSON",
@@ -113,6 +120,7 @@ def main():
         symm_mem.enable_symm_mem_for_group(group_name)
     torch.manual_seed(1234 + rank)
     results = []
+    sampler = GpuSampler() if args.held else None
     selected = [int(i) for i in args.only.split(",") if i] or None
     for index, (label, m, n, k) in enumerate(shapes(world, args.shapes, args.batch)):
         if selected is not None and index not in selected:
@@ -194,6 +202,11 @@ def main():
         row.update(time_interleaved(columns, args.reps, block=3))
         row.setdefault("symm", None)
         queued.setdefault("symm", None)
+        if args.held:  # what a training step sees: every column at the clock its power allows
+            held = held_time({name: columns[name] for name in ("cublas", "seq", "symm", "fused", "auto")
+                              if name in columns}, window_s=args.held, sampler=sampler)
+            row["held"] = {name: value["ms"] for name, value in held.items()}
+            row["held_gpu"] = {name: {"mhz": value["mhz"], "watts": value["watts"]} for name, value in held.items()}
         row["auto_backend"] = plan_gemm_reduce_scatter(a, b, None).backend
         host = row["host_us"] = {}
         for name in ("seq", "symm", "fused", "auto", "gemm_only"):  # auto: W=4's eager gap at M = 128 / 512
@@ -318,7 +331,8 @@ def write_outputs(results, world, out_dir, meta=None):
     model = all(r["label"].startswith("llama8b") for r in results)
     # "llama8b wo" -> _llama8b; "llama8b b16 wo" (bench_tp's batch 16) -> _llama8b_b16
     batch = re.match(r"llama8b (b\d+) ", results[0]["label"]) if model else None
-    stem = f"gemm_rs_w{world}" + ("_llama8b" if model else "") + (f"_{batch.group(1)}" if batch else "")
+    stem = (f"gemm_rs_w{world}" + ("_llama8b" if model else "") + (f"_{batch.group(1)}" if batch else "")
+            + ("_held" if any("held" in r for r in results) else ""))
     meta = meta or run_meta(world, f"torchrun --nproc_per_node={world} benchmarks/bench_gemm_rs.py " + " ".join(sys.argv[1:]))
     six = [r for r in results if r["label"] == "design"] or results  # the model rows summarise themselves
     summary = _summary(six)
@@ -348,6 +362,27 @@ def write_outputs(results, world, out_dir, meta=None):
                               f"seq {r['host_us']['seq']:.0f}, symm "
                               f"{r['host_us'].get('symm') or float('nan'):.0f}, auto "
                               f"{r['host_us'].get('auto') or float('nan'):.0f}" for r in results)]
+    held = [r for r in results if "held" in r]
+    if held:
+        lines += ["", "## Held (each column back to back at the power cap: 1 s untimed, then the timed window; "
+                  "columns interleaved over 3 rounds; timing.held_time)", "",
+                  "times in ms (median over rounds, max over ranks); clock and power: rank 0's means over the windows", "",
+                  "| shape | M | N | K_local | cuBLAS | seq | symm | fused | auto | vs seq | vs symm | best / auto | MHz cuBLAS / fused | W cuBLAS / fused |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in held:
+            t, gpu = r["held"], r["held_gpu"]
+            best = min(t[name] for name in ("seq", "symm", "fused") if t.get(name))
+            symm = f"{t['symm']:.3f}" if t.get("symm") else "n/a"
+            vs_symm = f"{t['symm'] / t['fused']:.2f}x" if t.get("symm") else "n/a"
+
+            def reading(name, key):
+                value = gpu.get(name, {}).get(key)
+                return "n/a" if value is None else f"{value:.0f}"
+
+            lines.append(f"| {r['label']} | {r['M']} | {r['N']} | {r['K_local']} | {t['cublas']:.3f} | {t['seq']:.3f} | "
+                         f"{symm} | {t['fused']:.3f} | {t['auto']:.3f} | {t['seq'] / t['fused']:.2f}x | {vs_symm} | "
+                         f"{best / t['auto']:.2f} | {reading('cublas', 'mhz')} / {reading('fused', 'mhz')} | "
+                         f"{reading('cublas', 'watts')} / {reading('fused', 'watts')} |")
     with open(os.path.join(out_dir, f"{stem}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

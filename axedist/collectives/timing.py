@@ -165,3 +165,97 @@ def profiled_counts(fn, calls: int = 1, gpu: bool = True) -> dict:
         if on_gpu == gpu and (gpu or event.name.startswith("cu")) and event.name != "cudaDeviceSynchronize":
             counts[event.name[:60]] = counts.get(event.name[:60], 0) + 1
     return {name: round(count / calls, 2) for name, count in sorted(counts.items())}
+
+
+class GpuSampler:
+    """This GPU's SM clock (MHz) and board power (W), read through NVML every 5 ms on a thread
+    between start() and stop(); stop() gives their means (None without NVML, which it says once).
+    Read only: nothing is set on the device."""
+
+    def __init__(self):
+        self.read, self.samples, self.thread = None, [], None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self.read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                                 pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
+        except Exception as error:  # no NVML (or no GPU it knows): time without the readings
+            print(f"GpuSampler: NVML unavailable ({type(error).__name__}); clock and power not read",
+                  flush=True)
+
+    def start(self) -> None:
+        import threading
+
+        self.samples = []
+        if self.read is not None:
+            self.running = True
+            self.thread = threading.Thread(target=self._loop, daemon=True)
+            self.thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        while self.running:
+            self.samples.append(self.read())
+            time.sleep(0.005)
+
+    def stop(self) -> dict:
+        if self.thread is None:
+            return {"mhz": None, "watts": None}
+        self.running = False
+        self.thread.join()
+        self.thread = None
+        return {"mhz": statistics.mean(s[0] for s in self.samples),
+                "watts": statistics.mean(s[1] for s in self.samples)}
+
+
+def held_time(fns: dict, window_s: float = 0.5, warm_s: float = 1.0, rounds: int = 3, group=None,
+              sampler: GpuSampler | None = None) -> dict:
+    """Time of one call of each candidate HELD back to back, as a training step runs its GEMMs:
+    per round and candidate, about warm_s seconds of calls untimed (the GPU reaches its power
+    cap: an H200 there holds 690 W at ~1,440 MHz, results/probe_gemm_power.md), then window_s
+    seconds of calls between two CUDA events; candidates interleaved round by round. device_time
+    and queued time_interleaved start every batch from an idle GPU, at a higher clock: 3-20 %
+    faster than held on one H200, by how much differing per kernel. Call counts come from one
+    queued estimate, max over the group's ranks, so every rank issues the same calls; the ranks
+    meet at a barrier before each window. Returns {name: {"ms": median over rounds of the max
+    over ranks, "rounds": [ms per round], "mhz", "watts": this rank's means over the windows
+    (sampler given; else None)}}.
+
+    >>> held_time({"cublas": lambda: torch.mm(a, b, out=c), "fused": lambda: call(a, b)})
+    """
+    names = list(fns)
+    estimate = time_interleaved(fns, reps=3, group=group, queued=True)
+    counts = {name: (max(2, int(warm_s * 1e3 / estimate[name])), max(5, int(window_s * 1e3 / estimate[name])))
+              for name in names}
+    per_round = {name: [] for name in names}
+    readings = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            warm, calls = counts[name]
+            for _ in range(warm):
+                fns[name]()
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if sampler is not None:
+                sampler.start()
+            start.record()
+            for _ in range(calls):
+                fns[name]()
+            end.record()
+            end.synchronize()
+            if sampler is not None:
+                readings[name].append(sampler.stop())
+            per_round[name].append(start.elapsed_time(end) / calls)
+    values = torch.tensor([per_round[name] for name in names], dtype=torch.float64, device="cuda")
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+
+    def mean_of(name, key):
+        taken = [r[key] for r in readings[name] if r[key] is not None]
+        return statistics.mean(taken) if taken else None
+
+    return {name: {"ms": statistics.median(row), "rounds": row, "mhz": mean_of(name, "mhz"),
+                   "watts": mean_of(name, "watts")}
+            for name, row in zip(names, values.tolist())}

@@ -14,7 +14,8 @@
 #                                       # CONFIGS / ONLY pick gemm_rs candidates / shape indices;
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs;
 #                                       # BENCHES=ce_graphs: AXEDIST_CE_GRAPHS's probe and TP step, off and on;
-#                                       # BENCHES=auto_host: the host cost of auto's cuBLAS + NCCL path)
+#                                       # BENCHES=auto_host: the host cost of auto's cuBLAS + NCCL path;
+#                                       # BENCHES=gemm_rs_held: GEMM + RS held at the power cap)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Step times on 4x H200 (2026-11-28, warm Triton cache after precompile): tests_multigpu W=4 317 s
 # (+120 s for test_every_candidate_config_and_gemm_only_mode), W=2 ~280 s, tests_onegpu halves
@@ -95,6 +96,9 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
       python3 benchmarks/bench_ag_gemm.py --tables-from "$RESULTS"/ag_gemm_w${W}*.json >> "$LOGS/tables.log" 2>&1
       mkdir -p "$RESULTS/tables" && cp axedist/kernels/ag_gemm_auto.json "$RESULTS/tables/" ;;
     gemm_rs_w4) step bench_gemm_rs_w4 170 torchrun --nproc-per-node 4 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
+    gemm_rs_held) # held back to back at the power cap (a training step's clocks): 16384 x 8192 x 7168,
+      # Qwen, 405B and M = 128 (~150 s at W = 4; results/probe_gemm_power.md says why)
+      step bench_gemm_rs_held 200 torchrun --nproc-per-node $W benchmarks/bench_gemm_rs.py --reps 10 --tune default --only 4,6,7,8 --held 0.5 --out "$RESULTS" ;;
     gemm_rs_w2) CUDA_VISIBLE_DEVICES=0,1 step bench_gemm_rs_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 15 --configs $CONFIGS ${ONLY:+--only $ONLY} --out "$RESULTS" ;;
     rows) for rows in 4 16; do AXEDIST_P2P_ROWS=$rows step rows_$rows 60 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --sizes 67108864 268435456 --reps 20 --out "$RESULTS/rows$rows"; done ;;
     rounds) step rounds 200 torchrun --nproc-per-node 4 benchmarks/bench_collectives.py --rounds ${ROUNDS:-1 2 4 8} --sizes 16777216 67108864 268435456 --reps 20 --out "$RESULTS" ;;

@@ -9,10 +9,10 @@ cap. Under the cap the clock follows the power drawn, so a kernel's speed there 
 per call, which its burst time does not show. One GPU, per shape and column:
 
   burst      device_time: 20 queued calls behind a sleep kernel, median of 7 interleaved batches
-  sustained  the column alone, back to back: ~1 s of calls untimed (to reach the cap), then
-             `--window` seconds of calls timed (CUDA events around the window), the SM clock and
-             the power sampled every 5 ms in it; columns interleaved A B C A B C over `--rounds`
-             rounds, median over rounds
+  sustained  timing.held_time: the column alone, back to back: ~1 s of calls untimed (to reach
+             the cap), then `--window` seconds of calls timed (CUDA events around the window),
+             the SM clock and the power sampled every 5 ms in it (timing.GpuSampler); columns
+             interleaved A B C A B C over `--rounds` rounds, median over rounds
 
 Columns: cuBLAS (torch.mm), the GEMM core (Gluon tile loop, 4 stages) and the fused GEMM + RS
 kernel's GEMM-only mode (W = 2 task order, Gluon). Energy per call = mean power x time per call;
@@ -21,10 +21,10 @@ OUT_DIR` writes OUT_DIR/probe_gemm_power.{md,json,png}.
 
     OUT=<dir> python3 benchmarks/device/probe_gemm_power.py [--quick]
 """
-import argparse, dataclasses, json, math, os, statistics, threading, time
+import argparse, dataclasses, json, math, os, time
 import torch, torch.distributed as dist
 from axedist.collectives.fused import gemm_only
-from axedist.collectives.timing import device_time
+from axedist.collectives.timing import GpuSampler, device_time, held_time
 from axedist.kernels import gemm_rs
 from axedist.kernels.gemm import GemmCoreConfig, gemm
 
@@ -34,65 +34,11 @@ SHAPES = (("llama3.1-405b rs w2", 8192, 16384, 26624), ("design rs w2", 16384, 8
           ("llama8b b16 w2 fwd w4", 65536, 4096, 3584), ("llama8b b16 w1 fwd w4", 65536, 3584, 4096))
 
 
-class Sampler:
-    """SM clock (MHz) and board power (W) every 5 ms on a thread, between start() and stop()."""
-
-    def __init__(self):
-        self.read = None
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self.read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
-                                 pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
-        except Exception as error:  # no NVML: torch's readers (which need it too) or nothing
-            print(f"NVML unavailable ({type(error).__name__}); clock / power not sampled", flush=True)
-        self.samples, self.running = [], False
-
-    def start(self):
-        self.samples, self.running = [], self.read is not None
-        if self.running:
-            self.thread = threading.Thread(target=self.loop, daemon=True)
-            self.thread.start()
-
-    def loop(self):
-        while self.running:
-            self.samples.append(self.read())
-            time.sleep(0.005)
-
-    def stop(self) -> dict:
-        if not self.running:
-            return {"mhz": None, "watts": None, "samples": 0}
-        self.running = False
-        self.thread.join()
-        return {"mhz": statistics.mean(s[0] for s in self.samples),
-                "watts": statistics.mean(s[1] for s in self.samples), "samples": len(self.samples)}
-
-
-def sustained(fn, per_call_ms: float, window_s: float, sampler: Sampler) -> dict:
-    """~1 s of calls untimed, then window_s of calls timed: ms per call, mean clock and power."""
-    for _ in range(max(2, int(1000 / per_call_ms))):
-        fn()
-    calls = max(10, int(window_s * 1000 / per_call_ms))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()  # idle for a host launch only; the sampler then sees the window alone
-    start.record()
-    sampler.start()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    state = sampler.stop()
-    ms = start.elapsed_time(end) / calls
-    energy = None if state["watts"] is None else state["watts"] * ms  # mJ per call
-    return dict(state, ms=ms, calls=calls, mj_per_call=energy)
-
-
 def main(args):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29521")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     torch.manual_seed(1)
-    sampler = Sampler()
+    sampler = GpuSampler()
     rows = []
     for label, m, n, k in (SHAPES[:2] if args.quick else SHAPES):
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -113,16 +59,11 @@ def main(args):
             errors[name] = float((outs[name].float() - ref.float()).norm() / ref.float().norm())
         assert all(e < 1e-2 for e in errors.values()), errors
         burst = device_time(columns, calls=20, batches=7)
-        rounds = {name: [] for name in columns}
-        for r in range(args.rounds):
-            for name, fn in columns.items():
-                rounds[name].append(sustained(fn, burst[name], args.window, sampler))
-        held = {name: {key: statistics.median(s[key] for s in samples)
-                       if samples[0][key] is not None else None
-                       for key in ("ms", "mhz", "watts", "mj_per_call")}
-                for name, samples in rounds.items()}
+        held = held_time(columns, window_s=args.window, rounds=args.rounds, sampler=sampler)
+        for h in held.values():
+            h["mj_per_call"] = None if h["watts"] is None else h["watts"] * h["ms"]
         flops = 2.0 * m * n * k
-        row = dict(label=label, M=m, N=n, K=k, burst_ms=burst, sustained=held, rounds=rounds,
+        row = dict(label=label, M=m, N=n, K=k, burst_ms=burst, sustained=held,
                    errors=errors, configs={"core_s4": str(core), "rs_gemm_only": str(rs_config)},
                    tflops_sustained={name: flops / h["ms"] / 1e9 for name, h in held.items()})
         rows.append(row)

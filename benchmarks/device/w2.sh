@@ -6,7 +6,7 @@
 #   2. the TP training step at the GPU-bound size (--preset llama8b), eager, vs torch's (compiled: benchmarks/device/tp.sh)
 #   3. fused all-gather + GEMM, the decode stack, the /ce copies as a CUDA graph (probe_ce_graph.py)
 #      and the README's train + decode job at TP=2
-#   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2
+#   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2 (burst, then held)
 #   bash benchmarks/device/w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 AXEDIST_TIMEOUT_S=20 AXEDIST_COLLECTIVE_TIMEOUT_S=120 OMP_NUM_THREADS=4
 BUDGET=${1:-490}
@@ -38,6 +38,10 @@ if (( GPUS >= 2 )); then
     && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --cuda-graphs --train-dir /tmp/axedist_train_tp"
   step pytest_w2 300 $PYTEST tests_multigpu --ignore tests_multigpu/test_compile_nccl.py
   step bench_gemm_rs_w2 60 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default --out "$RESULTS"
+  # the same calls held back to back at the power cap, as a training step runs them (issue 28's 405B
+  # eager question: results/probe_gemm_power.md): 16384 x 8192 x 7168, Qwen, 405B, M = 128
+  step bench_gemm_rs_held_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_gemm_rs.py --reps 10 --tune default \
+    --only 4,6,7,8 --held 0.5 --out "$RESULTS"
 fi
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
 for f in "$LOGS"/*.log; do echo "== $f"; grep -E "passed|failed|FAILED|ERROR|geomean|ms/token|per token|tokens follow|x faster|slower|step time|rc=" "$f" | tail -8; done
