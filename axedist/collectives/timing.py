@@ -11,6 +11,9 @@ Two modes:
   queued  the stream first runs a sleep kernel long enough for the host to enqueue every call,
           so the GPU runs them back to back: the interval is the device time of one call
           (kernel, and any launch gaps between its kernels), without host overhead.
+And held_time: each candidate back to back for over a second first, so that it is timed at the
+power cap a training step runs at (queued and eager samples start from a GPU that idled, at a
+higher clock).
 
     >>> time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps=30)               # ms
     >>> time_collective(lambda: dist.reduce_scatter_tensor(out, x), reps=30, queued=True)  # ms
@@ -173,7 +176,7 @@ class GpuSampler:
     Read only: nothing is set on the device."""
 
     def __init__(self):
-        self.read, self.samples, self.thread = None, [], None
+        self.read, self.samples, self.thread, self.running = None, [], None, False
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -216,7 +219,7 @@ def held_time(fns: dict, window_s: float = 0.5, warm_s: float = 1.0, rounds: int
     per round and candidate, about warm_s seconds of calls untimed (the GPU reaches its power
     cap: an H200 there holds 690 W at ~1,440 MHz, results/probe_gemm_power.md), then window_s
     seconds of calls between two CUDA events; candidates interleaved round by round. device_time
-    and queued time_interleaved start every batch from an idle GPU, at a higher clock: 3-20 %
+    and queued time_interleaved start every batch from an idle GPU, at a higher clock: 2-20 %
     faster than held on one H200, by how much differing per kernel. Call counts come from one
     queued estimate, max over the group's ranks, so every rank issues the same calls; the ranks
     meet at a barrier before each window. Returns {name: {"ms": median over rounds of the max
