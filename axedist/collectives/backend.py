@@ -120,7 +120,11 @@ def as_custom_op(*tensors) -> bool:
     (no dispatcher round trip: the eager host time stays what the benchmarks measured)."""
     if compiling():
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(<generator>): this runs on every eager collective call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def through_custom_op(op: str, a: torch.Tensor, b: torch.Tensor, out, timeout_s, check) -> bool:

@@ -67,31 +67,38 @@ def product_out(op: str, out: torch.Tensor | None, shape, dtype: torch.dtype,
 
 
 def matmul_reduce_scatter(op: str, a: torch.Tensor, b: torch.Tensor, group, scatter_dim: int,
-                          out: torch.Tensor | None) -> torch.Tensor:
+                          out: torch.Tensor | None, world: int | None = None) -> torch.Tensor:
     """reduce_scatter(a @ b, scatter_dim) (a [..., K], b [K, N]) as a program calls the pair. Over
     dim 0 the product's rows are already in scatter order: one ``torch.mm`` of a's rows, and the
-    collective writes straight into ``out`` where its rows are contiguous, no other op around the
-    pair (results/probe_auto_host.md). Over another dim the product is moved to dim 0 for the
-    collective and back. ``out`` as ``product_out`` takes it; a bad one raises after the
-    collective, as ``copy_out``'s does, so that its peers get their results."""
-    world = dist.get_world_size(group)
+    collective writes straight into ``out`` (or a fresh tensor) where its rows are contiguous, no
+    other op around the pair (results/probe_auto_host.md). Over another dim the product is moved
+    to dim 0 for the collective and back. ``out`` as ``product_out`` takes it; a bad one raises
+    after the collective, as ``copy_out``'s does, so that its peers get their results. ``world``:
+    the group's size where the caller has it (a planned call), else asked of the group."""
+    world = dist.get_world_size(group) if world is None else world
     dim = scatter_dim % a.dim()
     if dim == 0:
         rows = torch.mm(a if a.dim() == 2 else a.reshape(-1, a.shape[-1]), b)
     else:
         rows = torch.matmul(a, b).movedim(dim, 0).contiguous()
+    if rows.shape[0] % world:
+        raise ValueError(f"{op}: dim {dim} of the product {list(rows.shape)} (moved first) is not divisible "
+                         f"by the group size {world}")
     shape = [*a.shape[:-1], b.shape[-1]]
     shape[dim] //= world
     try:
         into, refused = product_out(op, out, shape, rows.dtype, rows.device), None
     except ValueError as error:
         into, refused = None, error
-    direct = dim == 0 and into is not None and into.is_contiguous()
-    result = reduce_scatter(rows, group, out=into.view(-1, rows.shape[-1]) if direct else None)
+    if dim == 0 and refused is None:  # the collective writes the result in place: nothing after it
+        if into is None:
+            into = torch.empty(shape, dtype=rows.dtype, device=rows.device)
+        if into.is_contiguous():
+            reduce_scatter_into(into if into.dim() == 2 else into.view(-1, rows.shape[-1]), rows, group=group)
+            return into
+    result = reduce_scatter(rows, group)
     if refused is not None:
         raise refused
-    if direct:
-        return into
     result = result.view(shape) if dim == 0 else result.movedim(0, dim).contiguous()
     return result if into is None else into.copy_(result)
 

@@ -316,7 +316,7 @@ def run_gemm_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group=None, scatte
     if plan.backend == "torch":
         if plan.world == 1:
             return fallback.matmul_out("gemm_reduce_scatter", a, b, out)
-        return fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, group, scatter_dim, out)
+        return fallback.matmul_reduce_scatter("gemm_reduce_scatter", a, b, group, scatter_dim, out, plan.world)
     return call.run(a, b, out, timeout_s, check)
 
 
