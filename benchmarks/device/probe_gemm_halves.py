@@ -23,6 +23,8 @@ from axedist.kernels import gemm_rs
 from axedist.kernels.ag_gemm import AllGatherGemmConfig
 from axedist.kernels.gemm import GemmCoreConfig, gemm
 from axedist.testing import VirtualRanks
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # onegpu_probe.py, beside this script
+from onegpu_probe import checked_outputs, one_rank_group, pyplot, read_runs, write_run  # noqa: E402
 
 # (label, M, N, K): the all-gather + GEMM shapes at TP = 4 (N local) and the GEMM + RS ones (K local)
 SHAPES = (("ag design", 2048, 7168, 8192), ("ag design", 8192, 7168, 8192),
@@ -37,8 +39,7 @@ AG = {"ag_s3": AllGatherGemmConfig(pipelined=True),
 
 
 def main():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29519")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    one_rank_group(29519)
     torch.manual_seed(1)
     one_rank = VirtualRanks(1, data_bytes=1 << 30)
     shapes = SHAPES[:3] if "--quick" in sys.argv else SHAPES
@@ -66,12 +67,7 @@ def main():
         columns["ag_s4_direct"] = lambda o=outs["ag_s4_direct"]: direct.run(a, b, o)
         rs_config = dataclasses.replace(gemm_rs.GemmConfig(), pipelined=True)
         columns["rs_gemm_only"] = lambda o=out("rs_gemm_only"): gemm_only(a, b, 4, rs_config, out=o)
-        errors = {}
-        for name, fn in columns.items():
-            outs[name].fill_(float("nan"))
-            fn()
-            torch.cuda.synchronize()
-            errors[name] = float((outs[name].float() - ref.float()).norm() / ref.float().norm())
+        errors = checked_outputs(columns, outs, ref)
         one_rank.check()
         times = device_time(columns, calls=20, batches=7)
         kernels = {name: kernel_time_ms(fn) for name, fn in columns.items()}
@@ -83,24 +79,17 @@ def main():
               + " ".join(f"{name} {times['cublas'] / times[name]:.3f}" for name in columns if name != "cublas")
               + " | kernel ms " + " ".join(f"{name} {v:.3f}" for name, v in kernels.items())
               + f" | max err {max(errors.values()):.1e}", flush=True)
-        assert all(e < 1e-2 for e in errors.values()), errors
         del a, b, ref, outs, columns
         torch.cuda.empty_cache()
-    os.makedirs(os.environ["OUT"], exist_ok=True)
-    meta = dict(commit=os.environ.get("AXEDIST_COMMIT", "?"), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, command="python3 benchmarks/device/probe_gemm_halves.py")
-    json.dump(dict(meta, rows=rows), open(os.path.join(os.environ["OUT"], "probe_gemm_halves.json"), "w"),
-              indent=1)
+    write_run("probe_gemm_halves", rows, "python3 benchmarks/device/probe_gemm_halves.py")
     dist.destroy_process_group()
 
 
 def report(paths, out_dir):
     """The runs' table (markdown), their rows (JSON) and the fused kernels over the core (PNG)."""
     import statistics
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    runs = [json.load(open(path)) for path in paths]
+    plt = pyplot()
+    runs = read_runs(paths)
     lines = ["# The Gluon tile loops against cuBLAS and the GEMM core, one GPU", "",
              f"Machine 1x {runs[-1]['device']}, torch {runs[-1]['torch']}; command "
              f"`{runs[-1]['command']}` once per commit (each run one process: every column of a "

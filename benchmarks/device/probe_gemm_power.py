@@ -21,12 +21,14 @@ OUT_DIR` writes OUT_DIR/probe_gemm_power.{md,json,png}.
 
     OUT=<dir> python3 benchmarks/device/probe_gemm_power.py [--quick]
 """
-import argparse, dataclasses, json, math, os, time
+import argparse, dataclasses, json, math, os, sys
 import torch, torch.distributed as dist
 from axedist.collectives.fused import gemm_only
 from axedist.collectives.timing import GpuSampler, device_time, held_time
 from axedist.kernels import gemm_rs
 from axedist.kernels.gemm import GemmCoreConfig, gemm
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # onegpu_probe.py, beside this script
+from onegpu_probe import checked_outputs, one_rank_group, pyplot, read_runs, write_run  # noqa: E402
 
 # (label, M, N, K): GEMM + RS shapes at W = 2 (K local), the TP step's at W = 4 (M = 65536)
 SHAPES = (("llama3.1-405b rs w2", 8192, 16384, 26624), ("design rs w2", 16384, 8192, 7168),
@@ -35,8 +37,7 @@ SHAPES = (("llama3.1-405b rs w2", 8192, 16384, 26624), ("design rs w2", 16384, 8
 
 
 def main(args):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29521")
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    one_rank_group(29521)
     torch.manual_seed(1)
     sampler = GpuSampler()
     rows = []
@@ -51,13 +52,7 @@ def main(args):
         columns = {"cublas": lambda: torch.mm(a, b, out=outs["cublas"]),
                    "core_s4": lambda: gemm(a, b, out=outs["core_s4"], config=core),
                    "rs_gemm_only": lambda: gemm_only(a, b, 2, rs_config, out=outs["rs_gemm_only"])}
-        errors = {}
-        for name, fn in columns.items():
-            outs[name].fill_(float("nan"))
-            fn()
-            torch.cuda.synchronize()
-            errors[name] = float((outs[name].float() - ref.float()).norm() / ref.float().norm())
-        assert all(e < 1e-2 for e in errors.values()), errors
+        errors = checked_outputs(columns, outs, ref)
         burst = device_time(columns, calls=20, batches=7)
         held = held_time(columns, window_s=args.window, rounds=args.rounds, sampler=sampler)
         for h in held.values():
@@ -73,22 +68,15 @@ def main(args):
                   for c, h in held.items()) + f" | max err {max(errors.values()):.1e}", flush=True)
         del a, b, ref, outs, columns
         torch.cuda.empty_cache()
-    os.makedirs(os.environ["OUT"], exist_ok=True)
-    meta = dict(commit=os.environ.get("AXEDIST_COMMIT", "?"), device=torch.cuda.get_device_name(),
-                torch=torch.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                command="python3 benchmarks/device/probe_gemm_power.py"
-                        + (" --quick" if args.quick else "") + f" --rounds {args.rounds} --window {args.window}")
-    with open(os.path.join(os.environ["OUT"], "probe_gemm_power.json"), "w") as handle:
-        json.dump(dict(meta, rows=rows), handle, indent=1)
+    write_run("probe_gemm_power", rows, "python3 benchmarks/device/probe_gemm_power.py"
+              + (" --quick" if args.quick else "") + f" --rounds {args.rounds} --window {args.window}")
     dist.destroy_process_group()
 
 
 def report(paths, out_dir):
     """The runs' table (markdown), rows (JSON) and burst vs sustained ratios to cuBLAS (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    runs = [json.load(open(path)) for path in paths]
+    plt = pyplot()
+    runs = read_runs(paths)
     lines = ["# GEMM tile loops vs cuBLAS: burst vs sustained (power-capped), one GPU", "",
              f"Machine 1x {runs[-1]['device']}, torch {runs[-1]['torch']}. burst = device_time (20 "
              "calls queued behind a sleep kernel, median of 7 interleaved batches); sustained = the "
@@ -143,7 +131,6 @@ def report(paths, out_dir):
 
 
 if __name__ == "__main__":
-    import sys
     if sys.argv[1:2] == ["--report"]:
         report(sys.argv[2:-1], sys.argv[-1])
     else:
