@@ -255,3 +255,37 @@ def _init_mesh_in_job(rank, world_size):
 def test_init_mesh_in_a_job():
     results = run_on_ranks(_init_mesh_in_job, 4)
     assert results[3] == ("cpu", (2, 2), {"dp": 1, "tp": 1})
+
+
+def _mesh_in_a_second_job(rank, world, store_path):
+    """A 2 x 2 mesh, then destroy_process_group() and a second init: the new mesh's groups are
+    the new job's (torch knows their ranks), and a move over both axes is right in both jobs."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    import axedist as ax
+
+    seen = []
+    for job in range(2):
+        if job:
+            dist.barrier()
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        mesh = ax.init_mesh((2, 2), ("dp", "tp"))
+        ranks = {axis: dist.get_process_group_ranks(mesh.get_group(axis)) for axis in ("dp", "tp")}
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(job))
+        moved = ax.distribute_tensor(x, mesh, [Shard(0), Shard(1)]).redistribute(mesh, [Replicate(), Replicate()])
+        seen.append((ranks, torch.equal(moved.to_local(), x)))
+    return seen
+
+
+def test_a_mesh_after_destroy_and_a_new_init_uses_the_new_jobs_groups(tmp_path):
+    from axedist.testing.ranks import run_fresh_ranks
+
+    outcomes = run_fresh_ranks(_mesh_in_a_second_job, 4, args=(str(tmp_path / "store"),), collective_timeout_s=30,
+                               deadline_s=120)
+    for o in outcomes:
+        assert o.status == "ok", o
+        rank = o.rank
+        expected = {"dp": [rank % 2, rank % 2 + 2], "tp": [rank // 2 * 2, rank // 2 * 2 + 1]}
+        assert o.value == [(expected, True), (expected, True)], o
