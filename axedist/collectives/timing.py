@@ -180,7 +180,9 @@ class GpuSampler:
         try:
             import pynvml
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            # NVML counts every GPU of the machine, CUDA only the visible ones: torch maps the index
+            handle = pynvml.nvmlDeviceGetHandleByIndex(
+                torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
             self.read = lambda: (pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
                                  pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3)
         except Exception as error:  # no NVML (or no GPU it knows): time without the readings
