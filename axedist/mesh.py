@@ -25,7 +25,6 @@ gathered once per job; or a simulated host size), hence which axes leave a node.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import itertools
 import math
@@ -52,7 +51,7 @@ _DEFAULT_NAMES = {1: ("gpuid",), 2: ("gpuid_x", "gpuid_y"), 3: ("gpuid_x", "gpui
 # Process groups by (backend, sorted ranks, simulated hosts or None); new_group is collective,
 # so this cache fills in the same order on every rank. Both tables belong to one job: the world
 # group they were made under (_JOB_WORLD, weak); a new world (destroy_process_group, then a new
-# init) starts them again, and at interpreter exit they are emptied (_release_groups).
+# init) starts them again (_current_job).
 _GROUPS: dict[tuple, object] = {}
 # id(group) -> (group, the topology of the mesh that made it).
 _GROUP_TOPOLOGY: dict[int, tuple] = {}
@@ -104,25 +103,14 @@ def _process_group(device_type: str, ranks: tuple[int, ...], topology: Topology)
 def _current_job() -> None:
     """Forget the groups of an earlier job: after ``destroy_process_group()`` and a new
     ``init_process_group()`` the world group is a new one, and the old job's groups are
-    destroyed (a mesh made of them would wait forever in its first collective)."""
+    destroyed (torch no longer knows them: ``get_process_group_ranks`` raises; NCCL's are
+    aborted). Meshes made after the new init get groups of the new job."""
     world = dist.group.WORLD
     job = _JOB_WORLD[0]
     if job is None or job() is not world:
-        _release_groups()
+        _GROUPS.clear()
+        _GROUP_TOPOLOGY.clear()
         _JOB_WORLD[0] = weakref.ref(world)
-
-
-def _release_groups() -> None:
-    """Drop every process group this module holds. Also at interpreter exit, while the
-    interpreter still runs: a gloo group kept until finalization is destroyed there, with its
-    worker threads, and a CPU rank of the 2 x 2 demo on two torchrun agents aborted so in about
-    one run of 40 ("terminate called without an active exception" after ``destroy_process_group``)."""
-    _GROUPS.clear()
-    _GROUP_TOPOLOGY.clear()
-    _JOB_WORLD[0] = None
-
-
-atexit.register(_release_groups)
 
 
 def job_topology() -> Topology:
