@@ -25,7 +25,9 @@ gathered once per job; or a simulated host size), hence which axes leave a node.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
 import itertools
 import math
 import os
@@ -38,7 +40,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .caches import memo
+from .caches import memo, reset as reset_caches
 from .env import read as read_environment
 from .peers import DEFAULT_TIMEOUT_S, choose_timeout, collective_timeout_s
 from .tracing import keep_on_copy
@@ -111,6 +113,31 @@ def _current_job() -> None:
         _GROUPS.clear()
         _GROUP_TOPOLOGY.clear()
         _JOB_WORLD[0] = weakref.ref(world)
+
+
+def _release_an_ended_job() -> None:
+    """At interpreter exit, while it still runs: when ``destroy_process_group()`` ended the job,
+    drop every reference the package holds to its process groups (the group tables here; plans,
+    specs and the dispatcher's tags through the memo registry) so that they are destroyed now.
+
+    torch destroys a group it has forgotten as soon as nothing holds it, joining its worker
+    threads. One kept by these tables lived on into interpreter finalization, where a gloo worker
+    still releasing its last work (the barrier before ``destroy_process_group``, holding the
+    all-reduce before it and that one's tensors) needs the GIL to drop a tensor's Python object;
+    a thread asking for the GIL during finalization is ended, inside a C++ frame that may not
+    unwind, and the rank aborted with "terminate called without an active exception" (the 2 x 2
+    CPU demo on two torchrun agents, about 1 run in 100 on the 2-core machine). While the job
+    runs (no ``destroy_process_group()``) torch itself holds its groups, and nothing is dropped."""
+    if _JOB_WORLD[0] is None or dist.is_initialized():
+        return
+    _GROUPS.clear()
+    _GROUP_TOPOLOGY.clear()
+    _JOB_WORLD[0] = None
+    reset_caches()
+    gc.collect()  # groups held only inside reference cycles
+
+
+atexit.register(_release_an_ended_job)
 
 
 def job_topology() -> Topology:
@@ -271,7 +298,11 @@ class DeviceMesh:
         self._identity = (device_type, shape, axis_names, ranks, self.hosts, self.topology.simulated,
                           tuple(sorted(self.links.items())))
         self._hash = hash(self._identity)
-        self._groups = self._create_groups() if _groups is None else _groups
+        # this rank's groups, weakly: torch holds a job's groups until destroy_process_group(),
+        # and a mesh kept after it (a script's global) must not keep them alive into interpreter
+        # exit (_release_an_ended_job)
+        groups = self._create_groups() if _groups is None else _groups
+        self._groups = {axes: weakref.ref(group) for axes, group in groups.items()}
         self._torch_mesh = None
         self.number = next(_NEXT_NUMBER)
         _NUMBERED[self.number] = self
@@ -464,8 +495,15 @@ class DeviceMesh:
     def group(self, axes: Sequence[str] | str | None = None):
         """This rank's process group over ``axes`` (default: all axes)."""
         key = self._axes_tuple(axes)
-        self.position()  # a clear error for a rank outside the mesh
-        return self._groups[key]
+        ref = self._groups.get(key)
+        if ref is None:
+            self.position()  # a clear error for a rank outside the mesh
+            raise MeshError(f"{self} has no process group over {key} on rank {dist.get_rank()}")
+        group = ref()
+        if group is None:
+            raise MeshError(f"{self}'s process groups were destroyed (destroy_process_group() ended their job); "
+                            f"make the mesh again in the new job")
+        return group
 
     def _axes_tuple(self, axes) -> tuple[str, ...]:
         if axes is None:
@@ -504,7 +542,7 @@ class DeviceMesh:
         if axes != asked:
             raise MeshError(f"sub-mesh axes must be listed in mesh order {self.axis_names}, got {asked}")
         ranks = self.group_ranks(axes)
-        groups = {k: g for k, g in self._groups.items() if set(k) <= set(axes)}
+        groups = {k: self.group(k) for k in self._groups if set(k) <= set(axes)}
         links = {a: link for a, link in self.links.items() if a in axes}
         return DeviceMesh(self.device_type, tuple(self.size(a) for a in axes), axes, ranks, links=links,
                           intra_node_axes=(), _groups=groups, _topology=self.topology)

@@ -1,5 +1,8 @@
 """DeviceMesh on real gloo process groups (2, 4 and 8 ranks)."""
 
+import os
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -289,3 +292,66 @@ def test_a_mesh_after_destroy_and_a_new_init_uses_the_new_jobs_groups(tmp_path):
         rank = o.rank
         expected = {"dp": [rank % 2, rank % 2 + 2], "tp": [rank // 2 * 2, rank // 2 * 2 + 1]}
         assert o.value == [(expected, True), (expected, True)], o
+
+
+_EXIT_SCRIPT = '''
+import atexit, os, sys
+
+def gloo_workers():
+    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
+
+def at_exit():
+    print(f"rank {os.environ['RANK']} gloo workers at exit: {gloo_workers()}", flush=True)
+    if sys.argv[1] == "destroy":
+        try:
+            mesh.get_group("tp")
+        except ax.MeshError as error:
+            print(f"rank {os.environ['RANK']} mesh after exit hook: {error}", flush=True)
+
+# registered before axedist is imported, so it runs after axedist's own exit hook (atexit is LIFO)
+atexit.register(at_exit)
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+
+import axedist as ax
+
+mesh = ax.init_mesh((2, 2), ("dp", "tp"))  # kept, with its DTensors, as a script's globals
+x = ax.distribute_tensor(torch.arange(24.0).reshape(4, 6), mesh, [Shard(0), Shard(1)])
+y = x.redistribute(mesh, [Replicate(), Replicate()])
+assert torch.equal(y.to_local(), torch.arange(24.0).reshape(4, 6))
+print(f"rank {os.environ['RANK']} gloo workers running: {gloo_workers()}", flush=True)
+dist.barrier()
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.parametrize("end", ["destroy", "keep"])
+def test_a_job_ended_by_destroy_process_group_has_no_gloo_worker_left_at_exit(tmp_path, end):
+    """The package holds no process group past destroy_process_group(): a mesh and its DTensors
+    kept as a script's globals hold their groups weakly, and at exit the plans' groups are
+    dropped while the interpreter still runs, so no gloo worker thread is left for interpreter
+    finalization to end mid-work (it aborted the rank: "terminate called without an active
+    exception", the 2 x 2 demo on two torchrun agents, about 1 run in 100). A job still running
+    at exit (no destroy_process_group) keeps its groups: torch holds them, nothing is dropped."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_EXIT_SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                          str(script), end], capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    for rank in range(4):
+        running = int(re.search(rf"rank {rank} gloo workers running: (\d+)", out).group(1))
+        at_exit = int(re.search(rf"rank {rank} gloo workers at exit: (\d+)", out).group(1))
+        assert running >= 6, out  # 2 workers for each of the world, dp and tp groups
+        if end == "destroy":
+            assert at_exit == 0, out
+            assert re.search(rf"rank {rank} mesh after exit hook: DeviceMesh.*were destroyed", out), out
+        else:
+            assert at_exit == running, out

@@ -119,9 +119,12 @@ class OpDispatcher:
         return policy == "always" or (policy == "auto" and cuda)
 
     def clear_caches(self) -> None:
-        """Forget cached plans and fast-path entries (rules are re-run on next use)."""
+        """Forget cached plans, fast-path entries and the tag table (rules are re-run on next use;
+        tags already kept on DTensors stay valid, numbers are never reused). The tag table's specs
+        hold their meshes, and so the meshes' process groups."""
         self.cache.clear()
         self.fastpath.clear()
+        self._tags.clear()
 
     def cache_info(self) -> dict:
         """Counts of cached-plan hits (the fast path's hits among them) and misses and of fallback
