@@ -146,8 +146,8 @@ def main() -> None:
         two_axes(args.mesh, device_type)
 
     say("\ndemo finished")
-    # every rank past its last collective before any tears gloo down (a rank that left early
-    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    # every rank past its last collective before any tears its groups down; then the job ends
+    # (axedist drops the groups it held at exit, while the interpreter still runs)
     dist.barrier()
     dist.destroy_process_group()
 

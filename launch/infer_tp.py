@@ -114,8 +114,8 @@ def main(argv=None) -> None:
     say(f"expected   {expected[args.prompt_len:]}  ({right}/{args.new_tokens} tokens follow the pattern)")
     how = "CUDA graph replays" if args.cuda_graphs else "eager"
     say(f"{statistics.median(times):.2f} ms per token, {how} (median of {len(times)}; first {times[0]:.2f} ms)")
-    # every rank past its last collective before any tears gloo down (a rank that left early
-    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    # every rank past its last collective before any tears its groups down; then the job ends
+    # (axedist drops the groups it held at exit, while the interpreter still runs)
     dist.barrier()
     dist.destroy_process_group()
 

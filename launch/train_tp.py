@@ -323,8 +323,8 @@ def main(argv=None) -> None:
         path = save_state(args, model, optimizer, cfg, run["steps"], losses)
         say(f"saved the parameters with torch.distributed.checkpoint to {path} (load: launch/infer_tp.py)")
     say("training finished")
-    # every rank past its last collective before any tears gloo down (a rank that left early
-    # once made its peer's gloo thread abort with "terminate called without an active exception")
+    # every rank past its last collective before any tears its groups down; then the job ends
+    # (axedist drops the groups it held at exit, while the interpreter still runs)
     dist.barrier()
     dist.destroy_process_group()
 
