@@ -120,8 +120,7 @@ class OpDispatcher:
 
     def clear_caches(self) -> None:
         """Forget cached plans, fast-path entries and the tag table (rules are re-run on next use;
-        tags already kept on DTensors stay valid, numbers are never reused). The tag table's specs
-        hold their meshes, and so the meshes' process groups."""
+        tags already kept on DTensors stay valid, numbers are never reused)."""
         self.cache.clear()
         self.fastpath.clear()
         self._tags.clear()
