@@ -110,9 +110,15 @@ def _current_job() -> None:
     world = dist.group.WORLD
     job = _JOB_WORLD[0]
     if job is None or job() is not world:
-        _GROUPS.clear()
-        _GROUP_TOPOLOGY.clear()
+        _forget_groups()
         _JOB_WORLD[0] = weakref.ref(world)
+
+
+def _forget_groups() -> None:
+    """Empty the group tables: they belong to no job until the next group is made."""
+    _GROUPS.clear()
+    _GROUP_TOPOLOGY.clear()
+    _JOB_WORLD[0] = None
 
 
 def _release_an_ended_job() -> None:
@@ -130,9 +136,7 @@ def _release_an_ended_job() -> None:
     runs (no ``destroy_process_group()``) torch itself holds its groups, and nothing is dropped."""
     if _JOB_WORLD[0] is None or dist.is_initialized():
         return
-    _GROUPS.clear()
-    _GROUP_TOPOLOGY.clear()
-    _JOB_WORLD[0] = None
+    _forget_groups()
     reset_caches()
     gc.collect()  # groups held only inside reference cycles
 
@@ -495,11 +499,9 @@ class DeviceMesh:
     def group(self, axes: Sequence[str] | str | None = None):
         """This rank's process group over ``axes`` (default: all axes)."""
         key = self._axes_tuple(axes)
-        ref = self._groups.get(key)
-        if ref is None:
-            self.position()  # a clear error for a rank outside the mesh
-            raise MeshError(f"{self} has no process group over {key} on rank {dist.get_rank()}")
-        group = ref()
+        if key not in self._groups:
+            self.position()  # a rank outside the mesh (it holds no groups): a clear error
+        group = self._groups[key]()
         if group is None:
             raise MeshError(f"{self}'s process groups were destroyed (destroy_process_group() ended their job); "
                             f"make the mesh again in the new job")

@@ -80,9 +80,9 @@ def test_two_torchrun_nodes_run_the_demo_and_the_training_job(tmp_path):
 
     # the training job on the 4 processes of both agents: fully sharded over dp across the two
     # nodes, tensor parallel over tp inside each
-    runs = launch_nodes(
-        ["launch/train_tp.py", "--steps", "4", "--log-every", "2", "--seq", "8", "--batch", "2", "--dim", "16",
-         "--vocab", "32", "--layers", "1", "--out", str(tmp_path / "train"), "--no-checkpoint"])
+    runs = launch_nodes(["launch/train_tp.py", "--steps", "4", "--log-every", "2", "--seq", "8", "--batch", "2",
+                         "--dim", "16", "--vocab", "32", "--layers", "1", "--out", str(tmp_path / "train"),
+                         "--no-checkpoint"])
     text = "\n".join(out for _, out in runs)
     assert [code for code, _ in runs] == [0, 0], text[-4000:]
     assert ("mesh DeviceMesh('cpu', [[0, 1], [2, 3]], axes=('dp', 'tp'), dp=2 (inter-node) x tp=2 (intra-node), "
