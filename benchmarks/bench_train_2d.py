@@ -284,7 +284,7 @@ def main(argv=None) -> None:
     for g_ in met:
         say(f"goal {g_['goal']}: {g_['value']:.2f} (target {g_['target']}) {'met' if g_['met'] else 'NOT met'}")
     bytes_ratio = None
-    if "axedist" in stats and "torch" in stats:
+    if "axedist" in stats and "torch" in stats and stats["torch"]["bytes_per_step"]:  # (one rank: none sent)
         bytes_ratio = stats["axedist"]["bytes_per_step"] / stats["torch"]["bytes_per_step"]
         say(f"axedist / torch bytes: {bytes_ratio:.3f}")
 

@@ -134,42 +134,53 @@ SCALAR_TYPES = frozenset({int, float, bool, type(None), str, torch.dtype, torch.
 def scan(cls, func, args, kwargs):
     """The ``cls`` DTensors (in ``OpCall.specs`` order), their mesh, and a hashable key of the
     call (None if some argument is unhashable). Raises for plain non-scalar tensors and mixed meshes."""
-    found: list = []
+    walk = _Scan(cls, func)
+    names = [a.name for a in func._schema.arguments]
     key: list = [func]
-    hashable = [True]
-    mesh = [None]
+    for i, value in enumerate(args):
+        key.append(walk.item(value, f"argument {names[i] if i < len(names) else i!r}"))
+    for name in kwargs:
+        key.append((name, walk.item(kwargs[name], f"argument {name!r}")))
+    return walk.found, walk.mesh, (tuple(key) if walk.hashable else None)
 
-    def item(value, where):
-        if isinstance(value, cls):
+
+class _Scan:
+    """What ``scan`` gathers as it walks an op's arguments. A walker object, not a recursive
+    closure: a closure that calls itself is a reference cycle, and the DTensors it had gathered
+    (the op's inputs: activations) stayed alive in it until the garbage collector ran."""
+
+    __slots__ = ("cls", "func", "found", "mesh", "hashable")
+
+    def __init__(self, cls, func):
+        self.cls, self.func = cls, func
+        self.found: list = []
+        self.mesh = None
+        self.hashable = True
+
+    def item(self, value, where):
+        if isinstance(value, self.cls):
             spec = value._spec
-            if mesh[0] is None:
-                mesh[0] = spec.mesh
-            elif spec.mesh is not mesh[0] and spec.mesh != mesh[0]:
-                raise DispatchError(f"{func}: {where} is on mesh {spec.mesh}, another argument on {mesh[0]}; "
+            if self.mesh is None:
+                self.mesh = spec.mesh
+            elif spec.mesh is not self.mesh and spec.mesh != self.mesh:
+                raise DispatchError(f"{self.func}: {where} is on mesh {spec.mesh}, another argument on {self.mesh}; "
                                     f"an op needs all its DTensors on one mesh")
-            found.append(value)
+            self.found.append(value)
             return (spec, value.dtype, value.stride())
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 return ("scalar", value.dtype, value.device.type)
-            raise PlainTensorError(f"{func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} mixed "
-                                   f"with axedist DTensors; distribute it first (ax.distribute or "
+            raise PlainTensorError(f"{self.func}: {where} is a plain torch.Tensor of shape {tuple(value.shape)} "
+                                   f"mixed with axedist DTensors; distribute it first (ax.distribute or "
                                    f"DTensor.from_local)")
         if isinstance(value, (list, tuple)):
-            return (type(value).__name__,) + tuple(item(v, f"{where}[{i}]") for i, v in enumerate(value))
+            return (type(value).__name__,) + tuple(self.item(v, f"{where}[{i}]") for i, v in enumerate(value))
         try:
             hash(value)
         except TypeError:
-            hashable[0] = False
+            self.hashable = False
             return None
         return value
-
-    names = [a.name for a in func._schema.arguments]
-    for i, value in enumerate(args):
-        key.append(item(value, f"argument {names[i] if i < len(names) else i!r}"))
-    for name in kwargs:
-        key.append((name, item(kwargs[name], f"argument {name!r}")))
-    return found, mesh[0], (tuple(key) if hashable[0] else None)
 
 
 def _replace(cls, value, convert):

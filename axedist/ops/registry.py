@@ -77,6 +77,17 @@ class ArgSpec:
         return f"{dtype}{list(self.shape)} {where}"
 
 
+def _collect(value, kinds: tuple, found: list) -> None:
+    """Append ``value``'s leaves of ``kinds`` to ``found`` (lists and tuples flattened). A module
+    function, not a closure that calls itself: such a closure is a reference cycle, which kept
+    what it found (tensors among them) alive until the garbage collector ran."""
+    if isinstance(value, kinds):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _collect(v, kinds, found)
+
+
 @dataclass
 class OpCall:
     """An op call as rules see it: DTensor arguments are ArgSpecs, everything else as given."""
@@ -89,16 +100,8 @@ class OpCall:
     def leaves(self, kinds: tuple = (ArgSpec,)) -> list:
         """The arguments of these types in argument order (args, then kwargs; lists flattened)."""
         found: list = []
-
-        def visit(value):
-            if isinstance(value, kinds):
-                found.append(value)
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    visit(v)
-
         for value in list(self.args) + list(self.kwargs.values()):
-            visit(value)
+            _collect(value, kinds, found)
         return found
 
     @property

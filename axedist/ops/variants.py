@@ -239,21 +239,11 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     Whether the ranks agree takes one small all-reduce over the mesh, which every rank joins
     (the arguments' structure is the same on every rank), so none waits.
     """
-    mesh, plain = None, []
-
-    def visit(value):
-        nonlocal mesh
-        if isinstance(value, cls):
-            mesh = mesh or value._spec.mesh
-        elif isinstance(value, torch.Tensor):
-            if value.dim() > 0:
-                plain.append(value)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
+    found: list = []
     for value in list(args) + list(kwargs.values()):
-        visit(value)
+        _tensor_leaves(value, found)
+    mesh = next((t._spec.mesh for t in found if isinstance(t, cls)), None)
+    plain = [t for t in found if not isinstance(t, cls) and t.dim() > 0]
     if mesh is None or not plain:
         raise error
     replicate_any = (MODES.implicit_replication > 0 or _torch_implicit_replication() or _in_backward()
@@ -280,15 +270,29 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
             raise DispatchError(not_constant) from None
     adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
                for t in plain}
+    return tuple(_swap(a, cls, adopted) for a in args), {k: _swap(v, cls, adopted) for k, v in kwargs.items()}
 
-    def swap(value):
-        if isinstance(value, torch.Tensor) and not isinstance(value, cls):
-            return adopted.get(id(value), value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(swap(v) for v in value)
-        return value
 
-    return tuple(swap(a) for a in args), {k: swap(v) for k, v in kwargs.items()}
+# The argument walks below are module functions, not closures that call themselves: such a
+# closure is a reference cycle, and what it held (the op's tensors) stayed alive until the
+# garbage collector ran (an activation of a step freed a step later).
+
+def _tensor_leaves(value, found: list) -> None:
+    """Append the tensors among ``value`` (lists and tuples flattened) to ``found``."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensor_leaves(v, found)
+
+
+def _swap(value, cls, adopted: dict):
+    """``value`` with each plain tensor that ``adopted`` holds (by id) replaced by its DTensor."""
+    if isinstance(value, torch.Tensor) and not isinstance(value, cls):
+        return adopted.get(id(value), value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_swap(v, cls, adopted) for v in value)
+    return value
 
 
 def _in_backward() -> bool:
@@ -425,22 +429,23 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
         return None
     if info.inplace:
         return args[0]
+    return _replicated_result(result, cls, mesh, func, view_of_copy)
 
-    def wrap(value):
-        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-            raise DispatchError(f"{func} returns a {value.layout} tensor; axedist DTensors hold dense (strided) "
-                                f"tensors only: convert the result of to_local() or full_tensor() instead")
-        if isinstance(value, torch.Tensor):
-            spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
-            out = cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
-            if view_of_copy:  # (DTensor._copied_view)
-                out._copied_view = True
-            return out
-        if isinstance(value, (list, tuple)):
-            return type(value)(wrap(v) for v in value)
-        return value
 
-    return wrap(result)
+def _replicated_result(value, cls, mesh, func, view_of_copy: bool):
+    """The fallback's result with each tensor in it a replicated ``cls`` DTensor on ``mesh``."""
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        raise DispatchError(f"{func} returns a {value.layout} tensor; axedist DTensors hold dense (strided) "
+                            f"tensors only: convert the result of to_local() or full_tensor() instead")
+    if isinstance(value, torch.Tensor):
+        spec = make_spec(mesh, replicated_layout(value.shape, mesh), value.shape)
+        out = cls(value, spec, stride=tuple(value.stride()) if value.is_contiguous() else None)
+        if view_of_copy:  # (DTensor._copied_view)
+            out._copied_view = True
+        return out
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replicated_result(v, cls, mesh, func, view_of_copy) for v in value)
+    return value
 
 
 def _laid_out(func, value, replicated, spec) -> torch.Tensor:

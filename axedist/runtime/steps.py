@@ -54,8 +54,12 @@ class StepProgram:
         self.local_dst = Index.of(self.local, "target", ctx.device)
         self.reduce = step.reduce
         self._local_slots = None  # a local reduction's per-element slots, built on its first run only
+        # a reduction whose own values land once in every slot (a sum over one summand: a data
+        # axis of one rank) is a copy: no per-element slots (8 bytes per element, kept with the plan)
+        self.one_summand = step.reduce is not None and self.local_dst.spans(0, step.out_size) and \
+            self.local_dst.count == step.out_size and not step.receives(ctx.me)
         self.count = None
-        if step.reduce == "avg":
+        if step.reduce == "avg" and not self.one_summand:
             incoming = box_index([t for t in step.transfers if t.target == ctx.me], "target")
             self.count = torch.bincount(incoming, minlength=step.out_size).clamp_(min=1).to(ctx.device)
 
@@ -75,7 +79,7 @@ class StepProgram:
         return box_index(self.local, "target")
 
     def start(self, x: torch.Tensor, async_op: bool, carrier=None):
-        if self.reduce is None:
+        if self.reduce is None or self.one_summand:
             return [], (lambda: self.local_out(x))
         if self._local_slots is None:  # real, also when first run inside a trace (the trace takes a constant)
             self._local_slots = _real_slots(self.local, self.ctx.device)
