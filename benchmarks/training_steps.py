@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pstats
+import re
 import statistics
 import time
 from types import SimpleNamespace
@@ -508,7 +509,8 @@ def add_diagnosis_arguments(parser) -> None:
     parser.add_argument("--trace", action="store_true",
                         help="with --profile: every rank's Chrome trace of that step under OUT/traces/")
     parser.add_argument("--memory", action="store_true",
-                        help="CUDA: one more step per side with the allocator's history: what is live at its peak")
+                        help="one more step per side with its allocations recorded (CUDA: the allocator's history; "
+                             "CPU: the profiler's): what is live at its peak")
     parser.add_argument("--first-step", action="store_true",
                         help="every eager side's first step under cProfile on rank 0: where its seconds go")
 
@@ -518,7 +520,7 @@ def diagnose(args, sides: list[Side], tokens, cuda: bool, say: Callable) -> tupl
     None where not asked."""
     traces = os.path.join(args.out, "traces") if args.trace else None
     profile = profile_sides(sides, tokens, cuda, say, trace_dir=traces) if args.profile else None
-    memory = memory_peaks(sides, tokens, say) if args.memory and cuda else None
+    memory = memory_peaks(sides, tokens, say, cuda) if args.memory else None
     return profile, memory
 
 
@@ -551,27 +553,81 @@ def profile_sides(sides: list[Side], tokens, cuda: bool, say: Callable, top: int
     return each_side(sides, cuda, one)
 
 
-def memory_peaks(sides: list[Side], tokens, say: Callable, top: int = 12) -> dict:
-    """One more step of every side (CUDA) with the caching allocator's history recorded (Python
-    frames): rank 0's live blocks allocated during the step at the moment their sum peaked,
-    grouped by where they were allocated (the innermost frame outside torch's own files, and
-    the innermost frame), largest first. Blocks from before the step (parameters, optimizer
-    state) are not in it: the peak here is the step's own rise."""
+def memory_peaks(sides: list[Side], tokens, say: Callable, cuda: bool = True, top: int = 12) -> dict:
+    """One more step of every side with its allocations recorded (Python frames): rank 0's live
+    blocks allocated during the step at the moment their sum peaked, grouped by where they were
+    allocated (the innermost frame outside torch's own files, and the innermost frame), largest
+    first. Blocks from before the step (parameters, optimizer state) are not in it: the peak here
+    is the step's own rise. CUDA: the caching allocator's history; CPU: torch.profiler's
+    allocation events (``cpu_allocation_trace``)."""
     def one(side):
-        torch.cuda.synchronize()
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-        try:
-            measured_step(side.step, tokens, True)
-            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            try:
+                measured_step(side.step, tokens, True)
+                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            finally:
+                torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            trace = cpu_allocation_trace(lambda around: measured_step(side.step, tokens, False, around=around))
         if dist.get_rank() != 0:
             return None
         found = live_at_peak(trace, top)
-        say(f"  memory of {side.name}: step peak rise {found['peak_bytes'] / GIB:.2f} GiB, {found['blocks']} blocks live")
+        unit, scale = memory_unit(found["peak_bytes"])
+        say(f"  memory of {side.name}: step peak rise {found['peak_bytes'] / scale:.2f} {unit}, {found['blocks']} blocks live")
         return found
 
-    return each_side(sides, True, one)
+    return each_side(sides, cuda, one)
+
+
+def memory_unit(nbytes: int) -> tuple[str, int]:
+    """("GiB", 2**30) for a GPU-sized peak, ("MiB", 2**20) below a GiB (CPU runs)."""
+    return ("GiB", GIB) if nbytes >= GIB else ("MiB", 2**20)
+
+
+def cpu_allocation_trace(run: Callable) -> list:
+    """The CPU allocations and frees ``run(around)`` made inside ``around()`` (a context it enters
+    around what to see), as an allocator trace for ``live_at_peak``: torch.profiler's allocation
+    events in time order, each with the Python functions it ran in, innermost first (a frame's
+    line is its function's first line: the profiler records calls, not lines). Frees that another
+    thread makes (a gloo worker's) may be missing: their blocks count as live to the end."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    made = {}
+
+    def around():
+        made["profile"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
+        return made["profile"]
+
+    run(around)
+    events = []
+    pending = [(root, ()) for root in made["profile"].profiler.kineto_results.experimental_event_tree()]
+    while pending:
+        node, frames = pending.pop()
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr, frames))
+            continue
+        if node.tag == _EventType.PyCall:
+            frame = _python_frame(node)
+            frames = frames if frame is None else (frame, *frames)
+        pending.extend((child, frames) for child in node.children)
+    events.sort(key=lambda e: e[0])
+    return [{"action": "alloc" if size > 0 else "free_completed", "addr": ptr, "size": abs(size),
+             "frames": list(frames)} for _, size, ptr, frames in events]
+
+
+def _python_frame(node) -> dict | None:
+    """``{"filename", "line", "name"}`` of a profiler Python-call event (named ``file(line): name``)."""
+    try:
+        name = node.name
+    except UnicodeDecodeError:  # (the profiler's name of some C-extension callables)
+        return None
+    match = re.match(r"^(.*)\((\d+)\): (.*)$", name)
+    return {"filename": match[1], "line": int(match[2]), "name": match[3]} if match else None
 
 
 def each_side(sides: list[Side], cuda: bool, one: Callable) -> dict:
@@ -756,10 +812,11 @@ def markdown_tables(record: dict) -> str:
 
 
 def _memory_section(name: str, m: dict) -> str:
-    return (f"Memory of one step, {name} (rank 0): the step's allocations peaked at {m['peak_bytes'] / GIB:.2f} GiB "
+    unit, scale = memory_unit(m["peak_bytes"])
+    return (f"Memory of one step, {name} (rank 0): the step's allocations peaked at {m['peak_bytes'] / scale:.2f} {unit} "
             f"over what it started with, {m['blocks']} blocks live then; by where they were allocated:\n\n"
-            + _table(("site", "GiB", "blocks"),
-                     [(f"`{t['site'][:120]}`", f"{t['bytes'] / GIB:.3f}", t["blocks"]) for t in m["top"]]))
+            + _table(("site", unit, "blocks"),
+                     [(f"`{t['site'][:120]}`", f"{t['bytes'] / scale:.3f}", t["blocks"]) for t in m["top"]]))
 
 
 def _first_step_section(name: str, p: dict) -> str:

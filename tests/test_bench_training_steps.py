@@ -252,12 +252,15 @@ def _check_record(record: dict, names: list, steps: int) -> None:
 
 def test_bench_tp_default_size_under_torchrun(tmp_path):
     rc, out, err = run_torchrun(["benchmarks/bench_tp.py", "--steps", "3", "--warmup", "1", "--profile",
-                                 "--out", str(tmp_path)], 2, cwd=str(ROOT), env=ENV)
+                                 "--memory", "--out", str(tmp_path)], 2, cwd=str(ROOT), env=ENV)
     assert rc == 0, out[-3000:] + err[-3000:]
     record = _read(tmp_path, "bench_tp_cpu_w2")
     _check_record(record, ["axedist", "torch"], 3)
     assert record["preset"] == "default" and record["config"]["dim"] == 128
     assert set(record["profile"]) == {"axedist", "torch"}
+    assert set(record["memory"]) == {"axedist", "torch"}  # CPU --memory: the profiler's allocation events
+    for m in record["memory"].values():
+        assert m["peak_bytes"] > 0 and 0 < sum(t["bytes"] for t in m["top"]) <= m["peak_bytes"]
     assert record["profile"]["axedist"]["top"] and record["profile"]["torch"]["busy_ms"] > 0
     assert "fp32 loss check passed" in out and "timed step 3/3" in out
     # the libraries warmed before any side's first step (at one rank's shapes), and the table says so
@@ -342,6 +345,34 @@ def test_live_at_peak_replays_the_allocator_trace():
     assert sites == {"nn/llama.py:42 forward < nn/functional.py:9 linear": (70, 1),
                      "nn/llama.py:42 forward": (60, 1), "(no Python frame)": (50, 1)}
     assert [t["bytes"] for t in got["top"]] == [70, 60, 50]
+
+
+def test_cpu_allocation_trace_replays_what_the_profiler_saw_allocated_and_freed():
+    kept = []
+
+    def allocate_some():
+        a = torch.empty(1 << 20, dtype=torch.uint8)
+        b = torch.empty(3 << 20, dtype=torch.uint8)  # both live: the peak
+        del a
+        kept.append(b)
+
+    def run(around):
+        torch.empty(5 << 20, dtype=torch.uint8)  # outside around(): not seen
+        with around():
+            allocate_some()
+
+    trace = ts.cpu_allocation_trace(run)
+    got = ts.live_at_peak(trace)
+    assert 4 << 20 <= got["peak_bytes"] < (4 << 20) + (256 << 10), got
+    mine = [t for t in got["top"] if "allocate_some" in t["site"]]
+    assert mine and mine[0]["bytes"] == 4 << 20 and mine[0]["blocks"] == 2, got["top"]
+    live = {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+        else:
+            live.pop(event["addr"], None)
+    assert (3 << 20) <= sum(live.values()) < (3 << 20) + (256 << 10)  # what was kept, a freed
 
 
 def _each_side(rank, world):
