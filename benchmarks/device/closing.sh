@@ -76,8 +76,8 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
   export AXEDIST_COMMIT=${AXEDIST_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
   CONFIGS=${CONFIGS:-0,1,3,5,6,7,8,14,15,16}
   W=$(python3 -c "import torch; print(min(4, torch.cuda.device_count()))")
-  train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled (~4 min)
-    step bench_train_2d ${TRAIN_2D_LIMIT:-330} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile ${TRAIN_2D_ARGS:-} --out "$RESULTS"
+  train_2d() {  # FSDP x TP (dp2 x tp2) at the GPU-bound size, eager and compiled (traced FSDP), profiled, its memory at the peak by site (~4.5 min)
+    step bench_train_2d ${TRAIN_2D_LIMIT:-330} torchrun --nproc-per-node 4 benchmarks/bench_train_2d.py --cuda --preset llama8b --compile --profile --memory ${TRAIN_2D_ARGS:-} --out "$RESULTS"
   }
   for name in $BENCHES; do case $name in
     model_tables) # the fused kernels vs cuBLAS + collective at bench_tp's llama8b calls, W = up to 4 GPUs
