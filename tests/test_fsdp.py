@@ -371,6 +371,33 @@ def test_a_data_axis_of_one_rank_keeps_no_per_element_index():
         assert not big, f"rank {rank}: int64 tensors as large as a parameter kept: {big}"
 
 
+def _dropped_models(rank, world, s):
+    """Models trained a step and dropped, one after another: each is freed (its parameters with it)."""
+    import gc
+    import weakref
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    cfg = tiny()
+    g = torch.Generator().manual_seed(s)
+    d = mesh.coordinates()["dp"]
+    dropped = []
+    for _ in range(3):
+        model = sharded_llama(cfg, mesh)
+        tokens = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len + 1), generator=g)[2 * d:2 * d + 2]
+        next_token_loss(model(tokens[:, :-1]), replicate(tokens[:, 1:], mesh["tp"])).backward()
+        dropped.append((weakref.ref(model), weakref.ref(model.layers[0].feed_forward.w1.weight)))
+        del model
+        gc.collect()
+    return [(m() is None, w() is None) for m, w in dropped]
+
+
+def test_a_dropped_model_is_freed():
+    """Before each step's multi-grad hooks on the units' inputs were removed at the end of its
+    backward, they kept the last two models (and their parameters) alive after they were dropped."""
+    s = random.randrange(2**31)
+    for rank, freed in enumerate(run_on_ranks(_dropped_models, 4, args=(s,))):
+        assert freed == [(True, True)] * 3, f"rank {rank}: (model freed, parameter freed) per model: {freed}"
+
+
 def _torch_llama(cfg, mesh, seed):
     torch.manual_seed(seed)
     return torch_fully_shard_llama(Llama(cfg), mesh.to_torch())

@@ -541,6 +541,7 @@ class FSDPUnit:
         self._grads: dict = {}         # ShardedParameter -> its gradient (gathered layout), until the flush
         self._reducing: list = []      # (started flat reduce-scatter, FlatLayout, records) until the end of backward
         self._awaited = 0              # gradients still to come this step
+        self._input_hooks: list = []   # the multi-grad hooks on this step's inputs, removed at its end
 
     def contains(self, other: "FSDPUnit") -> bool:
         return any(m is other.module for m in self.module.modules())
@@ -683,6 +684,7 @@ class FSDPUnit:
             for unit in self.schedule.last_order:  # a forward without backward leaves these behind
                 unit._awaited = 0
                 unit._started = {}  # gathered before the optimizer step: stale
+                unit.remove_input_hooks()
         _RUNNING.append(self)
         self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
         self.unshard()
@@ -699,7 +701,8 @@ class FSDPUnit:
         if torch.is_grad_enabled():
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
-                torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self.post_backward(), mode="all")
+                self._input_hooks.append(
+                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self.post_backward(), mode="all"))
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -732,6 +735,14 @@ class FSDPUnit:
     def post_backward(self) -> None:
         self.reshard()
 
+    def remove_input_hooks(self) -> None:
+        """Remove the step's multi-grad hooks: each holds its inputs' autograd nodes while a node
+        holds it, a cycle through C++ that the garbage collector cannot see (a dropped model and
+        its parameters stayed alive)."""
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks = []
+
     # -- description ----------------------------------------------------------------------
 
     def explain(self) -> str:
@@ -762,6 +773,7 @@ def _finish_backward(schedule: _Schedule) -> None:
         unit._awaited = 0
         unit.reshard()
         unit._started = {}
+        unit.remove_input_hooks()
     schedule.callback_queued = False
 
 
