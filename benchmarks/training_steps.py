@@ -575,7 +575,8 @@ def memory_peaks(sides: list[Side], tokens, say: Callable, cuda: bool = True, to
             return None
         found = live_at_peak(trace, top)
         unit, scale = memory_unit(found["peak_bytes"])
-        say(f"  memory of {side.name}: step peak rise {found['peak_bytes'] / scale:.2f} {unit}, {found['blocks']} blocks live")
+        say(f"  memory of {side.name}: step peak rise {found['peak_bytes'] / scale:.2f} {unit}, "
+            f"{found['blocks']} blocks live")
         return found
 
     return each_side(sides, cuda, one)

@@ -701,8 +701,9 @@ class FSDPUnit:
         if torch.is_grad_enabled():
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
-                self._input_hooks.append(
-                    torch.autograd.graph.register_multi_grad_hook(inputs, lambda grads: self.post_backward(), mode="all"))
+                hook = torch.autograd.graph.register_multi_grad_hook(
+                    inputs, lambda grads: self.post_backward(), mode="all")
+                self._input_hooks.append(hook)
         return args, kwargs
 
     def post_forward(self, module, args, output):

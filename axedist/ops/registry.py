@@ -30,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 from ..layout import Layout
 from ..mesh import DeviceMesh
 
-__all__ = ["ArgSpec", "OpCall", "Sharding", "register", "rule_for", "overload_named", "moved_to", "RULES", "LINEAR_REDUCE_OPS",
-           "Partial", "Replicate", "Shard"]
+__all__ = ["ArgSpec", "OpCall", "collect_leaves", "Sharding", "register", "rule_for", "overload_named", "moved_to",
+           "RULES", "LINEAR_REDUCE_OPS", "Partial", "Replicate", "Shard"]
 
 Placements = tuple[Placement, ...]
 
@@ -77,15 +77,15 @@ class ArgSpec:
         return f"{dtype}{list(self.shape)} {where}"
 
 
-def _collect(value, kinds: tuple, found: list) -> None:
+def collect_leaves(value, kinds: tuple, found: list) -> None:
     """Append ``value``'s leaves of ``kinds`` to ``found`` (lists and tuples flattened). A module
     function, not a closure that calls itself: such a closure is a reference cycle, which kept
-    what it found (tensors among them) alive until the garbage collector ran."""
+    what it found (an op's tensors) alive until the garbage collector ran."""
     if isinstance(value, kinds):
         found.append(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _collect(v, kinds, found)
+            collect_leaves(v, kinds, found)
 
 
 @dataclass
@@ -101,7 +101,7 @@ class OpCall:
         """The arguments of these types in argument order (args, then kwargs; lists flattened)."""
         found: list = []
         for value in list(self.args) + list(self.kwargs.values()):
-            _collect(value, kinds, found)
+            collect_leaves(value, kinds, found)
         return found
 
     @property

@@ -19,6 +19,7 @@ from ..runtime import checks, redistribute_local
 from ..spec import make_spec, replicated_layout
 from .call_plan import (FOREACH_INFO, FOREACH_WRITE, DispatchError, OpInfo, PlainTensorError, functional_of,
                         replace_dtensors, scan, writes_first, written)
+from .registry import collect_leaves
 from .reshape_inplace import rebind
 from .specs import placements_or_none, spec_of
 
@@ -241,7 +242,7 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     """
     found: list = []
     for value in list(args) + list(kwargs.values()):
-        _tensor_leaves(value, found)
+        collect_leaves(value, (torch.Tensor,), found)
     mesh = next((t._spec.mesh for t in found if isinstance(t, cls)), None)
     plain = [t for t in found if not isinstance(t, cls) and t.dim() > 0]
     if mesh is None or not plain:
@@ -273,18 +274,9 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
     return tuple(_swap(a, cls, adopted) for a in args), {k: _swap(v, cls, adopted) for k, v in kwargs.items()}
 
 
-# The argument walks below are module functions, not closures that call themselves: such a
+# The result walks below are module functions, not closures that call themselves: such a
 # closure is a reference cycle, and what it held (the op's tensors) stayed alive until the
 # garbage collector ran (an activation of a step freed a step later).
-
-def _tensor_leaves(value, found: list) -> None:
-    """Append the tensors among ``value`` (lists and tuples flattened) to ``found``."""
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensor_leaves(v, found)
-
 
 def _swap(value, cls, adopted: dict):
     """``value`` with each plain tensor that ``adopted`` holds (by id) replaced by its DTensor."""
