@@ -596,15 +596,10 @@ def cpu_allocation_trace(run: Callable) -> list:
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    made = {}
-
-    def around():
-        made["profile"] = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
-        return made["profile"]
-
-    run(around)
+    recorder = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
+    run(lambda: recorder)
     events = []
-    pending = [(root, ()) for root in made["profile"].profiler.kineto_results.experimental_event_tree()]
+    pending = [(root, ()) for root in recorder.profiler.kineto_results.experimental_event_tree()]
     while pending:
         node, frames = pending.pop()
         if node.tag == _EventType.Allocation:

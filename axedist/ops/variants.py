@@ -271,20 +271,8 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
             raise DispatchError(not_constant) from None
     adopted = {id(t): cls(t.to(mesh.device).contiguous(), spec_of(tuple(t.shape), mesh, (Replicate(),) * mesh.ndim))
                for t in plain}
-    return tuple(_swap(a, cls, adopted) for a in args), {k: _swap(v, cls, adopted) for k, v in kwargs.items()}
-
-
-# The result walks below are module functions, not closures that call themselves: such a
-# closure is a reference cycle, and what it held (the op's tensors) stayed alive until the
-# garbage collector ran (an activation of a step freed a step later).
-
-def _swap(value, cls, adopted: dict):
-    """``value`` with each plain tensor that ``adopted`` holds (by id) replaced by its DTensor."""
-    if isinstance(value, torch.Tensor) and not isinstance(value, cls):
-        return adopted.get(id(value), value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_swap(v, cls, adopted) for v in value)
-    return value
+    # (a DTensor's id is not among the adopted: it stays as it is)
+    return replace_dtensors(torch.Tensor, args, kwargs, lambda t: adopted.get(id(t), t))
 
 
 def _in_backward() -> bool:
@@ -425,7 +413,9 @@ def gather_fallback(d, func, args, kwargs, dts, mesh, info: OpInfo):
 
 
 def _replicated_result(value, cls, mesh, func, view_of_copy: bool):
-    """The fallback's result with each tensor in it a replicated ``cls`` DTensor on ``mesh``."""
+    """The fallback's result with each tensor in it a replicated ``cls`` DTensor on ``mesh``. A
+    module function, not a closure that calls itself: such a closure is a reference cycle, and
+    what it held stayed alive until the garbage collector ran."""
     if isinstance(value, torch.Tensor) and value.layout != torch.strided:
         raise DispatchError(f"{func} returns a {value.layout} tensor; axedist DTensors hold dense (strided) "
                             f"tensors only: convert the result of to_local() or full_tensor() instead")

@@ -57,7 +57,7 @@ class StepProgram:
         # a reduction whose own values land once in every slot (a sum over one summand: a data
         # axis of one rank) is a copy: no per-element slots (8 bytes per element, kept with the plan)
         self.one_summand = step.reduce is not None and self.local_dst.spans(0, step.out_size) and \
-            self.local_dst.count == step.out_size and not step.receives(ctx.me)
+            not step.receives(ctx.me)  # (a run of slots: each once)
         self.count = None
         if step.reduce == "avg" and not self.one_summand:
             incoming = box_index([t for t in step.transfers if t.target == ctx.me], "target")
