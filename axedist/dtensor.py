@@ -35,7 +35,7 @@ from .ops.dispatcher import OpDispatcher
 from .ops.state import wrap
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
-from .runtime import agree_on_move, checks
+from .runtime import agree_on_move, checks, true_local_shape
 from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
@@ -726,6 +726,8 @@ def distribute(tensor: torch.Tensor, mesh: DeviceMesh, layout_or_placements, src
         raise RankDisagreementError(f"distribute needs the same shape and dtype, and the same target, on every rank "
                                     f"of the mesh{here}; got:\n" + rank_listing(texts))
     shape = tuple(tensor.shape)
+    if tensor.is_meta:  # a model built on the meta device: no values to send, the local tensor's shape only
+        return DTensor(torch.empty(true_local_shape(dst), dtype=tensor.dtype, device="meta"), dst)
     if src_rank is None:
         src = make_spec(mesh, replicated_layout(shape, mesh), shape)
     else:

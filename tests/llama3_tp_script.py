@@ -9,8 +9,9 @@ loss under ``loss_parallel()`` with plain integer labels, ``clip_grad_norm_`` ov
 gradients and AdamW (``fused=True`` where this torch build has the fused kernel for the
 device, else ``foreach=True``).
 
-``apply_fsdp`` adds torchtitan's FSDP2 (``fully_shard(block, mesh=world_mesh["dp"])``) on a
-dp x tp mesh. Only the block between the two ``# -- TP imports`` lines differs between running on torch's
+``apply_fsdp`` adds torchtitan's FSDP2 as its ``apply_fsdp`` writes it (``fully_shard(block,
+mesh=world_mesh["dp"])``, ``fully_shard([model.norm, model.output])``, then the root, and
+``set_gradient_divide_factor(1.0)`` with the loss scaled here) on a dp x tp mesh. Only the block between the two ``# -- TP imports`` lines differs between running on torch's
 DTensor and on axedist: ``tests/test_dropin_llama3.py`` runs this file's text as it is and
 with that block replaced (``AXEDIST_IMPORTS`` there), and once with no parallelism at all.
 Standalone: ``torchrun --nproc-per-node 4 tests/llama3_tp_script.py``.
@@ -24,11 +25,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
 
 # -- TP imports (begin)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 # -- TP imports (end)
@@ -174,6 +177,9 @@ def apply_tp(model: Transformer, tp_mesh, loss_parallel_on: bool = True) -> None
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            # torchtitan's plan names q / k norms its Llama-3 attention lacks: torch warns and goes on
+            "attention.q_norm": SequenceParallel(use_local_output=True),
+            "attention.k_norm": SequenceParallel(use_local_output=True),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
@@ -183,11 +189,25 @@ def apply_tp(model: Transformer, tp_mesh, loss_parallel_on: bool = True) -> None
         parallelize_module(module=block, device_mesh=tp_mesh, parallelize_plan=layer_plan)
 
 
+def apply_ac(model: Transformer) -> None:
+    """torchtitan's full activation checkpointing: each block wrapped (before FSDP), its forward
+    recomputed in backward."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
 def apply_fsdp(model: Transformer, dp_mesh) -> None:
-    """torchtitan's FSDP2: each block a unit, then the root (after tensor parallelism)."""
+    """torchtitan's FSDP2 (after tensor parallelism): the embedding and each block a unit, the
+    final norm and the output projection one unit of two modules kept gathered after forward, then
+    the root; FSDP's division of the gradients turned off (``train`` scales the loss itself)."""
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=True)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
 
 
 def full(t):
@@ -201,26 +221,44 @@ def fused_adamw_supported(device: str) -> bool:
     return device in _get_fused_kernels_supported_devices()
 
 
+def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
+    """The model with ``dtype`` parameters, initialized from ``seed`` (on the meta device: no values)."""
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device) if device is not None else nullcontext():
+            return Transformer(args)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
-          dp_mesh=None, compile_backend=None, fullgraph=True):
+          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
     ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
     ``dp_mesh``: also fully sharded over it, each dp rank training on its ``batch`` rows of the
     ``batch * dp`` drawn per step (the loss recorded is their mean over dp). ``compile_backend``:
-    the whole model compiled with it (``torch.compile(model, fullgraph=fullgraph)``)."""
+    the whole model compiled with it (``torch.compile(model, fullgraph=fullgraph)``). ``meta_init``:
+    as torchtitan builds it, on the meta device, parallelized there, then ``to_empty`` and given its
+    values (here the ones ``seed`` draws, copied in as replicated tensors). ``ac``: each block under
+    activation checkpointing (``apply_ac``)."""
     args = ModelArgs()
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = Transformer(args)
-    finally:
-        torch.set_default_dtype(default)
+    model = build(args, seed, dtype, "meta" if meta_init else None)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
+    if ac:
+        apply_ac(model)
     if dp_mesh is not None:
         apply_fsdp(model, dp_mesh)
+    if meta_init:
+        model.to_empty(device="cpu")
+        values = build(args, seed, dtype)
+        with torch.no_grad(), implicit_replication():
+            for p, value in zip(model.parameters(), values.parameters()):
+                p.copy_(value)
+            model.freqs_cis.copy_(values.freqs_cis)
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
                                                                       fullgraph=fullgraph)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
@@ -236,14 +274,15 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         with loss_parallel() if tp_mesh is not None else nullcontext():
             pred = forward(inputs)
             loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
-            loss.backward()
+            (loss / dp_size).backward()  # the gradients are summed over dp (apply_fsdp): their mean
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         loss_value = full(loss).detach().clone()
         if dp_mesh is not None:
             torch.distributed.all_reduce(loss_value, group=dp_mesh.get_group())
             loss_value /= dp_size
         record.append({"loss": loss_value, "norm": full(norm).detach().clone(),
-                       "grads": {n: full(p.grad).detach().clone() for n, p in model.named_parameters()},
+                       "grads": {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
+                                 for n, p in model.named_parameters()},
                        "fused": fused})
         optimizer.step()
         optimizer.zero_grad()

@@ -26,7 +26,12 @@ parameter at once. Torch's TP and axedist's agreed to 1e-10 of each other on tha
   objects, torch's semantics: local outputs, plain buffers);
 * the same with axedist's own styles imported too (DTensors flow through the whole model,
   RoPE included: the complex ``freqs_cis`` buffer a replicated DTensor);
-* dp = 2 x tp = 2 with torchtitan's FSDP2 (``fully_shard(block, mesh=world_mesh["dp"])``)
+* built as torchtitan builds it (``meta_init``: on the meta device, parallelized there, then
+  ``to_empty`` and values copied in under ``implicit_replication``), TP alone and dp x tp, the
+  latter with torchtitan's activation checkpointing (each block ``checkpoint_wrapper``-ed, then
+  sharded);
+* dp = 2 x tp = 2 with torchtitan's FSDP2 (its ``apply_fsdp``: ``fully_shard(block,
+  mesh=world_mesh["dp"])``, ``fully_shard([model.norm, model.output])``, gradient division off)
   on top, under torch and under axedist with ``fully_shard`` imported from ``axedist.nn``,
   against one process on the whole batch.
 """
@@ -44,11 +49,11 @@ SCRIPT = Path(__file__).with_name("llama3_tp_script.py")
 IMPORTS = re.compile(r"# -- TP imports \(begin\)\n.*?# -- TP imports \(end\)\n", re.S)
 AXEDIST_IMPORTS = """\
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from axedist.nn import fully_shard, loss_parallel, parallelize_module
+from axedist.nn import FSDPModule, fully_shard, loss_parallel, parallelize_module
 """
 AXEDIST_STYLES = """\
-from axedist.nn import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, fully_shard,
-                        loss_parallel, parallelize_module)
+from axedist.nn import (ColwiseParallel, FSDPModule, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                        fully_shard, loss_parallel, parallelize_module)
 """
 RTOL = 1e-4          # against torch's TP on the same ranks, every step
 FIRST_RTOL = 1e-6    # against one process, the first step (no optimizer step yet)
@@ -112,6 +117,8 @@ def _three_ways(rank, world, seed):
     assert type(model.freqs_cis) is torch.Tensor and model.freqs_cis.is_complex()
     _compare(on_torch, reference, "torch")
     _compare(on_axedist, reference, "axedist, imports changed", on_torch)
+    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, meta_init=True)
+    _compare(on_axedist_meta, reference, "axedist, imports changed, built on the meta device", on_torch)
     return reference[0]["fused"]
 
 
@@ -149,6 +156,13 @@ def _fsdp_tp(rank, world, seed):
     assert isinstance(weight, DTensor) and weight.mesh.axis_names == ("dp", "tp"), weight   # one DTensor on dp x tp
     _compare(on_torch, reference, "torch FSDP2 + TP")
     _compare(on_axedist, reference, "axedist fully_shard + TP, imports changed", on_torch)
+    # torchtitan's flow: built on the meta device, parallelized there, blocks under activation
+    # checkpointing, to_empty, values copied in
+    _, on_torch_meta = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True, ac=True)
+    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True,
+                                                          ac=True)
+    _compare(on_torch_meta, reference, "torch FSDP2 + TP, meta init, activation checkpointing")
+    _compare(on_axedist_meta, reference, "axedist fully_shard + TP, meta init, activation checkpointing", on_torch_meta)
     return True
 
 

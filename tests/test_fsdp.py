@@ -482,18 +482,21 @@ def _layouts_and_errors(rank, world):
     fully_shard(model.layers[0], mesh)
     out["twice"] = error(lambda: fully_shard(model.layers[0], mesh))
     meta = torch.nn.Linear(4, 4, device="meta")
-    out["device"] = error(lambda: fully_shard(meta, mesh))
+    fully_shard(meta, mesh)  # built on the meta device: sharded there, no values (to_empty gives them a device)
+    out["device"] = (meta.weight.device.type, meta.weight.to_local().is_meta, tuple(meta.weight.to_local().shape))
     tied = Llama(tiny(tie=True))
     fully_shard(tied.output, DeviceMesh("cpu", (4,), ("dp",)))
     out["shared"] = error(lambda: fully_shard(tied, DeviceMesh("cpu", (4,), ("dp",))))
     # torch's spelling: what it does not support, and an axedist sub-mesh that lacks the model's tp axis
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
     torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     block = model.layers[1]
     out["offload"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], offload_policy=CPUOffloadPolicy()))
-    out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: None))
-    out["ignored"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], ignored_params={block.attention.wq.weight}))
+    out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: Shard(1)))
+    out["listed_twice"] = error(lambda: fully_shard([block.attention, block.attention], mesh=torch_mesh["dp"]))
+    out["not_modules"] = error(lambda: fully_shard([], mesh=torch_mesh["dp"]))
     out["sub_mesh"] = error(lambda: fully_shard(block, mesh=mesh["dp"]))
     out["dp_axes_torch"] = error(lambda: fully_shard(block, torch_mesh, dp_axes="dp"))
     return out
@@ -533,7 +536,7 @@ def _micro_batches(rank, world, s):
     # by hand: gathered before the forward (the forward then gathers nothing), freed after
     block = par.layers[0]
     block.reshard()
-    block.unshard()
+    block.unshard(async_op=True).wait()
     unit = fsdp_units(block)[0]
     assert unit.is_gathered
     with torch.no_grad():
@@ -550,6 +553,324 @@ def test_gradient_accumulation_and_fsdp_module_calls():
     assert run_on_ranks(_micro_batches, 4, args=(random.randrange(2**31),)) == [True] * 4
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, 2 * dim), torch.nn.Linear(2 * dim, dim - 1)
+
+    def forward(self, h):
+        return h + torch.nn.functional.pad(self.down(torch.relu(self.up(h))), (0, 1))
+
+
+class _Net(torch.nn.Module):
+    """An embedding, blocks, a final norm and projection, and a gain ``fully_shard`` is told to
+    ignore; dims that do not divide by 2 (uneven shards)."""
+
+    def __init__(self, vocab=11, dim=6, tie=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList([_Block(dim) for _ in range(3)])
+        self.norm = torch.nn.LayerNorm(dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.out.weight = self.emb.weight
+        self.gain = torch.nn.Parameter(torch.rand(dim) + 0.5)
+
+    def forward(self, tokens, features_only=False, checkpointed=False):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.emb(tokens) * self.gain
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
+        h = self.norm(h)
+        return h if features_only else self.out(h)
+
+    def loss(self, tokens, chunked: bool):
+        """``chunked``: the forward stops at the norm, the output projection runs on two halves of the
+        sequence after it (torch's chunked loss: one unit of [norm, out], its modules called apart)."""
+        if not chunked:
+            return self(tokens).logsumexp(-1).mean()
+        features = self(tokens, features_only=True)
+        return sum(self.out(part).logsumexp(-1).sum() for part in features.split(3, dim=1)) / features.shape[:2].numel()
+
+
+def _shard_as_torchtitan(net, shard, mesh, divide):
+    """torchtitan's grouping, with torch's options: the embedding (with the output projection when
+    they share a weight), the blocks, [norm, out] kept after forward, the root ignoring ``gain``;
+    gradients divided by ``divide`` over the ranks; explicit prefetches. The same calls for torch's
+    ``fully_shard`` and axedist's."""
+    from torch.distributed.tensor import Shard
+
+    tied = net.out.weight is net.emb.weight
+    shard([net.emb, net.out] if tied else net.emb, mesh=mesh, shard_placement_fn=lambda p: Shard(0))
+    for block in net.blocks:
+        shard(block, mesh=mesh, reshard_after_forward=None, shard_placement_fn=lambda p: None)
+    if not tied:
+        shard([net.norm, net.out], mesh=mesh, reshard_after_forward=False)
+    shard(net, mesh=mesh, ignored_params={net.gain})
+    for module in net.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(divide)
+    net.blocks[0].set_modules_to_forward_prefetch([net.blocks[1], net.blocks[2]])
+    net.blocks[2].set_modules_to_backward_prefetch([net.blocks[1], net.blocks[0]])
+
+
+def _options_against_torch(rank, world, s, tie, chunked=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    torch.manual_seed(s)
+    ours = _Net(tie=tie).double()
+    theirs = copy.deepcopy(ours)
+    divide = 4.0  # gradients / 4 summed over 2 ranks: half the mean
+    _shard_as_torchtitan(ours, fully_shard, torch_mesh, divide)
+    _shard_as_torchtitan(theirs, torch_fully_shard, torch_mesh, divide)
+    group = fsdp_units(ours.norm)[0] if not tie else fsdp_units(ours.emb)[0]
+    assert fsdp_units(ours.out) == [group] and len(group.params) == (3 if not tie else 1), group
+    assert not isinstance(ours.gain, DTensor) and isinstance(ours.out.weight, DTensor)
+    g = torch.Generator().manual_seed(s + 1)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ours, theirs)]
+    out = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, 11, (2 * world, 5), generator=g)[2 * rank:2 * rank + 2]
+        losses = []
+        for model in (ours, theirs):
+            loss = model.loss(tokens, chunked)
+            if model is ours:  # gathered once a forward, kept after it (reshard_after_forward=False)
+                assert group.is_gathered == (not tie), step
+                assert group.schedule.order.count(group) == (2 if chunked else 1)  # (chunked: norm, then out apart)
+            loss.backward()
+            losses.append(float(loss))
+        if step == 0:
+            assert not group.is_gathered  # freed when its backward ended
+        grads = [[p.grad.full_tensor() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+                  for p in model.parameters()] for model in (ours, theirs)]
+        out.append((losses, [[float(x) for x in g.flatten()] for g in grads[0]],
+                    [[float(x) for x in g.flatten()] for g in grads[1]]))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    values = [[p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p.detach() for p in m.parameters()]
+              for m in (ours, theirs)]
+    return out, [[float(x) for x in v.flatten()] for v in values[0]], [[float(x) for x in v.flatten()] for v in values[1]]
+
+
+@pytest.mark.parametrize("tie, chunked", [(False, False), (True, False), (False, True)],
+                         ids=["groups", "tied-group", "chunked-loss"])
+def test_torch_fully_shard_options_match_torch(tie, chunked):
+    """torchtitan's FSDP2 calls on torch's options, axedist's fully_shard against torch's on the same
+    2 ranks, fp64, 3 AdamW steps: a list of modules as one unit (``[norm, out]``, or the embedding
+    and the output projection that share its weight), ``ignored_params`` (the gain stays a plain
+    parameter, its gradient this rank's own), ``set_gradient_divide_factor``, explicit prefetches,
+    ``shard_placement_fn`` giving ``None`` / ``Shard(0)`` and ``reshard_after_forward=None``, and a
+    chunked loss (the group's output projection called apart from the forward, per chunk): equal
+    losses, gradients and parameters after the steps."""
+    s = random.randrange(2**31)
+    for steps, ours, theirs in run_on_ranks(_options_against_torch, 2, args=(s, tie, chunked)):
+        for step, (losses, grads, torch_grads) in enumerate(steps):
+            assert losses[0] == pytest.approx(losses[1], rel=1e-12), (step, losses)
+            for i, (a, b) in enumerate(zip(grads, torch_grads)):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL64,
+                                           msg=lambda m: f"step {step}, gradient of parameter {i}: {m}")
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **TOL64, msg=lambda m: f"parameter {i}: {m}")
+
+
+def _same_gradients_then_step(step, ref, ours, optimizers):
+    """Every gradient of the sharded model ``ours`` equals the one-process model's; then both step."""
+    for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
+        assert p.grad is not None, f"step {step}: {name} has no gradient"
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL64, msg=lambda m: f"step {step}, {name}: {m}")
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
+class _Failing(torch.autograd.Function):
+    """Identity that raises in forward or backward when told to."""
+
+    @staticmethod
+    def forward(ctx, x, where):
+        ctx.where = where
+        if where == "forward":
+            raise RuntimeError("failing forward")
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.where == "backward":
+            raise RuntimeError("failing backward")
+        return grad, None
+
+
+def _recovery(rank, world, s):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(s)
+    ref = _Net().double()
+    ours = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for block in ours.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(ours, mesh=mesh)
+    fail = {"where": None}
+    block = ours.blocks[1]
+    block.register_forward_hook(lambda m, a, out: _Failing.apply(out, fail["where"]))
+    ours.set_reshard_after_backward(False)
+    unit = fsdp_units(block)[0]
+    opt_ref, opt_ours = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours))
+    g = torch.Generator().manual_seed(s + 1)
+    for step, where in enumerate(["forward", None, "backward", None, None]):
+        tokens = torch.randint(0, 11, (2 * world, 5), generator=g)
+        fail["where"] = where
+        try:
+            ours(tokens[2 * rank:2 * rank + 2]).logsumexp(-1).mean().backward()
+        except RuntimeError as e:
+            assert f"failing {where}" in str(e), e
+            opt_ours.zero_grad()
+            ours.reset_iter_state()
+            assert not unit.is_gathered
+            continue
+        assert where is None
+        assert unit.is_gathered  # set_reshard_after_backward(False): kept after backward
+        ref(tokens).logsumexp(-1).mean().backward()
+        _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
+    for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), **TOL64, msg=lambda m: f"{name}: {m}")
+    return True
+
+
+def test_a_step_stopped_by_an_exception_and_reset_iter_state():
+    """A forward, then a backward, that raise inside a unit; ``reset_iter_state()`` on the root; the
+    next steps' gradients and the parameters after them equal one process's (which skipped the
+    failed steps), with ``set_reshard_after_backward(False)`` keeping a unit gathered after backward."""
+    assert run_on_ranks(_recovery, 2, args=(random.randrange(2**31),)) == [True] * 2
+
+
+class _Twice(torch.nn.Module):
+    """A block called twice in one forward, the first time on an input that needs no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.block, self.out = _Block(7), torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(self.block(self.block(x)))
+
+
+def _forwards_before_backward(rank, world, s):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(s)
+    ref = _Twice().double()
+    ours = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    fully_shard(ours.block, mesh=mesh)
+    fully_shard(ours, mesh=mesh)
+    opt_ref, opt_ours = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours))
+    g = torch.Generator().manual_seed(s + 1)
+    for step in range(3):
+        x, y = (torch.randn(2 * world, 7, generator=g, dtype=torch.float64) for _ in range(2))
+        mine = slice(2 * rank, 2 * rank + 2)
+        # two forwards, a no-grad forward between them and the backward, then one backward of both
+        loss = ours(x[mine]).square().mean()
+        loss = loss + ours(y[mine]).square().mean()
+        with torch.no_grad():
+            ours(x[mine])
+        loss.backward()
+        (ref(x).square().mean() + ref(y).square().mean()).backward()
+        _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
+    return True
+
+
+def test_several_forwards_before_a_backward():
+    """A unit called twice in one forward (first on an input that needs no gradient), two forwards of
+    the model before one backward of their sum, a no-grad forward in between: every saved gathered
+    value is still there in backward (a gathered parameter is one storage, refilled in place), and the
+    gradients equal one process's over three SGD steps."""
+    assert run_on_ranks(_forwards_before_backward, 2, args=(random.randrange(2**31),)) == [True] * 2
+
+
+def _checkpointed(rank, world, s, style):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(s)
+    ref = _Net().double()
+    ours = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    if style == "wrap":  # torchtitan's order: wrapped, then sharded
+        ours.blocks = torch.nn.ModuleList([checkpoint_wrapper(b) for b in ours.blocks])
+    for block in ours.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(ours, mesh=mesh)
+    opt_ref, opt_ours = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours))
+    g = torch.Generator().manual_seed(s + 1)
+    for step in range(3):
+        tokens = torch.randint(0, 11, (2 * world, 5), generator=g)
+        ours(tokens[2 * rank:2 * rank + 2], checkpointed=style == "call").logsumexp(-1).mean().backward()
+        ref(tokens).logsumexp(-1).mean().backward()
+        assert all(isinstance(p, DTensor) for b in ours.blocks for p in b.parameters())  # sharded again
+        _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
+    return True
+
+
+@pytest.mark.parametrize("style", ["call", "wrap"])
+def test_activation_checkpointing_of_fully_sharded_blocks(style):
+    """Activation checkpointing of sharded blocks: ``checkpoint(block, h)`` in the forward (``call``),
+    and torchtitan's ``checkpoint_wrapper(block)`` then ``fully_shard`` (``wrap``: the recompute in
+    backward runs inside the unit, with the gathered values the modules hold in backward). Every
+    gradient equals one process's over three AdamW steps (before: none arrived, or backward raised)."""
+    assert run_on_ranks(_checkpointed, 2, args=(random.randrange(2**31), style)) == [True] * 2
+
+
+class _Residuals(torch.nn.Module):
+    """Blocks whose residual sum is outside them: what a block's output dtype is matters."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x):
+        dtypes = []
+        for block in self.blocks:
+            out = block(x)
+            dtypes.append(str(out.dtype))
+            x = x + out
+        return x, dtypes
+
+
+def _output_dtype(rank, world, s):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    x = 100 * torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+    out = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(s)
+        model = _Residuals()
+        for block in model.blocks:
+            shard(block, mesh=mesh, mp_policy=policy)
+        shard(model, mesh=mesh, mp_policy=policy)
+        y, dtypes = model(x)
+        y.sum().backward()
+        out.append((dtypes, str(y.dtype), [float(v) for v in y.detach().flatten()],
+                    [float(v) for p in model.parameters() for v in p.grad.full_tensor().flatten()]))
+    return out
+
+
+def test_output_dtype_casts_every_unit_output_as_torch():
+    """``MixedPrecisionPolicy(output_dtype=fp32)`` with bf16 compute: every unit's output is fp32 (not
+    only the root's), so a residual sum outside the blocks is the same as under torch's fully_shard:
+    equal outputs and gradients."""
+    for ours, theirs in run_on_ranks(_output_dtype, 2, args=(random.randrange(2**31),)):
+        assert ours[0] == theirs[0] == ["torch.float32", "torch.float32"], (ours[0], theirs[0])
+        assert ours[1:] == theirs[1:]
+
+
 def test_layouts_and_bad_input():
     out = run_on_ranks(_layouts_and_errors, 4)
     assert all(o == out[0] for o in out), "ranks disagree"
@@ -563,10 +884,12 @@ def test_layouts_and_bad_input():
     assert "MeshError" in o["tp_axis"] and "already laid out on" in o["tp_axis"]
     assert "MeshError" in o["both"] and "both" in o["both"]
     assert "already applied" in o["twice"]
-    assert "meta" in o["device"] and "mesh's device" in o["device"]
+    assert o["device"] == ("meta", True, (2, 4)), o["device"]
     assert "shared with another FSDP unit" in o["shared"]
     assert "NotImplementedError" in o["offload"] and "offload" in o["offload"]
-    assert "shard_placement_fn" in o["placement_fn"] and "ignored_params" in o["ignored"]
+    assert "NotImplementedError" in o["placement_fn"] and "Shard(dim=1)" in o["placement_fn"]
+    assert "ValueError" in o["listed_twice"] and "listed twice" in o["listed_twice"]
+    assert "TypeError" in o["not_modules"] and "non-empty list" in o["not_modules"]
     assert "MeshError" in o["sub_mesh"] and "lacks ['tp']" in o["sub_mesh"], o["sub_mesh"]
     assert "TypeError" in o["dp_axes_torch"] and "whole axedist DeviceMesh" in o["dp_axes_torch"]
 

@@ -21,7 +21,7 @@ from axedist.dtensor import DTensor, distribute
 from axedist.layout import Layout, LayoutError
 from axedist.mesh import DeviceMesh
 from axedist.nn import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel, SequenceParallel,
-                        VocabParallelEmbedding, describe, from_torch_style, parallelize,
+                        VocabParallelEmbedding, describe, from_torch_style, parallelize, parallelize_module,
                         vocab_parallel_cross_entropy)
 from axedist.nn.llama import RMSNorm
 from axedist.runtime import count_collectives
@@ -421,6 +421,12 @@ def _errors(rank, world):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(ValueError, match=r"\['layers\.\*'\] match no module"):
         parallelize(copy.deepcopy(model), mesh, {"layers.*": ColwiseParallel()})
+    # torch's spelling warns as torch does, and lays out what the plan does name (torchtitan's Llama-3 plan
+    # names attention.q_norm, which Llama-3's attention lacks)
+    with pytest.warns(UserWarning, match=r"\['q_norm'\] match no module"):
+        laid_out = parallelize_module(copy.deepcopy(model), mesh, {"0": torch_tp.ColwiseParallel(),
+                                                                   "q_norm": torch_tp.SequenceParallel()})
+    assert isinstance(laid_out[0].weight, DTensor) and not isinstance(laid_out[2].weight, DTensor)
     with pytest.raises(TypeError, match="ColwiseParallel applies to Linear or Embedding modules, got ReLU"):
         parallelize(copy.deepcopy(model), mesh, {"1": ColwiseParallel()})
     with pytest.raises(TypeError, match="plan's values must be axedist styles"):

@@ -36,6 +36,7 @@ one graph and the compiler schedules the gathers; or each block compiled alone
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -363,11 +364,18 @@ class ShardedParameter:
         slot = row[offset:offset + self.slot].view(self.sharded_spec.local_padded)
         _box(slot, value.shape).copy_(value)
 
-    def unpack_gathered(self, rows: torch.Tensor, offset: int) -> torch.Tensor:
-        """The gathered local tensor from the gathered flat buffer ``[parts, length]``."""
+    def place_gathered(self, rows: torch.Tensor, offset: int) -> None:
+        """Hold the gathered local tensor from the gathered flat buffer ``[parts, length]``."""
         padded = self.sharded_spec.local_padded
         pieces = [_box(rows[d, offset:offset + self.slot].view(padded), shape) for d, shape in enumerate(self.pieces)]
-        return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
+        if self.gathered is None:
+            self.gathered = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
+        elif len(pieces) > 1:
+            with self._refilling() as target:
+                torch.cat(pieces, dim=0, out=target)
+        else:
+            with self._refilling() as target:
+                target.copy_(pieces[0])
 
     def pack_gradient(self, rows: torch.Tensor, offset: int, grad: torch.Tensor) -> None:
         """Cut this rank's gathered-layout gradient into the shards' rows of ``rows`` ``[parts, length]``."""
@@ -381,9 +389,14 @@ class ShardedParameter:
 
     # -- alone ------------------------------------------------------------------------------
 
-    def gather_alone(self) -> torch.Tensor:
+    def place_alone(self) -> None:
+        """Hold the gathered local tensor, gathered alone."""
         local = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec)
-        return _own(local, self.param.to_local())
+        if self.gathered is None:
+            self.gathered = _own(local, self.param.to_local())
+        else:
+            with self._refilling() as target:
+                target.copy_(local)
 
     def reduce_gradient(self, grad: torch.Tensor) -> DTensor:
         """The sharded gradient from this rank's gradient of the module value, alone (one route
@@ -391,7 +404,7 @@ class ShardedParameter:
         ``grad / n``), in ``reduce_dtype``."""
         unit = self.unit
         spec, local = (grad._spec, grad._local) if isinstance(grad, DTensor) else (None, grad)
-        local = local.to(self.reduce_dtype) / unit.data_parallel_size
+        local = local.to(self.reduce_dtype) / unit.gradient_divisor
         if spec is None or not spec.reduce_op:
             local = local.unsqueeze(0)
         pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
@@ -427,19 +440,18 @@ class ShardedParameter:
 
     # -- the gathered value -------------------------------------------------------------------
 
-    def place(self, value: torch.Tensor, into_saved: bool) -> None:
-        """Hold a gathered value: as a fresh tensor (forward), or copied back into the freed storage
-        autograd saved (``into_saved``: backward), without bumping its version (autograd checks
-        saved tensors by it)."""
-        if self.gathered is None or not into_saved:
-            self.gathered = value
-            return
+    @contextlib.contextmanager
+    def _refilling(self):
+        """The gathered tensor, its freed storage allocated again, to be written in place: every
+        gathered value of a step is one storage, so what autograd saved of it (in any forward of
+        the step, a module called twice included) reads the values written here. Its version is
+        kept (autograd checks saved tensors by it)."""
         target = self.gathered
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
             storage = target.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(target.numel() * target.element_size())
-            target.copy_(value)
+            yield target
 
     def free(self) -> int:
         """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
@@ -523,16 +535,18 @@ class _Schedule:
 
 
 class FSDPUnit:
-    """The state ``fully_shard`` attaches to a module: its sharded parameters, the mesh and axes,
-    and the hooks that gather before the module runs and free after."""
+    """The state ``fully_shard`` attaches to a module (or to a group of modules, ``fully_shard([norm,
+    output])``): its sharded parameters, the mesh and axes, and the hooks that gather before the
+    first module of the group runs and free after the last one has."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replicate_axes: tuple,
+    def __init__(self, modules: Sequence[nn.Module], mesh: DeviceMesh, shard_axes: tuple, replicate_axes: tuple,
                  reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy, name: str):
-        self.module, self.mesh, self.name = module, mesh, name
+        self.modules, self.mesh, self.name = tuple(modules), mesh, name
         self.shard_axes, self.replicate_axes = shard_axes, replicate_axes
         self.data_axes = tuple(a for a in mesh.axis_names if a in shard_axes or a in replicate_axes)
         self.data_parallel_size = _data_size(mesh, self.data_axes)
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.mp_policy = mp_policy
         self.params: list[ShardedParameter] = []
         self.schedule = self.own_schedule = _Schedule()
@@ -542,9 +556,25 @@ class FSDPUnit:
         self._reducing: list = []      # (started flat reduce-scatter, FlatLayout, records) until the end of backward
         self._awaited = 0              # gradients still to come this step
         self._input_hooks: list = []   # the multi-grad hooks on this step's inputs, removed at its end
+        self._inputs_waiting = 0       # of those hooks, the ones whose inputs' gradients are still to come
+        self._unhooked_calls = 0       # this step's calls with no input that needs a gradient (no hook)
+        self._entered: set = set()     # the group's modules that ran since its gather (the group's forward)
+        self._trained = False          # whether a module of the group's forward made outputs that need gradients
+        self._in_step = False          # gathered by a forward whose step's backward has not ended
+        self._installed_for_backward = False  # the modules hold gathered values for a backward
+        self.gradient_divide_factor: float | None = None  # None: the data-parallel ranks' count (an average)
+        self.forward_prefetch: list | None = None   # units to gather after this one's gather (None: the next in order)
+        self.backward_prefetch: list | None = None  # the same in backward
 
     def contains(self, other: "FSDPUnit") -> bool:
-        return any(m is other.module for m in self.module.modules())
+        mine = {id(m) for top in self.modules for m in top.modules()}
+        return any(id(m) in mine for m in other.modules)
+
+    @property
+    def gradient_divisor(self) -> float:
+        """What each rank's gradient is divided by before the sum over the data-parallel ranks."""
+        factor = self.gradient_divide_factor
+        return self.data_parallel_size if factor is None else factor
 
     def flat_layout(self, kind: str, dtype: torch.dtype, records=None, summed: tuple = ()) -> FlatLayout:
         """The flat buffer of the unit's parameters that gather in ``dtype`` (``"gather"``), or of
@@ -590,7 +620,7 @@ class FSDPUnit:
             else:
                 self._started = {k: (v, None) for k, v in self._start_gathers().items()}
 
-    def unshard(self, into_saved: bool = False) -> None:
+    def unshard(self) -> None:
         if self.is_gathered:
             return
         with torch.no_grad():
@@ -602,10 +632,10 @@ class FSDPUnit:
                 flat = self.flat_layout("gather", dtype)
                 rows = pending.wait().reshape(flat.parts, flat.length)
                 for p, offset in zip(flat.records, flat.offsets):
-                    p.place(p.unpack_gathered(rows, offset), into_saved)
+                    p.place_gathered(rows, offset)
             for p in self.params:
                 if not p.batched:
-                    p.place(p.gather_alone(), into_saved)
+                    p.place_alone()
         self._count(sum(p.gathered.untyped_storage().nbytes() for p in self.params))
 
     def reshard(self) -> None:
@@ -647,7 +677,7 @@ class FSDPUnit:
             flat = self.flat_layout("reduce", dtype, records, summed)
             rows = torch.zeros(flat.parts, flat.length, dtype=dtype, device=self.mesh.device)
             for p, offset in zip(flat.records, flat.offsets):
-                p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.data_parallel_size)
+                p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.gradient_divisor)
             local = rows.view(flat.pending.local_padded)
             if self.mesh.device_type == "cuda":  # on its own stream: the next unit's backward overlaps it
                 stream = _side_stream("reduce")
@@ -674,27 +704,10 @@ class FSDPUnit:
     def pre_forward(self, module, args, kwargs):
         if _RUNNING and not _RUNNING[0].contains(self):
             _RUNNING.clear()  # left over from a forward that raised
-        if _RUNNING:
-            self.schedule = _RUNNING[0].schedule
-        else:  # the root of this forward: a new step
-            self.schedule = self.own_schedule
-            if self.schedule.order:
-                self.schedule.last_order = self.schedule.order
-            self.schedule.order = []
-            for unit in self.schedule.last_order:  # a forward without backward leaves these behind
-                unit._awaited = 0
-                unit._started = {}  # gathered before the optimizer step: stale
-                unit.remove_input_hooks()
+        if not self._entered:  # the group's first module: gather (a later one, even called apart, finds it so)
+            self._open_forward()
+        self._entered.add(module)
         _RUNNING.append(self)
-        self.reshard()  # values of a step without backward are stale: the optimizer moved on (a prefetch is not)
-        self.unshard()
-        values = [p.module_value() for p in self.params]
-        self._awaited += sum(v.requires_grad for v in values)
-        self._install(values)
-        self.schedule.order.append(self)
-        following = self.schedule.next_after(self, backward=False)
-        if following is not None:
-            following.prefetch()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
@@ -702,39 +715,126 @@ class FSDPUnit:
             inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
                 hook = torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda grads: self.post_backward(), mode="all")
+                    inputs, lambda grads: self._inputs_done(), mode="all")
                 self._input_hooks.append(hook)
+                self._inputs_waiting += 1
+            else:  # no hook tells when this call's backward is over: the end of backward frees
+                self._unhooked_calls += 1
         return args, kwargs
+
+    def _open_forward(self) -> None:
+        if _RUNNING:
+            self.schedule = _RUNNING[0].schedule
+        elif self._in_step and self.schedule is not self.own_schedule:
+            pass  # called apart from its step's forward, before that step's backward (a chunked loss): that step
+        else:  # the root of this forward: a new step
+            self.schedule = self.own_schedule
+            if self.schedule.order:
+                self.schedule.last_order = self.schedule.order
+            self.schedule.order = []
+            for unit in self.schedule.last_order:  # a forward without backward leaves these behind
+                unit._in_step = False
+                unit._awaited = 0
+                unit._started = {}  # gathered before the optimizer step: stale
+                unit.close_forward()
+                unit.remove_input_hooks()
+        if not self._in_step:  # values of an earlier step are stale: the optimizer moved on (a prefetch is not)
+            self.reshard()
+        self._in_step = True  # (again in the step, a module called twice: the gathered values still hold)
+        self.unshard()
+        values = [p.module_value() for p in self.params]
+        self._awaited += sum(v.requires_grad for v in values)
+        self._trained = False
+        self._install(values)
+        self.schedule.order.append(self)
+        following = self.forward_prefetch
+        if following is None:
+            following = [u for u in [self.schedule.next_after(self, backward=False)] if u is not None]
+        for unit in following:
+            unit.prefetch()
 
     def post_forward(self, module, args, output):
         _RUNNING.remove(self)
-        self._install([p.param for p in self.params])
         root = self.schedule is self.own_schedule
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        training = torch.is_grad_enabled() and bool(outputs)
-        # the root's parameters are needed first in backward: keep them (as torch does)
-        if not training or (self.reshard_after_forward and not root):
-            self.reshard()
-        if not training:
-            self._awaited = 0
-        else:
+        if torch.is_grad_enabled() and outputs:
+            self._trained = True
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda grad: self.pre_backward(), mode="any")
-        if root and self.mp_policy.output_dtype is not None:
+        if all(m in self._entered for m in self.modules):  # the group's last module: free
+            self.close_forward()
+            # the root's parameters are needed first in backward: keep them (as torch does)
+            if not self._trained or (self.reshard_after_forward and not root):
+                self.reshard()
+            if not self._trained:
+                self._awaited = 0
+        if self.mp_policy.output_dtype is not None:  # every unit's outputs, as torch's (each module of a group's)
             output = tree_map(lambda x: _cast(x, self.mp_policy.output_dtype), output)
         return output
+
+    def close_forward(self) -> None:
+        """End the group's forward: the modules hold the sharded parameters again (a step whose
+        forward ran only some of a group's modules ends it at the end of backward)."""
+        if self._entered:
+            self._entered.clear()
+            self._install([p.param for p in self.params])
 
     def pre_backward(self) -> None:
         s = self.schedule
         if not s.callback_queued:
             s.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_backward(s))
-        self.unshard(into_saved=True)
-        following = s.next_after(self, backward=True)
-        if following is not None:
-            following.prefetch()
+        self.unshard()
+        if not self._entered:
+            # the modules hold the gathered values in backward too, as torch's do: activation checkpointing
+            # inside the unit (torchtitan wraps each block, then shards it) recomputes the forward with
+            # them, and their gradients arrive from that recompute
+            with torch.enable_grad():
+                self._install([p.module_value() for p in self.params])
+            self._installed_for_backward = True
+        following = self.backward_prefetch
+        if following is None:
+            following = [u for u in [s.next_after(self, backward=True)] if u is not None]
+        for unit in following:
+            unit.prefetch()
+
+    def _inputs_done(self) -> None:
+        """The gradients of one module call's inputs are all computed: after the last call's, the
+        group's backward is over and its gathered parameters go. Not when a call had no such input:
+        its backward may still be to come (a module called twice on an input that needs no
+        gradient, then on its own output), and the end of backward frees then."""
+        self._inputs_waiting -= 1
+        if self._inputs_waiting == 0 and not self._unhooked_calls:
+            self.post_backward()
 
     def post_backward(self) -> None:
+        if self.reshard_after_backward:
+            self.reshard()
+        self.uninstall_backward()
+
+    def uninstall_backward(self) -> None:
+        """The modules hold the sharded parameters again after backward."""
+        if self._installed_for_backward:
+            self._installed_for_backward = False
+            self._install([p.param for p in self.params])
+
+    def reset(self) -> None:
+        """Drop the state of a step an exception stopped: its started collectives are waited for
+        and dropped, its gathered parameters freed, its gradients not yet set lost."""
+        with torch.no_grad():
+            for pending, _ in self._started.values():
+                pending.wait()
+            for started, _, _ in self._reducing:
+                started.wait()
+        self._started, self._reducing, self._grads = {}, [], {}
+        self._awaited = 0
+        self._in_step = False
+        self.close_forward()
+        self.uninstall_backward()
+        self.remove_input_hooks()
+        self._install([p.param for p in self.params])
         self.reshard()
+        self.schedule.callback_queued = False
+        self.schedule.order = []
 
     def remove_input_hooks(self) -> None:
         """Remove the step's multi-grad hooks: each holds its inputs' autograd nodes while a node
@@ -743,6 +843,8 @@ class FSDPUnit:
         for handle in self._input_hooks:
             handle.remove()
         self._input_hooks = []
+        self._inputs_waiting = 0
+        self._unhooked_calls = 0
 
     # -- description ----------------------------------------------------------------------
 
@@ -772,7 +874,11 @@ def _finish_backward(schedule: _Schedule) -> None:
         unit.flush()
         unit.finish_reduce()
         unit._awaited = 0
-        unit.reshard()
+        unit._in_step = False
+        unit.close_forward()
+        unit.uninstall_backward()
+        if unit.reshard_after_backward:
+            unit.reshard()
         unit._started = {}
         unit.remove_input_hooks()
     schedule.callback_queued = False
@@ -824,9 +930,15 @@ class FSDPModule:
     reduce-scattered on every backward here, so turning gradient sync off for a micro-batch
     changes no result, only saves nothing (it warns once)."""
 
-    def unshard(self, async_op: bool = False) -> None:
-        """Gather this unit's parameters now (the next forward then finds them gathered)."""
-        _unit_of(self).unshard()
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now (the next forward then finds them gathered).
+        ``async_op=True``: start the gathers and return a handle whose ``wait()`` finishes them."""
+        unit = _unit_of(self)
+        if not async_op:
+            unit.unshard()
+            return None
+        unit.prefetch()
+        return _UnshardHandle(unit)
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters (only the shards stay)."""
@@ -849,6 +961,81 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted: every backward here ends with its gradients reduced."""
 
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """``False``: keep the gathered parameters after backward (they are gathered again at the
+        next forward all the same, since the optimizer may have changed the shards)."""
+        for unit in fsdp_units(self) if recurse else [_unit_of(self)]:
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def reset_iter_state(self) -> None:
+        """After an exception stopped a forward or backward: drop that step's state in every unit
+        under this module (in-flight collectives waited for, gathered parameters freed, the step's
+        gradients not yet reduced lost), so the next step runs as a new one."""
+        _RUNNING.clear()
+        for unit in fsdp_units(self):
+            unit.reset()
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: the gradients are divided before a sum here already (the same values)."""
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted: the parameters are gathered for backward in every case (the same values)."""
+
+    def set_post_optim_event(self, event) -> None:
+        """Accepted: the next gathers wait for the current stream, where the optimizer ran."""
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        raise NotImplementedError("set_all_reduce_hook: axedist runs no user hook on the reduced gradients")
+
+    def set_custom_all_gather(self, comm) -> None:
+        raise NotImplementedError("set_custom_all_gather: axedist plans its gathers from the layouts")
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        raise NotImplementedError("set_custom_reduce_scatter: axedist plans its reduce-scatters from the layouts")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide each rank's gradients of this unit by ``factor`` before summing them over the
+        data-parallel ranks (default: their count, an average). ``1.0``: the sum, for scripts that
+        scale the loss themselves (torchtitan divides by the global token count)."""
+        factor = float(factor)
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: the factor must be positive, got {factor}")
+        _unit_of(self).gradient_divide_factor = factor
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Start the all-gathers of ``modules`` (FSDP modules) when this one's forward gathers, in
+        place of the next unit of the last step's order."""
+        _unit_of(self).forward_prefetch = _prefetch_units(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Start the all-gathers of ``modules`` (FSDP modules) when this one's backward gathers, in
+        place of the next unit in reverse order."""
+        _unit_of(self).backward_prefetch = _prefetch_units(modules, "set_modules_to_backward_prefetch")
+
+
+class _UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the started gathers."""
+
+    def __init__(self, unit: FSDPUnit):
+        self.unit = unit
+
+    def wait(self) -> None:
+        self.unit.unshard()
+
+
+def _prefetch_units(modules, what: str) -> list:
+    units = []
+    for m in modules:
+        unit = _unit_of(m) if isinstance(m, nn.Module) else None
+        if unit is None:
+            raise ValueError(f"{what}: {type(m).__name__} is not a module fully_shard was applied to")
+        units.append(unit)
+    return list(dict.fromkeys(units))
+
 
 @cached(maxsize=None)
 def _warn_once(text: str) -> None:
@@ -863,8 +1050,8 @@ def _fsdp_class(cls: type) -> type:
 
 
 def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
-    """The FSDP units under ``module`` (itself included), in module order."""
-    return [u for u in (_unit_of(m) for m in module.modules()) if u is not None]
+    """The FSDP units under ``module`` (itself included), in module order (a group's once)."""
+    return list(dict.fromkeys(u for u in (_unit_of(m) for m in module.modules()) if u is not None))
 
 
 def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
@@ -875,19 +1062,22 @@ def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
     return axes
 
 
-def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | None = None,
-                replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool = True,
+def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: Sequence[str] | str | None = None,
+                replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool | int | None = True,
                 mp_policy: MixedPrecisionPolicy = NO_CASTS, offload_policy=None, shard_placement_fn=None,
                 ignored_params=None, traced: bool = False) -> nn.Module:
     """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
+    A list of modules (``fully_shard([model.norm, model.output])``, as torchtitan writes it) is one
+    unit: gathered when the first of them runs, freed after the last, its gradients reduced together.
 
     Two spellings. axedist's: ``mesh`` the whole (dp, tp) mesh, ``dp_axes`` (default ``"dp"``)
     and ``replicate_axes`` name its data-parallel axes. torch's: ``fully_shard(block,
     mesh=world_mesh["dp"])`` with the torch (or axedist) mesh of the data-parallel axes only,
     a sub-mesh of the job's mesh when the model is also tensor parallel (its root mesh is used),
     two axes meaning HSDP (replicate over the first, shard over the second), no mesh meaning
-    every rank on one axis; ``offload_policy``, ``shard_placement_fn`` and ``ignored_params``
-    are refused unless left at torch's defaults.
+    every rank on one axis. ``ignored_params`` stay as they are (not sharded, their gradients not
+    reduced; an outer ``fully_shard`` leaves them too). ``shard_placement_fn`` may give ``None`` or
+    ``Shard(0)``; another dim, and CPU offload (``offload_policy``), are refused.
 
     Apply it to each block first, then to the whole model (the root gets what the blocks did not
     take), as with torch's ``fully_shard``; after ``parallelize`` on ``mesh["tp"]`` when the model
@@ -901,7 +1091,8 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
     gathers move it), gradients are reduced in ``reduce_dtype``, default the sharded parameter's
     own dtype (fp32 masters: fp32; torch's default is ``param_dtype``), optimizer state follows
     the sharded fp32 parameters. ``reshard_after_forward=False`` keeps a unit's gathered
-    parameters from forward to backward (the root always keeps them, as torch does).
+    parameters from forward to backward (the root always keeps them, as torch does); ``None``
+    is ``True``, and an int (torch: reshard to fewer ranks) reshards fully.
 
     ``traced=True`` (for ``torch.compile(model, fullgraph=True)`` of dp x tp): no hooks; each
     parameter's gather is a ``redistribute`` inside the forward of the module that uses it and its
@@ -909,7 +1100,8 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
     graph and the compiler schedules (and frees) the gathers. Apply it once, to the whole model;
     see ``shard_traced``.
     """
-    _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params)
+    _torch_defaults_only(offload_policy)
+    modules = _module_group(module)
     if dp_axes is None:
         if isinstance(mesh, DeviceMesh) and "dp" in mesh.axis_names and mesh.ndim > 1:
             dp_axes = ("dp",)  # axedist's spelling: the whole mesh, its "dp" axis
@@ -926,26 +1118,59 @@ def fully_shard(module: nn.Module, mesh=None, *, dp_axes: Sequence[str] | str | 
     if not shard_axes:
         raise MeshError("fully_shard: dp_axes is empty (give at least one mesh axis to shard the parameters over)")
     if traced:
+        if len(modules) > 1 or shard_placement_fn is not None or ignored_params:
+            raise NotImplementedError("fully_shard(traced=True) takes one module, and no shard_placement_fn or "
+                                      "ignored_params")
         return shard_traced(module, mesh, shard_axes, replicate_axes, mp_policy)
-    if _unit_of(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__} "
-                         f"({len(_unit_of(module).params)} parameters sharded over {_unit_of(module).shard_axes}); "
-                         f"apply it once per module")
-    unit = FSDPUnit(module, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, "")
-    for prefix, sub in module.named_modules():  # inner units are named from here (the root's names win)
-        inner = _unit_of(sub)
-        if inner is not None and prefix:
-            inner.name = prefix
-    _shard_parameters(unit, module, mesh)
-    module.__dict__["_axedist_fsdp"] = unit
-    if not isinstance(module, FSDPModule):
-        module.__class__ = _fsdp_class(type(module))
-    # torch.compile runs the hooks eagerly around what it compiles (a graph break at each unit's
-    # edges, as torch's FSDP2 hooks): they resize storages, register autograd hooks and keep the
-    # step's schedule, none of which a graph can hold (README, torch.compile)
-    module.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
-    module.register_forward_hook(_eager(unit.post_forward))
+    if reshard_after_forward is None or not isinstance(reshard_after_forward, bool):
+        # torch's None: True but for the root, which keeps its parameters here anyway. torch's int (reshard to a
+        # smaller group of ranks): fully resharded here, the same values for less memory
+        reshard_after_forward = True
+    unit = FSDPUnit(modules, mesh, shard_axes, replicate_axes, reshard_after_forward, mp_policy, "")
+    for top in modules:
+        for prefix, sub in top.named_modules():  # inner units are named from here (the root's names win)
+            inner = _unit_of(sub)
+            if inner is not None and prefix:
+                inner.name = prefix
+    _shard_parameters(unit, mesh, _ignored(ignored_params), shard_placement_fn)
+    for top in modules:
+        top.__dict__["_axedist_fsdp"] = unit
+        if not isinstance(top, FSDPModule):
+            top.__class__ = _fsdp_class(type(top))
+        # torch.compile runs the hooks eagerly around what it compiles (a graph break at each unit's
+        # edges, as torch's FSDP2 hooks): they resize storages, register autograd hooks and keep the
+        # step's schedule, none of which a graph can hold (README, torch.compile)
+        top.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
+        top.register_forward_hook(_eager(unit.post_forward))
     return module
+
+
+def _module_group(module) -> tuple[nn.Module, ...]:
+    """The modules of one ``fully_shard`` call: ``module``, or the modules of a list (torch's
+    ``fully_shard([norm, output])``: one unit, gathered and reduced together)."""
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(f"fully_shard takes a module or a non-empty list of modules, got {module!r}")
+    if len({id(m) for m in modules}) < len(modules):
+        raise ValueError("fully_shard: a module is listed twice")
+    for m in modules:
+        if _unit_of(m) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(m).__name__} "
+                             f"({len(_unit_of(m).params)} parameters sharded over {_unit_of(m).shard_axes}); "
+                             f"apply it once per module")
+    return modules
+
+
+def _ignored(ignored_params) -> set[int]:
+    """The ids of the parameters ``fully_shard`` leaves as they are (torch's ``ignored_params``),
+    marked so that a later ``fully_shard`` of an outer module leaves them too."""
+    ignored = set()
+    for param in ignored_params or ():
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"fully_shard: ignored_params holds parameters, got {type(param).__name__}")
+        param.__dict__["_axedist_fsdp_ignored"] = True
+        ignored.add(id(param))
+    return ignored
 
 
 def _eager(hook):
@@ -956,17 +1181,26 @@ def _eager(hook):
     return torch._disable_dynamo(run)
 
 
-def _torch_defaults_only(offload_policy, shard_placement_fn, ignored_params) -> None:
+def _torch_defaults_only(offload_policy) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("fully_shard: CPU offload is not supported; leave offload_policy out")
-    if shard_placement_fn is not None:
-        raise NotImplementedError("fully_shard: shard_placement_fn is not supported (parameters are sharded on "
-                                  "dim 0, as torch's default)")
-    if ignored_params:
-        raise NotImplementedError("fully_shard: ignored_params is not supported; freeze them (requires_grad_(False)) "
-                                  "or keep them out of the module")
+
+
+def _check_placement(shard_placement_fn, param, name: str) -> None:
+    """torch's ``shard_placement_fn``: ``None`` or ``Shard(0)`` (the default) per parameter."""
+    if shard_placement_fn is None:
+        return
+    placement = shard_placement_fn(param)
+    if placement is None:
+        return
+    from torch.distributed.tensor import Shard
+
+    if isinstance(placement, Shard) and placement.dim in (0, -param.dim()) and param.dim() > 0:
+        return
+    raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement!r} for {name}; parameters are sharded "
+                              f"on dim 0 (None or Shard(0))")
 
 
 def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
@@ -989,30 +1223,38 @@ def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
     raise MeshError(f"fully_shard: a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard), got {data}")
 
 
-def _shard_parameters(unit: FSDPUnit, module: nn.Module, mesh: DeviceMesh) -> None:
-    """Replace every parameter of ``module`` that no inner unit owns by its sharded DTensor."""
-    inner = [u for u in fsdp_units(module) if u is not unit]
-    inner_modules = {id(m) for u in inner for m in u.module.modules()}
+def _shard_parameters(unit: FSDPUnit, mesh: DeviceMesh, ignored: set[int], shard_placement_fn=None) -> None:
+    """Replace every parameter of the unit's modules that no inner unit owns and that is not
+    ignored (``ignored``, or by an inner unit) by its sharded DTensor."""
+    inner = list(dict.fromkeys(u for top in unit.modules for u in fsdp_units(top) if u is not unit))
+    inner_modules = {id(m) for u in inner for top in u.modules for m in top.modules()}
     slots: dict[int, list] = {}
     names: dict[int, str] = {}
     originals: dict[int, nn.Parameter] = {}
-    for mod_name, sub in module.named_modules(remove_duplicate=False):
-        for pname, param in sub._parameters.items():
-            if param is None:
-                continue
-            qualified = f"{mod_name}.{pname}" if mod_name else pname
-            owner = _owner(param)
-            if id(sub) in inner_modules:
-                if owner is None and not _is_sharded(param):
-                    raise ValueError(f"fully_shard: {qualified} sits inside an inner FSDP unit that did not shard it")
-                continue
-            if _is_sharded(param) or owner is not None:
-                other = f"the unit of {owner.name or 'a module'}" if owner is not None else "already sharded"
-                raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit ({other}); put the "
-                                 f"modules that share a parameter in one unit")
-            slots.setdefault(id(param), []).append((sub, pname))
-            names.setdefault(id(param), qualified)
-            originals[id(param)] = param
+    seen: set = set()
+    for top in unit.modules:
+        for mod_name, sub in top.named_modules(remove_duplicate=False):
+            for pname, param in sub._parameters.items():
+                if param is None or (id(sub), pname) in seen:
+                    continue
+                seen.add((id(sub), pname))
+                qualified = f"{mod_name}.{pname}" if mod_name else pname
+                if id(param) in ignored or param.__dict__.get("_axedist_fsdp_ignored"):
+                    continue  # left as it is: not sharded, its gradient not reduced (torch's ignored_params)
+                owner = _owner(param)
+                if id(sub) in inner_modules:
+                    if owner is None and not _is_sharded(param):
+                        raise ValueError(f"fully_shard: {qualified} sits inside an inner FSDP unit that did not "
+                                         f"shard it")
+                    continue
+                if _is_sharded(param) or owner is not None:
+                    other = f"the unit of {owner.name or 'a module'}" if owner is not None else "already sharded"
+                    raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit ({other}); put the "
+                                     f"modules that share a parameter in one unit")
+                _check_placement(shard_placement_fn, param, qualified)
+                slots.setdefault(id(param), []).append((sub, pname))
+                names.setdefault(id(param), qualified)
+                originals[id(param)] = param
     for key, param in originals.items():
         view = _view_spec(param, mesh, unit.data_axes, names[key])
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes)
@@ -1048,15 +1290,14 @@ def _is_sharded(param) -> bool:
 def _view_spec(param: nn.Parameter, mesh: DeviceMesh, data_axes: tuple, name: str) -> DTensorSpec | None:
     """The spec the modules compute with: a DTensor parameter's own (on a sub-mesh of ``mesh``
     away from the data axes), ``None`` for a plain one."""
+    # the mesh's device, or meta (a model built there: ``to_empty(device=...)`` after fully_shard, as torchtitan does)
+    if param.device != mesh.device and not param.is_meta:
+        raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is "
+                         f"{mesh.device}; move the module first (or build it on the meta device)")
     if not isinstance(param, DTensor):
-        if param.device != mesh.device:
-            raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is "
-                             f"{mesh.device}; move the module first")
         return None
     spec = param._spec
     sub = spec.mesh
-    if param.device != mesh.device:
-        raise ValueError(f"fully_shard: parameter {name} is on {param.device}, the mesh's device here is {mesh.device}")
     if spec.reduce_op:
         raise LayoutError(f"fully_shard: parameter {name} has a pending {spec.reduce_op} ({spec})")
     clash = [a for a in sub.axis_names if a in data_axes]

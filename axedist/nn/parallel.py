@@ -308,7 +308,8 @@ def _distribute_param(param: nn.Parameter, mesh: DeviceMesh, where, shared: dict
     if isinstance(param, DTensor):
         dt = param.detach().redistribute(target)
     else:
-        dt = distribute(param.detach().to(mesh.device), mesh, target, src_rank=src_rank)
+        local = param.detach() if param.is_meta else param.detach().to(mesh.device)
+        dt = distribute(local, mesh, target, src_rank=src_rank)
     new = nn.Parameter(dt, requires_grad=param.requires_grad)
     shared[id(param)] = (target, new)
     shared[id(new)] = (target, new)
@@ -625,7 +626,8 @@ def _matches(pattern: str, name: str) -> bool:
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
 
 
-def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "first") -> nn.Module:
+def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "first",
+                unmatched: str = "raise") -> nn.Module:
     """Apply ``plan`` (module-name pattern -> style, or one style for ``module`` itself) to
     ``module`` on a 1-D mesh, in place.
 
@@ -636,8 +638,8 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
     them as they are, as torch's ``parallelize_module`` does (its local outputs meet plain
     buffers). Parameter values come from global rank ``src_rank`` (default ``"first"``: the
     mesh's first rank, as torch's ``distribute_tensor``; ``None``: every rank already holds
-    the same values, nothing is sent). A pattern that matches no module is an error. Returns
-    ``module``.
+    the same values, nothing is sent). A pattern that matches no module is an error
+    (``unmatched="warn"``: a warning, as torch's ``parallelize_module`` gives). Returns ``module``.
 
         >>> parallelize(model, mesh, {"layers.*.attention.wq": ColwiseParallel(), "output": ColwiseParallel()})
     """
@@ -671,7 +673,10 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
     unused = [p for p, n in used.items() if n == 0]
     if unused:
         names = [n for n, _ in module.named_modules() if n][:12]
-        raise ValueError(f"plan patterns {unused} match no module (names look like {names})")
+        if unmatched != "warn":
+            raise ValueError(f"plan patterns {unused} match no module (names look like {names})")
+        warnings.warn(f"parallelize_module: plan patterns {unused} match no module (names look like {names}); "
+                      f"left out, as torch's parallelize_module does", stacklevel=3)
     if replicate_rest:
         for sub in module.modules():
             _replicate_own(sub, mesh, shared, src_rank, send_buffers=False)
@@ -756,7 +761,9 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
         return module
     mesh = as_mesh(device_mesh)
     src_rank = None if src_data_rank is None else mesh.ranks[src_data_rank]
-    return parallelize(module, mesh, parallelize_plan, src_rank=src_rank)
+    # torch's warns of a plan key that matches no module (torchtitan's Llama-3 plan names q_norm / k_norm,
+    # which only some of its models have)
+    return parallelize(module, mesh, parallelize_plan, src_rank=src_rank, unmatched="warn")
 
 
 def describe(module: nn.Module) -> str:

@@ -253,7 +253,7 @@ def adopt_constants(cls, func, args, kwargs, error: PlainTensorError):
                      or func in LOOKUP_OPS)
     if replicate_any:
         grads = [tuple(t.shape) for t in plain if t.requires_grad]
-        if grads:
+        if grads and torch.is_grad_enabled():  # (under no_grad no gradient flows: a parameter copied in is a value)
             raise DispatchError(f"{error} (under implicit replication: a plain tensor that requires grad, shape "
                                 f"{grads[0]}, cannot be taken as replicated, its gradient would be a DTensor; "
                                 f"distribute it)") from None

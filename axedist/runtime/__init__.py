@@ -7,10 +7,10 @@ deferred GEMM (``deferred.py``) that a row reduce-scatter may run fused.
 """
 
 from .executor import (PendingBuffer, agree_on_move, backend_notes, execute_plan, execution_bytes, explain_execution,
-                       record, redistribute_local, run_route)
+                       record, redistribute_local, run_route, true_local_shape)
 from .pins import fused_backend, pinned_backends, plan_backend
 from .tally import CollectiveCount, count_collectives
 
 __all__ = ["redistribute_local", "run_route", "execute_plan", "execution_bytes", "explain_execution", "backend_notes",
            "PendingBuffer", "record", "agree_on_move", "CollectiveCount", "count_collectives", "plan_backend",
-           "fused_backend", "pinned_backends"]
+           "fused_backend", "pinned_backends", "true_local_shape"]

@@ -20,7 +20,9 @@ from ..caches import memo, register
 from ..layout import LayoutError
 from ..peers import agree, is_peer_failure, peer_error
 from ..planning import Plan, buffer_size
+from ..planning.holdings import true_boxes
 from ..planning.redistribution import Redistribution, plan_redistribute
+from ..planning.repad import side_of
 from ..planning.steps import Step
 from ..tracing import outside_tracing
 from .buffers import from_buffer, to_buffer
@@ -30,7 +32,7 @@ from .reductions import AllReduce, FusedAllReduce, Reduce, ReduceScatter
 from .steps import Collective, PointToPoint, RankContext, StepProgram, group_of
 
 __all__ = ["FORCE_P2P", "execute_plan", "explain_execution", "execution_bytes", "backend_notes", "PendingBuffer",
-           "record", "redistribute_local", "agree_on_move", "programs"]
+           "record", "redistribute_local", "agree_on_move", "programs", "true_local_shape"]
 
 # Set to True (tests do) to run every step as batched isend/irecv: the reference path.
 FORCE_P2P = False
@@ -333,6 +335,8 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     ``Replicate()``: ranks send their 2, 2, 2 and 1 real values to every peer, then every
     rank keeps the 7 true values.
     """
+    if local.is_meta:  # no values to move (a model built on the meta device): the local tensor's shape under dst
+        return torch.empty(true_local_shape(dst), dtype=local.dtype, device="meta")
     route = plan_redistribute(src, dst, local.element_size())
     if id(route) not in _AGREED_ROUTES:
         agree_on_move(route.src, route.dst, local.element_size())
@@ -345,6 +349,14 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
             ran.append(route)
             ran.storages.append(storage)
     return run_route(route, local, async_op)
+
+
+def true_local_shape(spec) -> tuple[int, ...]:
+    """This rank's true (unpadded) local shape under ``spec`` (no pending reduction)."""
+    if spec.reduce_op:
+        raise LayoutError(f"true_local_shape: {spec.layout} is pending a {spec.reduce_op}")
+    side = side_of(spec)
+    return true_boxes(side.layout, side.full, side.rows, spec.mesh)[spec.mesh.position()]
 
 
 _AGREED: dict = memo("runtime.executor agreed moves")  # (src, dst, item size) -> True: moves this rank's mesh agreed on
