@@ -637,6 +637,13 @@ class DeviceMesh:
 
     __copy__ = __deepcopy__ = keep_on_copy  # a mesh is its process groups: never copied
 
+    def __reduce_ex__(self, protocol):
+        # a pickled DTensor (torch.save of a state_dict) would need this job's process groups where it
+        # is loaded: refused with the ways that work, not with pickle's "cannot pickle 'weakref'"
+        raise TypeError(f"an axedist DeviceMesh ({self}) and the DTensors on it cannot be pickled (torch.save): save "
+                        f"with torch.distributed.checkpoint / axedist.nn.checkpoint.save, or save plain tensors "
+                        f"(dt.full_tensor(), dt.to_local(), dt.to_torch())")
+
     def __repr__(self) -> str:
         grid = list(self.ranks)  # nested by hand: a repr may run inside a trace, where a tensor is fake
         for n in reversed(self.shape[1:]):

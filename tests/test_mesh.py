@@ -355,3 +355,30 @@ def test_a_job_ended_by_destroy_process_group_has_no_gloo_worker_left_at_exit(tm
             assert re.search(rf"rank {rank} mesh after exit hook: DeviceMesh.*were destroyed", out), out
         else:
             assert at_exit == running, out
+
+
+def _pickled(rank, world):
+    import copy
+    import io
+
+    mesh = DeviceMesh("cpu", (world,))
+    dt = distribute(torch.arange(8.0), mesh, [Shard(0)])
+    assert torch.equal(copy.deepcopy(dt).full_tensor(), torch.arange(8.0))  # a copy keeps the mesh
+    layer = torch.nn.Linear(4, 4)
+    layer.weight = torch.nn.Parameter(distribute(layer.weight.detach(), mesh, [Shard(0)]))
+    out = []
+    for what in (dt, layer.state_dict()):
+        try:
+            torch.save(what, io.BytesIO())
+            out.append("saved")
+        except TypeError as e:
+            out.append(str(e))
+    return out
+
+
+def test_pickling_a_dtensor_is_refused_with_the_ways_that_work():
+    """torch.save of an axedist DTensor (or a state_dict holding them) raises a TypeError that names
+    DCP and the plain-tensor ways, on every rank; deepcopy still works."""
+    for out in run_on_ranks(_pickled, 2):
+        assert len(out) == 2 and all("cannot be pickled" in o and "checkpoint" in o and "full_tensor" in o
+                                     for o in out), out
