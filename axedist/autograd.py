@@ -181,7 +181,8 @@ class _Redistribute(torch.autograd.Function):
             raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
         if grad._spec == target:
             agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
-            return _cast(grad, ctx.dtype), None, None, None, None
+            # no move, but rounded through backward_dtype all the same, as torch's
+            return _cast(_cast(grad, ctx.backward_dtype), ctx.dtype), None, None, None, None
         if grad.dtype != ctx.backward_dtype:  # torch's backward_dtype: the gradient moves in it
             return _cast(move(grad.to(ctx.backward_dtype), target), ctx.dtype), None, None, None, None
         # through move: a gradient that is a deferred product (a column-parallel linear's input

@@ -401,3 +401,60 @@ def test_torch_factories_placements_and_distribute_module():
     calls (random factories: torch's draw of the whole tensor), on 1-D and 2-D meshes."""
     assert ax.Shard is Shard and ax.Replicate is Replicate and ax.Partial is Partial
     assert run_on_ranks(_factories, 4, args=(random.randrange(2**31),)) == [True] * 4
+
+
+def _clip_with_empty_shards(rank, world, seed):
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(5, generator=g, dtype=torch.float64), torch.randn(3, 2, generator=g, dtype=torch.float64)]
+    grads[0][1] = grads[1][2, 0] = 0.0   # zeros: the 0-norm counts the others
+    for norm_type in (2.0, 1.0, 0.0, float("inf"), float("-inf")):
+        for foreach in (True, False):
+            what = (norm_type, foreach)
+            ref = [nn.Parameter(torch.zeros_like(x)) for x in grads]
+            ours = [nn.Parameter(ax.distribute_tensor(torch.zeros_like(x), mesh, [Shard(0)])) for x in grads]
+            for r, p, x in zip(ref, ours, grads):
+                r.grad = x.clone()
+                p.grad = ax.distribute_tensor(x, mesh, [Shard(0)])
+            want = torch.nn.utils.clip_grad_norm_(ref, max_norm=0.5, norm_type=norm_type, foreach=foreach)
+            got = torch.nn.utils.clip_grad_norm_(ours, max_norm=0.5, norm_type=norm_type, foreach=foreach)
+            torch.testing.assert_close(got.full_tensor(), want, **TOL, msg=lambda m: f"{what}: {m}")
+            for r, p in zip(ref, ours):
+                torch.testing.assert_close(p.grad.full_tensor(), r.grad, **TOL, msg=lambda m: f"{what}: {m}")
+    return [p.grad.to_local().numel() for p in ours]
+
+
+def test_clip_grad_norm_with_empty_shards():
+    """clip_grad_norm_ (foreach or not; norms 2, 1, 0, inf, -inf) of gradients that some rank holds
+    none of (5 and 3 rows Shard(0) on 4 ranks: 2, 2, 1, 0 and 1, 1, 1, 0): the total norm and the
+    clipped gradients of one process, on every rank (none raises while the others wait)."""
+    held = run_on_ranks(_clip_with_empty_shards, 4, args=(random.randrange(2**31),))
+    assert held[3] == [0, 0], held
+
+
+def _backward_dtype_without_move(rank, world, seed):
+    import torch.distributed.tensor as torch_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    for src, dst in (([Replicate()], [Shard(1)]), ([Shard(0)], [Replicate()]), ([Shard(0)], [Shard(1)])):
+        grads = []
+        for distribute_tensor_ in (ax.distribute_tensor, torch_dtensor.distribute_tensor):
+            x = distribute_tensor_(full, mesh, src).requires_grad_()
+            y = x.redistribute(mesh, dst, backward_dtype=torch.float32)
+            (y * distribute_tensor_(w, mesh, [Replicate()])).sum().backward()
+            grads.append(x.grad)
+        ours, theirs = grads
+        assert ours.dtype == theirs.dtype == torch.float64 and ours.placements == tuple(theirs.placements), (src, dst)
+        assert torch.equal(ours.to_local(), theirs.to_local()), (src, dst)
+        assert torch.equal(ours.full_tensor(), w.float().double()), (src, dst)   # rounded through fp32
+    return True
+
+
+def test_redistribute_backward_dtype_when_the_gradient_needs_no_move():
+    """``redistribute(..., backward_dtype=torch.float32)`` of a float64 tensor: the gradient comes
+    back rounded through float32 (torch's DTensor's values), also where it arrives already in the
+    input's layout (Replicate -> Shard(1): the gradient is replicated)."""
+    assert run_on_ranks(_backward_dtype_without_move, 4, args=(random.randrange(2**31),)) == [True] * 4

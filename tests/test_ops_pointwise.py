@@ -91,9 +91,10 @@ INPLACE_CASES = [
 ]
 
 
-def _pending(full, mesh, placements, seed):
+def _pending(full, mesh, placements, seed, exact=False):
     """``full`` as a pending value in ``placements`` (ops_cases.make, plus avg: summands
-    whose mean is ``full``)."""
+    whose mean is ``full``). ``exact``: the avg summands add up exactly where ``full`` is 0
+    (quarter-integer noise; ops_cases.make's sums already do)."""
     ops = {p.reduce_op for p in placements if isinstance(p, Partial)}
     if ops != {"avg"}:
         return make(full, mesh, placements, seed)
@@ -103,7 +104,9 @@ def _pending(full, mesh, placements, seed):
         k *= mesh.shape[i]
         mine = mine * mesh.shape[i] + mesh.coordinates()[mesh.axis_names[i]]
     noise = rand(torch.Generator().manual_seed(seed + 7), k, *full.shape)
-    local = full + noise[mine] - noise.mean(0)
+    if exact:
+        noise = (noise * 4).round() / 4
+    local = full + (noise[mine] - noise.mean(0))
     base = [p if isinstance(p, Partial) else Replicate() for p in placements]
     return DTensor.from_local(local.contiguous(), mesh, base).redistribute(placements)
 
@@ -227,3 +230,63 @@ def _layout_with_replicated(rank, world, seed):
 
 def test_a_replicated_operand_is_sliced_to_a_layout_without_placements():
     run_on_ranks(_layout_with_replicated, 2, args=(random.randrange(10**6),))
+
+
+# ---------------------------------------------------------------------------
+# Casts of pending values
+# ---------------------------------------------------------------------------
+
+# name, the cast (a tensor -> a tensor of another dtype)
+INTEGER_CASTS = [
+    ("to(int64)", lambda t: t.to(torch.int64)),
+    ("int()", lambda t: t.int()),
+    ("to(dtype=int16)", lambda t: t.to(dtype=torch.int16)),
+    ("type_as an int32 tensor", lambda t: t.type_as(torch.zeros(1, dtype=torch.int32))),
+    ("to(bool)", lambda t: t.to(torch.bool)),
+    ("bool()", lambda t: t.bool()),
+]
+
+
+def _casts_of_pending(rank, world, mesh_name, seed):
+    """A pending value cast to an integer or bool dtype (or copied into an integer tensor) equals
+    the cast of the full tensor: a pending sum/avg is reduced first (1.2 held as 0.6 + 0.6 is
+    int 1, not 0 + 0; 0 held as 1 - 1 is False, not True), as torch's DTensor does. A cast
+    between floating dtypes keeps the sum pending."""
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    rows, cols = randint(g, 3, 8), randint(g, 2, 7)
+    X = rand(g, rows, cols) * 4
+    X[rand(g, rows, cols) > 0.5] = 0.0  # zeros held as summands that are not (bool)
+    checked = 0
+    for op in EVERY_OP:
+        options = [Partial(op), Shard(0), Shard(1), Replicate()]
+        sets = [p for p in sample_sets(mesh, options, g, k=8) if any(isinstance(q, Partial) for q in p)]
+        for xp in sets[:3]:
+            whole = tuple(Replicate() if isinstance(p, Partial) else p for p in xp)
+            for name, cast in INTEGER_CASTS:
+                what = f"{name} of {xp}"
+                got = cast(_pending(X, mesh, xp, seed, exact=True))
+                want = cast(X)
+                assert got.dtype == want.dtype and torch.equal(got.full_tensor(), want), what
+                if op in ("sum", "avg"):
+                    assert got.placements == whole, f"{what}: {got.placements}"
+                checked += 1
+            # copy_ into an integer tensor: a laid-out one, and (sum, max, min) a pending one
+            targets = [distribute(torch.zeros(rows, cols, dtype=torch.int64), mesh, list(whole))]
+            if op != "avg":
+                targets.append(make(torch.zeros(rows, cols, dtype=torch.int64), mesh, xp, seed))
+            for target in targets:
+                target.copy_(_pending(X, mesh, xp, seed, exact=True))
+                assert torch.equal(target.full_tensor(), X.to(torch.int64)), f"copy_ of {xp}"
+                checked += 1
+            if op in ("sum", "avg"):
+                kept = _pending(X, mesh, xp, seed, exact=True).to(torch.float32)
+                assert kept.placements == tuple(xp), (xp, kept.placements)
+                torch.testing.assert_close(kept.full_tensor(), X.to(torch.float32))
+    return checked
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_casts_of_pending_values_to_integer_and_bool(mesh_name, seed):
+    counts = run_on_ranks(_casts_of_pending, WORLD[mesh_name], args=(mesh_name, seed))
+    assert counts[0] >= 4 * len(INTEGER_CASTS), counts

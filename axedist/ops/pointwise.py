@@ -10,7 +10,8 @@ output is ``[Shard(1)]`` and ``x`` is sliced locally (no communication). A dim o
 Pending sums (``Partial``) stay pending only where the op is linear in them:
 ``p + q`` of two partial sums, ``p * r`` or ``p / r`` for a non-partial ``r`` (or a
 Python scalar), ``-p``, ``threshold_backward(p, x, 0)`` (linear in the incoming grad),
-casts and copies. Anything else (``p + 1``, ``exp(p)``, ``p * q``) reduces first.
+casts and copies between floating dtypes. Anything else (``p + 1``, ``exp(p)``, ``p * q``,
+``p.to(torch.int64)``) reduces first.
 
 In-place ops cannot move ``self``, so an affine one keeps its pending value exact by
 acting on the summands: ``p.add_(1)`` of a ``Partial("sum")`` adds 1 on one rank of the
@@ -110,11 +111,23 @@ def _partial_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
         if func._schema.name.split("::")[1].strip("_").replace("foreach_", "") in ("add", "sub") \
                 and len(tensors) < 2:
             return None
+        cast = call.kwargs.get("dtype") if func is aten._to_copy.default else None
+        if not _sum_commutes_with_cast([t.dtype for t in tensors] + ([cast] if cast is not None else [])):
+            return None
         return next(iter(ops))
     positions = _LINEAR_ONE.get(func)
     if positions is not None and sum(partial) == 1 and partial.index(True) in positions:
         return next(iter(ops))
     return None
+
+
+def _sum_commutes_with_cast(dtypes: list) -> bool:
+    """Whether summands cast between these dtypes (inputs' and output's) sum to the cast of their
+    sum: between floating/complex dtypes (up to rounding), or with no cast. Not to an integer or
+    bool: summands 0.6 and 0.6 cast to int64 sum to 0, int64(1.2) is 1; 1.0 and -1.0 cast to
+    bool are True, bool(0.0) is False. Nor from one (int32 summands wrap where their int64 casts
+    do not)."""
+    return len(set(dtypes)) == 1 or all(d.is_floating_point or d.is_complex for d in dtypes)
 
 
 def _inplace_kept(call: OpCall, tensors: list, axis_index: int) -> str | None:
@@ -501,9 +514,12 @@ def foreach_norm(call: OpCall) -> Sharding:
     def local(call_, tensors, *rest, **kwargs):
         (x,) = tensors
         if ord_ == float("inf") or ord_ == float("-inf"):
-            value = x.abs().amax() if ord_ > 0 else x.abs().amin()
+            # an empty shard (5 rows on 4 ranks) has no amax: it holds the identity of max / min
+            magnitude = x.abs()
             if x.numel() == 0:
-                value = torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=x.dtype, device=x.device)
+                value = torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=magnitude.dtype, device=x.device)
+            else:
+                value = magnitude.amax() if ord_ > 0 else magnitude.amin()
             op = "max" if ord_ > 0 else "min"
             all_reduce_(value, op, group=mesh.group(axes))
             return [value]
