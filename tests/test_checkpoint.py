@@ -161,3 +161,99 @@ def test_infer_tp_with_fewer_layers_in_its_config(saved, tmp_path):
     code, text = dropped[0].value
     assert code == 0 and "dropped 9 checkpoint tensors the model has no place for" in text, text
     assert "generated" in text
+
+
+def _edit_metadata(path: str, edit) -> None:
+    """``edit(metadata)`` on DCP's ``.metadata`` of the checkpoint at ``path``, written back."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    edit(metadata)
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _swap_storage(metadata, first: str, second: str, same_file: bool) -> None:
+    """Swap where two stored chunks of one length (of tensors ``first`` and ``second``) point."""
+    storage = metadata.storage_data
+    a = next(k for k in storage if k.fqn == first)
+    b = next(k for k in storage if k.fqn == second and k != a and storage[k].length == storage[a].length
+             and (storage[k].relative_path == storage[a].relative_path) == same_file)
+    storage[a], storage[b] = storage[b], storage[a]
+
+
+def test_metadata_pointing_at_another_chunks_bytes_is_refused(saved, tmp_path):
+    """An edited ``.metadata`` whose entries point at another chunk of the same length: every
+    byte's checksum still matches, so the check is what the save wrote at each place."""
+    wq, wk = "layers.0.attention.wq.weight", "layers.0.attention.wk.weight"
+    edits = {
+        "two tensors swapped": lambda m: _swap_storage(m, wq, wk, same_file=True),
+        "two chunks of one tensor swapped": lambda m: _swap_storage(m, wq, wq, same_file=False),
+        "a chunk's sizes changed": lambda m: setattr(m.state_dict_metadata[wq].chunks[0], "sizes",
+                                                     torch.Size([4, 32])),
+    }
+    for what, edit in edits.items():
+        path = _copy(saved[0], tmp_path / what.replace(" ", "_").replace("'", ""))
+        _edit_metadata(path, edit)
+        message = _load_everywhere(path)
+        assert message.startswith(f"CheckpointError: checkpoint {path}:"), (what, message)
+        assert f"{path}/.metadata points tensor '{wq}' (its chunk at" in message, (what, message)
+        assert "where the save wrote" in message and "was edited or belongs to another save" in message, (what, message)
+
+
+def _load_resuming(rank, world, path):
+    """load with an optimizer (the RNG states too): the error or the result, and whether the
+    model kept its own values (nothing loaded before the error)."""
+    model = _model(world, seed=5)
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    try:
+        result = repr(checkpoint.load(model, path, optimizer=optimizer))
+    except checkpoint.CheckpointError as error:
+        result = f"CheckpointError: {error}"
+    kept = all(torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+    return result, kept
+
+
+def test_one_ranks_missing_or_damaged_rng_file_is_an_error_on_every_rank(saved, tmp_path):
+    path = _copy(saved[0], tmp_path)
+    rng = Path(path, "axedist_rng_1.pt")
+    for damage, said in ((rng.unlink, f"{rng} is missing"),
+                         (lambda: rng.write_bytes(b"garbage"), f"{rng} cannot be read (UnpicklingError"),
+                         (lambda: torch.save({"cpu": torch.zeros(3)}, rng), f"{rng} holds no random number generator")):
+        damage()
+        results = run_on_ranks(_load_resuming, 2, args=(path,))
+        for message, kept in results:
+            assert message == results[0][0] and message.startswith(f"CheckpointError: checkpoint {path}:"), results
+            assert said in message and kept, results
+
+
+def _load_giving_the_cause(rank, world, path):
+    try:
+        checkpoint.load(_model(world, seed=5), path)
+    except checkpoint.CheckpointError as error:
+        return f"CheckpointError: {error}", type(error.__cause__).__name__
+    return "loaded", None
+
+
+def test_what_dcp_itself_refuses_is_a_checkpoint_error_on_every_rank(saved, tmp_path):
+    """DCP's own error (``CheckpointException``, a BaseException) is a ``CheckpointError`` on every
+    rank, with DCP's as its cause: a checkpoint without checksums (as torch's DCP writes one) whose
+    ``.metadata`` points a chunk one byte before its bytes, which DCP cannot unpickle."""
+    import dataclasses
+
+    path = _copy(saved[0], tmp_path)
+    Path(path, checkpoint.CHECKSUMS).unlink()
+
+    def shift(metadata):
+        storage = metadata.storage_data
+        key = next(k for k, info in storage.items() if k.fqn == "layers.0.attention.wq.weight" and info.offset > 0)
+        storage[key] = dataclasses.replace(storage[key], offset=storage[key].offset - 1)
+
+    _edit_metadata(path, shift)
+    results = run_on_ranks(_load_giving_the_cause, 2, args=(path,))
+    for message, cause in results:
+        assert message.startswith(f"CheckpointError: checkpoint {path}: DCP could not load it: rank "), results
+        assert cause == "CheckpointException", results

@@ -637,3 +637,58 @@ def test_equal_boxes_at_a_constant_step_read_as_one():
         torch.testing.assert_close(out, want, rtol=0, atol=0)
         if index.boxes is not None:   # (None: one contiguous run, a slice)
             assert len(index.boxes) == (2 if broken else 1), (offsets, extents, strides, index.boxes)
+
+
+# -- async moves of uneven shards: the source's values at the call -------------------
+
+ASYNC_UNEVEN = [
+    # (mesh shape, global shape, src placements, dst placements): send/recv and all-to-all-v
+    # steps that copy a rank's own rows out of its input when they finish. Every rank that
+    # sends copies its input at the call or holds padding (a fresh buffer): no send reads the
+    # source while in flight, so the check does not depend on timing
+    ((4,), (7, 5), "S0", "R"), ((4,), (9, 3), "S0", "R"), ((4,), (7, 5), "S0", "S1"),
+    ((4,), (3, 5), "S0", "S1"), ((4,), (5, 7), "S1", "R"),
+    ((2, 2), (5, 7), "S0 S1", "R R"), ((2, 2), (5, 6), "S0 S0", "R R"), ((2, 2), (5, 7), "S0 R", "S1 R"),
+    ((2, 2), (7, 5), "S1 R", "R R"), ((2, 2), (5, 7), "S0 S1", "S1 S0"),
+]
+
+
+def _reference_local(full, mesh, placements):
+    """This rank's piece of ``full`` under ``placements``, split as torch.chunk splits, in one process."""
+    coords = mesh.coordinates()
+    piece = full
+    for axis, n, placement in zip(mesh.axis_names, mesh.shape, placements):
+        if isinstance(placement, Shard):
+            chunks = piece.chunk(n, placement.dim)
+            k = coords[axis]
+            piece = chunks[k] if k < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece
+
+
+def async_uneven_cases(rank, world, cases, device_type="cpu"):
+    """Each move started with ``async_op=True``, then its source written in place before the
+    result is first used: per case, (result equals the synchronous one, equals the one-process
+    reference, the write reached the source)."""
+    results = []
+    for seed, (mesh_shape, shape, s, d) in enumerate(cases):
+        names = ("gpuid",) if len(mesh_shape) == 1 else ("x", "y")
+        mesh = DeviceMesh(device_type, mesh_shape, names)
+        full = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(seed)).double().to(mesh.device)
+        src = distribute(full, mesh, [_placement(p) for p in s.split()], src_rank=None)
+        dst = [_placement(p) for p in d.split()]
+        synchronous = src.redistribute(dst).to_local()
+        pending = src.redistribute(dst, async_op=True)
+        src.add_(100.0)
+        got = pending.to_local()
+        results.append((torch.equal(got, synchronous), torch.equal(got.cpu(), _reference_local(full, mesh, dst).cpu()),
+                        torch.equal(src.full_tensor(), full + 100)))
+    return results
+
+
+def test_async_uneven_moves_give_the_source_at_the_call():
+    """An uneven move's step copies this rank's own rows out of its input when it finishes, at
+    wait(): that input is the source tensor itself where the rank holds no padding, so an in-place
+    write to the source between the call and the first use must not reach the result."""
+    for rank, results in enumerate(run_on_ranks(async_uneven_cases, 4, args=(ASYNC_UNEVEN,), timeout_s=120)):
+        for case, checks in zip(ASYNC_UNEVEN, results):
+            assert checks == (True, True, True), (rank, case, checks)

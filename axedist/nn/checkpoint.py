@@ -119,8 +119,8 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
     _together("save (before writing)", dist.barrier)
     try:
         dcp.save(state, checkpoint_id=partial)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: saving failed: {_first_line(error)}") from error
+    except (Exception, dcp.CheckpointException) as error:  # DCP's own is a BaseException
+        raise CheckpointError(f"checkpoint {path}: saving failed: {_failure_text(error)}") from error
     _write_checksums(partial)
     if optimizer is not None or extra is not None:
         torch.save(_rng_states(), os.path.join(partial, _RNG.format(rank)))
@@ -153,8 +153,15 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
     targets = module.state_dict()
     agree(_ranks(), "checkpoint.load", f"{path}: {_names_digest(targets)}, strict={strict}")
     metadata, problems = _read_metadata(path)
+    extra, rng = {}, None
     if metadata is not None:
         problems += _verify_chunks(path, metadata)
+        if optimizer is not None or os.path.exists(os.path.join(path, EXTRA)):
+            extra, unreadable = _read_extra(path)
+            problems += unreadable
+            if optimizer is not None and not unreadable:  # each rank reads its own file: its problem is shared
+                rng, unreadable = _read_rng(path, extra.get("world"))
+                problems += unreadable
     problems = _everyone(problems)
     if problems:
         raise CheckpointError(f"checkpoint {path}:\n  " + "\n  ".join(problems[:12])
@@ -179,17 +186,16 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
     loading = dict(targets, **values)
     try:
         dcp.load(loading, checkpoint_id=path)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: DCP could not load it: {_first_line(error)}") from error
+    except (Exception, dcp.CheckpointException) as error:  # DCP's own is a BaseException (every rank raises it)
+        raise CheckpointError(f"checkpoint {path}: DCP could not load it: {_failure_text(error)}") from error
     with torch.no_grad():
         for key, value in module.state_dict().items():
             _copy(value, loading[key])
         for key, value in values.items():
             _copy(value, loading[key])
-    extra = _read_extra(path) if optimizer is not None or os.path.exists(os.path.join(path, EXTRA)) else {}
     if optimizer is not None:
         _load_optimizer(module, optimizer, values, extra.get("optimizer_param_groups"), path)
-        _restore_rng(path, extra.get("world"))
+        _restore_rng(rng)
     return Loaded(extra.get("extra", {}), tuple(unexpected))
 
 
@@ -204,6 +210,17 @@ def _names_digest(state: dict) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0][:500] if text else ''}"
+
+
+def _failure_text(error: BaseException) -> str:
+    """``_first_line(error)``; for DCP's ``CheckpointException`` (whose first line names only the
+    ranks), each failed rank's own error: ``rank 1: KeyError: ...``."""
+    failures = error.failures if isinstance(error, dcp.CheckpointException) else None
+    if not failures:
+        return _first_line(error)
+    ranks = sorted(failures)
+    shown = "; ".join(f"rank {rank}: {_first_line(failures[rank][0])}" for rank in ranks[:4])
+    return shown + (f"; ... ({len(ranks)} ranks in all)" if len(ranks) > 4 else "")
 
 
 def _some(names: list[str], limit: int = 8) -> str:
@@ -232,12 +249,23 @@ def _read_metadata(path: str):
 
 
 def _chunk_list(metadata) -> list[tuple]:
-    """``[(file, offset, length, tensor name, chunk offsets)]`` of every stored chunk, in a fixed order."""
+    """``[(file, offset, length, tensor name, chunk offsets, chunk sizes)]`` of every stored chunk,
+    in a fixed order: ``("__0_0.distcp", 2048, 512, "0.weight", [4, 0], [4, 8])``, sizes None where
+    the tensor's metadata lists no chunk at those offsets."""
     chunks = []
     for index, info in metadata.storage_data.items():
         offsets = list(index.offset) if index.offset is not None else []
-        chunks.append((info.relative_path, info.offset, info.length, index.fqn, offsets))
-    return sorted(chunks)
+        chunks.append((info.relative_path, info.offset, info.length, index.fqn, offsets,
+                       _chunk_sizes(metadata, index.fqn, offsets)))
+    return sorted(chunks, key=lambda c: c[:5])
+
+
+def _chunk_sizes(metadata, name: str, offsets: list[int]) -> list[int] | None:
+    """The sizes of tensor ``name``'s chunk at ``offsets`` in ``metadata`` ([] for bytes, which have no chunks)."""
+    stored = metadata.state_dict_metadata.get(name)
+    if not hasattr(stored, "chunks"):
+        return [] if stored is not None and not offsets else None
+    return next((list(c.sizes) for c in stored.chunks if list(c.offsets) == offsets), None)
 
 
 def _write_checksums(path: str) -> None:
@@ -245,10 +273,10 @@ def _write_checksums(path: str) -> None:
     metadata = dcp.FileSystemReader(path).read_metadata()
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = []
-    for i, (file, offset, length, name, offsets) in enumerate(_chunk_list(metadata)):
+    for i, (file, offset, length, name, offsets, sizes) in enumerate(_chunk_list(metadata)):
         if i % world == rank:
             mine.append({"file": file, "offset": offset, "length": length, "tensor": name, "chunk": offsets,
-                         "crc32": _crc(os.path.join(path, file), offset, length)})
+                         "sizes": sizes, "crc32": _crc(os.path.join(path, file), offset, length)})
     gathered = [None] * world
     _together("save (checksums)", lambda: dist.all_gather_object(gathered, mine))
     if rank == 0:
@@ -271,30 +299,42 @@ def _crc(file: str, offset: int, length: int) -> int:
 
 
 def _verify_chunks(path: str, metadata) -> list[str]:
-    """Problems with this rank's share of the stored chunks: missing or short files, checksums."""
+    """Problems with the stored chunks: missing or short files, entries of ``.metadata`` that point
+    at another chunk's bytes than the save wrote there, and (this rank's share) checksums."""
     rank, world = dist.get_rank(), dist.get_world_size()
     problems = []
     sums_file = os.path.join(path, CHECKSUMS)
-    sums = {}
+    sums = {}  # (file, offset, length) -> (crc32, tensor, chunk offsets, chunk sizes or None if not recorded)
     if os.path.exists(sums_file):
         try:
             with open(sums_file) as f:
-                sums = {(c["file"], c["offset"], c["length"]): c["crc32"] for c in json.load(f)["chunks"]}
+                sums = {(c["file"], c["offset"], c["length"]): (c["crc32"], c["tensor"], c["chunk"], c.get("sizes"))
+                        for c in json.load(f)["chunks"]}
         except (ValueError, KeyError, TypeError) as error:
             return [f"{sums_file} cannot be read ({_first_line(error)}): the file is damaged"]
     elif rank == 0:
         warnings.warn(f"checkpoint {path} has no {CHECKSUMS} (not saved by axedist.nn.checkpoint.save): its chunks "
                       f"are checked for size only", stacklevel=3)
     sizes, short = {}, {}  # short: file -> the tensors it lacks bytes for (every rank sees the same)
-    for i, (file, offset, length, name, offsets) in enumerate(_chunk_list(metadata)):
+    for i, (file, offset, length, name, offsets, chunk_sizes) in enumerate(_chunk_list(metadata)):
         full = os.path.join(path, file)
+        saved = sums.get((file, offset, length))
+        if sums and (saved is None or saved[1:3] != (name, offsets)
+                     or (saved[3] is not None and saved[3] != chunk_sizes)):
+            # the CRC of an edited .metadata's entry that points at another chunk of the same
+            # length passes: compare what the save wrote there. Every rank checks every entry
+            # (no I/O), so every rank sees the same problems
+            wrote = "nothing the save recorded" if saved is None else _chunk_text(saved[1], saved[2], saved[3])
+            problems.append(f"{os.path.join(path, '.metadata')} points {_chunk_text(name, offsets, chunk_sizes)} "
+                            f"at {full} bytes {offset}..{offset + length}, where the save wrote {wrote} "
+                            f"({CHECKSUMS}): .metadata was edited or belongs to another save")
+            continue
+        where = _chunk_text(name, offsets)
         if file not in sizes:
             sizes[file] = os.path.getsize(full) if os.path.exists(full) else -1
         if sizes[file] < offset + length:
             short.setdefault(file, []).append((name, offset + length))
-        elif i % world == rank and (file, offset, length) in sums and _crc(full, offset, length) != sums[
-                (file, offset, length)]:
-            where = f"tensor {name!r}" + (f" (its chunk at {offsets})" if offsets else "")
+        elif i % world == rank and saved is not None and _crc(full, offset, length) != saved[0]:
             problems.append(f"{full}: checksum mismatch in {where}: its bytes changed after the save")
     for file, lacking in short.items():
         names = sorted({name for name, _ in lacking})
@@ -302,6 +342,13 @@ def _verify_chunks(path: str, metadata) -> list[str]:
                                                       f"{max(end for _, end in lacking)}")
         problems.append(f"{os.path.join(path, file)} {what} (tensors {_some(names, 4)})")
     return problems
+
+
+def _chunk_text(name: str, offsets: list[int], sizes: list[int] | None = None) -> str:
+    """How an error names a stored chunk: ``tensor '0.weight' (its chunk at [4, 0], sizes [4, 8])``."""
+    if not offsets:
+        return f"tensor {name!r}"
+    return f"tensor {name!r} (its chunk at {offsets}" + (f", sizes {sizes})" if sizes is not None else ")")
 
 
 def _copy(own, loaded) -> None:
@@ -353,25 +400,49 @@ def _rng_states() -> dict:
     return states
 
 
-def _restore_rng(path: str, world) -> None:
+def _read_rng(path: str, world) -> tuple[dict | None, list[str]]:
+    """(this rank's saved RNG states, problems), read before anything loads: a missing or damaged
+    ``axedist_rng_3.pt`` is rank 3's alone, so it goes through the shared checks. None (nothing to
+    restore) where the checkpoint's world size differs: the per-rank streams do not map, and
+    training goes on with its own."""
     if world != dist.get_world_size():
-        return  # another world size: the per-rank streams do not map; training goes on with its own
-    file = os.path.join(path, _RNG.format(dist.get_rank()))
+        return None, []
+    rank = dist.get_rank()
+    file = os.path.join(path, _RNG.format(rank))
     try:
         states = torch.load(file, weights_only=True)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {path}: {file} cannot be read ({_first_line(error)})") from error
+    except FileNotFoundError:
+        return None, [f"{file} is missing (rank {rank}'s random number generator states)"]
+    except Exception as error:  # (torch.load's text suggests weights_only=False: wrong for a damaged file)
+        return None, [f"{file} cannot be read ({type(error).__name__}): rank {rank}'s random number generator "
+                      f"states are damaged"]
+    cpu = states.get("cpu") if isinstance(states, dict) else None
+    cuda = states.get("cuda", cpu) if isinstance(states, dict) else None
+    if not all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 for s in (cpu, cuda)) \
+            or cpu.shape != torch.get_rng_state().shape:
+        return None, [f"{file} holds no random number generator states as save writes them (rank {rank}'s "
+                      f"are damaged)"]
+    return states, []
+
+
+def _restore_rng(states: dict | None) -> None:
+    if states is None:
+        return
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def _read_extra(path: str) -> dict:
+def _read_extra(path: str) -> tuple[dict, list[str]]:
+    """(``EXTRA``'s dict, problems): a missing or damaged file is a problem."""
     file = os.path.join(path, EXTRA)
     try:
         with open(file) as f:
-            return json.load(f)
+            extra = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path}: {file} is missing (saved without optimizer= or extra=)") from None
+        return {}, [f"{file} is missing (saved without optimizer= or extra=)"]
     except ValueError as error:
-        raise CheckpointError(f"checkpoint {path}: {file} cannot be read ({_first_line(error)})") from None
+        return {}, [f"{file} cannot be read ({_first_line(error)})"]
+    if not isinstance(extra, dict):
+        return {}, [f"{file} cannot be read (it holds a {type(extra).__name__}, not a dict)"]
+    return extra, []

@@ -191,12 +191,30 @@ class PendingBuffer:
         return self._value
 
 
+def _reads_own_values_late(program: StepProgram) -> bool:
+    """Whether ``program``'s ``finish()`` reads this rank's own values (its local copies) out of
+    the input buffer rather than out of what its collective returned: a (7, 5) ``Shard(0) ->
+    Replicate()`` on 4 ranks runs as send/recv, whose finish copies rows 0-1 out of rank 0's input."""
+    if not program.local_src.count:
+        return False
+    if isinstance(program, (AllReduce, ReduceScatter)):  # the own values travel in the collective
+        return False
+    if isinstance(program, AllGather):
+        return program.keep_local
+    if isinstance(program, AllToAll):
+        return not program.whole
+    return True
+
+
 def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False):
     """This rank's flat buffer under ``plan.target`` from its flat buffer under ``plan.source``.
 
     ``buffer`` has ``plan.steps[0].in_size`` slots (or ``buffer_size(plan.source)`` when
     there are no steps), on ``mesh.device``. Every rank of the mesh calls this with the
-    same plan. ``async_op=True`` returns a ``PendingBuffer`` (``.wait()`` -> tensor).
+    same plan. ``async_op=True`` returns a ``PendingBuffer`` (``.wait()`` -> tensor); nothing
+    done at ``wait()`` reads ``buffer``, so a write to it once the collective has run does not
+    reach the result (as with torch's, a collective still in flight may read it; a plan of no
+    steps gives ``buffer`` itself, as the synchronous call does).
     """
     program = _program(plan, mesh)
     x = buffer.reshape(-1)
@@ -224,6 +242,11 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     if not program.steps:
         return PendingBuffer([], lambda: x, lambda v: v)
     first = program.steps[0]
+    if _reads_own_values_late(first):
+        # its finish, at wait(), copies this rank's own values out of x, which may be the caller's
+        # tensor (to_buffer does not copy an unpadded local tensor): an in-place write to it made
+        # between this call and wait() must not reach the result
+        x = x.clone()
     try:
         works, finish = first.start(x, True, carrier)
     except RuntimeError as error:
