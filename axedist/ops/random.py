@@ -6,7 +6,10 @@ Method: **every rank draws the whole tensor and keeps its piece.** ``x.uniform_(
 (its own) into its local tensor. So
 
 - ``x.full_tensor()`` equals ``torch.manual_seed(s); torch.empty(10, 6).uniform_()`` exactly,
-  for every layout (uneven, nested, block-cyclic: any piece can be cut from the whole);
+  for every layout (uneven, nested, block-cyclic: any piece can be cut from the whole). The
+  whole is drawn contiguous in the op's shape: on a transposed view (``x.t().uniform_()``) the
+  values are those of a fresh contiguous ``(6, 10)`` tensor, where the unsharded op fills the
+  view's memory order (the same distribution, other values);
 - every rank's generator advances exactly as the unsharded op advances it, so the next
   random call agrees too, and replicated tensors get equal values on every rank;
 - it holds on CPU (Mersenne twister, which cannot skip ahead) and on CUDA (Philox, whose
