@@ -369,13 +369,10 @@ class ShardedParameter:
         padded = self.sharded_spec.local_padded
         pieces = [_box(rows[d, offset:offset + self.slot].view(padded), shape) for d, shape in enumerate(self.pieces)]
         if self.gathered is None:
-            self.gathered = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
-        elif len(pieces) > 1:
-            with self._refilling() as target:
-                torch.cat(pieces, dim=0, out=target)
+            self.gathered = torch.cat(pieces, dim=0)
         else:
             with self._refilling() as target:
-                target.copy_(pieces[0])
+                torch.cat(pieces, dim=0, out=target)
 
     def pack_gradient(self, rows: torch.Tensor, offset: int, grad: torch.Tensor) -> None:
         """Cut this rank's gathered-layout gradient into the shards' rows of ``rows`` ``[parts, length]``."""
@@ -454,7 +451,7 @@ class ShardedParameter:
             yield target
 
     def free(self) -> int:
-        """Release the gathered storage (views of it, saved by autograd, are refilled by ``place``)."""
+        """Release the gathered storage (views of it, saved by autograd, see the values the next gather refills in place)."""
         if self.gathered is None:
             return 0
         flush([self.gathered], releasing=True)  # deferred work that reads the gathered values runs before they go
@@ -561,7 +558,6 @@ class FSDPUnit:
         self._entered: set = set()     # the group's modules that ran since its gather (the group's forward)
         self._trained = False          # whether a module of the group's forward made outputs that need gradients
         self._in_step = False          # gathered by a forward whose step's backward has not ended
-        self._installed_for_backward = False  # the modules hold gathered values for a backward
         self.gradient_divide_factor: float | None = None  # None: the data-parallel ranks' count (an average)
         self.forward_prefetch: list | None = None   # units to gather after this one's gather (None: the next in order)
         self.backward_prefetch: list | None = None  # the same in backward
@@ -650,6 +646,12 @@ class FSDPUnit:
         for p, value in zip(self.params, values):
             for module, name in p.slots:
                 module._parameters[name] = value
+
+    def _install_sharded(self) -> None:
+        """The modules hold the sharded parameters again (after a forward or a backward that gave
+        them the gathered values)."""
+        if any(module._parameters[name] is not p.param for p in self.params for module, name in p.slots):
+            self._install([p.param for p in self.params])
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -747,11 +749,7 @@ class FSDPUnit:
         self._trained = False
         self._install(values)
         self.schedule.order.append(self)
-        following = self.forward_prefetch
-        if following is None:
-            following = [u for u in [self.schedule.next_after(self, backward=False)] if u is not None]
-        for unit in following:
-            unit.prefetch()
+        self._prefetch_following(backward=False)
 
     def post_forward(self, module, args, output):
         _RUNNING.remove(self)
@@ -774,9 +772,8 @@ class FSDPUnit:
     def close_forward(self) -> None:
         """End the group's forward: the modules hold the sharded parameters again (a step whose
         forward ran only some of a group's modules ends it at the end of backward)."""
-        if self._entered:
-            self._entered.clear()
-            self._install([p.param for p in self.params])
+        self._entered.clear()
+        self._install_sharded()
 
     def pre_backward(self) -> None:
         s = self.schedule
@@ -790,10 +787,14 @@ class FSDPUnit:
             # them, and their gradients arrive from that recompute
             with torch.enable_grad():
                 self._install([p.module_value() for p in self.params])
-            self._installed_for_backward = True
-        following = self.backward_prefetch
+        self._prefetch_following(backward=True)
+
+    def _prefetch_following(self, backward: bool) -> None:
+        """Start the gathers of the units set by ``set_modules_to_{forward,backward}_prefetch``, else
+        of the next unit in the step's order."""
+        following = self.backward_prefetch if backward else self.forward_prefetch
         if following is None:
-            following = [u for u in [s.next_after(self, backward=True)] if u is not None]
+            following = [u for u in [self.schedule.next_after(self, backward)] if u is not None]
         for unit in following:
             unit.prefetch()
 
@@ -809,13 +810,7 @@ class FSDPUnit:
     def post_backward(self) -> None:
         if self.reshard_after_backward:
             self.reshard()
-        self.uninstall_backward()
-
-    def uninstall_backward(self) -> None:
-        """The modules hold the sharded parameters again after backward."""
-        if self._installed_for_backward:
-            self._installed_for_backward = False
-            self._install([p.param for p in self.params])
+        self._install_sharded()
 
     def reset(self) -> None:
         """Drop the state of a step an exception stopped: its started collectives are waited for
@@ -829,9 +824,7 @@ class FSDPUnit:
         self._awaited = 0
         self._in_step = False
         self.close_forward()
-        self.uninstall_backward()
         self.remove_input_hooks()
-        self._install([p.param for p in self.params])
         self.reshard()
         self.schedule.callback_queued = False
         self.schedule.order = []
@@ -876,7 +869,6 @@ def _finish_backward(schedule: _Schedule) -> None:
         unit._awaited = 0
         unit._in_step = False
         unit.close_forward()
-        unit.uninstall_backward()
         if unit.reshard_after_backward:
             unit.reshard()
         unit._started = {}

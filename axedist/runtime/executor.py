@@ -191,21 +191,6 @@ class PendingBuffer:
         return self._value
 
 
-def _reads_own_values_late(program: StepProgram) -> bool:
-    """Whether ``program``'s ``finish()`` reads this rank's own values (its local copies) out of
-    the input buffer rather than out of what its collective returned: a (7, 5) ``Shard(0) ->
-    Replicate()`` on 4 ranks runs as send/recv, whose finish copies rows 0-1 out of rank 0's input."""
-    if not program.local_src.count:
-        return False
-    if isinstance(program, (AllReduce, ReduceScatter)):  # the own values travel in the collective
-        return False
-    if isinstance(program, AllGather):
-        return program.keep_local
-    if isinstance(program, AllToAll):
-        return not program.whole
-    return True
-
-
 def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False):
     """This rank's flat buffer under ``plan.target`` from its flat buffer under ``plan.source``.
 
@@ -242,7 +227,7 @@ def execute_plan(plan: Plan, buffer: torch.Tensor, mesh, async_op: bool = False)
     if not program.steps:
         return PendingBuffer([], lambda: x, lambda v: v)
     first = program.steps[0]
-    if _reads_own_values_late(first):
+    if first.reads_input_at_finish:
         # its finish, at wait(), copies this rank's own values out of x, which may be the caller's
         # tensor (to_buffer does not copy an unpadded local tensor): an in-place write to it made
         # between this call and wait() must not reach the result

@@ -54,6 +54,10 @@ class AllGather(Collective):
 
     how = "all_gather_into_tensor"
 
+    @property
+    def reads_input_at_finish(self) -> bool:
+        return self.keep_local and bool(self.local_src.count)  # (else the own piece comes back gathered)
+
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
         me = ctx.me
@@ -142,6 +146,10 @@ class AllToAll(Collective):
     the send buffer (the W column blocks as one strided box), and nothing is copied after."""
 
     how = "all_to_all_single"
+
+    @property
+    def reads_input_at_finish(self) -> bool:
+        return not self.whole and bool(self.local_src.count)  # (whole: the own copies travel as a message)
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)

@@ -21,6 +21,7 @@ class ReduceScatter(Collective):
     """Pack every member's part in group-rank order (own part: the local boxes); reduce-scatter."""
 
     how = "reduce_scatter_tensor"
+    reads_input_at_finish = False  # the own part travels in the collective
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)
@@ -124,6 +125,7 @@ class AllReduce(Collective):
     """Direct all-reduce: every member's message is aligned with its own landing boxes."""
 
     how = "all_reduce"
+    reads_input_at_finish = False  # the own values travel in the collective
 
     def __init__(self, step, ctx):
         super().__init__(step, ctx)

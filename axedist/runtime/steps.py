@@ -47,6 +47,14 @@ class StepProgram:
     how = "local copies"
     covers = 1  # plan steps this program runs
 
+    @property
+    def reads_input_at_finish(self) -> bool:
+        """Whether ``finish()`` reads this rank's own values (its local copies) out of the input
+        rather than out of what the step's communication returned: a (7, 5) ``Shard(0) ->
+        Replicate()`` on 4 ranks runs as send/recv, whose finish copies rows 0-1 out of the input.
+        A collective whose own values travel in it overrides this."""
+        return bool(self.local_src.count)
+
     def __init__(self, step: Step, ctx: RankContext):
         self.step, self.ctx = step, ctx
         self.local = step.local(ctx.me)
