@@ -31,6 +31,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 # -- TP imports (begin)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
@@ -234,7 +237,7 @@ def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
 
 
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
-          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False):
+          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False, resume_at=None):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
     ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
@@ -243,8 +246,42 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
     the whole model compiled with it (``torch.compile(model, fullgraph=fullgraph)``). ``meta_init``:
     as torchtitan builds it, on the meta device, parallelized there, then ``to_empty`` and given its
     values (here the ones ``seed`` draws, copied in as replicated tensors). ``ac``: each block under
-    activation checkpointing (``apply_ac``)."""
+    activation checkpointing (``apply_ac``). ``resume_at``: before that step, the model's and the
+    optimizer's full state dicts taken (``resume``) and training goes on in a model built anew from
+    another seed that loads them: the same numbers as without."""
     args = ModelArgs()
+    model, optimizer, forward = setup(args, tp_mesh, seed, dtype, dp_mesh, compile_backend, fullgraph, meta_init, ac)
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    data = torch.Generator().manual_seed(seed + 1)
+    record = []
+    for step in range(steps):
+        if step == resume_at:
+            model, optimizer, forward = resume(model, optimizer, lambda: setup(
+                args, tp_mesh, seed + 100, dtype, dp_mesh, compile_backend, fullgraph, meta_init, ac))
+        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
+        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        with loss_parallel() if tp_mesh is not None else nullcontext():
+            pred = forward(inputs)
+            loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
+            (loss / dp_size).backward()  # the gradients are summed over dp (apply_fsdp): their mean
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        loss_value = full(loss).detach().clone()
+        if dp_mesh is not None:
+            torch.distributed.all_reduce(loss_value, group=dp_mesh.get_group())
+            loss_value /= dp_size
+        record.append({"loss": loss_value, "norm": full(norm).detach().clone(),
+                       "grads": {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
+                                 for n, p in model.named_parameters()},
+                       "fused": optimizer.defaults["fused"]})
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, record
+
+
+def setup(args: ModelArgs, tp_mesh, seed: int, dtype, dp_mesh, compile_backend, fullgraph, meta_init, ac):
+    """The model built from ``seed`` and parallelized as ``train`` says, its optimizer, and what
+    runs its forward (the model, or the model compiled)."""
     model = build(args, seed, dtype, "meta" if meta_init else None)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh)
@@ -261,32 +298,28 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
             model.freqs_cis.copy_(values.freqs_cis)
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
                                                                       fullgraph=fullgraph)
-    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     fused = fused_adamw_supported("cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else None,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else False,
                                   foreach=None if fused else True)
-    data = torch.Generator().manual_seed(seed + 1)
-    record = []
-    for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
-        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        with loss_parallel() if tp_mesh is not None else nullcontext():
-            pred = forward(inputs)
-            loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
-            (loss / dp_size).backward()  # the gradients are summed over dp (apply_fsdp): their mean
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        loss_value = full(loss).detach().clone()
-        if dp_mesh is not None:
-            torch.distributed.all_reduce(loss_value, group=dp_mesh.get_group())
-            loss_value /= dp_size
-        record.append({"loss": loss_value, "norm": full(norm).detach().clone(),
-                       "grads": {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
-                                 for n, p in model.named_parameters()},
-                       "fused": fused})
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, record
+    return model, optimizer, forward
+
+
+def resume(model, optimizer, make):
+    """torchtitan's export and load of full state dicts: the model's and the optimizer's whole
+    tensors on rank 0's CPU (the other ranks hold none), then a model from ``make()`` loading them
+    with rank 0's values broadcast."""
+    saving = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state = get_model_state_dict(model, options=saving)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=saving)
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        assert model_state == {} and optimizer_state == {}
+    else:
+        assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in model_state.values())
+    model, optimizer, forward = make()
+    loading = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, model_state, options=loading)
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=loading)
+    return model, optimizer, forward
 
 
 def main() -> None:

@@ -29,7 +29,9 @@ parameter at once. Torch's TP and axedist's agreed to 1e-10 of each other on tha
 * built as torchtitan builds it (``meta_init``: on the meta device, parallelized there, then
   ``to_empty`` and values copied in under ``implicit_replication``), TP alone and dp x tp, the
   latter with torchtitan's activation checkpointing (each block ``checkpoint_wrapper``-ed, then
-  sharded);
+  sharded), and resumed after 2 steps from full state dicts (``get_model_state_dict`` /
+  ``get_optimizer_state_dict`` with ``full_state_dict`` and ``cpu_offload``: rank 0's, on the CPU)
+  loaded with ``broadcast_from_rank0`` into a model built anew from another seed;
 * dp = 2 x tp = 2 with torchtitan's FSDP2 (its ``apply_fsdp``: ``fully_shard(block,
   mesh=world_mesh["dp"])``, ``fully_shard([model.norm, model.output])``, gradient division off)
   on top, under torch and under axedist with ``fully_shard`` imported from ``axedist.nn``,
@@ -50,10 +52,14 @@ IMPORTS = re.compile(r"# -- TP imports \(begin\)\n.*?# -- TP imports \(end\)\n",
 AXEDIST_IMPORTS = """\
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from axedist.nn import FSDPModule, fully_shard, loss_parallel, parallelize_module
+from axedist.nn.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                   set_model_state_dict, set_optimizer_state_dict)
 """
 AXEDIST_STYLES = """\
 from axedist.nn import (ColwiseParallel, FSDPModule, PrepareModuleInput, RowwiseParallel, SequenceParallel,
                         fully_shard, loss_parallel, parallelize_module)
+from axedist.nn.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                   set_model_state_dict, set_optimizer_state_dict)
 """
 RTOL = 1e-4          # against torch's TP on the same ranks, every step
 FIRST_RTOL = 1e-6    # against one process, the first step (no optimizer step yet)
@@ -117,8 +123,9 @@ def _three_ways(rank, world, seed):
     assert type(model.freqs_cis) is torch.Tensor and model.freqs_cis.is_complex()
     _compare(on_torch, reference, "torch")
     _compare(on_axedist, reference, "axedist, imports changed", on_torch)
-    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, meta_init=True)
-    _compare(on_axedist_meta, reference, "axedist, imports changed, built on the meta device", on_torch)
+    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, meta_init=True, resume_at=2)
+    _compare(on_axedist_meta, reference, "axedist, imports changed, built on the meta device, resumed from full "
+             "state dicts", on_torch)
     return reference[0]["fused"]
 
 
@@ -135,6 +142,8 @@ def _own_styles(rank, world, seed):
     assert isinstance(model.freqs_cis, DTensor) and model.freqs_cis.is_complex()
     assert not DTensor.dispatcher.fallback_ops(), DTensor.dispatcher.fallback_ops()  # every op had a rule
     _compare(run, reference, "axedist styles", on_torch)
+    _, resumed = script(AXEDIST_STYLES)["train"](tp, seed, dtype=torch.float64, resume_at=3)
+    _compare(resumed, reference, "axedist styles, resumed from full state dicts", on_torch)
     return True
 
 
@@ -157,12 +166,14 @@ def _fsdp_tp(rank, world, seed):
     _compare(on_torch, reference, "torch FSDP2 + TP")
     _compare(on_axedist, reference, "axedist fully_shard + TP, imports changed", on_torch)
     # torchtitan's flow: built on the meta device, parallelized there, blocks under activation
-    # checkpointing, to_empty, values copied in
-    _, on_torch_meta = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True, ac=True)
+    # checkpointing, to_empty, values copied in; and its resume from full state dicts (rank 0's, on the CPU)
+    _, on_torch_meta = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True, ac=True,
+                                         resume_at=2)
     _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True,
-                                                          ac=True)
-    _compare(on_torch_meta, reference, "torch FSDP2 + TP, meta init, activation checkpointing")
-    _compare(on_axedist_meta, reference, "axedist fully_shard + TP, meta init, activation checkpointing", on_torch_meta)
+                                                          ac=True, resume_at=2)
+    _compare(on_torch_meta, reference, "torch FSDP2 + TP, meta init, activation checkpointing, resumed")
+    _compare(on_axedist_meta, reference, "axedist fully_shard + TP, meta init, activation checkpointing, resumed",
+             on_torch_meta)
     return True
 
 

@@ -1,6 +1,7 @@
 """Tensor-parallel layers on axedist DTensors (``parallel``), fully sharded data parallel on the
-same mesh (``fsdp``), a small Llama (``llama``), and DCP checkpoints of parallelized models
-(``checkpoint``)."""
+same mesh (``fsdp``), a small Llama (``llama``), DCP checkpoints of parallelized models
+(``checkpoint``), and torch's ``torch.distributed.checkpoint.state_dict`` functions for them
+(``state_dict``)."""
 
 from ..ops.variants import implicit_replication, loss_parallel
 from .checkpoint import load, save, torch_state_dict
