@@ -1,6 +1,6 @@
 """``axedist.nn.state_dict`` on GPUs (NCCL): full state dicts of a fully sharded model gathered to
 rank 0's CPU, a CPU-offloaded sharded state dict through ``torch.distributed.checkpoint`` and back,
-and full state dicts loaded with ``broadcast_from_rank0`` (broadcast on the GPU), each against the
+``dcp.async_save`` while the parameters change, and full state dicts loaded with ``broadcast_from_rank0`` (broadcast on the GPU), each against the
 one-GPU model trained alike.
 
 W = torch.cuda.device_count(), any W >= 1 (at W = 1 the layouts are trivial but every tensor's
@@ -65,6 +65,17 @@ def _state_dicts(rank, world, seed, path):
             p.zero_()
     sharded = get_model_state_dict(model)
     dcp.load(sharded, checkpoint_id=path)
+    set_model_state_dict(model, sharded)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value.full_tensor(), reference.state_dict()[name], rtol=1e-5, atol=1e-6)
+    # torch's asynchronous save (staged to the CPU) while training goes on
+    saving = dcp.async_save(get_model_state_dict(model), checkpoint_id=path + ".async")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    saving.result()
+    sharded = get_model_state_dict(model)
+    dcp.load(sharded, checkpoint_id=path + ".async")
     set_model_state_dict(model, sharded)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), reference.state_dict()[name], rtol=1e-5, atol=1e-6)
