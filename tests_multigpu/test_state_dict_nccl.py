@@ -68,8 +68,10 @@ def _state_dicts(rank, world, seed, path):
     set_model_state_dict(model, sharded)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value.full_tensor(), reference.state_dict()[name], rtol=1e-5, atol=1e-6)
-    # torch's asynchronous save (staged to the CPU) while training goes on
-    saving = dcp.async_save(get_model_state_dict(model), checkpoint_id=path + ".async")
+    # torch's asynchronous save (staged to the CPU, over a gloo group as torchtitan makes one) while
+    # training goes on
+    saving = dcp.async_save(get_model_state_dict(model), checkpoint_id=path + ".async",
+                            process_group=dist.new_group(backend="gloo"))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

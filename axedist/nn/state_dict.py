@@ -116,10 +116,7 @@ def _full_or_offloaded_tensor(value: torch.Tensor, options: StateDictOptions, ke
     if not keep:
         return None
     if options.cpu_offload:
-        if isinstance(value, DTensor):
-            return DTensor.from_local(value.to_local().cpu(), value.device_mesh, value.axe_layout, value.shape,
-                                      padded_shape=value.padded_shape)
-        return value.cpu()
+        return value.cpu()  # an axedist DTensor: its piece on the CPU, the same layout
     return value.detach() if options.full_state_dict else value
 
 
