@@ -1,12 +1,13 @@
 """mm/bmm/addmm/baddbmm on DTensors vs torch on full tensors, with gradients and output placements."""
 
+import math
 import random
 
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from axedist.dtensor import distribute
+from axedist.dtensor import DTensor, distribute
 from axedist.mesh import DeviceMesh
 from axedist.testing import run_on_ranks
 
@@ -178,3 +179,63 @@ def _contraction_layout_way(rank, world, seed):
 @pytest.mark.parametrize("world", [2, 4])
 def test_mm_over_a_contraction_dealt_alike_is_a_pending_sum(world):
     run_on_ranks(_contraction_layout_way, world, args=(random.randrange(10**6),))
+
+
+def _pending(full, mesh, op, g):
+    """Local summands of ``full`` pending ``op`` ("sum" or "avg") over every mesh axis: fresh
+    random values on all ranks but the last, which holds what makes the sum (or average) ``full``."""
+    k = math.prod(mesh.shape)
+    noise = torch.randn((k - 1,) + tuple(full.shape), generator=g, dtype=full.dtype)
+    last = (full if op == "sum" else k * full) - noise.sum(0)
+    summands = torch.cat([noise, last.unsqueeze(0)])
+    coords = mesh.coordinates()
+    mine = 0
+    for name, n in zip(mesh.axis_names, mesh.shape):
+        mine = mine * n + coords[name]
+    return summands[mine].contiguous()
+
+
+def _bias_on_a_pending_product(rank, world, two_d, seed):
+    """addmm / F.linear (2-D and 3-D input) / baddbmm with one product operand pending a sum or
+    an average (kept pending: output Partial of the same op): the bias counts once in the value
+    (avg(x_i + b) = avg(x_i) + b, so an average adds it on every rank, a sum on one); values and
+    gradients as torch on the full tensors, values as torch's DTensor."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor as TorchDTensor, init_device_mesh
+
+    shape, names = ((2, world // 2), ("x", "y")) if two_d else ((world,), ("gpuid",))
+    mesh, theirs = DeviceMesh("cpu", shape, names), init_device_mesh("cpu", shape)
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(s, generator=g, dtype=torch.float64)
+    cases = {  # name: (fn, full inputs, index of the pending input)
+        "addmm, pending mat2": (lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0), (rand(4), rand(5, 3), rand(3, 4)), 2),
+        "addmm, pending mat1": (lambda b, x, w: torch.addmm(b, x, w), (rand(5, 4), rand(5, 3), rand(3, 4)), 1),
+        "linear 2-D, pending weight": (lambda x, w, b: F.linear(x, w, b), (rand(5, 3), rand(4, 3), rand(4)), 1),
+        "linear 3-D, pending input": (lambda x, w, b: F.linear(x, w, b), (rand(2, 5, 3), rand(4, 3), rand(4)), 0),
+        "baddbmm, pending batch1": (lambda b, x, y: torch.baddbmm(b, x, y, alpha=0.5), (rand(1, 5, 4), rand(2, 5, 3), rand(2, 3, 4)), 1),
+        "baddbmm, pending batch2": (lambda b, x, y: torch.baddbmm(b, x, y), (rand(2, 5, 4), rand(2, 5, 3), rand(2, 3, 4)), 2),
+    }
+    for op in ("sum", "avg"):
+        pending = [Partial(op)] * mesh.ndim
+        for what, (fn, fulls, at) in cases.items():
+            what = f"{what} ({op})"
+            locals_ = [_pending(t, mesh, op, g) if i == at else t for i, t in enumerate(fulls)]
+            places = [pending if i == at else [R] * mesh.ndim for i in range(len(fulls))]
+            ours = [DTensor.from_local(t, mesh, p).detach().requires_grad_() for t, p in zip(locals_, places)]
+            refs = [t.clone().requires_grad_() for t in fulls]
+            out, ref = fn(*ours), fn(*refs)
+            assert out.placements == tuple(pending), (what, out.placements)
+            torch.testing.assert_close(out.full_tensor(), ref, msg=lambda m: f"{what}: {m}")
+            torch_out = fn(*[TorchDTensor.from_local(t, theirs, p) for t, p in zip(locals_, places)])
+            torch.testing.assert_close(out.full_tensor(), torch_out.full_tensor(), msg=lambda m: f"{what} vs torch's DTensor: {m}")
+            grad = rand(*ref.shape)
+            torch.autograd.backward(out, distribute(grad, mesh, [R] * mesh.ndim))
+            torch.autograd.backward(ref, grad)
+            for i, (d, r) in enumerate(zip(ours, refs)):
+                torch.testing.assert_close(d.grad.full_tensor(), r.grad, msg=lambda m: f"{what}: gradient {i}: {m}")
+    return True
+
+
+@pytest.mark.parametrize("world,two_d", [(2, False), (4, False), (4, True)])
+def test_bias_counts_once_on_a_pending_sum_or_average_product(world, two_d):
+    run_on_ranks(_bias_on_a_pending_product, world, args=(two_d, random.randrange(10**6)))

@@ -260,3 +260,61 @@ def _index_differs(rank, world_size):
 
 def test_a_plain_index_that_differs_across_ranks_is_refused_on_every_rank():
     assert run_on_ranks(_index_differs, 4) == [True] * 4
+
+
+def _random_summands(full, mesh, g):
+    """``full`` as a pending sum over every mesh axis, each rank a summand of fresh random values
+    (not exact in binary: reduced along different routes, the sums differ in the last bit)."""
+    from axedist.dtensor import DTensor
+
+    k = mesh.size()
+    noise = torch.randn((k - 1,) + tuple(full.shape), generator=g, dtype=full.dtype) * 3
+    summands = torch.cat([noise, (full - noise.sum(0)).unsqueeze(0)])
+    mine = 0
+    for name, n in zip(mesh.axis_names, mesh.shape):
+        mine = mine * n + mesh.coordinates()[name]
+    return DTensor.from_local(summands[mine].contiguous(), mesh, [Partial()] * mesh.ndim).detach().requires_grad_()
+
+
+def _scatter_reduce_of_a_pending_sum(rank, world_size, mesh_name, seed):
+    """scatter_reduce "amax"/"amin" of a pending sum (src or self) is refused with a clear error
+    (its gradient would compare the pending value, reduced along another route, with the result:
+    NaN); reduced first as the error says, values and gradients equal the plain op's (no NaN);
+    the reductions whose gradient compares nothing ("sum", "mean", "prod") keep taking it."""
+    from axedist.ops import DispatchError
+
+    mesh = mesh_of(mesh_name)
+    g = torch.Generator().manual_seed(seed)
+    everywhere = [Replicate()] * mesh.ndim
+    x_full, src_full = rand(g, 8, 6), rand(g, 64, 6)
+    index_full = torch.randint(0, 8, (64, 6), generator=g)
+    x_places = [Shard(1)] + [Replicate()] * (mesh.ndim - 1)
+    index_places = [Shard(0)] + ([Shard(1)] if mesh.ndim > 1 else [])
+    index = make(index_full, mesh, index_places, seed)
+    for reduce in ("amax", "amin"):
+        x = make(x_full, mesh, x_places, seed, requires_grad=True)
+        src = _random_summands(src_full, mesh, g)
+        for what, args in (("src", (x, src)), ("self", (_random_summands(x_full, mesh, g), make(src_full, mesh, everywhere, seed)))):
+            with pytest.raises(DispatchError, match="reduce it first"):
+                args[0].scatter_reduce(0, index, args[1], reduce)
+        out = x.scatter_reduce(0, index, src.redistribute(placements=everywhere), reduce)
+        x_ref, src_ref = x_full.clone().requires_grad_(), src.detach().full_tensor().requires_grad_()
+        ref = x_ref.scatter_reduce(0, index_full, src_ref, reduce)
+        grad = rand(g, *ref.shape)
+        torch.autograd.backward(out, make(grad, mesh, everywhere, seed))
+        ref.backward(grad)
+        torch.testing.assert_close(out.full_tensor(), ref, msg=lambda m: f"{reduce}: {m}")
+        for got, want in ((x.grad, x_ref.grad), (src.grad, src_ref.grad)):
+            assert not got.full_tensor().isnan().any(), f"{reduce}: NaN gradient"
+            torch.testing.assert_close(got.full_tensor(), want, msg=lambda m: f"{reduce} gradient: {m}")
+    for reduce in ("sum", "mean", "prod"):
+        check(lambda x, s: x.scatter_reduce(0, index_full, s, reduce),
+              [(x_full, x_places), (src_full, [Partial()] * mesh.ndim)], mesh, seed, g, f"scatter_reduce {reduce}")
+    return True
+
+
+@pytest.mark.parametrize("mesh_name", ["4", "2x2"])
+def test_scatter_reduce_amax_of_a_pending_sum_is_refused(mesh_name):
+    world = WORLD[mesh_name]
+    assert run_on_ranks(_scatter_reduce_of_a_pending_sum, world,
+                        args=(mesh_name, int(torch.randint(0, 10**6, (1,))))) == [True] * world

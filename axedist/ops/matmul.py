@@ -15,7 +15,8 @@ Example, 4 ranks: ``x`` ``(8, 16)`` in ``[Shard(1)]`` times ``w`` ``(16, 6)`` in
 ``[Shard(0)]`` is the row-parallel product: no data moves, the output ``(8, 6)`` is a
 pending sum (``[Partial()]``); ``w`` in ``[Replicate()]`` instead is sliced locally to
 ``[Shard(0)]`` (free) for the same result. ``addmm``'s bias is added on one rank of each
-partial group only, so the pending sum counts it once.
+pending sum's group only, so the sum counts it once; a pending average (``Partial("avg")``
+operand, kept) gets it on every rank, as the average of ``x_i + b`` is that of ``x_i`` plus ``b``.
 
 Layout ways: ``a`` whose rows have no placement form (the rows of ``h.view(B*S, H)`` for ``h``
 ``[B, S, H]`` in ``[Shard(1)]``: ``S[(B,4,S/4,H):(..,1@gpuid,..,1)]``) times a replicated ``b``
@@ -55,6 +56,7 @@ from .fusion import pending_user, planned_as_is, planned_unmoved
 from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Partial, Replicate, Shard, Sharding, moved_to, register
 from .shard_ranges import without_partial
 from .specs import padded, reduced_in_place
+from .vector_products import added_once_per_sum
 
 aten = torch.ops.aten
 
@@ -319,7 +321,8 @@ def _bias_placements(bias: ArgSpec, out: tuple, out_ndim: int) -> tuple:
 
 @register(aten.addmm.default, aten.baddbmm.default)
 def addmm(call: OpCall) -> Sharding:
-    """``beta * bias + alpha * (a @ b)``: the product's sharding; the bias added once per partial group."""
+    """``beta * bias + alpha * (a @ b)``: the product's sharding; the bias added once per pending sum
+    (on every rank of a pending average: ``added_once_per_sum``)."""
     bias, a, b = call.specs
     batched = call.func is aten.baddbmm.default
     rows = None if batched else _rows_layout_way(a, b, b.shape[1])
@@ -333,20 +336,8 @@ def addmm(call: OpCall) -> Sharding:
     wa, wb, wo = _product_strategy(a, b, call.mesh, batched)
     out_ndim = 3 if batched else 2
     want_bias = _bias_placements(bias, wo, out_ndim)
-    partial_axes = [name for name, p in zip(call.mesh.axis_names, wo) if isinstance(p, Partial)]
     inputs = [moved_to(bias, want_bias), moved_to(a, wa), moved_to(b, wb)]
-    if not partial_axes:
-        return Sharding(inputs=inputs, outputs=wo)
-    mesh, func = call.mesh, call.func
-
-    def local(call_, bias_local, a_local, b_local, **kwargs):
-        # a pending sum holds the bias once: on the rank at coordinate 0 of every partial axis
-        coords = mesh.coordinates()
-        if all(coords[axis] == 0 for axis in partial_axes):
-            return func(bias_local, a_local, b_local, **kwargs)
-        return func(bias_local, a_local, b_local, **{**kwargs, "beta": 0})
-
-    return Sharding(inputs=inputs, outputs=wo, local=local)
+    return Sharding(inputs=inputs, outputs=wo, local=added_once_per_sum(call, wo))
 
 
 @pending_user(aten.mm.default, aten.addmm.default)

@@ -28,7 +28,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .registry import ArgSpec, OpCall, Sharding, register
+from .call_plan import DispatchError
+from .registry import LINEAR_REDUCE_OPS, ArgSpec, OpCall, Sharding, register
 from .shard_ranges import without_partial
 from ..layout import Layout, with_dim_inserted, with_dims_inserted, with_inner_dims, without_dim
 from .specs import layout_only, local_shape_of, padded, reduced_in_place
@@ -693,12 +694,25 @@ def scatter_rule(call: OpCall) -> Sharding:
 @register(aten.scatter_reduce.two)
 def scatter_reduce_rule(call: OpCall) -> Sharding:
     """``x.scatter_reduce(dim, idx, src, "amax")``: as ``scatter`` (dims off ``dim`` of equal size
-    in all three stay sharded alike), with every pending value applied first (not linear)."""
+    in all three stay sharded alike), with every pending value applied first (not linear).
+
+    "amax"/"amin" of a pending sum or average (``x`` or ``src``) is refused, as torch's DTensor
+    refuses the op: autograd's formula saves the pending value and tests it for equality with the
+    result, reducing it again along another route whose last bit can differ (4 summands reduced
+    to ``Shard(1)`` and to ``Shard(0)``), so no element ties and its gradient is 0 / 0 = NaN."""
     x, dim, index, src = call.args[:4]
     d = dim % max(x.ndim, 1)
     tensors = [t for t in (x, index, src) if isinstance(t, ArgSpec)]
     if len(tensors) != 3:
         return None
+    reduce = call.args[4] if len(call.args) > 4 else call.kwargs.get("reduce")
+    for name, t in (("self", x), ("src", src)):
+        if reduce in ("amax", "amin") and t.reduce_op in LINEAR_REDUCE_OPS:
+            raise DispatchError(
+                f"scatter_reduce(..., {reduce!r}) with {name} pending a {t.reduce_op} ({t}): its gradient "
+                f"compares the pending value, reduced again, with the result, and a sum reduced along another "
+                f"route can differ in the last bit (NaN gradients); reduce it first, e.g. "
+                f"{name}.redistribute(placements=[Replicate()] * mesh.ndim) or {name}.full_tensor()")
     places = [without_partial(placements_of(t)) for t in tensors]
     targets, out = [[], [], []], []
     for axis in range(call.mesh.ndim):

@@ -8,7 +8,8 @@ product keeps either vector's shard as the output's rows or columns. 2 ranks, ``
 in ``[Shard(0)]``: ``a.dot(b)`` is each rank's 3- or 2-element dot, ``[Partial("sum")]``.
 
 Pending inputs are applied first (a pending output is made only by a sharded contraction), and
-``addmv``'s ``self`` is added on one rank of each pending group, so the sum counts it once.
+``addmv``'s ``self`` is added on one rank of each pending sum's group, so the sum counts it once
+(``added_once_per_sum``, which ``addmm`` shares; a pending average adds it on every rank).
 
 Layouts with no placement form run where they are: the dot of two vectors laid out alike (each
 device holds the same indices of both, e.g. dealt round-robin in pairs) is each device's local
@@ -100,17 +101,21 @@ def mv_rule(call: OpCall) -> Sharding | None:
     return Sharding(inputs=[moved_to(mat, wm), moved_to(vec, wv)], outputs=out)
 
 
-def _added_once(call: OpCall, out: tuple):
-    """The local function of ``addmv``/``addr`` with a pending output: ``self`` (times ``beta``)
-    added on the rank at coordinate 0 of every pending axis, ``beta = 0`` elsewhere."""
-    partial_axes = [name for name, p in zip(call.mesh.axis_names, out) if isinstance(p, Partial)]
-    if not partial_axes:
+def added_once_per_sum(call: OpCall, out: tuple):
+    """The local function of ``addmm``/``baddbmm``/``addmv`` with a pending output: ``self``
+    (times ``beta``) added on the rank at coordinate 0 of every axis pending a sum, ``beta = 0``
+    elsewhere, so the sum counts it once. An average counts it on every rank (the average of
+    ``x_i + b`` is that of ``x_i`` plus ``b``): axes pending an "avg" do not pick a rank. None
+    where no axis pends a sum (``self`` added everywhere: the plain op)."""
+    sum_axes = [name for name, p in zip(call.mesh.axis_names, out)
+                if isinstance(p, Partial) and p.reduce_op == "sum"]
+    if not sum_axes:
         return None
     mesh, func = call.mesh, call.func
 
     def local(call_, *args, **kwargs):
         coords = mesh.coordinates()
-        if all(coords[axis] == 0 for axis in partial_axes):
+        if all(coords[axis] == 0 for axis in sum_axes):
             return func(*args, **kwargs)
         return func(*args, **{**kwargs, "beta": 0})
 
@@ -130,14 +135,14 @@ def _self_like(self: ArgSpec, out: tuple, out_shape: tuple) -> list:
 
 @register(aten.addmv.default)
 def addmv_rule(call: OpCall) -> Sharding | None:
-    """``beta * self + alpha * A.mv(x)``: ``mv``'s sharding; ``self`` added once per pending group."""
+    """``beta * self + alpha * A.mv(x)``: ``mv``'s sharding; ``self`` added once per pending sum."""
     self, mat, vec = call.args[:3]
     if not all(isinstance(s, ArgSpec) for s in (self, mat, vec)) or mat.ndim != 2 or vec.ndim != 1:
         return None
     wm, wv, out = _mv_placements(mat, vec, call.mesh)
     ws = _self_like(self, out, (mat.shape[0],))
     return Sharding(inputs=[moved_to(self, ws), moved_to(mat, wm), moved_to(vec, wv)], outputs=out,
-                    local=_added_once(call, out))
+                    local=added_once_per_sum(call, out))
 
 
 @register(aten.addr.default)
