@@ -257,3 +257,68 @@ def test_what_dcp_itself_refuses_is_a_checkpoint_error_on_every_rank(saved, tmp_
     for message, cause in results:
         assert message.startswith(f"CheckpointError: checkpoint {path}: DCP could not load it: rank "), results
         assert cause == "CheckpointException", results
+
+
+def _save_where_rank_0_cannot(rank, world, file, path):
+    """save to a path that is a file, then (a checkpoint at ``path``, a file where its old copy goes)
+    one whose rename fails on rank 0 alone: what each rank raised, and in how many seconds."""
+    import time
+
+    model, said = _model(world), []
+    for target in (file, path, path):
+        start = time.monotonic()
+        try:
+            checkpoint.save(model, target)
+            said.append("saved")
+        except checkpoint.CheckpointError as error:
+            said.append((f"CheckpointError: {error}", time.monotonic() - start))
+        if rank == 0 and target == path and said[-1] == "saved":
+            Path(f"{path}.old").write_text("a file in the way of the old checkpoint")
+        torch.distributed.barrier()
+    return said
+
+
+def test_a_path_that_is_a_file_or_a_failed_rename_is_an_error_on_every_rank_at_once(tmp_path):
+    path, file = str(tmp_path / "checkpoint"), tmp_path / "afile"
+    file.write_text("the user's file")
+    outcomes = run_fresh_ranks(_save_where_rank_0_cannot, 2, args=(str(file), path), collective_timeout_s=20)
+    assert [o.status for o in outcomes] == ["ok", "ok"], outcomes
+    (file_error, took), saved, (rename_error, took_rename) = outcomes[0].value
+    assert [o.value[0][0] for o in outcomes] == [file_error] * 2 and saved == "saved", outcomes
+    assert f"{file} exists and is not a directory" in file_error and took < 10, outcomes
+    assert file.read_text() == "the user's file" and not Path(f"{file}.partial").exists()
+    assert [o.value[2][0] for o in outcomes] == [rename_error] * 2, outcomes
+    assert rename_error.startswith(f"CheckpointError: checkpoint {path}: the new checkpoint was written but not put "
+                                   f"in place:\n  rank 0 failed renaming the old checkpoint {path} to {path}.old: "
+                                   f"NotADirectoryError"), rename_error
+    assert max(o.value[2][1] for o in outcomes) < 10, outcomes   # not a peer's timeout
+    assert Path(path, ".metadata").exists() and Path(f"{path}.partial", ".metadata").exists()
+
+
+def _given_on_some_ranks(rank, world, path):
+    """``extra`` on rank 0 only at save (it is rank 0's), an optimizer on rank 0 only at load."""
+    from axedist.peers import RankDisagreementError
+
+    model = _model(world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    _train(model, optimizer, range(1))
+    torch.manual_seed(99 + rank)
+    state = torch.get_rng_state()
+    checkpoint.save(model, f"{path}/extra", extra={"step": 1} if rank == 0 else None)
+    rng = torch.load(f"{path}/extra/axedist_rng_{rank}.pt", weights_only=True)["cpu"]  # every rank's is written
+    extra = checkpoint.load(model, f"{path}/extra").extra
+    checkpoint.save(model, f"{path}/optimizer", optimizer=optimizer)
+    other = _model(world, seed=3)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2, foreach=False)
+    said = r"ranks disagree on checkpoint\.load:\n  rank 0: .*optimizer: AdamW, \d+ parameters in 1 groups.*\n  rank 1"
+    with pytest.raises(RankDisagreementError, match=said + r": .*optimizer: none"):
+        checkpoint.load(other, f"{path}/optimizer", optimizer=other_optimizer if rank == 0 else None)
+    return extra, torch.equal(rng, state)
+
+
+def test_extra_or_optimizer_given_on_some_ranks_only(tmp_path):
+    """save: every rank's RNG states are written where any rank gave ``extra`` (or an optimizer), so
+    the checkpoint resumes; load: an optimizer on some ranks only is a disagreement on every rank
+    (not an optimizer state restored on those ranks alone)."""
+    results = run_on_ranks(_given_on_some_ranks, 2, args=(str(tmp_path),))
+    assert results == [({"step": 1}, True)] * 2, results

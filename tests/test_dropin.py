@@ -458,3 +458,192 @@ def test_redistribute_backward_dtype_when_the_gradient_needs_no_move():
     back rounded through float32 (torch's DTensor's values), also where it arrives already in the
     input's layout (Replicate -> Shard(1): the gradient is replicated)."""
     assert run_on_ranks(_backward_dtype_without_move, 4, args=(random.randrange(2**31),)) == [True] * 4
+
+
+# --------------------------------------------------------------------------- styles of one's own; torch's rarer ones
+
+
+class _ScaledColwise(torch_tp.ColwiseParallel):
+    """A subclass with behaviour of its own (as torchtitan's Float8ColwiseParallel): its output doubled."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        outputs = outputs * 2.0
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts)
+        return outputs.to_local() if use_local_output else outputs
+
+
+class _LocalColwise(torch_tp.ColwiseParallel):
+    """A subclass with other defaults only: translated as torch's class."""
+
+    def __init__(self):
+        super().__init__(output_layouts=Replicate(), use_local_output=False)
+
+
+class _TorchNoParallel(torch_tp.ParallelStyle):
+    """torchtitan's NoParallel: replicated parameters, the input read as Replicate, a local output."""
+
+    def _apply(self, module, device_mesh):
+        from torch.distributed.tensor import DTensor as TorchDTensor
+        from torch.distributed.tensor import distribute_module as torch_distribute_module
+
+        def inputs(mod, args, mesh):
+            return (TorchDTensor.from_local(args[0], mesh, (Replicate(),), run_check=False), *args[1:])
+
+        return torch_distribute_module(module, device_mesh, None, inputs,
+                                       lambda mod, out, mesh: out.redistribute(placements=(Replicate(),)).to_local())
+
+
+class _NoParallel(ax.nn.ParallelStyle):
+    """Its port to axedist, written to ParallelStyle's contract."""
+
+    def apply(self, module, mesh, name, shared, src_rank):
+        module.register_forward_pre_hook(
+            lambda mod, args: (DTensor.from_local(args[0], mesh, [Replicate()]),) + args[1:])
+        module.register_forward_hook(lambda mod, args, out: out.redistribute([Replicate()]).to_local())
+
+
+class _OldSignature(ax.nn.ParallelStyle):
+    def apply(self, module, mesh, name, shared):
+        pass
+
+
+class _OnlyTorchApply(ax.nn.ParallelStyle):
+    def _apply(self, module, device_mesh):
+        return module
+
+
+def _custom_styles(rank, world, seed):
+    from axedist.nn import from_torch_style
+
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    linear = nn.Linear(6, 8, dtype=torch.float64)
+    x = torch.randn(3, 6, dtype=torch.float64)
+    # a subclass's own methods are never dropped silently: refused, naming them and the way to port it
+    with pytest.raises(TypeError, match=r"_ScaledColwise subclasses torch's ColwiseParallel and replaces "
+                                        r"_prepare_output_fn.*axedist\.nn\.ParallelStyle subclass.*distribute_module"):
+        parallelize_module(copy.deepcopy(linear), mesh, _ScaledColwise())
+    with pytest.raises(TypeError, match="replaces _prepare_input_arg"):
+        from_torch_style(type("Float8Input", (torch_tp.PrepareModuleInput,),
+                              {"_prepare_input_arg": lambda self, *args: args[0]})())
+    # torchtitan's NoParallel (only _apply): refused, pointing to its axedist port
+    with pytest.raises(TypeError, match=r"_TorchNoParallel is a torch ParallelStyle of its own.*"
+                                        r"apply\(module, mesh, name, shared, src_rank\)"):
+        parallelize_module(copy.deepcopy(linear), mesh, _TorchNoParallel())
+    # a subclass with other defaults only: as torch's run
+    theirs, ours = copy.deepcopy(linear), copy.deepcopy(linear)
+    torch_tp.parallelize_module(theirs, mesh, _LocalColwise())
+    parallelize_module(ours, mesh, _LocalColwise())
+    torch.testing.assert_close(ours(x).full_tensor(), theirs(x).full_tensor(), **TOL)
+    torch.testing.assert_close(ours(x).full_tensor(), linear(x), **TOL)
+    # the port: a column-parallel layer's replicated output into a NoParallel layer; values and
+    # gradients as torch's NoParallel and one process
+    ref = nn.Sequential(copy.deepcopy(linear), nn.Tanh(), nn.Linear(8, 4, dtype=torch.float64))
+    theirs, ours = copy.deepcopy(ref), copy.deepcopy(ref)
+    torch_tp.parallelize_module(theirs, mesh, {"0": torch_tp.ColwiseParallel(output_layouts=Replicate()),
+                                               "2": _TorchNoParallel()})
+    parallelize_module(ours, mesh, {"0": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+                                    "2": _NoParallel()})
+    weight = torch.randn(3, 4, dtype=torch.float64)
+    for model in (ref, theirs, ours):
+        y = model(x)
+        assert type(y) is torch.Tensor
+        torch.testing.assert_close(y, ref(x), **TOL)
+        (y * weight).sum().backward()
+    for name, p in ref.named_parameters():
+        for model in (theirs, ours):
+            torch.testing.assert_close(_full(dict(model.named_parameters())[name].grad), p.grad, **TOL)
+    with pytest.raises(TypeError, match=r"_OldSignature\.apply\(module, mesh, name, shared\) does not take what "
+                                        r"parallelize passes: apply\(module, mesh, name, shared, src_rank\)"):
+        parallelize_module(copy.deepcopy(linear), mesh, _OldSignature())
+    with pytest.raises(NotImplementedError, match="_OnlyTorchApply does not override ParallelStyle.apply"):
+        parallelize_module(copy.deepcopy(linear), mesh, _OnlyTorchApply())
+    return True
+
+
+def test_styles_of_ones_own_and_torch_subclasses():
+    assert run_on_ranks(_custom_styles, 2, args=(random.randrange(2**31),)) == [True] * 2
+
+
+class _PartialSums(nn.Module):
+    """Given the whole input (local), returns this rank's partial sum of ``x @ W^T`` (the input
+    features of rank r's share): a ``Partial`` output, as torchtitan's MoE experts give."""
+
+    def __init__(self, rank, world):
+        super().__init__()
+        self.lin = nn.Linear(8, 6, bias=False, dtype=torch.float64)
+        self.rank, self.world = rank, world
+
+    def forward(self, x):
+        assert type(x) is torch.Tensor   # use_local_input=True
+        cols = torch.arange(8).chunk(self.world)[self.rank]
+        return F.linear(x[..., cols], self.lin.weight[:, cols])
+
+
+class _Pair(nn.Module):
+    def forward(self, a, b):
+        self.seen = type(b)
+        return (a.to_local() + b,)
+
+
+def _prepare_input_output(rank, world, seed):
+    torch.manual_seed(seed)
+    mesh = init_device_mesh("cpu", (world,))
+    ref = _PartialSums(0, 1)
+    theirs, ours = _PartialSums(rank, world), _PartialSums(rank, world)
+    theirs.load_state_dict(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    style = lambda: torch_tp.PrepareModuleInputOutput(  # noqa: E731
+        input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_input=True,
+        output_layouts=Partial(), desired_output_layouts=Shard(0))
+    torch_tp.parallelize_module(theirs, mesh, style())
+    parallelize_module(ours, mesh, style())
+    x = torch.randn(4 * world, 8, dtype=torch.float64)
+    weight = torch.randn(4 * world, 6, dtype=torch.float64)
+    y_ref = ref(x)
+    (y_ref * weight).sum().backward()
+    grads = []
+    for model in (theirs, ours):
+        x_piece = x.chunk(world)[rank].clone().requires_grad_()
+        y = model(x_piece)
+        assert type(y) is torch.Tensor   # use_local_output=True
+        torch.testing.assert_close(y, y_ref.chunk(world)[rank], **TOL)
+        (y * weight.chunk(world)[rank]).sum().backward()
+        grads.append((x_piece.grad, model.lin.weight.grad))
+    torch.testing.assert_close(grads[1], grads[0], **TOL)
+    # one output returned as (y,): handed out bare, as torch's; an input whose input_layouts entry is None
+    # is left alone, whatever its desired layout, as torch's
+    a, b = torch.randn(2 * world, 3, dtype=torch.float64), torch.randn(2 * world, 3, dtype=torch.float64)
+    outs = []
+    for parallelize in (torch_tp.parallelize_module, parallelize_module):
+        pair = _Pair()
+        parallelize(pair, mesh, torch_tp.PrepareModuleInput(input_layouts=(Shard(0), None),
+                                                            desired_input_layouts=(Replicate(), Replicate())))
+        parallelize(pair, mesh, torch_tp.PrepareModuleOutput(output_layouts=Replicate(),
+                                                             desired_output_layouts=Shard(0)))
+        outs.append(pair(a.chunk(world)[rank], b))
+        assert pair.seen is torch.Tensor
+    for out in outs:
+        assert type(out) is torch.Tensor
+        torch.testing.assert_close(out, (a + b).chunk(world)[rank], **TOL)
+    return True
+
+
+def test_prepare_module_input_output_as_torch():
+    assert run_on_ranks(_prepare_input_output, 2, args=(random.randrange(2**31),)) == [True] * 2
+
+
+def _src_data_rank_out_of_range(rank, world):
+    from axedist.mesh import MeshError
+
+    mesh = init_device_mesh("cpu", (world,))
+    for src in (world, -1, 1.0):
+        with pytest.raises(MeshError, match=rf"src_data_rank={src!r} is not a rank of mesh .* 0 to {world - 1}"):
+            parallelize_module(nn.Linear(4, 4), mesh, {"": ColwiseParallel()}, src_data_rank=src)
+    return True
+
+
+def test_src_data_rank_outside_the_mesh_is_an_error():
+    assert run_on_ranks(_src_data_rank_out_of_range, 2) == [True] * 2

@@ -6,15 +6,15 @@ same mesh (``fsdp``), a small Llama (``llama``), DCP checkpoints of parallelized
 from ..ops.variants import implicit_replication, loss_parallel
 from .checkpoint import load, save, torch_state_dict
 from .fsdp import FSDPModule, FSDPUnit, MixedPrecisionPolicy, fsdp_units, fully_shard
-from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                       SequenceParallel, VocabParallelEmbedding, as_mesh, describe, distribute_module,
-                       from_torch_style, parallelize, parallelize_module, replicate, to_inference,
-                       vocab_parallel_cross_entropy)
+from .parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleInputOutput,
+                       PrepareModuleOutput, RowwiseParallel, SequenceParallel, VocabParallelEmbedding, as_mesh,
+                       describe, distribute_module, from_torch_style, parallelize, parallelize_module, replicate,
+                       to_inference, vocab_parallel_cross_entropy)
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
-    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
-    "replicate", "from_torch_style", "vocab_parallel_cross_entropy", "to_inference", "save", "load",
-    "torch_state_dict", "implicit_replication", "loss_parallel", "fully_shard", "fsdp_units", "FSDPUnit",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize", "parallelize_module",
+    "as_mesh", "describe", "replicate", "from_torch_style", "vocab_parallel_cross_entropy", "to_inference", "save",
+    "load", "torch_state_dict", "implicit_replication", "loss_parallel", "fully_shard", "fsdp_units", "FSDPUnit",
     "MixedPrecisionPolicy", "FSDPModule", "distribute_module",
 ]

@@ -88,6 +88,17 @@ def _optimizer_state(module: nn.Module, optimizer) -> tuple[dict, list]:
     return tensors, state["param_groups"]
 
 
+def _optimizer_text(module: nn.Module, optimizer) -> str:
+    """What load's agreement says of ``optimizer``: ``none``, or ``AdamW, parameters [['0.weight',
+    '0.bias']]`` (its groups' parameters by name: the state ``load`` fills)."""
+    if optimizer is None:
+        return "none"
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = [[names.get(id(p), "(not the model's)") for p in group["params"]] for group in optimizer.param_groups]
+    digest = hashlib.blake2b(repr(groups).encode(), digest_size=6).hexdigest()
+    return f"{type(optimizer).__name__}, {sum(map(len, groups))} parameters in {len(groups)} groups, digest {digest}"
+
+
 def _ranks() -> tuple[int, ...]:
     return tuple(range(dist.get_world_size()))
 
@@ -104,8 +115,10 @@ def _together(what: str, call):
 
 def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = None) -> None:
     """Write ``module``'s state dict to the directory ``path`` (collective over the job); with
-    ``optimizer``, its state too, and with either that or ``extra`` (a JSON-able dict, rank 0's)
-    each rank's random number generator states: what ``load`` needs to resume training."""
+    ``optimizer``, its state too, and where any rank gave that or ``extra`` (a JSON-able dict,
+    rank 0's is written) each rank's random number generator states: what ``load`` needs to
+    resume training. A ``path`` that is a file, and a failure to put the new checkpoint in
+    place, are a ``CheckpointError`` on every rank."""
     state = module.state_dict()  # DCP takes axedist DTensors as they are (their boxes)
     groups = None
     if optimizer is not None:
@@ -114,31 +127,54 @@ def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = N
     agree(_ranks(), "checkpoint.save", f"{path}: {_names_digest(state)}")
     rank = dist.get_rank()
     partial = path.rstrip("/") + ".partial"
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)
-    _together("save (before writing)", dist.barrier)
+    problems = []
+    if os.path.exists(path) and not os.path.isdir(path):
+        problems.append(f"{path} exists and is not a directory (a checkpoint is one): remove it or choose another path")
+    elif rank == 0 and os.path.lexists(partial):
+        try:
+            shutil.rmtree(partial)
+        except OSError as error:
+            problems.append(f"the unfinished save at {partial} cannot be removed ({_first_line(error)})")
+    # (extra is rank 0's: a job that passes it on rank 0 only still writes every rank's RNG states)
+    gathered = _gathered("save (before writing)", (problems, optimizer is not None or extra is not None))
+    _raise_any([p for rank_problems, _ in gathered for p in rank_problems], f"checkpoint {path}: cannot save")
+    resumable = any(given for _, given in gathered)
     try:
         dcp.save(state, checkpoint_id=partial)
     except (Exception, dcp.CheckpointException) as error:  # DCP's own is a BaseException
         raise CheckpointError(f"checkpoint {path}: saving failed: {_failure_text(error)}") from error
     _write_checksums(partial)
-    if optimizer is not None or extra is not None:
+    if resumable:
         torch.save(_rng_states(), os.path.join(partial, _RNG.format(rank)))
         if rank == 0:
             with open(os.path.join(partial, EXTRA), "w") as f:
                 json.dump({"extra": extra or {}, "optimizer_param_groups": groups, "world": dist.get_world_size()},
                           f, indent=1)
     _together("save (written)", dist.barrier)
-    if rank == 0:  # the old checkpoint goes only once the new one is whole
+    problems = _put_in_place(path, partial) if rank == 0 else []
+    _raise_any(_everyone(problems, "save (renamed)"), f"checkpoint {path}: the new checkpoint was written but not put "
+                                                      f"in place")
+
+
+def _put_in_place(path: str, partial: str) -> list[str]:
+    """Rank 0 renames the complete checkpoint ``partial`` to ``path``, the old one going only once
+    the new one is there; returns what failed (shared with every rank), and where each one is."""
+    old = path.rstrip("/") + ".old"
+    step = f"renaming {partial} to {path}"
+    try:
         if os.path.exists(path):
-            old = path.rstrip("/") + ".old"
+            step = f"renaming the old checkpoint {path} to {old}"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
+            step = f"renaming {partial} to {path} (the old checkpoint is at {old})"
             os.rename(partial, path)
+            step = f"removing the old checkpoint {old} (the new one is at {path})"
             shutil.rmtree(old)
         else:
             os.rename(partial, path)
-    _together("save (renamed)", dist.barrier)
+    except OSError as error:
+        return [f"rank 0 failed {step}: {_first_line(error)}"]
+    return []
 
 
 def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -> Loaded:
@@ -151,7 +187,10 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
     those and lists them in the result's ``dropped``.
     """
     targets = module.state_dict()
-    agree(_ranks(), "checkpoint.load", f"{path}: {_names_digest(targets)}, strict={strict}")
+    # whether an optimizer was given, and its parameters: a load that restores it on some ranks only would
+    # leave the job's optimizer state mixed
+    agree(_ranks(), "checkpoint.load", f"{path}: {_names_digest(targets)}, strict={strict}, "
+                                       f"optimizer: {_optimizer_text(module, optimizer)}")
     metadata, problems = _read_metadata(path)
     extra, rng = {}, None
     if metadata is not None:
@@ -162,10 +201,7 @@ def load(module: nn.Module, path: str, *, optimizer=None, strict: bool = True) -
             if optimizer is not None and not unreadable:  # each rank reads its own file: its problem is shared
                 rng, unreadable = _read_rng(path, extra.get("world"))
                 problems += unreadable
-    problems = _everyone(problems)
-    if problems:
-        raise CheckpointError(f"checkpoint {path}:\n  " + "\n  ".join(problems[:12])
-                              + (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else ""))
+    _raise_any(_everyone(problems), f"checkpoint {path}")
     stored = metadata.state_dict_metadata
     model_stored = {k for k in stored if not k.startswith(_OPTIMIZER)}
     missing = sorted(set(targets) - model_stored)
@@ -228,11 +264,24 @@ def _some(names: list[str], limit: int = 8) -> str:
     return f"{shown}, ... ({len(names)} in all)" if len(names) > limit else shown
 
 
-def _everyone(problems: list[str]) -> list[str]:
-    """Every rank's problems (each rank checked its share): one all_gather_object."""
+def _gathered(what: str, value) -> list:
+    """Every rank's ``value``, by rank: one all_gather_object over the job."""
     gathered = [None] * dist.get_world_size()
-    _together("load (checking files)", lambda: dist.all_gather_object(gathered, problems))
-    return sorted({p for rank_problems in gathered for p in rank_problems})
+    _together(what, lambda: dist.all_gather_object(gathered, value))
+    return gathered
+
+
+def _everyone(problems: list[str], what: str = "load (checking files)") -> list[str]:
+    """Every rank's problems (each rank checked its share)."""
+    return sorted({p for rank_problems in _gathered(what, problems) for p in rank_problems})
+
+
+def _raise_any(problems: list[str], head: str) -> None:
+    """A ``CheckpointError`` listing ``problems`` (the same on every rank), if there are any."""
+    problems = sorted(set(problems))
+    if problems:
+        raise CheckpointError(f"{head}:\n  " + "\n  ".join(problems[:12])
+                              + (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else ""))
 
 
 def _read_metadata(path: str):

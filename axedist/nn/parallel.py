@@ -19,12 +19,13 @@ Where a style takes a layout (``input_layouts``, ``output_layouts``, ``desired_i
 mesh axis), an axedist :class:`~axedist.Layout` (e.g. a block-cyclic one no placement can
 express), or a function ``shape -> layout`` when the layout depends on the tensor's shape.
 torch's own ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``,
-``PrepareModuleInput`` and ``PrepareModuleOutput`` objects are accepted in a plan and translated
-(their layouts and ``use_local_output``); a plan of torch's styles alone keeps torch's
-semantics (what it does not name stays as it is), and ``parallelize_module`` takes torch's
-keywords and torch meshes (docs/migration.md). Unlike torch, axedist's styles default to
-``use_local_output=False``: outputs stay DTensors, so the model's code (e.g. its ``view`` to
-global head counts) needs no change.
+``PrepareModuleInput``, ``PrepareModuleOutput`` and ``PrepareModuleInputOutput`` objects are
+accepted in a plan and translated (their layouts and ``use_local_output``; a subclass that
+replaces their methods, and any other torch style, is refused: ``from_torch_style``); a plan of
+torch's styles alone keeps torch's semantics (what it does not name stays as it is), and
+``parallelize_module`` takes torch's keywords and torch meshes (docs/migration.md). Unlike
+torch, axedist's styles default to ``use_local_output=False``: outputs stay DTensors, so the
+model's code (e.g. its ``view`` to global head counts) needs no change.
 
 Row-parallel output into sequence-sharded activations is a reduce-scatter: the row-parallel
 linear multiplies ``[rows, K]`` (``K`` sharded) by its weight, giving a partial sum, and
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -48,7 +50,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..dtensor import DTensor, distribute
 from ..layout import Layout, LayoutError, one_dim_iters
 from ..planning import plan_redistribute
-from ..mesh import DeviceMesh, as_mesh
+from ..mesh import DeviceMesh, MeshError, as_mesh
 from ..runtime import count_collectives, execution_bytes
 from ..runtime.tails import defer_tails, pending_tail
 from ..tracing import compiling
@@ -56,8 +58,8 @@ from .grads import reduce_pending_grads
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "VocabParallelEmbedding",
-    "PrepareModuleInput", "PrepareModuleOutput", "parallelize", "parallelize_module", "as_mesh", "describe",
-    "replicate", "vocab_parallel_cross_entropy", "to_inference", "distribute_module",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize", "parallelize_module",
+    "as_mesh", "describe", "replicate", "vocab_parallel_cross_entropy", "to_inference", "distribute_module",
 ]
 
 # What a style accepts wherever it takes a layout.
@@ -276,10 +278,26 @@ def _local(x, use_local_output: bool):
 
 
 class ParallelStyle:
-    """How one module is parallelized; ``parallelize`` calls ``apply`` once per matching module."""
+    """How one module is parallelized; ``parallelize`` calls ``apply`` once per matching module.
 
-    def apply(self, module: nn.Module, mesh: DeviceMesh, name: str, shared: dict) -> None:
-        raise NotImplementedError
+    A style of one's own overrides ``apply(module, mesh, name, shared, src_rank)``: ``module``
+    the matching module, ``mesh`` the 1-D axedist mesh, ``name`` the module's name in the model
+    (for messages), ``shared`` parallelize's record of the parameters laid out so far (tied
+    weights; left alone by a style that lays out no parameter), ``src_rank`` the global rank whose
+    values parameters take (None: every rank's own). It lays out parameters and registers the
+    module's hooks; parameters it leaves plain become replicated DTensors (docs/tensor_parallel.md,
+    "A style of your own")::
+
+        class NoParallel(ParallelStyle):   # replicated parameters, inputs read as Replicate, local outputs
+            def apply(self, module, mesh, name, shared, src_rank):
+                module.register_forward_pre_hook(lambda mod, args: (replicate(args[0], mesh),) + args[1:])
+                module.register_forward_hook(lambda mod, args, out: out.redistribute([Replicate()]).to_local())
+    """
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, name: str, shared: dict, src_rank: int | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not override ParallelStyle.apply(module, mesh, name, "
+                                  f"shared, src_rank), which parallelize calls (torch's _apply(module, device_mesh) "
+                                  f"is not called: it would build torch DTensors)")
 
     def _params(self, module: nn.Module, mesh: DeviceMesh, layouts: dict, shared: dict, src_rank) -> None:
         for pname, where in layouts.items():
@@ -507,8 +525,9 @@ def _per_argument(layouts) -> tuple | None:
 
 class PrepareModuleInput(ParallelStyle):
     """Lay a module's inputs out before it runs: positional input ``i`` is read as
-    ``input_layouts[i]`` (a plain tensor) and brought to ``desired_input_layouts[i]``;
-    ``None`` leaves that input alone. Same for keyword inputs with the ``*_kwarg_*`` dicts.
+    ``input_layouts[i]`` (a plain tensor) and brought to ``desired_input_layouts[i]``; an
+    ``input_layouts[i]`` of ``None`` leaves that input alone, whatever its desired layout (as
+    torch's). Same for keyword inputs with the ``*_kwarg_*`` dicts.
 
     ``PrepareModuleInput(input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None))``
     all-gathers a sequence-sharded first input and leaves the second as it is.
@@ -531,7 +550,7 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply(self, module, mesh, name, shared, src_rank=0):
         def prepare(mod, value, given, desired, what):
-            if desired is None and given is None:
+            if given is None:  # (torch's leaves it alone too, even with a desired layout)
                 return value
             out = _move(value, desired, mesh, mod, what, given=given)
             return _local(out, self.use_local_output)
@@ -554,7 +573,9 @@ class PrepareModuleInput(ParallelStyle):
 
 class PrepareModuleOutput(ParallelStyle):
     """Lay a module's outputs out after it runs: output ``i`` is read as ``output_layouts[i]``
-    (a plain tensor) and brought to ``desired_output_layouts[i]``."""
+    (a plain tensor) and brought to ``desired_output_layouts[i]``; an ``output_layouts[i]`` of
+    ``None`` leaves that output alone. One output is returned bare, as torch's does, also where
+    the module returned ``(y,)``."""
 
     def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
         self.output_layouts = _per_argument(output_layouts)
@@ -565,17 +586,45 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module, mesh, name, shared, src_rank=0):
         def post(mod, args, out):
-            single = not isinstance(out, tuple)
-            outs = (out,) if single else out
+            outs = out if isinstance(out, tuple) else (out,)
             if len(outs) != len(self.output_layouts):
                 raise ValueError(f"{name}: PrepareModuleOutput has layouts for {len(self.output_layouts)} outputs, "
                                  f"the module returned {len(outs)}")
-            moved = tuple(o if d is None else _local(_move(o, d, mesh, mod, f"output {i}", given=g),
+            moved = tuple(o if g is None else _local(_move(o, d, mesh, mod, f"output {i}", given=g),
                                                      self.use_local_output)
                           for i, (o, g, d) in enumerate(zip(outs, self.output_layouts, self.desired_output_layouts)))
-            return moved[0] if single else moved
+            return moved[0] if len(moved) == 1 else moved
 
         module.register_forward_hook(post)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """``PrepareModuleInput`` then ``PrepareModuleOutput`` on one module, as torch's style of the
+    same name: the inputs' keywords as ``PrepareModuleInput``'s (``use_local_input`` is its
+    ``use_local_output``), the outputs' as ``PrepareModuleOutput``'s.
+
+    ``PrepareModuleInputOutput(input_layouts=Shard(0), desired_input_layouts=Replicate(),
+    use_local_input=True, output_layouts=Partial(), desired_output_layouts=Shard(0))``: a
+    sequence-sharded input all-gathered and handed in as a local tensor, the module's partial
+    sums reduce-scattered back to sequence-sharded (torchtitan's MoE).
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
+                 desired_input_kwarg_layouts=None, use_local_input: bool = False, output_layouts,
+                 desired_output_layouts, use_local_output: bool = True):
+        self.inputs = PrepareModuleInput(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+                                         input_kwarg_layouts=input_kwarg_layouts,
+                                         desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+                                         use_local_output=use_local_input)
+        self.outputs = PrepareModuleOutput(output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+                                           use_local_output=use_local_output)
+
+    def apply(self, module, mesh, name, shared, src_rank=0):
+        self.inputs.apply(module, mesh, name, shared, src_rank)
+        self.outputs.apply(module, mesh, name, shared, src_rank)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inputs!r}, {self.outputs!r})"
 
 
 # ---------------------------------------------------------------------------
@@ -587,31 +636,100 @@ def _first(layouts):
     return None if layouts is None else layouts[0]
 
 
+def _torch_translations() -> dict:
+    """torch's style classes -> the axedist style made from one's layouts (and nothing else)."""
+    from torch.distributed.tensor import parallel as tp
+
+    return {
+        tp.ColwiseParallel: lambda style: ColwiseParallel(
+            input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
+            use_local_output=style.use_local_output),
+        tp.RowwiseParallel: lambda style: RowwiseParallel(
+            input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
+            use_local_output=style.use_local_output),
+        tp.SequenceParallel: lambda style: SequenceParallel(
+            sequence_dim=style.sequence_sharding[0].dim, use_local_output=style.use_local_output),
+        tp.PrepareModuleInput: _torch_input,
+        tp.PrepareModuleOutput: _torch_output,
+        tp.PrepareModuleInputOutput: _torch_input_output,
+    }
+
+
+def _torch_input(style) -> "PrepareModuleInput":
+    return PrepareModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                              input_kwarg_layouts=style.input_kwarg_layouts,
+                              desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
+                              use_local_output=style.use_local_output)
+
+
+def _torch_output(style) -> "PrepareModuleOutput":
+    return PrepareModuleOutput(output_layouts=style.output_layouts, desired_output_layouts=style.desired_output_layouts,
+                               use_local_output=style.use_local_output)
+
+
+def _torch_input_output(style) -> "PrepareModuleInputOutput":
+    inputs = from_torch_style(style.prepare_module_input)  # (a half replaced by a subclass is refused too)
+    outputs = from_torch_style(style.prepare_module_output)
+    return PrepareModuleInputOutput(input_layouts=inputs.input_layouts,
+                                    desired_input_layouts=inputs.desired_input_layouts,
+                                    input_kwarg_layouts=inputs.input_kwarg_layouts,
+                                    desired_input_kwarg_layouts=inputs.desired_input_kwarg_layouts,
+                                    use_local_input=inputs.use_local_output, output_layouts=outputs.output_layouts,
+                                    desired_output_layouts=outputs.desired_output_layouts,
+                                    use_local_output=outputs.use_local_output)
+
+
+# Names a style's class may redefine without changing what it does: its translation reads the
+# layouts from the instance, so a subclass with other defaults (its own __init__) is translated.
+_NOT_BEHAVIOUR = frozenset({"__init__", "__repr__", "__str__"})
+
+
+def _overridden(style, torch_class) -> list[str]:
+    """The methods of ``torch_class`` (and its torch bases) that ``style`` replaces, in its class
+    or on the instance: what it does there the translation would drop. For torchtitan's
+    ``Float8ColwiseParallel(ColwiseParallel)``: ``['_apply', '_prepare_input_fn', '_prepare_output_fn']``."""
+    methods = {name for cls in torch_class.__mro__ if cls is not object
+               for name, value in vars(cls).items()
+               if name not in _NOT_BEHAVIOUR and (callable(value) or isinstance(value, (property, classmethod)))}
+    return sorted(name for name in methods
+                  if inspect.getattr_static(type(style), name) is not inspect.getattr_static(torch_class, name)
+                  or name in vars(style))
+
+
 def from_torch_style(style) -> ParallelStyle:
-    """The axedist style equal to one of torch's ``torch.distributed.tensor.parallel`` styles."""
+    """The axedist style equal to one of torch's ``torch.distributed.tensor.parallel`` styles
+    (``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel``, ``PrepareModuleInput``,
+    ``PrepareModuleOutput``, ``PrepareModuleInputOutput``), made from its layouts. A subclass
+    that replaces one of the class's methods (its own input or output functions, partitioning,
+    ``_apply``) would lose them there: it is refused, as is any other torch style (its ``_apply``
+    builds torch DTensors), with how to port it.
+
+        >>> from_torch_style(torch_tp.RowwiseParallel(output_layouts=Shard(0)))
+        RowwiseParallel(output_layouts=Shard(dim=0), use_local_output=True)
+    """
     if isinstance(style, ParallelStyle):
         return style
     from torch.distributed.tensor import parallel as tp
 
-    if isinstance(style, tp.ColwiseParallel):
-        return ColwiseParallel(input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
-                               use_local_output=style.use_local_output)
-    if isinstance(style, tp.RowwiseParallel):
-        return RowwiseParallel(input_layouts=_first(style.input_layouts), output_layouts=_first(style.output_layouts),
-                               use_local_output=style.use_local_output)
-    if isinstance(style, tp.SequenceParallel):
-        return SequenceParallel(sequence_dim=style.sequence_sharding[0].dim, use_local_output=style.use_local_output)
-    if isinstance(style, tp.PrepareModuleInput):
-        return PrepareModuleInput(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
-                                  input_kwarg_layouts=style.input_kwarg_layouts,
-                                  desired_input_kwarg_layouts=style.desired_input_kwarg_layouts,
-                                  use_local_output=style.use_local_output)
-    if isinstance(style, tp.PrepareModuleOutput):
-        return PrepareModuleOutput(output_layouts=style.output_layouts,
-                                   desired_output_layouts=style.desired_output_layouts,
-                                   use_local_output=style.use_local_output)
+    port = ("port it to an axedist.nn.ParallelStyle subclass whose apply(module, mesh, name, shared, src_rank) "
+            "lays out the parameters and registers the same input/output functions on axedist DTensors "
+            "(docs/tensor_parallel.md, \"A style of your own\"), or lay the module out with "
+            "axedist.nn.distribute_module(module, mesh, partition_fn, input_fn, output_fn)")
+    for torch_class, translate in _torch_translations().items():
+        if not isinstance(style, torch_class):
+            continue
+        replaced = _overridden(style, torch_class)
+        if replaced:
+            raise TypeError(f"{type(style).__qualname__} subclasses torch's {torch_class.__name__} and replaces "
+                            f"{', '.join(replaced)}: axedist translates torch's styles from their layouts and would "
+                            f"not run that code; {port}")
+        return translate(style)
+    if isinstance(style, tp.ParallelStyle):
+        raise TypeError(f"{type(style).__qualname__} is a torch ParallelStyle of its own (its _apply builds torch "
+                        f"DTensors), which axedist does not run; {port}")
     raise TypeError(f"a plan's values must be axedist styles or torch's ColwiseParallel / RowwiseParallel / "
-                    f"SequenceParallel / PrepareModuleInput / PrepareModuleOutput, got {style!r}")
+                    f"SequenceParallel / PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput, "
+                    f"got {style!r}")
 
 
 # ---------------------------------------------------------------------------
@@ -624,6 +742,17 @@ def _matches(pattern: str, name: str) -> bool:
     ``layers.3.wq`` but not ``layers.3.attention.wq``."""
     parts, atoms = name.split("."), pattern.split(".")
     return len(parts) == len(atoms) and all(fnmatch.fnmatchcase(p, a) for p, a in zip(parts, atoms))
+
+
+def _check_apply(style: ParallelStyle) -> None:
+    """A style's ``apply`` takes what ``parallelize`` passes (a style written to another signature
+    is named here, not by Python's count of its arguments)."""
+    try:
+        inspect.signature(style.apply).bind(None, None, "", {}, None)
+    except TypeError:
+        raise TypeError(f"{type(style).__qualname__}.apply{inspect.signature(style.apply)} does not take what "
+                        f"parallelize passes: apply(module, mesh, name, shared, src_rank) (ParallelStyle's "
+                        f"docstring)") from None
 
 
 def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "first",
@@ -654,6 +783,8 @@ def parallelize(module: nn.Module, mesh, plan, *, src_rank: int | None | str = "
     # torch's styles alone: torch's semantics (what the plan does not name stays untouched)
     replicate_rest = any(isinstance(style, ParallelStyle) for style in plan.values())
     styles = {pattern: from_torch_style(style) for pattern, style in plan.items()}
+    for style in styles.values():
+        _check_apply(style)
     used = {pattern: 0 for pattern in styles}
     shared: dict = {}
     closers = []  # each watched module's closing hook, registered after its styles' hooks
@@ -760,6 +891,11 @@ def parallelize_module(module: nn.Module, device_mesh=None, parallelize_plan=Non
         warnings.warn("parallelize_module: no parallelize_plan given; the module is left as it is", stacklevel=2)
         return module
     mesh = as_mesh(device_mesh)
+    if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)
+                                      or not 0 <= src_data_rank < len(mesh.ranks)):
+        raise MeshError(f"parallelize_module: src_data_rank={src_data_rank!r} is not a rank of mesh {mesh} (the index "
+                        f"of the rank in the mesh that sends the values, 0 to {len(mesh.ranks) - 1}; None: every "
+                        f"rank keeps its own)")
     src_rank = None if src_data_rank is None else mesh.ranks[src_data_rank]
     # torch's warns of a plan key that matches no module (torchtitan's Llama-3 plan names q_norm / k_norm,
     # which only some of its models have)
