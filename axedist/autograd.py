@@ -122,7 +122,6 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool, target: 
     if target is not None:
         if grad._spec != target:
             return redistribute_local(grad._local, grad._spec, target)
-        agree_on_move(target, target, grad._value.element_size())
         return grad._local
     if spec.reduce_op and not placements_partial:
         # a layout with summands held locally: every summand's gradient is the whole gradient
@@ -135,8 +134,7 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool, target: 
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
     target = grad_spec(spec)
-    if grad._spec == target:
-        agree_on_move(target, target, grad._value.element_size())  # a rank whose gradient needs no move is checked too
+    if grad._spec == target:  # no move, no check (agree_on_move checks moves that send)
         local = grad._local
     else:
         local = redistribute_local(grad._local, grad._spec, target)
@@ -180,8 +178,7 @@ class _Redistribute(torch.autograd.Function):
         if not isinstance(grad, ctx.cls):
             raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
         if grad._spec == target:
-            agree_on_move(target, target, grad._value.element_size())  # as in _grad_local
-            # no move, but rounded through backward_dtype all the same, as torch's
+            # no move (nothing to check), but rounded through backward_dtype all the same, as torch's
             return _cast(_cast(grad, ctx.backward_dtype), ctx.dtype), None, None, None, None
         if grad.dtype != ctx.backward_dtype:  # torch's backward_dtype: the gradient moves in it
             return _cast(move(grad.to(ctx.backward_dtype), target), ctx.dtype), None, None, None, None

@@ -30,12 +30,12 @@ from .env import read as read_environment
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError, as_mesh
 from .peers import (MAX_DIMS, RankDisagreementError, TensorReport, agree, announce_failure, compare_tensors,
-                    gather_texts, rank_listing, tensor_report)
+                    gather_texts, is_peer_failure, peer_error, rank_listing, tensor_report)
 from .ops.dispatcher import OpDispatcher
 from .ops.state import wrap
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
-from .runtime import agree_on_move, checks, true_local_shape
+from .runtime import checks, true_local_shape
 from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
@@ -117,6 +117,27 @@ def _check_every_local(mesh: DeviceMesh, local: torch.Tensor, target, spec, ok: 
         here = f" (here: {failure})" if failure else ""
         raise RankDisagreementError(f"from_local({spec or target}): local tensors do not fit "
                                     f"the layout{here}:\n  " + "\n  ".join(lines))
+
+
+def _broadcast_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> torch.Tensor:
+    """``from_local(run_check=True)``, as torch's: along each ``Replicate()`` axis, every rank's
+    ``local`` becomes (in place) the one at coordinate 0 of that axis, so the replicas agree. On
+    a 2x2 mesh with ``[Shard(0), Replicate()]``, ranks 0 and 1 hold rank 0's piece, ranks 2 and 3
+    rank 2's."""
+    local = local.contiguous()
+    for axis, placement in zip(mesh.axis_names, placements):
+        if not isinstance(placement, Replicate) or mesh.size(axis) == 1:
+            continue
+        source = mesh.group_ranks(axis)[0]
+        try:
+            with torch.no_grad():  # the caller's leaf may require grad; the values are taken as given
+                dist.broadcast(local, src=source, group=mesh.group(axis))
+        except RuntimeError as error:
+            if not is_peer_failure(error):
+                raise
+            raise peer_error(f"from_local(run_check=True)'s broadcast over ({axis!r},)", mesh.group_ranks(axis),
+                             error) from error
+    return local
 
 
 def _is_torch_mesh(value) -> bool:
@@ -356,7 +377,8 @@ class DTensor(torch.Tensor):
         (a layout alone does not say where dims begin), ``padded_shape`` is what it admits
         when that differs, and ``reduce_op`` marks its leading dim as pending summands.
         ``run_check=True`` compares every rank's local shape and dtype (one all_gather)
-        and raises on every rank when any differs from the layout's. Without it, a global
+        and raises on every rank when any differs from the layout's; then, as torch, along each
+        ``Replicate()`` axis the local tensor at coordinate 0 is broadcast (into ``local``). Without it, a global
         shape inferred from each rank's local shape (placements, no ``shape``) is compared
         once per local shape, dtype and placements (one exchange on the job's store), so ranks
         whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
@@ -389,9 +411,18 @@ class DTensor(torch.Tensor):
             expected = element_table(spec).local_shapes[mesh.position()]
             if spec.reduce_op and is_placements(layout_or_placements):
                 expected = expected[1:]  # the summand dim is added below
+            # the other arguments' checks, here too: an error on one rank only joins the check below
+            if local.device != mesh.device:
+                raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
+            if stride is not None and tuple(stride) != tuple(contiguous_strides(spec.shape)):
+                raise LayoutError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
+                                  f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
+                                  f"axedist DTensors are row-major in their global shape")
+            grad = None if grad_placements is None else _gradient_target(
+                "from_local", spec, tuple(grad_placements), tuple(local.shape), default=autograd.grad_spec(spec))
         except LayoutError as e:
-            if not run_check and not inferred:
-                announce_failure("from_local", e)
+            if not run_check and not inferred:  # no check here: posted, so the peers' next check names it
+                agree(mesh.ranks, "from_local", "", failed=e)
                 raise
             failure, spec, expected = e, None, None  # still join the check, so no peer waits forever
         ok = failure is None and tuple(local.shape) == expected
@@ -402,16 +433,12 @@ class DTensor(torch.Tensor):
         elif not ok:
             error = LayoutError(f"from_local({spec}): rank {dist.get_rank()}'s local tensor has shape "
                                 f"{tuple(local.shape)}, the layout gives it {expected}")
-            announce_failure("from_local", error)
+            agree(mesh.ranks, "from_local", "", failed=error)  # as above: the peers' next check names it
             raise error
-        if local.device != mesh.device:
-            raise LayoutError(f"local tensor is on {local.device}, the mesh's device here is {mesh.device}")
-        if stride is not None and tuple(stride) != tuple(contiguous_strides(spec.shape)):
-            raise LayoutError(f"from_local: stride {tuple(stride)} is not the contiguous stride "
-                              f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
-                              f"axedist DTensors are row-major in their global shape")
-        grad = None if grad_placements is None else _gradient_target(
-            "from_local", spec, tuple(grad_placements), tuple(local.shape), default=autograd.grad_spec(spec))
+        if failure is not None:  # (a check that joined it raises on every rank; this rank's own error here)
+            raise failure
+        if run_check and is_placements(layout_or_placements) and not compiling():
+            local = _broadcast_replicas(local, mesh, layout_or_placements)
         return autograd.from_local(DTensor, local, spec, bool(spec.reduce_op) and is_placements(layout_or_placements),
                                    grad)
 
@@ -496,15 +523,16 @@ class DTensor(torch.Tensor):
                 raise TypeError("redistribute: the mesh given twice (positionally and as device_mesh=)")
             device_mesh, layout_or_placements = layout_or_placements, None
         if device_mesh is not None and as_mesh(device_mesh) != self.mesh:
-            raise MeshError(f"redistribute moves a tensor within its mesh {self.mesh}; device_mesh= names "
-                            f"{as_mesh(device_mesh)}")
+            error = MeshError(f"redistribute moves a tensor within its mesh {self.mesh}; device_mesh= names "
+                              f"{as_mesh(device_mesh)}")
+            agree(self.mesh.ranks, "redistribute", "", failed=error)  # the peers' check names it, at once
+            raise error
         if layout_or_placements is not None and placements is not None:
             raise TypeError("redistribute: the target given twice (a layout or placements, and placements=)")
         layout_or_placements = layout_or_placements if layout_or_placements is not None else placements
         dtypes = (None if forward_dtype in (None, self.dtype) else forward_dtype,
                   None if backward_dtype in (None, self.dtype) else backward_dtype)
-        if layout_or_placements is None:  # torch: no placements, no move
-            agree_on_move(self._spec, self._spec, self._value.element_size())
+        if layout_or_placements is None:  # torch: no placements, no move (nothing to agree on: it sends nothing)
             return self if dtypes[0] is None else self.to(dtypes[0])
         if _dynamo_tracing():
             return _NODES["redistribute"](self, layout_or_placements, padded_shape=padded_shape, reduce_op=reduce_op,
@@ -515,8 +543,7 @@ class DTensor(torch.Tensor):
         except (ValueError, TypeError) as error:  # told to the other ranks, which raise too where they check
             agree(self.mesh.ranks, "redistribute", "", failed=error)
             raise
-        if dst == self._spec:
-            agree_on_move(dst, dst, self._value.element_size())  # a rank asking for no move is checked too
+        if dst == self._spec:  # no move: a rank may ask for it alone (agree_on_move checks only moves that send)
             return self if dtypes[0] is None else self.to(dtypes[0])
         return autograd.redistribute(self, dst, async_op, *dtypes)
 

@@ -236,3 +236,36 @@ def test_tensor_behaviour():
         assert f["op"] == [[1.0] * 3] * 2 + [[2.0] * 3] * 2
         assert "rank 1: local (2, 3) torch.float32 (global (4, 3))" in f["inferred"]  # differs from rank 0
         assert "rank 1: local (4,) torch.float32 (global ())" in f["invalid_here"]
+
+
+# (mesh shape, placements) for from_local(run_check=True): torch broadcasts along each Replicate axis
+RUN_CHECK_CASES = [((4,), "R"), ((4,), "S0"), ((2, 2), "S0,R"), ((2, 2), "R,S1"), ((2, 2), "R,R"), ((2, 2), "P,R")]
+
+
+def _from_local_checked(rank, world, mesh_shape, names):
+    """Each rank's own values (rank r holds r * 100 + arange) through ``from_local(run_check=True)``,
+    by axedist and by torch's DTensor on the same ranks: (to_local, full_tensor, the caller's
+    local tensor afterwards) of each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor as TorchDTensor
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    parse = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1), "P": Partial()}
+    placements = [parse[n] for n in names.split(",")]
+    out = {}
+    for name, make, mesh in (("axedist", DTensor.from_local, DeviceMesh("cpu", mesh_shape)),
+                             ("torch", TorchDTensor.from_local, init_device_mesh("cpu", mesh_shape))):
+        local = torch.arange(6.0).reshape(2, 3) + 100 * rank
+        d = make(local, mesh, placements, run_check=True)
+        # (axedist's to_local of a Partial keeps a leading summand dim: compared as (2, 3))
+        out[name] = (d.to_local().reshape(2, 3).tolist(), d.full_tensor().tolist(), local.tolist())
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape, names", RUN_CHECK_CASES)
+def test_from_local_run_check_makes_replicas_agree_as_torch(mesh_shape, names):
+    """torch's from_local(run_check=True) broadcasts the data of coordinate 0 along every
+    Replicate axis (each rank once kept its own, so one "replicated" tensor differed by rank)."""
+    for rank, out in enumerate(run_on_ranks(_from_local_checked, 4, args=(mesh_shape, names))):
+        assert out["axedist"] == out["torch"], (rank, out)

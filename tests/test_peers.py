@@ -18,6 +18,7 @@ from axedist.mesh import DeviceMesh
 from axedist.ops.call_plan import DispatchError
 from axedist.peers import PeerError, RankDisagreementError
 from axedist.testing import run_on_ranks
+from axedist.testing.ranks import run_fresh_ranks
 
 
 def _error(fn) -> str | None:
@@ -39,8 +40,8 @@ def _disagreements(rank, world):
     # from_local with the default run_check=False: rank 1's local tensor has another dtype
     local = torch.ones(2, 6, dtype=torch.float32 if rank == 1 else torch.float64)
     out["from_local_dtype"] = _error(lambda: DTensor.from_local(local, mesh, [Shard(0)]))
-    # rank 3 asks for no move (its target is the current layout), the others for a gather
-    out["no_move_here"] = _error(lambda: x.redistribute([Shard(0)] if rank == 3 else [Replicate()]))
+    # rank 3 asks for another move than the others (both move data)
+    out["other_move_here"] = _error(lambda: x.redistribute([Shard(1)] if rank == 3 else [Replicate()]))
     # plain integer constants that differ beyond float64's 53 bits: not adopted as one replicated value
     ints = distribute(torch.zeros(8, 6, dtype=torch.int64), mesh, [Shard(0)])
     constant = torch.full((8, 6), 2**53 + (rank == 1), dtype=torch.int64)
@@ -64,8 +65,10 @@ def test_disagreeing_ranks_all_raise():
         assert out["from_local_dtype"].startswith("RankDisagreementError"), out["from_local_dtype"]
         assert "rank 1: local (2, 6) torch.float32 -> [8, 6]" in out["from_local_dtype"]
         assert "ranks 0, 2, 3: local (2, 6) torch.float64 -> [8, 6]" in out["from_local_dtype"]
-        assert out["no_move_here"].startswith("RankDisagreementError"), out["no_move_here"]
-        assert "rank 3: [8, 6] S[(4,12):(1@gpuid,1)] -> [8, 6] S[(4,12):(1@gpuid,1)]" in out["no_move_here"]
+        assert out["other_move_here"].startswith("RankDisagreementError"), out["other_move_here"]
+        assert "rank 3: [8, 6] S[(4,12):(1@gpuid,1)] -> [8, 6] (padded [8, 8]) S[(8,4,2):(2,1@gpuid,1)]" \
+            in out["other_move_here"]
+        assert "ranks 0, 1, 2: [8, 6] S[(4,12):(1@gpuid,1)] -> [8, 6] S[48:1] + R[4:1@gpuid]" in out["other_move_here"]
         assert out["constant"].startswith("DispatchError") and "same on every rank" in out["constant"], out["constant"]
         assert out["constant_same"] == 2**53 + 1
         assert out["after"] == 48 * 47 / 2
@@ -126,6 +129,118 @@ def test_plain_tensors_agreement_is_asserted_on_the_device_while_captured():
         assert out["differs"].startswith("RuntimeError") and "differs between the ranks" in out["differs"], out
         assert out["not_constant"].startswith("RuntimeError") and "more than one value" in out["not_constant"], out
         assert all(len(out[key]) <= len("RuntimeError: ") + 254 for key in ("differs", "not_constant")), out
+
+
+def _moves_on_rank_0_only(rank, world):
+    """Rank 0 alone makes moves that send nothing, as a script that logs on rank 0 does: a
+    replicated tensor's ``full_tensor()``, its local chunk (``Replicate -> Shard``), a move to
+    its own placements; then every rank makes one that communicates, agreeing or not."""
+    mesh = DeviceMesh("cpu", (world,))
+    x = distribute(torch.arange(6.0).reshape(2, 3), mesh, [Replicate()])
+    out = {}
+    if rank == 0:
+        out["full"] = _error(lambda: x.full_tensor().sum().item()) or x.full_tensor().sum().item()
+        out["chunk"] = _error(lambda: x.redistribute([Shard(0)])) or x.redistribute([Shard(0)]).to_local().tolist()
+        out["stay"] = _error(lambda: x.redistribute([Replicate()])) or x.redistribute(mesh, None).to_local().tolist()
+    y = distribute(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)])
+    out["gather"] = _error(lambda: y.redistribute([Replicate()])) or float(y.redistribute([Replicate()]).to_local().sum())
+    # a new move that communicates is still checked: rank 1 asks for another one than rank 0
+    z = distribute(torch.arange(40.0).reshape(8, 5), mesh, [Shard(0)])
+    out["differ"] = _error(lambda: z.redistribute([Shard(1)] if rank == 1 else [Replicate()]))
+    return out
+
+
+def _train_step_logged_on_rank_0(rank, world, log):
+    """One TP step of a 2-layer MLP; with ``log``, rank 0 alone prints the replicated loss's
+    ``full_tensor()`` before the backward. The first layer's full weight gradient."""
+    from torch import nn
+
+    from axedist.nn import ColwiseParallel, RowwiseParallel, parallelize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)).double()
+    mesh = DeviceMesh("cpu", (world,))
+    model = parallelize(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    batch = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    loss = model(batch).pow(2).mean()
+    if log and rank == 0:
+        print("loss", float(loss.full_tensor()))
+    loss.backward()
+    return model[0].weight.grad.full_tensor()
+
+
+def _one_process_gradient():
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8)).double()
+    model(torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    return model[0].weight.grad
+
+
+def test_a_move_that_sends_nothing_may_run_on_one_rank():
+    """torch returns at once from a rank-0-only ``full_tensor()`` of a replicated tensor: so does
+    axedist (no check to wait in), and the next moves' checks still line up on every rank."""
+    outcomes = run_fresh_ranks(_moves_on_rank_0_only, 2, collective_timeout_s=5.0)
+    for o in outcomes:
+        assert o.status == "ok", f"{o}\n{o.message}"
+        assert o.value["gather"] == 48 * 47 / 2, o.value
+        assert o.value["differ"].startswith("RankDisagreementError"), o.value["differ"]
+        assert "rank 0: [8, 5] S[(2,20):(1@gpuid,1)] -> [8, 5] S[40:1] + R[2:1@gpuid]" in o.value["differ"], o.value
+        assert "rank 1: [8, 5] S[(2,20):(1@gpuid,1)] -> [8, 5] (padded [8, 6]) S[" in o.value["differ"], o.value
+    assert outcomes[0].value["full"] == 15.0
+    assert outcomes[0].value["chunk"] == [[0.0, 1.0, 2.0]]
+    assert outcomes[0].value["stay"] == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
+def test_logging_on_rank_0_leaves_the_training_step_alone():
+    """``if rank == 0: print(loss.full_tensor())`` in a TP step: the gradients are the one-process
+    model's on every rank (it once shifted rank 0's checks: a false disagreement in the backward)."""
+    expected = _one_process_gradient()
+    for o in run_fresh_ranks(_train_step_logged_on_rank_0, 2, args=(True,), collective_timeout_s=5.0):
+        assert o.status == "ok", f"{o}\n{o.message}"
+        torch.testing.assert_close(o.value, expected)
+
+
+def _argument_error_on_rank_0(rank, world, case):
+    """Rank 0 alone passes an argument that axedist refuses before its agreement check; the
+    other ranks make the call with good arguments, then the move that follows."""
+    from torch.distributed.tensor import Partial
+
+    mesh = DeviceMesh("cpu", (world,))
+    x = distribute(torch.arange(24.0).reshape(4, 6), mesh, [Shard(0)])
+    here = rank == 0
+    if case == "unplannable target":
+        return x.redistribute([Partial()] if here else [Replicate()]).to_local().tolist()
+    if case == "another mesh":
+        other = DeviceMesh("cpu", (world,), ("tp",))
+        return x.redistribute(other if here else mesh, [Replicate()]).to_local().tolist()
+    local = torch.ones(2, 6, device="meta" if here and case == "device" else "cpu")
+    if case == "stride":
+        y = DTensor.from_local(local, mesh, [Shard(0)], shape=(4, 6), stride=(1, 4) if here else (6, 1))
+    elif case == "grad_placements":
+        y = DTensor.from_local(local, mesh, [Shard(0)], grad_placements=[Partial()] if here else None)
+    else:
+        y = DTensor.from_local(local, mesh, [Shard(0)])
+    return y.full_tensor().tolist()
+
+
+@pytest.mark.parametrize("case, error", [
+    ("unplannable target", "LayoutError: cannot redistribute to a pending sum"),
+    ("another mesh", "MeshError: redistribute moves a tensor within its mesh"),
+    ("stride", "LayoutError: from_local: stride (1, 4) is not the contiguous stride"),
+    ("grad_placements", "LayoutError: from_local(grad_placements=[Partial(sum)]): a gradient cannot"),
+    ("device", "LayoutError: local tensor is on meta"),
+])
+def test_an_argument_error_on_one_rank_is_posted(case, error):
+    """docs/dtensor.md: a rank whose own arguments are invalid posts its error, so its peers raise
+    at once naming it (they once waited out the collective timeout, told the rank 'did not arrive')."""
+    outcomes = run_fresh_ranks(_argument_error_on_rank_0, 2, args=(case,), collective_timeout_s=5.0)
+    assert outcomes[0].status == "raised" and error in outcomes[0].message, outcomes[0]
+    peer = outcomes[1]
+    assert peer.error == "RankDisagreementError" and "rank 0: " in peer.message, f"{peer}\n{peer.message}"
+    assert error.split(": ", 1)[1] in peer.message and "raised " + error.split(":")[0] in peer.message, peer.message
+    assert peer.seconds < 4.0, peer
 
 
 def _check_costs(rank, world):

@@ -345,7 +345,7 @@ def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     """
     if local.is_meta:  # no values to move (a model built on the meta device): the local tensor's shape under dst
         return torch.empty(true_local_shape(dst), dtype=local.dtype, device="meta")
-    route = plan_redistribute(src, dst, local.element_size())
+    route = _planned(src, dst, local.element_size())
     if id(route) not in _AGREED_ROUTES:
         agree_on_move(route.src, route.dst, local.element_size())
         if len(_AGREED_ROUTES) > 4096:
@@ -367,9 +367,25 @@ def true_local_shape(spec) -> tuple[int, ...]:
     return true_boxes(side.layout, side.full, side.rows, spec.mesh)[spec.mesh.position()]
 
 
-_AGREED: dict = memo("runtime.executor agreed moves")  # (src, dst, item size) -> True: moves this rank's mesh agreed on
+_AGREED: dict = memo("runtime.executor agreed moves")  # (src, dst, item size) -> True: checked (or sends nothing)
 _AGREED_ROUTES: dict = memo("runtime.executor agreed routes")   # id(route) -> route: the fast answer for route objects seen (kept alive, ids unique)
-_STAYS: dict = memo("runtime.executor stays")           # id(spec) -> spec: the fast answer for "no move" (a spec to itself)
+
+
+def _planned(src, dst, itemsize: int) -> Redistribution:
+    """``plan_redistribute(src, dst, itemsize)``; a target the planner refuses on this rank is
+    posted to the peers' agreement check before it is raised, so they raise at once naming it
+    (``rank 0: raised LayoutError: ...``) instead of waiting out the timeout."""
+    try:
+        return plan_redistribute(src, dst, itemsize)
+    except LayoutError as error:
+        agree(src.mesh.ranks, "redistribute", "", failed=error)
+        raise
+
+
+def _communicates(route: Redistribution) -> bool:
+    """Whether any step of ``route`` sends between devices (``Replicate -> Shard`` keeps a local
+    chunk: no step does). Read off the plan, which every rank derives alike from the specs."""
+    return any(step.messages for step in route.steps)
 
 
 def agree_on_move(src, dst, itemsize: int) -> None:
@@ -378,18 +394,19 @@ def agree_on_move(src, dst, itemsize: int) -> None:
     rank raises ``RankDisagreementError`` naming each rank's source and target. Later moves pay
     a set lookup (``redistribute_local``: a dict lookup by route). Keyed by the specs, not by a
     cached route object, so the check never repeats on one rank only (a plan cache that evicts
-    differently on another rank)."""
-    if src is dst and id(src) in _STAYS:
+    differently on another rank).
+
+    A move that sends nothing (no move at all, or ``Replicate -> Shard``'s local chunk) is not
+    checked: a rank may make it alone, as torch lets it (``if rank == 0: print(loss.full_tensor())``),
+    without waiting for peers or shifting the count of checks its peers share."""
+    if src is dst or src == dst:  # no move
         return
     key = (src, dst, itemsize)
     if key not in _AGREED:
-        agree(src.mesh.ranks, "redistribute",
-              f"{src.canonical_text()} -> {dst.canonical_text()}, {itemsize}-byte elements")
+        if _communicates(_planned(src, dst, itemsize)):
+            agree(src.mesh.ranks, "redistribute",
+                  f"{src.canonical_text()} -> {dst.canonical_text()}, {itemsize}-byte elements")
         _AGREED[key] = True
-    if src is dst:
-        if len(_STAYS) > 4096:
-            _STAYS.clear()
-        _STAYS[id(src)] = src
 
 
 def run_route(route: Redistribution, local: torch.Tensor, async_op: bool = False):
