@@ -112,13 +112,16 @@ def _tag(ranks: tuple[int, ...]) -> str:
 
 def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException | None = None) -> None:
     """Every rank of ``ranks`` calls this at the same point of its program with its ``text``;
-    returns when all texts are equal, else raises ``RankDisagreementError`` on every rank.
+    returns when all texts are equal, else raises ``RankDisagreementError`` on every rank. The
+    ranks meet as a set; the order given is part of the text (a mesh built with its ranks in
+    another order on one rank is a disagreement, not a wait for a check no peer joins).
 
     ``failed``: this rank could not even form its text (a target invalid here only): it posts
     the error, so the others raise at once, and returns without waiting. A rank that does not
     post within ``collective_timeout_s()`` makes the others raise ``PeerError`` naming it.
     """
-    ranks = tuple(ranks)
+    order = tuple(ranks)
+    ranks = tuple(sorted(order))  # the rank set: ranks that list it in other orders still meet
     store = _store()
     if len(ranks) <= 1 or store is None:
         return
@@ -127,6 +130,8 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
     _SEQUENCE[ranks] = count
     prefix = f"axedist/agree/{_tag(ranks)}/"
     mine = text if failed is None else f"raised {type(failed).__name__}: {failed}"
+    if order != ranks:  # (a mesh whose ranks one rank lists in another order differs there)
+        mine = f"{mine} [ranks in the order {list(order)}]"
     store.set(f"{prefix}{count}/{me}", f"{what}: {mine}")
     if count > 2:  # every member read it before posting the previous check's text
         store.delete_key(f"{prefix}{count - 2}/{me}")

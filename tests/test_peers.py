@@ -243,6 +243,22 @@ def test_an_argument_error_on_one_rank_is_posted(case, error):
     assert peer.seconds < 4.0, peer
 
 
+def _mesh_in_another_order(rank, world):
+    import axedist as ax
+
+    mesh = ax.DeviceMesh("cpu", (world,), ranks=[0, 1] if rank == 0 else [1, 0])
+    return ax.DTensor.from_local(torch.full((2, 2), float(rank)), mesh, [Shard(0)]).full_tensor().tolist()
+
+
+def test_a_mesh_listed_in_another_order_on_one_rank_is_a_disagreement():
+    """The same rank set in another order on one rank: every rank raises at once, naming the order,
+    instead of each waiting out the timeout in a check no peer joins."""
+    outcomes = run_fresh_ranks(_mesh_in_another_order, 2, collective_timeout_s=5.0)
+    for o in outcomes:
+        assert o.status == "raised" and o.error == "RankDisagreementError", f"{o}\n{o.message}"
+        assert "[ranks in the order [1, 0]]" in o.message and o.seconds < 4.0, f"{o}\n{o.message}"
+
+
 def _check_costs(rank, world):
     """Agreement exchanges: one per new move, none for a move this rank already checked."""
     mesh = DeviceMesh("cpu", (world,))
