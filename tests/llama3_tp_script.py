@@ -225,15 +225,20 @@ def fused_adamw_supported(device: str) -> bool:
 
 
 def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
-    """The model with ``dtype`` parameters, initialized from ``seed`` (on the meta device: no values)."""
-    torch.manual_seed(seed)
+    """The model with ``dtype`` parameters, its values ``init_weights`` drawn right after
+    ``torch.manual_seed(seed)`` (on the meta device: no values)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device) if device is not None else nullcontext():
-            return Transformer(args)
+            model = Transformer(args)
     finally:
         torch.set_default_dtype(default)
+    if device != "meta":
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()
+    return model
 
 
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
@@ -245,7 +250,10 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
     ``batch * dp`` drawn per step (the loss recorded is their mean over dp). ``compile_backend``:
     the whole model compiled with it (``torch.compile(model, fullgraph=fullgraph)``). ``meta_init``:
     as torchtitan builds it, on the meta device, parallelized there, then ``to_empty`` and given its
-    values (here the ones ``seed`` draws, copied in as replicated tensors). ``ac``: each block under
+    values: the ones ``seed`` draws on one process copied in as replicated tensors, or with
+    ``meta_init="init_weights"`` as torchtitan does, ``init_weights()`` on the sharded parameters
+    after ``torch.manual_seed(seed)`` (axedist draws each whole tensor and keeps its piece: the
+    one-process values; torch's CPU DTensor draws each piece from the seed). ``ac``: each block under
     activation checkpointing (``apply_ac``). ``resume_at``: before that step, the model's and the
     optimizer's full state dicts taken (``resume``) and training goes on in a model built anew from
     another seed that loads them: the same numbers as without."""
@@ -291,11 +299,16 @@ def setup(args: ModelArgs, tp_mesh, seed: int, dtype, dp_mesh, compile_backend, 
         apply_fsdp(model, dp_mesh)
     if meta_init:
         model.to_empty(device="cpu")
-        values = build(args, seed, dtype)
         with torch.no_grad(), implicit_replication():
-            for p, value in zip(model.parameters(), values.parameters()):
-                p.copy_(value)
-            model.freqs_cis.copy_(values.freqs_cis)
+            if meta_init == "init_weights":  # torchtitan's: drawn on the sharded parameters
+                torch.manual_seed(seed)
+                model.init_weights()
+            else:
+                values = build(args, seed, dtype)
+                for p, value in zip(model.parameters(), values.parameters()):
+                    p.copy_(value)
+            model.freqs_cis.copy_(precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2,
+                                                       args.rope_theta))
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
                                                                       fullgraph=fullgraph)
     fused = fused_adamw_supported("cpu")

@@ -27,7 +27,9 @@ parameter at once. Torch's TP and axedist's agreed to 1e-10 of each other on tha
 * the same with axedist's own styles imported too (DTensors flow through the whole model,
   RoPE included: the complex ``freqs_cis`` buffer a replicated DTensor);
 * built as torchtitan builds it (``meta_init``: on the meta device, parallelized there, then
-  ``to_empty`` and values copied in under ``implicit_replication``), TP alone and dp x tp, the
+  ``to_empty`` and values copied in under ``implicit_replication``, or on axedist drawn by
+  torchtitan's ``init_weights()`` on the sharded parameters: the one-process values, as axedist
+  draws each whole tensor and keeps its piece), TP alone and dp x tp, the
   latter with torchtitan's activation checkpointing (each block ``checkpoint_wrapper``-ed, then
   sharded), and resumed after 2 steps from full state dicts (``get_model_state_dict`` /
   ``get_optimizer_state_dict`` with ``full_state_dict`` and ``cpu_offload``: rank 0's, on the CPU)
@@ -126,6 +128,9 @@ def _three_ways(rank, world, seed):
     _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, meta_init=True, resume_at=2)
     _compare(on_axedist_meta, reference, "axedist, imports changed, built on the meta device, resumed from full "
              "state dicts", on_torch)
+    _, on_axedist_init = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, meta_init="init_weights")
+    _compare(on_axedist_init, reference, "axedist, imports changed, built on the meta device, init_weights() on "
+             "the shards", on_torch)
     return reference[0]["fused"]
 
 
@@ -169,8 +174,8 @@ def _fsdp_tp(rank, world, seed):
     # checkpointing, to_empty, values copied in; and its resume from full state dicts (rank 0's, on the CPU)
     _, on_torch_meta = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True, ac=True,
                                          resume_at=2)
-    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp, meta_init=True,
-                                                          ac=True, resume_at=2)
+    _, on_axedist_meta = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp,
+                                                          meta_init="init_weights", ac=True, resume_at=2)
     _compare(on_torch_meta, reference, "torch FSDP2 + TP, meta init, activation checkpointing, resumed")
     _compare(on_axedist_meta, reference, "axedist fully_shard + TP, meta init, activation checkpointing, resumed",
              on_torch_meta)
