@@ -50,6 +50,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable
 _SEQUENCE: dict[tuple, int] = {}    # rank set -> agreement checks so far (the same count on every member)
+_READ: dict[tuple, int] = {}        # rank set -> the last check this rank read every member's text of
 _FAILURES = [0]                     # collective failures on this rank: each has its own report keys
 # Texts a failure of a peer's collective may carry: gloo's timeout and closed-connection errors
 # (plain RuntimeErrors), and torch's own DistError family (NCCL with blocking wait, the store).
@@ -133,7 +134,10 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
     if order != ranks:  # (a mesh whose ranks one rank lists in another order differs there)
         mine = f"{mine} [ranks in the order {list(order)}]"
     store.set(f"{prefix}{count}/{me}", f"{what}: {mine}")
-    if count > 2:  # every member read it before posting the previous check's text
+    if failed is None and count > 2 and _READ.get(ranks) == count - 1:
+        # every member posted check count - 1 (this rank read them all), so every member was done
+        # reading check count - 2: this rank's text there is no longer needed. After a check this
+        # rank only posted (it failed), a peer may still be reading: the text stays.
         store.delete_key(f"{prefix}{count - 2}/{me}")
     if failed is not None:
         announce_failure(what, failed)
@@ -146,6 +150,7 @@ def agree(ranks: Sequence[int], what: str, text: str, *, failed: BaseException |
         raise peer_error(f"the agreement check of {what} ({text})", ranks,
                          TimeoutError(f"no answer within {timeout:g} s")) from None
     texts = [value.decode() for value in store.multi_get(keys)]
+    _READ[ranks] = count
     if len(set(texts)) > 1:
         own = f"{what}: "  # a rank at another check point shows which one
         shown = [t[len(own):] if t.startswith(own) else f"(at another check) {t}" for t in texts]

@@ -256,7 +256,8 @@ STATE = {
                      "_JOB_WORLD": "the world group (weak) the group tables were filled under"},
     "axedist.dtensor": {"_NODES": "the traced graph nodes of to_local / from_local"},
     "axedist.peers": {"_CHOSEN": "the timeout init_mesh was given", "_FAILURES": "failures this rank reported",
-                      "_SEQUENCE": "agreement counters, in step on every rank"},
+                      "_SEQUENCE": "agreement counters, in step on every rank",
+                      "_READ": "the last agreement check each rank set's texts were read at (when a text may go)"},
     "axedist.testing.ranks": {"_POOLS": "running rank pools", "_FRESH": "the forkserver context"},
 }
 _MUTABLE_CALLS = {"dict", "list", "set", "defaultdict", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary",

@@ -5,6 +5,8 @@ The faults that break a job (a rank that raises, exits or stalls) run on fresh r
 tests/test_faults.py; here the job survives every error, so the pool is reused.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -257,6 +259,40 @@ def test_a_mesh_listed_in_another_order_on_one_rank_is_a_disagreement():
     for o in outcomes:
         assert o.status == "raised" and o.error == "RankDisagreementError", f"{o}\n{o.message}"
         assert "[ranks in the order [1, 0]]" in o.message and o.seconds < 4.0, f"{o}\n{o.message}"
+
+
+class _SlowReader:
+    """The job's store, but reading every member's text late (a rank slow between its wait and its read)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def multi_get(self, keys):
+        time.sleep(1.5)
+        return self.store.multi_get(keys)
+
+
+def _failures_while_a_peer_reads(rank, world):
+    ranks = list(range(world))
+    if rank == world - 1:
+        store = dist.distributed_c10d._get_default_store()
+        dist.distributed_c10d._get_default_store = lambda: _SlowReader(store)
+    peers.agree(ranks, "check", "the same")
+    for _ in range(3):  # the same mistake on every rank: posted, not read
+        peers.agree(ranks, "check", "", failed=ValueError("refused everywhere"))
+    peers.agree(ranks, "check", "the same again")
+    return True
+
+
+def test_failures_posted_while_a_peer_still_reads_leave_its_texts():
+    """Ranks that post failures in quick succession (each raising the same argument error) while
+    a peer still reads the check before: the peer's read finds every text (a failing rank used to
+    delete its text two checks back, and the slow reader waited on a deleted key for good)."""
+    for o in run_fresh_ranks(_failures_while_a_peer_reads, 4, collective_timeout_s=5.0, deadline_s=60):
+        assert o.status == "ok" and o.value is True, f"{o}\n{o.message}"
 
 
 def _check_costs(rank, world):
