@@ -30,7 +30,7 @@ from .env import read as read_environment
 from .layout import Layout, LayoutError
 from .mesh import DeviceMesh, MeshError, as_mesh
 from .peers import (MAX_DIMS, RankDisagreementError, TensorReport, agree, announce_failure, compare_tensors,
-                    gather_texts, is_peer_failure, peer_error, rank_listing, tensor_report)
+                    gather_texts, rank_listing, tensor_report, together)
 from .ops.dispatcher import OpDispatcher
 from .ops.state import wrap
 from .planning import Redistribution, plan_redistribute
@@ -128,15 +128,10 @@ def _broadcast_replicas(local: torch.Tensor, mesh: DeviceMesh, placements) -> to
     for axis, placement in zip(mesh.axis_names, placements):
         if not isinstance(placement, Replicate) or mesh.size(axis) == 1:
             continue
-        source = mesh.group_ranks(axis)[0]
-        try:
-            with torch.no_grad():  # the caller's leaf may require grad; the values are taken as given
-                dist.broadcast(local, src=source, group=mesh.group(axis))
-        except RuntimeError as error:
-            if not is_peer_failure(error):
-                raise
-            raise peer_error(f"from_local(run_check=True)'s broadcast over ({axis!r},)", mesh.group_ranks(axis),
-                             error) from error
+        ranks = mesh.group_ranks(axis)
+        with torch.no_grad():  # the caller's leaf may require grad; the values are taken as given
+            together(f"from_local(run_check=True)'s broadcast over ({axis!r},)", ranks,
+                     lambda: dist.broadcast(local, src=ranks[0], group=mesh.group(axis)))
     return local
 
 

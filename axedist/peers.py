@@ -45,7 +45,8 @@ from .layout import LayoutError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "PeerError", "RankDisagreementError", "agree", "agree_in_group", "agreements_made",
            "announce_failure", "choose_timeout", "collective_timeout_s", "is_peer_failure", "peer_error",
-           "rank_listing", "MAX_DIMS", "TensorReport", "compare_tensors", "gather_texts", "tensor_report"]
+           "rank_listing", "MAX_DIMS", "TensorReport", "compare_tensors", "gather_texts", "tensor_report",
+           "together"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _CHOSEN: list[float] = []           # the timeout init_mesh was given: it wins over the variable
@@ -243,18 +244,24 @@ def tensor_report(tensor: torch.Tensor, ok: bool = True, inferred: Sequence[int]
     return TensorReport(bool(ok), dtype, tuple(tensor.shape), tuple(inferred), digest)
 
 
+def together(what: str, ranks: Sequence[int], call):
+    """``call()``, a collective over ``ranks``; a peer's failure in it (timeout, lost connection)
+    is raised as the ``PeerError`` naming ``what`` and the peers that did not arrive."""
+    try:
+        return call()
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        raise peer_error(what, ranks, error) from error
+
+
 def compare_tensors(report: TensorReport, *, group, ranks: Sequence[int], device, what: str) -> dict[int, TensorReport]:
     """``{global rank: its report}`` for every rank of ``group`` (global ``ranks``), by one small
     all_gather on ``device``; every rank calls it. A peer that does not take part makes it raise
     ``PeerError`` naming ``what`` (the collective: "distribute's check of every rank's tensor ...")."""
     mine = torch.tensor(report.words(), dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in ranks]
-    try:
-        dist.all_gather(rows, mine, group=group)
-    except RuntimeError as error:
-        if not is_peer_failure(error):
-            raise
-        raise peer_error(what, ranks, error) from error
+    together(what, ranks, lambda: dist.all_gather(rows, mine, group=group))
     return {rank: TensorReport.from_words(r.tolist()) for rank, r in zip(sorted(ranks), rows)}
 
 

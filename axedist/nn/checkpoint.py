@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..dtensor import DTensor
-from ..peers import agree, is_peer_failure, peer_error
+from ..peers import agree, together
 
 __all__ = ["CheckpointError", "Loaded", "torch_state_dict", "save", "load", "CHECKSUMS", "EXTRA"]
 
@@ -105,12 +105,7 @@ def _ranks() -> tuple[int, ...]:
 
 def _together(what: str, call):
     """``call()``, a collective over the job; a peer's failure in it is a ``PeerError`` naming it."""
-    try:
-        return call()
-    except RuntimeError as error:
-        if not is_peer_failure(error):
-            raise
-        raise peer_error(f"checkpoint {what}", _ranks(), error) from error
+    return together(f"checkpoint {what}", _ranks(), call)
 
 
 def save(module: nn.Module, path: str, *, optimizer=None, extra: dict | None = None) -> None:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor as TorchDTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..dtensor import DTensor, distribute
 from ..placements import Partial
@@ -106,7 +107,8 @@ def _full_or_offloaded(state, options: StateDictOptions):
         return state
     rank0_only = options.full_state_dict and options.cpu_offload
     keep = not rank0_only or dist.get_rank() == 0
-    result = _map_tensors(state, lambda value: _full_or_offloaded_tensor(value, options, keep))
+    # (every tensor in the same order on every rank: the gathers in it match up)
+    result = tree_map_only(torch.Tensor, lambda value: _full_or_offloaded_tensor(value, options, keep), state)
     return result if keep else {}
 
 
@@ -120,16 +122,12 @@ def _full_or_offloaded_tensor(value: torch.Tensor, options: StateDictOptions, ke
     return value.detach() if options.full_state_dict else value
 
 
-def _map_tensors(state, fn):
-    """``state`` (dicts, lists and tuples of tensors and other values) with ``fn`` applied to each
-    tensor, in order (the same order on every rank: the collectives in ``fn`` match up)."""
-    if isinstance(state, torch.Tensor):
-        return fn(state)
-    if isinstance(state, dict):
-        return {key: _map_tensors(value, fn) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_map_tensors(value, fn) for value in state)
-    return state
+@dataclasses.dataclass(frozen=True)
+class _Announced:
+    """What rank 0 tells the others of a tensor it broadcasts next: its shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
 
 
 def _device(targets: dict) -> torch.device:
@@ -145,24 +143,16 @@ def _from_rank0(state: dict, device: torch.device) -> dict:
     """Rank 0's ``state`` on every rank (the others pass ``{}``): its structure, scalars and
     non-tensors as one object, every other tensor broadcast on ``device``."""
     rank0 = dist.get_rank() == 0
-    shells = [_map_tensors(state, lambda t: t.detach().cpu() if t.dim() == 0 else (tuple(t.shape), t.dtype))
-              if rank0 else None]
+    announced = lambda t: t.detach().cpu() if t.dim() == 0 else _Announced(tuple(t.shape), t.dtype)  # noqa: E731
+    shells = [tree_map_only(torch.Tensor, announced, state) if rank0 else None]
     dist.broadcast_object_list(shells, src=0)
-
-    def received(shell):
-        if isinstance(shell, tuple) and len(shell) == 2 and isinstance(shell[1], torch.dtype):
-            return torch.empty(shell[0], dtype=shell[1], device=device)
-        if isinstance(shell, dict):
-            return {key: received(value) for key, value in shell.items()}
-        if isinstance(shell, (list, tuple)):
-            return type(shell)(received(value) for value in shell)
-        return shell
-
     if rank0:
-        full = _map_tensors(state, lambda t: t.detach().to(device) if t.dim() > 0 else t.detach().cpu())
+        full = tree_map_only(torch.Tensor, lambda t: t.detach().to(device) if t.dim() > 0 else t.detach().cpu(), state)
     else:
-        full = received(shells[0])
-    _map_tensors(full, lambda t: dist.broadcast(t, src=0) if t.dim() > 0 else None)
+        full = tree_map_only(_Announced, lambda a: torch.empty(a.shape, dtype=a.dtype, device=device), shells[0])
+    for t in tree_leaves(full):
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            dist.broadcast(t, src=0)
     return full
 
 
@@ -208,6 +198,7 @@ def _parameter_of(flat_key: str, parameters: dict) -> str | None:
 def _moment(value, parameter):
     """A moment placed like ``parameter`` when it has the parameter's shape (``step`` and other
     scalars stay as they are)."""
-    if isinstance(value, torch.Tensor) and isinstance(parameter, DTensor) and tuple(value.shape) == tuple(parameter.shape):
+    if (isinstance(value, torch.Tensor) and isinstance(parameter, DTensor)
+            and tuple(value.shape) == tuple(parameter.shape)):
         return _placed(value, parameter)
     return value
