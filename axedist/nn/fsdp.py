@@ -604,6 +604,7 @@ class FSDPUnit:
 
     def prefetch(self) -> None:
         """Start this unit's all-gathers (on a side stream on CUDA, so they overlap compute)."""
+        self.refresh()
         if self.is_gathered or self._started or not any(p.batched for p in self.params):
             return
         self.schedule.prefetches += 1
@@ -617,6 +618,7 @@ class FSDPUnit:
                 self._started = {k: (v, None) for k, v in self._start_gathers().items()}
 
     def unshard(self) -> None:
+        self.refresh()
         if self.is_gathered:
             return
         with torch.no_grad():
@@ -642,6 +644,49 @@ class FSDPUnit:
         s.live_bytes += delta
         s.peak_bytes = max(s.peak_bytes, s.live_bytes)
 
+    def refresh(self) -> None:
+        """Take up parameters replaced in the modules (``adopt_assigned``); what was gathered or is
+        being gathered of the old ones is dropped, so the next gather reads the new values."""
+        if self.adopt_assigned():
+            with torch.no_grad():
+                for pending, _ in self._started.values():
+                    pending.wait()
+            self._started = {}
+            self.reshard()
+
+    def adopt_assigned(self) -> bool:
+        """Sharded parameters put in the modules' slots since (``load_state_dict(..., assign=True)``,
+        as torch's FSDP2 example loads a full state dict: ``nn.Parameter(distribute_tensor(full,
+        p.device_mesh, p.placements))`` per parameter; or ``module.weight = ...``) become the unit's
+        parameters, gathered from then on, as torch's FSDP2 re-reads them. Ignoring them would train
+        the old values, so one that is not this parameter's sharded DTensor (same layout, shape,
+        dtype and device) is an error. Whether any was replaced."""
+        replaced = False
+        for p in self.params:
+            held = list(dict.fromkeys(module._parameters[name] for module, name in p.slots))
+            named = f"{self.name}.{p.name}" if self.name else p.name
+            new = [t for t in held if isinstance(t, nn.Parameter) and t is not p.param]
+            if not new:
+                continue
+            if len(new) > 1 or len(held) > 1:
+                raise ValueError(f"fully_shard: the modules that share {named} now hold {len(held)} different "
+                                 f"tensors for it; assign one parameter to every place it is used")
+            value = new[0]
+            device = self.mesh.device if p.param.is_meta else p.param.device  # (a model built on meta gets values)
+            if not isinstance(value, DTensor) or value._spec != p.sharded_spec or value.dtype != p.param.dtype \
+                    or value.device not in (device, p.param.device):
+                got = (f"an axedist DTensor {value.dtype} on {value.device}, {value._spec}" if isinstance(value, DTensor)
+                       else f"a {type(value).__name__} {getattr(value, 'dtype', '')} of shape {tuple(value.shape)}")
+                raise ValueError(f"fully_shard: {named} was replaced by {got}; a sharded parameter must stay a "
+                                 f"{p.param.dtype} axedist DTensor on {device} laid out as {p.sharded_spec} "
+                                 f"(distribute_tensor(full, param.device_mesh, param.placements) of the parameter it "
+                                 f"replaces, or load with load_state_dict's default assign=False)")
+            value.__dict__["_axedist_sharded"] = True
+            p.param, replaced = value, True
+            for module, name in p.slots:
+                module._parameters[name] = value
+        return replaced
+
     def _install(self, values) -> None:
         for p, value in zip(self.params, values):
             for module, name in p.slots:
@@ -649,7 +694,8 @@ class FSDPUnit:
 
     def _install_sharded(self) -> None:
         """The modules hold the sharded parameters again (after a forward or a backward that gave
-        them the gathered values)."""
+        them the gathered values). Parameters a script put there meanwhile are taken up, not undone."""
+        self.refresh()
         if any(module._parameters[name] is not p.param for p in self.params for module, name in p.slots):
             self._install([p.param for p in self.params])
 
@@ -1134,6 +1180,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
         # step's schedule, none of which a graph can hold (README, torch.compile)
         top.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
         top.register_forward_hook(_eager(unit.post_forward))
+        top.register_load_state_dict_post_hook(lambda module, keys: unit.refresh())
     return module
 
 

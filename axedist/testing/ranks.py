@@ -41,6 +41,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Sequence
 
 from ..env import MULTICAST_OFF  # every rank gets it: multicast stays off on shared GPU hosts
@@ -119,6 +120,10 @@ def _worker(rank, world_size, backend, port, sys_path, tasks, results, collectiv
             for part in qualname.split("."):
                 fn = getattr(fn, part)
             out = fn(rank, world_size, *args)
+            try:  # what the queue does in its feeder thread, where a failure is lost and the pool waits out its timeout
+                ForkingPickler.dumps(out)
+            except Exception as e:
+                raise TypeError(f"{qualname} returned a value the test process cannot receive: {e}") from None
             results.put((rank, "ok", (call_id, out)))
         except BaseException:  # report everything, including assertion failures
             results.put((rank, "error", (call_id, traceback.format_exc())))
