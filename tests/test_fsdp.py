@@ -499,7 +499,7 @@ def _layouts_and_errors(rank, world):
     from torch.distributed.tensor import Shard
     torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     block = model.layers[1]
-    out["offload"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], offload_policy=CPUOffloadPolicy()))
+    out["offload"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], offload_policy=CPUOffloadPolicy(), traced=True))
     out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: Shard(1)))
     out["listed_twice"] = error(lambda: fully_shard([block.attention, block.attention], mesh=torch_mesh["dp"]))
     out["not_modules"] = error(lambda: fully_shard([], mesh=torch_mesh["dp"]))

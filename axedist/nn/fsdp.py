@@ -354,6 +354,8 @@ class ShardedParameter:
 
     def shard_for_gather(self) -> torch.Tensor:
         local = self.param.to_local()
+        if self.unit.offload is not None:
+            local = self.unit.offload.to_device(local)
         dtype = self.unit.mp_policy.param_dtype
         return local.to(dtype) if dtype is not None and local.is_floating_point() else local
 
@@ -466,6 +468,8 @@ class ShardedParameter:
         return _Unshard.apply(self.param, self)
 
     def accumulate(self, grad: DTensor) -> None:
+        if self.unit.offload is not None:
+            (grad,) = self.unit.offload.to_host([grad])
         with torch.no_grad():
             if self.param.grad is None:
                 self.param.grad = grad
@@ -545,6 +549,7 @@ class FSDPUnit:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.mp_policy = mp_policy
+        self.offload: _CPUOffload | None = None  # the shards on the CPU between uses (offload_policy)
         self.params: list[ShardedParameter] = []
         self.schedule = self.own_schedule = _Schedule()
         self._flat: dict = {}          # ("gather" | "reduce", dtype) -> FlatLayout
@@ -593,6 +598,8 @@ class FSDPUnit:
         return any(p.gathered is not None and p.gathered.untyped_storage().nbytes() for p in self.params)
 
     def _start_gathers(self) -> dict:
+        if self.offload is not None:
+            self.offload.check(self)
         started = {}
         for dtype in dict.fromkeys(self._gather_dtype(p) for p in self.params if p.batched):
             flat = self.flat_layout("gather", dtype)
@@ -744,8 +751,12 @@ class FSDPUnit:
                 if stream is not None:
                     torch.cuda.current_stream().wait_stream(stream)
                 row = started.wait().reshape(flat.length)
-                for p, offset in zip(flat.records, flat.offsets):
-                    p.accumulate(DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec))
+                grads = [DTensor(p.unpack_shard(row, offset).to(p.param.dtype), p.sharded_spec)
+                         for p, offset in zip(flat.records, flat.offsets)]
+                if self.offload is not None:  # to the CPU together: one wait for the copies
+                    grads = self.offload.to_host(grads)
+                for p, grad in zip(flat.records, grads):
+                    p.accumulate(grad)
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -902,8 +913,9 @@ class FSDPUnit:
     def __repr__(self) -> str:
         sharded = sum(p.param.to_local().numel() * p.param.element_size() for p in self.params)
         axes = f"shard over {self.shard_axes}" + (f", replicate over {self.replicate_axes}" if self.replicate_axes else "")
+        offload = f", {self.offload}" if self.offload is not None else ""
         return (f"FSDPUnit({self.name or '<root>'}: {len(self.params)} parameters, {axes} of {self.mesh.axis_names}="
-                f"{self.mesh.shape}, {sharded} B here, reshard_after_forward={self.reshard_after_forward})")
+                f"{self.mesh.shape}, {sharded} B here{offload}, reshard_after_forward={self.reshard_after_forward})")
 
 
 def _finish_backward(schedule: _Schedule) -> None:
@@ -951,6 +963,117 @@ def _cast(x, dtype):
     if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
         return x.to(dtype)
     return x
+
+
+# ---------------------------------------------------------------------------
+# CPU offload (torch's CPUOffloadPolicy): the shards live on the CPU between uses
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _CPUOffload:
+    """Where a unit of ``fully_shard(..., offload_policy=CPUOffloadPolicy())`` keeps its shards:
+    each sharded parameter's local tensor is on the CPU (so is its gradient, and the optimizer
+    state made like it), pinned when the mesh's device is CUDA and ``pin_memory`` (torch's
+    default), so the copies to and from the device do not block. A gather first copies the shards
+    to the mesh's device, where the gathered parameters live while the unit computes; the sharded
+    gradient the reduce-scatter leaves there is copied to the CPU at the end of backward, so
+    ``optimizer.step()`` runs on the CPU. ``(8, 6)`` weight, ``dp = 2``, CUDA mesh:
+    ``param.to_local()`` a pinned CPU ``(4, 6)``, the module's weight a CUDA ``(8, 6)`` while it
+    runs, ``param.grad.to_local()`` a pinned CPU ``(4, 6)``."""
+
+    device: torch.device  # the mesh's: where gathers, compute and the reduce-scatters run
+    pin: bool             # shards and gradients in pinned memory
+
+    def __repr__(self) -> str:
+        return f"shards on the CPU{' (pinned)' if self.pin else ''}"
+
+    def to_device(self, local: torch.Tensor) -> torch.Tensor:
+        """A shard's copy on the mesh's device (on the current stream; from pinned memory the host
+        goes on at once)."""
+        return local.to(self.device, non_blocking=True)
+
+    def to_host(self, grads: list) -> list:
+        """Sharded gradients (DTensors) with their local tensors on the CPU; pinned ones copied
+        without blocking, then one wait for the current stream (the optimizer reads them next)."""
+        out, copying = [], False
+        for grad in grads:
+            local = grad._local
+            if local.device.type != "cpu":
+                if self.pin:
+                    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
+                    host.copy_(local, non_blocking=True)
+                    copying = True
+                else:
+                    host = local.cpu()
+                grad = DTensor(host, grad._spec)
+            out.append(grad)
+        if copying:
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    def to_mesh_device(self, modules, ignored_params) -> None:
+        """A module built on the CPU: the plain parameters and buffers a unit is about to shard go
+        to the mesh's device first (as torch's ``fully_shard`` moves them), sharded there, and the
+        shards come back (``place``); ignored parameters stay."""
+        ignored = {id(p) for p in ignored_params or ()}
+        with torch.no_grad():
+            for top in modules:
+                for sub in top.modules():
+                    for param in sub._parameters.values():
+                        if (param is not None and not isinstance(param, DTensor) and param.device.type == "cpu"
+                                and id(param) not in ignored and not param.__dict__.get("_axedist_fsdp_ignored")):
+                            param.data = param.data.to(self.device)
+                    for name, buffer in sub._buffers.items():
+                        if buffer is not None and buffer.device.type == "cpu":
+                            sub._buffers[name] = buffer.to(self.device)
+
+    def place(self, unit: "FSDPUnit") -> None:
+        """The unit's new shards (cut on the mesh's device) as new parameters on the CPU; shards on
+        the meta device stay there (``model.to_empty(device="cpu")`` gives them the CPU)."""
+        for p in unit.params:
+            local = p.param._local
+            if local.is_meta or local.device.type == "cpu":
+                continue
+            host = local.cpu()
+            p.param = _sharded_leaf(host.pin_memory() if self.pin else host, p.sharded_spec, p.param.requires_grad)
+            for module, name in p.slots:
+                module._parameters[name] = p.param
+
+    def check(self, unit: "FSDPUnit") -> None:
+        """Before a gather: every shard on the CPU (on every rank alike: the same model), pinned
+        where wanted; a shard that ``to_empty`` or a state dict left unpinned is pinned in place
+        (the parameter object, and so the optimizer's hold on it, stays)."""
+        elsewhere = [f"{p.name} ({p.param._local.device})" for p in unit.params if p.param._local.device.type != "cpu"]
+        if elsewhere:
+            raise ValueError(f"fully_shard(offload_policy=CPUOffloadPolicy()): the shards of {', '.join(elsewhere[:4])}"
+                             f"{', ...' if len(elsewhere) > 4 else ''} are not on the CPU, where offloaded parameters "
+                             f"live; a model sharded on the meta device takes its values after "
+                             f"model.to_empty(device=\"cpu\") (torchtitan's flow with CPU offload), not the "
+                             f"mesh's device ({self.device})")
+        if self.pin:
+            with torch.no_grad():
+                for p in unit.params:
+                    local = p.param._local
+                    if not local.is_pinned():
+                        pinned = local.pin_memory()
+                        local.set_(pinned.untyped_storage(), pinned.storage_offset(), pinned.shape, pinned.stride())
+
+
+def _offload_policy(offload_policy, traced: bool):
+    """torch's ``offload_policy``: ``None`` or ``OffloadPolicy()`` (torch's default: no offload)
+    gives None, ``CPUOffloadPolicy(pin_memory=...)`` itself."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return None
+    if not isinstance(offload_policy, CPUOffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy takes torch's OffloadPolicy() (no offload) or "
+                        f"CPUOffloadPolicy(pin_memory=...), got {offload_policy!r}")
+    if traced:
+        raise NotImplementedError("fully_shard(traced=True): CPU offload is not supported in traced mode (the gathers "
+                                  "are redistributes inside the graph); use the hooked mode (traced=False)")
+    return offload_policy
 
 
 # ---------------------------------------------------------------------------
@@ -1115,7 +1238,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     two axes meaning HSDP (replicate over the first, shard over the second), no mesh meaning
     every rank on one axis. ``ignored_params`` stay as they are (not sharded, their gradients not
     reduced; an outer ``fully_shard`` leaves them too). ``shard_placement_fn`` may give ``None`` or
-    ``Shard(0)``; another dim, and CPU offload (``offload_policy``), are refused.
+    ``Shard(0)``; another dim is refused.
 
     Apply it to each block first, then to the whole model (the root gets what the blocks did not
     take), as with torch's ``fully_shard``; after ``parallelize`` on ``mesh["tp"]`` when the model
@@ -1132,13 +1255,20 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     parameters from forward to backward (the root always keeps them, as torch does); ``None``
     is ``True``, and an int (torch: reshard to fewer ranks) reshards fully.
 
+    ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` (torch's): the unit's shards, and so their
+    gradients and the optimizer state, live on the CPU (pinned on CUDA); each gather copies them to
+    the mesh's device first, each sharded gradient comes back at the end of backward, and
+    ``optimizer.step()`` runs on the CPU. A model built on the CPU is moved to the device unit by
+    unit to be sharded (as torch's); one sharded on the meta device takes its values after
+    ``model.to_empty(device="cpu")``. ``OffloadPolicy()`` is no offload.
+
     ``traced=True`` (for ``torch.compile(model, fullgraph=True)`` of dp x tp): no hooks; each
     parameter's gather is a ``redistribute`` inside the forward of the module that uses it and its
     gradient's reduce-scatter that redistribute's backward, so the whole model traces as one
     graph and the compiler schedules (and frees) the gathers. Apply it once, to the whole model;
     see ``shard_traced``.
     """
-    _torch_defaults_only(offload_policy)
+    offload = _offload_policy(offload_policy, traced)
     modules = _module_group(module)
     if dp_axes is None:
         if isinstance(mesh, DeviceMesh) and "dp" in mesh.axis_names and mesh.ndim > 1:
@@ -1170,7 +1300,12 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
             inner = _unit_of(sub)
             if inner is not None and prefix:
                 inner.name = prefix
+    if offload is not None:
+        unit.offload = _CPUOffload(mesh.device, offload.pin_memory and mesh.device_type == "cuda")
+        unit.offload.to_mesh_device(modules, ignored_params)
     _shard_parameters(unit, mesh, _ignored(ignored_params), shard_placement_fn)
+    if unit.offload is not None:
+        unit.offload.place(unit)
     for top in modules:
         top.__dict__["_axedist_fsdp"] = unit
         if not isinstance(top, FSDPModule):
@@ -1218,13 +1353,6 @@ def _eager(hook):
         return hook(*args, **kwargs)
 
     return torch._disable_dynamo(run)
-
-
-def _torch_defaults_only(offload_policy) -> None:
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        raise NotImplementedError("fully_shard: CPU offload is not supported; leave offload_policy out")
 
 
 def _check_placement(shard_placement_fn, param, name: str) -> None:
@@ -1311,7 +1439,12 @@ def _sharded_parameter(param: nn.Parameter, gathered: DTensorSpec, sharded: DTen
     with torch.no_grad():
         full_local = param.to_local() if isinstance(param, DTensor) else param.detach()
         local = redistribute_local(full_local, gathered, sharded).clone()
-    new = nn.Parameter(DTensor(local, sharded), requires_grad=param.requires_grad)
+    return _sharded_leaf(local, sharded, param.requires_grad)
+
+
+def _sharded_leaf(local: torch.Tensor, sharded: DTensorSpec, requires_grad: bool) -> nn.Parameter:
+    """A sharded parameter: a new leaf holding this rank's piece ``local`` under ``sharded``, marked as sharded."""
+    new = nn.Parameter(DTensor(local, sharded), requires_grad=requires_grad)
     new.__dict__["_axedist_sharded"] = True
     return new
 

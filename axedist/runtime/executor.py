@@ -334,6 +334,11 @@ class _Unpadding:
         return self._finish(self._pending.wait())
 
 
+def _homed(moved, home: torch.device, async_op: bool):
+    """A route's result (``async_op``: its handle) on ``home``, the device its input piece was on."""
+    return _Unpadding(moved, lambda t: t.to(home)) if async_op else moved.to(home)
+
+
 def redistribute_local(local: torch.Tensor, src, dst, async_op: bool = False):
     """This rank's local tensor under spec ``dst`` from its local tensor under spec ``src``.
 
@@ -414,7 +419,10 @@ def run_route(route: Redistribution, local: torch.Tensor, async_op: bool = False
     two), unpad. ``async_op=True`` returns a handle whose ``wait()`` gives the tensor."""
     mesh = route.src.mesh
     p = mesh.position()
-    buffer = to_buffer(local.to(mesh.device), route.first, p, route.src_boxes[p], buffer_size(route.first.layout))
+    home = local.device
+    if home != mesh.device:  # a piece kept on the CPU (FSDP's CPU offload) moves on the mesh's device, then comes back
+        return _homed(run_route(route, local.to(mesh.device), async_op), home, async_op)
+    buffer = to_buffer(local, route.first, p, route.src_boxes[p], buffer_size(route.first.layout))
     if route.repad is None:
         out = execute_plan(route.plans[0], buffer, mesh, async_op=async_op)
         if async_op:
