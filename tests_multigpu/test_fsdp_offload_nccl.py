@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-from axedist.dtensor import DTensor
+from axedist.dtensor import DTensor, distribute_tensor
 from axedist.mesh import DeviceMesh
 from axedist.nn import checkpoint, fsdp_units, fully_shard
 from axedist.nn.llama import Llama, LlamaConfig, next_token_loss
@@ -224,6 +224,20 @@ def _meta_device_flow(rank, world, seed):
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         _on_the_cpu(f"gradient of {name}", p.grad, True, p._spec)
         torch.testing.assert_close(p.grad.to_local(), q.grad.to_local().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+    # torch's FSDP2 example's load: each full tensor distributed like the meta parameter (on the GPU),
+    # load_state_dict(assign=True); the offloaded unit takes a CPU copy, as torch's does
+    assigned = built()
+    meta = assigned.state_dict()
+    assigned.load_state_dict({k: torch.nn.Parameter(distribute_tensor(v.cuda(), meta[k].device_mesh, meta[k].placements))
+                              for k, v in reference.state_dict().items() if isinstance(meta.get(k), DTensor)},
+                             strict=False, assign=True)
+    with torch.no_grad():
+        assigned.rope_cos, assigned.rope_sin = reference.rope_cos.cuda(), reference.rope_sin.cuda()
+    loss = next_token_loss(assigned(tokens[:, :-1]), tokens[:, 1:])
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for name, p in assigned.named_parameters():
+        _on_the_cpu(f"assigned shard of {name} after the first forward", p, True)
     return True
 
 

@@ -664,7 +664,8 @@ class FSDPUnit:
     def adopt_assigned(self) -> bool:
         """Sharded parameters put in the modules' slots since (``load_state_dict(..., assign=True)``,
         as torch's FSDP2 example loads a full state dict: ``nn.Parameter(distribute_tensor(full,
-        p.device_mesh, p.placements))`` per parameter; or ``module.weight = ...``) become the unit's
+        p.device_mesh, p.placements))`` per parameter; or ``module.weight = ...``; with CPU offload a
+        copy on the mesh's device is taken to the CPU, as torch's) become the unit's
         parameters, gathered from then on, as torch's FSDP2 re-reads them. Ignoring them would train
         the old values, so one that is not this parameter's sharded DTensor (same layout, shape,
         dtype and device) is an error. Whether any was replaced."""
@@ -680,14 +681,17 @@ class FSDPUnit:
                                  f"tensors for it; assign one parameter to every place it is used")
             value = new[0]
             device = self.mesh.device if p.param.is_meta else p.param.device  # (a model built on meta gets values)
+            allowed = (device, p.param.device) if self.offload is None else (torch.device("cpu"), self.mesh.device)
             if not isinstance(value, DTensor) or value._spec != p.sharded_spec or value.dtype != p.param.dtype \
-                    or value.device not in (device, p.param.device):
+                    or value.device not in allowed:
                 got = (f"an axedist DTensor {value.dtype} on {value.device}, {value._spec}" if isinstance(value, DTensor)
                        else f"a {type(value).__name__} {getattr(value, 'dtype', '')} of shape {tuple(value.shape)}")
                 raise ValueError(f"fully_shard: {named} was replaced by {got}; a sharded parameter must stay a "
                                  f"{p.param.dtype} axedist DTensor on {device} laid out as {p.sharded_spec} "
                                  f"(distribute_tensor(full, param.device_mesh, param.placements) of the parameter it "
                                  f"replaces, or load with load_state_dict's default assign=False)")
+            if self.offload is not None and value.device.type != "cpu":  # offloaded: its copy on the CPU, as torch's
+                value = _sharded_leaf(value._local.detach().cpu(), value._spec, value.requires_grad)
             value.__dict__["_axedist_sharded"] = True
             p.param, replaced = value, True
             for module, name in p.slots:
