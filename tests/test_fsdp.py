@@ -500,7 +500,7 @@ def _layouts_and_errors(rank, world):
     torch_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     block = model.layers[1]
     out["offload"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], offload_policy=CPUOffloadPolicy(), traced=True))
-    out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: Shard(1)))
+    out["placement_fn"] = error(lambda: fully_shard(block, mesh=torch_mesh["dp"], shard_placement_fn=lambda p: Shard(2)))
     out["listed_twice"] = error(lambda: fully_shard([block.attention, block.attention], mesh=torch_mesh["dp"]))
     out["not_modules"] = error(lambda: fully_shard([], mesh=torch_mesh["dp"]))
     out["sub_mesh"] = error(lambda: fully_shard(block, mesh=mesh["dp"]))
@@ -893,7 +893,7 @@ def test_layouts_and_bad_input():
     assert o["device"] == ("meta", True, (2, 4)), o["device"]
     assert "shared with another FSDP unit" in o["shared"]
     assert "NotImplementedError" in o["offload"] and "offload" in o["offload"]
-    assert "NotImplementedError" in o["placement_fn"] and "Shard(dim=1)" in o["placement_fn"]
+    assert "ValueError" in o["placement_fn"] and "Shard(dim=2)" in o["placement_fn"], o["placement_fn"]
     assert "ValueError" in o["listed_twice"] and "listed twice" in o["listed_twice"]
     assert "TypeError" in o["not_modules"] and "non-empty list" in o["not_modules"]
     assert "MeshError" in o["sub_mesh"] and "lacks ['tp']" in o["sub_mesh"], o["sub_mesh"]

@@ -83,16 +83,18 @@ def _data_size(mesh: DeviceMesh, axes) -> int:
 
 
 def data_parallel_specs(view: DTensorSpec | None, shape, mesh: DeviceMesh, shard_axes: Sequence[str],
-                        replicate_axes: Sequence[str] = ()) -> tuple[DTensorSpec, DTensorSpec]:
+                        replicate_axes: Sequence[str] = (), dim: int = 0) -> tuple[DTensorSpec, DTensorSpec]:
     """``(gathered, sharded)`` specs on ``mesh`` of a parameter that a module sees in spec ``view``
     (a DTensor on a sub-mesh of the other axes; ``None``: a plain tensor of ``shape``).
 
     ``gathered`` is ``view``'s layout replicated over every other axis of ``mesh``; ``sharded``
-    cuts each (tensor-parallel) local tensor's dim 0 over ``shard_axes`` as ``torch.chunk`` does,
-    padding where it does not divide. ``(8, 6)`` as ``S[(2,4,6):(1@tp,6,1)]`` on ``tp``, mesh
-    ``(dp, tp) = (2, 2)``: gathered ``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``, sharded
-    ``S[(2,2,2,6):(1@tp,1@dp,6,1)]``. A ``(10, 6)`` weight (5 rows per tp rank, 3 + 2 per dp rank)
-    is padded to 12 rows, the padding in the middle: ``true_index`` rows ``0..4, -, 5..9, -``.
+    cuts each (tensor-parallel) local tensor's dim ``dim`` (torch's ``Shard(dim)`` of
+    ``shard_placement_fn``; default 0) over ``shard_axes`` as ``torch.chunk`` does, padding where
+    it does not divide. ``(8, 6)`` as ``S[(2,4,6):(1@tp,6,1)]`` on ``tp``, mesh ``(dp, tp) = (2,
+    2)``: gathered ``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``, sharded ``S[(2,2,2,6):(1@tp,1@dp,6,1)]``;
+    on dim 1, ``S[(2,4,2,3):(1@tp,3,1@dp,1)]`` (local ``(4, 3)``). A ``(10, 6)`` weight (5 rows per
+    tp rank, 3 + 2 per dp rank) is padded to 12 rows, the padding in the middle: ``true_index``
+    rows ``0..4, -, 5..9, -``.
     """
     if view is None:
         gathered = make_spec(mesh, replicated_layout(tuple(shape), mesh), tuple(shape))
@@ -100,36 +102,38 @@ def data_parallel_specs(view: DTensorSpec | None, shape, mesh: DeviceMesh, shard
         others = [a for a in mesh.axis_names if a not in view.mesh.axis_names]
         layout = Layout(view.layout.shard, view.layout.replica + tuple(_replicas(mesh, others)), view.layout.offset)
         gathered = make_spec(mesh, layout, view.shape, view.padded, true_index=view.true_index)
-    return gathered, _sharded(gathered, shard_axes, replicate_axes)
+    if gathered.shape and not 0 <= dim < len(gathered.shape):
+        raise ValueError(f"data_parallel_specs: dim {dim} is out of range for shape {gathered.shape}")
+    return gathered, _sharded(gathered, shard_axes, replicate_axes, dim)
 
 
-def _sharded(gathered: DTensorSpec, shard_axes, replicate_axes) -> DTensorSpec:
+def _sharded(gathered: DTensorSpec, shard_axes, replicate_axes, dim: int) -> DTensorSpec:
     mesh = gathered.mesh
     parts = _data_size(mesh, shard_axes)
     if not gathered.shape or parts == 1:  # a scalar (or one shard): replicated, its gradient all-reduced
         return gathered
     blocks = [list(b) for b in gathered.layout.blocks(gathered.padded)]
-    first = blocks[0]
-    memory = [i for i, it in enumerate(first) if it.axis == MEMORY_AXIS]
+    cut = blocks[dim]
+    memory = [i for i, it in enumerate(cut) if it.axis == MEMORY_AXIS]
     if not memory:  # one local row: an m iter of extent 1 to split
-        first.append(Iter(1, 1))
-        memory = [len(first) - 1]
-    local_rows, rows_of = _local_rows(gathered, first, memory)
+        cut.append(Iter(1, 1))
+        memory = [len(cut) - 1]
+    local_rows, rows_of = _local_rows(gathered, dim, cut, memory)
     shard_iters = [Iter(mesh.size(a), 1, a) for a in mesh.axis_names if a in shard_axes]
     padded, true_index = gathered.padded, gathered.true_index
-    outer = first[memory[0]]
+    outer = cut[memory[0]]
     if local_rows % parts == 0 and all(n == local_rows for n in rows_of.values()) and outer.extent % parts == 0:
-        first[memory[0]:memory[0] + 1] = shard_iters + [Iter(outer.extent // parts, 1)]
+        cut[memory[0]:memory[0] + 1] = shard_iters + [Iter(outer.extent // parts, 1)]
     elif len(memory) == 1:
         size = -(-local_rows // parts)
-        dim0 = _uneven_rows(gathered, first, memory[0], parts, size, rows_of)
-        first[memory[0]:memory[0] + 1] = shard_iters + [Iter(size, 1)]
-        padded = (gathered.padded[0] // local_rows * parts * size,) + gathered.padded[1:]
-        rest = gathered.true_index[1:] if gathered.true_index else (None,) * (len(padded) - 1)
-        true_index = (dim0,) + tuple(rest)
+        rows = _uneven_rows(gathered, dim, cut, memory[0], parts, size, rows_of)
+        cut[memory[0]:memory[0] + 1] = shard_iters + [Iter(size, 1)]
+        padded = padded[:dim] + (padded[dim] // local_rows * parts * size,) + padded[dim + 1:]
+        kept = gathered.true_index or (None,) * len(padded)
+        true_index = kept[:dim] + (rows,) + kept[dim + 1:]
     else:
-        raise LayoutError(f"fully_shard: dim 0 of {gathered} holds its local rows in several pieces "
-                          f"({[it for it in first if it.axis == MEMORY_AXIS]}); they split over {parts} data-parallel "
+        raise LayoutError(f"fully_shard: dim {dim} of {gathered} holds its local rows in several pieces "
+                          f"({[it for it in cut if it.axis == MEMORY_AXIS]}); they split over {parts} data-parallel "
                           f"ranks only when the outermost piece divides by {parts}")
     _, strides = row_major_memory(blocks)
     shard = [Iter(it.extent, stride, MEMORY_AXIS) if stride is not None else it
@@ -154,26 +158,28 @@ def _index_of(block, digits) -> int:
     return index
 
 
-def _true_row(spec: DTensorSpec, padded_row: int) -> int:
-    if spec.true_index and spec.true_index[0] is not None:
-        return spec.true_index[0][padded_row]
-    return padded_row if padded_row < spec.shape[0] else -1
+def _true_row(spec: DTensorSpec, dim: int, padded_row: int) -> int:
+    """The true index along ``dim`` of padded index ``padded_row`` (-1: padding)."""
+    if spec.true_index and spec.true_index[dim] is not None:
+        return spec.true_index[dim][padded_row]
+    return padded_row if padded_row < spec.shape[dim] else -1
 
 
-def _local_rows(spec: DTensorSpec, block, memory: list[int]) -> tuple[int, dict]:
-    """The padded local rows of dim 0, and the true ones per choice of its device digits (the
-    true rows are a leading range of each local tensor: DTensorSpec checks it)."""
+def _local_rows(spec: DTensorSpec, dim: int, block, memory: list[int]) -> tuple[int, dict]:
+    """The padded local rows of ``dim`` (its indices in each local tensor), and the true ones per
+    choice of its device digits (the true rows are a leading range of each local tensor:
+    DTensorSpec checks it)."""
     extent = math.prod(block[i].extent for i in memory)
     counts: dict[tuple, int] = {}
     for index in range(math.prod(it.extent for it in block)):
         digits = _digits_of(block, index)
         key = tuple(d for i, d in enumerate(digits) if i not in memory)
-        counts[key] = counts.get(key, 0) + (_true_row(spec, index) >= 0)
+        counts[key] = counts.get(key, 0) + (_true_row(spec, dim, index) >= 0)
     return extent, counts
 
 
-def _uneven_rows(spec: DTensorSpec, block, at: int, parts: int, size: int, rows_of: dict):
-    """True row of each padded row of dim 0 once each local tensor's ``n`` true rows are chunked
+def _uneven_rows(spec: DTensorSpec, dim: int, block, at: int, parts: int, size: int, rows_of: dict):
+    """True row of each padded row of ``dim`` once each local tensor's ``n`` true rows are chunked
     ``torch.chunk``-wise into ``parts`` pieces of ``size`` slots (as torch's fully_shard does);
     ``None`` where that is the true rows then padding at the end."""
     new_block = block[:at] + [Iter(parts, 1, "d"), Iter(size, 1)] + block[at + 1:]
@@ -187,8 +193,8 @@ def _uneven_rows(spec: DTensorSpec, block, at: int, parts: int, size: int, rows_
             mapping.append(-1)
             continue
         old = rest[:at] + [start + slot] + rest[at:]
-        mapping.append(_true_row(spec, _index_of(block, old)))
-    n = spec.shape[0]
+        mapping.append(_true_row(spec, dim, _index_of(block, old)))
+    n = spec.shape[dim]
     if mapping[:n] == list(range(n)) and all(m < 0 for m in mapping[n:]):
         return None
     return tuple(mapping)
@@ -231,7 +237,8 @@ class FlatLayout:
     axes local (``S[(2,2,L):(1@tp,L,1)] + R[2:1@dp]``: the all-gather over ``dp``), and
     ``pending`` is the gradients' sum over the data axes before the reduce-scatter back to
     ``sharded``. A parameter's gathered local tensor is its ``dp`` pieces one after the other
-    along dim 0 (``data_parallel_specs`` cuts dim 0 ``dp``-major), so no interleaving is needed.
+    along the dim it is sharded on (``data_parallel_specs`` cuts that dim ``dp``-major), so no
+    interleaving is needed.
     """
 
     records: tuple
@@ -303,8 +310,9 @@ def _own(local: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
 @dataclass(eq=False)
 class ShardedParameter:
     """One parameter of an FSDP unit: ``param`` (the sharded DTensor on the whole mesh, what the
-    optimizer, ``state_dict`` and DCP see), the module slots that hold it, and the spec the
-    modules compute with (``view``: the tensor-parallel DTensor's; ``None``: a plain tensor)."""
+    optimizer, ``state_dict`` and DCP see), the module slots that hold it, the spec the modules
+    compute with (``view``: the tensor-parallel DTensor's; ``None``: a plain tensor), and ``dim``,
+    the dim its data-parallel shards cut (``shard_placement_fn``'s ``Shard(dim)``; default 0)."""
 
     name: str
     param: nn.Parameter
@@ -313,6 +321,7 @@ class ShardedParameter:
     gathered_spec: DTensorSpec
     unit: "FSDPUnit"
     gathered: torch.Tensor | None = None   # this rank's unsharded local tensor, while gathered
+    dim: int = 0
 
     @property
     def sharded_spec(self) -> DTensorSpec:
@@ -331,7 +340,7 @@ class ShardedParameter:
     @functools.cached_property
     def pieces(self) -> tuple[tuple[int, ...], ...]:
         """The true local shapes of the shards of this rank's data-parallel group, in order: the
-        gathered local tensor is them one after the other along dim 0."""
+        gathered local tensor is them one after the other along ``dim``."""
         mesh, unit = self.unit.mesh, self.unit
         side = side_of(self.sharded_spec)
         boxes = true_boxes(side.layout, side.full, side.rows, mesh)
@@ -371,15 +380,15 @@ class ShardedParameter:
         padded = self.sharded_spec.local_padded
         pieces = [_box(rows[d, offset:offset + self.slot].view(padded), shape) for d, shape in enumerate(self.pieces)]
         if self.gathered is None:
-            self.gathered = torch.cat(pieces, dim=0)
+            self.gathered = torch.cat(pieces, dim=self.dim)
         else:
             with self._refilling() as target:
-                torch.cat(pieces, dim=0, out=target)
+                torch.cat(pieces, dim=self.dim, out=target)
 
     def pack_gradient(self, rows: torch.Tensor, offset: int, grad: torch.Tensor) -> None:
         """Cut this rank's gathered-layout gradient into the shards' rows of ``rows`` ``[parts, length]``."""
-        sizes = [shape[0] for shape in self.pieces]
-        for d, piece in enumerate(torch.split(grad, sizes, dim=0)):
+        sizes = [shape[self.dim] for shape in self.pieces]
+        for d, piece in enumerate(torch.split(grad, sizes, dim=self.dim)):
             self.pack(rows[d], offset, piece)
 
     def unpack_shard(self, row: torch.Tensor, offset: int) -> torch.Tensor:
@@ -1241,8 +1250,14 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     a sub-mesh of the job's mesh when the model is also tensor parallel (its root mesh is used),
     two axes meaning HSDP (replicate over the first, shard over the second), no mesh meaning
     every rank on one axis. ``ignored_params`` stay as they are (not sharded, their gradients not
-    reduced; an outer ``fully_shard`` leaves them too). ``shard_placement_fn`` may give ``None`` or
-    ``Shard(0)``; another dim is refused.
+    reduced; an outer ``fully_shard`` leaves them too).
+
+    ``shard_placement_fn(param)`` (torch's) picks each parameter's dim: ``None`` is ``Shard(0)``,
+    ``Shard(d)`` cuts dim ``d`` (negative counts from the end) of the parameter, or of its
+    tensor-parallel local tensor, over the data-parallel axes; ``lambda p: Shard(1)`` on an ``(8,
+    6)`` weight at ``dp = 2`` gives each rank an ``(8, 3)`` shard, layout ``S[(8,2,3):(3,1@dp,1)]``,
+    torch placements ``[Shard(1)]``. A dim that does not divide is padded (``(8, 5)``: 3 + 2
+    columns), where torch refuses dims > 0. A ``ShardPlacementResult`` (another mesh) is refused.
 
     Apply it to each block first, then to the whole model (the root gets what the blocks did not
     take), as with torch's ``fully_shard``; after ``parallelize`` on ``mesh["tp"]`` when the model
@@ -1359,19 +1374,28 @@ def _eager(hook):
     return torch._disable_dynamo(run)
 
 
-def _check_placement(shard_placement_fn, param, name: str) -> None:
-    """torch's ``shard_placement_fn``: ``None`` or ``Shard(0)`` (the default) per parameter."""
-    if shard_placement_fn is None:
-        return
-    placement = shard_placement_fn(param)
+def _placement_dim(shard_placement_fn, param, name: str) -> int:
+    """The dim ``param`` is sharded on: torch's ``shard_placement_fn(param)`` gives ``None``
+    (``Shard(0)``) or ``Shard(dim)``, a negative dim counted from the end (``Shard(-1)`` of an
+    ``(8, 6)`` weight: dim 1)."""
+    placement = None if shard_placement_fn is None else shard_placement_fn(param)
     if placement is None:
-        return
+        return 0
     from torch.distributed.tensor import Shard
 
-    if isinstance(placement, Shard) and placement.dim in (0, -param.dim()) and param.dim() > 0:
-        return
-    raise NotImplementedError(f"fully_shard: shard_placement_fn gave {placement!r} for {name}; parameters are sharded "
-                              f"on dim 0 (None or Shard(0))")
+    if type(placement).__name__ == "ShardPlacementResult":  # torch's (placement, mesh_info): another mesh
+        raise NotImplementedError(f"fully_shard: shard_placement_fn gave a ShardPlacementResult for {name}; sharding "
+                                  f"a parameter over another mesh than fully_shard's (MoE experts on their own "
+                                  f"group) is not supported; return None or Shard(dim) to shard it over this mesh")
+    if not isinstance(placement, Shard):
+        raise TypeError(f"fully_shard: shard_placement_fn gave {placement!r} for {name}; it returns None (Shard(0)) "
+                        f"or Shard(dim)")
+    ndim = param.dim()
+    if not -ndim <= placement.dim < ndim:
+        raise ValueError(f"fully_shard: shard_placement_fn gave {placement!r} for {name} of shape "
+                         f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})"
+                         + ("" if ndim else " (a scalar is not sharded: return None)"))
+    return placement.dim % ndim
 
 
 def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
@@ -1402,6 +1426,7 @@ def _shard_parameters(unit: FSDPUnit, mesh: DeviceMesh, ignored: set[int], shard
     slots: dict[int, list] = {}
     names: dict[int, str] = {}
     originals: dict[int, nn.Parameter] = {}
+    dims: dict[int, int] = {}
     seen: set = set()
     for top in unit.modules:
         for mod_name, sub in top.named_modules(remove_duplicate=False):
@@ -1422,15 +1447,17 @@ def _shard_parameters(unit: FSDPUnit, mesh: DeviceMesh, ignored: set[int], shard
                     other = f"the unit of {owner.name or 'a module'}" if owner is not None else "already sharded"
                     raise ValueError(f"fully_shard: {qualified} is shared with another FSDP unit ({other}); put the "
                                      f"modules that share a parameter in one unit")
-                _check_placement(shard_placement_fn, param, qualified)
+                if id(param) not in dims:
+                    dims[id(param)] = _placement_dim(shard_placement_fn, param, qualified)
                 slots.setdefault(id(param), []).append((sub, pname))
                 names.setdefault(id(param), qualified)
                 originals[id(param)] = param
     for key, param in originals.items():
         view = _view_spec(param, mesh, unit.data_axes, names[key])
-        gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes)
+        gathered, sharded = data_parallel_specs(view, param.shape, mesh, unit.shard_axes, unit.replicate_axes,
+                                                dims[key])
         new = _sharded_parameter(param, gathered, sharded)
-        record = ShardedParameter(names[key], new, slots[key], view, gathered, unit)
+        record = ShardedParameter(names[key], new, slots[key], view, gathered, unit, dim=dims[key])
         for sub, pname in slots[key]:
             sub._parameters[pname] = new
         unit.params.append(record)
