@@ -32,6 +32,11 @@ gather and its gradient's reduce-scatter are a ``redistribute`` inside the forwa
 that uses it (``GatheredView``), so ``torch.compile(model, fullgraph=True)`` compiles dp x tp as
 one graph and the compiler schedules the gathers; or each block compiled alone
 (``block.compile()``): one graph serves every alike block, each gathering its own parameters.
+
+``fully_shard(block, mesh=world_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))`` is torch's
+spelling of a model whose parameters are already DTensors on the whole mesh, replicated over the
+data-parallel axes (``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``): the same sharded layout, and the
+modules compute with those whole-mesh DTensors, as they were.
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
@@ -63,8 +69,9 @@ from ..runtime import redistribute_local
 from ..runtime.deferred import flush
 from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters, target_spec
 
-__all__ = ["MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "ShardedParameter", "FlatLayout", "fully_shard",
-           "fsdp_units", "data_parallel_specs", "pending_gradient_spec", "GatheredView", "shard_traced"]
+__all__ = ["MixedPrecisionPolicy", "DataParallelMeshDims", "FSDPUnit", "FSDPModule", "UnshardHandle",
+           "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units", "register_fsdp_forward_method",
+           "share_comm_ctx", "data_parallel_specs", "pending_gradient_spec", "GatheredView", "shard_traced"]
 
 
 NO_CASTS = MixedPrecisionPolicy()  # compute in the parameters' dtype, reduce in it too
@@ -85,7 +92,8 @@ def _data_size(mesh: DeviceMesh, axes) -> int:
 def data_parallel_specs(view: DTensorSpec | None, shape, mesh: DeviceMesh, shard_axes: Sequence[str],
                         replicate_axes: Sequence[str] = (), dim: int = 0) -> tuple[DTensorSpec, DTensorSpec]:
     """``(gathered, sharded)`` specs on ``mesh`` of a parameter that a module sees in spec ``view``
-    (a DTensor on a sub-mesh of the other axes; ``None``: a plain tensor of ``shape``).
+    (a DTensor on a sub-mesh of the other axes, or on ``mesh`` replicated over the data axes, as
+    torch's ``dp_mesh_dims`` has it; ``None``: a plain tensor of ``shape``).
 
     ``gathered`` is ``view``'s layout replicated over every other axis of ``mesh``; ``sharded``
     cuts each (tensor-parallel) local tensor's dim ``dim`` (torch's ``Shard(dim)`` of
@@ -215,8 +223,8 @@ def pending_gradient_spec(grad: DTensorSpec | None, shape, mesh: DeviceMesh, dat
     if grad.reduce_op not in (None, "sum"):
         raise LayoutError(f"a gradient pending a {grad.reduce_op} cannot be summed over the data-parallel ranks")
     others = [a for a in mesh.axis_names if a not in grad.mesh.axis_names and a not in data_axes]
-    layout = Layout(lead + list(grad.layout.shard), grad.layout.replica + tuple(_replicas(mesh, others)),
-                    grad.layout.offset)
+    kept = tuple(it for it in grad.layout.replica if it.axis not in data_axes)  # (a gradient on the whole mesh)
+    layout = Layout(lead + list(grad.layout.shard), kept + tuple(_replicas(mesh, others)), grad.layout.offset)
     summands = parts * (grad.summands if grad.reduce_op else 1)
     return make_spec(mesh, layout, grad.shape, grad.padded, "sum", summands, grad.true_index)
 
@@ -726,6 +734,7 @@ class FSDPUnit:
         last one arrives, then all reduce-scattered at once; one in another layout (pending over
         the tensor-parallel axes) is reduced alone."""
         self._awaited -= 1
+        grad = _own_summand(grad, self.data_axes)
         summed = record.summed_axes(grad) if record.batched else None
         kept = self._grads.get(record)
         if summed is None or (kept is not None and kept[0] != summed):
@@ -931,6 +940,32 @@ class FSDPUnit:
                 f"{self.mesh.shape}, {sharded} B here{offload}, reshard_after_forward={self.reshard_after_forward})")
 
 
+def _own_summand(grad: torch.Tensor, data_axes: tuple) -> torch.Tensor:
+    """A gradient on the whole mesh (``dp_mesh_dims``) that is pending a sum over data axes (each
+    data-parallel rank's batch gave a partial) as this rank's own gradient, replicated there: the
+    same local tensor, the data axes moved from the summand dim to the replicas. torch's
+    ``fully_shard`` reads the local tensor the same way, then averages over the ranks.
+    ``S[(2,4,6):(1@dp,6,1)] + R[2:1@tp]``, 2 summands -> ``S[(4,6):(6,1)] + R[2:1@tp, 2:1@dp]``."""
+    spec = grad._spec if isinstance(grad, DTensor) else None
+    if spec is None or spec.reduce_op != "sum":
+        return grad
+    summand_dim = spec.layout.blocks(spec.full_shape)[0]
+    mine = [it for it in summand_dim if it.axis in data_axes]
+    if not mine:
+        return grad
+    whole = [Iter(spec.mesh.size(it.axis), 1, it.axis) for it in mine]
+    if mine != whole or any(it.axis == MEMORY_AXIS and it.extent > 1 for it in summand_dim):
+        raise LayoutError(f"fully_shard: gradient {spec} is pending over the data-parallel axes {data_axes} in another "
+                          f"way than one summand per rank")
+    rest = [it for it in summand_dim if it.axis != MEMORY_AXIS and it not in mine]
+    pending = "sum" if rest else None
+    layout = Layout(rest + list(spec.layout.shard[len(summand_dim):]),
+                    spec.layout.replica + tuple(_replicas(spec.mesh, [it.axis for it in mine])), spec.layout.offset)
+    local = grad._local if pending else grad._local[0]
+    summands = math.prod(it.extent for it in rest)
+    return DTensor(local, make_spec(spec.mesh, layout, spec.shape, spec.padded, pending, summands, spec.true_index))
+
+
 def _finish_backward(schedule: _Schedule) -> None:
     """End of backward: every unit of the step reduces what is left, sets its gradients and frees
     what it gathered; started gathers are dropped."""
@@ -1112,7 +1147,7 @@ class FSDPModule:
             unit.unshard()
             return None
         unit.prefetch()
-        return _UnshardHandle(unit)
+        return UnshardHandle(unit)
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters (only the shards stay)."""
@@ -1171,6 +1206,38 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm) -> None:
         raise NotImplementedError("set_custom_reduce_scatter: axedist plans its reduce-scatters from the layouts")
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted (an int >= 1): each reduce-scatter here already has an input buffer of its own
+        (no wait to reuse one), torch's behaviour for a large cap."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, got "
+                            f"{max_input_buffers!r}")
+        if max_input_buffers < 1:
+            raise ValueError(f"set_reduce_scatter_max_input_buffers: max_input_buffers must be >= 1, got "
+                             f"{max_input_buffers}")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        if reduce_scatter_unused_params:
+            raise NotImplementedError("set_reduce_scatter_unused_params(True): axedist reduces the gradients that "
+                                      "arrived, so ranks must use the same parameters in a step; give unused "
+                                      "parameters a zero gradient in the model (e.g. add 0 * p.sum() to the loss)")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        if enable:
+            _warn_once("set_separate_reduce_scatter_group(True): axedist's reduce-scatters use the mesh's process "
+                       "groups, as its all-gathers do; the values are the same, no group is made")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            _warn_once("set_allocate_memory_from_process_group_for_comm(True): axedist allocates its collectives' "
+                       "buffers with torch's allocator; the values are the same")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: backend {backend!r}; torch's supports only 'NCCL'")
+        _warn_once("set_symm_mem_for_comm: axedist allocates its FSDP all-gathers' buffers with torch's allocator; "
+                   "the values are the same")
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide each rank's gradients of this unit by ``factor`` before summing them over the
         data-parallel ranks (default: their count, an average). ``1.0``: the sum, for scripts that
@@ -1191,14 +1258,25 @@ class FSDPModule:
         _unit_of(self).backward_prefetch = _prefetch_units(modules, "set_modules_to_backward_prefetch")
 
 
-class _UnshardHandle:
-    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the started gathers."""
+class UnshardHandle(torch_fsdp.UnshardHandle):
+    """What ``unshard(async_op=True)`` returns (torch's class, so scripts that check it pass):
+    ``wait()`` finishes the started gathers, after which the module holds the gathered values;
+    a second ``wait()`` does nothing, as torch's.
+
+        >>> handle = block.unshard(async_op=True)   # the all-gathers started
+        >>> handle.wait()                           # done: block's next forward gathers nothing
+    """
 
     def __init__(self, unit: FSDPUnit):
         self.unit = unit
 
     def wait(self) -> None:
-        self.unit.unshard()
+        unit, self.unit = self.unit, None  # once (and no reference kept)
+        if unit is not None:
+            unit.unshard()
+
+    def __repr__(self) -> str:
+        return f"UnshardHandle({'waited' if self.unit is None else self.unit.name or '<root>'})"
 
 
 def _prefetch_units(modules, what: str) -> list:
@@ -1228,6 +1306,47 @@ def fsdp_units(module: nn.Module) -> list[FSDPUnit]:
     return list(dict.fromkeys(u for u in (_unit_of(m) for m in module.modules()) if u is not None))
 
 
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` gather the unit's parameters before it runs and free
+    them after, as ``forward`` does (torch's: for a ``generate`` that calls submodules and uses
+    the module's own parameters). A module ``fully_shard`` was not applied to: nothing happens
+    (torch's too, so a script registers with or without FSDP).
+
+        >>> fully_shard(model, mesh)
+        >>> register_fsdp_forward_method(model, "generate")
+        >>> model.generate(tokens)          # model's own parameters gathered, then freed
+    """
+    unit = _unit_of(module)
+    if unit is None:
+        return
+    if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+    before, after = _eager(unit.pre_forward), _eager(unit.post_forward)
+
+    @functools.wraps(method)
+    def as_forward(*args, **kwargs):
+        args, kwargs = before(module, args, kwargs)
+        return after(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward)
+
+
+def share_comm_ctx(modules: Sequence[nn.Module]) -> None:
+    """torch's: let FSDP roots (a pipeline's model chunks) share the CUDA streams their
+    collectives run on. Here they always do: every unit of the process issues its all-gathers on
+    one side stream per device and its reduce-scatters on another (``_side_stream``), so this
+    only checks that ``modules`` is a list of modules ``fully_shard`` was applied to.
+
+        >>> share_comm_ctx([stage0, stage1])   # each fully_shard-ed
+    """
+    if isinstance(modules, nn.Module) or not isinstance(modules, (list, tuple)):
+        raise TypeError(f"share_comm_ctx takes a list of FSDP modules, got {type(modules).__name__}")
+    for m in modules:
+        if not isinstance(m, nn.Module) or _unit_of(m) is None:
+            raise ValueError(f"share_comm_ctx: expected modules fully_shard was applied to, got {type(m).__name__}")
+
+
 def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     for a in axes:
@@ -1239,7 +1358,8 @@ def _axes_arg(mesh: DeviceMesh, axes, what: str) -> tuple[str, ...]:
 def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: Sequence[str] | str | None = None,
                 replicate_axes: Sequence[str] | str = (), reshard_after_forward: bool | int | None = True,
                 mp_policy: MixedPrecisionPolicy = NO_CASTS, offload_policy=None, shard_placement_fn=None,
-                ignored_params=None, traced: bool = False) -> nn.Module:
+                ignored_params=None, dp_mesh_dims: DataParallelMeshDims | None = None,
+                traced: bool = False) -> nn.Module:
     """Shard ``module``'s parameters over ``dp_axes`` of ``mesh`` (in place); returns ``module``.
     A list of modules (``fully_shard([model.norm, model.output])``, as torchtitan writes it) is one
     unit: gathered when the first of them runs, freed after the last, its gradients reduced together.
@@ -1249,8 +1369,13 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     mesh=world_mesh["dp"])`` with the torch (or axedist) mesh of the data-parallel axes only,
     a sub-mesh of the job's mesh when the model is also tensor parallel (its root mesh is used),
     two axes meaning HSDP (replicate over the first, shard over the second), no mesh meaning
-    every rank on one axis. ``ignored_params`` stay as they are (not sharded, their gradients not
-    reduced; an outer ``fully_shard`` leaves them too).
+    every rank on one axis; or ``fully_shard(block, mesh=world_mesh,
+    dp_mesh_dims=DataParallelMeshDims(shard="dp", replicate=None))`` (torch's class) with the
+    whole mesh, every parameter a DTensor on it replicated over the named axes (``shard``: the
+    ``dp_axes``, ``replicate``: the ``replicate_axes``; a tuple of names shards over those axes
+    together; ``replicate`` alone: DDP), which the modules then compute with. ``ignored_params``
+    stay as they are (not sharded, their gradients not reduced; an outer ``fully_shard`` leaves
+    them too).
 
     ``shard_placement_fn(param)`` (torch's) picks each parameter's dim: ``None`` is ``Shard(0)``,
     ``Shard(d)`` cuts dim ``d`` (negative counts from the end) of the parameter, or of its
@@ -1289,7 +1414,10 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     """
     offload = _offload_policy(offload_policy, traced)
     modules = _module_group(module)
-    if dp_axes is None:
+    if dp_mesh_dims is not None:
+        mesh, dp_axes, replicate_axes = _named_dims(mesh, dp_mesh_dims, dp_axes, replicate_axes,
+                                                    reshard_after_forward, traced)
+    elif dp_axes is None:
         if isinstance(mesh, DeviceMesh) and "dp" in mesh.axis_names and mesh.ndim > 1:
             dp_axes = ("dp",)  # axedist's spelling: the whole mesh, its "dp" axis
         else:
@@ -1302,7 +1430,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
     if set(shard_axes) & set(replicate_axes):
         raise MeshError(f"fully_shard: axes {sorted(set(shard_axes) & set(replicate_axes))} are in both dp_axes and "
                         f"replicate_axes")
-    if not shard_axes:
+    if not shard_axes and dp_mesh_dims is None:  # (torch's DataParallelMeshDims(replicate=...) alone: DDP)
         raise MeshError("fully_shard: dp_axes is empty (give at least one mesh axis to shard the parameters over)")
     if traced:
         if len(modules) > 1 or shard_placement_fn is not None or ignored_params:
@@ -1319,10 +1447,13 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
             inner = _unit_of(sub)
             if inner is not None and prefix:
                 inner.name = prefix
+    ignored = _ignored(ignored_params)
+    if dp_mesh_dims is not None:
+        _check_on_whole_mesh(modules, mesh, unit.data_axes, ignored)
     if offload is not None:
         unit.offload = _CPUOffload(mesh.device, offload.pin_memory and mesh.device_type == "cuda")
         unit.offload.to_mesh_device(modules, ignored_params)
-    _shard_parameters(unit, mesh, _ignored(ignored_params), shard_placement_fn)
+    _shard_parameters(unit, mesh, ignored, shard_placement_fn)
     if unit.offload is not None:
         unit.offload.place(unit)
     for top in modules:
@@ -1396,6 +1527,61 @@ def _placement_dim(shard_placement_fn, param, name: str) -> int:
                          f"{tuple(param.shape)}; the dim must be in [{-ndim}, {ndim})"
                          + ("" if ndim else " (a scalar is not sharded: return None)"))
     return placement.dim % ndim
+
+
+def _named_dims(mesh, dims, dp_axes, replicate_axes, reshard_after_forward, traced) -> tuple[DeviceMesh, tuple, tuple]:
+    """torch's ``dp_mesh_dims`` -> axedist's ``(whole mesh, dp_axes, replicate_axes)``, refused
+    where torch's ``fully_shard`` refuses it (and with axedist's own axes or traced mode)."""
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(f"fully_shard: dp_mesh_dims takes torch.distributed.fsdp.DataParallelMeshDims (also "
+                        f"axedist.nn.DataParallelMeshDims), got {type(dims).__name__}")
+    if dp_axes is not None or replicate_axes:
+        raise TypeError("fully_shard: dp_mesh_dims names the data-parallel axes; leave dp_axes and replicate_axes out")
+    if traced:
+        raise NotImplementedError("fully_shard(traced=True) takes dp_axes, not dp_mesh_dims (the parameters on the "
+                                  "tensor-parallel sub-mesh)")
+    if not dims.shard_names and not dims.replicate_names:
+        raise ValueError("fully_shard: at least one of shard or replicate must be set in dp_mesh_dims")
+    if mesh is None:
+        raise ValueError("fully_shard: dp_mesh_dims names axes of mesh=, the whole mesh the parameters are DTensors "
+                         "on; pass it")
+    whole = as_mesh(mesh)
+    names = dims.shard_names + dims.replicate_names
+    for name in names:
+        if name not in whole.axis_names:
+            raise ValueError(f"fully_shard: dp_mesh_dims names {name!r}, which mesh {whole.axis_names}="
+                             f"{whole.shape} lacks")
+    both = sorted(set(dims.shard_names) & set(dims.replicate_names))
+    if both or len(set(names)) < len(names):
+        raise ValueError(f"fully_shard: dp_mesh_dims names {both or names} twice (shard {dims.shard_names}, "
+                         f"replicate {dims.replicate_names}); each axis is sharded or replicated")
+    if dims.shard_names and not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        raise NotImplementedError("fully_shard: reshard_after_forward as an int is not supported with dp_mesh_dims "
+                                  "(torch's is not either); pass True or False")
+    return whole, dims.shard_names, dims.replicate_names
+
+
+def _check_on_whole_mesh(modules, mesh: DeviceMesh, data_axes: tuple, ignored: set[int]) -> None:
+    """With ``dp_mesh_dims`` every parameter to shard is a DTensor on the whole mesh, replicated over
+    the data axes (torch's rules), checked before any is sharded."""
+    for top in modules:
+        for name, param in top.named_parameters():
+            if _is_sharded(param) or id(param) in ignored or param.__dict__.get("_axedist_fsdp_ignored"):
+                continue
+            if not isinstance(param, DTensor):
+                raise ValueError(f"fully_shard: with dp_mesh_dims every parameter is a DTensor on the whole mesh "
+                                 f"{mesh.axis_names} (e.g. by distribute_module); {name} is a plain "
+                                 f"{type(param).__name__}. Without dp_mesh_dims, mesh= the data-parallel mesh takes "
+                                 f"plain and tensor-parallel parameters")
+            if param.mesh != mesh:
+                raise ValueError(f"fully_shard: with dp_mesh_dims every parameter is a DTensor on the whole mesh "
+                                 f"{mesh.axis_names}={mesh.shape}; {name} is on {param.mesh.axis_names}="
+                                 f"{param.mesh.shape}. A parameter on the tensor-parallel sub-mesh goes with "
+                                 f"mesh=world_mesh['dp'] and no dp_mesh_dims")
+            laid = [a for a in data_axes if not _replicated_over(param._spec, a)]
+            if laid:
+                raise ValueError(f"fully_shard: with dp_mesh_dims every parameter is replicated over the data-parallel "
+                                 f"dims (Replicate() there); {name} is laid out on {laid} ({param._spec.layout})")
 
 
 def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
@@ -1503,10 +1689,12 @@ def _view_spec(param: nn.Parameter, mesh: DeviceMesh, data_axes: tuple, name: st
     sub = spec.mesh
     if spec.reduce_op:
         raise LayoutError(f"fully_shard: parameter {name} has a pending {spec.reduce_op} ({spec})")
-    clash = [a for a in sub.axis_names if a in data_axes]
+    # on the whole mesh, replicated over the data axes (torch's dp_mesh_dims): the modules compute with it so
+    clash = [a for a in sub.axis_names if a in data_axes and not (sub == mesh and _replicated_over(spec, a))]
     if clash:
         raise MeshError(f"fully_shard: data-parallel axes {clash} are axes parameter {name} is already laid out on "
-                        f"(its mesh {sub.axis_names}, layout {spec.layout}); shard over other axes of {mesh.axis_names}")
+                        f"(its mesh {sub.axis_names}, layout {spec.layout}), not replicated there; shard over other "
+                        f"axes of {mesh.axis_names}")
     missing = [a for a in sub.axis_names if a not in mesh.axis_names]
     if missing:
         raise MeshError(f"fully_shard: parameter {name} lives on mesh axes {sub.axis_names}, and mesh "
@@ -1516,6 +1704,13 @@ def _view_spec(param: nn.Parameter, mesh: DeviceMesh, data_axes: tuple, name: st
         raise MeshError(f"fully_shard: parameter {name} lives on {sub}, which is not this rank's sub-mesh "
                         f"{mesh[ordered] if ordered == sub.axis_names else ordered} of {mesh}")
     return spec
+
+
+def _replicated_over(spec: DTensorSpec, axis: str) -> bool:
+    """Every coordinate of ``axis`` holds the whole of ``spec``'s tensor (torch's ``Replicate()``)."""
+    layout = spec.layout
+    return (not any(it.axis == axis for it in layout.shard) and not layout.offset.get(axis, 0)
+            and [it for it in layout.replica if it.axis == axis] == [Iter(spec.mesh.size(axis), 1, axis)])
 
 
 
@@ -1569,8 +1764,9 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
     in the hooked mode: compute (and gather) in ``param_dtype``, reduce in ``reduce_dtype``, by
     default the parameter's own dtype. Alike modules share one parametrized class, so each
     block compiled alone (``layer.compile()``, torchtitan's way) reuses one graph. Not in this
-    mode: HSDP (``replicate_axes``), parameters shared by several modules, mixing with hooked
-    units in one model, and ``remove_parametrizations``."""
+    mode: HSDP (``replicate_axes``), parameters shared by several modules, parameters on the
+    whole mesh (``dp_mesh_dims``'), mixing with hooked units in one model, and
+    ``remove_parametrizations``."""
     if replicate_axes:
         raise NotImplementedError(f"fully_shard(traced=True): HSDP (replicate_axes {replicate_axes}) is not supported "
                                   f"in traced mode; use the hooked mode (traced=False)")
@@ -1591,6 +1787,9 @@ def shard_traced(module: nn.Module, mesh: DeviceMesh, shard_axes: tuple, replica
             slots.append((sub, pname, param, qualified))
     for sub, pname, param, qualified in slots:
         view = _view_spec(param, mesh, shard_axes, qualified)
+        if view is not None and view.mesh == mesh:
+            raise NotImplementedError(f"fully_shard(traced=True): parameter {qualified} is a DTensor on the whole mesh; "
+                                      f"traced mode takes parameters on the tensor-parallel sub-mesh (or plain ones)")
         gathered, sharded = data_parallel_specs(view, param.shape, mesh, shard_axes)
         if target_spec(sharded, gathered.layout, gathered.padded, None) != gathered:
             raise LayoutError(f"fully_shard(traced=True): parameter {qualified}'s gathered layout {gathered.layout} "
