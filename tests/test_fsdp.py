@@ -31,6 +31,7 @@ from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.runtime import count_collectives
 from axedist.spec import spec_from_placements
 from axedist.testing import run_on_ranks, run_torchrun, torch_comm_bytes, torch_fully_shard_llama, torch_llama_loss
+from tests.fsdp_reference import gradients_then_step, same_after_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL64 = dict(rtol=1e-9, atol=1e-11)
@@ -105,28 +106,8 @@ def _matches_one_process(rank, world, s, shape, names, case):
         torch.testing.assert_close(value / parts, loss_ref.detach(), **TOL64, msg=lambda m: f"step {step} loss: {m}")
         loss_ref.backward()
         loss.backward()
-        if case.get("clip"):
-            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            norm = torch.nn.utils.clip_grad_norm_(par.parameters(), 0.05)
-            torch.testing.assert_close(norm.full_tensor(), norm_ref, **TOL64)
-        for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-            if p_ref.grad is None:
-                assert p.grad is None, f"{name}: a frozen parameter got a gradient"
-                continue
-            assert p.grad._spec == p._spec, f"{name}: gradient {p.grad._spec} is not sharded like {p._spec}"
-            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL64,
-                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
-        opt_ref.step()
-        opt_par.step()
-        opt_ref.zero_grad()
-        opt_par.zero_grad()
-    for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), **TOL64,
-                                   msg=lambda m: f"after {STEPS} steps: {name}: {m}")
-        state = opt_par.state.get(p, {})
-        for key, value in state.items():
-            if isinstance(value, DTensor) and value.dim():
-                assert value._spec == p._spec, f"{name}: optimizer state {key} is not sharded like the parameter"
+        gradients_then_step(step, ref, par, opt_ref, opt_par, clip=0.05 if case.get("clip") else None)
+    same_after_steps(ref, par, opt_ref, opt_par, STEPS)
     schedule = fsdp_units(par)[0].schedule
     return schedule.prefetches, schedule.peak_bytes
 

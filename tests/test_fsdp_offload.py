@@ -23,8 +23,7 @@ from axedist.nn import checkpoint, fsdp_units, fully_shard, parallelize, replica
 from axedist.nn.llama import Llama, LlamaConfig, llama_tp_plan, next_token_loss
 from axedist.nn.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from axedist.testing import run_on_ranks
-
-TOL64 = dict(rtol=1e-9, atol=1e-11)
+from tests.fsdp_reference import TOL64, gradients_then_step, same_after_steps
 STEPS = 3
 
 
@@ -93,26 +92,16 @@ def _matches_one_process(rank, world, s, shape, names, case):
         torch.testing.assert_close(value / parts, loss_ref.detach(), **TOL64, msg=lambda m: f"step {step} loss: {m}")
         loss_ref.backward()
         loss.backward()
-        if case.get("clip"):
-            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            norm = torch.nn.utils.clip_grad_norm_(par.parameters(), 0.05)
-            torch.testing.assert_close(norm.full_tensor(), norm_ref, **TOL64)
-        for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-            if id(p) in offloaded:
-                _on_the_cpu(f"step {step}: grad of {name}", p.grad, p)
-            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL64,
-                                       msg=lambda m: f"step {step}: grad of {name}: {m}")
-        opt_ref.step()
-        opt_par.step()
-        opt_ref.zero_grad()
-        opt_par.zero_grad()
-    for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), **TOL64,
-                                   msg=lambda m: f"after {STEPS} steps: {name}: {m}")
+        gradients_then_step(step, ref, par, opt_ref, opt_par, clip=0.05 if case.get("clip") else None,
+                            each=lambda name, p: id(p) in offloaded and _on_the_cpu(f"grad of {name}", p.grad, p))
+
+    def on_the_cpu_with_state(name, p):
         if id(p) in offloaded:
             _on_the_cpu(f"after {STEPS} steps: {name}", p, p)
             for key in ("exp_avg", "exp_avg_sq"):
                 _on_the_cpu(f"{name}'s {key}", opt_par.state[p][key], p)
+
+    same_after_steps(ref, par, opt_ref, opt_par, STEPS, each=on_the_cpu_with_state)
     return len(offloaded)
 
 

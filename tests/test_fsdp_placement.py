@@ -29,8 +29,7 @@ from axedist.nn.fsdp import MixedPrecisionPolicy, data_parallel_specs
 from axedist.nn.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict
 from axedist.spec import placements_of, spec_from_placements
 from axedist.testing import run_on_ranks
-
-TOL64 = dict(rtol=1e-9, atol=1e-11)
+from tests.fsdp_reference import TOL64, gradients_then_step, same_after_steps
 STEPS = 3
 
 
@@ -168,6 +167,7 @@ def _matches_one_process(rank, world, s, kind, options):
     d = _data_index(mesh, data_axes)
     g = torch.Generator().manual_seed(s + 1)
     uneven = set()
+    label = lambda name: f"{name} ({dims[name]})"  # noqa: E731
     for step in range(STEPS):
         tokens = torch.randint(0, vocab, (2 * parts, 5), generator=g)
         loss_ref = ref(tokens).logsumexp(-1).mean()
@@ -177,25 +177,9 @@ def _matches_one_process(rank, world, s, kind, options):
         torch.testing.assert_close(value / parts, loss_ref.detach(), **TOL64, msg=lambda m: f"step {step} loss: {m}")
         loss_ref.backward()
         loss.backward()
-        if options.get("clip"):
-            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-            norm = torch.nn.utils.clip_grad_norm_(par.parameters(), 0.05)
-            torch.testing.assert_close(norm.full_tensor(), norm_ref, **TOL64)
-        for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-            assert p.grad._spec == p._spec, f"{name}: gradient {p.grad._spec} is not sharded like {p._spec}"
-            torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, **TOL64,
-                                       msg=lambda m: f"step {step}: grad of {name} ({dims[name]}): {m}")
-        opt_ref.step()
-        opt_par.step()
-        opt_ref.zero_grad()
-        opt_par.zero_grad()
-    for (name, p_ref), p in zip(ref.named_parameters(), par.parameters()):
-        torch.testing.assert_close(p.full_tensor(), p_ref.detach(), **TOL64,
-                                   msg=lambda m: f"after {STEPS} steps: {name} ({dims[name]}): {m}")
-        for key, value in opt_par.state[p].items():
-            if isinstance(value, DTensor) and value.dim():
-                assert value._spec == p._spec, f"{name}: optimizer state {key} is not sharded like the parameter"
-                torch.testing.assert_close(value.full_tensor(), opt_ref.state[p_ref][key], **TOL64)
+        gradients_then_step(step, ref, par, opt_ref, opt_par, clip=0.05 if options.get("clip") else None, label=label)
+    same_after_steps(ref, par, opt_ref, opt_par, STEPS, label=label)
+    for name, p in par.named_parameters():
         dim = _dim_of(dims[name], p.dim())
         if dim > 0 and cut[name][dim] % mesh.size(data_axes[-1]):
             uneven.add(name)
