@@ -16,9 +16,9 @@ from .layout import LayoutError
 from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
 from .runtime.tails import defer_tail, tail_axis
 from .tracing import compiling
-from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements
+from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements, without_summands
 
-__all__ = ["requires_grad", "from_local", "to_local", "redistribute", "move", "distribute", "grad_spec"]
+__all__ = ["requires_grad", "from_local", "to_local", "rank_summand", "redistribute", "move", "distribute", "grad_spec"]
 
 
 def requires_grad(dt) -> bool:
@@ -38,11 +38,55 @@ def from_local(cls, local: torch.Tensor, spec: DTensorSpec, unsqueeze: bool, gra
 
 
 def to_local(dt, grad: DTensorSpec | None = None) -> torch.Tensor:
-    """``dt``'s local tensor; its gradient comes back as a DTensor in ``dt``'s layout, or in
-    ``grad`` (same global shape and piece shape here; a placements ``Partial`` gets its summand dim)."""
-    if torch.is_grad_enabled() and requires_grad(dt):
+    """``dt``'s local tensor (a pending reduction's: ``rank_summand``, torch's shape); its
+    gradient comes back as a DTensor in ``dt``'s layout (a pending reduction's: replicated where
+    its summands were, ``without_summands``, as torch's), or in ``grad`` (same global shape and
+    piece shape here; a placements ``Partial`` gets its summand dim)."""
+    spec = dt._spec
+    differentiable = torch.is_grad_enabled() and requires_grad(dt)
+    if spec.reduce_op and spec.local_padded[0] > 1:
+        _check_rank_summand(spec, dt.dtype, differentiable)
+    if differentiable:
         return _ToLocal.apply(dt, grad)
-    return dt._local
+    return rank_summand(dt._local, spec.reduce_op) if spec.reduce_op else dt._local
+
+
+def rank_summand(local: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """What this rank contributes to a pending ``reduce_op`` whose local tensor ``local`` leads
+    with its summand dim: torch's ``Partial`` local tensor, whose ``reduce_op`` over the ranks
+    is the value. One summand here: that summand, a view (``(1, 3, 4)`` -> ``(3, 4)``). Several
+    (a layout with part of its summand dim in memory): reduced here with the same op, so 4
+    summands ``s0..s3`` summed, two a rank, give rank 0 ``s0 + s1`` and rank 1 ``s2 + s3``
+    (``avg``: their mean, every rank holding as many)."""
+    count = local.shape[0]
+    if count == 1:
+        return local[0]
+    if count == 0:  # a device the layout does not reach: nothing here, every dim empty
+        return local.reshape(local.shape[1:])
+    if reduce_op == "sum":
+        return local.sum(0, dtype=local.dtype)  # (an integer sum keeps its dtype)
+    if reduce_op == "avg":
+        return local.mean(0)
+    return local.amax(0) if reduce_op == "max" else local.amin(0)
+
+
+def _check_rank_summand(spec: DTensorSpec, dtype: torch.dtype, differentiable: bool) -> None:
+    """Refuse ``to_local`` where this rank holds several summands (the same count on every rank:
+    the layout's) and its contribution has no torch form: an integer average (the mean here,
+    then the mean over the ranks, rounds twice), or the gradient of a max / min (it goes to the
+    largest / smallest summand of each element, which a DTensor gradient cannot say)."""
+    op, here = spec.reduce_op, spec.local_padded[0]
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise LayoutError(f"to_local() of a pending integer avg with {here} summands on each rank ({spec}): the mean "
+                          f"of a rank's summands rounds, then the mean over the ranks rounds again, so no rank "
+                          f"contribution gives the value; redistribute to a layout with one summand a rank (e.g. "
+                          f"placements with Partial('avg')) or reduce it first (full_tensor(), redistribute)")
+    if differentiable and op in ("max", "min"):
+        raise NotImplementedError(
+            f"to_local() of a pending {op} with {here} summands on each rank ({spec}) is not differentiable: the "
+            f"gradient of a rank's {op} goes to one summand of each element, which a DTensor gradient cannot say; "
+            f"redistribute to a layout with one summand a rank (e.g. placements with Partial({op!r})), reduce it "
+            f"first (full_tensor(), redistribute), or call it under torch.no_grad()")
 
 
 def redistribute(dt, dst: DTensorSpec, async_op: bool = False, forward_dtype: torch.dtype | None = None,
@@ -154,15 +198,26 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, grad_spec):
-        ctx.cls, ctx.spec = type(dt), dt._spec if grad_spec is None else grad_spec
-        ctx.unsqueeze = grad_spec is not None and grad_spec.reduce_op is not None
-        return dt._local.view_as(dt._local)
+    def forward(ctx, dt, grad_target):
+        spec, local = dt._spec, dt._local
+        # the result's gradient is each rank's piece of the value's gradient, replicated where the
+        # summands were (torch's Partial -> Replicate; a layout's summands in memory dropped)
+        ctx.cls, ctx.spec = type(dt), without_summands(spec) if grad_target is None else grad_target
+        ctx.unsqueeze = grad_target is not None and grad_target.reduce_op is not None
+        # the gradient of each summand held here: the result's (sum, max, min), its share of the mean (avg)
+        ctx.divisor = local.shape[0] if spec.reduce_op == "avg" and grad_target is None else None
+        if not spec.reduce_op:
+            return local.view_as(local)
+        return rank_summand(local, spec.reduce_op)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        return ctx.cls(grad.unsqueeze(0) if ctx.unsqueeze else grad, ctx.spec), None
+        if ctx.unsqueeze:
+            grad = grad.unsqueeze(0)
+        elif ctx.divisor is not None and ctx.divisor > 1:
+            grad = grad / ctx.divisor
+        return ctx.cls(grad, ctx.spec), None
 
 
 class _Redistribute(torch.autograd.Function):

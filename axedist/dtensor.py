@@ -39,7 +39,7 @@ from .runtime import checks, true_local_shape
 from .runtime.deferred import fused_choice, fused_gemm_stats, pending_product
 from .spec import (DTensorSpec, contiguous_strides, element_table, even_shape_from_local, is_placements,
                    layout_from_placements, make_spec, placements_from_layout, placements_of, replicated_layout,
-                   row_major_iters, spec_for_layout, spec_from_placements, target_spec)
+                   row_major_iters, spec_for_layout, spec_from_placements, target_spec, without_summands)
 from .tracing import ALL_DIMS, compiling, outside_tracing, static_sizes, unusable_here
 
 __all__ = [
@@ -440,19 +440,33 @@ class DTensor(torch.Tensor):
     # -- reading -------------------------------------------------------------------
 
     def to_local(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
-        """This rank's piece (with the leading summand dim for a pending reduction).
+        """This rank's piece, in torch's shape. A pending reduction's piece is what this rank
+        contributes to it, as torch's ``Partial`` local tensor: the summand it holds (a view of
+        the local tensor without its summand dim), or, where a layout puts several summands on
+        each rank, their reduction here with the pending op (sum, mean, max, min), so the op
+        over the ranks' pieces is the value. On 2 ranks, ``b`` (4, 6) ``[Shard(1)]`` and ``w``
+        (6, 3) ``[Shard(0)]``::
 
-        Differentiable: the gradient of the piece comes back as a DTensor in this layout, or,
-        as torch's keyword says, in ``grad_placements`` (e.g. ``[Partial()]`` when the ranks'
-        pieces of a replicated tensor get different gradients). A layout whose piece here has
-        another shape than this one is refused, as is ``grad_placements`` on a pending reduction.
+            >>> (b @ w).to_local()            # (4, 3): b's 3 columns here @ w's 3 rows here, as torch's
+            >>> p = x.to_partial()            # x (4, 8) replicated: 4 summands on each rank
+            >>> p.to_local()                  # (8,): x.sum(0) on every rank
+
+        Differentiable: the gradient of the piece comes back as a DTensor in this layout (a
+        pending reduction's axes replicated, as torch: each summand held here gets the piece's
+        gradient, divided by their count for ``avg``), or, as torch's keyword says, in
+        ``grad_placements`` (e.g. ``[Partial()]`` when the ranks' pieces of a replicated tensor
+        get different gradients). A ``grad_placements`` whose piece here has another shape than
+        this one is refused, as is an integer ``avg`` over several summands a rank (no rank
+        contribution rounds to the value) and the gradient of a ``max`` / ``min`` over several.
 
             >>> w.to_local(grad_placements=[Partial()])   # w Replicate: each rank's grad a summand
         """
         if _dynamo_tracing():
             return _NODES["to_local"](self, grad_placements=grad_placements)
+        spec = self._spec
         grad = None if grad_placements is None else _gradient_target(
-            "to_local", self._spec, tuple(grad_placements), tuple(self._local.shape), default=self._spec)
+            "to_local", spec, tuple(grad_placements), tuple(self._local.shape)[1 if spec.reduce_op else 0:],
+            default=without_summands(spec))
         return autograd.to_local(self, grad)
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
@@ -568,7 +582,7 @@ class DTensor(torch.Tensor):
         from torch.distributed.tensor import DTensor as TorchDTensor
 
         placements = placements_of(self._spec)
-        local = self._local[0] if self._spec.reduce_op else self._local
+        local = autograd.rank_summand(self._local, self._spec.reduce_op) if self._spec.reduce_op else self._local
         return TorchDTensor.from_local(local, self.mesh.to_torch(), placements, run_check=False,
                                        shape=torch.Size(self.shape), stride=contiguous_strides(self.shape))
 
@@ -843,14 +857,11 @@ def _gradient_target(what: str, spec: DTensorSpec, placements: tuple, local_shap
                      default: DTensorSpec) -> DTensorSpec | None:
     """``grad_placements`` of ``to_local`` / ``from_local`` as the spec of the gradient of the
     local tensor (None: ``default``, what the gradient gets anyway). Its piece here must have
-    ``local_shape``; ``to_local`` of a pending reduction and ``from_local`` to a pending one are
-    refused (a summand dim would appear or vanish)."""
+    ``local_shape`` (``to_local``'s result: a pending reduction's without its summand dim);
+    ``from_local`` to a pending reduction is refused."""
     target = spec_from_placements(spec.shape, spec.mesh, placements)
     if target == default:
         return None
-    if what == "to_local" and spec.reduce_op:
-        raise LayoutError(f"to_local(grad_placements={list(placements)}) of a pending reduction ({spec}): reduce it "
-                          f"first (redistribute) or leave grad_placements out")
     if what == "from_local" and target.reduce_op:
         raise LayoutError(f"from_local(grad_placements={list(placements)}): a gradient cannot be brought to a pending "
                           f"reduction; give placements without Partial")

@@ -31,7 +31,7 @@ __all__ = [
     "REDUCE_OPS", "DTensorSpec", "ElementTable", "make_spec", "element_table", "chunk", "nested_chunk",
     "chunk_ranges", "contiguous_strides", "row_major_iters", "replicated_layout", "is_placements",
     "spec_for_layout", "target_spec", "even_shape_from_local", "spec_from_placements", "placements_of",
-    "layout_from_placements", "placements_from_layout",
+    "layout_from_placements", "placements_from_layout", "without_summands",
 ]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -211,6 +211,20 @@ def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true
                     f"layout {layout}: dim {dim}'s m iter {it} should have stride {stride} for a row-major local "
                     f"tensor of shape {local} (axedist local tensors are row-major over the m iters of each dim)")
     return DTensorSpec(mesh, layout, shape, padded, reduce_op, summands, true_index, local)
+
+
+def without_summands(spec: DTensorSpec) -> DTensorSpec:
+    """A pending reduction's value laid out where its summands lie: the summand dim's mesh iters
+    become replicas, its memory iters go. ``[4, 6] S[(2,2,2,2,6):(1@dp,12,1@tp,6,1)]``, sum (two
+    summands a rank in memory) -> ``[4, 6] S[(2,2,6):(1@tp,6,1)] + R[2:1@dp]``: every rank's piece
+    has its local tensor's shape without the summand dim (torch's ``[Partial(), Shard(0)]`` ->
+    ``[Replicate(), Shard(0)]``)."""
+    if not spec.reduce_op:
+        return spec
+    summand, *dims = spec.layout.blocks(spec.full_shape)
+    replica = spec.layout.replica + tuple(it for it in summand if it.axis != MEMORY_AXIS)
+    layout = Layout([it for block in dims for it in block], replica, spec.layout.offset)
+    return make_spec(spec.mesh, layout, spec.shape, spec.padded, true_index=spec.true_index)
 
 
 # ---------------------------------------------------------------------------

@@ -294,8 +294,6 @@ def _torch_dtensor_api(rank, world, seed):
                        (lambda: x.redistribute([Replicate()], placements=[Replicate()]), "given twice"),
                        (lambda: DTensor.from_local(torch.zeros(2, 6), None, [Shard(0)]), "needs a mesh"),
                        (lambda: x.to_local(grad_placements=[Replicate()]), "piece of shape \\(8, 6\\)"),
-                       (lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Partial()]).to_local(
-                           grad_placements=[Replicate()]), "pending reduction"),
                        (lambda: DTensor.from_local(torch.zeros(2, 6), mesh, [Shard(0)], grad_placements=[Replicate()]),
                         "piece of shape \\(8, 6\\)"),
                        (lambda: DTensor.from_local(torch.zeros(8, 6), mesh, [Replicate()], grad_placements=[Partial()]),

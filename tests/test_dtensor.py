@@ -122,7 +122,7 @@ def figure_8(rank, world_size, device_type="cpu"):
     assert torch.equal(y.to_local().cpu(), full.sum(0)[rows * rank:rows * (rank + 1)])
     # the same pending sum built from local pieces; and max/min/avg reduce the same way
     partial = DTensor.from_local(full[rank:rank + 1].to(mesh.device), mesh, summands, (w, 64, 64), reduce_op="sum")
-    assert partial.shape == (64, 64) and partial.to_local().shape == (1, 64, 64)
+    assert partial.shape == (64, 64) and partial.to_local().shape == (64, 64)
     assert torch.equal(partial.full_tensor().cpu(), full.sum(0))
     for op, reduce in [("max", full.amax(0)), ("min", full.amin(0)), ("avg", full.mean(0))]:
         got = x.to_partial(op).redistribute(out).to_local().cpu()
@@ -257,8 +257,7 @@ def _from_local_checked(rank, world, mesh_shape, names):
                              ("torch", TorchDTensor.from_local, init_device_mesh("cpu", mesh_shape))):
         local = torch.arange(6.0).reshape(2, 3) + 100 * rank
         d = make(local, mesh, placements, run_check=True)
-        # (axedist's to_local of a Partial keeps a leading summand dim: compared as (2, 3))
-        out[name] = (d.to_local().reshape(2, 3).tolist(), d.full_tensor().tolist(), local.tolist())
+        out[name] = (d.to_local().tolist(), d.full_tensor().tolist(), local.tolist())
     dist.barrier()
     return out
 

@@ -88,7 +88,7 @@ def differential(rank, world_size, mesh_key, shape, src_codes, dst_codes, seed, 
         except LayoutError as e:
             assert strided_uneven(shape, mesh_shape, src), e
             return "unsupported"
-        assert torch.equal(ours.to_local()[0], local) and ours.reduce_op == op
+        assert torch.equal(ours.to_local(), local) and ours.reduce_op == op
     if op is None:
         assert ours.to_local().shape == theirs.to_local().shape
         assert torch.equal(ours.to_local(), theirs.to_local())

@@ -105,8 +105,6 @@ def _tol(ref) -> dict:
 def _check_attributes(o, ref, what: str) -> None:
     """What the wrapper reports against its local tensor and the plain result."""
     local = o.to_local()
-    if o.reduce_op:  # a pending reduction's piece leads with its summand dim
-        local = local[0]
     assert o.dtype == ref.dtype == local.dtype, f"{what}: dtype {o.dtype} / local {local.dtype} / plain {ref.dtype}"
     assert o.requires_grad == ref.requires_grad, f"{what}: requires_grad {o.requires_grad}, plain {ref.requires_grad}"
     assert not o.is_conj() and not o.is_neg(), f"{what}: the wrapper carries a conjugate / negative bit"
