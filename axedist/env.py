@@ -129,6 +129,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("AXEDIST_COMMIT", _text, "any text", None, "the commit benchmarks record"),
     Variable("AXEDIST_SKIP_TRITON_TESTS", _flag, "a flag (0/1, true/false, yes/no, on/off)", False,
              "tests: skip (visibly) the Triton tests when Triton is missing"),
+    Variable("AXEDIST_TEST_SEED", _text, "an int", None,
+             "tests: the seed of the tests that draw from one (tests/conftest.py), to repeat a failure"),
 )}
 
 # (name, text) -> value: a reader on a hot path parses once
