@@ -53,7 +53,7 @@ from typing import Sequence
 import torch
 from torch import nn
 import torch.distributed.fsdp as torch_fsdp
-from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
@@ -68,6 +68,25 @@ from ..planning.repad import side_of
 from ..runtime import redistribute_local
 from ..runtime.deferred import flush
 from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters, target_spec
+
+try:  # torch >= 2.13 (the CPU machines' torch)
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # an older torch (2.11 on the GPU machines) lacks the class: the same fields and names
+    @dataclass(frozen=True)
+    class DataParallelMeshDims:  # type: ignore[no-redef]
+        """torch 2.13's ``DataParallelMeshDims(shard="dp", replicate=None)`` on an older torch:
+        the mesh dims ``fully_shard(..., dp_mesh_dims=)`` shards and replicates over."""
+
+        shard: str | tuple[str, ...] | None = None
+        replicate: str | tuple[str, ...] | None = None
+
+        @property
+        def shard_names(self) -> tuple[str, ...]:
+            return (self.shard,) if isinstance(self.shard, str) else tuple(self.shard or ())
+
+        @property
+        def replicate_names(self) -> tuple[str, ...]:
+            return (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate or ())
 
 __all__ = ["MixedPrecisionPolicy", "DataParallelMeshDims", "FSDPUnit", "FSDPModule", "UnshardHandle",
            "ShardedParameter", "FlatLayout", "fully_shard", "fsdp_units", "register_fsdp_forward_method",
@@ -1258,7 +1277,7 @@ class FSDPModule:
         _unit_of(self).backward_prefetch = _prefetch_units(modules, "set_modules_to_backward_prefetch")
 
 
-class UnshardHandle(torch_fsdp.UnshardHandle):
+class UnshardHandle(getattr(torch_fsdp, "UnshardHandle", object)):  # torch's class where it has one
     """What ``unshard(async_op=True)`` returns (torch's class, so scripts that check it pass):
     ``wait()`` finishes the started gathers, after which the module holds the gathered values;
     a second ``wait()`` does nothing, as torch's.
