@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import axedist as ax
 from axedist.dtensor import distribute, DTensor
 from axedist.ops.specs import expected_local_shape
+from axedist.spec import without_summands
 from axedist.runtime import count_collectives
 from axedist.testing import run_on_ranks
 from tests.ops_cases import Replicate, Shard, mesh_of
@@ -84,8 +85,8 @@ def _run(fn, fulls, placements, mesh, grad, what):
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, plain {want.dtype}"
     assert got.stride() == want.stride() or not want.is_contiguous(), \
         f"{what}: strides {got.stride()}, plain {want.stride()}"
-    local = got.to_local()
-    assert tuple(local.shape) == expected_local_shape(got._spec, None), \
+    local = got.to_local()  # a pending reduction's: this rank's summand (torch's shape)
+    assert tuple(local.shape) == expected_local_shape(without_summands(got._spec), None), \
         f"{what}: local shape {tuple(local.shape)} under {got._spec}"
     torch.testing.assert_close(got.full_tensor(), want, rtol=1e-9, atol=1e-9, msg=lambda m: f"{what}: {m}")
     if grad:
