@@ -621,3 +621,42 @@ def test_ops_that_may_alias_are_served(seed):
                 assert hits[f"chunk (a tuple of views), {placements}"] == (2 if inference else 0), (inference, hits)
             assert hits["split along dim 0, [Replicate()]"] == (2 if inference else 0), (inference, hits)
             assert hits["reshape whose local view aliases"] == 0, hits
+
+
+def _pieces_on_two_devices(rank, world, seed, inference):
+    """A DTensor whose piece is off the mesh's device (FSDP's CPU offload on a CUDA mesh; here a
+    meta-built one on a CPU mesh) with the spec, dtype and strides of one on it: every call's
+    result reports the device its piece is on, whichever of the two was called first and however
+    often (the fast path's entries and the plans' output tags are keyed by the piece's device)."""
+    mesh = DeviceMesh("cpu", (world,))
+    calls = {"mul by a float": lambda t: t * 1.5, "clone": lambda t: t.clone(), "add": lambda t: t + t,
+             "zeros_like": torch.zeros_like, "t": lambda t: t.t(), "chunk": lambda t: t.chunk(2, dim=1),
+             "sum over rows (pending)": lambda t: t.sum(0), "view": lambda t: t.view(-1, 3),
+             "to float32": lambda t: t.float()}
+    seen = []
+    with torch.inference_mode(inference):  # (inputs made inside: views of others there fail, as torch's)
+        for placements in ([Shard(0)], [Replicate()]):
+            _on_two_devices(mesh, world, seed, placements, calls, seen)
+    fastpath.enable(True)
+    return {"cpu", "meta"} == set(seen)
+
+
+def _on_two_devices(mesh, world, seed, placements, calls, seen):
+    real = distribute(_rand((4 * world, 6), seed), mesh, placements)
+    meta = distribute(torch.empty(4 * world, 6, dtype=torch.float64, device="meta"), mesh, placements)
+    for on in (False, True):
+        fastpath.enable(on)
+        for order in ((real, meta), (meta, real)):
+            for name, call in calls.items():
+                for _ in range(3):
+                    for dt in order:
+                        out = call(dt)
+                        for o in out if isinstance(out, tuple) else (out,):
+                            where = (name, placements, on, o.device, o.to_local().device, dt.to_local().device)
+                            assert o.device == o.to_local().device == dt.to_local().device, where
+                            seen.append(o.device.type)
+
+
+def test_pieces_off_the_mesh_device_report_their_device(seed):
+    for inference in (False, True):
+        assert all(run_on_ranks(_pieces_on_two_devices, 2, args=(seed, inference)))

@@ -317,7 +317,7 @@ DEFERRABLE = (aten.mm.default, aten.addmm.default)
 @outside_tracing  # rules and meta shapes on real metadata, also while torch.compile traces
 def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) -> CallPlan | None:
     """The plan of ``func(*args, **kwargs)`` (``dts`` its DTensors, ``specs`` their ArgSpecs),
-    or None when no rule answers; ``tag_for(spec, dtype, stride)`` tags the plainest route's output."""
+    or None when no rule answers; ``tag_for(spec, dtype, stride, device)`` tags the plainest route's output."""
     rule = rule_for(func)
     if rule is None:
         return None
@@ -354,7 +354,9 @@ def plan_call(cls, func, args, kwargs, dts, specs, mesh, info: OpInfo, tag_for) 
                                                                    outputs, sharding)
     if fast is not None and fast.out is not None:  # the output's tag: the next op's key needs no stride() call
         fast.dtype = flat[0].dtype
-        fast.tag = tag_for(fast.out.spec, fast.dtype, fast.out.stride)
+        device = _result_device(dts, kwargs)
+        if device is not None:  # (else untagged: the output's tag is derived from it when first keyed)
+            fast.tag = tag_for(fast.out.spec, fast.dtype, fast.out.stride, device)
     plain = None
     if fast is not None and fast.out is not None and sharding.local is None and \
             all(slot.target is None and not slot.strip for slot in fast.slots):
@@ -500,6 +502,14 @@ def _out_spec(func, rule, value, entry, mesh) -> OutSpec:
         spec = spec_of(shape, mesh, placements)
     stride = None if value.is_contiguous() else tuple(value.stride())
     return OutSpec(spec, expected_local_shape(spec, placements), stride)
+
+
+def _result_device(dts, kwargs) -> torch.device | None:
+    """The device of an op's local result where its DTensor arguments' pieces tell it: theirs,
+    when they share one and no ``device=`` argument names another (the plan's cache key holds
+    their devices, so every call of the plan has them); else None."""
+    devices = {d._value.device for d in dts}
+    return devices.pop() if len(devices) == 1 and kwargs.get("device") is None else None
 
 
 def _fast_form(cls, args, kwargs, dts, info: OpInfo, targets, structure: str, outputs, sharding) -> FastForm | None:

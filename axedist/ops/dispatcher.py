@@ -54,8 +54,11 @@ _KWARGS = object()     # in a cache key: the keyword arguments' entries end here
 
 
 class Tag:
-    """A small int standing for a DTensor's (spec, dtype, global stride), kept on the DTensor
-    (``_tag``) with the spec it was made for, so cache keys hold ints instead of hashing specs."""
+    """A small int standing for a DTensor's (spec, dtype, global stride, device), kept on the
+    DTensor (``_tag``) with the spec it was made for, so cache keys hold ints instead of hashing
+    specs. The device is the local tensor's: a piece kept off the mesh's device (FSDP's CPU
+    offload, ``DTensor.cpu()`` on a CUDA mesh, a meta-built model) keys its own entries, whose
+    results are wrapped with its device."""
 
     __slots__ = ("spec", "number")
 
@@ -86,7 +89,7 @@ class OpDispatcher:
         self.cache = CallCache()     # every call record, by key (the fast path's too)
         self.stats = {"hits": 0, "misses": 0, "uncached": 0, "fallbacks": 0}
         self.warned: set = set()     # ops that ran through the gather fallback (warned once each)
-        self._tags: dict = {}        # (spec, dtype, stride or None) -> Tag
+        self._tags: dict = {}        # (spec, dtype, stride or None, device) -> Tag
         self._next_tag = itertools.count(1)  # tag numbers are never reused, even after _tags is cleared
         self._defer_gemm = "auto"
         # the process's deferred work (one for every thread: autograd's backward thread defers
@@ -148,8 +151,8 @@ class OpDispatcher:
 
     # -- keys and tags -------------------------------------------------------------
 
-    def tag_for(self, spec, dtype, stride) -> Tag:
-        key = (spec, dtype, None if stride is None else tuple(stride))
+    def tag_for(self, spec, dtype, stride, device) -> Tag:
+        key = (spec, dtype, None if stride is None else tuple(stride), device)
         tag = self._tags.get(key)
         if tag is None:
             if len(self._tags) > 65536:  # tags in cached keys stay valid: only new DTensors get new tags
@@ -162,7 +165,8 @@ class OpDispatcher:
         with _no_torch_function():
             stride = tuple(dt.stride())
         spec = dt._spec
-        tag = self.tag_for(spec, dt._value.dtype, None if stride == _contiguous(spec.shape) else stride)
+        value = dt._value
+        tag = self.tag_for(spec, value.dtype, None if stride == _contiguous(spec.shape) else stride, value.device)
         if tag.spec is not spec:  # an equal spec, another object: the identity check needs this one
             tag = Tag(spec, tag.number)
         dt._tag = tag

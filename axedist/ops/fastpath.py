@@ -203,7 +203,7 @@ class FastPath:
             if out.unsqueeze or not _like(piece, expected) or _storage(piece) not in inputs or \
                     _storage(piece) != _storage(expected):
                 return _SLOW
-            tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
+            tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride, expected.device)
             routes.append(LocalRoute(None, (), out, expected.dtype, tag, False, False, expected.device, True))
         return Views(tuple(routes))
 
@@ -293,7 +293,7 @@ class FastPath:
                 same |= again.isnan() & expected.isnan()
             if not bool(same.all()):
                 return _SLOW
-        tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride)
+        tag = self.dispatcher.tag_for(out.spec, expected.dtype, out.stride, expected.device)
         return LocalRoute(None, (), out, expected.dtype, tag, defer, _pointwise(steps), expected.device, view, run,
                           fresh)
 
