@@ -632,7 +632,10 @@ def _pieces_on_two_devices(rank, world, seed, inference):
     calls = {"mul by a float": lambda t: t * 1.5, "clone": lambda t: t.clone(), "add": lambda t: t + t,
              "zeros_like": torch.zeros_like, "t": lambda t: t.t(), "chunk": lambda t: t.chunk(2, dim=1),
              "sum over rows (pending)": lambda t: t.sum(0), "view": lambda t: t.view(-1, 3),
-             "to float32": lambda t: t.float()}
+             "to float32": lambda t: t.float(),
+             "a Parameter of it, then zeros_like (AdamW's state)": lambda t: torch.zeros_like(
+                 torch.nn.Parameter(t.detach(), requires_grad=False), memory_format=torch.preserve_format),
+             "a Parameter of it, then mul": lambda t: torch.nn.Parameter(t.detach(), requires_grad=False) * 1.5}
     seen = []
     with torch.inference_mode(inference):  # (inputs made inside: views of others there fail, as torch's)
         for placements in ([Shard(0)], [Replicate()]):

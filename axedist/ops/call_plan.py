@@ -166,7 +166,8 @@ class _Scan:
                 raise DispatchError(f"{self.func}: {where} is on mesh {spec.mesh}, another argument on {self.mesh}; "
                                     f"an op needs all its DTensors on one mesh")
             self.found.append(value)
-            return (spec, value.dtype, value.stride())
+            # (the piece's device too: a plan tags its output for it, _result_device)
+            return (spec, value.dtype, value.stride(), value.device)
         if isinstance(value, torch.Tensor):
             if value.dim() == 0:
                 return ("scalar", value.dtype, value.device.type)
