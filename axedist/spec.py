@@ -213,18 +213,26 @@ def _new_spec(mesh, layout, shape, padded=None, reduce_op=None, summands=1, true
     return DTensorSpec(mesh, layout, shape, padded, reduce_op, summands, true_index, local)
 
 
-def without_summands(spec: DTensorSpec) -> DTensorSpec:
+def without_summands(spec: DTensorSpec, axes=None) -> DTensorSpec:
     """A pending reduction's value laid out where its summands lie: the summand dim's mesh iters
     become replicas, its memory iters go. ``[4, 6] S[(2,2,2,2,6):(1@dp,12,1@tp,6,1)]``, sum (two
     summands a rank in memory) -> ``[4, 6] S[(2,2,6):(1@tp,6,1)] + R[2:1@dp]``: every rank's piece
     has its local tensor's shape without the summand dim (torch's ``[Partial(), Shard(0)]`` ->
-    ``[Replicate(), Shard(0)]``)."""
+    ``[Replicate(), Shard(0)]``). With ``axes``, only the summand iters on those mesh axes become
+    replicas and the rest stay pending (fewer summands; FSDP's own gradient of a data-parallel
+    rank): ``S[(2,2,4,6):(1@dp,1@tp,6,1)]``, axes ``("dp",)`` -> ``S[(2,4,6):(1@tp,6,1)] + R[2:1@dp]``,
+    pending over 2."""
     if not spec.reduce_op:
         return spec
     summand, *dims = spec.layout.blocks(spec.full_shape)
-    replica = spec.layout.replica + tuple(it for it in summand if it.axis != MEMORY_AXIS)
-    layout = Layout([it for block in dims for it in block], replica, spec.layout.offset)
-    return make_spec(spec.mesh, layout, spec.shape, spec.padded, true_index=spec.true_index)
+    moved = [it for it in summand if it.axis != MEMORY_AXIS and (axes is None or it.axis in axes)]
+    kept = [] if axes is None else [it for it in summand if it not in moved and it.extent > 1]
+    layout = Layout(kept + [it for block in dims for it in block], spec.layout.replica + tuple(moved),
+                    spec.layout.offset)
+    if not kept:
+        return make_spec(spec.mesh, layout, spec.shape, spec.padded, true_index=spec.true_index)
+    return make_spec(spec.mesh, layout, spec.shape, spec.padded, spec.reduce_op, math.prod(it.extent for it in kept),
+                     spec.true_index)
 
 
 # ---------------------------------------------------------------------------

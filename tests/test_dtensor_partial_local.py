@@ -217,6 +217,13 @@ def _in_memory(rank, world, seed):
         assert without_summands(spec) == spec_from_placements(shape[1:], mesh, kept), without_summands(spec)
         pending = spec_from_placements(shape[1:], mesh, [P()] + kept[1:])
         assert without_summands(pending) == spec_from_placements(shape[1:], mesh, kept)
+        if world == 4:  # only some axes' summands (FSDP's gradient of its own batch): the rest stay pending
+            both = spec_from_placements(shape[1:], mesh, [P(), P()])
+            assert without_summands(both, ("dp",)) == spec_from_placements(shape[1:], mesh, [R(), P()])
+            assert without_summands(both, ("tp",)) == spec_from_placements(shape[1:], mesh, [P(), R()])
+            assert without_summands(both, ("dp", "tp")) == without_summands(both) == \
+                spec_from_placements(shape[1:], mesh, [R(), R()])
+            assert without_summands(pending, ("tp",)) == pending
         for j, op in enumerate(REDUCE):
             piece = _summands_here(mesh, Layout.parse(layout), shape, held, op, seed + 10 * i + j)
             # the op over the ranks' pieces is the value

@@ -67,7 +67,8 @@ from ..planning.holdings import true_boxes
 from ..planning.repad import side_of
 from ..runtime import redistribute_local
 from ..runtime.deferred import flush
-from ..spec import DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters, target_spec
+from ..spec import (DTensorSpec, chunk, make_spec, placements_of, replicated_layout, row_major_iters, target_spec,
+                    without_summands)
 
 try:  # torch >= 2.13 (the CPU machines' torch)
     from torch.distributed.fsdp import DataParallelMeshDims
@@ -976,13 +977,8 @@ def _own_summand(grad: torch.Tensor, data_axes: tuple) -> torch.Tensor:
     if mine != whole or any(it.axis == MEMORY_AXIS and it.extent > 1 for it in summand_dim):
         raise LayoutError(f"fully_shard: gradient {spec} is pending over the data-parallel axes {data_axes} in another "
                           f"way than one summand per rank")
-    rest = [it for it in summand_dim if it.axis != MEMORY_AXIS and it not in mine]
-    pending = "sum" if rest else None
-    layout = Layout(rest + list(spec.layout.shard[len(summand_dim):]),
-                    spec.layout.replica + tuple(_replicas(spec.mesh, [it.axis for it in mine])), spec.layout.offset)
-    local = grad._local if pending else grad._local[0]
-    summands = math.prod(it.extent for it in rest)
-    return DTensor(local, make_spec(spec.mesh, layout, spec.shape, spec.padded, pending, summands, spec.true_index))
+    own = without_summands(spec, data_axes)
+    return DTensor(grad._local if own.reduce_op else grad._local[0], own)
 
 
 def _finish_backward(schedule: _Schedule) -> None:
