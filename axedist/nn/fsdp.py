@@ -708,6 +708,12 @@ class FSDPUnit:
         dtype and device) is an error. Whether any was replaced."""
         replaced = False
         for p in self.params:
+            param = p.param
+            for module, name in p.slots:
+                if module._parameters[name] is not param:
+                    break
+            else:
+                continue  # (the usual case, checked at every gather: a few identity tests)
             held = list(dict.fromkeys(module._parameters[name] for module, name in p.slots))
             named = f"{self.name}.{p.name}" if self.name else p.name
             new = [t for t in held if isinstance(t, nn.Parameter) and t is not p.param]
