@@ -9,16 +9,15 @@ imports ``axedist.dtensor``. Gradients go back where the input was: ``redistribu
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Partial, Replicate
 
 from .runtime import agree_on_move, redistribute_local
 from .layout import LayoutError
 from .runtime.deferred import defer_gather, fused_collective, pending_product, placeholder
 from .runtime.tails import defer_tail, tail_axis
 from .tracing import compiling
-from .spec import DTensorSpec, make_spec, placements_of, replicated_layout, spec_from_placements, without_summands
+from .spec import DTensorSpec, make_spec, replicated_layout, without_summands
 
-__all__ = ["requires_grad", "from_local", "to_local", "rank_summand", "redistribute", "move", "distribute", "grad_spec"]
+__all__ = ["requires_grad", "from_local", "to_local", "rank_summand", "redistribute", "move", "distribute"]
 
 
 def requires_grad(dt) -> bool:
@@ -145,19 +144,6 @@ def distribute(cls, tensor: torch.Tensor, local: torch.Tensor, src: DTensorSpec,
     return cls(redistribute_local(local, src, dst), dst)
 
 
-def grad_spec(spec: DTensorSpec) -> DTensorSpec:
-    """Where the gradient of a tensor in ``spec`` goes: the same layout, but a pending
-    reduction's axes replicated (d sum / d summand = 1 for every summand), like torch."""
-    if not spec.reduce_op:
-        return spec
-    try:
-        placements = placements_of(spec)
-    except LayoutError:
-        return make_spec(spec.mesh, replicated_layout(spec.shape, spec.mesh), spec.shape)
-    return spec_from_placements(spec.shape, spec.mesh,
-                                [Replicate() if isinstance(p, Partial) else p for p in placements])
-
-
 def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool, target: DTensorSpec | None = None):
     """The gradient of a local tensor that was given in ``spec``, from a DTensor gradient (moved
     to ``target`` first when given)."""
@@ -177,7 +163,7 @@ def _grad_local(cls, grad, spec: DTensorSpec, placements_partial: bool, target: 
         dst = make_spec(spec.mesh, spec.layout, lead + spec.shape, lead + spec.padded,
                         true_index=((None,) + spec.true_index) if spec.true_index else None)
         return redistribute_local(expanded, src, dst)
-    target = grad_spec(spec)
+    target = without_summands(spec)
     if grad._spec == target:  # no move, no check (agree_on_move checks moves that send)
         local = grad._local
     else:
@@ -229,7 +215,7 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        target = grad_spec(ctx.src)
+        target = without_summands(ctx.src)
         if not isinstance(grad, ctx.cls):
             raise LayoutError(f"the gradient of a DTensor output must be a DTensor, got {type(grad).__name__}")
         if grad._spec == target:

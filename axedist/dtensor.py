@@ -337,7 +337,7 @@ class DTensor(torch.Tensor):
     def __coerce_tangent_metadata__(self):
         """The tangent a compiled backward expects for this output: a pending reduction's
         gradient is replicated on its axes (as in eager autograd)."""
-        target = autograd.grad_spec(self._spec)
+        target = without_summands(self._spec)
         return self if target is self._spec else autograd.move(self, target)
 
     def __coerce_same_metadata_as_tangent__(self, meta, expected_type=None):
@@ -414,7 +414,7 @@ class DTensor(torch.Tensor):
                                   f"{tuple(contiguous_strides(spec.shape))} of the global shape {tuple(spec.shape)}: "
                                   f"axedist DTensors are row-major in their global shape")
             grad = None if grad_placements is None else _gradient_target(
-                "from_local", spec, tuple(grad_placements), tuple(local.shape), default=autograd.grad_spec(spec))
+                "from_local", spec, tuple(grad_placements), tuple(local.shape), default=without_summands(spec))
         except LayoutError as e:
             if not run_check and not inferred:  # no check here: posted, so the peers' next check names it
                 agree(mesh.ranks, "from_local", "", failed=e)

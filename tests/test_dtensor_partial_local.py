@@ -302,3 +302,36 @@ def test_to_local_of_replicated_summands_is_the_value(seed):
 
 def test_to_local_on_part_of_the_mesh(seed):
     assert run_on_ranks(_part_of_mesh, 4, args=(seed,)) == [True] * 4
+
+
+def _block_cyclic_pending(rank, world, seed):
+    """The gradient of a pending sum in a layout placements cannot spell (summands on dp, rows
+    block-cyclic on tp) goes back where its summands lie (``without_summands``: the rows stay
+    block-cyclic, dp replicated), through redistribute's backward and to_local's alike: each
+    summand's gradient is the value's gradient at the rows its rank holds."""
+    mesh = DeviceMesh("cpu", (2, 2), ("dp", "tp"))
+    rng = random.Random(seed)
+    r, c = rng.randint(1, 3), rng.randint(1, 4)
+    dp, tp = mesh.coordinates()["dp"], mesh.coordinates()["tp"]
+    layout = Layout.parse(f"S[(2,2,2,{r},{c}):(1@dp,{r * c},1@tp,{c},1)]")
+    shape = (2, 4 * r, c)
+    rows = torch.cat([torch.arange(o * 2 * r + tp * r, o * 2 * r + tp * r + r) for o in range(2)])
+    whole = _drawn(shape, seed)
+    g = _drawn(shape[1:], seed + 1)  # the value's gradient (the same on every rank)
+    for how in ("redistribute", "to_local"):
+        local = whole[dp:dp + 1, rows].clone().requires_grad_()
+        x = DTensor.from_local(local, mesh, layout, shape, reduce_op="sum")
+        if how == "redistribute":
+            y = x.redistribute(mesh, [R(), R()])
+            torch.testing.assert_close(y.to_local(), whole.sum(0), **TOL)
+            (y.to_local() * g).sum().backward()
+        else:  # this rank's summand at its rows (torch's Partial to_local)
+            piece = x.to_local()
+            torch.testing.assert_close(piece, whole[dp, rows], **TOL)
+            (piece * g[rows]).sum().backward()
+        torch.testing.assert_close(local.grad, g[rows].unsqueeze(0), **TOL, msg=how)
+    return True
+
+
+def test_gradient_of_a_pending_layout_without_placements(seed):
+    assert run_on_ranks(_block_cyclic_pending, 4, args=(seed,)) == [True] * 4
