@@ -415,10 +415,15 @@ def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
                     if time.monotonic() - gone_since.setdefault(r, time.monotonic()) > 1.0:
                         outcomes[r] = RankOutcome(r, "exited", exitcode=p.exitcode)
     finally:
-        for r, p in enumerate(procs):
+        for p in procs:
             if p.is_alive():  # done (it waits to be ended), or still running: killed as torchrun would
                 p.kill()
-            p.join(timeout=10)
+        # (all killed first, then reaped: on a loaded machine a killed process may take seconds to go,
+        # and its exit code is read only once it has)
+        reap_by = time.monotonic() + 60.0
+        for p in procs:
+            p.join(timeout=max(0.0, reap_by - time.monotonic()))
+        for r, p in enumerate(procs):
             if r not in outcomes:
                 outcomes[r] = RankOutcome(r, "killed" if p.exitcode == -signal.SIGKILL else "exited",
                                           exitcode=p.exitcode)
