@@ -155,9 +155,9 @@ def _run(place: str, fault: str, path: str, attempts: int = 3):
     for _ in range(attempts):
         outcomes = run_fresh_ranks(_case, WORLD, args=(place, fault, path), collective_timeout_s=TIMEOUT_S,
                                    deadline_s=60.0, wait_for=wait_for)
-        if not any(o.error == "SetupTimedOut" for o in outcomes):
+        if not any(o.error in ("SetupTimedOut", "RendezvousFailed") for o in outcomes):
             return outcomes
-    return outcomes  # (each attempt's set-up timed out: _expect says so)
+    return outcomes  # (each attempt's set-up or rendezvous timed out: _expect says so)
 
 
 @pytest.mark.parametrize("place", PLACES)

@@ -297,7 +297,8 @@ atexit.register(shutdown_pools)
 @dataclass
 class RankOutcome:
     """How one fresh rank ended. ``status``: ``"ok"`` (``value``), ``"raised"`` (``error``: the
-    exception's type name; ``message``: its text and traceback), ``"exited"`` (the process left
+    exception's type name, ``"RendezvousFailed"`` where the rank's process group did not start;
+    ``message``: its text and traceback), ``"exited"`` (the process left
     without a report: ``exitcode``) or ``"killed"`` (still running when the call ended).
     ``seconds``: from the start of ``fn`` to its report."""
 
@@ -341,11 +342,17 @@ def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, coll
     torch.set_num_threads(1)
     parent = os.getppid()
     timeout = timedelta(seconds=collective_timeout_s)
-    # the store lives in the caller's process, as torchrun's agent hosts it: it outlives any rank
-    # (its own timeout is generous: a rank that reports a failure must reach it on a loaded machine)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                          timeout=timedelta(seconds=max(collective_timeout_s, 30.0)))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    start = time.monotonic()
+    try:
+        # the store lives in the caller's process, as torchrun's agent hosts it: it outlives any rank
+        # (its own timeout is generous: a rank that reports a failure must reach it on a loaded machine)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                              timeout=timedelta(seconds=max(collective_timeout_s, 30.0)))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException as error:  # (gloo's rendezvous has the collective timeout: a loaded machine may miss it)
+        _report(results, (rank, "raised", None, "RendezvousFailed", f"the rank's process group did not start: {error}"
+                          f"\n{traceback.format_exc()}", time.monotonic() - start))
+        os._exit(1)
     start = time.monotonic()
     try:
         fn = importlib.import_module(module_name)
@@ -355,15 +362,19 @@ def _fresh_worker(rank, world_size, port, module_name, qualname, args, env, coll
     except BaseException as error:  # report everything, including assertion failures
         report = (rank, "raised", None, type(error).__name__, f"{error}\n{traceback.format_exc()}",
                   time.monotonic() - start)
-    results.put(report)
-    results.close()
-    results.join_thread()
+    _report(results, report)
     # A rank that raised stays alive, as a real one would (its peers must not learn of it from a
     # closed connection); every rank waits here for the caller to end it (no teardown: a process
     # group that lost a peer may hang in it).
     while os.getppid() == parent:
         time.sleep(0.2)
     os._exit(0)
+
+
+def _report(results, report) -> None:
+    results.put(report)
+    results.close()
+    results.join_thread()
 
 
 def run_fresh_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), *, collective_timeout_s: float = 3.0,
