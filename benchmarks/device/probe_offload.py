@@ -7,14 +7,12 @@ with fp32 masters: AdamW on the CPU rounds differently). One rank; prints findin
 """
 import torch
 from onegpu_probe import one_rank_group  # noqa: E402  (beside this script; the repository on PYTHONPATH)
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from axedist.dtensor import DTensor
 from axedist.mesh import DeviceMesh
 from axedist.nn.llama import Llama
-from tests_multigpu.test_fsdp_offload_nccl import CFG, _relative, _sharded, _train
+from tests_multigpu.test_fsdp_offload_nccl import CFG, _relative, _sharded, _torch_sharded, _train
 
 dispatcher = DTensor.dispatcher
 
@@ -35,11 +33,7 @@ def mismatches(what, pairs):
 def torch_model(policy, offload):
     torch.manual_seed(0)
     model = Llama(CFG) if offload is not None else Llama(CFG).cuda()
-    mesh = init_device_mesh("cuda", (1,))
-    for layer in model.layers:
-        torch_fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=offload or OffloadPolicy())
-    torch_fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload or OffloadPolicy())
-    return model
+    return _torch_sharded(model, 1, policy, offload or OffloadPolicy())
 
 
 def drift(what, ours, want):
