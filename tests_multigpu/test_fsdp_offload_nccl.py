@@ -7,14 +7,16 @@ model is built on the CPU (``fully_shard`` moves each unit to the GPU to shard i
 on the CPU (pinned with ``pin_memory``), the modules compute with gathered parameters on the GPU
 (bf16 with ``param_dtype``), the sharded gradients come back to the CPU after backward (pinned with
 ``pin_memory``), ``clip_grad_norm_`` and AdamW run on the CPU, and the peak and resident GPU memory
-are below the plain model's. Losses, the clipped norm, every gradient and every parameter after
-three steps equal the plain model's in fp32: relative error (norm of the difference over the norm)
-at most 1e-4 (AdamW on the CPU and on the GPU differ in the last bits). With bf16 compute those
-last bits flip bf16 roundings and the runs drift apart by a few percent after one step, torch's
-offloaded ``fully_shard`` from its plain one as much (probe_offload.py, 1x H200, e4c18e4: 3.5e-2 and
-5.2e-2 against axedist's 4.6e-2 and 6.3e-2): so the first step's gradients equal the plain model's
-(1e-4; no optimizer step yet) and every step equals torch's ``fully_shard`` with the same
-``CPUOffloadPolicy`` (1e-4; the same CPU AdamW: bit-equal at W = 1 in that probe). A DCP
+are below the plain model's. In fp32, losses, the clipped norm and every gradient of three steps
+equal the plain model's: relative error (norm of the difference over the norm) at most 1e-4; the
+parameters after them at most PARAMS_TOL (AdamW on the CPU and on the GPU differ in the last bits,
+and AdamW's normalised update amplifies them: see PARAMS_TOL). With bf16 compute those last bits
+flip bf16 roundings and the runs drift apart by a few percent after one step, torch's offloaded
+``fully_shard`` from its plain one as much (probe_offload.py, 1x H200, e4c18e4: 3.5e-2 and 5.2e-2
+against axedist's 4.6e-2 and 6.3e-2): so there the first step's gradients equal the plain model's
+(1e-4; no optimizer step yet). In both precisions every step and the parameters after equal torch's
+``fully_shard`` with the same ``CPUOffloadPolicy`` at 1e-4 (the same CPU AdamW: bit-equal at W = 1
+in that probe). A DCP
 checkpoint round trip restores the shards in place (still on the CPU, pinned). torchtitan's flow
 (sharded on the meta device, ``to_empty(device="cpu")``) trains alike; ``to_empty`` on the GPU is
 refused at the first forward.
@@ -44,6 +46,14 @@ pytestmark = pytest.mark.skipif(WORLD < 1, reason="needs a CUDA GPU")
 CFG = LlamaConfig(vocab_size=1024, dim=512, n_layers=4, n_heads=8, ffn_hidden=1408, max_seq_len=32)
 STEPS = 3
 MAX_NORM = 1.0
+# fp32 parameters after STEPS steps, offloaded vs plain. AdamW on the CPU and on the GPU differ in the
+# last bits, so the next steps' gradients do; AdamW's update g / (|g| + eps) turns an element whose
+# gradient is a near-cancelling sum into a +-lr step either way. On the CPU (this model, 3 steps),
+# gradients multiplied by 1 + 1e-7 N(0, 1) move tok_embeddings by 2e-5 to 7e-5 (six seeds); 1x H100 at
+# d047323 saw 6.2e-4 (unpinned; 1x H200 5.9e-6 pinned). One parameter's missed or doubled AdamW step is
+# 1e-1 or more here (lr 1e-2 on every element it updates), so 2e-3 still catches it; the offloaded
+# model is held to 1e-4 against torch's offloaded fully_shard, which runs the same CPU AdamW.
+PARAMS_TOL = 2e-3
 
 
 def _sharded(model, mesh, policy, offload):
@@ -93,7 +103,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def _compare(ours, theirs, tol, what, steps_compared=STEPS):
+def _compare(ours, theirs, tol, what, steps_compared=STEPS, params_tol=None):
     (steps, params), (want_steps, want_params) = ours, theirs
     for step, ((loss, norm, grads), (want_loss, want_norm, want_grads)) in enumerate(
             zip(steps[:steps_compared], want_steps[:steps_compared])):
@@ -104,7 +114,7 @@ def _compare(ours, theirs, tol, what, steps_compared=STEPS):
             assert error <= tol, f"{what} step {step}: gradient of {name}: relative error {error}"
     for name, value in params.items() if steps_compared == STEPS else ():
         error = _relative(value, want_params[name])
-        assert error <= tol, f"{what} after {STEPS} steps: {name}: relative error {error}"
+        assert error <= (params_tol or tol), f"{what} after {STEPS} steps: {name}: relative error {error}"
 
 
 def _on_the_cpu(what, t, pinned, spec=None):
@@ -166,14 +176,16 @@ def _offloaded_against_plain(rank, world, seed, pin, mixed, path):
     plain_model, plain_optimizer, want, plain_peak, plain_held = measured(plain)
     del plain_model, plain_optimizer  # its GPU memory goes before the offloaded model is measured
     model, optimizer, ours, peak, held = measured(offloaded, checks)
-    if mixed:  # the first step's gradients as the plain model's; every step as torch's offloaded model's
+    # against the plain model: bf16, the first step's gradients; fp32, every step's losses, norms and
+    # gradients, and the parameters after at PARAMS_TOL. Every step as torch's offloaded model's.
+    if mixed:
         _compare(ours, want, 1e-4, "offloaded vs plain", steps_compared=1)
-        torch.manual_seed(seed)
-        theirs = _train(_torch_sharded(Llama(CFG), world, policy, CPUOffloadPolicy(pin_memory=pin)), seed, rank, world)
-        _compare(ours, theirs[:2], 1e-4, "offloaded vs torch's offloaded fully_shard")
-        del theirs
     else:
-        _compare(ours, want, 1e-4, "offloaded vs plain")
+        _compare(ours, want, 1e-4, "offloaded vs plain", params_tol=PARAMS_TOL)
+    torch.manual_seed(seed)
+    theirs = _train(_torch_sharded(Llama(CFG), world, policy, CPUOffloadPolicy(pin_memory=pin)), seed, rank, world)
+    _compare(ours, theirs[:2], 1e-4, "offloaded vs torch's offloaded fully_shard")
+    del theirs
     assert seen and all(s == ("cuda", torch.bfloat16 if mixed else torch.float32, (CFG.ffn_hidden, CFG.dim))
                         for s in seen), seen
     for name, p in model.named_parameters():
