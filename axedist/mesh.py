@@ -642,7 +642,10 @@ class DeviceMesh:
         # is loaded: refused with the ways that work, not with pickle's "cannot pickle 'weakref'"
         raise TypeError(f"an axedist DeviceMesh ({self}) and the DTensors on it cannot be pickled (torch.save): save "
                         f"with torch.distributed.checkpoint / axedist.nn.checkpoint.save, or save plain tensors "
-                        f"(dt.full_tensor(), dt.to_local(), dt.to_torch())")
+                        f"(dt.full_tensor(), dt.to_local(), dt.to_torch()); a full state dict on rank 0 comes from "
+                        f"axedist.nn.state_dict's get_model_state_dict(model, options=StateDictOptions("
+                        f"full_state_dict=True, cpu_offload=True)) (torch's own function leaves axedist "
+                        f"DTensors as they are)")
 
     def __repr__(self) -> str:
         grid = list(self.ranks)  # nested by hand: a repr may run inside a trace, where a tensor is fake

@@ -378,7 +378,8 @@ def _pickled(rank, world):
 
 def test_pickling_a_dtensor_is_refused_with_the_ways_that_work():
     """torch.save of an axedist DTensor (or a state_dict holding them) raises a TypeError that names
-    DCP and the plain-tensor ways, on every rank; deepcopy still works."""
+    DCP, the plain-tensor ways and axedist.nn.state_dict (torch's full state dict leaves axedist
+    DTensors as they are), on every rank; deepcopy still works."""
     for out in run_on_ranks(_pickled, 2):
         assert len(out) == 2 and all("cannot be pickled" in o and "checkpoint" in o and "full_tensor" in o
-                                     for o in out), out
+                                     and "axedist.nn.state_dict" in o for o in out), out
