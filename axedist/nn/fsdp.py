@@ -228,6 +228,7 @@ def _uneven_rows(spec: DTensorSpec, dim: int, block, at: int, parts: int, size: 
     return tuple(mapping)
 
 
+@cached(maxsize=4096)  # per parameter per backward on the alone path: one spec per (layout, shape, axes)
 def pending_gradient_spec(grad: DTensorSpec | None, shape, mesh: DeviceMesh, data_axes: Sequence[str]) -> DTensorSpec:
     """A gradient each data-parallel rank computed on its own batch, read as a pending sum over
     ``data_axes`` on ``mesh``: a leading summand dim on those axes, then ``grad``'s layout (its own
@@ -426,8 +427,9 @@ class ShardedParameter:
     # -- alone ------------------------------------------------------------------------------
 
     def place_alone(self) -> None:
-        """Hold the gathered local tensor, gathered alone."""
-        local = redistribute_local(self.shard_for_gather(), self.sharded_spec, self.gathered_spec)
+        """Hold the gathered local tensor, gathered alone: a parameter not sharded over the data
+        axes (``batched`` False) has one spec sharded and gathered, so it is a copy of the shard."""
+        local = self.shard_for_gather()
         if self.gathered is None:
             self.gathered = _own(local, self.param.to_local())
         else:
@@ -443,7 +445,7 @@ class ShardedParameter:
         local = local.to(self.reduce_dtype) / unit.gradient_divisor
         if spec is None or not spec.reduce_op:
             local = local.unsqueeze(0)
-        pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
+        pending = pending_gradient_spec(spec, tuple(self.param.shape), unit.mesh, unit.data_axes)
         out = redistribute_local(local.contiguous(), pending, self.sharded_spec)
         return DTensor(out.to(self.param.dtype), self.sharded_spec)
 
