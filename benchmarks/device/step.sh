@@ -12,22 +12,6 @@ mkdir -p "$LOGS" "$RESULTS"
 START=$(date +%s)
 SUMMARY=$OUT/summary.txt
 
-# Compiled kernels carried between calls: a fresh machine compiles every Triton kernel the tests and
-# benchmarks launch (tests_onegpu: ~240-320 s cold). Triton's and Inductor's caches are keyed by the
-# kernel's source, options and versions, so an entry of an older commit is missed, never misused.
-# `save_compile_cache` packs them as $OUT/compile_cache.tgz; copied to the repository root as
-# .compile_cache.tgz (git-ignored) and named in run's carry, the next call starts with them.
-COMPILE_CACHE=/tmp/axedist_compile_cache
-export TRITON_CACHE_DIR=$COMPILE_CACHE/triton TORCHINDUCTOR_CACHE_DIR=$COMPILE_CACHE/inductor
-if [[ -f .compile_cache.tgz && ! -d $COMPILE_CACHE ]]; then
-  mkdir -p "$COMPILE_CACHE" && tar -xzf .compile_cache.tgz -C "$COMPILE_CACHE" &&
-    echo "compile cache: $(du -sh "$COMPILE_CACHE" | cut -f1) from .compile_cache.tgz" | tee -a "$SUMMARY"
-fi
-save_compile_cache() {  # $OUT/compile_cache.tgz (a file over 16 MiB does not come back: said in the summary)
-  tar -czf "$OUT/compile_cache.tgz" -C "$COMPILE_CACHE" . 2>/dev/null
-  echo "compile cache saved: $(du -h "$OUT/compile_cache.tgz" | cut -f1) ($(find "$COMPILE_CACHE" -type f | wc -l) files)" | tee -a "$SUMMARY"
-}
-
 # One timed, logged step of the device call (STEP_TEE=1: its output also on stdout, as progress).
 step() {  # step NAME LIMIT_S COMMAND...: run with min(LIMIT, time left), log, record rc
   local name=$1 limit=$2; shift 2
