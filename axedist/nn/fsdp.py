@@ -228,13 +228,17 @@ def _uneven_rows(spec: DTensorSpec, dim: int, block, at: int, parts: int, size: 
     return tuple(mapping)
 
 
-@cached(maxsize=4096)  # per parameter per backward on the alone path: one spec per (layout, shape, axes)
 def pending_gradient_spec(grad: DTensorSpec | None, shape, mesh: DeviceMesh, data_axes: Sequence[str]) -> DTensorSpec:
     """A gradient each data-parallel rank computed on its own batch, read as a pending sum over
     ``data_axes`` on ``mesh``: a leading summand dim on those axes, then ``grad``'s layout (its own
     summands first where it is pending over tensor-parallel axes). ``grad`` ``None``: a plain
     tensor of ``shape``. ``(8, 6)`` in ``S[(2,4,6):(1@tp,6,1)]`` on ``tp``, mesh ``(dp, tp)``:
     ``S[(2,2,4,6):(1@dp,1@tp,6,1)]``, sum over 2 summands."""
+    return _pending_gradient_spec(grad, tuple(shape), mesh, tuple(data_axes))
+
+
+@cached(maxsize=4096)  # per parameter per backward on the alone path: one spec per (layout, shape, axes)
+def _pending_gradient_spec(grad: DTensorSpec | None, shape: tuple, mesh: DeviceMesh, data_axes: tuple) -> DTensorSpec:
     lead = _replicas(mesh, data_axes)
     parts = _data_size(mesh, data_axes)
     if grad is None:
@@ -445,7 +449,7 @@ class ShardedParameter:
         local = local.to(self.reduce_dtype) / unit.gradient_divisor
         if spec is None or not spec.reduce_op:
             local = local.unsqueeze(0)
-        pending = pending_gradient_spec(spec, tuple(self.param.shape), unit.mesh, unit.data_axes)
+        pending = pending_gradient_spec(spec, self.param.shape, unit.mesh, unit.data_axes)
         out = redistribute_local(local.contiguous(), pending, self.sharded_spec)
         return DTensor(out.to(self.param.dtype), self.sharded_spec)
 
