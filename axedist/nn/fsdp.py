@@ -243,8 +243,8 @@ def _pending_gradient_spec(grad: DTensorSpec | None, shape: tuple, mesh: DeviceM
     parts = _data_size(mesh, data_axes)
     if grad is None:
         others = [a for a in mesh.axis_names if a not in data_axes]
-        layout = Layout(lead + row_major_iters(tuple(shape)), _replicas(mesh, others))
-        return make_spec(mesh, layout, tuple(shape), None, "sum", parts)
+        layout = Layout(lead + row_major_iters(shape), _replicas(mesh, others))
+        return make_spec(mesh, layout, shape, None, "sum", parts)
     if grad.reduce_op not in (None, "sum"):
         raise LayoutError(f"a gradient pending a {grad.reduce_op} cannot be summed over the data-parallel ranks")
     others = [a for a in mesh.axis_names if a not in grad.mesh.axis_names and a not in data_axes]
