@@ -545,7 +545,9 @@ class _Unshard(torch.autograd.Function):
 # A unit (one fully_shard call) and the order units run in
 # ---------------------------------------------------------------------------
 
-# Units whose forward is running, outermost first (the first is the root of this forward).
+# Units whose forward is running, outermost first (the first is the root of this forward). Each module
+# call of a unit pushes it (pre_forward) and pops it (leave_forward, which runs whether the call returned
+# or raised).
 _RUNNING: list = []
 
 
@@ -609,10 +611,22 @@ class FSDPUnit:
         self.gradient_divide_factor: float | None = None  # None: the data-parallel ranks' count (an average)
         self.forward_prefetch: list | None = None   # units to gather after this one's gather (None: the next in order)
         self.backward_prefetch: list | None = None  # the same in backward
+        self._inside = weakref.WeakSet()  # units found to hold a module of this one's trees (``contains``)
+        self._returned = False         # post_forward ran for the module call now ending (leave_forward)
 
     def contains(self, other: "FSDPUnit") -> bool:
+        """Whether a module of ``other`` is in this unit's module trees. pre_forward asks it of the
+        running root at every nested unit's forward, so a unit once found inside is remembered (a
+        walk of the root's tree costs ~0.4 us a module). The answer matters only for a root left in
+        the running units by a forward that did not end (KeyboardInterrupt, or a compiled forward's
+        error): a unit inside its tree then runs as part of the root's step."""
+        if other in self._inside:
+            return True
         mine = {id(m) for top in self.modules for m in top.modules()}
-        return any(id(m) in mine for m in other.modules)
+        if any(id(m) in mine for m in other.modules):
+            self._inside.add(other)
+            return True
+        return False
 
     @property
     def gradient_divisor(self) -> float:
@@ -816,7 +830,7 @@ class FSDPUnit:
 
     def pre_forward(self, module, args, kwargs):
         if _RUNNING and not _RUNNING[0].contains(self):
-            _RUNNING.clear()  # left over from a forward that raised
+            _RUNNING.clear()  # left over from a forward that did not end (leave_forward did not run)
         if not self._entered:  # the group's first module: gather (a later one, even called apart, finds it so)
             self._open_forward()
         self._entered.add(module)
@@ -863,7 +877,6 @@ class FSDPUnit:
         self._prefetch_following(backward=False)
 
     def post_forward(self, module, args, output):
-        _RUNNING.remove(self)
         root = self.schedule is self.own_schedule
         outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and outputs:
@@ -878,7 +891,25 @@ class FSDPUnit:
                 self._awaited = 0
         if self.mp_policy.output_dtype is not None:  # every unit's outputs, as torch's (each module of a group's)
             output = tree_map(lambda x: _cast(x, self.mp_policy.output_dtype), output)
+        self._returned = True
         return output
+
+    def leave_forward(self, module, args, output) -> None:
+        """The end of one of the group's module calls, returned or raised (an always-called forward
+        hook, after post_forward): the unit leaves the running units, with any entry an inner forward
+        left above it. A forward that raised (post_forward did not run) also gives the modules their
+        sharded parameters back and frees what it gathered (a script that catches the error and skips
+        the batch sees its model as before, and the memory back); the model's next forward starts a
+        new step, which drops the rest of the failed step's state. Not a call in backward: torch stops
+        an activation-checkpointing recompute early by raising, and backward reads what it gathered."""
+        returned, self._returned = self._returned, False
+        for i in range(len(_RUNNING) - 1, -1, -1):
+            if _RUNNING[i] is self:
+                del _RUNNING[i:]
+                break
+        if not returned and not self.schedule.callback_queued:
+            self.close_forward()
+            self.reshard()
 
     def close_forward(self) -> None:
         """End the group's forward: the modules hold the sharded parameters again (a step whose
@@ -1349,12 +1380,17 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     if not isinstance(method_name, str) or not callable(getattr(module, method_name, None)):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
     method = getattr(module, method_name)
-    before, after = _eager(unit.pre_forward), _eager(unit.post_forward)
+    before, after, leave = _eager(unit.pre_forward), _eager(unit.post_forward), _eager(unit.leave_forward)
 
     @functools.wraps(method)
     def as_forward(*args, **kwargs):
         args, kwargs = before(module, args, kwargs)
-        return after(module, args, method(*args, **kwargs))
+        output = None
+        try:
+            output = after(module, args, method(*args, **kwargs))
+            return output
+        finally:
+            leave(module, args, output)
 
     setattr(module, method_name, as_forward)
 
@@ -1492,6 +1528,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
         # step's schedule, none of which a graph can hold (README, torch.compile)
         top.register_forward_pre_hook(_eager(unit.pre_forward), prepend=True, with_kwargs=True)
         top.register_forward_hook(_eager(unit.post_forward))
+        top.register_forward_hook(_eager(unit.leave_forward), always_call=True)
         top.register_load_state_dict_post_hook(lambda module, keys: unit.refresh())
     return module
 
