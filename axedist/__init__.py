@@ -32,6 +32,7 @@ _LAZY = {
     "distribute_tensor": "dtensor",
     "distribute_module": "nn",
     "from_torch": "dtensor",
+    "local_map": "dtensor",
     "zeros": "dtensor",
     "ones": "dtensor",
     "empty": "dtensor",

@@ -17,6 +17,7 @@ The spec (layout, shapes, padding of uneven dims, a pending reduction's summand 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Sequence
 
@@ -49,6 +50,7 @@ __all__ = [
     "distribute_tensor",
     "zeros", "ones", "empty", "full", "rand", "randn",
     "from_torch",
+    "local_map",
     "fused_gemm_stats",
     "layout_from_placements",
     "placements_from_layout",
@@ -920,3 +922,115 @@ def from_torch(torch_dtensor) -> DTensor:
         raise LayoutError(f"from_torch: torch's local shape {tuple(local.shape)} differs from the layout's {expected} "
                           f"for {spec}")
     return DTensor(local, spec, requires_grad=torch_dtensor.requires_grad)
+
+
+# -- torch's local_map ---------------------------------------------------------------------------
+
+
+def local_map(func=None, out_placements=None, in_placements=None, in_grad_placements=None, device_mesh=None, *,
+              redistribute_inputs: bool = False):
+    """torch's ``local_map`` (``torch.distributed.tensor.experimental``): ``func``, written for
+    plain tensors, called on the local pieces of DTensor arguments, its tensor outputs read as
+    this rank's pieces of DTensors in ``out_placements``. Without ``func``: a decorator.
+
+    The positional arguments are flattened (torch's pytree); ``in_placements`` has one entry per
+    flattened argument: for a DTensor, the placements (or an axedist Layout) its piece must be in
+    (another layout: ``ValueError``, or with ``redistribute_inputs=True`` a redistribute first),
+    for a plain tensor anything (not checked), for anything else ``None``. ``in_grad_placements``:
+    per DTensor argument, the placements its gradient is in (``to_local(grad_placements=)``: e.g.
+    ``[Partial()]`` for a replicated input whose pieces get different gradients). ``out_placements``:
+    placements for a single output, else a tuple with one entry per flattened output (``None`` for
+    a non-tensor). The mesh is ``device_mesh`` or the first DTensor argument's. Keyword arguments
+    go to ``func`` as they are, and without a DTensor argument ``func``'s outputs come back as
+    they are (both as torch). An output's global shape is inferred as ``from_local`` infers it
+    (every piece as large as this rank's): uneven pieces are a ``RankDisagreementError`` on every
+    rank. On 2 ranks, ``w`` (6, 3) ``[Shard(0)]`` and ``x`` (4, 6) ``[Shard(1)]``::
+
+        >>> mm = local_map(torch.mm, out_placements=[Partial()], in_placements=([Shard(1)], [Shard(0)]))
+        >>> mm(x, w).full_tensor()          # x @ w: each rank's product of its pieces is a summand
+    """
+    if func is None:
+        return lambda f: local_map(f, out_placements, in_placements, in_grad_placements, device_mesh,
+                                   redistribute_inputs=redistribute_inputs)
+    if not callable(func):
+        raise TypeError(f"local_map takes a function, got {type(func).__name__}")
+
+    def run(*args, **kwargs):
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+
+        flat, tree = tree_flatten(args)
+        for what, given in (("in_placements", in_placements), ("in_grad_placements", in_grad_placements)):
+            if given is not None and len(given) != len(flat):
+                raise ValueError(f"local_map: {what} has {len(given)} entries for {len(flat)} arguments "
+                                 f"(one per flattened positional argument, None for a non-tensor)")
+        mesh = None if device_mesh is None else as_mesh(device_mesh)
+        local_args, seen = [], False
+        for i, arg in enumerate(flat):
+            if isinstance(arg, DTensor):
+                seen = True
+                mesh = arg.mesh if mesh is None else mesh
+                if in_placements is not None:
+                    arg = _local_map_input(arg, in_placements[i], i, redistribute_inputs)
+                grad = None if in_grad_placements is None else in_grad_placements[i]
+                if in_grad_placements is not None and grad is None:
+                    raise ValueError(f"local_map: argument {i} is a DTensor, its in_grad_placements entry None")
+                arg = arg.to_local(grad_placements=grad)
+            elif in_placements is not None and not isinstance(arg, torch.Tensor) and in_placements[i] is not None:
+                raise ValueError(f"local_map: argument {i} ({type(arg).__name__}) is not a tensor; its "
+                                 f"in_placements entry must be None, got {in_placements[i]}")
+            local_args.append(arg)
+        out = func(*tree_unflatten(local_args, tree), **kwargs)
+        if not seen:
+            return out
+        return _local_map_outputs(out, out_placements, mesh)
+
+    return functools.wraps(func)(run)
+
+
+def _local_map_input(arg: DTensor, want, index: int, redistribute_inputs: bool) -> DTensor:
+    if want is None:
+        raise ValueError(f"local_map: argument {index} is a DTensor ({arg._spec}); its in_placements entry is None")
+    if isinstance(want, Placement):
+        raise TypeError(f"local_map: in_placements[{index}] is one placement {want}; give a sequence "
+                        f"([{want}]) or a Layout")
+    target = target_spec(arg._spec, want if isinstance(want, Layout) else tuple(want), None, None)
+    if target == arg._spec:
+        return arg
+    if not redistribute_inputs:
+        raise ValueError(f"local_map: argument {index} is in {_placements_text(arg._spec)}, its in_placements "
+                         f"entry is {want}; redistribute it first or pass redistribute_inputs=True")
+    return arg.redistribute(want)
+
+
+def _local_map_outputs(out, out_placements, mesh: DeviceMesh):
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat, tree = tree_flatten(out)
+    wanted = out_placements if isinstance(out_placements, tuple) else (out_placements,)
+    if len(wanted) != len(flat):
+        raise ValueError(f"local_map: out_placements has {len(wanted)} entries for the function's {len(flat)} "
+                         f"outputs (one per flattened output as a tuple; a single output's placements as a list)")
+    result = []
+    for i, (value, want) in enumerate(zip(flat, wanted)):
+        if isinstance(value, DTensor):
+            raise TypeError(f"local_map: the function returned a DTensor as output {i}; it computes on local "
+                            f"tensors, which local_map makes DTensors by out_placements")
+        if not isinstance(value, torch.Tensor):
+            if want is not None:
+                raise ValueError(f"local_map: output {i} ({type(value).__name__}) is not a tensor; its "
+                                 f"out_placements entry must be None, got {want}")
+            result.append(value)
+            continue
+        if want is None or isinstance(want, Placement):
+            raise TypeError(f"local_map: output {i} is a tensor; its out_placements entry must be a sequence "
+                            f"of placements, got {want!r}" + (" (a single output's placements go in a list, "
+                            "a tuple holds one entry per output)" if isinstance(want, Placement) else ""))
+        result.append(DTensor.from_local(value, mesh, want))
+    return tree_unflatten(result, tree)
+
+
+def _placements_text(spec: DTensorSpec) -> str:
+    try:
+        return str(list(placements_of(spec)))
+    except LayoutError:
+        return str(spec.layout)
