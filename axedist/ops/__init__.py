@@ -9,6 +9,7 @@ from importlib import import_module
 
 from .call_plan import DispatchError
 from .registry import RULES, ArgSpec, OpCall, Sharding, register, rule_for
+from .strategies import register_sharding
 
 # One module per op family (rules registered per family, not one switch).
 FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm", "batch_norm",
@@ -17,4 +18,5 @@ FAMILIES = ("pointwise", "matmul", "view", "tensor_ops", "reduction", "norm", "b
 for _family in FAMILIES:
     import_module(f".{_family}", __name__)
 
-__all__ = ["RULES", "ArgSpec", "OpCall", "Sharding", "register", "rule_for", "FAMILIES", "DispatchError"]
+__all__ = ["RULES", "ArgSpec", "OpCall", "Sharding", "register", "rule_for", "register_sharding", "FAMILIES",
+           "DispatchError"]
