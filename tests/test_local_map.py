@@ -180,3 +180,29 @@ def test_refusals_on_every_rank(seed):
     non-tensor, a DTensor returned by the function; uneven output pieces (whose global shape torch
     would infer wrongly) are a ``RankDisagreementError``."""
     assert run_on_ranks(_refusals, 2, args=(seed,)) == [True] * 2
+
+
+def _compiled(rank, world, seed):
+    mesh, _ = _meshes(world)
+    x, w = _drawn(seed, 4, 6), _drawn(seed + 1, 6, 3)
+    mm = ax.local_map(torch.mm, out_placements=[Partial()], in_placements=([Shard(1)], [Shard(0)]))
+
+    def loss(a, b):
+        return mm(torch.relu(a), b).full_tensor().square().sum()
+
+    xo, wo = (ax.distribute_tensor(t, mesh, p).requires_grad_() for t, p in ((x, [Shard(1)]), (w, [Shard(0)])))
+    out = torch.compile(loss, backend="aot_eager")(xo, wo)
+    out.backward()
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = (torch.relu(xr) @ wr).square().sum()
+    ref.backward()
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(xo.grad.full_tensor(), xr.grad, **TOL)
+    torch.testing.assert_close(wo.grad.full_tensor(), wr.grad, **TOL)
+    return True
+
+
+def test_under_torch_compile(seed):
+    """A function calling a ``local_map``-wrapped matmul, compiled (``aot_eager``): its value and
+    gradients equal one process's."""
+    assert run_on_ranks(_compiled, 2, args=(seed,)) == [True] * 2
