@@ -735,11 +735,12 @@ def test_a_step_stopped_by_an_exception_and_reset_iter_state():
     assert run_on_ranks(_recovery, 2, args=(random.randrange(2**31),)) == [True] * 2
 
 
-def _skipped_batch(rank, world, s, where):
-    """A forward that raises inside a unit (``where``: the root's own forward or an inner block's),
-    caught and skipped without ``reset_iter_state`` (a script skipping a bad batch); the optimizer
-    then steps with the earlier micro-batch's gradients, and the following steps run as new ones:
-    their gathers see the stepped shards."""
+def _skipped_batch(rank, world, s, where, reshard_after_backward):
+    """A forward that raises inside a unit (``where``: the root's first module, its last one, or an
+    inner block's), caught and skipped without ``reset_iter_state`` (a script skipping a bad batch);
+    the optimizer then steps with the earlier micro-batch's gradients, and the following steps run
+    as new ones: their gathers see the stepped shards (a prefetch the failed forward started, of a
+    unit it never reached, is dropped)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(s)
@@ -749,14 +750,15 @@ def _skipped_batch(rank, world, s, where):
     for block in ours.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(ours, mesh=mesh)
-    ours.set_reshard_after_backward(False)
+    ours.set_reshard_after_backward(reshard_after_backward)
     fail = {"on": False}
 
     def maybe_raise(module, args):
         if fail["on"]:
             raise RuntimeError("bad batch")
 
-    (ours.norm if where == "root" else ours.blocks[1].up).register_forward_pre_hook(maybe_raise)
+    raising = {"root_first": ours.emb, "root_last": ours.norm, "block": ours.blocks[1].up}[where]
+    raising.register_forward_pre_hook(maybe_raise)
     opt_ref, opt_ours = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours))
     g = torch.Generator().manual_seed(s + 1)
     for step in range(3):
@@ -770,7 +772,7 @@ def _skipped_batch(rank, world, s, where):
         fail["on"] = False
         # the modules hold their sharded parameters again, and what the failed forward gathered is freed
         assert all(isinstance(p, DTensor) and p.is_leaf for p in ours.parameters())
-        raised = fsdp_units(ours if where == "root" else ours.blocks[1])[0]
+        raised = fsdp_units(ours.blocks[1] if where == "block" else ours)[0]
         assert not raised.is_gathered
         _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
     for (name, p_ref), p in zip(ref.named_parameters(), ours.parameters()):
@@ -778,13 +780,16 @@ def _skipped_batch(rank, world, s, where):
     return True
 
 
-@pytest.mark.parametrize("where", ["root", "block"])
-def test_a_batch_skipped_after_its_forward_raised(where):
+@pytest.mark.parametrize("reshard_after_backward", [True, False])
+@pytest.mark.parametrize("where", ["root_first", "root_last", "block"])
+def test_a_batch_skipped_after_its_forward_raised(where, reshard_after_backward):
     """A forward that raised inside a unit, caught without ``reset_iter_state``, then an optimizer step
     with the micro-batch before it: the raising unit's modules hold their sharded parameters again and
     its gathered ones are freed; the next step's gathers see the stepped parameters (not the values
-    the failed forward gathered), and every gradient and parameter equals one process's, three times."""
-    assert run_on_ranks(_skipped_batch, 2, args=(random.randrange(2**31), where)) == [True] * 2
+    the failed forward gathered or prefetched), and every gradient and parameter equals one
+    process's, three times."""
+    args = (random.randrange(2**31), where, reshard_after_backward)
+    assert run_on_ranks(_skipped_batch, 2, args=args) == [True] * 2
 
 
 class _Twice(torch.nn.Module):

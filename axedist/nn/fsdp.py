@@ -712,11 +712,16 @@ class FSDPUnit:
         """Take up parameters replaced in the modules (``adopt_assigned``); what was gathered or is
         being gathered of the old ones is dropped, so the next gather reads the new values."""
         if self.adopt_assigned():
-            with torch.no_grad():
-                for pending, _ in self._started.values():
-                    pending.wait()
-            self._started = {}
+            self.drop_prefetch()
             self.reshard()
+
+    def drop_prefetch(self) -> None:
+        """Finish and drop the started gathers (a prefetch no forward or backward took up): their
+        values may be stale by the next use."""
+        with torch.no_grad():
+            for pending, _ in self._started.values():
+                pending.wait()
+        self._started = {}
 
     def adopt_assigned(self) -> bool:
         """Sharded parameters put in the modules' slots since (``load_state_dict(..., assign=True)``,
@@ -855,14 +860,17 @@ class FSDPUnit:
         elif self._in_step and self.schedule is not self.own_schedule:
             pass  # called apart from its step's forward, before that step's backward (a chunked loss): that step
         else:  # the root of this forward: a new step
-            self.schedule = self.own_schedule
-            if self.schedule.order:
-                self.schedule.last_order = self.schedule.order
-            self.schedule.order = []
-            for unit in self.schedule.last_order:  # a forward without backward leaves these behind
+            s = self.schedule = self.own_schedule
+            # the units of the last step and of the one before it, had the last stopped early (an
+            # error in its forward: a unit it prefetched but never reached still holds that gather)
+            stale = list(dict.fromkeys(s.last_order + s.order))
+            if s.order:
+                s.last_order = s.order
+            s.order = []
+            for unit in stale:  # a forward without backward leaves these behind
                 unit._in_step = False
                 unit._awaited = 0
-                unit._started = {}  # gathered before the optimizer step: stale
+                unit.drop_prefetch()  # gathered before the optimizer step: stale
                 unit.close_forward()
                 unit.remove_input_hooks()
         if not self._in_step:  # values of an earlier step are stale: the optimizer moved on (a prefetch is not)
@@ -957,12 +965,11 @@ class FSDPUnit:
     def reset(self) -> None:
         """Drop the state of a step an exception stopped: its started collectives are waited for
         and dropped, its gathered parameters freed, its gradients not yet set lost."""
+        self.drop_prefetch()
         with torch.no_grad():
-            for pending, _ in self._started.values():
-                pending.wait()
             for started, _, _ in self._reducing:
                 started.wait()
-        self._started, self._reducing, self._grads = {}, [], {}
+        self._reducing, self._grads = [], {}
         self._awaited = 0
         self._in_step = False
         self.close_forward()
@@ -1035,7 +1042,7 @@ def _finish_backward(schedule: _Schedule) -> None:
         unit.close_forward()
         if unit.reshard_after_backward:
             unit.reshard()
-        unit._started = {}
+        unit.drop_prefetch()
         unit.remove_input_hooks()
     schedule.callback_queued = False
 
