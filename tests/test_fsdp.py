@@ -691,7 +691,7 @@ class _Failing(torch.autograd.Function):
         return grad, None
 
 
-def _recovery(rank, world, s):
+def _recovery(rank, world, s, reset):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(s)
@@ -716,8 +716,9 @@ def _recovery(rank, world, s):
         except RuntimeError as e:
             assert f"failing {where}" in str(e), e
             opt_ours.zero_grad()
-            ours.reset_iter_state()
-            assert not unit.is_gathered
+            if reset:
+                ours.reset_iter_state()
+                assert not unit.is_gathered
             continue
         assert where is None
         assert unit.is_gathered  # set_reshard_after_backward(False): kept after backward
@@ -728,11 +729,14 @@ def _recovery(rank, world, s):
     return True
 
 
-def test_a_step_stopped_by_an_exception_and_reset_iter_state():
-    """A forward, then a backward, that raise inside a unit; ``reset_iter_state()`` on the root; the
-    next steps' gradients and the parameters after them equal one process's (which skipped the
-    failed steps), with ``set_reshard_after_backward(False)`` keeping a unit gathered after backward."""
-    assert run_on_ranks(_recovery, 2, args=(random.randrange(2**31),)) == [True] * 2
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_step_stopped_by_an_exception_and_reset_iter_state(reset):
+    """A forward, then a backward, that raise inside a unit; ``reset_iter_state()`` on the root, or
+    nothing (the next forward starts a new step: before, after a backward that raised, the next
+    backward reduced no gradient); the next steps' gradients and the parameters after them equal
+    one process's (which skipped the failed steps), with ``set_reshard_after_backward(False)``
+    keeping a unit gathered after backward."""
+    assert run_on_ranks(_recovery, 2, args=(random.randrange(2**31), reset)) == [True] * 2
 
 
 def _skipped_batch(rank, world, s, where, reshard_after_backward):

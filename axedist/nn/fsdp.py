@@ -867,12 +867,8 @@ class FSDPUnit:
             if s.order:
                 s.last_order = s.order
             s.order = []
-            for unit in stale:  # a forward without backward leaves these behind
-                unit._in_step = False
-                unit._awaited = 0
-                unit.drop_prefetch()  # gathered before the optimizer step: stale
-                unit.close_forward()
-                unit.remove_input_hooks()
+            for unit in stale:  # a forward without backward, or a backward that raised, leaves these behind
+                unit.reset()  # (a prefetch: gathered before the optimizer step, stale)
         if not self._in_step:  # values of an earlier step are stale: the optimizer moved on (a prefetch is not)
             self.reshard()
         self._in_step = True  # (again in the step, a module called twice: the gathered values still hold)
