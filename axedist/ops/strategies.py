@@ -52,14 +52,14 @@ def register_sharding(op):
         if not callable(fn):
             raise TypeError(f"register_sharding decorates a function, got {type(fn).__name__}")
         for overload in overloads:
-            RULES[overload] = _rule_from(fn, overload)
+            RULES[overload] = _rule_from(fn)
         reset()  # plans cached from the rules replaced
         return fn
 
     return wrap
 
 
-def _rule_from(fn: Callable, op) -> Callable[[OpCall], Sharding]:
+def _rule_from(fn: Callable) -> Callable[[OpCall], Sharding]:
     def rule(call: OpCall) -> Sharding:
         return _choose(call, fn(*call.args, **call.kwargs), fn.__name__)
 
