@@ -691,7 +691,8 @@ class _Failing(torch.autograd.Function):
         return grad, None
 
 
-def _recovery(rank, world, s, reset):
+def _blocks_and_root_sharded(world, s):
+    """A one-process ``_Net`` and its copy with each block and the root ``fully_shard``-ed over ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(s)
@@ -701,6 +702,11 @@ def _recovery(rank, world, s, reset):
     for block in ours.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(ours, mesh=mesh)
+    return ref, ours
+
+
+def _recovery(rank, world, s, reset):
+    ref, ours = _blocks_and_root_sharded(world, s)
     fail = {"where": None}
     block = ours.blocks[1]
     block.register_forward_hook(lambda m, a, out: _Failing.apply(out, fail["where"]))
@@ -745,15 +751,7 @@ def _skipped_batch(rank, world, s, where, reshard_after_backward):
     the optimizer then steps with the earlier micro-batch's gradients, and the following steps run
     as new ones: their gathers see the stepped shards (a prefetch the failed forward started, of a
     unit it never reached, is dropped)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(s)
-    ref = _Net().double()
-    ours = copy.deepcopy(ref)
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    for block in ours.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(ours, mesh=mesh)
+    ref, ours = _blocks_and_root_sharded(world, s)
     ours.set_reshard_after_backward(reshard_after_backward)
     fail = {"on": False}
 
