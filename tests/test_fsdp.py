@@ -794,6 +794,40 @@ def test_a_batch_skipped_after_its_forward_raised(where, reshard_after_backward)
     assert run_on_ranks(_skipped_batch, 2, args=args) == [True] * 2
 
 
+def _gathered_by_hand(rank, world, s):
+    """``unshard()`` (and ``unshard(async_op=True)``, waited or not) on a block after the optimizer
+    step, as torch's manual prefetch: the next forward gathers that block no more, and computes with
+    the stepped parameters (the block kept its gathered values after backward: those are stale)."""
+    ref, ours = _blocks_and_root_sharded(world, s)
+    ours.set_reshard_after_backward(False)
+    opt_ref, opt_ours = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours))
+    g = torch.Generator().manual_seed(s + 1)
+    calls = []
+    for step, by_hand in enumerate([None, "sync", "async", "async_waited", None]):
+        tokens = torch.randint(0, 11, (2 * world, 5), generator=g)
+        if by_hand == "sync":
+            assert ours.blocks[1].unshard() is None
+        elif by_hand is not None:
+            handle = ours.blocks[1].unshard(async_op=True)
+            if by_hand == "async_waited":
+                handle.wait()
+        with count_collectives() as counted:
+            loss = ours(tokens[2 * rank:2 * rank + 2]).logsumexp(-1).mean()
+        calls.append(counted.calls)
+        loss.backward()
+        ref(tokens).logsumexp(-1).mean().backward()
+        _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
+    assert calls[1:4] == [calls[0] - 1] * 3 and calls[4] == calls[0], calls
+    return True
+
+
+def test_unshard_by_hand_before_a_forward(seed):
+    """A block gathered by hand after the optimizer step (``unshard()``, ``unshard(async_op=True)``
+    waited or not) is not gathered again by the next forward, and every gradient equals one
+    process's (its values are the stepped ones, not those it kept gathered after backward)."""
+    assert run_on_ranks(_gathered_by_hand, 2, args=(seed,)) == [True] * 2
+
+
 class _Twice(torch.nn.Module):
     """A block called twice in one forward, the first time on an input that needs no gradient."""
 

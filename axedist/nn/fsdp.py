@@ -613,6 +613,7 @@ class FSDPUnit:
         self.backward_prefetch: list | None = None  # the same in backward
         self._inside = weakref.WeakSet()  # units found to hold a module of this one's trees (``contains``)
         self._returned = False         # post_forward ran for the module call now ending (leave_forward)
+        self._by_hand = False          # gathered (or being gathered) by unshard() for the next forward
 
     def contains(self, other: "FSDPUnit") -> bool:
         """Whether a module of ``other`` is in this unit's module trees. pre_forward asks it of the
@@ -868,9 +869,10 @@ class FSDPUnit:
                 s.last_order = s.order
             s.order = []
             for unit in stale:  # a forward without backward, or a backward that raised, leaves these behind
-                unit.reset()  # (a prefetch: gathered before the optimizer step, stale)
-        if not self._in_step:  # values of an earlier step are stale: the optimizer moved on (a prefetch is not)
+                unit.reset(keep_by_hand=True)  # (a prefetch: gathered before the optimizer step, stale)
+        if not self._in_step and not self._by_hand:  # values of an earlier step are stale: the optimizer moved on
             self.reshard()
+        self._by_hand = False
         self._in_step = True  # (again in the step, a module called twice: the gathered values still hold)
         self.unshard()
         values = [p.module_value() for p in self.params]
@@ -958,10 +960,13 @@ class FSDPUnit:
             self.reshard()
         self._install_sharded()
 
-    def reset(self) -> None:
+    def reset(self, keep_by_hand: bool = False) -> None:
         """Drop the state of a step an exception stopped: its started collectives are waited for
-        and dropped, its gathered parameters freed, its gradients not yet set lost."""
-        self.drop_prefetch()
+        and dropped, its gathered parameters freed, its gradients not yet set lost. ``keep_by_hand``
+        (a new step's start): not what ``unshard()`` gathered for the next forward."""
+        kept = keep_by_hand and self._by_hand
+        if not kept:
+            self.drop_prefetch()
         with torch.no_grad():
             for started, _, _ in self._reducing:
                 started.wait()
@@ -970,9 +975,25 @@ class FSDPUnit:
         self._in_step = False
         self.close_forward()
         self.remove_input_hooks()
-        self.reshard()
+        if not kept:
+            self.reshard()
+        self._by_hand = kept
         self.schedule.callback_queued = False
         self.schedule.order = []
+
+    def gather_by_hand(self, async_op: bool) -> None:
+        """``FSDPModule.unshard``: gather now, for the next forward, which then gathers nothing
+        (torch's manual prefetch: call it after the optimizer step, as the values are read now).
+        Between steps what was gathered before is dropped first: the optimizer may have moved the
+        shards since (a unit that kept its values after backward, a prefetch never taken up)."""
+        if not self._in_step:
+            self.drop_prefetch()
+            self.reshard()
+            self._by_hand = True
+        if async_op:
+            self.prefetch()
+        else:
+            self.unshard()
 
     def remove_input_hooks(self) -> None:
         """Remove the step's multi-grad hooks: each holds its inputs' autograd nodes while a node
@@ -1204,15 +1225,14 @@ class FSDPModule:
         """Gather this unit's parameters now (the next forward then finds them gathered).
         ``async_op=True``: start the gathers and return a handle whose ``wait()`` finishes them."""
         unit = _unit_of(self)
-        if not async_op:
-            unit.unshard()
-            return None
-        unit.prefetch()
-        return UnshardHandle(unit)
+        unit.gather_by_hand(async_op)
+        return UnshardHandle(unit) if async_op else None
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters (only the shards stay)."""
-        _unit_of(self).reshard()
+        unit = _unit_of(self)
+        unit._by_hand = False
+        unit.reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in fsdp_units(self) if recurse else [_unit_of(self)]:
