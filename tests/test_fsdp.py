@@ -818,13 +818,30 @@ def _gathered_by_hand(rank, world, s):
         ref(tokens).logsumexp(-1).mean().backward()
         _same_gradients_then_step(step, ref, ours, (opt_ref, opt_ours))
     assert calls[1:4] == [calls[0] - 1] * 3 and calls[4] == calls[0], calls
+    # gathered by hand, then a step that does not use it (block 0 alone) and a change of its values:
+    # the gather served that step only, so the next forward gathers block 1 anew
+    ours.blocks[1].unshard()
+    h = torch.randn(2 * world, 5, 6, generator=g, dtype=torch.float64)
+    ours.blocks[0](h[2 * rank:2 * rank + 2]).square().mean().backward()
+    ref.blocks[0](h).square().mean().backward()
+    _same_gradients_then_step("block 0 alone", ref.blocks[0], ours.blocks[0], (opt_ref, opt_ours))
+    with torch.no_grad():
+        for p_ref, p in zip(ref.blocks[1].parameters(), ours.blocks[1].parameters()):
+            p_ref.mul_(0.5)
+            p.mul_(0.5)
+    tokens = torch.randint(0, 11, (2 * world, 5), generator=g)
+    ours(tokens[2 * rank:2 * rank + 2]).logsumexp(-1).mean().backward()
+    ref(tokens).logsumexp(-1).mean().backward()
+    _same_gradients_then_step("after", ref, ours, (opt_ref, opt_ours))
     return True
 
 
 def test_unshard_by_hand_before_a_forward(seed):
     """A block gathered by hand after the optimizer step (``unshard()``, ``unshard(async_op=True)``
     waited or not) is not gathered again by the next forward, and every gradient equals one
-    process's (its values are the stepped ones, not those it kept gathered after backward)."""
+    process's (its values are the stepped ones, not those it kept gathered after backward). A gather
+    by hand serves the next step only: after a step without that block and a change of its values,
+    the block is gathered anew."""
     assert run_on_ranks(_gathered_by_hand, 2, args=(seed,)) == [True] * 2
 
 

@@ -550,6 +550,10 @@ class _Unshard(torch.autograd.Function):
 # or raised).
 _RUNNING: list = []
 
+# How many steps (a root's forward starting a new one) this process has begun, over every model: what a
+# unit gathered by hand (unshard()) serves only the step that begins next.
+_STEPS = [0]
+
 
 @dataclass(eq=False)
 class _Schedule:
@@ -613,7 +617,8 @@ class FSDPUnit:
         self.backward_prefetch: list | None = None  # the same in backward
         self._inside = weakref.WeakSet()  # units found to hold a module of this one's trees (``contains``)
         self._returned = False         # post_forward ran for the module call now ending (leave_forward)
-        self._by_hand = False          # gathered (or being gathered) by unshard() for the next forward
+        self._by_hand: int | None = None  # the step count when unshard() gathered for the next step
+        self._started_at = 0           # the step count when the gathers in _started began
 
     def contains(self, other: "FSDPUnit") -> bool:
         """Whether a module of ``other`` is in this unit's module trees. pre_forward asks it of the
@@ -670,8 +675,10 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """Start this unit's all-gathers (on a side stream on CUDA, so they overlap compute)."""
         self.refresh()
+        self._drop_stale_prefetch()
         if self.is_gathered or self._started or not any(p.batched for p in self.params):
             return
+        self._started_at = _STEPS[0]
         self.schedule.prefetches += 1
         with torch.no_grad():
             if self.mesh.device_type == "cuda":
@@ -684,6 +691,7 @@ class FSDPUnit:
 
     def unshard(self) -> None:
         self.refresh()
+        self._drop_stale_prefetch()
         if self.is_gathered:
             return
         with torch.no_grad():
@@ -715,6 +723,12 @@ class FSDPUnit:
         if self.adopt_assigned():
             self.drop_prefetch()
             self.reshard()
+
+    def _drop_stale_prefetch(self) -> None:
+        """Drop started gathers of an earlier step (a prefetch of a unit that step never reached):
+        the optimizer may have moved the shards since. unshard()'s for the step now beginning stay."""
+        if self._started and self._started_at != _STEPS[0] and not self._gathered_for_this_step():
+            self.drop_prefetch()
 
     def drop_prefetch(self) -> None:
         """Finish and drop the started gathers (a prefetch no forward or backward took up): their
@@ -862,6 +876,7 @@ class FSDPUnit:
             pass  # called apart from its step's forward, before that step's backward (a chunked loss): that step
         else:  # the root of this forward: a new step
             s = self.schedule = self.own_schedule
+            _STEPS[0] += 1
             # the units of the last step and of the one before it, had the last stopped early (an
             # error in its forward: a unit it prefetched but never reached still holds that gather)
             stale = list(dict.fromkeys(s.last_order + s.order))
@@ -870,11 +885,11 @@ class FSDPUnit:
             s.order = []
             for unit in stale:  # a forward without backward, or a backward that raised, leaves these behind
                 unit.reset(keep_by_hand=True)  # (a prefetch: gathered before the optimizer step, stale)
-        if not self._in_step and not self._by_hand:  # values of an earlier step are stale: the optimizer moved on
+        if not self._in_step and not self._gathered_for_this_step():  # an earlier step's values: stale
             self.reshard()
-        self._by_hand = False
         self._in_step = True  # (again in the step, a module called twice: the gathered values still hold)
         self.unshard()
+        self._by_hand = None
         values = [p.module_value() for p in self.params]
         self._awaited += sum(v.requires_grad for v in values)
         self._trained = False
@@ -964,7 +979,7 @@ class FSDPUnit:
         """Drop the state of a step an exception stopped: its started collectives are waited for
         and dropped, its gathered parameters freed, its gradients not yet set lost. ``keep_by_hand``
         (a new step's start): not what ``unshard()`` gathered for the next forward."""
-        kept = keep_by_hand and self._by_hand
+        kept = keep_by_hand and self._gathered_for_this_step()
         if not kept:
             self.drop_prefetch()
         with torch.no_grad():
@@ -977,19 +992,25 @@ class FSDPUnit:
         self.remove_input_hooks()
         if not kept:
             self.reshard()
-        self._by_hand = kept
+            self._by_hand = None
         self.schedule.callback_queued = False
         self.schedule.order = []
+
+    def _gathered_for_this_step(self) -> bool:
+        """Whether unshard() gathered this unit just before the step now beginning."""
+        return self._by_hand is not None and self._by_hand == _STEPS[0] - 1
 
     def gather_by_hand(self, async_op: bool) -> None:
         """``FSDPModule.unshard``: gather now, for the next forward, which then gathers nothing
         (torch's manual prefetch: call it after the optimizer step, as the values are read now).
         Between steps what was gathered before is dropped first: the optimizer may have moved the
-        shards since (a unit that kept its values after backward, a prefetch never taken up)."""
+        shards since (a unit that kept its values after backward, a prefetch never taken up). It
+        serves the next step only: a later one (the unit unused in between, the optimizer may have
+        stepped) gathers anew."""
         if not self._in_step:
             self.drop_prefetch()
             self.reshard()
-            self._by_hand = True
+            self._by_hand = _STEPS[0]
         if async_op:
             self.prefetch()
         else:
@@ -1231,7 +1252,7 @@ class FSDPModule:
     def reshard(self) -> None:
         """Free this unit's gathered parameters (only the shards stay)."""
         unit = _unit_of(self)
-        unit._by_hand = False
+        unit._by_hand = None
         unit.reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
