@@ -423,6 +423,16 @@ def _not_registered(rank, world, s):
         register_fsdp_forward_method(model, "decode")
     except ValueError as e:
         out["missing"] = str(e)
+    # registered, a call that raises (a token out of the vocabulary) leaves the root's modules their
+    # sharded parameters, frees its gathers, and the next call gives the one-process values
+    register_fsdp_forward_method(model, "generate")
+    try:
+        model.generate(torch.full((2, 3), 11), 2)
+    except IndexError:
+        out["raised"] = (all(isinstance(p, DTensor) and p.is_leaf for p in model.parameters()),
+                         fsdp_units(model)[0].is_gathered)
+    scores = _plain(model.generate(prompt, 2)[1])
+    out["after"] = bool(torch.allclose(scores, ref.generate(prompt, 2)[1], **TOL64))
     return out
 
 
@@ -431,12 +441,14 @@ def test_register_fsdp_forward_method_matches_one_process_and_torch(seed):
     root owns the embedding, output weight and temperature: on 2 ranks, three steps of greedy
     decoding give the one-process model's tokens and scores, and the backward of the scores its
     gradients (averaged over the ranks), as torch's fully_shard with the same registration; the
-    root keeps its gathered parameters after it, as after forward. Unregistered, it fails."""
+    root keeps its gathered parameters after it, as after forward. Unregistered, it fails; a
+    registered call that raises leaves the sharded parameters in the modules, nothing gathered."""
     kept = run_on_ranks(_generate, 2, args=(seed, False))
     assert all(k == [(True, False)] * STEPS for k in kept), kept  # the root: gathered from generate to backward's end
     out = run_on_ranks(_not_registered, 2, args=(seed,))[0]
     assert out["unregistered"] != "the one-process values" and out["plain"], out
     assert "has no method 'decode'" in out["missing"], out
+    assert out["raised"] == (True, False) and out["after"], out
 
 
 def test_register_fsdp_forward_method_dp_x_tp(seed):

@@ -1428,9 +1428,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def as_forward(*args, **kwargs):
-        args, kwargs = before(module, args, kwargs)
         output = None
         try:
+            args, kwargs = before(module, args, kwargs)
             output = after(module, args, method(*args, **kwargs))
             return output
         finally:
