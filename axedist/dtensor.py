@@ -379,11 +379,12 @@ class DTensor(torch.Tensor):
         shape inferred from each rank's local shape (placements, no ``shape``) is compared
         once per local shape, dtype and placements (one exchange on the job's store), so ranks
         whose local tensors disagree all raise ``RankDisagreementError`` instead of meeting in
-        a collective of mismatched sizes. (Once per rank: when only some ranks meet a local shape
-        they have not checked, e.g. one rank's smaller last batch, the others do not join; the
-        next check they make, as a redistribute's before it moves data, meets it instead and
-        every rank raises ``RankDisagreementError``; where none comes, ``PeerError`` after the
-        collective timeout.) ``grad_placements`` (torch's): the placements the
+        a collective of mismatched sizes. (Once per rank, a known limit: when only some ranks meet
+        a local shape they have not checked, e.g. one rank's smaller last batch, the others skip
+        the check. Their next unchecked move then meets those ranks' check, and every rank raises
+        ``RankDisagreementError``; a move they checked before runs its collective at once, and the
+        checking ranks raise ``PeerError`` after the collective timeout while the others wait in
+        that collective.) ``grad_placements`` (torch's): the placements the
         DTensor's gradient is brought to before its piece becomes ``local``'s gradient (default:
         this tensor's own, a pending sum's axes replicated); its piece here must be ``local``'s shape.
         """

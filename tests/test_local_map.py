@@ -167,8 +167,9 @@ def _refusals(rank, world, seed):
     with pytest.raises(TypeError, match="takes a function"):
         ax.local_map(3)
     # an output's global shape is inferred as even (torch's from_local): uneven pieces disagree, on every rank
-    # (pieces of a shape no rank passed to from_local before: a rank checks each local shape once)
-    uneven = ax.distribute_tensor(_drawn(seed, 2 * world + 1, 5), mesh, [Shard(0)])
+    # (a mesh of its own: a rank checks each local shape once per mesh, so no earlier call skips the check)
+    own = ax.DeviceMesh("cpu", (world,), ("local_map_uneven",))
+    uneven = ax.distribute_tensor(_drawn(seed, 2 * world + 1, 5), own, [Shard(0)])
     with pytest.raises(RankDisagreementError, match="ranks disagree on from_local"):
         ax.local_map(torch.neg, out_placements=[Shard(0)])(uneven)
     return True
