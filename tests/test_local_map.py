@@ -11,7 +11,6 @@ request (to placements and to an axedist Layout), and the refusals, raised on ev
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor as TorchDTensor
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute
 from torch.distributed.tensor.experimental import local_map as torch_local_map
