@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import autograd
 from .caches import memo
@@ -33,6 +34,7 @@ from .mesh import DeviceMesh, MeshError, as_mesh
 from .peers import (MAX_DIMS, RankDisagreementError, TensorReport, agree, announce_failure, compare_tensors,
                     gather_texts, rank_listing, tensor_report, together)
 from .ops.dispatcher import OpDispatcher
+from .ops.specs import placements_or_none
 from .ops.state import wrap
 from .planning import Redistribution, plan_redistribute
 from .planning.boxes import global_box
@@ -961,8 +963,6 @@ def local_map(func=None, out_placements=None, in_placements=None, in_grad_placem
         raise TypeError(f"local_map takes a function, got {type(func).__name__}")
 
     def run(*args, **kwargs):
-        from torch.utils._pytree import tree_flatten, tree_unflatten
-
         flat, tree = tree_flatten(args)
         for what, given in (("in_placements", in_placements), ("in_grad_placements", in_grad_placements)):
             if given is not None and len(given) != len(flat):
@@ -1002,14 +1002,14 @@ def _local_map_input(arg: DTensor, want, index: int, redistribute_inputs: bool) 
     if target == arg._spec:
         return arg
     if not redistribute_inputs:
-        raise ValueError(f"local_map: argument {index} is in {_placements_text(arg._spec)}, its in_placements "
-                         f"entry is {want}; redistribute it first or pass redistribute_inputs=True")
+        where = placements_or_none(arg._spec)
+        where = arg._spec.layout if where is None else list(where)
+        raise ValueError(f"local_map: argument {index} is in {where}, its in_placements entry is {want}; "
+                         f"redistribute it first or pass redistribute_inputs=True")
     return arg.redistribute(want)
 
 
 def _local_map_outputs(out, out_placements, mesh: DeviceMesh):
-    from torch.utils._pytree import tree_flatten, tree_unflatten
-
     flat, tree = tree_flatten(out)
     wanted = out_placements if isinstance(out_placements, tuple) else (out_placements,)
     if len(wanted) != len(flat):
@@ -1033,9 +1033,3 @@ def _local_map_outputs(out, out_placements, mesh: DeviceMesh):
         result.append(DTensor.from_local(value, mesh, want))
     return tree_unflatten(result, tree)
 
-
-def _placements_text(spec: DTensorSpec) -> str:
-    try:
-        return str(list(placements_of(spec)))
-    except LayoutError:
-        return str(spec.layout)

@@ -710,6 +710,7 @@ class FSDPUnit:
         self._count(sum(p.gathered.untyped_storage().nbytes() for p in self.params))
 
     def reshard(self) -> None:
+        self._by_hand = None  # (what unshard() gathered for the next step goes with it)
         self._count(-sum(p.free() for p in self.params))
 
     def _count(self, delta: int) -> None:
@@ -876,15 +877,12 @@ class FSDPUnit:
             pass  # called apart from its step's forward, before that step's backward (a chunked loss): that step
         else:  # the root of this forward: a new step
             s = self.schedule = self.own_schedule
-            _STEPS[0] += 1
-            # the units of the last step and of the one before it, had the last stopped early (an
-            # error in its forward: a unit it prefetched but never reached still holds that gather)
-            stale = list(dict.fromkeys(s.last_order + s.order))
+            _STEPS[0] += 1  # (gathers started before now are stale where they are taken up: _drop_stale_prefetch)
             if s.order:
                 s.last_order = s.order
             s.order = []
-            for unit in stale:  # a forward without backward, or a backward that raised, leaves these behind
-                unit.reset(keep_by_hand=True)  # (a prefetch: gathered before the optimizer step, stale)
+            for unit in s.last_order:  # a forward without backward, or a backward that raised, leaves these behind
+                unit.reset(keep_by_hand=True)
         if not self._in_step and not self._gathered_for_this_step():  # an earlier step's values: stale
             self.reshard()
         self._in_step = True  # (again in the step, a module called twice: the gathered values still hold)
@@ -992,7 +990,6 @@ class FSDPUnit:
         self.remove_input_hooks()
         if not kept:
             self.reshard()
-            self._by_hand = None
         self.schedule.callback_queued = False
         self.schedule.order = []
 
@@ -1251,9 +1248,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters (only the shards stay)."""
-        unit = _unit_of(self)
-        unit._by_hand = None
-        unit.reshard()
+        _unit_of(self).reshard()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         for unit in fsdp_units(self) if recurse else [_unit_of(self)]:

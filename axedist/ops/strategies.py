@@ -72,6 +72,7 @@ def _choose(call: OpCall, shardings, name: str) -> Sharding:
     specs = call.specs
     axes = call.mesh.ndim
     rows = [_row(s, returns, name) for s in shardings]
+    in_place = _mutates_self(call)
     if not rows:
         raise ValueError(f"{call.func}: {name} gave no sharding")
     best, best_cost = None, None
@@ -85,7 +86,7 @@ def _choose(call: OpCall, shardings, name: str) -> Sharding:
             continue
         if not all(_fits(spec, p) for spec, p in zip(specs, inputs)):
             continue
-        if _mutates_self(call) and (inputs[0] != specs[0].placements or outputs[0] != specs[0].placements):
+        if in_place and (inputs[0] != specs[0].placements or outputs[0] != specs[0].placements):
             continue
         cost = sum(_bytes_to(spec, p) for spec, p in zip(specs, inputs))
         if best_cost is None or cost < best_cost:
