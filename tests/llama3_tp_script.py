@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 # -- TP imports (end)
@@ -142,7 +143,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2,
+        self.register_buffer("freqs_cis", precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len,
                                                                args.rope_theta), persistent=True)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -242,7 +243,7 @@ def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
 
 
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
-          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False, resume_at=None):
+          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False, resume_at=None, cp_mesh=None):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
     ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
@@ -256,28 +257,41 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
     one-process values; torch's CPU DTensor draws each piece from the seed). ``ac``: each block under
     activation checkpointing (``apply_ac``). ``resume_at``: before that step, the model's and the
     optimizer's full state dicts taken (``resume``) and training goes on in a model built anew from
-    another seed that loads them: the same numbers as without."""
+    another seed that loads them: the same numbers as without. ``cp_mesh`` (without ``dp_mesh``):
+    context parallelism as torchtitan runs it, each step's forward and backward inside
+    ``context_parallel`` with the inputs, the labels and the RoPE table cut along the sequence
+    over ``cp_mesh``, and FSDP over ``cp_mesh`` (torchtitan's ``dp_shard_cp`` with ``dp_shard`` 1)
+    summing the ranks' gradients."""
     args = ModelArgs()
-    model, optimizer, forward = setup(args, tp_mesh, seed, dtype, dp_mesh, compile_backend, fullgraph, meta_init, ac)
+    assert cp_mesh is None or dp_mesh is None, "cp_mesh shards the parameters over the cp ranks itself"
+    shard_mesh = dp_mesh if cp_mesh is None else cp_mesh
+    model, optimizer, forward = setup(args, tp_mesh, seed, dtype, shard_mesh, compile_backend, fullgraph, meta_init, ac)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+    cp_size = cp_mesh.size() if cp_mesh is not None else 1
     data = torch.Generator().manual_seed(seed + 1)
     record = []
     for step in range(steps):
         if step == resume_at:
             model, optimizer, forward = resume(model, optimizer, lambda: setup(
-                args, tp_mesh, seed + 100, dtype, dp_mesh, compile_backend, fullgraph, meta_init, ac))
+                args, tp_mesh, seed + 100, dtype, shard_mesh, compile_backend, fullgraph, meta_init, ac))
         tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
         tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        with loss_parallel() if tp_mesh is not None else nullcontext():
+        sequence = nullcontext()
+        if cp_mesh is not None:  # torchtitan's: this rank's positions of the batch, and their RoPE rows
+            inputs, labels = inputs.clone(), labels.clone()
+            sequence = context_parallel(cp_mesh, buffers=[inputs, labels, model.freqs_cis], buffer_seq_dims=[1, 1, 0],
+                                        no_restore_buffers={inputs, labels})
+        with sequence, loss_parallel() if tp_mesh is not None else nullcontext():
             pred = forward(inputs)
             loss = F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1))
-            (loss / dp_size).backward()  # the gradients are summed over dp (apply_fsdp): their mean
+            # the gradients are summed over dp and cp (apply_fsdp): the mean over every rank's rows and positions
+            (loss / (dp_size * cp_size)).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
         loss_value = full(loss).detach().clone()
-        if dp_mesh is not None:
-            torch.distributed.all_reduce(loss_value, group=dp_mesh.get_group())
-            loss_value /= dp_size
+        if shard_mesh is not None:
+            torch.distributed.all_reduce(loss_value, group=shard_mesh.get_group())
+            loss_value /= shard_mesh.size()
         record.append({"loss": loss_value, "norm": full(norm).detach().clone(),
                        "grads": {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
                                  for n, p in model.named_parameters()},
@@ -307,7 +321,7 @@ def setup(args: ModelArgs, tp_mesh, seed: int, dtype, dp_mesh, compile_backend, 
                 values = build(args, seed, dtype)
                 for p, value in zip(model.parameters(), values.parameters()):
                     p.copy_(value)
-            model.freqs_cis.copy_(precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len * 2,
+            model.freqs_cis.copy_(precompute_freqs_cis(args.dim // args.n_heads, args.max_seq_len,
                                                        args.rope_theta))
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
                                                                       fullgraph=fullgraph)

@@ -123,6 +123,41 @@ def test_llama_training_step_as_one_process(world):
     run_on_ranks(_llama_step, world, args=(5 + world,))
 
 
+def _other_names_and_checkpoints(rank, world):
+    """SDPA under another name (caught as a torch-function mode) and in an activation checkpoint
+    (its recomputation in backward, where no mode is on, reaches it through F's name)."""
+    from torch.nn.functional import scaled_dot_product_attention as imported
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = ax.DeviceMesh("cpu", (world,))
+    q, k, v, g = (_drawn(30 + i, 1, 2, 8, 4) for i in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    (torch.sin(F.scaled_dot_product_attention(*leaves, is_causal=True)) * g).sum().backward()
+    here = SequenceShards.of(8, world).positions(rank)
+    for attend in (lambda *t: torch.sin(imported(*t, is_causal=True)),
+                   lambda *t: checkpoint(lambda *u: torch.sin(F.scaled_dot_product_attention(*u, is_causal=True)),
+                                         *t, use_reentrant=False)):
+        pieces = [t.clone() for t in (q, k, v, g)]
+        with context_parallel(mesh, buffers=pieces, buffer_seq_dims=[2] * 4, no_restore_buffers=set(pieces)):
+            mine = [t.requires_grad_() for t in pieces[:3]]
+            (attend(*mine) * pieces[3]).sum().backward()
+        for piece, leaf in zip(mine, leaves):
+            torch.testing.assert_close(piece.grad, leaf.grad[:, :, here], **TOL)
+    assert F.scaled_dot_product_attention is imported   # torch's own again
+    # under another name in a checkpoint, the recomputation is torch's SDPA of the pieces alone:
+    # torch's checkpoint sees other saved tensors and raises (never a silent local attention)
+    pieces = [t.clone() for t in (q, k, v)]
+    with context_parallel(mesh, buffers=pieces, buffer_seq_dims=[2] * 3, no_restore_buffers=set(pieces)):
+        out = checkpoint(lambda *u: torch.sin(imported(*u, is_causal=True)), *[t.requires_grad_() for t in pieces],
+                         use_reentrant=False)
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            out.sum().backward()
+
+
+def test_sdpa_under_other_names_and_in_checkpoints():
+    run_on_ranks(_other_names_and_checkpoints, 2)
+
+
 def _compiled(rank, world):
     mesh = ax.DeviceMesh("cpu", (world,))
     q, k, v = (_drawn(20 + i, 1, 2, 8, 4) for i in range(3))

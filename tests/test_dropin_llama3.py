@@ -53,13 +53,13 @@ SCRIPT = Path(__file__).with_name("llama3_tp_script.py")
 IMPORTS = re.compile(r"# -- TP imports \(begin\)\n.*?# -- TP imports \(end\)\n", re.S)
 AXEDIST_IMPORTS = """\
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
-from axedist.nn import FSDPModule, fully_shard, loss_parallel, parallelize_module
+from axedist.nn import FSDPModule, context_parallel, fully_shard, loss_parallel, parallelize_module
 from axedist.nn.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                    set_model_state_dict, set_optimizer_state_dict)
 """
 AXEDIST_STYLES = """\
 from axedist.nn import (ColwiseParallel, FSDPModule, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                        fully_shard, loss_parallel, parallelize_module)
+                        context_parallel, fully_shard, loss_parallel, parallelize_module)
 from axedist.nn.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                    set_model_state_dict, set_optimizer_state_dict)
 """
@@ -249,9 +249,29 @@ def test_llama3_script_fsdp_tp_compiled_whole():
         assert one_step == five_steps > 1, (rank, seed, one_step, five_steps)
 
 
-@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp"])
+def _cp_tp(rank, world, seed):
+    """cp = 2 x tp = 2: torchtitan's context parallelism (inputs, labels and RoPE table cut along
+    the sequence, FSDP over cp) on top of its TP plan, imports changed, against one process on the
+    whole sequence; with activation checkpointing (the attention recomputed inside the context)
+    and resumed from full state dicts. torch's own ``context_parallel`` has no rule for the CPU
+    attention op, so there is no torch run to compare with on gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("cp", "tp"))
+    tp, cp = world_mesh["tp"], world_mesh["cp"]
+    _, reference = script()["train"](None, seed, dtype=torch.float64)
+    _, on_axedist = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, cp_mesh=cp)
+    _compare(on_axedist, reference, "axedist context_parallel + fully_shard + TP, imports changed")
+    _, on_axedist_ac = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, cp_mesh=cp, ac=True,
+                                                        resume_at=2)
+    _compare(on_axedist_ac, reference, "axedist context_parallel + fully_shard + TP, activation checkpointing, "
+             "resumed")
+    return True
+
+
+@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp", "cp_tp"])
 def test_llama3_script_on_torch_and_axedist(kind):
-    body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp}[kind]
+    body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp, "cp_tp": _cp_tp}[kind]
     seed = random.randrange(2**31)
     results = run_on_ranks(body, 4, args=(seed,), timeout_s=300)
     assert len(set(results)) == 1, seed

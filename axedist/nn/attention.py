@@ -30,7 +30,6 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.nn.attention.bias import causal_lower_right
 from torch.overrides import TorchFunctionMode
 
 from ..dtensor import DTensor
@@ -41,6 +40,8 @@ __all__ = ["SequenceShards", "context_parallel"]
 
 # the sequence dim of SDPA's (batch, heads, sequence, head_dim) query, key and value
 _SEQUENCE_DIM = 2
+# torch's SDPA itself (``F.scaled_dot_product_attention`` is replaced while a context is open)
+_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -92,21 +93,35 @@ class SequenceShards:
 
 class _ContextParallelAttention(TorchFunctionMode):
     """While open, SDPA of sequence pieces held as ``shards`` says over ``mesh`` is the whole
-    sequence's attention (keys and values gathered; causal by global position)."""
+    sequence's attention (keys and values gathered; causal by global position). It is reached two
+    ways: ``F.scaled_dot_product_attention`` replaced by ``attention`` (torch's way; it is what an
+    activation checkpoint's recomputation in backward calls, where no torch-function mode is on)
+    and, as a mode, SDPA called under another name (``from torch.nn.functional import ...``)."""
 
     def __init__(self, mesh: DeviceMesh, shards: SequenceShards):
         super().__init__()
         self.mesh, self.shards = mesh, shards
         self.inverse_orders: dict[torch.device, torch.Tensor] = {}   # gathered index -> position order
+        self.busy = False   # inside ``attention``: its own SDPA calls are torch's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        if func is _SDPA and not self.busy:
             return self.attention(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                  enable_gqa=False):
+    def attention(self, *args, **kwargs):
+        """``F.scaled_dot_product_attention``'s arguments: the whole sequence's attention, this rank's queries."""
+        if self.busy:
+            return _SDPA(*args, **kwargs)
+        self.busy = True
+        try:
+            return self.pieces(*args, **kwargs)
+        finally:
+            self.busy = False
+
+    def pieces(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
         if any(isinstance(t, DTensor) for t in (query, key, value)):
             raise NotImplementedError("context_parallel: scaled_dot_product_attention of DTensors; pass the local "
                                       "pieces (e.g. parallelize's use_local_output=True)")
@@ -120,7 +135,7 @@ class _ContextParallelAttention(TorchFunctionMode):
                              f"{self.shards.local_length} positions of {self.shards}")
         key, value = self.gather(key), self.gather(value)
         if not is_causal:  # every query sees every key: their order does not matter
-            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, scale=scale,
+            return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
                                                   enable_gqa=enable_gqa)
         return self.causal(query, key, value, dropout_p, scale, enable_gqa)
 
@@ -136,6 +151,8 @@ class _ContextParallelAttention(TorchFunctionMode):
         with the causal mask aligned to its lower right (query ``stop - 1`` sees every key), so
         the fused kernels skip the masked half as they do for ``is_causal`` (a boolean mask
         would not). Rank 0 of 8 positions on 2 ranks: queries 0-1 over keys 0-1, 6-7 over 0-7."""
+        from torch.nn.attention.bias import CausalBias, causal_lower_right  # (imports triton: here, not at import)
+
         if self.shards.balanced and self.shards.ranks > 1:
             order = self.inverse_orders.get(key.device)
             if order is None:
@@ -151,7 +168,9 @@ class _ContextParallelAttention(TorchFunctionMode):
         for start, stop in self.shards.spans(self.mesh.position()):
             rows = query.narrow(_SEQUENCE_DIM, offset, stop - start)
             offset += stop - start
-            runs.append(F.scaled_dot_product_attention(
+            # the bias's own dispatch, called as such: under a DTensor loss's backward (an activation
+            # checkpoint's recomputation) torch-function subclasses are off and the bias would be a plain mask
+            runs.append(CausalBias._dispatch(
                 rows, key.narrow(_SEQUENCE_DIM, 0, stop), value.narrow(_SEQUENCE_DIM, 0, stop),
                 attn_mask=causal_lower_right(stop - start, stop), dropout_p=dropout_p, scale=scale))
         return runs[0] if len(runs) == 1 else torch.cat(runs, dim=_SEQUENCE_DIM)
@@ -203,10 +222,13 @@ def context_parallel(mesh, *, buffers: Sequence[torch.Tensor] | None = None,
             piece = buffer.index_select(dim, shards.positions(mesh.position(), buffer.device))
             buffer.resize_(piece.shape)
             buffer.copy_(piece)
+    attention = _ContextParallelAttention(mesh, shards)
+    replaced, F.scaled_dot_product_attention = F.scaled_dot_product_attention, attention.attention
     try:
-        with _ContextParallelAttention(mesh, shards):
+        with attention:
             yield
     finally:
+        F.scaled_dot_product_attention = replaced
         with torch.no_grad():
             for buffer, whole in zip(buffers, kept):
                 if whole is not None:
