@@ -8,10 +8,13 @@ Per global sequence length L (bf16, batch 1, 32 query heads, 8 key/value heads, 
 per forward + backward (median of --reps, the two sides interleaved; max over ranks):
   whole   F.scaled_dot_product_attention(is_causal=True) of the whole sequence on each GPU (the
           one-GPU work that context parallelism splits)
-  cp      the same attention inside context_parallel: each rank its L / W positions (head-tail
-          order), keys and values gathered over the ranks, gradients reduce-scattered back
-speedup = whole / cp (W would be perfect), and each side's peak memory. The output and the
-gradients of the rank's positions are checked against the whole sequence's (relative error).
+  cp        the same attention inside axedist's context_parallel: each rank its L / W positions
+            (head-tail order), keys and values gathered over the ranks, gradients reduce-scattered back
+  torch_cp  the same inside torch's context_parallel (its default rotate method, all-gather)
+Each timed call of the two cp sides opens its context (on a position vector; the pieces are cut
+once), so each pays its own entry. speedup = whole / cp (W would be perfect), torch_cp / cp, and
+each side's peak memory. Each side's output and gradients of the rank's positions are checked
+against the whole sequence's (relative error); a side that raises is recorded, not timed.
 Writes context_parallel_w{W}.json / .md / .png and a history line. Multicast stays off.
 """
 import argparse
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 import axedist as ax
 from axedist.collectives.timing import time_interleaved
 from axedist.nn import SequenceShards, context_parallel
+from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/history.py, beside this script
 from history import append_history, require_multicast_off, run_meta  # noqa: E402
@@ -37,7 +41,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def measure(length: int, mesh, reps: int) -> dict:
+def measure(length: int, mesh, torch_mesh, reps: int) -> dict:
     world, rank = mesh.size(), dist.get_rank()
     gen = torch.Generator(device="cuda").manual_seed(length)
     q, k, v, g = (torch.randn(1, heads, length, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -54,33 +58,49 @@ def measure(length: int, mesh, reps: int) -> dict:
     reference = run_whole()
     grads = [t.grad.clone() for t in whole]
     here = SequenceShards.of(length, world).positions(mesh.position(), "cuda")
-    pieces = [t.clone() for t in (q, k, v, g)]
-    with context_parallel(mesh, buffers=pieces, buffer_seq_dims=[2] * 4, no_restore_buffers=set(pieces)):
-        leaves = [t.requires_grad_() for t in pieces[:3]]
+    # the pieces cut once (the same as torch's cut: tests/test_context_parallel.py); each timed call
+    # opens its side's context on a position vector, so both sides pay their own context's entry
+    pieces = [t[:, :, here].contiguous() for t in (q, k, v, g)]
+    positions = torch.arange(length, device="cuda")
+    sides = {"cp": (context_parallel, mesh), "torch_cp": (torch_context_parallel, torch_mesh)}
+    leaves = {name: [t.clone().requires_grad_() for t in pieces[:3]] for name in sides}
 
-        def run_cp():
-            for t in leaves:
+    def side(name):
+        enter, on = sides[name]
+
+        def call():
+            for t in leaves[name]:
                 t.grad = None
-            out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
-            out.backward(pieces[3])
+            with enter(on, buffers=[positions.clone()], buffer_seq_dims=[0]):
+                out = F.scaled_dot_product_attention(*leaves[name], is_causal=True, enable_gqa=True)
+                out.backward(pieces[3])
             return out
+        return call
 
-        out = run_cp()
-        errors = dict(out=rel_err(out, reference[:, :, here]),
-                      **{f"grad_{name}": rel_err(t.grad, grad[:, :, here])
-                         for name, t, grad in zip("qkv", leaves, grads)})
-        peaks = {}
-        for name, fn in (("whole", run_whole), ("cp", run_cp)):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            peaks[name] = torch.cuda.max_memory_allocated() / 2**20
-        times = time_interleaved({"whole": run_whole, "cp": run_cp}, reps=reps)
+    fns, errors, peaks = {"whole": run_whole}, {}, {}
+    for name in sides:
+        try:
+            out = side(name)()
+        except Exception as error:  # torch's side may not run this case: recorded, not timed
+            errors[name] = f"{type(error).__name__}: {str(error)[:200]}"
+            continue
+        fns[name] = side(name)
+        errors[name] = dict(out=rel_err(out, reference[:, :, here]),
+                            **{f"grad_{n}": rel_err(t.grad, grad[:, :, here])
+                               for n, t, grad in zip("qkv", leaves[name], grads)})
+    for name, fn in fns.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+    times = time_interleaved(fns, reps=reps)
     if rank == 0:
-        print(f"L={length}: whole {times['whole']:.3f} ms, cp {times['cp']:.3f} ms "
-              f"({times['whole'] / times['cp']:.2f}x on {world}), errors {errors}", flush=True)
-    return dict(length=length, times=times, speedup=times["whole"] / times["cp"], peak_mib=peaks, rel_err=errors)
+        print(f"L={length}: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in times.items())
+              + f"; errors {errors}", flush=True)
+    return dict(length=length, times=times, speedup=times["whole"] / times["cp"],
+                vs_torch=times["torch_cp"] / times["cp"] if "torch_cp" in times else None, peak_mib=peaks,
+                rel_err=errors)
 
 
 def write(out_dir: str, meta: dict, rows: list) -> None:
@@ -92,12 +112,20 @@ def write(out_dir: str, meta: dict, rows: list) -> None:
              f"machine: {meta['machine']}; commit {meta['commit']}; torch {meta['torch']}; multicast off",
              f"command: `{meta['command']}`; bf16, batch 1, {HEADS} query / {KV_HEADS} kv heads, head dim {HEAD_DIM}",
              "", "ms per forward + backward (median, sides interleaved, max over ranks); peak MiB on rank 0", "",
-             "| L | whole sequence, one GPU | context_parallel | speedup | peak whole | peak cp | max rel err |",
-             "|---|---|---|---|---|---|---|"]
+             "| L | whole sequence, one GPU | axedist context_parallel | torch context_parallel | whole / axedist | "
+             "torch / axedist | peak MiB whole / axedist / torch | max rel err axedist / torch |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def worst(errors) -> str:
+        return f"{max(errors.values()):.1e}" if isinstance(errors, dict) else str(errors)
+
     for row in rows:
-        lines.append(f"| {row['length']} | {row['times']['whole']:.3f} | {row['times']['cp']:.3f} | "
-                     f"{row['speedup']:.2f}x | {row['peak_mib']['whole']:.0f} | {row['peak_mib']['cp']:.0f} | "
-                     f"{max(row['rel_err'].values()):.1e} |")
+        t, peak = row["times"], row["peak_mib"]
+        theirs = f"{t['torch_cp']:.3f}" if "torch_cp" in t else "did not run"
+        ratio = f"{row['vs_torch']:.2f}x" if row["vs_torch"] else "-"
+        lines.append(f"| {row['length']} | {t['whole']:.3f} | {t['cp']:.3f} | {theirs} | {row['speedup']:.2f}x | "
+                     f"{ratio} | {peak['whole']:.0f} / {peak['cp']:.0f} / {peak.get('torch_cp', float('nan')):.0f} | "
+                     f"{worst(row['rel_err']['cp'])} / {worst(row['rel_err'].get('torch_cp', '-'))} |")
     with open(os.path.join(out_dir, f"{name}.md"), "w") as handle:
         handle.write("\n".join(lines) + "\n")
     import matplotlib
@@ -107,8 +135,10 @@ def write(out_dir: str, meta: dict, rows: list) -> None:
     fig, ax_ = plt.subplots(figsize=(6, 3.5))
     labels = [str(row["length"]) for row in rows]
     x = range(len(rows))
-    ax_.bar([i - 0.2 for i in x], [row["times"]["whole"] for row in rows], 0.4, label="whole sequence, one GPU")
-    ax_.bar([i + 0.2 for i in x], [row["times"]["cp"] for row in rows], 0.4, label=f"context_parallel, W={world}")
+    ax_.bar([i - 0.27 for i in x], [row["times"]["whole"] for row in rows], 0.27, label="whole sequence, one GPU")
+    ax_.bar(list(x), [row["times"]["cp"] for row in rows], 0.27, label=f"axedist context_parallel, W={world}")
+    ax_.bar([i + 0.27 for i in x], [row["times"].get("torch_cp", 0) for row in rows], 0.27,
+            label=f"torch context_parallel, W={world}")
     ax_.set_xticks(list(x), labels)
     ax_.set_xlabel("sequence length")
     ax_.set_ylabel("ms, forward + backward")
@@ -129,7 +159,10 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     world = dist.get_world_size()
     mesh = ax.DeviceMesh("cuda", (world,))
-    rows = [measure(int(length), mesh, args.reps) for length in args.lengths.split(",")]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch_mesh = init_device_mesh("cuda", (world,))
+    rows = [measure(int(length), mesh, torch_mesh, args.reps) for length in args.lengths.split(",")]
     if dist.get_rank() == 0 and args.out:
         os.makedirs(args.out, exist_ok=True)
         write(args.out, run_meta(world, "torchrun --nproc_per_node=%d benchmarks/bench_context_parallel.py %s"

@@ -15,7 +15,8 @@
 #                                       # BENCHES=w8 on an 8-GPU machine: the issue 8 runs;
 #                                       # BENCHES=ce_graphs: AXEDIST_CE_GRAPHS's probe and TP step, off and on;
 #                                       # BENCHES=auto_host: the host cost of auto's cuBLAS + NCCL path;
-#                                       # BENCHES=gemm_rs_held: GEMM + RS held at the power cap)
+#                                       # BENCHES=gemm_rs_held: GEMM + RS held at the power cap;
+#                                       # BENCHES=context_parallel: bench_context_parallel.py at W)
 # Everything comes back as $OUT/bundle.tgz (logs/, results/) and $OUT/summary.txt.
 # Step times on 4x H200 (2026-11-28, warm Triton cache after precompile): tests_multigpu W=4 317 s
 # (+120 s for test_every_candidate_config_and_gemm_only_mode), W=2 ~280 s, tests_onegpu halves
@@ -122,6 +123,8 @@ elif [[ $MODE == benches ]]; then  # BENCHES narrows the list (names below)
     main_sh) step main_sh 200 bash launch/main.sh ;;
     main_job) step main_job 150 bash -c "torchrun --nproc-per-node $W launch/train_tp.py --cuda --out $OUT/train_tp && torchrun --nproc-per-node 2 launch/infer_tp.py --cuda --train-dir $OUT/train_tp" ;;
     demo) step demo 60 torchrun --nproc-per-node 4 launch/demo_dtensor.py --cuda ;;
+    context_parallel) # context-parallel causal attention vs one GPU's whole sequence and torch's context_parallel
+      step bench_context_parallel 120 torchrun --nproc-per-node $W benchmarks/bench_context_parallel.py --reps 20 --out "$RESULTS" ;;
     decode) # the decode stack (eager, CUDA graphs) vs torch, the row-parallel GEMMs and the fused layer tail (DECODE_ARGS=--profile: kernels per graph step)
       step bench_decode 200 torchrun --nproc-per-node $W benchmarks/bench_decode.py --reps 20 --batches 1,8,64 ${DECODE_ARGS:-} --out "$RESULTS" ;;
     ce_graphs) # AXEDIST_CE_GRAPHS (opt-in until this runs on 2+ GPUs): the probe on real ranks (host and device

@@ -4,7 +4,7 @@
 # fits is skipped and says so):
 #   1. torch.compile: the one-GPU compile test (GPU 0), then its NCCL test at W=2
 #   2. the TP training step at the GPU-bound size (--preset llama8b), eager, vs torch's (compiled: benchmarks/device/tp.sh)
-#   3. fused all-gather + GEMM, the decode stack, the /ce copies as a CUDA graph (probe_ce_graph.py)
+#   3. fused all-gather + GEMM, the decode stack, context-parallel attention, the /ce copies as a CUDA graph (probe_ce_graph.py)
 #      and the README's train + decode job at TP=2
 #   4. the rest of tests_multigpu at W=2, and the fused GEMM + reduce-scatter at W=2 (burst, then held)
 #   bash benchmarks/device/w2.sh [BUDGET_S]          # logs and results come back as $OUT/w2.tgz
@@ -23,6 +23,8 @@ if (( GPUS >= 2 )); then
   step bench_tp_w2 150 torchrun --nproc-per-node 2 benchmarks/bench_tp.py --cuda --preset llama8b --steps 10 --out "$RESULTS"
   step bench_ag_gemm_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_ag_gemm.py --reps 10 --only 0,1,2,3,6,8 --out "$RESULTS"
   step bench_decode_w2 50 torchrun --nproc-per-node 2 benchmarks/bench_decode.py --reps 10 --batches 1,8,64 --out "$RESULTS"
+  # context-parallel causal attention vs the whole sequence on one GPU and vs torch's context_parallel (~40 s)
+  step bench_cp_w2 90 torchrun --nproc-per-node 2 benchmarks/bench_context_parallel.py --reps 20 --out "$RESULTS"
   # the /ce copies as one CUDA graph (AXEDIST_CE_GRAPHS, opt-in): host and device time of both
   # modes, and whether the driver runs a graph's peer copies on the copy engines or as kernels
   step ce_graph_w2 60 env OUT="$RESULTS" torchrun --nproc-per-node 2 benchmarks/device/probe_ce_graph.py
