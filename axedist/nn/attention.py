@@ -133,6 +133,9 @@ class _ContextParallelAttention(TorchFunctionMode):
             raise ValueError(f"context_parallel: scaled_dot_product_attention of sequence pieces of lengths "
                              f"{sorted(lengths)} (dim {_SEQUENCE_DIM}), but this rank holds "
                              f"{self.shards.local_length} positions of {self.shards}")
+        if self.shards.ranks == 1:  # the whole sequence is here: torch's SDPA as it is
+            return _SDPA(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
         key, value = self.gather(key), self.gather(value)
         if not is_causal:  # every query sees every key: their order does not matter
             return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
@@ -153,7 +156,7 @@ class _ContextParallelAttention(TorchFunctionMode):
         would not). Rank 0 of 8 positions on 2 ranks: queries 0-1 over keys 0-1, 6-7 over 0-7."""
         from torch.nn.attention.bias import CausalBias, causal_lower_right  # (imports triton: here, not at import)
 
-        if self.shards.balanced and self.shards.ranks > 1:
+        if self.shards.balanced:
             order = self.inverse_orders.get(key.device)
             if order is None:
                 order = self.inverse_orders[key.device] = torch.argsort(self.shards.order(key.device))
