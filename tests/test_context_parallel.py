@@ -207,6 +207,11 @@ def _refusals(rank, world):
     with pytest.raises(TypeError, match="not parameters"):
         with context_parallel(mesh, buffers=[torch.nn.Parameter(q.clone())], buffer_seq_dims=[2]):
             pass
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with context_parallel(mesh, buffers=[q.clone()], buffer_seq_dims=[2]):
+            with context_parallel(mesh, buffers=[q.clone()], buffer_seq_dims=[2]):
+                pass
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention   # torch's again
     # the mesh works on after every refusal
     pieces = [q.clone()]
     with context_parallel(mesh, buffers=pieces, buffer_seq_dims=[2]):

@@ -193,6 +193,8 @@ def context_parallel(mesh, *, buffers: Sequence[torch.Tensor] | None = None,
     buffers = list(buffers or [])
     seq_dims = list(buffer_seq_dims or [])
     no_restore = list(no_restore_buffers or [])
+    if isinstance(getattr(F.scaled_dot_product_attention, "__self__", None), _ContextParallelAttention):
+        raise RuntimeError("context_parallel: a context_parallel block is open already; they do not nest")
     if mesh.ndim != 1:
         raise ValueError(f"context_parallel takes a 1-D mesh (the context-parallel axis, e.g. mesh['cp']), "
                          f"got {mesh}")
