@@ -40,6 +40,29 @@ def test_sequence_shards_head_tail_and_contiguous():
         SequenceShards.of(7, 2)
 
 
+@pytest.mark.parametrize("ranks,position", [(2, 0), (2, 1), (4, 3), (3, 1)])
+def test_causal_runs_as_the_masked_attention(ranks, position):
+    """One rank's runs (square causal + unmasked calls merged by log-sum-exp), values and gradients,
+    against attention with the lower-right mask written out, on one process."""
+    from axedist.nn.attention import causal_runs
+
+    length = 24
+    spans = SequenceShards.of(length, ranks).spans(position)
+    held = torch.cat([torch.arange(start, stop) for start, stop in spans])
+    query, key, value = (_drawn(40 + i, 2, 3, n, 4) for i, n in enumerate((len(held), length, length)))
+    grad = _drawn(43, 2, 3, len(held), 4)
+    mine = [t.clone().requires_grad_() for t in (query, key, value)]
+    out = causal_runs(*mine, spans, scale=0.3)
+    out.backward(grad)
+    theirs = [t.clone().requires_grad_() for t in (query, key, value)]
+    mask = torch.arange(length)[None, :] <= held[:, None]
+    reference = F.scaled_dot_product_attention(*theirs, attn_mask=mask, scale=0.3)
+    reference.backward(grad)
+    torch.testing.assert_close(out, reference, **TOL)
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.grad, b.grad, **TOL)
+
+
 def _buffers_as_torch(rank, world, length):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -36,7 +36,7 @@ from ..dtensor import DTensor
 from ..mesh import DeviceMesh, as_mesh
 from ..peers import agree
 
-__all__ = ["SequenceShards", "context_parallel"]
+__all__ = ["SequenceShards", "context_parallel", "causal_runs"]
 
 # the sequence dim of SDPA's (batch, heads, sequence, head_dim) query, key and value
 _SEQUENCE_DIM = 2
@@ -149,34 +149,129 @@ class _ContextParallelAttention(TorchFunctionMode):
         return whole.redistribute(self.mesh, [Replicate()]).to_local(grad_placements=[Partial()])
 
     def causal(self, query, key, value, dropout_p, scale, enable_gqa):
-        """Causal attention of this rank's queries to the gathered keys: the keys put in position
-        order, each run of this rank's positions ``[start, stop)`` attends to keys ``[0, stop)``
-        with the causal mask aligned to its lower right (query ``stop - 1`` sees every key), so
-        the fused kernels skip the masked half as they do for ``is_causal`` (a boolean mask
-        would not). Rank 0 of 8 positions on 2 ranks: queries 0-1 over keys 0-1, 6-7 over 0-7."""
-        from torch.nn.attention.bias import CausalBias, causal_lower_right  # (imports triton: here, not at import)
-
+        """Causal attention of this rank's queries to the gathered keys, put in position order
+        (``causal_runs``). Rank 0 of 8 positions on 2 ranks: queries 0-1 over keys 0-1, 6-7 over 0-7."""
+        if dropout_p:
+            raise NotImplementedError("context_parallel: causal scaled_dot_product_attention with dropout_p > 0")
         if self.shards.balanced:
             order = self.inverse_orders.get(key.device)
             if order is None:
                 order = self.inverse_orders[key.device] = torch.argsort(self.shards.order(key.device))
             key, value = key.index_select(_SEQUENCE_DIM, order), value.index_select(_SEQUENCE_DIM, order)
         heads, kv_heads = query.shape[1], key.shape[1]
-        if enable_gqa and heads != kv_heads:  # (a lower-right causal bias takes no enable_gqa on every kernel)
-            if heads % kv_heads:
-                raise ValueError(f"scaled_dot_product_attention(enable_gqa=True): {heads} query heads are not a "
-                                 f"multiple of {kv_heads} key heads")
+        if heads != kv_heads:  # the kernels below take as many key heads as query heads
+            if not enable_gqa or heads % kv_heads:
+                raise ValueError(f"scaled_dot_product_attention: {heads} query heads and {kv_heads} key heads "
+                                 f"(enable_gqa={enable_gqa})")
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
-        runs, offset = [], 0
-        for start, stop in self.shards.spans(self.mesh.position()):
-            rows = query.narrow(_SEQUENCE_DIM, offset, stop - start)
-            offset += stop - start
-            # the bias's own dispatch, called as such: under a DTensor loss's backward (an activation
-            # checkpoint's recomputation) torch-function subclasses are off and the bias would be a plain mask
-            runs.append(CausalBias._dispatch(
-                rows, key.narrow(_SEQUENCE_DIM, 0, stop), value.narrow(_SEQUENCE_DIM, 0, stop),
-                attn_mask=causal_lower_right(stop - start, stop), dropout_p=dropout_p, scale=scale))
-        return runs[0] if len(runs) == 1 else torch.cat(runs, dim=_SEQUENCE_DIM)
+        return causal_runs(query, key, value, self.shards.spans(self.mesh.position()), scale)
+
+
+def causal_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: Sequence[tuple[int, int]],
+                scale: float | None = None) -> torch.Tensor:
+    """Causal attention of queries held as runs of positions ``spans`` (``[start, stop)`` each,
+    concatenated along dim 2) to keys and values in position order, ``[0, stop)`` of them for a
+    run: per run one square causal call over its own keys ``[start, stop)`` and one call without a
+    mask over the keys before them, merged by their log-sum-exp, so every call is one the fused
+    kernels (cuDNN's on Hopper) run as they run ``is_causal`` and nothing is masked but the square's
+    upper half. Queries of run ``[6, 8)`` (2 of them) over keys ``[0, 8)``: keys 6-7 causal, 0-5 whole.
+    Differentiable (each call's backward from the merged output and log-sum-exp)."""
+    return _CausalRuns.apply(query, key, value, tuple(spans), scale)
+
+
+def _attention_op(device: torch.device):
+    """The fused attention op that gives its log-sum-exp (and takes it back in backward) here."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        return "cudnn"
+    return "flash"
+
+
+def _block_forward(op: str, query, key, value, causal: bool, scale):
+    """(output, log-sum-exp shaped as the output less its last dim, what the backward needs)."""
+    aten = torch.ops.aten
+    if op == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal, scale=scale)
+        return out, lse, ()
+    if op == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.reshape(out.shape[:-1]), (lse.shape, seed, offset, cum_q, cum_k, max_q, max_k)
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        query, key, value, 0.0, causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _block_backward(op: str, grad, query, key, value, out, lse, extra, causal: bool, scale):
+    aten = torch.ops.aten
+    if op == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, out, lse, 0.0,
+                                                                         causal, scale=scale)
+    if op == "cudnn":
+        shape, seed, offset, cum_q, cum_k, max_q, max_k = extra
+        return aten._scaled_dot_product_cudnn_attention_backward(grad, query, key, value, out, lse.reshape(shape),
+                                                                 seed, offset, None, cum_q, cum_k, max_q, max_k,
+                                                                 0.0, causal, scale=scale)
+    cum_q, cum_k, max_q, max_k, seed, offset = extra
+    return aten._scaled_dot_product_flash_attention_backward(grad, query, key, value, out, lse, cum_q, cum_k,
+                                                             max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+
+
+def _blocks(spans):
+    """Per run: (its rows in the held order, then (key span, causal) of each call)."""
+    offset = 0
+    for start, stop in spans:
+        rows = (offset, stop - start)
+        offset += stop - start
+        yield rows, [((start, stop), True)] + ([((0, start), False)] if start else [])
+
+
+class _CausalRuns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, spans, scale):
+        op = _attention_op(query.device)
+        outs, lses, saved = [], [], []
+        for (first, count), calls in _blocks(spans):
+            rows = query.narrow(_SEQUENCE_DIM, first, count)
+            merged_out = merged_lse = None
+            for (start, stop), causal in calls:
+                out, lse, extra = _block_forward(op, rows, key.narrow(_SEQUENCE_DIM, start, stop - start),
+                                                 value.narrow(_SEQUENCE_DIM, start, stop - start), causal, scale)
+                saved.append(extra)
+                lse_dtype = lse.dtype   # (the backward takes the log-sum-exp in the op's own dtype)
+                wide = torch.promote_types(out.dtype, torch.float32)   # (bf16 parts merged in fp32)
+                out, lse = out.to(wide), lse.to(wide)
+                if merged_out is None:
+                    merged_out, merged_lse = out, lse
+                else:  # softmax over both key sets: each part weighted by its share of the normaliser
+                    total = torch.logaddexp(merged_lse, lse)
+                    merged_out = (merged_out * (merged_lse - total).exp().unsqueeze(-1)
+                                  + out * (lse - total).exp().unsqueeze(-1))
+                    merged_lse = total
+            outs.append(merged_out.to(query.dtype))
+            lses.append(merged_lse.to(lse_dtype))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=_SEQUENCE_DIM)
+        ctx.save_for_backward(query, key, value, out, *lses)
+        ctx.op, ctx.spans, ctx.scale, ctx.extras = op, spans, scale, saved
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, *lses = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_query, grad_key, grad_value = torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+        extras = iter(ctx.extras)
+        for ((first, count), calls), lse in zip(_blocks(ctx.spans), lses):
+            rows, rows_out, rows_grad = (t.narrow(_SEQUENCE_DIM, first, count) for t in (query, out, grad))
+            for (start, stop), causal in calls:
+                keys = slice(start, stop)
+                dq, dk, dv = _block_backward(ctx.op, rows_grad, rows, key[:, :, keys], value[:, :, keys],
+                                             rows_out, lse, next(extras), causal, ctx.scale)
+                grad_query.narrow(_SEQUENCE_DIM, first, count).add_(dq)
+                grad_key[:, :, keys].add_(dk)
+                grad_value[:, :, keys].add_(dv)
+        return grad_query, grad_key, grad_value, None, None
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """One rank's lower-right causal run of context-parallel attention (n queries ending at position
-stop over keys [0, stop)), forward + backward, by four routes on one GPU: the causal bias's
-lower-right dispatch (flash), a boolean mask through SDPA, the whole run without a mask (an upper
+stop over keys [0, stop)), forward + backward, by five routes on one GPU: the causal bias's
+lower-right dispatch (flash), axedist's merged runs (square causal + unmasked, cuDNN), a boolean mask through SDPA, the whole run without a mask (an upper
 bound of the work), and a square causal call of the same n (a lower bound). bf16, 32 / 8 heads,
 head dim 128. Prints ms per route and the kernels' names.
 
@@ -9,6 +9,8 @@ head dim 128. Prints ms per route and the kernels' names.
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from axedist.nn.attention import causal_runs
 
 
 def timed(fn, reps=10):
@@ -43,6 +45,7 @@ for n, stop in ((4096, 8192), (8192, 32768), (16384, 32768), (2048, 32768)):
     mask = torch.arange(stop, device="cuda")[None, :] <= (stop - n + torch.arange(n, device="cuda"))[:, None]
     routes = {
         "bias_lower_right": lambda: CausalBias._dispatch(q, kx, vx, attn_mask=causal_lower_right(n, stop)).backward(g),
+        "merged_runs": lambda: causal_runs(q, kx, vx, [(stop - n, stop)]).backward(g),
         "bool_mask_gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).backward(g),
         "bool_mask_expanded": lambda: F.scaled_dot_product_attention(q, kx, vx, attn_mask=mask).backward(g),
         "no_mask_gqa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True).backward(g),
