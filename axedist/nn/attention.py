@@ -13,7 +13,8 @@ mask's work): length 8 on 2 ranks gives rank 0 positions 0, 1, 6, 7 and rank 1 p
 While the block is open ``F.scaled_dot_product_attention(q, k, v)`` of those pieces (sequence dim
 2) is the attention of the whole sequence: every rank gathers the keys and values over the mesh
 (their gradients are reduce-scattered back) and attends its own queries to all of them, causal by
-global position. Everything else in the model is per position and runs on the pieces as it is; the
+global position: per run of its positions one square causal call and one unmasked call over the
+keys before the run, merged by log-sum-exp (``causal_runs``), the calls the fused kernels run fastest. Everything else in the model is per position and runs on the pieces as it is; the
 parameters' gradients are each rank's share (sum them over the mesh, as data parallelism does). On
 exit the buffers are whole again (``no_restore_buffers``: left as this rank's piece).
 
