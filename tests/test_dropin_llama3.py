@@ -266,6 +266,17 @@ def _cp_tp(rank, world, seed):
                                                         resume_at=2)
     _compare(on_axedist_ac, reference, "axedist context_parallel + fully_shard + TP, activation checkpointing, "
              "resumed")
+    # compiled whole without fullgraph (FSDP's hooks are graph breaks): the same numbers, and the
+    # graphs made in the first step only (a block per step must not make new ones)
+    counts = []
+    for steps in (1, 5):
+        _fresh_dynamo()
+        _, compiled = script(AXEDIST_IMPORTS)["train"](tp, seed, steps=steps, dtype=torch.float64, cp_mesh=cp,
+                                                       compile_backend="aot_eager", fullgraph=False)
+        counts.append(_graphs_and_failures()[0])
+    _fresh_dynamo()
+    _compare(compiled, reference, "axedist context_parallel + fully_shard + TP, compiled whole")
+    assert counts[0] == counts[1], counts
     return True
 
 
