@@ -17,6 +17,7 @@ with that block replaced (``AXEDIST_IMPORTS`` there), and once with no paralleli
 Standalone: ``torchrun --nproc-per-node 4 tests/llama3_tp_script.py``.
 """
 
+import copy
 import math
 import os
 from contextlib import nullcontext
@@ -27,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
@@ -159,10 +162,12 @@ class Transformer(nn.Module):
                 nn.init.trunc_normal_(p, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # a pipeline stage's part lacks the modules other stages hold (``pipeline_part``)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
 
 def apply_tp(model: Transformer, tp_mesh, loss_parallel_on: bool = True) -> None:
@@ -204,10 +209,12 @@ def apply_fsdp(model: Transformer, dp_mesh) -> None:
     """torchtitan's FSDP2 (after tensor parallelism): the embedding and each block a unit, the
     final norm and the output projection one unit of two modules kept gathered after forward, then
     the root; FSDP's division of the gradients turned off (``train`` scales the loss itself)."""
-    fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=True)
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, reshard_after_forward=True)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
-    fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False)
+    if model.norm is not None:
+        fully_shard([model.norm, model.output], mesh=dp_mesh, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -243,7 +250,8 @@ def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
 
 
 def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 0.5, dtype=torch.float32,
-          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False, resume_at=None, cp_mesh=None):
+          dp_mesh=None, compile_backend=None, fullgraph=True, meta_init=False, ac=False, resume_at=None, cp_mesh=None,
+          n_layers=2):
     """``steps`` training steps: the model, and per step the loss, the gradient norm and every
     gradient after clipping, as whole tensors. ``tp_mesh=None``: one process, no parallelism.
     ``dtype``: the parameters' (RoPE runs in fp32 and complex64 whatever it is, as torchtitan's).
@@ -261,8 +269,8 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
     context parallelism as torchtitan runs it, each step's forward and backward inside
     ``context_parallel`` with the inputs, the labels and the RoPE table cut along the sequence
     over ``cp_mesh``, and FSDP over ``cp_mesh`` (torchtitan's ``dp_shard_cp`` with ``dp_shard`` 1)
-    summing the ranks' gradients."""
-    args = ModelArgs()
+    summing the ranks' gradients. ``n_layers``: the model's blocks."""
+    args = ModelArgs(n_layers=n_layers)
     assert cp_mesh is None or dp_mesh is None, "cp_mesh shards the parameters over the cp ranks itself"
     shard_mesh = dp_mesh if cp_mesh is None else cp_mesh
     model, optimizer, forward = setup(args, tp_mesh, seed, dtype, shard_mesh, compile_backend, fullgraph, meta_init, ac)
@@ -347,6 +355,106 @@ def resume(model, optimizer, make):
     set_model_state_dict(model, model_state, options=loading)
     set_optimizer_state_dict(model, optimizer, optimizer_state, options=loading)
     return model, optimizer, forward
+
+
+def pipeline_part(whole: Transformer, stage: int, stages: int) -> Transformer:
+    """torchtitan's pipeline split: a copy of the model keeping the blocks of ``stage`` (an equal
+    share, in order), the embedding on the first stage only, the final norm and output projection
+    on the last only."""
+    part = copy.deepcopy(whole)
+    per_stage = whole.args.n_layers // stages
+    assert per_stage * stages == whole.args.n_layers, "the blocks split evenly over the stages"
+    for name in list(part.layers.keys()):
+        if not stage * per_stage <= int(name) < (stage + 1) * per_stage:
+            del part.layers[name]
+    if stage != 0:
+        part.tok_embeddings = None
+    if stage != stages - 1:
+        part.norm, part.output = None, None
+    return part
+
+
+def clip_grad_norm_pp(parameters, max_norm: float, pp_mesh):
+    """torchtitan's gradient clipping under pipeline parallelism: each stage's gradients' norm
+    (a DTensor's made whole), squared, summed over the pipeline ranks, then every gradient scaled."""
+    parameters = list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = full(torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+    total = total ** 2
+    torch.distributed.all_reduce(total, group=pp_mesh.get_group())
+    total = total ** 0.5
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: int = 5, batch: int = 2,
+                   microbatches: int = 2, max_norm: float = 0.5, dtype=torch.float32, dp_mesh=None, n_layers=2,
+                   ac=False):
+    """``train`` with pipeline parallelism as torchtitan runs it: the model built whole from
+    ``seed``, this rank's stages cut out of it (``pipeline_part``; one stage per rank, or two with a
+    schedule of several stages per rank: ``loop`` order, or ``v`` for ZBVZeroBubble / DualPipeV),
+    each part tensor parallel over ``tp_mesh``, its blocks checkpointed (``ac``) and fully sharded
+    over ``dp_mesh`` as ``train`` does, torch's ``PipelineStage`` per part and the schedule named ``schedule`` stepping
+    ``microbatches`` of the ``batch`` rows under ``loss_parallel``. The record as ``train``'s: the
+    loss of the last stage, the gradient norm over every stage (``clip_grad_norm_pp``), and every
+    parameter's gradient, each stage's gathered over the pipeline ranks."""
+    args = ModelArgs(n_layers=n_layers)
+    whole = build(args, seed, dtype)
+    schedule_class = get_schedule_class(schedule)
+    per_rank = 2 if issubclass(schedule_class, PipelineScheduleMulti) else 1
+    pp_rank, pp_size = pp_mesh.get_local_rank(), pp_mesh.size()
+    stages = pp_size * per_rank
+    if schedule in ("ZBVZeroBubble", "DualPipeV"):
+        stage_ids = [pp_rank, stages - 1 - pp_rank]
+    else:
+        stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
+    parts = [pipeline_part(whole, stage, stages) for stage in stage_ids]
+    for part in parts:
+        if tp_mesh is not None:
+            apply_tp(part, tp_mesh)
+        if ac:
+            apply_ac(part)
+        if dp_mesh is not None:
+            apply_fsdp(part, dp_mesh)
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+
+    def loss_fn(pred, labels):  # the gradients are summed over dp (apply_fsdp): the mean over every rank's rows
+        return F.cross_entropy(pred.flatten(0, 1), labels.flatten(0, 1)) / dp_size
+
+    pipeline = [PipelineStage(part, stage, stages, torch.device("cpu"), group=pp_mesh.get_group())
+                for part, stage in zip(parts, stage_ids)]
+    runner = schedule_class(pipeline if per_rank > 1 else pipeline[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    first, last = 0 in stage_ids, stages - 1 in stage_ids
+    parameters = [p for part in parts for p in part.parameters()]
+    fused = fused_adamw_supported("cpu")
+    optimizer = torch.optim.AdamW(parameters, lr=1e-2, fused=True if fused else False,
+                                  foreach=None if fused else True)
+    data = torch.Generator().manual_seed(seed + 1)
+    record = []
+    for step in range(steps):
+        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
+        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        losses = [] if last else None
+        with loss_parallel() if tp_mesh is not None else nullcontext():
+            runner.step(*([inputs] if first else []), target=labels if last else None, losses=losses)
+        loss = (torch.stack([full(x).detach() for x in losses]).mean() * dp_size if last
+                else torch.zeros((), dtype=dtype))
+        torch.distributed.all_reduce(loss, group=pp_mesh.get_group())  # the last stage's
+        if dp_mesh is not None:
+            torch.distributed.all_reduce(loss, group=dp_mesh.get_group())
+            loss /= dp_size
+        norm = clip_grad_norm_pp(parameters, max_norm, pp_mesh)
+        mine = {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
+                for part in parts for n, p in part.named_parameters()}
+        every = [None] * pp_size
+        torch.distributed.all_gather_object(every, mine, group=pp_mesh.get_group())
+        record.append({"loss": loss, "norm": norm.detach().clone(),
+                       "grads": {n: g for stage_grads in every for n, g in stage_grads.items()},
+                       "fused": optimizer.defaults["fused"]})
+        optimizer.step()
+        optimizer.zero_grad()
+    return parts, record
 
 
 def main() -> None:

@@ -611,3 +611,43 @@ def test_dp_mesh_dims_refusals():
     assert o["traced"].startswith("NotImplementedError") and "traced" in o["traced"], o
     assert o["traced_whole"].startswith("NotImplementedError") and "whole mesh" in o["traced_whole"], o
     assert o["accepted"] == "no error", o
+
+
+def _pipeline_ranks(rank, world, seed):
+    """A (pp, dp) torch mesh, a stage per pp coordinate with its own model (other sizes: the
+    stages run different programs, as torch.distributed.pipelining's do), each fully sharded over
+    ``world_mesh["dp"]``: its parameters laid out over dp only, so no check or collective of one
+    stage waits for the other. Each stage's input a leaf, its gradient taken by
+    ``torch.autograd.grad`` (a pipeline stage's backward), then a step by ``backward()``: both
+    against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = world_mesh["pp"].get_local_rank(), world_mesh["dp"]
+    torch.manual_seed(seed + pp)
+    dim = 4 + 2 * pp
+    ref = nn.Sequential(nn.Linear(dim, 8), nn.Tanh(), nn.Linear(8, dim)).double()
+    model = copy.deepcopy(ref)
+    fully_shard(model[0], mesh=dp)
+    fully_shard(model, mesh=dp)
+    meshes = {p.mesh.axis_names for p in model.parameters()}
+    x = torch.randn(4, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 7 + pp))
+    mine = x[2 * dp.get_local_rank():][:2].clone().requires_grad_()
+    (got,) = torch.autograd.grad(model(mine).square().sum(), [mine])
+    whole = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(ref(whole).square().sum(), [whole])
+    torch.testing.assert_close(got, want[2 * dp.get_local_rank():][:2], **TOL64)
+    untouched = all(p.grad is None for p in model.parameters())
+    model(mine.detach()).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor() * dp.size(), q.grad, **TOL64)
+    return meshes, untouched
+
+
+def test_stages_on_a_pipeline_axis_and_input_gradients_by_autograd_grad(seed):
+    """fully_shard(mesh=world_mesh["dp"]) of a (pp, dp) mesh: each stage's units over its dp ranks
+    only; the input gradient of a leaf by ``torch.autograd.grad`` (a multi-grad hook over a leaf
+    raises there: the input is seen as a view of itself) leaves the parameters' gradients alone."""
+    for meshes, untouched in run_on_ranks(_pipeline_ranks, 4, args=(seed,)):
+        assert meshes == {("dp",)} and untouched, (meshes, untouched)

@@ -56,7 +56,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import Partial, Replicate
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..caches import cached, memo
 from ..dtensor import DTensor
@@ -860,10 +860,18 @@ class FSDPUnit:
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
         if torch.is_grad_enabled():
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if inputs:
+            leaves, tree = tree_flatten((args, kwargs))
+            needing = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needing:
+                # an autograd leaf is seen as a view of itself: a multi-grad hook over a leaf raises under
+                # torch.autograd.grad (what torch.distributed.pipelining runs a stage's backward with)
+                viewed = [i for i in needing if leaves[i].grad_fn is None]
+                for i in viewed:
+                    leaves[i] = leaves[i].view_as(leaves[i])
+                if viewed:
+                    args, kwargs = tree_unflatten(leaves, tree)
                 hook = torch.autograd.graph.register_multi_grad_hook(
-                    inputs, lambda grads: self._inputs_done(), mode="all")
+                    [leaves[i] for i in needing], lambda grads: self._inputs_done(), mode="all")
                 self._input_hooks.append(hook)
                 self._inputs_waiting += 1
             else:  # no hook tells when this call's backward is over: the end of backward frees
@@ -1523,7 +1531,7 @@ def fully_shard(module: nn.Module | Sequence[nn.Module], mesh=None, *, dp_axes: 
         if isinstance(mesh, DeviceMesh) and "dp" in mesh.axis_names and mesh.ndim > 1:
             dp_axes = ("dp",)  # axedist's spelling: the whole mesh, its "dp" axis
         else:
-            mesh, replicate_axes, dp_axes = _torch_fsdp_mesh(mesh, replicate_axes)
+            mesh, replicate_axes, dp_axes = _torch_fsdp_mesh(mesh, replicate_axes, modules)
     elif not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard(dp_axes=...) takes the whole axedist DeviceMesh, got {type(mesh).__name__}; "
                         f"with torch's spelling pass only mesh= (the data-parallel mesh)")
@@ -1687,9 +1695,15 @@ def _check_on_whole_mesh(modules, mesh: DeviceMesh, data_axes: tuple, ignored: s
                                  f"dims (Replicate() there); {name} is laid out on {laid} ({param._spec.layout})")
 
 
-def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
+def _torch_fsdp_mesh(mesh, replicate_axes, modules) -> tuple[DeviceMesh, tuple, tuple]:
     """torch's spelling -> axedist's: ``(whole mesh, replicate axes, shard axes)`` from the
-    data-parallel mesh torch's ``fully_shard`` takes (1-D: shard; 2-D: replicate x shard)."""
+    data-parallel mesh torch's ``fully_shard`` takes (1-D: shard; 2-D: replicate x shard).
+
+    A torch sub-mesh (``world_mesh["dp"]``) is taken from its root mesh, over the data axes and
+    the axes ``modules``' DTensor parameters live on (tensor parallel ones), as torch's FSDP2 lays
+    a parameter out over the data mesh and the parameter's own. Not over the root's other axes: the
+    ranks along those need not run these modules at all (a pipeline's ``pp`` axis, whose stages
+    hold other layers), so no check or collective of this unit may wait for them."""
     if replicate_axes:
         raise TypeError("fully_shard: replicate_axes goes with dp_axes (axedist's spelling); with torch's, pass a "
                         "2-D mesh (replicate, shard)")
@@ -1697,14 +1711,31 @@ def _torch_fsdp_mesh(mesh, replicate_axes) -> tuple[DeviceMesh, tuple, tuple]:
         return init_mesh(axis_names="dp"), (), ("dp",)
     data = as_mesh(mesh)
     whole = data
-    if not isinstance(mesh, DeviceMesh):  # a torch sub-mesh: its root holds the other (tensor-parallel) axes
+    if not isinstance(mesh, DeviceMesh):  # a torch sub-mesh: its root may hold tensor-parallel axes
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        whole = DeviceMesh.from_torch(root) if root is not mesh else data
+        if root is not mesh:
+            whole = DeviceMesh.from_torch(root)
+            used = set(data.axis_names) | {axis for top in modules for p in top.parameters()
+                                           if isinstance(p, DTensor) for axis in p.device_mesh.axis_names}
+            axes = tuple(a for a in whole.axis_names if a in used)
+            if axes != whole.axis_names:
+                whole = _sub_mesh(whole, axes)
     if data.ndim == 1:
         return whole, (), data.axis_names
     if data.ndim == 2:
         return whole, data.axis_names[:1], data.axis_names[1:]
     raise MeshError(f"fully_shard: a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard), got {data}")
+
+
+_SUB_MESHES: dict = memo("nn.fsdp sub-meshes of a root mesh")
+
+
+def _sub_mesh(root: DeviceMesh, axes: tuple) -> DeviceMesh:
+    """``root[axes]``, one object per root and axes (every unit of a model on one mesh object)."""
+    key = (root, axes)
+    if key not in _SUB_MESHES:
+        _SUB_MESHES[key] = root[axes]
+    return _SUB_MESHES[key]
 
 
 def _shard_parameters(unit: FSDPUnit, mesh: DeviceMesh, ignored: set[int], shard_placement_fn=None) -> None:
