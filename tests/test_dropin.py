@@ -645,3 +645,33 @@ def _src_data_rank_out_of_range(rank, world):
 
 def test_src_data_rank_outside_the_mesh_is_an_error():
     assert run_on_ranks(_src_data_rank_out_of_range, 2) == [True] * 2
+
+
+def _collectives_on_dtensors(rank, world):
+    """Every torch.distributed call given an axedist DTensor raises the same TypeError on every
+    rank (torch's DTensor has no rule for them either); the DTensor is unchanged and the ranks go on."""
+    import torch.distributed as dist
+
+    mesh = ax.init_mesh((world,), ("tp",))
+    whole = torch.randn(4, 3, generator=torch.Generator().manual_seed(5))
+    errors = []
+    for grad in (False, True):
+        x = ax.distribute_tensor(whole.clone(), mesh, [Shard(0)]).requires_grad_(grad)
+        calls = [lambda: dist.all_reduce(x), lambda: dist.broadcast(x, 0), lambda: dist.reduce(x, 0),
+                 lambda: dist.all_gather([torch.zeros(2, 3) for _ in range(world)], x),
+                 lambda: dist.all_to_all_single(torch.zeros(2, 3), x),
+                 # no peer posts a receive: the sender raises before sending anything
+                 lambda: dist.send(x, dst=(rank + 1) % world), lambda: dist.isend(x, dst=(rank + 1) % world)]
+        for call in calls:
+            with pytest.raises(TypeError, match=r"torch.distributed's \w+ \(c10d::\w+\) got an axedist DTensor"):
+                call()
+            errors.append(True)
+        torch.testing.assert_close(x.full_tensor(), whole, rtol=0, atol=0)
+    ones = torch.ones(2)
+    dist.all_reduce(ones)  # the ranks still meet
+    return len(errors), ones.tolist()
+
+
+def test_torch_distributed_calls_on_a_dtensor_are_refused():
+    for count, summed in run_on_ranks(_collectives_on_dtensors, 2):
+        assert count == 14 and summed == [2.0, 2.0]

@@ -259,6 +259,8 @@ class OpDispatcher:
 
     def _dispatch_uncached(self, func, args, kwargs, fast_key):
         """Unwrap, plan (cached by the call's full key), run; the variants branch off here."""
+        if func.namespace == "c10d":
+            raise _collective_on_dtensor(func)
         info = op_info(func)
         if info.inplace or info.written or info.out_names:
             _refuse_writes_to_copied_views(func, args, kwargs, info)
@@ -510,3 +512,15 @@ def _torch_dispatch_handler(dispatch):
         return dispatch(func, args, kwargs)
 
     return torch_dispatch
+
+
+def _collective_on_dtensor(func) -> TypeError:
+    """A ``torch.distributed`` collective or send given a DTensor: refused (torch's DTensor has no
+    rule for them either). Run on the gathered tensor, as an op without a rule is, it would send
+    or sum the whole tensor where the caller may mean its piece, and wait for ranks of the mesh
+    that are not in the call (a pipeline's peer stage)."""
+    name = func.name().split("::")[-1].rstrip("_")
+    return TypeError(f"torch.distributed's {name} ({func.name()}) got an axedist DTensor: pass a plain tensor, "
+                     f"its local piece (dt.to_local()) or the whole tensor (dt.full_tensor()); move a DTensor "
+                     f"between layouts with dt.redistribute(...). A pipeline stage hands plain tensors to the "
+                     f"next (torch's styles' use_local_output=True, or .to_local() at the stage's end)")
