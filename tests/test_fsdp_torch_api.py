@@ -651,3 +651,37 @@ def test_stages_on_a_pipeline_axis_and_input_gradients_by_autograd_grad(seed):
     raises there: the input is seen as a view of itself) leaves the parameters' gradients alone."""
     for meshes, untouched in run_on_ranks(_pipeline_ranks, 4, args=(seed,)):
         assert meshes == {("dp",)} and untouched, (meshes, untouched)
+
+
+def _accumulate_without_sync(rank, world, seed):
+    """Three microbatches, the first two with ``set_requires_gradient_sync(False)``: those leave
+    every ``param.grad`` unset (nothing reduced), the third's backward reduces the sum; against
+    the same run syncing every backward and one process on the whole batch."""
+    torch.manual_seed(seed)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    x = torch.randn(3, 2 * world, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    runs = {}
+    for sync_each in (False, True):
+        model = copy.deepcopy(ref)
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        unset_between = []
+        for i, batch in enumerate(x):
+            last = i == len(x) - 1
+            model.set_requires_gradient_sync(sync_each or last)
+            model(batch[2 * rank:2 * rank + 2]).square().sum().backward()
+            if not last:
+                unset_between.append(all(p.grad is None for p in model.parameters()))
+        runs[sync_each] = ([p.grad.full_tensor() for p in model.parameters()], unset_between)
+    for batch in x:
+        ref(batch).square().sum().backward()
+    for got, want, q in zip(runs[False][0], runs[True][0], ref.parameters()):
+        torch.testing.assert_close(got, want, **TOL64)
+        torch.testing.assert_close(got * world, q.grad, **TOL64)  # (averaged over the dp ranks)
+    return runs[False][1], runs[True][1]
+
+
+def test_gradient_accumulation_without_sync(seed):
+    for held, synced in run_on_ranks(_accumulate_without_sync, 2, args=(seed,)):
+        assert held == [True, True] and synced == [False, False], (held, synced)

@@ -597,6 +597,7 @@ class FSDPUnit:
         self.data_parallel_size = _data_size(mesh, self.data_axes)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
+        self.requires_gradient_sync = True  # False: backward keeps the gradients here, unreduced (``_held``)
         self.mp_policy = mp_policy
         self.offload: _CPUOffload | None = None  # the shards on the CPU between uses (offload_policy)
         self.params: list[ShardedParameter] = []
@@ -604,6 +605,7 @@ class FSDPUnit:
         self._flat: dict = {}          # ("gather" | "reduce", dtype) -> FlatLayout
         self._started: dict = {}       # dtype -> (a started flat all-gather, its CUDA stream or None)
         self._grads: dict = {}         # ShardedParameter -> its gradient (gathered layout), until the flush
+        self._held: dict = {}          # the same, summed over backwards that did not sync, in the reduce dtype
         self._reducing: list = []      # (started flat reduce-scatter, FlatLayout, records) until the end of backward
         self._awaited = 0              # gradients still to come this step
         self._input_hooks: list = []   # the multi-grad hooks on this step's inputs, removed at its end
@@ -814,8 +816,16 @@ class FSDPUnit:
             self.flush()
 
     def flush(self) -> None:
-        """Start the reduce-scatter of the gradients kept so far (one per reduce dtype)."""
+        """Start the reduce-scatter of the gradients kept so far (one per reduce dtype), with those
+        held from backwards that did not sync; with gradient sync off, hold them instead (torch's
+        ``set_requires_gradient_sync(False)``: accumulated unreduced, in the reduce dtype, no
+        communication, the parameters' gradients untouched until a backward that syncs)."""
         grads, self._grads = self._grads, {}
+        grads = _sum_kept(self._held, {r: (kept[0], kept[1].to(r.reduce_dtype)) for r, kept in grads.items()})
+        if not self.requires_gradient_sync:
+            self._held = grads
+            return
+        self._held = {}
         for dtype, summed in dict.fromkeys((r.reduce_dtype, kept[0]) for r, kept in grads.items()):
             records = [p for p in self.params if p in grads and (p.reduce_dtype, grads[p][0]) == (dtype, summed)]
             flat = self.flat_layout("reduce", dtype, records, summed)
@@ -991,7 +1001,7 @@ class FSDPUnit:
         with torch.no_grad():
             for started, _, _ in self._reducing:
                 started.wait()
-        self._reducing, self._grads = [], {}
+        self._reducing, self._grads = [], {}  # (gradients held from completed backwards stay)
         self._awaited = 0
         self._in_step = False
         self.close_forward()
@@ -1072,6 +1082,21 @@ def _own_summand(grad: torch.Tensor, data_axes: tuple) -> torch.Tensor:
                           f"way than one summand per rank")
     own = without_summands(spec, data_axes)
     return DTensor(grad._local if own.reduce_op else grad._local[0], own)
+
+
+def _sum_kept(held: dict, new: dict) -> dict:
+    """Kept gradients (``{record: (summed axes, local)}``) of two backwards added up per parameter;
+    the same parameter's must be pending over the same axes."""
+    if not held:
+        return new
+    total = dict(held)
+    for record, (summed, local) in new.items():
+        kept = total.get(record)
+        if kept is not None and kept[0] != summed:
+            raise LayoutError(f"fully_shard: {record.name}'s gradient is pending over {summed} in this backward and "
+                              f"over {kept[0]} in one that did not sync; sync before the layout changes")
+        total[record] = (summed, local if kept is None else kept[1] + local)
+    return total
 
 
 def _finish_backward(schedule: _Schedule) -> None:
@@ -1263,9 +1288,12 @@ class FSDPModule:
             unit.reshard_after_forward = reshard_after_forward
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        if not requires_gradient_sync:
-            _warn_once("set_requires_gradient_sync(False): axedist reduce-scatters gradients on every backward; "
-                       "the accumulated gradients are the same, no communication is saved")
+        """``False``: backwards accumulate each unit's gradients unreduced (gathered layout, reduce
+        dtype: one parameter's worth of memory per parameter) and leave ``param.grad`` alone; the
+        next backward with sync on reduce-scatters their sum with its own, once (torch's gradient
+        accumulation without communication)."""
+        for unit in fsdp_units(self) if recurse else [_unit_of(self)]:
+            unit.requires_gradient_sync = bool(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         if not requires_all_reduce:
