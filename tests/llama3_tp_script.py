@@ -205,6 +205,13 @@ def apply_ac(model: Transformer) -> None:
         model.layers.register_module(layer_id, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
+def apply_compile(model: Transformer, backend: str) -> None:
+    """torchtitan's per-block compilation: each block replaced by ``torch.compile(block,
+    fullgraph=True)`` (after tensor parallelism and activation checkpointing, before FSDP)."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=True))
+
+
 def apply_fsdp(model: Transformer, dp_mesh) -> None:
     """torchtitan's FSDP2 (after tensor parallelism): the embedding and each block a unit, the
     final norm and the output projection one unit of two modules kept gathered after forward, then
@@ -389,12 +396,12 @@ def clip_grad_norm_pp(parameters, max_norm: float, pp_mesh):
 
 def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: int = 5, batch: int = 2,
                    microbatches: int = 2, max_norm: float = 0.5, dtype=torch.float32, dp_mesh=None, n_layers=2,
-                   ac=False):
+                   ac=False, compile_backend=None):
     """``train`` with pipeline parallelism as torchtitan runs it: the model built whole from
     ``seed``, this rank's stages cut out of it (``pipeline_part``; one stage per rank, or two with a
     schedule of several stages per rank: ``loop`` order, or ``v`` for ZBVZeroBubble / DualPipeV),
-    each part tensor parallel over ``tp_mesh``, its blocks checkpointed (``ac``) and fully sharded
-    over ``dp_mesh`` as ``train`` does, torch's ``PipelineStage`` per part and the schedule named ``schedule`` stepping
+    each part tensor parallel over ``tp_mesh``, its blocks checkpointed (``ac``), compiled one by
+    one (``compile_backend``: torchtitan's ``apply_compile``) and fully sharded over ``dp_mesh``, torch's ``PipelineStage`` per part and the schedule named ``schedule`` stepping
     ``microbatches`` of the ``batch`` rows under ``loss_parallel``. The record as ``train``'s: the
     loss of the last stage, the gradient norm over every stage (``clip_grad_norm_pp``), and every
     parameter's gradient, each stage's gathered over the pipeline ranks."""
@@ -414,6 +421,8 @@ def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: i
             apply_tp(part, tp_mesh)
         if ac:
             apply_ac(part)
+        if compile_backend is not None:
+            apply_compile(part, compile_backend)
         if dp_mesh is not None:
             apply_fsdp(part, dp_mesh)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
@@ -445,7 +454,7 @@ def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: i
             torch.distributed.all_reduce(loss, group=dp_mesh.get_group())
             loss /= dp_size
         norm = clip_grad_norm_pp(parameters, max_norm, pp_mesh)
-        mine = {n.replace("._checkpoint_wrapped_module", ""): full(p.grad).detach().clone()
+        mine = {n.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): full(p.grad).detach().clone()
                 for part in parts for n, p in part.named_parameters()}
         every = [None] * pp_size
         torch.distributed.all_gather_object(every, mine, group=pp_mesh.get_group())
