@@ -228,6 +228,20 @@ def apply_fsdp(model: Transformer, dp_mesh) -> None:
             module.set_gradient_divide_factor(1.0)
 
 
+def parallelize_llama(model: Transformer, tp_mesh, dp_mesh, ac: bool = False, compile_backend=None) -> None:
+    """torchtitan's ``parallelize_llama`` order: tensor parallelism over ``tp_mesh``, activation
+    checkpointing, each block compiled with ``compile_backend``, FSDP over ``dp_mesh`` (each step
+    skipped where its argument is None / False)."""
+    if tp_mesh is not None:
+        apply_tp(model, tp_mesh)
+    if ac:
+        apply_ac(model)
+    if compile_backend is not None:
+        apply_compile(model, compile_backend)
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh)
+
+
 def full(t):
     """The whole tensor of a DTensor (torch's or axedist's), or ``t``."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -320,12 +334,7 @@ def setup(args: ModelArgs, tp_mesh, seed: int, dtype, dp_mesh, compile_backend, 
     """The model built from ``seed`` and parallelized as ``train`` says, its optimizer, and what
     runs its forward (the model, or the model compiled)."""
     model = build(args, seed, dtype, "meta" if meta_init else None)
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh)
-    if ac:
-        apply_ac(model)
-    if dp_mesh is not None:
-        apply_fsdp(model, dp_mesh)
+    parallelize_llama(model, tp_mesh, dp_mesh, ac)
     if meta_init:
         model.to_empty(device="cpu")
         with torch.no_grad(), implicit_replication():
@@ -417,14 +426,7 @@ def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: i
         stage_ids = [pp_rank + i * pp_size for i in range(per_rank)]
     parts = [pipeline_part(whole, stage, stages) for stage in stage_ids]
     for part in parts:
-        if tp_mesh is not None:
-            apply_tp(part, tp_mesh)
-        if ac:
-            apply_ac(part)
-        if compile_backend is not None:
-            apply_compile(part, compile_backend)
-        if dp_mesh is not None:
-            apply_fsdp(part, dp_mesh)
+        parallelize_llama(part, tp_mesh, dp_mesh, ac, compile_backend)
     dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
 
     def loss_fn(pred, labels):  # the gradients are summed over dp (apply_fsdp): the mean over every rank's rows
