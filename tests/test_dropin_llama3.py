@@ -182,6 +182,28 @@ def _fsdp_tp(rank, world, seed):
     return True
 
 
+def _fsdp_tp_flattened(rank, world, seed):
+    """torchtitan's mesh as it builds it: ``("dp_shard", "cp", "tp")`` with ``dp_shard`` and ``cp``
+    flattened into ``"dp_shard_cp"`` (``_flatten``), which its ``apply_fsdp`` shards over; dp 2 x
+    cp 1 x tp 2, under torch and under axedist (imports changed), against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from axedist.dtensor import DTensor
+
+    world_mesh = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    world_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    tp, dp = world_mesh["tp"], world_mesh["dp_shard_cp"]
+    _, reference = script()["train"](None, seed, batch=4, dtype=torch.float64)
+    _, on_torch = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
+    model, on_axedist = script(AXEDIST_IMPORTS)["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
+    weight = model.layers["0"].attention.wq.weight
+    # the flattened axis is the root's axes it merges (cp of size 1 found not needed)
+    assert isinstance(weight, DTensor) and weight.mesh.axis_names == ("dp_shard", "tp"), weight
+    _compare(on_torch, reference, "torch FSDP2 over dp_shard_cp + TP")
+    _compare(on_axedist, reference, "axedist fully_shard over dp_shard_cp + TP, imports changed", on_torch)
+    return True
+
+
 def _graphs_and_failures() -> tuple[int, list[str]]:
     counters = torch._dynamo.utils
     failures = [str(r) for reasons in counters.guard_failures.values() for r in reasons]
@@ -280,9 +302,10 @@ def _cp_tp(rank, world, seed):
     return True
 
 
-@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp", "cp_tp"])
+@pytest.mark.parametrize("kind", ["three_ways", "axedist_styles", "fsdp_tp", "fsdp_tp_flattened", "cp_tp"])
 def test_llama3_script_on_torch_and_axedist(kind):
-    body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp, "cp_tp": _cp_tp}[kind]
+    body = {"three_ways": _three_ways, "axedist_styles": _own_styles, "fsdp_tp": _fsdp_tp,
+            "fsdp_tp_flattened": _fsdp_tp_flattened, "cp_tp": _cp_tp}[kind]
     seed = random.randrange(2**31)
     results = run_on_ranks(body, 4, args=(seed,), timeout_s=300)
     assert len(set(results)) == 1, seed

@@ -1731,28 +1731,57 @@ def _torch_fsdp_mesh(mesh, replicate_axes, modules) -> tuple[DeviceMesh, tuple, 
     the axes ``modules``' DTensor parameters live on (tensor parallel ones), as torch's FSDP2 lays
     a parameter out over the data mesh and the parameter's own. Not over the root's other axes: the
     ranks along those need not run these modules at all (a pipeline's ``pp`` axis, whose stages
-    hold other layers), so no check or collective of this unit may wait for them."""
+    hold other layers), so no check or collective of this unit may wait for them. A flattened data
+    axis (torchtitan's ``world_mesh["dp_shard_cp"]``, ``_flatten`` of ``dp_shard`` and ``cp``) is
+    the root axes it merges, sharded over together (in the root's order, as flattening orders them)."""
     if replicate_axes:
         raise TypeError("fully_shard: replicate_axes goes with dp_axes (axedist's spelling); with torch's, pass a "
                         "2-D mesh (replicate, shard)")
     if mesh is None:  # every rank on one axis, as torch's default mesh
         return init_mesh(axis_names="dp"), (), ("dp",)
-    data = as_mesh(mesh)
-    whole = data
-    if not isinstance(mesh, DeviceMesh):  # a torch sub-mesh: its root may hold tensor-parallel axes
+    if isinstance(mesh, DeviceMesh):
+        data_axes = [(a,) for a in mesh.axis_names]
+        whole = mesh
+    else:
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        if root is not mesh:
+        if root is mesh:
+            whole = as_mesh(mesh)
+            data_axes = [(a,) for a in whole.axis_names]
+        else:  # a sub-mesh: its root may hold tensor-parallel axes, and the data axes may be flattened ones
             whole = DeviceMesh.from_torch(root)
-            used = set(data.axis_names) | {axis for top in modules for p in top.parameters()
-                                           if isinstance(p, DTensor) for axis in p.device_mesh.axis_names}
+            data_axes = [_root_axes(mesh, root, dim, whole.axis_names) for dim in range(mesh.ndim)]
+            used = {a for axes in data_axes for a in axes} | {
+                axis for top in modules for p in top.parameters() if isinstance(p, DTensor)
+                for axis in p.device_mesh.axis_names}
             axes = tuple(a for a in whole.axis_names if a in used)
             if axes != whole.axis_names:
                 whole = _sub_mesh(whole, axes)
-    if data.ndim == 1:
-        return whole, (), data.axis_names
-    if data.ndim == 2:
-        return whole, data.axis_names[:1], data.axis_names[1:]
-    raise MeshError(f"fully_shard: a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard), got {data}")
+    if len(data_axes) == 1:
+        return whole, (), data_axes[0]
+    if len(data_axes) == 2:
+        return whole, data_axes[0], data_axes[1]
+    raise MeshError(f"fully_shard: a data-parallel mesh has 1 axis (shard) or 2 (replicate, shard), got {mesh}")
+
+
+def _root_axes(sub, root, dim: int, root_names: tuple) -> tuple[str, ...]:
+    """The axes of the root mesh that axis ``dim`` of torch sub-mesh ``sub`` runs over: its own
+    name, or for a flattened axis the fewest root axes whose slice through this rank holds its
+    ranks in its order (row-major over them, as torch's ``_flatten`` orders them)."""
+    name = (sub.mesh_dim_names or ())[dim] if sub.mesh_dim_names else None
+    if name in root_names:
+        return (name,)
+    grid = root.mesh
+    along = sub.mesh.movedim(dim, -1).reshape(-1, sub.mesh.shape[dim])
+    me = torch.distributed.get_rank()
+    ranks = next(row.tolist() for row in along if me in row.tolist())
+    here = [int(c) for c in (grid == me).nonzero()[0]]
+    for count in range(1, grid.ndim + 1):
+        for dims in itertools.combinations(range(grid.ndim), count):
+            cut = grid[tuple(slice(None) if d in dims else here[d] for d in range(grid.ndim))]
+            if cut.flatten().tolist() == ranks:
+                return tuple(root_names[d] for d in dims)
+    raise MeshError(f"fully_shard: axis {name!r} of {sub} runs over ranks {ranks}, which no axes of its root mesh "
+                    f"{root} run over in that order; pass a sub-mesh of the root's own axes")
 
 
 _SUB_MESHES: dict = memo("nn.fsdp sub-meshes of a root mesh")
