@@ -20,6 +20,7 @@ def test_readme_example_runs(tmp_path):
     assert stdout.count("S[(4,2,6):(1@gpuid,6,1)]") >= 4, stdout[-2000:]
     assert "1. all-gather over gpuid (1 group of 4): each member sends 144 B" in stdout, stdout[-2000:]
     # The ranks' prints interleave, even inside a line ("(Replicate(),)(Replicate(),) True \nTrue"),
-    # so count the words, not the lines.
+    # so count the words, not the lines
     assert stdout.count("(Replicate(),)") == 4, stdout[-2000:]
-    assert len(re.findall(r"\bTrue\b", stdout)) == 4 and "False" not in stdout, stdout[-2000:]
+    # (words can touch too: "TrueTrue")
+    assert stdout.count("True") == 4 and "False" not in stdout, stdout[-2000:]
