@@ -253,6 +253,20 @@ def fused_adamw_supported(device: str) -> bool:
     return device in _get_fused_kernels_supported_devices()
 
 
+def adamw(parameters) -> torch.optim.AdamW:
+    """The script's optimizer: AdamW, fused where this torch build has the kernel, else foreach."""
+    fused = fused_adamw_supported("cpu")
+    return torch.optim.AdamW(parameters, lr=1e-2, fused=True if fused else False, foreach=None if fused else True)
+
+
+def next_batch(args: ModelArgs, data: torch.Generator, batch: int, dp_rank: int, dp_size: int):
+    """One step's ``(inputs, labels)``: ``batch * dp_size`` sequences drawn from ``data``, this
+    data-parallel rank's ``batch`` of them, labels the inputs shifted by one position."""
+    tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
+    tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def build(args: ModelArgs, seed: int, dtype, device=None) -> Transformer:
     """The model with ``dtype`` parameters, its values ``init_weights`` drawn right after
     ``torch.manual_seed(seed)`` (on the meta device: no values)."""
@@ -303,9 +317,7 @@ def train(tp_mesh, seed: int, steps: int = 5, batch: int = 2, max_norm: float = 
         if step == resume_at:
             model, optimizer, forward = resume(model, optimizer, lambda: setup(
                 args, tp_mesh, seed + 100, dtype, shard_mesh, compile_backend, fullgraph, meta_init, ac))
-        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
-        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        inputs, labels = next_batch(args, data, batch, dp_rank, dp_size)
         sequence = nullcontext()
         if cp_mesh is not None:  # torchtitan's: this rank's positions of the batch, and their RoPE rows
             inputs, labels = inputs.clone(), labels.clone()
@@ -349,9 +361,7 @@ def setup(args: ModelArgs, tp_mesh, seed: int, dtype, dp_mesh, compile_backend, 
                                                        args.rope_theta))
     forward = model if compile_backend is None else torch.compile(model, backend=compile_backend,
                                                                       fullgraph=fullgraph)
-    fused = fused_adamw_supported("cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True if fused else False,
-                                  foreach=None if fused else True)
+    optimizer = adamw(model.parameters())
     return model, optimizer, forward
 
 
@@ -437,15 +447,11 @@ def train_pipeline(tp_mesh, pp_mesh, seed: int, schedule: str = "1F1B", steps: i
     runner = schedule_class(pipeline if per_rank > 1 else pipeline[0], n_microbatches=microbatches, loss_fn=loss_fn)
     first, last = 0 in stage_ids, stages - 1 in stage_ids
     parameters = [p for part in parts for p in part.parameters()]
-    fused = fused_adamw_supported("cpu")
-    optimizer = torch.optim.AdamW(parameters, lr=1e-2, fused=True if fused else False,
-                                  foreach=None if fused else True)
+    optimizer = adamw(parameters)
     data = torch.Generator().manual_seed(seed + 1)
     record = []
     for step in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (batch * dp_size, args.max_seq_len + 1), generator=data)
-        tokens = tokens[dp_rank * batch:(dp_rank + 1) * batch]
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        inputs, labels = next_batch(args, data, batch, dp_rank, dp_size)
         losses = [] if last else None
         with loss_parallel() if tp_mesh is not None else nullcontext():
             runner.step(*([inputs] if first else []), target=labels if last else None, losses=losses)

@@ -232,6 +232,19 @@ def _compiled(rank, world, seed, imports):
     return graphs
 
 
+def _compiled_graph_counts(tp, seed, **meshes):
+    """The script on axedist (imports changed), the whole model compiled without fullgraph
+    (aot_eager), for 1 step and for 5: the graphs each run made, and the 5-step run's record."""
+    counts = []
+    for steps in (1, 5):
+        _fresh_dynamo()
+        _, run = script(AXEDIST_IMPORTS)["train"](tp, seed, steps=steps, dtype=torch.float64,
+                                                  compile_backend="aot_eager", fullgraph=False, **meshes)
+        counts.append(_graphs_and_failures()[0])
+    _fresh_dynamo()
+    return counts, run
+
+
 def _fsdp_tp_compiled(rank, world, seed):
     """dp = 2 x tp = 2, axedist's fully_shard, the whole model compiled without fullgraph: the
     graph breaks at each unit's hooks (run eagerly, as torch's FSDP2 hooks are); the one-process
@@ -243,13 +256,7 @@ def _fsdp_tp_compiled(rank, world, seed):
     tp, dp = world_mesh["tp"], world_mesh["dp"]
     _, reference = script()["train"](None, seed, batch=4, dtype=torch.float64)
     _, on_torch = script()["train"](tp, seed, dtype=torch.float64, dp_mesh=dp)
-    counts = []
-    for steps in (1, 5):
-        _fresh_dynamo()
-        _, run = script(AXEDIST_IMPORTS)["train"](tp, seed, steps=steps, dtype=torch.float64, dp_mesh=dp,
-                                                  compile_backend="aot_eager", fullgraph=False)
-        counts.append(_graphs_and_failures()[0])
-    _fresh_dynamo()
+    counts, run = _compiled_graph_counts(tp, seed, dp_mesh=dp)
     _compare(run, reference, "fully_shard + TP, compiled whole", on_torch)
     return counts
 
@@ -290,13 +297,7 @@ def _cp_tp(rank, world, seed):
              "resumed")
     # compiled whole without fullgraph (FSDP's hooks are graph breaks): the same numbers, and the
     # graphs made in the first step only (a block per step must not make new ones)
-    counts = []
-    for steps in (1, 5):
-        _fresh_dynamo()
-        _, compiled = script(AXEDIST_IMPORTS)["train"](tp, seed, steps=steps, dtype=torch.float64, cp_mesh=cp,
-                                                       compile_backend="aot_eager", fullgraph=False)
-        counts.append(_graphs_and_failures()[0])
-    _fresh_dynamo()
+    counts, compiled = _compiled_graph_counts(tp, seed, cp_mesh=cp)
     _compare(compiled, reference, "axedist context_parallel + fully_shard + TP, compiled whole")
     assert counts[0] == counts[1], counts
     return True

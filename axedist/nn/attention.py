@@ -107,7 +107,7 @@ class _ContextParallelAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SDPA and not self.busy:
+        if func is _SDPA:  # (``attention`` hands its own SDPA calls to torch)
             return self.attention(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -139,8 +139,7 @@ class _ContextParallelAttention(TorchFunctionMode):
                          enable_gqa=enable_gqa)
         key, value = self.gather(key), self.gather(value)
         if not is_causal:  # every query sees every key: their order does not matter
-            return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale,
-                                                  enable_gqa=enable_gqa)
+            return _SDPA(query, key, value, dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa)
         return self.causal(query, key, value, dropout_p, scale, enable_gqa)
 
     def gather(self, piece: torch.Tensor) -> torch.Tensor:

@@ -831,7 +831,7 @@ class FSDPUnit:
             flat = self.flat_layout("reduce", dtype, records, summed)
             rows = torch.zeros(flat.parts, flat.length, dtype=dtype, device=self.mesh.device)
             for p, offset in zip(flat.records, flat.offsets):
-                p.pack_gradient(rows, offset, grads[p][1].to(dtype) / self.gradient_divisor)
+                p.pack_gradient(rows, offset, grads[p][1] / self.gradient_divisor)  # (in the reduce dtype)
             local = rows.view(flat.pending.local_padded)
             if self.mesh.device_type == "cuda":  # on its own stream: the next unit's backward overlaps it
                 stream = _side_stream("reduce")
@@ -1767,7 +1767,7 @@ def _root_axes(sub, root, dim: int, root_names: tuple) -> tuple[str, ...]:
     """The axes of the root mesh that axis ``dim`` of torch sub-mesh ``sub`` runs over: its own
     name, or for a flattened axis the fewest root axes whose slice through this rank holds its
     ranks in its order (row-major over them, as torch's ``_flatten`` orders them)."""
-    name = (sub.mesh_dim_names or ())[dim] if sub.mesh_dim_names else None
+    name = sub.mesh_dim_names[dim] if sub.mesh_dim_names else None
     if name in root_names:
         return (name,)
     grid = root.mesh
